@@ -1,0 +1,29 @@
+# Quick start:  make demo   (builds, then runs geot.demo on a generated graph)
+#               make test   (builds, then runs the test suite)
+PYTHON ?= python3
+CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
+export CUDA_HOME
+MAX_JOBS ?= $(shell nproc)
+export MAX_JOBS
+
+.PHONY: deps build demo test bench clean
+
+deps:  # torch only if missing: a GPU machine keeps the torch it has
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.14.1
+	@$(PYTHON) -c "import numpy, pytest, ninja, pandas" 2>/dev/null || \
+		$(PYTHON) -m pip install -q numpy pytest ninja pandas
+
+build: deps  # in place, incremental (ninja): geot imports from the checkout
+	$(PYTHON) setup.py build_ext --inplace
+
+demo: build
+	$(PYTHON) -m geot.demo
+
+test: build
+	$(PYTHON) -m pytest -q tests
+
+bench: build
+	$(PYTHON) bench/segment_reduce.py
+
+clean:
+	rm -rf build geot/*.so

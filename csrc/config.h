@@ -1,0 +1,54 @@
+// Kernel configuration <N_t, T_N, M_t, T_M, G_t> and the hand-written
+// heuristic that picks one. Plain C++: used by the launch layer and by Python
+// (geot.explain) through the extension module.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace geot {
+
+enum class Reduce : int { Sum = 0, Mean = 1, Max = 2, Min = 3 };
+
+// N_t: features per thread (1, 2 or 4; a register array, so a template
+//      parameter of the kernels).
+// T_N: threads along the feature dimension in a block (SR), or, with T_M,
+//      just the block size T_N * T_M (PR).
+// M_t: rows each thread walks (SR) or row iterations of a thread tile (PR).
+// T_M: thread groups along rows in a block.
+// G_t: 1 = sequential reduction (SR); 8/16/32 = parallel reduction (PR) by a
+//      tile of G_t lanes that reduce consecutive rows with warp shuffles;
+//      0 = segment parallel (SP): a thread group per segment, no atomics, for
+//      up to M_t rows of each segment (the rest goes through SR).
+struct Config {
+  int N_t, T_N, M_t, T_M, G_t;
+  bool is_sr() const { return G_t == 1; }
+  bool is_sp() const { return G_t == 0; }
+  bool is_pr() const { return G_t > 1; }
+};
+
+// Graph features the selectors see. avg is E / num_segments as a float.
+struct Features {
+  int64_t E, num_segments, F;
+  double avg;
+};
+
+inline Features make_features(int64_t E, int64_t num_segments, int64_t F) {
+  double avg = num_segments > 0 ? double(E) / double(num_segments) : double(E);
+  return {E, num_segments, F, avg};
+}
+
+// Throws std::invalid_argument with a readable message if cfg is unusable.
+void check_config(const Config& cfg);
+
+// The baseline the learned rules must beat, read off an H100 sweep
+// (README.md, "Kernel configs"):
+//  * E < 2^18 (latency-bound): SR, one feature per thread, M_t 8 or 16.
+//  * F <= 4: PR with 32-lane tiles; F < 16: PR with 16-lane tiles.
+//  * F < 32: SR with a warp across the features and M_t = 64.
+//  * F >= 32: SP, capped at 64 rows per segment (longer ones overflow to SR).
+Config heuristic_config(const Features& f);
+
+std::string config_to_string(const Config& cfg);
+
+}  // namespace geot

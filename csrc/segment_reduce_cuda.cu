@@ -1,0 +1,193 @@
+// CUDA launch layer of segment_reduce / segment_arg: picks the config, sizes
+// the grid and dispatches dtypes onto the kernels of segment_reduce_kernels.cuh.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "segment_reduce.h"
+#include "segment_reduce_kernels.cuh"
+
+namespace geot {
+namespace {
+
+// at:: half types -> their CUDA builtin twins (same bit layout).
+template <typename T> struct cuda_type { using type = T; };
+template <> struct cuda_type<at::Half> { using type = __half; };
+template <> struct cuda_type<at::BFloat16> { using type = __nv_bfloat16; };
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+dim3 feature_row_grid(int64_t rows, int64_t row_tile, int64_t F, int N_T, const Config& c) {
+  const int64_t col_blocks = ceil_div(ceil_div(F, N_T), c.T_N);
+  TORCH_CHECK_VALUE(col_blocks <= 65535, "src has too many features (", std::to_string(F), ") for config ", config_to_string(c),
+                    "; use a larger T_N or N_t");
+  return dim3(static_cast<unsigned>(ceil_div(rows, row_tile)), static_cast<unsigned>(col_blocks));
+}
+
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool OVERFLOW_ONLY>
+void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
+  const dim3 grid = feature_row_grid(ceil_div(a.E, c.M_t), c.T_M, a.F, N_T, c);
+  segment_reduce_sr_kernel<scalar_t, acc_t, index_t, N_T, Op, OVERFLOW_ONLY>
+      <<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+void launch_pr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
+  // Shuffles need whole warps: round the block up to a multiple of 32.
+  const int threads = static_cast<int>(ceil_div(c.T_N * c.T_M, 32) * 32);
+  const int64_t tiles = ceil_div(a.E, int64_t(c.G_t) * c.M_t) * ceil_div(a.F, N_T);
+  const int64_t blocks = ceil_div(tiles, threads / c.G_t);
+  TORCH_CHECK_VALUE(blocks < std::numeric_limits<int>::max(), "input too large for config ", config_to_string(c));
+  segment_reduce_pr_kernel<scalar_t, acc_t, index_t, N_T, Op>
+      <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a, c.G_t, c.M_t);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// SP: offsets, the no-atomic pass over each segment's first M_t rows, then
+// the SR pass over the overflow rows (it returns at once unless a segment
+// overflowed).
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+void launch_sp(SegmentArgs<scalar_t, acc_t, index_t> a, const Config& c, cudaStream_t stream) {
+  const at::Tensor ptr = at::empty({a.S + 1}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
+  const at::Tensor overflow = at::empty({1}, ptr.options().dtype(at::kInt));
+  int64_t* offsets = ptr.data_ptr<int64_t>();
+  a.ptr = offsets;
+  a.overflow = overflow.data_ptr<int>();
+  a.cap = c.M_t;
+  const int threads = 256;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(a.E + 1, threads), 65536));
+  segment_offsets_kernel<index_t><<<blocks, threads, 0, stream>>>(a.index, a.E, a.S, offsets, a.overflow);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const dim3 grid = feature_row_grid(a.S, c.T_M, a.F, N_T, c);
+  segment_reduce_sp_kernel<scalar_t, acc_t, index_t, N_T, Op><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (a.E > 0) launch_sr<scalar_t, acc_t, index_t, N_T, Op, true>(a, c, stream);
+}
+
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
+  if (c.is_sp()) return launch_sp<scalar_t, acc_t, index_t, N_T, Op>(a, c, stream);
+  if (a.E == 0) return;  // the pre-filled output is the answer
+  if (c.is_sr()) return launch_sr<scalar_t, acc_t, index_t, N_T, Op, false>(a, c, stream);
+  launch_pr<scalar_t, acc_t, index_t, N_T, Op>(a, c, stream);
+}
+
+template <typename scalar_t, typename acc_t, typename index_t, class Op>
+void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, const Config& c, cudaStream_t stream) {
+  const auto address = reinterpret_cast<uintptr_t>(a.src);
+  a.vector_loads = a.F % c.N_t == 0 && address % (sizeof(scalar_t) * c.N_t) == 0;
+  switch (c.N_t) {
+    case 1: return launch_tiles<scalar_t, acc_t, index_t, 1, Op>(a, c, stream);
+    case 2: return launch_tiles<scalar_t, acc_t, index_t, 2, Op>(a, c, stream);
+    default: return launch_tiles<scalar_t, acc_t, index_t, 4, Op>(a, c, stream);
+  }
+}
+
+void check_index_values_cuda(const at::Tensor& index, int64_t num_segments, cudaStream_t stream) {
+  const int64_t E = index.numel();
+  if (E == 0) return;
+  auto flags = at::zeros({1}, index.options().dtype(at::kInt));
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(E, threads), 4096));
+  AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_check_index", [&] {
+    check_index_kernel<index_t><<<blocks, threads, 0, stream>>>(index.data_ptr<index_t>(), E, num_segments,
+                                                                flags.data_ptr<int>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  raise_index_errors(flags.item<int>(), num_segments);
+}
+
+at::Tensor identity_filled(int64_t S, int64_t F, at::ScalarType dtype, Reduce r, const at::Tensor& like) {
+  auto opts = like.options().dtype(dtype);
+  if (r == Reduce::Max) return at::full({S, F}, -std::numeric_limits<double>::infinity(), opts);
+  if (r == Reduce::Min) return at::full({S, F}, std::numeric_limits<double>::infinity(), opts);
+  return at::zeros({S, F}, opts);
+}
+
+}  // namespace
+
+at::Tensor segment_reduce_cuda(const at::Tensor& index, const at::Tensor& src, int64_t num_segments,
+                               c10::string_view reduce_name, at::OptionalIntArrayRef config) {
+  check_segment_inputs(index, src, num_segments);
+  const Reduce reduce = parse_reduce(reduce_name);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (validation_enabled()) check_index_values_cuda(index, num_segments, stream);
+
+  const at::Tensor rows = as_rows(src);
+  const at::Tensor idx = index.contiguous();
+  const int64_t E = rows.size(0), F = rows.size(1), S = num_segments;
+  const Config cfg = resolve_config(config, E, S, F);
+  const bool half = src.scalar_type() == at::kHalf || src.scalar_type() == at::kBFloat16;
+  // fp16/bf16 accumulate in an fp32 buffer: atomics in half precision would
+  // round every partial result.
+  const at::ScalarType acc_type = half ? at::kFloat : src.scalar_type();
+  // SP stores every output element itself (0 for empty segments) but leaves
+  // the division of mean to the finalize pass.
+  at::Tensor acc = cfg.is_sp() ? at::empty({S, F}, src.options().dtype(acc_type))
+                               : identity_filled(S, F, acc_type, reduce, src);
+  const bool finalize = half || reduce == Reduce::Mean || (reduce != Reduce::Sum && !cfg.is_sp());
+  at::Tensor out = half ? at::empty({S, F}, src.options()) : acc;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "geot_segment_reduce", [&] {
+    using in_t = typename cuda_type<scalar_t>::type;
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_segment_reduce_index", [&] {
+      if (F > 0 && S > 0) {
+        SegmentArgs<in_t, acc_t, index_t> args{idx.data_ptr<index_t>(),
+                                                reinterpret_cast<const in_t*>(rows.data_ptr<scalar_t>()),
+                                                acc.data_ptr<acc_t>(), E, F, S, false, nullptr, 0, nullptr};
+        switch (reduce) {
+          case Reduce::Max: launch_reduce<in_t, acc_t, index_t, MaxOp<acc_t>>(args, cfg, stream); break;
+          case Reduce::Min: launch_reduce<in_t, acc_t, index_t, MinOp<acc_t>>(args, cfg, stream); break;
+          default: launch_reduce<in_t, acc_t, index_t, SumOp<acc_t>>(args, cfg, stream);
+        }
+      }
+      if (finalize && S > 0 && F > 0) {
+        const dim3 block(32, 8);
+        segment_finalize_kernel<acc_t, in_t, index_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
+            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), idx.data_ptr<index_t>(), E,
+            S, F, reduce);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
+  });
+  return out.view(segment_output_sizes(src, num_segments));
+}
+
+at::Tensor segment_arg_cuda(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out) {
+  const int64_t S = out.size(0);
+  check_segment_inputs(index, src, S);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor rows = as_rows(src), idx = index.contiguous();
+  const at::Tensor out_rows = out.reshape({S, -1}).contiguous();
+  const int64_t E = rows.size(0), F = rows.size(1);
+  at::Tensor arg = at::full({S, F}, E, src.options().dtype(at::kLong));
+  if (E == 0 || F == 0) return arg;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(E * F, threads), 65536));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "geot_segment_arg", [&] {
+    using in_t = typename cuda_type<scalar_t>::type;
+    AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_segment_arg_index", [&] {
+      segment_arg_kernel<in_t, index_t><<<blocks, threads, 0, stream>>>(
+          idx.data_ptr<index_t>(), reinterpret_cast<const in_t*>(rows.data_ptr<scalar_t>()),
+          reinterpret_cast<const in_t*>(out_rows.data_ptr<scalar_t>()), arg.data_ptr<int64_t>(), E, F, S);
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return arg;
+}
+
+TORCH_LIBRARY_IMPL(geot, CUDA, m) {
+  m.impl("segment_reduce", &segment_reduce_cuda);
+  m.impl("segment_arg", &segment_arg_cuda);
+}
+
+}  // namespace geot

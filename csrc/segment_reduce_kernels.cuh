@@ -1,0 +1,342 @@
+// CUDA kernels of the segment_reduce family (GeoT §III): out[index[e]] op= src[e]
+// with index sorted. Holds no torch types; the launch layer is
+// segment_reduce_cuda.cu.
+//
+// Work is split by rows (edges), not by segments, so a huge segment is spread
+// over many threads and tiny segments are packed together. Partial results
+// meet in the output through atomics, only at segment boundaries:
+//  * SR (sequential reduction): a thread walks M_t consecutive rows for N_t
+//    features and flushes its accumulator whenever the segment changes.
+//  * PR (parallel reduction): a tile of G_t lanes takes G_t consecutive rows at
+//    a time, reduces them with a segmented shuffle reduction, and the lane that
+//    heads each segment flushes; the tile's last segment is carried into the
+//    next iteration so a long segment costs one atomic per tile, not per row.
+//  * SP (segment parallel, G_t = 0): no atomics and no pre-filled output.
+//    Segment offsets come from one pass over the index; a thread group per
+//    segment reduces the segment's first M_t rows and stores the result.
+//    Rows past that cap (hubs) are left to an SR pass with atomics, so one
+//    huge segment cannot stall the grid. Best on graphs of even degree.
+// Segment ids outside [0, S) are skipped, so a bad index can give a wrong
+// answer but never an out-of-bounds write.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "reduce_ops.cuh"
+
+namespace geot {
+
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+
+template <typename T> __device__ __forceinline__ T from_acc(float v);
+template <> __device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <typename T> __device__ __forceinline__ T from_acc(double v) { return T(v); }
+
+template <typename scalar_t, typename acc_t, typename index_t>
+struct SegmentArgs {
+  const index_t* __restrict__ index;  // [E], sorted
+  const scalar_t* __restrict__ src;   // [E, F], row-major contiguous
+  acc_t* __restrict__ out;            // [S, F], pre-filled with the identity
+  int64_t E, F, S;
+  bool vector_loads;                  // F % N_t == 0 and src aligned to N_t elements
+  // SP schedule only: segment offsets [S + 1], rows per segment the SP pass
+  // takes (the rest is overflow for an SR pass), and a flag set when any
+  // segment overflows.
+  const int64_t* __restrict__ ptr;
+  int64_t cap;
+  int* overflow;
+};
+
+template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
+
+// Loads src[row, col0 : col0 + N_T] into acc_t registers; features past F get
+// the identity so they can be combined blindly.
+template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ void load_row(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t row,
+                                         int64_t col0, acc_t (&v)[N_T]) {
+  const scalar_t* p = a.src + row * a.F + col0;
+  if (a.vector_loads) {
+    const Pack<scalar_t, N_T> pack = *reinterpret_cast<const Pack<scalar_t, N_T>*>(p);
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) v[j] = to_acc(pack.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) v[j] = col0 + j < a.F ? to_acc(p[j]) : Op::identity();
+  }
+}
+
+template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg,
+                                      int64_t col0, const acc_t (&acc)[N_T]) {
+  if (seg < 0 || seg >= a.S) return;
+  acc_t* o = a.out + seg * a.F + col0;
+#pragma unroll
+  for (int j = 0; j < N_T; ++j)
+    if (col0 + j < a.F) Op::atomic(o + j, acc[j]);
+}
+
+// SR. Block (T_N, T_M): x spans features (N_t each), y spans row chunks of
+// rows_per_thread (M_t). Grid (row chunks / T_M, feature columns / T_N).
+// OVERFLOW_ONLY: the SR pass after SP, which takes only the rows past the SP
+// cap of their segment (and returns at once when no segment overflowed).
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool OVERFLOW_ONLY = false>
+__global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int rows_per_thread) {
+  const int64_t col0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N_T;
+  const int64_t row_begin = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * rows_per_thread;
+  if (col0 >= a.F || row_begin >= a.E) return;
+  if (OVERFLOW_ONLY && *a.overflow == 0) return;
+  const int64_t row_end = min(row_begin + int64_t(rows_per_thread), a.E);
+
+  acc_t acc[N_T];
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
+  int64_t seg = a.index[row_begin];
+  bool touched = !OVERFLOW_ONLY;  // acc holds a row (overflow pass: skip empty flushes)
+
+  // Rows are fetched BATCH at a time before any is combined, so several loads
+  // are in flight per thread. Rows past row_end repeat the last segment id
+  // with identity values: they never trigger a flush.
+  constexpr int BATCH = N_T == 4 ? 4 : 8;
+  for (int64_t r0 = row_begin; r0 < row_end; r0 += BATCH) {
+    int64_t s[BATCH];
+    bool take[BATCH];
+    acc_t v[BATCH][N_T];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int64_t r = r0 + b;
+      s[b] = a.index[min(r, row_end - 1)];
+      take[b] = r < row_end;
+      // Row r is past its segment's first cap rows iff row r - cap is in the
+      // same segment (the index is sorted).
+      if (OVERFLOW_ONLY && take[b]) take[b] = r >= a.cap && int64_t(a.index[r - a.cap]) == s[b];
+      if (take[b]) {
+        load_row<N_T, Op>(a, r, col0, v[b]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) v[b][j] = Op::identity();
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      if (s[b] != seg) {
+        if (touched) flush<N_T, Op>(a, seg, col0, acc);
+        seg = s[b];
+        touched = !OVERFLOW_ONLY;
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
+      }
+      if (OVERFLOW_ONLY) touched |= take[b];
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], v[b][j]);
+    }
+  }
+  if (touched) flush<N_T, Op>(a, seg, col0, acc);
+}
+
+// ptr[s] = first row of segment s, ptr[S] = E, from one pass over the index:
+// position e writes the entries of the segments that start at e. Ids are
+// clamped to [-1, S] so a bad index cannot write out of bounds. It also
+// clears the overflow flag the SP kernel may set.
+template <typename index_t>
+__global__ void segment_offsets_kernel(const index_t* __restrict__ index, int64_t E, int64_t S,
+                                       int64_t* __restrict__ ptr, int* overflow) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *overflow = 0;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e <= E; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t prev = e == 0 ? -1 : min(max(int64_t(index[e - 1]), int64_t(-1)), S);
+    const int64_t cur = e == E ? S : min(max(int64_t(index[e]), int64_t(-1)), S);
+    for (int64_t seg = prev + 1; seg <= cur; ++seg) ptr[seg] = e;
+  }
+}
+
+// SP. Block (T_N, T_M): x spans features, y spans segments. Every output
+// element is stored exactly once (empty segments get 0), so the output needs
+// no pre-fill; overflow rows are then added by the OVERFLOW_ONLY SR pass.
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+__global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a) {
+  const int64_t col0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N_T;
+  const int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (col0 >= a.F || seg >= a.S) return;
+  // Clamped: offsets from an unsorted index (validation off) stay in bounds.
+  const int64_t begin = min(max(a.ptr[seg], int64_t(0)), a.E);
+  const int64_t end = min(max(a.ptr[seg + 1], begin), a.E);
+  const int64_t stop = min(end, begin + a.cap);
+  if (stop < end && threadIdx.x == 0 && blockIdx.y == 0) *a.overflow = 1;
+
+  acc_t acc[N_T];
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
+  constexpr int BATCH = N_T == 4 ? 4 : 8;
+  for (int64_t r0 = begin; r0 < stop; r0 += BATCH) {
+    acc_t v[BATCH][N_T];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      if (r0 + b < stop) {
+        load_row<N_T, Op>(a, r0 + b, col0, v[b]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) v[b][j] = Op::identity();
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b)
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], v[b][j]);
+  }
+  acc_t* o = a.out + seg * a.F + col0;
+#pragma unroll
+  for (int j = 0; j < N_T; ++j)
+    if (col0 + j < a.F) o[j] = begin == end ? acc_t(0) : acc[j];
+}
+
+// PR. 1-D blocks whose size is a multiple of 32; consecutive `group` lanes
+// form a tile. Tiles are numbered with the feature column fastest, so the
+// tiles of one warp read neighbouring columns of the same rows.
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+__global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int group, int iterations) {
+  constexpr unsigned FULL = 0xffffffffu;
+  const int lane = threadIdx.x & (group - 1);
+  const int tile_shift = threadIdx.x & 31 & ~(group - 1);  // tile's first lane in the warp
+  const unsigned tile_bits = group == 32 ? FULL : ((1u << group) - 1u);
+  const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t columns = (a.F + N_T - 1) / N_T;
+  const int64_t col0 = (tile % columns) * N_T;
+  const int64_t row_base = (tile / columns) * group * int64_t(iterations);
+  const int64_t past_end = std::numeric_limits<int64_t>::max();  // sorts after every segment
+
+  acc_t carry[N_T];
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) carry[j] = Op::identity();
+  int64_t carry_seg = past_end;
+
+  // Every lane runs every iteration (shuffles need the whole warp); lanes
+  // without a row hold the past_end segment and identity values. The next
+  // iteration's row is loaded before this one is reduced, so its load is in
+  // flight during the shuffles.
+  auto fetch = [&](int it, int64_t& s, acc_t (&v)[N_T]) {
+    const int64_t r = row_base + int64_t(it) * group + lane;
+    const bool has_row = it < iterations && r < a.E;
+    s = has_row ? int64_t(a.index[r]) : past_end;
+    if (has_row) {
+      load_row<N_T, Op>(a, r, col0, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) v[j] = Op::identity();
+    }
+  };
+  int64_t s_next;
+  acc_t v_next[N_T];
+  fetch(0, s_next, v_next);
+  for (int it = 0; it < iterations; ++it) {
+    const int64_t s = s_next;
+    acc_t v[N_T];
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) v[j] = v_next[j];
+    fetch(it + 1, s_next, v_next);
+
+    // Segmented reduction toward each segment's first lane. Since ids are
+    // sorted, s[lane] == s[lane + d] means the whole span is one segment.
+    for (int d = 1; d < group; d <<= 1) {
+      const int64_t s_other = __shfl_down_sync(FULL, s, d, group);
+      acc_t v_other[N_T];
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) v_other[j] = __shfl_down_sync(FULL, v[j], d, group);
+      if (lane + d < group && s_other == s) {
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) v[j] = Op::combine(v[j], v_other[j]);
+      }
+    }
+    const int64_t s_prev = __shfl_up_sync(FULL, s, 1, group);
+    const bool head = lane == 0 || s_prev != s;
+    const unsigned heads = (__ballot_sync(FULL, head) >> tile_shift) & tile_bits;
+    const int last_head = 31 - __clz(heads);
+
+    // The carried segment either goes on at lane 0 or has ended.
+    if (lane == 0) {
+      if (s == carry_seg) {
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) v[j] = Op::combine(v[j], carry[j]);
+      } else {
+        flush<N_T, Op>(a, carry_seg, col0, carry);
+      }
+    }
+    // The tile's last segment may go on in the next rows: keep it in lane 0.
+    if (head && lane != last_head) flush<N_T, Op>(a, s, col0, v);
+    const int64_t s_last = __shfl_sync(FULL, s, last_head, group);
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) carry[j] = __shfl_sync(FULL, v[j], last_head, group);
+    carry_seg = s_last;
+  }
+  if (lane == 0) flush<N_T, Op>(a, carry_seg, col0, carry);
+}
+
+template <typename index_t>
+__device__ __forceinline__ int64_t lower_bound_index(const index_t* __restrict__ index, int64_t n, int64_t v) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (int64_t(index[mid]) < v) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Turns the accumulator into the output: mean divides by the segment size,
+// empty segments become 0 (max/min leave the identity there), half types are
+// rounded from their fp32 accumulator. Block (32, 8): y picks the segment.
+template <typename acc_t, typename out_t, typename index_t>
+// acc and out may be the same buffer (in-place), hence no __restrict__.
+__global__ void segment_finalize_kernel(const acc_t* acc, out_t* out,
+                                        const index_t* __restrict__ index, int64_t E, int64_t S,
+                                        int64_t F, Reduce reduce) {
+  const int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (seg >= S) return;
+  int64_t count = 1;
+  if (reduce != Reduce::Sum)
+    count = lower_bound_index(index, E, seg + 1) - lower_bound_index(index, E, seg);
+  for (int64_t f = threadIdx.x; f < F; f += blockDim.x) {
+    acc_t v = acc[seg * F + f];
+    if (count <= 0) v = acc_t(0);
+    else if (reduce == Reduce::Mean) v = v / acc_t(count);
+    out[seg * F + f] = from_acc<out_t>(v);
+  }
+}
+
+// For max/min backward: arg[s, f] = smallest e in segment s with
+// src[e, f] == out[s, f]; arg is pre-filled with E (no element).
+template <typename scalar_t, typename index_t>
+__global__ void segment_arg_kernel(const index_t* __restrict__ index, const scalar_t* __restrict__ src,
+                                   const scalar_t* __restrict__ out, int64_t* __restrict__ arg,
+                                   int64_t E, int64_t F, int64_t S) {
+  const int64_t total = E * F;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = i / F, f = i - e * F;
+    const int64_t s = index[e];
+    if (s < 0 || s >= S) continue;
+    if (to_acc(src[i]) == to_acc(out[s * F + f]))
+      atomicMin(reinterpret_cast<unsigned long long*>(arg + s * F + f), static_cast<unsigned long long>(e));
+  }
+}
+
+// Index validation: bit 1 negative, bit 2 >= S, bit 4 not sorted.
+template <typename index_t>
+__global__ void check_index_kernel(const index_t* __restrict__ index, int64_t E, int64_t S, int* flags) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < E;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t v = index[i];
+    int bad = (v < 0 ? 1 : 0) | (v >= S ? 2 : 0);
+    if (i + 1 < E && int64_t(index[i + 1]) < v) bad |= 4;
+    if (bad) atomicOr(flags, bad);
+  }
+}
+
+}  // namespace geot

@@ -1,0 +1,21 @@
+"""geot: format-agnostic GPU kernels for GNN message passing.
+
+Plain index tensors in, dense tensors out. Operators are registered as
+torch.ops.geot.* with CPU and CUDA kernels, autograd and fake kernels.
+"""
+from . import _ops  # noqa: F401
+from ._C import cuda_built
+from .config import Config, config_space, explain
+from .segment import segment_reduce
+from .validation import set_validation, validation_enabled
+
+__all__ = [
+    "Config",
+    "config_space",
+    "cuda_built",
+    "explain",
+    "segment_reduce",
+    "set_validation",
+    "validation_enabled",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,66 @@
+"""Kernel configurations: the tiling space the CUDA kernels accept."""
+from itertools import product
+from typing import List, NamedTuple
+
+from . import _C
+
+# The pruned space of GeoT (§III-B); the perf database sweeps it.
+T_N_VALUES = (16, 32, 64)
+T_M_VALUES = (1, 2, 4, 8)
+M_T_VALUES = (8, 16, 32, 64)
+N_T_VALUES = (1, 2, 4)
+G_T_VALUES = (8, 16, 32)
+# Narrow feature tilings beyond GeoT's space (small F wastes threads at T_N >=
+# 16); swept with 256-thread blocks, SR and SP only.
+NARROW_T_N_VALUES = (1, 2, 4, 8)
+
+
+class Config(NamedTuple):
+    """Tiling of one kernel launch.
+
+    N_t: features per thread; T_N: threads along features per block (SR) or,
+    with T_M, the block size (PR); M_t: rows per thread (SR) or row
+    iterations per tile (PR); T_M: row groups per block; G_t: 1 selects the
+    sequential-reduction schedule (SR), 8/16/32 the parallel one (PR) with
+    tiles of G_t lanes.
+    """
+
+    N_t: int
+    T_N: int
+    M_t: int
+    T_M: int
+    G_t: int
+
+    @property
+    def schedule(self) -> str:
+        return {0: "SP", 1: "SR"}.get(self.G_t, "PR")
+
+    def validate(self) -> "Config":
+        try:
+            _C.check_config(*self)
+        except ValueError as err:  # std::invalid_argument
+            raise ValueError(str(err)) from None
+        return self
+
+
+def config_space(schedules=("SR", "PR", "SP"), narrow: bool = False) -> List[Config]:
+    """Every config of the pruned space: SR (G_t=1), PR (G_t in 8/16/32) and
+    SP (G_t=0, geot's no-atomic segment-parallel schedule); with `narrow`,
+    also SR/SP tilings with fewer than 16 threads across the features."""
+    tilings = list(product(N_T_VALUES, T_N_VALUES, M_T_VALUES, T_M_VALUES))
+    space = []
+    for schedule, group_sizes in (("SR", (1,)), ("SP", (0,)), ("PR", G_T_VALUES)):
+        if schedule in schedules:
+            space += [Config(n, tn, m, tm, g) for n, tn, m, tm in tilings for g in group_sizes]
+    if narrow:
+        space += [
+            Config(n, tn, m, 256 // tn, g)
+            for n, tn, m, g in product(N_T_VALUES, NARROW_T_N_VALUES, M_T_VALUES, (1, 0))
+            if ("SR" if g else "SP") in schedules
+        ]
+    return space
+
+
+def explain(num_rows: int, num_segments: int, num_features: int) -> Config:
+    """The config a CUDA call with these sizes would use (hand heuristic)."""
+    return Config(*_C.heuristic_config(num_rows, num_segments, num_features))

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build, then the steps named on the command line
+# (tests, memcheck, sweep, bench), logs and CSVs under $OUT. Used with the
+# device tool: bash scripts/device_check.sh tests memcheck bench
+set -o pipefail
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD GEOT_DATA=${GEOT_DATA:-$PWD/.data}
+OUT=${OUT:-/tmp/geot-out}
+mkdir -p "$OUT"
+start=$(date +%s)
+python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+status=0
+for step in "$@"; do
+  case $step in
+    tests)
+      python3 -m pytest -q tests 2>&1 | tee "$OUT/tests.log" | tail -4 || status=1 ;;
+    memcheck)  # the CUDA tests of segment_reduce under compute-sanitizer
+      compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m pytest -q -x tests/test_segment_reduce.py -k "cuda and not compile and not every_config" -p no:cacheprovider \
+        > "$OUT/memcheck.log" 2>&1
+      rc=$?; echo "memcheck exit $rc (0 = clean)"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+      [ $rc -eq 0 ] || status=1 ;;
+    sweep)
+      python3 perfdb/sweep.py --out "$OUT/sweep.csv" > "$OUT/sweep.log" 2>&1 || status=1
+      python3 scripts/analyze_sweep.py "$OUT/sweep.csv" | tee "$OUT/sweep_summary.txt" ;;
+    bench)
+      python3 bench/segment_reduce.py 2>&1 | tee "$OUT/bench.log" | tail -45 || status=1 ;;
+  esac
+done
+echo "total: $(( $(date +%s) - start )) s"
+exit $status

@@ -1,0 +1,717 @@
+"""Tests of geot.segment_reduce against the float64 reference in reference.py."""
+import itertools
+
+import pytest
+import torch
+
+import geot
+from conftest import requires_cuda
+from reference import (
+    REDUCES,
+    RTOL,
+    assert_matches_ref,
+    describe,
+    distinct_src,
+    graph_case,
+    huge_segment_index,
+    index_from_degrees,
+    one_segment_index,
+    powerlaw_degrees,
+    powerlaw_index,
+    random_index,
+    random_src,
+    segment_counts,
+    segment_reduce_ref,
+    segment_reduce_ref_grad,
+    sum_tolerance,
+)
+
+DTYPES = [
+    pytest.param(torch.float32, id="f32"),
+    pytest.param(torch.float16, id="f16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float64, id="f64"),
+]
+INDEX_DTYPES = [pytest.param(torch.int32, id="i32"), pytest.param(torch.int64, id="i64")]
+
+
+def poison_allocator(shape, dtype, device):
+    """On CUDA, fill a block of the caching allocator with NaN and free it, so
+    that the next allocation of this size (the output) likely starts as NaN: a
+    kernel that forgets to write some output element (e.g. an empty segment)
+    then leaves a NaN behind instead of a lucky 0."""
+    if torch.device(device).type == "cuda":
+        t = torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+        del t
+
+
+def make_src(E, feat, dtype, device, layout="contig"):
+    """Random src of shape [E, *feat] in one of several memory layouts."""
+    if layout == "contig":
+        x = random_src(E, feat, dtype, device)
+        assert x.is_contiguous()
+        return x
+    if layout == "transposed":  # [E, F] view of an [F, E] tensor: strides (1, E)
+        (F,) = feat
+        x = random_src(F, (E,), dtype, device).t()
+    elif layout == "strided_cols":  # every other column of an [E, 2F] tensor
+        (F,) = feat
+        x = random_src(E, (2 * F,), dtype, device)[:, ::2]
+    elif layout == "strided_rows":  # every other row, with an offset
+        x = random_src(2 * E + 1, feat, dtype, device)[1::2]
+    elif layout == "expanded":  # stride 0 along the features
+        (F,) = feat
+        x = random_src(E, (1,), dtype, device).expand(E, F)
+    elif layout == "permuted3d":  # [E, 3, 5] view of a [5, E, 3] tensor
+        a, b = feat
+        x = random_src(b, (E, a), dtype, device).permute(1, 2, 0)
+    else:
+        raise KeyError(layout)
+    assert tuple(x.shape) == (E,) + tuple(feat)
+    if E > 1:
+        assert not x.is_contiguous()
+    return x
+
+
+# name -> () -> (index int64 CPU, num_segments, feature shape, src layout)
+FORWARD_CASES = {
+    "E0_S0": lambda: (torch.zeros(0, dtype=torch.long), 0, (4,), "contig"),
+    "E0_S5": lambda: (torch.zeros(0, dtype=torch.long), 5, (4,), "contig"),
+    "one_segment": lambda: (one_segment_index(64), 1, (8,), "contig"),
+    "one_segment_middle": lambda: (one_segment_index(37, 3), 7, (5,), "contig"),
+    "single_element": lambda: (torch.tensor([2]), 4, (3,), "contig"),
+    "many_empty": lambda: (random_index(60, 300, lo=7, hi=290), 300, (6,), "contig"),
+    "sparse_huge_S": lambda: (random_index(10, 100_000, lo=50, hi=99_000), 100_000, (3,), "contig"),
+    "F1": lambda: (random_index(500, 60), 60, (1,), "contig"),
+    "F3": lambda: (random_index(500, 60), 60, (3,), "contig"),
+    "F7": lambda: (random_index(500, 60), 60, (7,), "contig"),
+    "F33": lambda: (random_index(400, 50), 50, (33,), "contig"),
+    "F128": lambda: (random_index(300, 40), 40, (128,), "contig"),
+    "3d": lambda: (random_index(200, 30, lo=1, hi=29), 30, (3, 5), "contig"),
+    "huge_segment": lambda: (huge_segment_index(100_000, 5, big=2), 5, (4,), "contig"),
+    "huge_segment_F1": lambda: (huge_segment_index(100_000, 3, big=1), 3, (1,), "contig"),
+    "powerlaw": lambda: (powerlaw_index(400, 5000), 400, (16,), "contig"),
+    "powerlaw_F5": lambda: (powerlaw_index(300, 3000), 300, (5,), "contig"),
+    "noncontig_transposed": lambda: (random_index(300, 40), 40, (8,), "transposed"),
+    "noncontig_transposed_F3": lambda: (random_index(300, 40, lo=2, hi=37), 40, (3,), "transposed"),
+    "noncontig_strided_cols": lambda: (random_index(300, 40), 40, (8,), "strided_cols"),
+    "noncontig_strided_rows": lambda: (random_index(300, 40), 40, (6,), "strided_rows"),
+    "noncontig_expanded": lambda: (random_index(300, 40), 40, (8,), "expanded"),
+    "noncontig_3d": lambda: (random_index(200, 30), 30, (3, 5), "permuted3d"),
+}
+CUDA_ONLY_CASES = {
+    "huge_segment_1M": lambda: (huge_segment_index(1_000_000, 9, big=4), 9, (2,), "contig"),
+    "powerlaw_large": lambda: (powerlaw_index(20_000, 400_000), 20_000, (32,), "contig"),
+}
+
+
+@pytest.mark.parametrize("case", list(FORWARD_CASES) + list(CUDA_ONLY_CASES))
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_forward_matches_reference(device, reduce, dtype, index_dtype, case):
+    if case in CUDA_ONLY_CASES:
+        if device != "cuda":
+            pytest.skip("large case, CUDA only")
+        index, S, feat, layout = CUDA_ONLY_CASES[case]()
+    else:
+        index, S, feat, layout = FORWARD_CASES[case]()
+    index = index.to(device=device, dtype=index_dtype)
+    src = make_src(index.numel(), feat, dtype, device, layout)
+    src_before = src.clone()
+    index_before = index.clone()
+    poison_allocator((S,) + tuple(feat), dtype, device)
+    out = geot.segment_reduce(index, src, reduce, S)
+    where = f"{case} ({describe(index, S)}, feat={feat}, layout={layout}, index {index_dtype})"
+    assert_matches_ref(out, index, src, reduce, S, where=where)
+    # inputs are left alone
+    assert torch.equal(src, src_before)
+    assert torch.equal(index, index_before)
+    # empty segments are exactly 0 (not -inf / +inf / NaN) for every reduce
+    empty = (segment_counts(index, S) == 0).to(out.device)
+    if empty.any():
+        assert (out[empty] == 0).all(), f"{where}: empty segments not 0"
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_forward_all_negative_and_all_positive(device, reduce):
+    """max of all-negative rows / min of all-positive rows must not be clamped
+    by a 0 initial value, and empty segments next to them must still be 0."""
+    index = torch.tensor([0, 0, 0, 2, 2, 3], device=device)
+    neg = -(torch.rand(6, 4, device=device) + 0.5)
+    pos = torch.rand(6, 4, device=device) + 0.5
+    for src in (neg, pos):
+        out = geot.segment_reduce(index, src, reduce, 5)
+        assert_matches_ref(out, index, src, reduce, 5, where="sign case")
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_forward_fp16_needs_wide_accumulator(device, reduce):
+    """Segment 0: 50 * 1500 - 14 * 1000 = 61000 fits in fp16 (max 65504), but
+    a running fp16 sum would pass 65504 (inf) on the way; fp32 accumulation
+    gives the right answer in any order."""
+    index = torch.tensor([0] * 64 + [1] * 3, device=device)
+    src = torch.empty(67, 2, dtype=torch.float16, device=device)
+    src[:50] = 1500.0
+    src[50:64] = -1000.0
+    src[64:] = torch.tensor([[3.0, -2.0], [1.0, 5.0], [-4.0, 0.5]], dtype=torch.float16, device=device)
+    out = geot.segment_reduce(index, src, reduce, 2)
+    assert torch.isfinite(out).all(), f"fp16 overflow: {out}"
+    assert_matches_ref(out, index, src, reduce, 2, where="fp16 wide accumulator")
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_forward_infinities(device, reduce):
+    x = torch.randn(6, 3, device=device)
+    x[1, 0] = float("inf")
+    x[2, 1] = float("-inf")
+    x[4, 2] = float("inf")
+    x[5, 2] = float("-inf")
+    idx = torch.tensor([0, 0, 0, 2, 2, 2], device=device)
+    out = geot.segment_reduce(idx, x, reduce, 3)
+    ref = segment_reduce_ref(idx, x, reduce, 3).float()
+    assert torch.equal(out.cpu(), ref), f"got {out}, expected {ref}"
+
+
+# --------------------------------------------------------------------------- #
+# num_segments / defaults / config on CPU
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("case", ["uniform", "leading_trailing_empty", "powerlaw"])
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_num_segments_omitted(device, reduce, case):
+    index, _ = graph_case(case)
+    index = index.to(device)
+    src = random_src(index.numel(), (5,), torch.float32, device)
+    S = int(index[-1]) + 1
+    out = geot.segment_reduce(index, src, reduce)
+    assert out.shape == (S, 5)
+    # CUDA sums merge partial results with float atomics in any order, so two
+    # runs agree to rounding, not bit for bit.
+    torch.testing.assert_close(out, geot.segment_reduce(index, src, reduce, S), rtol=1e-5, atol=1e-5)
+    assert_matches_ref(out, index, src, reduce, S, where=case)
+
+
+def test_num_segments_omitted_empty(device):
+    index = torch.zeros(0, dtype=torch.long, device=device)
+    src = torch.randn(0, 7, device=device)
+    for reduce in REDUCES:
+        out = geot.segment_reduce(index, src, reduce)
+        assert out.shape == (0, 7) and out.dtype == torch.float32 and out.device == src.device
+
+
+def test_default_reduce_is_sum(device):
+    index = random_index(100, 12).to(device)
+    src = random_src(100, (4,), torch.float32, device)
+    S = int(index[-1]) + 1
+    out = geot.segment_reduce(index, src)
+    assert_matches_ref(out, index, src, "sum", S)
+    assert torch.equal(out, geot.segment_reduce(index, src, "sum", S))
+
+
+def test_config_ignored_on_cpu():
+    index, S = graph_case("powerlaw")
+    src = random_src(index.numel(), (6,), torch.float32)
+    space = geot.config_space()
+    picks = [space[0], space[len(space) // 2], space[-1]]
+    picks += [c for c in space if c.G_t == 1][:1] + [c for c in space if c.G_t > 1][:1]
+    for reduce in REDUCES:
+        expected = geot.segment_reduce(index, src, reduce, S)
+        for cfg in picks:
+            out = geot.segment_reduce(index, src, reduce, S, config=cfg)
+            assert torch.equal(out, expected), f"config {cfg} changed the CPU result"
+
+
+def test_config_space():
+    space = geot.config_space()
+    assert all(isinstance(c, geot.Config) for c in space)
+    assert geot.Config._fields == ("N_t", "T_N", "M_t", "T_M", "G_t")
+    expected = {
+        geot.Config(N_t, T_N, M_t, T_M, G_t)
+        for N_t, T_N, M_t, T_M, G_t in itertools.product(
+            [1, 2, 4], [16, 32, 64], [8, 16, 32, 64], [1, 2, 4, 8], [1, 8, 16, 32]
+        )
+    }
+    assert len(space) == len(set(space)), "duplicate configs"
+    missing = expected - set(space)
+    assert not missing, f"{len(missing)} configs of the pruned SR+PR space missing, e.g. {sorted(missing)[:3]}"
+    # extra schedules (a G_t outside SR/PR) are tolerated, but the tiling
+    # fields must stay inside the pruned space
+    for c in space:
+        assert c.N_t in (1, 2, 4) and c.T_N in (16, 32, 64) and c.M_t in (8, 16, 32, 64) and c.T_M in (1, 2, 4, 8), c
+
+
+def test_op_registered():
+    assert hasattr(torch.ops.geot, "segment_reduce")
+
+
+# --------------------------------------------------------------------------- #
+# backward
+# --------------------------------------------------------------------------- #
+# 20 elements in 7 segments; segment 2 and the trailing segment 6 are empty
+GRADCHECK_DEG = torch.tensor([3, 4, 0, 5, 1, 7, 0])
+
+
+@pytest.mark.parametrize("layout", ["contig", "transposed"])
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_gradcheck(device, reduce, index_dtype, layout):
+    index = index_from_degrees(GRADCHECK_DEG).to(device=device, dtype=index_dtype)
+    S = GRADCHECK_DEG.numel()
+    E = index.numel()
+    if layout == "contig":
+        src = distinct_src(E, (3,), torch.float64, device)
+    else:
+        src = distinct_src(3, (E,), torch.float64, device).t()
+    src.requires_grad_()
+
+    def fn(x):
+        return geot.segment_reduce(index, x, reduce, S)
+
+    assert torch.autograd.gradcheck(fn, (src,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_gradcheck_3d(device, reduce):
+    index = index_from_degrees(torch.tensor([0, 2, 3, 0, 4])).to(device)
+    src = distinct_src(9, (2, 3), torch.float64, device).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: geot.segment_reduce(index, x, reduce, 5), (src,), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_argmax_ties_grad_to_first(device, reduce, dtype):
+    """With ties the whole gradient goes to the smallest e (exact check)."""
+    index = torch.tensor([0, 0, 0, 0, 1, 1, 3, 3, 3], device=device)  # segments 2, 4 empty
+    src = torch.tensor(
+        [
+            [2.0, 7.0, 1.0],
+            [5.0, 7.0, 1.0],
+            [5.0, 7.0, 0.0],
+            [1.0, 7.0, 0.0],
+            [3.0, 0.0, 4.0],
+            [3.0, 1.0, 4.0],
+            [-1.0, 2.0, 9.0],
+            [-1.0, 2.0, 9.0],
+            [-4.0, 2.0, 9.0],
+        ],
+        dtype=dtype,
+        device=device,
+        requires_grad=True,
+    )
+    S = 5
+    g = (torch.arange(S * 3, dtype=torch.float64).view(S, 3) + 1).to(dtype).to(device)
+    out = geot.segment_reduce(index, src, reduce, S)
+    out.backward(g)
+    # rows: element e; entries: which segment's grad (1-based value g[s, f]) lands there
+    if reduce == "max":
+        winners = {(1, 0): 0, (4, 0): 1, (6, 0): 3, (0, 1): 0, (5, 1): 1, (6, 1): 3, (0, 2): 0, (4, 2): 1, (6, 2): 3}
+    else:
+        winners = {(3, 0): 0, (4, 0): 1, (8, 0): 3, (0, 1): 0, (4, 1): 1, (6, 1): 3, (2, 2): 0, (4, 2): 1, (6, 2): 3}
+    expected = torch.zeros(9, 3, dtype=torch.float64)
+    for (e, f), s in winners.items():
+        expected[e, f] = float(g[s, f])
+    assert src.grad is not None and src.grad.dtype == dtype and src.grad.shape == src.shape
+    got = src.grad.detach().cpu().double()
+    assert torch.equal(got, expected), f"grad with ties:\n{got}\nexpected\n{expected}"
+    assert torch.equal(got, segment_reduce_ref_grad(index, src, reduce, S, g))
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_argmax_ties_grad_random(device, reduce, dtype):
+    """Many ties (small integer values) on a power-law graph."""
+    index = powerlaw_index(300, 4000).to(device)
+    S = 300
+    src = torch.randint(-3, 4, (index.numel(), 9)).to(dtype).to(device).requires_grad_()
+    g = torch.randint(1, 100, (S, 9)).to(dtype).to(device)
+    geot.segment_reduce(index, src, reduce, S).backward(g)
+    expected = segment_reduce_ref_grad(index, src, reduce, S, g)
+    got = src.grad.detach().cpu().double()
+    bad = got != expected
+    assert not bad.any(), (
+        f"{int(bad.sum())} grad entries wrong, first at {bad.nonzero()[0].tolist()}: "
+        f"got {got[bad][:5].tolist()} expected {expected[bad][:5].tolist()}"
+    )
+
+
+@pytest.mark.parametrize("layout", ["contig", "transposed"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_backward_matches_reference(device, reduce, dtype, layout):
+    S = 500
+    deg = powerlaw_degrees(S, 6000)
+    deg[:3] = 0  # leading empty segments
+    deg[-3:] = 0  # trailing empty segments
+    index = index_from_degrees(deg).to(device)
+    src = make_src(index.numel(), (16,), dtype, device, layout).requires_grad_()
+    g = random_src(S, (16,), dtype, device)
+    out = geot.segment_reduce(index, src, reduce, S)
+    assert out.requires_grad
+    assert_matches_ref(out, index, src, reduce, S, where="forward with requires_grad")
+    out.backward(g)
+    grad = src.grad
+    assert grad.shape == src.shape and grad.dtype == dtype and grad.device == src.device
+    expected = segment_reduce_ref_grad(index, src, reduce, S, g)
+    got = grad.detach().cpu().double()
+    if reduce in ("max", "min"):
+        # the gradient of max/min is a copy of g: exact
+        assert torch.equal(got, expected), f"{int((got != expected).sum())} wrong grad entries"
+    else:
+        torch.testing.assert_close(got, expected, rtol=RTOL[dtype], atol=RTOL[dtype] * 1e-2)
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_backward_through_sum_loss(device, reduce):
+    """out.sum().backward() hands the op an expanded (stride 0) grad_out."""
+    index, S = graph_case("leading_trailing_empty")
+    index = index.to(device)
+    src = random_src(index.numel(), (2, 3), torch.float32, device).requires_grad_()
+    geot.segment_reduce(index, src, reduce, S).sum().backward()
+    g = torch.ones(S, 2, 3, dtype=torch.float64)
+    expected = segment_reduce_ref_grad(index, src, reduce, S, g)
+    torch.testing.assert_close(src.grad.cpu().double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_backward_empty_input(device):
+    for reduce in REDUCES:
+        index = torch.zeros(0, dtype=torch.long, device=device)
+        src = torch.randn(0, 4, device=device, requires_grad=True)
+        out = geot.segment_reduce(index, src, reduce, 3)
+        assert torch.equal(out.detach().cpu(), torch.zeros(3, 4))
+        out.backward(torch.randn(3, 4, device=device))
+        assert src.grad is not None and src.grad.shape == (0, 4)
+
+
+# --------------------------------------------------------------------------- #
+# errors
+# --------------------------------------------------------------------------- #
+def _ok_inputs(device, E=6, S=3):
+    index = torch.tensor([0, 0, 1, 1, 2, 2][:E], device=device)
+    src = torch.randn(E, 4, device=device)
+    return index, src, S
+
+
+@pytest.mark.parametrize("bad_dtype", [torch.float32, torch.float64, torch.int16, torch.uint8, torch.bool])
+def test_error_index_dtype(device, bad_dtype):
+    index, src, S = _ok_inputs(device)
+    with pytest.raises(TypeError, match="index"):
+        geot.segment_reduce(index.to(bad_dtype), src, "sum", S)
+
+
+@pytest.mark.parametrize("bad_dtype", [torch.int32, torch.int64, torch.bool])
+def test_error_src_dtype(device, bad_dtype):
+    index, src, S = _ok_inputs(device)
+    with pytest.raises(TypeError, match="src"):
+        geot.segment_reduce(index, src.to(bad_dtype), "sum", S)
+
+
+def test_error_index_not_1d(device):
+    index, src, S = _ok_inputs(device)
+    with pytest.raises(ValueError, match="index"):
+        geot.segment_reduce(index.view(2, 3), src, "sum", S)
+    with pytest.raises(ValueError, match="index"):
+        geot.segment_reduce(index.view(2, 3), src, "sum")
+    with pytest.raises(ValueError, match="index"):
+        geot.segment_reduce(torch.tensor(0, device=device), src[:1], "sum", S)
+
+
+@pytest.mark.parametrize("E_index", [5, 7, 0])
+def test_error_length_mismatch(device, E_index):
+    _, src, S = _ok_inputs(device)
+    index = torch.zeros(E_index, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="index|src"):
+        geot.segment_reduce(index, src, "sum", S)
+
+
+def test_error_src_0dim(device):
+    index = torch.tensor([0], device=device)
+    with pytest.raises(ValueError, match="src"):
+        geot.segment_reduce(index, torch.tensor(1.0, device=device), "sum", 1)
+
+
+@pytest.mark.parametrize("bad", ["prod", "add", "", "Sum", "amax"])
+def test_error_reduce(device, bad):
+    index, src, S = _ok_inputs(device)
+    with pytest.raises(ValueError, match="reduce"):
+        geot.segment_reduce(index, src, bad, S)
+
+
+def test_error_num_segments_negative(device):
+    index, src, _ = _ok_inputs(device)
+    with pytest.raises(ValueError, match="num_segments"):
+        geot.segment_reduce(index, src, "sum", -1)
+    with pytest.raises(ValueError, match="num_segments"):
+        geot.segment_reduce(index[:0], src[:0], "sum", -3)
+
+
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_error_index_negative(device, index_dtype):
+    index = torch.tensor([-1, 0, 0, 1, 2, 2], device=device, dtype=index_dtype)
+    src = torch.randn(6, 4, device=device)
+    with pytest.raises(ValueError, match="index"):
+        geot.segment_reduce(index, src, "sum", 3)
+
+
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_error_index_out_of_range(device, index_dtype):
+    index, src, _ = _ok_inputs(device)
+    index = index.to(index_dtype)
+    with pytest.raises(ValueError, match="index|num_segments"):
+        geot.segment_reduce(index, src, "max", 2)  # index[-1] == 2 == num_segments
+    with pytest.raises(ValueError, match="index|num_segments"):
+        geot.segment_reduce(index, src, "sum", 0)
+
+
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_error_index_unsorted(device, index_dtype):
+    index = torch.tensor([0, 1, 0, 1, 2, 2], device=device, dtype=index_dtype)
+    src = torch.randn(6, 4, device=device)
+    with pytest.raises(ValueError, match="sorted"):
+        geot.segment_reduce(index, src, "sum", 3)
+    # unsorted only at the very end
+    index = torch.tensor([0, 0, 1, 1, 2, 1], device=device, dtype=index_dtype)
+    with pytest.raises(ValueError, match="sorted"):
+        geot.segment_reduce(index, src, "mean", 3)
+
+
+@requires_cuda
+def test_error_device_mismatch():
+    index, src, S = _ok_inputs("cpu")
+    with pytest.raises((ValueError, RuntimeError)):
+        geot.segment_reduce(index.cuda(), src, "sum", S)
+    with pytest.raises((ValueError, RuntimeError)):
+        geot.segment_reduce(index, src.cuda(), "sum", S)
+
+
+# --------------------------------------------------------------------------- #
+# validation switch
+# --------------------------------------------------------------------------- #
+def test_validation_switch():
+    assert geot.validation_enabled() is True  # on by default
+    geot.set_validation(False)
+    assert geot.validation_enabled() is False
+    geot.set_validation(True)
+    assert geot.validation_enabled() is True
+
+
+def test_validation_off_valid_input_still_right(device):
+    geot.set_validation(False)
+    index, S = graph_case("leading_trailing_empty")
+    index = index.to(device)
+    src = random_src(index.numel(), (7,), torch.float32, device)
+    for reduce in REDUCES:
+        assert_matches_ref(geot.segment_reduce(index, src, reduce, S), index, src, reduce, S, where="validation off")
+
+
+def test_validation_off_keeps_type_and_shape_errors(device):
+    geot.set_validation(False)
+    index, src, S = _ok_inputs(device)
+    with pytest.raises(TypeError, match="index"):
+        geot.segment_reduce(index.float(), src, "sum", S)
+    with pytest.raises(TypeError, match="src"):
+        geot.segment_reduce(index, src.long(), "sum", S)
+    with pytest.raises(ValueError, match="reduce"):
+        geot.segment_reduce(index, src, "prod", S)
+    with pytest.raises(ValueError, match="index|src"):
+        geot.segment_reduce(index[:-1], src, "sum", S)
+
+
+# --------------------------------------------------------------------------- #
+# torch.compile
+# --------------------------------------------------------------------------- #
+def test_torch_compile_forward(device):
+    torch._dynamo.reset()
+    S = 30
+
+    def fn(index, src):
+        return tuple(geot.segment_reduce(index, src, r, num_segments=S) for r in REDUCES)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    index = random_index(200, S, lo=1, hi=28).to(device)
+    src = random_src(200, (8,), torch.float32, device)
+    got = compiled(index, src)
+    expected = fn(index, src)
+    for r, a, b in zip(REDUCES, got, expected):
+        assert a.shape == (S, 8) and a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"compiled {r} differs from eager")
+        assert_matches_ref(a, index, src, r, S, where=f"compiled {r}")
+
+
+def test_torch_compile_sum_backward(device):
+    torch._dynamo.reset()
+    S = 25
+
+    def fn(index, src):
+        return torch.tanh(geot.segment_reduce(index, src, "sum", num_segments=S)) * 2.0
+
+    compiled = torch.compile(fn, fullgraph=True)
+    index = random_index(150, S, lo=2, hi=24).to(device)
+    base = random_src(150, (6,), torch.float32, device)
+    g = random_src(S, (6,), torch.float32, device)
+    x1 = base.clone().requires_grad_()
+    x2 = base.clone().requires_grad_()
+    out1 = compiled(index, x1)
+    out2 = fn(index, x2)
+    torch.testing.assert_close(out1, out2, rtol=1e-6, atol=1e-6)
+    out1.backward(g)
+    out2.backward(g)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-6)
+    # and against the reference chain rule
+    ref = segment_reduce_ref(index, base, "sum", S)
+    gy = g.cpu().double() * 2.0 * (1.0 - torch.tanh(ref) ** 2)
+    torch.testing.assert_close(
+        x1.grad.cpu().double(), segment_reduce_ref_grad(index, base, "sum", S, gy), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_torch_compile_varying_num_edges(device):
+    """A second call with another E (same S) recompiles with a symbolic E or
+    reuses the graph; either way the answers must stay right."""
+    torch._dynamo.reset()
+    S = 12
+
+    def fn(index, src):
+        return geot.segment_reduce(index, src, "mean", num_segments=S) + 1.0
+
+    compiled = torch.compile(fn, fullgraph=True)
+    for E in (40, 57, 90):
+        index = random_index(E, S).to(device)
+        src = random_src(E, (3,), torch.float32, device)
+        got = compiled(index, src)
+        ref = segment_reduce_ref(index, src, "mean", S) + 1.0
+        torch.testing.assert_close(got.double().cpu(), ref.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def _op_args(index, src, reduce, num_segments):
+    """Arguments of torch.ops.geot.segment_reduce, matched by schema name."""
+    schema = torch.ops.geot.segment_reduce.default._schema
+    known = {"index": index, "src": src, "reduce": reduce, "num_segments": num_segments, "config": None}
+    args = []
+    for a in schema.arguments:
+        if a.name in known:
+            args.append(known[a.name])
+        elif a.has_default_value():
+            break
+        else:
+            pytest.skip(f"unknown argument {a.name} in schema {schema}")
+    return tuple(args)
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_opcheck(device, reduce):
+    """torch.library.opcheck: schema, fake (meta) kernel, autograd registration."""
+    index = index_from_degrees(torch.tensor([2, 0, 3, 1, 4, 0])).to(device)
+    src = distinct_src(index.numel(), (5,), torch.float32, device).requires_grad_()
+    args = _op_args(index, src, reduce, 6)
+    torch.library.opcheck(torch.ops.geot.segment_reduce.default, args)
+
+
+# --------------------------------------------------------------------------- #
+# CUDA: every kernel config
+# --------------------------------------------------------------------------- #
+def _config_graph():
+    """Medium power-law graph with leading/trailing empty segments and a hub
+    big enough to need many tiles along the edge dimension."""
+    deg = torch.cat([torch.zeros(5, dtype=torch.long), powerlaw_degrees(2990, 20_000), torch.zeros(5, dtype=torch.long)])
+    deg[1234] += 7000
+    return index_from_degrees(deg), deg.numel()
+
+
+@requires_cuda
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("F", [1, 3, 32])
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_every_config_cuda(reduce, F, index_dtype):
+    index, S = _config_graph()
+    index = index.to(device="cuda", dtype=index_dtype)
+    src = random_src(index.numel(), (F,), torch.float32, "cuda")
+    ref = segment_reduce_ref(index, src, reduce, S).cuda()
+    if reduce in ("max", "min"):
+        expected, tol = ref.float(), None
+    else:
+        expected = ref
+        tol = sum_tolerance(index, src, reduce, S).cuda()
+    failures = []
+    for cfg in geot.config_space():
+        poison_allocator((S, F), torch.float32, "cuda")
+        try:
+            out = geot.segment_reduce(index, src, reduce, S, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - record and report every failing config
+            failures.append(f"{cfg}: raised {type(exc).__name__}: {str(exc)[:200]}")
+            if "CUDA" in str(exc) or "cuda" in str(exc):
+                break  # the context may be gone; stop here
+            continue
+        if out.shape != (S, F) or out.dtype != torch.float32:
+            failures.append(f"{cfg}: shape {tuple(out.shape)} dtype {out.dtype}")
+            continue
+        if tol is None:
+            bad = out != expected
+        else:
+            bad = ~((out.double() - expected).abs() <= tol)  # NaN counts as bad
+        nbad = int(bad.sum())
+        if nbad:
+            first = tuple(bad.nonzero()[0].tolist())
+            failures.append(
+                f"{cfg}: {nbad} wrong, first at {first} got {out[first].item()!r} expected {expected[first].item()!r}"
+            )
+    assert not failures, (
+        f"{len(failures)}/{len(geot.config_space())} configs wrong ({describe(index, S)}, F={F}, {reduce}):\n"
+        + "\n".join(failures[:20])
+    )
+
+
+@requires_cuda
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+def test_every_config_cuda_half(reduce):
+    """fp16/bf16 through every config on a smaller graph."""
+    index, S = powerlaw_index(500, 6000), 500
+    index = index.cuda()
+    failures = []
+    for dtype in (torch.float16, torch.bfloat16):
+        src = random_src(index.numel(), (7,), dtype, "cuda")
+        for cfg in geot.config_space():
+            out = geot.segment_reduce(index, src, reduce, S, config=cfg)
+            try:
+                assert_matches_ref(out, index, src, reduce, S, where=str(cfg))
+            except AssertionError as exc:
+                failures.append(str(exc)[:300])
+    assert not failures, f"{len(failures)} failing (config, dtype) pairs:\n" + "\n".join(failures[:20])
+
+
+# --------------------------------------------------------------------------- #
+# CUDA: validation off never crashes (keep these last: a CUDA fault would
+# poison the context for every later test)
+# --------------------------------------------------------------------------- #
+@requires_cuda
+@pytest.mark.parametrize("kind", ["too_large", "way_too_large", "negative", "int32_extremes"])
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_cuda_validation_off_out_of_range_no_crash(reduce, kind):
+    geot.set_validation(False)
+    S = 50
+    index = random_index(2000, S).cuda()
+    if kind == "too_large":
+        index[-40:] = torch.arange(S, S + 40, device="cuda")
+    elif kind == "way_too_large":
+        index[-3:] = torch.tensor([10**6, 10**9, 2**40], device="cuda")
+    elif kind == "negative":
+        index[:10] = torch.arange(-10, 0, device="cuda")
+    else:
+        index[:2] = torch.tensor([-(2**31), -5], device="cuda")
+        index[-2:] = torch.tensor([2**31 - 2, 2**31 - 1], device="cuda")
+        index = index.to(torch.int32)
+    src = torch.randn(index.numel(), 16, device="cuda")
+    space = geot.config_space()
+    configs = [None, space[0], [c for c in space if c.G_t > 1][0], space[-1]]
+    for cfg in configs:
+        out = geot.segment_reduce(index, src, reduce, S, config=cfg)
+        torch.cuda.synchronize()
+        assert out.shape == (S, 16)
+    # the context is still usable and validation back on still catches it
+    geot.set_validation(True)
+    ok_index = random_index(100, 10).cuda()
+    ok_src = torch.randn(100, 4, device="cuda")
+    assert_matches_ref(geot.segment_reduce(ok_index, ok_src, reduce, 10), ok_index, ok_src, reduce, 10)
+    with pytest.raises(ValueError, match="index|num_segments"):
+        geot.segment_reduce(index, src, reduce, S)
+    torch.cuda.synchronize()
