@@ -1,11 +1,12 @@
 // Operator schemas (torch.ops.geot.*) and the Python module geot._C.
-// Implementations register per device in segment_reduce_cpu.cpp and
-// segment_reduce_cuda.cu; autograd and fake kernels are registered from
-// Python (geot/_ops.py).
+// Implementations register per device in segment_reduce_cpu.cpp,
+// index_segment_reduce.cpp and the .cu files; autograd and fake kernels are
+// registered from Python (geot/_ops.py).
 #include <torch/extension.h>
 #include <torch/library.h>
 
 #include "config.h"
+#include "index_segment_reduce.h"
 #include "segment_reduce.h"
 
 TORCH_LIBRARY(geot, m) {
@@ -13,30 +14,64 @@ TORCH_LIBRARY(geot, m) {
   // For max/min backward: [S, F] int64, the smallest row of each segment that
   // holds the extremum per feature, E where the segment is empty.
   m.def("segment_arg(Tensor index, Tensor src, Tensor out) -> Tensor");
+  // Fused gather + segment reduce; t_perm / t_src / t_dst: an optional
+  // transposed index (geot.TransposedIndex) that the backward pass reuses.
+  m.def(
+      "index_segment_reduce(Tensor src_index, Tensor dst_index, Tensor x, Tensor? weight, int num_segments, "
+      "str reduce=\"sum\", int[]? config=None, Tensor? t_perm=None, Tensor? t_src=None, Tensor? t_dst=None) "
+      "-> Tensor");
+  // out[scatter_index[e]] += weight[e] * x[gather_index[e]], any order.
+  m.def("index_scatter_sum(Tensor gather_index, Tensor scatter_index, Tensor x, Tensor? weight, int num_out) -> Tensor");
+  // out[e, h] = <a[dst_index[e], h], b[src_index[e], h]> (SDDMM).
+  m.def("edge_dot(Tensor src_index, Tensor dst_index, Tensor a, Tensor b, int heads) -> Tensor");
 }
 
 namespace {
 
-// The op below the autograd layer: the Python-registered autograd kernel
-// costs several microseconds per call, too much for small graphs, and calls
-// that need no gradient can skip it.
+// Calls an op below the autograd layer: the Python-registered autograd
+// kernel costs several microseconds per call, too much for small graphs, and
+// calls that need no gradient can skip it. Bad input leaves as pybind11's own
+// exception types, which pybind11 translates itself, whatever torch version
+// the module was built against.
+template <typename Call>
+at::Tensor below_autograd(const Call& call) {
+  const at::AutoDispatchBelowADInplaceOrView guard;
+  try {
+    return call();
+  } catch (const c10::ValueError& e) {
+    throw pybind11::value_error(e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    throw pybind11::type_error(e.what_without_backtrace());
+  }
+}
+
+at::OptionalIntArrayRef as_config(const std::optional<std::vector<int64_t>>& config) {
+  return config ? at::OptionalIntArrayRef(*config) : at::OptionalIntArrayRef();
+}
+
 at::Tensor segment_reduce_no_grad(const at::Tensor& index, const at::Tensor& src, int64_t num_segments,
                                   const std::string& reduce, std::optional<std::vector<int64_t>> config) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("geot::segment_reduce", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, c10::string_view,
                                                at::OptionalIntArrayRef)>();
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  // Bad input leaves as pybind11's own exception types, which pybind11
-  // translates itself, whatever torch version the module was built against.
-  try {
-    return op.call(index, src, num_segments, reduce,
-                   config ? at::OptionalIntArrayRef(*config) : at::OptionalIntArrayRef());
-  } catch (const c10::ValueError& e) {
-    throw pybind11::value_error(e.what_without_backtrace());
-  } catch (const c10::TypeError& e) {
-    throw pybind11::type_error(e.what_without_backtrace());
-  }
+  return below_autograd([&] { return op.call(index, src, num_segments, reduce, as_config(config)); });
+}
+
+at::Tensor index_segment_reduce_no_grad(const at::Tensor& src_index, const at::Tensor& dst_index,
+                                        const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                        int64_t num_segments, const std::string& reduce,
+                                        std::optional<std::vector<int64_t>> config) {
+  using Optional = const std::optional<at::Tensor>&;
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("geot::index_segment_reduce", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, Optional, int64_t,
+                            c10::string_view, at::OptionalIntArrayRef, Optional, Optional, Optional)>();
+  return below_autograd([&] {
+    return op.call(src_index, dst_index, x, weight, num_segments, reduce, as_config(config), std::nullopt,
+                   std::nullopt, std::nullopt);
+  });
 }
 
 pybind11::tuple config_tuple(const geot::Config& c) {
@@ -48,6 +83,8 @@ pybind11::tuple config_tuple(const geot::Config& c) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "geot kernels; the operators live in torch.ops.geot";
   m.def("segment_reduce_no_grad", &segment_reduce_no_grad, "segment_reduce without autograd (fast path)");
+  m.def("index_segment_reduce_no_grad", &index_segment_reduce_no_grad,
+        "index_segment_reduce without autograd (fast path)");
   m.def("set_validation", &geot::set_validation, "Turn index value validation on or off");
   m.def("validation_enabled", &geot::validation_enabled);
 #ifdef GEOT_WITH_CUDA

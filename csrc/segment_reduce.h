@@ -1,5 +1,6 @@
-// segment_reduce: entry points of the CPU and CUDA implementations and the
-// argument checks they share.
+// segment_reduce family: entry points of the CPU and CUDA implementations and
+// the argument checks they share. The fused ops (index_segment_reduce.cpp)
+// run on the same row-reduction core.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,15 +30,65 @@ at::Tensor as_rows(const at::Tensor& src);
 // Output sizes: [num_segments, *src.shape[1:]].
 std::vector<int64_t> segment_output_sizes(const at::Tensor& src, int64_t num_segments);
 
-// Turns the index-check kernels' bit flags (1 negative, 2 >= S, 4 unsorted)
-// into a ValueError naming the argument and the fix.
-void raise_index_errors(int flags, int64_t num_segments);
+// One index to validate: values in [0, bound), and non-decreasing if sorted.
+// name / bound_name go into the error message ("dst_index", "num_segments").
+struct IndexCheck {
+  at::Tensor index;
+  int64_t bound;
+  bool sorted;
+  const char* name;
+  const char* bound_name;
+};
+enum IndexFlag : int { kNegative = 1, kTooLarge = 2, kUnsorted = 4 };
+
+// Turns an index check's bit flags into a ValueError naming the argument
+// and the fix.
+void raise_index_errors(int flags, const IndexCheck& check);
+
+// When validation is on, checks every index the cache does not know yet
+// (with one device->host sync for all of them on CUDA) and remembers them.
+void validate_indices(const std::vector<IndexCheck>& checks);
+
+#ifdef GEOT_WITH_CUDA
+// Launches the check of `index` on the current stream; ORs its flags into
+// *flags (device memory).
+void index_flags_cuda(const at::Tensor& index, int64_t bound, bool sorted, int* flags);
+#endif
 
 // The config the kernels will use: the override if given, else the selector.
 Config resolve_config(at::OptionalIntArrayRef override_config, int64_t E, int64_t S, int64_t F);
 
-at::Tensor segment_reduce_cpu(const at::Tensor& index, const at::Tensor& src, int64_t num_segments,
-                              c10::string_view reduce, at::OptionalIntArrayRef config);
+// The core every op of the family runs on:
+//   out[index[e]] op= weight[e, head] * src[gather[e]]   (gather, weight optional)
+// index sorted, except with any_order (sum only, CUDA SR schedule: the
+// transposed product of the fused backward without a sort).
+struct RowReduction {
+  at::Tensor index;                  // [E] segment ids, contiguous
+  at::Tensor src;                    // [rows, F] contiguous
+  std::optional<at::Tensor> gather;  // [E] rows of src, dtype of index
+  std::optional<at::Tensor> weight;  // [E * heads] contiguous, dtype of src
+  int64_t heads = 1;                 // src rows hold `heads` heads of F / heads features
+  int64_t num_segments = 0;
+  Reduce reduce = Reduce::Sum;
+  at::OptionalIntArrayRef config;    // override of the selector (CUDA)
+  bool any_order = false;
+};
+at::Tensor reduce_rows_cpu(const RowReduction& r);  // [num_segments, F]
+at::Tensor reduce_rows_cuda(const RowReduction& r);
+
+// Validated-index cache: validating an index costs a pass and, on CUDA, a
+// device->host sync, so a static graph is checked once. Entries are keyed by
+// the storage (weakly held), offset, length, stride, version counter (bumped
+// by any in-place change) and the bound it was checked against.
+bool index_known_valid(const at::Tensor& index, int64_t bound, bool sorted);
+void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted);
+
+// Dispatches on the device of r.src.
+at::Tensor reduce_rows(const RowReduction& r);
+
+// Operator entries (the same function serves CPU and CUDA).
+at::Tensor segment_reduce_op(const at::Tensor& index, const at::Tensor& src, int64_t num_segments,
+                             c10::string_view reduce, at::OptionalIntArrayRef config);
 at::Tensor segment_arg_cpu(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out);
 
 }  // namespace geot

@@ -1,4 +1,5 @@
-// segment_reduce on CPU, plus the argument checks shared with the CUDA path.
+// segment_reduce on CPU, the operator entry shared with CUDA, and the
+// argument checks and index validation every op of the family uses.
 // Parallel over segments (at::parallel_for); each task finds its first row by
 // binary search in the sorted index and walks its segments' rows in order, so
 // the result is deterministic.
@@ -7,9 +8,14 @@
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/intrusive_ptr.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <limits>
+#include <mutex>
 #include <stdexcept>
 
 #include "segment_reduce.h"
@@ -22,6 +28,64 @@ std::atomic<bool> g_validation{true};
 
 bool validation_enabled() { return g_validation.load(std::memory_order_relaxed); }
 void set_validation(bool on) { g_validation.store(on, std::memory_order_relaxed); }
+
+namespace {
+
+struct ValidIndex {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+  int64_t offset = 0, numel = 0, stride = 0, version = -1, bound = 0;
+  at::ScalarType dtype = at::kLong;
+  bool sorted = false;
+};
+
+struct ValidIndexCache {
+  std::mutex mutex;
+  std::array<ValidIndex, 16> entries;  // a few graphs (and their transposes) in flight
+  size_t next = 0;
+};
+
+ValidIndexCache& valid_index_cache() {
+  static ValidIndexCache cache;
+  return cache;
+}
+
+bool cacheable(const at::Tensor& index) {
+  // Inference tensors carry no version counter, and tensors without storage
+  // (fakes, subclasses) have no identity to key on.
+  return !index.is_inference() && index.has_storage() && index.numel() > 0;
+}
+
+bool same_index(const ValidIndex& v, const at::Tensor& index) {
+  return !v.storage.expired() && v.storage._unsafe_get_target() == index.storage().unsafeGetStorageImpl() &&
+         v.offset == index.storage_offset() && v.numel == index.numel() && v.stride == index.stride(0) &&
+         v.dtype == index.scalar_type() && v.version == int64_t(index._version());
+}
+
+}  // namespace
+
+bool index_known_valid(const at::Tensor& index, int64_t bound, bool sorted) {
+  if (!cacheable(index)) return false;
+  ValidIndexCache& cache = valid_index_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  for (const ValidIndex& v : cache.entries)
+    if (same_index(v, index) && v.bound <= bound && (v.sorted || !sorted)) return true;
+  return false;
+}
+
+void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted) {
+  if (!cacheable(index)) return;
+  ValidIndexCache& cache = valid_index_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  ValidIndex& v = cache.entries[cache.next++ % cache.entries.size()];
+  v.storage = index.storage().getWeakStorageImpl();
+  v.offset = index.storage_offset();
+  v.numel = index.numel();
+  v.stride = index.stride(0);
+  v.version = int64_t(index._version());
+  v.dtype = index.scalar_type();
+  v.bound = bound;
+  v.sorted = sorted;
+}
 
 Reduce parse_reduce(c10::string_view reduce) {
   if (reduce == "sum") return Reduce::Sum;
@@ -63,15 +127,17 @@ std::vector<int64_t> segment_output_sizes(const at::Tensor& src, int64_t num_seg
   return sizes;
 }
 
-void raise_index_errors(int flags, int64_t num_segments) {
+void raise_index_errors(int flags, const IndexCheck& check) {
+  const std::string name = check.name, bound = std::to_string(check.bound);
   // Unsorted first: it also explains a wrong inferred num_segments.
-  TORCH_CHECK_VALUE(!(flags & 4),
-                    "index must be sorted in non-decreasing order. Sort once and reuse: "
+  TORCH_CHECK_VALUE(!(flags & kUnsorted), name,
+                    " must be sorted in non-decreasing order. Sort once and reuse: "
                     "`index, perm = index.sort(stable=True); src = src[perm]` (for a PyG edge_index, "
                     "torch_geometric.utils.sort_edge_index(edge_index, sort_by_row=False) sorts by destination)");
-  TORCH_CHECK_VALUE(!(flags & 1), "index has negative values; segment ids must be in [0, num_segments)");
-  TORCH_CHECK_VALUE(!(flags & 2), "index has values >= num_segments (", std::to_string(num_segments),
-                    "); pass a larger num_segments or fix the index");
+  TORCH_CHECK_VALUE(!(flags & kNegative), name, " has negative values; they must be in [0, ", check.bound_name,
+                    ")");
+  TORCH_CHECK_VALUE(!(flags & kTooLarge), name, " has values >= ", check.bound_name, " (", bound,
+                    "); pass a larger ", check.bound_name, " or fix ", name);
 }
 
 Config resolve_config(at::OptionalIntArrayRef override_config, int64_t E, int64_t S, int64_t F) {
@@ -90,18 +156,18 @@ Config resolve_config(at::OptionalIntArrayRef override_config, int64_t E, int64_
 namespace {
 
 template <typename index_t>
-void check_index_values_cpu(const index_t* index, int64_t E, int64_t num_segments) {
+int index_flags_cpu(const index_t* index, int64_t E, int64_t bound, bool sorted) {
   std::atomic<int> flags{0};
   at::parallel_for(0, E, 1 << 16, [&](int64_t begin, int64_t end) {
     int bad = 0;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t v = index[i];
-      bad |= (v < 0 ? 1 : 0) | (v >= num_segments ? 2 : 0);
-      if (i + 1 < E && int64_t(index[i + 1]) < v) bad |= 4;
+      bad |= (v < 0 ? kNegative : 0) | (v >= bound ? kTooLarge : 0);
+      if (sorted && i + 1 < E && int64_t(index[i + 1]) < v) bad |= kUnsorted;
     }
     if (bad) flags.fetch_or(bad);
   });
-  raise_index_errors(flags.load(), num_segments);
+  return flags.load();
 }
 
 template <typename acc_t>
@@ -135,47 +201,137 @@ void for_each_segment(const index_t* index, int64_t E, int64_t S, int64_t F, con
   });
 }
 
+// One element's contribution: weight[e, head] * src[gather[e], f], or src[e, f].
 template <typename scalar_t, typename index_t>
-void segment_reduce_rows(const index_t* index, const scalar_t* src, scalar_t* out, int64_t E, int64_t S, int64_t F,
-                         Reduce kind) {
+struct RowReader {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* src;
+  const index_t* gather;   // null: element e reads row e
+  const scalar_t* weight;  // null: unscaled
+  int64_t rows, F, heads, head_size;
+
+  // Null for a gathered row out of range (possible with validation off).
+  const scalar_t* row(int64_t e) const {
+    const int64_t r = gather ? int64_t(gather[e]) : e;
+    return r >= 0 && r < rows ? src + r * F : nullptr;
+  }
+  acc_t scale(int64_t e, int64_t f) const { return weight ? acc_t(weight[e * heads + f / head_size]) : acc_t(1); }
+};
+
+template <typename scalar_t, typename index_t>
+void reduce_sorted_rows(const index_t* index, const RowReader<scalar_t, index_t>& in, scalar_t* out, int64_t E,
+                        int64_t S, Reduce kind) {
   using acc_t = at::opmath_type<scalar_t>;
   const CpuReduce<acc_t> op{kind};
+  const int64_t F = in.F;
   for_each_segment(index, E, S, F, [&](int64_t s, int64_t begin, int64_t end) {
     std::vector<acc_t> acc(F, op.identity());
     for (int64_t e = begin; e < end; ++e) {
-      const scalar_t* row = src + e * F;
-      switch (kind) {
-        case Reduce::Max:
-          for (int64_t f = 0; f < F; ++f) acc[f] = std::max(acc[f], acc_t(row[f]));
-          break;
-        case Reduce::Min:
-          for (int64_t f = 0; f < F; ++f) acc[f] = std::min(acc[f], acc_t(row[f]));
-          break;
-        default:
-          for (int64_t f = 0; f < F; ++f) acc[f] += acc_t(row[f]);
+      const scalar_t* row = in.row(e);
+      if (!row) continue;
+      for (int64_t f = 0; f < F; ++f) {
+        const acc_t v = acc_t(row[f]) * in.scale(e, f);
+        switch (kind) {
+          case Reduce::Max: acc[f] = std::max(acc[f], v); break;
+          case Reduce::Min: acc[f] = std::min(acc[f], v); break;
+          default: acc[f] += v;
+        }
       }
     }
     for (int64_t f = 0; f < F; ++f) out[s * F + f] = scalar_t(op.finish(acc[f], end - begin));
   });
 }
 
+// Sum into segments in any order: parallel over feature slices so no two
+// tasks write the same output element.
+template <typename scalar_t, typename index_t>
+void scatter_sum_rows(const index_t* index, const RowReader<scalar_t, index_t>& in, scalar_t* out, int64_t E,
+                      int64_t S) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t F = in.F;
+  std::vector<acc_t> acc(S * F, acc_t(0));
+  at::parallel_for(0, F, std::max<int64_t>(1, F / at::get_num_threads()), [&](int64_t f_begin, int64_t f_end) {
+    for (int64_t e = 0; e < E; ++e) {
+      const scalar_t* row = in.row(e);
+      const int64_t s = index[e];
+      if (!row || s < 0 || s >= S) continue;
+      acc_t* dst = acc.data() + s * F;
+      for (int64_t f = f_begin; f < f_end; ++f) dst[f] += acc_t(row[f]) * in.scale(e, f);
+    }
+  });
+  for (int64_t i = 0; i < S * F; ++i) out[i] = scalar_t(acc[i]);
+}
+
 }  // namespace
 
-at::Tensor segment_reduce_cpu(const at::Tensor& index, const at::Tensor& src, int64_t num_segments,
-                              c10::string_view reduce_name, at::OptionalIntArrayRef /*config: CUDA only*/) {
-  check_segment_inputs(index, src, num_segments);
-  const Reduce reduce = parse_reduce(reduce_name);
-  const at::Tensor rows = as_rows(src), idx = index.contiguous();
-  const int64_t E = rows.size(0), F = rows.size(1), S = num_segments;
-  at::Tensor out = at::empty({S, F}, src.options());
-  AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_segment_reduce_cpu", [&] {
-    if (validation_enabled()) check_index_values_cpu(idx.data_ptr<index_t>(), E, S);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "geot_segment_reduce_cpu", [&] {
-      segment_reduce_rows(idx.data_ptr<index_t>(), rows.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), E, S, F,
-                          reduce);
+void validate_indices(const std::vector<IndexCheck>& checks) {
+  if (!validation_enabled()) return;
+  std::vector<const IndexCheck*> pending;
+  for (const IndexCheck& c : checks)
+    if (c.index.numel() > 0 && !index_known_valid(c.index, c.bound, c.sorted)) pending.push_back(&c);
+  if (pending.empty()) return;
+  std::vector<int> flags(pending.size(), 0);
+  if (pending.front()->index.is_cuda()) {
+#ifdef GEOT_WITH_CUDA
+    const c10::DeviceGuard guard(pending.front()->index.device());
+    at::Tensor device_flags = at::zeros({int64_t(pending.size())}, pending.front()->index.options().dtype(at::kInt));
+    for (size_t i = 0; i < pending.size(); ++i)
+      index_flags_cuda(pending[i]->index, pending[i]->bound, pending[i]->sorted, device_flags.data_ptr<int>() + i);
+    const at::Tensor host_flags = device_flags.cpu();  // the one sync
+    std::copy_n(host_flags.data_ptr<int>(), pending.size(), flags.begin());
+#endif
+  } else {
+    for (size_t i = 0; i < pending.size(); ++i) {
+      const at::Tensor idx = pending[i]->index.contiguous();
+      AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_index_flags_cpu", [&] {
+        flags[i] = index_flags_cpu(idx.data_ptr<index_t>(), idx.numel(), pending[i]->bound, pending[i]->sorted);
+      });
+    }
+  }
+  for (size_t i = 0; i < pending.size(); ++i) {
+    raise_index_errors(flags[i], *pending[i]);
+    remember_valid_index(pending[i]->index, pending[i]->bound, pending[i]->sorted);
+  }
+}
+
+at::Tensor reduce_rows_cpu(const RowReduction& r) {
+  const int64_t E = r.index.numel(), F = r.src.size(1), S = r.num_segments;
+  at::Tensor out = at::empty({S, F}, r.src.options());
+  if (S == 0 || F == 0) return out;
+  AT_DISPATCH_INDEX_TYPES(r.index.scalar_type(), "geot_reduce_rows_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.src.scalar_type(), "geot_reduce_rows_cpu", [&] {
+      const RowReader<scalar_t, index_t> in{r.src.data_ptr<scalar_t>(),
+                                            r.gather ? r.gather->data_ptr<index_t>() : nullptr,
+                                            r.weight ? r.weight->data_ptr<scalar_t>() : nullptr, r.src.size(0), F, r.heads,
+                                            F / r.heads};
+      if (r.any_order) {
+        scatter_sum_rows(r.index.data_ptr<index_t>(), in, out.data_ptr<scalar_t>(), E, S);
+      } else {
+        reduce_sorted_rows(r.index.data_ptr<index_t>(), in, out.data_ptr<scalar_t>(), E, S, r.reduce);
+      }
     });
   });
-  return out.view(segment_output_sizes(src, num_segments));
+  return out;
+}
+
+at::Tensor reduce_rows(const RowReduction& r) {
+#ifdef GEOT_WITH_CUDA
+  if (r.src.is_cuda()) return reduce_rows_cuda(r);
+#endif
+  return reduce_rows_cpu(r);
+}
+
+at::Tensor segment_reduce_op(const at::Tensor& index, const at::Tensor& src, int64_t num_segments,
+                             c10::string_view reduce_name, at::OptionalIntArrayRef config) {
+  check_segment_inputs(index, src, num_segments);
+  RowReduction r;
+  r.reduce = parse_reduce(reduce_name);
+  validate_indices({{index, num_segments, true, "index", "num_segments"}});
+  r.index = index.contiguous();
+  r.src = as_rows(src);
+  r.num_segments = num_segments;
+  r.config = config;  // ignored on CPU
+  return reduce_rows(r).view(segment_output_sizes(src, num_segments));
 }
 
 at::Tensor segment_arg_cpu(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out) {
@@ -201,7 +357,7 @@ at::Tensor segment_arg_cpu(const at::Tensor& index, const at::Tensor& src, const
 }
 
 TORCH_LIBRARY_IMPL(geot, CPU, m) {
-  m.impl("segment_reduce", &segment_reduce_cpu);
+  m.impl("segment_reduce", &segment_reduce_op);
   m.impl("segment_arg", &segment_arg_cpu);
 }
 

@@ -7,20 +7,15 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "segment_reduce.h"
+#include "launch_utils.cuh"
 #include "segment_reduce_kernels.cuh"
 
 namespace geot {
 namespace {
-
-// at:: half types -> their CUDA builtin twins (same bit layout).
-template <typename T> struct cuda_type { using type = T; };
-template <> struct cuda_type<at::Half> { using type = __half; };
-template <> struct cuda_type<at::BFloat16> { using type = __nv_bfloat16; };
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 dim3 feature_row_grid(int64_t rows, int64_t row_tile, int64_t F, int N_T, const Config& c) {
   const int64_t col_blocks = ceil_div(ceil_div(F, N_T), c.T_N);
@@ -79,7 +74,9 @@ void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& 
 }
 
 template <typename scalar_t, typename acc_t, typename index_t, class Op>
-void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, const Config& c, cudaStream_t stream) {
+void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
+  // A thread's N_t features must share one weight head.
+  while ((a.F / a.heads) % c.N_t != 0) c.N_t /= 2;
   const auto address = reinterpret_cast<uintptr_t>(a.src);
   a.vector_loads = a.F % c.N_t == 0 && address % (sizeof(scalar_t) * c.N_t) == 0;
   switch (c.N_t) {
@@ -89,20 +86,6 @@ void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, const Config& c, cud
   }
 }
 
-void check_index_values_cuda(const at::Tensor& index, int64_t num_segments, cudaStream_t stream) {
-  const int64_t E = index.numel();
-  if (E == 0) return;
-  auto flags = at::zeros({1}, index.options().dtype(at::kInt));
-  const int threads = 256;
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(E, threads), 4096));
-  AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_check_index", [&] {
-    check_index_kernel<index_t><<<blocks, threads, 0, stream>>>(index.data_ptr<index_t>(), E, num_segments,
-                                                                flags.data_ptr<int>());
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  raise_index_errors(flags.item<int>(), num_segments);
-}
-
 at::Tensor identity_filled(int64_t S, int64_t F, at::ScalarType dtype, Reduce r, const at::Tensor& like) {
   auto opts = like.options().dtype(dtype);
   if (r == Reduce::Max) return at::full({S, F}, -std::numeric_limits<double>::infinity(), opts);
@@ -110,55 +93,75 @@ at::Tensor identity_filled(int64_t S, int64_t F, at::ScalarType dtype, Reduce r,
   return at::zeros({S, F}, opts);
 }
 
+// Any-order input only works with SR (PR and SP assume sorted segments).
+Config reduction_config(const RowReduction& r, int64_t E, int64_t F) {
+  const Config cfg = resolve_config(r.config, E, r.num_segments, F);
+  if (!r.any_order || cfg.is_sr()) return cfg;
+  const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
+  const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(F, n_t), 8, 64));
+  return {n_t, t_n, 4, std::max(1, 256 / t_n), 1};
+}
+
 }  // namespace
 
-at::Tensor segment_reduce_cuda(const at::Tensor& index, const at::Tensor& src, int64_t num_segments,
-                               c10::string_view reduce_name, at::OptionalIntArrayRef config) {
-  check_segment_inputs(index, src, num_segments);
-  const Reduce reduce = parse_reduce(reduce_name);
-  const c10::cuda::CUDAGuard guard(src.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (validation_enabled()) check_index_values_cuda(index, num_segments, stream);
-
-  const at::Tensor rows = as_rows(src);
+void index_flags_cuda(const at::Tensor& index, int64_t bound, bool sorted, int* flags) {
   const at::Tensor idx = index.contiguous();
-  const int64_t E = rows.size(0), F = rows.size(1), S = num_segments;
-  const Config cfg = resolve_config(config, E, S, F);
-  const bool half = src.scalar_type() == at::kHalf || src.scalar_type() == at::kBFloat16;
+  const int64_t E = idx.numel();
+  if (E == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(E, threads), 4096));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_check_index", [&] {
+    check_index_kernel<index_t><<<blocks, threads, 0, stream>>>(idx.data_ptr<index_t>(), E, bound, sorted, flags);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor reduce_rows_cuda(const RowReduction& r) {
+  const c10::cuda::CUDAGuard guard(r.src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t E = r.index.numel(), F = r.src.size(1), S = r.num_segments;
+  const Config cfg = reduction_config(r, E, F);
+  const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
   // fp16/bf16 accumulate in an fp32 buffer: atomics in half precision would
   // round every partial result.
-  const at::ScalarType acc_type = half ? at::kFloat : src.scalar_type();
+  const at::ScalarType acc_type = half ? at::kFloat : r.src.scalar_type();
   // SP stores every output element itself (0 for empty segments) but leaves
   // the division of mean to the finalize pass.
-  at::Tensor acc = cfg.is_sp() ? at::empty({S, F}, src.options().dtype(acc_type))
-                               : identity_filled(S, F, acc_type, reduce, src);
-  const bool finalize = half || reduce == Reduce::Mean || (reduce != Reduce::Sum && !cfg.is_sp());
-  at::Tensor out = half ? at::empty({S, F}, src.options()) : acc;
+  at::Tensor acc = cfg.is_sp() ? at::empty({S, F}, r.src.options().dtype(acc_type))
+                               : identity_filled(S, F, acc_type, r.reduce, r.src);
+  const bool finalize = half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp());
+  at::Tensor out = half ? at::empty({S, F}, r.src.options()) : acc;
+  if (S == 0 || F == 0) return out;
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "geot_segment_reduce", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.src.scalar_type(), "geot_segment_reduce", [&] {
     using in_t = typename cuda_type<scalar_t>::type;
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_segment_reduce_index", [&] {
-      if (F > 0 && S > 0) {
-        SegmentArgs<in_t, acc_t, index_t> args{idx.data_ptr<index_t>(),
-                                                reinterpret_cast<const in_t*>(rows.data_ptr<scalar_t>()),
-                                                acc.data_ptr<acc_t>(), E, F, S, false, nullptr, 0, nullptr};
-        switch (reduce) {
-          case Reduce::Max: launch_reduce<in_t, acc_t, index_t, MaxOp<acc_t>>(args, cfg, stream); break;
-          case Reduce::Min: launch_reduce<in_t, acc_t, index_t, MinOp<acc_t>>(args, cfg, stream); break;
-          default: launch_reduce<in_t, acc_t, index_t, SumOp<acc_t>>(args, cfg, stream);
-        }
+    AT_DISPATCH_INDEX_TYPES(r.index.scalar_type(), "geot_segment_reduce_index", [&] {
+      SegmentArgs<in_t, acc_t, index_t> args{};
+      args.index = r.index.data_ptr<index_t>();
+      args.src = reinterpret_cast<const in_t*>(r.src.data_ptr<scalar_t>());
+      args.out = acc.data_ptr<acc_t>();
+      args.E = E, args.F = F, args.S = S;
+      args.gather = r.gather ? r.gather->data_ptr<index_t>() : nullptr;
+      args.weight = r.weight ? reinterpret_cast<const in_t*>(r.weight->data_ptr<scalar_t>()) : nullptr;
+      args.src_rows = r.src.size(0);
+      args.heads = r.heads;
+      switch (r.reduce) {
+        case Reduce::Max: launch_reduce<in_t, acc_t, index_t, MaxOp<acc_t>>(args, cfg, stream); break;
+        case Reduce::Min: launch_reduce<in_t, acc_t, index_t, MinOp<acc_t>>(args, cfg, stream); break;
+        default: launch_reduce<in_t, acc_t, index_t, SumOp<acc_t>>(args, cfg, stream);
       }
-      if (finalize && S > 0 && F > 0) {
+      if (finalize) {
         const dim3 block(32, 8);
         segment_finalize_kernel<acc_t, in_t, index_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
-            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), idx.data_ptr<index_t>(), E,
-            S, F, reduce);
+            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), args.index, E, S, F,
+            r.reduce);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     });
   });
-  return out.view(segment_output_sizes(src, num_segments));
+  return out;
 }
 
 at::Tensor segment_arg_cuda(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out) {
@@ -186,7 +189,7 @@ at::Tensor segment_arg_cuda(const at::Tensor& index, const at::Tensor& src, cons
 }
 
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
-  m.impl("segment_reduce", &segment_reduce_cuda);
+  m.impl("segment_reduce", &segment_reduce_op);
   m.impl("segment_arg", &segment_arg_cuda);
 }
 

@@ -1,6 +1,8 @@
 // CUDA kernels of the segment_reduce family (GeoT §III): out[index[e]] op= src[e]
-// with index sorted. Holds no torch types; the launch layer is
-// segment_reduce_cuda.cu.
+// with index sorted, and its fused forms (GeoT §IV): the row of element e is
+// gathered, src[gather[e]], and optionally scaled, weight[e] * src[gather[e]],
+// inside the load, so no [E, F] temporary exists. Holds no torch types; the
+// launch layer is segment_reduce_cuda.cu.
 //
 // Work is split by rows (edges), not by segments, so a huge segment is spread
 // over many threads and tiny segments are packed together. Partial results
@@ -44,11 +46,17 @@ template <typename T> __device__ __forceinline__ T from_acc(double v) { return T
 
 template <typename scalar_t, typename acc_t, typename index_t>
 struct SegmentArgs {
-  const index_t* __restrict__ index;  // [E], sorted
-  const scalar_t* __restrict__ src;   // [E, F], row-major contiguous
+  const index_t* __restrict__ index;  // [E], sorted (SR also takes any order)
+  const scalar_t* __restrict__ src;   // [src_rows, F], row-major contiguous
   acc_t* __restrict__ out;            // [S, F], pre-filled with the identity
   int64_t E, F, S;
   bool vector_loads;                  // F % N_t == 0 and src aligned to N_t elements
+  // Fused ops: element e reads row gather[e] of src (null: row e) scaled by
+  // weight[e, head] (null: unscaled), where a row holds `heads` heads of
+  // F / heads features. Rows outside [0, src_rows) read as the identity.
+  const index_t* __restrict__ gather;
+  const scalar_t* __restrict__ weight;
+  int64_t src_rows, heads;
   // SP schedule only: segment offsets [S + 1], rows per segment the SP pass
   // takes (the rest is overflow for an SR pass), and a flag set when any
   // segment overflows.
@@ -59,12 +67,29 @@ struct SegmentArgs {
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 
-// Loads src[row, col0 : col0 + N_T] into acc_t registers; features past F get
-// the identity so they can be combined blindly.
+// Head of the weight that scales features col0 .. col0 + N_T - 1 (the launch
+// layer keeps N_T dividing the head size, so one head covers them all).
+template <typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ int64_t weight_head(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t col0) {
+  return a.heads > 1 ? col0 / (a.F / a.heads) : 0;
+}
+
+// Loads element `row`'s features col0 : col0 + N_T (src[row], or the gathered
+// and weighted row of the fused ops) into acc_t registers; features past F
+// get the identity so they can be combined blindly.
 template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void load_row(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t row,
-                                         int64_t col0, acc_t (&v)[N_T]) {
-  const scalar_t* p = a.src + row * a.F + col0;
+                                         int64_t col0, int64_t head, acc_t (&v)[N_T]) {
+  int64_t src_row = row;
+  if (a.gather) {
+    src_row = a.gather[row];
+    if (static_cast<uint64_t>(src_row) >= static_cast<uint64_t>(a.src_rows)) {
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) v[j] = Op::identity();
+      return;
+    }
+  }
+  const scalar_t* p = a.src + src_row * a.F + col0;
   if (a.vector_loads) {
     const Pack<scalar_t, N_T> pack = *reinterpret_cast<const Pack<scalar_t, N_T>*>(p);
 #pragma unroll
@@ -72,6 +97,11 @@ __device__ __forceinline__ void load_row(const SegmentArgs<scalar_t, acc_t, inde
   } else {
 #pragma unroll
     for (int j = 0; j < N_T; ++j) v[j] = col0 + j < a.F ? to_acc(p[j]) : Op::identity();
+  }
+  if (a.weight) {
+    const acc_t w = to_acc(a.weight[row * a.heads + head]);
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) v[j] = col0 + j < a.F ? v[j] * w : v[j];
   }
 }
 
@@ -95,6 +125,7 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   const int64_t row_begin = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * rows_per_thread;
   if (col0 >= a.F || row_begin >= a.E) return;
   if (OVERFLOW_ONLY && *a.overflow == 0) return;
+  const int64_t head = weight_head(a, col0);
   const int64_t row_end = min(row_begin + int64_t(rows_per_thread), a.E);
 
   acc_t acc[N_T];
@@ -120,7 +151,7 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       // same segment (the index is sorted).
       if (OVERFLOW_ONLY && take[b]) take[b] = r >= a.cap && int64_t(a.index[r - a.cap]) == s[b];
       if (take[b]) {
-        load_row<N_T, Op>(a, r, col0, v[b]);
+        load_row<N_T, Op>(a, r, col0, head, v[b]);
       } else {
 #pragma unroll
         for (int j = 0; j < N_T; ++j) v[b][j] = Op::identity();
@@ -171,6 +202,7 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   const int64_t end = min(max(a.ptr[seg + 1], begin), a.E);
   const int64_t stop = min(end, begin + a.cap);
   if (stop < end && threadIdx.x == 0 && blockIdx.y == 0) *a.overflow = 1;
+  const int64_t head = weight_head(a, col0);
 
   acc_t acc[N_T];
 #pragma unroll
@@ -181,7 +213,7 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
       if (r0 + b < stop) {
-        load_row<N_T, Op>(a, r0 + b, col0, v[b]);
+        load_row<N_T, Op>(a, r0 + b, col0, head, v[b]);
       } else {
 #pragma unroll
         for (int j = 0; j < N_T; ++j) v[b][j] = Op::identity();
@@ -211,6 +243,7 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   const int64_t columns = (a.F + N_T - 1) / N_T;
   const int64_t col0 = (tile % columns) * N_T;
   const int64_t row_base = (tile / columns) * group * int64_t(iterations);
+  const int64_t head = weight_head(a, col0);
   const int64_t past_end = std::numeric_limits<int64_t>::max();  // sorts after every segment
 
   acc_t carry[N_T];
@@ -227,7 +260,7 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     const bool has_row = it < iterations && r < a.E;
     s = has_row ? int64_t(a.index[r]) : past_end;
     if (has_row) {
-      load_row<N_T, Op>(a, r, col0, v);
+      load_row<N_T, Op>(a, r, col0, head, v);
     } else {
 #pragma unroll
       for (int j = 0; j < N_T; ++j) v[j] = Op::identity();
@@ -327,14 +360,16 @@ __global__ void segment_arg_kernel(const index_t* __restrict__ index, const scal
   }
 }
 
-// Index validation: bit 1 negative, bit 2 >= S, bit 4 not sorted.
+// Index validation, flags as IndexFlag: 1 negative, 2 >= bound, 4 not sorted
+// (checked only if `sorted`).
 template <typename index_t>
-__global__ void check_index_kernel(const index_t* __restrict__ index, int64_t E, int64_t S, int* flags) {
+__global__ void check_index_kernel(const index_t* __restrict__ index, int64_t E, int64_t bound, bool sorted,
+                                   int* flags) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < E;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t v = index[i];
-    int bad = (v < 0 ? 1 : 0) | (v >= S ? 2 : 0);
-    if (i + 1 < E && int64_t(index[i + 1]) < v) bad |= 4;
+    int bad = (v < 0 ? 1 : 0) | (v >= bound ? 2 : 0);
+    if (sorted && i + 1 < E && int64_t(index[i + 1]) < v) bad |= 4;
     if (bad) atomicOr(flags, bad);
   }
 }

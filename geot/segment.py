@@ -9,11 +9,11 @@ from .config import Config
 REDUCTIONS = ("sum", "mean", "max", "min")
 
 
-def _infer_num_segments(index: torch.Tensor) -> int:
+def _infer_num_segments(index: torch.Tensor, name: str = "index") -> int:
     if not isinstance(index, torch.Tensor):
-        raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(index).__name__}")
     if index.dim() != 1:
-        raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(index.shape)}")
     # index is sorted, so its last value is the largest (one device->host sync).
     return int(index[-1]) + 1 if index.numel() > 0 else 0
 

@@ -1,0 +1,167 @@
+// Fused gather + segment reduce: argument checks, the operator entries (shared
+// by CPU and CUDA: they run on the row reduction of segment_reduce_cpu.cpp /
+// segment_reduce_cuda.cu with a gather and a weight), and edge_dot on CPU.
+#include "index_segment_reduce.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "segment_reduce.h"
+
+namespace geot {
+
+namespace {
+
+void check_index_tensor(const at::Tensor& index, const char* name) {
+  TORCH_CHECK_TYPE(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt, name,
+                   " must be an int32 or int64 tensor, got ", index.scalar_type());
+  TORCH_CHECK_VALUE(index.dim() == 1, name, " must be 1-D, got shape ", shape_string(index.sizes()));
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(t.device() == x.device(), name, " must be on the device of x (", x.device().str(), "), got ",
+                    t.device().str());
+}
+
+void check_features(const at::Tensor& x, const char* name) {
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), name,
+                   " must be a float32, float16, bfloat16 or float64 tensor, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1, name, " must have at least one dimension (rows), got a 0-d tensor");
+}
+
+// Checks the edge list (src_index, dst_index) against x and returns E.
+int64_t check_edges(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x) {
+  check_index_tensor(src_index, "src_index");
+  check_index_tensor(dst_index, "dst_index");
+  check_features(x, "x");
+  TORCH_CHECK_VALUE(src_index.size(0) == dst_index.size(0), "src_index and dst_index must have the same length, got ",
+                    std::to_string(src_index.size(0)), " and ", std::to_string(dst_index.size(0)));
+  check_same_device(src_index, "src_index", x);
+  check_same_device(dst_index, "dst_index", x);
+  return src_index.size(0);
+}
+
+// weight [E] (heads = 1) or [E, H] with x [N, H, ...]. Returns the heads.
+int64_t check_weight(const at::Tensor& weight, int64_t E, const at::Tensor& x) {
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "weight must have the dtype of x (", x.scalar_type(),
+                   "), got ", weight.scalar_type());
+  check_same_device(weight, "weight", x);
+  TORCH_CHECK_VALUE((weight.dim() == 1 || weight.dim() == 2) && weight.size(0) == E,
+                    "weight must have shape [E] or [E, H] with E = ", std::to_string(E), " edges, got ",
+                    shape_string(weight.sizes()));
+  if (weight.dim() == 1) return 1;
+  const int64_t heads = weight.size(1);
+  TORCH_CHECK_VALUE(x.dim() >= 2 && x.size(1) == heads, "with weight of shape [E, H] = ",
+                    shape_string(weight.sizes()), ", x must have shape [N, H, ...], got ", shape_string(x.sizes()));
+  return heads;
+}
+
+// The fused op's row reduction with gather = src_index in dst_index's dtype.
+RowReduction fused_reduction(const at::Tensor& segment_index, const at::Tensor& gather_index, const at::Tensor& x,
+                             const std::optional<at::Tensor>& weight, int64_t heads, int64_t num_segments) {
+  RowReduction r;
+  r.index = segment_index.contiguous();
+  r.gather = gather_index.to(r.index.scalar_type()).contiguous();
+  r.src = as_rows(x);
+  if (weight) r.weight = weight->contiguous().view(-1);
+  r.heads = heads;
+  r.num_segments = num_segments;
+  return r;
+}
+
+}  // namespace
+
+at::Tensor index_segment_reduce_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                                   const std::optional<at::Tensor>& weight, int64_t num_segments,
+                                   c10::string_view reduce, at::OptionalIntArrayRef config,
+                                   const std::optional<at::Tensor>& /*t_perm*/,
+                                   const std::optional<at::Tensor>& /*t_src*/,
+                                   const std::optional<at::Tensor>& /*t_dst*/) {
+  const int64_t E = check_edges(src_index, dst_index, x);
+  const int64_t heads = weight ? check_weight(*weight, E, x) : 1;
+  TORCH_CHECK_VALUE(num_segments >= 0, "num_segments must be >= 0, got ", std::to_string(num_segments));
+  const Reduce kind = parse_reduce(reduce);
+  validate_indices({{dst_index, num_segments, true, "dst_index", "num_segments"},
+                    {src_index, x.size(0), false, "src_index", "x.size(0)"}});
+  RowReduction r = fused_reduction(dst_index, src_index, x, weight, heads, num_segments);
+  r.reduce = kind;
+  r.config = config;
+  return reduce_rows(r).view(segment_output_sizes(x, num_segments));
+}
+
+at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor& scatter_index, const at::Tensor& x,
+                                const std::optional<at::Tensor>& weight, int64_t num_out) {
+  const int64_t E = check_edges(gather_index, scatter_index, x);
+  const int64_t heads = weight ? check_weight(*weight, E, x) : 1;
+  TORCH_CHECK_VALUE(num_out >= 0, "num_out must be >= 0, got ", std::to_string(num_out));
+  validate_indices({{scatter_index, num_out, false, "scatter_index", "num_out"},
+                    {gather_index, x.size(0), false, "gather_index", "x.size(0)"}});
+  RowReduction r = fused_reduction(scatter_index, gather_index, x, weight, heads, num_out);
+  r.any_order = true;
+  return reduce_rows(r).view(segment_output_sizes(x, num_out));
+}
+
+at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                       const at::Tensor& b, int64_t heads) {
+  const int64_t E = check_edges(src_index, dst_index, b);
+  check_features(a, "a");
+  check_same_device(a, "a", b);
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "a and b must have one dtype, got ", a.scalar_type(),
+                   " and ", b.scalar_type());
+  const at::Tensor a_rows = as_rows(a), b_rows = as_rows(b);
+  const int64_t F = b_rows.size(1);
+  TORCH_CHECK_VALUE(a_rows.size(1) == F, "a and b must have the same features per row, got shapes ",
+                    shape_string(a.sizes()), " and ", shape_string(b.sizes()));
+  TORCH_CHECK_VALUE(heads >= 1 && F % heads == 0, "heads (", std::to_string(heads),
+                    ") must divide the features per row (", std::to_string(F), ")");
+  validate_indices({{dst_index, a.size(0), false, "dst_index", "a.size(0)"},
+                    {src_index, b.size(0), false, "src_index", "b.size(0)"}});
+  at::Tensor out = at::empty({E, heads}, b.options());
+  if (E == 0) return out;
+  const at::Tensor dst = dst_index.contiguous(), src = src_index.to(dst.scalar_type()).contiguous();
+#ifdef GEOT_WITH_CUDA
+  if (b.is_cuda()) {
+    edge_dot_cuda(src, dst, a_rows, b_rows, out);
+    return out;
+  }
+#endif
+  edge_dot_cpu(src, dst, a_rows, b_rows, out);
+  return out;
+}
+
+void edge_dot_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                  const at::Tensor& b, at::Tensor& out) {
+  const int64_t E = out.size(0), heads = out.size(1), F = b.size(1), head_size = F / heads;
+  const int64_t a_rows = a.size(0), b_rows = b.size(0);
+  AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_dot_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "geot_edge_dot_cpu", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const index_t* src = src_index.data_ptr<index_t>();
+      const index_t* dst = dst_index.data_ptr<index_t>();
+      const scalar_t* pa = a.data_ptr<scalar_t>();
+      const scalar_t* pb = b.data_ptr<scalar_t>();
+      scalar_t* po = out.data_ptr<scalar_t>();
+      at::parallel_for(0, E, std::max<int64_t>(1, 8192 / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
+        for (int64_t e = begin; e < end; ++e) {
+          const int64_t s = src[e], d = dst[e];
+          const bool valid = s >= 0 && s < b_rows && d >= 0 && d < a_rows;
+          for (int64_t h = 0; h < heads; ++h) {
+            acc_t sum = 0;
+            for (int64_t f = h * head_size; valid && f < (h + 1) * head_size; ++f)
+              sum += acc_t(pa[d * F + f]) * acc_t(pb[s * F + f]);
+            po[e * heads + h] = scalar_t(sum);
+          }
+        }
+      });
+    });
+  });
+}
+
+TORCH_LIBRARY_IMPL(geot, CPU, m) {
+  m.impl("index_segment_reduce", &index_segment_reduce_op);
+  m.impl("index_scatter_sum", &index_scatter_sum_op);
+  m.impl("edge_dot", &edge_dot_op);
+}
+
+}  // namespace geot

@@ -1,0 +1,34 @@
+// Fused gather + segment reduce (GeoT §IV): operator entries (one function
+// for CPU and CUDA), and the SDDMM of the weight gradient per device.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace geot {
+
+// out[d] = reduce over e with dst_index[e] == d of weight[e] * x[src_index[e]].
+// The t_* tensors (a transposed index, see geot.TransposedIndex) are for the
+// backward pass and ignored here.
+at::Tensor index_segment_reduce_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                                   const std::optional<at::Tensor>& weight, int64_t num_segments,
+                                   c10::string_view reduce, at::OptionalIntArrayRef config,
+                                   const std::optional<at::Tensor>& t_perm, const std::optional<at::Tensor>& t_src,
+                                   const std::optional<at::Tensor>& t_dst);
+
+// out[scatter_index[e]] += weight[e] * x[gather_index[e]], scatter_index in
+// any order: the backward of the fused op with respect to x, without a sort.
+at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor& scatter_index, const at::Tensor& x,
+                                const std::optional<at::Tensor>& weight, int64_t num_out);
+
+// out[e, h] = <a[dst_index[e], h], b[src_index[e], h]>: the weight gradient.
+at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                       const at::Tensor& b, int64_t heads);
+
+// Device kernels of edge_dot on contiguous [rows, heads * head_size] inputs,
+// indices of one dtype; out is [E, heads].
+void edge_dot_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                  const at::Tensor& b, at::Tensor& out);
+void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                   const at::Tensor& b, at::Tensor& out);
+
+}  // namespace geot

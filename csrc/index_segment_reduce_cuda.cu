@@ -1,0 +1,46 @@
+// CUDA side of the fused family: the fused forward and its x-gradient run on
+// the row reduction of segment_reduce_cuda.cu; here is the SDDMM launch.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "index_segment_reduce.h"
+#include "index_segment_reduce_kernels.cuh"
+#include "launch_utils.cuh"
+
+namespace geot {
+
+void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                   const at::Tensor& b, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(b.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t E = out.size(0), heads = out.size(1), head_size = b.size(1) / heads;
+  int group = 1;  // lanes per (edge, head): enough to cover the head, at most a warp
+  while (group < 32 && group < head_size) group <<= 1;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>(ceil_div(E * heads, threads / group), 1 << 20);
+  AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_dot", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "geot_edge_dot", [&] {
+      using in_t = typename cuda_type<scalar_t>::type;
+      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      edge_dot_kernel<in_t, acc_t, index_t><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+          src_index.data_ptr<index_t>(), dst_index.data_ptr<index_t>(),
+          reinterpret_cast<const in_t*>(a.data_ptr<scalar_t>()), reinterpret_cast<const in_t*>(b.data_ptr<scalar_t>()),
+          reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), E, heads, head_size, a.size(0), b.size(0), group);
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+TORCH_LIBRARY_IMPL(geot, CUDA, m) {
+  m.impl("index_segment_reduce", &index_segment_reduce_op);
+  m.impl("index_scatter_sum", &index_scatter_sum_op);
+  m.impl("edge_dot", &edge_dot_op);
+}
+
+}  // namespace geot

@@ -1,0 +1,43 @@
+// CUDA kernels of the fused family beyond the shared row reduction
+// (segment_reduce_kernels.cuh runs the fused forward itself): the SDDMM that
+// gives the gradient of the edge weights. Holds no torch types.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "segment_reduce_kernels.cuh"
+
+namespace geot {
+
+// out[e, h] = <a[dst[e], h, :], b[src[e], h, :]> over head_size features.
+// A tile of `group` lanes (a power of two <= 32) takes one (edge, head) item:
+// lanes stride over the features, then reduce with shuffles. Out-of-range
+// rows (possible with validation off) give 0.
+template <typename scalar_t, typename acc_t, typename index_t>
+__global__ void edge_dot_kernel(const index_t* __restrict__ src_index, const index_t* __restrict__ dst_index,
+                                const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                                scalar_t* __restrict__ out, int64_t E, int64_t heads, int64_t head_size,
+                                int64_t a_rows, int64_t b_rows, int group) {
+  const int lane = threadIdx.x & (group - 1);
+  const unsigned tile_mask =
+      group == 32 ? 0xffffffffu : ((1u << group) - 1u) << (threadIdx.x & 31 & ~(group - 1));
+  const int64_t F = heads * head_size;
+  const int64_t tiles = int64_t(gridDim.x) * (blockDim.x / group);
+  for (int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / group; item < E * heads;
+       item += tiles) {
+    const int64_t e = item / heads, h = item - e * heads;
+    const int64_t s = src_index[e], d = dst_index[e];
+    acc_t sum = 0;
+    if (s >= 0 && s < b_rows && d >= 0 && d < a_rows) {
+      const scalar_t* pa = a + d * F + h * head_size;
+      const scalar_t* pb = b + s * F + h * head_size;
+      for (int64_t f = lane; f < head_size; f += group) sum += to_acc(pa[f]) * to_acc(pb[f]);
+    }
+    for (int offset = group >> 1; offset > 0; offset >>= 1) sum += __shfl_xor_sync(tile_mask, sum, offset, group);
+    if (lane == 0) out[item] = from_acc<scalar_t>(sum);
+  }
+}
+
+}  // namespace geot

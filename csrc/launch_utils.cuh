@@ -1,0 +1,19 @@
+// Small helpers shared by the CUDA launch layers.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace geot {
+
+// at:: half types -> their CUDA builtin twins (same bit layout).
+template <typename T> struct cuda_type { using type = T; };
+template <> struct cuda_type<at::Half> { using type = __half; };
+template <> struct cuda_type<at::BFloat16> { using type = __nv_bfloat16; };
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace geot

@@ -1,0 +1,379 @@
+"""Tests of the fused ops (index_segment_reduce, index_weight_segment_reduce)
+and their backward helpers against a float64 gather-then-reduce reference."""
+import pytest
+import torch
+
+import geot
+from conftest import requires_cuda
+from reference import (
+    REDUCES,
+    RTOL,
+    describe,
+    distinct_src,
+    huge_segment_index,
+    index_from_degrees,
+    one_segment_index,
+    powerlaw_index,
+    random_index,
+    random_src,
+    segment_counts,
+    segment_reduce_ref,
+    sum_tolerance,
+)
+
+DTYPES = [
+    pytest.param(torch.float32, id="f32"),
+    pytest.param(torch.float16, id="f16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float64, id="f64"),
+]
+
+
+def per_edge(weight, like):
+    return weight.reshape(*weight.shape, *([1] * (like.dim() - weight.dim())))
+
+
+def messages_ref(src_index, weight, x):
+    """The [E, ...] messages weight[e] * x[src_index[e]] in float64 on CPU."""
+    msg = x.detach().cpu().double()[src_index.cpu().long()]
+    if weight is not None:
+        msg = msg * per_edge(weight.detach().cpu().double(), msg)
+    return msg
+
+
+def assert_fused_matches(out, src_index, dst_index, weight, x, reduce, S, where):
+    """Like reference.assert_matches_ref, with the messages as src: sum/mean
+    within rounding of the inputs, max/min exact (one message, rounded)."""
+    assert out.dtype == x.dtype and out.device == x.device, where
+    assert tuple(out.shape) == (S, *x.shape[1:]), f"{where}: shape {tuple(out.shape)}"
+    msg = messages_ref(src_index, weight, x)
+    ref = segment_reduce_ref(dst_index, msg, reduce, S)
+    got = out.detach().cpu().double()
+    assert not torch.isnan(got).any(), f"{where}: NaN in output"
+    if reduce in ("max", "min"):
+        # products were formed in fp32 (half types) or the input precision
+        bad = got != ref.to(x.dtype).double() if weight is None else ~torch.isclose(got, ref, rtol=RTOL[x.dtype] * 8, atol=0)
+    else:
+        tol = sum_tolerance(dst_index, msg.to(x.dtype) if x.dtype != torch.float64 else msg, reduce, S)
+        bad = ~((got - ref).abs() <= tol * 4)
+    assert not bad.any(), (
+        f"{where}: {int(bad.sum())} wrong, first at {tuple(bad.nonzero()[0].tolist())}: "
+        f"got {got[tuple(bad.nonzero()[0].tolist())].item()}, expected {ref[tuple(bad.nonzero()[0].tolist())].item()}"
+    )
+    empty = (segment_counts(dst_index, S) == 0).to(out.device)
+    if empty.any():
+        assert (out[empty] == 0).all(), f"{where}: nodes without edges not 0"
+
+
+def edges(dst_index, num_src, generator=None):
+    """Random sources for a sorted destination index."""
+    return torch.randint(0, max(num_src, 1), (dst_index.numel(),), generator=generator)
+
+
+# name -> (dst_index, S, num_src, feature shape)
+GRAPHS = {
+    "E0": lambda: (torch.zeros(0, dtype=torch.long), 5, 7, (4,)),
+    "one_segment": lambda: (one_segment_index(50, 2), 4, 9, (8,)),
+    "isolated_nodes": lambda: (random_index(80, 200, lo=10, hi=190), 200, 60, (5,)),
+    "F1": lambda: (random_index(400, 50), 50, 70, (1,)),
+    "F3": lambda: (random_index(400, 50), 50, 70, (3,)),
+    "F33": lambda: (random_index(300, 40), 40, 30, (33,)),
+    "F128": lambda: (random_index(200, 30), 30, 25, (128,)),
+    "3d": lambda: (random_index(300, 40), 40, 20, (2, 6)),
+    "powerlaw": lambda: (powerlaw_index(300, 4000), 300, 300, (16,)),
+    "huge_degree": lambda: (huge_segment_index(50_000, 6, big=3), 6, 1000, (4,)),
+}
+
+
+@pytest.mark.parametrize("graph", list(GRAPHS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_forward_matches_reference(device, reduce, weighted, dtype, graph):
+    dst, S, N, feat = GRAPHS[graph]()
+    src = edges(dst, N)
+    index_dtype = torch.int32 if dtype in (torch.float16, torch.float64) else torch.int64
+    src, dst = src.to(device, index_dtype), dst.to(device, index_dtype)
+    x = random_src(N, feat, dtype, device)
+    weight = random_src(dst.numel(), (), dtype, device) if weighted else None
+    if weighted:
+        out = geot.index_weight_segment_reduce(src, dst, weight, x, reduce, S)
+    else:
+        out = geot.index_segment_reduce(src, dst, x, reduce, S)
+    assert_fused_matches(out, src, dst, weight, x, reduce, S, f"{graph} ({describe(dst, S)})")
+
+
+def test_self_loops_and_repeated_edges(device):
+    dst = torch.tensor([0, 0, 0, 1, 1, 3, 3, 3, 3], device=device)
+    src = torch.tensor([0, 0, 0, 1, 2, 3, 3, 1, 1], device=device)  # self loops, repeats
+    x = torch.arange(12.0, device=device).view(4, 3)
+    w = torch.arange(1.0, 10.0, device=device)
+    out = geot.index_weight_segment_reduce(src, dst, w, x, "sum", 4)
+    expected = torch.zeros(4, 3, device=device)
+    for e in range(9):
+        expected[dst[e]] += w[e] * x[src[e]]
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("heads,head_feat", [(4, (8,)), (3, (5,)), (2, (1,)), (8, (2, 3))])
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_multi_head(device, reduce, heads, head_feat):
+    dst, S, N = powerlaw_index(60, 700), 60, 45
+    src = edges(dst, N).to(device)
+    dst = dst.to(device)
+    x = random_src(N, (heads, *head_feat), torch.float32, device)
+    w = random_src(dst.numel(), (heads,), torch.float32, device)
+    out = geot.index_weight_segment_reduce(src, dst, w, x, reduce, S)
+    assert_fused_matches(out, src, dst, w, x, reduce, S, f"heads={heads}")
+
+
+def test_mixed_index_dtypes(device):
+    dst = random_index(300, 40).to(device)  # int64
+    src = edges(dst, 25).to(device, torch.int32)
+    x = random_src(25, (6,), torch.float32, device)
+    out = geot.index_segment_reduce(src, dst, x, "mean", 40)
+    assert_fused_matches(out, src, dst, None, x, "mean", 40, "int32 src, int64 dst")
+
+
+def test_num_segments_omitted(device):
+    dst = random_index(100, 30).to(device)
+    src = edges(dst, 10).to(device)
+    x = random_src(10, (4,), torch.float32, device)
+    out = geot.index_segment_reduce(src, dst, x)
+    assert out.shape[0] == int(dst[-1]) + 1
+
+
+def test_noncontiguous_inputs(device):
+    dst = random_index(200, 30).to(device)
+    src = edges(dst, 20).to(device)
+    x = random_src(8, (20,), torch.float32, device).t()  # [20, 8] with strides (1, 20)
+    w = random_src(2 * dst.numel(), (), torch.float32, device)[::2]
+    out = geot.index_weight_segment_reduce(src, dst, w, x, "sum", 30)
+    assert_fused_matches(out, src, dst, w, x, "sum", 30, "non-contiguous x and weight")
+
+
+# --------------------------------------------------------------------------- #
+# backward
+# --------------------------------------------------------------------------- #
+def _grad_graph(device, S=7, N=6):
+    dst = index_from_degrees(torch.tensor([3, 0, 4, 1, 5, 0, 2]))  # empty segments 1 and 5
+    src = torch.tensor([0, 1, 1, 2, 5, 0, 3, 4, 4, 4, 1, 0, 2, 3, 5])
+    return src.to(device), dst.to(device), S, N
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["atomic", "transposed"])
+@pytest.mark.parametrize("heads", [0, 1, 3], ids=["unweighted", "w1", "w3"])
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_gradcheck(device, reduce, heads, transposed):
+    src, dst, S, N = _grad_graph(device)
+    E = dst.numel()
+    feat = (heads, 2) if heads > 1 else (3,)
+    # shifted off 0: 0 * w[e] would tie the messages of repeated sources
+    x = (distinct_src(N, feat, torch.float64, device) + 0.0137).requires_grad_()
+    t = geot.transpose_index(src, dst) if transposed else None
+    if heads == 0:
+        fn = lambda x: geot.index_segment_reduce(src, dst, x, reduce, S, transposed=t)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-8)
+        return
+    w = (distinct_src(E, (heads,) if heads > 1 else (), torch.float64, device) + 2.0).requires_grad_()
+    fn = lambda w, x: geot.index_weight_segment_reduce(src, dst, w, x, reduce, S, transposed=t)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (w, x), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["atomic", "transposed"])
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_backward_matches_reference_large(device, reduce, transposed):
+    dst, S, N = powerlaw_index(500, 8000), 500, 400
+    src = edges(dst, N).to(device)
+    dst = dst.to(device)
+    x = random_src(N, (16,), torch.float32, device).requires_grad_()
+    w = random_src(dst.numel(), (), torch.float32, device).requires_grad_()
+    g = random_src(S, (16,), torch.float32, device)
+    t = geot.transpose_index(src, dst) if transposed else None
+    geot.index_weight_segment_reduce(src, dst, w, x, reduce, S, transposed=t).backward(g)
+    x64 = x.detach().cpu().double().requires_grad_()
+    w64 = w.detach().cpu().double().requires_grad_()
+    msg = x64[src.cpu()] * w64[:, None]
+    segment_reduce_ref_autograd(dst.cpu(), msg, reduce, S).backward(g.cpu().double())
+    torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w.grad.cpu().double(), w64.grad, rtol=1e-4, atol=1e-4)
+
+
+def segment_reduce_ref_autograd(index, src, reduce, S):
+    out = torch.zeros((S, *src.shape[1:]), dtype=src.dtype).index_add(0, index, src)
+    if reduce == "mean":
+        out = out / segment_counts(index, S).clamp(min=1).to(src.dtype)[:, None]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_backward_half(device, dtype):
+    dst, S, N = powerlaw_index(100, 1500), 100, 80
+    src = edges(dst, N).to(device)
+    dst = dst.to(device)
+    x = random_src(N, (8,), dtype, device).requires_grad_()
+    w = random_src(dst.numel(), (), dtype, device).requires_grad_()
+    geot.index_weight_segment_reduce(src, dst, w, x, "sum", S).sum().backward()
+    x64 = x.detach().cpu().double().requires_grad_()
+    w64 = w.detach().cpu().double().requires_grad_()
+    segment_reduce_ref_autograd(dst.cpu(), x64[src.cpu()] * w64[:, None], "sum", S).sum().backward()
+    torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(w.grad.cpu().double(), w64.grad, rtol=2e-2, atol=5e-2)
+
+
+def test_index_scatter_sum_any_order(device):
+    """The no-sort gradient path: out[scatter[e]] += w[e] * x[gather[e]]."""
+    E, N, S = 3000, 50, 70
+    gather = torch.randint(0, N, (E,), device=device)
+    scatter = torch.randint(0, S, (E,), device=device)  # unsorted
+    x = random_src(N, (7,), torch.float32, device)
+    w = random_src(E, (), torch.float32, device)
+    out = torch.ops.geot.index_scatter_sum(gather, scatter, x, w, S)
+    expected = torch.zeros(S, 7, dtype=torch.float64).index_add_(
+        0, scatter.cpu(), x.cpu().double()[gather.cpu()] * w.cpu().double()[:, None]
+    )
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,F", [(1, 1), (1, 37), (4, 8), (2, 130)])
+def test_edge_dot(device, heads, F):
+    E, S, N = 500, 30, 40
+    src = torch.randint(0, N, (E,), device=device)
+    dst = torch.randint(0, S, (E,), device=device)
+    a = random_src(S, (F,), torch.float32, device)
+    b = random_src(N, (F,), torch.float32, device)
+    out = torch.ops.geot.edge_dot(src, dst, a, b, heads)
+    prod = a.cpu().double()[dst.cpu()] * b.cpu().double()[src.cpu()]
+    expected = prod.view(E, heads, -1).sum(-1)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# bad input
+# --------------------------------------------------------------------------- #
+def _ok(device):
+    dst = torch.tensor([0, 0, 1, 3], device=device)
+    src = torch.tensor([1, 2, 0, 2], device=device)
+    return src, dst, torch.randn(3, 4, device=device), torch.randn(4, device=device)
+
+
+def test_error_src_index_out_of_range(device):
+    src, dst, x, w = _ok(device)
+    with pytest.raises(ValueError, match="src_index has values >= x.size"):
+        geot.index_segment_reduce(torch.tensor([1, 2, 0, 3], device=device), dst, x, "sum", 4)
+    with pytest.raises(ValueError, match="src_index has negative"):
+        geot.index_segment_reduce(torch.tensor([1, -2, 0, 1], device=device), dst, x, "sum", 4)
+
+
+def test_error_dst_index(device):
+    src, dst, x, w = _ok(device)
+    with pytest.raises(ValueError, match="dst_index must be sorted"):
+        geot.index_segment_reduce(src, torch.tensor([0, 1, 0, 3], device=device), x, "sum", 4)
+    with pytest.raises(ValueError, match="dst_index has values >= num_segments"):
+        geot.index_segment_reduce(src, dst, x, "sum", 3)
+
+
+def test_error_weight(device):
+    src, dst, x, w = _ok(device)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        geot.index_weight_segment_reduce(src, dst, w[:3], x, "sum", 4)
+    with pytest.raises(ValueError, match=r"x must have shape \[N, H"):
+        geot.index_weight_segment_reduce(src, dst, torch.randn(4, 2, device=device), x, "sum", 4)
+    with pytest.raises(TypeError, match="weight must have the dtype of x"):
+        geot.index_weight_segment_reduce(src, dst, w.double(), x, "sum", 4)
+
+
+def test_error_types_and_shapes(device):
+    src, dst, x, w = _ok(device)
+    with pytest.raises(TypeError, match="x must be a float"):
+        geot.index_segment_reduce(src, dst, x.long(), "sum", 4)
+    with pytest.raises(TypeError, match="src_index must be an int32 or int64"):
+        geot.index_segment_reduce(src.float(), dst, x, "sum", 4)
+    with pytest.raises(ValueError, match="same length"):
+        geot.index_segment_reduce(src[:3], dst, x, "sum", 4)
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        geot.index_segment_reduce(src, dst, x, "prod", 4)
+    with pytest.raises(ValueError, match="rebuild it"):
+        t = geot.transpose_index(src[:3], dst[:3])
+        geot.index_segment_reduce(src, dst, x.requires_grad_(), "sum", 4, transposed=t)
+
+
+@requires_cuda
+def test_error_device_mismatch():
+    src, dst, x, w = _ok("cpu")
+    with pytest.raises(ValueError, match="src_index must be on the device of x"):
+        geot.index_segment_reduce(src, dst.cuda(), x.cuda(), "sum", 4)
+
+
+def test_validation_cache_sees_in_place_changes(device):
+    """A validated index is not re-checked, unless it is modified in place."""
+    src, dst, x, w = _ok(device)
+    geot.index_segment_reduce(src, dst, x, "sum", 4)
+    src[1] = 7  # bumps the version counter
+    with pytest.raises(ValueError, match="src_index has values"):
+        geot.index_segment_reduce(src, dst, x, "sum", 4)
+    edge_index = torch.stack([src.clone(), dst])
+    edge_index[0, 1] = 2
+    geot.index_segment_reduce(edge_index[0], edge_index[1], x, "sum", 4)  # fresh views, cached storage
+    edge_index[1, 0] = 2  # unsorted now
+    with pytest.raises(ValueError, match="dst_index must be sorted"):
+        geot.index_segment_reduce(edge_index[0], edge_index[1], x, "sum", 4)
+
+
+def test_validation_off_out_of_range_no_crash(device):
+    src, dst, x, w = _ok(device)
+    with geot.validation.validation(False):
+        out = geot.index_segment_reduce(torch.tensor([1, 99, 0, -5], device=device), dst, x, "sum", 4)
+    assert out.shape == (4, 4)
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- #
+# torch.compile, opcheck, CUDA configs
+# --------------------------------------------------------------------------- #
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    dst = random_index(200, 30).to(device)
+    src = edges(dst, 25).to(device)
+    t = geot.transpose_index(src, dst)
+
+    def fn(x, w):
+        h = geot.index_weight_segment_reduce(src, dst, w, x, "sum", 30, transposed=t)
+        return torch.relu(h).sum() + geot.index_segment_reduce(src, dst, x, "mean", 30).sum()
+
+    x = random_src(25, (8,), torch.float32, device).requires_grad_()
+    w = random_src(200, (), torch.float32, device).requires_grad_()
+    compiled = torch.compile(fn, fullgraph=True)
+    loss = compiled(x, w)
+    loss.backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    expected = fn(x, w)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_opcheck(device, reduce):
+    src, dst, S, N = _grad_graph(device)
+    x = distinct_src(N, (4,), torch.float32, device).requires_grad_()
+    w = (distinct_src(dst.numel(), (), torch.float32, device) + 2.0).requires_grad_()
+    torch.library.opcheck(torch.ops.geot.index_segment_reduce.default, (src, dst, x, w, S, reduce))
+
+
+@requires_cuda
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_every_schedule_cuda(reduce):
+    dst, S, N = powerlaw_index(3000, 40_000), 3000, 2000
+    dst[-9000:] = 2999  # a hub at the end
+    src = edges(dst, N).cuda()
+    dst = dst.cuda()
+    for feat in [(1,), (3,), (32,), (4, 8)]:
+        x = random_src(N, feat, torch.float32, "cuda")
+        w = random_src(dst.numel(), feat[:1] if len(feat) == 2 else (), torch.float32, "cuda")
+        for cfg in geot.config_space(narrow=True)[::7]:
+            out = geot.index_weight_segment_reduce(src, dst, w, x, reduce, S, config=cfg)
+            assert_fused_matches(out, src, dst, w, x, reduce, S, f"{cfg} feat={feat}")
