@@ -215,7 +215,18 @@ struct RowReader {
     const int64_t r = gather ? int64_t(gather[e]) : e;
     return r >= 0 && r < rows ? src + r * F : nullptr;
   }
-  acc_t scale(int64_t e, int64_t f) const { return weight ? acc_t(weight[e * heads + f / head_size]) : acc_t(1); }
+  acc_t scale(int64_t e, int64_t head) const { return weight ? acc_t(weight[e * heads + head]) : acc_t(1); }
+
+  // Calls combine(f, value) for every feature of element e, if its row exists.
+  template <typename Combine>
+  void for_each_value(int64_t e, const Combine& combine) const {
+    const scalar_t* r = row(e);
+    if (!r) return;
+    for (int64_t h = 0; h < heads; ++h) {
+      const acc_t w = scale(e, h);
+      for (int64_t f = h * head_size; f < (h + 1) * head_size; ++f) combine(f, acc_t(r[f]) * w);
+    }
+  }
 };
 
 template <typename scalar_t, typename index_t>
@@ -227,15 +238,10 @@ void reduce_sorted_rows(const index_t* index, const RowReader<scalar_t, index_t>
   for_each_segment(index, E, S, F, [&](int64_t s, int64_t begin, int64_t end) {
     std::vector<acc_t> acc(F, op.identity());
     for (int64_t e = begin; e < end; ++e) {
-      const scalar_t* row = in.row(e);
-      if (!row) continue;
-      for (int64_t f = 0; f < F; ++f) {
-        const acc_t v = acc_t(row[f]) * in.scale(e, f);
-        switch (kind) {
-          case Reduce::Max: acc[f] = std::max(acc[f], v); break;
-          case Reduce::Min: acc[f] = std::min(acc[f], v); break;
-          default: acc[f] += v;
-        }
+      switch (kind) {
+        case Reduce::Max: in.for_each_value(e, [&](int64_t f, acc_t v) { acc[f] = std::max(acc[f], v); }); break;
+        case Reduce::Min: in.for_each_value(e, [&](int64_t f, acc_t v) { acc[f] = std::min(acc[f], v); }); break;
+        default: in.for_each_value(e, [&](int64_t f, acc_t v) { acc[f] += v; });
       }
     }
     for (int64_t f = 0; f < F; ++f) out[s * F + f] = scalar_t(op.finish(acc[f], end - begin));
@@ -256,7 +262,7 @@ void scatter_sum_rows(const index_t* index, const RowReader<scalar_t, index_t>& 
       const int64_t s = index[e];
       if (!row || s < 0 || s >= S) continue;
       acc_t* dst = acc.data() + s * F;
-      for (int64_t f = f_begin; f < f_end; ++f) dst[f] += acc_t(row[f]) * in.scale(e, f);
+      for (int64_t f = f_begin; f < f_end; ++f) dst[f] += acc_t(row[f]) * in.scale(e, f / in.head_size);
     }
   });
   for (int64_t i = 0; i < S * F; ++i) out[i] = scalar_t(acc[i]);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, then the steps named on the command line
-# (tests, memcheck, sweep, bench), logs and CSVs under $OUT. Used with the
-# device tool: bash scripts/device_check.sh tests memcheck bench
+# (tests, memcheck, sweep, bench, spmm), logs and CSVs under $OUT. Used with
+# the device tool: bash scripts/device_check.sh tests memcheck bench spmm
 set -o pipefail
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD GEOT_DATA=${GEOT_DATA:-$PWD/.data}
@@ -15,9 +15,10 @@ for step in "$@"; do
   case $step in
     tests)
       python3 -m pytest -q tests 2>&1 | tee "$OUT/tests.log" | tail -4 || status=1 ;;
-    memcheck)  # the CUDA tests of segment_reduce under compute-sanitizer
+    memcheck)  # the CUDA tests of the segment_reduce family under compute-sanitizer
       compute-sanitizer --tool memcheck --error-exitcode 9 \
-        python3 -m pytest -q -x tests/test_segment_reduce.py -k "cuda and not compile and not every_config" -p no:cacheprovider \
+        python3 -m pytest -q -x tests/test_segment_reduce.py tests/test_index_segment_reduce.py \
+          -k "cuda and not compile and not every_" -p no:cacheprovider \
         > "$OUT/memcheck.log" 2>&1
       rc=$?; echo "memcheck exit $rc (0 = clean)"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
       [ $rc -eq 0 ] || status=1 ;;
@@ -26,6 +27,8 @@ for step in "$@"; do
       python3 scripts/analyze_sweep.py "$OUT/sweep.csv" | tee "$OUT/sweep_summary.txt" ;;
     bench)
       python3 bench/segment_reduce.py 2>&1 | tee "$OUT/bench.log" | tail -45 || status=1 ;;
+    spmm)
+      python3 bench/spmm.py 2>&1 | grep -v Warning | tee "$OUT/spmm.log" | grep -E "geomean|speedup|^ *cora +16 |^ *graph +F +op" || status=1 ;;
   esac
 done
 echo "total: $(( $(date +%s) - start )) s"

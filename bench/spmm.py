@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Microbenchmark: geot's fused gather + segment reduce (SpMM from the edge
+list) against what a PyG user would call instead.
+
+Sections (each a table, a CSV under bench/results and $OUT, and geomeans):
+  fwd       fp32 weighted sum, graphs x F:
+              geot       geot.index_weight_segment_reduce(src, dst, w, x, "sum", S)
+              cusparse   torch.sparse.mm(A, x), A a CSR tensor built outside the timing
+              pyg_spmm   torch_geometric.utils.spmm(A, x) (when importable)
+              composite  zeros(S, F).index_add_(0, dst, x.index_select(0, src) * w[:, None])
+  dtypes    the same for float16 / bfloat16 (geot, cusparse, composite)
+  heads     multi-head weights [E, H], x [N, H, F/H] (geot vs composite)
+  fwdbwd    forward + backward wrt x and w: geot (atomic x-grad), geot with a
+            cached geot.TransposedIndex, the composite with autograd, and
+            cusparse (x-grad only: torch has no CSR value gradient here)
+  overhead  host time per call on a small graph: many calls back to back,
+            wall clock / count (validation on with its cache, and off)
+
+  python bench/spmm.py                         # everything (GPU)
+  python bench/spmm.py --quick --device cpu    # smoke test
+  python bench/spmm.py --sections fwd --graphs cora powerlaw --F 1 128
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+import common  # noqa: E402
+import geot  # noqa: E402
+
+DEFAULT_GRAPHS = ["cora", "citeseer", "pubmed", "powerlaw", "uniform", "hubs", "powerlaw_small"]
+QUICK_GRAPHS = ["cora", "powerlaw_small"]
+DEFAULT_F = [1, 2, 4, 8, 16, 32, 64, 128]
+SECTIONS = ["fwd", "dtypes", "heads", "fwdbwd", "overhead"]
+
+
+def try_pyg_spmm():
+    try:
+        from torch_geometric.utils import spmm
+        return spmm
+    except Exception:  # PyG is optional
+        return None
+
+
+class Problem:
+    """A graph on the device with the weights, the CSR adjacency and the
+    cached transposed index, built once per graph."""
+
+    def __init__(self, g: common.Graph, device):
+        self.name, self.num_nodes = g.name, g.num_nodes
+        self.src, self.dst = g.src.to(device), g.dst.to(device)
+        self.E = self.dst.numel()
+        self.w = torch.rand(self.E, device=device) + 0.5
+        self.transposed = geot.transpose_index(self.src, self.dst)
+        self._csr = {}
+
+    def csr(self, dtype):
+        if dtype not in self._csr:
+            crow = torch.searchsorted(self.dst, torch.arange(self.num_nodes + 1, device=self.dst.device))
+            self._csr[dtype] = torch.sparse_csr_tensor(
+                crow, self.src, self.w.to(dtype), (self.num_nodes, self.num_nodes))
+        return self._csr[dtype]
+
+    def composite(self, w, x):
+        msg = x.index_select(0, self.src) * w.reshape(*w.shape, *([1] * (x.dim() - w.dim())))
+        return x.new_zeros((self.num_nodes, *x.shape[1:])).index_add_(0, self.dst, msg)
+
+    def geot(self, w, x, transposed=None):
+        return geot.index_weight_segment_reduce(self.src, self.dst, w, x, "sum", self.num_nodes,
+                                                transposed=transposed)
+
+
+def moved_bytes(p: Problem, F: int, esize: int) -> int:
+    """Traffic model: indices and weight per edge, one gathered row per edge,
+    the output once."""
+    return p.E * (2 * p.src.element_size() + esize) + p.E * F * esize + p.num_nodes * F * esize
+
+
+def timed(fn, args, ref=None, atol=1e-3):
+    out = fn()
+    if ref is not None:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=atol, atol=atol)
+    return common.time_cuda(fn, warmup=args.warmup, reps=args.reps, device=args.device, max_time_s=5.0)
+
+
+def forward_rows(p: Problem, F: int, dtype, args, peers):
+    x = torch.randn(p.num_nodes, F, device=args.device, dtype=dtype)
+    w = p.w.to(dtype)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    ref = p.composite(p.w.double(), x.double())
+    fns = {"geot": lambda: p.geot(w, x), "composite": lambda: p.composite(w, x)}
+    if "cusparse" in peers:
+        A = p.csr(dtype)
+        fns["cusparse"] = lambda: torch.sparse.mm(A, x)
+    pyg_spmm = try_pyg_spmm()
+    if "pyg_spmm" in peers and pyg_spmm is not None:
+        A = p.csr(dtype)
+        fns["pyg_spmm"] = lambda: pyg_spmm(A, x, "sum")
+    row = {"graph": p.name, "E": p.E, "F": F, "dtype": str(dtype).replace("torch.", "")}
+    for name, fn in fns.items():
+        try:
+            row[name] = timed(fn, args, ref, tol * max(1.0, float(ref.abs().max())))
+        except Exception as err:  # a peer without support for this case
+            print(f"  {p.name} F={F} {name}: {type(err).__name__}: {str(err)[:100]}")
+            row[name] = float("nan")
+    row["geot_GBps"] = moved_bytes(p, F, x.element_size()) / (row["geot"] * 1e-3) / 1e9
+    return row
+
+
+def head_rows(p: Problem, heads: int, F: int, args):
+    x = torch.randn(p.num_nodes, heads, F // heads, device=args.device)
+    w = torch.rand(p.E, heads, device=args.device)
+    ref = p.composite(w.double(), x.double())
+    fns = {"geot": lambda: p.geot(w, x), "composite": lambda: p.composite(w, x)}
+    row = {"graph": p.name, "E": p.E, "F": F, "heads": heads}
+    for name, fn in fns.items():
+        row[name] = timed(fn, args, ref, 1e-3 * max(1.0, float(ref.abs().max())))
+    return row
+
+
+def fwdbwd_rows(p: Problem, F: int, args):
+    x0 = torch.randn(p.num_nodes, F, device=args.device)
+    w0 = p.w.clone()
+    grad = torch.randn(p.num_nodes, F, device=args.device)
+
+    def step(forward, with_w=True):
+        x = x0.clone().requires_grad_()
+        w = w0.clone().requires_grad_(with_w)
+        forward(w, x).backward(grad)
+        return x.grad
+
+    fns = {
+        "geot": lambda: step(p.geot),
+        "geot_transposed": lambda: step(lambda w, x: p.geot(w, x, p.transposed)),
+        "composite": lambda: step(p.composite),
+    }
+    A = p.csr(torch.float32)
+    fns["cusparse_xgrad"] = lambda: step(lambda w, x: torch.sparse.mm(A, x), with_w=False)
+    ref = step(p.composite)
+    row = {"graph": p.name, "E": p.E, "F": F}
+    for name, fn in fns.items():
+        try:
+            row[name] = timed(fn, args, ref, 1e-3 * max(1.0, float(ref.abs().max())))
+        except Exception as err:
+            print(f"  {p.name} F={F} {name}: {type(err).__name__}: {str(err)[:100]}")
+            row[name] = float("nan")
+    return row
+
+
+def host_overhead_rows(p: Problem, F: int, args, calls: int = 2000):
+    x = torch.randn(p.num_nodes, F, device=args.device)
+    A = p.csr(torch.float32)
+    fns = {"geot": lambda: p.geot(p.w, x), "composite": lambda: p.composite(p.w, x),
+           "cusparse": lambda: torch.sparse.mm(A, x)}
+    pyg_spmm = try_pyg_spmm()
+    if pyg_spmm is not None:
+        fns["pyg_spmm"] = lambda: pyg_spmm(A, x, "sum")
+    rows = []
+    for validation in (True, False):
+        geot.set_validation(validation)
+        for name, fn in fns.items():
+            if name != "geot" and not validation:
+                continue
+            for _ in range(20):
+                fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            label = name if validation else "geot_no_validation"
+            rows.append({"graph": p.name, "F": F, "op": label, "us_per_call": (time.perf_counter() - t0) / calls * 1e6})
+    geot.set_validation(True)
+    return rows
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def speedups(df, peers):
+    for peer in peers:
+        if peer in df:
+            df[f"x_vs_{peer}"] = df[peer] / df["geot"]
+    return df
+
+
+def report(df, title, peers, filename):
+    df = speedups(df, peers)
+    common.print_table(df, title)
+    for peer in peers:
+        col = f"x_vs_{peer}"
+        if col in df and df[col].notna().any():
+            worst = df.loc[df[col].idxmin()]
+            print(f"  geomean speedup vs {peer}: {common.geomean(df[col]):.2f}x   worst: {worst[col]:.2f}x "
+                  f"({worst['graph']}, F={worst['F']})")
+    common.write_csv(df, filename)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--graphs", nargs="+", default=None)
+    ap.add_argument("--F", nargs="+", type=int, default=None)
+    ap.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="two small graphs, F in {1, 32}")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    args.graphs = args.graphs or (QUICK_GRAPHS if args.quick else DEFAULT_GRAPHS)
+    args.F = args.F or ([1, 32] if args.quick else DEFAULT_F)
+    if args.quick:
+        args.warmup, args.reps = 1, 3
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    slug = common.device_slug(args.device)
+    print(f"device: {common.device_name(args.device)}, copy bandwidth "
+          f"{common.copy_bandwidth_gbs(args.device):.0f} GB/s")
+    problems = [Problem(g, args.device) for g in (common.make_graph(s, args.device) for s in args.graphs) if g]
+    if "fwd" in args.sections:
+        rows = [forward_rows(p, F, torch.float32, args, ("cusparse", "pyg_spmm")) for p in problems for F in args.F]
+        report(pd.DataFrame(rows), "forward, fp32 weighted sum (ms)", ("cusparse", "pyg_spmm", "composite"),
+               f"spmm_fwd_{slug}.csv")
+    if "dtypes" in args.sections:
+        rows = [forward_rows(p, F, dt, args, ("cusparse",)) for dt in (torch.float16, torch.bfloat16)
+                for p in problems for F in args.F if F >= 8]
+        report(pd.DataFrame(rows), "forward, half types (ms)", ("cusparse", "composite"), f"spmm_dtypes_{slug}.csv")
+    if "heads" in args.sections:
+        rows = [head_rows(p, h, F, args) for p in problems for h in (4, 8) for F in args.F if F >= h and F % h == 0]
+        report(pd.DataFrame(rows), "forward, multi-head [E, H] weights (ms)", ("composite",),
+               f"spmm_heads_{slug}.csv")
+    if "fwdbwd" in args.sections:
+        rows = [fwdbwd_rows(p, F, args) for p in problems for F in args.F]
+        df = pd.DataFrame(rows)
+        df["geot_transposed_vs_geot"] = df["geot"] / df["geot_transposed"]
+        report(df, "forward + backward wrt x and w (ms)", ("composite", "cusparse_xgrad"),
+               f"spmm_fwdbwd_{slug}.csv")
+        print(f"  geomean speedup of the cached transposed index over the atomic x-grad: "
+              f"{common.geomean(df['geot_transposed_vs_geot']):.2f}x")
+        df["x_vs_composite"] = df["composite"] / df["geot_transposed"]
+        print(f"  geomean speedup vs composite with the transposed index: {common.geomean(df['x_vs_composite']):.2f}x")
+    if "overhead" in args.sections and problems:
+        small = min(problems, key=lambda p: p.E)
+        df = pd.DataFrame(host_overhead_rows(small, 16, args, calls=200 if args.quick else 2000))
+        common.print_table(df, f"host overhead per call, {small.name}, F=16 (us)")
+        common.write_csv(df, f"spmm_overhead_{slug}.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
