@@ -85,18 +85,28 @@ def moved_bytes(p: Problem, F: int, esize: int) -> int:
     return p.E * (2 * p.src.element_size() + esize) + p.E * F * esize + p.num_nodes * F * esize
 
 
-def timed(fn, args, ref=None, atol=1e-3):
+def check(out, ref, scale, rtol):
+    """|out - ref| <= rtol * scale elementwise, scale = the same sum over
+    |w| * |x| (fp32 sums over hub rows of 10^5 edges round by ~1e-5 of it)."""
+    err = (out.double() - ref).abs()
+    bound = rtol * scale + 1e-6
+    if bool((err > bound).any()):
+        raise AssertionError(f"wrong result: max error {float(err.max()):.3g}, allowed {float(bound.max()):.3g}")
+
+
+def timed(fn, args, ref=None, scale=None, rtol=1e-4):
     out = fn()
     if ref is not None:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=atol, atol=atol)
+        check(out, ref, scale, rtol)
     return common.time_cuda(fn, warmup=args.warmup, reps=args.reps, device=args.device, max_time_s=5.0)
 
 
 def forward_rows(p: Problem, F: int, dtype, args, peers):
     x = torch.randn(p.num_nodes, F, device=args.device, dtype=dtype)
     w = p.w.to(dtype)
-    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    rtol = 1e-4 if dtype == torch.float32 else 2e-2
     ref = p.composite(p.w.double(), x.double())
+    scale = p.composite(p.w.double().abs(), x.double().abs())
     fns = {"geot": lambda: p.geot(w, x), "composite": lambda: p.composite(w, x)}
     if "cusparse" in peers:
         A = p.csr(dtype)
@@ -108,7 +118,7 @@ def forward_rows(p: Problem, F: int, dtype, args, peers):
     row = {"graph": p.name, "E": p.E, "F": F, "dtype": str(dtype).replace("torch.", "")}
     for name, fn in fns.items():
         try:
-            row[name] = timed(fn, args, ref, tol * max(1.0, float(ref.abs().max())))
+            row[name] = timed(fn, args, ref, scale, rtol)
         except Exception as err:  # a peer without support for this case
             print(f"  {p.name} F={F} {name}: {type(err).__name__}: {str(err)[:100]}")
             row[name] = float("nan")
@@ -120,10 +130,11 @@ def head_rows(p: Problem, heads: int, F: int, args):
     x = torch.randn(p.num_nodes, heads, F // heads, device=args.device)
     w = torch.rand(p.E, heads, device=args.device)
     ref = p.composite(w.double(), x.double())
+    scale = p.composite(w.double().abs(), x.double().abs())
     fns = {"geot": lambda: p.geot(w, x), "composite": lambda: p.composite(w, x)}
     row = {"graph": p.name, "E": p.E, "F": F, "heads": heads}
     for name, fn in fns.items():
-        row[name] = timed(fn, args, ref, 1e-3 * max(1.0, float(ref.abs().max())))
+        row[name] = timed(fn, args, ref, scale)
     return row
 
 
@@ -145,11 +156,14 @@ def fwdbwd_rows(p: Problem, F: int, args):
     }
     A = p.csr(torch.float32)
     fns["cusparse_xgrad"] = lambda: step(lambda w, x: torch.sparse.mm(A, x), with_w=False)
-    ref = step(p.composite)
+    # x-gradient reference: the transposed product in float64
+    ref = torch.zeros_like(x0, dtype=torch.float64).index_add_(
+        0, p.src, grad.double().index_select(0, p.dst) * w0.double()[:, None])
+    scale = torch.zeros_like(ref).index_add_(0, p.src, grad.double().abs().index_select(0, p.dst) * w0.double()[:, None])
     row = {"graph": p.name, "E": p.E, "F": F}
     for name, fn in fns.items():
         try:
-            row[name] = timed(fn, args, ref, 1e-3 * max(1.0, float(ref.abs().max())))
+            row[name] = timed(fn, args, ref, scale)
         except Exception as err:
             print(f"  {p.name} F={F} {name}: {type(err).__name__}: {str(err)[:100]}")
             row[name] = float("nan")
@@ -160,7 +174,9 @@ def host_overhead_rows(p: Problem, F: int, args, calls: int = 2000):
     x = torch.randn(p.num_nodes, F, device=args.device)
     A = p.csr(torch.float32)
     fns = {"geot": lambda: p.geot(p.w, x), "composite": lambda: p.composite(p.w, x),
-           "cusparse": lambda: torch.sparse.mm(A, x)}
+           "cusparse": lambda: torch.sparse.mm(A, x),
+           # the C++ entry without the Python wrapper: what the wrapper costs
+           "geot_C": lambda: geot._C.index_segment_reduce_no_grad(p.src, p.dst, x, p.w, p.num_nodes, "sum", None)}
     pyg_spmm = try_pyg_spmm()
     if pyg_spmm is not None:
         fns["pyg_spmm"] = lambda: pyg_spmm(A, x, "sum")
@@ -168,7 +184,7 @@ def host_overhead_rows(p: Problem, F: int, args, calls: int = 2000):
     for validation in (True, False):
         geot.set_validation(validation)
         for name, fn in fns.items():
-            if name != "geot" and not validation:
+            if not name.startswith("geot") and not validation:
                 continue
             for _ in range(20):
                 fn()
@@ -177,7 +193,7 @@ def host_overhead_rows(p: Problem, F: int, args, calls: int = 2000):
             for _ in range(calls):
                 fn()
             sync()
-            label = name if validation else "geot_no_validation"
+            label = name if validation else f"{name}_no_validation"
             rows.append({"graph": p.name, "F": F, "op": label, "us_per_call": (time.perf_counter() - t0) / calls * 1e6})
     geot.set_validation(True)
     return rows

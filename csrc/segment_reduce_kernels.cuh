@@ -76,20 +76,17 @@ __device__ __forceinline__ int64_t weight_head(const SegmentArgs<scalar_t, acc_t
 
 // Loads element `row`'s features col0 : col0 + N_T (src[row], or the gathered
 // and weighted row of the fused ops) into acc_t registers; features past F
-// get the identity so they can be combined blindly.
+// get the identity so they can be combined blindly. `row` must be in
+// [0, E); with take == false (or a gathered row out of range) the values are
+// the identity. No branch guards the loads (an unused element reads row 0 of
+// src), so the compiler can issue a whole batch of gathered loads
+// before the first one returns instead of branching around each.
 template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void load_row(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t row,
-                                         int64_t col0, int64_t head, acc_t (&v)[N_T]) {
-  int64_t src_row = row;
-  if (a.gather) {
-    src_row = a.gather[row];
-    if (static_cast<uint64_t>(src_row) >= static_cast<uint64_t>(a.src_rows)) {
-#pragma unroll
-      for (int j = 0; j < N_T; ++j) v[j] = Op::identity();
-      return;
-    }
-  }
-  const scalar_t* p = a.src + src_row * a.F + col0;
+                                         int64_t col0, int64_t head, bool take, acc_t (&v)[N_T]) {
+  const int64_t src_row = a.gather && take ? int64_t(a.gather[row]) : row;
+  take = take && static_cast<uint64_t>(src_row) < static_cast<uint64_t>(a.src_rows);
+  const scalar_t* p = a.src + (take ? src_row : 0) * a.F + col0;
   if (a.vector_loads) {
     const Pack<scalar_t, N_T> pack = *reinterpret_cast<const Pack<scalar_t, N_T>*>(p);
 #pragma unroll
@@ -98,11 +95,9 @@ __device__ __forceinline__ void load_row(const SegmentArgs<scalar_t, acc_t, inde
 #pragma unroll
     for (int j = 0; j < N_T; ++j) v[j] = col0 + j < a.F ? to_acc(p[j]) : Op::identity();
   }
-  if (a.weight) {
-    const acc_t w = to_acc(a.weight[row * a.heads + head]);
+  const acc_t w = a.weight && take ? to_acc(a.weight[row * a.heads + head]) : acc_t(1);
 #pragma unroll
-    for (int j = 0; j < N_T; ++j) v[j] = col0 + j < a.F ? v[j] * w : v[j];
-  }
+  for (int j = 0; j < N_T; ++j) v[j] = take && col0 + j < a.F ? (a.weight ? v[j] * w : v[j]) : Op::identity();
 }
 
 template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
@@ -150,13 +145,9 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       // Row r is past its segment's first cap rows iff row r - cap is in the
       // same segment (the index is sorted).
       if (OVERFLOW_ONLY && take[b]) take[b] = r >= a.cap && int64_t(a.index[r - a.cap]) == s[b];
-      if (take[b]) {
-        load_row<N_T, Op>(a, r, col0, head, v[b]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < N_T; ++j) v[b][j] = Op::identity();
-      }
     }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) load_row<N_T, Op>(a, min(r0 + b, row_end - 1), col0, head, take[b], v[b]);
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
       if (s[b] != seg) {
@@ -211,14 +202,7 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   for (int64_t r0 = begin; r0 < stop; r0 += BATCH) {
     acc_t v[BATCH][N_T];
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      if (r0 + b < stop) {
-        load_row<N_T, Op>(a, r0 + b, col0, head, v[b]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < N_T; ++j) v[b][j] = Op::identity();
-      }
-    }
+    for (int b = 0; b < BATCH; ++b) load_row<N_T, Op>(a, min(r0 + b, stop - 1), col0, head, r0 + b < stop, v[b]);
 #pragma unroll
     for (int b = 0; b < BATCH; ++b)
 #pragma unroll
@@ -259,12 +243,7 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     const int64_t r = row_base + int64_t(it) * group + lane;
     const bool has_row = it < iterations && r < a.E;
     s = has_row ? int64_t(a.index[r]) : past_end;
-    if (has_row) {
-      load_row<N_T, Op>(a, r, col0, head, v);
-    } else {
-#pragma unroll
-      for (int j = 0; j < N_T; ++j) v[j] = Op::identity();
-    }
+    load_row<N_T, Op>(a, has_row ? r : 0, col0, head, has_row, v);
   };
   int64_t s_next;
   acc_t v_next[N_T];
