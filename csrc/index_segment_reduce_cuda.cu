@@ -1,5 +1,6 @@
-// CUDA side of the fused family: the fused forward and its x-gradient run on
-// the row reduction of segment_reduce_cuda.cu; here is the SDDMM launch.
+// CUDA side of the fused family: the gathered / weighted instantiation of the
+// row reduction (segment_reduce_launch.cuh), which runs the fused forward and
+// its x-gradient, and the SDDMM launch of the weight gradient.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -11,9 +12,11 @@
 
 #include "index_segment_reduce.h"
 #include "index_segment_reduce_kernels.cuh"
-#include "launch_utils.cuh"
+#include "segment_reduce_launch.cuh"
 
 namespace geot {
+
+at::Tensor reduce_rows_fused_cuda(const RowReduction& r) { return launch::reduce_rows<true>(r); }
 
 void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                    const at::Tensor& b, at::Tensor& out) {

@@ -75,6 +75,7 @@ struct RowReduction {
 };
 at::Tensor reduce_rows_cpu(const RowReduction& r);  // [num_segments, F]
 at::Tensor reduce_rows_cuda(const RowReduction& r);
+at::Tensor reduce_rows_fused_cuda(const RowReduction& r);  // r with a gather or a weight
 
 // Validated-index cache: validating an index costs a pass and, on CUDA, a
 // device->host sync, so a static graph is checked once. Entries are keyed by

@@ -1,5 +1,5 @@
-// CUDA launch layer of segment_reduce / segment_arg: picks the config, sizes
-// the grid and dispatches dtypes onto the kernels of segment_reduce_kernels.cuh.
+// CUDA side of segment_reduce: the plain-row instantiation of the launch
+// layer (segment_reduce_launch.cuh), index validation and segment_arg.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -10,103 +10,9 @@
 #include <algorithm>
 #include <limits>
 
-#include "segment_reduce.h"
-#include "launch_utils.cuh"
-#include "segment_reduce_kernels.cuh"
+#include "segment_reduce_launch.cuh"
 
 namespace geot {
-namespace {
-
-dim3 feature_row_grid(int64_t rows, int64_t row_tile, int64_t F, int N_T, const Config& c) {
-  const int64_t col_blocks = ceil_div(ceil_div(F, N_T), c.T_N);
-  TORCH_CHECK_VALUE(col_blocks <= 65535, "src has too many features (", std::to_string(F), ") for config ", config_to_string(c),
-                    "; use a larger T_N or N_t");
-  return dim3(static_cast<unsigned>(ceil_div(rows, row_tile)), static_cast<unsigned>(col_blocks));
-}
-
-template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool OVERFLOW_ONLY>
-void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
-  const dim3 grid = feature_row_grid(ceil_div(a.E, c.M_t), c.T_M, a.F, N_T, c);
-  segment_reduce_sr_kernel<scalar_t, acc_t, index_t, N_T, Op, OVERFLOW_ONLY>
-      <<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
-void launch_pr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
-  // Shuffles need whole warps: round the block up to a multiple of 32.
-  const int threads = static_cast<int>(ceil_div(c.T_N * c.T_M, 32) * 32);
-  const int64_t tiles = ceil_div(a.E, int64_t(c.G_t) * c.M_t) * ceil_div(a.F, N_T);
-  const int64_t blocks = ceil_div(tiles, threads / c.G_t);
-  TORCH_CHECK_VALUE(blocks < std::numeric_limits<int>::max(), "input too large for config ", config_to_string(c));
-  segment_reduce_pr_kernel<scalar_t, acc_t, index_t, N_T, Op>
-      <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a, c.G_t, c.M_t);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// SP: offsets, the no-atomic pass over each segment's first M_t rows, then
-// the SR pass over the overflow rows (it returns at once unless a segment
-// overflowed).
-template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
-void launch_sp(SegmentArgs<scalar_t, acc_t, index_t> a, const Config& c, cudaStream_t stream) {
-  const at::Tensor ptr = at::empty({a.S + 1}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
-  const at::Tensor overflow = at::empty({1}, ptr.options().dtype(at::kInt));
-  int64_t* offsets = ptr.data_ptr<int64_t>();
-  a.ptr = offsets;
-  a.overflow = overflow.data_ptr<int>();
-  a.cap = c.M_t;
-  const int threads = 256;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(a.E + 1, threads), 65536));
-  segment_offsets_kernel<index_t><<<blocks, threads, 0, stream>>>(a.index, a.E, a.S, offsets, a.overflow);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const dim3 grid = feature_row_grid(a.S, c.T_M, a.F, N_T, c);
-  segment_reduce_sp_kernel<scalar_t, acc_t, index_t, N_T, Op><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (a.E > 0) launch_sr<scalar_t, acc_t, index_t, N_T, Op, true>(a, c, stream);
-}
-
-template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
-void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
-  if (c.is_sp()) return launch_sp<scalar_t, acc_t, index_t, N_T, Op>(a, c, stream);
-  if (a.E == 0) return;  // the pre-filled output is the answer
-  if (c.is_sr()) return launch_sr<scalar_t, acc_t, index_t, N_T, Op, false>(a, c, stream);
-  launch_pr<scalar_t, acc_t, index_t, N_T, Op>(a, c, stream);
-}
-
-template <typename scalar_t, typename acc_t, typename index_t, class Op>
-void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
-  // A thread's N_t features must share one weight head.
-  while ((a.F / a.heads) % c.N_t != 0) c.N_t /= 2;
-  const auto address = reinterpret_cast<uintptr_t>(a.src);
-  a.vector_loads = a.F % c.N_t == 0 && address % (sizeof(scalar_t) * c.N_t) == 0;
-  switch (c.N_t) {
-    case 1: return launch_tiles<scalar_t, acc_t, index_t, 1, Op>(a, c, stream);
-    case 2: return launch_tiles<scalar_t, acc_t, index_t, 2, Op>(a, c, stream);
-    default: return launch_tiles<scalar_t, acc_t, index_t, 4, Op>(a, c, stream);
-  }
-}
-
-at::Tensor identity_filled(int64_t S, int64_t F, at::ScalarType dtype, Reduce r, const at::Tensor& like,
-                           cudaStream_t stream) {
-  auto opts = like.options().dtype(dtype);
-  if (r == Reduce::Max) return at::full({S, F}, -std::numeric_limits<double>::infinity(), opts);
-  if (r == Reduce::Min) return at::full({S, F}, std::numeric_limits<double>::infinity(), opts);
-  // A memset costs less host time than at::zeros (a dispatched fill kernel).
-  at::Tensor out = at::empty({S, F}, opts);
-  C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, out.nbytes(), stream));
-  return out;
-}
-
-// Any-order input only works with SR (PR and SP assume sorted segments).
-Config reduction_config(const RowReduction& r, int64_t E, int64_t F) {
-  const Config cfg = resolve_config(r.config, E, r.num_segments, F);
-  if (!r.any_order || cfg.is_sr()) return cfg;
-  const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
-  const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(F, n_t), 8, 64));
-  return {n_t, t_n, 4, std::max(1, 256 / t_n), 1};
-}
-
-}  // namespace
 
 void index_flags_cuda(const at::Tensor& index, int64_t bound, bool sorted, int* flags) {
   const at::Tensor idx = index.contiguous();
@@ -122,53 +28,8 @@ void index_flags_cuda(const at::Tensor& index, int64_t bound, bool sorted, int* 
 }
 
 at::Tensor reduce_rows_cuda(const RowReduction& r) {
-  const c10::cuda::CUDAGuard guard(r.src.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t E = r.index.numel(), F = r.src.size(1), S = r.num_segments;
-  const Config cfg = reduction_config(r, E, F);
-  const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
-  // fp16/bf16 accumulate in an fp32 buffer: atomics in half precision would
-  // round every partial result.
-  const at::ScalarType acc_type = half ? at::kFloat : r.src.scalar_type();
-  // SP stores every output element itself (0 for empty segments) but leaves
-  // the division of mean to the finalize pass.
-  at::Tensor acc = cfg.is_sp() ? at::empty({S, F}, r.src.options().dtype(acc_type))
-                               : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
-  const bool finalize = half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp());
-  at::Tensor out = half ? at::empty({S, F}, r.src.options()) : acc;
-  if (S == 0 || F == 0) return out;
-  // Nothing to read (every element is empty or out of range); the kernels
-  // may read row 0 of src unconditionally, so they must not run.
-  if (r.src.size(0) == 0) return out.zero_();
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.src.scalar_type(), "geot_segment_reduce", [&] {
-    using in_t = typename cuda_type<scalar_t>::type;
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    AT_DISPATCH_INDEX_TYPES(r.index.scalar_type(), "geot_segment_reduce_index", [&] {
-      SegmentArgs<in_t, acc_t, index_t> args{};
-      args.index = r.index.data_ptr<index_t>();
-      args.src = reinterpret_cast<const in_t*>(r.src.data_ptr<scalar_t>());
-      args.out = acc.data_ptr<acc_t>();
-      args.E = E, args.F = F, args.S = S;
-      args.gather = r.gather ? r.gather->data_ptr<index_t>() : nullptr;
-      args.weight = r.weight ? reinterpret_cast<const in_t*>(r.weight->data_ptr<scalar_t>()) : nullptr;
-      args.src_rows = r.src.size(0);
-      args.heads = r.heads;
-      switch (r.reduce) {
-        case Reduce::Max: launch_reduce<in_t, acc_t, index_t, MaxOp<acc_t>>(args, cfg, stream); break;
-        case Reduce::Min: launch_reduce<in_t, acc_t, index_t, MinOp<acc_t>>(args, cfg, stream); break;
-        default: launch_reduce<in_t, acc_t, index_t, SumOp<acc_t>>(args, cfg, stream);
-      }
-      if (finalize) {
-        const dim3 block(32, 8);
-        segment_finalize_kernel<acc_t, in_t, index_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
-            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), args.index, E, S, F,
-            r.reduce);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-    });
-  });
-  return out;
+  if (r.gather || r.weight) return reduce_rows_fused_cuda(r);
+  return launch::reduce_rows<false>(r);
 }
 
 at::Tensor segment_arg_cuda(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out) {

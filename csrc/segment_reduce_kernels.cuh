@@ -81,11 +81,13 @@ __device__ __forceinline__ int64_t weight_head(const SegmentArgs<scalar_t, acc_t
 // the identity. No branch guards the loads (an unused element reads row 0 of
 // src), so the compiler can issue a whole batch of gathered loads
 // before the first one returns instead of branching around each.
-template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
+// FUSED = false (plain segment_reduce: no gather, no weight) skips that
+// work: the shuffle-heavy PR schedule is issue-bound enough to feel it.
+template <bool FUSED, int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void load_row(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t row,
                                          int64_t col0, int64_t head, bool take, acc_t (&v)[N_T]) {
-  const int64_t src_row = a.gather && take ? int64_t(a.gather[row]) : row;
-  take = take && static_cast<uint64_t>(src_row) < static_cast<uint64_t>(a.src_rows);
+  const int64_t src_row = FUSED && a.gather && take ? int64_t(a.gather[row]) : row;
+  take = take && (!FUSED || static_cast<uint64_t>(src_row) < static_cast<uint64_t>(a.src_rows));
   const scalar_t* p = a.src + (take ? src_row : 0) * a.F + col0;
   if (a.vector_loads) {
     const Pack<scalar_t, N_T> pack = *reinterpret_cast<const Pack<scalar_t, N_T>*>(p);
@@ -95,9 +97,23 @@ __device__ __forceinline__ void load_row(const SegmentArgs<scalar_t, acc_t, inde
 #pragma unroll
     for (int j = 0; j < N_T; ++j) v[j] = col0 + j < a.F ? to_acc(p[j]) : Op::identity();
   }
+  if (!FUSED) return;  // callers of the plain path skip rows they do not take
   const acc_t w = a.weight && take ? to_acc(a.weight[row * a.heads + head]) : acc_t(1);
 #pragma unroll
   for (int j = 0; j < N_T; ++j) v[j] = take && col0 + j < a.F ? (a.weight ? v[j] * w : v[j]) : Op::identity();
+}
+
+// load_row for both paths: the fused path loads branch-free, the plain path
+// branches around rows it does not take (cheaper when loads are coalesced).
+template <bool FUSED, int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ void load_or_identity(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t row,
+                                                 int64_t col0, int64_t head, bool take, acc_t (&v)[N_T]) {
+  if (FUSED || take) {
+    load_row<FUSED, N_T, Op>(a, row, col0, head, take, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) v[j] = Op::identity();
+  }
 }
 
 template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
@@ -114,7 +130,8 @@ __device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t
 // rows_per_thread (M_t). Grid (row chunks / T_M, feature columns / T_N).
 // OVERFLOW_ONLY: the SR pass after SP, which takes only the rows past the SP
 // cap of their segment (and returns at once when no segment overflowed).
-template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool OVERFLOW_ONLY = false>
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED,
+          bool OVERFLOW_ONLY = false>
 __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int rows_per_thread) {
   const int64_t col0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N_T;
   const int64_t row_begin = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * rows_per_thread;
@@ -147,7 +164,8 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       if (OVERFLOW_ONLY && take[b]) take[b] = r >= a.cap && int64_t(a.index[r - a.cap]) == s[b];
     }
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) load_row<N_T, Op>(a, min(r0 + b, row_end - 1), col0, head, take[b], v[b]);
+    for (int b = 0; b < BATCH; ++b)
+      load_or_identity<FUSED, N_T, Op>(a, min(r0 + b, row_end - 1), col0, head, take[b], v[b]);
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
       if (s[b] != seg) {
@@ -183,7 +201,7 @@ __global__ void segment_offsets_kernel(const index_t* __restrict__ index, int64_
 // SP. Block (T_N, T_M): x spans features, y spans segments. Every output
 // element is stored exactly once (empty segments get 0), so the output needs
 // no pre-fill; overflow rows are then added by the OVERFLOW_ONLY SR pass.
-template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED>
 __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a) {
   const int64_t col0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N_T;
   const int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -202,7 +220,8 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   for (int64_t r0 = begin; r0 < stop; r0 += BATCH) {
     acc_t v[BATCH][N_T];
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) load_row<N_T, Op>(a, min(r0 + b, stop - 1), col0, head, r0 + b < stop, v[b]);
+    for (int b = 0; b < BATCH; ++b)
+      load_or_identity<FUSED, N_T, Op>(a, min(r0 + b, stop - 1), col0, head, r0 + b < stop, v[b]);
 #pragma unroll
     for (int b = 0; b < BATCH; ++b)
 #pragma unroll
@@ -217,7 +236,7 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 // PR. 1-D blocks whose size is a multiple of 32; consecutive `group` lanes
 // form a tile. Tiles are numbered with the feature column fastest, so the
 // tiles of one warp read neighbouring columns of the same rows.
-template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED>
 __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int group, int iterations) {
   constexpr unsigned FULL = 0xffffffffu;
   const int lane = threadIdx.x & (group - 1);
@@ -243,7 +262,7 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     const int64_t r = row_base + int64_t(it) * group + lane;
     const bool has_row = it < iterations && r < a.E;
     s = has_row ? int64_t(a.index[r]) : past_end;
-    load_row<N_T, Op>(a, has_row ? r : 0, col0, head, has_row, v);
+    load_or_identity<FUSED, N_T, Op>(a, has_row ? r : 0, col0, head, has_row, v);
   };
   int64_t s_next;
   acc_t v_next[N_T];
