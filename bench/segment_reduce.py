@@ -221,7 +221,9 @@ def run_cell(args, geot, ts, g: common.Graph, gidx, index64, offsets, lengths, n
         except Exception as err:  # noqa: BLE001
             row["geot_err"] = (row["geot_err"] + "; " if row["geot_err"] else "") + "fp32 check: " + short_error(err)
     try:
-        row["geot_config"] = "" if args.device_type != "cuda" else ",".join(str(v) for v in geot.explain(E, S, F))
+        long = stats["max_deg"] > 64 if geot.validation_enabled() else None
+        cfg = geot.explain(E, S, F, long_segments=long)
+        row["geot_config"] = "" if args.device_type != "cuda" else ",".join(str(v) for v in cfg)
     except Exception:  # noqa: BLE001
         row["geot_config"] = ""
     if args.config is not None:

@@ -27,26 +27,37 @@ struct Config {
   bool is_pr() const { return G_t > 1; }
 };
 
-// Graph features the selectors see. avg is E / num_segments as a float.
+// Graph features the selectors see. avg is E / num_segments as a float;
+// gathered: the fused ops' kernel family (rows read through src_index, at
+// random, rather than streamed), which wants other tilings; long_segments:
+// 1 if some segment has more than 64 rows, 0 if none, -1 unknown (a by-product
+// of index validation, cached per index; unknown when validation is off).
 struct Features {
   int64_t E, num_segments, F;
   double avg;
+  bool gathered;
+  int long_segments;
 };
 
-inline Features make_features(int64_t E, int64_t num_segments, int64_t F) {
+inline Features make_features(int64_t E, int64_t num_segments, int64_t F, bool gathered, int long_segments) {
   double avg = num_segments > 0 ? double(E) / double(num_segments) : double(E);
-  return {E, num_segments, F, avg};
+  return {E, num_segments, F, avg, gathered, long_segments};
 }
 
 // Throws std::invalid_argument with a readable message if cfg is unusable.
 void check_config(const Config& cfg);
 
-// The baseline the learned rules must beat, read off an H100 sweep
+// The baseline the learned rules must beat, read off H100 probes
 // (README.md, "Kernel configs"):
-//  * E < 2^18 (latency-bound): SR, one feature per thread, M_t 8 or 16.
-//  * F <= 4: PR with 32-lane tiles; F < 16: PR with 16-lane tiles.
-//  * F < 32: SR with a warp across the features and M_t = 64.
-//  * F >= 32: SP, capped at 64 rows per segment (longer ones overflow to SR).
+//  * E < 2^18 (latency-bound): SR, one feature per thread, M_t 8 or 16;
+//    gathered rows with F >= 64: SR, 4 features per thread, M_t 16.
+//  * F <= 4: PR with 32-lane tiles; F < 16: PR with 16-lane tiles; F < 32:
+//    SR with a warp across the features and M_t = 64. Except for plain rows
+//    of an index with no segment over 64 rows (even degrees): SR, narrow
+//    (a row's features span only F / N_t threads), M_t 8.
+//  * F >= 32: SP capped at 64 rows per segment (longer ones overflow to SR);
+//    for gathered rows only without long segments, else SR with 4 features
+//    per thread and M_t 64 (SP loses up to 2x on power-law graphs there).
 Config heuristic_config(const Features& f);
 
 std::string config_to_string(const Config& cfg);

@@ -82,9 +82,10 @@ at::Tensor index_segment_reduce_op(const at::Tensor& src_index, const at::Tensor
   const int64_t heads = weight ? check_weight(*weight, E, x) : 1;
   TORCH_CHECK_VALUE(num_segments >= 0, "num_segments must be >= 0, got ", std::to_string(num_segments));
   const Reduce kind = parse_reduce(reduce);
-  validate_indices({{dst_index, num_segments, true, "dst_index", "num_segments"},
-                    {src_index, x.size(0), false, "src_index", "x.size(0)"}});
+  const int long_segments = validate_indices({{dst_index, num_segments, true, "dst_index", "num_segments"},
+                                             {src_index, x.size(0), false, "src_index", "x.size(0)"}})[0];
   RowReduction r = fused_reduction(dst_index, src_index, x, weight, heads, num_segments);
+  r.long_segments = long_segments;
   r.reduce = kind;
   r.config = config;
   return reduce_rows(r).view(segment_output_sizes(x, num_segments));

@@ -94,8 +94,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def(
       "heuristic_config",
-      [](int64_t E, int64_t S, int64_t F) { return config_tuple(geot::heuristic_config(geot::make_features(E, S, F))); },
-      "The hand-written heuristic's config for (E, num_segments, F)");
+      [](int64_t E, int64_t S, int64_t F, bool gathered, int long_segments) {
+        return config_tuple(geot::heuristic_config(geot::make_features(E, S, F, gathered, long_segments)));
+      },
+      "The hand-written heuristic's config for (E, num_segments, F, gathered, long_segments)");
   m.def("check_config", [](int N_t, int T_N, int M_t, int T_M, int G_t) {
     geot::check_config({N_t, T_N, M_t, T_M, G_t});
   });

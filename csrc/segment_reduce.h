@@ -39,7 +39,11 @@ struct IndexCheck {
   const char* name;
   const char* bound_name;
 };
-enum IndexFlag : int { kNegative = 1, kTooLarge = 2, kUnsorted = 4 };
+// kLongSegment is no error: a sorted index has a segment of more than
+// kLongSegmentRows rows. Validation gets it almost for free and the config
+// selector uses it (segment-parallel schedules suit graphs without one).
+enum IndexFlag : int { kNegative = 1, kTooLarge = 2, kUnsorted = 4, kLongSegment = 8 };
+constexpr int64_t kLongSegmentRows = 64;
 
 // Turns an index check's bit flags into a ValueError naming the argument
 // and the fix.
@@ -47,7 +51,9 @@ void raise_index_errors(int flags, const IndexCheck& check);
 
 // When validation is on, checks every index the cache does not know yet
 // (with one device->host sync for all of them on CUDA) and remembers them.
-void validate_indices(const std::vector<IndexCheck>& checks);
+// Returns the shape hint of each sorted index: 1 if it has a long segment,
+// 0 if not, -1 if unknown (validation off, or no sorted check).
+std::vector<int> validate_indices(const std::vector<IndexCheck>& checks);
 
 #ifdef GEOT_WITH_CUDA
 // Launches the check of `index` on the current stream; ORs its flags into
@@ -56,7 +62,7 @@ void index_flags_cuda(const at::Tensor& index, int64_t bound, bool sorted, int* 
 #endif
 
 // The config the kernels will use: the override if given, else the selector.
-Config resolve_config(at::OptionalIntArrayRef override_config, int64_t E, int64_t S, int64_t F);
+Config resolve_config(at::OptionalIntArrayRef override_config, const Features& features);
 
 // The core every op of the family runs on:
 //   out[index[e]] op= weight[e, head] * src[gather[e]]   (gather, weight optional)
@@ -71,6 +77,7 @@ struct RowReduction {
   int64_t num_segments = 0;
   Reduce reduce = Reduce::Sum;
   at::OptionalIntArrayRef config;    // override of the selector (CUDA)
+  int long_segments = -1;            // shape hint from validate_indices
   bool any_order = false;
 };
 at::Tensor reduce_rows_cpu(const RowReduction& r);  // [num_segments, F]
@@ -81,8 +88,9 @@ at::Tensor reduce_rows_fused_cuda(const RowReduction& r);  // r with a gather or
 // device->host sync, so a static graph is checked once. Entries are keyed by
 // the storage (weakly held), offset, length, stride, version counter (bumped
 // by any in-place change) and the bound it was checked against.
-bool index_known_valid(const at::Tensor& index, int64_t bound, bool sorted);
-void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted);
+// known_index_flags: the kLongSegment bit of a known valid index, else -1.
+int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted);
+void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags);
 
 // Dispatches on the device of r.src.
 at::Tensor reduce_rows(const RowReduction& r);

@@ -36,6 +36,7 @@ struct ValidIndex {
   int64_t offset = 0, numel = 0, stride = 0, version = -1, bound = 0;
   at::ScalarType dtype = at::kLong;
   bool sorted = false;
+  int flags = 0;  // kLongSegment if sorted and found
 };
 
 struct ValidIndexCache {
@@ -63,16 +64,16 @@ bool same_index(const ValidIndex& v, const at::Tensor& index) {
 
 }  // namespace
 
-bool index_known_valid(const at::Tensor& index, int64_t bound, bool sorted) {
-  if (!cacheable(index)) return false;
+int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted) {
+  if (!cacheable(index)) return -1;
   ValidIndexCache& cache = valid_index_cache();
   const std::lock_guard<std::mutex> lock(cache.mutex);
   for (const ValidIndex& v : cache.entries)
-    if (same_index(v, index) && v.bound <= bound && (v.sorted || !sorted)) return true;
-  return false;
+    if (same_index(v, index) && v.bound <= bound && (v.sorted || !sorted)) return v.flags;
+  return -1;
 }
 
-void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted) {
+void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags) {
   if (!cacheable(index)) return;
   ValidIndexCache& cache = valid_index_cache();
   const std::lock_guard<std::mutex> lock(cache.mutex);
@@ -85,6 +86,7 @@ void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted) {
   v.dtype = index.scalar_type();
   v.bound = bound;
   v.sorted = sorted;
+  v.flags = flags & kLongSegment;
 }
 
 Reduce parse_reduce(c10::string_view reduce) {
@@ -140,8 +142,8 @@ void raise_index_errors(int flags, const IndexCheck& check) {
                     "); pass a larger ", check.bound_name, " or fix ", name);
 }
 
-Config resolve_config(at::OptionalIntArrayRef override_config, int64_t E, int64_t S, int64_t F) {
-  if (!override_config.has_value()) return heuristic_config(make_features(E, S, F));
+Config resolve_config(at::OptionalIntArrayRef override_config, const Features& features) {
+  if (!override_config.has_value()) return heuristic_config(features);
   const auto v = *override_config;
   TORCH_CHECK_VALUE(v.size() == 5, "config must be (N_t, T_N, M_t, T_M, G_t), got ", std::to_string(v.size()), " values");
   const Config cfg{int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4])};
@@ -155,6 +157,13 @@ Config resolve_config(at::OptionalIntArrayRef override_config, int64_t E, int64_
 
 namespace {
 
+// Hints as 0/1 for sorted checks; -1 where the check was not for sorted.
+std::vector<int> finish_hints(std::vector<int> hints, const std::vector<IndexCheck>& checks) {
+  for (size_t i = 0; i < checks.size(); ++i)
+    hints[i] = !checks[i].sorted ? -1 : hints[i] < 0 ? -1 : (hints[i] & kLongSegment ? 1 : 0);
+  return hints;
+}
+
 template <typename index_t>
 int index_flags_cpu(const index_t* index, int64_t E, int64_t bound, bool sorted) {
   std::atomic<int> flags{0};
@@ -164,6 +173,7 @@ int index_flags_cpu(const index_t* index, int64_t E, int64_t bound, bool sorted)
       const int64_t v = index[i];
       bad |= (v < 0 ? kNegative : 0) | (v >= bound ? kTooLarge : 0);
       if (sorted && i + 1 < E && int64_t(index[i + 1]) < v) bad |= kUnsorted;
+      if (sorted && i + kLongSegmentRows < E && int64_t(index[i + kLongSegmentRows]) == v) bad |= kLongSegment;
     }
     if (bad) flags.fetch_or(bad);
   });
@@ -270,12 +280,22 @@ void scatter_sum_rows(const index_t* index, const RowReader<scalar_t, index_t>& 
 
 }  // namespace
 
-void validate_indices(const std::vector<IndexCheck>& checks) {
-  if (!validation_enabled()) return;
+std::vector<int> validate_indices(const std::vector<IndexCheck>& checks) {
+  std::vector<int> hints(checks.size(), -1);
+  if (!validation_enabled()) return hints;
   std::vector<const IndexCheck*> pending;
-  for (const IndexCheck& c : checks)
-    if (c.index.numel() > 0 && !index_known_valid(c.index, c.bound, c.sorted)) pending.push_back(&c);
-  if (pending.empty()) return;
+  std::vector<size_t> pending_at;
+  for (size_t i = 0; i < checks.size(); ++i) {
+    const IndexCheck& c = checks[i];
+    const int known = c.index.numel() > 0 ? known_index_flags(c.index, c.bound, c.sorted) : 0;
+    if (known >= 0) {
+      hints[i] = known;
+    } else {
+      pending.push_back(&c);
+      pending_at.push_back(i);
+    }
+  }
+  if (pending.empty()) return finish_hints(hints, checks);
   std::vector<int> flags(pending.size(), 0);
   if (pending.front()->index.is_cuda()) {
 #ifdef GEOT_WITH_CUDA
@@ -296,8 +316,10 @@ void validate_indices(const std::vector<IndexCheck>& checks) {
   }
   for (size_t i = 0; i < pending.size(); ++i) {
     raise_index_errors(flags[i], *pending[i]);
-    remember_valid_index(pending[i]->index, pending[i]->bound, pending[i]->sorted);
+    remember_valid_index(pending[i]->index, pending[i]->bound, pending[i]->sorted, flags[i]);
+    hints[pending_at[i]] = flags[i] & kLongSegment;
   }
+  return finish_hints(hints, checks);
 }
 
 at::Tensor reduce_rows_cpu(const RowReduction& r) {
@@ -332,7 +354,7 @@ at::Tensor segment_reduce_op(const at::Tensor& index, const at::Tensor& src, int
   check_segment_inputs(index, src, num_segments);
   RowReduction r;
   r.reduce = parse_reduce(reduce_name);
-  validate_indices({{index, num_segments, true, "index", "num_segments"}});
+  r.long_segments = validate_indices({{index, num_segments, true, "index", "num_segments"}})[0];
   r.index = index.contiguous();
   r.src = as_rows(src);
   r.num_segments = num_segments;

@@ -22,7 +22,8 @@ void index_flags_cuda(const at::Tensor& index, int64_t bound, bool sorted, int* 
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(E, threads), 4096));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_check_index", [&] {
-    check_index_kernel<index_t><<<blocks, threads, 0, stream>>>(idx.data_ptr<index_t>(), E, bound, sorted, flags);
+    check_index_kernel<index_t>
+        <<<blocks, threads, 0, stream>>>(idx.data_ptr<index_t>(), E, bound, sorted, kLongSegmentRows, flags);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -102,7 +102,7 @@ inline at::Tensor identity_filled(int64_t S, int64_t F, at::ScalarType dtype, Re
 
 // Any-order input only works with SR (PR and SP assume sorted segments).
 inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F) {
-  const Config cfg = resolve_config(r.config, E, r.num_segments, F);
+  const Config cfg = resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments));
   if (!r.any_order || cfg.is_sr()) return cfg;
   const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
   const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(F, n_t), 8, 64));

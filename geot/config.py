@@ -1,6 +1,6 @@
 """Kernel configurations: the tiling space the CUDA kernels accept."""
 from itertools import product
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 from . import _C
 
@@ -61,6 +61,15 @@ def config_space(schedules=("SR", "PR", "SP"), narrow: bool = False) -> List[Con
     return space
 
 
-def explain(num_rows: int, num_segments: int, num_features: int) -> Config:
-    """The config a CUDA call with these sizes would use (hand heuristic)."""
-    return Config(*_C.heuristic_config(num_rows, num_segments, num_features))
+def explain(
+    num_rows: int, num_segments: int, num_features: int, gathered: bool = False, long_segments: Optional[bool] = None
+) -> Config:
+    """The config a CUDA call with these sizes would use (hand heuristic).
+
+    num_rows is E (edges); gathered=True for the fused ops that read rows
+    through src_index (index_segment_reduce, index_weight_segment_reduce),
+    which have their own rules; long_segments: whether some segment has more
+    than 64 rows (index validation finds out and caches it per index; None:
+    unknown, as with validation off)."""
+    hint = -1 if long_segments is None else int(bool(long_segments))
+    return Config(*_C.heuristic_config(num_rows, num_segments, num_features, gathered, hint))

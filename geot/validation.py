@@ -1,8 +1,10 @@
 """Switch for index value validation (sorted, in range).
 
 On by default. It costs one pass over the index and, on CUDA, one
-device->host sync per call; turn it off in hot loops once the graph is known
-to be good. With it off the kernels still never read or write out of bounds:
+device->host sync, once per index tensor: results are cached (keyed by
+storage, offset, length, stride, dtype and version counter), so a static
+graph is checked once. Turn it off to skip even that; the kernel selector
+then lacks the long-segment hint the check records. With it off the kernels still never read or write out of bounds:
 out-of-range ids are skipped and an unsorted index gives a wrong result.
 """
 import contextlib

@@ -42,7 +42,7 @@ def sweep_cell(graph, F, configs, reps):
     base = dict(graph=graph.name, E=graph.num_edges, num_segments=S, avg=graph.num_edges / max(S, 1),
                 max_deg=int(degree.max()) if S else 0, F=F)
     moved = (graph.num_edges * (F * 4 + 8) + S * F * 4) / 1e9
-    heuristic = geot.explain(graph.num_edges, S, F)
+    heuristic = geot.explain(graph.num_edges, S, F, long_segments=base["max_deg"] > 64)
     ms = time_cuda(lambda: geot.segment_reduce(index, src, "sum", S), warmup=2, reps=reps)
     rows = [dict(base, schedule="heuristic", **heuristic._asdict(), time_ms=ms, gbps=moved / ms * 1e3)]
     for cfg in configs:
