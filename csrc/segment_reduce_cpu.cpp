@@ -36,6 +36,7 @@ struct ValidIndex {
   int64_t offset = 0, numel = 0, stride = 0, version = -1, bound = 0;
   at::ScalarType dtype = at::kLong;
   bool sorted = false;
+  bool offsets = false;  // a ptr checked against exactly `bound` rows, not an index
 };
 
 struct ValidIndexCache {
@@ -61,18 +62,7 @@ bool same_index(const ValidIndex& v, const at::Tensor& index) {
          v.dtype == index.scalar_type() && v.version == int64_t(index._version());
 }
 
-}  // namespace
-
-bool index_known_valid(const at::Tensor& index, int64_t bound, bool sorted) {
-  if (!cacheable(index)) return false;
-  ValidIndexCache& cache = valid_index_cache();
-  const std::lock_guard<std::mutex> lock(cache.mutex);
-  for (const ValidIndex& v : cache.entries)
-    if (same_index(v, index) && v.bound <= bound && (v.sorted || !sorted)) return true;
-  return false;
-}
-
-void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted) {
+void remember(const at::Tensor& index, int64_t bound, bool sorted, bool offsets) {
   if (!cacheable(index)) return;
   ValidIndexCache& cache = valid_index_cache();
   const std::lock_guard<std::mutex> lock(cache.mutex);
@@ -85,7 +75,34 @@ void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted) {
   v.dtype = index.scalar_type();
   v.bound = bound;
   v.sorted = sorted;
+  v.offsets = offsets;
 }
+
+}  // namespace
+
+bool index_known_valid(const at::Tensor& index, int64_t bound, bool sorted) {
+  if (!cacheable(index)) return false;
+  ValidIndexCache& cache = valid_index_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  for (const ValidIndex& v : cache.entries)
+    if (!v.offsets && same_index(v, index) && v.bound <= bound && (v.sorted || !sorted)) return true;
+  return false;
+}
+
+void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted) {
+  remember(index, bound, sorted, false);
+}
+
+bool offsets_known_valid(const at::Tensor& ptr, int64_t total) {
+  if (!cacheable(ptr)) return false;
+  ValidIndexCache& cache = valid_index_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  for (const ValidIndex& v : cache.entries)
+    if (v.offsets && same_index(v, ptr) && v.bound == total) return true;
+  return false;
+}
+
+void remember_valid_offsets(const at::Tensor& ptr, int64_t total) { remember(ptr, total, true, true); }
 
 Reduce parse_reduce(c10::string_view reduce) {
   if (reduce == "sum") return Reduce::Sum;
