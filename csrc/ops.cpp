@@ -1,7 +1,7 @@
 // Operator schemas (torch.ops.geot.*) and the Python module geot._C.
 // Implementations register per device in segment_reduce_cpu.cpp,
-// index_segment_reduce.cpp and the .cu files; autograd and fake kernels are
-// registered from Python (geot/_ops.py).
+// index_segment_reduce.cpp, segment_matmul.cpp, edge_softmax.cpp and the .cu
+// files; autograd and fake kernels are registered from Python (geot/_ops.py).
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -24,6 +24,15 @@ TORCH_LIBRARY(geot, m) {
   m.def("index_scatter_sum(Tensor gather_index, Tensor scatter_index, Tensor x, Tensor? weight, int num_out) -> Tensor");
   // out[e, h] = <a[dst_index[e], h], b[src_index[e], h]> (SDDMM).
   m.def("edge_dot(Tensor src_index, Tensor dst_index, Tensor a, Tensor b, int heads) -> Tensor");
+  // Typed matmul (segment_matmul.cpp): rows ptr[t]:ptr[t+1] of x times
+  // weight[t]; its gradients grad_t @ weight[t]^T and x_t^T @ grad_t.
+  m.def("segment_matmul(Tensor x, Tensor ptr, Tensor weight) -> Tensor");
+  m.def("segment_matmul_transposed(Tensor grad, Tensor ptr, Tensor weight) -> Tensor");
+  m.def("segment_matmul_weight_grad(Tensor x, Tensor ptr, Tensor grad) -> Tensor");
+  // Softmax over the edges of each destination (edge_softmax.cpp); the
+  // backward takes the forward output y.
+  m.def("edge_softmax(Tensor score, Tensor dst_index, int num_segments) -> Tensor");
+  m.def("edge_softmax_backward(Tensor y, Tensor grad, Tensor dst_index, int num_segments) -> Tensor");
 }
 
 namespace {

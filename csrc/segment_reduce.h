@@ -91,6 +91,10 @@ at::Tensor reduce_rows_fused_cuda(const RowReduction& r);  // r with a gather or
 // known_index_flags: the kLongSegment bit of a known valid index, else -1.
 int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted);
 void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags);
+// The same cache for offsets (ptr of segment_matmul): valid for exactly
+// `total` rows, never taken for an index check or the other way round.
+bool offsets_known_valid(const at::Tensor& ptr, int64_t total);
+void remember_valid_offsets(const at::Tensor& ptr, int64_t total);
 
 // Dispatches on the device of r.src.
 at::Tensor reduce_rows(const RowReduction& r);

@@ -36,7 +36,8 @@ struct ValidIndex {
   int64_t offset = 0, numel = 0, stride = 0, version = -1, bound = 0;
   at::ScalarType dtype = at::kLong;
   bool sorted = false;
-  int flags = 0;  // kLongSegment if sorted and found
+  bool offsets = false;  // a ptr checked against exactly `bound` rows, not an index
+  int flags = 0;         // kLongSegment if sorted and found
 };
 
 struct ValidIndexCache {
@@ -62,18 +63,7 @@ bool same_index(const ValidIndex& v, const at::Tensor& index) {
          v.dtype == index.scalar_type() && v.version == int64_t(index._version());
 }
 
-}  // namespace
-
-int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted) {
-  if (!cacheable(index)) return -1;
-  ValidIndexCache& cache = valid_index_cache();
-  const std::lock_guard<std::mutex> lock(cache.mutex);
-  for (const ValidIndex& v : cache.entries)
-    if (same_index(v, index) && v.bound <= bound && (v.sorted || !sorted)) return v.flags;
-  return -1;
-}
-
-void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags) {
+void remember(const at::Tensor& index, int64_t bound, bool sorted, bool offsets, int flags) {
   if (!cacheable(index)) return;
   ValidIndexCache& cache = valid_index_cache();
   const std::lock_guard<std::mutex> lock(cache.mutex);
@@ -86,8 +76,35 @@ void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, i
   v.dtype = index.scalar_type();
   v.bound = bound;
   v.sorted = sorted;
+  v.offsets = offsets;
   v.flags = flags & kLongSegment;
 }
+
+}  // namespace
+
+int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted) {
+  if (!cacheable(index)) return -1;
+  ValidIndexCache& cache = valid_index_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  for (const ValidIndex& v : cache.entries)
+    if (!v.offsets && same_index(v, index) && v.bound <= bound && (v.sorted || !sorted)) return v.flags;
+  return -1;
+}
+
+void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags) {
+  remember(index, bound, sorted, false, flags);
+}
+
+bool offsets_known_valid(const at::Tensor& ptr, int64_t total) {
+  if (!cacheable(ptr)) return false;
+  ValidIndexCache& cache = valid_index_cache();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  for (const ValidIndex& v : cache.entries)
+    if (v.offsets && same_index(v, ptr) && v.bound == total) return true;
+  return false;
+}
+
+void remember_valid_offsets(const at::Tensor& ptr, int64_t total) { remember(ptr, total, true, true, 0); }
 
 Reduce parse_reduce(c10::string_view reduce) {
   if (reduce == "sum") return Reduce::Sum;

@@ -6,6 +6,7 @@ torch.ops.geot.* with CPU and CUDA kernels, autograd and fake kernels.
 from . import _ops  # noqa: F401
 from ._C import cuda_built
 from .config import Config, config_space, explain
+from .hetero import edge_softmax, group_by_type, segment_matmul
 from .index import TransposedIndex, index_segment_reduce, index_weight_segment_reduce, transpose_index
 from .segment import segment_reduce
 from .validation import set_validation, validation_enabled
@@ -14,9 +15,12 @@ __all__ = [
     "Config",
     "config_space",
     "cuda_built",
+    "edge_softmax",
     "explain",
+    "group_by_type",
     "index_segment_reduce",
     "index_weight_segment_reduce",
+    "segment_matmul",
     "segment_reduce",
     "set_validation",
     "transpose_index",

@@ -137,3 +137,122 @@ def _fused_extremum_backward(ctx, grad_out, src_index, dst_index, x, weight, ext
 torch.library.register_autograd(
     "geot::index_segment_reduce", _index_segment_reduce_backward, setup_context=_index_segment_reduce_setup
 )
+
+
+# --------------------------------------------------------------------------- #
+# segment_matmul: every op of the family is linear in each argument, so each
+# one's gradients are other ops of the family (double backward included).
+# --------------------------------------------------------------------------- #
+@torch.library.register_fake("geot::segment_matmul")
+def _segment_matmul_fake(x, ptr, weight):
+    return x.new_empty((x.shape[0], weight.shape[2]))
+
+
+@torch.library.register_fake("geot::segment_matmul_transposed")
+def _segment_matmul_transposed_fake(grad, ptr, weight):
+    return grad.new_empty((grad.shape[0], weight.shape[1]))
+
+
+@torch.library.register_fake("geot::segment_matmul_weight_grad")
+def _segment_matmul_weight_grad_fake(x, ptr, grad):
+    return x.new_empty((ptr.shape[0] - 1, x.shape[1], grad.shape[1]))
+
+
+def _save_all_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _segment_matmul_backward(ctx, grad_out):
+    x, ptr, weight = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:  # grad_t @ weight[t]^T
+        grad_x = torch.ops.geot.segment_matmul_transposed(grad_out, ptr, weight)
+    if ctx.needs_input_grad[2]:  # x_t^T @ grad_t
+        grad_w = torch.ops.geot.segment_matmul_weight_grad(x, ptr, grad_out)
+    return grad_x, None, grad_w
+
+
+def _segment_matmul_transposed_backward(ctx, grad_out):
+    grad, ptr, weight = ctx.saved_tensors  # out_t = grad_t @ weight[t]^T
+    d_grad = d_weight = None
+    if ctx.needs_input_grad[0]:
+        d_grad = torch.ops.geot.segment_matmul(grad_out, ptr, weight)
+    if ctx.needs_input_grad[2]:
+        d_weight = torch.ops.geot.segment_matmul_weight_grad(grad_out, ptr, grad)
+    return d_grad, None, d_weight
+
+
+def _segment_matmul_weight_grad_backward(ctx, grad_out):
+    x, ptr, grad = ctx.saved_tensors  # out[t] = x_t^T @ grad_t
+    d_x = d_grad = None
+    if ctx.needs_input_grad[0]:
+        d_x = torch.ops.geot.segment_matmul_transposed(grad, ptr, grad_out)
+    if ctx.needs_input_grad[2]:
+        d_grad = torch.ops.geot.segment_matmul(x, ptr, grad_out)
+    return d_x, None, d_grad
+
+
+for _name, _backward in (
+    ("segment_matmul", _segment_matmul_backward),
+    ("segment_matmul_transposed", _segment_matmul_transposed_backward),
+    ("segment_matmul_weight_grad", _segment_matmul_weight_grad_backward),
+):
+    torch.library.register_autograd(f"geot::{_name}", _backward, setup_context=_save_all_setup)
+
+
+# --------------------------------------------------------------------------- #
+# edge_softmax
+# --------------------------------------------------------------------------- #
+@torch.library.register_fake("geot::edge_softmax")
+def _edge_softmax_fake(score, dst_index, num_segments):
+    return torch.empty_like(score, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("geot::edge_softmax_backward")
+def _edge_softmax_backward_fake(y, grad, dst_index, num_segments):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+def _edge_softmax_setup(ctx, inputs, output):
+    _score, dst_index, num_segments = inputs
+    ctx.num_segments = num_segments
+    ctx.save_for_backward(output, dst_index)
+
+
+def _edge_softmax_backward(ctx, grad):
+    y, dst_index = ctx.saved_tensors
+    return torch.ops.geot.edge_softmax_backward(y, grad, dst_index, ctx.num_segments), None, None
+
+
+def _edge_softmax_backward_setup(ctx, inputs, output):
+    y, grad, dst_index, num_segments = inputs
+    ctx.num_segments = num_segments
+    ctx.save_for_backward(y, grad, dst_index)
+
+
+def _destination_sum(values, dst_index, num_segments):
+    """sum over the edges of each destination, gathered back to the edges."""
+    sums = torch.ops.geot.segment_reduce(dst_index, values, num_segments, "sum", None)
+    return sums.index_select(0, dst_index)
+
+
+def _edge_softmax_backward_backward(ctx, upstream):
+    # out = y * (g - s), s = sum_d(g * y): d/dg = y * (u - sum_d(u * y)), the
+    # same op; d/dy = u * (g - s) - g * sum_d(u * y).
+    y, grad, dst_index = ctx.saved_tensors
+    d_y = d_grad = None
+    if ctx.needs_input_grad[1]:
+        d_grad = torch.ops.geot.edge_softmax_backward(y, upstream, dst_index, ctx.num_segments)
+    if ctx.needs_input_grad[0]:
+        s = _destination_sum(grad * y, dst_index, ctx.num_segments)
+        t = _destination_sum(upstream * y, dst_index, ctx.num_segments)
+        d_y = upstream * (grad - s) - grad * t
+    return d_y, d_grad, None, None
+
+
+torch.library.register_autograd(
+    "geot::edge_softmax", _edge_softmax_backward, setup_context=_edge_softmax_setup
+)
+torch.library.register_autograd(
+    "geot::edge_softmax_backward", _edge_softmax_backward_backward, setup_context=_edge_softmax_backward_setup
+)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, then the steps named on the command line
-# (tests, memcheck, sweep, bench, spmm), logs and CSVs under $OUT. Used with
+# (tests, memcheck, sweep, bench, spmm, hetero, hetero_bench), logs and CSVs under $OUT. Used with
 # the device tool: bash scripts/device_check.sh tests memcheck bench spmm
 set -o pipefail
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
@@ -27,6 +27,16 @@ for step in "$@"; do
       python3 scripts/analyze_sweep.py "$OUT/sweep.csv" | tee "$OUT/sweep_summary.txt" ;;
     bench)
       python3 bench/segment_reduce.py 2>&1 | tee "$OUT/bench.log" | tail -45 || status=1 ;;
+    hetero)  # segment_matmul / edge_softmax: their tests (CUDA included), then a memcheck of the CUDA ones
+      python3 -m pytest -q tests/test_segment_matmul.py tests/test_edge_softmax.py tests/test_examples.py 2>&1 \
+        | tee "$OUT/hetero_tests.log" | tail -4 || status=1
+      compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m pytest -q -x tests/test_segment_matmul.py tests/test_edge_softmax.py \
+          -k "cuda and not compile and not opcheck" -p no:cacheprovider > "$OUT/hetero_memcheck.log" 2>&1
+      rc=$?; echo "hetero memcheck exit $rc (0 = clean)"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/hetero_memcheck.log" | tail -3
+      [ $rc -eq 0 ] || status=1 ;;
+    hetero_bench)
+      python3 bench/hetero.py 2>&1 | grep -v Warning | tee "$OUT/hetero_bench.log" | grep -E "geomean|^segment_matmul|^edge_softmax" || status=1 ;;
     spmm)
       python3 bench/spmm.py 2>&1 | grep -v Warning | tee "$OUT/spmm.log" | grep -E "geomean|speedup|^ *cora +16 |^ *graph +F +op" || status=1 ;;
   esac

@@ -1,0 +1,173 @@
+// edge_softmax: argument checks, the operator entries shared by CPU and
+// CUDA, and the CPU kernels. Parallel over destinations (at::parallel_for);
+// each task finds its first edge by binary search in the sorted dst_index and
+// walks its destinations' edges in order, so the result is deterministic.
+#include "edge_softmax.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "segment_reduce.h"
+
+namespace geot {
+
+namespace {
+
+// score-like [E] or [E, H] floating tensor. Returns H.
+int64_t check_edge_values(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), name,
+                   " must be a float32, float16, bfloat16 or float64 tensor, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 || t.dim() == 2, name, " must have shape [E] or [E, H], got ",
+                    shape_string(t.sizes()));
+  return t.dim() == 2 ? t.size(1) : 1;
+}
+
+void check_dst_index(const at::Tensor& dst_index, const at::Tensor& values, const char* name, int64_t num_segments) {
+  TORCH_CHECK_TYPE(dst_index.scalar_type() == at::kLong || dst_index.scalar_type() == at::kInt,
+                   "dst_index must be an int32 or int64 tensor, got ", dst_index.scalar_type());
+  TORCH_CHECK_VALUE(dst_index.dim() == 1, "dst_index must be 1-D, got shape ", shape_string(dst_index.sizes()));
+  TORCH_CHECK_VALUE(dst_index.size(0) == values.size(0), name, " and dst_index must have the same length E, got ",
+                    std::to_string(values.size(0)), " and ", std::to_string(dst_index.size(0)));
+  TORCH_CHECK_VALUE(dst_index.device() == values.device(), "dst_index must be on the device of ", name, " (",
+                    values.device().str(), "), got ", dst_index.device().str());
+  TORCH_CHECK_VALUE(num_segments >= 0, "num_segments must be >= 0, got ", std::to_string(num_segments));
+  validate_indices({{dst_index, num_segments, true, "dst_index", "num_segments"}});
+}
+
+// Every edge belongs to a destination once dst_index is valid; with
+// validation off, edges outside [0, num_segments) are left at 0.
+at::Tensor new_output(const at::Tensor& like) {
+  return validation_enabled() ? at::empty_like(like, at::MemoryFormat::Contiguous)
+                              : at::zeros_like(like, at::MemoryFormat::Contiguous);
+}
+
+at::Tensor as_edge_rows(const at::Tensor& t, int64_t H) { return t.reshape({t.size(0), H}).contiguous(); }
+
+// Runs body(first_edge, end_edge, scratch) for every destination in
+// parallel; scratch holds 2 * H accumulators of the task.
+template <typename acc_t, typename index_t, typename Body>
+void for_each_destination(const index_t* index, int64_t E, int64_t S, int64_t H, const Body& body) {
+  const int64_t work = std::max<int64_t>(1, (E / std::max<int64_t>(S, 1) + 1) * H);
+  at::parallel_for(0, S, std::max<int64_t>(1, 16384 / work), [&](int64_t s_begin, int64_t s_end) {
+    std::vector<acc_t> scratch(2 * H);
+    int64_t e = std::lower_bound(index, index + E, s_begin, [](index_t v, int64_t s) { return int64_t(v) < s; }) -
+                index;
+    for (int64_t s = s_begin; s < s_end; ++s) {
+      int64_t end = e;
+      while (end < E && int64_t(index[end]) == s) ++end;
+      body(e, end, scratch.data());
+      e = end;
+    }
+  });
+}
+
+template <typename scalar_t, typename index_t>
+void softmax_rows(const scalar_t* score, const index_t* index, scalar_t* out, int64_t E, int64_t H, int64_t S) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for_each_destination<acc_t>(index, E, S, H, [&](int64_t begin, int64_t end, acc_t* scratch) {
+    acc_t* max = scratch;
+    acc_t* sum = scratch + H;
+    std::fill_n(max, H, -std::numeric_limits<acc_t>::infinity());
+    std::fill_n(sum, H, acc_t(0));
+    for (int64_t e = begin; e < end; ++e)
+      for (int64_t h = 0; h < H; ++h) max[h] = std::max(max[h], acc_t(score[e * H + h]));
+    for (int64_t e = begin; e < end; ++e)
+      for (int64_t h = 0; h < H; ++h) sum[h] += std::exp(acc_t(score[e * H + h]) - max[h]);
+    for (int64_t e = begin; e < end; ++e)
+      for (int64_t h = 0; h < H; ++h) out[e * H + h] = scalar_t(std::exp(acc_t(score[e * H + h]) - max[h]) / sum[h]);
+  });
+}
+
+template <typename scalar_t, typename index_t>
+void softmax_backward_rows(const scalar_t* y, const scalar_t* grad, const index_t* index, scalar_t* out, int64_t E,
+                           int64_t H, int64_t S) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for_each_destination<acc_t>(index, E, S, H, [&](int64_t begin, int64_t end, acc_t* dot) {
+    std::fill_n(dot, H, acc_t(0));
+    for (int64_t e = begin; e < end; ++e)
+      for (int64_t h = 0; h < H; ++h) dot[h] += acc_t(y[e * H + h]) * acc_t(grad[e * H + h]);
+    for (int64_t e = begin; e < end; ++e)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t i = e * H + h;
+        out[i] = scalar_t(acc_t(y[i]) * (acc_t(grad[i]) - dot[h]));
+      }
+  });
+}
+
+}  // namespace
+
+at::Tensor edge_softmax_op(const at::Tensor& score, const at::Tensor& dst_index, int64_t num_segments) {
+  const int64_t H = check_edge_values(score, "score");
+  check_dst_index(dst_index, score, "score", num_segments);
+  at::Tensor out = new_output(score);
+  if (out.numel() == 0) return out;
+  const at::Tensor rows = as_edge_rows(score, H), index = dst_index.contiguous();
+  at::Tensor out_rows = out.view({score.size(0), H});
+#ifdef GEOT_WITH_CUDA
+  if (score.is_cuda()) {
+    edge_softmax_cuda(rows, index, num_segments, out_rows);
+    return out;
+  }
+#endif
+  edge_softmax_cpu(rows, index, num_segments, out_rows);
+  return out;
+}
+
+at::Tensor edge_softmax_backward_op(const at::Tensor& y, const at::Tensor& grad, const at::Tensor& dst_index,
+                                    int64_t num_segments) {
+  const int64_t H = check_edge_values(y, "y");
+  check_edge_values(grad, "grad");
+  TORCH_CHECK_TYPE(grad.scalar_type() == y.scalar_type(), "grad must have the dtype of y (", y.scalar_type(),
+                   "), got ", grad.scalar_type());
+  TORCH_CHECK_VALUE(grad.sizes() == y.sizes(), "grad must have the shape of y (", shape_string(y.sizes()), "), got ",
+                    shape_string(grad.sizes()));
+  TORCH_CHECK_VALUE(grad.device() == y.device(), "grad must be on the device of y (", y.device().str(), "), got ",
+                    grad.device().str());
+  check_dst_index(dst_index, y, "y", num_segments);
+  at::Tensor out = new_output(y);
+  if (out.numel() == 0) return out;
+  const at::Tensor y_rows = as_edge_rows(y, H), g_rows = as_edge_rows(grad, H), index = dst_index.contiguous();
+  at::Tensor out_rows = out.view({y.size(0), H});
+#ifdef GEOT_WITH_CUDA
+  if (y.is_cuda()) {
+    edge_softmax_backward_cuda(y_rows, g_rows, index, num_segments, out_rows);
+    return out;
+  }
+#endif
+  edge_softmax_backward_cpu(y_rows, g_rows, index, num_segments, out_rows);
+  return out;
+}
+
+void edge_softmax_cpu(const at::Tensor& score, const at::Tensor& dst_index, int64_t num_segments, at::Tensor& out) {
+  const int64_t E = score.size(0), H = score.size(1);
+  AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_softmax_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, score.scalar_type(), "geot_edge_softmax_cpu", [&] {
+      softmax_rows(score.data_ptr<scalar_t>(), dst_index.data_ptr<index_t>(), out.data_ptr<scalar_t>(), E, H,
+                   num_segments);
+    });
+  });
+}
+
+void edge_softmax_backward_cpu(const at::Tensor& y, const at::Tensor& grad, const at::Tensor& dst_index,
+                               int64_t num_segments, at::Tensor& out) {
+  const int64_t E = y.size(0), H = y.size(1);
+  AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_softmax_backward_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "geot_edge_softmax_backward_cpu", [&] {
+      softmax_backward_rows(y.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), dst_index.data_ptr<index_t>(),
+                            out.data_ptr<scalar_t>(), E, H, num_segments);
+    });
+  });
+}
+
+TORCH_LIBRARY_IMPL(geot, CPU, m) {
+  m.impl("edge_softmax", &edge_softmax_op);
+  m.impl("edge_softmax_backward", &edge_softmax_backward_op);
+}
+
+}  // namespace geot
