@@ -184,7 +184,8 @@ def test_cuda_gradients_match_cpu():
     grad = torch.randn(x.shape[0], N)
     results = []
     for device in ("cpu", "cuda"):
-        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        # detach: on CPU .to() returns x itself, which would then be a leaf requiring grad for the CUDA copy too
+        xd, wd = x.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_()
         geot.segment_matmul(xd, ptr.to(device), wd).backward(grad.to(device))
         results.append((xd.grad.cpu(), wd.grad.cpu()))
     scale_x = torch.einsum("mn,tkn->tmk", grad.abs(), w.abs()).max()  # over every type: an upper bound
