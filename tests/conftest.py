@@ -8,6 +8,14 @@ HAS_CUDA = torch.cuda.is_available()
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
 
+# Every value dtype the ops take (float64 also on CUDA unless an op says not).
+DTYPES = [
+    pytest.param(torch.float32, id="f32"),
+    pytest.param(torch.float16, id="f16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float64, id="f64"),
+]
+
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=requires_cuda),

@@ -4,15 +4,9 @@ import pytest
 import torch
 
 import geot
-from conftest import requires_cuda
+from conftest import DTYPES, requires_cuda
 from reference import huge_segment_index, index_from_degrees, powerlaw_index, random_index
 
-DTYPES = [
-    pytest.param(torch.float32, id="f32"),
-    pytest.param(torch.float16, id="f16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-    pytest.param(torch.float64, id="f64"),
-]
 # Allowed |got - ref| = RTOL * |ref| + ATOL: the rounding of y in [0, 1] to
 # the output dtype and of the fp32 sum of exp over a destination's edges
 # (fp16/bf16 compute in fp32).

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import geot
-from conftest import requires_cuda
+from conftest import DTYPES, requires_cuda
 from reference import (
     REDUCES,
     RTOL,
@@ -21,12 +21,6 @@ from reference import (
     sum_tolerance,
 )
 
-DTYPES = [
-    pytest.param(torch.float32, id="f32"),
-    pytest.param(torch.float16, id="f16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-    pytest.param(torch.float64, id="f64"),
-]
 
 
 def per_edge(weight, like):

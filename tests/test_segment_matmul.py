@@ -4,14 +4,8 @@ import pytest
 import torch
 
 import geot
-from conftest import requires_cuda
+from conftest import DTYPES, requires_cuda
 
-DTYPES = [
-    pytest.param(torch.float32, id="f32"),
-    pytest.param(torch.float16, id="f16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-    pytest.param(torch.float64, id="f64"),
-]
 
 # Allowed |got - ref| = OUT * |ref| + ACC * (|x| @ |w|): OUT is the rounding of
 # the result to the output dtype, ACC the rounding of the products and sums

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import geot
-from conftest import requires_cuda
+from conftest import DTYPES, requires_cuda
 from reference import (
     REDUCES,
     RTOL,
@@ -26,12 +26,6 @@ from reference import (
     sum_tolerance,
 )
 
-DTYPES = [
-    pytest.param(torch.float32, id="f32"),
-    pytest.param(torch.float16, id="f16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-    pytest.param(torch.float64, id="f64"),
-]
 INDEX_DTYPES = [pytest.param(torch.int32, id="i32"), pytest.param(torch.int64, id="i64")]
 
 
