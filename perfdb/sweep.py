@@ -1,80 +1,210 @@
-"""Times every kernel config on a corpus of graphs x feature sizes.
+"""Perf database sweep: times every kernel config on a corpus of graphs x F.
 
-Writes one row per (graph, F, config) to perfdb/<gpu>/segment_reduce.csv
-(pandas-readable), resuming where an earlier run stopped. Run on a GPU:
+For each kernel family (plain rows: segment_reduce; gathered rows:
+index_weight_segment_reduce, whose rules the fused ops share) and each cell
+(graph, F) it times every config of the pruned space that launches
+differently (configs the launch layer maps onto the same kernel and grid are
+timed once), plus the hand heuristic's pick, and appends the rows to
+perfdb/<gpu>/<family>.csv. Cells already in the file are skipped, so a sweep
+cut short (--budget-s, a crash, the device's time limit) resumes where it
+stopped. GPU only.
 
-    python perfdb/sweep.py                 # default corpus
-    python perfdb/sweep.py --graphs uniform:num_nodes=200000,degree=16 --F 64 128
+    python perfdb/sweep.py                    # default corpus, ~6 minutes on an H100
+    python perfdb/sweep.py --full             # bigger corpus, every config
+    python perfdb/sweep.py --graphs cora 'uniform:num_nodes=200000,degree=16' --F 64 128
+
+Timing: CUDA events around each launch and a 256 MB L2 flush before each.
+Every config is launched once; the --refine fastest and the heuristic's
+pick are then timed again after a warm-up launch, median of --reps. The
+launches of a pass are queued and read back after one synchronize.
 """
 import argparse
+import json
 import os
 import sys
+import time
+from typing import Dict, List, Optional
 
 import pandas as pd
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.dirname(os.path.abspath(__file__))]
 
 import geot  # noqa: E402
-from common import device_slug, make_graph, time_cuda  # noqa: E402
+from common import Graph, device_slug, flush_l2  # noqa: E402
+from corpus import Entry, _entry, corpus  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
-try:
-    from tqdm import tqdm
-except ImportError:  # progress bar is optional
-    def tqdm(iterable, **_):
-        return iterable
-
-DEFAULT_GRAPHS = [  # small, skewed, even and hub-heavy graphs
-    "cora", "pubmed",
-    "powerlaw:num_nodes=300000,avg_degree=10",
-    "uniform:num_nodes=200000,degree=16",
-    "uniform:num_nodes=1000000,degree=4",
-    "hubs:num_nodes=1000000",
-]
+FAMILIES = ("segment_reduce", "index_weight_segment_reduce")
 DEFAULT_F = [1, 2, 4, 8, 16, 32, 64, 128]
+MAX_ELEMENTS = 1 << 29  # E * F cap per cell (2 GB of fp32 rows)
+CELL_KEY = ["graph", "F"]
 
 
-def sweep_cell(graph, F, configs, reps):
-    index, S = graph.dst, graph.num_nodes
-    src = torch.randn(graph.num_edges, F, device="cuda")
-    degree = torch.bincount(index, minlength=S)
-    base = dict(graph=graph.name, E=graph.num_edges, num_segments=S, avg=graph.num_edges / max(S, 1),
-                max_deg=int(degree.max()) if S else 0, F=F)
-    moved = (graph.num_edges * (F * 4 + 8) + S * F * 4) / 1e9
-    heuristic = geot.explain(graph.num_edges, S, F, long_segments=base["max_deg"] > 64)
-    ms = time_cuda(lambda: geot.segment_reduce(index, src, "sum", S), warmup=2, reps=reps)
-    rows = [dict(base, schedule="heuristic", **heuristic._asdict(), time_ms=ms, gbps=moved / ms * 1e3)]
+def effective_config(cfg: geot.Config, F: int) -> geot.Config:
+    """The config as the launch layer runs it: N_t halves until it divides F;
+    PR blocks are T_N * T_M threads rounded up to a warp (written as T_N=32)."""
+    n_t = cfg.N_t
+    while F % n_t:
+        n_t //= 2
+    if cfg.schedule == "PR":
+        threads = -(-cfg.T_N * cfg.T_M // 32) * 32
+        return geot.Config(n_t, 32, cfg.M_t, threads // 32, cfg.G_t)
+    return cfg._replace(N_t=n_t)
+
+
+def worth_timing(cfg: geot.Config, F: int) -> bool:
+    """Default-sweep pruning of SR/SP tilings that are hopeless for this F: a
+    row's feature span N_t * T_N over twice max(F, 16) (idle lanes) or under
+    F / 8 (a row split over more than 8 blocks). --full times them too."""
+    if cfg.schedule == "PR":
+        return True
+    span = cfg.N_t * cfg.T_N
+    return F / 8 <= span <= 2 * max(F, 16)
+
+
+def configs_for(F: int, full: bool) -> List[geot.Config]:
+    seen: Dict[geot.Config, None] = {}
+    for cfg in geot.config_space(narrow=True):
+        eff = effective_config(cfg, F)
+        if full or worth_timing(eff, F):
+            seen.setdefault(eff)
+    return list(seen)
+
+
+def cell_inputs(family: str, g: Graph, F: int):
+    """(call(config), bytes moved, flops) of one cell."""
+    S, E = g.num_nodes, g.num_edges
+    if family == "segment_reduce":
+        src = torch.randn(E, F, device="cuda")
+        moved = E * (F * 4 + 8) + S * F * 4
+        return (lambda cfg: geot.segment_reduce(g.dst, src, "sum", S, config=cfg)), moved, E * F
+    x = torch.randn(S, F, device="cuda")
+    weight = torch.rand(E, device="cuda")
+    moved = E * (F * 4 + 8 + 8 + 4) + S * F * 4  # gathered rows counted once per edge
+    return (lambda cfg: geot.index_weight_segment_reduce(g.src, g.dst, weight, x, "sum", S, config=cfg)), moved, 2 * E * F
+
+
+def time_configs(call, configs: List[geot.Config], warmup: int, reps: int) -> List[Optional[float]]:
+    """Median ms per config (None where the launch layer refuses it)."""
+    timed = []
     for cfg in configs:
-        ms = time_cuda(lambda: geot.segment_reduce(index, src, "sum", S, config=cfg), warmup=2, reps=reps)
-        rows.append(dict(base, schedule=cfg.schedule, **cfg._asdict(), time_ms=ms, gbps=moved / ms * 1e3))
-    return rows
+        try:
+            for _ in range(warmup):
+                call(cfg)
+            timed.append([launch_timed(call, cfg) for _ in range(reps)])
+        except (RuntimeError, ValueError):
+            timed.append(None)
+    torch.cuda.synchronize()
+    return [None if t is None else sorted(s.elapsed_time(e) for s, e in t)[len(t) // 2] for t in timed]
+
+
+def launch_timed(call, cfg):
+    flush_l2("cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call(cfg)
+    end.record()
+    return start, end
+
+
+def sweep_cell(family: str, entry: Entry, g: Graph, stats: dict, F: int, args) -> pd.DataFrame:
+    call, moved, flops = cell_inputs(family, g, F)
+    heuristic = geot.explain(g.num_edges, g.num_nodes, F, gathered=family != "segment_reduce",
+                             long_segments=stats["long_segments"])
+    configs = [heuristic] + configs_for(F, args.full)
+    # Two passes: one launch per config, then warm-up and the median of
+    # --reps for the heuristic and the --refine fastest (the rest are far
+    # from the best, and one launch ranks them well enough).
+    times = time_configs(call, configs, warmup=0, reps=1)
+    ranked = sorted((t, i) for i, t in enumerate(times) if t is not None and i > 0)
+    finalists = [0] + [i for _, i in ranked[: args.refine]]
+    for i, t in zip(finalists, time_configs(call, [configs[i] for i in finalists], args.warmup, args.reps)):
+        times[i] = t
+    base = dict(graph=entry.name, base_graph=entry.base_graph, kind=entry.kind, augmentation=entry.augmentation,
+                E=g.num_edges, num_segments=g.num_nodes, F=F, **stats)
+    rows = []
+    for i, (cfg, ms) in enumerate(zip(configs, times)):
+        if ms is None:
+            continue
+        rows.append(dict(base, schedule="heuristic" if i == 0 else cfg.schedule, **cfg._asdict(),
+                         time_ms=float(f"{ms:.5g}"), gbps=round(moved / ms / 1e6, 1), gflops=round(flops / ms / 1e6, 1)))
+    return pd.DataFrame(rows)
+
+
+def degree_stats(g: Graph) -> dict:
+    deg = torch.bincount(g.dst, minlength=g.num_nodes)
+    max_deg = int(deg.max()) if deg.numel() else 0
+    return dict(avg=g.num_edges / max(g.num_nodes, 1), max_deg=max_deg, long_segments=int(max_deg > 64))
+
+
+def done_cells(path: str) -> set:
+    if not os.path.exists(path):
+        return set()
+    return set(map(tuple, pd.read_csv(path, usecols=CELL_KEY).drop_duplicates().values.tolist()))
+
+
+def write_device_json(out_dir: str) -> None:
+    major, minor = torch.cuda.get_device_capability()
+    with open(os.path.join(out_dir, "device.json"), "w") as f:
+        json.dump({"name": torch.cuda.get_device_name(), "capability": [major, minor]}, f)
+        f.write("\n")
+
+
+def entries_from_args(args) -> List[Entry]:
+    if not args.graphs:
+        return corpus(full=args.full)
+    return [_entry(spec) for spec in args.graphs]
+
+
+def sweep(args) -> None:
+    out_dir = args.out_dir or os.path.join(ROOT, "perfdb", device_slug())
+    os.makedirs(out_dir, exist_ok=True)
+    write_device_json(out_dir)
+    paths = {fam: os.path.join(out_dir, f"{fam}.csv") for fam in args.families}
+    done = {fam: done_cells(p) for fam, p in paths.items()}
+    deadline = time.monotonic() + args.budget_s if args.budget_s else float("inf")
+    entries = entries_from_args(args)
+    progress = tqdm(total=len(entries) * len(args.F) * len(paths), desc="cells", mininterval=5)
+    for entry in entries:
+        if time.monotonic() > deadline:
+            print(f"time budget of {args.budget_s} s spent; run again to resume")
+            break
+        g = entry.build("cuda")
+        if g is None:
+            progress.update(len(args.F) * len(paths))
+            continue
+        stats = degree_stats(g)
+        for F in args.F:
+            for fam, path in paths.items():
+                progress.update(1)
+                if (entry.name, F) in done[fam] or g.num_edges * F > MAX_ELEMENTS or time.monotonic() > deadline:
+                    continue
+                cell = sweep_cell(fam, entry, g, stats, F, args)
+                cell.to_csv(path, mode="a", header=not os.path.exists(path), index=False)
+        del g
+        torch.cuda.empty_cache()
+    progress.close()
+    print("wrote " + ", ".join(paths.values()))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--graphs", nargs="+", default=DEFAULT_GRAPHS)
+    parser.add_argument("--graphs", nargs="+", help="graph names or generator specs (default: the corpus)")
     parser.add_argument("--F", type=int, nargs="+", default=DEFAULT_F)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--out", default=None, help="CSV path (default perfdb/<gpu>/segment_reduce.csv)")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--full", action="store_true", help="bigger corpus, no config pruning")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new graphs after this long")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=5, help="timed launches of the finalists (median)")
+    parser.add_argument("--refine", type=int, default=24, help="finalists per cell, timed with --reps")
+    parser.add_argument("--out-dir", default=None, help="default perfdb/<gpu>")
     args = parser.parse_args()
-
-    geot.set_validation(False)
-    out = args.out or os.path.join(ROOT, "perfdb", device_slug(), "segment_reduce.csv")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    done = pd.read_csv(out) if os.path.exists(out) else pd.DataFrame(columns=["graph", "F"])
-    finished = set(zip(done["graph"], done["F"]))
-    configs = geot.config_space(narrow=True)
-    for spec in args.graphs:
-        graph = make_graph(spec, device="cuda")
-        if graph is None:
-            continue
-        for F in tqdm(args.F, desc=graph.name):
-            if (graph.name, F) in finished:
-                continue
-            cell = pd.DataFrame(sweep_cell(graph, F, configs, args.reps))
-            cell.to_csv(out, mode="a", header=not os.path.exists(out), index=False)
-    print(f"wrote {out}")
+    if not torch.cuda.is_available():
+        sys.exit("perfdb/sweep.py times CUDA kernels: no GPU visible")
+    geot.set_validation(False)  # configs are forced; the check would only add time
+    sweep(args)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,15 @@ for step in "$@"; do
         > "$OUT/memcheck.log" 2>&1
       rc=$?; echo "memcheck exit $rc (0 = clean)"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
       [ $rc -eq 0 ] || status=1 ;;
-    sweep)
-      python3 perfdb/sweep.py --out "$OUT/sweep.csv" > "$OUT/sweep.log" 2>&1 || status=1
-      python3 scripts/analyze_sweep.py "$OUT/sweep.csv" | tee "$OUT/sweep_summary.txt" ;;
+    sweep)  # the perf DB: resumes from perfdb/<gpu>/*.csv.gz, brings the grown DB back under $OUT/perfdb
+      db=perfdb/$(python3 -c "import sys; sys.path.insert(0, 'bench'); from common import device_slug; print(device_slug())")
+      mkdir -p "$db" "$OUT/perfdb"
+      for f in "$db"/*.csv.gz; do [ -e "$f" ] && gunzip -kf "$f"; done
+      python3 perfdb/sweep.py --budget-s "${SWEEP_BUDGET_S:-360}" > "$OUT/sweep.log" 2>&1 || status=1
+      tail -2 "$OUT/sweep.log"
+      python3 scripts/analyze_sweep.py "$db" | tee "$OUT/sweep_summary.txt"
+      for f in "$db"/*.csv; do gzip -c "$f" > "$OUT/perfdb/$(basename "$f").gz"; done
+      cp "$db/device.json" "$OUT/perfdb/" ;;
     bench)
       python3 bench/segment_reduce.py 2>&1 | tee "$OUT/bench.log" | tail -45 || status=1 ;;
     hetero)  # segment_matmul / edge_softmax: their tests (CUDA included), then a memcheck of the CUDA ones
