@@ -97,9 +97,6 @@ GENERATED_DEFAULT = [
     "uniform:num_nodes=25000000,degree=4",
     "hubs:num_nodes=1000000,avg_degree=2,num_hubs=4",
     "hubs:num_nodes=50000,avg_degree=2,num_hubs=2,hub_min=50000,hub_max=200000",
-]
-
-GENERATED_FULL = GENERATED_DEFAULT + [
     "powerlaw:num_nodes=10000,avg_degree=10,exponent=2.3",
     "powerlaw:num_nodes=2000000,avg_degree=50,exponent=2.2,max_degree=1000000",
     "powerlaw:num_nodes=500000,avg_degree=3,exponent=3.0",
@@ -108,6 +105,17 @@ GENERATED_FULL = GENERATED_DEFAULT + [
     "hubs:num_nodes=10000000,avg_degree=4,num_hubs=16",
 ]
 
+GENERATED_FULL = GENERATED_DEFAULT + [
+    "powerlaw:num_nodes=30000,avg_degree=20,exponent=2.0",
+    "powerlaw:num_nodes=8000000,avg_degree=8,exponent=2.4",
+    "powerlaw:num_nodes=200000,avg_degree=40,dist=lognormal,sigma=1.5",
+    "uniform:num_nodes=50000,degree=8",
+    "uniform:num_nodes=2000,degree=32",
+    "hubs:num_nodes=200000,avg_degree=8,num_hubs=8,hub_min=10000,hub_max=100000",
+]
+
+FULL_AUGMENTATIONS = ["drop:0.3", "dup:2", "sub:0.25+dup:2"]
+
 
 def corpus(full: bool = False, shared=("cora", "citeseer", "pubmed")) -> List[Entry]:
     """The graphs in sweep order: alternating sizes, so a sweep cut short by
@@ -115,6 +123,8 @@ def corpus(full: bool = False, shared=("cora", "citeseer", "pubmed")) -> List[En
     real = [_entry(name, aug) for aug in SHARED_AUGMENTATIONS for name in shared]
     generated = [_entry(spec) for spec in (GENERATED_FULL if full else GENERATED_DEFAULT)]
     generated += [_entry(spec, "drop:0.3") for spec in generated_specs_to_augment(full)]
+    if full:
+        real += [_entry(name, aug) for aug in FULL_AUGMENTATIONS for name in shared]
     order: List[Entry] = []
     while real or generated:
         for pool in (generated, real):
@@ -125,4 +135,5 @@ def corpus(full: bool = False, shared=("cora", "citeseer", "pubmed")) -> List[En
 
 def generated_specs_to_augment(full: bool) -> List[str]:
     specs = ["powerlaw:num_nodes=100000,avg_degree=8,exponent=2.1", "uniform:num_nodes=200000,degree=16"]
-    return specs + (["hubs:num_nodes=1000000,avg_degree=2,num_hubs=4"] if full else [])
+    specs.append("hubs:num_nodes=1000000,avg_degree=2,num_hubs=4")
+    return specs + (["powerlaw:num_nodes=1000000,avg_degree=12,dist=lognormal,sigma=2.0"] if full else [])
