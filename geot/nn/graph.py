@@ -70,10 +70,10 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
     of an edge is ``dst * R + edge_type`` (RGCN's per-relation mean).
     """
     variant = (self_loops, num_relations)
-    last = getattr(layer, "_geot_graph", None)
-    if last is not None and last[0] is edge_index and last[1] is edge_type and last[2] == variant:
-        return last[3]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # the layer's slot, guarded by identity (versions are not traceable)
+        last = getattr(layer, "_geot_graph", None)
+        if last is not None and last[0] is edge_index and last[1] is edge_type and last[2] == variant:
+            return last[3]
         return _build(edge_index, self_loops, edge_type, num_relations, eager=False)
     graph = _shared_lookup(edge_index, variant, edge_type)
     if graph is None:
