@@ -1,4 +1,4 @@
-# Quick start:  make demo   (builds, then runs geot.demo on a generated graph)
+# Quick start:  make demo   (builds, then trains a GCN on geot layers vs PyG: geot.demo)
 #               make test   (builds, then runs the test suite)
 PYTHON ?= python3
 CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
@@ -10,8 +10,8 @@ export MAX_JOBS
 
 deps:  # torch only if missing: a GPU machine keeps the torch it has
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.14.1
-	@$(PYTHON) -c "import numpy, pytest, ninja, pandas" 2>/dev/null || \
-		$(PYTHON) -m pip install -q numpy pytest ninja pandas
+	@$(PYTHON) -c "import numpy, pytest, ninja, pandas, tqdm, torch_geometric, scipy, matplotlib" 2>/dev/null || \
+		$(PYTHON) -m pip install -q numpy pytest ninja pandas tqdm torch-geometric scipy matplotlib
 
 build: deps  # in place, incremental (ninja): geot imports from the checkout
 	$(PYTHON) setup.py build_ext --inplace

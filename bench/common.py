@@ -63,15 +63,10 @@ class Graph:
 
 
 def data_dirs(data_dir: Optional[str] = None) -> List[str]:
-    """Directories searched for <name>.npz, in order."""
-    dirs = []
-    if data_dir:
-        dirs.append(data_dir)
-    if os.environ.get("GEOT_DATA"):
-        dirs.append(os.environ["GEOT_DATA"])
-    dirs.append(os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data")))
-    dirs.append(os.path.join(REPO_ROOT, ".data"))
-    return dirs
+    """Directories searched for <name>.npz, in order (geot.data.data_dirs)."""
+    from geot.data import data_dirs as package_data_dirs
+
+    return package_data_dirs(data_dir)
 
 
 def find_graph_file(name: str, data_dir: Optional[str] = None) -> Optional[str]:

@@ -1,0 +1,262 @@
+"""End-to-end GNN models: geot layers vs PyG's own fast paths.
+
+Models: 3-layer GCN, GIN, GraphSAGE (hidden 32 and 64), 2-layer GAT (8 heads
+of 8) and RGCN (8 random relations, hidden 64). Each is timed for inference
+and for a full training step (forward, cross-entropy, backward, Adam step) as
+
+    pyg        PyG's layers on edge_index
+    pyg-csr    PyG's layers on a torch.sparse_csr adjacency (GCN, GIN, SAGE; else n/a)
+    pyg-compile  torch.compile of the PyG model
+    geot       geot.nn layers (eager)
+    geot-compile torch.compile(fullgraph=True) of the geot model
+
+on cora, citeseer, pubmed (the file's features, or random width-128 ones) and
+generated graphs with >= 2M edges, in fp32 and bf16 autocast. Reports the
+median ms per step (CUDA events, warm-up, L2 flush: bench/common.py), the
+speedup of geot over the fastest PyG path and the peak memory; writes
+bench/results/e2e_<gpu>.csv and a bar chart next to it; prints the table and
+the geomean speedups last. Compiled models are cached per (model, graph).
+
+    python bench/e2e.py [--models gcn,gat] [--graphs cora,pubmed] [--dtypes fp32] [--no-compile]
+    python bench/e2e.py --quick    # tiny CPU check that everything runs
+"""
+import argparse
+import os
+import sys
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import torch_geometric.nn as pyg_nn
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+import common  # noqa: E402
+
+import geot.nn as geot_nn  # noqa: E402
+from geot.data import load_dataset  # noqa: E402
+
+NUM_RELATIONS = 8
+MODELS = {"gcn": (32, 64), "gin": (32, 64), "sage": (32, 64), "gat": (64,), "rgcn": (64,)}
+GRAPHS = ["cora", "citeseer", "pubmed", "powerlaw:n=200000,deg=12", "uniform:n=200000,d=12"]
+PATHS = ["pyg", "pyg-csr", "pyg-compile", "geot", "geot-compile"]
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+class Net(torch.nn.Module):
+    """A stack of conv layers with ReLU in between; ``lib`` is torch_geometric.nn or geot.nn."""
+
+    def __init__(self, lib, model: str, in_channels: int, hidden: int, num_classes: int):
+        super().__init__()
+        if model == "gat":
+            self.convs = torch.nn.ModuleList([lib.GATConv(in_channels, hidden // 8, heads=8),
+                                              lib.GATConv(hidden, num_classes)])
+        elif model == "rgcn":
+            self.convs = torch.nn.ModuleList([lib.RGCNConv(in_channels, hidden, NUM_RELATIONS),
+                                              lib.RGCNConv(hidden, num_classes, NUM_RELATIONS)])
+        else:
+            sizes = [in_channels, hidden, hidden, num_classes]
+            self.convs = torch.nn.ModuleList([self._layer(lib, model, a, b) for a, b in zip(sizes, sizes[1:])])
+        self.relational = model == "rgcn"
+
+    @staticmethod
+    def _layer(lib, model, in_channels, out_channels):
+        if model == "gcn":
+            return lib.GCNConv(in_channels, out_channels)
+        if model == "sage":
+            return lib.SAGEConv(in_channels, out_channels)
+        mlp = torch.nn.Sequential(torch.nn.Linear(in_channels, out_channels), torch.nn.ReLU(),
+                                  torch.nn.Linear(out_channels, out_channels))
+        return lib.GINConv(mlp)
+
+    def forward(self, x, adj, edge_type=None):
+        for i, conv in enumerate(self.convs):
+            x = conv(x, adj, edge_type) if self.relational else conv(x, adj)
+            if i < len(self.convs) - 1:
+                x = F.relu(x)
+        return x
+
+
+def load_inputs(spec: str, device):
+    """x, labels, edge_index (sorted by destination), CSR adjacency, edge types."""
+    graph = common.make_graph(spec, device="cpu")
+    if graph is None:
+        return None
+    data = load_dataset(spec) if graph.kind == "shared" else None
+    gen = torch.Generator().manual_seed(0)
+    x = data["x"] if data is not None and "x" in data else torch.randn(graph.num_nodes, 128, generator=gen)
+    y = data["y"] if data is not None and "y" in data else torch.randint(0, 8, (graph.num_nodes,), generator=gen)
+    edge_index = torch.stack([graph.src, graph.dst])
+    ptr = torch.searchsorted(graph.dst, torch.arange(graph.num_nodes + 1))
+    adj_t = torch.sparse_csr_tensor(ptr, graph.src, torch.ones(graph.num_edges), (graph.num_nodes,) * 2)
+    edge_type = torch.randint(0, NUM_RELATIONS, (graph.num_edges,), generator=gen)
+    return {"name": graph.name, "x": x.to(device), "y": y.to(device), "edge_index": edge_index.to(device),
+            "adj_t": adj_t.to(device), "edge_type": edge_type.to(device), "num_classes": int(y.max()) + 1}
+
+
+def step_functions(model, runner, inputs, adj, amp_dtype, device):
+    """(inference step, training step) closures of one model and input path."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    extra = (inputs["edge_type"],) if model.relational else ()
+
+    def forward():
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            return runner(inputs["x"], adj, *extra)
+
+    def infer():
+        model.eval()
+        with torch.no_grad():
+            forward()
+
+    def train():
+        model.train()
+        optimizer.zero_grad()
+        F.cross_entropy(forward().float(), inputs["y"]).backward()
+        optimizer.step()
+
+    return infer, train
+
+
+def measure(fn, device, args):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timing = common.time_stats(fn, warmup=args.warmup, reps=args.reps, device=device, max_time_s=args.max_time)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
+    return timing.median_ms, peak
+
+
+def bench_graph(inputs, args, device):
+    rows = []
+    for model_name in args.models:
+        for hidden in MODELS[model_name]:
+            torch.manual_seed(0)
+            pyg_model = Net(pyg_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
+            geot_model = Net(geot_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
+            geot_model.load_state_dict(pyg_model.state_dict())
+            compiled = {}  # per (model, graph): one compiled module per library, reused across dtypes and modes
+            for path in args.paths:
+                model = pyg_model if path.startswith("pyg") else geot_model
+                runner = model
+                if path.endswith("compile"):
+                    runner = compiled.setdefault(path, torch.compile(model, fullgraph=path.startswith("geot"),
+                                                                     backend=args.backend))
+                adj = inputs["adj_t"] if path == "pyg-csr" else inputs["edge_index"]
+                for dtype_name in args.dtypes:
+                    infer, train = step_functions(model, runner, inputs, adj, DTYPES[dtype_name], device)
+                    for mode, fn in (("inference", infer), ("train", train)):
+                        row = {"model": model_name, "hidden": hidden, "graph": inputs["name"], "dtype": dtype_name,
+                               "mode": mode, "path": path, "ms": float("nan"), "peak_mb": float("nan")}
+                        if path == "pyg-csr" and model_name in ("gat", "rgcn"):
+                            row["note"] = "n/a"
+                        else:
+                            try:
+                                row["ms"], row["peak_mb"] = measure(fn, device, args)
+                            except Exception as error:  # a path PyG does not support here: recorded, not fatal
+                                row["note"] = f"n/a: {type(error).__name__}"
+                        rows.append(row)
+                        print(f"  {model_name}/{hidden} {inputs['name']} {dtype_name} {mode:<9} {path:<12} "
+                              f"{common.fmt_ms(row['ms'])} ms {row.get('note', '')}", flush=True)
+    return rows
+
+
+def add_speedups(df):
+    """Speedup of each path over the fastest PyG path of its (model, hidden, graph, dtype, mode)."""
+    keys = ["model", "hidden", "graph", "dtype", "mode"]
+    best_pyg = df[df["path"].str.startswith("pyg")].groupby(keys)["ms"].min().rename("best_pyg_ms")
+    df = df.join(best_pyg, on=keys)
+    df["speedup"] = df["best_pyg_ms"] / df["ms"]
+    return df
+
+
+def summarize(df):
+    keys = ["model", "hidden", "graph", "dtype", "mode"]
+    wide = df.pivot_table(index=keys, columns="path", values="ms", sort=False)
+    speedups = df[df["path"].str.startswith("geot")].pivot_table(index=keys, columns="path", values="speedup",
+                                                                  sort=False)
+    wide = wide.join(speedups.add_prefix("x "), how="left").reset_index()
+    common.print_table(wide, "ms per step; x = speedup over the fastest PyG path", floatfmt="{:.3f}")
+    print("\ngeomean speedup over the fastest PyG path")
+    groups = {"GCN/GIN/SAGE": ["gcn", "gin", "sage"], "GAT": ["gat"], "RGCN": ["rgcn"]}
+    for label, models in groups.items():
+        for mode in ("inference", "train"):
+            for path in ("geot", "geot-compile"):
+                sel = df[df["model"].isin(models) & (df["mode"] == mode) & (df["path"] == path)]
+                if len(sel):
+                    print(f"  {label:<13} {mode:<9} {path:<12} {common.geomean(sel['speedup']):.2f}x")
+
+
+def plot(df, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    geot_rows = df[df["path"].str.startswith("geot")]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.35 * len(geot_rows) / 2), 8), squeeze=False)
+    for ax, mode in zip(axes[:, 0], ("inference", "train")):
+        sel = geot_rows[geot_rows["mode"] == mode]
+        table = sel.assign(case=sel["model"] + "/" + sel["hidden"].astype(str) + " " + sel["graph"] + " "
+                           + sel["dtype"]).pivot_table(index="case", columns="path", values="speedup", sort=False)
+        table.plot.bar(ax=ax, width=0.8)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylabel(f"{mode}: speedup vs fastest PyG")
+        ax.set_xlabel("")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--graphs", default=",".join(GRAPHS), help="names or generator specs (bench/common.py)")
+    parser.add_argument("--dtypes", default=None, help="fp32,bf16 (default: both on GPU, fp32 on CPU)")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--max-time", type=float, default=2.0, help="seconds of timed work per cell at most")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny CPU check: one 500-node graph, hidden 32, fp32, aot_eager compile, 2 reps")
+    args = parser.parse_args()
+    args.models = args.models.split(",")
+    unknown = set(args.models) - set(MODELS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; have {list(MODELS)}")
+    args.paths = [p for p in args.paths.split(",") if not (args.no_compile and p.endswith("compile"))]
+    args.graphs = args.graphs.split(",")
+    if args.quick:
+        args.graphs, args.reps, args.warmup, args.backend = ["powerlaw:n=500,deg=6"], 2, 1, "aot_eager"
+        for model in MODELS:
+            MODELS[model] = MODELS[model][:1]
+    default_dtypes = "fp32,bf16" if torch.cuda.is_available() and not args.quick else "fp32"
+    args.dtypes = (args.dtypes or default_dtypes).split(",")
+    return args
+
+
+def main():
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch._dynamo.config.cache_size_limit = 64  # modes x dtypes x layers recompile the same code
+    print(f"e2e on {common.device_name(device)}: models {args.models}, paths {args.paths}, dtypes {args.dtypes}")
+    rows = []
+    for spec in args.graphs:
+        inputs = load_inputs(spec, device)
+        if inputs is not None:
+            print(f"{inputs['name']}: {inputs['x'].size(0)} nodes, {inputs['edge_index'].size(1)} edges, "
+                  f"{inputs['x'].size(1)} features", flush=True)
+            rows += bench_graph(inputs, args, device)
+        torch._dynamo.reset()  # compiled models of the previous graph are not used again
+    df = add_speedups(pd.DataFrame(rows))
+    name = f"e2e_{common.device_slug(device)}{'_quick' if args.quick else ''}"
+    paths = common.write_csv(df, f"{name}.csv")
+    for csv_path in paths:
+        plot(df, csv_path[: -len(".csv")] + ".png")
+    print(f"\nwrote {', '.join(paths)} and .png charts next to them")
+    summarize(df)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""PyG's GCNConv, SAGEConv, GINConv, GATConv and RGCNConv with their
+aggregation on geot ops.
+
+Each subclasses the PyG layer and keeps its constructor, parameters and
+``reset_parameters`` (so ``load_state_dict`` from a PyG layer works, and
+:func:`geot.nn.patch` can convert a PyG layer in place); only ``forward``
+changes. ``edge_index`` is a [2, E] integer tensor or an ``EdgeIndex`` in any
+order (sorted once per graph, see :mod:`geot.nn.graph`). Options geot does not
+implement raise ``NotImplementedError`` at construction (or in ``patch``).
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import torch_geometric.nn as pyg_nn
+from torch import Tensor
+
+from .. import hetero, index
+from ..segment import segment_reduce
+from .graph import SortedGraph, sorted_graph
+
+_REDUCE = {"add": "sum", "sum": "sum", "mean": "mean", "max": "max"}
+
+
+def _unsupported(layer, option: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"geot.nn.{type(layer).__name__.split('.')[-1]}: {option} is not supported ({why}); "
+                               "use torch_geometric's layer for it")
+
+
+def _check_common(layer, reduces=("add", "sum")) -> None:
+    if layer.flow != "source_to_target":
+        raise _unsupported(layer, f"flow={layer.flow!r}", "only 'source_to_target'")
+    if not isinstance(layer.aggr, str) or layer.aggr not in reduces:
+        raise _unsupported(layer, f"aggr={layer.aggr!r}", f"one of {reduces}")
+
+
+def _pair(x):
+    if isinstance(x, Tensor):
+        return x, x
+    if isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], Tensor):
+        return x[0], x[1]
+    raise TypeError(f"x must be a tensor or a pair (x_src, x_dst) of tensors, got {type(x).__name__}")
+
+
+def _num_targets(x_src: Tensor, x_dst: Optional[Tensor], size) -> int:
+    if size is not None:
+        return int(size[1])
+    return x_src.size(0) if x_dst is None else x_dst.size(0)
+
+
+def _gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, weight: Optional[Tensor] = None):
+    """out[d] = reduce over the edges into d of weight[e] * x[src[e]]."""
+    if weight is None:
+        return index.index_segment_reduce(graph.src, graph.dst, x, reduce, num_nodes, transposed=graph.transposed)
+    return index.index_weight_segment_reduce(graph.src, graph.dst, weight.to(x.dtype), x, reduce, num_nodes,
+                                             transposed=graph.transposed)
+
+
+class _GeotLayer:
+    """What the five layers share: option checks and the per-layer graph slot."""
+
+    def _geot_init(self) -> None:
+        self._check_options()
+        self._geot_graph = None  # (edge_index, edge_type, variant, SortedGraph): see geot.nn.graph
+
+    def _check_options(self) -> None:
+        raise NotImplementedError
+
+
+class GCNConv(_GeotLayer, pyg_nn.GCNConv):
+    """``torch_geometric.nn.GCNConv`` on geot: the normalized sum is one
+    ``index_weight_segment_reduce``; the self loops ``add_self_loops`` adds
+    are a dense term, not extra edges. ``cached=True`` keeps the sorted graph
+    and its normalization from the first call, for every later call (as in
+    PyG: later graphs are ignored); ``reset_parameters`` clears it. As in PyG
+    2.8, ``improved`` only changes the added loops' weight when
+    ``edge_weight`` is given. A node's existing self loops are replaced by
+    one loop whose weight is their sum (PyG keeps one of them)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._geot_init()
+
+    def _geot_init(self) -> None:
+        super()._geot_init()
+        self._geot_norm = None  # (SortedGraph, edge norm, loop norm) when cached
+
+    def _check_options(self) -> None:
+        _check_common(self)
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        self._geot_norm = None
+
+    def forward(self, x: Tensor, edge_index, edge_weight: Optional[Tensor] = None) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise ValueError("geot.nn.GCNConv takes x as one tensor (no bipartite message passing), "
+                             f"got {type(x).__name__}")
+        num_nodes = x.size(0)
+        if self.cached and self._geot_norm is not None:
+            graph, norm, loop_norm = self._geot_norm
+        else:
+            graph = sorted_graph(self, edge_index)
+            norm, loop_norm = self._normalize(graph, graph.edge_values(edge_weight), num_nodes, x.dtype)
+            if self.cached:
+                self._geot_norm = (graph, norm, loop_norm)
+        h = self.lin(x)
+        out = _gather_reduce(graph, h, "sum", num_nodes, norm)
+        if loop_norm is not None:
+            out = out + loop_norm.to(h.dtype).unsqueeze(-1) * h
+        return out if self.bias is None else out + self.bias
+
+    def _normalize(self, graph: SortedGraph, weight: Optional[Tensor], num_nodes: int, dtype):
+        """Edge weights D^-1/2 (A + loops) D^-1/2 [E] and the loops' [N], or
+        the raw weights when normalize=False."""
+        if not self.normalize:
+            return weight, None
+        loop_fill = 2.0 if self.improved and weight is not None else 1.0
+        if weight is None:
+            weight = torch.ones(graph.src.numel(), dtype=dtype, device=graph.src.device)
+        loop_weight = None
+        if self.add_self_loops:
+            is_loop = graph.src == graph.dst
+            existing = segment_reduce(graph.dst, torch.where(is_loop, weight, 0), "sum", num_nodes)
+            has_loop = segment_reduce(graph.dst, is_loop.to(weight.dtype), "max", num_nodes) > 0
+            loop_weight = torch.where(has_loop, existing, loop_fill)
+            weight = torch.where(is_loop, 0, weight)
+        degree = segment_reduce(graph.dst, weight, "sum", num_nodes)
+        if loop_weight is not None:
+            degree = degree + loop_weight
+        inv_sqrt = degree.pow(-0.5).masked_fill(degree == 0, 0)
+        norm = inv_sqrt.index_select(0, graph.src) * weight * inv_sqrt.index_select(0, graph.dst)
+        return norm, None if loop_weight is None else inv_sqrt * loop_weight * inv_sqrt
+
+
+class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
+    """``torch_geometric.nn.SAGEConv`` on geot (aggr "mean", "sum"/"add" or
+    "max": one ``index_segment_reduce``). ``project=True`` and other
+    aggregations are not supported."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._geot_init()
+
+    def _check_options(self) -> None:
+        _check_common(self, tuple(_REDUCE))
+        if self.project:
+            raise _unsupported(self, "project=True", "no projection before aggregation")
+
+    def forward(self, x, edge_index, size=None) -> Tensor:
+        x_src, x_dst = _pair(x)
+        num_nodes = _num_targets(x_src, x_dst, size)
+        out = _gather_reduce(sorted_graph(self, edge_index), x_src, _REDUCE[self.aggr], num_nodes)
+        out = self.lin_l(out)
+        if self.root_weight and x_dst is not None:
+            out = out + self.lin_r(x_dst)
+        return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
+
+
+class GINConv(_GeotLayer, pyg_nn.GINConv):
+    """``torch_geometric.nn.GINConv`` on geot: ``nn((1 + eps) x_i + sum_j x_j)``
+    with the sum one ``index_segment_reduce``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._geot_init()
+
+    def _check_options(self) -> None:
+        _check_common(self)
+
+    def forward(self, x, edge_index, size=None) -> Tensor:
+        x_src, x_dst = _pair(x)
+        out = _gather_reduce(sorted_graph(self, edge_index), x_src, "sum", _num_targets(x_src, x_dst, size))
+        if x_dst is not None:
+            out = out + (1 + self.eps) * x_dst
+        return self.nn(out)
+
+
+class GATConv(_GeotLayer, pyg_nn.GATConv):
+    """``torch_geometric.nn.GATConv`` on geot: ``geot.edge_softmax`` over each
+    node's incoming edges and one multi-head ``index_weight_segment_reduce``.
+    ``add_self_loops`` replaces the input's self loops by one per node, as
+    PyG does (they stay in the edge list with zero attention, so the edge
+    count does not depend on the data). Not supported: ``edge_dim``
+    (edge features), bipartite ``x``, ``size`` and ``return_attention_weights``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._geot_init()
+
+    def _check_options(self) -> None:
+        _check_common(self)
+        if self.edge_dim is not None:
+            raise _unsupported(self, f"edge_dim={self.edge_dim}", "no edge features")
+
+    def forward(self, x: Tensor, edge_index, edge_attr: Optional[Tensor] = None, size=None,
+                return_attention_weights: Optional[bool] = None) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise _unsupported(self, "a pair x = (x_src, x_dst)", "no bipartite attention")
+        if edge_attr is not None or size is not None or return_attention_weights is not None:
+            raise _unsupported(self, "edge_attr, size or return_attention_weights", "plain graphs only")
+        heads, channels, num_nodes = self.heads, self.out_channels, x.size(0)
+        if self.lin is not None:
+            h_src = h_dst = self.lin(x).view(-1, heads, channels)
+        else:
+            h_src, h_dst = self.lin_src(x).view(-1, heads, channels), self.lin_dst(x).view(-1, heads, channels)
+        graph = sorted_graph(self, edge_index, self_loops=num_nodes if self.add_self_loops else None)
+        score = ((h_src * self.att_src).sum(-1).index_select(0, graph.src)
+                 + (h_dst * self.att_dst).sum(-1).index_select(0, graph.dst))
+        score = F.leaky_relu(score, self.negative_slope)
+        if graph.drop is not None:
+            score = score.masked_fill(graph.drop.unsqueeze(-1), float("-inf"))
+        alpha = F.dropout(hetero.edge_softmax(score, graph.dst, num_nodes), p=self.dropout, training=self.training)
+        out = _gather_reduce(graph, h_src, "sum", num_nodes, alpha)
+        out = out.reshape(num_nodes, heads * channels) if self.concat else out.mean(dim=1)
+        if self.res is not None:
+            out = out + self.res(x)
+        return out if self.bias is None else out + self.bias
+
+
+class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
+    """``torch_geometric.nn.RGCNConv`` on geot: one ``index_segment_reduce``
+    into (node, relation) segments gives every relation's mean (or sum) at
+    once, [N, R * C_in], then one matmul with the stacked relation weights.
+    ``num_bases`` is supported; ``num_blocks`` and featureless (index) ``x``
+    are not."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._geot_init()
+
+    def _check_options(self) -> None:
+        _check_common(self, ("mean", "add", "sum"))
+        if self.num_blocks is not None:
+            raise _unsupported(self, f"num_blocks={self.num_blocks}", "no block-diagonal decomposition")
+
+    def forward(self, x, edge_index, edge_type: Optional[Tensor] = None) -> Tensor:
+        x_src, x_dst = _pair(x)
+        if not x_src.is_floating_point():
+            raise _unsupported(self, "x as node indices", "give node features")
+        if edge_type is None:
+            raise ValueError("geot.nn.RGCNConv needs edge_type, one relation per edge")
+        relations, num_nodes = self.num_relations, x_dst.size(0)
+        graph = sorted_graph(self, edge_index, edge_type=edge_type, num_relations=relations)
+        per_relation = _gather_reduce(graph, x_src, _REDUCE[self.aggr], num_nodes * relations)
+        weight = self.weight
+        if self.num_bases is not None:
+            weight = self.comp @ weight.view(self.num_bases, -1)
+        out = per_relation.view(num_nodes, -1) @ weight.reshape(-1, self.out_channels)
+        if self.root is not None:
+            out = out + x_dst @ self.root
+        return out if self.bias is None else out + self.bias

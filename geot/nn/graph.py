@@ -1,0 +1,159 @@
+"""The edge list in geot's layout (sorted by destination), built once per graph.
+
+geot's ops need the destination index sorted. A layer gets ``edge_index`` in
+any order, so it sorts it (stably) and keeps the result, with the source-sorted
+:class:`geot.TransposedIndex` its backward pass uses:
+
+* eagerly, in a cache shared by all layers, keyed by the ``edge_index``
+  tensor object and checked against its data pointer, shape, stride and
+  version counter: a new tensor, or an in-place change of this one, sorts
+  again; an entry goes when its tensor is freed. The first look-up of a graph
+  costs one device->host sync (is it sorted already?).
+* each layer also remembers the last graph it saw. Inside ``torch.compile``
+  that is the only cache (the shared one is not traceable): a compiled call
+  with the same ``edge_index`` object reuses it (dynamo guards on the
+  identity), another graph is sorted inside the compiled graph on every call
+  (correct, no sync, but a sort per call). So run the model once eagerly on
+  a static graph before compiling it. In-place changes to an ``edge_index``
+  are not seen by compiled code.
+"""
+import weakref
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ..index import TransposedIndex, transpose_index
+
+
+class SortedGraph(NamedTuple):
+    src: Tensor                  # [E'] source of each edge, edges in destination order
+    dst: Tensor                  # [E'] destination (segment id), sorted non-decreasing
+    perm: Optional[Tensor]       # [E'] input position of each edge; None: input order kept
+    transposed: Optional[TransposedIndex]  # for the gradient of x; None inside compiled no-grad code
+    drop: Optional[Tensor]       # [E'] bool, input self loops replaced by added ones (self-loop variant)
+
+    def edge_values(self, values: Optional[Tensor]) -> Optional[Tensor]:
+        """Per-edge values given in input order, put in this graph's order."""
+        if values is None or self.perm is None:
+            return values
+        return values.index_select(0, self.perm)
+
+
+_graphs = WeakTensorKeyDictionary()   # edge_index -> {variant: (version key, edge_type ref, SortedGraph)}
+_indices = WeakTensorKeyDictionary()  # base of an index view -> {view key: (perm, sorted index)}
+
+
+def edge_tensor(edge_index) -> Tuple[Tensor, bool]:
+    """The plain [2, E] index tensor and whether it is known to be sorted by destination."""
+    if not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided:
+        kind = type(edge_index).__name__ if not isinstance(edge_index, Tensor) else str(edge_index.layout)
+        raise TypeError(f"edge_index must be a [2, E] integer tensor or a torch_geometric EdgeIndex, got {kind}; "
+                        "geot layers do not take SparseTensor or torch.sparse adjacencies")
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"edge_index must have shape [2, E], got {tuple(edge_index.shape)}")
+    if edge_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"edge_index must be int32 or int64, got {edge_index.dtype}")
+    known_sorted = bool(getattr(edge_index, "is_sorted_by_col", False))
+    if hasattr(edge_index, "as_tensor"):  # EdgeIndex: work on the plain data
+        edge_index = edge_index.as_tensor()
+    return edge_index, known_sorted
+
+
+def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int] = None,
+                 edge_type: Optional[Tensor] = None, num_relations: int = 0) -> SortedGraph:
+    """``edge_index`` sorted by destination, from the caches when possible.
+
+    self_loops=N: input self loops are marked in ``drop`` and one loop per
+    node 0..N-1 is added (GAT). edge_type with num_relations=R: the segment
+    of an edge is ``dst * R + edge_type`` (RGCN's per-relation mean).
+    """
+    variant = (self_loops, num_relations)
+    if torch.compiler.is_compiling():  # the layer's slot, guarded by identity (versions are not traceable)
+        last = getattr(layer, "_geot_graph", None)
+        if last is not None and last[0] is edge_index and last[1] is edge_type and last[2] == variant:
+            return last[3]
+        return _build(edge_index, self_loops, edge_type, num_relations, eager=False)
+    graph = _shared_lookup(edge_index, variant, edge_type)
+    if graph is None:
+        graph = _build(edge_index, self_loops, edge_type, num_relations, eager=True)
+        _shared_store(edge_index, variant, edge_type, graph)
+    layer._geot_graph = (edge_index, edge_type, variant, graph)
+    return graph
+
+
+def _version_key(t: Tensor):
+    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.device)
+
+
+def _shared_lookup(edge_index, variant, edge_type) -> Optional[SortedGraph]:
+    entry = _graphs.get(edge_index, {}).get(variant)
+    if entry is None:
+        return None
+    key, type_ref, graph = entry
+    same_type = (type_ref is None and edge_type is None) or (type_ref is not None and type_ref() is edge_type)
+    if not same_type or key != (_version_key(edge_index), edge_type is not None and _version_key(edge_type)):
+        return None
+    return graph
+
+
+def _shared_store(edge_index, variant, edge_type, graph) -> None:
+    key = (_version_key(edge_index), edge_type is not None and _version_key(edge_type))
+    type_ref = None if edge_type is None else weakref.ref(edge_type)
+    _graphs.setdefault(edge_index, {})[variant] = (key, type_ref, graph)
+
+
+def _build(edge_index, self_loops, edge_type, num_relations, eager: bool) -> SortedGraph:
+    edges, known_sorted = edge_tensor(edge_index)
+    src, dst = edges[0], edges[1]
+    num_edges = src.numel()
+    if self_loops is not None:
+        loops = torch.arange(self_loops, device=src.device, dtype=src.dtype)
+        src, dst = torch.cat([src, loops]), torch.cat([dst, loops])
+    if edge_type is not None:
+        dst = dst * num_relations + _checked_types(edge_type, num_edges, num_relations, eager).to(dst.dtype)
+        known_sorted = False
+    with_transposed = eager or torch.is_grad_enabled()
+    # Added loops are never in order, and drop needs perm to tell them apart.
+    if self_loops is None and (known_sorted or (eager and not bool((dst[1:] < dst[:-1]).any()))):
+        perm = None
+    else:
+        dst, perm = torch.sort(dst, stable=True)
+        src = src.index_select(0, perm)
+    drop = None if self_loops is None else (src == dst) & (perm < num_edges)
+    return SortedGraph(src, dst, perm, transpose_index(src, dst) if with_transposed else None, drop)
+
+
+def _checked_types(edge_type, num_edges: int, num_relations: int, eager: bool) -> Tensor:
+    if not isinstance(edge_type, Tensor) or edge_type.dtype.is_floating_point or edge_type.dtype == torch.bool:
+        raise TypeError(f"edge_type must be an integer tensor, got {getattr(edge_type, 'dtype', type(edge_type))}")
+    if edge_type.shape != (num_edges,):
+        raise ValueError(f"edge_type must have shape [{num_edges}] (one per edge), got {tuple(edge_type.shape)}")
+    if eager and num_edges and bool((edge_type.min() < 0) | (edge_type.max() >= num_relations)):
+        raise ValueError(f"edge_type has values outside [0, num_relations = {num_relations})")
+    return edge_type
+
+
+def sorted_index(index: Tensor) -> Tuple[Optional[Tensor], Tensor]:
+    """(perm, index[perm] sorted), perm None when index is sorted already.
+
+    For aggregations, whose index is a fresh view such as ``edge_index[1]``
+    on every call: cached on the viewed tensor (offset, shape, stride and
+    version must match). Not cached inside compiled code (sorted there).
+    """
+    if torch.compiler.is_compiling():
+        ordered, perm = torch.sort(index, stable=True)
+        return perm, ordered
+    owner = index if index._base is None else index._base
+    key = (index.storage_offset(), tuple(index.shape), index.stride(), index.device, owner._version)
+    cached = _indices.get(owner)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if bool((index[1:] < index[:-1]).any()):
+        ordered, perm = torch.sort(index, stable=True)
+        result = (perm, ordered)
+    else:
+        result = (None, index)
+    _indices[owner] = (key, result)
+    return result

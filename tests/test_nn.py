@@ -1,0 +1,264 @@
+"""geot.nn against torch_geometric: same parameters, same outputs and gradients."""
+import pytest
+import torch
+
+pyg_nn = pytest.importorskip("torch_geometric.nn")
+import geot  # noqa: E402
+import geot.nn as gnn  # noqa: E402
+from geot.data import load_dataset  # noqa: E402
+from torch_geometric import EdgeIndex  # noqa: E402
+
+NUM_RELATIONS = 4
+
+# (name, geot class, pyg class, constructor args, kwargs); in_channels 12
+LAYERS = [
+    ("gcn", gnn.GCNConv, pyg_nn.GCNConv, (12, 8), {}),
+    ("gcn-improved-nobias", gnn.GCNConv, pyg_nn.GCNConv, (12, 8), {"improved": True, "bias": False}),
+    ("gcn-noloops", gnn.GCNConv, pyg_nn.GCNConv, (12, 8), {"add_self_loops": False}),
+    ("gcn-raw", gnn.GCNConv, pyg_nn.GCNConv, (12, 8), {"normalize": False}),
+    ("sage-mean", gnn.SAGEConv, pyg_nn.SAGEConv, (12, 8), {}),
+    ("sage-sum-norm", gnn.SAGEConv, pyg_nn.SAGEConv, (12, 8), {"aggr": "sum", "normalize": True}),
+    ("sage-max-noroot", gnn.SAGEConv, pyg_nn.SAGEConv, (12, 8), {"aggr": "max", "root_weight": False}),
+    ("gin", gnn.GINConv, pyg_nn.GINConv, (), {"eps": 0.3, "train_eps": True}),
+    ("gat", gnn.GATConv, pyg_nn.GATConv, (12, 5), {"heads": 3}),
+    ("gat-mean-noloops", gnn.GATConv, pyg_nn.GATConv, (12, 5),
+     {"heads": 2, "concat": False, "add_self_loops": False, "negative_slope": 0.1}),
+    ("gat-residual", gnn.GATConv, pyg_nn.GATConv, ((12, 12), 5), {"heads": 2, "residual": True}),
+    ("rgcn-mean", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 8, NUM_RELATIONS), {}),
+    ("rgcn-sum-bases", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 8, NUM_RELATIONS), {"aggr": "add", "num_bases": 2}),
+    ("rgcn-noroot", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 8, NUM_RELATIONS), {"root_weight": False}),
+]
+LAYER_PARAMS = [pytest.param(*spec[1:], id=spec[0]) for spec in LAYERS]
+
+# (num_nodes, num_edges): tiny, isolated nodes (more nodes than edges), denser
+SIZES = [pytest.param(1, 3, id="n1"), pytest.param(40, 25, id="isolated"), pytest.param(200, 1500, id="n200")]
+
+
+def build_pair(geot_class, pyg_class, args, kwargs, device):
+    if geot_class is gnn.GINConv:  # the MLP is shared state: build it once, copy it
+        args = (torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)),)
+    pyg_layer = pyg_class(*args, **kwargs).to(device).double()
+    geot_layer = geot_class(*args, **kwargs).to(device).double()
+    with torch.no_grad():  # random bias / eps too, so they are compared
+        for p in pyg_layer.parameters():
+            p.normal_()
+    geot_layer.load_state_dict(pyg_layer.state_dict())
+    return geot_layer, pyg_layer
+
+
+def random_graph(num_nodes, num_edges, device):
+    """Unsorted, with duplicates and a few self loops (at most one per node)."""
+    edge_index = torch.randint(0, num_nodes, (2, num_edges), device=device)
+    loops = torch.randperm(num_nodes, device=device)[: max(1, num_nodes // 10)]
+    edge_index = torch.cat([edge_index, loops.repeat(2, 1)], dim=1)
+    keep = torch.ones(edge_index.size(1), dtype=torch.bool, device=device)
+    keep[: num_edges] = edge_index[0, :num_edges] != edge_index[1, :num_edges]  # random loops could repeat
+    return edge_index[:, keep][:, torch.randperm(int(keep.sum()), device=device)]
+
+
+def extra_inputs(geot_class, num_edges, device):
+    if geot_class is gnn.RGCNConv:
+        return (torch.randint(0, NUM_RELATIONS, (num_edges,), device=device),)
+    return ()
+
+
+def outputs_and_grads(layer, x, edge_index, extra):
+    x = x.detach().clone().requires_grad_()
+    out = layer(x, edge_index, *extra)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out))
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    return out, x.grad, grads
+
+
+def assert_same(geot_layer, pyg_layer, x, edge_index, pyg_edge_index, extra):
+    out, grad_x, grads = outputs_and_grads(geot_layer, x, edge_index, extra)
+    ref, ref_grad_x, ref_grads = outputs_and_grads(pyg_layer, x, pyg_edge_index, extra)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_x, ref_grad_x, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("num_nodes,num_edges", SIZES)
+@pytest.mark.parametrize("geot_class,pyg_class,args,kwargs", LAYER_PARAMS)
+def test_matches_pyg(geot_class, pyg_class, args, kwargs, num_nodes, num_edges, device):
+    geot_layer, pyg_layer = build_pair(geot_class, pyg_class, args, kwargs, device)
+    edge_index = random_graph(num_nodes, num_edges, device)
+    x = torch.randn(num_nodes, 12, dtype=torch.float64, device=device)
+    extra = extra_inputs(geot_class, edge_index.size(1), device)
+    assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, extra)
+
+
+@pytest.mark.parametrize("geot_class,pyg_class,args,kwargs", LAYER_PARAMS[:1] + LAYER_PARAMS[4:5] + LAYER_PARAMS[8:9])
+def test_edge_index_input(geot_class, pyg_class, args, kwargs, device):
+    geot_layer, pyg_layer = build_pair(geot_class, pyg_class, args, kwargs, device)
+    edge_index = random_graph(60, 300, device)
+    x = torch.randn(60, 12, dtype=torch.float64, device=device)
+    for sort in (False, True):
+        plain = edge_index if not sort else edge_index[:, torch.argsort(edge_index[1], stable=True)]
+        typed = EdgeIndex(plain, sparse_size=(60, 60), sort_order="col" if sort else None)
+        assert_same(geot_layer, pyg_layer, x, typed, plain, ())
+
+
+def test_gcn_edge_weight_and_cached(device):
+    geot_layer, pyg_layer = build_pair(gnn.GCNConv, pyg_nn.GCNConv, (12, 8), {"improved": True}, device)
+    edge_index = random_graph(50, 200, device)
+    weight = torch.rand(edge_index.size(1), dtype=torch.float64, device=device)
+    x = torch.randn(50, 12, dtype=torch.float64, device=device)
+    torch.testing.assert_close(geot_layer(x, edge_index, weight), pyg_layer(x, edge_index, weight))
+
+    cached, _ = build_pair(gnn.GCNConv, pyg_nn.GCNConv, (12, 8), {"cached": True}, device)
+    first = cached(x, edge_index)
+    assert torch.equal(cached(x, random_graph(50, 100, device)), first), "cached=True must reuse the first graph"
+    cached.reset_parameters()
+    assert cached._geot_norm is None
+
+
+def test_graph_cache_invalidation():
+    layer = gnn.SAGEConv(4, 3, aggr="sum")
+    edge_index = torch.tensor([[0, 1, 2], [2, 0, 1]])
+    x = torch.randn(3, 4)
+    layer(x, edge_index)
+    first = layer._geot_graph[3]
+    layer(x, edge_index)
+    assert layer._geot_graph[3] is first, "same tensor: the sorted graph is reused"
+    other = gnn.SAGEConv(4, 3)
+    other(x, edge_index)
+    assert other._geot_graph[3] is first, "layers share the sorted graph"
+    edge_index[0, 0] = 1  # in place: the version counter changes
+    out = layer(x, edge_index)
+    assert layer._geot_graph[3] is not first
+    expect = pyg_nn.SAGEConv(4, 3, aggr="sum")
+    expect.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(out, expect(x, edge_index))
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min"])
+def test_segment_aggregation(reduce, device):
+    class Sum(pyg_nn.MessagePassing):
+        def forward(self, x, edge_index):
+            return self.propagate(edge_index, x=x)
+
+    edge_index = random_graph(30, 120, device)
+    x = torch.randn(30, 6, dtype=torch.float64, device=device, requires_grad=True)
+    for index in (edge_index, edge_index[:, torch.argsort(edge_index[1])]):
+        got = Sum(aggr=gnn.SegmentAggregation(reduce))(x, index)
+        expect = Sum(aggr=reduce)(x, index)
+        torch.testing.assert_close(got, expect)
+        grad, = torch.autograd.grad(got.sum(), x)
+        expect_grad, = torch.autograd.grad(expect.sum(), x)
+        torch.testing.assert_close(grad, expect_grad)
+
+
+def test_patch():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.convs = torch.nn.ModuleList([pyg_nn.GCNConv(12, 8), pyg_nn.SAGEConv(8, 8), pyg_nn.GATConv(8, 4)])
+            self.other = torch.nn.Linear(4, 2)
+
+        def forward(self, x, edge_index):
+            for conv in self.convs:
+                x = conv(x, edge_index).relu()
+            return self.other(x)
+
+    model = Net().double()
+    edge_index = random_graph(40, 160, "cpu")
+    x = torch.randn(40, 12, dtype=torch.float64)
+    expect = model(x, edge_index)
+    params = list(model.parameters())
+    assert gnn.patch(model) is model
+    assert [type(c) for c in model.convs] == [gnn.GCNConv, gnn.SAGEConv, gnn.GATConv]
+    assert all(a is b for a, b in zip(model.parameters(), params)), "patch keeps the parameter tensors"
+    torch.testing.assert_close(model(x, edge_index), expect)
+
+
+def test_unsupported_options():
+    with pytest.raises(NotImplementedError, match="project"):
+        gnn.SAGEConv(8, 8, project=True)
+    with pytest.raises(NotImplementedError, match="aggr"):
+        gnn.SAGEConv(8, 8, aggr="lstm")
+    with pytest.raises(NotImplementedError, match="edge_dim"):
+        gnn.GATConv(8, 8, edge_dim=3)
+    with pytest.raises(NotImplementedError, match="num_blocks"):
+        gnn.RGCNConv(8, 8, 3, num_blocks=2)
+    with pytest.raises(NotImplementedError, match="flow"):
+        gnn.GCNConv(8, 8, flow="target_to_source")
+    with pytest.raises(NotImplementedError, match="layer convs.0"):
+        gnn.patch(_Holder(pyg_nn.SAGEConv(8, 8, aggr="lstm")))
+    holder = _Holder(pyg_nn.SAGEConv(8, 8, project=True))
+    with pytest.warns(UserWarning, match="left as PyG"):
+        gnn.patch(holder, strict=False)
+    assert type(holder.convs[0]) is pyg_nn.SAGEConv
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, conv):
+        super().__init__()
+        self.convs = torch.nn.ModuleList([conv])
+
+
+def test_bad_inputs():
+    layer, x = gnn.GCNConv(4, 2), torch.randn(5, 4)
+    with pytest.raises(ValueError, match=r"edge_index must have shape \[2, E\]"):
+        layer(x, torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="edge_index must be int32 or int64"):
+        layer(x, torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="SparseTensor or torch.sparse"):
+        layer(x, torch.eye(5).to_sparse_csr())
+    rgcn = gnn.RGCNConv(4, 2, 3)
+    edge_index = torch.tensor([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="needs edge_type"):
+        rgcn(x, edge_index)
+    with pytest.raises(ValueError, match="edge_type has values outside"):
+        rgcn(x, edge_index, torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"edge_type must have shape \[2\]"):
+        rgcn(x, edge_index, torch.tensor([0, 1, 2]))
+
+
+def test_import_error_names_the_package(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch_geometric", None)
+    for name in [m for m in sys.modules if m.startswith("geot.nn")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match="pip install torch-geometric"):
+        import geot.nn  # noqa: F401
+
+
+def test_compile_fullgraph_gcn_matches_eager():
+    class GCN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = gnn.GCNConv(12, 16), gnn.GCNConv(16, 4)
+
+        def forward(self, x, edge_index):
+            return self.conv2(self.conv1(x, edge_index).relu(), edge_index)
+
+    torch._dynamo.reset()
+    model = GCN()
+    edge_index = random_graph(80, 400, "cpu")
+    x = torch.randn(80, 12)
+    eager = model(x, edge_index)  # fills the layers' graph slots
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(x, edge_index), eager)
+    other = random_graph(80, 300, "cpu")  # not seen eagerly: sorted inside the compiled graph
+    torch.testing.assert_close(compiled(x, other), model(x, other))
+    loss = compiled(x, edge_index).square().sum()
+    loss.backward()
+    assert model.conv1.lin.weight.grad is not None
+
+
+def test_cora_accuracy_matches_pyg():
+    data = load_dataset("cora")
+    if data is None:
+        pytest.skip("cora.npz not found (see geot.data.data_dirs)")
+    from geot.demo import train_gcn
+
+    accuracies = {}
+    for layer_class in (pyg_nn.GCNConv, gnn.GCNConv):
+        torch.manual_seed(0)
+        accuracies[layer_class] = train_gcn(data, layer_class, epochs=200)[1]
+    pyg_acc, geot_acc = accuracies[pyg_nn.GCNConv], accuracies[gnn.GCNConv]
+    assert geot_acc > 0.78, f"geot GCN reached {geot_acc:.3f} on Cora"
+    assert abs(geot_acc - pyg_acc) <= 0.01, f"geot {geot_acc:.3f} vs PyG {pyg_acc:.3f}"
