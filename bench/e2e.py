@@ -17,7 +17,7 @@ speedup of geot over the fastest PyG path and the peak memory; writes
 bench/results/e2e_<gpu>.csv and a bar chart next to it; prints the table and
 the geomean speedups last. Compiled models are cached per (model, graph).
 
-    python bench/e2e.py [--models gcn,gat] [--graphs cora,pubmed] [--dtypes fp32] [--no-compile]
+    python bench/e2e.py [--models gcn,gat] [--graphs cora,pubmed] [--dtypes fp32] [--hidden 64] [--no-compile]
     python bench/e2e.py --quick    # tiny CPU check that everything runs
 """
 import argparse
@@ -213,6 +213,7 @@ def parse_args():
     parser.add_argument("--graphs", default=",".join(GRAPHS), help="names or generator specs (bench/common.py)")
     parser.add_argument("--dtypes", default=None, help="fp32,bf16 (default: both on GPU, fp32 on CPU)")
     parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--hidden", default=None, help="hidden sizes to keep, e.g. 64 (default: each model's own)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--reps", type=int, default=20)
@@ -227,6 +228,10 @@ def parse_args():
         parser.error(f"unknown models {sorted(unknown)}; have {list(MODELS)}")
     args.paths = [p for p in args.paths.split(",") if not (args.no_compile and p.endswith("compile"))]
     args.graphs = args.graphs.split(",")
+    if args.hidden:
+        keep = {int(h) for h in args.hidden.split(",")}
+        for model in MODELS:
+            MODELS[model] = tuple(h for h in MODELS[model] if h in keep) or MODELS[model]
     if args.quick:
         args.graphs, args.reps, args.warmup, args.backend = ["powerlaw:n=500,deg=6"], 2, 1, "aot_eager"
         for model in MODELS:
