@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, then the steps named on the command line
-# (tests, memcheck, sweep, bench, spmm, hetero, hetero_bench), logs and CSVs under $OUT. Used with
-# the device tool: bash scripts/device_check.sh tests memcheck bench spmm
+# (tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e), logs and CSVs packed into
+# $OUT/results.tgz (the device tool brings back 8 files at most). Used with the device tool:
+#   bash scripts/device_check.sh tests memcheck bench spmm
 set -o pipefail
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD GEOT_DATA=${GEOT_DATA:-$PWD/.data}
-OUT=${OUT:-/tmp/geot-out}
-mkdir -p "$OUT"
+FINAL_OUT=${OUT:-/tmp/geot-out}
+export OUT=/tmp/geot-run  # the benchmarks write their CSVs here too
+mkdir -p "$OUT" "$FINAL_OUT"
+trap 'tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . 2>/dev/null' EXIT
 start=$(date +%s)
 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
@@ -22,15 +25,15 @@ for step in "$@"; do
         > "$OUT/memcheck.log" 2>&1
       rc=$?; echo "memcheck exit $rc (0 = clean)"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
       [ $rc -eq 0 ] || status=1 ;;
-    sweep)  # the perf DB: resumes from perfdb/<gpu>/*.csv.gz, brings the grown DB back under $OUT/perfdb
+    sweep)  # the perf DB: resumes from perfdb/<gpu>/*.csv.gz, brings the grown DB back in $OUT
       db=perfdb/$(python3 -c "import sys; sys.path.insert(0, 'bench'); from common import device_slug; print(device_slug())")
-      mkdir -p "$db" "$OUT/perfdb"
+      mkdir -p "$db"
       for f in "$db"/*.csv.gz; do [ -e "$f" ] && gunzip -kf "$f"; done
       python3 perfdb/sweep.py --budget-s "${SWEEP_BUDGET_S:-360}" > "$OUT/sweep.log" 2>&1 || status=1
       tail -2 "$OUT/sweep.log"
       python3 scripts/analyze_sweep.py "$db" | tee "$OUT/sweep_summary.txt"
-      for f in "$db"/*.csv; do gzip -c "$f" > "$OUT/perfdb/$(basename "$f").gz"; done
-      cp "$db/device.json" "$OUT/perfdb/" ;;
+      for f in "$db"/*.csv; do gzip -c "$f" > "$FINAL_OUT/$(basename "$f").gz"; done
+      cp "$db/device.json" "$FINAL_OUT/" ;;
     bench)
       python3 bench/segment_reduce.py 2>&1 | tee "$OUT/bench.log" | tail -45 || status=1 ;;
     hetero)  # segment_matmul / edge_softmax: their tests (CUDA included), then a memcheck of the CUDA ones
@@ -43,6 +46,13 @@ for step in "$@"; do
       [ $rc -eq 0 ] || status=1 ;;
     hetero_bench)
       python3 bench/hetero.py 2>&1 | grep -v Warning | tee "$OUT/hetero_bench.log" | grep -E "geomean|^segment_matmul|^edge_softmax" || status=1 ;;
+    e2e)  # every model and path eagerly in fp32, then the torch.compile paths where they matter most
+      python3 bench/e2e.py --dtypes fp32 --no-compile 2>&1 | grep -v Warning | tee "$OUT/e2e_eager.log" \
+        | sed -n '/^ms per step/,$p' || status=1
+      mv bench/results/e2e_*.csv "$OUT/e2e_eager.csv"; mv bench/results/e2e_*.png "$OUT/e2e_eager.png"
+      rm -f "$OUT"/e2e_nvidia*
+      python3 bench/e2e.py --models gcn,sage --hidden 64 --dtypes fp32 --graphs "${E2E_COMPILE_GRAPHS:-pubmed,powerlaw:n=200000,deg=12}" \
+        2>&1 | grep -v Warning | tee "$OUT/e2e_compile.log" | sed -n '/^ms per step/,$p' || status=1 ;;
     spmm)
       python3 bench/spmm.py 2>&1 | grep -v Warning | tee "$OUT/spmm.log" | grep -E "geomean|speedup|^ *cora +16 |^ *graph +F +op" || status=1 ;;
   esac
