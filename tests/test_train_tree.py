@@ -11,9 +11,10 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 import geot
-from geot import _C
+from geot import _C, tune
 
 pytest.importorskip("sklearn")
 
@@ -185,6 +186,21 @@ def test_trainer_rejects_bad_csv(tmp_path):
     (db / "device.json").write_text(json.dumps({"name": "x"}))
     with pytest.raises(ValueError, match="capability"):
         train_tree.main(["--perfdb", str(tmp_path / "perfdb"), "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_tune_sweep_needs_a_gpu():
+    with pytest.raises(SystemExit, match="geot.tune: the sweep times kernels on a CUDA GPU"):
+        tune.main(["sweep", "--budget-s", "60"])
+
+
+def test_tune_train_without_gpu(trained, tmp_path, capsys):
+    perfdb, out, _, _, _ = trained
+    tune.main(["train", "--no-build", "--perfdb", perfdb, "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "cv_geomean" in printed and "sm_90" in printed
+    with open(os.path.join(out, f"rules_sm{ARCH}.h")) as a, open(tmp_path / f"rules_sm{ARCH}.h") as b:
+        assert a.read() == b.read()
 
 
 @pytest.mark.parametrize(
