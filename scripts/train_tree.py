@@ -328,7 +328,7 @@ def emit_index(rule_sets: List[Tuple[int, str, List[str]]]) -> str:
         for arch, source, families in rule_sets:
             selectors = [f"&{arch_namespace(arch)}::{name}" if family in families else "nullptr"
                          for family, _, name in FAMILIES]
-            lines.append(f'    {{{arch}, "{source}", {", ".join(selectors)}}},')
+            lines.append(f'    {{{arch}, {json.dumps(source)}, {", ".join(selectors)}}},')
         lines.append("}};")
     lines += ["", "}  // namespace generated", "}  // namespace geot"]
     return "\n".join(lines) + "\n"

@@ -176,6 +176,27 @@ def test_generated_header_compiles_to_the_trained_tree(trained, tmp_path):
     assert printed == expected
 
 
+def test_unfinished_cells_are_left_out(trained, tmp_path):
+    perfdb, _, _, family, _ = trained
+    rows = pd.read_csv(os.path.join(perfdb, "test-gpu", "segment_reduce.csv"))
+    no_heuristic = (rows.graph == "g0_0") & (rows.F == 4) & (rows.schedule == "heuristic")
+    cut_off = (rows.graph == "g1_0") & (rows.F == 8) & (rows.schedule != "heuristic")
+    cut_off &= cut_off.cumsum() > cut_off.sum() // 3  # a third of the configs timed
+    rows[~(no_heuristic | cut_off)].to_csv(tmp_path / "cut.csv", index=False)
+    cells = train_tree.load_family(str(tmp_path / "cut.csv")).cells
+    assert len(cells) == len(family.cells) - 2
+    assert not ((cells.graph == "g0_0") & (cells.F == 4)).any() and not ((cells.graph == "g1_0") & (cells.F == 8)).any()
+
+
+def test_launch_keys_merge_identical_launches():
+    configs = np.array([[4, 32, 8, 2, 1], [1, 32, 8, 2, 1], [2, 16, 8, 1, 16], [1, 8, 8, 4, 16], [1, 32, 8, 2, 0]])
+    keys = train_tree.launch_keys(configs, np.full(len(configs), 3))  # odd F: N_t falls to 1
+    assert (keys[0] == keys[1]).all()  # SR, N_t 4 -> 1
+    assert (keys[2] == keys[3]).all()  # PR, blocks of 16 and 32 threads round up to one warp
+    assert not (keys[1] == keys[4]).all()  # SR and SP differ
+    assert train_tree.launch_keys(configs[:1], np.array([8]))[0, 0] == 4
+
+
 def test_trainer_rejects_bad_csv(tmp_path):
     db = tmp_path / "perfdb" / "gpu"
     db.mkdir(parents=True)
