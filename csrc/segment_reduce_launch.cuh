@@ -6,7 +6,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -108,8 +107,10 @@ inline int device_arch(int device) {
   constexpr int kCachedDevices = 64;
   static std::atomic<int> cached[kCachedDevices] = {};  // 0: not looked up yet
   auto lookup = [device] {
-    const cudaDeviceProp* p = at::cuda::getDeviceProperties(device);
-    return p->major * 10 + p->minor;
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return major * 10 + minor;
   };
   if (device < 0 || device >= kCachedDevices) return lookup();
   int arch = cached[device].load(std::memory_order_relaxed);
