@@ -31,17 +31,21 @@ struct Config {
 // gathered: the fused ops' kernel family (rows read through src_index, at
 // random, rather than streamed), which wants other tilings; long_segments:
 // 1 if some segment has more than 64 rows, 0 if none, -1 unknown (a by-product
-// of index validation, cached per index; unknown when validation is off).
+// of index validation, cached per index; unknown when validation is off);
+// arch: the GPU's compute capability as major * 10 + minor, which picks the
+// learned rules (rules.h); 0 = unknown or CPU, the hand heuristic.
 struct Features {
   int64_t E, num_segments, F;
   double avg;
   bool gathered;
   int long_segments;
+  int arch;
 };
 
-inline Features make_features(int64_t E, int64_t num_segments, int64_t F, bool gathered, int long_segments) {
+inline Features make_features(int64_t E, int64_t num_segments, int64_t F, bool gathered, int long_segments,
+                              int arch) {
   double avg = num_segments > 0 ? double(E) / double(num_segments) : double(E);
-  return {E, num_segments, F, avg, gathered, long_segments};
+  return {E, num_segments, F, avg, gathered, long_segments, arch};
 }
 
 // Throws std::invalid_argument with a readable message if cfg is unusable.

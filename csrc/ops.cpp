@@ -5,8 +5,11 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <chrono>
+
 #include "config.h"
 #include "index_segment_reduce.h"
+#include "rules.h"
 #include "segment_reduce.h"
 
 TORCH_LIBRARY(geot, m) {
@@ -87,6 +90,23 @@ pybind11::tuple config_tuple(const geot::Config& c) {
   return pybind11::make_tuple(c.N_t, c.T_N, c.M_t, c.T_M, c.G_t);
 }
 
+// Host time of the selection a kernel call makes (features, then learned
+// rules or heuristic), in ns per call, averaged over n calls.
+double selection_cost_ns(int64_t E, int64_t S, int64_t F, bool gathered, int long_segments, int arch, int64_t n) {
+  if (n < 1) throw pybind11::value_error("n must be >= 1, got " + std::to_string(n));
+  int sink = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < n; ++i) {
+    // E varies so the compiler cannot hoist the call out of the loop.
+    const auto f = geot::make_features(E + (i & 1), S, F, gathered, long_segments, arch);
+    sink += geot::resolve_config(at::OptionalIntArrayRef(), f).M_t;
+  }
+  const std::chrono::duration<double, std::nano> elapsed = std::chrono::steady_clock::now() - start;
+  volatile int keep = sink;
+  (void)keep;
+  return elapsed.count() / double(n);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -104,9 +124,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "heuristic_config",
       [](int64_t E, int64_t S, int64_t F, bool gathered, int long_segments) {
-        return config_tuple(geot::heuristic_config(geot::make_features(E, S, F, gathered, long_segments)));
+        return config_tuple(geot::heuristic_config(geot::make_features(E, S, F, gathered, long_segments, 0)));
       },
       "The hand-written heuristic's config for (E, num_segments, F, gathered, long_segments)");
+  m.def(
+      "select_config",
+      [](int64_t E, int64_t S, int64_t F, bool gathered, int long_segments, int arch) {
+        const auto f = geot::make_features(E, S, F, gathered, long_segments, arch);
+        return pybind11::make_tuple(config_tuple(geot::select_config(f)), geot::config_source(f));
+      },
+      "(config, source) a sorted reduction picks for (E, num_segments, F, gathered, long_segments, arch)");
+  m.def(
+      "nearest_arch",
+      [](int arch, const std::vector<int>& known) {
+        return geot::nearest_arch(arch, known.data(), static_cast<int>(known.size()));
+      },
+      "Index in `known` of the rules used for arch (exact, else nearest of the same major), -1 if none");
+  m.def("learned_archs", &geot::learned_archs, "Architectures (major * 10 + minor) with learned rules");
+  m.def("set_rules", &geot::set_rules, "'learned' (default) or 'heuristic': force the hand heuristic");
+  m.def("rules_mode", &geot::rules_mode);
+  m.def("selection_cost_ns", &selection_cost_ns,
+        "ns per call of the config selection for (E, num_segments, F, gathered, long_segments, arch, n)");
   m.def("check_config", [](int N_t, int T_N, int M_t, int T_M, int G_t) {
     geot::check_config({N_t, T_N, M_t, T_M, G_t});
   });

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "config.h"
+#include "rules.h"
 
 namespace geot {
 
@@ -61,7 +62,8 @@ std::vector<int> validate_indices(const std::vector<IndexCheck>& checks);
 void index_flags_cuda(const at::Tensor& index, int64_t bound, bool sorted, int* flags);
 #endif
 
-// The config the kernels will use: the override if given, else the selector.
+// The config the kernels will use: the override if given, else the selector
+// (select_config: learned rules for features.arch, else the hand heuristic).
 Config resolve_config(at::OptionalIntArrayRef override_config, const Features& features);
 
 // The core every op of the family runs on:

@@ -160,7 +160,7 @@ void raise_index_errors(int flags, const IndexCheck& check) {
 }
 
 Config resolve_config(at::OptionalIntArrayRef override_config, const Features& features) {
-  if (!override_config.has_value()) return heuristic_config(features);
+  if (!override_config.has_value()) return select_config(features);
   const auto v = *override_config;
   TORCH_CHECK_VALUE(v.size() == 5, "config must be (N_t, T_N, M_t, T_M, G_t), got ", std::to_string(v.size()), " values");
   const Config cfg{int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4])};

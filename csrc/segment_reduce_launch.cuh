@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 
 #include "launch_utils.cuh"
@@ -100,9 +101,30 @@ inline at::Tensor identity_filled(int64_t S, int64_t F, at::ScalarType dtype, Re
   return out;
 }
 
-// Any-order input only works with SR (PR and SP assume sorted segments).
+// Compute capability of a device as major * 10 + minor, looked up once per
+// device: the config selector needs it on every call.
+inline int device_arch(int device) {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cached[kCachedDevices] = {};  // 0: not looked up yet
+  auto lookup = [device] {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return major * 10 + minor;
+  };
+  if (device < 0 || device >= kCachedDevices) return lookup();
+  int arch = cached[device].load(std::memory_order_relaxed);
+  if (arch == 0) cached[device].store(arch = lookup(), std::memory_order_relaxed);
+  return arch;
+}
+
+// Any-order input only works with SR (PR and SP assume sorted segments); it
+// keeps the hand heuristic (arch 0): the learned rules were trained on sorted
+// reductions.
 inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F) {
-  const Config cfg = resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments));
+  const int arch = r.any_order ? 0 : device_arch(r.src.get_device());
+  const Config cfg =
+      resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments, arch));
   if (!r.any_order || cfg.is_sr()) return cfg;
   const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
   const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(F, n_t), 8, 64));

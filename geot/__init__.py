@@ -5,7 +5,7 @@ torch.ops.geot.* with CPU and CUDA kernels, autograd and fake kernels.
 """
 from . import _ops  # noqa: F401
 from ._C import cuda_built
-from .config import Config, config_space, explain
+from .config import Config, config_space, explain, explain_source, rules_mode, set_rules
 from .hetero import edge_softmax, group_by_type, segment_matmul
 from .index import TransposedIndex, index_segment_reduce, index_weight_segment_reduce, transpose_index
 from .segment import segment_reduce
@@ -17,11 +17,14 @@ __all__ = [
     "cuda_built",
     "edge_softmax",
     "explain",
+    "explain_source",
     "group_by_type",
     "index_segment_reduce",
     "index_weight_segment_reduce",
+    "rules_mode",
     "segment_matmul",
     "segment_reduce",
+    "set_rules",
     "set_validation",
     "transpose_index",
     "TransposedIndex",

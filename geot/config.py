@@ -61,15 +61,73 @@ def config_space(schedules=("SR", "PR", "SP"), narrow: bool = False) -> List[Con
     return space
 
 
+def _device_arch() -> int:
+    """The current CUDA device's compute capability as major * 10 + minor; 0 without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def _select(num_rows, num_segments, num_features, gathered, long_segments, arch):
+    hint = -1 if long_segments is None else int(bool(long_segments))
+    arch = _device_arch() if arch is None else arch
+    if not isinstance(arch, int) or arch < 0:
+        raise ValueError(f"arch must be None or major * 10 + minor (e.g. 90 for sm_90), got {arch!r}")
+    config, source = _C.select_config(num_rows, num_segments, num_features, gathered, hint, arch)
+    return Config(*config), source
+
+
 def explain(
-    num_rows: int, num_segments: int, num_features: int, gathered: bool = False, long_segments: Optional[bool] = None
+    num_rows: int,
+    num_segments: int,
+    num_features: int,
+    gathered: bool = False,
+    long_segments: Optional[bool] = None,
+    arch: Optional[int] = None,
+    verbose: bool = False,
 ) -> Config:
-    """The config a CUDA call with these sizes would use (hand heuristic).
+    """The config a CUDA call with these sizes would use.
 
     num_rows is E (edges); gathered=True for the fused ops that read rows
     through src_index (index_segment_reduce, index_weight_segment_reduce),
     which have their own rules; long_segments: whether some segment has more
     than 64 rows (index validation finds out and caches it per index; None:
-    unknown, as with validation off)."""
-    hint = -1 if long_segments is None else int(bool(long_segments))
-    return Config(*_C.heuristic_config(num_rows, num_segments, num_features, gathered, hint))
+    unknown, as with validation off); arch: compute capability as
+    major * 10 + minor (None: the current GPU's, 0 without one), which picks
+    the learned rules (csrc/generated/), else the hand heuristic. verbose
+    prints which of the two chose (explain_source)."""
+    config, source = _select(num_rows, num_segments, num_features, gathered, long_segments, arch)
+    if verbose:
+        print(f"{config}: {source}")
+    return config
+
+
+def explain_source(
+    num_rows: int,
+    num_segments: int,
+    num_features: int,
+    gathered: bool = False,
+    long_segments: Optional[bool] = None,
+    arch: Optional[int] = None,
+) -> str:
+    """Which selector explain() (and a CUDA call) uses for these arguments:
+    "learned rules sm_90 from perfdb/<gpu>" or "hand heuristic (why)"."""
+    return _select(num_rows, num_segments, num_features, gathered, long_segments, arch)[1]
+
+
+def set_rules(mode: str) -> None:
+    """"learned" (default): learned rules where the GPU has some; "heuristic":
+    always the hand heuristic (also set by the environment variable
+    GEOT_RULES=heuristic), e.g. to compare both in one build."""
+    try:
+        _C.set_rules(mode)
+    except ValueError as err:
+        raise ValueError(str(err)) from None
+
+
+def rules_mode() -> str:
+    """"learned" or "heuristic" (see set_rules)."""
+    return _C.rules_mode()

@@ -234,20 +234,26 @@ def test_config_space():
         assert c.N_t in (1, 2, 4) and c.T_N in (16, 32, 64) and c.M_t in (8, 16, 32, 64) and c.T_M in (1, 2, 4, 8), c
 
 
-def test_explain_follows_the_long_segment_hint():
+def test_heuristic_follows_the_long_segment_hint():
     E, S = 3_000_000, 300_000  # large enough to leave the small-graph rules
+
+    def heuristic(*args, **kwargs):
+        return geot.explain(*args, **kwargs, arch=0)  # arch 0: no learned rules
+
     for F in (2, 8, 16):
-        even = geot.explain(E, S, F, long_segments=False)
+        even = heuristic(E, S, F, long_segments=False)
         assert even.G_t == 1 and even.T_N * even.N_t <= F, even  # narrow SR
-        assert geot.explain(E, S, F, long_segments=True) == geot.explain(E, S, F), "unknown must mean skewed"
-    assert geot.explain(E, S, 4, long_segments=True).G_t > 1  # PR
-    assert geot.explain(E, S, 128, gathered=True, long_segments=False).G_t == 0  # SP
-    assert geot.explain(E, S, 128, gathered=True, long_segments=True).G_t == 1  # SR
-    assert geot.explain(E, S, 128, gathered=True) == geot.explain(E, S, 128, gathered=True, long_segments=True)
-    for F in range(1, 300, 7):  # every pick is launchable
-        for gathered, hint in itertools.product((False, True), (None, False, True)):
-            geot.explain(E, S, F, gathered, hint).validate()
-            geot.explain(1000, 100, F, gathered, hint).validate()
+        assert heuristic(E, S, F, long_segments=True) == heuristic(E, S, F), "unknown must mean skewed"
+    assert heuristic(E, S, 4, long_segments=True).G_t > 1  # PR
+    assert heuristic(E, S, 128, gathered=True, long_segments=False).G_t == 0  # SP
+    assert heuristic(E, S, 128, gathered=True, long_segments=True).G_t == 1  # SR
+    assert heuristic(E, S, 128, gathered=True) == heuristic(E, S, 128, gathered=True, long_segments=True)
+    # Every pick is launchable, the heuristic's and the learned rules' (every known architecture).
+    for arch in [0, *geot._C.learned_archs()]:
+        for F in range(1, 300, 7):
+            for gathered, hint in itertools.product((False, True), (None, False, True)):
+                geot.explain(E, S, F, gathered, hint, arch=arch).validate()
+                geot.explain(1000, 100, F, gathered, hint, arch=arch).validate()
 
 
 def test_op_registered():

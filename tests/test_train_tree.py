@@ -1,0 +1,301 @@
+"""Learned config rules: the trainer (scripts/train_tree.py) on a synthetic
+perf DB with planted best configs, its generated C++, and the runtime
+dispatch (rule-set matching, fallback, the heuristic switch, its cost)."""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import geot
+from geot import _C, tune
+
+pytest.importorskip("sklearn")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("train_tree", os.path.join(ROOT, "scripts", "train_tree.py"))
+train_tree = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_tree)
+
+ARCH = 90
+F_VALUES = (4, 8, 16, 32, 64)
+# The planted best config of each region of the feature space.
+SMALL_GRAPH = geot.Config(1, 32, 8, 4, 1)  # log2(E) < 16
+SMALL_F = geot.Config(1, 32, 8, 8, 32)  # F <= 8
+EVEN = geot.Config(2, 32, 64, 8, 0)  # no long segment
+SKEWED = geot.Config(4, 32, 64, 2, 1)  # long segments
+
+
+def planted(E, F, long_segments):
+    if np.log2(E) < 16:
+        return SMALL_GRAPH
+    if F <= 8:
+        return SMALL_F
+    return SKEWED if long_segments else EVEN
+
+
+def swept_configs(rng):
+    """The planted configs and a random sample of the space, deduplicated
+    like the sweep (one config per distinct launch)."""
+    space = geot.config_space()
+    sample = [space[i] for i in rng.choice(len(space), 40, replace=False)]
+    configs, seen = [], set()
+    for cfg in [SMALL_GRAPH, SMALL_F, EVEN, SKEWED] + sample:
+        key = tuple(train_tree.launch_keys(np.array([cfg]), np.array([4]))[0])
+        if key not in seen:
+            seen.add(key)
+            configs.append(cfg)
+    return configs
+
+
+def family_rows(rng, configs, base_graphs):
+    """Rows of one family CSV: every config is 1.15-2x slower than the
+    planted one of its region, with 3% noise; the heuristic always takes
+    SKEWED."""
+    slowdown = 1.15 + 0.85 * rng.random((4, len(configs)))  # per region
+    rows = []
+    for base, (E0, avg, long_segments) in enumerate(base_graphs):
+        for aug, scale in enumerate((1.0, 1.3, 0.8)):
+            E = int(E0 * scale)
+            graph = dict(graph=f"g{base}_{aug}", base_graph=f"g{base}", kind="augmented" if aug else "generated",
+                         augmentation=f"scale{scale}", E=E, num_segments=max(1, int(E / avg)), avg=avg,
+                         max_deg=200 if long_segments else 32, long_segments=long_segments)
+            for F in F_VALUES:
+                best = planted(E, F, long_segments)
+                region = [SMALL_GRAPH, SMALL_F, EVEN, SKEWED].index(best)
+                base_ms = 1e-6 * E * F + 0.005
+                for i, cfg in enumerate(configs):
+                    ms = base_ms * (1.0 if cfg == best else slowdown[region, i]) * rng.lognormal(0, 0.03)
+                    rows.append(dict(graph, F=F, schedule=cfg.schedule, **cfg._asdict(), time_ms=ms))
+                heuristic_ms = base_ms * (1.0 if best == SKEWED else slowdown[region, configs.index(SKEWED)])
+                rows.append(dict(graph, F=F, schedule="heuristic", **SKEWED._asdict(), time_ms=heuristic_ms))
+    return pd.DataFrame(rows)
+
+
+def make_perfdb(root, seed=0, base_graphs=16):
+    """perfdb/test-gpu with both families; returns the perfdb directory."""
+    rng = np.random.default_rng(seed)
+    configs = swept_configs(rng)
+    db = os.path.join(root, "perfdb", "test-gpu")
+    os.makedirs(db)
+    with open(os.path.join(db, "device.json"), "w") as f:
+        json.dump({"name": "Test GPU", "capability": [ARCH // 10, ARCH % 10]}, f)
+    for _, csv, _ in train_tree.FAMILIES:
+        graphs = [(int(2 ** rng.uniform(12, 22)), float(rng.uniform(2, 40)), i % 2) for i in range(base_graphs)]
+        rows = family_rows(rng, configs, graphs)
+        rows.to_csv(os.path.join(db, csv), index=False)
+    return os.path.dirname(db)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The perf DB, the generated directory, the printed summary and the
+    plain family's trained tree."""
+    root = tmp_path_factory.mktemp("db")
+    perfdb = make_perfdb(str(root))
+    out = os.path.join(str(root), "csrc", "generated")
+    summary = train_tree.main(["--perfdb", perfdb, "--out", out])
+    family = train_tree.load_family(os.path.join(perfdb, "test-gpu", "segment_reduce.csv"))
+    return perfdb, out, summary, family, train_tree.train_family(family)
+
+
+def test_trainer_beats_heuristic_on_held_out_graphs(trained):
+    _, _, summary, _, _ = trained
+    assert list(summary.family) == ["plain", "gathered"]
+    for row in summary.itertuples():
+        assert row.cv_geomean >= 0.95, row
+        assert row.cv_geomean > row.heuristic_geomean + 0.05, row
+        assert row.train_geomean >= row.cv_geomean - 1e-9, row
+
+
+def test_trainer_finds_planted_configs(trained):
+    _, _, _, family, result = trained
+    cases = [(2 ** 14, 1000, 64, 1), (2 ** 20, 50000, 4, 1), (2 ** 20, 50000, 128, 0), (2 ** 21, 60000, 32, 1)]
+    X = np.array([train_tree.rule_features(E, S, F, long) for E, S, F, long in cases])
+    picks = [geot.Config(*map(int, family.configs[i])) for i in train_tree.predict(result.tree, X)]
+    assert picks == [planted(E, F, long) for E, _, F, long in cases]
+
+
+def test_training_is_deterministic(trained, tmp_path):
+    perfdb, out, _, _, _ = trained
+    again = str(tmp_path / "again")
+    train_tree.main(["--perfdb", perfdb, "--out", again])
+    assert sorted(os.listdir(out)) == sorted(os.listdir(again)) == ["rules_index.h", f"rules_sm{ARCH}.h"]
+    for name in os.listdir(out):
+        with open(os.path.join(out, name), "rb") as a, open(os.path.join(again, name), "rb") as b:
+            assert a.read() == b.read(), name
+
+
+def test_generated_header_is_marked_and_small(trained):
+    _, out, _, _, _ = trained
+    with open(os.path.join(out, f"rules_sm{ARCH}.h")) as f:
+        header = f.read()
+    assert header.startswith("// Generated by scripts/train_tree.py from perfdb/test-gpu/")
+    assert "Do not edit" in header.splitlines()[1]
+    for selector in ("plain_config", "gathered_config"):
+        assert f"inline Config {selector}(const Features& f)" in header
+    # No split whose two sides return the same config.
+    lines = [line.strip() for line in header.splitlines()]
+    for i, line in enumerate(lines):
+        if line == "} else {" and lines[i - 1].startswith("return") and lines[i + 1].startswith("return"):
+            assert lines[i - 1] != lines[i + 1], f"redundant split at line {i}"
+
+
+def test_generated_header_compiles_to_the_trained_tree(trained, tmp_path):
+    """The C++ selector picks what predict() picks, on the training cells and
+    on random features (same feature formulae, same thresholds)."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    _, out, _, family, result = trained
+    csrc = tmp_path / "csrc"
+    shutil.copytree(out, csrc / "generated")
+    for name in ("rules.h", "config.h"):
+        shutil.copy(os.path.join(ROOT, "csrc", name), csrc)
+    rng = np.random.default_rng(1)
+    cases = [(int(c.E), int(c.num_segments), int(c.F), int(c.long_segments)) for c in family.cells.itertuples()]
+    cases += [(int(2 ** rng.uniform(0, 30)), int(rng.integers(0, 10 ** 6)), int(rng.integers(1, 300)),
+               int(rng.integers(-1, 2))) for _ in range(300)]
+    calls = "\n".join(f"  print(generated::kRuleSets[0].plain(make_features({E}, {S}, {F}, false, {long}, {ARCH})));"
+                      for E, S, F, long in cases)
+    (tmp_path / "main.cpp").write_text(
+        '#include <cstdio>\n#include "generated/rules_index.h"\nusing namespace geot;\n'
+        'void print(const Config& c) { std::printf("%d %d %d %d %d\\n", c.N_t, c.T_N, c.M_t, c.T_M, c.G_t); }\n'
+        f"int main() {{\n{calls}\n}}\n")
+    binary = str(tmp_path / "selector")
+    subprocess.run([compiler, "-std=c++17", "-I", str(csrc), str(tmp_path / "main.cpp"), "-o", binary], check=True)
+    printed = subprocess.run([binary], check=True, capture_output=True, text=True).stdout.split("\n")[:-1]
+    X = np.array([train_tree.rule_features(*case) for case in cases])
+    expected = [" ".join(map(str, family.configs[i])) for i in train_tree.predict(result.tree, X)]
+    assert printed == expected
+
+
+def test_unfinished_cells_are_left_out(trained, tmp_path):
+    perfdb, _, _, family, _ = trained
+    rows = pd.read_csv(os.path.join(perfdb, "test-gpu", "segment_reduce.csv"))
+    no_heuristic = (rows.graph == "g0_0") & (rows.F == 4) & (rows.schedule == "heuristic")
+    cut_off = (rows.graph == "g1_0") & (rows.F == 8) & (rows.schedule != "heuristic")
+    cut_off &= cut_off.cumsum() > cut_off.sum() // 3  # a third of the configs timed
+    rows[~(no_heuristic | cut_off)].to_csv(tmp_path / "cut.csv", index=False)
+    cells = train_tree.load_family(str(tmp_path / "cut.csv")).cells
+    assert len(cells) == len(family.cells) - 2
+    assert not ((cells.graph == "g0_0") & (cells.F == 4)).any() and not ((cells.graph == "g1_0") & (cells.F == 8)).any()
+
+
+def test_launch_keys_merge_identical_launches():
+    configs = np.array([[4, 32, 8, 2, 1], [1, 32, 8, 2, 1], [2, 16, 8, 1, 16], [1, 8, 8, 4, 16], [1, 32, 8, 2, 0]])
+    keys = train_tree.launch_keys(configs, np.full(len(configs), 3))  # odd F: N_t falls to 1
+    assert (keys[0] == keys[1]).all()  # SR, N_t 4 -> 1
+    assert (keys[2] == keys[3]).all()  # PR, blocks of 16 and 32 threads round up to one warp
+    assert not (keys[1] == keys[4]).all()  # SR and SP differ
+    assert train_tree.launch_keys(configs[:1], np.array([8]))[0, 0] == 4
+
+
+def test_trainer_rejects_bad_csv(tmp_path):
+    db = tmp_path / "perfdb" / "gpu"
+    db.mkdir(parents=True)
+    (db / "device.json").write_text(json.dumps({"name": "x", "capability": [9, 0]}))
+    pd.DataFrame({"graph": ["g"], "F": [1], "time_ms": [1.0]}).to_csv(db / "segment_reduce.csv", index=False)
+    with pytest.raises(ValueError, match="missing columns.*base_graph"):
+        train_tree.main(["--perfdb", str(tmp_path / "perfdb"), "--out", str(tmp_path / "out")])
+    (db / "device.json").write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ValueError, match="capability"):
+        train_tree.main(["--perfdb", str(tmp_path / "perfdb"), "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_tune_sweep_needs_a_gpu():
+    with pytest.raises(SystemExit, match="geot.tune: the sweep times kernels on a CUDA GPU"):
+        tune.main(["sweep", "--budget-s", "60"])
+
+
+def test_tune_train_without_gpu(trained, tmp_path, capsys):
+    perfdb, out, _, _, _ = trained
+    tune.main(["train", "--no-build", "--perfdb", perfdb, "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "cv_geomean" in printed and "sm_90" in printed
+    with open(os.path.join(out, f"rules_sm{ARCH}.h")) as a, open(tmp_path / f"rules_sm{ARCH}.h") as b:
+        assert a.read() == b.read()
+
+
+@pytest.mark.parametrize(
+    "arch, known, expected",
+    [
+        (90, [80, 90], 1),  # exact
+        (89, [80, 86], 1),  # nearest of the same major
+        (87, [86, 89], 0),
+        (85, [86, 84], 1),  # a tie goes to the older
+        (88, [86, 90], 0),  # never another major
+        (100, [90], -1),
+        (0, [90], -1),  # CPU / unknown
+        (90, [], -1),
+    ],
+)
+def test_nearest_arch(arch, known, expected):
+    assert _C.nearest_arch(arch, known) == expected
+
+
+def archs_without_rules():
+    majors = {arch // 10 for arch in _C.learned_archs()}
+    return [arch for arch in (0, 75, 80, 90, 100, 120) if arch == 0 or arch // 10 not in majors]
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_explain_falls_back_to_heuristic(gathered):
+    for arch in archs_without_rules():
+        for long in (None, False, True):
+            for E, S, F in ((1000, 100, 8), (1 << 20, 1 << 16, 64), (1 << 22, 1 << 18, 3)):
+                hint = -1 if long is None else int(long)
+                heuristic = geot.Config(*_C.heuristic_config(E, S, F, gathered, hint))
+                assert geot.explain(E, S, F, gathered, long, arch=arch) == heuristic
+                assert geot.explain_source(E, S, F, gathered, long, arch=arch).startswith("hand heuristic (no learned")
+
+
+def test_explain_defaults_and_verbose(capsys):
+    assert geot.explain(1 << 20, 1 << 16, 64) == geot.explain(1 << 20, 1 << 16, 64, arch=geot.config._device_arch())
+    cfg = geot.explain(1 << 20, 1 << 16, 64, arch=0, verbose=True)
+    assert capsys.readouterr().out == f"{cfg}: hand heuristic (no learned rules for arch 0: CPU or unknown)\n"
+    with pytest.raises(ValueError, match="arch"):
+        geot.explain(10, 2, 4, arch=-1)
+
+
+def test_set_rules_forces_heuristic():
+    before = geot.rules_mode()
+    try:
+        geot.set_rules("heuristic")
+        assert geot.rules_mode() == "heuristic"
+        assert geot.explain_source(1 << 20, 1 << 16, 64, arch=90) == "hand heuristic (rules forced to 'heuristic')"
+        geot.set_rules("learned")
+        assert geot.rules_mode() == "learned"
+    finally:
+        geot.set_rules(before)
+    with pytest.raises(ValueError, match="rules must be 'learned' or 'heuristic', got 'fast'"):
+        geot.set_rules("fast")
+
+
+def test_geot_rules_environment_forces_heuristic():
+    env = dict(os.environ, GEOT_RULES="heuristic")
+    run = subprocess.run([sys.executable, "-c", "import geot; print(geot.rules_mode())"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "heuristic"
+
+
+def test_geot_rules_environment_rejects_other_values():
+    env = dict(os.environ, GEOT_RULES="fastest")
+    run = subprocess.run([sys.executable, "-c", "import geot; geot.rules_mode()"], env=env, cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "GEOT_RULES must be 'learned' or 'heuristic', got 'fastest'" in run.stderr
+
+
+@pytest.mark.parametrize("arch", [0, 90])
+def test_selection_cost_is_under_a_microsecond(arch):
+    ns = min(_C.selection_cost_ns(1 << 20, 1 << 16, 64, gathered, 1, arch, 200_000) for gathered in (False, True))
+    assert 0 < ns < 1000
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        _C.selection_cost_ns(1, 1, 1, False, 1, arch, 0)
