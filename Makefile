@@ -10,8 +10,8 @@ export MAX_JOBS
 
 deps:  # torch only if missing: a GPU machine keeps the torch it has
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.14.1
-	@$(PYTHON) -c "import numpy, pytest, ninja, pandas, tqdm, torch_geometric, scipy, matplotlib" 2>/dev/null || \
-		$(PYTHON) -m pip install -q numpy pytest ninja pandas tqdm torch-geometric scipy matplotlib
+	@$(PYTHON) -c "import numpy, pytest, ninja, pandas, tqdm, torch_geometric, scipy, matplotlib, sklearn" 2>/dev/null || \
+		$(PYTHON) -m pip install -q numpy pytest ninja pandas tqdm torch-geometric scipy matplotlib scikit-learn
 
 build: deps  # in place, incremental (ninja): geot imports from the checkout
 	$(PYTHON) setup.py build_ext --inplace

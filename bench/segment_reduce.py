@@ -183,6 +183,16 @@ def first_tensor(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def time_with_heuristic(geot, fn, tkw) -> float:
+    """Median ms of fn with the hand heuristic forced instead of the learned
+    rules (the same where the GPU has none)."""
+    geot.set_rules("heuristic")
+    try:
+        return common.time_stats(fn, **tkw).median_ms
+    finally:
+        geot.set_rules("learned")
+
+
 def run_cell(args, geot, ts, g: common.Graph, gidx, index64, offsets, lengths, nonempty, F, reduce, dtype, copy_bw, stats):
     dev = index64.device
     S, E = g.num_nodes, g.num_edges
@@ -213,6 +223,8 @@ def run_cell(args, geot, ts, g: common.Graph, gidx, index64, offsets, lengths, n
         ref = None
         if args.verbose:
             traceback.print_exc()
+    row["geot_heuristic_ms"] = time_with_heuristic(geot, geot_fn, tkw) if args.config is None and ref is not None \
+        and args.device_type == "cuda" else float("nan")
     row["geot_ok"], row["geot_maxerr"] = None, float("nan")
     if ref is not None and not args.no_check and dtype in (torch.float16, torch.bfloat16):
         try:  # low precision: also check geot itself against an fp32 computation
@@ -221,8 +233,8 @@ def run_cell(args, geot, ts, g: common.Graph, gidx, index64, offsets, lengths, n
         except Exception as err:  # noqa: BLE001
             row["geot_err"] = (row["geot_err"] + "; " if row["geot_err"] else "") + "fp32 check: " + short_error(err)
     try:
-        long = stats["max_deg"] > 64 if geot.validation_enabled() else None
-        cfg = geot.explain(E, S, F, long_segments=long)
+        level = sum(stats["max_deg"] > rows for rows in (64, 1024, 16384)) if geot.validation_enabled() else None
+        cfg = geot.explain(E, S, F, long_segments=level)
         row["geot_config"] = "" if args.device_type != "cuda" else ",".join(str(v) for v in cfg)
     except Exception:  # noqa: BLE001
         row["geot_config"] = ""
@@ -286,6 +298,8 @@ def add_speedups(df: pd.DataFrame) -> pd.DataFrame:
     all_cols = [f"{k}_ms" for k in PEERS if f"{k}_ms" in df]
     df["best_peer_ms"] = df[all_cols].astype(float).min(axis=1, skipna=True)
     df["speedup_vs_best_peer"] = df["best_peer_ms"] / df["geot_ms"]
+    df["speedup_vs_heuristic"] = df["geot_heuristic_ms"] / df["geot_ms"]  # learned rules vs hand heuristic
+    df["heuristic_vs_best_native"] = df["best_native_ms"] / df["geot_heuristic_ms"]
     return df
 
 
@@ -321,13 +335,17 @@ def summarize(df: pd.DataFrame, copy_bw: float) -> None:
     for key in ("ts_coo", "ts_csr", "ts_scatter"):
         if f"speedup_vs_{key}" in df:
             lines.append((PEERS[key][0], f"speedup_vs_{key}"))
-    lines += [("fastest torch-native peer", "speedup_vs_best_native"), ("fastest peer overall", "speedup_vs_best_peer")]
+    lines += [("fastest torch-native peer", "speedup_vs_best_native"), ("fastest peer overall", "speedup_vs_best_peer"),
+              ("geot, hand heuristic", "speedup_vs_heuristic")]
     for label, col in lines:
         if col in df:
             vals = df[col].astype(float)
             n = int(np.isfinite(vals).sum())
             gm = common.geomean(vals)
             print(f"  vs {label:<28} " + (f"{gm:7.3f}x" if np.isfinite(gm) else "    n/a ") + f"   ({n} cells)")
+    if np.isfinite(df["heuristic_vs_best_native"].astype(float)).any():
+        print(f"  (with the hand heuristic's configs instead: {common.geomean(df['heuristic_vs_best_native']):.3f}x "
+              "vs the fastest torch-native peer)")
     groups = df.groupby(["reduce", "dtype"], sort=False)
     if groups.ngroups > 1:
         print("  per reduce/dtype, vs fastest torch-native peer:")

@@ -101,6 +101,16 @@ def timed(fn, args, ref=None, scale=None, rtol=1e-4):
     return common.time_cuda(fn, warmup=args.warmup, reps=args.reps, device=args.device, max_time_s=5.0)
 
 
+def with_heuristic(fn):
+    """fn() with the hand heuristic's configs forced instead of the learned
+    rules (two host calls more per launch: negligible at these sizes)."""
+    geot.set_rules("heuristic")
+    try:
+        return fn()
+    finally:
+        geot.set_rules("learned")
+
+
 def forward_rows(p: Problem, F: int, dtype, args, peers):
     x = torch.randn(p.num_nodes, F, device=args.device, dtype=dtype)
     w = p.w.to(dtype)
@@ -108,6 +118,8 @@ def forward_rows(p: Problem, F: int, dtype, args, peers):
     ref = p.composite(p.w.double(), x.double())
     scale = p.composite(p.w.double().abs(), x.double().abs())
     fns = {"geot": lambda: p.geot(w, x), "composite": lambda: p.composite(w, x)}
+    if "geot_heuristic" in peers:
+        fns["geot_heuristic"] = lambda: with_heuristic(lambda: p.geot(w, x))
     if "cusparse" in peers:
         A = p.csr(dtype)
         fns["cusparse"] = lambda: torch.sparse.mm(A, x)
@@ -247,9 +259,14 @@ def main(argv=None):
           f"{common.copy_bandwidth_gbs(args.device):.0f} GB/s")
     problems = [Problem(g, args.device) for g in (common.make_graph(s, args.device) for s in args.graphs) if g]
     if "fwd" in args.sections:
-        rows = [forward_rows(p, F, torch.float32, args, ("cusparse", "pyg_spmm")) for p in problems for F in args.F]
-        report(pd.DataFrame(rows), "forward, fp32 weighted sum (ms)", ("cusparse", "pyg_spmm", "composite"),
+        rows = [forward_rows(p, F, torch.float32, args, ("cusparse", "pyg_spmm", "geot_heuristic"))
+                for p in problems for F in args.F]
+        df = pd.DataFrame(rows)
+        report(df, "forward, fp32 weighted sum (ms)", ("cusparse", "pyg_spmm", "composite", "geot_heuristic"),
                f"spmm_fwd_{slug}.csv")
+        heuristic_vs_cusparse = df["cusparse"] / df["geot_heuristic"]
+        print(f"  (with the hand heuristic's configs instead: {common.geomean(heuristic_vs_cusparse):.2f}x vs cusparse, "
+              f"worst {heuristic_vs_cusparse.min():.2f}x)")
     if "dtypes" in args.sections:
         rows = [forward_rows(p, F, dt, args, ("cusparse",)) for dt in (torch.float16, torch.bfloat16)
                 for p in problems for F in args.F if F >= 8]

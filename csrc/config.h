@@ -30,8 +30,9 @@ struct Config {
 // Graph features the selectors see. avg is E / num_segments as a float;
 // gathered: the fused ops' kernel family (rows read through src_index, at
 // random, rather than streamed), which wants other tilings; long_segments:
-// 1 if some segment has more than 64 rows, 0 if none, -1 unknown (a by-product
-// of index validation, cached per index; unknown when validation is off);
+// how many of 64, 1024 and 16384 rows the longest segment exceeds (0..3;
+// kLongSegmentRows), -1 unknown (a by-product of index validation, cached
+// per index; unknown when validation is off);
 // arch: the GPU's compute capability as major * 10 + minor, which picks the
 // learned rules (rules.h); 0 = unknown or CPU, the hand heuristic.
 struct Features {

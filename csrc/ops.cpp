@@ -145,6 +145,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rules_mode", &geot::rules_mode);
   m.def("selection_cost_ns", &selection_cost_ns,
         "ns per call of the config selection for (E, num_segments, F, gathered, long_segments, arch, n)");
+  m.def(
+      "long_segment_level",
+      [](const at::Tensor& index, int64_t num_segments) {
+        return geot::validate_indices({{index, num_segments, true, "index", "num_segments"}})[0];
+      },
+      "Validates a sorted index (when validation is on) and returns how many of the long-segment "
+      "thresholds (64, 1024, 16384 rows) some segment exceeds; -1 when validation is off");
   m.def("check_config", [](int N_t, int T_N, int M_t, int T_M, int G_t) {
     geot::check_config({N_t, T_N, M_t, T_M, G_t});
   });

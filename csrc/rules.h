@@ -16,12 +16,12 @@ namespace geot {
 // rule_features() in scripts/train_tree.py: the thresholds are float64
 // midpoints between training values computed there.
 struct RuleInputs {
-  double log2_E, log2_S, avg, F, long_segments;
+  double log2_E, log2_S, avg, F, long_level;
 };
 
 inline RuleInputs rule_inputs(const Features& f) {
   return {std::log2(double(f.E > 1 ? f.E : 1)), std::log2(double(f.num_segments > 1 ? f.num_segments : 1)), f.avg,
-          double(f.F), f.long_segments == 0 ? 0.0 : 1.0};  // unknown (-1) counts as long: the skew-safe side
+          double(f.F), f.long_segments < 0 ? 3.0 : double(f.long_segments)};  // unknown: the most skewed, the safe side
 }
 
 // One architecture's rules; a family without a perf DB has no selector.

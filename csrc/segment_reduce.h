@@ -40,11 +40,23 @@ struct IndexCheck {
   const char* name;
   const char* bound_name;
 };
-// kLongSegment is no error: a sorted index has a segment of more than
-// kLongSegmentRows rows. Validation gets it almost for free and the config
-// selector uses it (segment-parallel schedules suit graphs without one).
+// The kLongSegment bits are no error: a sorted index has a segment of more
+// than kLongSegmentRows[k] rows (bit kLongSegment << k). Validation gets them
+// almost for free (row i is in such a segment iff row i + rows has its id)
+// and the config selectors use them: segment-parallel schedules suit graphs
+// without long segments, and hubs of thousands of rows punish schedules
+// that put many atomics on one output row.
 enum IndexFlag : int { kNegative = 1, kTooLarge = 2, kUnsorted = 4, kLongSegment = 8 };
-constexpr int64_t kLongSegmentRows = 64;
+constexpr int kLongSegmentLevels = 3;
+constexpr int64_t kLongSegmentRows[kLongSegmentLevels] = {64, 1024, 16384};
+constexpr int kLongSegmentBits = kLongSegment * ((1 << kLongSegmentLevels) - 1);
+
+// How many of the kLongSegmentRows thresholds some segment exceeds (0..3).
+inline int long_segment_level(int flags) {
+  int level = 0;
+  while (level < kLongSegmentLevels && (flags & (kLongSegment << level))) ++level;
+  return level;
+}
 
 // Turns an index check's bit flags into a ValueError naming the argument
 // and the fix.
@@ -52,8 +64,9 @@ void raise_index_errors(int flags, const IndexCheck& check);
 
 // When validation is on, checks every index the cache does not know yet
 // (with one device->host sync for all of them on CUDA) and remembers them.
-// Returns the shape hint of each sorted index: 1 if it has a long segment,
-// 0 if not, -1 if unknown (validation off, or no sorted check).
+// Returns the shape hint of each sorted index: its long_segment_level (0 if
+// no segment exceeds 64 rows), -1 if unknown (validation off, or no sorted
+// check).
 std::vector<int> validate_indices(const std::vector<IndexCheck>& checks);
 
 #ifdef GEOT_WITH_CUDA
@@ -79,7 +92,7 @@ struct RowReduction {
   int64_t num_segments = 0;
   Reduce reduce = Reduce::Sum;
   at::OptionalIntArrayRef config;    // override of the selector (CUDA)
-  int long_segments = -1;            // shape hint from validate_indices
+  int long_segments = -1;            // long_segment_level from validate_indices, -1 unknown
   bool any_order = false;
 };
 at::Tensor reduce_rows_cpu(const RowReduction& r);  // [num_segments, F]
@@ -90,7 +103,7 @@ at::Tensor reduce_rows_fused_cuda(const RowReduction& r);  // r with a gather or
 // device->host sync, so a static graph is checked once. Entries are keyed by
 // the storage (weakly held), offset, length, stride, version counter (bumped
 // by any in-place change) and the bound it was checked against.
-// known_index_flags: the kLongSegment bit of a known valid index, else -1.
+// known_index_flags: the kLongSegment bits of a known valid index, else -1.
 int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted);
 void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags);
 // The same cache for offsets (ptr of segment_matmul): valid for exactly

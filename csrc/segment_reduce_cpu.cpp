@@ -37,7 +37,7 @@ struct ValidIndex {
   at::ScalarType dtype = at::kLong;
   bool sorted = false;
   bool offsets = false;  // a ptr checked against exactly `bound` rows, not an index
-  int flags = 0;         // kLongSegment if sorted and found
+  int flags = 0;         // kLongSegment bits if sorted and found
 };
 
 struct ValidIndexCache {
@@ -77,7 +77,7 @@ void remember(const at::Tensor& index, int64_t bound, bool sorted, bool offsets,
   v.bound = bound;
   v.sorted = sorted;
   v.offsets = offsets;
-  v.flags = flags & kLongSegment;
+  v.flags = flags & kLongSegmentBits;
 }
 
 }  // namespace
@@ -174,11 +174,24 @@ Config resolve_config(at::OptionalIntArrayRef override_config, const Features& f
 
 namespace {
 
-// Hints as 0/1 for sorted checks; -1 where the check was not for sorted.
+// Hints as levels for sorted checks; -1 where the check was not for sorted.
 std::vector<int> finish_hints(std::vector<int> hints, const std::vector<IndexCheck>& checks) {
   for (size_t i = 0; i < checks.size(); ++i)
-    hints[i] = !checks[i].sorted ? -1 : hints[i] < 0 ? -1 : (hints[i] & kLongSegment ? 1 : 0);
+    hints[i] = !checks[i].sorted || hints[i] < 0 ? -1 : long_segment_level(hints[i]);
   return hints;
+}
+
+// The kLongSegment bits row i proves; the longer thresholds are only
+// looked at once the shorter one holds.
+template <typename index_t>
+int long_segment_bits(const index_t* index, int64_t i, int64_t E, int64_t v) {
+  int bits = 0;
+  for (int k = 0; k < kLongSegmentLevels; ++k) {
+    const int64_t ahead = i + kLongSegmentRows[k];
+    if (ahead >= E || int64_t(index[ahead]) != v) break;
+    bits |= kLongSegment << k;
+  }
+  return bits;
 }
 
 template <typename index_t>
@@ -190,7 +203,7 @@ int index_flags_cpu(const index_t* index, int64_t E, int64_t bound, bool sorted)
       const int64_t v = index[i];
       bad |= (v < 0 ? kNegative : 0) | (v >= bound ? kTooLarge : 0);
       if (sorted && i + 1 < E && int64_t(index[i + 1]) < v) bad |= kUnsorted;
-      if (sorted && i + kLongSegmentRows < E && int64_t(index[i + kLongSegmentRows]) == v) bad |= kLongSegment;
+      if (sorted) bad |= long_segment_bits(index, i, E, v);
     }
     if (bad) flags.fetch_or(bad);
   });
@@ -334,7 +347,7 @@ std::vector<int> validate_indices(const std::vector<IndexCheck>& checks) {
   for (size_t i = 0; i < pending.size(); ++i) {
     raise_index_errors(flags[i], *pending[i]);
     remember_valid_index(pending[i]->index, pending[i]->bound, pending[i]->sorted, flags[i]);
-    hints[pending_at[i]] = flags[i] & kLongSegment;
+    hints[pending_at[i]] = flags[i] & kLongSegmentBits;
   }
   return finish_hints(hints, checks);
 }

@@ -21,9 +21,12 @@ void index_flags_cuda(const at::Tensor& index, int64_t bound, bool sorted, int* 
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(E, threads), 4096));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  static_assert(LongSegmentRows::kLevels == kLongSegmentLevels, "one threshold per kLongSegment bit");
+  LongSegmentRows long_rows{};
+  std::copy_n(kLongSegmentRows, kLongSegmentLevels, long_rows.rows);
   AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_check_index", [&] {
-    check_index_kernel<index_t>
-        <<<blocks, threads, 0, stream>>>(idx.data_ptr<index_t>(), E, bound, sorted, kLongSegmentRows, flags);
+    check_index_kernel<index_t><<<blocks, threads, 0, stream>>>(idx.data_ptr<index_t>(), E, bound, sorted,
+                                                                long_rows, flags);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -358,18 +358,28 @@ __global__ void segment_arg_kernel(const index_t* __restrict__ index, const scal
   }
 }
 
+// Thresholds of the kLongSegment bits (segment_reduce.h), passed by value.
+struct LongSegmentRows {
+  static constexpr int kLevels = 3;
+  int64_t rows[kLevels];
+};
+
 // Index validation, flags as IndexFlag: 1 negative, 2 >= bound, 4 not sorted
-// (checked only if `sorted`), 8 (sorted only, no error) a segment longer
-// than long_rows: row i and row i + long_rows share their segment.
+// (checked only if `sorted`), 8 << k (sorted only, no error) a segment longer
+// than long_rows.rows[k]: row i and row i + rows[k] share their segment.
 template <typename index_t>
 __global__ void check_index_kernel(const index_t* __restrict__ index, int64_t E, int64_t bound, bool sorted,
-                                   int64_t long_rows, int* flags) {
+                                   LongSegmentRows long_rows, int* flags) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < E;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t v = index[i];
     int bad = (v < 0 ? 1 : 0) | (v >= bound ? 2 : 0);
     if (sorted && i + 1 < E && int64_t(index[i + 1]) < v) bad |= 4;
-    if (sorted && i + long_rows < E && int64_t(index[i + long_rows]) == v) bad |= 8;
+    for (int k = 0; sorted && k < LongSegmentRows::kLevels; ++k) {  // longer thresholds only once a shorter holds
+      const int64_t ahead = i + long_rows.rows[k];
+      if (ahead >= E || int64_t(index[ahead]) != v) break;
+      bad |= 8 << k;
+    }
     if (bad) atomicOr(flags, bad);
   }
 }

@@ -72,7 +72,9 @@ def _device_arch() -> int:
 
 
 def _select(num_rows, num_segments, num_features, gathered, long_segments, arch):
-    hint = -1 if long_segments is None else int(bool(long_segments))
+    hint = -1 if long_segments is None else int(long_segments)
+    if not -1 <= hint <= 3 or (hint == -1 and long_segments is not None):
+        raise ValueError(f"long_segments must be None, a bool or a level 0..3, got {long_segments!r}")
     arch = _device_arch() if arch is None else arch
     if not isinstance(arch, int) or arch < 0:
         raise ValueError(f"arch must be None or major * 10 + minor (e.g. 90 for sm_90), got {arch!r}")
@@ -85,7 +87,7 @@ def explain(
     num_segments: int,
     num_features: int,
     gathered: bool = False,
-    long_segments: Optional[bool] = None,
+    long_segments: Optional[int] = None,
     arch: Optional[int] = None,
     verbose: bool = False,
 ) -> Config:
@@ -93,9 +95,10 @@ def explain(
 
     num_rows is E (edges); gathered=True for the fused ops that read rows
     through src_index (index_segment_reduce, index_weight_segment_reduce),
-    which have their own rules; long_segments: whether some segment has more
-    than 64 rows (index validation finds out and caches it per index; None:
-    unknown, as with validation off); arch: compute capability as
+    which have their own rules; long_segments: how many of 64, 1024 and
+    16384 rows the longest segment exceeds, 0..3 (True counts as 1; index
+    validation measures it and caches it per index; None: unknown, as with
+    validation off); arch: compute capability as
     major * 10 + minor (None: the current GPU's, 0 without one), which picks
     the learned rules (csrc/generated/), else the hand heuristic. verbose
     prints which of the two chose (explain_source)."""
@@ -110,7 +113,7 @@ def explain_source(
     num_segments: int,
     num_features: int,
     gathered: bool = False,
-    long_segments: Optional[bool] = None,
+    long_segments: Optional[int] = None,
     arch: Optional[int] = None,
 ) -> str:
     """Which selector explain() (and a CUDA call) uses for these arguments:

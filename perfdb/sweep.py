@@ -121,8 +121,11 @@ def launch_timed(call, cfg):
 
 def sweep_cell(family: str, entry: Entry, g: Graph, stats: dict, F: int, args) -> pd.DataFrame:
     call, moved, flops = cell_inputs(family, g, F)
+    # arch=0: the hand heuristic, whatever learned rules this build has; the
+    # long-segment level as index validation would report it.
+    level = sum(stats["max_deg"] > rows for rows in (64, 1024, 16384))
     heuristic = geot.explain(g.num_edges, g.num_nodes, F, gathered=family != "segment_reduce",
-                             long_segments=stats["long_segments"])
+                             long_segments=level, arch=0)
     configs = [heuristic] + configs_for(F, args.full)
     # Two passes: one launch per config, then warm-up and the median of
     # --reps for the heuristic and the --refine fastest (the rest are far

@@ -1,5 +1,6 @@
-"""Times hand-picked configs against the heuristic and the strongest peer on a
-few (graph, F) cells: a quick look before a full sweep. GPU only.
+"""Times hand-picked configs against the default pick (learned rules, else the
+heuristic) and the strongest peer on a few (graph, F) cells: a quick look
+before a full sweep. GPU only.
 
     python scripts/probe_configs.py
 """
@@ -39,8 +40,8 @@ def probe_plain(graph, F):
     src = torch.randn(graph.num_edges, F, device="cuda")
     lengths = torch.bincount(idx, minlength=S)
     peer = time_cuda(lambda: torch.segment_reduce(src, "sum", lengths=lengths, unsafe=True), reps=10)
-    heur = time_cuda(lambda: geot.segment_reduce(idx, src, "sum", S), reps=10)
-    return peer, heur, lambda cfg: geot.segment_reduce(idx, src, "sum", S, config=cfg), idx, S
+    picked = time_cuda(lambda: geot.segment_reduce(idx, src, "sum", S), reps=10)
+    return peer, picked, lambda cfg: geot.segment_reduce(idx, src, "sum", S, config=cfg), idx, S
 
 
 def probe_fused(graph, F):
@@ -51,8 +52,8 @@ def probe_fused(graph, F):
         torch.searchsorted(graph.dst, torch.arange(S + 1, device="cuda")), graph.src, w, (S, S))
     peer = time_cuda(lambda: torch.sparse.mm(a, x), reps=10)
     src, dst = graph.src, graph.dst
-    heur = time_cuda(lambda: geot.index_weight_segment_reduce(src, dst, w, x, "sum", S), reps=10)
-    return peer, heur, lambda cfg: geot.index_weight_segment_reduce(src, dst, w, x, "sum", S, config=cfg), dst, S
+    picked = time_cuda(lambda: geot.index_weight_segment_reduce(src, dst, w, x, "sum", S), reps=10)
+    return peer, picked, lambda cfg: geot.index_weight_segment_reduce(src, dst, w, x, "sum", S, config=cfg), dst, S
 
 
 def main():
@@ -62,7 +63,7 @@ def main():
     cells += [("fused", g, F) for g in ("powerlaw", "hubs", "uniform", "pubmed") for F in (1, 32, 64, 128)]
     for kind, name, F in cells:
         graph = make_graph(name, device="cuda", data_dir=os.environ.get("GEOT_DATA"))
-        peer, heur, run, idx, S = (probe_plain if kind == "plain" else probe_fused)(graph, F)
+        peer, picked, run, idx, S = (probe_plain if kind == "plain" else probe_fused)(graph, F)
         results = []
         for cfg in candidates(F, kind == "fused"):
             try:
@@ -71,10 +72,10 @@ def main():
                 continue
         results.sort()
         best = ", ".join(f"{c}:{t*1e3:.0f}" for t, c in results[:4])
-        long = bool((torch.bincount(idx, minlength=S) > 64).any())
-        explain = tuple(geot.explain(idx.numel(), S, F, kind == "fused", long))
-        print(f"{kind:5} {name:9} F={F:3}  peer {peer*1e3:7.1f}us  heur {heur*1e3:7.1f}us {explain}  "
-              f"heur/peer {peer/heur:5.2f}  best/peer {peer/results[0][0]:5.2f}  best: {best}", flush=True)
+        longest = int(torch.bincount(idx, minlength=S).max())
+        explain = tuple(geot.explain(idx.numel(), S, F, kind == "fused", sum(longest > r for r in (64, 1024, 16384))))
+        print(f"{kind:5} {name:9} F={F:3}  peer {peer*1e3:7.1f}us  pick {picked*1e3:7.1f}us {explain}  "
+              f"pick/peer {peer/picked:5.2f}  best/peer {peer/results[0][0]:5.2f}  best: {best}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,16 +9,20 @@ afterwards (python -m geot.tune does all of it).
     python scripts/train_tree.py
     python scripts/train_tree.py --perfdb perfdb --out csrc/generated
 
-The tree: each cell (graph, F) is a sample with the features of rule_features;
-its target is the vector gain[c] = log2(oracle_time / time of config c) over
-every config of the swept space (0 for the best one). A node picks the config
-with the largest summed gain over its cells, and each split is the one that
-most increases the summed gain of the two children's picks: the tree
-maximises the geomean of oracle/pick, the figure it is judged by, directly,
-with the schedule (SR/PR/SP) part of the pick. Depth and minimum cells per
-leaf are chosen by cross-validation over held-out graphs (GroupKFold by
-base_graph); the figures printed for held-out graphs come from nested
-cross-validation, so that choice is not evaluated on its own folds.
+The trees: each cell (graph, F) is a sample with the features of
+rule_features (log2 E, log2 num_segments, avg = E / num_segments, F, and the
+long-segment level index validation measures); its target is the vector
+gain[c] = log2(oracle_time / time of config c) over the configs the sweep
+timed for that F (0 for the best one). Per swept F, a scikit-learn
+multi-output DecisionTreeRegressor fits the gain vectors from the shape
+features; each leaf picks the config of largest mean gain over its cells,
+which maximises the geomean of oracle/pick over them, the figure the rules are
+judged by. The schedule (SR/PR/SP) is part of the pick, so the SR/PR switch is
+learned with the rest rather than fixed (GeoT's F > 4 -> SR). An if/else on F
+(geometric midpoints between swept widths) sits on top. Depth and minimum
+cells per leaf are chosen by cross-validation over held-out graphs
+(GroupKFold); the printed held-out figures come from nested
+cross-validation, so that choice is not scored on its own folds.
 """
 import argparse
 import glob
@@ -32,6 +36,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import pandas as pd
 from sklearn.model_selection import GroupKFold
+from sklearn.tree import DecisionTreeRegressor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,18 +45,28 @@ FAMILIES = (
     ("plain", "segment_reduce.csv", "plain_config"),
     ("gathered", "index_weight_segment_reduce.csv", "gathered_config"),
 )
-FEATURES = ("log2_E", "log2_S", "avg", "F", "long_segments")  # the fields of RuleInputs (csrc/rules.h)
+FEATURES = ("log2_E", "log2_S", "avg", "F", "long_level")  # the fields of RuleInputs (csrc/rules.h)
+F_FEATURE = FEATURES.index("F")
+SHAPE_FEATURES = [i for i, name in enumerate(FEATURES) if name != "F"]  # what the per-F trees split on
+LONG_SEGMENT_ROWS = (64, 1024, 16384)  # kLongSegmentRows (csrc/segment_reduce.h)
 CONFIG_COLUMNS = ["N_t", "T_N", "M_t", "T_M", "G_t"]
-REQUIRED_COLUMNS = ["graph", "base_graph", "E", "num_segments", "long_segments", "F", "schedule", "time_ms"]
-DEPTHS = tuple(range(1, 9))
-MIN_CELLS_PER_LEAF = (16, 8, 4, 2, 1)  # simplest first: ties go to the first
+REQUIRED_COLUMNS = ["graph", "base_graph", "E", "num_segments", "max_deg", "F", "schedule", "time_ms"]
+DEPTHS = tuple(range(1, 6))
+MIN_CELLS_PER_LEAF = (4, 2, 1)  # simplest first: ties go to the first
 MAX_FOLDS = 5
 
 
-def rule_features(E: int, num_segments: int, F: int, long_segments: int) -> Tuple[float, ...]:
-    """rule_inputs() of csrc/rules.h, formula for formula (float64, libm log2)."""
+def long_level(max_deg: int) -> int:
+    """What index validation reports (Features.long_segments): how many of
+    LONG_SEGMENT_ROWS the longest segment exceeds."""
+    return sum(max_deg > rows for rows in LONG_SEGMENT_ROWS)
+
+
+def rule_features(E: int, num_segments: int, F: int, level: int) -> Tuple[float, ...]:
+    """rule_inputs() of csrc/rules.h, formula for formula (float64, libm log2);
+    level -1 (unknown: validation off) counts as the most skewed."""
     avg = E / num_segments if num_segments > 0 else float(E)
-    return (math.log2(max(E, 1)), math.log2(max(num_segments, 1)), avg, float(F), 0.0 if long_segments == 0 else 1.0)
+    return (math.log2(max(E, 1)), math.log2(max(num_segments, 1)), avg, float(F), float(3 if level < 0 else level))
 
 
 def launch_keys(configs: np.ndarray, F: np.ndarray) -> np.ndarray:
@@ -72,18 +87,24 @@ def launch_keys(configs: np.ndarray, F: np.ndarray) -> np.ndarray:
 class Family:
     """One family's perf DB as a cells x configs table."""
 
-    cells: pd.DataFrame  # graph, F, base_graph, E, num_segments, long_segments, heuristic_ms; sorted
+    cells: pd.DataFrame  # graph, F, base_graph, E, num_segments, max_deg, heuristic_ms; sorted
     configs: np.ndarray  # [C, 5] every config timed, sorted
-    times: np.ndarray  # [cells, C] ms; a config timed under no equivalent launch counts as the cell's slowest
+    times: np.ndarray  # [cells, C] ms; NaN: no equivalent launch timed (the sweep pruned it for that F)
     X: np.ndarray  # [cells, len(FEATURES)]
 
     @property
+    def timed(self) -> np.ndarray:
+        return ~np.isnan(self.times)
+
+    @property
     def gain(self) -> np.ndarray:
-        return np.log2(self.times.min(axis=1, keepdims=True) / self.times)
+        """log2(oracle / time) per cell and config; an untimed config counts as the cell's slowest."""
+        times = np.where(self.timed, self.times, np.nanmax(self.times, axis=1, keepdims=True))
+        return np.log2(times.min(axis=1, keepdims=True) / times)
 
     @property
     def heuristic_gain(self) -> np.ndarray:
-        return np.log2(self.times.min(axis=1) / self.cells.heuristic_ms.to_numpy())
+        return np.log2(np.nanmin(self.times, axis=1) / self.cells.heuristic_ms.to_numpy())
 
 
 def finished_cells(rows: pd.DataFrame) -> pd.DataFrame:
@@ -95,7 +116,7 @@ def finished_cells(rows: pd.DataFrame) -> pd.DataFrame:
     counts = counts[counts.configs * 2 >= counts.groupby("F").configs.transform("max")]
     heuristic = rows[rows.schedule == "heuristic"].groupby(["graph", "F"]).time_ms.min().rename("heuristic_ms")
     cells = counts.merge(heuristic.reset_index(), on=["graph", "F"])
-    meta = timed.groupby(["graph", "F"])[["base_graph", "E", "num_segments", "long_segments"]].first().reset_index()
+    meta = timed.groupby(["graph", "F"])[["base_graph", "E", "num_segments", "max_deg"]].first().reset_index()
     return cells.merge(meta, on=["graph", "F"]).drop(columns="configs").sort_values(["graph", "F"], ignore_index=True)
 
 
@@ -112,11 +133,6 @@ def time_table(timed: pd.DataFrame, cells: pd.DataFrame, configs: np.ndarray) ->
     found = pd.concat(wanted).merge(measured, on=["graph", "F", *key_columns], how="left")
     times = np.full((len(cells), len(configs)), np.nan)
     times[found.cell.to_numpy(), found.config.to_numpy()] = found.time_ms.to_numpy()
-    missing = np.isnan(times)
-    if missing.any():
-        print(f"  warning: {missing.sum()} of {missing.size} (cell, config) pairs have no timing under an "
-              "equivalent launch; counted as the cell's slowest")
-        times = np.where(missing, np.nanmax(times, axis=1, keepdims=True), times)
     return times
 
 
@@ -133,62 +149,73 @@ def load_family(path: str) -> Family:
     timed = rows[(rows.schedule != "heuristic") & rows.set_index(["graph", "F"]).index.isin(
         cells.set_index(["graph", "F"]).index)]
     configs = np.unique(timed[CONFIG_COLUMNS].to_numpy(dtype=np.int64), axis=0)
-    X = np.array([rule_features(int(c.E), int(c.num_segments), int(c.F), int(c.long_segments))
+    X = np.array([rule_features(int(c.E), int(c.num_segments), int(c.F), long_level(int(c.max_deg)))
                   for c in cells.itertuples()])
     return Family(cells, configs, time_table(timed, cells, configs), X)
 
 
 @dataclass
 class Node:
-    pick: int  # the config with the largest summed gain over the node's cells
+    pick: int  # leaf: the config picked (index into Family.configs)
     feature: int = -1  # a split sends x[feature] <= threshold left; -1: a leaf
     threshold: float = 0.0
     left: Optional["Node"] = None
     right: Optional["Node"] = None
 
 
-def best_split(X: np.ndarray, gain: np.ndarray, min_leaf: int, parent_value: float):
-    """(feature, threshold) whose two picks have the largest summed gain, if it
-    beats the parent's pick; else None."""
-    best, best_value = None, parent_value + 1e-9 * len(X)
-    sizes = np.arange(1, len(X))  # cells left of each split point
-    for feature in range(X.shape[1]):
-        order = np.argsort(X[:, feature], kind="stable")
-        values = X[order, feature]
-        prefix = np.cumsum(gain[order], axis=0)
-        value = prefix[:-1].max(axis=1) + (prefix[-1] - prefix[:-1]).max(axis=1)
-        allowed = (values[:-1] < values[1:]) & (sizes >= min_leaf) & (len(X) - sizes >= min_leaf)
-        if not allowed.any():
-            continue
-        i = np.flatnonzero(allowed)[np.argmax(value[allowed])]
-        if value[i] > best_value:
-            threshold = (values[i] + values[i + 1]) / 2
-            # Adjacent floats: the midpoint rounds onto the right value.
-            best, best_value = (feature, threshold if threshold < values[i + 1] else values[i]), value[i]
-    return best
+def from_sklearn(model: DecisionTreeRegressor, candidates: np.ndarray, node: int = 0) -> Node:
+    """The fitted tree as Nodes; a leaf picks the candidate of largest mean gain
+    over its cells. Splits whose two leaves pick the same config are merged."""
+    tree = model.tree_
+    if tree.children_left[node] < 0:
+        return Node(int(candidates[int(np.argmax(tree.value[node][:, 0]))]))
+    left = from_sklearn(model, candidates, tree.children_left[node])
+    right = from_sklearn(model, candidates, tree.children_right[node])
+    if left.feature < 0 and right.feature < 0 and left.pick == right.pick:
+        return left
+    return Node(-1, SHAPE_FEATURES[tree.feature[node]], float(tree.threshold[node]), left, right)
 
 
-def fit_tree(X: np.ndarray, gain: np.ndarray, max_depth: int, min_leaf: int) -> Node:
-    def grow(rows: np.ndarray, depth: int) -> Node:
-        totals = gain[rows].sum(axis=0)
-        node = Node(pick=int(np.argmax(totals)))
-        split = best_split(X[rows], gain[rows], min_leaf, totals[node.pick]) if depth < max_depth else None
-        if split is not None:
-            node.feature, node.threshold = split
-            goes_left = X[rows, node.feature] <= node.threshold
-            node.left, node.right = grow(rows[goes_left], depth + 1), grow(rows[~goes_left], depth + 1)
-        return node
-
-    return grow(np.arange(len(X)), 0)
+def fit_one_F(X: np.ndarray, gain: np.ndarray, timed: np.ndarray, max_depth: int, min_leaf: int) -> Node:
+    """The tree of the cells of one F: a multi-output regression of the gain of
+    every config the sweep timed in all of them (so a pick is never a config
+    pruned for this F)."""
+    candidates = np.flatnonzero(timed.all(axis=0))
+    model = DecisionTreeRegressor(max_depth=max_depth, min_samples_leaf=min_leaf, random_state=0)
+    model.fit(X[:, SHAPE_FEATURES], gain[:, candidates])
+    return from_sklearn(model, candidates)
 
 
-def predict(tree: Node, X: np.ndarray, max_depth: int = max(DEPTHS)) -> np.ndarray:
-    """Config index each row of X gets (the tree cut at max_depth)."""
+def split_on_F(values: np.ndarray, subtrees: List[Node]) -> Node:
+    """A balanced if/else over the swept F values, cut at geometric midpoints
+    (a width between two swept ones takes the rules of the nearer in ratio)."""
+    if len(values) == 1:
+        return subtrees[0]
+    mid = len(values) // 2
+    threshold = float(math.sqrt(values[mid - 1] * values[mid]))
+    return Node(-1, F_FEATURE, threshold, split_on_F(values[:mid], subtrees[:mid]),
+                split_on_F(values[mid:], subtrees[mid:]))
+
+
+def fit_tree(X: np.ndarray, gain: np.ndarray, timed: np.ndarray, max_depth: int, min_leaf: int) -> Node:
+    """One regression tree per swept F under an if/else on F: the configs worth
+    timing differ with F (N_t must divide it, the feature span must fit it),
+    and F is the feature the pick depends on most."""
+    values = np.unique(X[:, F_FEATURE])
+    subtrees = []
+    for F in values:
+        rows = X[:, F_FEATURE] == F
+        subtrees.append(fit_one_F(X[rows], gain[rows], timed[rows], max_depth, min_leaf))
+    return split_on_F(values, subtrees)
+
+
+def predict(tree: Node, X: np.ndarray) -> np.ndarray:
+    """Config index each row of X gets."""
     picks = []
     for x in X:
-        node, depth = tree, 0
-        while node.feature >= 0 and depth < max_depth:
-            node, depth = (node.left if x[node.feature] <= node.threshold else node.right), depth + 1
+        node = tree
+        while node.feature >= 0:
+            node = node.left if x[node.feature] <= node.threshold else node.right
         picks.append(node.pick)
     return np.array(picks, dtype=np.int64)
 
@@ -200,32 +227,33 @@ def leaves(tree: Node) -> int:
 def group_folds(groups: np.ndarray):
     n_groups = len(np.unique(groups))
     if n_groups < 2:
-        raise ValueError(f"cross-validation needs cells of at least 2 base graphs, got {n_groups}")
+        raise ValueError(f"cross-validation needs cells of at least 2 graphs, got {n_groups}")
     return GroupKFold(n_splits=min(MAX_FOLDS, n_groups)).split(np.zeros(len(groups)), groups=groups)
 
 
-def select_hyperparameters(X: np.ndarray, gain: np.ndarray, groups: np.ndarray) -> Tuple[int, int]:
-    """(max_depth, min cells per leaf) with the best mean held-out gain; the
-    simplest on a tie. One tree per fold and leaf size serves every depth (a
-    shallower tree is the deeper one cut: growth is greedy, top-down)."""
+def select_hyperparameters(family: Family, rows: np.ndarray, groups: np.ndarray) -> Tuple[int, int]:
+    """(max_depth, min cells per leaf) of the best mean gain on held-out
+    groups, among family's cells `rows`; the simplest on a tie."""
+    X, gain, timed = family.X[rows], family.gain[rows], family.timed[rows]
     held_out = {}
-    for train, test in group_folds(groups):
-        for min_leaf in MIN_CELLS_PER_LEAF:
-            tree = fit_tree(X[train], gain[train], max(DEPTHS), min_leaf)
-            for depth in DEPTHS:
-                held_out.setdefault((depth, min_leaf), []).append(gain[test, predict(tree, X[test], depth)])
+    for train, test in group_folds(groups[rows]):
+        for depth in DEPTHS:
+            for min_leaf in MIN_CELLS_PER_LEAF:
+                tree = fit_tree(X[train], gain[train], timed[train], depth, min_leaf)
+                held_out.setdefault((depth, min_leaf), []).append(gain[test, predict(tree, X[test])])
     scores = {choice: np.concatenate(parts).mean() for choice, parts in held_out.items()}
     ordered = [(depth, min_leaf) for min_leaf in MIN_CELLS_PER_LEAF for depth in DEPTHS]
     return max(ordered, key=lambda choice: (round(scores[choice], 9), -choice[0]))
 
 
-def held_out_gain(X: np.ndarray, gain: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """Gain of each cell's pick by a tree that never saw its base graph, with
+def held_out_gain(family: Family, groups: np.ndarray) -> np.ndarray:
+    """Gain of each cell's pick by a tree that never saw its group, with
     hyperparameters chosen without it too (nested cross-validation)."""
-    out = np.empty(len(X))
+    out = np.empty(len(family.X))
     for train, test in group_folds(groups):
-        depth, min_leaf = select_hyperparameters(X[train], gain[train], groups[train])
-        out[test] = gain[test, predict(fit_tree(X[train], gain[train], depth, min_leaf), X[test])]
+        depth, min_leaf = select_hyperparameters(family, train, groups)
+        tree = fit_tree(family.X[train], family.gain[train], family.timed[train], depth, min_leaf)
+        out[test] = family.gain[test, predict(tree, family.X[test])]
     return out
 
 
@@ -242,13 +270,19 @@ def ratios(gains: np.ndarray) -> Tuple[float, float]:
 
 
 def train_family(family: Family) -> Trained:
-    X, gain, groups = family.X, family.gain, family.cells.base_graph.to_numpy()
-    depth, min_leaf = select_hyperparameters(X, gain, groups)
-    tree = fit_tree(X, gain, depth, min_leaf)
-    summary = dict(cells=len(X), graphs=len(np.unique(groups)), configs=len(family.configs), depth=depth,
-                   min_leaf=min_leaf, leaves=leaves(tree))
-    for name, gains in (("cv", held_out_gain(X, gain, groups)), ("heuristic", family.heuristic_gain),
-                        ("train", gain[np.arange(len(X)), predict(tree, X)])):
+    """The tree on every cell, hyperparameters by cross-validation over held-out
+    graphs; evaluated on held-out graphs (each augmented variant is a graph of
+    its own, as in GeoT) and, stricter, held-out base graphs (a graph and all
+    its augmentations left out together)."""
+    graphs, bases = family.cells.graph.to_numpy(), family.cells.base_graph.to_numpy()
+    everything = np.arange(len(family.X))
+    depth, min_leaf = select_hyperparameters(family, everything, graphs)
+    tree = fit_tree(family.X, family.gain, family.timed, depth, min_leaf)
+    summary = dict(cells=len(family.X), graphs=len(np.unique(graphs)), bases=len(np.unique(bases)),
+                   configs=len(family.configs), depth=depth, min_leaf=min_leaf, leaves=leaves(tree))
+    for name, gains in (("cv", held_out_gain(family, graphs)), ("cv_base", held_out_gain(family, bases)),
+                        ("heuristic", family.heuristic_gain),
+                        ("train", family.gain[everything, predict(tree, family.X)])):
         summary[f"{name}_geomean"], summary[f"{name}_worst"] = ratios(gains)
     return Trained(tree, family.configs, summary)
 
@@ -258,7 +292,8 @@ def describe(summary: dict) -> List[str]:
     return [
         f"{s['cells']} cells of {s['graphs']} graphs, {s['configs']} configs; depth {s['depth']}, "
         f">= {s['min_leaf']} cells per leaf, {s['leaves']} leaves",
-        f"oracle/pick on held-out graphs: geomean {s['cv_geomean']:.3f}, worst {s['cv_worst']:.3f} "
+        f"oracle/pick on held-out graphs: geomean {s['cv_geomean']:.3f}, worst {s['cv_worst']:.3f}; "
+        f"held-out base graphs ({s['bases']}): {s['cv_base_geomean']:.3f}, worst {s['cv_base_worst']:.3f} "
         f"(hand heuristic: {s['heuristic_geomean']:.3f}, worst {s['heuristic_worst']:.3f}; "
         f"training set: {s['train_geomean']:.3f}, worst {s['train_worst']:.3f})",
     ]
@@ -353,9 +388,10 @@ def read_device(path: str) -> Tuple[str, int]:
 def train_device(db_dir: str, source: str) -> dict:
     trained = {}
     for family, csv, _ in FAMILIES:
-        path = os.path.join(db_dir, csv)
-        if os.path.exists(path):
-            print(f"{source}/{csv} ({family} rows):")
+        paths = [p for p in (os.path.join(db_dir, csv), os.path.join(db_dir, csv + ".gz")) if os.path.exists(p)]
+        if paths:  # the committed DBs are gzipped; a sweep in progress writes plain CSV
+            path = paths[0]
+            print(f"{source}/{os.path.basename(path)} ({family} rows):")
             trained[family] = train_family(load_family(path))
             print("\n".join("  " + line for line in describe(trained[family].summary)))
     return trained
@@ -399,7 +435,7 @@ def print_summary(summary: pd.DataFrame) -> None:
     if summary.empty:
         print("no perf DB found (perfdb/<gpu>/device.json): the rules index lists no architecture")
         return
-    columns = ["arch", "family", "cells", "graphs", "depth", "leaves", "cv_geomean", "cv_worst",
+    columns = ["arch", "family", "cells", "graphs", "depth", "leaves", "cv_geomean", "cv_worst", "cv_base_geomean",
                "heuristic_geomean", "heuristic_worst", "train_geomean"]
     print("\noracle/pick (geomean, worst): cv = held-out graphs, nested cross-validation")
     print(summary[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))

@@ -256,6 +256,19 @@ def test_heuristic_follows_the_long_segment_hint():
                 geot.explain(1000, 100, F, gathered, hint, arch=arch).validate()
 
 
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_validation_measures_long_segments(device, index_dtype):
+    """Index validation reports how many of the thresholds 64, 1024, 16384
+    rows the longest segment exceeds (the selectors' skew feature)."""
+    expected = {1: 0, 64: 0, 65: 1, 1024: 1, 1025: 2, 16384: 2, 16385: 3}
+    for longest, level in expected.items():
+        lengths = torch.tensor([3, longest, 0, 5, 1])  # the long one in the middle, an empty one after
+        index = torch.repeat_interleave(torch.arange(5), lengths).to(device, index_dtype)
+        assert geot._C.long_segment_level(index, 5) == level, longest
+    with geot.validation.validation(False):
+        assert geot._C.long_segment_level(torch.zeros(100, dtype=index_dtype, device=device), 1) == -1
+
+
 def test_op_registered():
     assert hasattr(torch.ops.geot, "segment_reduce")
 

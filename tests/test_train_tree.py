@@ -159,9 +159,10 @@ def test_generated_header_compiles_to_the_trained_tree(trained, tmp_path):
     for name in ("rules.h", "config.h"):
         shutil.copy(os.path.join(ROOT, "csrc", name), csrc)
     rng = np.random.default_rng(1)
-    cases = [(int(c.E), int(c.num_segments), int(c.F), int(c.long_segments)) for c in family.cells.itertuples()]
+    cases = [(int(c.E), int(c.num_segments), int(c.F), train_tree.long_level(int(c.max_deg)))
+             for c in family.cells.itertuples()]
     cases += [(int(2 ** rng.uniform(0, 30)), int(rng.integers(0, 10 ** 6)), int(rng.integers(1, 300)),
-               int(rng.integers(-1, 2))) for _ in range(300)]
+               int(rng.integers(-1, 4))) for _ in range(300)]  # level -1: unknown
     calls = "\n".join(f"  print(generated::kRuleSets[0].plain(make_features({E}, {S}, {F}, false, {long}, {ARCH})));"
                       for E, S, F, long in cases)
     (tmp_path / "main.cpp").write_text(

@@ -5,11 +5,14 @@
 #include <array>
 
 #include "../rules.h"
+#include "rules_sm90.h"
 
 namespace geot {
 namespace generated {
 
-inline constexpr std::array<RuleSet, 0> kRuleSets = {};
+inline constexpr std::array<RuleSet, 1> kRuleSets = {{
+    {90, "perfdb/nvidia-h100-80gb-hbm3", &sm90::plain_config, &sm90::gathered_config},
+}};
 
 }  // namespace generated
 }  // namespace geot
