@@ -199,7 +199,8 @@ def test_default_reduce_is_sum(device):
     S = int(index[-1]) + 1
     out = geot.segment_reduce(index, src)
     assert_matches_ref(out, index, src, "sum", S)
-    assert torch.equal(out, geot.segment_reduce(index, src, "sum", S))
+    # Equal up to the order of float atomics (a segment split across threads).
+    torch.testing.assert_close(out, geot.segment_reduce(index, src, "sum", S))
 
 
 def test_config_ignored_on_cpu():
