@@ -64,7 +64,7 @@ def augment(g: Graph, augmentation: str, seed: int = 0) -> Graph:
     return g
 
 
-def _entry(spec: str, augmentation: str = "", name: Optional[str] = None) -> Entry:
+def make_entry(spec: str, augmentation: str = "", name: Optional[str] = None) -> Entry:
     base = spec if ":" not in spec else spec.replace(":", "(", 1) + ")"
     label = name or (base if not augmentation else f"{base}[{augmentation}]")
     kind = "augmented" if augmentation else ("generated" if ":" in spec else "shared")
@@ -120,11 +120,11 @@ FULL_AUGMENTATIONS = ["drop:0.3", "dup:2", "sub:0.25+dup:2"]
 def corpus(full: bool = False, shared=("cora", "citeseer", "pubmed")) -> List[Entry]:
     """The graphs in sweep order: alternating sizes, so a sweep cut short by
     its time budget has still seen small and large, even and skewed graphs."""
-    real = [_entry(name, aug) for aug in SHARED_AUGMENTATIONS for name in shared]
-    generated = [_entry(spec) for spec in (GENERATED_FULL if full else GENERATED_DEFAULT)]
-    generated += [_entry(spec, "drop:0.3") for spec in generated_specs_to_augment(full)]
+    real = [make_entry(name, aug) for aug in SHARED_AUGMENTATIONS for name in shared]
+    generated = [make_entry(spec) for spec in (GENERATED_FULL if full else GENERATED_DEFAULT)]
+    generated += [make_entry(spec, "drop:0.3") for spec in generated_specs_to_augment(full)]
     if full:
-        real += [_entry(name, aug) for aug in FULL_AUGMENTATIONS for name in shared]
+        real += [make_entry(name, aug) for aug in FULL_AUGMENTATIONS for name in shared]
     order: List[Entry] = []
     while real or generated:
         for pool in (generated, real):

@@ -33,7 +33,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.dirname(os.path.abspa
 
 import geot  # noqa: E402
 from common import Graph, device_slug, flush_l2  # noqa: E402
-from corpus import Entry, _entry, corpus  # noqa: E402
+from corpus import Entry, make_entry, corpus  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 FAMILIES = ("segment_reduce", "index_weight_segment_reduce")
@@ -168,7 +168,7 @@ def write_device_json(out_dir: str) -> None:
 def entries_from_args(args) -> List[Entry]:
     if not args.graphs:
         return corpus(full=args.full)
-    return [_entry(spec) for spec in args.graphs]
+    return [make_entry(spec) for spec in args.graphs]
 
 
 def sweep(args) -> None:
