@@ -233,7 +233,7 @@ def run_cell(args, geot, ts, g: common.Graph, gidx, index64, offsets, lengths, n
         except Exception as err:  # noqa: BLE001
             row["geot_err"] = (row["geot_err"] + "; " if row["geot_err"] else "") + "fp32 check: " + short_error(err)
     try:
-        level = sum(stats["max_deg"] > rows for rows in (64, 1024, 16384)) if geot.validation_enabled() else None
+        level = geot.config.long_segment_level(stats["max_deg"]) if geot.validation_enabled() else None
         cfg = geot.explain(E, S, F, long_segments=level)
         row["geot_config"] = "" if args.device_type != "cuda" else ",".join(str(v) for v in cfg)
     except Exception:  # noqa: BLE001

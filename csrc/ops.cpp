@@ -145,6 +145,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rules_mode", &geot::rules_mode);
   m.def("selection_cost_ns", &selection_cost_ns,
         "ns per call of the config selection for (E, num_segments, F, gathered, long_segments, arch, n)");
+  m.attr("long_segment_rows") = std::vector<int64_t>(geot::kLongSegmentRows,
+                                                      geot::kLongSegmentRows + geot::kLongSegmentLevels);
   m.def(
       "long_segment_level",
       [](const at::Tensor& index, int64_t num_segments) {

@@ -61,6 +61,17 @@ def config_space(schedules=("SR", "PR", "SP"), narrow: bool = False) -> List[Con
     return space
 
 
+# Thresholds of the long-segment level index validation measures
+# (kLongSegmentRows in csrc/segment_reduce.h).
+LONG_SEGMENT_ROWS = tuple(_C.long_segment_rows)
+
+
+def long_segment_level(longest_segment: int) -> int:
+    """The level index validation reports for an index whose longest segment
+    has this many rows: how many of LONG_SEGMENT_ROWS it exceeds (0..3)."""
+    return sum(longest_segment > rows for rows in LONG_SEGMENT_ROWS)
+
+
 def _device_arch() -> int:
     """The current CUDA device's compute capability as major * 10 + minor; 0 without a GPU."""
     import torch

@@ -123,7 +123,7 @@ def sweep_cell(family: str, entry: Entry, g: Graph, stats: dict, F: int, args) -
     call, moved, flops = cell_inputs(family, g, F)
     # arch=0: the hand heuristic, whatever learned rules this build has; the
     # long-segment level as index validation would report it.
-    level = sum(stats["max_deg"] > rows for rows in (64, 1024, 16384))
+    level = geot.config.long_segment_level(stats["max_deg"])
     heuristic = geot.explain(g.num_edges, g.num_nodes, F, gathered=family != "segment_reduce",
                              long_segments=level, arch=0)
     configs = [heuristic] + configs_for(F, args.full)

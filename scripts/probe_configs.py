@@ -68,12 +68,12 @@ def main():
         for cfg in candidates(F, kind == "fused"):
             try:
                 results.append((time_cuda(lambda: run(cfg), warmup=1, reps=5), cfg))
-            except Exception as err:  # noqa: BLE001  (an unlaunchable config)
+            except (RuntimeError, ValueError):  # an unlaunchable config
                 continue
         results.sort()
         best = ", ".join(f"{c}:{t*1e3:.0f}" for t, c in results[:4])
         longest = int(torch.bincount(idx, minlength=S).max())
-        explain = tuple(geot.explain(idx.numel(), S, F, kind == "fused", sum(longest > r for r in (64, 1024, 16384))))
+        explain = tuple(geot.explain(idx.numel(), S, F, kind == "fused", geot.config.long_segment_level(longest)))
         print(f"{kind:5} {name:9} F={F:3}  peer {peer*1e3:7.1f}us  pick {picked*1e3:7.1f}us {explain}  "
               f"pick/peer {peer/picked:5.2f}  best/peer {peer/results[0][0]:5.2f}  best: {best}", flush=True)
 

@@ -48,7 +48,9 @@ FAMILIES = (
 FEATURES = ("log2_E", "log2_S", "avg", "F", "long_level")  # the fields of RuleInputs (csrc/rules.h)
 F_FEATURE = FEATURES.index("F")
 SHAPE_FEATURES = [i for i, name in enumerate(FEATURES) if name != "F"]  # what the per-F trees split on
-LONG_SEGMENT_ROWS = (64, 1024, 16384)  # kLongSegmentRows (csrc/segment_reduce.h)
+# kLongSegmentRows (csrc/segment_reduce.h; geot.config.LONG_SEGMENT_ROWS): a copy, so the
+# trainer runs without the extension built; a test checks they agree.
+LONG_SEGMENT_ROWS = (64, 1024, 16384)
 CONFIG_COLUMNS = ["N_t", "T_N", "M_t", "T_M", "G_t"]
 REQUIRED_COLUMNS = ["graph", "base_graph", "E", "num_segments", "max_deg", "F", "schedule", "time_ms"]
 DEPTHS = tuple(range(1, 6))

@@ -266,6 +266,7 @@ def test_validation_measures_long_segments(device, index_dtype):
         lengths = torch.tensor([3, longest, 0, 5, 1])  # the long one in the middle, an empty one after
         index = torch.repeat_interleave(torch.arange(5), lengths).to(device, index_dtype)
         assert geot._C.long_segment_level(index, 5) == level, longest
+    assert [geot.config.long_segment_level(n) for n in expected] == list(expected.values())
     with geot.validation.validation(False):
         assert geot._C.long_segment_level(torch.zeros(100, dtype=index_dtype, device=device), 1) == -1
 

@@ -300,3 +300,9 @@ def test_selection_cost_is_under_a_microsecond(arch):
     assert 0 < ns < 1000
     with pytest.raises(ValueError, match="n must be >= 1"):
         _C.selection_cost_ns(1, 1, 1, False, 1, arch, 0)
+
+
+def test_long_segment_thresholds_match_the_extension():
+    assert train_tree.LONG_SEGMENT_ROWS == geot.config.LONG_SEGMENT_ROWS
+    for longest in (1, 64, 65, 1025, 20000):
+        assert train_tree.long_level(longest) == geot.config.long_segment_level(longest)
