@@ -306,3 +306,22 @@ def test_long_segment_thresholds_match_the_extension():
     assert train_tree.LONG_SEGMENT_ROWS == geot.config.LONG_SEGMENT_ROWS
     for longest in (1, 64, 65, 1025, 20000):
         assert train_tree.long_level(longest) == geot.config.long_segment_level(longest)
+
+
+def test_sweep_dedupe_agrees_with_the_trainer():
+    """perfdb/sweep.py times one config per launch (effective_config); the
+    trainer maps configs to launches with launch_keys. Both restate the launch
+    layer's rules, so they must agree: a config and its effective form launch
+    the same, and configs with the same effective form share a key."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    spec = importlib.util.spec_from_file_location("sweep", os.path.join(ROOT, "perfdb", "sweep.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    space = geot.config_space(narrow=True)
+    for F in (1, 2, 3, 4, 7, 8, 64, 128):
+        effective = [sweep.effective_config(cfg, F) for cfg in space]
+        keys = train_tree.launch_keys(np.array(space), np.full(len(space), F))
+        assert (train_tree.launch_keys(np.array(effective), np.full(len(space), F)) == keys).all(), F
+        by_effective = {}
+        for cfg, key in zip(effective, map(tuple, keys)):
+            assert by_effective.setdefault(cfg, key) == key, (F, cfg)
