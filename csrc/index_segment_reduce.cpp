@@ -61,10 +61,13 @@ int64_t check_weight(const at::Tensor& weight, int64_t E, const at::Tensor& x) {
 RowReduction fused_reduction(const at::Tensor& segment_index, const at::Tensor& gather_index, const at::Tensor& x,
                              const std::optional<at::Tensor>& weight, int64_t heads, int64_t num_segments) {
   RowReduction r;
+  // Each call here is a dispatched op only when it changes something: on
+  // small graphs host time is the cost that counts.
   r.index = segment_index.contiguous();
-  r.gather = gather_index.to(r.index.scalar_type()).contiguous();
+  const bool same_dtype = gather_index.scalar_type() == r.index.scalar_type();
+  r.gather = (same_dtype ? gather_index : gather_index.to(r.index.scalar_type())).contiguous();
   r.src = as_rows(x);
-  if (weight) r.weight = weight->contiguous().view(-1);
+  if (weight) r.weight = weight->dim() == 1 ? weight->contiguous() : weight->contiguous().view(-1);
   r.heads = heads;
   r.num_segments = num_segments;
   return r;
@@ -88,7 +91,8 @@ at::Tensor index_segment_reduce_op(const at::Tensor& src_index, const at::Tensor
   r.long_segments = long_segments;
   r.reduce = kind;
   r.config = config;
-  return reduce_rows(r).view(segment_output_sizes(x, num_segments));
+  const at::Tensor out = reduce_rows(r);
+  return x.dim() == 2 ? out : out.view(segment_output_sizes(x, num_segments));
 }
 
 at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor& scatter_index, const at::Tensor& x,

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "config.h"
+#include "index_cache.h"
 #include "rules.h"
 
 namespace geot {
@@ -98,18 +99,6 @@ struct RowReduction {
 at::Tensor reduce_rows_cpu(const RowReduction& r);  // [num_segments, F]
 at::Tensor reduce_rows_cuda(const RowReduction& r);
 at::Tensor reduce_rows_fused_cuda(const RowReduction& r);  // r with a gather or a weight
-
-// Validated-index cache: validating an index costs a pass and, on CUDA, a
-// device->host sync, so a static graph is checked once. Entries are keyed by
-// the storage (weakly held), offset, length, stride, version counter (bumped
-// by any in-place change) and the bound it was checked against.
-// known_index_flags: the kLongSegment bits of a known valid index, else -1.
-int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted);
-void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags);
-// The same cache for offsets (ptr of segment_matmul): valid for exactly
-// `total` rows, never taken for an index check or the other way round.
-bool offsets_known_valid(const at::Tensor& ptr, int64_t total);
-void remember_valid_offsets(const at::Tensor& ptr, int64_t total);
 
 // Dispatches on the device of r.src.
 at::Tensor reduce_rows(const RowReduction& r);

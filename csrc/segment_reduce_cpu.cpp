@@ -29,83 +29,6 @@ std::atomic<bool> g_validation{true};
 bool validation_enabled() { return g_validation.load(std::memory_order_relaxed); }
 void set_validation(bool on) { g_validation.store(on, std::memory_order_relaxed); }
 
-namespace {
-
-struct ValidIndex {
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
-  int64_t offset = 0, numel = 0, stride = 0, version = -1, bound = 0;
-  at::ScalarType dtype = at::kLong;
-  bool sorted = false;
-  bool offsets = false;  // a ptr checked against exactly `bound` rows, not an index
-  int flags = 0;         // kLongSegment bits if sorted and found
-};
-
-struct ValidIndexCache {
-  std::mutex mutex;
-  std::array<ValidIndex, 16> entries;  // a few graphs (and their transposes) in flight
-  size_t next = 0;
-};
-
-ValidIndexCache& valid_index_cache() {
-  static ValidIndexCache cache;
-  return cache;
-}
-
-bool cacheable(const at::Tensor& index) {
-  // Inference tensors carry no version counter, and tensors without storage
-  // (fakes, subclasses) have no identity to key on.
-  return !index.is_inference() && index.has_storage() && index.numel() > 0;
-}
-
-bool same_index(const ValidIndex& v, const at::Tensor& index) {
-  return !v.storage.expired() && v.storage._unsafe_get_target() == index.storage().unsafeGetStorageImpl() &&
-         v.offset == index.storage_offset() && v.numel == index.numel() && v.stride == index.stride(0) &&
-         v.dtype == index.scalar_type() && v.version == int64_t(index._version());
-}
-
-void remember(const at::Tensor& index, int64_t bound, bool sorted, bool offsets, int flags) {
-  if (!cacheable(index)) return;
-  ValidIndexCache& cache = valid_index_cache();
-  const std::lock_guard<std::mutex> lock(cache.mutex);
-  ValidIndex& v = cache.entries[cache.next++ % cache.entries.size()];
-  v.storage = index.storage().getWeakStorageImpl();
-  v.offset = index.storage_offset();
-  v.numel = index.numel();
-  v.stride = index.stride(0);
-  v.version = int64_t(index._version());
-  v.dtype = index.scalar_type();
-  v.bound = bound;
-  v.sorted = sorted;
-  v.offsets = offsets;
-  v.flags = flags & kLongSegmentBits;
-}
-
-}  // namespace
-
-int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted) {
-  if (!cacheable(index)) return -1;
-  ValidIndexCache& cache = valid_index_cache();
-  const std::lock_guard<std::mutex> lock(cache.mutex);
-  for (const ValidIndex& v : cache.entries)
-    if (!v.offsets && same_index(v, index) && v.bound <= bound && (v.sorted || !sorted)) return v.flags;
-  return -1;
-}
-
-void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags) {
-  remember(index, bound, sorted, false, flags);
-}
-
-bool offsets_known_valid(const at::Tensor& ptr, int64_t total) {
-  if (!cacheable(ptr)) return false;
-  ValidIndexCache& cache = valid_index_cache();
-  const std::lock_guard<std::mutex> lock(cache.mutex);
-  for (const ValidIndex& v : cache.entries)
-    if (v.offsets && same_index(v, ptr) && v.bound == total) return true;
-  return false;
-}
-
-void remember_valid_offsets(const at::Tensor& ptr, int64_t total) { remember(ptr, total, true, true, 0); }
-
 Reduce parse_reduce(c10::string_view reduce) {
   if (reduce == "sum") return Reduce::Sum;
   if (reduce == "mean") return Reduce::Mean;
@@ -135,6 +58,7 @@ std::string shape_string(at::IntArrayRef sizes) {
 }
 
 at::Tensor as_rows(const at::Tensor& src) {
+  if (src.dim() == 2 && src.is_contiguous()) return src;  // the common case, without a dispatched reshape
   int64_t F = 1;
   for (int64_t d = 1; d < src.dim(); ++d) F *= src.size(d);
   return src.reshape({src.size(0), F}).contiguous();
@@ -389,7 +313,8 @@ at::Tensor segment_reduce_op(const at::Tensor& index, const at::Tensor& src, int
   r.src = as_rows(src);
   r.num_segments = num_segments;
   r.config = config;  // ignored on CPU
-  return reduce_rows(r).view(segment_output_sizes(src, num_segments));
+  const at::Tensor out = reduce_rows(r);
+  return src.dim() == 2 ? out : out.view(segment_output_sizes(src, num_segments));
 }
 
 at::Tensor segment_arg_cpu(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out) {

@@ -14,8 +14,9 @@
 //    heads each segment flushes; the tile's last segment is carried into the
 //    next iteration so a long segment costs one atomic per tile, not per row.
 //  * SP (segment parallel, G_t = 0): no atomics and no pre-filled output.
-//    Segment offsets come from one pass over the index; a thread group per
-//    segment reduces the segment's first M_t rows and stores the result.
+//    Segment offsets come from one pass over the index (cached per index by
+//    the launch layer); a thread group per segment reduces the segment's
+//    first M_t rows and stores the result.
 //    Rows past that cap (hubs) are left to an SR pass with atomics, so one
 //    huge segment cannot stall the grid. Best on graphs of even degree.
 // Segment ids outside [0, S) are skipped, so a bad index can give a wrong
@@ -28,6 +29,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "reduce_ops.cuh"
 
@@ -51,6 +53,10 @@ struct SegmentArgs {
   acc_t* __restrict__ out;            // [S, F], pre-filled with the identity
   int64_t E, F, S;
   bool vector_loads;                  // F % N_t == 0 and src aligned to N_t elements
+  bool vector_out;                    // F % N_t == 0 and out aligned to N_t elements
+  // SR: a thread stores (not adds) the segments it sees whole, from their
+  // first row to their last. Needs a sorted index; off for any-order input.
+  bool whole_segment_stores;
   // Fused ops: element e reads row gather[e] of src (null: row e) scaled by
   // weight[e, head] (null: unscaled), where a row holds `heads` heads of
   // F / heads features. Rows outside [0, src_rows) read as the identity.
@@ -58,11 +64,13 @@ struct SegmentArgs {
   const scalar_t* __restrict__ weight;
   int64_t src_rows, heads;
   // SP schedule only: segment offsets [S + 1], rows per segment the SP pass
-  // takes (the rest is overflow for an SR pass), and a flag set when any
-  // segment overflows.
+  // takes (the rest is overflow for an SR pass), and rows of the longest
+  // segment (exact when cached; else zeroed by the offsets pass and raised
+  // by the SP pass, only past the cap: all the overflow pass needs to know).
   const int64_t* __restrict__ ptr;
   int64_t cap;
-  int* overflow;
+  int64_t* longest;
+  bool may_overflow;  // host side: false when no segment can exceed cap (no overflow pass)
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
@@ -116,14 +124,41 @@ __device__ __forceinline__ void load_or_identity(const SegmentArgs<scalar_t, acc
   }
 }
 
+// Merges a partial result into out[seg] with atomics.
 template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg,
                                       int64_t col0, const acc_t (&acc)[N_T]) {
   if (seg < 0 || seg >= a.S) return;
   acc_t* o = a.out + seg * a.F + col0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // sm_90 has 2- and 4-wide float atomicAdd: one atomic per thread, not N_t.
+  if constexpr (std::is_same_v<Op, SumOp<float>> && N_T == 4) {
+    if (a.vector_out) return (void)atomicAdd(reinterpret_cast<float4*>(o), make_float4(acc[0], acc[1], acc[2], acc[3]));
+  } else if constexpr (std::is_same_v<Op, SumOp<float>> && N_T == 2) {
+    if (a.vector_out) return (void)atomicAdd(reinterpret_cast<float2*>(o), make_float2(acc[0], acc[1]));
+  }
+#endif
 #pragma unroll
   for (int j = 0; j < N_T; ++j)
     if (col0 + j < a.F) Op::atomic(o + j, acc[j]);
+}
+
+// Writes a whole segment's result into out[seg]: no other thread touches it.
+template <int N_T, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg, int64_t col0,
+                                      const acc_t (&acc)[N_T]) {
+  if (seg < 0 || seg >= a.S) return;
+  acc_t* o = a.out + seg * a.F + col0;
+  if (a.vector_out) {
+    Pack<acc_t, N_T> pack;
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) pack.v[j] = acc[j];
+    *reinterpret_cast<Pack<acc_t, N_T>*>(o) = pack;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < N_T; ++j)
+    if (col0 + j < a.F) o[j] = acc[j];
 }
 
 // SR. Block (T_N, T_M): x spans features (N_t each), y spans row chunks of
@@ -136,7 +171,7 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   const int64_t col0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N_T;
   const int64_t row_begin = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * rows_per_thread;
   if (col0 >= a.F || row_begin >= a.E) return;
-  if (OVERFLOW_ONLY && *a.overflow == 0) return;
+  if (OVERFLOW_ONLY && *a.longest <= a.cap) return;
   const int64_t head = weight_head(a, col0);
   const int64_t row_end = min(row_begin + int64_t(rows_per_thread), a.E);
 
@@ -145,6 +180,10 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
   int64_t seg = a.index[row_begin];
   bool touched = !OVERFLOW_ONLY;  // acc holds a row (overflow pass: skip empty flushes)
+  // The current segment began in this thread's rows: if it also ends in
+  // them, the thread saw it whole and stores it without an atomic.
+  const bool stores = !OVERFLOW_ONLY && a.whole_segment_stores;
+  bool began_here = stores && (row_begin == 0 || int64_t(a.index[row_begin - 1]) != seg);
 
   // Rows are fetched BATCH at a time before any is combined, so several loads
   // are in flight per thread. Rows past row_end repeat the last segment id
@@ -169,8 +208,10 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
       if (s[b] != seg) {
-        if (touched) flush<N_T, Op>(a, seg, col0, acc);
+        if (began_here) store<N_T>(a, seg, col0, acc);
+        else if (touched) flush<N_T, Op>(a, seg, col0, acc);
         seg = s[b];
+        began_here = stores;
         touched = !OVERFLOW_ONLY;
 #pragma unroll
         for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
@@ -180,17 +221,18 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], v[b][j]);
     }
   }
-  if (touched) flush<N_T, Op>(a, seg, col0, acc);
+  if (began_here && (row_end == a.E || int64_t(a.index[row_end]) != seg)) store<N_T>(a, seg, col0, acc);
+  else if (touched) flush<N_T, Op>(a, seg, col0, acc);
 }
 
 // ptr[s] = first row of segment s, ptr[S] = E, from one pass over the index:
 // position e writes the entries of the segments that start at e. Ids are
 // clamped to [-1, S] so a bad index cannot write out of bounds. It also
-// clears the overflow flag the SP kernel may set.
+// clears the longest-segment counter (when given) the SP kernel raises.
 template <typename index_t>
 __global__ void segment_offsets_kernel(const index_t* __restrict__ index, int64_t E, int64_t S,
-                                       int64_t* __restrict__ ptr, int* overflow) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) *overflow = 0;
+                                       int64_t* __restrict__ ptr, int64_t* longest) {
+  if (longest && blockIdx.x == 0 && threadIdx.x == 0) *longest = 0;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e <= E; e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t prev = e == 0 ? -1 : min(max(int64_t(index[e - 1]), int64_t(-1)), S);
     const int64_t cur = e == E ? S : min(max(int64_t(index[e]), int64_t(-1)), S);
@@ -210,7 +252,8 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   const int64_t begin = min(max(a.ptr[seg], int64_t(0)), a.E);
   const int64_t end = min(max(a.ptr[seg + 1], begin), a.E);
   const int64_t stop = min(end, begin + a.cap);
-  if (stop < end && threadIdx.x == 0 && blockIdx.y == 0) *a.overflow = 1;
+  if (stop < end && threadIdx.x == 0 && blockIdx.y == 0)
+    atomicMax(reinterpret_cast<unsigned long long*>(a.longest), static_cast<unsigned long long>(end - begin));
   const int64_t head = weight_head(a, col0);
 
   acc_t acc[N_T];

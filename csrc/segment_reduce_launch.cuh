@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -48,25 +49,48 @@ void launch_pr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// SP: offsets, the no-atomic pass over each segment's first M_t rows, then
-// the SR pass over the overflow rows (it returns at once unless a segment
-// overflowed).
+// SP: the no-atomic pass over each segment's first M_t rows (a.ptr and
+// a.longest set by sp_offsets), then, unless no segment can be longer, the
+// SR pass over the overflow rows (it returns at once if none overflowed).
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED>
-void launch_sp(SegmentArgs<scalar_t, acc_t, index_t> a, const Config& c, cudaStream_t stream) {
-  const at::Tensor ptr = at::empty({a.S + 1}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
-  const at::Tensor overflow = at::empty({1}, ptr.options().dtype(at::kInt));
-  int64_t* offsets = ptr.data_ptr<int64_t>();
-  a.ptr = offsets;
-  a.overflow = overflow.data_ptr<int>();
-  a.cap = c.M_t;
-  const int threads = 256;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(a.E + 1, threads), 65536));
-  segment_offsets_kernel<index_t><<<blocks, threads, 0, stream>>>(a.index, a.E, a.S, offsets, a.overflow);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
   const dim3 grid = feature_row_grid(a.S, c.T_M, a.F, N_T, c);
   segment_reduce_sp_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (a.E > 0) launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, c, stream);
+  if (a.E > 0 && a.may_overflow) launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, c, stream);
+}
+
+// Segment offsets for SP. Cached per index (computed on its first SP call,
+// with the exact longest segment); fresh for this call where the index
+// cannot be cached (inference tensors) or a CUDA graph is being captured
+// (captured kernels only run on replay), with a longest-segment counter
+// the SP kernel raises.
+template <typename index_t>
+SegmentOffsets sp_offsets(const at::Tensor& index, int64_t S, cudaStream_t stream) {
+  if (auto cached = cached_segment_offsets(index, S)) return *cached;
+  const bool cache = index_cacheable(index) &&
+                     c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+  const int64_t E = index.numel();
+  SegmentOffsets o;
+  o.ptr = at::empty({S + 1}, index.options().dtype(at::kLong));
+  o.longest = at::empty({1}, o.ptr.options());
+  const int threads = 256;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(E + 1, threads), 65536));
+  segment_offsets_kernel<index_t><<<blocks, threads, 0, stream>>>(
+      index.data_ptr<index_t>(), E, S, o.ptr.data_ptr<int64_t>(), cache ? nullptr : o.longest.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (cache) {
+    at::amax_out(o.longest, o.ptr.slice(0, 1) - o.ptr.slice(0, 0, S), 0, /*keepdim=*/true);
+    remember_segment_offsets(index, S, o);
+  }
+  return o;
+}
+
+// Whether some segment may hold more than `cap` rows, from the long-segment
+// level validation measured (-1 unknown: maybe).
+inline bool may_overflow(int long_segments, int64_t cap) {
+  if (long_segments < 0 || long_segments >= kLongSegmentLevels) return true;
+  return kLongSegmentRows[long_segments] > cap;
 }
 
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED>
@@ -81,8 +105,9 @@ template <typename scalar_t, typename acc_t, typename index_t, class Op, bool FU
 void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
   // A thread's N_t features must share one weight head.
   while ((a.F / a.heads) % c.N_t != 0) c.N_t /= 2;
-  const auto address = reinterpret_cast<uintptr_t>(a.src);
-  a.vector_loads = a.F % c.N_t == 0 && address % (sizeof(scalar_t) * c.N_t) == 0;
+  const auto aligned = [&](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+  a.vector_loads = a.F % c.N_t == 0 && aligned(a.src, sizeof(scalar_t) * c.N_t);
+  a.vector_out = a.F % c.N_t == 0 && aligned(a.out, sizeof(acc_t) * c.N_t);
   switch (c.N_t) {
     case 1: return launch_tiles<scalar_t, acc_t, index_t, 1, Op, FUSED>(a, c, stream);
     case 2: return launch_tiles<scalar_t, acc_t, index_t, 2, Op, FUSED>(a, c, stream);
@@ -170,6 +195,15 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.weight = r.weight ? reinterpret_cast<const in_t*>(r.weight->data_ptr<scalar_t>()) : nullptr;
       args.src_rows = r.src.size(0);
       args.heads = r.heads;
+      args.whole_segment_stores = !r.any_order;
+      SegmentOffsets offsets;  // SP only; held until the launches are queued
+      if (cfg.is_sp()) {
+        offsets = sp_offsets<index_t>(r.index, S, stream);
+        args.ptr = offsets.ptr.data_ptr<int64_t>();
+        args.longest = offsets.longest.data_ptr<int64_t>();
+        args.cap = cfg.M_t;
+        args.may_overflow = may_overflow(r.long_segments, cfg.M_t);
+      }
       switch (r.reduce) {
         case Reduce::Max: launch_reduce<in_t, acc_t, index_t, MaxOp<acc_t>, FUSED>(args, cfg, stream); break;
         case Reduce::Min: launch_reduce<in_t, acc_t, index_t, MinOp<acc_t>, FUSED>(args, cfg, stream); break;

@@ -9,10 +9,11 @@ from .config import Config, config_space, explain, explain_source, rules_mode, s
 from .hetero import edge_softmax, group_by_type, segment_matmul
 from .index import TransposedIndex, index_segment_reduce, index_weight_segment_reduce, transpose_index
 from .segment import segment_reduce
-from .validation import set_validation, validation_enabled
+from .validation import clear_cache, set_validation, validation_enabled
 
 __all__ = [
     "Config",
+    "clear_cache",
     "config_space",
     "cuda_built",
     "edge_softmax",

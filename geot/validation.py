@@ -1,11 +1,19 @@
-"""Switch for index value validation (sorted, in range).
+"""Index validation (sorted, in range) and the per-index caches.
 
-On by default. It costs one pass over the index and, on CUDA, one
-device->host sync, once per index tensor: results are cached (keyed by
+Validation is on by default. It costs one pass over the index and, on CUDA,
+one device->host sync, once per index tensor: results are cached (keyed by
 storage, offset, length, stride, dtype and version counter), so a static
 graph is checked once. Turn it off to skip even that; the kernel selector
-then lacks the long-segment hint the check records. With it off the kernels still never read or write out of bounds:
-out-of-range ids are skipped and an unsorted index gives a wrong result.
+then lacks the long-segment hint the check records. With it off the kernels
+still never read or write out of bounds: out-of-range ids are skipped and an
+unsorted index gives a wrong result.
+
+The segment-parallel CUDA schedule (SP) reads segment offsets rather than
+the index. They are derived once per sorted index, keyed the same way, and
+held on the GPU (8 bytes per segment, a few indices at most) until the index
+is freed or changed in place, or :func:`clear_cache` is called. Inference
+tensors have no version counter: they are never cached, and SP derives
+their offsets on every call.
 """
 import contextlib
 
@@ -18,6 +26,11 @@ def set_validation(enabled: bool) -> None:
 
 def validation_enabled() -> bool:
     return _C.validation_enabled()
+
+
+def clear_cache() -> None:
+    """Frees the segment offsets cached on the GPU for the SP schedule."""
+    _C.clear_segment_offsets()
 
 
 @contextlib.contextmanager

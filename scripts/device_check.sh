@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, then the steps named on the command line
-# (tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e), logs and CSVs packed into
+# (tests, cuda_tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e), logs and CSVs packed into
 # $OUT/results.tgz (the device tool brings back 8 files at most). Used with the device tool:
 #   bash scripts/device_check.sh tests memcheck bench spmm
 set -o pipefail
@@ -18,6 +18,9 @@ for step in "$@"; do
   case $step in
     tests)
       python3 -m pytest -q tests 2>&1 | tee "$OUT/tests.log" | tail -4 || status=1 ;;
+    cuda_tests)  # the CUDA tests of the segment_reduce family only (a quick check before a sweep)
+      python3 -m pytest -q -x tests/test_segment_reduce.py tests/test_index_segment_reduce.py -k cuda 2>&1 \
+        | tee "$OUT/cuda_tests.log" | tail -4 || status=1 ;;
     memcheck)  # the CUDA tests of the segment_reduce family under compute-sanitizer
       compute-sanitizer --tool memcheck --error-exitcode 9 \
         python3 -m pytest -q -x tests/test_segment_reduce.py tests/test_index_segment_reduce.py \
@@ -28,6 +31,8 @@ for step in "$@"; do
     sweep)  # the perf DB: resumes from perfdb/<gpu>/*.csv.gz, brings the grown DB back in $OUT
       db=perfdb/$(python3 -c "import sys; sys.path.insert(0, 'bench'); from common import device_slug; print(device_slug())")
       mkdir -p "$db"
+      # SWEEP_FRESH=1: start over (the kernels changed), else resume the committed DB
+      [ -n "$SWEEP_FRESH" ] && rm -f "$db"/*.csv.gz "$db"/*.csv
       for f in "$db"/*.csv.gz; do [ -e "$f" ] && gunzip -kf "$f"; done
       python3 perfdb/sweep.py --budget-s "${SWEEP_BUDGET_S:-360}" > "$OUT/sweep.log" 2>&1 || status=1
       tail -2 "$OUT/sweep.log"

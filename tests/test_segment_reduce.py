@@ -711,6 +711,113 @@ def test_every_config_cuda_half(reduce):
 
 
 # --------------------------------------------------------------------------- #
+# CUDA: segment offsets of the SP schedule, cached per index
+# --------------------------------------------------------------------------- #
+SP = geot.Config(N_t=1, T_N=32, M_t=16, T_M=8, G_t=0)  # caps SP at 16 rows: longer segments overflow
+SP_CAP_64 = geot.Config(N_t=2, T_N=8, M_t=64, T_M=32, G_t=0)
+SR = geot.Config(N_t=1, T_N=32, M_t=8, T_M=8, G_t=1)
+
+
+def _cached():
+    return geot._C.segment_offsets_cached()
+
+
+@requires_cuda
+def test_sp_offsets_rebuilt_after_in_place_change():
+    geot.clear_cache()
+    S = 300
+    index = powerlaw_index(S, 5000).cuda()
+    src = random_src(index.numel(), (8,), torch.float32, "cuda")
+    assert_matches_ref(geot.segment_reduce(index, src, "sum", S, config=SP), index, src, "sum", S)
+    assert _cached() == 1
+    assert_matches_ref(geot.segment_reduce(index, src, "max", S, config=SP), index, src, "max", S)
+    assert _cached() == 1  # reused
+    # Same storage, new values: the version counter moves, so stale offsets
+    # (which would misplace every row) must not be taken.
+    index.copy_(powerlaw_index(S, 5000).cuda())
+    assert_matches_ref(geot.segment_reduce(index, src, "sum", S, config=SP), index, src, "sum", S)
+    assert _cached() == 2
+    geot.clear_cache()
+    assert _cached() == 0
+
+
+@requires_cuda
+def test_sp_offsets_keyed_by_num_segments():
+    geot.clear_cache()
+    index = powerlaw_index(200, 3000).cuda()
+    src = random_src(index.numel(), (4,), torch.float32, "cuda")
+    for S in (200, 260, 200):
+        assert_matches_ref(geot.segment_reduce(index, src, "mean", S, config=SP), index, src, "mean", S)
+    assert _cached() == 2
+
+
+@requires_cuda
+def test_sp_offsets_freed_with_the_index():
+    geot.clear_cache()
+    index = powerlaw_index(200, 3000).cuda()
+    geot.segment_reduce(index, torch.randn(3000, 4, device="cuda"), "sum", 200, config=SP)
+    assert _cached() == 1
+    del index
+    assert _cached() == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_sp_inference_tensors_not_cached(reduce):
+    """Inference tensors have no version counter: offsets (and the overflow
+    of hub segments past the cap) are derived on every call."""
+    geot.clear_cache()
+    with torch.inference_mode():
+        index = powerlaw_index(300, 6000).cuda()
+        index[-500:] = 299  # a hub far past the cap
+        src = random_src(index.numel(), (5,), torch.float32, "cuda")
+        for cfg in (SP, SP_CAP_64):
+            assert_matches_ref(geot.segment_reduce(index, src, reduce, 300, config=cfg), index, src, reduce, 300)
+    assert _cached() == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("validation", [True, False])
+def test_sp_segments_of_exactly_the_cap(validation):
+    """With validation on, an index without segments over 64 rows skips the
+    overflow pass of a 64-row SP cap: a 64-row segment must still be whole.
+    With it off the pass runs (the hint is unknown)."""
+    deg = torch.randint(0, 65, (500,))
+    deg[[0, 17, 499]] = 64
+    index = index_from_degrees(deg).cuda()
+    src = random_src(index.numel(), (8,), torch.float32, "cuda")
+    with geot.validation.validation(validation):
+        for reduce in REDUCES:
+            out = geot.segment_reduce(index, src, reduce, 500, config=SP_CAP_64)
+            assert_matches_ref(out, index, src, reduce, 500)
+        deg[3] = 65  # one row over the cap
+        index = index_from_degrees(deg).cuda()
+        src = random_src(index.numel(), (8,), torch.float32, "cuda")
+        assert_matches_ref(geot.segment_reduce(index, src, "sum", 500, config=SP_CAP_64), index, src, "sum", 500)
+
+
+@requires_cuda
+def test_sp_under_cuda_graph_capture():
+    """Offsets derived while a CUDA graph is captured only exist on replay:
+    they are used by the graph but never cached."""
+    geot.clear_cache()
+    S = 400
+    index = powerlaw_index(S, 8000).cuda()
+    src = random_src(index.numel(), (16,), torch.float32, "cuda")
+    geot.segment_reduce(index, src, "sum", S, config=SR)  # validates (a sync: not capturable)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = geot.segment_reduce(index, src, "sum", S, config=SP)
+    assert _cached() == 0
+    src.copy_(random_src(index.numel(), (16,), torch.float32, "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_ref(out, index, src, "sum", S)
+
+
+# --------------------------------------------------------------------------- #
 # CUDA: validation off never crashes (keep these last: a CUDA fault would
 # poison the context for every later test)
 # --------------------------------------------------------------------------- #

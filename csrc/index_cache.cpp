@@ -1,0 +1,139 @@
+#include "index_cache.h"
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <array>
+#include <mutex>
+
+#include "segment_reduce.h"
+
+namespace geot {
+
+namespace {
+
+// Identity of an index tensor's values: equal keys, equal values.
+struct IndexKey {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+  int64_t offset = 0, numel = 0, stride = 0, version = -1;
+  at::ScalarType dtype = at::kLong;
+
+  explicit IndexKey(const at::Tensor& index)
+      : storage(index.storage().getWeakStorageImpl()),
+        offset(index.storage_offset()),
+        numel(index.numel()),
+        stride(index.stride(0)),
+        version(int64_t(index._version())),
+        dtype(index.scalar_type()) {}
+  IndexKey() = default;
+
+  bool expired() const { return storage.expired(); }
+  bool matches(const at::Tensor& index) const {
+    return !storage.expired() && storage._unsafe_get_target() == index.storage().unsafeGetStorageImpl() &&
+           offset == index.storage_offset() && numel == index.numel() && stride == index.stride(0) &&
+           dtype == index.scalar_type() && version == int64_t(index._version());
+  }
+};
+
+
+// A small round-robin cache: a few graphs (and their transposes) in flight.
+template <typename Value, size_t N>
+struct Cache {
+  struct Entry {
+    IndexKey key;
+    Value value;
+  };
+  std::mutex mutex;
+  std::array<Entry, N> entries;
+  size_t next = 0;
+
+  void insert(const at::Tensor& index, Value value) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    entries[next++ % N] = {IndexKey(index), std::move(value)};
+  }
+};
+
+struct ValidIndex {
+  int64_t bound = 0;
+  bool sorted = false;
+  bool offsets = false;  // a ptr checked against exactly `bound` rows, not an index
+  int flags = 0;         // kLongSegment bits if sorted and found
+};
+Cache<ValidIndex, 16>& valid_indices() {
+  static Cache<ValidIndex, 16> cache;
+  return cache;
+}
+
+struct CachedOffsets {
+  int64_t S = 0;
+  SegmentOffsets offsets;
+};
+Cache<CachedOffsets, 8>& segment_offsets() {
+  static Cache<CachedOffsets, 8> cache;
+  return cache;
+}
+
+}  // namespace
+
+bool index_cacheable(const at::Tensor& index) {
+  return !index.is_inference() && index.has_storage() && index.numel() > 0;
+}
+
+int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted) {
+  if (!index_cacheable(index)) return -1;
+  auto& cache = valid_indices();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  for (const auto& e : cache.entries) {
+    const ValidIndex& v = e.value;
+    if (!v.offsets && e.key.matches(index) && v.bound <= bound && (v.sorted || !sorted)) return v.flags;
+  }
+  return -1;
+}
+
+void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags) {
+  if (index_cacheable(index)) valid_indices().insert(index, {bound, sorted, false, flags & kLongSegmentBits});
+}
+
+bool offsets_known_valid(const at::Tensor& ptr, int64_t total) {
+  if (!index_cacheable(ptr)) return false;
+  auto& cache = valid_indices();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  for (const auto& e : cache.entries)
+    if (e.value.offsets && e.key.matches(ptr) && e.value.bound == total) return true;
+  return false;
+}
+
+void remember_valid_offsets(const at::Tensor& ptr, int64_t total) {
+  if (index_cacheable(ptr)) valid_indices().insert(ptr, {total, true, true, 0});
+}
+
+std::optional<SegmentOffsets> cached_segment_offsets(const at::Tensor& index, int64_t S) {
+  if (!index_cacheable(index)) return std::nullopt;
+  auto& cache = segment_offsets();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  std::optional<SegmentOffsets> found;
+  for (auto& e : cache.entries) {
+    if (e.key.expired() && e.value.offsets.ptr.defined()) e.value = {};  // the index is gone: free its offsets
+    if (e.value.offsets.ptr.defined() && e.value.S == S && e.key.matches(index)) found = e.value.offsets;
+  }
+  return found;
+}
+
+void remember_segment_offsets(const at::Tensor& index, int64_t S, const SegmentOffsets& offsets) {
+  if (index_cacheable(index)) segment_offsets().insert(index, {S, offsets});
+}
+
+void clear_segment_offsets() {
+  auto& cache = segment_offsets();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  for (auto& e : cache.entries) e = {};
+}
+
+int64_t segment_offsets_cached() {
+  auto& cache = segment_offsets();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  int64_t held = 0;
+  for (const auto& e : cache.entries) held += e.value.offsets.ptr.defined() && !e.key.expired();
+  return held;
+}
+
+}  // namespace geot
