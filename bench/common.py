@@ -295,6 +295,9 @@ class Timing:
     times_ms: List[float]
 
 
+_GATE_CYCLES = 1_000_000  # GPU clock cycles, ~0.5 ms at H100 clocks
+
+
 def time_stats(
     fn: Callable[[], object],
     warmup: int = 5,
@@ -308,9 +311,10 @@ def time_stats(
 
     CUDA: each rep is bracketed by torch.cuda.Events; when `flush`, a 256 MB
     buffer is written before each rep (outside the events), so every rep
-    starts with a cold L2 and, since the flush kernel keeps the GPU busy while
-    the host queues fn's kernels, host launch overhead is mostly hidden: the
-    numbers are GPU time. Events are read after one final synchronize.
+    starts with a cold L2. A busy-wait kernel then holds the GPU while the
+    host queues the start event and fn's kernels, so host launch overhead
+    stays out: the numbers are GPU time. Events are read after one final
+    synchronize.
     CPU: time.perf_counter around each call (no cache flush).
 
     max_time_s caps the timed work: the first call is timed once, and warmup
@@ -346,6 +350,11 @@ def time_stats(
         for i in range(reps):
             if buf is not None:
                 buf.zero_()
+            # Hold the stream ~0.5 ms so the host has queued the start event
+            # and fn's kernels before the GPU reaches them: a stalled host
+            # (seen on the device machine: whole cells 5-30x slow) then
+            # cannot leak into the GPU time.
+            torch.cuda._sleep(_GATE_CYCLES)
             starts[i].record()
             fn()
             ends[i].record()
