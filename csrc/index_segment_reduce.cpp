@@ -91,8 +91,7 @@ at::Tensor index_segment_reduce_op(const at::Tensor& src_index, const at::Tensor
   r.long_segments = long_segments;
   r.reduce = kind;
   r.config = config;
-  const at::Tensor out = reduce_rows(r);
-  return x.dim() == 2 ? out : out.view(segment_output_sizes(x, num_segments));
+  return shaped_like_rows_of(reduce_rows(r), x);
 }
 
 at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor& scatter_index, const at::Tensor& x,
@@ -104,7 +103,7 @@ at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor
                     {gather_index, x.size(0), false, "gather_index", "x.size(0)"}});
   RowReduction r = fused_reduction(scatter_index, gather_index, x, weight, heads, num_out);
   r.any_order = true;
-  return reduce_rows(r).view(segment_output_sizes(x, num_out));
+  return shaped_like_rows_of(reduce_rows(r), x);
 }
 
 at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,

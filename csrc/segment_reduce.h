@@ -29,8 +29,9 @@ void check_segment_inputs(const at::Tensor& index, const at::Tensor& src, int64_
 // src viewed as [E, F] contiguous, F = product of the trailing dims.
 at::Tensor as_rows(const at::Tensor& src);
 
-// Output sizes: [num_segments, *src.shape[1:]].
-std::vector<int64_t> segment_output_sizes(const at::Tensor& src, int64_t num_segments);
+// rows [num_segments, F] viewed as [num_segments, *src.shape[1:]] (no
+// dispatched view when src is already 2-D).
+at::Tensor shaped_like_rows_of(const at::Tensor& rows, const at::Tensor& src);
 
 // One index to validate: values in [0, bound), and non-decreasing if sorted.
 // name / bound_name go into the error message ("dst_index", "num_segments").

@@ -64,10 +64,11 @@ at::Tensor as_rows(const at::Tensor& src) {
   return src.reshape({src.size(0), F}).contiguous();
 }
 
-std::vector<int64_t> segment_output_sizes(const at::Tensor& src, int64_t num_segments) {
+at::Tensor shaped_like_rows_of(const at::Tensor& rows, const at::Tensor& src) {
+  if (src.dim() == 2) return rows;
   std::vector<int64_t> sizes = src.sizes().vec();
-  sizes[0] = num_segments;
-  return sizes;
+  sizes[0] = rows.size(0);
+  return rows.view(sizes);
 }
 
 void raise_index_errors(int flags, const IndexCheck& check) {
@@ -313,8 +314,7 @@ at::Tensor segment_reduce_op(const at::Tensor& index, const at::Tensor& src, int
   r.src = as_rows(src);
   r.num_segments = num_segments;
   r.config = config;  // ignored on CPU
-  const at::Tensor out = reduce_rows(r);
-  return src.dim() == 2 ? out : out.view(segment_output_sizes(src, num_segments));
+  return shaped_like_rows_of(reduce_rows(r), src);
 }
 
 at::Tensor segment_arg_cpu(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out) {
