@@ -306,15 +306,18 @@ def time_stats(
     flush: bool = True,
     max_time_s: Optional[float] = None,
     min_reps: int = 3,
+    gate: bool = True,
 ) -> Timing:
     """Times fn() and returns its statistics in ms.
 
     CUDA: each rep is bracketed by torch.cuda.Events; when `flush`, a 256 MB
     buffer is written before each rep (outside the events), so every rep
-    starts with a cold L2. A busy-wait kernel then holds the GPU while the
-    host queues the start event and fn's kernels, so host launch overhead
-    stays out: the numbers are GPU time. Events are read after one final
-    synchronize.
+    starts with a cold L2. With `gate`, a busy-wait kernel then holds the
+    GPU while the host queues the start event and fn's kernels, so host
+    launch overhead stays out: the numbers are GPU time (operator
+    benchmarks). Without it, host time the flush does not cover counts
+    (end-to-end steps, where it is part of the cost). Events are read after
+    one final synchronize.
     CPU: time.perf_counter around each call (no cache flush).
 
     max_time_s caps the timed work: the first call is timed once, and warmup
@@ -354,7 +357,8 @@ def time_stats(
             # and fn's kernels before the GPU reaches them: a stalled host
             # (seen on the device machine: whole cells 5-30x slow) then
             # cannot leak into the GPU time.
-            torch.cuda._sleep(_GATE_CYCLES)
+            if gate:
+                torch.cuda._sleep(_GATE_CYCLES)
             starts[i].record()
             fn()
             ends[i].record()
