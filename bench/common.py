@@ -298,6 +298,13 @@ class Timing:
 _GATE_CYCLES = 1_000_000  # GPU clock cycles, ~0.5 ms at H100 clocks
 
 
+def hold_gpu(cycles: int = _GATE_CYCLES) -> None:
+    """Queues a busy-wait kernel: the GPU stays on it while the host queues
+    what comes next (a start event, the kernels to time), so host launch
+    time and host stalls stay out of the GPU time measured after it."""
+    torch.cuda._sleep(cycles)
+
+
 def time_stats(
     fn: Callable[[], object],
     warmup: int = 5,
@@ -358,7 +365,7 @@ def time_stats(
             # (seen on the device machine: whole cells 5-30x slow) then
             # cannot leak into the GPU time.
             if gate:
-                torch.cuda._sleep(_GATE_CYCLES)
+                hold_gpu()
             starts[i].record()
             fn()
             ends[i].record()

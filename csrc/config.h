@@ -19,7 +19,9 @@ enum class Reduce : int { Sum = 0, Mean = 1, Max = 2, Min = 3 };
 // G_t: 1 = sequential reduction (SR); 8/16/32 = parallel reduction (PR) by a
 //      tile of G_t lanes that reduce consecutive rows with warp shuffles;
 //      0 = segment parallel (SP): a thread group per segment, no atomics, for
-//      up to M_t rows of each segment (the rest goes through SR).
+//      up to M_t rows per lane of each segment (the rest goes through SR);
+//      the T_N threads that F / N_t features leave over become row lanes
+//      (a power of two up to 32) that split the segment.
 struct Config {
   int N_t, T_N, M_t, T_M, G_t;
   bool is_sr() const { return G_t == 1; }

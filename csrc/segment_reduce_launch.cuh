@@ -49,13 +49,26 @@ void launch_pr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// SP: the no-atomic pass over each segment's first M_t rows (a.ptr and
+// Row lanes of an SP thread group: the threads of a block row (T_N) that
+// F / N_t features leave over, as a power of two up to a warp.
+inline int sp_lanes(int64_t F, int n_t, const Config& c) {
+  const int64_t columns = ceil_div(F, n_t);
+  int lanes = 1;
+  while (lanes < 32 && 2 * lanes * columns <= c.T_N) lanes *= 2;
+  return lanes;
+}
+
+// SP: the no-atomic pass over each segment's first a.cap rows (a.ptr and
 // a.longest set by sp_offsets), then, unless no segment can be longer, the
 // SR pass over the overflow rows (it returns at once if none overflowed).
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED>
 void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
-  const dim3 grid = feature_row_grid(a.S, c.T_M, a.F, N_T, c);
-  segment_reduce_sp_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a);
+  const dim3 grid = feature_row_grid(a.S, c.T_M, a.F, N_T, c);  // lanes > 1 only where one column block holds F
+  if (a.lanes > 1) {
+    segment_reduce_sp_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, true><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a);
+  } else {
+    segment_reduce_sp_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, false><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (a.E > 0 && a.may_overflow) launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, c, stream);
 }
@@ -101,10 +114,15 @@ void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& 
   launch_pr<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
 }
 
+// A thread's N_t features must share one weight head.
+inline Config with_head_aligned_n_t(Config c, int64_t F, int64_t heads) {
+  while ((F / heads) % c.N_t != 0) c.N_t /= 2;
+  return c;
+}
+
 template <typename scalar_t, typename acc_t, typename index_t, class Op, bool FUSED>
 void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
-  // A thread's N_t features must share one weight head.
-  while ((a.F / a.heads) % c.N_t != 0) c.N_t /= 2;
+  c = with_head_aligned_n_t(c, a.F, a.heads);
   const auto aligned = [&](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   a.vector_loads = a.F % c.N_t == 0 && aligned(a.src, sizeof(scalar_t) * c.N_t);
   a.vector_out = a.F % c.N_t == 0 && aligned(a.out, sizeof(acc_t) * c.N_t);
@@ -201,8 +219,9 @@ at::Tensor reduce_rows(const RowReduction& r) {
         offsets = sp_offsets<index_t>(r.index, S, stream);
         args.ptr = offsets.ptr.data_ptr<int64_t>();
         args.longest = offsets.longest.data_ptr<int64_t>();
-        args.cap = cfg.M_t;
-        args.may_overflow = may_overflow(r.long_segments, cfg.M_t);
+        args.lanes = sp_lanes(F, with_head_aligned_n_t(cfg, F, r.heads).N_t, cfg);
+        args.cap = int64_t(cfg.M_t) * args.lanes;
+        args.may_overflow = may_overflow(r.long_segments, args.cap);
       }
       switch (r.reduce) {
         case Reduce::Max: launch_reduce<in_t, acc_t, index_t, MaxOp<acc_t>, FUSED>(args, cfg, stream); break;

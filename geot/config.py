@@ -20,10 +20,12 @@ class Config(NamedTuple):
 
     N_t: features per thread; T_N: threads along features per block (SR) or,
     with T_M, the block size (PR); M_t: rows per thread (SR) or row
-    iterations per tile (PR) or rows per segment (SP); T_M: row groups (SR,
-    PR) or segments (SP) per block; G_t: 1 selects the sequential-reduction
-    schedule (SR), 8/16/32 the parallel one (PR) with tiles of G_t lanes, 0
-    the segment-parallel one (SP).
+    iterations per tile (PR) or rows per segment and lane (SP: the T_N
+    threads that F / N_t features leave over split a segment's rows as
+    lanes, a power of two up to 32); T_M: row groups (SR, PR) or segments
+    (SP) per block; G_t: 1 selects the sequential-reduction schedule (SR),
+    8/16/32 the parallel one (PR) with tiles of G_t lanes, 0 the
+    segment-parallel one (SP).
     """
 
     N_t: int

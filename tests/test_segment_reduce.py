@@ -713,8 +713,9 @@ def test_every_config_cuda_half(reduce):
 # --------------------------------------------------------------------------- #
 # CUDA: segment offsets of the SP schedule, cached per index
 # --------------------------------------------------------------------------- #
-SP = geot.Config(N_t=1, T_N=32, M_t=16, T_M=8, G_t=0)  # caps SP at 16 rows: longer segments overflow
-SP_CAP_64 = geot.Config(N_t=2, T_N=8, M_t=64, T_M=32, G_t=0)
+# 16 rows per lane: with F = 4..8, 4 row lanes cap SP at 64 rows, longer segments overflow
+SP = geot.Config(N_t=1, T_N=32, M_t=16, T_M=8, G_t=0)
+SP_CAP_64 = geot.Config(N_t=2, T_N=4, M_t=64, T_M=32, G_t=0)  # F = 8: one lane, 64 rows
 SR = geot.Config(N_t=1, T_N=32, M_t=8, T_M=8, G_t=1)
 
 
@@ -794,6 +795,40 @@ def test_sp_segments_of_exactly_the_cap(validation):
         index = index_from_degrees(deg).cuda()
         src = random_src(index.numel(), (8,), torch.float32, "cuda")
         assert_matches_ref(geot.segment_reduce(index, src, "sum", 500, config=SP_CAP_64), index, src, "sum", 500)
+
+
+@requires_cuda
+@pytest.mark.parametrize("validation", [True, False])
+@pytest.mark.parametrize(
+    "cfg, F, lanes",
+    [
+        (geot.Config(1, 64, 8, 4, 0), 1, 32),  # a warp per segment: cap 256 rows
+        (geot.Config(1, 16, 8, 1, 0), 1, 16),  # a 16-thread block: a partial warp shuffles
+        (geot.Config(2, 32, 8, 2, 0), 2, 32),  # one float2 column, 32 lanes
+        (geot.Config(1, 32, 8, 1, 0), 3, 8),   # 3 columns x 8 lanes, 8 threads idle
+        (geot.Config(1, 8, 16, 32, 0), 2, 4),  # narrow: 2 columns x 4 lanes, cap 64
+    ],
+)
+def test_sp_row_lanes(cfg, F, lanes, validation):
+    """SP threads the features leave over split a segment's rows as lanes:
+    segments of exactly the cap (lanes * M_t rows), one row over it, far over
+    it, and empty ones, for every reduction."""
+    cap = lanes * cfg.M_t
+    deg = torch.randint(0, 2 * lanes, (300,))
+    deg[[0, 5, 299]] = 0
+    deg[[1, 100]] = cap
+    deg[[2, 200]] = cap + 1
+    deg[150] = 5 * cap + 3
+    index = index_from_degrees(deg).cuda()
+    src = random_src(index.numel(), (F,), torch.float32, "cuda")
+    with geot.validation.validation(validation):
+        for reduce in REDUCES:
+            out = geot.segment_reduce(index, src, reduce, 300, config=cfg)
+            assert_matches_ref(out, index, src, reduce, 300, where=f"{cfg}, {reduce}")
+            x = random_src(64, (F,), torch.float32, "cuda")
+            gather = torch.randint(0, 64, (index.numel(),), device="cuda")
+            fused = geot.index_segment_reduce(gather, index, x, reduce, 300, config=cfg)
+            assert_matches_ref(fused, index, x[gather], reduce, 300, where=f"fused {cfg}, {reduce}")
 
 
 @requires_cuda

@@ -8,108 +8,136 @@ namespace geot {
 namespace generated {
 namespace sm90 {
 
-// plain rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 2 cells per leaf, 111 leaves
-//   oracle/pick on held-out graphs: geomean 0.924, worst 0.243; held-out base graphs (23): 0.913, worst 0.243 (hand heuristic: 0.866, worst 0.425; training set: 0.982, worst 0.783)
+// plain rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 1 cells per leaf, 157 leaves
+//   oracle/pick on held-out graphs: geomean 0.888, worst 0.101; held-out base graphs (23): 0.873, worst 0.102 (hand heuristic: 0.823, worst 0.411; training set: 0.986, worst 0.876)
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_E <= 18.470958709716797) {
+        if (x.log2_S <= 14.345362186431885) {
           if (x.log2_E <= 12.248164176940918) {
-            return {1, 16, 8, 1, 1};  // SR
-          } else {
-            if (x.log2_E <= 17.3826847076416) {
-              if (x.log2_E <= 14.803548812866211) {
-                if (x.log2_E <= 13.25903034210205) {
-                  return {1, 16, 8, 1, 1};  // SR
+            if (x.log2_E <= 11.026623249053955) {
+              return {1, 1, 64, 256, 0};  // SP
+            } else {
+              if (x.avg <= 1.3288339376449585) {
+                return {1, 8, 8, 32, 0};  // SP
+              } else {
+                if (x.log2_E <= 11.73050308227539) {
+                  return {1, 2, 32, 128, 0};  // SP
                 } else {
-                  return {1, 4, 8, 64, 1};  // SR
+                  return {1, 32, 64, 4, 0};  // SP
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 1.5) {
+              if (x.log2_E <= 15.399696826934814) {
+                if (x.avg <= 3.935539960861206) {
+                  return {1, 16, 64, 4, 0};  // SP
+                } else {
+                  return {1, 32, 64, 4, 0};  // SP
                 }
               } else {
-                return {1, 4, 8, 64, 1};  // SR
+                return {1, 16, 64, 4, 0};  // SP
               }
             } else {
               return {1, 2, 8, 128, 1};  // SR
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
+          if (x.long_level <= 0.5) {
+            if (x.avg <= 7.600367546081543) {
               return {1, 1, 64, 256, 0};  // SP
             } else {
-              if (x.log2_E <= 19.96488094329834) {
-                return {1, 2, 8, 128, 1};  // SR
-              } else {
-                if (x.log2_E <= 21.844651222229004) {
-                  return {1, 32, 8, 4, 32};  // PR
+              if (x.avg <= 40.0) {
+                if (x.avg <= 13.600367546081543) {
+                  return {1, 1, 64, 256, 0};  // SP
                 } else {
-                  return {1, 32, 8, 2, 32};  // PR
+                  return {1, 2, 32, 128, 0};  // SP
                 }
+              } else {
+                return {1, 8, 8, 32, 0};  // SP
               }
             }
           } else {
-            if (x.avg <= 5.149357795715332) {
-              return {1, 32, 16, 2, 32};  // PR
-            } else {
-              if (x.log2_S <= 20.431568145751953) {
-                if (x.avg <= 8.990526676177979) {
-                  return {1, 32, 8, 4, 32};  // PR
-                } else {
-                  return {1, 32, 16, 2, 32};  // PR
-                }
+            if (x.long_level <= 2.5) {
+              if (x.log2_E <= 19.96488094329834) {
+                return {1, 2, 8, 128, 1};  // SR
               } else {
-                return {1, 32, 16, 4, 16};  // PR
+                return {1, 32, 8, 2, 32};  // PR
+              }
+            } else {
+              if (x.avg <= 8.990526676177979) {
+                return {1, 32, 8, 2, 32};  // PR
+              } else {
+                return {1, 32, 16, 2, 16};  // PR
               }
             }
           }
         }
       } else {
-        if (x.log2_E <= 18.470958709716797) {
+        if (x.log2_S <= 14.345362186431885) {
           if (x.log2_E <= 12.248164176940918) {
-            return {1, 32, 8, 2, 1};  // SR
-          } else {
-            if (x.log2_E <= 17.3826847076416) {
-              if (x.log2_E <= 14.803548812866211) {
-                return {1, 32, 8, 2, 1};  // SR
+            if (x.log2_E <= 11.026623249053955) {
+              return {2, 1, 64, 256, 0};  // SP
+            } else {
+              if (x.avg <= 1.611691415309906) {
+                return {2, 4, 32, 64, 0};  // SP
               } else {
+                return {2, 8, 32, 32, 0};  // SP
+              }
+            }
+          } else {
+            if (x.log2_S <= 12.489808559417725) {
+              if (x.avg <= 3.935539960861206) {
+                return {2, 16, 64, 8, 0};  // SP
+              } else {
+                return {2, 32, 64, 4, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 14.277432441711426) {
                 if (x.log2_E <= 15.934709072113037) {
-                  return {1, 8, 8, 32, 1};  // SR
+                  return {2, 16, 64, 8, 0};  // SP
                 } else {
                   return {1, 2, 8, 128, 1};  // SR
                 }
+              } else {
+                return {2, 16, 64, 8, 0};  // SP
               }
-            } else {
-              return {1, 2, 8, 128, 1};  // SR
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
+          if (x.long_level <= 0.5) {
+            if (x.avg <= 7.600367546081543) {
               return {2, 1, 64, 256, 0};  // SP
             } else {
+              if (x.log2_E <= 22.10964012145996) {
+                if (x.log2_E <= 21.35240077972412) {
+                  return {2, 1, 64, 256, 0};  // SP
+                } else {
+                  return {2, 4, 32, 64, 0};  // SP
+                }
+              } else {
+                return {2, 8, 32, 32, 0};  // SP
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
               if (x.log2_E <= 19.96488094329834) {
                 return {1, 2, 8, 128, 1};  // SR
               } else {
-                if (x.log2_E <= 21.844651222229004) {
-                  return {2, 32, 8, 4, 32};  // PR
+                if (x.avg <= 20.23208498954773) {
+                  return {2, 32, 8, 2, 32};  // PR
                 } else {
                   return {1, 2, 8, 128, 1};  // SR
                 }
               }
-            }
-          } else {
-            if (x.avg <= 5.149357795715332) {
-              return {2, 32, 16, 2, 32};  // PR
             } else {
-              if (x.log2_S <= 20.431568145751953) {
-                if (x.avg <= 8.990526676177979) {
-                  return {2, 32, 8, 4, 32};  // PR
-                } else {
-                  return {2, 32, 16, 2, 16};  // PR
-                }
+              if (x.avg <= 8.990526676177979) {
+                return {2, 32, 8, 2, 32};  // PR
               } else {
-                return {2, 32, 16, 2, 16};  // PR
+                return {2, 32, 8, 2, 16};  // PR
               }
             }
           }
@@ -117,73 +145,105 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.log2_E <= 18.470958709716797) {
+        if (x.log2_S <= 14.345362186431885) {
           if (x.log2_E <= 12.248164176940918) {
-            return {1, 32, 8, 2, 1};  // SR
+            if (x.log2_S <= 10.5633225440979) {
+              if (x.avg <= 2.9343544840812683) {
+                return {4, 16, 64, 8, 0};  // SP
+              } else {
+                return {2, 16, 8, 4, 0};  // SP
+              }
+            } else {
+              if (x.log2_E <= 11.612707138061523) {
+                return {2, 16, 8, 4, 0};  // SP
+              } else {
+                return {4, 16, 64, 8, 0};  // SP
+              }
+            }
           } else {
-            if (x.log2_E <= 17.3826847076416) {
-              if (x.log2_E <= 15.25903034210205) {
-                if (x.avg <= 3.935539960861206) {
-                  return {1, 32, 8, 2, 1};  // SR
+            if (x.log2_E <= 15.399696826934814) {
+              if (x.avg <= 3.935539960861206) {
+                if (x.log2_S <= 11.551509380340576) {
+                  return {2, 32, 64, 4, 0};  // SP
                 } else {
+                  return {4, 16, 64, 8, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 11.551509380340576) {
                   return {1, 4, 8, 64, 1};  // SR
+                } else {
+                  return {2, 32, 64, 4, 0};  // SP
+                }
+              }
+            } else {
+              if (x.long_level <= 1.5) {
+                if (x.log2_E <= 19.861756324768066) {
+                  return {1, 4, 8, 64, 1};  // SR
+                } else {
+                  return {4, 16, 64, 8, 0};  // SP
                 }
               } else {
                 return {1, 4, 8, 64, 1};  // SR
               }
-            } else {
-              return {4, 2, 8, 128, 1};  // SR
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 18.770604133605957) {
-                return {1, 4, 64, 64, 0};  // SP
-              } else {
+          if (x.long_level <= 0.5) {
+            if (x.avg <= 40.0) {
+              if (x.avg <= 7.600367546081543) {
                 return {4, 1, 64, 256, 0};  // SP
+              } else {
+                return {4, 4, 32, 64, 0};  // SP
               }
             } else {
-              if (x.log2_E <= 19.96488094329834) {
-                return {1, 4, 8, 64, 1};  // SR
-              } else {
-                return {4, 32, 8, 1, 16};  // PR
-              }
+              return {2, 16, 8, 4, 0};  // SP
             }
           } else {
-            if (x.avg <= 5.149357795715332) {
-              return {4, 32, 16, 4, 32};  // PR
-            } else {
-              if (x.log2_S <= 20.431568145751953) {
-                if (x.log2_E <= 20.56152057647705) {
-                  return {4, 32, 8, 4, 32};  // PR
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 15.154823303222656) {
+                return {1, 4, 8, 64, 1};  // SR
+              } else {
+                if (x.avg <= 2.918359637260437) {
+                  return {4, 32, 8, 2, 32};  // PR
                 } else {
                   return {4, 32, 8, 1, 16};  // PR
                 }
+              }
+            } else {
+              if (x.avg <= 8.990526676177979) {
+                return {4, 32, 8, 2, 32};  // PR
               } else {
-                return {4, 32, 16, 4, 32};  // PR
+                return {4, 32, 8, 1, 16};  // PR
               }
             }
           }
         }
       } else {
-        if (x.log2_E <= 18.40078830718994) {
+        if (x.log2_E <= 16.524442672729492) {
           if (x.log2_E <= 12.248164176940918) {
-            if (x.log2_S <= 10.5633225440979) {
-              return {1, 32, 8, 1, 1};  // SR
+            if (x.avg <= 1.611691415309906) {
+              return {1, 32, 16, 2, 0};  // SP
             } else {
-              return {1, 16, 8, 1, 1};  // SR
+              return {1, 32, 64, 4, 0};  // SP
             }
           } else {
-            if (x.log2_E <= 15.934709072113037) {
-              if (x.log2_E <= 14.803548812866211) {
-                return {1, 16, 8, 8, 1};  // SR
+            if (x.avg <= 3.935539960861206) {
+              if (x.log2_E <= 14.944215297698975) {
+                if (x.log2_E <= 13.25903034210205) {
+                  return {1, 32, 8, 4, 1};  // SR
+                } else {
+                  return {1, 8, 8, 32, 1};  // SR
+                }
               } else {
                 return {1, 8, 8, 32, 1};  // SR
               }
             } else {
-              if (x.avg <= 4.197049379348755) {
-                return {1, 8, 16, 32, 1};  // SR
+              if (x.log2_S <= 12.983579635620117) {
+                if (x.avg <= 7.459298372268677) {
+                  return {1, 32, 8, 4, 1};  // SR
+                } else {
+                  return {1, 8, 8, 32, 1};  // SR
+                }
               } else {
                 return {1, 8, 8, 32, 1};  // SR
               }
@@ -192,31 +252,31 @@ inline Config plain_config(const Features& f) {
         } else {
           if (x.long_level <= 2.5) {
             if (x.long_level <= 0.5) {
-              if (x.avg <= 7.600367546081543) {
-                return {1, 8, 16, 32, 1};  // SR
-              } else {
-                return {1, 8, 64, 32, 0};  // SP
-              }
-            } else {
-              if (x.log2_E <= 21.219998359680176) {
-                if (x.avg <= 10.542197823524475) {
-                  return {1, 8, 16, 32, 1};  // SR
+              if (x.avg <= 40.0) {
+                if (x.log2_E <= 21.770604133605957) {
+                  return {1, 8, 64, 32, 0};  // SP
                 } else {
-                  return {1, 8, 8, 32, 1};  // SR
+                  return {1, 8, 16, 32, 1};  // SR
                 }
               } else {
-                return {1, 8, 32, 32, 1};  // SR
+                return {1, 32, 16, 2, 0};  // SP
+              }
+            } else {
+              if (x.avg <= 114.00017929077148) {
+                if (x.log2_E <= 17.3826847076416) {
+                  return {1, 8, 8, 32, 1};  // SR
+                } else {
+                  return {1, 8, 16, 32, 1};  // SR
+                }
+              } else {
+                return {1, 32, 64, 4, 0};  // SP
               }
             }
           } else {
-            if (x.avg <= 7.717565059661865) {
+            if (x.avg <= 8.990526676177979) {
               return {1, 8, 64, 32, 1};  // SR
             } else {
-              if (x.log2_E <= 22.51409339904785) {
-                return {1, 8, 64, 32, 1};  // SR
-              } else {
-                return {1, 8, 32, 32, 1};  // SR
-              }
+              return {1, 8, 32, 32, 1};  // SR
             }
           }
         }
@@ -225,97 +285,137 @@ inline Config plain_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.log2_E <= 18.470958709716797) {
+        if (x.log2_E <= 17.3826847076416) {
           if (x.log2_E <= 12.248164176940918) {
             if (x.log2_S <= 10.5633225440979) {
-              return {1, 16, 8, 2, 1};  // SR
-            } else {
-              return {1, 32, 8, 2, 1};  // SR
-            }
-          } else {
-            if (x.log2_E <= 17.3826847076416) {
-              if (x.log2_S <= 13.283661365509033) {
-                if (x.avg <= 3.31723952293396) {
-                  return {1, 32, 8, 2, 1};  // SR
-                } else {
-                  return {1, 8, 8, 32, 1};  // SR
-                }
+              if (x.avg <= 2.9343544840812683) {
+                return {4, 8, 64, 32, 0};  // SP
               } else {
-                return {1, 8, 8, 32, 1};  // SR
+                return {2, 16, 32, 2, 0};  // SP
               }
             } else {
-              return {4, 2, 8, 128, 1};  // SR
+              return {2, 16, 32, 2, 0};  // SP
+            }
+          } else {
+            if (x.avg <= 3.31723952293396) {
+              if (x.log2_E <= 14.944215297698975) {
+                return {1, 32, 8, 4, 1};  // SR
+              } else {
+                return {2, 4, 8, 64, 1};  // SR
+              }
+            } else {
+              if (x.log2_S <= 12.49385929107666) {
+                if (x.avg <= 3.935539960861206) {
+                  return {1, 32, 8, 4, 1};  // SR
+                } else {
+                  return {2, 4, 8, 64, 1};  // SR
+                }
+              } else {
+                return {2, 4, 8, 64, 1};  // SR
+              }
             }
           }
         } else {
           if (x.long_level <= 2.5) {
             if (x.long_level <= 0.5) {
-              return {4, 2, 64, 128, 0};  // SP
+              if (x.avg <= 7.600367546081543) {
+                return {4, 2, 64, 128, 0};  // SP
+              } else {
+                return {4, 8, 64, 32, 0};  // SP
+              }
             } else {
               if (x.log2_E <= 19.96488094329834) {
+                return {4, 2, 8, 128, 1};  // SR
+              } else {
+                if (x.log2_S <= 14.948676109313965) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 8.990526676177979) {
+              if (x.log2_E <= 20.383421897888184) {
+                return {4, 32, 8, 2, 16};  // PR
+              } else {
+                return {4, 32, 32, 4, 16};  // PR
+              }
+            } else {
+              if (x.log2_S <= 19.063085556030273) {
                 return {4, 32, 8, 2, 16};  // PR
               } else {
                 return {4, 2, 8, 128, 1};  // SR
               }
             }
-          } else {
-            if (x.avg <= 7.717565059661865) {
-              if (x.log2_S <= 18.270604133605957) {
-                return {4, 32, 8, 2, 16};  // PR
-              } else {
-                return {4, 32, 32, 2, 16};  // PR
-              }
-            } else {
-              if (x.log2_E <= 22.51409339904785) {
-                return {4, 32, 8, 2, 16};  // PR
-              } else {
-                return {2, 4, 16, 64, 1};  // SR
-              }
-            }
           }
         }
       } else {
-        if (x.log2_E <= 18.470958709716797) {
+        if (x.log2_E <= 17.3826847076416) {
           if (x.log2_E <= 12.248164176940918) {
             if (x.log2_S <= 10.5633225440979) {
-              return {1, 32, 8, 1, 1};  // SR
-            } else {
-              return {1, 8, 8, 32, 1};  // SR
-            }
-          } else {
-            if (x.log2_E <= 17.3826847076416) {
-              if (x.log2_S <= 13.283661365509033) {
-                if (x.avg <= 7.459298372268677) {
-                  return {2, 8, 8, 32, 1};  // SR
-                } else {
-                  return {1, 8, 8, 32, 1};  // SR
-                }
+              if (x.avg <= 2.9343544840812683) {
+                return {2, 32, 64, 2, 0};  // SP
               } else {
-                return {2, 8, 8, 32, 1};  // SR
+                return {4, 8, 64, 32, 0};  // SP
               }
             } else {
-              return {2, 8, 8, 32, 1};  // SR
+              return {2, 32, 64, 2, 0};  // SP
+            }
+          } else {
+            if (x.avg <= 3.935539960861206) {
+              return {1, 16, 8, 8, 1};  // SR
+            } else {
+              if (x.log2_S <= 11.551509380340576) {
+                return {1, 16, 8, 8, 1};  // SR
+              } else {
+                if (x.log2_S <= 13.777432441711426) {
+                  return {1, 16, 8, 8, 1};  // SR
+                } else {
+                  return {4, 4, 8, 64, 1};  // SR
+                }
+              }
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
+          if (x.long_level <= 0.5) {
+            if (x.avg <= 7.600367546081543) {
               return {4, 4, 64, 64, 0};  // SP
             } else {
-              return {2, 8, 16, 32, 1};  // SR
+              if (x.log2_E <= 21.35240077972412) {
+                return {4, 8, 64, 32, 0};  // SP
+              } else {
+                if (x.avg <= 40.0) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  return {2, 32, 64, 2, 0};  // SP
+                }
+              }
             }
           } else {
-            if (x.avg <= 7.717565059661865) {
-              if (x.log2_S <= 18.270604133605957) {
-                return {4, 32, 16, 8, 8};  // PR
+            if (x.long_level <= 2.5) {
+              if (x.log2_E <= 19.96488094329834) {
+                return {4, 4, 8, 64, 1};  // SR
               } else {
-                return {2, 8, 64, 32, 1};  // SR
+                if (x.avg <= 114.00017929077148) {
+                  return {2, 8, 16, 32, 1};  // SR
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
               }
             } else {
-              if (x.log2_E <= 22.51409339904785) {
-                return {2, 8, 64, 32, 1};  // SR
+              if (x.avg <= 7.717565059661865) {
+                if (x.log2_E <= 20.12617301940918) {
+                  return {4, 32, 16, 4, 8};  // PR
+                } else {
+                  return {2, 8, 64, 32, 1};  // SR
+                }
               } else {
-                return {2, 8, 16, 32, 1};  // SR
+                if (x.avg <= 10.980550765991211) {
+                  return {2, 8, 64, 32, 1};  // SR
+                } else {
+                  return {2, 8, 16, 32, 1};  // SR
+                }
               }
             }
           }
@@ -325,127 +425,211 @@ inline Config plain_config(const Features& f) {
       if (x.F <= 45.254833995939045) {
         if (x.log2_E <= 17.3826847076416) {
           if (x.log2_E <= 12.248164176940918) {
-            return {1, 16, 8, 8, 1};  // SR
-          } else {
-            if (x.log2_E <= 14.803548812866211) {
-              if (x.log2_S <= 11.551509380340576) {
-                return {2, 32, 8, 2, 1};  // SR
+            if (x.log2_E <= 11.026623249053955) {
+              return {2, 32, 64, 8, 0};  // SP
+            } else {
+              if (x.log2_S <= 11.202819347381592) {
+                if (x.log2_E <= 11.2052583694458) {
+                  return {2, 32, 64, 1, 0};  // SP
+                } else {
+                  return {2, 32, 64, 8, 0};  // SP
+                }
               } else {
-                return {1, 32, 8, 8, 1};  // SR
+                return {2, 32, 64, 8, 0};  // SP
+              }
+            }
+          } else {
+            if (x.avg <= 3.31723952293396) {
+              if (x.log2_E <= 14.944215297698975) {
+                return {1, 32, 8, 2, 1};  // SR
+              } else {
+                return {4, 8, 8, 32, 1};  // SR
               }
             } else {
-              return {4, 8, 8, 32, 1};  // SR
-            }
-          }
-        } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              return {4, 8, 64, 32, 0};  // SP
-            } else {
-              if (x.log2_E <= 19.96488094329834) {
-                return {4, 8, 8, 32, 1};  // SR
+              if (x.log2_S <= 12.49385929107666) {
+                return {1, 32, 8, 2, 1};  // SR
               } else {
-                if (x.log2_S <= 18.099360466003418) {
-                  return {4, 8, 8, 32, 1};  // SR
+                if (x.log2_S <= 13.777432441711426) {
+                  return {2, 16, 16, 4, 1};  // SR
                 } else {
-                  return {2, 16, 16, 2, 1};  // SR
+                  return {4, 8, 8, 32, 1};  // SR
                 }
               }
             }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 18.770604133605957) {
+              if (x.avg <= 13.600367546081543) {
+                return {4, 8, 64, 32, 0};  // SP
+              } else {
+                if (x.avg <= 40.0) {
+                  return {2, 32, 64, 8, 0};  // SP
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              }
+            } else {
+              return {4, 8, 64, 32, 0};  // SP
+            }
           } else {
-            return {2, 16, 64, 4, 1};  // SR
+            if (x.long_level <= 2.5) {
+              if (x.avg <= 114.00017929077148) {
+                if (x.log2_E <= 19.96488094329834) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  return {2, 16, 16, 4, 1};  // SR
+                }
+              } else {
+                return {2, 32, 64, 8, 0};  // SP
+              }
+            } else {
+              if (x.avg <= 7.717565059661865) {
+                return {2, 16, 64, 4, 1};  // SR
+              } else {
+                if (x.log2_S <= 19.063085556030273) {
+                  return {2, 16, 64, 4, 1};  // SR
+                } else {
+                  return {2, 16, 16, 4, 1};  // SR
+                }
+              }
+            }
           }
         }
       } else {
         if (x.F <= 90.50966799187809) {
           if (x.log2_E <= 17.3826847076416) {
             if (x.log2_E <= 12.248164176940918) {
-              if (x.log2_S <= 10.5633225440979) {
-                return {1, 64, 8, 2, 1};  // SR
+              if (x.avg <= 2.9343544840812683) {
+                return {2, 64, 64, 1, 0};  // SP
               } else {
-                return {1, 32, 8, 2, 1};  // SR
+                return {2, 32, 64, 1, 0};  // SP
               }
             } else {
-              if (x.log2_E <= 15.399696826934814) {
-                if (x.log2_E <= 13.910294532775879) {
-                  return {1, 64, 8, 2, 1};  // SR
+              if (x.avg <= 3.31723952293396) {
+                if (x.log2_E <= 13.803548812866211) {
+                  return {1, 64, 8, 4, 1};  // SR
                 } else {
                   return {4, 16, 8, 8, 1};  // SR
                 }
               } else {
-                return {4, 16, 16, 4, 1};  // SR
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_E <= 19.96488094329834) {
-                return {4, 16, 8, 8, 1};  // SR
-              } else {
-                if (x.long_level <= 0.5) {
-                  return {4, 16, 64, 8, 0};  // SP
+                if (x.log2_E <= 14.25903034210205) {
+                  return {1, 64, 8, 4, 1};  // SR
                 } else {
-                  if (x.log2_S <= 18.099360466003418) {
+                  if (x.log2_E <= 15.900788307189941) {
                     return {4, 16, 8, 8, 1};  // SR
                   } else {
-                    return {2, 32, 16, 2, 1};  // SR
+                    return {4, 16, 16, 8, 1};  // SR
                   }
-                }
-              }
-            } else {
-              if (x.avg <= 7.717565059661865) {
-                if (x.avg <= 4.4689189195632935) {
-                  return {4, 16, 64, 4, 0};  // SP
-                } else {
-                  return {2, 32, 64, 1, 1};  // SR
-                }
-              } else {
-                return {2, 32, 64, 1, 1};  // SR
-              }
-            }
-          }
-        } else {
-          if (x.log2_E <= 17.3826847076416) {
-            if (x.log2_E <= 12.248164176940918) {
-              if (x.log2_S <= 10.5633225440979) {
-                return {1, 32, 8, 4, 1};  // SR
-              } else {
-                return {2, 64, 8, 1, 1};  // SR
-              }
-            } else {
-              if (x.log2_E <= 13.910294532775879) {
-                return {2, 32, 8, 2, 1};  // SR
-              } else {
-                if (x.log2_S <= 13.283661365509033) {
-                  return {2, 64, 8, 1, 1};  // SR
-                } else {
-                  return {2, 32, 8, 2, 1};  // SR
                 }
               }
             }
           } else {
             if (x.long_level <= 2.5) {
               if (x.long_level <= 0.5) {
-                return {4, 32, 64, 8, 0};  // SP
-              } else {
-                if (x.log2_E <= 19.96488094329834) {
-                  return {2, 64, 16, 1, 1};  // SR
+                if (x.avg <= 7.600367546081543) {
+                  return {4, 16, 64, 8, 0};  // SP
                 } else {
-                  if (x.avg <= 4.197049379348755) {
-                    return {2, 64, 16, 1, 1};  // SR
+                  return {2, 32, 64, 1, 0};  // SP
+                }
+              } else {
+                if (x.avg <= 114.00017929077148) {
+                  if (x.log2_E <= 21.844651222229004) {
+                    return {4, 16, 16, 8, 1};  // SR
                   } else {
-                    return {4, 32, 8, 2, 0};  // SP
+                    return {4, 16, 8, 8, 1};  // SR
+                  }
+                } else {
+                  return {4, 16, 8, 8, 1};  // SR
+                }
+              }
+            } else {
+              if (x.avg <= 4.4689189195632935) {
+                if (x.log2_E <= 21.416418075561523) {
+                  return {2, 32, 64, 1, 1};  // SR
+                } else {
+                  return {4, 16, 64, 8, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 16.10964012145996) {
+                  return {2, 32, 64, 1, 1};  // SR
+                } else {
+                  if (x.log2_S <= 17.402121543884277) {
+                    return {2, 32, 64, 1, 1};  // SR
+                  } else {
+                    return {4, 16, 64, 8, 0};  // SP
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.log2_E <= 15.934709072113037) {
+            if (x.log2_E <= 12.248164176940918) {
+              if (x.log2_S <= 10.5633225440979) {
+                return {2, 64, 64, 8, 0};  // SP
+              } else {
+                return {2, 64, 8, 1, 1};  // SR
+              }
+            } else {
+              if (x.log2_E <= 13.910294532775879) {
+                if (x.log2_E <= 13.25903034210205) {
+                  return {2, 64, 8, 1, 1};  // SR
+                } else {
+                  return {4, 32, 8, 8, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 2.251428723335266) {
+                  return {2, 64, 32, 2, 1};  // SR
+                } else {
+                  if (x.avg <= 13.26895809173584) {
+                    return {2, 64, 8, 1, 1};  // SR
+                  } else {
+                    return {2, 64, 32, 2, 1};  // SR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.long_level <= 0.5) {
+                if (x.avg <= 7.600367546081543) {
+                  return {4, 32, 64, 4, 0};  // SP
+                } else {
+                  if (x.log2_E <= 21.35240077972412) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    return {2, 64, 64, 8, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_E <= 17.3826847076416) {
+                  if (x.long_level <= 1.5) {
+                    return {4, 32, 8, 8, 1};  // SR
+                  } else {
+                    return {2, 64, 64, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 16.551508903503418) {
+                    return {2, 64, 16, 2, 1};  // SR
+                  } else {
+                    return {2, 64, 32, 2, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.avg <= 7.717565059661865) {
-                if (x.avg <= 4.4689189195632935) {
-                  return {4, 32, 64, 2, 0};  // SP
-                } else {
-                  return {2, 64, 64, 2, 1};  // SR
-                }
+              if (x.log2_E <= 18.799643516540527) {
+                return {2, 64, 64, 2, 1};  // SR
               } else {
-                return {4, 32, 64, 2, 0};  // SP
+                if (x.avg <= 4.4689189195632935) {
+                  return {4, 32, 64, 4, 0};  // SP
+                } else {
+                  if (x.log2_E <= 20.56152057647705) {
+                    return {2, 64, 64, 2, 1};  // SR
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
+                  }
+                }
               }
             }
           }
@@ -455,62 +639,82 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 2 cells per leaf, 105 leaves
-//   oracle/pick on held-out graphs: geomean 0.926, worst 0.345; held-out base graphs (23): 0.901, worst 0.314 (hand heuristic: 0.831, worst 0.365; training set: 0.976, worst 0.747)
+// gathered rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 1 cells per leaf, 129 leaves
+//   oracle/pick on held-out graphs: geomean 0.933, worst 0.314; held-out base graphs (23): 0.903, worst 0.314 (hand heuristic: 0.831, worst 0.365; training set: 0.986, worst 0.874)
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 14.803548812866211) {
-            if (x.log2_E <= 13.25903034210205) {
+        if (x.log2_E <= 18.470958709716797) {
+          if (x.log2_E <= 15.934709072113037) {
+            if (x.log2_E <= 13.910294532775879) {
               return {1, 32, 8, 8, 1};  // SR
             } else {
-              return {1, 16, 8, 2, 1};  // SR
+              if (x.log2_E <= 14.803548812866211) {
+                return {1, 16, 8, 2, 1};  // SR
+              } else {
+                return {1, 4, 8, 64, 1};  // SR
+              }
             }
           } else {
-            return {1, 4, 8, 64, 1};  // SR
+            if (x.log2_E <= 17.3826847076416) {
+              return {1, 4, 8, 64, 1};  // SR
+            } else {
+              return {1, 1, 8, 256, 1};  // SR
+            }
           }
         } else {
-          if (x.log2_E <= 20.085826873779297) {
-            if (x.long_level <= 2.5) {
+          if (x.long_level <= 2.5) {
+            if (x.log2_E <= 19.96488094329834) {
               return {1, 1, 8, 256, 1};  // SR
             } else {
-              return {1, 32, 8, 4, 32};  // PR
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.avg <= 4.248009443283081) {
-                if (x.log2_S <= 19.815787315368652) {
-                  return {1, 32, 8, 4, 32};  // PR
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 18.770604133605957) {
+                  return {1, 32, 16, 4, 32};  // PR
                 } else {
                   return {1, 1, 32, 256, 0};  // SP
                 }
               } else {
-                if (x.log2_E <= 21.931571006774902) {
-                  return {1, 32, 16, 2, 32};  // PR
+                if (x.long_level <= 1.5) {
+                  return {1, 32, 16, 8, 32};  // PR
                 } else {
                   return {1, 32, 8, 4, 32};  // PR
                 }
               }
+            }
+          } else {
+            if (x.log2_E <= 20.383421897888184) {
+              return {1, 32, 8, 4, 32};  // PR
             } else {
               if (x.avg <= 7.90780234336853) {
-                if (x.log2_E <= 23.073573112487793) {
-                  return {1, 32, 16, 2, 32};  // PR
+                if (x.log2_E <= 24.980753898620605) {
+                  return {1, 32, 16, 4, 32};  // PR
                 } else {
                   return {1, 32, 8, 4, 32};  // PR
                 }
               } else {
-                return {1, 32, 16, 2, 32};  // PR
+                return {1, 32, 16, 4, 32};  // PR
               }
             }
           }
         }
       } else {
         if (x.log2_E <= 18.470958709716797) {
-          if (x.log2_E <= 12.248164176940918) {
-            return {1, 16, 8, 2, 1};  // SR
+          if (x.log2_E <= 15.934709072113037) {
+            if (x.log2_S <= 10.5633225440979) {
+              if (x.avg <= 2.9343544840812683) {
+                return {1, 2, 8, 128, 1};  // SR
+              } else {
+                return {1, 2, 64, 128, 0};  // SP
+              }
+            } else {
+              if (x.log2_E <= 13.910294532775879) {
+                return {1, 16, 8, 2, 1};  // SR
+              } else {
+                return {1, 2, 8, 128, 1};  // SR
+              }
+            }
           } else {
             if (x.log2_E <= 17.3826847076416) {
               return {1, 2, 8, 128, 1};  // SR
@@ -521,34 +725,46 @@ inline Config gathered_config(const Features& f) {
         } else {
           if (x.long_level <= 2.5) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 21.09253215789795) {
-                if (x.log2_E <= 21.770604133605957) {
+              if (x.log2_S <= 17.10964012145996) {
+                return {2, 32, 16, 4, 32};  // PR
+              } else {
+                if (x.log2_S <= 18.770604133605957) {
                   return {2, 32, 16, 4, 32};  // PR
                 } else {
-                  return {2, 32, 8, 2, 32};  // PR
+                  return {1, 2, 64, 128, 0};  // SP
                 }
-              } else {
-                return {1, 2, 64, 128, 0};  // SP
               }
             } else {
               if (x.log2_E <= 19.96488094329834) {
                 return {2, 1, 8, 256, 1};  // SR
               } else {
-                return {2, 32, 8, 2, 32};  // PR
+                if (x.log2_E <= 20.858135223388672) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  return {2, 32, 16, 4, 32};  // PR
+                }
               }
             }
           } else {
-            if (x.avg <= 4.025636792182922) {
-              return {2, 32, 8, 2, 32};  // PR
-            } else {
-              if (x.log2_S <= 20.431568145751953) {
-                if (x.log2_E <= 20.56152057647705) {
+            if (x.log2_E <= 20.383421897888184) {
+              if (x.avg <= 6.519350051879883) {
+                return {1, 32, 8, 2, 16};  // PR
+              } else {
+                if (x.log2_E <= 19.05689239501953) {
                   return {1, 32, 8, 2, 16};  // PR
                 } else {
                   return {2, 32, 8, 2, 32};  // PR
                 }
+              }
+            } else {
+              if (x.avg <= 7.90780234336853) {
+                return {2, 32, 8, 2, 32};  // PR
               } else {
-                return {2, 32, 16, 4, 32};  // PR
+                if (x.avg <= 40.99297332763672) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  return {2, 32, 16, 4, 32};  // PR
+                }
               }
             }
           }
@@ -556,70 +772,86 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.log2_E <= 18.40078830718994) {
-          if (x.log2_S <= 10.5633225440979) {
-            return {1, 4, 8, 64, 1};  // SR
-          } else {
-            if (x.log2_S <= 15.335082054138184) {
-              if (x.log2_E <= 15.399696826934814) {
-                if (x.log2_E <= 13.910294532775879) {
-                  return {1, 32, 8, 2, 1};  // SR
-                } else {
-                  return {1, 4, 8, 64, 1};  // SR
-                }
+        if (x.log2_E <= 18.470958709716797) {
+          if (x.log2_E <= 15.934709072113037) {
+            if (x.log2_S <= 10.5633225440979) {
+              if (x.avg <= 2.9343544840812683) {
+                return {1, 32, 8, 2, 1};  // SR
               } else {
+                return {1, 4, 8, 64, 1};  // SR
+              }
+            } else {
+              if (x.log2_E <= 13.910294532775879) {
+                return {1, 32, 8, 2, 1};  // SR
+              } else {
+                return {1, 4, 8, 64, 1};  // SR
+              }
+            }
+          } else {
+            if (x.log2_E <= 17.3826847076416) {
+              if (x.avg <= 7.25995945930481) {
                 return {1, 2, 8, 128, 1};  // SR
+              } else {
+                return {1, 4, 8, 64, 1};  // SR
               }
             } else {
               return {2, 2, 8, 128, 1};  // SR
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
+          if (x.long_level <= 0.5) {
+            if (x.avg <= 40.0) {
               if (x.avg <= 13.600367546081543) {
                 return {4, 1, 32, 256, 0};  // SP
               } else {
-                return {4, 32, 8, 2, 16};  // PR
+                return {1, 4, 32, 64, 0};  // SP
               }
             } else {
-              if (x.log2_E <= 20.858135223388672) {
-                return {2, 2, 8, 128, 1};  // SR
-              } else {
-                if (x.avg <= 20.23208498954773) {
-                  return {4, 32, 8, 4, 32};  // PR
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              }
+              return {4, 32, 8, 2, 16};  // PR
             }
           } else {
-            if (x.avg <= 4.025636792182922) {
-              return {4, 32, 8, 4, 32};  // PR
-            } else {
-              if (x.avg <= 8.990526676177979) {
-                return {4, 32, 8, 4, 32};  // PR
-              } else {
-                if (x.avg <= 21.982707023620605) {
-                  return {4, 32, 8, 2, 16};  // PR
+            if (x.long_level <= 2.5) {
+              if (x.log2_E <= 20.858135223388672) {
+                if (x.log2_S <= 16.815787315368652) {
+                  return {2, 2, 8, 128, 1};  // SR
                 } else {
-                  return {4, 32, 8, 4, 32};  // PR
+                  return {4, 32, 8, 2, 16};  // PR
                 }
+              } else {
+                return {4, 32, 8, 2, 32};  // PR
               }
+            } else {
+              return {4, 32, 8, 2, 32};  // PR
             }
           }
         }
       } else {
         if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 12.248164176940918) {
-            return {1, 32, 8, 2, 1};  // SR
-          } else {
-            if (x.log2_E <= 15.934709072113037) {
-              if (x.log2_E <= 14.803548812866211) {
+          if (x.log2_E <= 14.803548812866211) {
+            if (x.log2_S <= 10.5633225440979) {
+              return {1, 32, 8, 2, 1};  // SR
+            } else {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 11.202819347381592) {
+                  return {1, 16, 8, 8, 1};  // SR
+                } else {
+                  return {1, 32, 8, 2, 1};  // SR
+                }
+              } else {
                 if (x.log2_E <= 13.25903034210205) {
                   return {1, 32, 8, 2, 1};  // SR
                 } else {
                   return {1, 8, 8, 32, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.log2_E <= 15.934709072113037) {
+              if (x.log2_E <= 15.399696826934814) {
+                if (x.avg <= 13.26895809173584) {
+                  return {1, 8, 8, 32, 1};  // SR
+                } else {
+                  return {1, 16, 8, 8, 1};  // SR
                 }
               } else {
                 return {1, 8, 8, 32, 1};  // SR
@@ -630,19 +862,31 @@ inline Config gathered_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 0.5) {
-            return {1, 8, 64, 32, 0};  // SP
-          } else {
-            if (x.log2_E <= 19.486721992492676) {
-              return {1, 8, 16, 32, 1};  // SR
+            if (x.log2_S <= 18.770604133605957) {
+              return {1, 8, 64, 32, 0};  // SP
             } else {
-              if (x.long_level <= 2.5) {
-                return {1, 8, 64, 32, 1};  // SR
+              if (x.avg <= 3.0) {
+                return {1, 32, 32, 8, 8};  // PR
               } else {
-                if (x.avg <= 6.90634560585022) {
-                  return {1, 32, 32, 8, 8};  // PR
+                return {1, 8, 64, 32, 0};  // SP
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.log2_E <= 19.96488094329834) {
+                return {1, 8, 16, 32, 1};  // SR
+              } else {
+                return {1, 8, 64, 32, 1};  // SR
+              }
+            } else {
+              if (x.log2_S <= 19.063085556030273) {
+                if (x.log2_E <= 18.799643516540527) {
+                  return {1, 8, 64, 32, 1};  // SR
                 } else {
                   return {1, 8, 32, 32, 1};  // SR
                 }
+              } else {
+                return {1, 32, 32, 8, 8};  // PR
               }
             }
           }
@@ -653,96 +897,92 @@ inline Config gathered_config(const Features& f) {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
         if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 12.248164176940918) {
-            if (x.log2_S <= 10.5633225440979) {
-              return {1, 32, 8, 4, 1};  // SR
-            } else {
+          if (x.log2_E <= 14.803548812866211) {
+            if (x.log2_E <= 11.026623249053955) {
               return {1, 16, 8, 1, 1};  // SR
+            } else {
+              if (x.log2_E <= 13.910294532775879) {
+                if (x.log2_S <= 10.5633225440979) {
+                  return {1, 32, 8, 4, 1};  // SR
+                } else {
+                  return {1, 16, 8, 1, 1};  // SR
+                }
+              } else {
+                return {1, 8, 8, 32, 1};  // SR
+              }
             }
           } else {
-            if (x.log2_E <= 14.803548812866211) {
-              if (x.avg <= 2.497322678565979) {
-                return {1, 8, 8, 32, 1};  // SR
-              } else {
-                return {1, 16, 8, 1, 1};  // SR
-              }
+            if (x.log2_E <= 15.934709072113037) {
+              return {1, 4, 8, 64, 1};  // SR
             } else {
-              if (x.log2_E <= 15.934709072113037) {
-                return {1, 4, 8, 64, 1};  // SR
+              return {4, 2, 8, 128, 1};  // SR
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.avg <= 13.600367546081543) {
+              return {4, 2, 64, 128, 0};  // SP
+            } else {
+              if (x.avg <= 40.0) {
+                return {4, 2, 64, 128, 0};  // SP
               } else {
                 return {4, 2, 8, 128, 1};  // SR
               }
             }
-          }
-        } else {
-          if (x.log2_E <= 20.085826873779297) {
+          } else {
             if (x.long_level <= 2.5) {
               return {4, 2, 8, 128, 1};  // SR
             } else {
               return {4, 32, 8, 2, 16};  // PR
             }
-          } else {
-            if (x.log2_S <= 17.902121543884277) {
-              if (x.long_level <= 0.5) {
-                return {4, 2, 64, 128, 0};  // SP
-              } else {
-                return {4, 2, 8, 128, 1};  // SR
-              }
-            } else {
-              if (x.log2_S <= 19.815787315368652) {
-                if (x.log2_E <= 21.40078830718994) {
-                  return {4, 2, 8, 128, 1};  // SR
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                return {4, 32, 8, 2, 16};  // PR
-              }
-            }
           }
         }
       } else {
         if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 12.248164176940918) {
-            return {1, 32, 8, 4, 1};  // SR
-          } else {
-            if (x.log2_E <= 14.803548812866211) {
-              if (x.avg <= 3.31723952293396) {
-                return {1, 16, 8, 8, 1};  // SR
-              } else {
+          if (x.log2_E <= 14.803548812866211) {
+            if (x.log2_S <= 10.5633225440979) {
+              if (x.avg <= 2.9343544840812683) {
                 return {1, 32, 8, 4, 1};  // SR
+              } else {
+                return {1, 4, 32, 64, 0};  // SP
               }
             } else {
-              if (x.log2_E <= 15.934709072113037) {
-                return {1, 16, 8, 8, 1};  // SR
+              if (x.log2_S <= 12.489808559417725) {
+                return {1, 32, 8, 4, 1};  // SR
               } else {
-                return {4, 4, 8, 64, 1};  // SR
+                return {1, 16, 8, 8, 1};  // SR
               }
+            }
+          } else {
+            if (x.log2_E <= 15.934709072113037) {
+              return {1, 16, 8, 8, 1};  // SR
+            } else {
+              return {4, 4, 8, 64, 1};  // SR
             }
           }
         } else {
           if (x.long_level <= 0.5) {
             return {4, 4, 64, 64, 0};  // SP
           } else {
-            if (x.log2_E <= 20.858135223388672) {
-              if (x.log2_E <= 18.470958709716797) {
+            if (x.long_level <= 2.5) {
+              if (x.log2_E <= 18.794042587280273) {
                 return {4, 4, 8, 64, 1};  // SR
               } else {
-                if (x.log2_E <= 19.122727394104004) {
-                  return {4, 32, 16, 4, 8};  // PR
-                } else {
-                  return {4, 4, 16, 64, 1};  // SR
-                }
+                return {4, 4, 16, 64, 1};  // SR
               }
             } else {
-              if (x.avg <= 33.98222351074219) {
-                if (x.avg <= 3.6216388940811157) {
+              if (x.avg <= 4.4689189195632935) {
+                if (x.avg <= 2.8434900045394897) {
+                  return {4, 4, 32, 64, 1};  // SR
+                } else {
                   return {4, 32, 16, 4, 8};  // PR
+                }
+              } else {
+                if (x.avg <= 8.990526676177979) {
+                  return {4, 4, 32, 64, 1};  // SR
                 } else {
                   return {4, 4, 16, 64, 1};  // SR
                 }
-              } else {
-                return {4, 4, 16, 64, 1};  // SR
               }
             }
           }
@@ -750,66 +990,94 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.log2_E <= 18.25903034210205) {
-          if (x.log2_E <= 12.248164176940918) {
-            return {1, 32, 8, 4, 1};  // SR
+        if (x.log2_E <= 17.3826847076416) {
+          if (x.log2_S <= 10.5633225440979) {
+            if (x.log2_E <= 11.144419193267822) {
+              return {1, 32, 64, 4, 0};  // SP
+            } else {
+              return {1, 32, 8, 4, 1};  // SR
+            }
           } else {
-            if (x.log2_E <= 14.803548812866211) {
+            if (x.log2_E <= 13.910294532775879) {
               return {1, 32, 8, 4, 1};  // SR
             } else {
-              if (x.log2_E <= 16.524442672729492) {
-                if (x.avg <= 7.720807790756226) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  return {2, 16, 8, 8, 1};  // SR
-                }
+              if (x.log2_E <= 15.934709072113037) {
+                return {2, 16, 8, 8, 1};  // SR
               } else {
                 return {4, 8, 8, 32, 1};  // SR
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            return {4, 8, 64, 32, 0};  // SP
-          } else {
-            if (x.log2_E <= 20.085826873779297) {
-              if (x.long_level <= 2.5) {
-                return {4, 8, 16, 32, 1};  // SR
-              } else {
-                return {4, 8, 32, 32, 1};  // SR
-              }
-            } else {
-              if (x.log2_S <= 19.815787315368652) {
-                if (x.avg <= 22.980067253112793) {
+          if (x.log2_E <= 20.085826873779297) {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 15.551508903503418) {
+                if (x.long_level <= 1.5) {
                   return {4, 8, 16, 32, 1};  // SR
                 } else {
                   return {4, 8, 32, 32, 1};  // SR
                 }
               } else {
-                return {4, 8, 64, 32, 1};  // SR
+                if (x.log2_E <= 18.25903034210205) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  return {4, 8, 16, 32, 1};  // SR
+                }
+              }
+            } else {
+              if (x.log2_E <= 18.799643516540527) {
+                return {4, 8, 32, 32, 1};  // SR
+              } else {
+                if (x.avg <= 6.7908549308776855) {
+                  return {4, 8, 16, 32, 1};  // SR
+                } else {
+                  return {4, 8, 32, 32, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 0.5) {
+              return {4, 8, 64, 32, 0};  // SP
+            } else {
+              if (x.log2_S <= 19.815787315368652) {
+                if (x.avg <= 7.244001150131226) {
+                  return {4, 8, 16, 32, 1};  // SR
+                } else {
+                  return {4, 8, 32, 32, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 7.657158017158508) {
+                  return {4, 8, 64, 32, 1};  // SR
+                } else {
+                  return {4, 8, 16, 32, 1};  // SR
+                }
               }
             }
           }
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.log2_E <= 17.3826847076416) {
-            if (x.log2_E <= 12.248164176940918) {
-              if (x.log2_S <= 10.5633225440979) {
-                return {1, 32, 8, 4, 1};  // SR
+          if (x.log2_E <= 15.934709072113037) {
+            if (x.log2_E <= 14.803548812866211) {
+              if (x.log2_E <= 11.026623249053955) {
+                return {4, 16, 64, 8, 0};  // SP
               } else {
-                return {1, 64, 8, 4, 1};  // SR
-              }
-            } else {
-              if (x.log2_E <= 14.803548812866211) {
-                return {1, 32, 8, 4, 1};  // SR
-              } else {
-                if (x.log2_E <= 15.934709072113037) {
-                  return {4, 16, 8, 4, 1};  // SR
+                if (x.log2_E <= 13.05414867401123) {
+                  if (x.log2_S <= 10.5633225440979) {
+                    return {1, 32, 8, 4, 1};  // SR
+                  } else {
+                    return {1, 64, 8, 4, 1};  // SR
+                  }
                 } else {
-                  return {4, 16, 16, 2, 1};  // SR
+                  if (x.log2_E <= 13.910294532775879) {
+                    return {1, 32, 8, 4, 1};  // SR
+                  } else {
+                    return {4, 16, 8, 4, 1};  // SR
+                  }
                 }
               }
+            } else {
+              return {4, 16, 8, 4, 1};  // SR
             }
           } else {
             if (x.long_level <= 0.5) {
@@ -820,55 +1088,67 @@ inline Config gathered_config(const Features& f) {
               }
             } else {
               if (x.long_level <= 2.5) {
-                if (x.avg <= 26.53791618347168) {
+                if (x.log2_E <= 17.3826847076416) {
                   return {4, 16, 16, 2, 1};  // SR
                 } else {
-                  if (x.avg <= 67.98425483703613) {
+                  if (x.avg <= 33.57639503479004) {
                     return {4, 16, 16, 2, 1};  // SR
                   } else {
                     return {4, 16, 64, 2, 1};  // SR
                   }
                 }
               } else {
-                return {4, 16, 64, 2, 1};  // SR
+                if (x.log2_S <= 19.063085556030273) {
+                  if (x.log2_S <= 16.10964012145996) {
+                    return {4, 16, 64, 2, 1};  // SR
+                  } else {
+                    return {4, 16, 32, 2, 1};  // SR
+                  }
+                } else {
+                  return {4, 16, 64, 2, 1};  // SR
+                }
               }
             }
           }
         } else {
-          if (x.log2_E <= 15.934709072113037) {
-            if (x.log2_E <= 12.248164176940918) {
-              return {1, 64, 8, 2, 1};  // SR
+          if (x.log2_E <= 14.803548812866211) {
+            if (x.log2_S <= 10.5633225440979) {
+              if (x.log2_E <= 11.144419193267822) {
+                return {1, 32, 32, 8, 0};  // SP
+              } else {
+                return {1, 64, 8, 2, 1};  // SR
+              }
             } else {
               if (x.log2_E <= 13.910294532775879) {
-                if (x.log2_E <= 13.05414867401123) {
-                  return {1, 64, 8, 2, 1};  // SR
+                if (x.avg <= 2.337734282016754) {
+                  if (x.avg <= 1.3288339376449585) {
+                    return {1, 32, 8, 2, 1};  // SR
+                  } else {
+                    return {1, 64, 8, 2, 1};  // SR
+                  }
                 } else {
                   return {2, 64, 8, 1, 1};  // SR
                 }
               } else {
-                if (x.log2_S <= 12.489808559417725) {
-                  return {4, 32, 16, 1, 1};  // SR
-                } else {
-                  return {4, 32, 8, 8, 1};  // SR
-                }
+                return {4, 32, 8, 8, 1};  // SR
               }
             }
           } else {
             if (x.long_level <= 0.5) {
               return {4, 16, 64, 8, 0};  // SP
             } else {
-              if (x.log2_E <= 18.40078830718994) {
-                return {4, 32, 16, 1, 1};  // SR
-              } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 3.4991999864578247) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_E <= 16.524442672729492) {
+                  return {4, 32, 16, 1, 1};  // SR
+                } else {
+                  if (x.avg <= 79.59231948852539) {
                     return {4, 32, 16, 1, 1};  // SR
                   } else {
                     return {4, 32, 32, 2, 1};  // SR
                   }
-                } else {
-                  return {4, 32, 32, 2, 1};  // SR
                 }
+              } else {
+                return {4, 32, 32, 2, 1};  // SR
               }
             }
           }
