@@ -82,8 +82,12 @@ def _index_segment_reduce_setup(ctx, inputs, output):
     ctx.reduce, ctx.num_segments, ctx.num_src = reduce, num_segments, x.shape[0]
     ctx.heads = 1 if weight is None or weight.dim() == 1 else weight.shape[1]
     ctx.has_weight, ctx.has_transposed = weight is not None, t_perm is not None
-    extremum = output if reduce in ("max", "min") else None
-    ctx.save_for_backward(src_index, dst_index, x, weight, extremum, t_perm, t_src, t_dst)
+    ctx.counts = ctx.weight_t = None  # per-graph values the eager path may pass in (IndexSegmentReduce)
+    extremum = reduce in ("max", "min")
+    # x only where the backward reads it (max/min, a weight's gradient): saving it keeps it alive.
+    keep_x = extremum or (weight is not None and ctx.needs_input_grad[3])
+    ctx.save_for_backward(src_index, dst_index, x if keep_x else None, weight, output if extremum else None,
+                          t_perm, t_src, t_dst)
 
 
 def _per_edge(weight, like):
@@ -98,13 +102,17 @@ def _index_segment_reduce_backward(ctx, grad_out):
         return None, None, grad_x, grad_w, None, None, None, None, None, None
     grad = grad_out
     if ctx.reduce == "mean":
-        counts = segment_lengths(dst_index, ctx.num_segments).clamp_(min=1).to(grad.dtype)
-        grad = grad / counts.view(-1, *([1] * (grad.dim() - 1)))
+        counts = ctx.counts
+        if counts is None:
+            counts = segment_lengths(dst_index, ctx.num_segments).clamp_(min=1)
+        grad = grad / counts.to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
     grad_x = grad_w = None
     if ctx.needs_input_grad[2]:
         if ctx.has_transposed:  # the fused kernel over edges grouped by source
-            weight_t = None if weight is None else weight.index_select(0, t_perm)
-            grad_x = torch.ops.geot.index_segment_reduce(t_dst, t_src, grad, weight_t, ctx.num_src, "sum")
+            weight_t = ctx.weight_t
+            if weight_t is None and weight is not None:
+                weight_t = weight.index_select(0, t_perm)
+            grad_x = _index_reduce(t_dst, t_src, grad, weight_t, ctx.num_src)
         else:  # no sort: atomics in edge order
             grad_x = torch.ops.geot.index_scatter_sum(dst_index, src_index, grad, weight, ctx.num_src)
     if ctx.has_weight and ctx.needs_input_grad[3]:
@@ -137,6 +145,70 @@ def _fused_extremum_backward(ctx, grad_out, src_index, dst_index, x, weight, ext
 torch.library.register_autograd(
     "geot::index_segment_reduce", _index_segment_reduce_backward, setup_context=_index_segment_reduce_setup
 )
+
+
+def needs_dispatcher(src) -> bool:
+    """Autograd, torch.compile tracing and tensor subclasses need the full
+    torch.ops path; plain inference calls take the C++ fast path."""
+    return (
+        type(src) is not torch.Tensor
+        or (src.requires_grad and torch.is_grad_enabled())
+        or torch.compiler.is_compiling()
+    )
+
+
+def _index_reduce(src_index, dst_index, x, weight, num_segments):
+    """The sum in a backward pass: the C++ fast path, unless autograd must
+    record it (create_graph) or a tracer must see it."""
+    if needs_dispatcher(x) or (weight is not None and needs_dispatcher(weight)):
+        return torch.ops.geot.index_segment_reduce(src_index, dst_index, x, weight, num_segments, "sum")
+    return _C.index_segment_reduce_no_grad(src_index, dst_index, x, weight, num_segments, "sum", None)
+
+
+def eager_autograd(*tensors) -> bool:
+    """Whether IndexSegmentReduce may stand in for the registered op: eager
+    code on plain tensors (tracers, subclasses and torch.func see the op)."""
+    return (all(t is None or type(t) is torch.Tensor for t in tensors)
+            and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
+
+
+class SegmentReduce(torch.autograd.Function):
+    """geot::segment_reduce with its registered autograd formulas, for eager
+    calls (why: see IndexSegmentReduce)."""
+
+    @staticmethod
+    def forward(ctx, index, src, num_segments, reduce, config):
+        output = _C.segment_reduce_no_grad(index, src, num_segments, reduce, config)
+        _segment_reduce_setup(ctx, (index, src, num_segments, reduce, config), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _segment_reduce_backward(ctx, grad_out)
+
+
+class IndexSegmentReduce(torch.autograd.Function):
+    """geot::index_segment_reduce with its registered autograd formulas, for
+    eager calls. Through the registered op a call costs about ten plain ops
+    of host time (the dispatcher boxes it into Python, which redispatches,
+    fills in defaults and sets up a generated Function); this calls the C++
+    kernel directly. It takes per-graph values the backward
+    would recompute (counts [S] for mean, weight in transposed order), and is
+    old-style (forward(ctx, ...)): a setup_context costs an inspect.signature
+    per call."""
+
+    @staticmethod
+    def forward(ctx, src_index, dst_index, x, weight, num_segments, reduce, config, transposed, counts, weight_t):
+        output = _C.index_segment_reduce_no_grad(src_index, dst_index, x, weight, num_segments, reduce, config)
+        t_perm, t_src, t_dst = (None, None, None) if transposed is None else transposed
+        _index_segment_reduce_setup(
+            ctx, (src_index, dst_index, x, weight, num_segments, reduce, config, t_perm, t_src, t_dst), output)
+        ctx.counts, ctx.weight_t = counts, weight_t
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*_index_segment_reduce_backward(ctx, grad_out)[:4], None, None, None, None, None, None)
 
 
 # --------------------------------------------------------------------------- #

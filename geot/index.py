@@ -86,7 +86,10 @@ def index_weight_segment_reduce(
     return _fused(src_index, dst_index, weight, x, reduce, num_segments, transposed, config)
 
 
-def _fused(src_index, dst_index, weight, x, reduce, num_segments, transposed, config):
+def _fused(src_index, dst_index, weight, x, reduce, num_segments, transposed, config, counts=None, weight_t=None):
+    """counts ([num_segments], rows per segment clamped to >= 1, for mean) and
+    weight_t (weight in ``transposed`` order) are per-graph values a caller
+    may keep (geot.nn does) to spare the backward pass recomputing them."""
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
     if not isinstance(x, torch.Tensor):
@@ -95,7 +98,11 @@ def _fused(src_index, dst_index, weight, x, reduce, num_segments, transposed, co
         num_segments = _infer_num_segments(dst_index, "dst_index")
     cfg = None if config is None else [int(v) for v in config]
     if _needs_dispatcher(x) or (weight is not None and _needs_dispatcher(weight)):
-        t_perm, t_src, t_dst = _check_transposed(transposed, src_index)
+        transposed = _check_transposed(transposed, src_index)
+        if _ops.eager_autograd(src_index, dst_index, x, weight):
+            return _ops.IndexSegmentReduce.apply(src_index, dst_index, x, weight, num_segments, reduce, cfg,
+                                                 transposed, counts, weight_t)
+        t_perm, t_src, t_dst = transposed
         return torch.ops.geot.index_segment_reduce(
             src_index, dst_index, x, weight, num_segments, reduce, cfg, t_perm, t_src, t_dst
         )

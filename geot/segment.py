@@ -50,15 +50,10 @@ def segment_reduce(
         num_segments = _infer_num_segments(index)
     cfg = None if config is None else [int(v) for v in config]
     if _needs_dispatcher(src):
+        if _ops.eager_autograd(index, src):
+            return _ops.SegmentReduce.apply(index, src, num_segments, reduce, cfg)
         return torch.ops.geot.segment_reduce(index, src, num_segments, reduce, cfg)
     return _C.segment_reduce_no_grad(index, src, num_segments, reduce, cfg)
 
 
-def _needs_dispatcher(src) -> bool:
-    """Autograd, torch.compile tracing and tensor subclasses need the full
-    torch.ops path; plain inference calls take the C++ fast path."""
-    return (
-        type(src) is not torch.Tensor
-        or (src.requires_grad and torch.is_grad_enabled())
-        or torch.compiler.is_compiling()
-    )
+_needs_dispatcher = _ops.needs_dispatcher

@@ -134,6 +134,91 @@ def test_graph_cache_invalidation():
     torch.testing.assert_close(out, expect(x, edge_index))
 
 
+def _gcn_norm_entries(layer):
+    return [v for k, v in layer._geot_graph[3].memo.items() if k[0] == "gcn"]
+
+
+def test_gcn_norm_kept_with_graph(device):
+    """The normalization is computed once per graph; a new tensor or an
+    in-place change of edge_index or edge_weight computes it again."""
+    geot_layer, pyg_layer = build_pair(gnn.GCNConv, pyg_nn.GCNConv, (12, 8), {}, device)
+    edge_index = random_graph(50, 200, device)
+    x = torch.randn(50, 12, dtype=torch.float64, device=device)
+    for _ in range(2):  # the second call runs on the kept normalization, gradients included
+        assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, ())
+    (first,) = _gcn_norm_entries(geot_layer)
+    other = gnn.GCNConv(12, 8).to(device).double()
+    other(x, edge_index)
+    assert _gcn_norm_entries(other) == [first], "layers share the graph and its normalization"
+    edge_index[0, :20] = edge_index[0, 20:40].clone()  # in place: the graph and its normalization go
+    assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, ())
+    assert _gcn_norm_entries(geot_layer)[0] is not first
+    new = random_graph(50, 150, device)  # a new tensor
+    assert_same(geot_layer, pyg_layer, x, new, new, ())
+
+    weight = torch.rand(new.size(1), dtype=torch.float64, device=device)
+    for scale in (1.0, 3.0):
+        weight.mul_(scale)  # in place: normalized again
+        torch.testing.assert_close(geot_layer(x, new, weight), pyg_layer(x, new, weight))
+    torch.testing.assert_close(geot_layer(x, new), pyg_layer(x, new))  # and without weights again
+
+
+def test_gcn_learned_edge_weight(device):
+    """An edge_weight that requires grad is normalized on every call, its gradient as in PyG."""
+    geot_layer, pyg_layer = build_pair(gnn.GCNConv, pyg_nn.GCNConv, (12, 8), {"improved": True}, device)
+    edge_index = random_graph(40, 160, device)
+    x = torch.randn(40, 12, dtype=torch.float64, device=device)
+    grads = []
+    for layer in (geot_layer, pyg_layer, geot_layer):
+        weight = torch.rand(edge_index.size(1), dtype=torch.float64, device=device,
+                            generator=torch.Generator(device).manual_seed(0)).requires_grad_()
+        layer(x, edge_index, weight).square().sum().backward()
+        grads.append(weight.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+    torch.testing.assert_close(grads[2], grads[1])
+
+
+def test_inference_mode_then_training():
+    """A graph first seen under inference_mode is not reused by training (its
+    tensors cannot be saved for backward)."""
+    edge_index, x = random_graph(30, 100, "cpu"), torch.randn(30, 4)
+    for layer in (gnn.GCNConv(4, 3), gnn.SAGEConv(4, 3)):
+        with torch.inference_mode():
+            expect = layer(x, edge_index)
+        out = layer(x, edge_index)
+        out.sum().backward()
+        torch.testing.assert_close(out, expect)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_eager_autograd_matches_registered_op(reduce, weighted, device):
+    """geot's eager autograd Function and the registered op's autograd give
+    the same outputs, gradients and (create_graph) second derivatives."""
+    edge_index = random_graph(30, 120, device)
+    dst, perm = torch.sort(edge_index[1], stable=True)
+    src = edge_index[0][perm]
+    transposed = geot.transpose_index(src, dst)
+    x0 = torch.randn(30, 5, dtype=torch.float64, device=device)
+    w0 = torch.rand(src.numel(), dtype=torch.float64, device=device) if weighted else None
+    results = []
+    for eager in (True, False):
+        x = x0.clone().requires_grad_()
+        w = None if w0 is None else w0.clone().requires_grad_()
+        if eager:
+            out = geot.index._fused(src, dst, w, x, reduce, 30, transposed, None)
+            assert type(out.grad_fn).__name__ == "IndexSegmentReduceBackward"
+        else:
+            out = torch.ops.geot.index_segment_reduce(src, dst, x, w, 30, reduce, None, *transposed)
+        inputs = (x,) if w is None else (x, w)
+        grads = torch.autograd.grad(out.square().sum(), inputs, create_graph=reduce == "sum")
+        # x's gradient is the op again (edge_dot, the weight's, has no derivative)
+        second = torch.autograd.grad(grads[0].square().sum(), inputs) if reduce == "sum" else ()
+        results.append((out, *grads, *second))
+    for got, expect in zip(*results):
+        torch.testing.assert_close(got, expect)
+
+
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min"])
 def test_segment_aggregation(reduce, device):
     class Sum(pyg_nn.MessagePassing):

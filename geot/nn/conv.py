@@ -8,7 +8,7 @@ changes. ``edge_index`` is a [2, E] integer tensor or an ``EdgeIndex`` in any
 order (sorted once per graph, see :mod:`geot.nn.graph`). Options geot does not
 implement raise ``NotImplementedError`` at construction (or in ``patch``).
 """
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import hetero, index
+from .._ops import segment_lengths
 from ..segment import segment_reduce
 from .graph import SortedGraph, sorted_graph
 
@@ -48,12 +49,26 @@ def _num_targets(x_src: Tensor, x_dst: Optional[Tensor], size) -> int:
     return x_src.size(0) if x_dst is None else x_dst.size(0)
 
 
-def _gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, weight: Optional[Tensor] = None):
-    """out[d] = reduce over the edges into d of weight[e] * x[src[e]]."""
-    if weight is None:
-        return index.index_segment_reduce(graph.src, graph.dst, x, reduce, num_nodes, transposed=graph.transposed)
-    return index.index_weight_segment_reduce(graph.src, graph.dst, weight.to(x.dtype), x, reduce, num_nodes,
-                                             transposed=graph.transposed)
+def _gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, weight: Optional[Tensor] = None,
+                   weight_t: Optional[Tensor] = None):
+    """out[d] = reduce over the edges into d of weight[e] * x[src[e]].
+
+    weight_t: weight in the graph's transposed order, when kept with the
+    graph (the backward pass would gather it on every call). A mean's edge
+    counts are kept with the graph, for the same reason."""
+    counts = None
+    if reduce == "mean" and x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        counts = graph.derived(("mean counts", num_nodes, x.dtype),
+                               lambda: segment_lengths(graph.dst, num_nodes).clamp_(min=1).to(x.dtype))
+    if weight is not None:
+        weight, weight_t = weight.to(x.dtype), None if weight_t is None else weight_t.to(x.dtype)
+    return index._fused(graph.src, graph.dst, weight, x, reduce, num_nodes, graph.transposed, None, counts, weight_t)
+
+
+class _GCNNorm(NamedTuple):
+    edge: Optional[Tensor]    # [E'] per-edge weight in graph order (None: unweighted, normalize=False)
+    edge_t: Optional[Tensor]  # [E'] the same in transposed order, for the backward pass (None: gathered there)
+    loop: Optional[Tensor]    # [N, 1] added self loops' weight (None without them)
 
 
 class _GeotLayer:
@@ -61,7 +76,7 @@ class _GeotLayer:
 
     def _geot_init(self) -> None:
         self._check_options()
-        self._geot_graph = None  # (edge_index, edge_type, variant, SortedGraph): see geot.nn.graph
+        self._geot_graph = None  # (edge_index, edge_type, variant, SortedGraph, version key): see geot.nn.graph
 
     def _check_options(self) -> None:
         raise NotImplementedError
@@ -70,12 +85,18 @@ class _GeotLayer:
 class GCNConv(_GeotLayer, pyg_nn.GCNConv):
     """``torch_geometric.nn.GCNConv`` on geot: the normalized sum is one
     ``index_weight_segment_reduce``; the self loops ``add_self_loops`` adds
-    are a dense term, not extra edges. ``cached=True`` keeps the sorted graph
-    and its normalization from the first call, for every later call (as in
-    PyG: later graphs are ignored); ``reset_parameters`` clears it. As in PyG
-    2.8, ``improved`` only changes the added loops' weight when
-    ``edge_weight`` is given. A node's existing self loops are replaced by
-    one loop whose weight is their sum (PyG keeps one of them)."""
+    are a dense term, not extra edges. The normalization depends only on the
+    graph, so it is computed once per graph and kept with the sorted graph
+    (see :mod:`geot.nn.graph`): a new ``edge_index`` tensor or an in-place
+    change of it recomputes it, as do a new ``edge_weight`` tensor, an
+    in-place change of it, another node count, dtype or option; an
+    ``edge_weight`` that requires grad is normalized on every call.
+    ``cached=True`` keeps the sorted graph and its normalization from the
+    first call, for every later call (as in PyG: later graphs are ignored);
+    ``reset_parameters`` clears it. As in PyG 2.8, ``improved`` only changes
+    the added loops' weight when ``edge_weight`` is given. A node's existing
+    self loops are replaced by one loop whose weight is their sum (PyG keeps
+    one of them)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -83,7 +104,7 @@ class GCNConv(_GeotLayer, pyg_nn.GCNConv):
 
     def _geot_init(self) -> None:
         super()._geot_init()
-        self._geot_norm = None  # (SortedGraph, edge norm, loop norm) when cached
+        self._geot_norm = None  # (SortedGraph, _GCNNorm) when cached
 
     def _check_options(self) -> None:
         _check_common(self)
@@ -97,18 +118,31 @@ class GCNConv(_GeotLayer, pyg_nn.GCNConv):
             raise ValueError("geot.nn.GCNConv takes x as one tensor (no bipartite message passing), "
                              f"got {type(x).__name__}")
         num_nodes = x.size(0)
+        h = self.lin(x)
         if self.cached and self._geot_norm is not None:
-            graph, norm, loop_norm = self._geot_norm
+            graph, norm = self._geot_norm
         else:
             graph = sorted_graph(self, edge_index)
-            norm, loop_norm = self._normalize(graph, graph.edge_values(edge_weight), num_nodes, x.dtype)
+            key = ("gcn", self.normalize, self.add_self_loops, self.improved, edge_weight is None, num_nodes,
+                   x.dtype, h.dtype)
+            norm = graph.derived(key, lambda: self._norm(graph, edge_weight, num_nodes, x.dtype, h.dtype),
+                                 edge_weight)
             if self.cached:
-                self._geot_norm = (graph, norm, loop_norm)
-        h = self.lin(x)
-        out = _gather_reduce(graph, h, "sum", num_nodes, norm)
-        if loop_norm is not None:
-            out = out + loop_norm.to(h.dtype).unsqueeze(-1) * h
+                self._geot_norm = (graph, norm)
+        out = _gather_reduce(graph, h, "sum", num_nodes, norm.edge, norm.edge_t)
+        if norm.loop is not None:
+            out = torch.addcmul(out, norm.loop.to(h.dtype), h)
         return out if self.bias is None else out + self.bias
+
+    def _norm(self, graph: SortedGraph, edge_weight: Optional[Tensor], num_nodes: int, dtype, out_dtype) -> _GCNNorm:
+        """The normalization in dtype (x's), kept in out_dtype (lin(x)'s, as autocast makes it)."""
+        edge, loop = self._normalize(graph, graph.edge_values(edge_weight), num_nodes, dtype)
+        if edge is None:
+            return _GCNNorm(None, None, None)
+        edge = edge.to(out_dtype)
+        keep_t = graph.transposed is not None and not edge.requires_grad
+        return _GCNNorm(edge, edge.index_select(0, graph.transposed.perm) if keep_t else None,
+                        None if loop is None else loop.to(out_dtype).unsqueeze(-1))
 
     def _normalize(self, graph: SortedGraph, weight: Optional[Tensor], num_nodes: int, dtype):
         """Edge weights D^-1/2 (A + loops) D^-1/2 [E] and the loops' [N], or

@@ -9,13 +9,19 @@ any order, so it sorts it (stably) and keeps the result, with the source-sorted
   version counter: a new tensor, or an in-place change of this one, sorts
   again; an entry goes when its tensor is freed. The first look-up of a graph
   costs one device->host sync (is it sorted already?).
-* each layer also remembers the last graph it saw. Inside ``torch.compile``
-  that is the only cache (the shared one is not traceable): a compiled call
-  with the same ``edge_index`` object reuses it (dynamo guards on the
-  identity), another graph is sorted inside the compiled graph on every call
-  (correct, no sync, but a sort per call). So run the model once eagerly on
-  a static graph before compiling it. In-place changes to an ``edge_index``
-  are not seen by compiled code.
+* each layer also remembers the last graph it saw, with the same check:
+  eagerly, a call on that graph is answered from there (no shared look-up).
+  Inside ``torch.compile`` that is the only cache (the shared one is not
+  traceable): a compiled call with the same ``edge_index`` object reuses it
+  (dynamo guards on the identity), another graph is sorted inside the
+  compiled graph on every call (correct, no sync, but a sort per call). So
+  run the model once eagerly on a static graph before compiling it.
+  In-place changes to an ``edge_index`` are not seen by compiled code.
+
+Values derived from the graph alone (GCN's normalization, the edge counts
+of a mean's backward pass) are kept with its :class:`SortedGraph`
+(:meth:`SortedGraph.derived`), so they go with it: a new ``edge_index``
+tensor or an in-place change of it starts afresh.
 """
 import weakref
 from typing import NamedTuple, Optional, Tuple
@@ -33,6 +39,30 @@ class SortedGraph(NamedTuple):
     perm: Optional[Tensor]       # [E'] input position of each edge; None: input order kept
     transposed: Optional[TransposedIndex]  # for the gradient of x; None inside compiled no-grad code
     drop: Optional[Tensor]       # [E'] bool, input self loops replaced by added ones (self-loop variant)
+    memo: dict                   # derived values: see derived()
+
+    def derived(self, key, compute, values: Optional[Tensor] = None):
+        """``compute()``, computed once per key for this graph and kept with it.
+
+        ``key`` names what compute depends on besides the graph (dtype, node
+        count, options). ``values`` (per-edge input, e.g. edge weights) may
+        be given: its tensor object and version are checked, so a new tensor
+        or an in-place change recomputes; if it requires grad nothing is kept
+        (its graph must be recorded on every call). Inside torch.compile
+        values are read, not stored (the check is not traceable).
+        """
+        if values is not None and values.requires_grad and torch.is_grad_enabled():
+            return compute()
+        if torch.compiler.is_compiling():
+            entry = self.memo.get(key) if values is None else None
+            return entry[2] if entry is not None and entry[0] is None else compute()
+        entry = self.memo.get(key)
+        if entry is not None and _same_values(entry, values):
+            return entry[2]
+        result = compute()
+        self.memo[key] = (None if values is None else weakref.ref(values),
+                          None if values is None else _version_key(values), result)
+        return result
 
     def edge_values(self, values: Optional[Tensor]) -> Optional[Tensor]:
         """Per-edge values given in input order, put in this graph's order."""
@@ -69,22 +99,38 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
     node 0..N-1 is added (GAT). edge_type with num_relations=R: the segment
     of an edge is ``dst * R + edge_type`` (RGCN's per-relation mean).
     """
-    variant = (self_loops, num_relations)
+    last = getattr(layer, "_geot_graph", None)
     if torch.compiler.is_compiling():  # the layer's slot, guarded by identity (versions are not traceable)
-        last = getattr(layer, "_geot_graph", None)
-        if last is not None and last[0] is edge_index and last[1] is edge_type and last[2] == variant:
+        if (last is not None and last[0] is edge_index and last[1] is edge_type
+                and last[2][:2] == (self_loops, num_relations)):
             return last[3]
         return _build(edge_index, self_loops, edge_type, num_relations, eager=False)
+    # Tensors made in inference mode cannot be saved for backward: such a graph is kept apart.
+    variant = (self_loops, num_relations, torch.is_inference_mode_enabled())
+    if (last is not None and last[0] is edge_index and last[1] is edge_type and last[2] == variant
+            and last[4] == _graph_key(edge_index, edge_type)):
+        return last[3]  # the graph this layer saw last, unchanged: no shared look-up, no slot update
     graph = _shared_lookup(edge_index, variant, edge_type)
     if graph is None:
-        graph = _build(edge_index, self_loops, edge_type, num_relations, eager=True)
+        graph = _build(edge_index, self_loops, edge_type, num_relations, eager=True)  # validates the inputs
         _shared_store(edge_index, variant, edge_type, graph)
-    layer._geot_graph = (edge_index, edge_type, variant, graph)
+    layer._geot_graph = (edge_index, edge_type, variant, graph, _graph_key(edge_index, edge_type))
     return graph
 
 
 def _version_key(t: Tensor):
     return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.device)
+
+
+def _same_values(entry, values) -> bool:
+    ref, key, _ = entry
+    if values is None:
+        return ref is None
+    return ref is not None and ref() is values and key == _version_key(values)
+
+
+def _graph_key(edge_index, edge_type):
+    return (_version_key(edge_index), edge_type is not None and _version_key(edge_type))
 
 
 def _shared_lookup(edge_index, variant, edge_type) -> Optional[SortedGraph]:
@@ -93,15 +139,12 @@ def _shared_lookup(edge_index, variant, edge_type) -> Optional[SortedGraph]:
         return None
     key, type_ref, graph = entry
     same_type = (type_ref is None and edge_type is None) or (type_ref is not None and type_ref() is edge_type)
-    if not same_type or key != (_version_key(edge_index), edge_type is not None and _version_key(edge_type)):
-        return None
-    return graph
+    return graph if same_type and key == _graph_key(edge_index, edge_type) else None
 
 
 def _shared_store(edge_index, variant, edge_type, graph) -> None:
-    key = (_version_key(edge_index), edge_type is not None and _version_key(edge_type))
     type_ref = None if edge_type is None else weakref.ref(edge_type)
-    _graphs.setdefault(edge_index, {})[variant] = (key, type_ref, graph)
+    _graphs.setdefault(edge_index, {})[variant] = (_graph_key(edge_index, edge_type), type_ref, graph)
 
 
 def _build(edge_index, self_loops, edge_type, num_relations, eager: bool) -> SortedGraph:
@@ -122,7 +165,7 @@ def _build(edge_index, self_loops, edge_type, num_relations, eager: bool) -> Sor
         dst, perm = torch.sort(dst, stable=True)
         src = src.index_select(0, perm)
     drop = None if self_loops is None else (src == dst) & (perm < num_edges)
-    return SortedGraph(src, dst, perm, transpose_index(src, dst) if with_transposed else None, drop)
+    return SortedGraph(src, dst, perm, transpose_index(src, dst) if with_transposed else None, drop, {})
 
 
 def _checked_types(edge_type, num_edges: int, num_relations: int, eager: bool) -> Tensor:
