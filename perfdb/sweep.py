@@ -58,14 +58,14 @@ def effective_config(cfg: geot.Config, F: int) -> geot.Config:
 
 def worth_timing(cfg: geot.Config, F: int) -> bool:
     """Default-sweep pruning of SR/SP tilings that are hopeless for this F: a
-    row's feature span N_t * T_N over twice max(F, 16) (idle lanes; SP puts
-    spare threads to work as row lanes, so it may span a warp or two) or
-    under F / 8 (a row split over more than 8 blocks). --full times them too."""
+    row's feature span N_t * T_N under F / 8 (a row split over more than 8
+    blocks) or, for SR, over twice max(F, 16) (idle threads; SP puts spare
+    threads to work as row lanes, and needs 16-32 of them for a cap of 1024
+    rows, beyond the level-1 long-segment hint). --full times them too."""
     if cfg.schedule == "PR":
         return True
     span = cfg.N_t * cfg.T_N
-    widest = max(2 * max(F, 16), 64) if cfg.schedule == "SP" else 2 * max(F, 16)
-    return F / 8 <= span <= widest
+    return F / 8 <= span and (cfg.schedule == "SP" or span <= 2 * max(F, 16))
 
 
 def configs_for(F: int, full: bool) -> List[geot.Config]:

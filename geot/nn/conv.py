@@ -169,8 +169,11 @@ class GCNConv(_GeotLayer, pyg_nn.GCNConv):
 
 class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
     """``torch_geometric.nn.SAGEConv`` on geot (aggr "mean", "sum"/"add" or
-    "max": one ``index_segment_reduce``). ``project=True`` and other
-    aggregations are not supported."""
+    "max": one ``index_segment_reduce``). For mean and sum with fewer output
+    than input channels, ``lin_l`` is applied before the aggregation (they
+    commute), so fewer features are gathered per edge; results then differ
+    from PyG's by rounding only. ``project=True`` and other aggregations are
+    not supported."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -184,11 +187,23 @@ class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
     def forward(self, x, edge_index, size=None) -> Tensor:
         x_src, x_dst = _pair(x)
         num_nodes = _num_targets(x_src, x_dst, size)
-        out = _gather_reduce(sorted_graph(self, edge_index), x_src, _REDUCE[self.aggr], num_nodes)
-        out = self.lin_l(out)
+        graph, reduce = sorted_graph(self, edge_index), _REDUCE[self.aggr]
+        if self._project_first(x_src, reduce):
+            # lin_l commutes with mean and sum: aggregate the narrower projected
+            # rows (bias after, so a node without edges still gets it).
+            out = _gather_reduce(graph, F.linear(x_src, self.lin_l.weight), reduce, num_nodes)
+            out = out if self.lin_l.bias is None else out + self.lin_l.bias
+        else:
+            out = self.lin_l(_gather_reduce(graph, x_src, reduce, num_nodes))
         if self.root_weight and x_dst is not None:
             out = out + self.lin_r(x_dst)
         return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
+
+
+    def _project_first(self, x_src: Tensor, reduce: str) -> bool:
+        weight = self.lin_l.weight
+        return (reduce in ("mean", "sum") and not torch.nn.parameter.is_lazy(weight)
+                and weight.size(0) < x_src.size(-1))
 
 
 class GINConv(_GeotLayer, pyg_nn.GINConv):
