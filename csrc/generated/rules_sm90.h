@@ -8,22 +8,22 @@ namespace geot {
 namespace generated {
 namespace sm90 {
 
-// plain rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 1 cells per leaf, 157 leaves
-//   oracle/pick on held-out graphs: geomean 0.888, worst 0.101; held-out base graphs (23): 0.873, worst 0.102 (hand heuristic: 0.823, worst 0.411; training set: 0.986, worst 0.876)
+// plain rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 1 cells per leaf, 158 leaves
+//   oracle/pick on held-out graphs: geomean 0.918, worst 0.300; held-out base graphs (23): 0.903, worst 0.281 (hand heuristic: 0.823, worst 0.411; training set: 0.986, worst 0.876)
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
         if (x.log2_S <= 14.345362186431885) {
-          if (x.log2_E <= 12.248164176940918) {
-            if (x.log2_E <= 11.026623249053955) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 9.693398475646973) {
               return {1, 1, 64, 256, 0};  // SP
             } else {
               if (x.avg <= 1.3288339376449585) {
                 return {1, 8, 8, 32, 0};  // SP
               } else {
-                if (x.log2_E <= 11.73050308227539) {
+                if (x.log2_S <= 11.06050968170166) {
                   return {1, 2, 32, 128, 0};  // SP
                 } else {
                   return {1, 32, 64, 4, 0};  // SP
@@ -32,7 +32,7 @@ inline Config plain_config(const Features& f) {
             }
           } else {
             if (x.long_level <= 1.5) {
-              if (x.log2_E <= 15.399696826934814) {
+              if (x.log2_S <= 13.77338171005249) {
                 if (x.avg <= 3.935539960861206) {
                   return {1, 16, 64, 4, 0};  // SP
                 } else {
@@ -47,9 +47,7 @@ inline Config plain_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.avg <= 7.600367546081543) {
-              return {1, 1, 64, 256, 0};  // SP
-            } else {
+            if (x.log2_S <= 18.770604133605957) {
               if (x.avg <= 40.0) {
                 if (x.avg <= 13.600367546081543) {
                   return {1, 1, 64, 256, 0};  // SP
@@ -59,13 +57,19 @@ inline Config plain_config(const Features& f) {
               } else {
                 return {1, 8, 8, 32, 0};  // SP
               }
+            } else {
+              return {1, 1, 64, 256, 0};  // SP
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_E <= 19.96488094329834) {
+              if (x.log2_S <= 15.154823303222656) {
                 return {1, 2, 8, 128, 1};  // SR
               } else {
-                return {1, 32, 8, 2, 32};  // PR
+                if (x.log2_S <= 16.983579635620117) {
+                  return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  return {1, 32, 8, 2, 32};  // PR
+                }
               }
             } else {
               if (x.avg <= 8.990526676177979) {
@@ -78,8 +82,8 @@ inline Config plain_config(const Features& f) {
         }
       } else {
         if (x.log2_S <= 14.345362186431885) {
-          if (x.log2_E <= 12.248164176940918) {
-            if (x.log2_E <= 11.026623249053955) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 9.693398475646973) {
               return {2, 1, 64, 256, 0};  // SP
             } else {
               if (x.avg <= 1.611691415309906) {
@@ -97,7 +101,7 @@ inline Config plain_config(const Features& f) {
               }
             } else {
               if (x.log2_S <= 14.277432441711426) {
-                if (x.log2_E <= 15.934709072113037) {
+                if (x.avg <= 3.377132534980774) {
                   return {2, 16, 64, 8, 0};  // SP
                 } else {
                   return {1, 2, 8, 128, 1};  // SR
@@ -112,8 +116,8 @@ inline Config plain_config(const Features& f) {
             if (x.avg <= 7.600367546081543) {
               return {2, 1, 64, 256, 0};  // SP
             } else {
-              if (x.log2_E <= 22.10964012145996) {
-                if (x.log2_E <= 21.35240077972412) {
+              if (x.avg <= 40.0) {
+                if (x.avg <= 13.600367546081543) {
                   return {2, 1, 64, 256, 0};  // SP
                 } else {
                   return {2, 4, 32, 64, 0};  // SP
@@ -124,13 +128,13 @@ inline Config plain_config(const Features& f) {
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_E <= 19.96488094329834) {
+              if (x.log2_S <= 15.154823303222656) {
                 return {1, 2, 8, 128, 1};  // SR
               } else {
-                if (x.avg <= 20.23208498954773) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
+                if (x.log2_S <= 16.983579635620117) {
                   return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
                 }
               }
             } else {
@@ -146,7 +150,7 @@ inline Config plain_config(const Features& f) {
     } else {
       if (x.F <= 5.291502622129181) {
         if (x.log2_S <= 14.345362186431885) {
-          if (x.log2_E <= 12.248164176940918) {
+          if (x.long_level <= 0.5) {
             if (x.log2_S <= 10.5633225440979) {
               if (x.avg <= 2.9343544840812683) {
                 return {4, 16, 64, 8, 0};  // SP
@@ -154,14 +158,14 @@ inline Config plain_config(const Features& f) {
                 return {2, 16, 8, 4, 0};  // SP
               }
             } else {
-              if (x.log2_E <= 11.612707138061523) {
+              if (x.log2_S <= 11.202819347381592) {
                 return {2, 16, 8, 4, 0};  // SP
               } else {
                 return {4, 16, 64, 8, 0};  // SP
               }
             }
           } else {
-            if (x.log2_E <= 15.399696826934814) {
+            if (x.log2_S <= 13.283661365509033) {
               if (x.avg <= 3.935539960861206) {
                 if (x.log2_S <= 11.551509380340576) {
                   return {2, 32, 64, 4, 0};  // SP
@@ -176,14 +180,14 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.long_level <= 1.5) {
-                if (x.log2_E <= 19.861756324768066) {
+              if (x.log2_S <= 13.777432441711426) {
+                return {1, 4, 8, 64, 1};  // SR
+              } else {
+                if (x.log2_S <= 14.277432441711426) {
                   return {1, 4, 8, 64, 1};  // SR
                 } else {
                   return {4, 16, 64, 8, 0};  // SP
                 }
-              } else {
-                return {1, 4, 8, 64, 1};  // SR
               }
             }
           }
@@ -219,31 +223,27 @@ inline Config plain_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_E <= 16.524442672729492) {
-          if (x.log2_E <= 12.248164176940918) {
-            if (x.avg <= 1.611691415309906) {
-              return {1, 32, 16, 2, 0};  // SP
-            } else {
+        if (x.log2_S <= 13.283661365509033) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 10.5633225440979) {
               return {1, 32, 64, 4, 0};  // SP
+            } else {
+              return {1, 32, 16, 2, 0};  // SP
             }
           } else {
             if (x.avg <= 3.935539960861206) {
-              if (x.log2_E <= 14.944215297698975) {
-                if (x.log2_E <= 13.25903034210205) {
-                  return {1, 32, 8, 4, 1};  // SR
-                } else {
-                  return {1, 8, 8, 32, 1};  // SR
-                }
+              if (x.avg <= 2.098657786846161) {
+                return {1, 32, 8, 4, 1};  // SR
               } else {
-                return {1, 8, 8, 32, 1};  // SR
+                if (x.avg <= 3.31723952293396) {
+                  return {1, 8, 8, 32, 1};  // SR
+                } else {
+                  return {1, 32, 8, 4, 1};  // SR
+                }
               }
             } else {
-              if (x.log2_S <= 12.983579635620117) {
-                if (x.avg <= 7.459298372268677) {
-                  return {1, 32, 8, 4, 1};  // SR
-                } else {
-                  return {1, 8, 8, 32, 1};  // SR
-                }
+              if (x.log2_S <= 11.184398174285889) {
+                return {1, 32, 8, 4, 1};  // SR
               } else {
                 return {1, 8, 8, 32, 1};  // SR
               }
@@ -253,23 +253,27 @@ inline Config plain_config(const Features& f) {
           if (x.long_level <= 2.5) {
             if (x.long_level <= 0.5) {
               if (x.avg <= 40.0) {
-                if (x.log2_E <= 21.770604133605957) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
+                if (x.avg <= 7.600367546081543) {
                   return {1, 8, 16, 32, 1};  // SR
+                } else {
+                  return {1, 8, 64, 32, 0};  // SP
                 }
               } else {
                 return {1, 32, 16, 2, 0};  // SP
               }
             } else {
-              if (x.avg <= 114.00017929077148) {
-                if (x.log2_E <= 17.3826847076416) {
+              if (x.log2_S <= 14.345362186431885) {
+                if (x.avg <= 14.003987789154053) {
                   return {1, 8, 8, 32, 1};  // SR
                 } else {
-                  return {1, 8, 16, 32, 1};  // SR
+                  return {1, 8, 32, 32, 1};  // SR
                 }
               } else {
-                return {1, 32, 64, 4, 0};  // SP
+                if (x.avg <= 26.53791618347168) {
+                  return {1, 8, 16, 32, 1};  // SR
+                } else {
+                  return {1, 8, 32, 32, 1};  // SR
+                }
               }
             }
           } else {
@@ -285,8 +289,8 @@ inline Config plain_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 12.248164176940918) {
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.long_level <= 0.5) {
             if (x.log2_S <= 10.5633225440979) {
               if (x.avg <= 2.9343544840812683) {
                 return {4, 8, 64, 32, 0};  // SP
@@ -298,20 +302,20 @@ inline Config plain_config(const Features& f) {
             }
           } else {
             if (x.avg <= 3.31723952293396) {
-              if (x.log2_E <= 14.944215297698975) {
+              if (x.log2_S <= 13.77338171005249) {
                 return {1, 32, 8, 4, 1};  // SR
               } else {
                 return {2, 4, 8, 64, 1};  // SR
               }
             } else {
-              if (x.log2_S <= 12.49385929107666) {
-                if (x.avg <= 3.935539960861206) {
+              if (x.avg <= 16.78819751739502) {
+                if (x.log2_S <= 12.49385929107666) {
                   return {1, 32, 8, 4, 1};  // SR
                 } else {
                   return {2, 4, 8, 64, 1};  // SR
                 }
               } else {
-                return {2, 4, 8, 64, 1};  // SR
+                return {4, 2, 8, 128, 1};  // SR
               }
             }
           }
@@ -324,25 +328,21 @@ inline Config plain_config(const Features& f) {
                 return {4, 8, 64, 32, 0};  // SP
               }
             } else {
-              if (x.log2_E <= 19.96488094329834) {
+              if (x.avg <= 114.00017929077148) {
                 return {4, 2, 8, 128, 1};  // SR
               } else {
-                if (x.log2_S <= 14.948676109313965) {
-                  return {4, 8, 64, 32, 0};  // SP
-                } else {
-                  return {4, 2, 8, 128, 1};  // SR
-                }
+                return {4, 8, 64, 32, 0};  // SP
               }
             }
           } else {
             if (x.avg <= 8.990526676177979) {
-              if (x.log2_E <= 20.383421897888184) {
+              if (x.log2_S <= 18.270604133605957) {
                 return {4, 32, 8, 2, 16};  // PR
               } else {
                 return {4, 32, 32, 4, 16};  // PR
               }
             } else {
-              if (x.log2_S <= 19.063085556030273) {
+              if (x.avg <= 10.980550765991211) {
                 return {4, 32, 8, 2, 16};  // PR
               } else {
                 return {4, 2, 8, 128, 1};  // SR
@@ -351,8 +351,8 @@ inline Config plain_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 12.248164176940918) {
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.long_level <= 0.5) {
             if (x.log2_S <= 10.5633225440979) {
               if (x.avg <= 2.9343544840812683) {
                 return {2, 32, 64, 2, 0};  // SP
@@ -366,14 +366,14 @@ inline Config plain_config(const Features& f) {
             if (x.avg <= 3.935539960861206) {
               return {1, 16, 8, 8, 1};  // SR
             } else {
-              if (x.log2_S <= 11.551509380340576) {
-                return {1, 16, 8, 8, 1};  // SR
-              } else {
-                if (x.log2_S <= 13.777432441711426) {
+              if (x.avg <= 16.78819751739502) {
+                if (x.log2_S <= 11.551509380340576) {
                   return {1, 16, 8, 8, 1};  // SR
                 } else {
                   return {4, 4, 8, 64, 1};  // SR
                 }
+              } else {
+                return {2, 8, 16, 32, 1};  // SR
               }
             }
           }
@@ -382,7 +382,7 @@ inline Config plain_config(const Features& f) {
             if (x.avg <= 7.600367546081543) {
               return {4, 4, 64, 64, 0};  // SP
             } else {
-              if (x.log2_E <= 21.35240077972412) {
+              if (x.avg <= 13.600367546081543) {
                 return {4, 8, 64, 32, 0};  // SP
               } else {
                 if (x.avg <= 40.0) {
@@ -394,24 +394,24 @@ inline Config plain_config(const Features& f) {
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_E <= 19.96488094329834) {
-                return {4, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.avg <= 114.00017929077148) {
-                  return {2, 8, 16, 32, 1};  // SR
+              if (x.avg <= 114.00017929077148) {
+                if (x.log2_S <= 16.983579635620117) {
+                  return {4, 4, 8, 64, 1};  // SR
                 } else {
-                  return {4, 8, 64, 32, 0};  // SP
+                  return {2, 8, 16, 32, 1};  // SR
                 }
+              } else {
+                return {4, 8, 64, 32, 0};  // SP
               }
             } else {
               if (x.avg <= 7.717565059661865) {
-                if (x.log2_E <= 20.12617301940918) {
+                if (x.log2_S <= 18.270604133605957) {
                   return {4, 32, 16, 4, 8};  // PR
                 } else {
                   return {2, 8, 64, 32, 1};  // SR
                 }
               } else {
-                if (x.avg <= 10.980550765991211) {
+                if (x.log2_S <= 19.063085556030273) {
                   return {2, 8, 64, 32, 1};  // SR
                 } else {
                   return {2, 8, 16, 32, 1};  // SR
@@ -423,13 +423,13 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 12.248164176940918) {
-            if (x.log2_E <= 11.026623249053955) {
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 9.693398475646973) {
               return {2, 32, 64, 8, 0};  // SP
             } else {
               if (x.log2_S <= 11.202819347381592) {
-                if (x.log2_E <= 11.2052583694458) {
+                if (x.avg <= 1.5858514904975891) {
                   return {2, 32, 64, 1, 0};  // SP
                 } else {
                   return {2, 32, 64, 8, 0};  // SP
@@ -440,42 +440,38 @@ inline Config plain_config(const Features& f) {
             }
           } else {
             if (x.avg <= 3.31723952293396) {
-              if (x.log2_E <= 14.944215297698975) {
+              if (x.log2_S <= 13.77338171005249) {
                 return {1, 32, 8, 2, 1};  // SR
               } else {
                 return {4, 8, 8, 32, 1};  // SR
               }
             } else {
-              if (x.log2_S <= 12.49385929107666) {
-                return {1, 32, 8, 2, 1};  // SR
-              } else {
-                if (x.log2_S <= 13.777432441711426) {
-                  return {2, 16, 16, 4, 1};  // SR
+              if (x.avg <= 16.78819751739502) {
+                if (x.log2_S <= 12.49385929107666) {
+                  return {1, 32, 8, 2, 1};  // SR
                 } else {
-                  return {4, 8, 8, 32, 1};  // SR
+                  return {2, 16, 16, 4, 1};  // SR
                 }
+              } else {
+                return {4, 8, 8, 32, 1};  // SR
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 18.770604133605957) {
-              if (x.avg <= 13.600367546081543) {
-                return {4, 8, 64, 32, 0};  // SP
-              } else {
-                if (x.avg <= 40.0) {
-                  return {2, 32, 64, 8, 0};  // SP
-                } else {
+          if (x.long_level <= 2.5) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 18.770604133605957) {
+                if (x.avg <= 13.600367546081543) {
                   return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  return {2, 32, 64, 8, 0};  // SP
                 }
+              } else {
+                return {4, 8, 64, 32, 0};  // SP
               }
             } else {
-              return {4, 8, 64, 32, 0};  // SP
-            }
-          } else {
-            if (x.long_level <= 2.5) {
               if (x.avg <= 114.00017929077148) {
-                if (x.log2_E <= 19.96488094329834) {
+                if (x.log2_S <= 16.983579635620117) {
                   return {4, 8, 8, 32, 1};  // SR
                 } else {
                   return {2, 16, 16, 4, 1};  // SR
@@ -483,44 +479,56 @@ inline Config plain_config(const Features& f) {
               } else {
                 return {2, 32, 64, 8, 0};  // SP
               }
-            } else {
-              if (x.avg <= 7.717565059661865) {
+            }
+          } else {
+            if (x.avg <= 7.717565059661865) {
+              if (x.avg <= 4.4689189195632935) {
                 return {2, 16, 64, 4, 1};  // SR
               } else {
-                if (x.log2_S <= 19.063085556030273) {
-                  return {2, 16, 64, 4, 1};  // SR
+                if (x.avg <= 6.519350051879883) {
+                  return {4, 8, 64, 32, 1};  // SR
                 } else {
-                  return {2, 16, 16, 4, 1};  // SR
+                  return {2, 16, 64, 4, 1};  // SR
                 }
+              }
+            } else {
+              if (x.avg <= 10.980550765991211) {
+                return {2, 16, 64, 4, 1};  // SR
+              } else {
+                return {2, 16, 16, 4, 1};  // SR
               }
             }
           }
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.log2_E <= 17.3826847076416) {
-            if (x.log2_E <= 12.248164176940918) {
-              if (x.avg <= 2.9343544840812683) {
-                return {2, 64, 64, 1, 0};  // SP
-              } else {
+          if (x.log2_S <= 14.277432441711426) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 9.693398475646973) {
                 return {2, 32, 64, 1, 0};  // SP
+              } else {
+                return {2, 64, 64, 1, 0};  // SP
               }
             } else {
-              if (x.avg <= 3.31723952293396) {
-                if (x.log2_E <= 13.803548812866211) {
-                  return {1, 64, 8, 4, 1};  // SR
+              if (x.avg <= 4.234509468078613) {
+                if (x.avg <= 3.31723952293396) {
+                  if (x.log2_S <= 12.489808559417725) {
+                    return {1, 64, 8, 4, 1};  // SR
+                  } else {
+                    return {4, 16, 8, 8, 1};  // SR
+                  }
                 } else {
-                  return {4, 16, 8, 8, 1};  // SR
+                  return {1, 64, 8, 4, 1};  // SR
                 }
               } else {
-                if (x.log2_E <= 14.25903034210205) {
-                  return {1, 64, 8, 4, 1};  // SR
-                } else {
-                  if (x.log2_E <= 15.900788307189941) {
+                if (x.avg <= 16.78819751739502) {
+                  if (x.log2_S <= 12.49385929107666) {
                     return {4, 16, 8, 8, 1};  // SR
                   } else {
                     return {4, 16, 16, 8, 1};  // SR
                   }
+                } else {
+                  return {4, 16, 16, 8, 1};  // SR
                 }
               }
             }
@@ -533,19 +541,19 @@ inline Config plain_config(const Features& f) {
                   return {2, 32, 64, 1, 0};  // SP
                 }
               } else {
-                if (x.avg <= 114.00017929077148) {
-                  if (x.log2_E <= 21.844651222229004) {
+                if (x.log2_S <= 14.345362186431885) {
+                  return {4, 16, 8, 8, 1};  // SR
+                } else {
+                  if (x.avg <= 33.57639503479004) {
                     return {4, 16, 16, 8, 1};  // SR
                   } else {
                     return {4, 16, 8, 8, 1};  // SR
                   }
-                } else {
-                  return {4, 16, 8, 8, 1};  // SR
                 }
               }
             } else {
               if (x.avg <= 4.4689189195632935) {
-                if (x.log2_E <= 21.416418075561523) {
+                if (x.avg <= 2.8434900045394897) {
                   return {2, 32, 64, 1, 1};  // SR
                 } else {
                   return {4, 16, 64, 8, 0};  // SP
@@ -564,23 +572,33 @@ inline Config plain_config(const Features& f) {
             }
           }
         } else {
-          if (x.log2_E <= 15.934709072113037) {
-            if (x.log2_E <= 12.248164176940918) {
-              if (x.log2_S <= 10.5633225440979) {
-                return {2, 64, 64, 8, 0};  // SP
-              } else {
-                return {2, 64, 8, 1, 1};  // SR
-              }
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 10.5633225440979) {
+              return {2, 64, 64, 8, 0};  // SP
             } else {
-              if (x.log2_E <= 13.910294532775879) {
-                if (x.log2_E <= 13.25903034210205) {
-                  return {2, 64, 8, 1, 1};  // SR
-                } else {
-                  return {4, 32, 8, 8, 1};  // SR
-                }
+              if (x.avg <= 2.6773369312286377) {
+                return {2, 64, 8, 1, 1};  // SR
               } else {
-                if (x.avg <= 2.251428723335266) {
-                  return {2, 64, 32, 2, 1};  // SR
+                if (x.log2_S <= 18.770604133605957) {
+                  if (x.avg <= 13.600367546081543) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    return {2, 64, 64, 8, 0};  // SP
+                  }
+                } else {
+                  return {4, 32, 64, 4, 0};  // SP
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 13.283661365509033) {
+                if (x.avg <= 7.459298372268677) {
+                  if (x.log2_S <= 12.489808559417725) {
+                    return {2, 64, 8, 1, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 8, 1};  // SR
+                  }
                 } else {
                   if (x.avg <= 13.26895809173584) {
                     return {2, 64, 8, 1, 1};  // SR
@@ -588,43 +606,29 @@ inline Config plain_config(const Features& f) {
                     return {2, 64, 32, 2, 1};  // SR
                   }
                 }
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 0.5) {
-                if (x.avg <= 7.600367546081543) {
-                  return {4, 32, 64, 4, 0};  // SP
-                } else {
-                  if (x.log2_E <= 21.35240077972412) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    return {2, 64, 64, 8, 0};  // SP
-                  }
-                }
               } else {
-                if (x.log2_E <= 17.3826847076416) {
-                  if (x.long_level <= 1.5) {
-                    return {4, 32, 8, 8, 1};  // SR
+                if (x.log2_S <= 14.277432441711426) {
+                  if (x.avg <= 7.25995945930481) {
+                    return {2, 64, 32, 2, 1};  // SR
                   } else {
                     return {2, 64, 64, 2, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 16.551508903503418) {
-                    return {2, 64, 16, 2, 1};  // SR
+                  if (x.log2_S <= 15.551508903503418) {
+                    return {4, 32, 8, 8, 1};  // SR
                   } else {
                     return {2, 64, 32, 2, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.log2_E <= 18.799643516540527) {
+              if (x.log2_S <= 16.10964012145996) {
                 return {2, 64, 64, 2, 1};  // SR
               } else {
                 if (x.avg <= 4.4689189195632935) {
                   return {4, 32, 64, 4, 0};  // SP
                 } else {
-                  if (x.log2_E <= 20.56152057647705) {
+                  if (x.log2_S <= 17.402121543884277) {
                     return {2, 64, 64, 2, 1};  // SR
                   } else {
                     return {4, 32, 64, 4, 0};  // SP
@@ -639,59 +643,67 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 1 cells per leaf, 129 leaves
-//   oracle/pick on held-out graphs: geomean 0.933, worst 0.314; held-out base graphs (23): 0.903, worst 0.314 (hand heuristic: 0.831, worst 0.365; training set: 0.986, worst 0.874)
+// gathered rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 1 cells per leaf, 140 leaves
+//   oracle/pick on held-out graphs: geomean 0.934, worst 0.336; held-out base graphs (23): 0.907, worst 0.314 (hand heuristic: 0.831, worst 0.365; training set: 0.985, worst 0.879)
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_E <= 18.470958709716797) {
-          if (x.log2_E <= 15.934709072113037) {
-            if (x.log2_E <= 13.910294532775879) {
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.log2_S <= 13.283661365509033) {
+            if (x.log2_S <= 10.5633225440979) {
               return {1, 32, 8, 8, 1};  // SR
             } else {
-              if (x.log2_E <= 14.803548812866211) {
-                return {1, 16, 8, 2, 1};  // SR
+              if (x.avg <= 7.459298372268677) {
+                if (x.log2_S <= 12.489808559417725) {
+                  return {1, 32, 8, 8, 1};  // SR
+                } else {
+                  return {1, 16, 8, 2, 1};  // SR
+                }
               } else {
                 return {1, 4, 8, 64, 1};  // SR
               }
             }
           } else {
-            if (x.log2_E <= 17.3826847076416) {
+            if (x.avg <= 14.003987789154053) {
               return {1, 4, 8, 64, 1};  // SR
             } else {
               return {1, 1, 8, 256, 1};  // SR
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.log2_E <= 19.96488094329834) {
+          if (x.log2_S <= 16.983579635620117) {
+            if (x.avg <= 4.745359897613525) {
               return {1, 1, 8, 256, 1};  // SR
             } else {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 18.770604133605957) {
-                  return {1, 32, 16, 4, 32};  // PR
-                } else {
-                  return {1, 1, 32, 256, 0};  // SP
-                }
+              if (x.avg <= 14.940131664276123) {
+                return {1, 32, 8, 4, 32};  // PR
               } else {
-                if (x.long_level <= 1.5) {
-                  return {1, 32, 16, 8, 32};  // PR
+                if (x.avg <= 47.59231948852539) {
+                  return {1, 1, 8, 256, 1};  // SR
                 } else {
                   return {1, 32, 8, 4, 32};  // PR
                 }
               }
             }
           } else {
-            if (x.log2_E <= 20.383421897888184) {
-              return {1, 32, 8, 4, 32};  // PR
-            } else {
-              if (x.avg <= 7.90780234336853) {
-                if (x.log2_E <= 24.980753898620605) {
-                  return {1, 32, 16, 4, 32};  // PR
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 18.770604133605957) {
+                if (x.avg <= 13.600367546081543) {
+                  return {1, 32, 16, 8, 32};  // PR
                 } else {
+                  return {1, 32, 16, 4, 32};  // PR
+                }
+              } else {
+                return {1, 1, 32, 256, 0};  // SP
+              }
+            } else {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 19.099360466003418) {
                   return {1, 32, 8, 4, 32};  // PR
+                } else {
+                  return {1, 32, 16, 8, 32};  // PR
                 }
               } else {
                 return {1, 32, 16, 4, 32};  // PR
@@ -700,8 +712,8 @@ inline Config gathered_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_E <= 18.470958709716797) {
-          if (x.log2_E <= 15.934709072113037) {
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.log2_S <= 13.283661365509033) {
             if (x.log2_S <= 10.5633225440979) {
               if (x.avg <= 2.9343544840812683) {
                 return {1, 2, 8, 128, 1};  // SR
@@ -709,14 +721,14 @@ inline Config gathered_config(const Features& f) {
                 return {1, 2, 64, 128, 0};  // SP
               }
             } else {
-              if (x.log2_E <= 13.910294532775879) {
+              if (x.avg <= 7.459298372268677) {
                 return {1, 16, 8, 2, 1};  // SR
               } else {
                 return {1, 2, 8, 128, 1};  // SR
               }
             }
           } else {
-            if (x.log2_E <= 17.3826847076416) {
+            if (x.avg <= 14.003987789154053) {
               return {1, 2, 8, 128, 1};  // SR
             } else {
               return {2, 2, 8, 128, 1};  // SR
@@ -725,32 +737,36 @@ inline Config gathered_config(const Features& f) {
         } else {
           if (x.long_level <= 2.5) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 17.10964012145996) {
-                return {2, 32, 16, 4, 32};  // PR
-              } else {
-                if (x.log2_S <= 18.770604133605957) {
-                  return {2, 32, 16, 4, 32};  // PR
-                } else {
+              if (x.avg <= 40.0) {
+                if (x.avg <= 7.600367546081543) {
                   return {1, 2, 64, 128, 0};  // SP
+                } else {
+                  return {2, 32, 16, 4, 32};  // PR
                 }
+              } else {
+                return {2, 32, 16, 4, 32};  // PR
               }
             } else {
-              if (x.log2_E <= 19.96488094329834) {
-                return {2, 1, 8, 256, 1};  // SR
-              } else {
-                if (x.log2_E <= 20.858135223388672) {
-                  return {2, 32, 8, 2, 32};  // PR
+              if (x.log2_S <= 16.983579635620117) {
+                if (x.avg <= 65.59249877929688) {
+                  return {2, 1, 8, 256, 1};  // SR
                 } else {
                   return {2, 32, 16, 4, 32};  // PR
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  return {2, 32, 16, 4, 32};  // PR
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
                 }
               }
             }
           } else {
-            if (x.log2_E <= 20.383421897888184) {
+            if (x.log2_S <= 17.402121543884277) {
               if (x.avg <= 6.519350051879883) {
                 return {1, 32, 8, 2, 16};  // PR
               } else {
-                if (x.log2_E <= 19.05689239501953) {
+                if (x.log2_S <= 16.10964012145996) {
                   return {1, 32, 8, 2, 16};  // PR
                 } else {
                   return {2, 32, 8, 2, 32};  // PR
@@ -760,7 +776,7 @@ inline Config gathered_config(const Features& f) {
               if (x.avg <= 7.90780234336853) {
                 return {2, 32, 8, 2, 32};  // PR
               } else {
-                if (x.avg <= 40.99297332763672) {
+                if (x.log2_S <= 20.431568145751953) {
                   return {2, 32, 8, 2, 32};  // PR
                 } else {
                   return {2, 32, 16, 4, 32};  // PR
@@ -772,8 +788,8 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.log2_E <= 18.470958709716797) {
-          if (x.log2_E <= 15.934709072113037) {
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.log2_S <= 13.283661365509033) {
             if (x.log2_S <= 10.5633225440979) {
               if (x.avg <= 2.9343544840812683) {
                 return {1, 32, 8, 2, 1};  // SR
@@ -781,18 +797,30 @@ inline Config gathered_config(const Features& f) {
                 return {1, 4, 8, 64, 1};  // SR
               }
             } else {
-              if (x.log2_E <= 13.910294532775879) {
-                return {1, 32, 8, 2, 1};  // SR
+              if (x.avg <= 7.459298372268677) {
+                if (x.log2_S <= 12.489808559417725) {
+                  return {1, 32, 8, 2, 1};  // SR
+                } else {
+                  return {1, 4, 8, 64, 1};  // SR
+                }
               } else {
-                return {1, 4, 8, 64, 1};  // SR
+                if (x.avg <= 13.26895809173584) {
+                  return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  return {1, 4, 8, 64, 1};  // SR
+                }
               }
             }
           } else {
-            if (x.log2_E <= 17.3826847076416) {
-              if (x.avg <= 7.25995945930481) {
+            if (x.avg <= 14.003987789154053) {
+              if (x.avg <= 3.3703150749206543) {
                 return {1, 2, 8, 128, 1};  // SR
               } else {
-                return {1, 4, 8, 64, 1};  // SR
+                if (x.log2_S <= 13.777432441711426) {
+                  return {1, 4, 8, 64, 1};  // SR
+                } else {
+                  return {1, 2, 8, 128, 1};  // SR
+                }
               }
             } else {
               return {2, 2, 8, 128, 1};  // SR
@@ -811,14 +839,18 @@ inline Config gathered_config(const Features& f) {
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_E <= 20.858135223388672) {
-                if (x.log2_S <= 16.815787315368652) {
+              if (x.log2_S <= 16.983579635620117) {
+                if (x.avg <= 65.59249877929688) {
                   return {2, 2, 8, 128, 1};  // SR
                 } else {
                   return {4, 32, 8, 2, 16};  // PR
                 }
               } else {
-                return {4, 32, 8, 2, 32};  // PR
+                if (x.log2_S <= 19.335082054138184) {
+                  return {4, 32, 8, 2, 32};  // PR
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
               }
             } else {
               return {4, 32, 8, 2, 32};  // PR
@@ -826,35 +858,31 @@ inline Config gathered_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 14.803548812866211) {
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.log2_S <= 13.283661365509033) {
             if (x.log2_S <= 10.5633225440979) {
               return {1, 32, 8, 2, 1};  // SR
             } else {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 11.202819347381592) {
-                  return {1, 16, 8, 8, 1};  // SR
-                } else {
-                  return {1, 32, 8, 2, 1};  // SR
-                }
-              } else {
-                if (x.log2_E <= 13.25903034210205) {
+              if (x.avg <= 7.459298372268677) {
+                if (x.long_level <= 0.5) {
                   return {1, 32, 8, 2, 1};  // SR
                 } else {
                   return {1, 8, 8, 32, 1};  // SR
                 }
-              }
-            }
-          } else {
-            if (x.log2_E <= 15.934709072113037) {
-              if (x.log2_E <= 15.399696826934814) {
+              } else {
                 if (x.avg <= 13.26895809173584) {
                   return {1, 8, 8, 32, 1};  // SR
                 } else {
                   return {1, 16, 8, 8, 1};  // SR
                 }
-              } else {
+              }
+            }
+          } else {
+            if (x.avg <= 14.003987789154053) {
+              if (x.avg <= 3.3703150749206543) {
                 return {1, 8, 8, 32, 1};  // SR
+              } else {
+                return {1, 8, 16, 32, 1};  // SR
               }
             } else {
               return {1, 8, 16, 32, 1};  // SR
@@ -862,25 +890,29 @@ inline Config gathered_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 18.770604133605957) {
-              return {1, 8, 64, 32, 0};  // SP
-            } else {
-              if (x.avg <= 3.0) {
-                return {1, 32, 32, 8, 8};  // PR
-              } else {
+            if (x.avg <= 7.600367546081543) {
+              if (x.log2_S <= 21.09253215789795) {
                 return {1, 8, 64, 32, 0};  // SP
+              } else {
+                return {1, 32, 32, 8, 8};  // PR
               }
+            } else {
+              return {1, 8, 64, 32, 0};  // SP
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_E <= 19.96488094329834) {
-                return {1, 8, 16, 32, 1};  // SR
+              if (x.avg <= 33.57639503479004) {
+                if (x.log2_S <= 17.815787315368652) {
+                  return {1, 8, 16, 32, 1};  // SR
+                } else {
+                  return {1, 8, 64, 32, 1};  // SR
+                }
               } else {
                 return {1, 8, 64, 32, 1};  // SR
               }
             } else {
               if (x.log2_S <= 19.063085556030273) {
-                if (x.log2_E <= 18.799643516540527) {
+                if (x.log2_S <= 16.10964012145996) {
                   return {1, 8, 64, 32, 1};  // SR
                 } else {
                   return {1, 8, 32, 32, 1};  // SR
@@ -896,24 +928,32 @@ inline Config gathered_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 14.803548812866211) {
-            if (x.log2_E <= 11.026623249053955) {
-              return {1, 16, 8, 1, 1};  // SR
-            } else {
-              if (x.log2_E <= 13.910294532775879) {
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.avg <= 4.248009443283081) {
+            if (x.log2_S <= 12.489808559417725) {
+              if (x.avg <= 3.9865000247955322) {
                 if (x.log2_S <= 10.5633225440979) {
                   return {1, 32, 8, 4, 1};  // SR
                 } else {
                   return {1, 16, 8, 1, 1};  // SR
                 }
               } else {
+                return {1, 16, 8, 1, 1};  // SR
+              }
+            } else {
+              if (x.log2_S <= 13.77338171005249) {
                 return {1, 8, 8, 32, 1};  // SR
+              } else {
+                return {1, 4, 8, 64, 1};  // SR
               }
             }
           } else {
-            if (x.log2_E <= 15.934709072113037) {
-              return {1, 4, 8, 64, 1};  // SR
+            if (x.avg <= 16.78819751739502) {
+              if (x.avg <= 10.484748363494873) {
+                return {4, 2, 8, 128, 1};  // SR
+              } else {
+                return {1, 4, 8, 64, 1};  // SR
+              }
             } else {
               return {4, 2, 8, 128, 1};  // SR
             }
@@ -938,8 +978,8 @@ inline Config gathered_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_E <= 14.803548812866211) {
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.avg <= 4.248009443283081) {
             if (x.log2_S <= 10.5633225440979) {
               if (x.avg <= 2.9343544840812683) {
                 return {1, 32, 8, 4, 1};  // SR
@@ -954,8 +994,12 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_E <= 15.934709072113037) {
-              return {1, 16, 8, 8, 1};  // SR
+            if (x.avg <= 16.78819751739502) {
+              if (x.log2_S <= 12.49385929107666) {
+                return {1, 16, 8, 8, 1};  // SR
+              } else {
+                return {4, 4, 8, 64, 1};  // SR
+              }
             } else {
               return {4, 4, 8, 64, 1};  // SR
             }
@@ -965,10 +1009,18 @@ inline Config gathered_config(const Features& f) {
             return {4, 4, 64, 64, 0};  // SP
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_E <= 18.794042587280273) {
-                return {4, 4, 8, 64, 1};  // SR
+              if (x.avg <= 13.19360613822937) {
+                if (x.log2_S <= 17.815787315368652) {
+                  return {4, 4, 8, 64, 1};  // SR
+                } else {
+                  return {4, 4, 16, 64, 1};  // SR
+                }
               } else {
-                return {4, 4, 16, 64, 1};  // SR
+                if (x.log2_S <= 15.154823303222656) {
+                  return {4, 4, 8, 64, 1};  // SR
+                } else {
+                  return {4, 4, 16, 64, 1};  // SR
+                }
               }
             } else {
               if (x.avg <= 4.4689189195632935) {
@@ -990,60 +1042,56 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.log2_E <= 17.3826847076416) {
-          if (x.log2_S <= 10.5633225440979) {
-            if (x.log2_E <= 11.144419193267822) {
-              return {1, 32, 64, 4, 0};  // SP
+        if (x.log2_S <= 14.277432441711426) {
+          if (x.avg <= 4.248009443283081) {
+            if (x.log2_S <= 10.5633225440979) {
+              if (x.avg <= 2.9343544840812683) {
+                return {1, 32, 8, 4, 1};  // SR
+              } else {
+                return {1, 32, 64, 4, 0};  // SP
+              }
             } else {
-              return {1, 32, 8, 4, 1};  // SR
+              if (x.log2_S <= 12.489808559417725) {
+                return {1, 32, 8, 4, 1};  // SR
+              } else {
+                return {2, 16, 8, 8, 1};  // SR
+              }
             }
           } else {
-            if (x.log2_E <= 13.910294532775879) {
-              return {1, 32, 8, 4, 1};  // SR
-            } else {
-              if (x.log2_E <= 15.934709072113037) {
-                return {2, 16, 8, 8, 1};  // SR
+            if (x.avg <= 16.78819751739502) {
+              if (x.log2_S <= 13.777432441711426) {
+                if (x.long_level <= 1.5) {
+                  return {2, 16, 8, 8, 1};  // SR
+                } else {
+                  return {4, 8, 8, 32, 1};  // SR
+                }
               } else {
                 return {4, 8, 8, 32, 1};  // SR
               }
+            } else {
+              return {4, 8, 8, 32, 1};  // SR
             }
           }
         } else {
-          if (x.log2_E <= 20.085826873779297) {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 15.551508903503418) {
-                if (x.long_level <= 1.5) {
-                  return {4, 8, 16, 32, 1};  // SR
-                } else {
-                  return {4, 8, 32, 32, 1};  // SR
-                }
-              } else {
-                if (x.log2_E <= 18.25903034210205) {
+          if (x.long_level <= 0.5) {
+            return {4, 8, 64, 32, 0};  // SP
+          } else {
+            if (x.log2_S <= 16.983579635620117) {
+              if (x.avg <= 65.59249877929688) {
+                if (x.long_level <= 2.5) {
                   return {4, 8, 8, 32, 1};  // SR
                 } else {
-                  return {4, 8, 16, 32, 1};  // SR
-                }
-              }
-            } else {
-              if (x.log2_E <= 18.799643516540527) {
-                return {4, 8, 32, 32, 1};  // SR
-              } else {
-                if (x.avg <= 6.7908549308776855) {
-                  return {4, 8, 16, 32, 1};  // SR
-                } else {
                   return {4, 8, 32, 32, 1};  // SR
                 }
+              } else {
+                return {4, 8, 32, 32, 1};  // SR
               }
-            }
-          } else {
-            if (x.long_level <= 0.5) {
-              return {4, 8, 64, 32, 0};  // SP
             } else {
               if (x.log2_S <= 19.815787315368652) {
                 if (x.avg <= 7.244001150131226) {
                   return {4, 8, 16, 32, 1};  // SR
                 } else {
-                  return {4, 8, 32, 32, 1};  // SR
+                  return {4, 8, 64, 32, 1};  // SR
                 }
               } else {
                 if (x.avg <= 7.657158017158508) {
@@ -1057,23 +1105,19 @@ inline Config gathered_config(const Features& f) {
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.log2_E <= 15.934709072113037) {
-            if (x.log2_E <= 14.803548812866211) {
-              if (x.log2_E <= 11.026623249053955) {
+          if (x.log2_S <= 13.283661365509033) {
+            if (x.avg <= 7.4727983474731445) {
+              if (x.log2_S <= 9.693398475646973) {
                 return {4, 16, 64, 8, 0};  // SP
               } else {
-                if (x.log2_E <= 13.05414867401123) {
-                  if (x.log2_S <= 10.5633225440979) {
-                    return {1, 32, 8, 4, 1};  // SR
-                  } else {
+                if (x.log2_S <= 12.489808559417725) {
+                  if (x.avg <= 2.337734282016754) {
                     return {1, 64, 8, 4, 1};  // SR
+                  } else {
+                    return {1, 32, 8, 4, 1};  // SR
                   }
                 } else {
-                  if (x.log2_E <= 13.910294532775879) {
-                    return {1, 32, 8, 4, 1};  // SR
-                  } else {
-                    return {4, 16, 8, 4, 1};  // SR
-                  }
+                  return {4, 16, 8, 4, 1};  // SR
                 }
               }
             } else {
@@ -1088,8 +1132,12 @@ inline Config gathered_config(const Features& f) {
               }
             } else {
               if (x.long_level <= 2.5) {
-                if (x.log2_E <= 17.3826847076416) {
-                  return {4, 16, 16, 2, 1};  // SR
+                if (x.log2_S <= 14.277432441711426) {
+                  if (x.avg <= 14.003987789154053) {
+                    return {4, 16, 8, 4, 1};  // SR
+                  } else {
+                    return {4, 16, 16, 2, 1};  // SR
+                  }
                 } else {
                   if (x.avg <= 33.57639503479004) {
                     return {4, 16, 16, 2, 1};  // SR
@@ -1111,34 +1159,34 @@ inline Config gathered_config(const Features& f) {
             }
           }
         } else {
-          if (x.log2_E <= 14.803548812866211) {
-            if (x.log2_S <= 10.5633225440979) {
-              if (x.log2_E <= 11.144419193267822) {
-                return {1, 32, 32, 8, 0};  // SP
-              } else {
-                return {1, 64, 8, 2, 1};  // SR
-              }
-            } else {
-              if (x.log2_E <= 13.910294532775879) {
-                if (x.avg <= 2.337734282016754) {
-                  if (x.avg <= 1.3288339376449585) {
-                    return {1, 32, 8, 2, 1};  // SR
-                  } else {
-                    return {1, 64, 8, 2, 1};  // SR
-                  }
+          if (x.log2_S <= 13.283661365509033) {
+            if (x.avg <= 7.4727983474731445) {
+              if (x.log2_S <= 10.5633225440979) {
+                if (x.avg <= 2.9343544840812683) {
+                  return {1, 64, 8, 2, 1};  // SR
                 } else {
-                  return {2, 64, 8, 1, 1};  // SR
+                  return {1, 32, 32, 8, 0};  // SP
                 }
               } else {
-                return {4, 32, 8, 8, 1};  // SR
+                if (x.log2_S <= 12.489808559417725) {
+                  if (x.avg <= 2.337734282016754) {
+                    return {1, 64, 8, 2, 1};  // SR
+                  } else {
+                    return {2, 64, 8, 1, 1};  // SR
+                  }
+                } else {
+                  return {4, 32, 8, 8, 1};  // SR
+                }
               }
+            } else {
+              return {4, 32, 16, 1, 1};  // SR
             }
           } else {
             if (x.long_level <= 0.5) {
               return {4, 16, 64, 8, 0};  // SP
             } else {
               if (x.long_level <= 2.5) {
-                if (x.log2_E <= 16.524442672729492) {
+                if (x.avg <= 2.4905052185058594) {
                   return {4, 32, 16, 1, 1};  // SR
                 } else {
                   if (x.avg <= 79.59231948852539) {
