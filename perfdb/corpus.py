@@ -103,6 +103,10 @@ GENERATED_DEFAULT = [
     "uniform:num_nodes=5000000,degree=2",
     "uniform:num_nodes=100000,degree=64",
     "hubs:num_nodes=10000000,avg_degree=4,num_hubs=16",
+    # Big graphs of low even degree: with only the 1M/5M/25M uniform ones, a
+    # held-out fold took all of them and no tree had seen their best tiling.
+    "uniform:num_nodes=2000000,degree=3",
+    "uniform:num_nodes=8000000,degree=2",
 ]
 
 GENERATED_FULL = GENERATED_DEFAULT + [
