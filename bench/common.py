@@ -360,10 +360,8 @@ def time_stats(
         for i in range(reps):
             if buf is not None:
                 buf.zero_()
-            # Hold the stream ~0.5 ms so the host has queued the start event
-            # and fn's kernels before the GPU reaches them: a stalled host
-            # (seen on the device machine: whole cells 5-30x slow) then
-            # cannot leak into the GPU time.
+            # A stalled host (seen on the device machine: whole cells 5-30x
+            # slow) must not leak into the GPU time.
             if gate:
                 hold_gpu()
             starts[i].record()

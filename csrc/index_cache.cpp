@@ -34,7 +34,6 @@ struct IndexKey {
   }
 };
 
-
 // A small round-robin cache: a few graphs (and their transposes) in flight.
 template <typename Value, size_t N>
 struct Cache {

@@ -9,13 +9,10 @@
 #include <torch/library.h>
 
 #include <c10/core/DeviceGuard.h>
-#include <c10/util/intrusive_ptr.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <limits>
-#include <mutex>
 #include <stdexcept>
 
 #include "segment_reduce.h"

@@ -26,6 +26,11 @@ def segment_lengths(index, num_segments):
     return torch.searchsorted(index, bounds).diff()
 
 
+def mean_counts(index, num_segments):
+    """Rows per segment clamped to >= 1: what a mean's gradient divides by."""
+    return segment_lengths(index, num_segments).clamp_(min=1)
+
+
 def _segment_reduce_setup(ctx, inputs, output):
     index, src, num_segments, reduce, _config = inputs
     ctx.reduce, ctx.num_segments = reduce, num_segments
@@ -41,7 +46,7 @@ def _segment_reduce_backward(ctx, grad_out):
     if ctx.reduce == "sum":
         grad_src = grad_out.index_select(0, index)
     elif ctx.reduce == "mean":
-        counts = segment_lengths(index, ctx.num_segments).clamp_(min=1)
+        counts = mean_counts(index, ctx.num_segments)
         scale = counts.to(grad_out.dtype).view(-1, *([1] * (grad_out.dim() - 1)))
         grad_src = (grad_out / scale).index_select(0, index)
     else:
@@ -104,7 +109,7 @@ def _index_segment_reduce_backward(ctx, grad_out):
     if ctx.reduce == "mean":
         counts = ctx.counts
         if counts is None:
-            counts = segment_lengths(dst_index, ctx.num_segments).clamp_(min=1)
+            counts = mean_counts(dst_index, ctx.num_segments)
         grad = grad / counts.to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
     grad_x = grad_w = None
     if ctx.needs_input_grad[2]:

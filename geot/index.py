@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from . import _C, _ops  # noqa: F401  (operator registration)
-from .segment import REDUCTIONS, _infer_num_segments, _needs_dispatcher
+from .segment import REDUCTIONS, _infer_num_segments
 
 
 class TransposedIndex(NamedTuple):
@@ -97,7 +97,7 @@ def _fused(src_index, dst_index, weight, x, reduce, num_segments, transposed, co
     if num_segments is None:
         num_segments = _infer_num_segments(dst_index, "dst_index")
     cfg = None if config is None else [int(v) for v in config]
-    if _needs_dispatcher(x) or (weight is not None and _needs_dispatcher(weight)):
+    if _ops.needs_dispatcher(x) or (weight is not None and _ops.needs_dispatcher(weight)):
         transposed = _check_transposed(transposed, src_index)
         if _ops.eager_autograd(src_index, dst_index, x, weight):
             return _ops.IndexSegmentReduce.apply(src_index, dst_index, x, weight, num_segments, reduce, cfg,

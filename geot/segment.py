@@ -49,11 +49,8 @@ def segment_reduce(
     if num_segments is None:
         num_segments = _infer_num_segments(index)
     cfg = None if config is None else [int(v) for v in config]
-    if _needs_dispatcher(src):
+    if _ops.needs_dispatcher(src):
         if _ops.eager_autograd(index, src):
             return _ops.SegmentReduce.apply(index, src, num_segments, reduce, cfg)
         return torch.ops.geot.segment_reduce(index, src, num_segments, reduce, cfg)
     return _C.segment_reduce_no_grad(index, src, num_segments, reduce, cfg)
-
-
-_needs_dispatcher = _ops.needs_dispatcher

@@ -16,7 +16,7 @@ import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import hetero, index
-from .._ops import segment_lengths
+from .._ops import mean_counts
 from ..segment import segment_reduce
 from .graph import SortedGraph, sorted_graph
 
@@ -59,7 +59,7 @@ def _gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, w
     counts = None
     if reduce == "mean" and x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         counts = graph.derived(("mean counts", num_nodes, x.dtype),
-                               lambda: segment_lengths(graph.dst, num_nodes).clamp_(min=1).to(x.dtype))
+                               lambda: mean_counts(graph.dst, num_nodes).to(x.dtype))
     if weight is not None:
         weight, weight_t = weight.to(x.dtype), None if weight_t is None else weight_t.to(x.dtype)
     return index._fused(graph.src, graph.dst, weight, x, reduce, num_nodes, graph.transposed, None, counts, weight_t)
@@ -198,7 +198,6 @@ class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
         if self.root_weight and x_dst is not None:
             out = out + self.lin_r(x_dst)
         return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
-
 
     def _project_first(self, x_src: Tensor, reduce: str) -> bool:
         weight = self.lin_l.weight
