@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, then the steps named on the command line
-# (tests, cuda_tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e), logs and CSVs packed into
+# (tests, cuda_tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e, keep_so), logs and CSVs packed into
 # $OUT/results.tgz (the device tool brings back 8 files at most). Used with the device tool:
 #   bash scripts/device_check.sh tests memcheck bench spmm
 set -o pipefail
@@ -11,8 +11,13 @@ export OUT=/tmp/geot-run  # the benchmarks write their CSVs here too
 mkdir -p "$OUT" "$FINAL_OUT"
 trap 'tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . 2>/dev/null' EXIT
 start=$(date +%s)
-python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+if [ -n "$PREBUILT" ]; then  # PREBUILT=dir: the extension a previous call built (keep_so), carried back
+  gunzip -c "$PREBUILT"/_C.*.so.gz > "geot/$(basename "$PREBUILT"/_C.*.so.gz .gz)" || exit 1
+  echo "prebuilt extension from $PREBUILT"
+else
+  python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"
+fi
 status=0
 for step in "$@"; do
   case $step in
@@ -34,7 +39,7 @@ for step in "$@"; do
       # SWEEP_FRESH=1: start over (the kernels changed), else resume the committed DB
       [ -n "$SWEEP_FRESH" ] && rm -f "$db"/*.csv.gz "$db"/*.csv
       for f in "$db"/*.csv.gz; do [ -e "$f" ] && gunzip -kf "$f"; done
-      python3 perfdb/sweep.py --budget-s "${SWEEP_BUDGET_S:-360}" > "$OUT/sweep.log" 2>&1 || status=1
+      python3 perfdb/sweep.py --budget-s "${SWEEP_BUDGET_S:-360}" $SWEEP_ARGS > "$OUT/sweep.log" 2>&1 || status=1
       tail -2 "$OUT/sweep.log"
       python3 scripts/analyze_sweep.py "$db" | tee "$OUT/sweep_summary.txt"
       for f in "$db"/*.csv; do gzip -c "$f" > "$FINAL_OUT/$(basename "$f").gz"; done
@@ -60,6 +65,8 @@ for step in "$@"; do
       python3 bench/e2e.py --models "${E2E_COMPILE_MODELS:-gcn,sage}" --hidden 64 --dtypes fp32 \
         --graphs "${E2E_COMPILE_GRAPHS:-pubmed,powerlaw:n=200000,deg=12}" 2>&1 | grep -v Warning \
         | tee "$FINAL_OUT/e2e_compile.log" | sed -n '/^ms per step/,$p' || status=1 ;;
+    keep_so)  # bring the built extension back (gzipped), for a later call's PREBUILT
+      for f in geot/_C.*.so; do gzip -c "$f" > "$FINAL_OUT/$(basename "$f").gz"; done ;;
     spmm)
       python3 bench/spmm.py 2>&1 | grep -v Warning | tee "$OUT/spmm.log" | grep -E "geomean|speedup|^ *cora +16 |^ *graph +F +op" || status=1 ;;
   esac

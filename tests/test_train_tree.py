@@ -26,14 +26,15 @@ _spec.loader.exec_module(train_tree)
 ARCH = 90
 F_VALUES = (4, 8, 16, 32, 64)
 # The planted best config of each region of the feature space.
-SMALL_GRAPH = geot.Config(1, 32, 8, 4, 1)  # log2(E) < 16
+# The regions are cut on features the trees split on (not log2 E: SHAPE_FEATURES).
+SMALL_GRAPH = geot.Config(1, 32, 8, 4, 1)  # under 4096 segments
 SMALL_F = geot.Config(1, 32, 8, 8, 32)  # F <= 8
 EVEN = geot.Config(2, 32, 64, 8, 0)  # no long segment
 SKEWED = geot.Config(4, 32, 64, 2, 1)  # long segments
 
 
-def planted(E, F, long_segments):
-    if np.log2(E) < 16:
+def planted(S, F, long_segments):
+    if S < 4096:
         return SMALL_GRAPH
     if F <= 8:
         return SMALL_F
@@ -63,11 +64,12 @@ def family_rows(rng, configs, base_graphs):
     for base, (E0, avg, long_segments) in enumerate(base_graphs):
         for aug, scale in enumerate((1.0, 1.3, 0.8)):
             E = int(E0 * scale)
+            S = max(1, int(E / avg))
             graph = dict(graph=f"g{base}_{aug}", base_graph=f"g{base}", kind="augmented" if aug else "generated",
-                         augmentation=f"scale{scale}", E=E, num_segments=max(1, int(E / avg)), avg=avg,
+                         augmentation=f"scale{scale}", E=E, num_segments=S, avg=avg,
                          max_deg=200 if long_segments else 32, long_segments=long_segments)
             for F in F_VALUES:
-                best = planted(E, F, long_segments)
+                best = planted(S, F, long_segments)
                 region = [SMALL_GRAPH, SMALL_F, EVEN, SKEWED].index(best)
                 base_ms = 1e-6 * E * F + 0.005
                 for i, cfg in enumerate(configs):
@@ -119,7 +121,7 @@ def test_trainer_finds_planted_configs(trained):
     cases = [(2 ** 14, 1000, 64, 1), (2 ** 20, 50000, 4, 1), (2 ** 20, 50000, 128, 0), (2 ** 21, 60000, 32, 1)]
     X = np.array([train_tree.rule_features(E, S, F, long) for E, S, F, long in cases])
     picks = [geot.Config(*map(int, family.configs[i])) for i in train_tree.predict(result.tree, X)]
-    assert picks == [planted(E, F, long) for E, _, F, long in cases]
+    assert picks == [planted(S, F, long) for _, S, F, long in cases]
 
 
 def test_training_is_deterministic(trained, tmp_path):

@@ -8,140 +8,1024 @@ namespace geot {
 namespace generated {
 namespace sm90 {
 
-// plain rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 1 cells per leaf, 158 leaves
-//   oracle/pick on held-out graphs: geomean 0.918, worst 0.300; held-out base graphs (23): 0.903, worst 0.281 (hand heuristic: 0.823, worst 0.411; training set: 0.986, worst 0.876)
+// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 16, 1145 leaves
+//   oracle/pick on held-out graphs: geomean 0.953, worst 0.413; held-out base graphs (25): 0.939, worst 0.413 (hand heuristic: 0.813, worst 0.396; training set: 0.989, worst 0.869)
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 14.345362186431885) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 9.693398475646973) {
-              return {1, 1, 64, 256, 0};  // SP
-            } else {
-              if (x.avg <= 1.3288339376449585) {
-                return {1, 8, 8, 32, 0};  // SP
-              } else {
-                if (x.log2_S <= 11.06050968170166) {
-                  return {1, 2, 32, 128, 0};  // SP
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 18.559293746948242) {
+            if (x.avg <= 12.339872360229492) {
+              if (x.avg <= 1.6791957020759583) {
+                if (x.log2_S <= 14.543411254882812) {
+                  if (x.avg <= 1.5361639857292175) {
+                    return {1, 8, 8, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 13.876775741577148) {
+                      if (x.log2_S <= 10.603025913238525) {
+                        return {1, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {1, 8, 8, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  }
                 } else {
-                  return {1, 32, 64, 4, 0};  // SP
+                  if (x.log2_S <= 15.568632125854492) {
+                    if (x.avg <= 1.5232536792755127) {
+                      if (x.log2_S <= 15.517196655273438) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 15.538529396057129) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.698800563812256) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.avg <= 8.832115173339844) {
+                  if (x.avg <= 1.753035068511963) {
+                    if (x.log2_S <= 12.559677124023438) {
+                      if (x.log2_S <= 10.284636974334717) {
+                        return {1, 1, 64, 256, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.252134799957275) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.165238857269287) {
+                            return {1, 8, 8, 32, 0};  // SP
+                          } else {
+                            if (x.avg <= 1.7151727676391602) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 1, 64, 256, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 14.408143520355225) {
+                    return {1, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 16.91916847229004) {
+                      if (x.log2_S <= 15.973601818084717) {
+                        if (x.avg <= 11.354914665222168) {
+                          if (x.log2_S <= 15.706128597259521) {
+                            return {1, 1, 64, 256, 0};  // SP
+                          } else {
+                            if (x.avg <= 9.646807670593262) {
+                              return {1, 1, 64, 256, 0};  // SP
+                            } else {
+                              return {1, 2, 64, 128, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 12.478835105895996) {
+                if (x.log2_S <= 10.626459121704102) {
+                  if (x.avg <= 58.13175392150879) {
+                    return {1, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 10.39375638961792) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      return {1, 8, 8, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 32.78535461425781) {
+                    if (x.avg <= 25.729308128356934) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.757294654846191) {
+                        if (x.log2_S <= 11.26113510131836) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.331461906433105) {
+                            return {1, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {1, 1, 64, 256, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.677228927612305) {
+                      if (x.avg <= 38.71429443359375) {
+                        return {1, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 54.812042236328125) {
+                  if (x.log2_S <= 17.946118354797363) {
+                    if (x.log2_S <= 12.889459133148193) {
+                      if (x.avg <= 22.548253059387207) {
+                        if (x.avg <= 16.892685890197754) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          if (x.avg <= 20.47315216064453) {
+                            return {1, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {1, 1, 64, 256, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 51.584739685058594) {
+                          return {1, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 8, 8, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 51.26485061645508) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.511855125427246) {
+                          return {1, 8, 8, 32, 0};  // SP
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 22.16944980621338) {
+                      if (x.log2_S <= 17.990978240966797) {
+                        if (x.log2_S <= 17.956028938293457) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 33.839277267456055) {
+                        if (x.log2_S <= 18.487248420715332) {
+                          return {1, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.84214210510254) {
+                    return {1, 8, 8, 32, 0};  // SP
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
                 }
               }
             }
           } else {
-            if (x.long_level <= 1.5) {
-              if (x.log2_S <= 13.77338171005249) {
-                if (x.avg <= 3.935539960861206) {
-                  return {1, 16, 64, 4, 0};  // SP
-                } else {
-                  return {1, 32, 64, 4, 0};  // SP
-                }
+            if (x.log2_S <= 18.90238666534424) {
+              if (x.avg <= 46.05824089050293) {
+                return {1, 1, 64, 256, 0};  // SP
               } else {
-                return {1, 16, 64, 4, 0};  // SP
+                return {1, 2, 64, 128, 0};  // SP
               }
             } else {
-              return {1, 2, 8, 128, 1};  // SR
+              return {1, 1, 64, 256, 0};  // SP
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 18.770604133605957) {
-              if (x.avg <= 40.0) {
-                if (x.avg <= 13.600367546081543) {
-                  return {1, 1, 64, 256, 0};  // SP
+          if (x.log2_S <= 17.687411308288574) {
+            if (x.long_level <= 2.5) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 12.153343677520752) {
+                  if (x.log2_S <= 11.313913822174072) {
+                    return {1, 32, 32, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 7.820007562637329) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 9.543116092681885) {
+                        if (x.log2_S <= 11.885228157043457) {
+                          return {1, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 11.987512111663818) {
+                          return {1, 32, 32, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 135.2347068786621) {
+                            if (x.log2_S <= 11.99720811843872) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 32, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
                 } else {
-                  return {1, 2, 32, 128, 0};  // SP
+                  if (x.log2_S <= 14.662709712982178) {
+                    if (x.log2_S <= 13.712265968322754) {
+                      if (x.log2_S <= 12.21827507019043) {
+                        if (x.avg <= 14.986687183380127) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 88.69295501708984) {
+                            return {1, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 27.537232398986816) {
+                        if (x.avg <= 17.398681640625) {
+                          if (x.log2_S <= 14.624340057373047) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.avg <= 6.135483264923096) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.237163543701172) {
+                      if (x.avg <= 55.31987953186035) {
+                        if (x.log2_S <= 14.695869445800781) {
+                          if (x.avg <= 2.6331005096435547) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 165.40887451171875) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.619943618774414) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  }
                 }
               } else {
-                return {1, 8, 8, 32, 0};  // SP
+                if (x.log2_S <= 15.348608016967773) {
+                  return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  if (x.avg <= 60.61251640319824) {
+                    if (x.log2_S <= 17.58255672454834) {
+                      if (x.avg <= 52.0223388671875) {
+                        if (x.avg <= 39.26054763793945) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.807997703552246) {
+                            if (x.log2_S <= 15.588592529296875) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 2, 32};  // PR
+                            }
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.19876003265381) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 7.0444016456604) {
+                        return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 17.661117553710938) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.396069526672363) {
+                      if (x.log2_S <= 15.367193698883057) {
+                        return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 17.079604148864746) {
+                        return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 17.207798957824707) {
+                          if (x.log2_S <= 17.178662300109863) {
+                            if (x.log2_S <= 17.085942268371582) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 2, 32};  // PR
+                            }
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
+                }
               }
             } else {
-              return {1, 1, 64, 256, 0};  // SP
+              return {1, 32, 8, 2, 32};  // PR
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 15.154823303222656) {
-                return {1, 2, 8, 128, 1};  // SR
+              if (x.log2_S <= 18.03665065765381) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 178.23251342773438) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 17.820995330810547) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {1, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                } else {
+                  return {1, 32, 8, 2, 32};  // PR
+                }
               } else {
-                if (x.log2_S <= 16.983579635620117) {
-                  return {1, 2, 8, 128, 1};  // SR
+                if (x.avg <= 6.836920261383057) {
+                  if (x.avg <= 4.229583501815796) {
+                    if (x.log2_S <= 18.64681911468506) {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 4.066431164741516) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {1, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.avg <= 4.032902717590332) {
+                        return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 21.205843925476074) {
+                            return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 32, 16, 2, 16};  // PR
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 21.62882423400879) {
+                        if (x.log2_S <= 21.205636978149414) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.avg <= 5.364851474761963) {
+                            return {1, 32, 16, 2, 16};  // PR
+                          } else {
+                            return {1, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      } else {
+                        return {1, 32, 16, 2, 16};  // PR
+                      }
+                    } else {
+                      return {1, 32, 8, 2, 32};  // PR
+                    }
+                  }
                 } else {
                   return {1, 32, 8, 2, 32};  // PR
                 }
               }
             } else {
-              if (x.avg <= 8.990526676177979) {
-                return {1, 32, 8, 2, 32};  // PR
+              if (x.avg <= 10.113437175750732) {
+                if (x.avg <= 8.27552843093872) {
+                  return {1, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.log2_S <= 20.461726188659668) {
+                    return {1, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 22.973076820373535) {
+                      if (x.log2_S <= 21.760573387145996) {
+                        return {1, 32, 16, 2, 16};  // PR
+                      } else {
+                        if (x.avg <= 9.147148609161377) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 32, 16, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      return {1, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                }
               } else {
-                return {1, 32, 16, 2, 16};  // PR
+                if (x.log2_S <= 18.036993980407715) {
+                  return {1, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.avg <= 16.720690727233887) {
+                    if (x.log2_S <= 20.368526458740234) {
+                      if (x.log2_S <= 19.888623237609863) {
+                        return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.avg <= 13.751004695892334) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 32, 16, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      return {1, 32, 16, 2, 16};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 18.188243865966797) {
+                      if (x.avg <= 32.09517192840576) {
+                        return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {1, 32, 16, 2, 16};  // PR
+                      }
+                    } else {
+                      return {1, 32, 16, 2, 16};  // PR
+                    }
+                  }
+                }
               }
             }
           }
         }
       } else {
-        if (x.log2_S <= 14.345362186431885) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 9.693398475646973) {
-              return {2, 1, 64, 256, 0};  // SP
-            } else {
-              if (x.avg <= 1.611691415309906) {
-                return {2, 4, 32, 64, 0};  // SP
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 19.50472927093506) {
+            if (x.log2_S <= 13.412193298339844) {
+              if (x.log2_S <= 10.061285018920898) {
+                if (x.avg <= 1.4182403683662415) {
+                  return {2, 8, 8, 32, 0};  // SP
+                } else {
+                  if (x.avg <= 3.161522150039673) {
+                    if (x.log2_S <= 9.471913814544678) {
+                      if (x.avg <= 1.7614761590957642) {
+                        if (x.log2_S <= 8.808279991149902) {
+                          return {2, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      return {2, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 9.925285339355469) {
+                      return {2, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.avg <= 36.32269287109375) {
+                        if (x.avg <= 3.6735788583755493) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
               } else {
-                return {2, 8, 32, 32, 0};  // SP
+                if (x.avg <= 1.5535386204719543) {
+                  return {2, 8, 8, 32, 0};  // SP
+                } else {
+                  if (x.log2_S <= 12.59767198562622) {
+                    return {2, 16, 64, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 14.375390529632568) {
+                      if (x.avg <= 4.1344428062438965) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 12.765734195709229) {
+                          return {2, 1, 64, 256, 0};  // SP
+                        } else {
+                          if (x.avg <= 14.190314292907715) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 1, 64, 256, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.274213314056396) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 24.229987144470215) {
+                          return {2, 8, 8, 32, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 10.320997714996338) {
+                if (x.log2_S <= 14.275287628173828) {
+                  if (x.avg <= 1.6500170230865479) {
+                    return {2, 8, 8, 32, 0};  // SP
+                  } else {
+                    if (x.avg <= 2.816052794456482) {
+                      if (x.log2_S <= 13.848876476287842) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 9.387541770935059) {
+                    return {2, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 15.94258451461792) {
+                      return {2, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 18.524327278137207) {
+                        return {2, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {2, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 23.74708843231201) {
+                  if (x.log2_S <= 14.36787223815918) {
+                    if (x.avg <= 15.21616268157959) {
+                      if (x.avg <= 12.619890689849854) {
+                        return {2, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {2, 8, 8, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 15.303972244262695) {
+                      if (x.avg <= 18.982669830322266) {
+                        if (x.avg <= 11.354914665222168) {
+                          return {2, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {2, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {2, 8, 8, 32, 0};  // SP
+                      }
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.255229949951172) {
+                    return {2, 8, 8, 32, 0};  // SP
+                  } else {
+                    if (x.avg <= 50.438472747802734) {
+                      if (x.avg <= 44.45482063293457) {
+                        return {2, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 19.024842262268066) {
+                          if (x.log2_S <= 18.127553939819336) {
+                            return {2, 8, 8, 32, 0};  // SP
+                          } else {
+                            return {2, 2, 64, 128, 0};  // SP
+                          }
+                        } else {
+                          return {2, 1, 64, 256, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.863618850708008) {
+                        return {2, 8, 8, 32, 0};  // SP
+                      } else {
+                        return {2, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  }
+                }
               }
             }
           } else {
-            if (x.log2_S <= 12.489808559417725) {
-              if (x.avg <= 3.935539960861206) {
-                return {2, 16, 64, 8, 0};  // SP
+            if (x.log2_S <= 19.695359230041504) {
+              if (x.avg <= 14.639011859893799) {
+                return {2, 1, 64, 256, 0};  // SP
               } else {
-                return {2, 32, 64, 4, 0};  // SP
+                if (x.avg <= 39.14068412780762) {
+                  return {2, 2, 64, 128, 0};  // SP
+                } else {
+                  return {2, 1, 64, 256, 0};  // SP
+                }
               }
             } else {
-              if (x.log2_S <= 14.277432441711426) {
-                if (x.avg <= 3.377132534980774) {
-                  return {2, 16, 64, 8, 0};  // SP
-                } else {
-                  return {1, 2, 8, 128, 1};  // SR
-                }
-              } else {
-                return {2, 16, 64, 8, 0};  // SP
-              }
+              return {2, 1, 64, 256, 0};  // SP
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.avg <= 7.600367546081543) {
-              return {2, 1, 64, 256, 0};  // SP
-            } else {
-              if (x.avg <= 40.0) {
-                if (x.avg <= 13.600367546081543) {
-                  return {2, 1, 64, 256, 0};  // SP
+          if (x.log2_S <= 17.739794731140137) {
+            if (x.long_level <= 2.5) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 12.437458515167236) {
+                  if (x.log2_S <= 11.40260934829712) {
+                    return {2, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 6.0981645584106445) {
+                      if (x.log2_S <= 11.448862552642822) {
+                        if (x.avg <= 2.265407145023346) {
+                          return {2, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 5.718874216079712) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.868725776672363) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      return {2, 32, 64, 4, 0};  // SP
+                    }
+                  }
                 } else {
-                  return {2, 4, 32, 64, 0};  // SP
+                  if (x.log2_S <= 14.344097137451172) {
+                    if (x.log2_S <= 14.031276226043701) {
+                      if (x.log2_S <= 12.49198579788208) {
+                        if (x.avg <= 9.259546041488647) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 115.39345169067383) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 29.01933765411377) {
+                        if (x.avg <= 7.411951065063477) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 64.22932052612305) {
+                      if (x.log2_S <= 17.68467426300049) {
+                        if (x.log2_S <= 14.580893516540527) {
+                          if (x.avg <= 34.90496253967285) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 3.9943292140960693) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.avg <= 8.440531969070435) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            if (x.avg <= 43.71285820007324) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.828270435333252) {
+                        if (x.avg <= 84.11907577514648) {
+                          if (x.log2_S <= 15.26029109954834) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 17.58590793609619) {
+                          if (x.log2_S <= 16.03255844116211) {
+                            if (x.avg <= 136.35095977783203) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 117.99972915649414) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    }
+                  }
                 }
               } else {
-                return {2, 8, 32, 32, 0};  // SP
+                return {1, 2, 8, 128, 1};  // SR
+              }
+            } else {
+              if (x.avg <= 18.698617935180664) {
+                if (x.avg <= 12.177832126617432) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.log2_S <= 15.85951280593872) {
+                    if (x.log2_S <= 11.238418102264404) {
+                      if (x.avg <= 15.292375087738037) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 16};  // PR
+                  }
+                }
+              } else {
+                if (x.avg <= 19.6519136428833) {
+                  if (x.avg <= 19.613811492919922) {
+                    return {2, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  return {2, 32, 8, 2, 16};  // PR
+                }
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 15.154823303222656) {
-                return {1, 2, 8, 128, 1};  // SR
-              } else {
-                if (x.log2_S <= 16.983579635620117) {
-                  return {1, 2, 8, 128, 1};  // SR
+            if (x.log2_S <= 20.89542293548584) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 18.240565299987793) {
+                  if (x.avg <= 3.9631072282791138) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
                 } else {
                   return {2, 32, 8, 2, 32};  // PR
                 }
+              } else {
+                if (x.long_level <= 2.5) {
+                  if (x.avg <= 14.4995698928833) {
+                    if (x.log2_S <= 18.86092758178711) {
+                      if (x.log2_S <= 18.064128875732422) {
+                        if (x.avg <= 6.814433574676514) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 18.603315353393555) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.avg <= 3.8200143575668335) {
+                            return {2, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 8.372011184692383) {
+                        return {2, 32, 8, 2, 16};  // PR
+                      } else {
+                        if (x.log2_S <= 19.581887245178223) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.25035572052002) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 15.595589637756348) {
+                        if (x.log2_S <= 20.3607759475708) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 10.261304378509521) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.avg <= 11.397095203399658) {
+                      if (x.log2_S <= 18.39410400390625) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
               }
             } else {
-              if (x.avg <= 8.990526676177979) {
-                return {2, 32, 8, 2, 32};  // PR
+              if (x.long_level <= 2.5) {
+                if (x.avg <= 29.46714973449707) {
+                  if (x.avg <= 4.032902717590332) {
+                    if (x.long_level <= 1.5) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 21.48935031890869) {
+                      if (x.avg <= 20.85219097137451) {
+                        if (x.log2_S <= 20.908698081970215) {
+                          if (x.log2_S <= 20.902310371398926) {
+                            return {2, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 21.04275131225586) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 21.816155433654785) {
+                      if (x.avg <= 80.6663818359375) {
+                        if (x.log2_S <= 21.308664321899414) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                }
               } else {
-                return {2, 32, 8, 2, 16};  // PR
+                if (x.log2_S <= 22.804521560668945) {
+                  if (x.avg <= 14.28874921798706) {
+                    if (x.avg <= 10.275304317474365) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 21.954461097717285) {
+                        return {2, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 18.344639778137207) {
+                      if (x.log2_S <= 22.32002544403076) {
+                        return {2, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 25.80297565460205) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.avg <= 36.947126388549805) {
+                      if (x.avg <= 29.592195510864258) {
+                        if (x.log2_S <= 23.249327659606934) {
+                          return {2, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        if (x.avg <= 36.76846122741699) {
+                          return {2, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.log2_S <= 23.999242782592773) {
+                            return {2, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                }
               }
             }
           }
@@ -149,139 +1033,1015 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.log2_S <= 14.345362186431885) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 10.5633225440979) {
-              if (x.avg <= 2.9343544840812683) {
-                return {4, 16, 64, 8, 0};  // SP
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 19.45934772491455) {
+            if (x.avg <= 6.91841197013855) {
+              if (x.log2_S <= 15.752349853515625) {
+                if (x.log2_S <= 12.062119483947754) {
+                  if (x.avg <= 3.390712857246399) {
+                    if (x.log2_S <= 11.979692459106445) {
+                      return {1, 32, 8, 2, 0};  // SP
+                    } else {
+                      if (x.avg <= 1.7101340293884277) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 32, 8, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.426547527313232) {
+                      if (x.avg <= 3.9347034692764282) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {2, 64, 32, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 10.153247833251953) {
+                        if (x.avg <= 3.838648557662964) {
+                          return {1, 32, 8, 2, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 11.681666851043701) {
+                          if (x.avg <= 6.419171571731567) {
+                            return {1, 32, 8, 2, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 1.4174115657806396) {
+                    if (x.log2_S <= 13.480335712432861) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 15.592973232269287) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.avg <= 4.643115282058716) {
+                        return {4, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
+                }
               } else {
-                return {2, 16, 8, 4, 0};  // SP
+                if (x.avg <= 5.127340316772461) {
+                  return {4, 1, 64, 256, 0};  // SP
+                } else {
+                  if (x.log2_S <= 16.80548095703125) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    return {4, 1, 64, 256, 0};  // SP
+                  }
+                }
               }
             } else {
-              if (x.log2_S <= 11.202819347381592) {
-                return {2, 16, 8, 4, 0};  // SP
+              if (x.log2_S <= 8.886003017425537) {
+                if (x.avg <= 24.68556022644043) {
+                  if (x.avg <= 15.366736888885498) {
+                    return {4, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.avg <= 19.422463417053223) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
               } else {
-                return {4, 16, 64, 8, 0};  // SP
+                if (x.avg <= 55.73386764526367) {
+                  if (x.avg <= 33.11254692077637) {
+                    if (x.log2_S <= 19.042181968688965) {
+                      if (x.log2_S <= 9.0243821144104) {
+                        if (x.avg <= 12.872904300689697) {
+                          return {4, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 12.616827487945557) {
+                        return {4, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.79346752166748) {
+                      if (x.log2_S <= 10.435291290283203) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.232913970947266) {
+                          return {1, 32, 8, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 48.95074653625488) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 15.47093677520752) {
+                          if (x.log2_S <= 13.027610778808594) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            if (x.avg <= 50.9320011138916) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.123652458190918) {
+                    if (x.log2_S <= 10.777034759521484) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 15.205165386199951) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 59.031005859375) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 63.96506881713867) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  }
+                }
               }
             }
           } else {
-            if (x.log2_S <= 13.283661365509033) {
-              if (x.avg <= 3.935539960861206) {
-                if (x.log2_S <= 11.551509380340576) {
-                  return {2, 32, 64, 4, 0};  // SP
-                } else {
-                  return {4, 16, 64, 8, 0};  // SP
-                }
+            if (x.log2_S <= 19.81930160522461) {
+              if (x.avg <= 17.99079132080078) {
+                return {4, 1, 64, 256, 0};  // SP
               } else {
-                if (x.log2_S <= 11.551509380340576) {
-                  return {1, 4, 8, 64, 1};  // SR
+                if (x.log2_S <= 19.681370735168457) {
+                  return {4, 4, 64, 64, 0};  // SP
                 } else {
-                  return {2, 32, 64, 4, 0};  // SP
+                  if (x.avg <= 41.47011470794678) {
+                    return {4, 1, 64, 256, 0};  // SP
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 13.777432441711426) {
-                return {1, 4, 8, 64, 1};  // SR
+              if (x.avg <= 61.59792900085449) {
+                return {4, 1, 64, 256, 0};  // SP
               } else {
-                if (x.log2_S <= 14.277432441711426) {
-                  return {1, 4, 8, 64, 1};  // SR
+                if (x.log2_S <= 20.445063591003418) {
+                  return {4, 4, 64, 64, 0};  // SP
                 } else {
-                  return {4, 16, 64, 8, 0};  // SP
+                  return {4, 1, 64, 256, 0};  // SP
                 }
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.avg <= 40.0) {
-              if (x.avg <= 7.600367546081543) {
-                return {4, 1, 64, 256, 0};  // SP
-              } else {
-                return {4, 4, 32, 64, 0};  // SP
-              }
-            } else {
-              return {2, 16, 8, 4, 0};  // SP
-            }
-          } else {
+          if (x.log2_S <= 18.31303596496582) {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 15.154823303222656) {
-                return {1, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.avg <= 2.918359637260437) {
-                  return {4, 32, 8, 2, 32};  // PR
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 14.546009063720703) {
+                  if (x.log2_S <= 12.21827507019043) {
+                    if (x.avg <= 8.846442699432373) {
+                      if (x.log2_S <= 11.081765174865723) {
+                        if (x.log2_S <= 11.05129623413086) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 6.226741313934326) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 64, 32, 1, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.19379711151123) {
+                          if (x.avg <= 1.51808500289917) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 64, 32, 1, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.134958267211914) {
+                        if (x.avg <= 9.690617084503174) {
+                          if (x.log2_S <= 11.888134002685547) {
+                            if (x.log2_S <= 10.4751615524292) {
+                              if (x.log2_S <= 9.331483840942383) {
+                                return {2, 64, 32, 1, 0};  // SP
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {2, 64, 32, 1, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {2, 64, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 50.65034866333008) {
+                          if (x.avg <= 14.986687183380127) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {2, 64, 32, 1, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.088158130645752) {
+                      if (x.log2_S <= 12.408873081207275) {
+                        if (x.avg <= 90.75270462036133) {
+                          if (x.avg <= 17.85761594772339) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.avg <= 40.415283203125) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {2, 64, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 29.00579261779785) {
+                        if (x.avg <= 3.6275027990341187) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 15.724899768829346) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
                 } else {
-                  return {4, 32, 8, 1, 16};  // PR
+                  if (x.avg <= 74.05924987792969) {
+                    if (x.log2_S <= 18.104363441467285) {
+                      if (x.avg <= 41.53395652770996) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.042769432067871) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 28.498483657836914) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.787775993347168) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 17.79843044281006) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.avg <= 109.59801483154297) {
+                          if (x.log2_S <= 17.9190616607666) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 1, 16};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 15.794783592224121) {
+                  if (x.log2_S <= 14.34205961227417) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 29.465378761291504) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 15.346286296844482) {
+                        if (x.log2_S <= 15.193814277648926) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.avg <= 62.455514907836914) {
+                            return {4, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {4, 32, 8, 1, 16};  // PR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 36.7265567779541) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.30832004547119) {
+                    if (x.avg <= 25.64435386657715) {
+                      if (x.avg <= 4.4436798095703125) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        if (x.log2_S <= 16.24551773071289) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 8.33683705329895) {
+                            return {4, 32, 8, 1, 16};  // PR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 1, 16};  // PR
+                    }
+                  } else {
+                    return {4, 32, 8, 1, 16};  // PR
+                  }
                 }
               }
             } else {
-              if (x.avg <= 8.990526676177979) {
+              if (x.avg <= 9.688128471374512) {
                 return {4, 32, 8, 2, 32};  // PR
               } else {
                 return {4, 32, 8, 1, 16};  // PR
               }
             }
-          }
-        }
-      } else {
-        if (x.log2_S <= 13.283661365509033) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 10.5633225440979) {
-              return {1, 32, 64, 4, 0};  // SP
-            } else {
-              return {1, 32, 16, 2, 0};  // SP
-            }
           } else {
-            if (x.avg <= 3.935539960861206) {
-              if (x.avg <= 2.098657786846161) {
-                return {1, 32, 8, 4, 1};  // SR
-              } else {
-                if (x.avg <= 3.31723952293396) {
-                  return {1, 8, 8, 32, 1};  // SR
+            if (x.avg <= 16.971003532409668) {
+              if (x.log2_S <= 19.472347259521484) {
+                if (x.avg <= 6.7403404712677) {
+                  if (x.avg <= 3.508918523788452) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 19.30467987060547) {
+                        if (x.log2_S <= 18.3883638381958) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 18.326995849609375) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
                 } else {
-                  return {1, 32, 8, 4, 1};  // SR
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 18.591997146606445) {
+                      if (x.avg <= 7.325523853302002) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 19.46431064605713) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.727407455444336) {
+                      if (x.avg <= 7.641468048095703) {
+                        if (x.log2_S <= 18.555028915405273) {
+                          return {4, 32, 8, 1, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    } else {
+                      if (x.long_level <= 2.5) {
+                        return {4, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.avg <= 9.422406673431396) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 9.996278762817383) {
+                  return {4, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.long_level <= 2.5) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 21.954461097717285) {
+                      return {4, 32, 8, 1, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 11.184398174285889) {
-                return {1, 32, 8, 4, 1};  // SR
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 19.396865844726562) {
+                  if (x.avg <= 212.1410903930664) {
+                    if (x.avg <= 19.53421401977539) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 19.37479591369629) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        if (x.log2_S <= 19.381439208984375) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.511631965637207) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 1, 16};  // PR
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 2, 32};  // PR
+                }
               } else {
-                return {1, 8, 8, 32, 1};  // SR
+                if (x.log2_S <= 22.444969177246094) {
+                  if (x.avg <= 17.085515022277832) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {4, 32, 8, 1, 16};  // PR
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    return {4, 32, 8, 1, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 32};  // PR
+                  }
+                }
+              }
+            }
+          }
+        }
+      } else {
+        if (x.long_level <= 2.5) {
+          if (x.log2_S <= 15.091544151306152) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 9.898620128631592) {
+                if (x.avg <= 2.3719735145568848) {
+                  if (x.log2_S <= 9.035197734832764) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {1, 32, 16, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 3.161522150039673) {
+                    if (x.log2_S <= 9.508054256439209) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {1, 32, 16, 8, 0};  // SP
+                    }
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.147422313690186) {
+                  if (x.log2_S <= 9.92658281326294) {
+                    if (x.avg <= 3.6499500274658203) {
+                      return {1, 32, 16, 8, 0};  // SP
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    return {1, 32, 16, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 15.232119083404541) {
+                    if (x.log2_S <= 13.625394344329834) {
+                      if (x.avg <= 3.5510733127593994) {
+                        if (x.log2_S <= 13.594619274139404) {
+                          return {1, 32, 16, 8, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 22.768954277038574) {
+                      if (x.log2_S <= 14.472386837005615) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 13.587510108947754) {
+                        if (x.avg <= 48.651506423950195) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 32, 16, 8, 0};  // SP
+                        }
+                      } else {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.436888217926025) {
+                if (x.avg <= 4.099085569381714) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 2.3062955141067505) {
+                      if (x.log2_S <= 12.1826491355896) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.33073377609253) {
+                          if (x.avg <= 1.5682463645935059) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 3.665197730064392) {
+                        if (x.log2_S <= 13.300399780273438) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 10.585516929626465) {
+                          if (x.log2_S <= 9.225717067718506) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  return {1, 8, 8, 32, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 36.19335174560547) {
+                  if (x.avg <= 25.697794914245605) {
+                    if (x.avg <= 2.6652897596359253) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 14.378964900970459) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.073206901550293) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.55183219909668) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 116.04813003540039) {
+                        if (x.log2_S <= 14.089742183685303) {
+                          if (x.avg <= 84.09642791748047) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 13.56425666809082) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.651847839355469) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 37.91440773010254) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.737962245941162) {
+                          if (x.avg <= 96.69417953491211) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 14.694602489471436) {
+                        if (x.avg <= 114.27850723266602) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 61.935401916503906) {
+                        if (x.log2_S <= 14.839963436126709) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 21.45588207244873) {
+                if (x.avg <= 16.832098960876465) {
+                  if (x.log2_S <= 19.104455947875977) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.avg <= 3.127982497215271) {
+                      if (x.avg <= 2.488408923149109) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 19.953327178955078) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 21.227317810058594) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.avg <= 8.337637424468994) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.3019962310791) {
+                    return {1, 16, 64, 8, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 17.721853256225586) {
+                      if (x.avg <= 32.39768695831299) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 21.78268337249756) {
+                  if (x.avg <= 10.666533946990967) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  return {1, 8, 16, 32, 1};  // SR
+                }
+              }
+            } else {
+              if (x.log2_S <= 20.37835693359375) {
+                if (x.avg <= 35.058523178100586) {
+                  if (x.log2_S <= 16.1268367767334) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 24.292658805847168) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 29.5928316116333) {
+                        if (x.log2_S <= 15.236502170562744) {
+                          if (x.avg <= 3.716120481491089) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 13.010103225708008) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 19.076727867126465) {
+                      if (x.log2_S <= 17.044511795043945) {
+                        if (x.avg <= 2.9235262870788574) {
+                          if (x.long_level <= 1.5) {
+                            if (x.avg <= 2.7383419275283813) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 16.59059429168701) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 28.459752082824707) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 25.42389488220215) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 18.01901149749756) {
+                              return {1, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 19.550565719604492) {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 3.211535930633545) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 19.11385154724121) {
+                              if (x.avg <= 16.3031644821167) {
+                                return {1, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 34.6759147644043) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 19.047797203063965) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 19.470367431640625) {
+                        return {1, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 20.161187171936035) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 8, 32, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 20.893310546875) {
+                    if (x.avg <= 3.5745803117752075) {
+                      if (x.avg <= 2.835017681121826) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 20.656587600708008) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    return {1, 8, 32, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 22.134533882141113) {
+                    if (x.log2_S <= 22.135650634765625) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 3.3661820888519287) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 7.102213144302368) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 17.829033851623535) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 32.303948402404785) {
+                      if (x.log2_S <= 21.0273380279541) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                }
               }
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.avg <= 40.0) {
-                if (x.avg <= 7.600367546081543) {
-                  return {1, 8, 16, 32, 1};  // SR
+          if (x.log2_S <= 21.20125961303711) {
+            if (x.avg <= 9.249909400939941) {
+              if (x.log2_S <= 14.154649257659912) {
+                if (x.log2_S <= 13.682903289794922) {
+                  return {1, 8, 32, 32, 1};  // SR
                 } else {
-                  return {1, 8, 64, 32, 0};  // SP
+                  if (x.avg <= 2.9041385650634766) {
+                    return {1, 8, 32, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 4.11556077003479) {
+                      return {1, 8, 64, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 6.912963390350342) {
+                        return {1, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  }
                 }
               } else {
-                return {1, 32, 16, 2, 0};  // SP
+                if (x.log2_S <= 18.183741569519043) {
+                  if (x.log2_S <= 16.023645401000977) {
+                    return {1, 8, 64, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 3.7961536645889282) {
+                      if (x.log2_S <= 16.976365089416504) {
+                        if (x.log2_S <= 16.575340270996094) {
+                          return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.3844783306121826) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 6.388164758682251) {
+                        if (x.log2_S <= 17.368433952331543) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 4.381747484207153) {
+                            return {1, 8, 64, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {1, 8, 64, 32, 1};  // SR
+                }
               }
             } else {
-              if (x.log2_S <= 14.345362186431885) {
-                if (x.avg <= 14.003987789154053) {
-                  return {1, 8, 8, 32, 1};  // SR
-                } else {
+              if (x.avg <= 9.939945220947266) {
+                if (x.avg <= 9.836280822753906) {
                   return {1, 8, 32, 32, 1};  // SR
+                } else {
+                  return {1, 8, 64, 32, 1};  // SR
                 }
               } else {
-                if (x.avg <= 26.53791618347168) {
-                  return {1, 8, 16, 32, 1};  // SR
-                } else {
-                  return {1, 8, 32, 32, 1};  // SR
-                }
+                return {1, 8, 32, 32, 1};  // SR
               }
             }
           } else {
-            if (x.avg <= 8.990526676177979) {
-              return {1, 8, 64, 32, 1};  // SR
-            } else {
-              return {1, 8, 32, 32, 1};  // SR
-            }
+            return {1, 8, 64, 32, 1};  // SR
           }
         }
       }
@@ -289,132 +2049,1016 @@ inline Config plain_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.log2_S <= 14.277432441711426) {
+        if (x.long_level <= 2.5) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 10.5633225440979) {
-              if (x.avg <= 2.9343544840812683) {
-                return {4, 8, 64, 32, 0};  // SP
-              } else {
-                return {2, 16, 32, 2, 0};  // SP
-              }
-            } else {
-              return {2, 16, 32, 2, 0};  // SP
-            }
-          } else {
-            if (x.avg <= 3.31723952293396) {
-              if (x.log2_S <= 13.77338171005249) {
-                return {1, 32, 8, 4, 1};  // SR
-              } else {
-                return {2, 4, 8, 64, 1};  // SR
-              }
-            } else {
-              if (x.avg <= 16.78819751739502) {
-                if (x.log2_S <= 12.49385929107666) {
-                  return {1, 32, 8, 4, 1};  // SR
+            if (x.log2_S <= 18.133197784423828) {
+              if (x.log2_S <= 9.179908752441406) {
+                if (x.avg <= 3.6757893562316895) {
+                  if (x.avg <= 1.506810188293457) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    return {4, 8, 32, 32, 0};  // SP
+                  }
                 } else {
-                  return {2, 4, 8, 64, 1};  // SR
+                  return {4, 2, 64, 128, 0};  // SP
                 }
               } else {
-                return {4, 2, 8, 128, 1};  // SR
+                if (x.log2_S <= 16.696833610534668) {
+                  if (x.avg <= 1.4611550569534302) {
+                    if (x.log2_S <= 13.311021327972412) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 8, 32, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 27.2808198928833) {
+                      if (x.log2_S <= 9.316481590270996) {
+                        if (x.avg <= 3.7957706451416016) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          if (x.avg <= 7.663087844848633) {
+                            return {4, 2, 64, 128, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 9.201536655426025) {
+                              return {4, 2, 64, 128, 0};  // SP
+                            } else {
+                              return {4, 8, 32, 32, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.26483917236328) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          if (x.avg <= 5.296044826507568) {
+                            if (x.avg <= 3.5451139211654663) {
+                              return {4, 8, 32, 32, 0};  // SP
+                            } else {
+                              return {4, 2, 64, 128, 0};  // SP
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.971045017242432) {
+                        if (x.log2_S <= 10.615572452545166) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.613617420196533) {
+                            if (x.avg <= 32.16623878479004) {
+                              if (x.log2_S <= 11.838071823120117) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 12.950697422027588) {
+                                  return {4, 8, 32, 32, 0};  // SP
+                                } else {
+                                  return {4, 32, 64, 4, 0};  // SP
+                                }
+                              }
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.avg <= 60.072126388549805) {
+                              return {4, 8, 32, 32, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 60.79114532470703) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 6.5877721309661865) {
+                    if (x.log2_S <= 16.93278217315674) {
+                      if (x.avg <= 2.0911837816238403) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 9.22691822052002) {
+                      if (x.log2_S <= 17.504769325256348) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 18.326659202575684) {
+                if (x.avg <= 29.923442840576172) {
+                  return {4, 2, 64, 128, 0};  // SP
+                } else {
+                  return {4, 8, 32, 32, 0};  // SP
+                }
+              } else {
+                return {4, 2, 64, 128, 0};  // SP
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.484045505523682) {
+              if (x.log2_S <= 11.382378101348877) {
+                if (x.avg <= 13.099641799926758) {
+                  if (x.avg <= 7.399791955947876) {
+                    if (x.log2_S <= 11.125765800476074) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 9.196048259735107) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.3283296823501587) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 3.233909010887146) {
+                              return {1, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.avg <= 6.745075464248657) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 10.447167873382568) {
+                                  return {1, 16, 8, 4, 1};  // SR
+                                } else {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 3.014989495277405) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.299570560455322) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 12.03629732131958) {
+                        if (x.log2_S <= 11.153552532196045) {
+                          return {1, 16, 8, 4, 1};  // SR
+                        } else {
+                          if (x.avg <= 9.118180751800537) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 9.367799282073975) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 10.648329734802246) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {1, 8, 8, 32, 1};  // SR
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 6.384890794754028) {
+                    if (x.log2_S <= 13.016412258148193) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 3.1887348890304565) {
+                        return {1, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 86.6214599609375) {
+                      if (x.log2_S <= 13.302908897399902) {
+                        if (x.avg <= 12.983918190002441) {
+                          if (x.log2_S <= 12.545969009399414) {
+                            if (x.avg <= 9.220888137817383) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 16, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.941215515136719) {
+                            if (x.avg <= 34.31032752990723) {
+                              if (x.log2_S <= 11.614476680755615) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 67.69054794311523) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 12.705761909484863) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 16.28189182281494) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 68.05722236633301) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.872986793518066) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 95.47108459472656) {
+                          if (x.log2_S <= 12.708548069000244) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 67.45395278930664) {
+                    if (x.avg <= 22.568697929382324) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.920695304870605) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 27.140576362609863) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.854682922363281) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 86.77142715454102) {
+                        if (x.log2_S <= 12.592877388000488) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 14.984655857086182) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 67.63952255249023) {
+                    if (x.avg <= 8.873266696929932) {
+                      if (x.avg <= 5.099919557571411) {
+                        if (x.log2_S <= 13.864138126373291) {
+                          if (x.avg <= 2.57554829120636) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.391911029815674) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 10.531490802764893) {
+                        if (x.log2_S <= 14.215710639953613) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.595228672027588) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.avg <= 20.612165451049805) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.avg <= 36.767295837402344) {
+                              if (x.log2_S <= 14.837789535522461) {
+                                return {4, 32, 8, 2, 16};  // PR
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 84.11907577514648) {
+                      if (x.log2_S <= 14.712704181671143) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.58961296081543) {
+                    if (x.avg <= 11.071494579315186) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 21.177983283996582) {
+                  if (x.log2_S <= 15.164543151855469) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 3.4489545822143555) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 125.56641387939453) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.098090648651123) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 7.039039850234985) {
+                    if (x.long_level <= 1.5) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 22.083696365356445) {
+                        if (x.log2_S <= 21.539653778076172) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.avg <= 4.232696056365967) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 3.1937038898468018) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.avg <= 4.238264799118042) {
+                            if (x.avg <= 3.863399386405945) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              if (x.avg <= 4.080749988555908) {
+                                return {4, 32, 8, 2, 16};  // PR
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                }
               }
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.avg <= 7.600367546081543) {
-                return {4, 2, 64, 128, 0};  // SP
-              } else {
-                return {4, 8, 64, 32, 0};  // SP
-              }
+          if (x.log2_S <= 19.69060230255127) {
+            if (x.log2_S <= 19.149160385131836) {
+              return {4, 32, 8, 2, 16};  // PR
             } else {
-              if (x.avg <= 114.00017929077148) {
-                return {4, 2, 8, 128, 1};  // SR
+              if (x.avg <= 2.5501394271850586) {
+                return {4, 32, 32, 4, 16};  // PR
               } else {
-                return {4, 8, 64, 32, 0};  // SP
+                return {4, 32, 8, 2, 16};  // PR
               }
             }
           } else {
-            if (x.avg <= 8.990526676177979) {
-              if (x.log2_S <= 18.270604133605957) {
-                return {4, 32, 8, 2, 16};  // PR
+            if (x.log2_S <= 20.425935745239258) {
+              if (x.avg <= 18.71775722503662) {
+                if (x.avg <= 3.0793817043304443) {
+                  return {4, 32, 32, 4, 16};  // PR
+                } else {
+                  if (x.avg <= 11.537878036499023) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 20.154475212097168) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
               } else {
-                return {4, 32, 32, 4, 16};  // PR
+                if (x.avg <= 30.55625820159912) {
+                  if (x.log2_S <= 20.17798137664795) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
               }
             } else {
-              if (x.avg <= 10.980550765991211) {
-                return {4, 32, 8, 2, 16};  // PR
+              if (x.avg <= 24.266740798950195) {
+                if (x.avg <= 7.740311622619629) {
+                  if (x.log2_S <= 21.022286415100098) {
+                    if (x.avg <= 3.046942114830017) {
+                      return {4, 32, 32, 4, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    return {4, 32, 32, 4, 16};  // PR
+                  }
+                } else {
+                  if (x.avg <= 20.7186279296875) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 21.531877517700195) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 32, 4, 16};  // PR
+                    }
+                  }
+                }
               } else {
-                return {4, 2, 8, 128, 1};  // SR
+                return {4, 32, 32, 4, 16};  // PR
               }
             }
           }
         }
       } else {
-        if (x.log2_S <= 14.277432441711426) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 10.5633225440979) {
-              if (x.avg <= 2.9343544840812683) {
-                return {2, 32, 64, 2, 0};  // SP
-              } else {
-                return {4, 8, 64, 32, 0};  // SP
-              }
-            } else {
-              return {2, 32, 64, 2, 0};  // SP
-            }
-          } else {
-            if (x.avg <= 3.935539960861206) {
-              return {1, 16, 8, 8, 1};  // SR
-            } else {
-              if (x.avg <= 16.78819751739502) {
-                if (x.log2_S <= 11.551509380340576) {
-                  return {1, 16, 8, 8, 1};  // SR
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 14.132733345031738) {
+            if (x.log2_S <= 9.689248085021973) {
+              if (x.avg <= 3.6757893562316895) {
+                if (x.avg <= 1.3222641944885254) {
+                  return {4, 64, 64, 1, 0};  // SP
                 } else {
-                  return {4, 4, 8, 64, 1};  // SR
+                  return {2, 32, 16, 4, 0};  // SP
                 }
               } else {
-                return {2, 8, 16, 32, 1};  // SR
+                if (x.log2_S <= 9.499299049377441) {
+                  return {4, 4, 64, 64, 0};  // SP
+                } else {
+                  if (x.avg <= 30.311495780944824) {
+                    if (x.avg <= 10.728644371032715) {
+                      if (x.log2_S <= 9.669665813446045) {
+                        return {2, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    return {2, 32, 16, 4, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.494753360748291) {
+                if (x.avg <= 1.3044689297676086) {
+                  if (x.log2_S <= 11.201840877532959) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    return {2, 32, 16, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 9.839273452758789) {
+                    if (x.avg <= 5.248258352279663) {
+                      return {2, 32, 16, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 36.32269287109375) {
+                        if (x.avg <= 9.580396175384521) {
+                          if (x.avg <= 6.850635290145874) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {2, 32, 16, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        return {2, 32, 16, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 57.78411674499512) {
+                      return {2, 32, 16, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 12.876729011535645) {
+                        return {2, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 1, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 2.787562608718872) {
+                  return {2, 32, 16, 4, 0};  // SP
+                } else {
+                  if (x.avg <= 17.311579704284668) {
+                    if (x.avg <= 2.8944722414016724) {
+                      if (x.log2_S <= 13.694950580596924) {
+                        return {2, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 58.469892501831055) {
+                      if (x.log2_S <= 14.079278469085693) {
+                        return {2, 32, 16, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 33.48827075958252) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 64, 64, 1, 0};  // SP
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 14.512921810150146) {
+              if (x.avg <= 1.9629106521606445) {
+                return {2, 32, 16, 4, 0};  // SP
+              } else {
+                if (x.avg <= 32.71998119354248) {
+                  return {4, 4, 64, 64, 0};  // SP
+                } else {
+                  if (x.log2_S <= 14.348217964172363) {
+                    if (x.avg <= 36.257354736328125) {
+                      return {2, 32, 16, 4, 0};  // SP
+                    } else {
+                      return {4, 64, 64, 1, 0};  // SP
+                    }
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 59.73496627807617) {
+                return {4, 4, 64, 64, 0};  // SP
+              } else {
+                if (x.log2_S <= 16.64594841003418) {
+                  return {2, 32, 16, 4, 0};  // SP
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.avg <= 7.600367546081543) {
-              return {4, 4, 64, 64, 0};  // SP
-            } else {
-              if (x.avg <= 13.600367546081543) {
-                return {4, 8, 64, 32, 0};  // SP
-              } else {
-                if (x.avg <= 40.0) {
-                  return {4, 8, 64, 32, 0};  // SP
+          if (x.log2_S <= 13.516335487365723) {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 12.190606594085693) {
+                if (x.log2_S <= 11.386157512664795) {
+                  if (x.avg <= 1.0808497667312622) {
+                    if (x.log2_S <= 11.170056343078613) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {1, 16, 8, 8, 1};  // SR
+                  }
                 } else {
-                  return {2, 32, 64, 2, 0};  // SP
+                  if (x.avg <= 6.051299095153809) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 5.79241943359375) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.726479530334473) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {1, 16, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    return {1, 16, 8, 8, 1};  // SR
+                  }
                 }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 111.40367126464844) {
+                    if (x.avg <= 3.4352571964263916) {
+                      if (x.log2_S <= 12.510607719421387) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      return {1, 16, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.96832799911499) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      return {4, 64, 64, 1, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 6.406347990036011) {
+                    if (x.log2_S <= 13.074497699737549) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 3.7563499212265015) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.511293888092041) {
+                      if (x.avg <= 34.87922286987305) {
+                        if (x.avg <= 14.264028549194336) {
+                          if (x.avg <= 9.992116928100586) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.39833116531372) {
+                              if (x.log2_S <= 12.319174766540527) {
+                                return {2, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {2, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 6.82841420173645) {
+                        if (x.log2_S <= 12.99631929397583) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 11.930145263671875) {
+                if (x.avg <= 10.880173206329346) {
+                  return {4, 32, 8, 2, 8};  // PR
+                } else {
+                  if (x.avg <= 16.210285186767578) {
+                    if (x.log2_S <= 11.547908782958984) {
+                      return {2, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  } else {
+                    return {2, 8, 16, 32, 1};  // SR
+                  }
+                }
+              } else {
+                return {4, 32, 8, 2, 8};  // PR
               }
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.avg <= 114.00017929077148) {
-                if (x.log2_S <= 16.983579635620117) {
-                  return {4, 4, 8, 64, 1};  // SR
+              if (x.avg <= 3.272694945335388) {
+                if (x.log2_S <= 14.827308177947998) {
+                  if (x.log2_S <= 14.325295448303223) {
+                    return {1, 16, 8, 8, 1};  // SR
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.370198726654053) {
+                        if (x.avg <= 2.279494285583496) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.490710258483887) {
+                    if (x.log2_S <= 17.01852035522461) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 15.750938892364502) {
+                          if (x.log2_S <= 15.3889479637146) {
+                            if (x.avg <= 2.731953263282776) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 15.170985221862793) {
+                                return {1, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 8, 16, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 2.7827829122543335) {
+                              return {2, 8, 16, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 15.514768600463867) {
+                                return {2, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 8};  // PR
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {2, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      return {2, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 3.0163480043411255) {
+                        return {2, 8, 64, 32, 1};  // SR
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 16.926528930664062) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 15.928033351898193) {
+                      if (x.avg <= 94.54097366333008) {
+                        if (x.avg <= 9.107624530792236) {
+                          if (x.log2_S <= 14.032787322998047) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 15.420880794525146) {
+                              if (x.avg <= 3.404311776161194) {
+                                return {1, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 8, 16, 32, 1};  // SR
+                              }
+                            } else {
+                              if (x.avg <= 7.946719646453857) {
+                                return {4, 32, 8, 2, 8};  // PR
+                              } else {
+                                if (x.log2_S <= 15.489441394805908) {
+                                  return {2, 8, 16, 32, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 2, 8};  // PR
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 13.64264440536499) {
+                            if (x.avg <= 16.347474575042725) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {2, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 14.592292785644531) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 44.13315200805664) {
+                        if (x.avg <= 16.11589002609253) {
+                          if (x.log2_S <= 16.901708602905273) {
+                            return {4, 32, 8, 2, 8};  // PR
+                          } else {
+                            if (x.avg <= 8.728845596313477) {
+                              return {4, 32, 8, 2, 8};  // PR
+                            } else {
+                              return {2, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 16.71442413330078) {
+                            if (x.log2_S <= 16.179004669189453) {
+                              return {2, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 8};  // PR
+                            }
+                          } else {
+                            return {2, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {2, 8, 16, 32, 1};  // SR
+                  }
                 } else {
                   return {2, 8, 16, 32, 1};  // SR
                 }
-              } else {
-                return {4, 8, 64, 32, 0};  // SP
               }
             } else {
-              if (x.avg <= 7.717565059661865) {
-                if (x.log2_S <= 18.270604133605957) {
-                  return {4, 32, 16, 4, 8};  // PR
+              if (x.log2_S <= 16.003421783447266) {
+                if (x.log2_S <= 14.330544471740723) {
+                  if (x.log2_S <= 14.012471675872803) {
+                    return {4, 32, 8, 2, 8};  // PR
+                  } else {
+                    if (x.avg <= 17.063701629638672) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
+                      return {4, 32, 16, 4, 8};  // PR
+                    }
+                  }
                 } else {
-                  return {2, 8, 64, 32, 1};  // SR
+                  if (x.log2_S <= 14.475118637084961) {
+                    if (x.avg <= 13.404401779174805) {
+                      if (x.avg <= 7.93838906288147) {
+                        if (x.log2_S <= 14.400799751281738) {
+                          if (x.avg <= 5.348897218704224) {
+                            return {4, 32, 8, 2, 8};  // PR
+                          } else {
+                            return {4, 32, 16, 4, 8};  // PR
+                          }
+                        } else {
+                          return {4, 32, 16, 4, 8};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    } else {
+                      return {4, 32, 16, 4, 8};  // PR
+                    }
+                  } else {
+                    return {4, 32, 16, 4, 8};  // PR
+                  }
                 }
               } else {
-                if (x.log2_S <= 19.063085556030273) {
-                  return {2, 8, 64, 32, 1};  // SR
+                if (x.avg <= 16.14464569091797) {
+                  if (x.log2_S <= 16.991647720336914) {
+                    if (x.avg <= 6.826287746429443) {
+                      return {4, 32, 16, 4, 8};  // PR
+                    } else {
+                      if (x.log2_S <= 16.18128776550293) {
+                        if (x.avg <= 15.201551914215088) {
+                          return {4, 32, 16, 4, 8};  // PR
+                        } else {
+                          return {2, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 11.397095203399658) {
+                      if (x.log2_S <= 17.387764930725098) {
+                        if (x.avg <= 3.273572087287903) {
+                          return {2, 8, 64, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 6.3214287757873535) {
+                            return {4, 32, 16, 4, 8};  // PR
+                          } else {
+                            return {2, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 2.773022413253784) {
+                          return {2, 8, 64, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.761994957923889) {
+                            if (x.log2_S <= 21.44342803955078) {
+                              if (x.log2_S <= 19.48732089996338) {
+                                return {2, 8, 64, 32, 1};  // SR
+                              } else {
+                                return {4, 4, 64, 64, 0};  // SP
+                              }
+                            } else {
+                              return {2, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            return {2, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 19.03030776977539) {
+                        return {2, 8, 64, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 21.524039268493652) {
+                          return {2, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {2, 8, 64, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
                 } else {
-                  return {2, 8, 16, 32, 1};  // SR
+                  if (x.log2_S <= 18.848349571228027) {
+                    return {2, 8, 64, 32, 1};  // SR
+                  } else {
+                    return {2, 8, 16, 32, 1};  // SR
+                  }
                 }
               }
             }
@@ -423,215 +3067,1519 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.log2_S <= 14.277432441711426) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 9.693398475646973) {
-              return {2, 32, 64, 8, 0};  // SP
-            } else {
-              if (x.log2_S <= 11.202819347381592) {
-                if (x.avg <= 1.5858514904975891) {
-                  return {2, 32, 64, 1, 0};  // SP
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 15.15592098236084) {
+            if (x.avg <= 7.987461090087891) {
+              if (x.log2_S <= 11.744425773620605) {
+                if (x.avg <= 2.3795701265335083) {
+                  if (x.avg <= 1.5825403332710266) {
+                    if (x.log2_S <= 11.627537250518799) {
+                      return {4, 64, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 9.573338985443115) {
+                      return {4, 64, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  }
                 } else {
-                  return {2, 32, 64, 8, 0};  // SP
+                  if (x.log2_S <= 10.453392028808594) {
+                    if (x.log2_S <= 9.93164348602295) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.avg <= 3.2156015634536743) {
+                        if (x.log2_S <= 10.017746448516846) {
+                          if (x.avg <= 2.7247090339660645) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 2.953083634376526) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 64, 64, 2, 0};  // SP
+                    }
+                  }
                 }
               } else {
-                return {2, 32, 64, 8, 0};  // SP
-              }
-            }
-          } else {
-            if (x.avg <= 3.31723952293396) {
-              if (x.log2_S <= 13.77338171005249) {
-                return {1, 32, 8, 2, 1};  // SR
-              } else {
-                return {4, 8, 8, 32, 1};  // SR
+                if (x.avg <= 3.6345510482788086) {
+                  if (x.avg <= 1.2161604166030884) {
+                    if (x.log2_S <= 12.482614040374756) {
+                      return {4, 64, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 14.354597091674805) {
+                    if (x.log2_S <= 12.48054027557373) {
+                      if (x.log2_S <= 12.009430885314941) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
               }
             } else {
-              if (x.avg <= 16.78819751739502) {
-                if (x.log2_S <= 12.49385929107666) {
-                  return {1, 32, 8, 2, 1};  // SR
-                } else {
-                  return {2, 16, 16, 4, 1};  // SR
-                }
-              } else {
-                return {4, 8, 8, 32, 1};  // SR
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 18.770604133605957) {
-                if (x.avg <= 13.600367546081543) {
+              if (x.avg <= 9.12946081161499) {
+                if (x.log2_S <= 10.639472007751465) {
                   return {4, 8, 64, 32, 0};  // SP
                 } else {
-                  return {2, 32, 64, 8, 0};  // SP
+                  if (x.log2_S <= 13.962134838104248) {
+                    if (x.log2_S <= 12.603257179260254) {
+                      if (x.log2_S <= 11.963192462921143) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
                 }
               } else {
                 return {4, 8, 64, 32, 0};  // SP
               }
-            } else {
-              if (x.avg <= 114.00017929077148) {
-                if (x.log2_S <= 16.983579635620117) {
-                  return {4, 8, 8, 32, 1};  // SR
+            }
+          } else {
+            if (x.log2_S <= 17.61422348022461) {
+              if (x.avg <= 14.68332052230835) {
+                if (x.log2_S <= 15.3353590965271) {
+                  if (x.avg <= 1.89551842212677) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
                 } else {
-                  return {2, 16, 16, 4, 1};  // SR
+                  return {4, 8, 64, 32, 0};  // SP
                 }
               } else {
-                return {2, 32, 64, 8, 0};  // SP
+                if (x.log2_S <= 16.88442897796631) {
+                  if (x.log2_S <= 16.217758178710938) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 16.39439296722412) {
+                      if (x.avg <= 27.570300102233887) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.avg <= 60.13534355163574) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 61.46959114074707) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 17.245224952697754) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              return {4, 8, 64, 32, 0};  // SP
+            }
+          }
+        } else {
+          if (x.log2_S <= 18.493513107299805) {
+            if (x.long_level <= 2.5) {
+              if (x.avg <= 10.991398811340332) {
+                if (x.log2_S <= 13.062283039093018) {
+                  if (x.avg <= 2.3180997371673584) {
+                    if (x.log2_S <= 12.99730110168457) {
+                      if (x.log2_S <= 11.603082656860352) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.790443420410156) {
+                          if (x.long_level <= 1.5) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 2.119608759880066) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 3.5144801139831543) {
+                        if (x.avg <= 2.474188804626465) {
+                          if (x.log2_S <= 11.487626075744629) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 9.262743949890137) {
+                          if (x.log2_S <= 11.093622207641602) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.627684116363525) {
+                              if (x.log2_S <= 11.342459678649902) {
+                                if (x.avg <= 6.469744443893433) {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {1, 32, 8, 2, 1};  // SR
+                                }
+                              } else {
+                                return {1, 32, 8, 2, 1};  // SR
+                              }
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.206406116485596) {
+                        if (x.avg <= 10.015942573547363) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 9.944172382354736) {
+                            if (x.avg <= 10.939511775970459) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 3.445515751838684) {
+                          if (x.log2_S <= 12.560398578643799) {
+                            if (x.avg <= 2.3477752208709717) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 2.716610550880432) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 8.846519470214844) {
+                            if (x.log2_S <= 12.577369689941406) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.avg <= 6.457288503646851) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 11.754718780517578) {
+                              if (x.avg <= 9.781057357788086) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 14.564810276031494) {
+                      if (x.avg <= 2.738914132118225) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.543148517608643) {
+                          if (x.avg <= 9.446585655212402) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 6.858585357666016) {
+                            if (x.log2_S <= 13.830045223236084) {
+                              if (x.avg <= 3.905371069908142) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 2, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 14.238210201263428) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                if (x.avg <= 4.242091178894043) {
+                                  return {4, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {2, 16, 16, 8, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 17.02293109893799) {
+                      if (x.log2_S <= 14.939770698547363) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.900100708007812) {
+                          if (x.avg <= 3.5160515308380127) {
+                            if (x.log2_S <= 15.174042701721191) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 15.65241527557373) {
+                                return {2, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 4.1290295124053955) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.201648712158203) {
+                              if (x.avg <= 7.481475830078125) {
+                                return {2, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 16.945926666259766) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                if (x.avg <= 9.322766304016113) {
+                                  return {2, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {4, 8, 8, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      return {2, 16, 16, 8, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 12.118078708648682) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 76.04926681518555) {
+                      if (x.log2_S <= 11.845351696014404) {
+                        return {1, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.avg <= 39.84428024291992) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 17.52003288269043) {
+                    if (x.avg <= 15.180385112762451) {
+                      if (x.log2_S <= 12.74604320526123) {
+                        if (x.long_level <= 1.5) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.005558013916016) {
+                          if (x.avg <= 15.164483547210693) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 31.904830932617188) {
+                      if (x.long_level <= 1.5) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 12.572943687438965) {
+                if (x.avg <= 9.970776557922363) {
+                  if (x.log2_S <= 11.132874011993408) {
+                    return {2, 16, 16, 8, 1};  // SR
+                  } else {
+                    return {2, 16, 64, 2, 1};  // SR
+                  }
+                } else {
+                  return {2, 16, 16, 8, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 17.735158920288086) {
+                  if (x.log2_S <= 12.984913349151611) {
+                    if (x.avg <= 11.148106575012207) {
+                      return {2, 16, 64, 2, 1};  // SR
+                    } else {
+                      if (x.avg <= 19.660473823547363) {
+                        return {2, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.73386001586914) {
+                          if (x.avg <= 68.06790351867676) {
+                            if (x.log2_S <= 12.645166397094727) {
+                              return {2, 16, 64, 2, 1};  // SR
+                            } else {
+                              return {2, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {2, 16, 64, 2, 1};  // SR
+                          }
+                        } else {
+                          return {2, 16, 64, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {2, 16, 64, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 11.505992889404297) {
+                    return {2, 16, 64, 2, 1};  // SR
+                  } else {
+                    return {2, 16, 16, 8, 1};  // SR
+                  }
+                }
               }
             }
           } else {
-            if (x.avg <= 7.717565059661865) {
-              if (x.avg <= 4.4689189195632935) {
-                return {2, 16, 64, 4, 1};  // SR
-              } else {
-                if (x.avg <= 6.519350051879883) {
-                  return {4, 8, 64, 32, 1};  // SR
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 18.669865608215332) {
+                if (x.avg <= 87.32079696655273) {
+                  if (x.avg <= 4.322556734085083) {
+                    return {2, 16, 16, 8, 1};  // SR
+                  } else {
+                    if (x.avg <= 19.096147537231445) {
+                      if (x.long_level <= 1.5) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {2, 16, 16, 8, 1};  // SR
+                    }
+                  }
                 } else {
-                  return {2, 16, 64, 4, 1};  // SR
+                  return {4, 8, 8, 32, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 18.836130142211914) {
+                  if (x.avg <= 120.66725158691406) {
+                    return {2, 16, 16, 8, 1};  // SR
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  return {2, 16, 16, 8, 1};  // SR
                 }
               }
             } else {
-              if (x.avg <= 10.980550765991211) {
-                return {2, 16, 64, 4, 1};  // SR
+              if (x.avg <= 11.224512577056885) {
+                if (x.avg <= 3.8234996795654297) {
+                  if (x.avg <= 2.773022413253784) {
+                    return {2, 16, 64, 2, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 19.73227596282959) {
+                      return {2, 16, 64, 2, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {2, 16, 64, 2, 1};  // SR
+                }
               } else {
-                return {2, 16, 16, 4, 1};  // SR
+                return {2, 16, 16, 8, 1};  // SR
               }
             }
           }
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.log2_S <= 14.277432441711426) {
+          if (x.long_level <= 2.5) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 9.693398475646973) {
-                return {2, 32, 64, 1, 0};  // SP
-              } else {
-                return {2, 64, 64, 1, 0};  // SP
-              }
-            } else {
-              if (x.avg <= 4.234509468078613) {
-                if (x.avg <= 3.31723952293396) {
-                  if (x.log2_S <= 12.489808559417725) {
-                    return {1, 64, 8, 4, 1};  // SR
+              if (x.log2_S <= 15.639310359954834) {
+                if (x.log2_S <= 9.318679332733154) {
+                  if (x.avg <= 2.7209330797195435) {
+                    return {4, 64, 16, 2, 0};  // SP
                   } else {
-                    return {4, 16, 8, 8, 1};  // SR
+                    return {4, 16, 64, 4, 0};  // SP
                   }
                 } else {
-                  return {1, 64, 8, 4, 1};  // SR
+                  if (x.log2_S <= 13.82944917678833) {
+                    if (x.avg <= 1.6924761533737183) {
+                      if (x.log2_S <= 11.377977848052979) {
+                        return {4, 64, 16, 2, 0};  // SP
+                      } else {
+                        return {4, 64, 32, 1, 0};  // SP
+                      }
+                    } else {
+                      return {4, 64, 16, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 11.10056209564209) {
+                      if (x.log2_S <= 14.376681804656982) {
+                        if (x.avg <= 2.654279112815857) {
+                          if (x.log2_S <= 14.151908874511719) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            if (x.avg <= 1.8444701433181763) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 6.236572265625) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 14.16181230545044) {
+                              return {4, 64, 16, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 1.4803852438926697) {
+                          if (x.log2_S <= 14.677810668945312) {
+                            if (x.avg <= 1.394461750984192) {
+                              return {2, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 14.144172668457031) {
+                        if (x.log2_S <= 15.046083450317383) {
+                          return {4, 64, 16, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 64, 16, 2, 0};  // SP
+                      }
+                    }
+                  }
                 }
               } else {
-                if (x.avg <= 16.78819751739502) {
-                  if (x.log2_S <= 12.49385929107666) {
-                    return {4, 16, 8, 8, 1};  // SR
+                if (x.log2_S <= 17.634300231933594) {
+                  if (x.avg <= 24.39226722717285) {
+                    if (x.avg <= 15.6852707862854) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 15.945428371429443) {
+                        if (x.log2_S <= 15.776378154754639) {
+                          return {4, 64, 16, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 17.439330101013184) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 64, 32, 1, 0};  // SP
+                        }
+                      }
+                    }
                   } else {
-                    return {4, 16, 16, 8, 1};  // SR
+                    if (x.log2_S <= 16.53119945526123) {
+                      if (x.log2_S <= 15.877736568450928) {
+                        return {4, 64, 32, 1, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 16.493057250976562) {
+                          return {4, 64, 16, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 64, 32, 1, 0};  // SP
+                    }
                   }
                 } else {
-                  return {4, 16, 16, 8, 1};  // SR
+                  return {4, 16, 64, 4, 0};  // SP
+                }
+              }
+            } else {
+              if (x.log2_S <= 17.491461753845215) {
+                if (x.log2_S <= 11.714262008666992) {
+                  if (x.avg <= 127.27607345581055) {
+                    if (x.log2_S <= 11.4481840133667) {
+                      return {2, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 9.282117366790771) {
+                        return {2, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 87.33913803100586) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.89920949935913) {
+                      return {2, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 11.377919673919678) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 11.457314491271973) {
+                          if (x.log2_S <= 10.77872610092163) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.021611213684082) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.872085571289062) {
+                    if (x.avg <= 6.534351587295532) {
+                      if (x.log2_S <= 13.470001220703125) {
+                        if (x.log2_S <= 13.361310005187988) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 4.099487066268921) {
+                              if (x.avg <= 2.35201632976532) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 3.344505190849304) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 13.556652069091797) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 9.104622840881348) {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 13.323924541473389) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 12.092592716217041) {
+                            if (x.avg <= 8.145142078399658) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.565747261047363) {
+                          if (x.avg <= 17.36408042907715) {
+                            if (x.log2_S <= 12.256113052368164) {
+                              if (x.long_level <= 1.5) {
+                                return {2, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 101.0128173828125) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 21.645355224609375) {
+                      if (x.avg <= 3.649921178817749) {
+                        if (x.long_level <= 1.5) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.886700630187988) {
+                            if (x.avg <= 3.23066246509552) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 15.050955295562744) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.65640354156494) {
+                          if (x.avg <= 19.14488697052002) {
+                            if (x.avg <= 3.9159656763076782) {
+                              if (x.log2_S <= 15.60986328125) {
+                                if (x.long_level <= 1.5) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              if (x.log2_S <= 14.28482437133789) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.092517852783203) {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 31.604331016540527) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 126.6425895690918) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 13.984779834747314) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 17.37198257446289) {
+                          if (x.avg <= 31.0159273147583) {
+                            if (x.log2_S <= 16.27394676208496) {
+                              if (x.log2_S <= 14.275065898895264) {
+                                if (x.long_level <= 1.5) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.long_level <= 1.5) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                if (x.avg <= 23.00348663330078) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {2, 32, 16, 2, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 18.8361759185791) {
+                  if (x.avg <= 18.928302764892578) {
+                    if (x.avg <= 3.9570261240005493) {
+                      if (x.log2_S <= 18.128190994262695) {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 3.1750948429107666) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 3.6566115617752075) {
+                              return {2, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 3.091128706932068) {
+                            return {2, 32, 16, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 17.798081398010254) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {2, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 18.536978721618652) {
+                        if (x.log2_S <= 17.64314842224121) {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 17.604235649108887) {
+                              if (x.log2_S <= 17.54527187347412) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 5.364851474761963) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 12.69636344909668) {
+                              return {2, 32, 16, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 18.670562744140625) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 6.598341941833496) {
+                            return {2, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.537341117858887) {
+                      if (x.long_level <= 1.5) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {2, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      return {2, 32, 16, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.220004081726074) {
+                    if (x.avg <= 18.14596652984619) {
+                      if (x.avg <= 7.053062677383423) {
+                        return {2, 32, 16, 2, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {2, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {2, 32, 16, 2, 1};  // SR
+                    }
+                  } else {
+                    return {2, 32, 16, 2, 1};  // SR
+                  }
                 }
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 0.5) {
-                if (x.avg <= 7.600367546081543) {
-                  return {4, 16, 64, 8, 0};  // SP
-                } else {
-                  return {2, 32, 64, 1, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 14.345362186431885) {
-                  return {4, 16, 8, 8, 1};  // SR
-                } else {
-                  if (x.avg <= 33.57639503479004) {
-                    return {4, 16, 16, 8, 1};  // SR
-                  } else {
-                    return {4, 16, 8, 8, 1};  // SR
-                  }
-                }
-              }
+            if (x.log2_S <= 17.70489501953125) {
+              return {2, 32, 64, 2, 1};  // SR
             } else {
-              if (x.avg <= 4.4689189195632935) {
-                if (x.avg <= 2.8434900045394897) {
-                  return {2, 32, 64, 1, 1};  // SR
-                } else {
-                  return {4, 16, 64, 8, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 16.10964012145996) {
-                  return {2, 32, 64, 1, 1};  // SR
-                } else {
-                  if (x.log2_S <= 17.402121543884277) {
-                    return {2, 32, 64, 1, 1};  // SR
+              if (x.avg <= 9.180902004241943) {
+                if (x.log2_S <= 19.816657066345215) {
+                  if (x.log2_S <= 19.71196937561035) {
+                    return {2, 32, 64, 2, 1};  // SR
                   } else {
-                    return {4, 16, 64, 8, 0};  // SP
+                    if (x.avg <= 2.4925992488861084) {
+                      return {2, 32, 64, 2, 1};  // SR
+                    } else {
+                      if (x.avg <= 4.614237308502197) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 32, 64, 2, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 6.240694046020508) {
+                    if (x.log2_S <= 19.871907234191895) {
+                      if (x.avg <= 2.7537019848823547) {
+                        return {2, 32, 64, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 7.875284433364868) {
+                      return {2, 32, 64, 2, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
                   }
                 }
+              } else {
+                return {4, 16, 64, 4, 0};  // SP
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 10.5633225440979) {
-              return {2, 64, 64, 8, 0};  // SP
-            } else {
-              if (x.avg <= 2.6773369312286377) {
-                return {2, 64, 8, 1, 1};  // SR
-              } else {
-                if (x.log2_S <= 18.770604133605957) {
-                  if (x.avg <= 13.600367546081543) {
-                    return {4, 32, 64, 4, 0};  // SP
+          if (x.log2_S <= 15.10708236694336) {
+            if (x.long_level <= 2.5) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 13.500014781951904) {
+                  if (x.avg <= 1.42610102891922) {
+                    if (x.log2_S <= 10.414836883544922) {
+                      return {1, 32, 64, 2, 0};  // SP
+                    } else {
+                      if (x.avg <= 1.3492987155914307) {
+                        return {2, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.983932495117188) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    }
                   } else {
-                    return {2, 64, 64, 8, 0};  // SP
+                    if (x.log2_S <= 13.316411972045898) {
+                      if (x.avg <= 1.5235578417778015) {
+                        if (x.log2_S <= 11.906822204589844) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {1, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 7.913744211196899) {
+                        if (x.avg <= 4.720682382583618) {
+                          if (x.avg <= 1.5810415744781494) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 3.701995372772217) {
+                              return {1, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.avg <= 4.133038520812988) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {1, 32, 64, 2, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {1, 32, 64, 2, 0};  // SP
+                      }
+                    }
                   }
                 } else {
-                  return {4, 32, 64, 4, 0};  // SP
+                  if (x.avg <= 1.5000263452529907) {
+                    return {2, 32, 8, 2, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 13.917332649230957) {
+                      if (x.avg <= 3.7146672010421753) {
+                        return {1, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 18.10768699645996) {
+                          if (x.avg <= 8.422462940216064) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 5.254184007644653) {
+                  if (x.log2_S <= 11.673576354980469) {
+                    if (x.long_level <= 1.5) {
+                      return {1, 32, 8, 4, 1};  // SR
+                    } else {
+                      if (x.avg <= 2.3677393198013306) {
+                        if (x.log2_S <= 11.545476913452148) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.avg <= 1.9833486676216125) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 3.4756102561950684) {
+                          if (x.avg <= 2.5408260822296143) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.078764915466309) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.avg <= 3.0721893310546875) {
+                                return {4, 32, 8, 8, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 11.527725219726562) {
+                                  return {2, 32, 8, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 8, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.55104923248291) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 2.887235641479492) {
+                      if (x.log2_S <= 12.51906967163086) {
+                        if (x.avg <= 1.9573135375976562) {
+                          if (x.log2_S <= 11.910881042480469) {
+                            if (x.long_level <= 1.5) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 2.340086817741394) {
+                            if (x.long_level <= 1.5) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 2.400472640991211) {
+                          if (x.log2_S <= 15.103423595428467) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 64, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 13.233926773071289) {
+                            if (x.long_level <= 1.5) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 14.985220909118652) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {2, 64, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 14.118884563446045) {
+                          if (x.log2_S <= 12.17403793334961) {
+                            if (x.avg <= 3.435003399848938) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 11.973861694335938) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 5.21331524848938) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 3.3398025035858154) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.425722122192383) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 11.237182140350342) {
+                        if (x.avg <= 71.90711975097656) {
+                          if (x.avg <= 14.120760440826416) {
+                            if (x.avg <= 8.902595043182373) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.avg <= 10.01903247833252) {
+                                if (x.log2_S <= 9.596792697906494) {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 8, 1};  // SR
+                                }
+                              } else {
+                                return {4, 32, 8, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 55.61348342895508) {
+                              if (x.log2_S <= 11.221879005432129) {
+                                return {2, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 9.673986434936523) {
+                                return {2, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 8, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 77.19825744628906) {
+                            if (x.log2_S <= 9.490736484527588) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 6.253479719161987) {
+                          if (x.log2_S <= 11.801377296447754) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.839659690856934) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 13.559187889099121) {
+                                return {2, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 8, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 7.26545524597168) {
+                            if (x.log2_S <= 11.635194301605225) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.avg <= 7.231086492538452) {
+                                return {4, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.286087989807129) {
+                        return {4, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.580168724060059) {
+                          if (x.avg <= 22.43189239501953) {
+                            if (x.avg <= 7.977052688598633) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 64, 64, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 8, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 13.557809352874756) {
+                      return {4, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 97.92035293579102) {
+                        if (x.avg <= 16.552066802978516) {
+                          if (x.log2_S <= 14.752530574798584) {
+                            return {4, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 64, 16, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 14.570736408233643) {
+                            if (x.avg <= 60.320308685302734) {
+                              return {2, 64, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {2, 64, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {4, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.725776195526123) {
+                            return {4, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 64, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
                 }
               }
+            } else {
+              return {2, 64, 64, 1, 1};  // SR
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 13.283661365509033) {
-                if (x.avg <= 7.459298372268677) {
-                  if (x.log2_S <= 12.489808559417725) {
-                    return {2, 64, 8, 1, 1};  // SR
-                  } else {
-                    return {4, 32, 8, 8, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 13.26895809173584) {
-                    return {2, 64, 8, 1, 1};  // SR
-                  } else {
-                    return {2, 64, 32, 2, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.277432441711426) {
-                  if (x.avg <= 7.25995945930481) {
-                    return {2, 64, 32, 2, 1};  // SR
-                  } else {
-                    return {2, 64, 64, 2, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 15.551508903503418) {
-                    return {4, 32, 8, 8, 1};  // SR
-                  } else {
-                    return {2, 64, 32, 2, 1};  // SR
-                  }
-                }
-              }
+            if (x.long_level <= 0.5) {
+              return {4, 32, 64, 2, 0};  // SP
             } else {
-              if (x.log2_S <= 16.10964012145996) {
-                return {2, 64, 64, 2, 1};  // SR
-              } else {
-                if (x.avg <= 4.4689189195632935) {
-                  return {4, 32, 64, 4, 0};  // SP
-                } else {
-                  if (x.log2_S <= 17.402121543884277) {
-                    return {2, 64, 64, 2, 1};  // SR
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 16.936506271362305) {
+                  if (x.log2_S <= 15.385005474090576) {
+                    if (x.avg <= 13.50805377960205) {
+                      if (x.avg <= 4.165245532989502) {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 2.6281917095184326) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 15.229618072509766) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 64, 16, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 64, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 7.955670595169067) {
+                          return {4, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 15.335095882415771) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 64, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 15.142054080963135) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 64, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      return {2, 64, 16, 2, 1};  // SR
+                    }
                   } else {
-                    return {4, 32, 64, 4, 0};  // SP
+                    if (x.log2_S <= 16.67160129547119) {
+                      return {2, 64, 16, 2, 1};  // SR
+                    } else {
+                      if (x.avg <= 8.859108924865723) {
+                        if (x.avg <= 4.326277017593384) {
+                          return {2, 64, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.79218292236328) {
+                            if (x.long_level <= 1.5) {
+                              return {2, 64, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {2, 64, 16, 2, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 4.183426856994629) {
+                    if (x.log2_S <= 18.826476097106934) {
+                      if (x.log2_S <= 18.448955535888672) {
+                        return {2, 64, 16, 2, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 3.8618630170822144) {
+                            return {2, 64, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 3.463496685028076) {
+                            return {4, 32, 8, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 18.485336303710938) {
+                              return {4, 32, 8, 2, 0};  // SP
+                            } else {
+                              return {2, 64, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 3.4917373657226562) {
+                        return {4, 32, 8, 2, 0};  // SP
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 3.9352548122406006) {
+                            return {2, 64, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.03543186187744) {
+                      if (x.log2_S <= 17.02950668334961) {
+                        if (x.avg <= 14.692734241485596) {
+                          return {4, 32, 8, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 22.526801109313965) {
+                            return {2, 64, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {2, 64, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 16.374524116516113) {
+                  return {2, 64, 64, 1, 1};  // SR
+                } else {
+                  if (x.log2_S <= 16.61308193206787) {
+                    if (x.avg <= 9.555657386779785) {
+                      if (x.log2_S <= 16.5936336517334) {
+                        return {2, 64, 64, 1, 1};  // SR
+                      } else {
+                        if (x.avg <= 4.137697815895081) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 8.54259967803955) {
+                            return {2, 64, 64, 1, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 17.12483501434326) {
+                      if (x.avg <= 7.809848785400391) {
+                        if (x.avg <= 4.338715672492981) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {2, 64, 64, 1, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
                   }
                 }
               }
@@ -643,144 +4591,1020 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 364 cells of 44 graphs, 564 configs; depth 5, >= 1 cells per leaf, 140 leaves
-//   oracle/pick on held-out graphs: geomean 0.934, worst 0.336; held-out base graphs (23): 0.907, worst 0.314 (hand heuristic: 0.831, worst 0.365; training set: 0.985, worst 0.879)
+// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 18, 1148 leaves
+//   oracle/pick on held-out graphs: geomean 0.950, worst 0.397; held-out base graphs (25): 0.933, worst 0.432 (hand heuristic: 0.806, worst 0.356; training set: 0.988, worst 0.881)
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 14.277432441711426) {
-          if (x.log2_S <= 13.283661365509033) {
-            if (x.log2_S <= 10.5633225440979) {
-              return {1, 32, 8, 8, 1};  // SR
-            } else {
-              if (x.avg <= 7.459298372268677) {
-                if (x.log2_S <= 12.489808559417725) {
-                  return {1, 32, 8, 8, 1};  // SR
+        if (x.log2_S <= 15.369675159454346) {
+          if (x.long_level <= 2.5) {
+            if (x.avg <= 20.632290840148926) {
+              if (x.log2_S <= 13.849486351013184) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 10.424030303955078) {
+                    if (x.avg <= 3.4390974044799805) {
+                      if (x.avg <= 1.5220927000045776) {
+                        return {1, 16, 16, 8, 0};  // SP
+                      } else {
+                        return {1, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 10.136452198028564) {
+                        return {1, 1, 64, 256, 0};  // SP
+                      } else {
+                        if (x.avg <= 13.765242576599121) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.122256755828857) {
+                      if (x.avg <= 1.5982738137245178) {
+                        return {1, 16, 16, 8, 0};  // SP
+                      } else {
+                        if (x.avg <= 3.7280375957489014) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.608468532562256) {
+                            if (x.log2_S <= 11.352594375610352) {
+                              if (x.log2_S <= 10.52056360244751) {
+                                return {1, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {1, 16, 16, 8, 0};  // SP
+                              }
+                            } else {
+                              if (x.avg <= 16.05052375793457) {
+                                if (x.avg <= 6.793926477432251) {
+                                  if (x.avg <= 4.11164927482605) {
+                                    return {1, 32, 64, 2, 0};  // SP
+                                  } else {
+                                    if (x.log2_S <= 12.019225597381592) {
+                                      return {1, 16, 16, 8, 0};  // SP
+                                    } else {
+                                      return {1, 32, 64, 2, 0};  // SP
+                                    }
+                                  }
+                                } else {
+                                  return {1, 32, 64, 2, 0};  // SP
+                                }
+                              } else {
+                                if (x.log2_S <= 12.114080905914307) {
+                                  if (x.log2_S <= 11.449910163879395) {
+                                    return {1, 16, 16, 8, 0};  // SP
+                                  } else {
+                                    return {1, 32, 64, 2, 0};  // SP
+                                  }
+                                } else {
+                                  return {1, 16, 16, 8, 0};  // SP
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 15.33402395248413) {
+                              return {1, 16, 16, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 12.799695491790771) {
+                                return {1, 16, 16, 8, 0};  // SP
+                              } else {
+                                return {1, 1, 8, 256, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 9.976532936096191) {
+                        if (x.avg <= 3.96356463432312) {
+                          return {1, 16, 16, 8, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.534334659576416) {
+                            return {1, 16, 16, 8, 0};  // SP
+                          } else {
+                            return {1, 1, 8, 256, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  }
                 } else {
-                  return {1, 16, 8, 2, 1};  // SR
+                  if (x.log2_S <= 11.287157535552979) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 12.159775257110596) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 12.581044673919678) {
+                          if (x.avg <= 4.042149305343628) {
+                            return {1, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.avg <= 5.530350685119629) {
+                              if (x.log2_S <= 12.183067798614502) {
+                                return {1, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.599294185638428) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  }
                 }
               } else {
-                return {1, 4, 8, 64, 1};  // SR
+                if (x.log2_S <= 14.299417495727539) {
+                  if (x.avg <= 6.875253915786743) {
+                    if (x.long_level <= 1.5) {
+                      if (x.long_level <= 0.5) {
+                        if (x.log2_S <= 14.026312828063965) {
+                          if (x.avg <= 3.6623703241348267) {
+                            return {1, 16, 16, 8, 0};  // SP
+                          } else {
+                            return {1, 1, 8, 256, 1};  // SR
+                          }
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    return {1, 1, 8, 256, 1};  // SR
+                  }
+                } else {
+                  return {1, 1, 8, 256, 1};  // SR
+                }
+              }
+            } else {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 10.42517375946045) {
+                  if (x.log2_S <= 10.100866794586182) {
+                    return {1, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.avg <= 46.25887680053711) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      return {1, 16, 16, 8, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.064093112945557) {
+                    return {1, 16, 16, 8, 0};  // SP
+                  } else {
+                    if (x.avg <= 54.76768493652344) {
+                      if (x.log2_S <= 15.04292917251587) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    } else {
+                      return {1, 16, 16, 8, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.306488513946533) {
+                  if (x.avg <= 42.67427635192871) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 11.882047653198242) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.978753566741943) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 97.80231475830078) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.avg <= 119.34536743164062) {
+                            if (x.log2_S <= 13.511921405792236) {
+                              return {1, 1, 8, 256, 1};  // SR
+                            } else {
+                              return {1, 32, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {1, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 102.26493453979492) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 15.085931777954102) {
+                        return {1, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 36.70224571228027) {
+                      if (x.log2_S <= 15.09059190750122) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.387452602386475) {
+                        if (x.avg <= 63.940704345703125) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  }
+                }
               }
             }
           } else {
-            if (x.avg <= 14.003987789154053) {
-              return {1, 4, 8, 64, 1};  // SR
-            } else {
-              return {1, 1, 8, 256, 1};  // SR
-            }
+            return {1, 32, 8, 4, 32};  // PR
           }
         } else {
-          if (x.log2_S <= 16.983579635620117) {
-            if (x.avg <= 4.745359897613525) {
-              return {1, 1, 8, 256, 1};  // SR
-            } else {
-              if (x.avg <= 14.940131664276123) {
-                return {1, 32, 8, 4, 32};  // PR
+          if (x.long_level <= 1.5) {
+            if (x.log2_S <= 18.521799087524414) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 16.956530570983887) {
+                  if (x.avg <= 53.90127944946289) {
+                    if (x.log2_S <= 16.78692626953125) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      if (x.avg <= 5.989494562149048) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        if (x.avg <= 22.079833984375) {
+                          if (x.avg <= 14.355662822723389) {
+                            return {1, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {1, 32, 16, 4, 32};  // PR
+                          }
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 16, 16, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 15.521020889282227) {
+                    if (x.avg <= 3.964005947113037) {
+                      if (x.log2_S <= 17.766515731811523) {
+                        if (x.avg <= 2.828972101211548) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          if (x.log2_S <= 17.24411964416504) {
+                            return {1, 32, 8, 4, 32};  // PR
+                          } else {
+                            return {1, 2, 64, 128, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 18.410720825195312) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 47.488643646240234) {
+                      return {1, 32, 16, 4, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 17.846922874450684) {
+                        if (x.avg <= 55.56083106994629) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  }
+                }
               } else {
-                if (x.avg <= 47.59231948852539) {
+                if (x.log2_S <= 18.423419952392578) {
+                  return {1, 1, 8, 256, 1};  // SR
+                } else {
+                  if (x.avg <= 29.306653022766113) {
+                    return {1, 1, 8, 256, 1};  // SR
+                  } else {
+                    return {1, 32, 16, 4, 32};  // PR
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 0.5) {
+                if (x.avg <= 15.749133586883545) {
+                  if (x.log2_S <= 23.873727798461914) {
+                    if (x.avg <= 11.126909732818604) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.8799991607666) {
+                        if (x.avg <= 14.665114879608154) {
+                          return {1, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 23.613143920898438) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 3.945998430252075) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 24.386637687683105) {
+                        if (x.avg <= 6.81334376335144) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 23.80464458465576) {
+                    if (x.avg <= 23.18490505218506) {
+                      if (x.log2_S <= 21.970988273620605) {
+                        if (x.log2_S <= 18.767751693725586) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 23.081279754638672) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 21.173367500305176) {
+                  if (x.avg <= 3.9678577184677124) {
+                    if (x.log2_S <= 19.682812690734863) {
+                      if (x.log2_S <= 18.81655788421631) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 19.389723777770996) {
+                          if (x.log2_S <= 19.10489845275879) {
+                            return {1, 32, 8, 4, 32};  // PR
+                          } else {
+                            return {1, 32, 16, 4, 32};  // PR
+                          }
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 3.5045077800750732) {
+                        if (x.log2_S <= 21.108043670654297) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {1, 32, 16, 4, 32};  // PR
+                  }
+                } else {
+                  return {1, 32, 8, 4, 32};  // PR
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 15.514732360839844) {
+                if (x.avg <= 15.008893489837646) {
                   return {1, 1, 8, 256, 1};  // SR
                 } else {
                   return {1, 32, 8, 4, 32};  // PR
                 }
-              }
-            }
-          } else {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 18.770604133605957) {
-                if (x.avg <= 13.600367546081543) {
-                  return {1, 32, 16, 8, 32};  // PR
-                } else {
-                  return {1, 32, 16, 4, 32};  // PR
-                }
               } else {
-                return {1, 1, 32, 256, 0};  // SP
+                return {1, 32, 8, 4, 32};  // PR
               }
             } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 19.099360466003418) {
+              if (x.log2_S <= 21.727221488952637) {
+                if (x.log2_S <= 17.820697784423828) {
                   return {1, 32, 8, 4, 32};  // PR
                 } else {
-                  return {1, 32, 16, 8, 32};  // PR
+                  if (x.log2_S <= 17.977660179138184) {
+                    if (x.avg <= 8.361450672149658) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {1, 32, 16, 4, 32};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 19.708358764648438) {
+                      return {1, 32, 16, 4, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 20.065624237060547) {
+                        if (x.avg <= 11.263741970062256) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          if (x.log2_S <= 19.807547569274902) {
+                            if (x.avg <= 40.95736885070801) {
+                              return {1, 32, 8, 4, 32};  // PR
+                            } else {
+                              return {1, 32, 16, 4, 32};  // PR
+                            }
+                          } else {
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 11.976721286773682) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          if (x.avg <= 35.049930572509766) {
+                            if (x.log2_S <= 20.511608123779297) {
+                              return {1, 32, 8, 4, 32};  // PR
+                            } else {
+                              if (x.log2_S <= 21.297035217285156) {
+                                return {1, 32, 16, 4, 32};  // PR
+                              } else {
+                                if (x.avg <= 26.483251571655273) {
+                                  return {1, 32, 8, 4, 32};  // PR
+                                } else {
+                                  return {1, 32, 16, 4, 32};  // PR
+                                }
+                              }
+                            }
+                          } else {
+                            return {1, 32, 16, 4, 32};  // PR
+                          }
+                        }
+                      }
+                    }
+                  }
                 }
               } else {
-                return {1, 32, 16, 4, 32};  // PR
+                if (x.log2_S <= 21.839567184448242) {
+                  if (x.avg <= 5.218033313751221) {
+                    return {1, 32, 16, 4, 32};  // PR
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
+                } else {
+                  return {1, 32, 8, 4, 32};  // PR
+                }
               }
             }
           }
         }
       } else {
-        if (x.log2_S <= 14.277432441711426) {
-          if (x.log2_S <= 13.283661365509033) {
-            if (x.log2_S <= 10.5633225440979) {
-              if (x.avg <= 2.9343544840812683) {
-                return {1, 2, 8, 128, 1};  // SR
-              } else {
-                return {1, 2, 64, 128, 0};  // SP
-              }
-            } else {
-              if (x.avg <= 7.459298372268677) {
-                return {1, 16, 8, 2, 1};  // SR
-              } else {
-                return {1, 2, 8, 128, 1};  // SR
-              }
-            }
-          } else {
-            if (x.avg <= 14.003987789154053) {
-              return {1, 2, 8, 128, 1};  // SR
-            } else {
-              return {2, 2, 8, 128, 1};  // SR
-            }
-          }
-        } else {
+        if (x.log2_S <= 17.64079761505127) {
           if (x.long_level <= 2.5) {
             if (x.long_level <= 0.5) {
-              if (x.avg <= 40.0) {
-                if (x.avg <= 7.600367546081543) {
-                  return {1, 2, 64, 128, 0};  // SP
+              if (x.log2_S <= 13.220471858978271) {
+                if (x.log2_S <= 9.840990543365479) {
+                  if (x.avg <= 3.6757893562316895) {
+                    if (x.avg <= 1.4899598956108093) {
+                      if (x.avg <= 1.3222641944885254) {
+                        return {2, 32, 32, 2, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {1, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
                 } else {
-                  return {2, 32, 16, 4, 32};  // PR
+                  if (x.avg <= 1.6037389039993286) {
+                    if (x.log2_S <= 11.017447471618652) {
+                      if (x.avg <= 1.3136522769927979) {
+                        return {2, 32, 32, 2, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {2, 16, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 12.353887557983398) {
+                      if (x.avg <= 34.863264083862305) {
+                        return {1, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.478356838226318) {
+                          if (x.avg <= 45.46081733703613) {
+                            return {1, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.476131916046143) {
+                              return {1, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {2, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 5.856230974197388) {
+                        return {1, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 21.99502658843994) {
+                          if (x.avg <= 11.260571956634521) {
+                            if (x.log2_S <= 12.566099643707275) {
+                              return {1, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            if (x.avg <= 20.435185432434082) {
+                              return {1, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {1, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {2, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  }
                 }
               } else {
-                return {2, 32, 16, 4, 32};  // PR
+                if (x.avg <= 8.832115173339844) {
+                  if (x.log2_S <= 14.955878734588623) {
+                    if (x.avg <= 3.6018115282058716) {
+                      if (x.avg <= 1.7129119634628296) {
+                        return {2, 16, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.092646598815918) {
+                          return {1, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.574902534484863) {
+                            if (x.avg <= 2.9316930770874023) {
+                              return {2, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {1, 2, 64, 128, 0};  // SP
+                            }
+                          } else {
+                            if (x.avg <= 2.272453784942627) {
+                              if (x.log2_S <= 14.692556381225586) {
+                                return {2, 16, 64, 2, 0};  // SP
+                              } else {
+                                return {1, 4, 64, 64, 0};  // SP
+                              }
+                            } else {
+                              return {1, 2, 64, 128, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.534334659576416) {
+                        return {2, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 8.09829330444336) {
+                      if (x.avg <= 1.3649206757545471) {
+                        if (x.log2_S <= 15.398616790771484) {
+                          if (x.log2_S <= 15.047029972076416) {
+                            return {2, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.4435977935791) {
+                        if (x.log2_S <= 15.147098064422607) {
+                          return {1, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 54.812042236328125) {
+                    if (x.log2_S <= 13.274213314056396) {
+                      if (x.log2_S <= 13.251830577850342) {
+                        return {1, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 48.35251808166504) {
+                        return {1, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.511855125427246) {
+                          return {2, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {1, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.84214210510254) {
+                      return {2, 16, 64, 2, 0};  // SP
+                    } else {
+                      return {1, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                }
               }
             } else {
-              if (x.log2_S <= 16.983579635620117) {
-                if (x.avg <= 65.59249877929688) {
-                  return {2, 1, 8, 256, 1};  // SR
+              if (x.log2_S <= 12.691279411315918) {
+                if (x.log2_S <= 11.34284496307373) {
+                  return {1, 2, 8, 128, 1};  // SR
                 } else {
-                  return {2, 32, 16, 4, 32};  // PR
+                  if (x.avg <= 123.29581069946289) {
+                    if (x.avg <= 2.9167065620422363) {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 2.378119707107544) {
+                          return {2, 16, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 2.8314998149871826) {
+                            return {1, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 12.235803604125977) {
+                              return {2, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {1, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 3.9165107011795044) {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 12.432954788208008) {
+                            return {2, 32, 32, 2, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 76.74539947509766) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.174455642700195) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {2, 1, 8, 256, 1};  // SR
+                            } else {
+                              if (x.avg <= 99.37998962402344) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {2, 1, 8, 256, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.991340637207031) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 11.428465366363525) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 12.318405151367188) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {2, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {2, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  }
                 }
               } else {
-                if (x.long_level <= 1.5) {
-                  return {2, 32, 16, 4, 32};  // PR
+                if (x.log2_S <= 14.951544284820557) {
+                  if (x.avg <= 15.372886657714844) {
+                    if (x.log2_S <= 14.705851078033447) {
+                      if (x.log2_S <= 13.366430282592773) {
+                        if (x.avg <= 2.9300278425216675) {
+                          if (x.long_level <= 1.5) {
+                            return {2, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 10.615961074829102) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.280021667480469) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 1, 8, 256, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 11.590870380401611) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 3.085605263710022) {
+                          if (x.log2_S <= 14.806262016296387) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {2, 1, 8, 256, 1};  // SR
+                          }
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 100.99471664428711) {
+                      if (x.log2_S <= 13.41722822189331) {
+                        if (x.avg <= 24.08420181274414) {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 12.890739440917969) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 1, 8, 256, 1};  // SR
+                            }
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        return {2, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 12.765717029571533) {
+                          if (x.avg <= 128.26435089111328) {
+                            return {2, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {2, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {2, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 14.52189826965332) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
                 } else {
-                  return {2, 32, 8, 2, 32};  // PR
+                  if (x.avg <= 55.39410591125488) {
+                    if (x.log2_S <= 15.526762962341309) {
+                      if (x.avg <= 6.066348552703857) {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 15.47348165512085) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.avg <= 2.4650049209594727) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 1, 8, 256, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        return {2, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 17.343141555786133) {
+                        if (x.avg <= 52.04342079162598) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.21903896331787) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {2, 1, 8, 256, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.avg <= 14.417816638946533) {
+                            if (x.avg <= 6.174700498580933) {
+                              return {2, 32, 8, 2, 32};  // PR
+                            } else {
+                              if (x.log2_S <= 17.5013427734375) {
+                                return {2, 1, 8, 256, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 32};  // PR
+                              }
+                            }
+                          } else {
+                            return {2, 1, 8, 256, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 15.365346908569336) {
+                        if (x.avg <= 124.65285110473633) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {2, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {2, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 58.32945251464844) {
+                        return {2, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 17.402121543884277) {
-              if (x.avg <= 6.519350051879883) {
-                return {1, 32, 8, 2, 16};  // PR
+            return {2, 32, 8, 2, 32};  // PR
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.avg <= 23.18490505218506) {
+              if (x.avg <= 10.823012828826904) {
+                return {1, 2, 64, 128, 0};  // SP
               } else {
-                if (x.log2_S <= 16.10964012145996) {
-                  return {1, 32, 8, 2, 16};  // PR
+                if (x.log2_S <= 24.301950454711914) {
+                  if (x.log2_S <= 18.8192195892334) {
+                    if (x.avg <= 16.306309700012207) {
+                      return {1, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 18.095232009887695) {
+                        return {1, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
                 } else {
-                  return {2, 32, 8, 2, 32};  // PR
+                  return {1, 4, 64, 64, 0};  // SP
                 }
               }
             } else {
-              if (x.avg <= 7.90780234336853) {
-                return {2, 32, 8, 2, 32};  // PR
-              } else {
-                if (x.log2_S <= 20.431568145751953) {
-                  return {2, 32, 8, 2, 32};  // PR
+              if (x.log2_S <= 24.045157432556152) {
+                if (x.log2_S <= 17.811535835266113) {
+                  return {1, 4, 64, 64, 0};  // SP
                 } else {
-                  return {2, 32, 16, 4, 32};  // PR
+                  if (x.avg <= 24.31564998626709) {
+                    if (x.log2_S <= 19.370129585266113) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 21.536102294921875) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.04608917236328) {
+                      if (x.avg <= 35.52078628540039) {
+                        return {1, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
                 }
+              } else {
+                return {1, 4, 64, 64, 0};  // SP
+              }
+            }
+          } else {
+            if (x.log2_S <= 18.203994750976562) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 18.144768714904785) {
+                  return {2, 1, 8, 256, 1};  // SR
+                } else {
+                  if (x.avg <= 40.96417427062988) {
+                    return {2, 1, 8, 256, 1};  // SR
+                  } else {
+                    if (x.avg <= 138.5836944580078) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 1, 8, 256, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                return {2, 32, 8, 2, 32};  // PR
+              }
+            } else {
+              if (x.log2_S <= 18.64676570892334) {
+                if (x.avg <= 2.975967288017273) {
+                  if (x.long_level <= 1.5) {
+                    return {2, 1, 8, 256, 1};  // SR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.avg <= 4.309784173965454) {
+                    if (x.long_level <= 1.5) {
+                      return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                }
+              } else {
+                return {2, 32, 8, 2, 32};  // PR
               }
             }
           }
@@ -788,137 +5612,1013 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.log2_S <= 14.277432441711426) {
-          if (x.log2_S <= 13.283661365509033) {
-            if (x.log2_S <= 10.5633225440979) {
-              if (x.avg <= 2.9343544840812683) {
-                return {1, 32, 8, 2, 1};  // SR
-              } else {
-                return {1, 4, 8, 64, 1};  // SR
-              }
-            } else {
-              if (x.avg <= 7.459298372268677) {
-                if (x.log2_S <= 12.489808559417725) {
-                  return {1, 32, 8, 2, 1};  // SR
+        if (x.long_level <= 2.5) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 14.155828475952148) {
+              if (x.avg <= 2.43468976020813) {
+                if (x.log2_S <= 12.795592308044434) {
+                  return {4, 32, 32, 1, 0};  // SP
                 } else {
-                  return {1, 4, 8, 64, 1};  // SR
+                  return {4, 16, 64, 2, 0};  // SP
                 }
               } else {
-                if (x.avg <= 13.26895809173584) {
-                  return {1, 2, 8, 128, 1};  // SR
+                if (x.log2_S <= 9.956039905548096) {
+                  if (x.avg <= 3.371341347694397) {
+                    if (x.log2_S <= 9.399739265441895) {
+                      return {4, 16, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 32, 1, 0};  // SP
+                    }
+                  } else {
+                    return {4, 16, 64, 2, 0};  // SP
+                  }
                 } else {
-                  return {1, 4, 8, 64, 1};  // SR
+                  if (x.log2_S <= 11.922506332397461) {
+                    if (x.avg <= 15.751871109008789) {
+                      if (x.log2_S <= 10.466600894927979) {
+                        if (x.avg <= 3.8717578649520874) {
+                          return {4, 32, 32, 1, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 10.278083801269531) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            if (x.avg <= 6.689632892608643) {
+                              return {4, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 1, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 10.532698631286621) {
+                        return {4, 16, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.247584819793701) {
+                          if (x.avg <= 45.79958152770996) {
+                            return {4, 32, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 22.892083168029785) {
+                            if (x.log2_S <= 11.449910163879395) {
+                              return {4, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 1, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.874116897583008) {
+                      if (x.log2_S <= 12.324804782867432) {
+                        if (x.avg <= 3.6962051391601562) {
+                          return {4, 32, 32, 1, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 23.830810546875) {
+                        if (x.avg <= 7.615877389907837) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 2, 32, 128, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 10.822002410888672) {
+                if (x.log2_S <= 16.968825340270996) {
+                  if (x.avg <= 1.4434502124786377) {
+                    if (x.log2_S <= 16.42906665802002) {
+                      if (x.log2_S <= 15.177639484405518) {
+                        if (x.log2_S <= 14.991273403167725) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 16.88736915588379) {
+                        return {4, 2, 32, 128, 0};  // SP
+                      } else {
+                        return {4, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.558324337005615) {
+                      if (x.avg <= 3.914027214050293) {
+                        return {4, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 2, 32, 128, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 32, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 23.949530601501465) {
+                    if (x.log2_S <= 17.92624282836914) {
+                      if (x.avg <= 6.424787998199463) {
+                        return {4, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {4, 2, 32, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 10.586895942687988) {
+                        return {4, 1, 64, 256, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 19.62483787536621) {
+                          return {4, 2, 32, 128, 0};  // SP
+                        } else {
+                          return {4, 1, 64, 256, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 3.851493716239929) {
+                      if (x.avg <= 3.1534996032714844) {
+                        return {4, 1, 64, 256, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 24.497446060180664) {
+                          return {4, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {4, 2, 32, 128, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 2, 32, 128, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 16.667049407958984) {
+                  if (x.avg <= 48.35778045654297) {
+                    if (x.avg <= 40.8785400390625) {
+                      return {4, 2, 32, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 15.268885612487793) {
+                        return {4, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 2, 32, 128, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {4, 16, 64, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 12.650978088378906) {
+                    if (x.log2_S <= 22.845333099365234) {
+                      if (x.log2_S <= 19.109113693237305) {
+                        return {4, 2, 32, 128, 0};  // SP
+                      } else {
+                        if (x.avg <= 11.783080577850342) {
+                          return {4, 1, 64, 256, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 22.03093910217285) {
+                            if (x.log2_S <= 20.260221481323242) {
+                              return {4, 2, 32, 128, 0};  // SP
+                            } else {
+                              return {4, 1, 64, 256, 0};  // SP
+                            }
+                          } else {
+                            return {4, 2, 32, 128, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 2, 32, 128, 0};  // SP
+                    }
+                  } else {
+                    return {4, 2, 32, 128, 0};  // SP
+                  }
                 }
               }
             }
           } else {
-            if (x.avg <= 14.003987789154053) {
-              if (x.avg <= 3.3703150749206543) {
-                return {1, 2, 8, 128, 1};  // SR
-              } else {
-                if (x.log2_S <= 13.777432441711426) {
-                  return {1, 4, 8, 64, 1};  // SR
+            if (x.log2_S <= 18.605070114135742) {
+              if (x.log2_S <= 14.201488971710205) {
+                if (x.avg <= 24.698192596435547) {
+                  if (x.log2_S <= 11.34284496307373) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 14.060848236083984) {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 3.6820104122161865) {
+                          if (x.log2_S <= 12.5082688331604) {
+                            return {4, 32, 32, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 13.292278289794922) {
+                              if (x.log2_S <= 12.61222791671753) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                if (x.avg <= 2.6558016538619995) {
+                                  return {4, 16, 64, 2, 0};  // SP
+                                } else {
+                                  if (x.log2_S <= 13.036839962005615) {
+                                    return {1, 4, 8, 64, 1};  // SR
+                                  } else {
+                                    return {4, 16, 64, 2, 0};  // SP
+                                  }
+                                }
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 13.424205780029297) {
+                            if (x.avg <= 3.9211989641189575) {
+                              if (x.log2_S <= 12.593255996704102) {
+                                return {4, 32, 32, 1, 0};  // SP
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 13.192095279693604) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.978911876678467) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 4.405037879943848) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.159092903137207) {
+                        if (x.log2_S <= 11.858497142791748) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.957837104797363) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.260867595672607) {
+                          if (x.avg <= 18.591008186340332) {
+                            if (x.long_level <= 1.5) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  }
                 } else {
-                  return {1, 2, 8, 128, 1};  // SR
+                  if (x.log2_S <= 12.978753566741943) {
+                    if (x.avg <= 35.37705039978027) {
+                      if (x.log2_S <= 10.596095085144043) {
+                        if (x.long_level <= 1.5) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 25.60731029510498) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 100.91033172607422) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 119.34536743164062) {
+                          if (x.log2_S <= 13.511921405792236) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 13.924896717071533) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.avg <= 107.84407424926758) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 60.879493713378906) {
+                  if (x.log2_S <= 14.951544284820557) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 7.649857759475708) {
+                        if (x.log2_S <= 14.811086177825928) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.505045533180237) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 46.45371627807617) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 18.209174156188965) {
+                        if (x.log2_S <= 15.910843849182129) {
+                          if (x.log2_S <= 15.448430061340332) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 15.396161079406738) {
+                      if (x.avg <= 94.03487396240234) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 111.19432067871094) {
+                          if (x.log2_S <= 14.642090797424316) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.54359245300293) {
+                        if (x.log2_S <= 15.91489839553833) {
+                          if (x.avg <= 112.61056137084961) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 17.22965431213379) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.avg <= 117.7978286743164) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 97.48655319213867) {
+                          if (x.log2_S <= 18.04274559020996) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 83.84228134155273) {
+                      if (x.log2_S <= 17.0545654296875) {
+                        if (x.log2_S <= 14.866738319396973) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        if (x.avg <= 82.1097640991211) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  }
                 }
               }
             } else {
-              return {2, 2, 8, 128, 1};  // SR
+              if (x.long_level <= 1.5) {
+                return {4, 32, 8, 2, 32};  // PR
+              } else {
+                if (x.log2_S <= 22.197630882263184) {
+                  if (x.avg <= 73.66159057617188) {
+                    if (x.avg <= 59.961673736572266) {
+                      if (x.log2_S <= 22.035743713378906) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 5.221201658248901) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 20.57801342010498) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 79.28096389770508) {
+                      if (x.log2_S <= 19.500568389892578) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 22.246089935302734) {
+                    if (x.avg <= 43.482988357543945) {
+                      if (x.avg <= 7.0389978885650635) {
+                        return {4, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 32};  // PR
+                  }
+                }
+              }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.avg <= 40.0) {
-              if (x.avg <= 13.600367546081543) {
-                return {4, 1, 32, 256, 0};  // SP
-              } else {
-                return {1, 4, 32, 64, 0};  // SP
-              }
-            } else {
-              return {4, 32, 8, 2, 16};  // PR
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 16.983579635620117) {
-                if (x.avg <= 65.59249877929688) {
-                  return {2, 2, 8, 128, 1};  // SR
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                if (x.log2_S <= 19.335082054138184) {
-                  return {4, 32, 8, 2, 32};  // PR
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              }
-            } else {
-              return {4, 32, 8, 2, 32};  // PR
-            }
-          }
+          return {4, 32, 8, 2, 32};  // PR
         }
       } else {
-        if (x.log2_S <= 14.277432441711426) {
-          if (x.log2_S <= 13.283661365509033) {
-            if (x.log2_S <= 10.5633225440979) {
-              return {1, 32, 8, 2, 1};  // SR
-            } else {
-              if (x.avg <= 7.459298372268677) {
-                if (x.long_level <= 0.5) {
-                  return {1, 32, 8, 2, 1};  // SR
+        if (x.long_level <= 0.5) {
+          if (x.avg <= 3.386895775794983) {
+            if (x.log2_S <= 13.154982566833496) {
+              if (x.log2_S <= 11.69507360458374) {
+                if (x.avg <= 2.9791141748428345) {
+                  return {1, 64, 16, 4, 0};  // SP
                 } else {
-                  return {1, 8, 8, 32, 1};  // SR
+                  if (x.log2_S <= 9.796588897705078) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {1, 64, 16, 4, 0};  // SP
+                  }
                 }
               } else {
-                if (x.avg <= 13.26895809173584) {
-                  return {1, 8, 8, 32, 1};  // SR
+                if (x.avg <= 2.7009658813476562) {
+                  return {1, 32, 8, 4, 1};  // SR
                 } else {
-                  return {1, 16, 8, 8, 1};  // SR
+                  if (x.log2_S <= 12.739130973815918) {
+                    return {1, 64, 16, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 2.8385167121887207) {
+                      return {1, 32, 8, 4, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 20.874393463134766) {
+                if (x.log2_S <= 14.590035438537598) {
+                  if (x.avg <= 1.9780116081237793) {
+                    if (x.log2_S <= 13.475602149963379) {
+                      return {1, 32, 8, 4, 1};  // SR
+                    } else {
+                      return {1, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 13.3767409324646) {
+                      if (x.avg <= 2.601149082183838) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 20.578426361083984) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.avg <= 2.1616309881210327) {
+                      return {1, 32, 16, 8, 8};  // PR
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 2.895324230194092) {
+                  return {1, 32, 16, 8, 8};  // PR
+                } else {
+                  if (x.log2_S <= 21.929304122924805) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {1, 32, 16, 8, 8};  // PR
+                  }
                 }
               }
             }
           } else {
-            if (x.avg <= 14.003987789154053) {
-              if (x.avg <= 3.3703150749206543) {
-                return {1, 8, 8, 32, 1};  // SR
-              } else {
-                return {1, 8, 16, 32, 1};  // SR
-              }
-            } else {
-              return {1, 8, 16, 32, 1};  // SR
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.avg <= 7.600367546081543) {
-              if (x.log2_S <= 21.09253215789795) {
+            if (x.log2_S <= 12.090965747833252) {
+              if (x.log2_S <= 10.602701663970947) {
                 return {1, 8, 64, 32, 0};  // SP
               } else {
-                return {1, 32, 32, 8, 8};  // PR
+                if (x.avg <= 22.5710391998291) {
+                  if (x.log2_S <= 11.735051155090332) {
+                    return {1, 64, 16, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 9.401888370513916) {
+                      return {1, 64, 16, 4, 0};  // SP
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {1, 8, 64, 32, 0};  // SP
+                }
               }
             } else {
               return {1, 8, 64, 32, 0};  // SP
             }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.avg <= 33.57639503479004) {
-                if (x.log2_S <= 17.815787315368652) {
-                  return {1, 8, 16, 32, 1};  // SR
+          }
+        } else {
+          if (x.log2_S <= 17.01551055908203) {
+            if (x.log2_S <= 12.670562267303467) {
+              if (x.long_level <= 2.5) {
+                if (x.avg <= 4.267385721206665) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 12.017472743988037) {
+                      return {1, 32, 8, 4, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.057670593261719) {
+                        if (x.avg <= 2.2220630645751953) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {1, 4, 8, 64, 1};  // SR
+                  }
                 } else {
-                  return {1, 8, 64, 32, 1};  // SR
+                  if (x.log2_S <= 12.274158000946045) {
+                    if (x.log2_S <= 11.879281044006348) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.avg <= 95.90662002563477) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.avg <= 34.470645904541016) {
+                        if (x.log2_S <= 12.526707172393799) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 8.93163776397705) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
                 }
               } else {
-                return {1, 8, 64, 32, 1};  // SR
+                return {1, 8, 16, 32, 1};  // SR
               }
             } else {
-              if (x.log2_S <= 19.063085556030273) {
-                if (x.log2_S <= 16.10964012145996) {
-                  return {1, 8, 64, 32, 1};  // SR
+              if (x.avg <= 47.0152645111084) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 14.283882141113281) {
+                    if (x.avg <= 3.794579267501831) {
+                      if (x.avg <= 3.564840316772461) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.714320182800293) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.328473567962646) {
+                        if (x.long_level <= 1.5) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 5.4785637855529785) {
+                            if (x.log2_S <= 12.965363025665283) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              if (x.avg <= 4.142717361450195) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 6.516443490982056) {
+                          if (x.log2_S <= 13.60860538482666) {
+                            if (x.long_level <= 1.5) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 4.32741904258728) {
+                              if (x.long_level <= 1.5) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 3.444612503051758) {
+                      if (x.log2_S <= 15.351280689239502) {
+                        if (x.long_level <= 1.5) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.533766746520996) {
+                            if (x.avg <= 2.279494285583496) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 21.607046127319336) {
+                        if (x.log2_S <= 16.89154052734375) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 10.480352878570557) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.558387279510498) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.078869819641113) {
+                              if (x.avg <= 31.46952724456787) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 64, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
                 } else {
-                  return {1, 8, 32, 32, 1};  // SR
+                  if (x.log2_S <= 14.728813648223877) {
+                    if (x.log2_S <= 14.627496719360352) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 17.30682134628296) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.064373016357422) {
+                      if (x.avg <= 7.90739893913269) {
+                        return {1, 32, 16, 8, 8};  // PR
+                      } else {
+                        if (x.log2_S <= 15.81166124343872) {
+                          if (x.log2_S <= 14.940395832061768) {
+                            if (x.avg <= 14.996967315673828) {
+                              if (x.log2_S <= 14.837088108062744) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 32, 16, 8, 8};  // PR
+                              }
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 42.01791000366211) {
+                              if (x.avg <= 10.90355920791626) {
+                                if (x.avg <= 8.9376220703125) {
+                                  return {1, 32, 16, 8, 8};  // PR
+                                } else {
+                                  return {1, 8, 64, 32, 1};  // SR
+                                }
+                              } else {
+                                return {1, 32, 16, 8, 8};  // PR
+                              }
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 8, 64, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 7.5269904136657715) {
+                        if (x.log2_S <= 16.25220489501953) {
+                          if (x.avg <= 5.61297082901001) {
+                            return {1, 32, 16, 8, 8};  // PR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  }
                 }
               } else {
-                return {1, 32, 32, 8, 8};  // PR
+                if (x.log2_S <= 14.221390724182129) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 104.56388854980469) {
+                      if (x.log2_S <= 13.059059143066406) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 13.174965858459473) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.036582469940186) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.long_level <= 2.5) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 70.9006404876709) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 64, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 14.838374614715576) {
+                      if (x.avg <= 112.60139465332031) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.900157451629639) {
+                      if (x.long_level <= 2.5) {
+                        if (x.log2_S <= 14.711262226104736) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 96.62445449829102) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.320164680480957) {
+                        if (x.avg <= 64.32473373413086) {
+                          if (x.long_level <= 2.5) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 18.96271324157715) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 105.64716720581055) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 18.444201469421387) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.093722343444824) {
+                    if (x.avg <= 8.828015089035034) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    return {1, 8, 64, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 19.042810440063477) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 35.153059005737305) {
+                      if (x.avg <= 4.623426675796509) {
+                        if (x.log2_S <= 18.992353439331055) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    return {1, 8, 64, 32, 1};  // SR
+                  }
+                } else {
+                  return {1, 8, 64, 32, 1};  // SR
+                }
+              }
+            } else {
+              if (x.log2_S <= 19.35744857788086) {
+                if (x.avg <= 6.488550186157227) {
+                  if (x.log2_S <= 17.095783233642578) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 4.863219499588013) {
+                      return {1, 32, 16, 8, 8};  // PR
+                    } else {
+                      if (x.log2_S <= 17.731348991394043) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 32, 16, 8, 8};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.134048461914062) {
+                    return {1, 8, 64, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 25.64667797088623) {
+                      if (x.avg <= 7.709133148193359) {
+                        return {1, 32, 16, 8, 8};  // PR
+                      } else {
+                        if (x.avg <= 11.676828861236572) {
+                          return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {1, 32, 16, 8, 8};  // PR
+                        }
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 19.4635009765625) {
+                  if (x.avg <= 71.56624984741211) {
+                    if (x.log2_S <= 19.45118522644043) {
+                      return {1, 32, 16, 8, 8};  // PR
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    return {1, 8, 64, 32, 1};  // SR
+                  }
+                } else {
+                  return {1, 32, 16, 8, 8};  // PR
+                }
               }
             }
           }
@@ -928,113 +6628,1021 @@ inline Config gathered_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.log2_S <= 14.277432441711426) {
-          if (x.avg <= 4.248009443283081) {
-            if (x.log2_S <= 12.489808559417725) {
-              if (x.avg <= 3.9865000247955322) {
-                if (x.log2_S <= 10.5633225440979) {
-                  return {1, 32, 8, 4, 1};  // SR
+        if (x.long_level <= 2.5) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 16.502166748046875) {
+              if (x.log2_S <= 13.69115161895752) {
+                if (x.log2_S <= 9.652293682098389) {
+                  if (x.avg <= 13.308732032775879) {
+                    if (x.avg <= 3.6757893562316895) {
+                      if (x.avg <= 1.3540284037590027) {
+                        return {4, 32, 16, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 9.516363143920898) {
+                        return {4, 32, 16, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.604071617126465) {
+                          if (x.avg <= 10.666965961456299) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 16, 8, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 16, 8, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.429794311523438) {
+                      if (x.avg <= 17.6492919921875) {
+                        if (x.log2_S <= 9.127556324005127) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 32, 16, 8, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 24.679532051086426) {
+                        return {4, 32, 16, 8, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
                 } else {
-                  return {1, 16, 8, 1, 1};  // SR
+                  if (x.log2_S <= 12.82191276550293) {
+                    if (x.avg <= 1.3317516446113586) {
+                      if (x.log2_S <= 11.633179664611816) {
+                        return {4, 32, 16, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 9.805980205535889) {
+                        if (x.avg <= 26.081625938415527) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 8.932823657989502) {
+                      if (x.log2_S <= 13.602776050567627) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 3.6232348680496216) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.620640277862549) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.43058729171753) {
+                        if (x.avg <= 10.845015525817871) {
+                          if (x.log2_S <= 13.091409683227539) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 12.856808185577393) {
+                            if (x.avg <= 36.46436023712158) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 4, 64, 64, 0};  // SP
+                            }
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 28.545333862304688) {
+                          if (x.avg <= 15.372759342193604) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 13.511463165283203) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  }
                 }
               } else {
-                return {1, 16, 8, 1, 1};  // SR
+                if (x.avg <= 13.637645244598389) {
+                  if (x.log2_S <= 14.20503044128418) {
+                    if (x.avg <= 3.5294666290283203) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      if (x.avg <= 4.2723236083984375) {
+                        if (x.avg <= 3.801152229309082) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.171149253845215) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 2.7620640993118286) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 7.287599802017212) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 16.38938331604004) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.419370651245117) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 2, 64, 128, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.972970008850098) {
+                    if (x.avg <= 34.23870658874512) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 15.132233142852783) {
+                      if (x.avg <= 23.703744888305664) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                }
               }
             } else {
-              if (x.log2_S <= 13.77338171005249) {
-                return {1, 8, 8, 32, 1};  // SR
+              if (x.log2_S <= 18.33591938018799) {
+                if (x.avg <= 15.847364902496338) {
+                  if (x.avg <= 12.369717121124268) {
+                    return {4, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 16.96946144104004) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.768837928771973) {
+                    if (x.avg <= 17.63585662841797) {
+                      if (x.log2_S <= 17.225534439086914) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 31.007288932800293) {
+                      return {4, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.avg <= 33.7689266204834) {
+                        if (x.log2_S <= 17.92972183227539) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
+                }
               } else {
-                return {1, 4, 8, 64, 1};  // SR
+                if (x.avg <= 56.704994201660156) {
+                  if (x.avg <= 41.10503959655762) {
+                    return {4, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 18.993799209594727) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.918638229370117) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    return {4, 2, 64, 128, 0};  // SP
+                  }
+                }
               }
             }
           } else {
-            if (x.avg <= 16.78819751739502) {
-              if (x.avg <= 10.484748363494873) {
-                return {4, 2, 8, 128, 1};  // SR
+            if (x.log2_S <= 13.997157573699951) {
+              if (x.avg <= 17.337456703186035) {
+                if (x.log2_S <= 12.705117225646973) {
+                  if (x.avg <= 4.616314172744751) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 11.225907325744629) {
+                        return {1, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.790279388427734) {
+                          if (x.avg <= 2.55972421169281) {
+                            if (x.log2_S <= 11.375852108001709) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.avg <= 2.066530764102936) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                if (x.avg <= 2.5277230739593506) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {4, 32, 64, 2, 0};  // SP
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 4.13209867477417) {
+                              return {1, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 13.097099304199219) {
+                      if (x.log2_S <= 12.38853120803833) {
+                        if (x.avg <= 10.503260135650635) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 10.56001615524292) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 11.51520299911499) {
+                                return {4, 2, 8, 128, 1};  // SR
+                              } else {
+                                if (x.avg <= 11.30831527709961) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 11.743820667266846) {
+                                    return {1, 8, 8, 32, 1};  // SR
+                                  } else {
+                                    return {4, 2, 8, 128, 1};  // SR
+                                  }
+                                }
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 6.581879377365112) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 12.497773170471191) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 9.92085313796997) {
+                          if (x.avg <= 15.207214832305908) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 3.794579267501831) {
+                    if (x.avg <= 2.9698132276535034) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 13.714320182800293) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 10.424750804901123) {
+                        if (x.log2_S <= 13.442161560058594) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 5.113595724105835) {
+                            if (x.log2_S <= 13.79629373550415) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.avg <= 4.167834520339966) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 13.478021621704102) {
+                              if (x.avg <= 7.27757453918457) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 4.011816143989563) {
+                        if (x.log2_S <= 13.486908435821533) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                }
               } else {
-                return {1, 4, 8, 64, 1};  // SR
+                if (x.avg <= 19.20076084136963) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 10.744723320007324) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 13.673592567443848) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.avg <= 121.8778305053711) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                }
               }
             } else {
-              return {4, 2, 8, 128, 1};  // SR
+              if (x.log2_S <= 14.54938793182373) {
+                if (x.avg <= 2.9711151123046875) {
+                  if (x.long_level <= 1.5) {
+                    return {1, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 14.035058498382568) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 114.97340393066406) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                return {4, 2, 8, 128, 1};  // SR
+              }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.avg <= 13.600367546081543) {
-              return {4, 2, 64, 128, 0};  // SP
+          if (x.log2_S <= 13.34903860092163) {
+            if (x.avg <= 8.115532875061035) {
+              if (x.log2_S <= 12.243038654327393) {
+                if (x.log2_S <= 12.176052570343018) {
+                  return {1, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 6.899498462677002) {
+                    return {1, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              } else {
+                return {4, 32, 8, 2, 16};  // PR
+              }
             } else {
-              if (x.avg <= 40.0) {
-                return {4, 2, 64, 128, 0};  // SP
+              if (x.avg <= 11.91218090057373) {
+                if (x.log2_S <= 12.549846172332764) {
+                  return {4, 2, 8, 128, 1};  // SR
+                } else {
+                  if (x.avg <= 10.252604484558105) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 12.96065616607666) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
               } else {
                 return {4, 2, 8, 128, 1};  // SR
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              return {4, 2, 8, 128, 1};  // SR
+            if (x.log2_S <= 14.091126918792725) {
+              if (x.avg <= 39.11592674255371) {
+                if (x.avg <= 32.6148681640625) {
+                  if (x.log2_S <= 13.381480693817139) {
+                    if (x.log2_S <= 13.373700618743896) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  if (x.avg <= 34.17792510986328) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              } else {
+                return {4, 2, 8, 128, 1};  // SR
+              }
             } else {
               return {4, 32, 8, 2, 16};  // PR
             }
           }
         }
       } else {
-        if (x.log2_S <= 14.277432441711426) {
-          if (x.avg <= 4.248009443283081) {
-            if (x.log2_S <= 10.5633225440979) {
-              if (x.avg <= 2.9343544840812683) {
-                return {1, 32, 8, 4, 1};  // SR
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 14.060571193695068) {
+            if (x.avg <= 3.8334991931915283) {
+              if (x.log2_S <= 13.430240154266357) {
+                if (x.avg <= 3.173936128616333) {
+                  if (x.log2_S <= 12.93166971206665) {
+                    return {4, 64, 8, 1, 0};  // SP
+                  } else {
+                    if (x.avg <= 1.73781156539917) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      return {4, 64, 8, 1, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 9.876429080963135) {
+                    return {1, 16, 64, 8, 0};  // SP
+                  } else {
+                    return {4, 64, 8, 1, 0};  // SP
+                  }
+                }
               } else {
-                return {1, 4, 32, 64, 0};  // SP
+                if (x.log2_S <= 13.701401710510254) {
+                  return {1, 16, 8, 8, 1};  // SR
+                } else {
+                  return {4, 4, 8, 64, 1};  // SR
+                }
               }
             } else {
-              if (x.log2_S <= 12.489808559417725) {
-                return {1, 32, 8, 4, 1};  // SR
+              if (x.log2_S <= 12.933992862701416) {
+                if (x.log2_S <= 10.629023551940918) {
+                  return {1, 16, 64, 8, 0};  // SP
+                } else {
+                  if (x.avg <= 18.702802658081055) {
+                    if (x.log2_S <= 12.187943458557129) {
+                      return {4, 64, 8, 1, 0};  // SP
+                    } else {
+                      if (x.avg <= 6.921483755111694) {
+                        return {4, 64, 8, 1, 0};  // SP
+                      } else {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 25.668877601623535) {
+                      if (x.log2_S <= 11.658513069152832) {
+                        return {4, 64, 8, 1, 0};  // SP
+                      } else {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  }
+                }
               } else {
-                return {1, 16, 8, 8, 1};  // SR
+                if (x.avg <= 7.250218629837036) {
+                  if (x.log2_S <= 13.641647338867188) {
+                    if (x.log2_S <= 13.077341556549072) {
+                      return {4, 64, 8, 1, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 11.870643615722656) {
+                    if (x.log2_S <= 13.400571346282959) {
+                      return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    return {4, 4, 8, 64, 1};  // SR
+                  }
+                }
               }
             }
           } else {
-            if (x.avg <= 16.78819751739502) {
-              if (x.log2_S <= 12.49385929107666) {
-                return {1, 16, 8, 8, 1};  // SR
-              } else {
+            if (x.log2_S <= 14.82640027999878) {
+              if (x.avg <= 3.575090169906616) {
                 return {4, 4, 8, 64, 1};  // SR
+              } else {
+                if (x.log2_S <= 14.469302654266357) {
+                  if (x.avg <= 26.228700637817383) {
+                    if (x.avg <= 9.177313327789307) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.avg <= 16.956992149353027) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
               }
             } else {
-              return {4, 4, 8, 64, 1};  // SR
+              if (x.log2_S <= 15.15592098236084) {
+                if (x.avg <= 2.191123127937317) {
+                  return {4, 4, 8, 64, 1};  // SR
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
+              } else {
+                return {4, 4, 64, 64, 0};  // SP
+              }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            return {4, 4, 64, 64, 0};  // SP
-          } else {
+          if (x.log2_S <= 16.792144775390625) {
             if (x.long_level <= 2.5) {
-              if (x.avg <= 13.19360613822937) {
-                if (x.log2_S <= 17.815787315368652) {
-                  return {4, 4, 8, 64, 1};  // SR
+              if (x.log2_S <= 12.595448970794678) {
+                if (x.avg <= 8.590713500976562) {
+                  if (x.avg <= 6.948336124420166) {
+                    return {1, 16, 8, 8, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 10.462569236755371) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
                 } else {
-                  return {4, 4, 16, 64, 1};  // SR
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 102.35746002197266) {
+                      if (x.log2_S <= 11.662673950195312) {
+                        if (x.avg <= 73.32755661010742) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 10.174436569213867) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 78.20834350585938) {
+                              if (x.log2_S <= 11.00520372390747) {
+                                return {1, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 13.717249870300293) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    return {4, 4, 8, 64, 1};  // SR
+                  }
                 }
               } else {
-                if (x.log2_S <= 15.154823303222656) {
-                  return {4, 4, 8, 64, 1};  // SR
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 14.153534889221191) {
+                    if (x.avg <= 5.9417479038238525) {
+                      if (x.avg <= 3.942793607711792) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.607457160949707) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 8.192769050598145) {
+                        if (x.log2_S <= 13.354958534240723) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.456348419189453) {
+                      if (x.avg <= 124.34912109375) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
                 } else {
-                  return {4, 4, 16, 64, 1};  // SR
+                  if (x.log2_S <= 15.532604217529297) {
+                    if (x.avg <= 36.7265567779541) {
+                      if (x.log2_S <= 13.262035369873047) {
+                        if (x.avg <= 2.6810487508773804) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.258924961090088) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.64329195022583) {
+                          if (x.avg <= 74.89689254760742) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 16, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.790641784667969) {
+                      if (x.avg <= 11.193794250488281) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  }
                 }
               }
             } else {
-              if (x.avg <= 4.4689189195632935) {
-                if (x.avg <= 2.8434900045394897) {
-                  return {4, 4, 32, 64, 1};  // SR
+              if (x.log2_S <= 14.355283260345459) {
+                if (x.log2_S <= 13.242638111114502) {
+                  if (x.log2_S <= 9.906574249267578) {
+                    if (x.avg <= 78.2352409362793) {
+                      if (x.avg <= 30.857216835021973) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.181179523468018) {
+                      if (x.avg <= 23.68294334411621) {
+                        if (x.log2_S <= 10.348618507385254) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 15.230557918548584) {
+                            if (x.avg <= 4.584205389022827) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 20.562207221984863) {
+                              return {4, 4, 16, 64, 1};  // SR
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 3.6708717346191406) {
+                        if (x.log2_S <= 13.02929401397705) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 6.111378192901611) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.026349067687988) {
+                            if (x.avg <= 79.36085891723633) {
+                              if (x.avg <= 31.37493324279785) {
+                                if (x.avg <= 14.214780330657959) {
+                                  if (x.avg <= 9.02731466293335) {
+                                    return {4, 4, 16, 64, 1};  // SR
+                                  } else {
+                                    return {4, 4, 8, 64, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 4, 16, 64, 1};  // SR
+                                }
+                              } else {
+                                if (x.log2_S <= 12.757334232330322) {
+                                  return {4, 4, 8, 64, 1};  // SR
+                                } else {
+                                  return {4, 4, 16, 64, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 28.372105598449707) {
+                              return {4, 4, 16, 64, 1};  // SR
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
                 } else {
-                  return {4, 32, 16, 4, 8};  // PR
+                  if (x.avg <= 5.722491025924683) {
+                    if (x.log2_S <= 14.064085483551025) {
+                      if (x.avg <= 4.414771318435669) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.585992336273193) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.283321380615234) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.381012439727783) {
+                      if (x.avg <= 39.14130401611328) {
+                        if (x.log2_S <= 13.366651058197021) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 78.21738052368164) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  }
                 }
               } else {
-                if (x.avg <= 8.990526676177979) {
+                if (x.avg <= 7.453716039657593) {
+                  if (x.log2_S <= 16.126561164855957) {
+                    if (x.log2_S <= 14.447860717773438) {
+                      return {4, 4, 32, 64, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  } else {
+                    if (x.avg <= 2.5177963972091675) {
+                      return {4, 4, 32, 64, 1};  // SR
+                    } else {
+                      if (x.avg <= 4.022600531578064) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
                   return {4, 4, 32, 64, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 9.216447830200195) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 19.205425262451172) {
+                  if (x.avg <= 2.514984965324402) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 18.883106231689453) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 18.10645866394043) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 9.123974800109863) {
+                      if (x.log2_S <= 18.621830940246582) {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 4.336233615875244) {
+                            if (x.log2_S <= 16.962268829345703) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 18.099336624145508) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
                 } else {
                   return {4, 4, 16, 64, 1};  // SR
                 }
+              } else {
+                if (x.log2_S <= 20.321316719055176) {
+                  if (x.avg <= 2.5470722913742065) {
+                    return {4, 4, 32, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 4.8131654262542725) {
+                      if (x.avg <= 2.7001707553863525) {
+                        if (x.log2_S <= 18.681560516357422) {
+                          return {4, 4, 32, 64, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 8};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.873422622680664) {
+                          return {4, 4, 32, 64, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 8};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 19.38697910308838) {
+                        if (x.avg <= 9.074485778808594) {
+                          return {4, 4, 32, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 7.187814474105835) {
+                          return {4, 32, 16, 2, 8};  // PR
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 7.476463079452515) {
+                    return {4, 32, 16, 2, 8};  // PR
+                  } else {
+                    return {4, 4, 32, 64, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 18.882330894470215) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 159.4762954711914) {
+                    if (x.avg <= 10.505388736724854) {
+                      if (x.log2_S <= 17.66610813140869) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 17.978501319885254) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 4, 16, 64, 1};  // SR
+                }
+              } else {
+                return {4, 4, 16, 64, 1};  // SR
               }
             }
           }
@@ -1042,62 +7650,510 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.log2_S <= 14.277432441711426) {
-          if (x.avg <= 4.248009443283081) {
-            if (x.log2_S <= 10.5633225440979) {
-              if (x.avg <= 2.9343544840812683) {
-                return {1, 32, 8, 4, 1};  // SR
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 13.093544960021973) {
+            if (x.avg <= 1.6808146238327026) {
+              if (x.log2_S <= 10.296123504638672) {
+                return {4, 64, 64, 4, 0};  // SP
               } else {
-                return {1, 32, 64, 4, 0};  // SP
+                if (x.avg <= 1.5709806084632874) {
+                  return {1, 32, 8, 8, 1};  // SR
+                } else {
+                  if (x.log2_S <= 11.407469272613525) {
+                    return {4, 64, 64, 4, 0};  // SP
+                  } else {
+                    return {1, 32, 8, 8, 1};  // SR
+                  }
+                }
               }
             } else {
-              if (x.log2_S <= 12.489808559417725) {
-                return {1, 32, 8, 4, 1};  // SR
+              if (x.avg <= 27.18886661529541) {
+                if (x.log2_S <= 12.496864795684814) {
+                  return {4, 64, 64, 4, 0};  // SP
+                } else {
+                  if (x.avg <= 10.845015525817871) {
+                    if (x.avg <= 1.894714593887329) {
+                      return {1, 32, 8, 8, 1};  // SR
+                    } else {
+                      return {4, 64, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 12.923906326293945) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                }
               } else {
-                return {2, 16, 8, 8, 1};  // SR
+                if (x.log2_S <= 9.059125900268555) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.log2_S <= 12.240037441253662) {
+                    if (x.log2_S <= 9.188812255859375) {
+                      if (x.avg <= 36.99587821960449) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 64, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
               }
             }
           } else {
-            if (x.avg <= 16.78819751739502) {
-              if (x.log2_S <= 13.777432441711426) {
-                if (x.long_level <= 1.5) {
-                  return {2, 16, 8, 8, 1};  // SR
+            if (x.log2_S <= 14.678114414215088) {
+              if (x.avg <= 2.683442234992981) {
+                if (x.log2_S <= 13.56766939163208) {
+                  if (x.avg <= 2.099686861038208) {
+                    return {1, 32, 8, 8, 1};  // SR
+                  } else {
+                    return {4, 64, 64, 4, 0};  // SP
+                  }
                 } else {
-                  return {4, 8, 8, 32, 1};  // SR
+                  if (x.avg <= 2.0236454010009766) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 14.054276466369629) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
                 }
               } else {
-                return {4, 8, 8, 32, 1};  // SR
+                if (x.avg <= 3.6018115282058716) {
+                  if (x.log2_S <= 13.682640552520752) {
+                    return {4, 64, 64, 4, 0};  // SP
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
               }
             } else {
-              return {4, 8, 8, 32, 1};  // SR
+              return {4, 8, 64, 32, 0};  // SP
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            return {4, 8, 64, 32, 0};  // SP
-          } else {
-            if (x.log2_S <= 16.983579635620117) {
-              if (x.avg <= 65.59249877929688) {
-                if (x.long_level <= 2.5) {
+          if (x.log2_S <= 14.13694953918457) {
+            if (x.long_level <= 2.5) {
+              if (x.avg <= 8.405534267425537) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 12.738486289978027) {
+                    if (x.log2_S <= 12.507466316223145) {
+                      if (x.avg <= 7.887535572052002) {
+                        return {1, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.010629177093506) {
+                          return {1, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 3.7616353034973145) {
+                        return {1, 32, 8, 8, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 2.993622899055481) {
+                      return {2, 16, 8, 8, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                } else {
                   return {4, 8, 8, 32, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 17.667784690856934) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 11.479820728302002) {
+                      if (x.avg <= 17.105612754821777) {
+                        if (x.avg <= 8.68605899810791) {
+                          return {1, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 9.613074779510498) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 13.794228553771973) {
+                    if (x.log2_S <= 13.644969463348389) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 123.3635139465332) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 70.1244010925293) {
+                      if (x.log2_S <= 14.051338195800781) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 38.204341888427734) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.966779708862305) {
+                if (x.avg <= 5.830554962158203) {
+                  if (x.log2_S <= 13.375575065612793) {
+                    if (x.avg <= 2.7624380588531494) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.97456693649292) {
+                        if (x.avg <= 3.6708717346191406) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.438036441802979) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                } else {
+                  return {4, 8, 16, 32, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 17.34898567199707) {
+                  return {4, 8, 16, 32, 1};  // SR
                 } else {
                   return {4, 8, 32, 32, 1};  // SR
                 }
-              } else {
-                return {4, 8, 32, 32, 1};  // SR
               }
-            } else {
-              if (x.log2_S <= 19.815787315368652) {
-                if (x.avg <= 7.244001150131226) {
-                  return {4, 8, 16, 32, 1};  // SR
+            }
+          } else {
+            if (x.long_level <= 1.5) {
+              if (x.log2_S <= 17.650455474853516) {
+                if (x.avg <= 15.024502754211426) {
+                  if (x.avg <= 11.946562767028809) {
+                    if (x.log2_S <= 14.155110836029053) {
+                      return {2, 16, 8, 8, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 15.216865539550781) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 13.418504238128662) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  }
                 } else {
-                  return {4, 8, 64, 32, 1};  // SR
+                  if (x.log2_S <= 14.404525756835938) {
+                    if (x.log2_S <= 14.253146171569824) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 72.36410522460938) {
+                        if (x.log2_S <= 14.294699668884277) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
                 }
               } else {
-                if (x.avg <= 7.657158017158508) {
-                  return {4, 8, 64, 32, 1};  // SR
+                if (x.log2_S <= 18.450268745422363) {
+                  if (x.avg <= 3.2803430557250977) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
                 } else {
                   return {4, 8, 16, 32, 1};  // SR
+                }
+              }
+            } else {
+              if (x.log2_S <= 17.64683246612549) {
+                if (x.log2_S <= 16.157124519348145) {
+                  if (x.avg <= 18.495824813842773) {
+                    if (x.long_level <= 2.5) {
+                      if (x.log2_S <= 15.174042701721191) {
+                        if (x.avg <= 13.955537796020508) {
+                          if (x.log2_S <= 15.053090572357178) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 3.0328532457351685) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 14.408119678497314) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.360750675201416) {
+                        if (x.avg <= 5.994615316390991) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.005871772766113) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.7855799198150635) {
+                            return {4, 8, 64, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.209468841552734) {
+                      if (x.long_level <= 2.5) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 26.65153694152832) {
+                        if (x.log2_S <= 14.930829524993896) {
+                          if (x.long_level <= 2.5) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    if (x.log2_S <= 16.321106910705566) {
+                      if (x.avg <= 12.32756757736206) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 17.392887115478516) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 33.981300354003906) {
+                          if (x.avg <= 4.070366859436035) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 11.411540031433105) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 89.71793746948242) {
+                            return {4, 8, 64, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 8.244533061981201) {
+                      if (x.avg <= 4.518341302871704) {
+                        if (x.avg <= 3.4678395986557007) {
+                          return {4, 8, 64, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.56989097595215) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 5.925787448883057) {
+                          if (x.avg <= 4.857700347900391) {
+                            if (x.log2_S <= 16.612568855285645) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 7.5269904136657715) {
+                            if (x.log2_S <= 17.36125659942627) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.191433906555176) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.long_level <= 2.5) {
+                  if (x.avg <= 27.112449645996094) {
+                    if (x.avg <= 2.418932318687439) {
+                      if (x.log2_S <= 21.551276206970215) {
+                        if (x.log2_S <= 19.714065551757812) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 3.366734027862549) {
+                        if (x.log2_S <= 19.74487018585205) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 21.603384971618652) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 18.413323402404785) {
+                          if (x.avg <= 17.212870597839355) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 19.005370140075684) {
+                      if (x.avg <= 79.39875030517578) {
+                        if (x.avg <= 33.69662857055664) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 20.21286678314209) {
+                        if (x.avg <= 51.65376281738281) {
+                          if (x.avg <= 34.51150703430176) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 45.62483787536621) {
+                              return {4, 8, 64, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 19.7699613571167) {
+                                return {4, 8, 64, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 32, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 11.001584529876709) {
+                    if (x.avg <= 6.724338531494141) {
+                      return {4, 8, 64, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 7.5075249671936035) {
+                        if (x.log2_S <= 19.7279109954834) {
+                          if (x.log2_S <= 18.121028900146484) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 64, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.50959873199463) {
+                      return {4, 8, 64, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 11.042909145355225) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
                 }
               }
             }
@@ -1105,98 +8161,1022 @@ inline Config gathered_config(const Features& f) {
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.log2_S <= 13.283661365509033) {
-            if (x.avg <= 7.4727983474731445) {
-              if (x.log2_S <= 9.693398475646973) {
-                return {4, 16, 64, 8, 0};  // SP
-              } else {
-                if (x.log2_S <= 12.489808559417725) {
-                  if (x.avg <= 2.337734282016754) {
-                    return {1, 64, 8, 4, 1};  // SR
+          if (x.long_level <= 2.5) {
+            if (x.log2_S <= 13.973824501037598) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 10.61495590209961) {
+                  if (x.avg <= 1.7551098465919495) {
+                    if (x.log2_S <= 9.866827487945557) {
+                      return {1, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.avg <= 1.6530289053916931) {
+                        return {1, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 10.22355318069458) {
+                          return {1, 64, 64, 2, 0};  // SP
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    }
                   } else {
-                    return {1, 32, 8, 4, 1};  // SR
+                    if (x.log2_S <= 10.49338436126709) {
+                      return {1, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.avg <= 2.683363199234009) {
+                        return {1, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {1, 64, 64, 2, 0};  // SP
+                      }
+                    }
                   }
                 } else {
-                  return {4, 16, 8, 4, 1};  // SR
+                  if (x.avg <= 7.480877161026001) {
+                    if (x.log2_S <= 13.194169998168945) {
+                      if (x.avg <= 1.5270338654518127) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.818577289581299) {
+                          if (x.log2_S <= 10.697524070739746) {
+                            if (x.avg <= 2.859979748725891) {
+                              return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {1, 64, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 3.3165684938430786) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 16, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 13.91973352432251) {
+                      if (x.avg <= 8.366588592529297) {
+                        if (x.log2_S <= 11.938635349273682) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 43.96447563171387) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 12.417728424072266) {
+                  if (x.avg <= 4.583667278289795) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 10.590100288391113) {
+                        if (x.avg <= 3.7014306783676147) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 9.249680519104004) {
+                            if (x.avg <= 4.109394311904907) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 64, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.595945835113525) {
+                          if (x.log2_S <= 10.767714500427246) {
+                            if (x.avg <= 1.7767056822776794) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.avg <= 3.615961194038391) {
+                                return {1, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 4, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 4.449119329452515) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 4.254043340682983) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 4.361545085906982) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.525652408599854) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.780957221984863) {
+                          if (x.log2_S <= 11.630962371826172) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 5.5132012367248535) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 9.23228120803833) {
+                          return {1, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 10.496763229370117) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.075257778167725) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 16, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.097906589508057) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 58.91462326049805) {
+                            if (x.log2_S <= 12.375908374786377) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 13.566998958587646) {
+                      if (x.avg <= 3.7822465896606445) {
+                        if (x.log2_S <= 12.986464500427246) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.4614527225494385) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 18.99924659729004) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.61985445022583) {
+                          if (x.avg <= 113.4799690246582) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 5.183317184448242) {
+                      if (x.avg <= 3.818695902824402) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.252469539642334) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 5.95421838760376) {
+                        if (x.log2_S <= 12.852403163909912) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    }
+                  }
                 }
               }
             } else {
-              return {4, 16, 8, 4, 1};  // SR
+              if (x.long_level <= 0.5) {
+                if (x.avg <= 14.11902666091919) {
+                  if (x.log2_S <= 15.398299217224121) {
+                    if (x.avg <= 4.466277599334717) {
+                      if (x.log2_S <= 15.099813461303711) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 2.756150007247925) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.8750317096710205) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.375339031219482) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.172489166259766) {
+                          if (x.avg <= 13.84656286239624) {
+                            if (x.log2_S <= 14.43872594833374) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 12.755743980407715) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 12.989567279815674) {
+                      if (x.log2_S <= 15.716314792633057) {
+                        if (x.avg <= 1.566577136516571) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 17.497632026672363) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.17078971862793) {
+                    if (x.log2_S <= 14.693940162658691) {
+                      if (x.avg <= 47.13662147521973) {
+                        if (x.log2_S <= 14.15383768081665) {
+                          if (x.avg <= 18.54448413848877) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.301312446594238) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 15.23718786239624) {
+                        if (x.log2_S <= 17.930100440979004) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {4, 16, 64, 2, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 18.507274627685547) {
+                  if (x.avg <= 34.60971641540527) {
+                    if (x.avg <= 3.779264211654663) {
+                      if (x.log2_S <= 15.599411487579346) {
+                        if (x.log2_S <= 15.12590217590332) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 17.172850608825684) {
+                            if (x.avg <= 3.3218077421188354) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 15.824460506439209) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 29.779271125793457) {
+                        if (x.log2_S <= 14.166650772094727) {
+                          if (x.avg <= 7.056075811386108) {
+                            if (x.long_level <= 1.5) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.341771125793457) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 17.847147941589355) {
+                              return {4, 16, 64, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 14.646383285522461) {
+                        if (x.avg <= 106.59097671508789) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.169219017028809) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.185772895812988) {
+                        if (x.log2_S <= 14.611160278320312) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 90.68127822875977) {
+                            if (x.avg <= 77.08692932128906) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 14.980851173400879) {
+                                return {4, 16, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 64, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 18.373769760131836) {
+                          if (x.log2_S <= 15.405231952667236) {
+                            if (x.avg <= 61.888628005981445) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 47.21808052062988) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 18.688343048095703) {
+                    if (x.avg <= 102.21910858154297) {
+                      return {4, 16, 16, 2, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {4, 16, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 16, 16, 2, 1};  // SR
+                  }
+                }
+              }
             }
           } else {
-            if (x.long_level <= 0.5) {
-              if (x.avg <= 13.600367546081543) {
-                return {4, 16, 64, 8, 0};  // SP
+            if (x.log2_S <= 13.360782623291016) {
+              if (x.avg <= 4.8393683433532715) {
+                if (x.avg <= 4.1699910163879395) {
+                  return {4, 16, 64, 2, 1};  // SR
+                } else {
+                  if (x.log2_S <= 12.964184761047363) {
+                    if (x.log2_S <= 12.384893417358398) {
+                      return {4, 16, 64, 2, 1};  // SR
+                    } else {
+                      return {4, 16, 16, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 64, 2, 1};  // SR
+                  }
+                }
               } else {
-                return {4, 8, 64, 32, 0};  // SP
+                return {4, 16, 16, 2, 1};  // SR
               }
             } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 14.277432441711426) {
-                  if (x.avg <= 14.003987789154053) {
-                    return {4, 16, 8, 4, 1};  // SR
+              if (x.log2_S <= 13.531521797180176) {
+                if (x.log2_S <= 13.525151252746582) {
+                  if (x.avg <= 9.602019309997559) {
+                    return {4, 16, 64, 2, 1};  // SR
                   } else {
-                    return {4, 16, 16, 2, 1};  // SR
+                    if (x.avg <= 24.963799476623535) {
+                      if (x.log2_S <= 13.49544906616211) {
+                        return {4, 16, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
                   }
                 } else {
-                  if (x.avg <= 33.57639503479004) {
-                    return {4, 16, 16, 2, 1};  // SR
-                  } else {
-                    return {4, 16, 64, 2, 1};  // SR
-                  }
+                  return {4, 16, 16, 2, 1};  // SR
                 }
               } else {
-                if (x.log2_S <= 19.063085556030273) {
-                  if (x.log2_S <= 16.10964012145996) {
-                    return {4, 16, 64, 2, 1};  // SR
-                  } else {
-                    return {4, 16, 32, 2, 1};  // SR
-                  }
-                } else {
-                  return {4, 16, 64, 2, 1};  // SR
-                }
+                return {4, 16, 64, 2, 1};  // SR
               }
             }
           }
         } else {
-          if (x.log2_S <= 13.283661365509033) {
-            if (x.avg <= 7.4727983474731445) {
-              if (x.log2_S <= 10.5633225440979) {
-                if (x.avg <= 2.9343544840812683) {
-                  return {1, 64, 8, 2, 1};  // SR
-                } else {
-                  return {1, 32, 32, 8, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 12.489808559417725) {
-                  if (x.avg <= 2.337734282016754) {
-                    return {1, 64, 8, 2, 1};  // SR
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 15.165077686309814) {
+              if (x.log2_S <= 10.634116649627686) {
+                if (x.avg <= 2.2277450561523438) {
+                  if (x.log2_S <= 9.407687664031982) {
+                    if (x.log2_S <= 8.967225074768066) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 1.614906370639801) {
+                        if (x.avg <= 1.1943962574005127) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {1, 64, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    }
                   } else {
-                    return {2, 64, 8, 1, 1};  // SR
+                    if (x.log2_S <= 9.527009963989258) {
+                      if (x.avg <= 1.8588621020317078) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {1, 32, 8, 4, 1};  // SR
+                    }
                   }
                 } else {
-                  return {4, 32, 8, 8, 1};  // SR
+                  return {1, 16, 64, 4, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 12.4205002784729) {
+                  if (x.avg <= 7.792405128479004) {
+                    if (x.avg <= 3.53061306476593) {
+                      return {1, 32, 8, 4, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.296522617340088) {
+                        if (x.log2_S <= 10.768392086029053) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.86562728881836) {
+                            return {1, 64, 8, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 6.670948505401611) {
+                              if (x.avg <= 3.6444703340530396) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {1, 64, 8, 2, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 8, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 8.39822244644165) {
+                      if (x.log2_S <= 11.830924987792969) {
+                        if (x.log2_S <= 11.040536403656006) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 64, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 11.005376815795898) {
+                    if (x.avg <= 9.468833446502686) {
+                      if (x.log2_S <= 12.535020351409912) {
+                        if (x.avg <= 1.611257255077362) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.524827003479004) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.91753339767456) {
+                      if (x.log2_S <= 13.762685775756836) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.avg <= 44.79349136352539) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 13.98906421661377) {
+                        if (x.log2_S <= 14.209522724151611) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.440446376800537) {
+                          if (x.avg <= 41.32627487182617) {
+                            if (x.log2_S <= 14.227156162261963) {
+                              if (x.log2_S <= 14.190303802490234) {
+                                return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  }
                 }
               }
             } else {
-              return {4, 32, 16, 1, 1};  // SR
-            }
-          } else {
-            if (x.long_level <= 0.5) {
-              return {4, 16, 64, 8, 0};  // SP
-            } else {
-              if (x.long_level <= 2.5) {
-                if (x.avg <= 2.4905052185058594) {
-                  return {4, 32, 16, 1, 1};  // SR
-                } else {
-                  if (x.avg <= 79.59231948852539) {
-                    return {4, 32, 16, 1, 1};  // SR
+              if (x.log2_S <= 15.895195960998535) {
+                if (x.avg <= 2.535411238670349) {
+                  if (x.log2_S <= 15.632850170135498) {
+                    return {4, 32, 8, 2, 1};  // SR
                   } else {
-                    return {4, 32, 32, 2, 1};  // SR
+                    if (x.avg <= 1.7314343452453613) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.186912059783936) {
+                    if (x.avg <= 12.213409900665283) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    return {4, 16, 64, 2, 0};  // SP
                   }
                 }
               } else {
-                return {4, 32, 32, 2, 1};  // SR
+                return {4, 16, 64, 2, 0};  // SP
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.282928943634033) {
+              if (x.avg <= 14.7017822265625) {
+                if (x.long_level <= 2.5) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 4.638353109359741) {
+                      if (x.log2_S <= 11.860783576965332) {
+                        if (x.avg <= 2.2578924894332886) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.316350221633911) {
+                            if (x.log2_S <= 9.512697696685791) {
+                              return {1, 64, 8, 2, 1};  // SR
+                            } else {
+                              if (x.avg <= 2.7088316679000854) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                if (x.avg <= 3.079195976257324) {
+                                  return {1, 64, 8, 2, 1};  // SR
+                                } else {
+                                  return {2, 32, 8, 2, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 3.665197730064392) {
+                              if (x.log2_S <= 9.711795330047607) {
+                                return {1, 64, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 5.149382591247559) {
+                        if (x.log2_S <= 11.751308917999268) {
+                          if (x.log2_S <= 9.459805011749268) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 8.622442245483398) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.501164436340332) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.avg <= 9.411810398101807) {
+                          if (x.log2_S <= 12.256911277770996) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.107857704162598) {
+                    if (x.log2_S <= 11.951143741607666) {
+                      return {4, 32, 16, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.004013061523438) {
+                        return {4, 32, 32, 1, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 11.182212829589844) {
+                    return {4, 32, 8, 2, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 12.68516492843628) {
+                      if (x.avg <= 20.990447998046875) {
+                        if (x.log2_S <= 12.072192192077637) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 74.94166946411133) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.131657600402832) {
+                    return {4, 32, 16, 2, 1};  // SR
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      return {4, 32, 16, 2, 1};  // SR
+                    } else {
+                      return {4, 32, 32, 1, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 2.5) {
+                if (x.avg <= 10.361977577209473) {
+                  if (x.log2_S <= 14.236855506896973) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 14.210916519165039) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.avg <= 2.2595467567443848) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.829528331756592) {
+                        if (x.avg <= 6.129657983779907) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 8.008260726928711) {
+                            if (x.log2_S <= 13.461196422576904) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 7.940964221954346) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 3.820873975753784) {
+                      if (x.avg <= 2.4771312475204468) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 18.566943168640137) {
+                          if (x.log2_S <= 14.57286262512207) {
+                            if (x.long_level <= 1.5) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 19.559354782104492) {
+                              if (x.avg <= 2.934665083885193) {
+                                if (x.log2_S <= 19.11093235015869) {
+                                  return {4, 32, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                }
+                              } else {
+                                return {4, 32, 32, 1, 1};  // SR
+                              }
+                            } else {
+                              if (x.avg <= 3.5734905004501343) {
+                                return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 32, 1, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.18337345123291) {
+                        if (x.log2_S <= 16.292851448059082) {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 15.006321430206299) {
+                              if (x.avg <= 7.705261707305908) {
+                                return {4, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 4.489253282546997) {
+                              return {4, 32, 16, 2, 1};  // SR
+                            } else {
+                              if (x.avg <= 4.969778776168823) {
+                                if (x.log2_S <= 15.02524709701538) {
+                                  return {4, 32, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                }
+                              } else {
+                                return {4, 32, 32, 1, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 64.01818466186523) {
+                    if (x.log2_S <= 16.631802558898926) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 14.133684158325195) {
+                          if (x.avg <= 14.134416580200195) {
+                            if (x.log2_S <= 13.681983947753906) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 14.55614948272705) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 16.640907287597656) {
+                              if (x.log2_S <= 15.90539836883545) {
+                                return {4, 32, 32, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 16.61423397064209) {
+                                return {4, 32, 32, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 17.130937576293945) {
+                          if (x.avg <= 34.6379337310791) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 17.45608615875244) {
+                            if (x.avg <= 14.952540874481201) {
+                              return {4, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.929689407348633) {
+                          if (x.avg <= 20.955723762512207) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 17.314640998840332) {
+                            if (x.avg <= 36.379180908203125) {
+                              return {4, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.039496421813965) {
+                      if (x.long_level <= 1.5) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 70.74155044555664) {
+                        if (x.log2_S <= 17.958236694335938) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {4, 32, 32, 1, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 20.072893142700195) {
+                              return {4, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                return {4, 32, 32, 1, 1};  // SR
               }
             }
           }
