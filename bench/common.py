@@ -248,6 +248,18 @@ def parse_graph_spec(spec: str) -> Tuple[str, str, Dict[str, object]]:
     return "shared", spec, {}
 
 
+def split_graph_specs(text: str) -> List[str]:
+    """'cora,powerlaw:n=1000,deg=8' -> ['cora', 'powerlaw:n=1000,deg=8']: a
+    comma-separated list of graph names and specs, whose parameters keep theirs."""
+    specs: List[str] = []
+    for item in filter(None, text.split(",")):
+        if specs and ":" in specs[-1] and "=" in item and ":" not in item:
+            specs[-1] += "," + item
+        else:
+            specs.append(item)
+    return specs
+
+
 def make_graph(spec: str, device="cpu", seed: int = 0, data_dir: Optional[str] = None) -> Optional[Graph]:
     """A shared or generated graph on `device`, or None when a shared one is missing."""
     kind, name, params = parse_graph_spec(spec)

@@ -39,7 +39,7 @@ from geot.data import load_dataset  # noqa: E402
 
 NUM_RELATIONS = 8
 MODELS = {"gcn": (32, 64), "gin": (32, 64), "sage": (32, 64), "gat": (64,), "rgcn": (64,)}
-GRAPHS = ["cora", "citeseer", "pubmed", "powerlaw:n=200000,deg=12", "uniform:n=200000,d=12"]
+GRAPHS = ["cora", "citeseer", "pubmed", "powerlaw:n=200000,deg=10", "uniform:n=200000,d=16"]  # 2.0M, 3.2M edges
 PATHS = ["pyg", "pyg-csr", "pyg-compile", "geot", "geot-compile"]
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -229,7 +229,7 @@ def parse_args():
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; have {list(MODELS)}")
     args.paths = [p for p in args.paths.split(",") if not (args.no_compile and p.endswith("compile"))]
-    args.graphs = args.graphs.split(",")
+    args.graphs = common.split_graph_specs(args.graphs)
     if args.hidden:
         keep = {int(h) for h in args.hidden.split(",")}
         for model in MODELS:

@@ -334,6 +334,23 @@ def test_compile_fullgraph_gcn_matches_eager():
     assert model.conv1.lin.weight.grad is not None
 
 
+@pytest.mark.parametrize("make_layer", [
+    lambda: gnn.SAGEConv(12, 4, aggr="mean"),  # projects before aggregating (4 < 12)
+    lambda: gnn.SAGEConv(12, 16, aggr="max"),
+    lambda: gnn.GINConv(torch.nn.Linear(12, 4)),
+], ids=["sage-mean", "sage-max", "gin"])
+def test_compile_fullgraph_layers_match_eager(make_layer):
+    """Every layer traces whole (e2e.py compiles them with fullgraph=True);
+    aot_eager keeps it quick on CPU."""
+    torch._dynamo.reset()
+    layer = make_layer()
+    edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 12, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, edge_index), layer(x, edge_index))
+    compiled(x, edge_index).sum().backward()
+    assert x.grad is not None
+
+
 def test_cora_accuracy_matches_pyg():
     data = load_dataset("cora")
     if data is None:

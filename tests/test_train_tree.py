@@ -118,7 +118,7 @@ def test_trainer_beats_heuristic_on_held_out_graphs(trained):
 
 def test_trainer_finds_planted_configs(trained):
     _, _, _, family, result = trained
-    cases = [(2 ** 14, 1000, 64, 1), (2 ** 20, 50000, 4, 1), (2 ** 20, 50000, 128, 0), (2 ** 21, 60000, 32, 1)]
+    cases = [(2 ** 14, 500, 64, 1), (2 ** 20, 50000, 4, 1), (2 ** 20, 50000, 128, 0), (2 ** 21, 60000, 32, 1)]
     X = np.array([train_tree.rule_features(E, S, F, long) for E, S, F, long in cases])
     picks = [geot.Config(*map(int, family.configs[i])) for i in train_tree.predict(result.tree, X)]
     assert picks == [planted(S, F, long) for _, S, F, long in cases]

@@ -201,7 +201,8 @@ class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
 
     def _project_first(self, x_src: Tensor, reduce: str) -> bool:
         weight = self.lin_l.weight
-        return (reduce in ("mean", "sum") and not torch.nn.parameter.is_lazy(weight)
+        # isinstance rather than torch.nn.parameter.is_lazy, which torch.compile cannot trace
+        return (reduce in ("mean", "sum") and not isinstance(weight, torch.nn.parameter.UninitializedParameter)
                 and weight.size(0) < x_src.size(-1))
 
 
