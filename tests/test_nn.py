@@ -338,16 +338,19 @@ def test_compile_fullgraph_gcn_matches_eager():
     lambda: gnn.SAGEConv(12, 4, aggr="mean"),  # projects before aggregating (4 < 12)
     lambda: gnn.SAGEConv(12, 16, aggr="max"),
     lambda: gnn.GINConv(torch.nn.Linear(12, 4)),
-], ids=["sage-mean", "sage-max", "gin"])
+    lambda: gnn.GATConv(12, 4, heads=2),
+    lambda: gnn.RGCNConv(12, 4, 3),
+], ids=["sage-mean", "sage-max", "gin", "gat", "rgcn"])
 def test_compile_fullgraph_layers_match_eager(make_layer):
     """Every layer traces whole (e2e.py compiles them with fullgraph=True);
     aot_eager keeps it quick on CPU."""
     torch._dynamo.reset()
     layer = make_layer()
     edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 12, requires_grad=True)
+    extra = (torch.randint(0, 3, (300,)),) if isinstance(layer, gnn.RGCNConv) else ()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x, edge_index), layer(x, edge_index))
-    compiled(x, edge_index).sum().backward()
+    torch.testing.assert_close(compiled(x, edge_index, *extra), layer(x, edge_index, *extra))
+    compiled(x, edge_index, *extra).sum().backward()
     assert x.grad is not None
 
 
