@@ -311,7 +311,7 @@ def test_import_error_names_the_package(monkeypatch):
         import geot.nn  # noqa: F401
 
 
-def test_compile_fullgraph_gcn_matches_eager():
+def test_compile_fullgraph_gcn_matches_eager(device):
     class GCN(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -321,13 +321,13 @@ def test_compile_fullgraph_gcn_matches_eager():
             return self.conv2(self.conv1(x, edge_index).relu(), edge_index)
 
     torch._dynamo.reset()
-    model = GCN()
-    edge_index = random_graph(80, 400, "cpu")
-    x = torch.randn(80, 12)
+    model = GCN().to(device)
+    edge_index = random_graph(80, 400, device)
+    x = torch.randn(80, 12, device=device)
     eager = model(x, edge_index)  # fills the layers' graph slots
     compiled = torch.compile(model, fullgraph=True)
     torch.testing.assert_close(compiled(x, edge_index), eager)
-    other = random_graph(80, 300, "cpu")  # not seen eagerly: sorted inside the compiled graph
+    other = random_graph(80, 300, device)  # not seen eagerly: sorted inside the compiled graph
     torch.testing.assert_close(compiled(x, other), model(x, other))
     loss = compiled(x, edge_index).square().sum()
     loss.backward()
