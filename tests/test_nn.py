@@ -27,6 +27,9 @@ LAYERS = [
     ("rgcn-mean", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 8, NUM_RELATIONS), {}),
     ("rgcn-sum-bases", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 8, NUM_RELATIONS), {"aggr": "add", "num_bases": 2}),
     ("rgcn-noroot", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 8, NUM_RELATIONS), {"root_weight": False}),
+    # C_out < C_in above: RGCN projects before gathering; here it reduces first
+    ("rgcn-widen", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 16, NUM_RELATIONS), {}),
+    ("rgcn-widen-sum", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 16, NUM_RELATIONS), {"aggr": "add"}),
 ]
 LAYER_PARAMS = [pytest.param(*spec[1:], id=spec[0]) for spec in LAYERS]
 

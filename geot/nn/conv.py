@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .. import hetero, index
 from .._ops import mean_counts
+from ..index import TransposedIndex, transpose_index
 from ..segment import segment_reduce
 from .graph import SortedGraph, sorted_graph
 
@@ -69,6 +70,27 @@ class _GCNNorm(NamedTuple):
     edge: Optional[Tensor]    # [E'] per-edge weight in graph order (None: unweighted, normalize=False)
     edge_t: Optional[Tensor]  # [E'] the same in transposed order, for the backward pass (None: gathered there)
     loop: Optional[Tensor]    # [N, 1] added self loops' weight (None without them)
+
+
+class _RelationEdges(NamedTuple):
+    """RGCN's edges over the projected table [N_src * R, C_out] (RGCNConv._project_then_reduce)."""
+    rows: Tensor                # [E'] row an edge reads: src * R + its relation
+    dst: Tensor                 # [E'] destination node, sorted (the graph's segment // R)
+    weight: Optional[Tensor]    # [E'] mean: 1 / edges of its (node, relation) segment; None: sum
+    transposed: Optional[TransposedIndex]  # for the gradient (None where the graph has none)
+    weight_t: Optional[Tensor]  # weight in transposed order
+
+
+def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean: bool, dtype) -> _RelationEdges:
+    relation = graph.dst.remainder(relations)
+    rows = graph.src * relations + relation
+    dst = graph.dst.div(relations, rounding_mode="floor")
+    weight = None
+    if mean:
+        weight = mean_counts(graph.dst, num_nodes * relations).to(dtype).reciprocal().index_select(0, graph.dst)
+    transposed = None if graph.transposed is None else transpose_index(rows, dst)
+    weight_t = None if weight is None or transposed is None else weight.index_select(0, transposed.perm)
+    return _RelationEdges(rows, dst, weight, transposed, weight_t)
 
 
 class _GeotLayer:
@@ -268,11 +290,14 @@ class GATConv(_GeotLayer, pyg_nn.GATConv):
 
 
 class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
-    """``torch_geometric.nn.RGCNConv`` on geot: one ``index_segment_reduce``
-    into (node, relation) segments gives every relation's mean (or sum) at
-    once, [N, R * C_in], then one matmul with the stacked relation weights.
-    ``num_bases`` is supported; ``num_blocks`` and featureless (index) ``x``
-    are not."""
+    """``torch_geometric.nn.RGCNConv`` on geot. Where C_out >= C_in, one
+    ``index_segment_reduce`` into (node, relation) segments gives every
+    relation's mean (or sum) at once, [N, R * C_in], then one matmul with the
+    stacked relation weights. Where C_out < C_in it projects first (every
+    x_j W_r, [N_src * R, C_out]) and gathers those narrower rows, weighted by
+    1 / the edges of their (node, relation) segment for a mean: less to
+    gather and a smaller table. ``num_bases`` is supported; ``num_blocks``
+    and featureless (index) ``x`` are not."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -291,11 +316,26 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
             raise ValueError("geot.nn.RGCNConv needs edge_type, one relation per edge")
         relations, num_nodes = self.num_relations, x_dst.size(0)
         graph = sorted_graph(self, edge_index, edge_type=edge_type, num_relations=relations)
-        per_relation = _gather_reduce(graph, x_src, _REDUCE[self.aggr], num_nodes * relations)
         weight = self.weight
         if self.num_bases is not None:
             weight = self.comp @ weight.view(self.num_bases, -1)
-        out = per_relation.view(num_nodes, -1) @ weight.reshape(-1, self.out_channels)
+        weight = weight.view(relations, -1, self.out_channels)  # [R, C_in, C_out]
+        if self.out_channels < x_src.size(-1):
+            out = self._project_then_reduce(graph, x_src, weight, num_nodes)
+        else:
+            per_relation = _gather_reduce(graph, x_src, _REDUCE[self.aggr], num_nodes * relations)
+            out = per_relation.view(num_nodes, -1) @ weight.reshape(-1, self.out_channels)
         if self.root is not None:
             out = out + x_dst @ self.root
         return out if self.bias is None else out + self.bias
+
+    def _project_then_reduce(self, graph: SortedGraph, x_src: Tensor, weight: Tensor, num_nodes: int) -> Tensor:
+        """sum_r (mean or sum over j in N_r(i) of x_j W_r) as one weighted
+        gather-reduce of the projected rows."""
+        relations, in_channels = self.num_relations, x_src.size(-1)
+        projected = (x_src @ weight.transpose(0, 1).reshape(in_channels, -1)).view(-1, self.out_channels)
+        edges = graph.derived(("rgcn rows", relations, num_nodes, self.aggr, projected.dtype),
+                              lambda: _relation_edges(graph, relations, num_nodes, self.aggr == "mean",
+                                                      projected.dtype))
+        return index._fused(edges.rows, edges.dst, edges.weight, projected, "sum", num_nodes, edges.transposed,
+                            None, None, edges.weight_t)
