@@ -81,13 +81,14 @@ class _RelationEdges(NamedTuple):
     weight_t: Optional[Tensor]  # weight in transposed order
 
 
-def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean: bool, dtype) -> _RelationEdges:
+def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean_dtype) -> _RelationEdges:
+    """mean_dtype: the mean's edge weights in this dtype; None: a sum (no weights)."""
     relation = graph.dst.remainder(relations)
     rows = graph.src * relations + relation
     dst = graph.dst.div(relations, rounding_mode="floor")
     weight = None
-    if mean:
-        weight = mean_counts(graph.dst, num_nodes * relations).to(dtype).reciprocal().index_select(0, graph.dst)
+    if mean_dtype is not None:
+        weight = mean_counts(graph.dst, num_nodes * relations).to(mean_dtype).reciprocal().index_select(0, graph.dst)
     transposed = None if graph.transposed is None else transpose_index(rows, dst)
     weight_t = None if weight is None or transposed is None else weight.index_select(0, transposed.perm)
     return _RelationEdges(rows, dst, weight, transposed, weight_t)
@@ -334,8 +335,8 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
         gather-reduce of the projected rows."""
         relations, in_channels = self.num_relations, x_src.size(-1)
         projected = (x_src @ weight.transpose(0, 1).reshape(in_channels, -1)).view(-1, self.out_channels)
-        edges = graph.derived(("rgcn rows", relations, num_nodes, self.aggr, projected.dtype),
-                              lambda: _relation_edges(graph, relations, num_nodes, self.aggr == "mean",
-                                                      projected.dtype))
+        dtype = projected.dtype if self.aggr == "mean" else None  # a mean's edge weights, in the rows' dtype
+        edges = graph.derived(("rgcn rows", relations, num_nodes, dtype),
+                              lambda: _relation_edges(graph, relations, num_nodes, dtype))
         return index._fused(edges.rows, edges.dst, edges.weight, projected, "sum", num_nodes, edges.transposed,
                             None, None, edges.weight_t)
