@@ -214,7 +214,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.src_rows = r.src.size(0);
       args.heads = r.heads;
       args.whole_segment_stores = !r.any_order;
-      SegmentOffsets offsets;  // SP only; held until the launches are queued
+      SegmentOffsets offsets;  // SP, and the finalize pass of non-sums; held until the launches are queued
       if (cfg.is_sp()) {
         offsets = sp_offsets<index_t>(r.index, S, stream);
         args.ptr = offsets.ptr.data_ptr<int64_t>();
@@ -229,10 +229,12 @@ at::Tensor reduce_rows(const RowReduction& r) {
         default: launch_reduce<in_t, acc_t, index_t, SumOp<acc_t>, FUSED>(args, cfg, stream);
       }
       if (finalize) {
+        // Segment sizes for mean and max/min's empty segments: the offsets (cached per index, as for SP).
+        if (r.reduce != Reduce::Sum && !offsets.ptr.defined()) offsets = sp_offsets<index_t>(r.index, S, stream);
+        const int64_t* ptr = r.reduce == Reduce::Sum ? nullptr : offsets.ptr.data_ptr<int64_t>();
         const dim3 block(32, 8);
-        segment_finalize_kernel<acc_t, in_t, index_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
-            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), args.index, E, S, F,
-            r.reduce);
+        segment_finalize_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
+            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), ptr, S, F, r.reduce);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     });
