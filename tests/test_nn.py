@@ -93,6 +93,30 @@ def test_matches_pyg(geot_class, pyg_class, args, kwargs, num_nodes, num_edges, 
     assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, extra)
 
 
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("geot_class,pyg_class,args,kwargs", LAYER_PARAMS)
+def test_autocast_matches_float32(geot_class, pyg_class, args, kwargs, amp_dtype, device):
+    """Under autocast (as e2e's bf16 runs) every layer runs forward and
+    backward, and its error against float32 PyG is no larger than PyG's own
+    under autocast (some layers here are ill-conditioned in half precision).
+    CUDA autocast runs some ops (pow, reciprocal, ...) in float32, so
+    per-graph values made with them must be cast to the features' dtype."""
+    if device == "cpu" and amp_dtype == torch.float16:
+        pytest.skip("CPU autocast is bf16")
+    geot_layer, pyg_layer = build_pair(geot_class, pyg_class, args, kwargs, device)
+    geot_layer, pyg_layer = geot_layer.float(), pyg_layer.float()
+    edge_index = random_graph(200, 1500, device)
+    x = torch.randn(200, 12, device=device)
+    extra = extra_inputs(geot_class, edge_index.size(1), device)
+    ref = outputs_and_grads(pyg_layer, x, edge_index, extra)[:2]
+    with torch.autocast(device, dtype=amp_dtype):
+        got = outputs_and_grads(geot_layer, x, edge_index, extra)[:2]
+        pyg_amp = outputs_and_grads(pyg_layer, x, edge_index, extra)[:2]
+    for name, g, p, r in zip(("output", "grad of x"), got, pyg_amp, ref):
+        error, pyg_error = (g.float() - r).abs().max().item(), (p.float() - r).abs().max().item()
+        assert error <= 2 * pyg_error + 2e-3 * r.abs().max().item(), (name, error, pyg_error)
+
+
 @pytest.mark.parametrize("geot_class,pyg_class,args,kwargs", LAYER_PARAMS[:1] + LAYER_PARAMS[4:5] + LAYER_PARAMS[8:9])
 def test_edge_index_input(geot_class, pyg_class, args, kwargs, device):
     geot_layer, pyg_layer = build_pair(geot_class, pyg_class, args, kwargs, device)

@@ -88,7 +88,8 @@ def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean_dty
     dst = graph.dst.div(relations, rounding_mode="floor")
     weight = None
     if mean_dtype is not None:
-        weight = mean_counts(graph.dst, num_nodes * relations).to(mean_dtype).reciprocal().index_select(0, graph.dst)
+        # reciprocal before the cast: CUDA autocast would turn a bf16/fp16 reciprocal back into float32
+        weight = mean_counts(graph.dst, num_nodes * relations).reciprocal().to(mean_dtype).index_select(0, graph.dst)
     transposed = None if graph.transposed is None else transpose_index(rows, dst)
     weight_t = None if weight is None or transposed is None else weight.index_select(0, transposed.perm)
     return _RelationEdges(rows, dst, weight, transposed, weight_t)
