@@ -287,6 +287,11 @@ def _flush_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
+def release_flush_buffer(device) -> None:
+    """Frees the L2-flush buffer (so a memory peak measured next leaves it out)."""
+    _flush_buffers.pop(str(torch.device(device)), None)
+
+
 def flush_l2(device) -> None:
     """Evicts the GPU's L2 by writing a 256 MB buffer (H100 L2 is 50 MB)."""
     _flush_buffer(torch.device(device)).zero_()

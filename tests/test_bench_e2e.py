@@ -1,0 +1,24 @@
+"""bench/e2e.py --quick runs end to end on CPU: every path of a model is timed
+and the summary (speedups, compiled vs eager) is printed."""
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("torch_geometric")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_e2e_quick_times_every_path(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--quick", "--models", "gcn",
+                             "--paths", "pyg,pyg-csr,geot,geot-compile"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "geomean speedup of geot-compile over geot eager" in result.stdout
+    df = pd.read_csv(tmp_path / "e2e_cpu_quick.csv")
+    assert set(df["path"]) == {"pyg", "pyg-csr", "geot", "geot-compile"}
+    assert set(df["mode"]) == {"inference", "train"}
+    assert df["ms"].notna().all() and (df["ms"] > 0).all(), df
