@@ -73,14 +73,19 @@ def outputs_and_grads(layer, x, edge_index, extra):
     return out, x.grad, grads
 
 
+# The layers run in float64, where geot and PyG differ by rounding only; a
+# looser bound (the 1e-5 of float32) would let a float32 step slip through.
+FLOAT64_TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
 def assert_same(geot_layer, pyg_layer, x, edge_index, pyg_edge_index, extra):
     out, grad_x, grads = outputs_and_grads(geot_layer, x, edge_index, extra)
     ref, ref_grad_x, ref_grads = outputs_and_grads(pyg_layer, x, pyg_edge_index, extra)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad_x, ref_grad_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, **FLOAT64_TOL)
+    torch.testing.assert_close(grad_x, ref_grad_x, **FLOAT64_TOL)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-5, msg=f"grad of {name}")
+        torch.testing.assert_close(grads[name], ref_grads[name], **FLOAT64_TOL, msg=f"grad of {name}")
 
 
 @pytest.mark.parametrize("num_nodes,num_edges", SIZES)
@@ -91,6 +96,29 @@ def test_matches_pyg(geot_class, pyg_class, args, kwargs, num_nodes, num_edges, 
     x = torch.randn(num_nodes, 12, dtype=torch.float64, device=device)
     extra = extra_inputs(geot_class, edge_index.size(1), device)
     assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, extra)
+
+
+@pytest.mark.parametrize("aggr", ["mean", "add"])
+@pytest.mark.parametrize("in_channels,out_channels,relations", [(12, 8, 4), (12, 3, 5), (24, 8, 6)])
+def test_rgcn_inference_in_relation_blocks(aggr, in_channels, out_channels, relations, device):
+    """Eager inference where R * C_out > C_in projects a few relations at a
+    time (peak memory); same result as PyG, and as the one-table path."""
+    torch.manual_seed(1)
+    pyg_layer = pyg_nn.RGCNConv(in_channels, out_channels, relations, aggr=aggr).to(device).double()
+    geot_layer = gnn.RGCNConv(in_channels, out_channels, relations, aggr=aggr).to(device).double()
+    geot_layer.load_state_dict(pyg_layer.state_dict())
+    edge_index = random_graph(60, 400, device)
+    edge_type = torch.randint(0, relations, (edge_index.size(1),), device=device)
+    x = torch.randn(60, in_channels, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        out, ref = geot_layer(x, edge_index, edge_type), pyg_layer(x, edge_index, edge_type)
+    memo = geot_layer._geot_graph[3].memo
+    assert [key[0] for key in memo] == ["rgcn blocks"]
+    (blocks,) = [entry[2] for entry in memo.values()]
+    assert len(blocks) == -(-relations // max(1, in_channels // out_channels))
+    assert sum(block.rows.numel() for block in blocks) == edge_index.size(1)
+    torch.testing.assert_close(out, ref, **FLOAT64_TOL)
+    torch.testing.assert_close(out, geot_layer(x, edge_index, edge_type).detach(), **FLOAT64_TOL)  # one table
 
 
 @pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -81,18 +81,47 @@ class _RelationEdges(NamedTuple):
     weight_t: Optional[Tensor]  # weight in transposed order
 
 
+def _mean_edge_weights(graph: SortedGraph, num_segments: int, dtype) -> Tensor:
+    """[E'] 1 / the edge count of each edge's segment, in dtype. The
+    reciprocal is taken in float64, which autocast leaves alone (CUDA
+    autocast runs a half-precision reciprocal in float32)."""
+    counts = mean_counts(graph.dst, num_segments).to(torch.float64)
+    return counts.reciprocal().to(dtype).index_select(0, graph.dst)
+
+
 def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean_dtype) -> _RelationEdges:
     """mean_dtype: the mean's edge weights in this dtype; None: a sum (no weights)."""
     relation = graph.dst.remainder(relations)
     rows = graph.src * relations + relation
     dst = graph.dst.div(relations, rounding_mode="floor")
-    weight = None
-    if mean_dtype is not None:
-        # reciprocal before the cast: CUDA autocast would turn a bf16/fp16 reciprocal back into float32
-        weight = mean_counts(graph.dst, num_nodes * relations).reciprocal().to(mean_dtype).index_select(0, graph.dst)
+    weight = None if mean_dtype is None else _mean_edge_weights(graph, num_nodes * relations, mean_dtype)
     transposed = None if graph.transposed is None else transpose_index(rows, dst)
     weight_t = None if weight is None or transposed is None else weight.index_select(0, transposed.perm)
     return _RelationEdges(rows, dst, weight, transposed, weight_t)
+
+
+class _RelationBlock(NamedTuple):
+    """The edges of relations [first, end) over their own projected table [N_src * (end - first), C_out]."""
+    rows: Tensor               # [E_b] src * (end - first) + relation - first
+    dst: Tensor                # [E_b] destination node, sorted
+    weight: Optional[Tensor]   # [E_b] as _RelationEdges.weight
+
+
+def _relation_blocks(graph: SortedGraph, relations: int, per_block: int, num_nodes: int, mean_dtype):
+    """The graph's edges split into blocks of per_block relations (a
+    subsequence of dst-sorted edges stays sorted). One device->host sync per
+    block (the edge counts), once per graph: eager only."""
+    relation = graph.dst.remainder(relations)
+    dst = graph.dst.div(relations, rounding_mode="floor")
+    weight = None if mean_dtype is None else _mean_edge_weights(graph, num_nodes * relations, mean_dtype)
+    blocks = []
+    for first in range(0, relations, per_block):
+        end = min(first + per_block, relations)
+        keep = ((relation >= first) & (relation < end)).nonzero().squeeze(1)
+        rows = graph.src.index_select(0, keep) * (end - first) + relation.index_select(0, keep) - first
+        blocks.append(_RelationBlock(rows, dst.index_select(0, keep),
+                                     None if weight is None else weight.index_select(0, keep)))
+    return blocks
 
 
 class _GeotLayer:
@@ -244,8 +273,8 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
     def forward(self, x, edge_index, size=None) -> Tensor:
         x_src, x_dst = _pair(x)
         out = _gather_reduce(sorted_graph(self, edge_index), x_src, "sum", _num_targets(x_src, x_dst, size))
-        if x_dst is not None:
-            out = out + (1 + self.eps) * x_dst
+        if x_dst is not None:  # one fused op: no [N, F] temporary for (1 + eps) x (peak memory)
+            out = torch.addcmul(out, x_dst, 1 + self.eps)
         return self.nn(out)
 
 
@@ -298,8 +327,9 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
     stacked relation weights. Where C_out < C_in it projects first (every
     x_j W_r, [N_src * R, C_out]) and gathers those narrower rows, weighted by
     1 / the edges of their (node, relation) segment for a mean: less to
-    gather and a smaller table. ``num_bases`` is supported; ``num_blocks``
-    and featureless (index) ``x`` are not."""
+    gather and a smaller table; in eager inference, where that table is wider
+    than x, a few relations at a time (peak memory). ``num_bases`` is
+    supported; ``num_blocks`` and featureless (index) ``x`` are not."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -322,7 +352,9 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
         if self.num_bases is not None:
             weight = self.comp @ weight.view(self.num_bases, -1)
         weight = weight.view(relations, -1, self.out_channels)  # [R, C_in, C_out]
-        if self.out_channels < x_src.size(-1):
+        if self.out_channels < x_src.size(-1) and self._in_blocks(x_src, weight):
+            out = self._project_then_reduce_in_blocks(graph, x_src, weight, num_nodes)
+        elif self.out_channels < x_src.size(-1):
             out = self._project_then_reduce(graph, x_src, weight, num_nodes)
         else:
             per_relation = _gather_reduce(graph, x_src, _REDUCE[self.aggr], num_nodes * relations)
@@ -341,3 +373,34 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
                               lambda: _relation_edges(graph, relations, num_nodes, dtype))
         return index._fused(edges.rows, edges.dst, edges.weight, projected, "sum", num_nodes, edges.transposed,
                             None, None, edges.weight_t)
+
+    def _in_blocks(self, x_src: Tensor, weight: Tensor) -> bool:
+        """Eager inference where the projected table [N_src, R * C_out] is wider
+        than x: it is then made a few relations at a time, each block about
+        x's width, so the peak stays near PyG's per-relation [N, C_in]. Not
+        in training (each block's table would be kept for backward anyway)
+        nor in compiled code (the block sizes are data-dependent)."""
+        records_grad = torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
+        return (not records_grad and not torch.compiler.is_compiling()
+                and self._relations_per_block(x_src.size(-1)) < self.num_relations)
+
+    def _relations_per_block(self, in_channels: int) -> int:
+        return max(1, in_channels // self.out_channels)
+
+    def _project_then_reduce_in_blocks(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
+                                       num_nodes: int) -> Tensor:
+        """_project_then_reduce one block of relations at a time, summed."""
+        relations, in_channels = self.num_relations, x_src.size(-1)
+        per_block = self._relations_per_block(in_channels)
+        out, blocks = None, None
+        for i, first in enumerate(range(0, relations, per_block)):
+            block_weight = weight[first:first + per_block].transpose(0, 1).reshape(in_channels, -1)
+            projected = (x_src @ block_weight).view(-1, self.out_channels)
+            if blocks is None:  # a mean's edge weights in the rows' dtype (autocast's)
+                dtype = projected.dtype if self.aggr == "mean" else None
+                blocks = graph.derived(("rgcn blocks", relations, per_block, num_nodes, dtype),
+                                       lambda: _relation_blocks(graph, relations, per_block, num_nodes, dtype))
+            block = blocks[i]
+            part = index._fused(block.rows, block.dst, block.weight, projected, "sum", num_nodes, None, None)
+            out = part if out is None else out.add_(part)
+        return out
