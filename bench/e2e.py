@@ -189,17 +189,23 @@ def bench_model(model_name, hidden, inputs, args, device):
             try:
                 ms, peak = measure(fn, device, args)
             except Exception as error:  # a path PyG does not support here: recorded, not fatal
-                row["note"] = f"n/a: {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+                row["note"] = _failure_note(error)
                 if row["path"].startswith("geot"):  # geot failing is a bug, not a missing feature: show where
                     traceback.print_exc()
                 continue
             if math.isnan(row["ms"]) or ms < row["ms"]:  # the fastest round
                 row["ms"] = ms
-            row["peak_mb"] = peak if math.isnan(row["peak_mb"]) else min(row["peak_mb"], peak)  # without others' caches
+            # the lowest peak: the round with the fewest other paths' caches alive
+            row["peak_mb"] = peak if math.isnan(row["peak_mb"]) else min(row["peak_mb"], peak)
     for row, _ in cells:
         print(f"  {model_name}/{hidden} {inputs['name']} {row['dtype']} {row['mode']:<9} {row['path']:<12} "
               f"{common.fmt_ms(row['ms'])} ms {row.get('note', '')}", flush=True)
     return [row for row, _ in cells]
+
+
+def _failure_note(error: Exception) -> str:
+    first_line = str(error).splitlines()[0][:120] if str(error) else ""
+    return f"n/a: {type(error).__name__}: {first_line}"
 
 
 def add_speedups(df):
