@@ -72,6 +72,11 @@ def _index_segment_reduce_fake(src_index, dst_index, x, weight, num_segments, re
     return x.new_empty((num_segments, *x.shape[1:]))
 
 
+@torch.library.register_fake("geot::index_segment_reduce_inference")
+def _index_segment_reduce_inference_fake(src_index, dst_index, x, weight, num_segments, reduce="sum", config=None):
+    return x.new_empty((num_segments, *x.shape[1:]))
+
+
 @torch.library.register_fake("geot::index_scatter_sum")
 def _index_scatter_sum_fake(gather_index, scatter_index, x, weight, num_out):
     return x.new_empty((num_out, *x.shape[1:]))
@@ -168,6 +173,13 @@ def _index_reduce(src_index, dst_index, x, weight, num_segments):
     if needs_dispatcher(x) or (weight is not None and needs_dispatcher(weight)):
         return torch.ops.geot.index_segment_reduce(src_index, dst_index, x, weight, num_segments, "sum")
     return _C.index_segment_reduce_no_grad(src_index, dst_index, x, weight, num_segments, "sum", None)
+
+
+def compiled_without_grad(*tensors) -> bool:
+    """Whether a traced call records no gradient: it may then call an op
+    without an autograd formula (no Python autograd kernel per call)."""
+    return (torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)))
 
 
 def eager_autograd(*tensors) -> bool:

@@ -407,6 +407,8 @@ def test_compile_fullgraph_layers_match_eager(make_layer):
     torch.testing.assert_close(compiled(x, edge_index, *extra), layer(x, edge_index, *extra))
     compiled(x, edge_index, *extra).sum().backward()
     assert x.grad is not None
+    with torch.no_grad():  # inference traces another graph (the op without autograd)
+        torch.testing.assert_close(compiled(x, edge_index, *extra), layer(x, edge_index, *extra))
 
 
 def test_cora_accuracy_matches_pyg():
