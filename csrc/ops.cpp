@@ -114,15 +114,9 @@ at::Tensor index_segment_reduce_no_grad(const at::Tensor& src_index, const at::T
                                         const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                         int64_t num_segments, const std::string& reduce,
                                         std::optional<std::vector<int64_t>> config) {
-  using Optional = const std::optional<at::Tensor>&;
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("geot::index_segment_reduce", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, Optional, int64_t,
-                            c10::string_view, at::OptionalIntArrayRef, Optional, Optional, Optional)>();
   return below_autograd([&] {
-    return op.call(src_index, dst_index, x, weight, num_segments, reduce, as_config(config), std::nullopt,
-                   std::nullopt, std::nullopt);
+    return geot::index_segment_reduce_inference(src_index, dst_index, x, weight, num_segments, reduce,
+                                                as_config(config));
   });
 }
 
