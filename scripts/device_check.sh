@@ -56,14 +56,16 @@ for step in "$@"; do
       [ $rc -eq 0 ] || status=1 ;;
     hetero_bench)
       python3 bench/hetero.py 2>&1 | grep -v Warning | tee "$OUT/hetero_bench.log" | grep -E "geomean|^segment_matmul|^edge_softmax" || status=1 ;;
-    e2e)  # every model and path eagerly in fp32, then the torch.compile paths where they matter most;
+    e2e)  # every model and path eagerly in fp32, then the torch.compile paths where they matter most
+          # (E2E_COMPILE_MODELS, E2E_COMPILE_GRAPHS, E2E_COMPILE_MODE=reduce-overhead);
           # logs straight to the real $OUT, so a run cut off by the time limit still brings them back
       python3 bench/e2e.py --dtypes fp32 --no-compile 2>&1 | grep -v Warning | tee "$FINAL_OUT/e2e_eager.log" \
         | sed -n '/^ms per step/,$p' || status=1
       mv bench/results/e2e_*.csv "$OUT/e2e_eager.csv"; mv bench/results/e2e_*.png "$OUT/e2e_eager.png"
       rm -f "$OUT"/e2e_nvidia*
       python3 bench/e2e.py --models "${E2E_COMPILE_MODELS:-gcn,sage}" --hidden 64 --dtypes fp32 \
-        --graphs "${E2E_COMPILE_GRAPHS:-pubmed,powerlaw:n=200000,deg=10}" 2>&1 | grep -v Warning \
+        --graphs "${E2E_COMPILE_GRAPHS:-pubmed,powerlaw:n=200000,deg=10}" \
+        ${E2E_COMPILE_MODE:+--compile-mode $E2E_COMPILE_MODE} 2>&1 | grep -v Warning \
         | tee "$FINAL_OUT/e2e_compile.log" | sed -n '/^ms per step/,$p' || status=1 ;;
     keep_so)  # bring the built extension back (gzipped), for a later call's PREBUILT
       for f in geot/_C.*.so; do gzip -c "$f" > "$FINAL_OUT/$(basename "$f").gz"; done ;;
