@@ -59,7 +59,7 @@ inline int sp_lanes(int64_t F, int n_t, const Config& c) {
 }
 
 // SP: the no-atomic pass over each segment's first a.cap rows (a.ptr and
-// a.longest set by sp_offsets), then, unless no segment can be longer, the
+// a.longest set by index_offsets), then, unless no segment can be longer, the
 // SR pass over the overflow rows (it returns at once if none overflowed).
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED>
 void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
@@ -73,13 +73,14 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   if (a.E > 0 && a.may_overflow) launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, c, stream);
 }
 
-// Segment offsets for SP. Cached per index (computed on its first SP call,
-// with the exact longest segment); fresh for this call where the index
+// Segment offsets of a sorted index, for SP and the finalize pass (segment
+// sizes). Cached per index (computed on its first such call, with the exact
+// longest segment); fresh for this call where the index
 // cannot be cached (inference tensors) or a CUDA graph is being captured
 // (captured kernels only run on replay), with a longest-segment counter
 // the SP kernel raises.
 template <typename index_t>
-SegmentOffsets sp_offsets(const at::Tensor& index, int64_t S, cudaStream_t stream) {
+SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, cudaStream_t stream) {
   if (auto cached = cached_segment_offsets(index, S)) return *cached;
   const bool cache = index_cacheable(index) &&
                      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
@@ -216,7 +217,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.whole_segment_stores = !r.any_order;
       SegmentOffsets offsets;  // SP, and the finalize pass of non-sums; held until the launches are queued
       if (cfg.is_sp()) {
-        offsets = sp_offsets<index_t>(r.index, S, stream);
+        offsets = index_offsets<index_t>(r.index, S, stream);
         args.ptr = offsets.ptr.data_ptr<int64_t>();
         args.longest = offsets.longest.data_ptr<int64_t>();
         args.lanes = sp_lanes(F, with_head_aligned_n_t(cfg, F, r.heads).N_t, cfg);
@@ -229,8 +230,8 @@ at::Tensor reduce_rows(const RowReduction& r) {
         default: launch_reduce<in_t, acc_t, index_t, SumOp<acc_t>, FUSED>(args, cfg, stream);
       }
       if (finalize) {
-        // Segment sizes for mean and max/min's empty segments: the offsets (cached per index, as for SP).
-        if (r.reduce != Reduce::Sum && !offsets.ptr.defined()) offsets = sp_offsets<index_t>(r.index, S, stream);
+        // Segment sizes for mean and max/min's empty segments.
+        if (r.reduce != Reduce::Sum && !offsets.ptr.defined()) offsets = index_offsets<index_t>(r.index, S, stream);
         const int64_t* ptr = r.reduce == Reduce::Sum ? nullptr : offsets.ptr.data_ptr<int64_t>();
         const dim3 block(32, 8);
         segment_finalize_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(

@@ -89,12 +89,19 @@ def _mean_edge_weights(graph: SortedGraph, num_segments: int, dtype) -> Tensor:
     return counts.reciprocal().to(dtype).index_select(0, graph.dst)
 
 
-def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean_dtype) -> _RelationEdges:
-    """mean_dtype: the mean's edge weights in this dtype; None: a sum (no weights)."""
+def _split_segments(graph: SortedGraph, relations: int, num_nodes: int, mean_dtype):
+    """(relation, destination node, mean weight or None) of each edge of an
+    RGCN graph, whose segments are dst * R + relation. mean_dtype: the mean's
+    edge weights in this dtype; None: a sum (no weights)."""
     relation = graph.dst.remainder(relations)
-    rows = graph.src * relations + relation
     dst = graph.dst.div(relations, rounding_mode="floor")
     weight = None if mean_dtype is None else _mean_edge_weights(graph, num_nodes * relations, mean_dtype)
+    return relation, dst, weight
+
+
+def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean_dtype) -> _RelationEdges:
+    relation, dst, weight = _split_segments(graph, relations, num_nodes, mean_dtype)
+    rows = graph.src * relations + relation
     transposed = None if graph.transposed is None else transpose_index(rows, dst)
     weight_t = None if weight is None or transposed is None else weight.index_select(0, transposed.perm)
     return _RelationEdges(rows, dst, weight, transposed, weight_t)
@@ -111,9 +118,7 @@ def _relation_blocks(graph: SortedGraph, relations: int, per_block: int, num_nod
     """The graph's edges split into blocks of per_block relations (a
     subsequence of dst-sorted edges stays sorted). One device->host sync per
     block (the edge counts), once per graph: eager only."""
-    relation = graph.dst.remainder(relations)
-    dst = graph.dst.div(relations, rounding_mode="floor")
-    weight = None if mean_dtype is None else _mean_edge_weights(graph, num_nodes * relations, mean_dtype)
+    relation, dst, weight = _split_segments(graph, relations, num_nodes, mean_dtype)
     blocks = []
     for first in range(0, relations, per_block):
         end = min(first + per_block, relations)
