@@ -1,7 +1,7 @@
 """Where a model step's time goes: torch.profiler over one e2e model step,
 geot eager vs torch.compile(fullgraph=True), host (CPU) and device time.
 
-    python bench/profile_step.py --model gcn --graph pubmed --hidden 64 --mode train
+    python bench/profile_step.py --model gcn --graph pubmed --hidden 64 --mode train [--compile-mode reduce-overhead]
 """
 import argparse
 import os
@@ -37,6 +37,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--mode", default="train", choices=["train", "inference"])
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--rows", type=int, default=15, help="profiler rows per table")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,7 +46,8 @@ def main():
     model = e2e.Net(geot_nn, args.model, inputs["x"].size(1), args.hidden, inputs["num_classes"]).to(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    for label, runner in (("eager", model), ("compiled", torch.compile(model, fullgraph=True, backend=args.backend))):
+    for label, runner in (("eager", model), ("compiled", torch.compile(model, fullgraph=True, backend=args.backend,
+                                                                    mode=args.compile_mode))):
         infer, train = e2e.step_functions(model, runner, inputs, inputs["edge_index"], None, device)
         step = train if args.mode == "train" else infer
         ms = per_step_ms(step, device)  # also the warm-up (and compilation) before profiling

@@ -7,6 +7,7 @@ import geot  # noqa: E402
 import geot.nn as gnn  # noqa: E402
 from geot.data import load_dataset  # noqa: E402
 from torch_geometric import EdgeIndex  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
 
 NUM_RELATIONS = 4
 
@@ -115,10 +116,25 @@ def test_rgcn_inference_in_relation_blocks(aggr, in_channels, out_channels, rela
     memo = geot_layer._geot_graph[3].memo
     assert [key[0] for key in memo] == ["rgcn blocks"]
     (blocks,) = [entry[2] for entry in memo.values()]
-    assert len(blocks) == -(-relations // max(1, in_channels // out_channels))
+    assert len(blocks) == -(-relations // max(1, in_channels // (2 * out_channels)))
     assert sum(block.rows.numel() for block in blocks) == edge_index.size(1)
     torch.testing.assert_close(out, ref, **FLOAT64_TOL)
     torch.testing.assert_close(out, geot_layer(x, edge_index, edge_type).detach(), **FLOAT64_TOL)  # one table
+
+
+@requires_cuda
+def test_kept_graph_is_a_static_input_for_cuda_graphs():
+    """What a layer keeps with its graph (the sorted edges, the transposed
+    index, GCN's normalization) is marked as a static input, so CUDA graphs
+    read it in place instead of copying it on every replay."""
+    layer = gnn.GCNConv(8, 4).cuda()
+    edge_index = random_graph(30, 120, "cuda")
+    layer(torch.randn(30, 8, device="cuda"), edge_index).sum().backward()
+    graph = layer._geot_graph[3]
+    kept = [graph.src, graph.dst, *graph.transposed]
+    kept += [t for entry in graph.memo.values() for t in entry[2] if isinstance(t, torch.Tensor)]
+    assert len(kept) >= 6
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in kept)
 
 
 @pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -381,8 +381,12 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
 
     def _in_blocks(self, x_src: Tensor, weight: Tensor) -> bool:
         """Eager inference where the projected table [N_src, R * C_out] is wider
-        than x: it is then made a few relations at a time, each block about
-        x's width, so the peak stays near PyG's per-relation [N, C_in]. Not
+        than x: it is then made a few relations at a time, each block at most
+        half x's width, so the peak stays under PyG's per-relation [N, C_in].
+        H100, fp32, 2M / 3.2M-edge graphs, 128 -> 64 channels, 8 relations,
+        against PyG in the same run: blocks as wide as x peaked 1.07x / 1.10x
+        PyG's memory at 8.0x / 8.2x its speed; half as wide, 0.86x / 0.89x
+        at 4.3x / 4.1x (each block re-reads x). Not
         in training (each block's table would be kept for backward anyway)
         nor in compiled code (the block sizes are data-dependent)."""
         records_grad = torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
@@ -390,7 +394,7 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
                 and self._relations_per_block(x_src.size(-1)) < self.num_relations)
 
     def _relations_per_block(self, in_channels: int) -> int:
-        return max(1, in_channels // self.out_channels)
+        return max(1, in_channels // (2 * self.out_channels))
 
     def _project_then_reduce_in_blocks(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
                                        num_nodes: int) -> Tensor:

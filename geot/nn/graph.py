@@ -17,6 +17,8 @@ any order, so it sorts it (stably) and keeps the result, with the source-sorted
   compiled graph on every call (correct, no sync, but a sort per call). So
   run the model once eagerly on a static graph before compiling it.
   In-place changes to an ``edge_index`` are not seen by compiled code.
+  What the caches keep is marked as a static input (static_addresses), so
+  CUDA graphs read it in place instead of copying it on every replay.
 
 Values derived from the graph alone (GCN's normalization, the edge counts
 of a mean's backward pass) are kept with its :class:`SortedGraph`
@@ -59,7 +61,7 @@ class SortedGraph(NamedTuple):
         entry = self.memo.get(key)
         if entry is not None and _same_values(entry, values):
             return entry[2]
-        result = compute()
+        result = static_addresses(compute())
         self.memo[key] = (None if values is None else weakref.ref(values),
                           None if values is None else _version_key(values), result)
         return result
@@ -113,9 +115,25 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
     graph = _shared_lookup(edge_index, variant, edge_type)
     if graph is None:
         graph = _build(edge_index, self_loops, edge_type, num_relations, eager=True)  # validates the inputs
+        static_addresses(graph)
         _shared_store(edge_index, variant, edge_type, graph)
     layer._geot_graph = (edge_index, edge_type, variant, graph, _graph_key(edge_index, edge_type))
     return graph
+
+
+def static_addresses(value):
+    """value, its CUDA tensors (in tuples and lists too) marked as static
+    inputs for torch.compile. What a graph keeps does not change while kept,
+    so CUDA graphs (mode="reduce-overhead") may read it in place; unmarked,
+    every replay would first copy it into the graph's own buffers (E-sized
+    index and weight copies per layer and step)."""
+    if isinstance(value, Tensor):
+        if value.is_cuda:
+            torch._dynamo.mark_static_address(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            static_addresses(item)
+    return value
 
 
 def _version_key(t: Tensor):
