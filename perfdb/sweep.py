@@ -224,8 +224,8 @@ def main():
     parser.add_argument("--full", action="store_true", help="bigger corpus, no config pruning")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new graphs after this long")
     parser.add_argument("--warmup", type=int, default=1)
-    # 11, not 7: cells of small graphs take 5-10 us, and one config's medians
-    # of 7 differed by 3-7% between sweeps, enough to reorder the top configs.
+    # 11, not 7: cells of small graphs take 5-10 us, the same config times
+    # 3-7% apart from rep to rep, and the top configs lie within 5% there.
     parser.add_argument("--reps", type=int, default=11, help="timed launches of the finalists (median)")
     parser.add_argument("--refine", type=int, default=32, help="finalists per cell, timed with --reps")
     parser.add_argument("--out-dir", default=None, help="default perfdb/<gpu>")
