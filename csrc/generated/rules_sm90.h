@@ -8,74 +8,78 @@ namespace geot {
 namespace generated {
 namespace sm90 {
 
-// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 16, 1145 leaves
-//   oracle/pick on held-out graphs: geomean 0.953, worst 0.413; held-out base graphs (25): 0.939, worst 0.413 (hand heuristic: 0.813, worst 0.396; training set: 0.989, worst 0.869)
+// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 17, 1149 leaves
+//   oracle/pick on held-out graphs: geomean 0.953, worst 0.413; held-out base graphs (25): 0.942, worst 0.413 (hand heuristic: 0.813, worst 0.396; training set: 0.993, worst 0.911)
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 18.559293746948242) {
-            if (x.avg <= 12.339872360229492) {
-              if (x.avg <= 1.6791957020759583) {
-                if (x.log2_S <= 14.543411254882812) {
-                  if (x.avg <= 1.5361639857292175) {
-                    return {1, 8, 8, 32, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 13.876775741577148) {
-                      if (x.log2_S <= 10.603025913238525) {
-                        return {1, 1, 64, 256, 0};  // SP
+          if (x.log2_S <= 18.983121871948242) {
+            if (x.avg <= 11.087296485900879) {
+              if (x.log2_S <= 12.794549942016602) {
+                if (x.avg <= 2.3795701265335083) {
+                  if (x.avg <= 1.6289588809013367) {
+                    if (x.log2_S <= 9.325903415679932) {
+                      if (x.avg <= 1.3271152973175049) {
+                        return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        return {1, 8, 8, 32, 0};  // SP
-                      }
-                    } else {
-                      return {1, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 15.568632125854492) {
-                    if (x.avg <= 1.5232536792755127) {
-                      if (x.log2_S <= 15.517196655273438) {
-                        return {1, 2, 64, 128, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 15.538529396057129) {
-                          return {1, 1, 64, 256, 0};  // SP
+                        if (x.avg <= 1.3848840594291687) {
+                          return {1, 8, 8, 32, 0};  // SP
                         } else {
-                          return {1, 2, 64, 128, 0};  // SP
+                          return {1, 32, 16, 8, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 14.698800563812256) {
-                        return {1, 2, 64, 128, 0};  // SP
+                      return {1, 8, 8, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 11.849416732788086) {
+                      return {1, 32, 16, 8, 0};  // SP
+                    } else {
+                      return {4, 8, 32, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 10.61713457107544) {
+                    if (x.avg <= 2.96834659576416) {
+                      if (x.log2_S <= 9.633226871490479) {
+                        return {1, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {1, 32, 16, 8, 0};  // SP
+                      }
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 12.32984209060669) {
+                      if (x.log2_S <= 11.281496524810791) {
+                        if (x.avg <= 7.688855409622192) {
+                          return {1, 32, 16, 8, 0};  // SP
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 3.001633048057556) {
+                        return {4, 8, 32, 32, 0};  // SP
                       } else {
                         return {1, 1, 64, 256, 0};  // SP
                       }
                     }
-                  } else {
-                    return {1, 1, 64, 256, 0};  // SP
                   }
                 }
               } else {
-                if (x.avg <= 8.832115173339844) {
-                  if (x.avg <= 1.753035068511963) {
-                    if (x.log2_S <= 12.559677124023438) {
-                      if (x.log2_S <= 10.284636974334717) {
-                        return {1, 1, 64, 256, 0};  // SP
+                if (x.avg <= 9.198728084564209) {
+                  if (x.avg <= 1.5056284070014954) {
+                    if (x.log2_S <= 14.77270221710205) {
+                      if (x.log2_S <= 14.088170528411865) {
+                        return {1, 8, 8, 32, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.252134799957275) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.165238857269287) {
-                            return {1, 8, 8, 32, 0};  // SP
-                          } else {
-                            if (x.avg <= 1.7151727676391602) {
-                              return {1, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 1, 64, 256, 0};  // SP
-                            }
-                          }
-                        }
+                        return {1, 2, 64, 128, 0};  // SP
                       }
                     } else {
                       return {1, 1, 64, 256, 0};  // SP
@@ -84,134 +88,82 @@ inline Config plain_config(const Features& f) {
                     return {1, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 14.408143520355225) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.91916847229004) {
-                      if (x.log2_S <= 15.973601818084717) {
-                        if (x.avg <= 11.354914665222168) {
-                          if (x.log2_S <= 15.706128597259521) {
-                            return {1, 1, 64, 256, 0};  // SP
-                          } else {
-                            if (x.avg <= 9.646807670593262) {
-                              return {1, 1, 64, 256, 0};  // SP
-                            } else {
-                              return {1, 2, 64, 128, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
+                  if (x.log2_S <= 16.907925605773926) {
+                    if (x.log2_S <= 14.455157279968262) {
                       return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
                     }
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 12.478835105895996) {
-                if (x.log2_S <= 10.626459121704102) {
-                  if (x.avg <= 58.13175392150879) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 10.39375638961792) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      return {1, 8, 8, 32, 0};  // SP
-                    }
-                  }
+              if (x.log2_S <= 12.947387218475342) {
+                if (x.log2_S <= 10.660470962524414) {
+                  return {1, 1, 64, 256, 0};  // SP
                 } else {
-                  if (x.avg <= 32.78535461425781) {
-                    if (x.avg <= 25.729308128356934) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.757294654846191) {
-                        if (x.log2_S <= 11.26113510131836) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.331461906433105) {
-                            return {1, 2, 64, 128, 0};  // SP
-                          } else {
-                            return {1, 1, 64, 256, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    }
+                  if (x.log2_S <= 12.424784183502197) {
+                    return {4, 8, 32, 32, 0};  // SP
                   } else {
-                    if (x.log2_S <= 10.677228927612305) {
-                      if (x.avg <= 38.71429443359375) {
+                    if (x.avg <= 25.831008911132812) {
+                      if (x.avg <= 14.698424339294434) {
                         return {1, 1, 64, 256, 0};  // SP
                       } else {
                         return {1, 2, 64, 128, 0};  // SP
                       }
                     } else {
-                      return {1, 8, 8, 32, 0};  // SP
+                      return {4, 8, 32, 32, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.avg <= 54.812042236328125) {
+                if (x.avg <= 55.02116012573242) {
                   if (x.log2_S <= 17.946118354797363) {
-                    if (x.log2_S <= 12.889459133148193) {
-                      if (x.avg <= 22.548253059387207) {
-                        if (x.avg <= 16.892685890197754) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          if (x.avg <= 20.47315216064453) {
-                            return {1, 2, 64, 128, 0};  // SP
-                          } else {
-                            return {1, 1, 64, 256, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 51.584739685058594) {
-                          return {1, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {1, 8, 8, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 51.26485061645508) {
+                    if (x.avg <= 12.205312252044678) {
+                      if (x.log2_S <= 17.051142692565918) {
                         return {1, 2, 64, 128, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 14.511855125427246) {
-                          return {1, 8, 8, 32, 0};  // SP
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 22.16944980621338) {
-                      if (x.log2_S <= 17.990978240966797) {
-                        if (x.log2_S <= 17.956028938293457) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
                       } else {
                         return {1, 1, 64, 256, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 33.839277267456055) {
-                        if (x.log2_S <= 18.487248420715332) {
-                          return {1, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {1, 1, 64, 256, 0};  // SP
-                        }
-                      } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 17.446431159973145) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 18.558541297912598) {
                         return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.avg <= 28.892949104309082) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.84214210510254) {
-                    return {1, 8, 8, 32, 0};  // SP
+                  if (x.log2_S <= 17.022692680358887) {
+                    if (x.log2_S <= 13.382365703582764) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      if (x.avg <= 57.6261100769043) {
+                        if (x.log2_S <= 15.667096138000488) {
+                          return {1, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 16.635878562927246) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
                   } else {
                     return {1, 2, 64, 128, 0};  // SP
                   }
@@ -219,176 +171,236 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 18.90238666534424) {
-              if (x.avg <= 46.05824089050293) {
-                return {1, 1, 64, 256, 0};  // SP
-              } else {
-                return {1, 2, 64, 128, 0};  // SP
-              }
-            } else {
+            if (x.avg <= 61.74169731140137) {
               return {1, 1, 64, 256, 0};  // SP
+            } else {
+              if (x.log2_S <= 19.910165786743164) {
+                return {1, 2, 64, 128, 0};  // SP
+              } else {
+                return {1, 1, 64, 256, 0};  // SP
+              }
             }
           }
         } else {
-          if (x.log2_S <= 17.687411308288574) {
+          if (x.log2_S <= 17.691116333007812) {
             if (x.long_level <= 2.5) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.153343677520752) {
-                  if (x.log2_S <= 11.313913822174072) {
-                    return {1, 32, 32, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 7.820007562637329) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 9.543116092681885) {
-                        if (x.log2_S <= 11.885228157043457) {
-                          return {1, 32, 32, 4, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
+              if (x.log2_S <= 13.48918628692627) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 11.953632831573486) {
+                    if (x.avg <= 3.97944712638855) {
+                      if (x.log2_S <= 11.02019739151001) {
+                        return {1, 32, 64, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.987512111663818) {
-                          return {1, 32, 32, 4, 0};  // SP
+                        if (x.log2_S <= 11.338444709777832) {
+                          if (x.log2_S <= 11.048007488250732) {
+                            return {1, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {2, 32, 64, 4, 0};  // SP
+                          }
                         } else {
-                          if (x.avg <= 135.2347068786621) {
-                            if (x.log2_S <= 11.99720811843872) {
-                              return {1, 16, 64, 4, 0};  // SP
+                          if (x.log2_S <= 11.791649341583252) {
+                            if (x.avg <= 3.6865310668945312) {
+                              return {1, 16, 64, 8, 0};  // SP
                             } else {
-                              return {1, 32, 32, 4, 0};  // SP
+                              return {2, 32, 64, 4, 0};  // SP
                             }
                           } else {
                             return {1, 16, 64, 4, 0};  // SP
                           }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 10.648733139038086) {
+                        return {1, 32, 32, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 98.64842224121094) {
+                          if (x.avg <= 9.680906772613525) {
+                            if (x.log2_S <= 11.521434783935547) {
+                              return {1, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.avg <= 7.126337051391602) {
+                                return {1, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {1, 32, 32, 4, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 10.709630489349365) {
+                              if (x.avg <= 32.45615291595459) {
+                                return {1, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {1, 32, 32, 4, 0};  // SP
+                              }
+                            } else {
+                              return {1, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.758933544158936) {
+                            return {1, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.356388092041016) {
+                      if (x.avg <= 12.685810565948486) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 119.32371139526367) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.225532531738281) {
+                            return {1, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 32, 32, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 108.74169921875) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 13.047667026519775) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.662709712982178) {
-                    if (x.log2_S <= 13.712265968322754) {
-                      if (x.log2_S <= 12.21827507019043) {
-                        if (x.avg <= 14.986687183380127) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.avg <= 88.69295501708984) {
-                            return {1, 32, 32, 4, 0};  // SP
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        }
+                  if (x.avg <= 17.60925579071045) {
+                    if (x.avg <= 16.400239944458008) {
+                      if (x.log2_S <= 13.463911056518555) {
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
-                        return {1, 16, 64, 4, 0};  // SP
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 27.537232398986816) {
-                        if (x.avg <= 17.398681640625) {
-                          if (x.log2_S <= 14.624340057373047) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.avg <= 6.135483264923096) {
-                              return {1, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
+                      if (x.log2_S <= 11.229212760925293) {
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
-                        return {1, 16, 64, 4, 0};  // SP
+                        if (x.log2_S <= 12.22110652923584) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 15.237163543701172) {
-                      if (x.avg <= 55.31987953186035) {
-                        if (x.log2_S <= 14.695869445800781) {
-                          if (x.avg <= 2.6331005096435547) {
-                            return {1, 16, 64, 4, 0};  // SP
+                    if (x.avg <= 83.6474723815918) {
+                      if (x.log2_S <= 10.656843185424805) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.24178695678711) {
+                          if (x.avg <= 23.97297477722168) {
+                            return {1, 4, 8, 64, 1};  // SR
                           } else {
                             return {1, 2, 8, 128, 1};  // SR
                           }
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 165.40887451171875) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.619943618774414) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
+                      return {1, 2, 8, 128, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 15.348608016967773) {
-                  return {1, 2, 8, 128, 1};  // SR
-                } else {
-                  if (x.avg <= 60.61251640319824) {
-                    if (x.log2_S <= 17.58255672454834) {
-                      if (x.avg <= 52.0223388671875) {
-                        if (x.avg <= 39.26054763793945) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.807997703552246) {
-                            if (x.log2_S <= 15.588592529296875) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 2, 32};  // PR
-                            }
+                if (x.avg <= 70.57990264892578) {
+                  if (x.log2_S <= 14.580893516540527) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 14.22932481765747) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 10.32575273513794) {
+                          if (x.log2_S <= 14.554426670074463) {
+                            return {1, 16, 64, 4, 0};  // SP
                           } else {
                             return {1, 2, 8, 128, 1};  // SR
                           }
-                        }
-                      } else {
-                        if (x.log2_S <= 16.19876003265381) {
-                          return {1, 32, 8, 2, 32};  // PR
                         } else {
-                          return {1, 2, 8, 128, 1};  // SR
+                          if (x.avg <= 35.70484161376953) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
                         }
                       }
                     } else {
-                      if (x.avg <= 7.0444016456604) {
-                        return {1, 32, 8, 2, 32};  // PR
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 17.26084327697754) {
+                      if (x.avg <= 62.90133285522461) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.log2_S <= 17.661117553710938) {
-                          return {1, 2, 8, 128, 1};  // SR
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 15.081591129302979) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
                         } else {
+                          if (x.log2_S <= 15.476295948028564) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.71892261505127) {
+                              return {1, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 7.977269172668457) {
                           return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
                         }
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 15.396069526672363) {
-                      if (x.log2_S <= 15.367193698883057) {
-                        return {1, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 15.828270435333252) {
+                      if (x.avg <= 85.51055145263672) {
+                        if (x.log2_S <= 15.182761669158936) {
+                          if (x.avg <= 79.18380737304688) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 16, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 15.928426265716553) {
+                        if (x.avg <= 113.60000228881836) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
                       } else {
                         return {1, 2, 8, 128, 1};  // SR
                       }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.090806484222412) {
+                      return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.log2_S <= 17.079604148864746) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 17.207798957824707) {
-                          if (x.log2_S <= 17.178662300109863) {
-                            if (x.log2_S <= 17.085942268371582) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 2, 32};  // PR
-                            }
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      }
+                      return {1, 32, 8, 2, 32};  // PR
                     }
                   }
                 }
@@ -398,123 +410,115 @@ inline Config plain_config(const Features& f) {
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 18.03665065765381) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 178.23251342773438) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 17.820995330810547) {
+              if (x.log2_S <= 21.015766143798828) {
+                if (x.log2_S <= 17.953113555908203) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 65.01594734191895) {
                       return {1, 2, 8, 128, 1};  // SR
                     } else {
                       return {1, 32, 8, 2, 32};  // PR
                     }
+                  } else {
+                    return {1, 32, 8, 2, 32};  // PR
                   }
                 } else {
-                  return {1, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.avg <= 6.836920261383057) {
-                  if (x.avg <= 4.229583501815796) {
-                    if (x.log2_S <= 18.64681911468506) {
+                  if (x.log2_S <= 18.203994750976562) {
+                    if (x.avg <= 3.8054407835006714) {
                       if (x.long_level <= 1.5) {
-                        if (x.avg <= 4.066431164741516) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
                         return {1, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.avg <= 4.032902717590332) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 21.205843925476074) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 32, 16, 2, 16};  // PR
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 21.62882423400879) {
-                        if (x.log2_S <= 21.205636978149414) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.avg <= 5.364851474761963) {
-                            return {1, 32, 16, 2, 16};  // PR
-                          } else {
-                            return {1, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      } else {
-                        return {1, 32, 16, 2, 16};  // PR
                       }
                     } else {
                       return {1, 32, 8, 2, 32};  // PR
                     }
+                  } else {
+                    return {1, 32, 8, 2, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 3.551309585571289) {
+                    return {1, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 16};  // PR
                   }
                 } else {
-                  return {1, 32, 8, 2, 32};  // PR
+                  if (x.avg <= 12.5633225440979) {
+                    if (x.avg <= 4.332753658294678) {
+                      return {1, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 22.139090538024902) {
+                        return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.avg <= 8.943182945251465) {
+                          return {2, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.avg <= 9.56419038772583) {
+                            return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 32, 8, 2, 32};  // PR
+                  }
                 }
               }
             } else {
-              if (x.avg <= 10.113437175750732) {
-                if (x.avg <= 8.27552843093872) {
-                  return {1, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.log2_S <= 20.461726188659668) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 22.973076820373535) {
-                      if (x.log2_S <= 21.760573387145996) {
-                        return {1, 32, 16, 2, 16};  // PR
+              if (x.avg <= 18.02566909790039) {
+                if (x.avg <= 12.335637092590332) {
+                  if (x.log2_S <= 21.77927589416504) {
+                    if (x.log2_S <= 20.682340621948242) {
+                      if (x.avg <= 10.327879905700684) {
+                        return {1, 32, 8, 2, 32};  // PR
                       } else {
-                        if (x.avg <= 9.147148609161377) {
+                        if (x.log2_S <= 19.434097290039062) {
                           return {1, 32, 8, 2, 32};  // PR
                         } else {
-                          return {1, 32, 16, 2, 16};  // PR
+                          return {2, 32, 8, 2, 16};  // PR
                         }
                       }
                     } else {
-                      return {1, 32, 8, 2, 32};  // PR
+                      if (x.avg <= 4.346753120422363) {
+                        if (x.log2_S <= 21.225865364074707) {
+                          if (x.log2_S <= 20.787986755371094) {
+                            return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 32, 16, 2, 16};  // PR
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {1, 32, 16, 2, 16};  // PR
+                      }
                     }
+                  } else {
+                    return {1, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.log2_S <= 22.843520164489746) {
+                    if (x.log2_S <= 20.39025592803955) {
+                      if (x.log2_S <= 19.19713020324707) {
+                        return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {1, 32, 16, 2, 16};  // PR
+                    }
+                  } else {
+                    return {1, 32, 8, 2, 32};  // PR
                   }
                 }
               } else {
-                if (x.log2_S <= 18.036993980407715) {
+                if (x.log2_S <= 17.96013832092285) {
                   return {1, 32, 8, 2, 32};  // PR
                 } else {
-                  if (x.avg <= 16.720690727233887) {
-                    if (x.log2_S <= 20.368526458740234) {
-                      if (x.log2_S <= 19.888623237609863) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.avg <= 13.751004695892334) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 32, 16, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      return {1, 32, 16, 2, 16};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 18.188243865966797) {
-                      if (x.avg <= 32.09517192840576) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {1, 32, 16, 2, 16};  // PR
-                      }
-                    } else {
-                      return {1, 32, 16, 2, 16};  // PR
-                    }
-                  }
+                  return {1, 32, 16, 2, 16};  // PR
                 }
               }
             }
@@ -522,156 +526,192 @@ inline Config plain_config(const Features& f) {
         }
       } else {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 19.50472927093506) {
-            if (x.log2_S <= 13.412193298339844) {
-              if (x.log2_S <= 10.061285018920898) {
-                if (x.avg <= 1.4182403683662415) {
-                  return {2, 8, 8, 32, 0};  // SP
-                } else {
-                  if (x.avg <= 3.161522150039673) {
-                    if (x.log2_S <= 9.471913814544678) {
-                      if (x.avg <= 1.7614761590957642) {
-                        if (x.log2_S <= 8.808279991149902) {
-                          return {2, 1, 64, 256, 0};  // SP
+          if (x.log2_S <= 19.51820659637451) {
+            if (x.avg <= 11.026983261108398) {
+              if (x.log2_S <= 13.360406875610352) {
+                if (x.log2_S <= 10.596214771270752) {
+                  if (x.avg <= 2.886354446411133) {
+                    if (x.avg <= 1.5695486664772034) {
+                      if (x.avg <= 1.314685046672821) {
+                        if (x.log2_S <= 9.770424365997314) {
+                          return {1, 32, 8, 2, 0};  // SP
                         } else {
-                          return {2, 16, 64, 4, 0};  // SP
+                          return {4, 8, 32, 32, 0};  // SP
                         }
                       } else {
-                        return {2, 1, 64, 256, 0};  // SP
+                        return {1, 16, 64, 4, 0};  // SP
                       }
                     } else {
-                      return {2, 16, 64, 4, 0};  // SP
+                      return {1, 8, 64, 32, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 9.925285339355469) {
+                    if (x.log2_S <= 9.967638492584229) {
                       return {2, 1, 64, 256, 0};  // SP
                     } else {
-                      if (x.avg <= 36.32269287109375) {
-                        if (x.avg <= 3.6735788583755493) {
-                          return {2, 16, 64, 4, 0};  // SP
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 1.3139334917068481) {
+                    if (x.log2_S <= 11.181298732757568) {
+                      return {1, 32, 8, 2, 0};  // SP
+                    } else {
+                      return {2, 8, 8, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 12.589755535125732) {
+                      if (x.log2_S <= 11.20368242263794) {
+                        if (x.avg <= 1.6570722460746765) {
+                          return {1, 16, 64, 4, 0};  // SP
                         } else {
-                          return {2, 1, 64, 256, 0};  // SP
+                          if (x.log2_S <= 10.854967594146729) {
+                            return {1, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
                         }
                       } else {
-                        return {2, 16, 64, 4, 0};  // SP
+                        if (x.avg <= 3.5414849519729614) {
+                          if (x.avg <= 1.8529056310653687) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.834504127502441) {
+                              return {2, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.757429599761963) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.avg <= 2.9996092319488525) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          if (x.avg <= 6.921483755111694) {
+                            return {2, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {2, 8, 8, 32, 0};  // SP
+                          }
+                        }
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 1.5535386204719543) {
-                  return {2, 8, 8, 32, 0};  // SP
-                } else {
-                  if (x.log2_S <= 12.59767198562622) {
-                    return {2, 16, 64, 4, 0};  // SP
+                if (x.avg <= 5.051542282104492) {
+                  if (x.log2_S <= 14.252068042755127) {
+                    if (x.avg <= 1.5981579422950745) {
+                      return {2, 8, 8, 32, 0};  // SP
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
+                    }
                   } else {
-                    if (x.avg <= 14.375390529632568) {
-                      if (x.avg <= 4.1344428062438965) {
-                        return {2, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 12.765734195709229) {
+                    if (x.avg <= 2.93189537525177) {
+                      return {2, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 18.091269493103027) {
+                        if (x.log2_S <= 16.871861457824707) {
                           return {2, 1, 64, 256, 0};  // SP
                         } else {
-                          if (x.avg <= 14.190314292907715) {
-                            return {2, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {2, 1, 64, 256, 0};  // SP
-                          }
+                          return {1, 2, 64, 128, 0};  // SP
                         }
+                      } else {
+                        return {2, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 18.42075538635254) {
+                    if (x.log2_S <= 13.960143566131592) {
+                      if (x.avg <= 8.558243751525879) {
+                        return {2, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 13.274213314056396) {
-                        return {2, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 24.229987144470215) {
-                          return {2, 8, 8, 32, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 4, 0};  // SP
-                        }
-                      }
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 8.63984203338623) {
+                      return {2, 1, 64, 256, 0};  // SP
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
                     }
                   }
                 }
               }
             } else {
-              if (x.avg <= 10.320997714996338) {
-                if (x.log2_S <= 14.275287628173828) {
-                  if (x.avg <= 1.6500170230865479) {
-                    return {2, 8, 8, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 2.816052794456482) {
-                      if (x.log2_S <= 13.848876476287842) {
+              if (x.log2_S <= 9.941390991210938) {
+                return {2, 1, 64, 256, 0};  // SP
+              } else {
+                if (x.log2_S <= 14.213029384613037) {
+                  if (x.log2_S <= 12.021743297576904) {
+                    if (x.log2_S <= 10.626459121704102) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.11828088760376) {
                         return {2, 16, 64, 4, 0};  // SP
                       } else {
-                        return {2, 1, 64, 256, 0};  // SP
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 14.51159954071045) {
+                      if (x.log2_S <= 13.331208229064941) {
+                        return {2, 8, 8, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
                       }
                     } else {
-                      return {2, 1, 64, 256, 0};  // SP
+                      return {2, 8, 8, 32, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.avg <= 9.387541770935059) {
-                    return {2, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 15.94258451461792) {
-                      return {2, 1, 64, 256, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 18.524327278137207) {
-                        return {2, 2, 64, 128, 0};  // SP
+                  if (x.log2_S <= 17.180123329162598) {
+                    if (x.avg <= 51.051387786865234) {
+                      if (x.avg <= 12.779161930084229) {
+                        if (x.log2_S <= 14.858498096466064) {
+                          return {1, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {2, 2, 64, 128, 0};  // SP
+                        }
                       } else {
-                        return {2, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 23.74708843231201) {
-                  if (x.log2_S <= 14.36787223815918) {
-                    if (x.avg <= 15.21616268157959) {
-                      if (x.avg <= 12.619890689849854) {
-                        return {2, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {2, 2, 64, 128, 0};  // SP
+                        return {4, 4, 64, 64, 0};  // SP
                       }
                     } else {
                       return {2, 8, 8, 32, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 15.303972244262695) {
-                      if (x.avg <= 18.982669830322266) {
-                        if (x.avg <= 11.354914665222168) {
-                          return {2, 1, 64, 256, 0};  // SP
+                    if (x.log2_S <= 18.998367309570312) {
+                      if (x.avg <= 40.258161544799805) {
+                        if (x.avg <= 13.762333393096924) {
+                          if (x.log2_S <= 18.064674377441406) {
+                            return {2, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {1, 2, 64, 128, 0};  // SP
+                          }
                         } else {
                           return {2, 2, 64, 128, 0};  // SP
                         }
                       } else {
-                        return {2, 8, 8, 32, 0};  // SP
-                      }
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.255229949951172) {
-                    return {2, 8, 8, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 50.438472747802734) {
-                      if (x.avg <= 44.45482063293457) {
-                        return {2, 2, 64, 128, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 19.024842262268066) {
-                          if (x.log2_S <= 18.127553939819336) {
-                            return {2, 8, 8, 32, 0};  // SP
-                          } else {
-                            return {2, 2, 64, 128, 0};  // SP
-                          }
+                        if (x.log2_S <= 17.895158767700195) {
+                          return {4, 4, 64, 64, 0};  // SP
                         } else {
-                          return {2, 1, 64, 256, 0};  // SP
+                          if (x.avg <= 52.87253189086914) {
+                            return {2, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 18.863618850708008) {
-                        return {2, 8, 8, 32, 0};  // SP
+                      if (x.avg <= 58.15608024597168) {
+                        return {1, 2, 64, 128, 0};  // SP
                       } else {
                         return {2, 1, 64, 256, 0};  // SP
                       }
@@ -681,12 +721,12 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 19.695359230041504) {
-              if (x.avg <= 14.639011859893799) {
+            if (x.log2_S <= 20.630077362060547) {
+              if (x.avg <= 12.6615629196167) {
                 return {2, 1, 64, 256, 0};  // SP
               } else {
-                if (x.avg <= 39.14068412780762) {
-                  return {2, 2, 64, 128, 0};  // SP
+                if (x.avg <= 37.331092834472656) {
+                  return {1, 2, 64, 128, 0};  // SP
                 } else {
                   return {2, 1, 64, 256, 0};  // SP
                 }
@@ -696,25 +736,23 @@ inline Config plain_config(const Features& f) {
             }
           }
         } else {
-          if (x.log2_S <= 17.739794731140137) {
+          if (x.log2_S <= 17.914016723632812) {
             if (x.long_level <= 2.5) {
               if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.437458515167236) {
-                  if (x.log2_S <= 11.40260934829712) {
-                    return {2, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 6.0981645584106445) {
-                      if (x.log2_S <= 11.448862552642822) {
-                        if (x.avg <= 2.265407145023346) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 4, 0};  // SP
-                        }
+                if (x.log2_S <= 12.893598556518555) {
+                  if (x.avg <= 5.897993564605713) {
+                    if (x.log2_S <= 11.403351783752441) {
+                      if (x.avg <= 2.4186075925827026) {
+                        return {2, 32, 64, 4, 0};  // SP
                       } else {
-                        if (x.avg <= 5.718874216079712) {
-                          return {2, 16, 64, 4, 0};  // SP
+                        if (x.avg <= 3.316350221633911) {
+                          if (x.log2_S <= 9.826476573944092) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {2, 32, 64, 4, 0};  // SP
+                          }
                         } else {
-                          if (x.log2_S <= 11.868725776672363) {
+                          if (x.log2_S <= 11.150444984436035) {
                             return {2, 32, 64, 4, 0};  // SP
                           } else {
                             return {2, 16, 64, 4, 0};  // SP
@@ -722,29 +760,31 @@ inline Config plain_config(const Features& f) {
                         }
                       }
                     } else {
-                      return {2, 32, 64, 4, 0};  // SP
+                      if (x.log2_S <= 12.252623081207275) {
+                        if (x.log2_S <= 11.544192790985107) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
                     }
+                  } else {
+                    return {2, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 14.344097137451172) {
-                    if (x.log2_S <= 14.031276226043701) {
-                      if (x.log2_S <= 12.49198579788208) {
-                        if (x.avg <= 9.259546041488647) {
-                          return {2, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.avg <= 115.39345169067383) {
-                            return {2, 32, 64, 4, 0};  // SP
+                  if (x.log2_S <= 14.372570514678955) {
+                    if (x.log2_S <= 13.818939208984375) {
+                      return {2, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 33.97928237915039) {
+                        if (x.avg <= 5.910247325897217) {
+                          if (x.avg <= 2.5411311388015747) {
+                            return {1, 8, 8, 32, 1};  // SR
                           } else {
                             return {2, 16, 64, 4, 0};  // SP
                           }
-                        }
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 29.01933765411377) {
-                        if (x.avg <= 7.411951065063477) {
-                          return {2, 16, 64, 4, 0};  // SP
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
@@ -753,277 +793,241 @@ inline Config plain_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.avg <= 64.22932052612305) {
-                      if (x.log2_S <= 17.68467426300049) {
-                        if (x.log2_S <= 14.580893516540527) {
-                          if (x.avg <= 34.90496253967285) {
-                            return {1, 2, 8, 128, 1};  // SR
+                    if (x.avg <= 84.54297637939453) {
+                      if (x.avg <= 2.769082546234131) {
+                        if (x.log2_S <= 16.427017211914062) {
+                          if (x.log2_S <= 14.541395664215088) {
+                            return {1, 8, 8, 32, 1};  // SR
                           } else {
-                            return {2, 16, 64, 4, 0};  // SP
+                            return {1, 2, 8, 128, 1};  // SR
                           }
                         } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 3.9943292140960693) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.avg <= 8.440531969070435) {
-                            return {2, 32, 8, 2, 32};  // PR
+                          if (x.log2_S <= 17.18323516845703) {
+                            return {4, 2, 8, 128, 1};  // SR
                           } else {
-                            if (x.avg <= 43.71285820007324) {
+                            if (x.log2_S <= 17.824787139892578) {
                               return {1, 2, 8, 128, 1};  // SR
                             } else {
                               return {2, 32, 8, 2, 32};  // PR
                             }
                           }
                         }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 15.828270435333252) {
-                        if (x.avg <= 84.11907577514648) {
-                          if (x.log2_S <= 15.26029109954834) {
-                            return {2, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 16, 64, 4, 0};  // SP
-                        }
+                      if (x.log2_S <= 15.704831600189209) {
+                        return {2, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 17.58590793609619) {
-                          if (x.log2_S <= 16.03255844116211) {
-                            if (x.avg <= 136.35095977783203) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 117.99972915649414) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        }
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                return {1, 2, 8, 128, 1};  // SR
-              }
-            } else {
-              if (x.avg <= 18.698617935180664) {
-                if (x.avg <= 12.177832126617432) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.log2_S <= 15.85951280593872) {
-                    if (x.log2_S <= 11.238418102264404) {
-                      if (x.avg <= 15.292375087738037) {
-                        return {2, 32, 8, 2, 32};  // PR
+                if (x.avg <= 10.009583473205566) {
+                  if (x.log2_S <= 11.336890697479248) {
+                    if (x.avg <= 7.316174745559692) {
+                      if (x.log2_S <= 11.10739803314209) {
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
-                        return {2, 32, 8, 2, 16};  // PR
+                        if (x.avg <= 3.1202436685562134) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 10.048469543457031) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.61702537536621) {
+                      if (x.log2_S <= 11.437802791595459) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.161993026733398) {
+                          if (x.avg <= 6.881588697433472) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
                       }
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
                     }
-                  } else {
-                    return {2, 32, 8, 2, 16};  // PR
-                  }
-                }
-              } else {
-                if (x.avg <= 19.6519136428833) {
-                  if (x.avg <= 19.613811492919922) {
-                    return {2, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
                   }
                 } else {
+                  return {1, 2, 8, 128, 1};  // SR
+                }
+              }
+            } else {
+              if (x.log2_S <= 11.502542495727539) {
+                if (x.avg <= 21.632758140563965) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
                   return {2, 32, 8, 2, 16};  // PR
+                }
+              } else {
+                if (x.log2_S <= 16.357964515686035) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.avg <= 14.981778144836426) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 16};  // PR
+                  }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 20.89542293548584) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 18.240565299987793) {
-                  if (x.avg <= 3.9631072282791138) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
+            if (x.avg <= 3.5428659915924072) {
+              if (x.avg <= 2.902186393737793) {
+                return {2, 32, 8, 2, 32};  // PR
+              } else {
+                if (x.long_level <= 2.5) {
+                  if (x.long_level <= 1.5) {
                     return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 16};  // PR
                   }
                 } else {
                   return {2, 32, 8, 2, 32};  // PR
                 }
-              } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 14.4995698928833) {
-                    if (x.log2_S <= 18.86092758178711) {
-                      if (x.log2_S <= 18.064128875732422) {
-                        if (x.avg <= 6.814433574676514) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 18.603315353393555) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.avg <= 3.8200143575668335) {
-                            return {2, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 8.372011184692383) {
-                        return {2, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.log2_S <= 19.581887245178223) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {2, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 18.25035572052002) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.avg <= 15.595589637756348) {
-                        if (x.log2_S <= 20.3607759475708) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {2, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 10.261304378509521) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.avg <= 11.397095203399658) {
-                      if (x.log2_S <= 18.39410400390625) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                }
               }
             } else {
-              if (x.long_level <= 2.5) {
-                if (x.avg <= 29.46714973449707) {
-                  if (x.avg <= 4.032902717590332) {
-                    if (x.long_level <= 1.5) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 21.48935031890869) {
-                      if (x.avg <= 20.85219097137451) {
-                        if (x.log2_S <= 20.908698081970215) {
-                          if (x.log2_S <= 20.902310371398926) {
-                            return {2, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {2, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 21.04275131225586) {
-                            return {2, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {2, 32, 8, 2, 16};  // PR
-                          }
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 21.816155433654785) {
-                      if (x.avg <= 80.6663818359375) {
-                        if (x.log2_S <= 21.308664321899414) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {2, 32, 8, 2, 16};  // PR
-                        }
+              if (x.log2_S <= 21.244566917419434) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 18.195720672607422) {
+                    if (x.avg <= 16.176100254058838) {
+                      if (x.long_level <= 1.5) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
                       }
                     } else {
-                      return {2, 32, 8, 2, 16};  // PR
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 38.93340873718262) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
                     }
                   } else {
+                    if (x.log2_S <= 20.899781227111816) {
+                      if (x.avg <= 10.302451610565186) {
+                        if (x.long_level <= 1.5) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.log2_S <= 20.244322776794434) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 18.50374984741211) {
+                          if (x.long_level <= 1.5) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            if (x.avg <= 28.408982276916504) {
+                              return {2, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 22.046716690063477) {
+                        return {2, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 10.376914501190186) {
                     return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 20.205357551574707) {
+                      if (x.avg <= 11.96162748336792) {
+                        if (x.log2_S <= 19.01656723022461) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      if (x.avg <= 26.292963981628418) {
+                        return {2, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 32, 4, 16};  // PR
+                      }
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 22.804521560668945) {
-                  if (x.avg <= 14.28874921798706) {
-                    if (x.avg <= 10.275304317474365) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.log2_S <= 21.954461097717285) {
+                if (x.long_level <= 2.5) {
+                  if (x.avg <= 98.82161331176758) {
+                    if (x.log2_S <= 22.14925765991211) {
+                      if (x.avg <= 27.721776008605957) {
                         return {2, 32, 8, 2, 16};  // PR
                       } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 18.344639778137207) {
-                      if (x.log2_S <= 22.32002544403076) {
-                        return {2, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 25.80297565460205) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.avg <= 36.947126388549805) {
-                      if (x.avg <= 29.592195510864258) {
-                        if (x.log2_S <= 23.249327659606934) {
+                        if (x.long_level <= 1.5) {
                           return {2, 32, 8, 2, 16};  // PR
                         } else {
                           return {2, 32, 8, 2, 32};  // PR
                         }
-                      } else {
-                        if (x.avg <= 36.76846122741699) {
-                          return {2, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      if (x.avg <= 3.7298998832702637) {
+                        if (x.long_level <= 1.5) {
+                          return {2, 32, 8, 2, 32};  // PR
                         } else {
-                          if (x.log2_S <= 23.999242782592773) {
-                            return {2, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
+                          return {2, 32, 8, 2, 16};  // PR
                         }
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 21.679994583129883) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
                       }
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
                     }
+                  }
+                } else {
+                  if (x.avg <= 18.597692489624023) {
+                    if (x.log2_S <= 21.659153938293457) {
+                      if (x.avg <= 11.756778240203857) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {4, 32, 32, 4, 16};  // PR
                   }
                 }
               }
@@ -1033,485 +1037,477 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 19.45934772491455) {
-            if (x.avg <= 6.91841197013855) {
-              if (x.log2_S <= 15.752349853515625) {
-                if (x.log2_S <= 12.062119483947754) {
-                  if (x.avg <= 3.390712857246399) {
-                    if (x.log2_S <= 11.979692459106445) {
+        if (x.log2_S <= 17.881361961364746) {
+          if (x.long_level <= 2.5) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 12.964734554290771) {
+                if (x.log2_S <= 9.883882999420166) {
+                  if (x.avg <= 3.50905978679657) {
+                    if (x.avg <= 1.5882714986801147) {
                       return {1, 32, 8, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 1.7101340293884277) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {1, 32, 8, 2, 0};  // SP
-                      }
+                      return {4, 8, 32, 32, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 9.426547527313232) {
-                      if (x.avg <= 3.9347034692764282) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {2, 64, 32, 1, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 10.153247833251953) {
-                        if (x.avg <= 3.838648557662964) {
-                          return {1, 32, 8, 2, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 11.681666851043701) {
-                          if (x.avg <= 6.419171571731567) {
-                            return {1, 32, 8, 2, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      }
-                    }
+                    return {1, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 1.4174115657806396) {
-                    if (x.log2_S <= 13.480335712432861) {
-                      return {4, 16, 64, 4, 0};  // SP
+                  if (x.avg <= 1.5079777240753174) {
+                    if (x.log2_S <= 10.9331374168396) {
+                      return {1, 32, 8, 2, 0};  // SP
                     } else {
-                      return {4, 4, 64, 64, 0};  // SP
+                      return {4, 8, 64, 32, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 15.592973232269287) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.avg <= 4.643115282058716) {
-                        return {4, 1, 64, 256, 0};  // SP
+                    if (x.avg <= 3.3567957878112793) {
+                      if (x.log2_S <= 11.020455360412598) {
+                        if (x.log2_S <= 10.399917125701904) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {1, 32, 8, 2, 0};  // SP
+                        }
                       } else {
-                        return {4, 4, 64, 64, 0};  // SP
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.773966312408447) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        if (x.avg <= 13.817785263061523) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 8, 32, 32, 0};  // SP
+                        }
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 5.127340316772461) {
-                  return {4, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 16.80548095703125) {
-                    return {4, 4, 64, 64, 0};  // SP
+                if (x.avg <= 7.544110059738159) {
+                  if (x.log2_S <= 15.232805728912354) {
+                    if (x.avg <= 1.51364666223526) {
+                      if (x.log2_S <= 14.262760639190674) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 15.073883056640625) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
                   } else {
-                    return {4, 1, 64, 256, 0};  // SP
+                    if (x.log2_S <= 17.67301654815674) {
+                      return {4, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.avg <= 3.313328981399536) {
+                        return {4, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 53.544546127319336) {
+                    if (x.log2_S <= 13.496452808380127) {
+                      if (x.avg <= 19.80793571472168) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 17.056538581848145) {
+                      if (x.log2_S <= 14.289738178253174) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 8.886003017425537) {
-                if (x.avg <= 24.68556022644043) {
-                  if (x.avg <= 15.366736888885498) {
-                    return {4, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.avg <= 19.422463417053223) {
-                      return {4, 4, 64, 64, 0};  // SP
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 11.671850681304932) {
+                  if (x.avg <= 5.641496181488037) {
+                    if (x.avg <= 2.4827964305877686) {
+                      if (x.log2_S <= 11.226548671722412) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
                     } else {
-                      return {4, 1, 64, 256, 0};  // SP
+                      if (x.log2_S <= 11.092101097106934) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 3.962418556213379) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.048765182495117) {
+                      return {2, 64, 32, 1, 0};  // SP
+                    } else {
+                      if (x.avg <= 12.53445053100586) {
+                        return {2, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 64, 32, 1, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  return {4, 4, 64, 64, 0};  // SP
-                }
-              } else {
-                if (x.avg <= 55.73386764526367) {
-                  if (x.avg <= 33.11254692077637) {
-                    if (x.log2_S <= 19.042181968688965) {
-                      if (x.log2_S <= 9.0243821144104) {
-                        if (x.avg <= 12.872904300689697) {
-                          return {4, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 12.616827487945557) {
-                        return {4, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.79346752166748) {
-                      if (x.log2_S <= 10.435291290283203) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.232913970947266) {
-                          return {1, 32, 8, 2, 0};  // SP
-                        } else {
+                  if (x.log2_S <= 16.26107120513916) {
+                    if (x.log2_S <= 14.372570514678955) {
+                      if (x.avg <= 8.15464162826538) {
+                        if (x.log2_S <= 14.083388328552246) {
                           return {4, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 48.95074653625488) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 15.47093677520752) {
-                          if (x.log2_S <= 13.027610778808594) {
-                            return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          if (x.avg <= 3.3839282989501953) {
+                            return {1, 4, 8, 64, 1};  // SR
                           } else {
-                            if (x.avg <= 50.9320011138916) {
-                              return {4, 4, 64, 64, 0};  // SP
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 38.390174865722656) {
+                          if (x.log2_S <= 12.407503604888916) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.avg <= 11.969475269317627) {
+                              if (x.log2_S <= 13.176648139953613) {
+                                return {4, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
                             } else {
-                              return {4, 16, 64, 4, 0};  // SP
+                              return {1, 4, 8, 64, 1};  // SR
                             }
                           }
                         } else {
-                          return {4, 4, 64, 64, 0};  // SP
+                          if (x.log2_S <= 13.727976322174072) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.avg <= 120.1978759765625) {
+                              return {4, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 82.04820251464844) {
+                        if (x.avg <= 49.35844421386719) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.075379371643066) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.0704345703125) {
+                          if (x.log2_S <= 14.51923418045044) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 2.824172258377075) {
+                      if (x.log2_S <= 16.625411987304688) {
+                        if (x.log2_S <= 16.37094211578369) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 17.708681106567383) {
+                        if (x.log2_S <= 16.7064790725708) {
+                          if (x.avg <= 59.062368392944336) {
+                            if (x.avg <= 12.253422737121582) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 13.50805377960205) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.avg <= 105.53533554077148) {
+                            return {4, 32, 8, 1, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 15.399721145629883) {
+                  if (x.log2_S <= 14.34205961227417) {
+                    if (x.avg <= 5.687488079071045) {
+                      if (x.log2_S <= 11.567461967468262) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.587255001068115) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 25.089820861816406) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 15.088375091552734) {
+                        return {4, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.avg <= 37.2919340133667) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.123652458190918) {
-                    if (x.log2_S <= 10.777034759521484) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 15.205165386199951) {
-                        return {4, 16, 64, 4, 0};  // SP
+                  if (x.avg <= 113.53660583496094) {
+                    if (x.log2_S <= 15.514732360839844) {
+                      if (x.avg <= 9.842499732971191) {
+                        return {4, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.avg <= 59.031005859375) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
+                        return {4, 32, 8, 2, 16};  // PR
                       }
+                    } else {
+                      return {4, 32, 8, 1, 16};  // PR
                     }
                   } else {
-                    if (x.avg <= 63.96506881713867) {
-                      return {4, 4, 64, 64, 0};  // SP
+                    if (x.log2_S <= 17.412531852722168) {
+                      if (x.log2_S <= 15.850231170654297) {
+                        if (x.log2_S <= 15.555214881896973) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
                     } else {
-                      return {4, 16, 64, 4, 0};  // SP
+                      return {4, 32, 8, 1, 16};  // PR
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 19.81930160522461) {
-              if (x.avg <= 17.99079132080078) {
-                return {4, 1, 64, 256, 0};  // SP
-              } else {
-                if (x.log2_S <= 19.681370735168457) {
-                  return {4, 4, 64, 64, 0};  // SP
+            if (x.log2_S <= 13.678268909454346) {
+              if (x.avg <= 18.65763282775879) {
+                if (x.avg <= 3.1215537786483765) {
+                  return {4, 32, 8, 2, 32};  // PR
                 } else {
-                  if (x.avg <= 41.47011470794678) {
-                    return {4, 1, 64, 256, 0};  // SP
+                  if (x.log2_S <= 13.44768762588501) {
+                    return {2, 32, 8, 2, 16};  // PR
                   } else {
-                    return {4, 4, 64, 64, 0};  // SP
+                    if (x.avg <= 11.894172191619873) {
+                      return {2, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 11.682033061981201) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.log2_S <= 11.943673610687256) {
+                    return {2, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 }
               }
             } else {
-              if (x.avg <= 61.59792900085449) {
-                return {4, 1, 64, 256, 0};  // SP
+              if (x.log2_S <= 15.782249927520752) {
+                return {4, 32, 8, 2, 32};  // PR
               } else {
-                if (x.log2_S <= 20.445063591003418) {
-                  return {4, 4, 64, 64, 0};  // SP
+                if (x.avg <= 9.77008581161499) {
+                  return {4, 32, 8, 2, 32};  // PR
                 } else {
-                  return {4, 1, 64, 256, 0};  // SP
+                  if (x.log2_S <= 16.79032611846924) {
+                    if (x.avg <= 25.113719940185547) {
+                      if (x.log2_S <= 16.599040031433105) {
+                        if (x.log2_S <= 16.362852096557617) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    return {4, 32, 8, 1, 16};  // PR
+                  }
                 }
               }
             }
           }
         } else {
-          if (x.log2_S <= 18.31303596496582) {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 14.546009063720703) {
-                  if (x.log2_S <= 12.21827507019043) {
-                    if (x.avg <= 8.846442699432373) {
-                      if (x.log2_S <= 11.081765174865723) {
-                        if (x.log2_S <= 11.05129623413086) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 6.226741313934326) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {2, 64, 32, 1, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.19379711151123) {
-                          if (x.avg <= 1.51808500289917) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {2, 64, 32, 1, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.134958267211914) {
-                        if (x.avg <= 9.690617084503174) {
-                          if (x.log2_S <= 11.888134002685547) {
-                            if (x.log2_S <= 10.4751615524292) {
-                              if (x.log2_S <= 9.331483840942383) {
-                                return {2, 64, 32, 1, 0};  // SP
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            } else {
-                              return {2, 64, 32, 1, 0};  // SP
-                            }
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {2, 64, 32, 1, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 50.65034866333008) {
-                          if (x.avg <= 14.986687183380127) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {2, 64, 32, 1, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.088158130645752) {
-                      if (x.log2_S <= 12.408873081207275) {
-                        if (x.avg <= 90.75270462036133) {
-                          if (x.avg <= 17.85761594772339) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.avg <= 40.415283203125) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {2, 64, 32, 1, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 29.00579261779785) {
-                        if (x.avg <= 3.6275027990341187) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 15.724899768829346) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
+          if (x.long_level <= 0.5) {
+            if (x.avg <= 11.884605884552002) {
+              if (x.log2_S <= 19.558770179748535) {
+                if (x.avg <= 6.8146812915802) {
+                  return {4, 1, 64, 256, 0};  // SP
                 } else {
-                  if (x.avg <= 74.05924987792969) {
-                    if (x.log2_S <= 18.104363441467285) {
-                      if (x.avg <= 41.53395652770996) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.042769432067871) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 28.498483657836914) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 1, 16};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.787775993347168) {
-                      return {4, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 17.79843044281006) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 109.59801483154297) {
-                          if (x.log2_S <= 17.9190616607666) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 1, 16};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  }
+                  return {4, 2, 64, 128, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 15.794783592224121) {
-                  if (x.log2_S <= 14.34205961227417) {
-                    return {1, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.avg <= 29.465378761291504) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 15.346286296844482) {
-                        if (x.log2_S <= 15.193814277648926) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.avg <= 62.455514907836914) {
-                            return {4, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {4, 32, 8, 1, 16};  // PR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 36.7265567779541) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 1, 16};  // PR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 16.30832004547119) {
-                    if (x.avg <= 25.64435386657715) {
-                      if (x.avg <= 4.4436798095703125) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        if (x.log2_S <= 16.24551773071289) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 8.33683705329895) {
-                            return {4, 32, 8, 1, 16};  // PR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 1, 16};  // PR
-                  }
-                }
+                return {4, 1, 64, 256, 0};  // SP
               }
             } else {
-              if (x.avg <= 9.688128471374512) {
-                return {4, 32, 8, 2, 32};  // PR
+              if (x.log2_S <= 18.359553337097168) {
+                if (x.avg <= 15.240155696868896) {
+                  return {4, 2, 64, 128, 0};  // SP
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
               } else {
-                return {4, 32, 8, 1, 16};  // PR
+                return {4, 2, 64, 128, 0};  // SP
               }
             }
           } else {
-            if (x.avg <= 16.971003532409668) {
-              if (x.log2_S <= 19.472347259521484) {
-                if (x.avg <= 6.7403404712677) {
-                  if (x.avg <= 3.508918523788452) {
-                    return {4, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 19.30467987060547) {
-                        if (x.log2_S <= 18.3883638381958) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 1, 16};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 18.326995849609375) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
+            if (x.log2_S <= 21.42134666442871) {
+              if (x.avg <= 10.387816905975342) {
+                if (x.avg <= 3.830275297164917) {
+                  return {4, 32, 8, 2, 32};  // PR
                 } else {
                   if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 18.591997146606445) {
-                      if (x.avg <= 7.325523853302002) {
-                        return {4, 32, 8, 1, 16};  // PR
+                    if (x.log2_S <= 20.827454566955566) {
+                      if (x.avg <= 4.433852434158325) {
+                        return {4, 32, 8, 2, 16};  // PR
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
+                        return {4, 32, 8, 1, 16};  // PR
                       }
                     } else {
-                      if (x.log2_S <= 19.46431064605713) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
+                      return {4, 32, 8, 2, 32};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 18.727407455444336) {
-                      if (x.avg <= 7.641468048095703) {
-                        if (x.log2_S <= 18.555028915405273) {
-                          return {4, 32, 8, 1, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
+                    if (x.log2_S <= 18.216221809387207) {
+                      if (x.long_level <= 2.5) {
                         return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
                       }
                     } else {
-                      if (x.long_level <= 2.5) {
-                        return {4, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.avg <= 9.422406673431396) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 1, 16};  // PR
-                        }
-                      }
+                      return {4, 32, 8, 2, 32};  // PR
                     }
                   }
                 }
               } else {
-                if (x.avg <= 9.996278762817383) {
-                  return {4, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.long_level <= 2.5) {
-                    return {4, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 21.954461097717285) {
-                      return {4, 32, 8, 1, 16};  // PR
+                if (x.long_level <= 2.5) {
+                  if (x.avg <= 22.896693229675293) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 20.778677940368652) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        if (x.log2_S <= 20.8914155960083) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
                     } else {
-                      return {4, 32, 8, 2, 32};  // PR
+                      if (x.log2_S <= 18.529708862304688) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 20.361831665039062) {
+                      if (x.log2_S <= 19.680203437805176) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 67.34854507446289) {
+                            return {4, 32, 8, 1, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 81.3810920715332) {
+                          if (x.log2_S <= 20.89667797088623) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 18.950336456298828) {
+                    return {4, 32, 8, 1, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 19.29701805114746) {
+                      if (x.avg <= 50.75087547302246) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   }
                 }
               }
             } else {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 19.396865844726562) {
-                  if (x.avg <= 212.1410903930664) {
-                    if (x.avg <= 19.53421401977539) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 19.37479591369629) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        if (x.log2_S <= 19.381439208984375) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 1, 16};  // PR
-                        }
-                      }
-                    }
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 21.5687894821167) {
+                  if (x.avg <= 24.889527320861816) {
+                    return {4, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.log2_S <= 18.511631965637207) {
+                    if (x.long_level <= 1.5) {
                       return {4, 32, 8, 2, 32};  // PR
                     } else {
                       return {4, 32, 8, 1, 16};  // PR
@@ -1521,17 +1517,21 @@ inline Config plain_config(const Features& f) {
                   return {4, 32, 8, 2, 32};  // PR
                 }
               } else {
-                if (x.log2_S <= 22.444969177246094) {
-                  if (x.avg <= 17.085515022277832) {
-                    return {4, 32, 8, 2, 32};  // PR
+                if (x.avg <= 26.804357528686523) {
+                  if (x.log2_S <= 22.07147216796875) {
+                    if (x.avg <= 11.124486923217773) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
                   } else {
-                    return {4, 32, 8, 1, 16};  // PR
+                    return {4, 32, 8, 2, 32};  // PR
                   }
                 } else {
-                  if (x.long_level <= 2.5) {
-                    return {4, 32, 8, 1, 16};  // PR
+                  if (x.log2_S <= 22.110770225524902) {
+                    return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    return {4, 32, 8, 2, 32};  // PR
+                    return {4, 32, 32, 4, 16};  // PR
                   }
                 }
               }
@@ -1539,127 +1539,207 @@ inline Config plain_config(const Features& f) {
           }
         }
       } else {
-        if (x.long_level <= 2.5) {
-          if (x.log2_S <= 15.091544151306152) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 9.898620128631592) {
-                if (x.avg <= 2.3719735145568848) {
-                  if (x.log2_S <= 9.035197734832764) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {1, 32, 16, 8, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 3.161522150039673) {
-                    if (x.log2_S <= 9.508054256439209) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {1, 32, 16, 8, 0};  // SP
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                }
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 21.783984184265137) {
+            if (x.log2_S <= 9.86003589630127) {
+              if (x.avg <= 2.48992919921875) {
+                return {1, 32, 16, 8, 0};  // SP
               } else {
-                if (x.log2_S <= 13.147422313690186) {
-                  if (x.log2_S <= 9.92658281326294) {
-                    if (x.avg <= 3.6499500274658203) {
-                      return {1, 32, 16, 8, 0};  // SP
+                if (x.avg <= 37.26421546936035) {
+                  if (x.avg <= 3.007901430130005) {
+                    if (x.log2_S <= 9.292094707489014) {
+                      return {1, 1, 64, 256, 0};  // SP
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
+                      return {1, 32, 16, 8, 0};  // SP
                     }
                   } else {
-                    return {1, 32, 16, 8, 0};  // SP
+                    return {1, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 15.232119083404541) {
-                    if (x.log2_S <= 13.625394344329834) {
-                      if (x.avg <= 3.5510733127593994) {
-                        if (x.log2_S <= 13.594619274139404) {
-                          return {1, 32, 16, 8, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 22.768954277038574) {
-                      if (x.log2_S <= 14.472386837005615) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 13.587510108947754) {
-                        if (x.avg <= 48.651506423950195) {
-                          return {1, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {1, 32, 16, 8, 0};  // SP
-                        }
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  }
+                  return {1, 8, 64, 32, 0};  // SP
                 }
               }
             } else {
-              if (x.log2_S <= 13.436888217926025) {
-                if (x.avg <= 4.099085569381714) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 2.3062955141067505) {
-                      if (x.log2_S <= 12.1826491355896) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.33073377609253) {
-                          if (x.avg <= 1.5682463645935059) {
-                            return {1, 8, 8, 32, 1};  // SR
+              if (x.avg <= 3.2730085849761963) {
+                if (x.log2_S <= 13.09103536605835) {
+                  if (x.avg <= 1.3317516446113586) {
+                    if (x.log2_S <= 10.637694835662842) {
+                      return {1, 32, 16, 8, 0};  // SP
+                    } else {
+                      return {2, 32, 16, 4, 0};  // SP
+                    }
+                  } else {
+                    return {1, 32, 16, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 18.647184371948242) {
+                    if (x.log2_S <= 13.817052364349365) {
+                      if (x.avg <= 2.0018035769462585) {
+                        if (x.log2_S <= 13.349248886108398) {
+                          if (x.avg <= 1.3498886823654175) {
+                            return {2, 32, 16, 4, 0};  // SP
                           } else {
-                            return {1, 16, 8, 8, 1};  // SR
+                            return {1, 32, 16, 8, 0};  // SP
                           }
                         } else {
-                          return {1, 16, 8, 8, 1};  // SR
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 2.512343168258667) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 20.08962345123291) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 33.822696685791016) {
+                  if (x.log2_S <= 11.09835147857666) {
+                    if (x.avg <= 11.247023105621338) {
+                      if (x.avg <= 3.653706431388855) {
+                        return {1, 32, 16, 8, 0};  // SP
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 21.485383987426758) {
+                      if (x.avg <= 18.00464630126953) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 17.183086395263672) {
+                          if (x.log2_S <= 15.462331295013428) {
+                            return {1, 8, 64, 32, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 15.91981554031372) {
+                              return {1, 16, 64, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 16.924612045288086) {
+                                return {1, 16, 64, 4, 0};  // SP
+                              } else {
+                                if (x.avg <= 27.442766189575195) {
+                                  return {1, 8, 64, 32, 0};  // SP
+                                } else {
+                                  return {1, 16, 64, 4, 0};  // SP
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.avg <= 3.665197730064392) {
-                        if (x.log2_S <= 13.300399780273438) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
+                      if (x.avg <= 6.914641380310059) {
+                        return {1, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 10.585516929626465) {
-                          if (x.log2_S <= 9.225717067718506) {
-                            return {1, 8, 8, 32, 1};  // SR
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.724278450012207) {
+                    if (x.log2_S <= 13.060410976409912) {
+                      if (x.avg <= 55.633853912353516) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.54237413406372) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 32, 16, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.788236141204834) {
+                        if (x.avg <= 41.42141532897949) {
+                          if (x.log2_S <= 14.560311794281006) {
+                            return {1, 8, 64, 32, 0};  // SP
                           } else {
-                            return {1, 16, 8, 8, 1};  // SR
+                            return {1, 16, 64, 8, 0};  // SP
                           }
                         } else {
-                          return {1, 8, 8, 32, 1};  // SR
+                          return {1, 16, 64, 8, 0};  // SP
                         }
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
                       }
                     }
                   } else {
-                    return {1, 8, 8, 32, 1};  // SR
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 40.71677780151367) {
+              if (x.log2_S <= 21.887723922729492) {
+                if (x.avg <= 9.457866191864014) {
+                  return {1, 8, 16, 32, 1};  // SR
+                } else {
+                  return {1, 8, 64, 32, 0};  // SP
+                }
+              } else {
+                return {1, 8, 16, 32, 1};  // SR
+              }
+            } else {
+              return {1, 8, 64, 32, 0};  // SP
+            }
+          }
+        } else {
+          if (x.log2_S <= 14.994062423706055) {
+            if (x.long_level <= 2.5) {
+              if (x.avg <= 4.213947772979736) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 11.863130569458008) {
+                    if (x.log2_S <= 11.614769458770752) {
+                      return {2, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 2.33333683013916) {
+                        return {2, 32, 8, 8, 1};  // SR
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.279910564422607) {
+                      if (x.avg <= 3.4352571964263916) {
+                        if (x.avg <= 2.6279927492141724) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.417183876037598) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
                   }
                 } else {
                   return {1, 8, 8, 32, 1};  // SR
                 }
               } else {
-                if (x.avg <= 36.19335174560547) {
-                  if (x.avg <= 25.697794914245605) {
-                    if (x.avg <= 2.6652897596359253) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.378964900970459) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
+                if (x.log2_S <= 13.9549560546875) {
+                  if (x.avg <= 4.665454387664795) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 11.146194458007812) {
+                        return {2, 32, 8, 8, 1};  // SR
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
@@ -1667,10 +1747,10 @@ inline Config plain_config(const Features& f) {
                       return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 14.073206901550293) {
+                    if (x.log2_S <= 13.836602210998535) {
                       return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.long_level <= 1.5) {
+                      if (x.avg <= 131.24454879760742) {
                         return {1, 8, 8, 32, 1};  // SR
                       } else {
                         return {1, 8, 16, 32, 1};  // SR
@@ -1678,370 +1758,294 @@ inline Config plain_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.55183219909668) {
+                  if (x.avg <= 26.435909271240234) {
                     if (x.long_level <= 1.5) {
-                      if (x.avg <= 116.04813003540039) {
-                        if (x.log2_S <= 14.089742183685303) {
-                          if (x.avg <= 84.09642791748047) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 13.56425666809082) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 13.651847839355469) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 16, 64, 8, 0};  // SP
-                        }
-                      }
+                      return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 37.91440773010254) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.737962245941162) {
-                          if (x.avg <= 96.69417953491211) {
+                      if (x.log2_S <= 14.735995292663574) {
+                        if (x.avg <= 17.31080150604248) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.415383338928223) {
                             return {1, 8, 8, 32, 1};  // SR
                           } else {
                             return {1, 8, 16, 32, 1};  // SR
                           }
+                        }
+                      } else {
+                        if (x.avg <= 8.312241077423096) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 14.694602489471436) {
-                        if (x.avg <= 114.27850723266602) {
-                          return {1, 8, 16, 32, 1};  // SR
+                    if (x.avg <= 113.48462295532227) {
+                      if (x.log2_S <= 14.113471031188965) {
+                        if (x.avg <= 73.46380615234375) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          return {1, 16, 64, 8, 0};  // SP
+                          return {1, 8, 16, 32, 1};  // SR
                         }
                       } else {
-                        return {1, 8, 16, 32, 1};  // SR
+                        if (x.log2_S <= 14.791149616241455) {
+                          if (x.avg <= 37.82221603393555) {
+                            if (x.long_level <= 1.5) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            if (x.avg <= 34.10333251953125) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 45.268606185913086) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        }
                       }
                     } else {
-                      if (x.avg <= 61.935401916503906) {
-                        if (x.log2_S <= 14.839963436126709) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 14.851588249206543) {
+                          if (x.log2_S <= 14.087857246398926) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 16, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.778278827667236) {
                           return {1, 8, 16, 32, 1};  // SR
                         } else {
                           return {1, 8, 32, 32, 1};  // SR
                         }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
                       }
                     }
                   }
+                }
+              }
+            } else {
+              if (x.log2_S <= 14.249477863311768) {
+                if (x.log2_S <= 11.91784143447876) {
+                  if (x.log2_S <= 10.744839668273926) {
+                    return {1, 8, 32, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 24.158241271972656) {
+                      if (x.avg <= 8.53078317642212) {
+                        return {4, 32, 8, 2, 8};  // PR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {1, 8, 32, 32, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 14.341620445251465) {
+                  if (x.avg <= 2.432741701602936) {
+                    return {1, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {1, 8, 64, 32, 1};  // SR
+                  }
+                } else {
+                  return {1, 8, 64, 32, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 21.45588207244873) {
-                if (x.avg <= 16.832098960876465) {
-                  if (x.log2_S <= 19.104455947875977) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 3.127982497215271) {
-                      if (x.avg <= 2.488408923149109) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 19.953327178955078) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 21.227317810058594) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 8.337637424468994) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.3019962310791) {
-                    return {1, 16, 64, 8, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 17.721853256225586) {
-                      if (x.avg <= 32.39768695831299) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 21.78268337249756) {
-                  if (x.avg <= 10.666533946990967) {
-                    return {1, 8, 16, 32, 1};  // SR
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  return {1, 8, 16, 32, 1};  // SR
-                }
-              }
-            } else {
-              if (x.log2_S <= 20.37835693359375) {
-                if (x.avg <= 35.058523178100586) {
-                  if (x.log2_S <= 16.1268367767334) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 24.292658805847168) {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 20.737235069274902) {
+                if (x.avg <= 26.120511054992676) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 16.21579933166504) {
+                      if (x.avg <= 20.536108016967773) {
                         return {1, 8, 8, 32, 1};  // SR
                       } else {
                         return {1, 8, 16, 32, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 29.5928316116333) {
-                        if (x.log2_S <= 15.236502170562744) {
-                          if (x.avg <= 3.716120481491089) {
-                            return {1, 8, 16, 32, 1};  // SR
+                      if (x.log2_S <= 19.15196990966797) {
+                        if (x.log2_S <= 16.93062400817871) {
+                          if (x.avg <= 2.7383419275283813) {
+                            return {1, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.avg <= 13.010103225708008) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
+                            return {1, 8, 16, 32, 1};  // SR
                           }
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
                         }
                       } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 19.076727867126465) {
-                      if (x.log2_S <= 17.044511795043945) {
-                        if (x.avg <= 2.9235262870788574) {
-                          if (x.long_level <= 1.5) {
-                            if (x.avg <= 2.7383419275283813) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 16.59059429168701) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 28.459752082824707) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 25.42389488220215) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 18.01901149749756) {
-                              return {1, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 19.550565719604492) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 3.211535930633545) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 19.11385154724121) {
-                              if (x.avg <= 16.3031644821167) {
-                                return {1, 8, 32, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 34.6759147644043) {
+                        if (x.avg <= 3.7082124948501587) {
                           return {1, 8, 16, 32, 1};  // SR
                         } else {
                           return {1, 8, 32, 32, 1};  // SR
                         }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 23.965539932250977) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 17.623626708984375) {
+                        if (x.log2_S <= 15.668292045593262) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
                   if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 19.047797203063965) {
+                    if (x.log2_S <= 19.03758430480957) {
                       return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 19.470367431640625) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 20.161187171936035) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {1, 8, 32, 32, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 20.893310546875) {
-                    if (x.avg <= 3.5745803117752075) {
-                      if (x.avg <= 2.835017681121826) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 20.656587600708008) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      }
                     } else {
                       return {1, 8, 32, 32, 1};  // SR
                     }
                   } else {
-                    return {1, 8, 32, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 22.134533882141113) {
-                    if (x.log2_S <= 22.135650634765625) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 3.3661820888519287) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 7.102213144302368) {
-                          return {1, 8, 32, 32, 1};  // SR
+                    if (x.log2_S <= 18.428793907165527) {
+                      if (x.avg <= 31.87532138824463) {
+                        if (x.log2_S <= 15.325493812561035) {
+                          return {1, 8, 16, 32, 1};  // SR
                         } else {
-                          if (x.avg <= 17.829033851623535) {
+                          if (x.log2_S <= 17.654531478881836) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 19.374655723571777) {
+                        if (x.log2_S <= 18.631938934326172) {
+                          if (x.avg <= 34.993730545043945) {
                             return {1, 8, 16, 32, 1};  // SR
                           } else {
                             return {1, 8, 32, 32, 1};  // SR
                           }
+                        } else {
+                          if (x.log2_S <= 19.187750816345215) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 118.3869400024414) {
+                              if (x.avg <= 54.63328742980957) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 32, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 45.62483787536621) {
+                          if (x.log2_S <= 20.1718807220459) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 34.003923416137695) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
                         }
                       }
                     }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 21.327170372009277) {
+                  if (x.avg <= 2.9033870697021484) {
+                    return {1, 8, 16, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 32.303948402404785) {
-                      if (x.log2_S <= 21.0273380279541) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
+                    if (x.avg <= 24.639248847961426) {
+                      if (x.long_level <= 1.5) {
                         return {1, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 6.352719306945801) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
                       }
                     } else {
                       return {1, 8, 32, 32, 1};  // SR
                     }
                   }
-                }
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 21.20125961303711) {
-            if (x.avg <= 9.249909400939941) {
-              if (x.log2_S <= 14.154649257659912) {
-                if (x.log2_S <= 13.682903289794922) {
+                } else {
                   return {1, 8, 32, 32, 1};  // SR
-                } else {
-                  if (x.avg <= 2.9041385650634766) {
-                    return {1, 8, 32, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 4.11556077003479) {
-                      return {1, 8, 64, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 6.912963390350342) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 18.183741569519043) {
-                  if (x.log2_S <= 16.023645401000977) {
-                    return {1, 8, 64, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 3.7961536645889282) {
-                      if (x.log2_S <= 16.976365089416504) {
-                        if (x.log2_S <= 16.575340270996094) {
-                          return {1, 8, 64, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 2.3844783306121826) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 6.388164758682251) {
-                        if (x.log2_S <= 17.368433952331543) {
-                          return {1, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 4.381747484207153) {
-                            return {1, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  return {1, 8, 64, 32, 1};  // SR
                 }
               }
             } else {
-              if (x.avg <= 9.939945220947266) {
-                if (x.avg <= 9.836280822753906) {
-                  return {1, 8, 32, 32, 1};  // SR
+              if (x.avg <= 10.349481105804443) {
+                if (x.log2_S <= 17.26536750793457) {
+                  if (x.log2_S <= 16.291112899780273) {
+                    return {1, 8, 64, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 6.702352285385132) {
+                      if (x.log2_S <= 16.999971389770508) {
+                        return {1, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 3.782364845275879) {
+                          return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  }
                 } else {
-                  return {1, 8, 64, 32, 1};  // SR
+                  if (x.avg <= 9.458786487579346) {
+                    return {1, 8, 64, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 21.56197452545166) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  }
                 }
               } else {
-                return {1, 8, 32, 32, 1};  // SR
+                if (x.log2_S <= 17.40487003326416) {
+                  if (x.log2_S <= 17.154797554016113) {
+                    return {1, 8, 64, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 31.55638599395752) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {1, 8, 32, 32, 1};  // SR
+                }
               }
             }
-          } else {
-            return {1, 8, 64, 32, 1};  // SR
           }
         }
       }
@@ -2050,374 +2054,410 @@ inline Config plain_config(const Features& f) {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
         if (x.long_level <= 2.5) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 18.133197784423828) {
-              if (x.log2_S <= 9.179908752441406) {
-                if (x.avg <= 3.6757893562316895) {
-                  if (x.avg <= 1.506810188293457) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    return {4, 8, 32, 32, 0};  // SP
-                  }
-                } else {
-                  return {4, 2, 64, 128, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 16.696833610534668) {
-                  if (x.avg <= 1.4611550569534302) {
-                    if (x.log2_S <= 13.311021327972412) {
-                      return {4, 32, 64, 4, 0};  // SP
+          if (x.log2_S <= 13.484045505523682) {
+            if (x.long_level <= 1.5) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 10.339276313781738) {
+                  if (x.avg <= 2.3779170513153076) {
+                    if (x.avg <= 1.7614761590957642) {
+                      if (x.log2_S <= 9.142541885375977) {
+                        if (x.avg <= 1.3848840594291687) {
+                          return {4, 32, 8, 2, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
                     } else {
-                      return {4, 8, 32, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 27.2808198928833) {
-                      if (x.log2_S <= 9.316481590270996) {
-                        if (x.avg <= 3.7957706451416016) {
+                      if (x.log2_S <= 9.287859439849854) {
+                        return {1, 32, 32, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 2.315405488014221) {
                           return {4, 8, 32, 32, 0};  // SP
                         } else {
-                          if (x.avg <= 7.663087844848633) {
-                            return {4, 2, 64, 128, 0};  // SP
+                          return {1, 32, 32, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 2.96834659576416) {
+                      if (x.log2_S <= 9.508054256439209) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 32, 32, 4, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.671469688415527) {
+                    if (x.avg <= 2.543162703514099) {
+                      if (x.avg <= 1.6740898489952087) {
+                        if (x.log2_S <= 10.563401222229004) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 1.5082613825798035) {
+                            return {4, 32, 8, 2, 0};  // SP
                           } else {
-                            if (x.log2_S <= 9.201536655426025) {
-                              return {4, 2, 64, 128, 0};  // SP
-                            } else {
-                              return {4, 8, 32, 32, 0};  // SP
-                            }
+                            return {2, 16, 64, 4, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.log2_S <= 16.26483917236328) {
-                          return {4, 8, 32, 32, 0};  // SP
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 10.458185195922852) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 1.6127192974090576) {
+                      if (x.avg <= 1.2604613900184631) {
+                        if (x.log2_S <= 12.10019588470459) {
+                          return {4, 32, 8, 2, 0};  // SP
                         } else {
-                          if (x.avg <= 5.296044826507568) {
-                            if (x.avg <= 3.5451139211654663) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 12.304218769073486) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 51.82130432128906) {
+                        if (x.avg <= 11.345945358276367) {
+                          if (x.avg <= 3.7967175245285034) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 12.541917324066162) {
+                              if (x.log2_S <= 11.898550033569336) {
+                                return {4, 32, 8, 2, 0};  // SP
+                              } else {
+                                return {4, 8, 32, 32, 0};  // SP
+                              }
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.879700660705566) {
+                            if (x.avg <= 28.043442726135254) {
                               return {4, 8, 32, 32, 0};  // SP
                             } else {
-                              return {4, 2, 64, 128, 0};  // SP
+                              return {2, 16, 64, 4, 0};  // SP
                             }
                           } else {
                             return {4, 8, 32, 32, 0};  // SP
                           }
                         }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 12.193607330322266) {
+                  if (x.avg <= 2.3062955141067505) {
+                    if (x.log2_S <= 11.263081550598145) {
+                      return {4, 64, 64, 1, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 12.33073377609253) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.930091381072998) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {1, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.126764297485352) {
+                      if (x.avg <= 9.864662647247314) {
+                        if (x.avg <= 4.351648330688477) {
+                          if (x.avg <= 3.007988691329956) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {1, 16, 8, 4, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 13.971045017242432) {
-                        if (x.log2_S <= 10.615572452545166) {
-                          return {4, 8, 32, 32, 0};  // SP
+                      if (x.log2_S <= 12.36487865447998) {
+                        if (x.avg <= 6.3027684688568115) {
+                          if (x.log2_S <= 11.20295238494873) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
                         } else {
-                          if (x.log2_S <= 13.613617420196533) {
-                            if (x.avg <= 32.16623878479004) {
-                              if (x.log2_S <= 11.838071823120117) {
-                                return {4, 32, 64, 4, 0};  // SP
-                              } else {
-                                if (x.log2_S <= 12.950697422027588) {
-                                  return {4, 8, 32, 32, 0};  // SP
-                                } else {
-                                  return {4, 32, 64, 4, 0};  // SP
-                                }
-                              }
+                          if (x.log2_S <= 11.883347511291504) {
+                            if (x.log2_S <= 11.211114883422852) {
+                              return {1, 16, 8, 4, 1};  // SR
                             } else {
-                              return {4, 32, 64, 4, 0};  // SP
+                              return {4, 64, 32, 1, 0};  // SP
                             }
                           } else {
-                            if (x.avg <= 60.072126388549805) {
-                              return {4, 8, 32, 32, 0};  // SP
+                            return {1, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 4.282203197479248) {
+                          if (x.log2_S <= 13.016412258148193) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 12.444494247436523) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 59.121450424194336) {
+                    if (x.log2_S <= 11.08731460571289) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.99281930923462) {
+                        if (x.log2_S <= 11.492871284484863) {
+                          if (x.avg <= 42.867454528808594) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 11.636101722717285) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.821985244750977) {
+                              return {4, 64, 32, 1, 0};  // SP
                             } else {
-                              return {4, 32, 64, 4, 0};  // SP
+                              if (x.avg <= 30.987092971801758) {
+                                return {1, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 64, 32, 1, 0};  // SP
+                              }
                             }
                           }
                         }
                       } else {
-                        if (x.avg <= 60.79114532470703) {
-                          return {4, 8, 32, 32, 0};  // SP
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.45517873764038) {
+                      if (x.log2_S <= 10.524930477142334) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.031561851501465) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.747972011566162) {
+                        if (x.log2_S <= 11.611352920532227) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 84.18729400634766) {
+                          if (x.log2_S <= 13.144499778747559) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
                         } else {
                           return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     }
                   }
-                } else {
-                  if (x.avg <= 6.5877721309661865) {
-                    if (x.log2_S <= 16.93278217315674) {
-                      if (x.avg <= 2.0911837816238403) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 9.22691822052002) {
-                      if (x.log2_S <= 17.504769325256348) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 0};  // SP
-                    }
-                  }
                 }
               }
             } else {
-              if (x.log2_S <= 18.326659202575684) {
-                if (x.avg <= 29.923442840576172) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  return {4, 8, 32, 32, 0};  // SP
-                }
+              if (x.log2_S <= 12.547150611877441) {
+                return {1, 8, 8, 32, 1};  // SR
               } else {
-                return {4, 2, 64, 128, 0};  // SP
+                if (x.avg <= 22.568697929382324) {
+                  return {1, 8, 8, 32, 1};  // SR
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
               }
             }
           } else {
-            if (x.log2_S <= 13.484045505523682) {
-              if (x.log2_S <= 11.382378101348877) {
-                if (x.avg <= 13.099641799926758) {
-                  if (x.avg <= 7.399791955947876) {
-                    if (x.log2_S <= 11.125765800476074) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 9.196048259735107) {
-                          return {1, 8, 8, 32, 1};  // SR
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 18.597363471984863) {
+                if (x.log2_S <= 15.567667007446289) {
+                  if (x.avg <= 12.060385704040527) {
+                    if (x.avg <= 3.146709442138672) {
+                      if (x.avg <= 1.4366366267204285) {
+                        if (x.log2_S <= 14.333588123321533) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          if (x.avg <= 2.3283296823501587) {
-                            return {1, 8, 8, 32, 1};  // SR
+                          if (x.avg <= 1.3286402225494385) {
+                            return {4, 8, 32, 32, 0};  // SP
                           } else {
-                            if (x.avg <= 3.233909010887146) {
-                              return {1, 16, 8, 4, 1};  // SR
-                            } else {
-                              if (x.avg <= 6.745075464248657) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 10.447167873382568) {
-                                  return {1, 16, 8, 4, 1};  // SR
-                                } else {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                }
-                              }
-                            }
+                            return {4, 8, 64, 32, 0};  // SP
                           }
                         }
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        return {4, 8, 32, 32, 0};  // SP
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 3.014989495277405) {
-                          return {4, 32, 64, 4, 0};  // SP
+                      if (x.avg <= 7.477571725845337) {
+                        if (x.log2_S <= 15.048091888427734) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          if (x.log2_S <= 11.299570560455322) {
-                            return {1, 8, 8, 32, 1};  // SR
+                          if (x.avg <= 5.614284038543701) {
+                            return {4, 2, 64, 128, 0};  // SP
                           } else {
-                            return {4, 32, 64, 4, 0};  // SP
+                            return {4, 8, 64, 32, 0};  // SP
                           }
                         }
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        if (x.log2_S <= 14.34484338760376) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 15.425008296966553) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
                       }
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 12.03629732131958) {
-                        if (x.log2_S <= 11.153552532196045) {
-                          return {1, 16, 8, 4, 1};  // SR
-                        } else {
-                          if (x.avg <= 9.118180751800537) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 16, 8, 4, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 9.367799282073975) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 10.648329734802246) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
+                    if (x.avg <= 62.08995246887207) {
+                      return {4, 8, 32, 32, 0};  // SP
                     } else {
-                      return {1, 8, 8, 32, 1};  // SR
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   }
                 } else {
-                  return {1, 8, 8, 32, 1};  // SR
+                  if (x.avg <= 8.82945442199707) {
+                    if (x.log2_S <= 16.96407127380371) {
+                      if (x.log2_S <= 15.901627540588379) {
+                        if (x.avg <= 2.3909921646118164) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          if (x.avg <= 5.829694032669067) {
+                            return {4, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 4.552483797073364) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 18.032623291015625) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.70449924468994) {
+                      if (x.avg <= 23.61876678466797) {
+                        if (x.avg <= 15.521020889282227) {
+                          if (x.log2_S <= 17.36883544921875) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            if (x.avg <= 11.914271831512451) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 16.90359115600586) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
                 }
               } else {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 6.384890794754028) {
-                    if (x.log2_S <= 13.016412258148193) {
-                      return {4, 32, 64, 4, 0};  // SP
+                if (x.log2_S <= 19.205001831054688) {
+                  if (x.avg <= 20.064311027526855) {
+                    if (x.avg <= 9.222945213317871) {
+                      return {4, 2, 64, 128, 0};  // SP
                     } else {
-                      if (x.avg <= 3.1887348890304565) {
-                        return {1, 16, 8, 4, 1};  // SR
+                      if (x.log2_S <= 18.91464614868164) {
+                        return {4, 4, 64, 64, 0};  // SP
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        return {4, 2, 64, 128, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 86.6214599609375) {
-                      if (x.log2_S <= 13.302908897399902) {
-                        if (x.avg <= 12.983918190002441) {
-                          if (x.log2_S <= 12.545969009399414) {
-                            if (x.avg <= 9.220888137817383) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 16, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.941215515136719) {
-                            if (x.avg <= 34.31032752990723) {
-                              if (x.log2_S <= 11.614476680755615) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 16, 8, 4, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 67.69054794311523) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 12.705761909484863) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 32, 64, 4, 0};  // SP
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 16.28189182281494) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 68.05722236633301) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.872986793518066) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 95.47108459472656) {
-                          if (x.log2_S <= 12.708548069000244) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
+                    return {4, 4, 64, 64, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 67.45395278930664) {
-                    if (x.avg <= 22.568697929382324) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.920695304870605) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 27.140576362609863) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.854682922363281) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 86.77142715454102) {
-                        if (x.log2_S <= 12.592877388000488) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
+                  return {4, 2, 64, 128, 0};  // SP
                 }
               }
             } else {
-              if (x.log2_S <= 14.984655857086182) {
+              if (x.log2_S <= 14.994062423706055) {
                 if (x.long_level <= 1.5) {
-                  if (x.avg <= 67.63952255249023) {
-                    if (x.avg <= 8.873266696929932) {
-                      if (x.avg <= 5.099919557571411) {
-                        if (x.log2_S <= 13.864138126373291) {
-                          if (x.avg <= 2.57554829120636) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
+                  if (x.avg <= 9.750128269195557) {
+                    if (x.log2_S <= 14.64326810836792) {
+                      if (x.log2_S <= 13.861268043518066) {
+                        if (x.avg <= 2.756363868713379) {
+                          return {1, 16, 8, 4, 1};  // SR
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 14.391911029815674) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
+                        return {1, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 10.531490802764893) {
-                        if (x.log2_S <= 14.215710639953613) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.595228672027588) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.avg <= 20.612165451049805) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.avg <= 36.767295837402344) {
-                              if (x.log2_S <= 14.837789535522461) {
-                                return {4, 32, 8, 2, 16};  // PR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 84.11907577514648) {
-                      if (x.log2_S <= 14.712704181671143) {
-                        return {4, 32, 64, 4, 0};  // SP
+                      if (x.avg <= 5.023828983306885) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
                       }
+                    }
+                  } else {
+                    if (x.avg <= 85.51055145263672) {
+                      return {4, 2, 8, 128, 1};  // SR
                     } else {
                       return {4, 32, 64, 4, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 13.58961296081543) {
-                    if (x.avg <= 11.071494579315186) {
+                  if (x.log2_S <= 13.866750717163086) {
+                    if (x.avg <= 5.086413145065308) {
                       return {1, 8, 8, 32, 1};  // SR
                     } else {
                       return {4, 2, 8, 128, 1};  // SR
@@ -2427,362 +2467,434 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 21.177983283996582) {
-                  if (x.log2_S <= 15.164543151855469) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 3.4489545822143555) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 125.56641387939453) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.098090648651123) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 7.039039850234985) {
-                    if (x.long_level <= 1.5) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 22.083696365356445) {
-                        if (x.log2_S <= 21.539653778076172) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.avg <= 4.232696056365967) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 3.1937038898468018) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.avg <= 4.238264799118042) {
-                            if (x.avg <= 3.863399386405945) {
-                              return {4, 2, 8, 128, 1};  // SR
-                            } else {
-                              if (x.avg <= 4.080749988555908) {
-                                return {4, 32, 8, 2, 16};  // PR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                }
+                return {4, 2, 8, 128, 1};  // SR
               }
             }
           }
         } else {
-          if (x.log2_S <= 19.69060230255127) {
-            if (x.log2_S <= 19.149160385131836) {
-              return {4, 32, 8, 2, 16};  // PR
+          if (x.log2_S <= 13.616132736206055) {
+            if (x.log2_S <= 13.501060485839844) {
+              return {4, 32, 8, 1, 16};  // PR
             } else {
-              if (x.avg <= 2.5501394271850586) {
-                return {4, 32, 32, 4, 16};  // PR
+              if (x.avg <= 26.86970615386963) {
+                return {4, 32, 8, 1, 16};  // PR
               } else {
                 return {4, 32, 8, 2, 16};  // PR
               }
             }
           } else {
-            if (x.log2_S <= 20.425935745239258) {
-              if (x.avg <= 18.71775722503662) {
-                if (x.avg <= 3.0793817043304443) {
-                  return {4, 32, 32, 4, 16};  // PR
-                } else {
-                  if (x.avg <= 11.537878036499023) {
-                    return {4, 32, 8, 2, 16};  // PR
+            if (x.avg <= 11.397095203399658) {
+              if (x.log2_S <= 18.517144203186035) {
+                if (x.avg <= 6.923201084136963) {
+                  if (x.log2_S <= 13.781652450561523) {
+                    return {4, 32, 8, 1, 16};  // PR
                   } else {
-                    if (x.log2_S <= 20.154475212097168) {
-                      return {4, 2, 8, 128, 1};  // SR
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  if (x.log2_S <= 16.25364112854004) {
+                    if (x.avg <= 10.510916709899902) {
+                      return {4, 32, 8, 1, 16};  // PR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
-                  }
-                }
-              } else {
-                if (x.avg <= 30.55625820159912) {
-                  if (x.log2_S <= 20.17798137664795) {
-                    return {4, 2, 8, 128, 1};  // SR
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
                   }
+                }
+              } else {
+                if (x.avg <= 6.724338531494141) {
+                  if (x.avg <= 3.078064799308777) {
+                    return {4, 32, 32, 4, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 21.36343479156494) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 32, 4, 16};  // PR
+                    }
+                  }
                 } else {
-                  return {4, 2, 8, 128, 1};  // SR
+                  return {4, 32, 8, 2, 16};  // PR
                 }
               }
             } else {
-              if (x.avg <= 24.266740798950195) {
-                if (x.avg <= 7.740311622619629) {
-                  if (x.log2_S <= 21.022286415100098) {
-                    if (x.avg <= 3.046942114830017) {
-                      return {4, 32, 32, 4, 16};  // PR
+              if (x.log2_S <= 16.050451278686523) {
+                if (x.log2_S <= 15.329335689544678) {
+                  if (x.avg <= 14.789865493774414) {
+                    if (x.log2_S <= 13.926750659942627) {
+                      return {4, 32, 8, 1, 16};  // PR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
                   } else {
-                    return {4, 32, 32, 4, 16};  // PR
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 } else {
-                  if (x.avg <= 20.7186279296875) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 21.531877517700195) {
-                      return {4, 32, 8, 2, 16};  // PR
+                  if (x.log2_S <= 15.806357860565186) {
+                    if (x.log2_S <= 15.524012565612793) {
+                      if (x.avg <= 84.43445205688477) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
                     } else {
-                      return {4, 32, 32, 4, 16};  // PR
+                      return {4, 32, 8, 1, 16};  // PR
+                    }
+                  } else {
+                    if (x.avg <= 29.942276000976562) {
+                      return {4, 32, 8, 1, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   }
                 }
               } else {
-                return {4, 32, 32, 4, 16};  // PR
+                if (x.log2_S <= 16.30903148651123) {
+                  if (x.avg <= 27.143022537231445) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                } else {
+                  return {4, 32, 8, 2, 8};  // PR
+                }
               }
             }
           }
         }
       } else {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 14.132733345031738) {
-            if (x.log2_S <= 9.689248085021973) {
-              if (x.avg <= 3.6757893562316895) {
-                if (x.avg <= 1.3222641944885254) {
-                  return {4, 64, 64, 1, 0};  // SP
-                } else {
-                  return {2, 32, 16, 4, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 9.499299049377441) {
-                  return {4, 4, 64, 64, 0};  // SP
-                } else {
-                  if (x.avg <= 30.311495780944824) {
-                    if (x.avg <= 10.728644371032715) {
-                      if (x.log2_S <= 9.669665813446045) {
-                        return {2, 32, 16, 4, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    return {2, 32, 16, 4, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.494753360748291) {
-                if (x.avg <= 1.3044689297676086) {
-                  if (x.log2_S <= 11.201840877532959) {
-                    return {4, 64, 64, 1, 0};  // SP
-                  } else {
-                    return {2, 32, 16, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 9.839273452758789) {
-                    if (x.avg <= 5.248258352279663) {
-                      return {2, 32, 16, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 36.32269287109375) {
-                        if (x.avg <= 9.580396175384521) {
-                          if (x.avg <= 6.850635290145874) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
-                            return {2, 32, 16, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        return {2, 32, 16, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 57.78411674499512) {
-                      return {2, 32, 16, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 12.876729011535645) {
-                        return {2, 32, 16, 4, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 2.787562608718872) {
-                  return {2, 32, 16, 4, 0};  // SP
-                } else {
-                  if (x.avg <= 17.311579704284668) {
-                    if (x.avg <= 2.8944722414016724) {
-                      if (x.log2_S <= 13.694950580596924) {
-                        return {2, 32, 16, 4, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 58.469892501831055) {
-                      if (x.log2_S <= 14.079278469085693) {
-                        return {2, 32, 16, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 33.48827075958252) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
+          if (x.log2_S <= 17.41181755065918) {
+            if (x.log2_S <= 12.777373790740967) {
+              if (x.log2_S <= 10.57407283782959) {
+                if (x.log2_S <= 9.024408340454102) {
+                  if (x.avg <= 36.049041748046875) {
+                    if (x.avg <= 3.433059811592102) {
+                      if (x.avg <= 1.823792576789856) {
+                        if (x.avg <= 1.3271152973175049) {
                           return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {2, 32, 16, 4, 0};  // SP
                         }
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      return {4, 64, 64, 1, 0};  // SP
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 14.512921810150146) {
-              if (x.avg <= 1.9629106521606445) {
-                return {2, 32, 16, 4, 0};  // SP
-              } else {
-                if (x.avg <= 32.71998119354248) {
-                  return {4, 4, 64, 64, 0};  // SP
-                } else {
-                  if (x.log2_S <= 14.348217964172363) {
-                    if (x.avg <= 36.257354736328125) {
-                      return {2, 32, 16, 4, 0};  // SP
-                    } else {
-                      return {4, 64, 64, 1, 0};  // SP
+                      return {4, 2, 64, 128, 0};  // SP
                     }
                   } else {
                     return {4, 4, 64, 64, 0};  // SP
                   }
+                } else {
+                  if (x.avg <= 2.2374486923217773) {
+                    if (x.log2_S <= 9.76279067993164) {
+                      if (x.avg <= 1.8869359493255615) {
+                        if (x.avg <= 1.3161346912384033) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {2, 32, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 9.283092975616455) {
+                      if (x.avg <= 11.974058151245117) {
+                        if (x.avg <= 4.005329966545105) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 1.7236323952674866) {
+                  if (x.log2_S <= 11.445102214813232) {
+                    return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 12.458285808563232) {
+                    return {2, 32, 16, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 16.835988998413086) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {2, 32, 16, 4, 0};  // SP
+                    }
+                  }
                 }
               }
             } else {
-              if (x.avg <= 59.73496627807617) {
-                return {4, 4, 64, 64, 0};  // SP
-              } else {
-                if (x.log2_S <= 16.64594841003418) {
-                  return {2, 32, 16, 4, 0};  // SP
+              if (x.log2_S <= 15.707640647888184) {
+                if (x.log2_S <= 13.866523265838623) {
+                  if (x.avg <= 28.044920921325684) {
+                    if (x.avg <= 1.7722829580307007) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 49.50209426879883) {
+                      return {2, 32, 16, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 13.286134719848633) {
+                        return {2, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
                 } else {
-                  return {4, 4, 64, 64, 0};  // SP
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              } else {
+                if (x.avg <= 5.953760385513306) {
+                  if (x.avg <= 1.463582694530487) {
+                    if (x.log2_S <= 16.799447059631348) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 4.466048717498779) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 16.528087615966797) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.158196449279785) {
+                    if (x.avg <= 6.597078323364258) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 50.90302848815918) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
                 }
               }
             }
+          } else {
+            if (x.log2_S <= 17.932238578796387) {
+              if (x.avg <= 7.921569108963013) {
+                return {4, 4, 64, 64, 0};  // SP
+              } else {
+                if (x.avg <= 49.83731651306152) {
+                  return {4, 8, 32, 32, 0};  // SP
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              }
+            } else {
+              return {4, 4, 64, 64, 0};  // SP
+            }
           }
         } else {
-          if (x.log2_S <= 13.516335487365723) {
+          if (x.log2_S <= 14.349908351898193) {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 12.190606594085693) {
-                if (x.log2_S <= 11.386157512664795) {
-                  if (x.avg <= 1.0808497667312622) {
-                    if (x.log2_S <= 11.170056343078613) {
+              if (x.log2_S <= 11.569108486175537) {
+                if (x.avg <= 2.366036891937256) {
+                  if (x.log2_S <= 9.633132457733154) {
+                    if (x.long_level <= 1.5) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
                       return {1, 16, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 11.168471336364746) {
+                      return {1, 16, 8, 4, 1};  // SR
                     } else {
                       if (x.long_level <= 1.5) {
                         return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        return {1, 16, 8, 8, 1};  // SR
+                        if (x.log2_S <= 11.469674587249756) {
+                          return {1, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
                       }
                     }
-                  } else {
-                    return {1, 16, 8, 8, 1};  // SR
                   }
                 } else {
-                  if (x.avg <= 6.051299095153809) {
+                  if (x.avg <= 6.975001096725464) {
                     if (x.long_level <= 1.5) {
-                      if (x.avg <= 5.79241943359375) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.726479530334473) {
-                          return {1, 16, 8, 8, 1};  // SR
+                      if (x.avg <= 3.9333211183547974) {
+                        if (x.log2_S <= 11.152711391448975) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
                           return {4, 64, 64, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 10.985398292541504) {
+                          if (x.avg <= 6.295589447021484) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 9.638957977294922) {
+                              return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
                         }
                       }
                     } else {
                       return {1, 16, 8, 8, 1};  // SR
                     }
                   } else {
-                    return {1, 16, 8, 8, 1};  // SR
+                    if (x.avg <= 74.18772506713867) {
+                      if (x.log2_S <= 11.421498775482178) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 10.293246746063232) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 9.025167465209961) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
                   }
                 }
               } else {
                 if (x.long_level <= 1.5) {
-                  if (x.avg <= 111.40367126464844) {
-                    if (x.avg <= 3.4352571964263916) {
-                      if (x.log2_S <= 12.510607719421387) {
-                        return {4, 64, 64, 1, 0};  // SP
+                  if (x.avg <= 104.56388854980469) {
+                    if (x.log2_S <= 12.771612167358398) {
+                      if (x.avg <= 6.801298141479492) {
+                        if (x.log2_S <= 12.136227130889893) {
+                          if (x.avg <= 3.9148670434951782) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
                       } else {
-                        return {1, 16, 8, 8, 1};  // SR
+                        if (x.log2_S <= 12.572896003723145) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 50.137521743774414) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 8, 16, 32, 1};  // SR
+                          }
+                        }
                       }
                     } else {
-                      return {1, 16, 8, 8, 1};  // SR
+                      if (x.avg <= 16.734808921813965) {
+                        if (x.log2_S <= 13.86324167251587) {
+                          return {1, 16, 8, 4, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.9711151123046875) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 12.225044250488281) {
+                              if (x.avg <= 3.3373271226882935) {
+                                return {1, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {2, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.105082511901855) {
+                          if (x.avg <= 40.22711753845215) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 12.96832799911499) {
+                    if (x.log2_S <= 11.946733951568604) {
                       return {1, 16, 8, 8, 1};  // SR
                     } else {
                       return {4, 64, 64, 1, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.avg <= 6.406347990036011) {
-                    if (x.log2_S <= 13.074497699737549) {
-                      return {1, 16, 8, 8, 1};  // SR
+                  if (x.avg <= 42.35338020324707) {
+                    if (x.log2_S <= 13.891983985900879) {
+                      if (x.log2_S <= 13.424326419830322) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 13.019843101501465) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      }
                     } else {
-                      if (x.avg <= 3.7563499212265015) {
-                        return {1, 16, 8, 8, 1};  // SR
+                      if (x.avg <= 3.832899332046509) {
+                        if (x.log2_S <= 14.103877067565918) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.551594853401184) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
                       } else {
                         return {2, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.511293888092041) {
-                      if (x.avg <= 34.87922286987305) {
-                        if (x.avg <= 14.264028549194336) {
-                          if (x.avg <= 9.992116928100586) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.39833116531372) {
-                              if (x.log2_S <= 12.319174766540527) {
-                                return {2, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {2, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 16, 8, 8, 1};  // SR
-                        }
+                    if (x.log2_S <= 12.472450733184814) {
+                      if (x.log2_S <= 12.127171039581299) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        return {2, 8, 16, 32, 1};  // SR
+                        if (x.avg <= 109.42215728759766) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.avg <= 6.82841420173645) {
-                        if (x.log2_S <= 12.99631929397583) {
-                          return {1, 16, 8, 8, 1};  // SR
+                      if (x.log2_S <= 12.716961860656738) {
+                        if (x.avg <= 93.77408981323242) {
+                          return {4, 8, 8, 32, 1};  // SR
                         } else {
                           return {2, 8, 16, 32, 1};  // SR
                         }
@@ -2794,270 +2906,166 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 11.930145263671875) {
-                if (x.avg <= 10.880173206329346) {
-                  return {4, 32, 8, 2, 8};  // PR
-                } else {
-                  if (x.avg <= 16.210285186767578) {
-                    if (x.log2_S <= 11.547908782958984) {
-                      return {2, 8, 16, 32, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
+              if (x.log2_S <= 11.68455982208252) {
+                if (x.avg <= 23.74033832550049) {
+                  if (x.avg <= 9.054995059967041) {
+                    return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    return {2, 8, 16, 32, 1};  // SR
-                  }
-                }
-              } else {
-                return {4, 32, 8, 2, 8};  // PR
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.avg <= 3.272694945335388) {
-                if (x.log2_S <= 14.827308177947998) {
-                  if (x.log2_S <= 14.325295448303223) {
-                    return {1, 16, 8, 8, 1};  // SR
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.370198726654053) {
-                        if (x.avg <= 2.279494285583496) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 19.490710258483887) {
-                    if (x.log2_S <= 17.01852035522461) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 15.750938892364502) {
-                          if (x.log2_S <= 15.3889479637146) {
-                            if (x.avg <= 2.731953263282776) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 15.170985221862793) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 8, 16, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 2.7827829122543335) {
-                              return {2, 8, 16, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 15.514768600463867) {
-                                return {2, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 2, 8};  // PR
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 8};  // PR
-                        }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {2, 8, 16, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {2, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 3.0163480043411255) {
-                        return {2, 8, 64, 32, 1};  // SR
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 16.926528930664062) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 15.928033351898193) {
-                      if (x.avg <= 94.54097366333008) {
-                        if (x.avg <= 9.107624530792236) {
-                          if (x.log2_S <= 14.032787322998047) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 15.420880794525146) {
-                              if (x.avg <= 3.404311776161194) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 7.946719646453857) {
-                                return {4, 32, 8, 2, 8};  // PR
-                              } else {
-                                if (x.log2_S <= 15.489441394805908) {
-                                  return {2, 8, 16, 32, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 2, 8};  // PR
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 13.64264440536499) {
-                            if (x.avg <= 16.347474575042725) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            return {2, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 14.592292785644531) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 44.13315200805664) {
-                        if (x.avg <= 16.11589002609253) {
-                          if (x.log2_S <= 16.901708602905273) {
-                            return {4, 32, 8, 2, 8};  // PR
-                          } else {
-                            if (x.avg <= 8.728845596313477) {
-                              return {4, 32, 8, 2, 8};  // PR
-                            } else {
-                              return {2, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 16.71442413330078) {
-                            if (x.log2_S <= 16.179004669189453) {
-                              return {2, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 8};  // PR
-                            }
-                          } else {
-                            return {2, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {2, 8, 16, 32, 1};  // SR
+                    return {4, 32, 8, 2, 8};  // PR
                   }
                 } else {
                   return {2, 8, 16, 32, 1};  // SR
                 }
-              }
-            } else {
-              if (x.log2_S <= 16.003421783447266) {
-                if (x.log2_S <= 14.330544471740723) {
-                  if (x.log2_S <= 14.012471675872803) {
-                    return {4, 32, 8, 2, 8};  // PR
+              } else {
+                if (x.avg <= 9.35716962814331) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.log2_S <= 14.122611999511719) {
+                    if (x.log2_S <= 14.07175588607788) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
+                      if (x.avg <= 25.890774726867676) {
+                        return {4, 32, 8, 2, 8};  // PR
+                      } else {
+                        return {4, 32, 16, 4, 8};  // PR
+                      }
+                    }
                   } else {
-                    if (x.avg <= 17.063701629638672) {
+                    if (x.avg <= 15.729868412017822) {
                       return {4, 32, 8, 2, 8};  // PR
                     } else {
                       return {4, 32, 16, 4, 8};  // PR
                     }
                   }
-                } else {
-                  if (x.log2_S <= 14.475118637084961) {
-                    if (x.avg <= 13.404401779174805) {
-                      if (x.avg <= 7.93838906288147) {
-                        if (x.log2_S <= 14.400799751281738) {
-                          if (x.avg <= 5.348897218704224) {
-                            return {4, 32, 8, 2, 8};  // PR
-                          } else {
-                            return {4, 32, 16, 4, 8};  // PR
-                          }
-                        } else {
-                          return {4, 32, 16, 4, 8};  // PR
-                        }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 17.248258590698242) {
+                if (x.avg <= 4.90906834602356) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 16.05273723602295) {
+                      if (x.avg <= 3.366898775100708) {
+                        return {1, 16, 8, 8, 1};  // SR
                       } else {
-                        return {4, 32, 8, 2, 8};  // PR
+                        if (x.log2_S <= 15.212921619415283) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
                       }
                     } else {
-                      return {4, 32, 16, 4, 8};  // PR
+                      return {4, 32, 8, 2, 8};  // PR
                     }
                   } else {
-                    return {4, 32, 16, 4, 8};  // PR
+                    if (x.log2_S <= 14.428955554962158) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      return {2, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 10.994465827941895) {
+                      if (x.log2_S <= 15.910936832427979) {
+                        if (x.log2_S <= 14.501567363739014) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.042530059814453) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 130.32015991210938) {
+                        return {2, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.16026782989502) {
+                          if (x.log2_S <= 14.602449893951416) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {2, 8, 16, 32, 1};  // SR
                   }
                 }
               } else {
-                if (x.avg <= 16.14464569091797) {
-                  if (x.log2_S <= 16.991647720336914) {
-                    if (x.avg <= 6.826287746429443) {
-                      return {4, 32, 16, 4, 8};  // PR
+                return {2, 8, 16, 32, 1};  // SR
+              }
+            } else {
+              if (x.log2_S <= 16.016301155090332) {
+                if (x.avg <= 9.05681848526001) {
+                  if (x.log2_S <= 15.285696983337402) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 16, 4, 8};  // PR
+                  }
+                } else {
+                  return {4, 32, 16, 4, 8};  // PR
+                }
+              } else {
+                if (x.avg <= 11.917111873626709) {
+                  if (x.log2_S <= 16.776726722717285) {
+                    if (x.avg <= 7.190469741821289) {
+                      if (x.log2_S <= 16.695616722106934) {
+                        return {4, 32, 16, 4, 8};  // PR
+                      } else {
+                        if (x.avg <= 2.545814037322998) {
+                          return {2, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 4, 8};  // PR
+                        }
+                      }
                     } else {
-                      if (x.log2_S <= 16.18128776550293) {
-                        if (x.avg <= 15.201551914215088) {
+                      return {2, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 17.387764930725098) {
+                      if (x.avg <= 2.9407055377960205) {
+                        return {2, 8, 64, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 6.5310187339782715) {
                           return {4, 32, 16, 4, 8};  // PR
                         } else {
                           return {2, 8, 64, 32, 1};  // SR
                         }
-                      } else {
-                        return {2, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 11.397095203399658) {
-                      if (x.log2_S <= 17.387764930725098) {
-                        if (x.avg <= 3.273572087287903) {
-                          return {2, 8, 64, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 6.3214287757873535) {
-                            return {4, 32, 16, 4, 8};  // PR
-                          } else {
-                            return {2, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 2.773022413253784) {
-                          return {2, 8, 64, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 3.761994957923889) {
-                            if (x.log2_S <= 21.44342803955078) {
-                              if (x.log2_S <= 19.48732089996338) {
-                                return {2, 8, 64, 32, 1};  // SR
-                              } else {
-                                return {4, 4, 64, 64, 0};  // SP
-                              }
-                            } else {
-                              return {2, 8, 64, 32, 1};  // SR
-                            }
-                          } else {
-                            return {2, 8, 64, 32, 1};  // SR
-                          }
-                        }
                       }
                     } else {
-                      if (x.log2_S <= 19.03030776977539) {
-                        return {2, 8, 64, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 21.524039268493652) {
-                          return {2, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {2, 8, 64, 32, 1};  // SR
-                        }
-                      }
+                      return {2, 8, 64, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 18.848349571228027) {
-                    return {2, 8, 64, 32, 1};  // SR
+                  if (x.log2_S <= 19.246952056884766) {
+                    if (x.log2_S <= 19.009981155395508) {
+                      return {2, 8, 64, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 59.35495948791504) {
+                        return {2, 8, 64, 32, 1};  // SR
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
                   } else {
-                    return {2, 8, 16, 32, 1};  // SR
+                    if (x.avg <= 22.526885986328125) {
+                      if (x.log2_S <= 21.71105194091797) {
+                        return {2, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {2, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      return {2, 8, 16, 32, 1};  // SR
+                    }
                   }
                 }
               }
@@ -3068,455 +3076,455 @@ inline Config plain_config(const Features& f) {
     } else {
       if (x.F <= 45.254833995939045) {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 15.15592098236084) {
-            if (x.avg <= 7.987461090087891) {
-              if (x.log2_S <= 11.744425773620605) {
-                if (x.avg <= 2.3795701265335083) {
-                  if (x.avg <= 1.5825403332710266) {
-                    if (x.log2_S <= 11.627537250518799) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
+          if (x.log2_S <= 13.047444820404053) {
+            if (x.avg <= 3.173936128616333) {
+              if (x.log2_S <= 11.015960216522217) {
+                if (x.avg <= 1.773626685142517) {
+                  if (x.avg <= 1.6645728945732117) {
+                    return {4, 64, 64, 2, 0};  // SP
                   } else {
-                    if (x.log2_S <= 9.573338985443115) {
+                    if (x.log2_S <= 9.991085052490234) {
                       return {4, 64, 64, 2, 0};  // SP
                     } else {
                       return {4, 32, 64, 4, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 10.453392028808594) {
-                    if (x.log2_S <= 9.93164348602295) {
-                      return {4, 8, 64, 32, 0};  // SP
+                  if (x.log2_S <= 9.680254459381104) {
+                    if (x.avg <= 2.3779170513153076) {
+                      return {2, 64, 32, 1, 0};  // SP
                     } else {
-                      if (x.avg <= 3.2156015634536743) {
-                        if (x.log2_S <= 10.017746448516846) {
-                          if (x.avg <= 2.7247090339660645) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+                      return {1, 8, 64, 32, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 2.953083634376526) {
-                      return {4, 32, 64, 4, 0};  // SP
+                    if (x.log2_S <= 10.680267810821533) {
+                      if (x.avg <= 1.7999628782272339) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 64, 32, 1, 0};  // SP
+                      }
                     } else {
-                      return {4, 64, 64, 2, 0};  // SP
+                      if (x.avg <= 2.816663146018982) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 64, 32, 1, 0};  // SP
+                      }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 3.6345510482788086) {
-                  if (x.avg <= 1.2161604166030884) {
-                    if (x.log2_S <= 12.482614040374756) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
+                if (x.avg <= 1.3317516446113586) {
+                  if (x.log2_S <= 12.117549419403076) {
+                    return {4, 64, 64, 2, 0};  // SP
                   } else {
                     return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 14.354597091674805) {
-                    if (x.log2_S <= 12.48054027557373) {
-                      if (x.log2_S <= 12.009430885314941) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
+                  return {4, 32, 64, 4, 0};  // SP
                 }
               }
             } else {
-              if (x.avg <= 9.12946081161499) {
-                if (x.log2_S <= 10.639472007751465) {
-                  return {4, 8, 64, 32, 0};  // SP
+              if (x.avg <= 36.225765228271484) {
+                if (x.log2_S <= 11.880033016204834) {
+                  return {1, 8, 64, 32, 0};  // SP
                 } else {
-                  if (x.log2_S <= 13.962134838104248) {
-                    if (x.log2_S <= 12.603257179260254) {
-                      if (x.log2_S <= 11.963192462921143) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
-              } else {
-                return {4, 8, 64, 32, 0};  // SP
-              }
-            }
-          } else {
-            if (x.log2_S <= 17.61422348022461) {
-              if (x.avg <= 14.68332052230835) {
-                if (x.log2_S <= 15.3353590965271) {
-                  if (x.avg <= 1.89551842212677) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  return {4, 8, 64, 32, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 16.88442897796631) {
-                  if (x.log2_S <= 16.217758178710938) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.39439296722412) {
-                      if (x.avg <= 27.570300102233887) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 60.13534355163574) {
+                  if (x.log2_S <= 12.63990592956543) {
+                    if (x.avg <= 16.034730434417725) {
+                      if (x.avg <= 8.605295181274414) {
+                        if (x.avg <= 3.843517303466797) {
                           return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.48054027557373) {
+                            return {1, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 12.765734195709229) {
+                          return {1, 32, 64, 2, 0};  // SP
                         } else {
                           return {4, 8, 64, 32, 0};  // SP
                         }
                       }
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      if (x.avg <= 21.207804679870605) {
+                        if (x.log2_S <= 12.125458717346191) {
+                          return {4, 64, 16, 2, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        return {4, 64, 16, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 15.80844259262085) {
+                      if (x.avg <= 6.001811504364014) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.98572301864624) {
+                        if (x.log2_S <= 12.716017246246338) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
                     }
                   }
+                }
+              } else {
+                if (x.log2_S <= 10.25818395614624) {
+                  return {4, 8, 64, 32, 0};  // SP
                 } else {
-                  if (x.avg <= 61.46959114074707) {
-                    return {4, 32, 64, 4, 0};  // SP
+                  if (x.log2_S <= 10.833038330078125) {
+                    return {2, 64, 32, 1, 0};  // SP
                   } else {
-                    if (x.log2_S <= 17.245224952697754) {
-                      return {4, 8, 64, 32, 0};  // SP
+                    if (x.log2_S <= 11.475090503692627) {
+                      return {4, 64, 64, 2, 0};  // SP
                     } else {
-                      return {4, 32, 64, 4, 0};  // SP
+                      if (x.log2_S <= 12.639373779296875) {
+                        return {4, 64, 16, 2, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
                     }
                   }
                 }
               }
+            }
+          } else {
+            if (x.log2_S <= 14.841500282287598) {
+              if (x.avg <= 3.8878284692764282) {
+                return {4, 32, 64, 4, 0};  // SP
+              } else {
+                if (x.log2_S <= 13.405913829803467) {
+                  if (x.avg <= 4.787267208099365) {
+                    return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    if (x.avg <= 11.288328647613525) {
+                      if (x.avg <= 8.402714252471924) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              }
             } else {
-              return {4, 8, 64, 32, 0};  // SP
+              if (x.log2_S <= 15.294768333435059) {
+                if (x.avg <= 2.2927993535995483) {
+                  return {4, 16, 64, 4, 0};  // SP
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 17.66997241973877) {
+                  if (x.log2_S <= 17.20601749420166) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.avg <= 9.671442031860352) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.avg <= 15.628211975097656) {
+                        return {1, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 23.98215389251709) {
+                          if (x.log2_S <= 17.40487003326416) {
+                            if (x.log2_S <= 17.246689796447754) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              }
             }
           }
         } else {
-          if (x.log2_S <= 18.493513107299805) {
+          if (x.log2_S <= 18.207691192626953) {
             if (x.long_level <= 2.5) {
-              if (x.avg <= 10.991398811340332) {
-                if (x.log2_S <= 13.062283039093018) {
-                  if (x.avg <= 2.3180997371673584) {
-                    if (x.log2_S <= 12.99730110168457) {
-                      if (x.log2_S <= 11.603082656860352) {
-                        return {1, 32, 8, 4, 1};  // SR
+              if (x.log2_S <= 12.588640213012695) {
+                if (x.avg <= 8.059564113616943) {
+                  if (x.log2_S <= 11.14438247680664) {
+                    if (x.avg <= 2.474188804626465) {
+                      return {1, 32, 8, 4, 1};  // SR
+                    } else {
+                      if (x.avg <= 3.370712995529175) {
+                        if (x.long_level <= 1.5) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
                       } else {
-                        if (x.log2_S <= 11.790443420410156) {
+                        if (x.avg <= 7.603049278259277) {
+                          if (x.log2_S <= 11.07222843170166) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
                           if (x.long_level <= 1.5) {
                             return {1, 32, 8, 2, 1};  // SR
                           } else {
                             return {1, 32, 8, 4, 1};  // SR
                           }
-                        } else {
-                          if (x.avg <= 2.119608759880066) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          }
                         }
                       }
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 3.5144801139831543) {
-                        if (x.avg <= 2.474188804626465) {
-                          if (x.log2_S <= 11.487626075744629) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 9.262743949890137) {
-                          if (x.log2_S <= 11.093622207641602) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.627684116363525) {
-                              if (x.log2_S <= 11.342459678649902) {
-                                if (x.avg <= 6.469744443893433) {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {1, 32, 8, 2, 1};  // SR
-                                }
-                              } else {
-                                return {1, 32, 8, 2, 1};  // SR
-                              }
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.206406116485596) {
-                        if (x.avg <= 10.015942573547363) {
+                    if (x.avg <= 2.1025443077087402) {
+                      if (x.log2_S <= 11.873463153839111) {
+                        if (x.log2_S <= 11.631176471710205) {
                           return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.log2_S <= 9.944172382354736) {
-                            if (x.avg <= 10.939511775970459) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
+                          if (x.long_level <= 1.5) {
+                            return {1, 32, 8, 2, 1};  // SR
                           } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 3.445515751838684) {
-                          if (x.log2_S <= 12.560398578643799) {
-                            if (x.avg <= 2.3477752208709717) {
+                            if (x.avg <= 1.9512780904769897) {
                               return {1, 32, 8, 4, 1};  // SR
                             } else {
                               return {1, 32, 8, 2, 1};  // SR
                             }
-                          } else {
-                            if (x.avg <= 2.716610550880432) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
                           }
+                        }
+                      } else {
+                        return {1, 32, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {1, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.avg <= 3.682482123374939) {
+                          return {1, 32, 8, 2, 1};  // SR
                         } else {
-                          if (x.avg <= 8.846519470214844) {
-                            if (x.log2_S <= 12.577369689941406) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.avg <= 6.457288503646851) {
-                                return {1, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 11.754718780517578) {
-                              if (x.avg <= 9.781057357788086) {
-                                return {1, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          }
+                          return {1, 32, 8, 4, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
                   if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 14.564810276031494) {
-                      if (x.avg <= 2.738914132118225) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.543148517608643) {
-                          if (x.avg <= 9.446585655212402) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
+                    if (x.avg <= 53.83526611328125) {
+                      if (x.log2_S <= 11.827337265014648) {
+                        if (x.avg <= 43.60555839538574) {
+                          return {1, 32, 8, 2, 1};  // SR
                         } else {
-                          if (x.avg <= 6.858585357666016) {
-                            if (x.log2_S <= 13.830045223236084) {
-                              if (x.avg <= 3.905371069908142) {
-                                return {1, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {1, 32, 8, 2, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 14.238210201263428) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                if (x.avg <= 4.242091178894043) {
-                                  return {4, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {2, 16, 16, 8, 1};  // SR
-                                }
-                              }
-                            }
+                          if (x.log2_S <= 9.020737648010254) {
+                            return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            return {4, 8, 8, 32, 1};  // SR
+                            return {1, 32, 8, 2, 1};  // SR
                           }
                         }
-                      }
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 17.02293109893799) {
-                      if (x.log2_S <= 14.939770698547363) {
-                        return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 15.900100708007812) {
-                          if (x.avg <= 3.5160515308380127) {
-                            if (x.log2_S <= 15.174042701721191) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 15.65241527557373) {
-                                return {2, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {2, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 4.1290295124053955) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 16.201648712158203) {
-                              if (x.avg <= 7.481475830078125) {
-                                return {2, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 16.945926666259766) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                if (x.avg <= 9.322766304016113) {
-                                  return {2, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {4, 8, 8, 32, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      return {2, 16, 16, 8, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.118078708648682) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 76.04926681518555) {
-                      if (x.log2_S <= 11.845351696014404) {
-                        return {1, 32, 8, 2, 1};  // SR
-                      } else {
-                        if (x.avg <= 39.84428024291992) {
+                        if (x.avg <= 14.304242134094238) {
                           return {1, 32, 8, 2, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
                         }
                       }
                     } else {
+                      if (x.log2_S <= 10.627213954925537) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 82.04732894897461) {
+                          if (x.log2_S <= 11.440535545349121) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 9.712223529815674) {
+                      if (x.log2_S <= 9.72333288192749) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.98630142211914) {
+                          if (x.log2_S <= 11.12698221206665) {
+                            if (x.avg <= 8.442530155181885) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
                       return {4, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.474864959716797) {
+                  if (x.avg <= 6.456074237823486) {
+                    if (x.log2_S <= 13.323955059051514) {
+                      if (x.avg <= 2.520984649658203) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.074497699737549) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.799174308776855) {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 2.670858383178711) {
+                            if (x.avg <= 2.375703454017639) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 14.225149631500244) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 13.618638515472412) {
+                              if (x.avg <= 3.3839282989501953) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 2, 1};  // SR
+                              }
+                            } else {
+                              if (x.avg <= 4.3223347663879395) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                if (x.avg <= 5.099919557571411) {
+                                  return {2, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {4, 8, 8, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 4.3254008293151855) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 14.08036184310913) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 4.490096569061279) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.256255149841309) {
+                            if (x.long_level <= 1.5) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
                     }
                   } else {
                     return {4, 8, 8, 32, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 17.52003288269043) {
-                    if (x.avg <= 15.180385112762451) {
-                      if (x.log2_S <= 12.74604320526123) {
-                        if (x.long_level <= 1.5) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 17.005558013916016) {
-                          if (x.avg <= 15.164483547210693) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
+                  if (x.long_level <= 1.5) {
+                    return {4, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 31.904830932617188) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 8, 8, 32, 1};  // SR
+                    if (x.avg <= 32.062052726745605) {
+                      if (x.avg <= 2.1697713136672974) {
+                        if (x.log2_S <= 17.724127769470215) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 16, 16, 8, 1};  // SR
+                        }
                       } else {
                         return {2, 16, 16, 8, 1};  // SR
                       }
                     } else {
-                      return {4, 8, 8, 32, 1};  // SR
+                      if (x.log2_S <= 17.846240997314453) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 97.13393783569336) {
+                          return {2, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 12.572943687438965) {
-                if (x.avg <= 9.970776557922363) {
-                  if (x.log2_S <= 11.132874011993408) {
+              if (x.log2_S <= 13.663419723510742) {
+                if (x.avg <= 7.5695672035217285) {
+                  if (x.log2_S <= 12.72149658203125) {
                     return {2, 16, 16, 8, 1};  // SR
                   } else {
                     return {2, 16, 64, 2, 1};  // SR
                   }
                 } else {
-                  return {2, 16, 16, 8, 1};  // SR
+                  if (x.avg <= 9.294642925262451) {
+                    if (x.log2_S <= 12.95466661453247) {
+                      return {2, 16, 16, 8, 1};  // SR
+                    } else {
+                      return {2, 16, 64, 2, 1};  // SR
+                    }
+                  } else {
+                    return {2, 16, 16, 8, 1};  // SR
+                  }
                 }
               } else {
-                if (x.log2_S <= 17.735158920288086) {
-                  if (x.log2_S <= 12.984913349151611) {
-                    if (x.avg <= 11.148106575012207) {
+                if (x.log2_S <= 17.78333568572998) {
+                  if (x.log2_S <= 13.910897731781006) {
+                    if (x.avg <= 10.927708625793457) {
                       return {2, 16, 64, 2, 1};  // SR
                     } else {
-                      if (x.avg <= 19.660473823547363) {
+                      if (x.avg <= 15.815871238708496) {
                         return {2, 16, 16, 8, 1};  // SR
                       } else {
-                        if (x.log2_S <= 12.73386001586914) {
-                          if (x.avg <= 68.06790351867676) {
-                            if (x.log2_S <= 12.645166397094727) {
-                              return {2, 16, 64, 2, 1};  // SR
-                            } else {
-                              return {2, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {2, 16, 64, 2, 1};  // SR
-                          }
-                        } else {
-                          return {2, 16, 64, 2, 1};  // SR
-                        }
+                        return {2, 16, 64, 2, 1};  // SR
                       }
                     }
                   } else {
                     return {2, 16, 64, 2, 1};  // SR
                   }
                 } else {
-                  if (x.avg <= 11.505992889404297) {
+                  if (x.avg <= 11.687094688415527) {
                     return {2, 16, 64, 2, 1};  // SR
                   } else {
                     return {2, 16, 16, 8, 1};  // SR
@@ -3526,30 +3534,26 @@ inline Config plain_config(const Features& f) {
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 18.669865608215332) {
-                if (x.avg <= 87.32079696655273) {
-                  if (x.avg <= 4.322556734085083) {
+              if (x.log2_S <= 18.450912475585938) {
+                if (x.long_level <= 1.5) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  return {2, 16, 16, 8, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 18.836130142211914) {
+                  if (x.avg <= 124.44438552856445) {
                     return {2, 16, 16, 8, 1};  // SR
                   } else {
-                    if (x.avg <= 19.096147537231445) {
+                    if (x.log2_S <= 18.778630256652832) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
                       if (x.long_level <= 1.5) {
                         return {4, 8, 8, 32, 1};  // SR
                       } else {
                         return {2, 16, 16, 8, 1};  // SR
                       }
-                    } else {
-                      return {2, 16, 16, 8, 1};  // SR
                     }
-                  }
-                } else {
-                  return {4, 8, 8, 32, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 18.836130142211914) {
-                  if (x.avg <= 120.66725158691406) {
-                    return {2, 16, 16, 8, 1};  // SR
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
                   }
                 } else {
                   return {2, 16, 16, 8, 1};  // SR
@@ -3557,8 +3561,8 @@ inline Config plain_config(const Features& f) {
               }
             } else {
               if (x.avg <= 11.224512577056885) {
-                if (x.avg <= 3.8234996795654297) {
-                  if (x.avg <= 2.773022413253784) {
+                if (x.avg <= 3.4887096881866455) {
+                  if (x.avg <= 2.755143404006958) {
                     return {2, 16, 64, 2, 1};  // SR
                   } else {
                     if (x.log2_S <= 19.73227596282959) {
@@ -3579,456 +3583,472 @@ inline Config plain_config(const Features& f) {
       } else {
         if (x.F <= 90.50966799187809) {
           if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 15.639310359954834) {
-                if (x.log2_S <= 9.318679332733154) {
-                  if (x.avg <= 2.7209330797195435) {
-                    return {4, 64, 16, 2, 0};  // SP
-                  } else {
-                    return {4, 16, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 13.82944917678833) {
-                    if (x.avg <= 1.6924761533737183) {
-                      if (x.log2_S <= 11.377977848052979) {
+            if (x.log2_S <= 17.491461753845215) {
+              if (x.log2_S <= 12.431705951690674) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 10.602883338928223) {
+                    if (x.avg <= 2.4828306436538696) {
+                      if (x.avg <= 2.3719735145568848) {
                         return {4, 64, 16, 2, 0};  // SP
                       } else {
-                        return {4, 64, 32, 1, 0};  // SP
+                        if (x.log2_S <= 9.350642681121826) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 16, 2, 0};  // SP
+                        }
                       }
                     } else {
-                      return {4, 64, 16, 2, 0};  // SP
+                      return {1, 32, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 11.10056209564209) {
-                      if (x.log2_S <= 14.376681804656982) {
-                        if (x.avg <= 2.654279112815857) {
-                          if (x.log2_S <= 14.151908874511719) {
-                            return {4, 64, 32, 1, 0};  // SP
-                          } else {
-                            if (x.avg <= 1.8444701433181763) {
-                              return {4, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
-                          }
+                    if (x.avg <= 3.395013928413391) {
+                      if (x.log2_S <= 11.40293836593628) {
+                        return {4, 64, 16, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 1.683139979839325) {
+                          return {4, 64, 32, 1, 0};  // SP
                         } else {
-                          if (x.avg <= 6.236572265625) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 14.16181230545044) {
+                          if (x.log2_S <= 11.774384021759033) {
+                            if (x.avg <= 2.804757595062256) {
                               return {4, 64, 16, 2, 0};  // SP
                             } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 1.4803852438926697) {
-                          if (x.log2_S <= 14.677810668945312) {
-                            if (x.avg <= 1.394461750984192) {
-                              return {2, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
+                              return {4, 64, 32, 1, 0};  // SP
                             }
                           } else {
-                            return {4, 16, 64, 4, 0};  // SP
+                            return {4, 32, 64, 4, 0};  // SP
                           }
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.avg <= 14.144172668457031) {
-                        if (x.log2_S <= 15.046083450317383) {
-                          return {4, 64, 16, 2, 0};  // SP
+                      return {2, 64, 32, 1, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 2.064411163330078) {
+                      if (x.log2_S <= 11.425723552703857) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 11.623013973236084) {
+                        if (x.log2_S <= 10.652775287628174) {
+                          if (x.avg <= 17.889220237731934) {
+                            if (x.avg <= 14.855258464813232) {
+                              if (x.avg <= 4.4215638637542725) {
+                                if (x.avg <= 3.5807132720947266) {
+                                  return {2, 32, 8, 8, 1};  // SR
+                                } else {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
                         } else {
-                          return {4, 16, 64, 4, 0};  // SP
+                          if (x.avg <= 24.82820415496826) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 65.78921508789062) {
+                              if (x.log2_S <= 11.405147075653076) {
+                                return {4, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 11.423808097839355) {
+                                return {2, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 16, 16, 8, 1};  // SR
+                              }
+                            }
+                          }
                         }
                       } else {
-                        return {4, 64, 16, 2, 0};  // SP
+                        if (x.avg <= 10.644267082214355) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 49.0004768371582) {
+                            if (x.log2_S <= 11.884397029876709) {
+                              if (x.avg <= 12.070544719696045) {
+                                return {2, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {2, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 12.151406288146973) {
+                              return {2, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.avg <= 99.70310974121094) {
+                                return {2, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 9.845054626464844) {
+                      if (x.log2_S <= 11.371716022491455) {
+                        if (x.avg <= 3.26431143283844) {
+                          if (x.avg <= 2.2266398668289185) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 8.47956657409668) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.881341934204102) {
+                        if (x.log2_S <= 11.731828212738037) {
+                          return {2, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 85.44689559936523) {
+                            return {2, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 23.87650489807129) {
+                          if (x.avg <= 14.388498306274414) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 17.634300231933594) {
-                  if (x.avg <= 24.39226722717285) {
-                    if (x.avg <= 15.6852707862854) {
-                      return {4, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 15.945428371429443) {
-                        if (x.log2_S <= 15.776378154754639) {
-                          return {4, 64, 16, 2, 0};  // SP
-                        } else {
+                if (x.long_level <= 0.5) {
+                  if (x.avg <= 6.765360116958618) {
+                    if (x.log2_S <= 15.818819522857666) {
+                      if (x.avg <= 1.5763669610023499) {
+                        if (x.log2_S <= 14.187556743621826) {
                           return {4, 64, 32, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       } else {
-                        if (x.log2_S <= 17.439330101013184) {
-                          return {4, 16, 64, 4, 0};  // SP
+                        if (x.avg <= 3.513517379760742) {
+                          return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          return {4, 64, 32, 1, 0};  // SP
+                          if (x.log2_S <= 13.25790548324585) {
+                            return {2, 64, 32, 1, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 15.286425113677979) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 2.113805413246155) {
+                        if (x.log2_S <= 17.113795280456543) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.24425458908081) {
+                      if (x.avg <= 34.869436264038086) {
+                        return {2, 64, 32, 1, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 13.031474590301514) {
+                          return {2, 64, 32, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 14.76773452758789) {
+                        if (x.avg <= 7.994094133377075) {
+                          if (x.log2_S <= 15.475624084472656) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 17.409340858459473) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.13964080810547) {
+                          if (x.log2_S <= 15.410430431365967) {
+                            if (x.avg <= 26.721930503845215) {
+                              return {2, 64, 32, 1, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 15.053965091705322) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {2, 64, 32, 1, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 41.03344917297363) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 52.044328689575195) {
+                            if (x.log2_S <= 17.189237594604492) {
+                              if (x.avg <= 15.365679740905762) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {2, 64, 32, 1, 0};  // SP
+                              }
+                            } else {
+                              if (x.avg <= 20.880624771118164) {
+                                return {2, 64, 32, 1, 0};  // SP
+                              } else {
+                                return {4, 64, 16, 2, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 16.542827606201172) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 16.81136989593506) {
+                                return {2, 32, 64, 4, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 17.19053363800049) {
+                                  return {2, 64, 32, 1, 0};  // SP
+                                } else {
+                                  return {4, 16, 64, 4, 0};  // SP
+                                }
+                              }
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 22.845792770385742) {
+                    if (x.avg <= 3.7487878799438477) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 13.059917449951172) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.527361869812012) {
+                            if (x.avg <= 2.20531964302063) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 15.576009273529053) {
+                          if (x.log2_S <= 13.721420288085938) {
+                            if (x.log2_S <= 13.036684513092041) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 3.0903964042663574) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 16.590770721435547) {
+                          if (x.log2_S <= 13.212570190429688) {
+                            if (x.avg <= 9.943470478057861) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 12.89643383026123) {
+                                return {2, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 18.460043907165527) {
+                              if (x.avg <= 4.248424291610718) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 13.578826427459717) {
+                                  if (x.avg <= 8.48630428314209) {
+                                    return {2, 32, 8, 8, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 8, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 14.26234769821167) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 17.235753059387207) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 20.40174102783203) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.52640676498413) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 15.410547733306885) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 16, 2, 1};  // SR
+                            }
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 16.53119945526123) {
-                      if (x.log2_S <= 15.877736568450928) {
-                        return {4, 64, 32, 1, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 16.493057250976562) {
-                          return {4, 64, 16, 2, 0};  // SP
+                    if (x.log2_S <= 14.20898723602295) {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 32.54583930969238) {
+                          if (x.log2_S <= 13.018381595611572) {
+                            return {2, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
                         } else {
-                          return {4, 16, 64, 4, 0};  // SP
+                          return {4, 16, 8, 8, 1};  // SR
                         }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
                       }
                     } else {
-                      return {4, 64, 32, 1, 0};  // SP
+                      if (x.log2_S <= 17.436786651611328) {
+                        if (x.avg <= 25.965795516967773) {
+                          if (x.long_level <= 1.5) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.25220775604248) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 16, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {2, 32, 16, 2, 1};  // SR
+                      }
                     }
                   }
-                } else {
-                  return {4, 16, 64, 4, 0};  // SP
                 }
               }
             } else {
-              if (x.log2_S <= 17.491461753845215) {
-                if (x.log2_S <= 11.714262008666992) {
-                  if (x.avg <= 127.27607345581055) {
-                    if (x.log2_S <= 11.4481840133667) {
-                      return {2, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 9.282117366790771) {
-                        return {2, 32, 8, 8, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 87.33913803100586) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 9.89920949935913) {
-                      return {2, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 11.377919673919678) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 11.457314491271973) {
-                          if (x.log2_S <= 10.77872610092163) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.021611213684082) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.872085571289062) {
-                    if (x.avg <= 6.534351587295532) {
-                      if (x.log2_S <= 13.470001220703125) {
-                        if (x.log2_S <= 13.361310005187988) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 4.099487066268921) {
-                              if (x.avg <= 2.35201632976532) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 3.344505190849304) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 13.556652069091797) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 9.104622840881348) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 13.323924541473389) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 12.092592716217041) {
-                            if (x.avg <= 8.145142078399658) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.565747261047363) {
-                          if (x.avg <= 17.36408042907715) {
-                            if (x.log2_S <= 12.256113052368164) {
-                              if (x.long_level <= 1.5) {
-                                return {2, 32, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 101.0128173828125) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 21.645355224609375) {
-                      if (x.avg <= 3.649921178817749) {
-                        if (x.long_level <= 1.5) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.886700630187988) {
-                            if (x.avg <= 3.23066246509552) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 15.050955295562744) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 16.65640354156494) {
-                          if (x.avg <= 19.14488697052002) {
-                            if (x.avg <= 3.9159656763076782) {
-                              if (x.log2_S <= 15.60986328125) {
-                                if (x.long_level <= 1.5) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              if (x.log2_S <= 14.28482437133789) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.092517852783203) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 31.604331016540527) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 126.6425895690918) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 13.984779834747314) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 16, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 17.37198257446289) {
-                          if (x.avg <= 31.0159273147583) {
-                            if (x.log2_S <= 16.27394676208496) {
-                              if (x.log2_S <= 14.275065898895264) {
-                                if (x.long_level <= 1.5) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.long_level <= 1.5) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.avg <= 23.00348663330078) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {2, 32, 16, 2, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                }
+              if (x.long_level <= 0.5) {
+                return {4, 16, 64, 4, 0};  // SP
               } else {
-                if (x.log2_S <= 18.8361759185791) {
-                  if (x.avg <= 18.928302764892578) {
-                    if (x.avg <= 3.9570261240005493) {
-                      if (x.log2_S <= 18.128190994262695) {
+                if (x.log2_S <= 18.80728054046631) {
+                  if (x.avg <= 24.035021781921387) {
+                    if (x.avg <= 3.7279661893844604) {
+                      if (x.log2_S <= 17.784503936767578) {
                         if (x.long_level <= 1.5) {
-                          if (x.avg <= 3.1750948429107666) {
+                          if (x.avg <= 2.1469300985336304) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            if (x.avg <= 3.6566115617752075) {
-                              return {2, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 3.091128706932068) {
-                            return {2, 32, 16, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 17.798081398010254) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 16, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        return {2, 32, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 18.536978721618652) {
-                        if (x.log2_S <= 17.64314842224121) {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 17.604235649108887) {
-                              if (x.log2_S <= 17.54527187347412) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
+                            return {2, 64, 16, 2, 1};  // SR
                           }
                         } else {
                           return {4, 16, 16, 8, 1};  // SR
                         }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 5.364851474761963) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 12.69636344909668) {
-                              return {2, 32, 16, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 18.670562744140625) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 2, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 6.598341941833496) {
-                            return {2, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.537341117858887) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {2, 32, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      return {2, 32, 16, 2, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 19.220004081726074) {
-                    if (x.avg <= 18.14596652984619) {
-                      if (x.avg <= 7.053062677383423) {
-                        return {2, 32, 16, 2, 1};  // SR
                       } else {
                         if (x.long_level <= 1.5) {
                           return {2, 32, 16, 2, 1};  // SR
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
+                          if (x.log2_S <= 18.46632480621338) {
+                            if (x.log2_S <= 18.29162311553955) {
+                              if (x.avg <= 2.7976218461990356) {
+                                return {2, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 16, 2, 1};  // SR
+                          }
                         }
                       }
                     } else {
+                      if (x.avg <= 20.318821907043457) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {2, 32, 16, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {2, 32, 16, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 13.474396228790283) {
+                    if (x.avg <= 7.524099349975586) {
                       return {2, 32, 16, 2, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 18.93519878387451) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
                     }
                   } else {
                     return {2, 32, 16, 2, 1};  // SR
@@ -4037,18 +4057,18 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 17.70489501953125) {
+            if (x.log2_S <= 17.525598526000977) {
               return {2, 32, 64, 2, 1};  // SR
             } else {
-              if (x.avg <= 9.180902004241943) {
-                if (x.log2_S <= 19.816657066345215) {
-                  if (x.log2_S <= 19.71196937561035) {
+              if (x.avg <= 8.55674409866333) {
+                if (x.log2_S <= 19.90291690826416) {
+                  if (x.log2_S <= 19.2601375579834) {
                     return {2, 32, 64, 2, 1};  // SR
                   } else {
-                    if (x.avg <= 2.4925992488861084) {
+                    if (x.avg <= 2.4718129634857178) {
                       return {2, 32, 64, 2, 1};  // SR
                     } else {
-                      if (x.avg <= 4.614237308502197) {
+                      if (x.avg <= 5.389202833175659) {
                         return {4, 16, 64, 4, 0};  // SP
                       } else {
                         return {2, 32, 64, 2, 1};  // SR
@@ -4056,18 +4076,10 @@ inline Config plain_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.avg <= 6.240694046020508) {
-                    if (x.log2_S <= 19.871907234191895) {
-                      if (x.avg <= 2.7537019848823547) {
-                        return {2, 32, 64, 2, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
+                  if (x.avg <= 6.931105136871338) {
+                    return {4, 16, 64, 4, 0};  // SP
                   } else {
-                    if (x.avg <= 7.875284433364868) {
+                    if (x.avg <= 7.67879056930542) {
                       return {2, 32, 64, 2, 1};  // SR
                     } else {
                       return {4, 16, 64, 4, 0};  // SP
@@ -4080,198 +4092,154 @@ inline Config plain_config(const Features& f) {
             }
           }
         } else {
-          if (x.log2_S <= 15.10708236694336) {
-            if (x.long_level <= 2.5) {
+          if (x.long_level <= 2.5) {
+            if (x.log2_S <= 15.106319427490234) {
               if (x.long_level <= 0.5) {
-                if (x.log2_S <= 13.500014781951904) {
-                  if (x.avg <= 1.42610102891922) {
-                    if (x.log2_S <= 10.414836883544922) {
-                      return {1, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 1.3492987155914307) {
-                        return {2, 32, 8, 2, 1};  // SR
+                if (x.log2_S <= 12.577507972717285) {
+                  if (x.avg <= 1.6999621391296387) {
+                    if (x.avg <= 1.344492793083191) {
+                      if (x.log2_S <= 10.617246627807617) {
+                        return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.983932495117188) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 1};  // SR
-                        }
+                        return {2, 32, 8, 2, 1};  // SR
                       }
+                    } else {
+                      return {4, 64, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 13.316411972045898) {
-                      if (x.avg <= 1.5235578417778015) {
-                        if (x.log2_S <= 11.906822204589844) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {2, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        return {1, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 7.913744211196899) {
-                        if (x.avg <= 4.720682382583618) {
-                          if (x.avg <= 1.5810415744781494) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 3.701995372772217) {
-                              return {1, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.avg <= 4.133038520812988) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {1, 32, 64, 2, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {1, 32, 64, 2, 0};  // SP
-                      }
-                    }
+                    return {1, 32, 64, 2, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 1.5000263452529907) {
-                    return {2, 32, 8, 2, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 13.917332649230957) {
-                      if (x.avg <= 3.7146672010421753) {
-                        return {1, 32, 64, 2, 0};  // SP
+                  if (x.log2_S <= 13.767477989196777) {
+                    if (x.avg <= 3.19327712059021) {
+                      if (x.avg <= 1.3455090522766113) {
+                        return {2, 32, 8, 2, 1};  // SR
                       } else {
-                        if (x.avg <= 18.10768699645996) {
-                          if (x.avg <= 8.422462940216064) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {1, 32, 64, 2, 0};  // SP
-                          }
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 13.644467830657959) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.74253511428833) {
+                          return {4, 64, 64, 1, 0};  // SP
                         } else {
-                          return {4, 32, 64, 2, 0};  // SP
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 10.949942588806152) {
+                      if (x.avg <= 3.7743451595306396) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.259429454803467) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.76224136352539) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
                         }
                       }
                     } else {
-                      return {4, 32, 64, 2, 0};  // SP
+                      return {4, 64, 64, 2, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.avg <= 5.254184007644653) {
-                  if (x.log2_S <= 11.673576354980469) {
+                if (x.avg <= 7.780601501464844) {
+                  if (x.log2_S <= 11.611731052398682) {
                     if (x.long_level <= 1.5) {
-                      return {1, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.avg <= 2.3677393198013306) {
-                        if (x.log2_S <= 11.545476913452148) {
+                      if (x.log2_S <= 11.337596416473389) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 4.197205543518066) {
                           return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.avg <= 1.9833486676216125) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 2.9689881801605225) {
+                        if (x.avg <= 2.0510568618774414) {
+                          if (x.log2_S <= 11.496198654174805) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 2.5557820796966553) {
                             return {2, 32, 8, 2, 1};  // SR
                           } else {
                             return {4, 32, 8, 8, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.avg <= 3.4756102561950684) {
-                          if (x.avg <= 2.5408260822296143) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.078764915466309) {
-                              return {4, 32, 8, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 3.0721893310546875) {
-                                return {4, 32, 8, 8, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 11.527725219726562) {
-                                  return {2, 32, 8, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 8, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 11.55104923248291) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        }
+                        return {4, 16, 8, 8, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 2.887235641479492) {
-                      if (x.log2_S <= 12.51906967163086) {
-                        if (x.avg <= 1.9573135375976562) {
-                          if (x.log2_S <= 11.910881042480469) {
-                            if (x.long_level <= 1.5) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            return {2, 32, 8, 2, 1};  // SR
-                          }
+                    if (x.avg <= 3.310583233833313) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 12.498444557189941) {
+                          return {2, 32, 8, 8, 1};  // SR
                         } else {
-                          if (x.avg <= 2.340086817741394) {
-                            if (x.long_level <= 1.5) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
+                          return {2, 32, 8, 2, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 2.400472640991211) {
-                          if (x.log2_S <= 15.103423595428467) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {2, 64, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.233926773071289) {
-                            if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 14.365918636322021) {
+                          if (x.avg <= 2.0497771501541138) {
+                            if (x.log2_S <= 13.020111083984375) {
                               return {2, 32, 8, 2, 1};  // SR
                             } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 14.985220909118652) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {2, 64, 16, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.118884563446045) {
-                          if (x.log2_S <= 12.17403793334961) {
-                            if (x.avg <= 3.435003399848938) {
-                              return {4, 32, 8, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 11.973861694335938) {
-                                return {1, 32, 8, 4, 1};  // SR
+                              if (x.log2_S <= 13.680063247680664) {
+                                return {4, 16, 16, 8, 1};  // SR
                               } else {
                                 return {2, 32, 8, 2, 1};  // SR
                               }
                             }
                           } else {
-                            if (x.avg <= 5.21331524848938) {
-                              return {2, 32, 8, 2, 1};  // SR
+                            if (x.log2_S <= 13.02480411529541) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 13.829097270965576) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 2.5570393800735474) {
+                            return {2, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.700438499450684) {
+                        if (x.log2_S <= 12.883546352386475) {
+                          if (x.avg <= 3.38578200340271) {
+                            return {4, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 7.5731751918792725) {
+                              return {4, 16, 8, 8, 1};  // SR
                             } else {
                               return {4, 32, 8, 8, 1};  // SR
                             }
                           }
                         } else {
-                          if (x.avg <= 3.3398025035858154) {
-                            return {2, 32, 8, 2, 1};  // SR
+                          if (x.long_level <= 1.5) {
+                            if (x.avg <= 6.769925355911255) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
                           } else {
-                            return {4, 32, 8, 8, 1};  // SR
+                            return {4, 16, 16, 8, 1};  // SR
                           }
                         }
                       } else {
@@ -4280,135 +4248,115 @@ inline Config plain_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.425722122192383) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 11.237182140350342) {
-                        if (x.avg <= 71.90711975097656) {
-                          if (x.avg <= 14.120760440826416) {
-                            if (x.avg <= 8.902595043182373) {
+                  if (x.log2_S <= 14.554523468017578) {
+                    if (x.avg <= 10.639831066131592) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 12.784961700439453) {
+                          if (x.log2_S <= 9.170652389526367) {
+                            if (x.avg <= 8.652865886688232) {
                               return {1, 32, 8, 4, 1};  // SR
                             } else {
-                              if (x.avg <= 10.01903247833252) {
-                                if (x.log2_S <= 9.596792697906494) {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 32, 8, 8, 1};  // SR
-                              }
+                              return {4, 16, 8, 8, 1};  // SR
                             }
                           } else {
-                            if (x.avg <= 55.61348342895508) {
-                              if (x.log2_S <= 11.221879005432129) {
-                                return {2, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 9.673986434936523) {
-                                return {2, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 77.19825744628906) {
-                            if (x.log2_S <= 9.490736484527588) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 6.253479719161987) {
-                          if (x.log2_S <= 11.801377296447754) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.839659690856934) {
-                              return {4, 32, 8, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 13.559187889099121) {
-                                return {2, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 7.26545524597168) {
-                            if (x.log2_S <= 11.635194301605225) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.avg <= 7.231086492538452) {
-                                return {4, 32, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.286087989807129) {
-                        return {4, 32, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.580168724060059) {
-                          if (x.avg <= 22.43189239501953) {
-                            if (x.avg <= 7.977052688598633) {
-                              return {4, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 64, 64, 1, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
+                            return {4, 16, 8, 8, 1};  // SR
                           }
                         } else {
                           return {4, 32, 8, 8, 1};  // SR
                         }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 13.557809352874756) {
-                      return {4, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 97.92035293579102) {
-                        if (x.avg <= 16.552066802978516) {
-                          if (x.log2_S <= 14.752530574798584) {
-                            return {4, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.873196601867676) {
+                          return {4, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.728618144989014) {
+                            return {4, 16, 16, 8, 1};  // SR
                           } else {
+                            if (x.log2_S <= 14.042392253875732) {
+                              return {2, 64, 64, 1, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 27.153298377990723) {
+                        if (x.log2_S <= 9.260841846466064) {
+                          if (x.long_level <= 1.5) {
+                            if (x.avg <= 13.780072689056396) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 12.783632755279541) {
+                            if (x.long_level <= 1.5) {
+                              if (x.log2_S <= 10.457394123077393) {
+                                if (x.avg <= 14.946663856506348) {
+                                  return {4, 32, 8, 8, 1};  // SR
+                                } else {
+                                  if (x.avg <= 20.09720516204834) {
+                                    return {2, 32, 8, 2, 1};  // SR
+                                  } else {
+                                    return {4, 32, 8, 8, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                return {4, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 13.579670906066895) {
+                                if (x.log2_S <= 12.899311065673828) {
+                                  return {4, 32, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              } else {
+                                if (x.log2_S <= 14.41694974899292) {
+                                  return {4, 32, 8, 8, 1};  // SR
+                                } else {
+                                  return {2, 64, 16, 2, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 14.300899982452393) {
+                          return {4, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 77.13151168823242) {
                             if (x.long_level <= 1.5) {
                               return {4, 32, 8, 8, 1};  // SR
                             } else {
                               return {2, 64, 16, 2, 1};  // SR
                             }
-                          }
-                        } else {
-                          if (x.log2_S <= 14.570736408233643) {
-                            if (x.avg <= 60.320308685302734) {
-                              return {2, 64, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
                           } else {
-                            return {2, 64, 16, 2, 1};  // SR
+                            return {4, 32, 8, 8, 1};  // SR
                           }
                         }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 17.827725410461426) {
+                      return {4, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 85.83758926391602) {
+                        return {2, 64, 16, 2, 1};  // SR
                       } else {
-                        if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 14.809905052185059) {
                           return {4, 32, 8, 8, 1};  // SR
                         } else {
-                          if (x.log2_S <= 14.725776195526123) {
-                            return {4, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {2, 64, 16, 2, 1};  // SR
-                          }
+                          return {2, 64, 16, 2, 1};  // SR
                         }
                       }
                     }
@@ -4416,172 +4364,240 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              return {2, 64, 64, 1, 1};  // SR
-            }
-          } else {
-            if (x.long_level <= 0.5) {
-              return {4, 32, 64, 2, 0};  // SP
-            } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 16.936506271362305) {
-                  if (x.log2_S <= 15.385005474090576) {
-                    if (x.avg <= 13.50805377960205) {
-                      if (x.avg <= 4.165245532989502) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 2.6281917095184326) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 15.229618072509766) {
-                              return {4, 32, 8, 8, 1};  // SR
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 20.050220489501953) {
+                  if (x.log2_S <= 17.682388305664062) {
+                    if (x.log2_S <= 16.115931510925293) {
+                      if (x.avg <= 13.389600276947021) {
+                        if (x.avg <= 3.215519905090332) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 6.784632205963135) {
+                            if (x.avg <= 3.9262391328811646) {
+                              return {4, 64, 64, 1, 0};  // SP
                             } else {
-                              return {2, 64, 16, 2, 1};  // SR
+                              if (x.log2_S <= 15.287779808044434) {
+                                return {4, 64, 64, 1, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 15.170103549957275) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 6.568157911300659) {
+                        if (x.avg <= 2.3043901920318604) {
+                          if (x.log2_S <= 16.972968101501465) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            if (x.avg <= 1.8441716432571411) {
+                              if (x.log2_S <= 17.1664457321167) {
+                                return {4, 64, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              if (x.log2_S <= 17.403388023376465) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
                             }
                           }
                         } else {
-                          return {2, 64, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 7.955670595169067) {
-                          return {4, 32, 8, 8, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 15.335095882415771) {
-                              return {4, 32, 8, 8, 1};  // SR
+                          if (x.log2_S <= 17.34395408630371) {
+                            if (x.log2_S <= 16.327346801757812) {
+                              return {4, 64, 64, 1, 0};  // SP
                             } else {
-                              return {2, 64, 16, 2, 1};  // SR
+                              return {4, 32, 64, 2, 0};  // SP
                             }
                           } else {
-                            if (x.log2_S <= 15.142054080963135) {
-                              return {4, 32, 8, 8, 1};  // SR
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 35.18104934692383) {
+                          if (x.log2_S <= 17.165624618530273) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            if (x.avg <= 12.291197776794434) {
+                              return {4, 64, 64, 1, 0};  // SP
                             } else {
-                              return {2, 64, 16, 2, 1};  // SR
+                              return {4, 64, 64, 2, 0};  // SP
                             }
+                          }
+                        } else {
+                          if (x.log2_S <= 16.982402801513672) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
                           }
                         }
                       }
-                    } else {
-                      return {2, 64, 16, 2, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 16.67160129547119) {
-                      return {2, 64, 16, 2, 1};  // SR
-                    } else {
-                      if (x.avg <= 8.859108924865723) {
-                        if (x.avg <= 4.326277017593384) {
-                          return {2, 64, 16, 2, 1};  // SR
+                    if (x.avg <= 3.163215756416321) {
+                      if (x.log2_S <= 18.354037284851074) {
+                        if (x.avg <= 1.5969539880752563) {
+                          return {4, 32, 64, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 16.79218292236328) {
-                            if (x.long_level <= 1.5) {
-                              return {2, 64, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       } else {
-                        return {2, 64, 16, 2, 1};  // SR
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 17.799691200256348) {
+                        if (x.avg <= 9.593425750732422) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 64, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 4.183426856994629) {
-                    if (x.log2_S <= 18.826476097106934) {
-                      if (x.log2_S <= 18.448955535888672) {
-                        return {2, 64, 16, 2, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 3.8618630170822144) {
-                            return {2, 64, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
+                  return {4, 16, 64, 4, 0};  // SP
+                }
+              } else {
+                if (x.avg <= 3.970007538795471) {
+                  if (x.log2_S <= 15.955089092254639) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 2.5058016777038574) {
+                        if (x.log2_S <= 15.264760494232178) {
+                          return {2, 32, 8, 2, 1};  // SR
                         } else {
-                          if (x.avg <= 3.463496685028076) {
-                            return {4, 32, 8, 2, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 18.485336303710938) {
-                              return {4, 32, 8, 2, 0};  // SP
-                            } else {
-                              return {2, 64, 16, 2, 1};  // SR
-                            }
-                          }
+                          return {2, 32, 16, 2, 1};  // SR
                         }
+                      } else {
+                        return {4, 32, 8, 8, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 3.4917373657226562) {
-                        return {4, 32, 8, 2, 0};  // SP
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 3.9352548122406006) {
-                            return {2, 64, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
+                      if (x.log2_S <= 15.356366157531738) {
+                        if (x.avg <= 2.7632229328155518) {
+                          return {2, 32, 16, 2, 1};  // SR
                         } else {
-                          return {4, 32, 8, 2, 0};  // SP
+                          return {4, 32, 8, 8, 1};  // SR
                         }
+                      } else {
+                        return {2, 64, 16, 2, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 17.03543186187744) {
-                      if (x.log2_S <= 17.02950668334961) {
-                        if (x.avg <= 14.692734241485596) {
-                          return {4, 32, 8, 2, 0};  // SP
-                        } else {
-                          if (x.avg <= 22.526801109313965) {
+                    if (x.log2_S <= 18.86909770965576) {
+                      return {2, 64, 16, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 19.32141876220703) {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 2.432122588157654) {
                             return {2, 64, 16, 2, 1};  // SR
                           } else {
                             return {4, 32, 8, 2, 0};  // SP
                           }
+                        } else {
+                          return {4, 32, 8, 2, 0};  // SP
                         }
                       } else {
-                        return {2, 64, 16, 2, 1};  // SR
+                        if (x.avg <= 2.6931331157684326) {
+                          return {2, 64, 16, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.836810350418091) {
+                            return {4, 32, 8, 2, 0};  // SP
+                          } else {
+                            return {2, 64, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.36487579345703) {
+                    if (x.avg <= 13.288782119750977) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 15.956535816192627) {
+                          return {4, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 6.467127561569214) {
+                          if (x.log2_S <= 15.724855422973633) {
+                            return {4, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.068113327026367) {
+                              return {2, 64, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {2, 64, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {2, 64, 16, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 17.95633602142334) {
+                      if (x.long_level <= 1.5) {
+                        return {4, 32, 8, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 12.993786811828613) {
+                          if (x.avg <= 4.312594890594482) {
+                            return {2, 64, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
+                        } else {
+                          return {2, 64, 16, 2, 1};  // SR
+                        }
                       }
                     } else {
                       return {4, 32, 8, 2, 0};  // SP
                     }
                   }
                 }
+              }
+            }
+          } else {
+            if (x.log2_S <= 16.74105167388916) {
+              if (x.log2_S <= 16.35723304748535) {
+                return {2, 64, 64, 1, 1};  // SR
               } else {
-                if (x.log2_S <= 16.374524116516113) {
+                if (x.avg <= 7.834064245223999) {
                   return {2, 64, 64, 1, 1};  // SR
                 } else {
-                  if (x.log2_S <= 16.61308193206787) {
-                    if (x.avg <= 9.555657386779785) {
-                      if (x.log2_S <= 16.5936336517334) {
-                        return {2, 64, 64, 1, 1};  // SR
-                      } else {
-                        if (x.avg <= 4.137697815895081) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          if (x.avg <= 8.54259967803955) {
-                            return {2, 64, 64, 1, 1};  // SR
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
+                  if (x.log2_S <= 16.473968505859375) {
+                    return {4, 32, 64, 2, 0};  // SP
                   } else {
-                    if (x.log2_S <= 17.12483501434326) {
-                      if (x.avg <= 7.809848785400391) {
-                        if (x.avg <= 4.338715672492981) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {2, 64, 64, 1, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 }
+              }
+            } else {
+              if (x.log2_S <= 17.466909408569336) {
+                if (x.avg <= 7.688668966293335) {
+                  if (x.avg <= 4.628989934921265) {
+                    return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    return {2, 64, 64, 1, 1};  // SR
+                  }
+                } else {
+                  return {4, 32, 64, 4, 0};  // SP
+                }
+              } else {
+                return {4, 32, 64, 2, 0};  // SP
               }
             }
           }
@@ -4591,904 +4607,872 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 18, 1148 leaves
-//   oracle/pick on held-out graphs: geomean 0.950, worst 0.397; held-out base graphs (25): 0.933, worst 0.432 (hand heuristic: 0.806, worst 0.356; training set: 0.988, worst 0.881)
+// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 16, 1142 leaves
+//   oracle/pick on held-out graphs: geomean 0.952, worst 0.397; held-out base graphs (25): 0.938, worst 0.432 (hand heuristic: 0.806, worst 0.356; training set: 0.993, worst 0.904)
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 15.369675159454346) {
-          if (x.long_level <= 2.5) {
-            if (x.avg <= 20.632290840148926) {
-              if (x.log2_S <= 13.849486351013184) {
-                if (x.long_level <= 0.5) {
-                  if (x.log2_S <= 10.424030303955078) {
-                    if (x.avg <= 3.4390974044799805) {
-                      if (x.avg <= 1.5220927000045776) {
-                        return {1, 16, 16, 8, 0};  // SP
-                      } else {
-                        return {1, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 10.136452198028564) {
-                        return {1, 1, 64, 256, 0};  // SP
-                      } else {
-                        if (x.avg <= 13.765242576599121) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {1, 1, 64, 256, 0};  // SP
-                        }
-                      }
-                    }
+        if (x.log2_S <= 17.64079761505127) {
+          if (x.log2_S <= 12.937145233154297) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 9.61498737335205) {
+                if (x.avg <= 3.387921452522278) {
+                  if (x.avg <= 1.4274342060089111) {
+                    return {1, 16, 16, 8, 0};  // SP
                   } else {
-                    if (x.log2_S <= 13.122256755828857) {
-                      if (x.avg <= 1.5982738137245178) {
-                        return {1, 16, 16, 8, 0};  // SP
-                      } else {
-                        if (x.avg <= 3.7280375957489014) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.608468532562256) {
-                            if (x.log2_S <= 11.352594375610352) {
-                              if (x.log2_S <= 10.52056360244751) {
-                                return {1, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {1, 16, 16, 8, 0};  // SP
-                              }
-                            } else {
-                              if (x.avg <= 16.05052375793457) {
-                                if (x.avg <= 6.793926477432251) {
-                                  if (x.avg <= 4.11164927482605) {
-                                    return {1, 32, 64, 2, 0};  // SP
-                                  } else {
-                                    if (x.log2_S <= 12.019225597381592) {
-                                      return {1, 16, 16, 8, 0};  // SP
-                                    } else {
-                                      return {1, 32, 64, 2, 0};  // SP
-                                    }
-                                  }
-                                } else {
-                                  return {1, 32, 64, 2, 0};  // SP
-                                }
-                              } else {
-                                if (x.log2_S <= 12.114080905914307) {
-                                  if (x.log2_S <= 11.449910163879395) {
-                                    return {1, 16, 16, 8, 0};  // SP
-                                  } else {
-                                    return {1, 32, 64, 2, 0};  // SP
-                                  }
-                                } else {
-                                  return {1, 16, 16, 8, 0};  // SP
-                                }
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 15.33402395248413) {
-                              return {1, 16, 16, 8, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 12.799695491790771) {
-                                return {1, 16, 16, 8, 0};  // SP
-                              } else {
-                                return {1, 1, 8, 256, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      }
+                    if (x.avg <= 2.3779170513153076) {
+                      return {2, 16, 64, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 9.976532936096191) {
-                        if (x.avg <= 3.96356463432312) {
-                          return {1, 16, 16, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 13.534334659576416) {
-                            return {1, 16, 16, 8, 0};  // SP
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
+                      return {1, 8, 64, 32, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.287157535552979) {
-                    return {1, 4, 8, 64, 1};  // SR
+                  return {1, 1, 64, 256, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 10.475951671600342) {
+                  if (x.avg <= 26.2909574508667) {
+                    if (x.avg <= 3.2867298126220703) {
+                      if (x.avg <= 1.3945150971412659) {
+                        return {1, 16, 16, 8, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
                   } else {
-                    if (x.avg <= 12.159775257110596) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 12.581044673919678) {
-                          if (x.avg <= 4.042149305343628) {
-                            return {1, 32, 64, 2, 0};  // SP
-                          } else {
-                            if (x.avg <= 5.530350685119629) {
-                              if (x.log2_S <= 12.183067798614502) {
-                                return {1, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
+                    return {2, 16, 64, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 1.5079777240753174) {
+                    return {1, 16, 16, 8, 0};  // SP
+                  } else {
+                    return {2, 16, 64, 2, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 10.803475379943848) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 4.122907400131226) {
+                    if (x.log2_S <= 11.274818420410156) {
+                      if (x.avg <= 2.622504949569702) {
+                        return {1, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.avg <= 2.863608956336975) {
+                          return {1, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.01192569732666) {
+                        return {1, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.992744445800781) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 8.808809280395508) {
+                        if (x.log2_S <= 12.123357772827148) {
+                          return {1, 16, 8, 8, 1};  // SR
                         } else {
                           return {1, 4, 8, 64, 1};  // SR
                         }
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
+                        return {1, 8, 8, 32, 1};  // SR
                       }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 5.402210235595703) {
+                      return {1, 1, 8, 256, 1};  // SR
                     } else {
-                      if (x.log2_S <= 12.599294185638428) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
+                      return {1, 2, 8, 128, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 14.299417495727539) {
-                  if (x.avg <= 6.875253915786743) {
-                    if (x.long_level <= 1.5) {
-                      if (x.long_level <= 0.5) {
-                        if (x.log2_S <= 14.026312828063965) {
-                          if (x.avg <= 3.6623703241348267) {
-                            return {1, 16, 16, 8, 0};  // SP
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      return {1, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    return {1, 1, 8, 256, 1};  // SR
-                  }
-                } else {
-                  return {1, 1, 8, 256, 1};  // SR
-                }
-              }
-            } else {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 10.42517375946045) {
-                  if (x.log2_S <= 10.100866794586182) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.avg <= 46.25887680053711) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      return {1, 16, 16, 8, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.064093112945557) {
-                    return {1, 16, 16, 8, 0};  // SP
-                  } else {
-                    if (x.avg <= 54.76768493652344) {
-                      if (x.log2_S <= 15.04292917251587) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    } else {
-                      return {1, 16, 16, 8, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.306488513946533) {
-                  if (x.avg <= 42.67427635192871) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 11.882047653198242) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      return {1, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 12.978753566741943) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 97.80231475830078) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          if (x.avg <= 119.34536743164062) {
-                            if (x.log2_S <= 13.511921405792236) {
-                              return {1, 1, 8, 256, 1};  // SR
-                            } else {
-                              return {1, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {1, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
+                if (x.avg <= 82.2222671508789) {
                   if (x.long_level <= 1.5) {
-                    if (x.avg <= 102.26493453979492) {
-                      return {1, 1, 8, 256, 1};  // SR
+                    if (x.log2_S <= 11.258137226104736) {
+                      if (x.avg <= 56.76556587219238) {
+                        if (x.avg <= 29.14961051940918) {
+                          if (x.avg <= 17.889220237731934) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
                     } else {
-                      if (x.log2_S <= 15.085931777954102) {
-                        return {1, 32, 64, 2, 0};  // SP
+                      if (x.log2_S <= 12.278308868408203) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 15.913970470428467) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.911688327789307) {
+                      if (x.avg <= 13.087641716003418) {
+                        if (x.log2_S <= 10.272706985473633) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.long_level <= 2.5) {
+                        if (x.avg <= 33.0731086730957) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
                       } else {
                         return {1, 1, 8, 256, 1};  // SR
                       }
                     }
-                  } else {
-                    if (x.avg <= 36.70224571228027) {
-                      if (x.log2_S <= 15.09059190750122) {
-                        return {1, 1, 8, 256, 1};  // SR
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 125.08721923828125) {
+                        if (x.log2_S <= 11.830405712127686) {
+                          if (x.log2_S <= 10.47319507598877) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
                       } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.387452602386475) {
-                        if (x.avg <= 63.940704345703125) {
+                        if (x.log2_S <= 12.696177959442139) {
                           return {1, 1, 8, 256, 1};  // SR
                         } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            return {1, 32, 8, 4, 32};  // PR
-          }
-        } else {
-          if (x.long_level <= 1.5) {
-            if (x.log2_S <= 18.521799087524414) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 16.956530570983887) {
-                  if (x.avg <= 53.90127944946289) {
-                    if (x.log2_S <= 16.78692626953125) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      if (x.avg <= 5.989494562149048) {
-                        return {1, 32, 8, 4, 32};  // PR
-                      } else {
-                        if (x.avg <= 22.079833984375) {
-                          if (x.avg <= 14.355662822723389) {
-                            return {1, 2, 64, 128, 0};  // SP
-                          } else {
-                            return {1, 32, 16, 4, 32};  // PR
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    return {1, 16, 16, 8, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 15.521020889282227) {
-                    if (x.avg <= 3.964005947113037) {
-                      if (x.log2_S <= 17.766515731811523) {
-                        if (x.avg <= 2.828972101211548) {
-                          return {1, 32, 8, 4, 32};  // PR
-                        } else {
-                          if (x.log2_S <= 17.24411964416504) {
-                            return {1, 32, 8, 4, 32};  // PR
-                          } else {
-                            return {1, 2, 64, 128, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 18.410720825195312) {
-                        return {1, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 47.488643646240234) {
-                      return {1, 32, 16, 4, 32};  // PR
-                    } else {
-                      if (x.log2_S <= 17.846922874450684) {
-                        if (x.avg <= 55.56083106994629) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 18.423419952392578) {
-                  return {1, 1, 8, 256, 1};  // SR
-                } else {
-                  if (x.avg <= 29.306653022766113) {
-                    return {1, 1, 8, 256, 1};  // SR
-                  } else {
-                    return {1, 32, 16, 4, 32};  // PR
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 0.5) {
-                if (x.avg <= 15.749133586883545) {
-                  if (x.log2_S <= 23.873727798461914) {
-                    if (x.avg <= 11.126909732818604) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 19.8799991607666) {
-                        if (x.avg <= 14.665114879608154) {
-                          return {1, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 23.613143920898438) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 3.945998430252075) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 24.386637687683105) {
-                        if (x.avg <= 6.81334376335144) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 23.80464458465576) {
-                    if (x.avg <= 23.18490505218506) {
-                      if (x.log2_S <= 21.970988273620605) {
-                        if (x.log2_S <= 18.767751693725586) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 23.081279754638672) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
+                          return {4, 32, 32, 1, 0};  // SP
                         }
                       }
                     } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 21.173367500305176) {
-                  if (x.avg <= 3.9678577184677124) {
-                    if (x.log2_S <= 19.682812690734863) {
-                      if (x.log2_S <= 18.81655788421631) {
+                      if (x.log2_S <= 11.969113826751709) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
                         return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 19.389723777770996) {
-                          if (x.log2_S <= 19.10489845275879) {
-                            return {1, 32, 8, 4, 32};  // PR
-                          } else {
-                            return {1, 32, 16, 4, 32};  // PR
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 3.5045077800750732) {
-                        if (x.log2_S <= 21.108043670654297) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
                       }
                     }
                   } else {
-                    return {1, 32, 16, 4, 32};  // PR
+                    if (x.log2_S <= 12.404636859893799) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
                   }
-                } else {
-                  return {1, 32, 8, 4, 32};  // PR
                 }
               }
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 15.514732360839844) {
-                if (x.avg <= 15.008893489837646) {
-                  return {1, 1, 8, 256, 1};  // SR
+              if (x.long_level <= 1.5) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 14.608222484588623) {
+                    if (x.avg <= 5.266460418701172) {
+                      if (x.log2_S <= 14.11286449432373) {
+                        return {2, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 37.50490951538086) {
+                        if (x.avg <= 9.427473068237305) {
+                          if (x.log2_S <= 13.731988906860352) {
+                            return {2, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 1, 8, 256, 1};  // SR
+                          }
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 10.029459953308105) {
+                      if (x.log2_S <= 15.309628009796143) {
+                        if (x.avg <= 3.3614240884780884) {
+                          if (x.avg <= 1.5373820662498474) {
+                            return {1, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {1, 4, 64, 64, 0};  // SP
+                          }
+                        } else {
+                          return {4, 2, 32, 128, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 3.7239084243774414) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.log2_S <= 16.78947925567627) {
+                            if (x.log2_S <= 15.57705020904541) {
+                              return {4, 2, 32, 128, 0};  // SP
+                            } else {
+                              return {2, 32, 8, 2, 32};  // PR
+                            }
+                          } else {
+                            return {1, 2, 64, 128, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 36.64497756958008) {
+                        return {1, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 15.569022178649902) {
+                          return {2, 16, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 17.038171768188477) {
+                            if (x.avg <= 49.122318267822266) {
+                              return {2, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {1, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {1, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.457554817199707) {
+                    if (x.avg <= 7.562445878982544) {
+                      if (x.log2_S <= 14.200663089752197) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 100.91033172607422) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.134967803955078) {
+                          return {4, 32, 32, 1, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 1, 8, 256, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 15.288371562957764) {
+                  if (x.avg <= 13.86820125579834) {
+                    if (x.log2_S <= 14.426337242126465) {
+                      if (x.log2_S <= 13.390831470489502) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.604038715362549) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.avg <= 39.14265251159668) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.079676628112793) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.avg <= 8.855204582214355) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.532817363739014) {
+                if (x.avg <= 93.29088973999023) {
+                  if (x.avg <= 8.086034297943115) {
+                    return {1, 1, 8, 256, 1};  // SR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
                 } else {
                   return {1, 32, 8, 4, 32};  // PR
                 }
               } else {
-                return {1, 32, 8, 4, 32};  // PR
-              }
-            } else {
-              if (x.log2_S <= 21.727221488952637) {
-                if (x.log2_S <= 17.820697784423828) {
+                if (x.log2_S <= 16.45382785797119) {
                   return {1, 32, 8, 4, 32};  // PR
                 } else {
-                  if (x.log2_S <= 17.977660179138184) {
-                    if (x.avg <= 8.361450672149658) {
+                  if (x.log2_S <= 16.913389205932617) {
+                    if (x.avg <= 7.067917823791504) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 2.5) {
+            if (x.long_level <= 0.5) {
+              if (x.avg <= 10.823012828826904) {
+                if (x.avg <= 4.72489857673645) {
+                  if (x.log2_S <= 17.717555046081543) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 24.113988876342773) {
+                    if (x.log2_S <= 18.469008445739746) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 23.35067367553711) {
+                  if (x.avg <= 15.772557735443115) {
+                    if (x.log2_S <= 20.402493476867676) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.avg <= 13.026453971862793) {
+                        return {1, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.52048683166504) {
+                      if (x.avg <= 47.488643646240234) {
+                        return {1, 32, 16, 4, 32};  // PR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    } else {
+                      if (x.avg <= 25.482285499572754) {
+                        if (x.log2_S <= 22.528620719909668) {
+                          if (x.log2_S <= 19.36701011657715) {
+                            return {1, 32, 16, 4, 32};  // PR
+                          } else {
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
+                        } else {
+                          return {1, 32, 16, 4, 32};  // PR
+                        }
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 30.56638240814209) {
+                    return {1, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 24.419248580932617) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {4, 2, 32, 128, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 21.20132064819336) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 18.354680061340332) {
+                    if (x.avg <= 41.814409255981445) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
+                  } else {
+                    if (x.avg <= 4.011497616767883) {
+                      if (x.log2_S <= 19.163789749145508) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 20.641719818115234) {
+                          if (x.log2_S <= 19.575095176696777) {
+                            if (x.log2_S <= 19.358214378356934) {
+                              return {1, 32, 16, 4, 32};  // PR
+                            } else {
+                              return {1, 32, 8, 4, 32};  // PR
+                            }
+                          } else {
+                            return {1, 32, 16, 4, 32};  // PR
+                          }
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {1, 32, 16, 4, 32};  // PR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 18.197050094604492) {
+                    if (x.avg <= 34.35258865356445) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
+                }
+              } else {
+                return {1, 32, 8, 4, 32};  // PR
+              }
+            }
+          } else {
+            if (x.log2_S <= 21.727221488952637) {
+              if (x.log2_S <= 18.396360397338867) {
+                if (x.avg <= 8.586078643798828) {
+                  return {1, 32, 8, 4, 32};  // PR
+                } else {
+                  if (x.log2_S <= 17.713430404663086) {
+                    return {1, 32, 8, 4, 32};  // PR
+                  } else {
+                    return {1, 32, 16, 4, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.avg <= 11.498207569122314) {
+                  if (x.log2_S <= 19.21742820739746) {
+                    if (x.avg <= 2.4449297189712524) {
                       return {1, 32, 8, 4, 32};  // PR
                     } else {
                       return {1, 32, 16, 4, 32};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 19.708358764648438) {
-                      return {1, 32, 16, 4, 32};  // PR
+                    return {1, 32, 16, 4, 32};  // PR
+                  }
+                } else {
+                  if (x.log2_S <= 19.807547569274902) {
+                    return {1, 32, 16, 4, 32};  // PR
+                  } else {
+                    if (x.avg <= 48.07381820678711) {
+                      return {2, 32, 8, 2, 32};  // PR
                     } else {
-                      if (x.log2_S <= 20.065624237060547) {
-                        if (x.avg <= 11.263741970062256) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          if (x.log2_S <= 19.807547569274902) {
-                            if (x.avg <= 40.95736885070801) {
-                              return {1, 32, 8, 4, 32};  // PR
-                            } else {
-                              return {1, 32, 16, 4, 32};  // PR
-                            }
-                          } else {
-                            return {1, 32, 8, 4, 32};  // PR
-                          }
-                        }
+                      if (x.log2_S <= 20.137714385986328) {
+                        return {2, 32, 8, 2, 32};  // PR
                       } else {
-                        if (x.avg <= 11.976721286773682) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          if (x.avg <= 35.049930572509766) {
-                            if (x.log2_S <= 20.511608123779297) {
-                              return {1, 32, 8, 4, 32};  // PR
-                            } else {
-                              if (x.log2_S <= 21.297035217285156) {
-                                return {1, 32, 16, 4, 32};  // PR
-                              } else {
-                                if (x.avg <= 26.483251571655273) {
-                                  return {1, 32, 8, 4, 32};  // PR
-                                } else {
-                                  return {1, 32, 16, 4, 32};  // PR
-                                }
-                              }
-                            }
-                          } else {
-                            return {1, 32, 16, 4, 32};  // PR
-                          }
-                        }
+                        return {1, 32, 16, 4, 32};  // PR
                       }
                     }
                   }
                 }
-              } else {
-                if (x.log2_S <= 21.839567184448242) {
-                  if (x.avg <= 5.218033313751221) {
+              }
+            } else {
+              if (x.avg <= 10.892579555511475) {
+                if (x.log2_S <= 23.005162239074707) {
+                  if (x.avg <= 3.6745989322662354) {
                     return {1, 32, 16, 4, 32};  // PR
                   } else {
-                    return {1, 32, 8, 4, 32};  // PR
+                    return {2, 32, 8, 2, 32};  // PR
                   }
                 } else {
                   return {1, 32, 8, 4, 32};  // PR
                 }
+              } else {
+                return {2, 32, 8, 2, 32};  // PR
               }
             }
           }
         }
       } else {
-        if (x.log2_S <= 17.64079761505127) {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 13.220471858978271) {
-                if (x.log2_S <= 9.840990543365479) {
-                  if (x.avg <= 3.6757893562316895) {
-                    if (x.avg <= 1.4899598956108093) {
-                      if (x.avg <= 1.3222641944885254) {
+        if (x.log2_S <= 17.461042404174805) {
+          if (x.log2_S <= 13.455806255340576) {
+            if (x.avg <= 17.34228515625) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 11.89819622039795) {
+                  if (x.log2_S <= 9.256289005279541) {
+                    if (x.avg <= 3.5363935232162476) {
+                      if (x.avg <= 1.506810188293457) {
                         return {2, 32, 32, 2, 0};  // SP
+                      } else {
+                        return {1, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 1.5891458988189697) {
+                      if (x.avg <= 1.3245917558670044) {
+                        if (x.log2_S <= 10.441906452178955) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {2, 32, 32, 2, 0};  // SP
+                        }
                       } else {
                         return {2, 16, 64, 2, 0};  // SP
                       }
                     } else {
-                      return {1, 32, 64, 4, 0};  // SP
+                      if (x.avg <= 13.494107246398926) {
+                        if (x.log2_S <= 10.43959379196167) {
+                          return {1, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 10.842587947845459) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
                     }
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 1.6037389039993286) {
-                    if (x.log2_S <= 11.017447471618652) {
-                      if (x.avg <= 1.3136522769927979) {
-                        return {2, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      return {2, 16, 64, 2, 0};  // SP
-                    }
+                  if (x.avg <= 14.375390529632568) {
+                    return {2, 16, 64, 2, 0};  // SP
                   } else {
-                    if (x.log2_S <= 12.353887557983398) {
-                      if (x.avg <= 34.863264083862305) {
-                        return {1, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.478356838226318) {
-                          if (x.avg <= 45.46081733703613) {
-                            return {1, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 10.476131916046143) {
-                              return {1, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {2, 16, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 5.856230974197388) {
-                        return {1, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 21.99502658843994) {
-                          if (x.avg <= 11.260571956634521) {
-                            if (x.log2_S <= 12.566099643707275) {
-                              return {1, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            if (x.avg <= 20.435185432434082) {
-                              return {1, 4, 64, 64, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {2, 16, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
+                    return {4, 8, 64, 32, 0};  // SP
                   }
                 }
               } else {
-                if (x.avg <= 8.832115173339844) {
-                  if (x.log2_S <= 14.955878734588623) {
-                    if (x.avg <= 3.6018115282058716) {
-                      if (x.avg <= 1.7129119634628296) {
-                        return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 14.092646598815918) {
-                          return {1, 32, 64, 4, 0};  // SP
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 4.218108177185059) {
+                    if (x.log2_S <= 11.274818420410156) {
+                      return {1, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.543102741241455) {
+                        if (x.avg <= 2.244789958000183) {
+                          return {2, 16, 64, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 14.574902534484863) {
-                            if (x.avg <= 2.9316930770874023) {
-                              return {2, 16, 64, 2, 0};  // SP
-                            } else {
-                              return {1, 2, 64, 128, 0};  // SP
-                            }
+                          if (x.log2_S <= 12.21680498123169) {
+                            return {2, 32, 32, 2, 0};  // SP
                           } else {
-                            if (x.avg <= 2.272453784942627) {
-                              if (x.log2_S <= 14.692556381225586) {
-                                return {2, 16, 64, 2, 0};  // SP
-                              } else {
-                                return {1, 4, 64, 64, 0};  // SP
-                              }
-                            } else {
-                              return {1, 2, 64, 128, 0};  // SP
-                            }
+                            return {1, 4, 8, 64, 1};  // SR
                           }
                         }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.534334659576416) {
-                        return {2, 16, 64, 2, 0};  // SP
                       } else {
-                        return {1, 2, 64, 128, 0};  // SP
+                        if (x.log2_S <= 12.81670331954956) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.138126254081726) {
+                            if (x.log2_S <= 13.398311138153076) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
                       }
                     }
                   } else {
-                    if (x.avg <= 8.09829330444336) {
-                      if (x.avg <= 1.3649206757545471) {
-                        if (x.log2_S <= 15.398616790771484) {
-                          if (x.log2_S <= 15.047029972076416) {
-                            return {2, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
+                    if (x.avg <= 8.30307149887085) {
+                      if (x.log2_S <= 11.15622329711914) {
+                        return {1, 16, 8, 8, 1};  // SR
                       } else {
-                        return {1, 2, 64, 128, 0};  // SP
+                        return {1, 4, 8, 64, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 16.4435977935791) {
-                        if (x.log2_S <= 15.147098064422607) {
-                          return {1, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {1, 4, 64, 64, 0};  // SP
-                        }
+                      if (x.log2_S <= 12.84058141708374) {
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
-                        return {1, 2, 64, 128, 0};  // SP
+                        return {2, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 54.812042236328125) {
-                    if (x.log2_S <= 13.274213314056396) {
-                      if (x.log2_S <= 13.251830577850342) {
-                        return {1, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 2, 0};  // SP
-                      }
+                  if (x.long_level <= 2.5) {
+                    if (x.avg <= 9.56638240814209) {
+                      return {1, 4, 8, 64, 1};  // SR
                     } else {
-                      if (x.avg <= 48.35251808166504) {
-                        return {1, 4, 64, 64, 0};  // SP
+                      if (x.log2_S <= 12.239031314849854) {
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.log2_S <= 14.511855125427246) {
-                          return {2, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {1, 4, 64, 64, 0};  // SP
-                        }
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 16.84214210510254) {
-                      return {2, 16, 64, 2, 0};  // SP
+                    if (x.avg <= 12.788611888885498) {
+                      if (x.log2_S <= 11.889950275421143) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.avg <= 3.4215376377105713) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 6.472650527954102) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.avg <= 8.590380191802979) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      }
                     } else {
-                      return {1, 4, 64, 64, 0};  // SP
+                      return {1, 2, 8, 128, 1};  // SR
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 12.691279411315918) {
-                if (x.log2_S <= 11.34284496307373) {
-                  return {1, 2, 8, 128, 1};  // SR
-                } else {
-                  if (x.avg <= 123.29581069946289) {
-                    if (x.avg <= 2.9167065620422363) {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 2.378119707107544) {
-                          return {2, 16, 64, 2, 0};  // SP
-                        } else {
-                          if (x.avg <= 2.8314998149871826) {
-                            return {1, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.235803604125977) {
-                              return {2, 32, 32, 2, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
+              if (x.long_level <= 1.5) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 9.312994480133057) {
+                    return {1, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 11.737725734710693) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 27.71636962890625) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        return {1, 2, 8, 128, 1};  // SR
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 74.24344253540039) {
+                    if (x.log2_S <= 12.082959651947021) {
+                      if (x.avg <= 62.155948638916016) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 9.235105514526367) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.avg <= 3.9165107011795044) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 12.432954788208008) {
-                            return {2, 32, 32, 2, 0};  // SP
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
+                      if (x.log2_S <= 12.319657802581787) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.avg <= 76.74539947509766) {
-                          return {1, 2, 8, 128, 1};  // SR
+                        if (x.avg <= 58.600074768066406) {
+                          return {2, 2, 8, 128, 1};  // SR
                         } else {
-                          if (x.log2_S <= 12.174455642700195) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {2, 1, 8, 256, 1};  // SR
-                            } else {
-                              if (x.avg <= 99.37998962402344) {
-                                return {1, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {2, 1, 8, 256, 1};  // SR
-                              }
-                            }
-                          }
+                          return {2, 1, 8, 256, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 11.991340637207031) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 11.428465366363525) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
+                    if (x.log2_S <= 12.387976169586182) {
+                      return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 12.318405151367188) {
+                      if (x.log2_S <= 12.963574886322021) {
+                        return {2, 1, 8, 256, 1};  // SR
+                      } else {
+                        if (x.avg <= 111.93119430541992) {
                           return {2, 1, 8, 256, 1};  // SR
                         } else {
                           return {2, 16, 64, 2, 0};  // SP
                         }
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 14.951544284820557) {
-                  if (x.avg <= 15.372886657714844) {
-                    if (x.log2_S <= 14.705851078033447) {
-                      if (x.log2_S <= 13.366430282592773) {
-                        if (x.avg <= 2.9300278425216675) {
-                          if (x.long_level <= 1.5) {
-                            return {2, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 10.615961074829102) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.280021667480469) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 1, 8, 256, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 11.590870380401611) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 3.085605263710022) {
-                          if (x.log2_S <= 14.806262016296387) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 1, 8, 256, 1};  // SR
-                          }
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
-                      }
-                    }
+                if (x.log2_S <= 12.878184795379639) {
+                  if (x.log2_S <= 12.30633020401001) {
+                    return {1, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.avg <= 100.99471664428711) {
-                      if (x.log2_S <= 13.41722822189331) {
-                        if (x.avg <= 24.08420181274414) {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 12.890739440917969) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 1, 8, 256, 1};  // SR
-                            }
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
+                    if (x.long_level <= 2.5) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 34.23099994659424) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
                         return {2, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 12.765717029571533) {
-                          if (x.avg <= 128.26435089111328) {
-                            return {2, 1, 8, 256, 1};  // SR
-                          } else {
-                            return {2, 16, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {2, 16, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 14.52189826965332) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 55.39410591125488) {
-                    if (x.log2_S <= 15.526762962341309) {
-                      if (x.avg <= 6.066348552703857) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 15.47348165512085) {
-                            return {1, 2, 8, 128, 1};  // SR
+                  if (x.long_level <= 2.5) {
+                    if (x.avg <= 83.40924072265625) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {2, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 117.28617477416992) {
+                      if (x.log2_S <= 13.040859699249268) {
+                        return {2, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 13.023012638092041) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.long_level <= 0.5) {
+                if (x.avg <= 9.704194068908691) {
+                  if (x.log2_S <= 15.232805728912354) {
+                    if (x.log2_S <= 14.134051322937012) {
+                      if (x.avg <= 4.436082363128662) {
+                        return {2, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 2.371051549911499) {
+                        if (x.log2_S <= 14.897791385650635) {
+                          if (x.avg <= 1.4740487933158875) {
+                            return {2, 16, 64, 2, 0};  // SP
                           } else {
-                            if (x.avg <= 2.4650049209594727) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 1, 8, 256, 1};  // SR
-                            }
+                            return {4, 8, 64, 32, 0};  // SP
                           }
                         } else {
-                          return {2, 1, 8, 256, 1};  // SR
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.020833492279053) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 3.7239084243774414) {
+                      if (x.log2_S <= 16.965420722961426) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 5.127340316772461) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.072001457214355) {
+                    if (x.avg <= 19.347476959228516) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 39.95678520202637) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 53.11702537536621) {
+                      return {1, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 16.84214210510254) {
+                        return {2, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 8.908992767333984) {
+                  if (x.log2_S <= 14.751971244812012) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 14.28930139541626) {
+                        if (x.avg <= 5.910247325897217) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 14.99770450592041) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {2, 1, 8, 256, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 74.17422485351562) {
+                    if (x.log2_S <= 14.359976768493652) {
+                      if (x.avg <= 21.819958686828613) {
+                        if (x.avg <= 13.33200979232788) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
                         }
                       } else {
                         return {2, 1, 8, 256, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 17.343141555786133) {
-                        if (x.avg <= 52.04342079162598) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.21903896331787) {
-                            return {2, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {2, 1, 8, 256, 1};  // SR
-                          }
-                        }
+                      if (x.avg <= 61.089691162109375) {
+                        return {2, 1, 8, 256, 1};  // SR
                       } else {
                         if (x.long_level <= 1.5) {
                           return {2, 1, 8, 256, 1};  // SR
                         } else {
-                          if (x.avg <= 14.417816638946533) {
-                            if (x.avg <= 6.174700498580933) {
-                              return {2, 32, 8, 2, 32};  // PR
-                            } else {
-                              if (x.log2_S <= 17.5013427734375) {
-                                return {2, 1, 8, 256, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 2, 32};  // PR
-                              }
-                            }
-                          } else {
+                          if (x.log2_S <= 15.378714084625244) {
                             return {2, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
                           }
                         }
                       }
                     }
                   } else {
                     if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 15.365346908569336) {
-                        if (x.avg <= 124.65285110473633) {
+                      if (x.log2_S <= 15.220104217529297) {
+                        if (x.avg <= 100.89993667602539) {
                           return {2, 1, 8, 256, 1};  // SR
                         } else {
                           return {2, 16, 64, 2, 0};  // SP
@@ -5497,7 +5481,7 @@ inline Config gathered_config(const Features& f) {
                         return {2, 1, 8, 256, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 58.32945251464844) {
+                      if (x.log2_S <= 14.52189826965332) {
                         return {2, 1, 8, 256, 1};  // SR
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
@@ -5506,94 +5490,108 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               }
+            } else {
+              if (x.avg <= 36.069631576538086) {
+                if (x.log2_S <= 15.801138401031494) {
+                  return {1, 32, 8, 4, 32};  // PR
+                } else {
+                  if (x.avg <= 9.0231294631958) {
+                    if (x.log2_S <= 17.222966194152832) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.88192892074585) {
+                  if (x.avg <= 81.38312530517578) {
+                    return {1, 32, 8, 4, 32};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
+                }
+              }
             }
-          } else {
-            return {2, 32, 8, 2, 32};  // PR
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.avg <= 23.18490505218506) {
-              if (x.avg <= 10.823012828826904) {
-                return {1, 2, 64, 128, 0};  // SP
+            if (x.avg <= 38.05695724487305) {
+              if (x.avg <= 3.2966758012771606) {
+                if (x.log2_S <= 23.138931274414062) {
+                  if (x.log2_S <= 19.202869415283203) {
+                    return {1, 2, 64, 128, 0};  // SP
+                  } else {
+                    return {4, 1, 64, 256, 0};  // SP
+                  }
+                } else {
+                  return {1, 2, 64, 128, 0};  // SP
+                }
               } else {
-                if (x.log2_S <= 24.301950454711914) {
-                  if (x.log2_S <= 18.8192195892334) {
-                    if (x.avg <= 16.306309700012207) {
-                      return {1, 4, 64, 64, 0};  // SP
+                if (x.log2_S <= 24.128902435302734) {
+                  if (x.log2_S <= 18.046464920043945) {
+                    if (x.avg <= 10.3291335105896) {
+                      return {1, 2, 64, 128, 0};  // SP
                     } else {
-                      if (x.log2_S <= 18.095232009887695) {
-                        return {1, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
+                      return {1, 4, 64, 64, 0};  // SP
                     }
                   } else {
                     return {1, 2, 64, 128, 0};  // SP
                   }
                 } else {
-                  return {1, 4, 64, 64, 0};  // SP
+                  if (x.avg <= 5.991500616073608) {
+                    return {1, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.avg <= 25.5651798248291) {
+                      return {4, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 24.41678237915039) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 2, 32, 128, 0};  // SP
+                      }
+                    }
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 24.045157432556152) {
-                if (x.log2_S <= 17.811535835266113) {
+              if (x.log2_S <= 19.742165565490723) {
+                if (x.log2_S <= 18.04325580596924) {
                   return {1, 4, 64, 64, 0};  // SP
                 } else {
-                  if (x.avg <= 24.31564998626709) {
-                    if (x.log2_S <= 19.370129585266113) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.log2_S <= 21.536102294921875) {
-                        return {1, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 18.04608917236328) {
-                      if (x.avg <= 35.52078628540039) {
-                        return {1, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
+                  return {4, 32, 8, 2, 16};  // PR
                 }
               } else {
-                return {1, 4, 64, 64, 0};  // SP
+                if (x.log2_S <= 23.14732551574707) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.log2_S <= 24.360361099243164) {
+                    return {4, 2, 64, 128, 0};  // SP
+                  } else {
+                    return {4, 2, 32, 128, 0};  // SP
+                  }
+                }
               }
             }
           } else {
-            if (x.log2_S <= 18.203994750976562) {
+            if (x.log2_S <= 17.73873996734619) {
               if (x.long_level <= 1.5) {
-                if (x.log2_S <= 18.144768714904785) {
+                if (x.avg <= 129.8488998413086) {
                   return {2, 1, 8, 256, 1};  // SR
                 } else {
-                  if (x.avg <= 40.96417427062988) {
-                    return {2, 1, 8, 256, 1};  // SR
-                  } else {
-                    if (x.avg <= 138.5836944580078) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {2, 1, 8, 256, 1};  // SR
-                    }
-                  }
+                  return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
                 return {2, 32, 8, 2, 32};  // PR
               }
             } else {
-              if (x.log2_S <= 18.64676570892334) {
-                if (x.avg <= 2.975967288017273) {
-                  if (x.long_level <= 1.5) {
-                    return {2, 1, 8, 256, 1};  // SR
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  if (x.avg <= 4.309784173965454) {
+              if (x.avg <= 5.449379205703735) {
+                if (x.log2_S <= 23.10350227355957) {
+                  if (x.log2_S <= 18.091248512268066) {
                     if (x.long_level <= 1.5) {
                       return {2, 1, 8, 256, 1};  // SR
                     } else {
@@ -5601,6 +5599,12 @@ inline Config gathered_config(const Features& f) {
                     }
                   } else {
                     return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {1, 32, 16, 4, 32};  // PR
                   }
                 }
               } else {
@@ -5613,599 +5617,631 @@ inline Config gathered_config(const Features& f) {
     } else {
       if (x.F <= 5.291502622129181) {
         if (x.long_level <= 2.5) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 14.155828475952148) {
-              if (x.avg <= 2.43468976020813) {
-                if (x.log2_S <= 12.795592308044434) {
-                  return {4, 32, 32, 1, 0};  // SP
-                } else {
-                  return {4, 16, 64, 2, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 9.956039905548096) {
-                  if (x.avg <= 3.371341347694397) {
-                    if (x.log2_S <= 9.399739265441895) {
-                      return {4, 16, 64, 2, 0};  // SP
-                    } else {
+          if (x.log2_S <= 18.65975284576416) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 14.184366226196289) {
+                if (x.log2_S <= 9.133404731750488) {
+                  if (x.avg <= 3.356977701187134) {
+                    if (x.avg <= 2.3049689531326294) {
                       return {4, 32, 32, 1, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 2, 0};  // SP
                     }
                   } else {
-                    return {4, 16, 64, 2, 0};  // SP
+                    return {1, 16, 16, 8, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 11.922506332397461) {
-                    if (x.avg <= 15.751871109008789) {
-                      if (x.log2_S <= 10.466600894927979) {
-                        if (x.avg <= 3.8717578649520874) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 10.278083801269531) {
-                            return {4, 16, 64, 2, 0};  // SP
-                          } else {
-                            if (x.avg <= 6.689632892608643) {
-                              return {4, 16, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 1, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 32, 32, 1, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 10.532698631286621) {
-                        return {4, 16, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.247584819793701) {
-                          if (x.avg <= 45.79958152770996) {
+                  if (x.avg <= 3.5113335847854614) {
+                    if (x.log2_S <= 12.414024829864502) {
+                      if (x.log2_S <= 12.20439338684082) {
+                        if (x.log2_S <= 9.362439632415771) {
+                          if (x.avg <= 2.5231751203536987) {
                             return {4, 32, 32, 1, 0};  // SP
                           } else {
                             return {4, 16, 64, 2, 0};  // SP
                           }
                         } else {
-                          if (x.avg <= 22.892083168029785) {
-                            if (x.log2_S <= 11.449910163879395) {
-                              return {4, 16, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 1, 0};  // SP
-                            }
-                          } else {
-                            return {4, 16, 64, 2, 0};  // SP
-                          }
+                          return {4, 32, 32, 1, 0};  // SP
                         }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.874116897583008) {
-                      if (x.log2_S <= 12.324804782867432) {
-                        if (x.avg <= 3.6962051391601562) {
+                      } else {
+                        if (x.avg <= 1.902300775051117) {
                           return {4, 32, 32, 1, 0};  // SP
                         } else {
                           return {4, 16, 64, 2, 0};  // SP
                         }
-                      } else {
-                        return {4, 16, 64, 2, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 23.830810546875) {
-                        if (x.avg <= 7.615877389907837) {
-                          return {4, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 2, 32, 128, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 10.822002410888672) {
-                if (x.log2_S <= 16.968825340270996) {
-                  if (x.avg <= 1.4434502124786377) {
-                    if (x.log2_S <= 16.42906665802002) {
-                      if (x.log2_S <= 15.177639484405518) {
-                        if (x.log2_S <= 14.991273403167725) {
-                          return {4, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 16.88736915588379) {
-                        return {4, 2, 32, 128, 0};  // SP
-                      } else {
-                        return {4, 1, 64, 256, 0};  // SP
-                      }
+                      return {4, 16, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 14.558324337005615) {
-                      if (x.avg <= 3.914027214050293) {
+                    if (x.avg <= 14.013980388641357) {
+                      if (x.log2_S <= 12.004055500030518) {
+                        if (x.log2_S <= 10.506275177001953) {
+                          if (x.log2_S <= 9.24460506439209) {
+                            return {1, 16, 16, 8, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 8.877364158630371) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.446614742279053) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.796402931213379) {
                         return {4, 16, 64, 2, 0};  // SP
                       } else {
-                        return {4, 2, 32, 128, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 32, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 23.949530601501465) {
-                    if (x.log2_S <= 17.92624282836914) {
-                      if (x.avg <= 6.424787998199463) {
-                        return {4, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {4, 2, 32, 128, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 10.586895942687988) {
-                        return {4, 1, 64, 256, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 19.62483787536621) {
-                          return {4, 2, 32, 128, 0};  // SP
+                        if (x.avg <= 25.19947052001953) {
+                          if (x.log2_S <= 14.03717041015625) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
                         } else {
-                          return {4, 1, 64, 256, 0};  // SP
+                          return {4, 16, 64, 2, 0};  // SP
                         }
                       }
-                    }
-                  } else {
-                    if (x.avg <= 3.851493716239929) {
-                      if (x.avg <= 3.1534996032714844) {
-                        return {4, 1, 64, 256, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 24.497446060180664) {
-                          return {4, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {4, 2, 32, 128, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 2, 32, 128, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 16.667049407958984) {
-                  if (x.avg <= 48.35778045654297) {
-                    if (x.avg <= 40.8785400390625) {
-                      return {4, 2, 32, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 15.268885612487793) {
-                        return {4, 16, 64, 2, 0};  // SP
+                if (x.log2_S <= 17.18725872039795) {
+                  if (x.avg <= 51.26740646362305) {
+                    if (x.avg <= 1.5507692694664001) {
+                      if (x.log2_S <= 16.36437702178955) {
+                        if (x.log2_S <= 15.047029972076416) {
+                          if (x.log2_S <= 14.634292602539062) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
                       } else {
                         return {4, 2, 32, 128, 0};  // SP
                       }
-                    }
-                  } else {
-                    return {4, 16, 64, 2, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 12.650978088378906) {
-                    if (x.log2_S <= 22.845333099365234) {
-                      if (x.log2_S <= 19.109113693237305) {
-                        return {4, 2, 32, 128, 0};  // SP
-                      } else {
-                        if (x.avg <= 11.783080577850342) {
-                          return {4, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.avg <= 13.84656286239624) {
+                        if (x.log2_S <= 14.670339107513428) {
+                          if (x.avg <= 2.8636637926101685) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 2, 32, 128, 0};  // SP
+                          }
                         } else {
-                          if (x.log2_S <= 22.03093910217285) {
-                            if (x.log2_S <= 20.260221481323242) {
-                              return {4, 2, 32, 128, 0};  // SP
+                          return {4, 2, 32, 128, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 16.063183784484863) {
+                          if (x.log2_S <= 14.890733242034912) {
+                            if (x.avg <= 41.73761177062988) {
+                              if (x.avg <= 27.57909870147705) {
+                                return {4, 2, 32, 128, 0};  // SP
+                              } else {
+                                return {4, 4, 64, 64, 0};  // SP
+                              }
                             } else {
-                              return {4, 1, 64, 256, 0};  // SP
+                              return {4, 16, 64, 2, 0};  // SP
                             }
+                          } else {
+                            return {4, 2, 32, 128, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 27.272920608520508) {
+                            return {1, 4, 64, 64, 0};  // SP
                           } else {
                             return {4, 2, 32, 128, 0};  // SP
                           }
                         }
                       }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.76227855682373) {
+                      return {4, 16, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 2, 32, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 12.251284122467041) {
+                    if (x.avg <= 6.5877721309661865) {
+                      return {4, 1, 64, 256, 0};  // SP
                     } else {
                       return {4, 2, 32, 128, 0};  // SP
                     }
                   } else {
-                    return {4, 2, 32, 128, 0};  // SP
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 18.605070114135742) {
-              if (x.log2_S <= 14.201488971710205) {
-                if (x.avg <= 24.698192596435547) {
-                  if (x.log2_S <= 11.34284496307373) {
-                    return {1, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.avg <= 14.060848236083984) {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 3.6820104122161865) {
-                          if (x.log2_S <= 12.5082688331604) {
-                            return {4, 32, 32, 2, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 13.292278289794922) {
-                              if (x.log2_S <= 12.61222791671753) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                if (x.avg <= 2.6558016538619995) {
-                                  return {4, 16, 64, 2, 0};  // SP
-                                } else {
-                                  if (x.log2_S <= 13.036839962005615) {
-                                    return {1, 4, 8, 64, 1};  // SR
-                                  } else {
-                                    return {4, 16, 64, 2, 0};  // SP
-                                  }
-                                }
-                              }
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 13.424205780029297) {
-                            if (x.avg <= 3.9211989641189575) {
-                              if (x.log2_S <= 12.593255996704102) {
-                                return {4, 32, 32, 1, 0};  // SP
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 13.192095279693604) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {2, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.978911876678467) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 4.405037879943848) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      }
+                    if (x.avg <= 56.790225982666016) {
+                      return {1, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.159092903137207) {
-                        if (x.log2_S <= 11.858497142791748) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.957837104797363) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.260867595672607) {
-                          if (x.avg <= 18.591008186340332) {
-                            if (x.long_level <= 1.5) {
-                              return {2, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.978753566741943) {
-                    if (x.avg <= 35.37705039978027) {
-                      if (x.log2_S <= 10.596095085144043) {
-                        if (x.long_level <= 1.5) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 25.60731029510498) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 100.91033172607422) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 119.34536743164062) {
-                          if (x.log2_S <= 13.511921405792236) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 13.924896717071533) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.avg <= 107.84407424926758) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 60.879493713378906) {
-                  if (x.log2_S <= 14.951544284820557) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 7.649857759475708) {
-                        if (x.log2_S <= 14.811086177825928) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 3.505045533180237) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 46.45371627807617) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 18.209174156188965) {
-                        if (x.log2_S <= 15.910843849182129) {
-                          if (x.log2_S <= 15.448430061340332) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {2, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 15.396161079406738) {
-                      if (x.avg <= 94.03487396240234) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.avg <= 111.19432067871094) {
-                          if (x.log2_S <= 14.642090797424316) {
-                            return {4, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 17.54359245300293) {
-                        if (x.log2_S <= 15.91489839553833) {
-                          if (x.avg <= 112.61056137084961) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          if (x.log2_S <= 17.22965431213379) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.avg <= 117.7978286743164) {
-                              return {2, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 97.48655319213867) {
-                          if (x.log2_S <= 18.04274559020996) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 83.84228134155273) {
-                      if (x.log2_S <= 17.0545654296875) {
-                        if (x.log2_S <= 14.866738319396973) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        if (x.avg <= 82.1097640991211) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 32};  // PR
+                      return {4, 2, 32, 128, 0};  // SP
                     }
                   }
                 }
               }
             } else {
-              if (x.long_level <= 1.5) {
-                return {4, 32, 8, 2, 32};  // PR
-              } else {
-                if (x.log2_S <= 22.197630882263184) {
-                  if (x.avg <= 73.66159057617188) {
-                    if (x.avg <= 59.961673736572266) {
-                      if (x.log2_S <= 22.035743713378906) {
+              if (x.log2_S <= 11.960158348083496) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 10.88852834701538) {
+                    if (x.log2_S <= 10.994266510009766) {
+                      if (x.avg <= 2.622504949569702) {
+                        if (x.log2_S <= 9.12585973739624) {
+                          return {1, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 5.087731122970581) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 9.690633773803711) {
+                            if (x.avg <= 9.833612442016602) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 6.595939636230469) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 4.7585694789886475) {
+                        if (x.log2_S <= 11.274818420410156) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.6604440212249756) {
+                            return {4, 32, 32, 2, 0};  // SP
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.767199516296387) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 60.84085655212402) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 80.1928825378418) {
+                    if (x.avg <= 65.93840789794922) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 9.097867488861084) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.191702365875244) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.140081882476807) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.141555786132812) {
                         return {2, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.avg <= 5.221201658248901) {
-                          return {4, 32, 8, 2, 32};  // PR
+                        if (x.log2_S <= 11.470038414001465) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 91.57589721679688) {
+                  if (x.log2_S <= 14.455722332000732) {
+                    if (x.avg <= 13.38744306564331) {
+                      if (x.log2_S <= 14.087051391601562) {
+                        if (x.log2_S <= 12.382741928100586) {
+                          if (x.long_level <= 1.5) {
+                            if (x.avg <= 3.5153069496154785) {
+                              return {4, 32, 32, 2, 0};  // SP
+                            } else {
+                              if (x.avg <= 5.009478807449341) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 6.266746759414673) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {2, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 20.57801342010498) {
-                        return {2, 2, 8, 128, 1};  // SR
+                      if (x.avg <= 17.67747211456299) {
+                        if (x.log2_S <= 13.264619827270508) {
+                          if (x.long_level <= 1.5) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
                       } else {
-                        return {4, 32, 8, 2, 32};  // PR
+                        return {2, 2, 8, 128, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 79.28096389770508) {
-                      if (x.log2_S <= 19.500568389892578) {
-                        return {2, 2, 8, 128, 1};  // SR
+                    if (x.avg <= 2.9687764644622803) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 16.48396110534668) {
+                          if (x.log2_S <= 15.018225193023682) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 17.442501068115234) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 18.26570987701416) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 18.396984100341797) {
+                                return {4, 32, 8, 2, 16};  // PR
+                              } else {
+                                return {4, 32, 8, 2, 32};  // PR
+                              }
+                            }
+                          }
+                        }
                       } else {
-                        return {4, 32, 8, 2, 32};  // PR
+                        if (x.log2_S <= 14.511028289794922) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
                       }
                     } else {
-                      return {4, 32, 8, 2, 32};  // PR
+                      if (x.avg <= 52.32630157470703) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 18.430700302124023) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 16.678922653198242) {
+                            if (x.log2_S <= 14.866738319396973) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 22.246089935302734) {
-                    if (x.avg <= 43.482988357543945) {
-                      if (x.avg <= 7.0389978885650635) {
-                        return {4, 32, 8, 2, 32};  // PR
+                  if (x.log2_S <= 13.908875465393066) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 13.524826049804688) {
+                        if (x.log2_S <= 12.873759269714355) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.avg <= 115.47246551513672) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 0};  // SP
+                          }
+                        }
                       } else {
-                        return {2, 2, 8, 128, 1};  // SR
+                        return {4, 16, 64, 2, 0};  // SP
                       }
                     } else {
-                      return {4, 32, 8, 2, 32};  // PR
+                      return {2, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    return {4, 32, 8, 2, 32};  // PR
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 15.736253261566162) {
+                        if (x.log2_S <= 14.994834899902344) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.6929931640625) {
+                          if (x.log2_S <= 17.578749656677246) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
                   }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 1.5) {
+              if (x.long_level <= 0.5) {
+                if (x.avg <= 12.896095275878906) {
+                  if (x.log2_S <= 24.113988876342773) {
+                    return {4, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.avg <= 2.9440479278564453) {
+                      return {4, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 24.40019130706787) {
+                        if (x.avg <= 5.783931016921997) {
+                          if (x.avg <= 3.9453656673431396) {
+                            return {4, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {4, 2, 64, 128, 0};  // SP
+                          }
+                        } else {
+                          return {4, 2, 32, 128, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 12.24858570098877) {
+                          return {4, 2, 32, 128, 0};  // SP
+                        } else {
+                          return {1, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 54.18923377990723) {
+                    return {1, 4, 64, 64, 0};  // SP
+                  } else {
+                    return {4, 2, 32, 128, 0};  // SP
+                  }
+                }
+              } else {
+                return {4, 32, 8, 2, 32};  // PR
+              }
+            } else {
+              if (x.log2_S <= 19.46635150909424) {
+                if (x.avg <= 21.656317710876465) {
+                  if (x.log2_S <= 18.745875358581543) {
+                    if (x.avg <= 5.415613889694214) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  if (x.avg <= 76.1599349975586) {
+                    return {2, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 20.12438678741455) {
+                  if (x.avg <= 26.389022827148438) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.avg <= 56.906532287597656) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
                 }
               }
             }
           }
         } else {
-          return {4, 32, 8, 2, 32};  // PR
-        }
-      } else {
-        if (x.long_level <= 0.5) {
-          if (x.avg <= 3.386895775794983) {
-            if (x.log2_S <= 13.154982566833496) {
-              if (x.log2_S <= 11.69507360458374) {
-                if (x.avg <= 2.9791141748428345) {
-                  return {1, 64, 16, 4, 0};  // SP
-                } else {
-                  if (x.log2_S <= 9.796588897705078) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {1, 64, 16, 4, 0};  // SP
-                  }
-                }
+          if (x.log2_S <= 12.969886302947998) {
+            if (x.avg <= 80.3016128540039) {
+              if (x.log2_S <= 9.040596008300781) {
+                return {1, 2, 8, 128, 1};  // SR
               } else {
-                if (x.avg <= 2.7009658813476562) {
-                  return {1, 32, 8, 4, 1};  // SR
-                } else {
-                  if (x.log2_S <= 12.739130973815918) {
-                    return {1, 64, 16, 4, 0};  // SP
+                if (x.log2_S <= 11.512112140655518) {
+                  if (x.log2_S <= 11.117440223693848) {
+                    return {1, 4, 8, 64, 1};  // SR
                   } else {
-                    if (x.avg <= 2.8385167121887207) {
-                      return {1, 32, 8, 4, 1};  // SR
+                    if (x.avg <= 22.00960350036621) {
+                      return {1, 4, 8, 64, 1};  // SR
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
+                      return {4, 2, 8, 128, 1};  // SR
                     }
+                  }
+                } else {
+                  if (x.avg <= 16.462507247924805) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    return {2, 2, 8, 128, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 20.874393463134766) {
-                if (x.log2_S <= 14.590035438537598) {
-                  if (x.avg <= 1.9780116081237793) {
-                    if (x.log2_S <= 13.475602149963379) {
-                      return {1, 32, 8, 4, 1};  // SR
-                    } else {
-                      return {1, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 13.3767409324646) {
-                      if (x.avg <= 2.601149082183838) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 20.578426361083984) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 2.1616309881210327) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
+              if (x.log2_S <= 10.858611106872559) {
+                return {4, 2, 8, 128, 1};  // SR
               } else {
-                if (x.avg <= 2.895324230194092) {
-                  return {1, 32, 16, 8, 8};  // PR
+                if (x.log2_S <= 12.31491756439209) {
+                  return {2, 2, 8, 128, 1};  // SR
                 } else {
-                  if (x.log2_S <= 21.929304122924805) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {1, 32, 16, 8, 8};  // PR
-                  }
+                  return {4, 32, 8, 2, 32};  // PR
                 }
               }
             }
           } else {
-            if (x.log2_S <= 12.090965747833252) {
-              if (x.log2_S <= 10.602701663970947) {
-                return {1, 8, 64, 32, 0};  // SP
+            if (x.log2_S <= 13.404711723327637) {
+              if (x.avg <= 9.83579397201538) {
+                return {1, 4, 8, 64, 1};  // SR
               } else {
-                if (x.avg <= 22.5710391998291) {
-                  if (x.log2_S <= 11.735051155090332) {
-                    return {1, 64, 16, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 9.401888370513916) {
-                      return {1, 64, 16, 4, 0};  // SP
+                return {4, 32, 8, 2, 32};  // PR
+              }
+            } else {
+              return {4, 32, 8, 2, 32};  // PR
+            }
+          }
+        }
+      } else {
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 12.296419620513916) {
+            if (x.avg <= 3.168370246887207) {
+              if (x.log2_S <= 11.096350193023682) {
+                if (x.avg <= 1.7551098465919495) {
+                  return {1, 64, 16, 4, 0};  // SP
+                } else {
+                  if (x.log2_S <= 10.670092582702637) {
+                    if (x.log2_S <= 9.714824199676514) {
+                      if (x.avg <= 2.48992919921875) {
+                        return {2, 32, 32, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 8.974298000335693) {
+                          return {4, 32, 32, 1, 0};  // SP
+                        } else {
+                          return {2, 32, 32, 2, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
+                      if (x.avg <= 2.315405488014221) {
+                        return {4, 32, 16, 8, 0};  // SP
+                      } else {
+                        return {2, 32, 32, 2, 0};  // SP
+                      }
                     }
+                  } else {
+                    return {1, 64, 16, 4, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.avg <= 1.5035325288772583) {
+                  if (x.avg <= 1.3317516446113586) {
+                    return {4, 64, 8, 1, 0};  // SP
+                  } else {
+                    return {1, 32, 8, 8, 1};  // SR
+                  }
+                } else {
+                  return {1, 32, 64, 2, 0};  // SP
+                }
+              }
+            } else {
+              if (x.log2_S <= 9.069896697998047) {
+                if (x.avg <= 14.110815525054932) {
+                  if (x.avg <= 3.7620415687561035) {
+                    return {4, 32, 32, 1, 0};  // SP
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
                   }
                 } else {
                   return {1, 8, 64, 32, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 11.505480766296387) {
+                  if (x.avg <= 3.25584614276886) {
+                    return {2, 32, 32, 2, 0};  // SP
+                  } else {
+                    return {4, 32, 32, 1, 0};  // SP
+                  }
+                } else {
+                  return {2, 32, 32, 2, 0};  // SP
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 3.5032522678375244) {
+              if (x.log2_S <= 20.874393463134766) {
+                if (x.log2_S <= 14.057997703552246) {
+                  if (x.log2_S <= 12.688061714172363) {
+                    if (x.avg <= 1.6469249725341797) {
+                      return {4, 64, 8, 1, 0};  // SP
+                    } else {
+                      return {1, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 2.2459139823913574) {
+                      if (x.avg <= 1.288961410522461) {
+                        if (x.log2_S <= 13.420502662658691) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 13.521070957183838) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.509050369262695) {
+                    if (x.avg <= 1.573867678642273) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 22.350253105163574) {
+                  if (x.avg <= 2.5258020162582397) {
+                    if (x.log2_S <= 21.19323444366455) {
+                      return {1, 32, 16, 8, 8};  // PR
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 21.770925521850586) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {1, 32, 16, 8, 8};  // PR
+                    }
+                  }
+                } else {
+                  return {1, 32, 16, 8, 8};  // PR
                 }
               }
             } else {
@@ -6213,58 +6249,62 @@ inline Config gathered_config(const Features& f) {
             }
           }
         } else {
-          if (x.log2_S <= 17.01551055908203) {
-            if (x.log2_S <= 12.670562267303467) {
+          if (x.log2_S <= 17.73452663421631) {
+            if (x.log2_S <= 11.9161696434021) {
               if (x.long_level <= 2.5) {
-                if (x.avg <= 4.267385721206665) {
+                if (x.avg <= 7.12256121635437) {
                   if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 12.017472743988037) {
-                      return {1, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.057670593261719) {
-                        if (x.avg <= 2.2220630645751953) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
+                    if (x.avg <= 4.466840505599976) {
+                      if (x.avg <= 2.4912794828414917) {
+                        return {1, 32, 8, 4, 1};  // SR
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {1, 4, 8, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 12.274158000946045) {
-                    if (x.log2_S <= 11.879281044006348) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 95.90662002563477) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 34.470645904541016) {
-                        if (x.log2_S <= 12.526707172393799) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 8.93163776397705) {
-                            return {1, 4, 8, 64, 1};  // SR
+                        if (x.avg <= 3.947630286216736) {
+                          if (x.avg <= 3.0855813026428223) {
+                            if (x.log2_S <= 9.686797618865967) {
+                              return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
                           } else {
-                            return {1, 8, 16, 32, 1};  // SR
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.033320426940918) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
                           }
                         }
+                      }
+                    } else {
+                      return {1, 16, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 11.177164077758789) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.avg <= 2.0740960836410522) {
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
-                        return {1, 8, 16, 32, 1};  // SR
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.454500675201416) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 13.804927825927734) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 121.15314102172852) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.707384586334229) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
                       }
                     }
                   }
@@ -6273,230 +6313,210 @@ inline Config gathered_config(const Features& f) {
                 return {1, 8, 16, 32, 1};  // SR
               }
             } else {
-              if (x.avg <= 47.0152645111084) {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 14.283882141113281) {
-                    if (x.avg <= 3.794579267501831) {
-                      if (x.avg <= 3.564840316772461) {
-                        return {1, 4, 8, 64, 1};  // SR
+              if (x.log2_S <= 14.793134689331055) {
+                if (x.avg <= 4.384892702102661) {
+                  if (x.long_level <= 2.5) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 13.36588716506958) {
+                        return {1, 16, 8, 8, 1};  // SR
                       } else {
-                        if (x.log2_S <= 13.714320182800293) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
+                        return {1, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 13.328473567962646) {
-                        if (x.long_level <= 1.5) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 5.4785637855529785) {
-                            if (x.log2_S <= 12.965363025665283) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              if (x.avg <= 4.142717361450195) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 6.516443490982056) {
-                          if (x.log2_S <= 13.60860538482666) {
-                            if (x.long_level <= 1.5) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 4.32741904258728) {
-                              if (x.long_level <= 1.5) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 3.444612503051758) {
-                      if (x.log2_S <= 15.351280689239502) {
-                        if (x.long_level <= 1.5) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.533766746520996) {
-                            if (x.avg <= 2.279494285583496) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
+                      if (x.log2_S <= 14.616153717041016) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
                         return {1, 8, 16, 32, 1};  // SR
                       }
-                    } else {
-                      if (x.avg <= 21.607046127319336) {
-                        if (x.log2_S <= 16.89154052734375) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 10.480352878570557) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 64, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.558387279510498) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 16.078869819641113) {
-                              if (x.avg <= 31.46952724456787) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 64, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 64, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
                     }
+                  } else {
+                    return {1, 8, 16, 32, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 14.728813648223877) {
-                    if (x.log2_S <= 14.627496719360352) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 17.30682134628296) {
-                        return {1, 8, 16, 32, 1};  // SR
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 13.029092788696289) {
+                      if (x.avg <= 13.424205780029297) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        return {1, 8, 64, 32, 1};  // SR
+                        if (x.avg <= 51.90583801269531) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.675659656524658) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 74.31442260742188) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 113.48680114746094) {
+                        if (x.log2_S <= 13.280887126922607) {
+                          if (x.avg <= 22.423624992370605) {
+                            if (x.avg <= 12.493951797485352) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.29732608795166) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 16.064373016357422) {
-                      if (x.avg <= 7.90739893913269) {
-                        return {1, 32, 16, 8, 8};  // PR
+                    if (x.log2_S <= 14.267280101776123) {
+                      if (x.log2_S <= 12.109798908233643) {
+                        if (x.long_level <= 2.5) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
                       } else {
-                        if (x.log2_S <= 15.81166124343872) {
-                          if (x.log2_S <= 14.940395832061768) {
-                            if (x.avg <= 14.996967315673828) {
-                              if (x.log2_S <= 14.837088108062744) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 32, 16, 8, 8};  // PR
-                              }
+                        if (x.avg <= 6.262850761413574) {
+                          if (x.long_level <= 2.5) {
+                            if (x.log2_S <= 13.025805950164795) {
+                              return {1, 8, 8, 32, 1};  // SR
                             } else {
-                              return {1, 8, 64, 32, 1};  // SR
+                              return {1, 8, 16, 32, 1};  // SR
                             }
                           } else {
-                            if (x.avg <= 42.01791000366211) {
-                              if (x.avg <= 10.90355920791626) {
-                                if (x.avg <= 8.9376220703125) {
-                                  return {1, 32, 16, 8, 8};  // PR
-                                } else {
-                                  return {1, 8, 64, 32, 1};  // SR
-                                }
-                              } else {
-                                return {1, 32, 16, 8, 8};  // PR
-                              }
-                            } else {
-                              return {1, 8, 64, 32, 1};  // SR
-                            }
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 55.05535125732422) {
+                        if (x.long_level <= 2.5) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 24.238006591796875) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 2.5) {
+                          if (x.avg <= 69.75379180908203) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
                           }
                         } else {
                           return {1, 8, 64, 32, 1};  // SR
                         }
-                      }
-                    } else {
-                      if (x.avg <= 7.5269904136657715) {
-                        if (x.log2_S <= 16.25220489501953) {
-                          if (x.avg <= 5.61297082901001) {
-                            return {1, 32, 16, 8, 8};  // PR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 14.221390724182129) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 104.56388854980469) {
-                      if (x.log2_S <= 13.059059143066406) {
-                        return {1, 4, 8, 64, 1};  // SR
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 118.24785614013672) {
+                    if (x.log2_S <= 15.397710800170898) {
+                      if (x.avg <= 3.1438910961151123) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 13.174965858459473) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.036582469940186) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.long_level <= 2.5) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 70.9006404876709) {
+                        if (x.avg <= 88.75591278076172) {
                           return {1, 8, 16, 32, 1};  // SR
                         } else {
-                          return {1, 8, 64, 32, 1};  // SR
+                          return {4, 8, 32, 32, 1};  // SR
                         }
                       }
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 15.098090648651123) {
+                      return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 14.838374614715576) {
-                      if (x.avg <= 112.60139465332031) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 14.900157451629639) {
-                      if (x.long_level <= 2.5) {
-                        if (x.log2_S <= 14.711262226104736) {
+                  if (x.avg <= 16.009498596191406) {
+                    if (x.long_level <= 2.5) {
+                      if (x.log2_S <= 17.423537254333496) {
+                        if (x.avg <= 7.181949853897095) {
                           return {1, 8, 16, 32, 1};  // SR
                         } else {
-                          if (x.avg <= 96.62445449829102) {
+                          if (x.log2_S <= 16.420825958251953) {
                             return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 4.117953777313232) {
+                          return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.269245147705078) {
+                        if (x.log2_S <= 15.751541137695312) {
+                          if (x.log2_S <= 15.112633228302002) {
+                            if (x.avg <= 10.87709379196167) {
+                              if (x.avg <= 2.0752833485603333) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 32};  // PR
+                              }
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 32, 16, 8, 8};  // PR
+                          }
+                        } else {
+                          if (x.avg <= 8.173413753509521) {
+                            return {4, 32, 16, 2, 8};  // PR
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.781214714050293) {
+                          if (x.avg <= 3.592652678489685) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 5.766415596008301) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.19936752319336) {
+                      if (x.long_level <= 2.5) {
+                        if (x.log2_S <= 15.405134677886963) {
+                          if (x.avg <= 36.7265567779541) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 58.19785499572754) {
+                            return {4, 8, 32, 32, 1};  // SR
                           } else {
                             return {1, 8, 64, 32, 1};  // SR
                           }
@@ -6505,10 +6525,10 @@ inline Config gathered_config(const Features& f) {
                         return {1, 8, 64, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 15.320164680480957) {
-                        if (x.avg <= 64.32473373413086) {
-                          if (x.long_level <= 2.5) {
-                            return {1, 8, 16, 32, 1};  // SR
+                      if (x.long_level <= 2.5) {
+                        if (x.avg <= 39.06101608276367) {
+                          if (x.log2_S <= 17.552188873291016) {
+                            return {4, 8, 32, 32, 1};  // SR
                           } else {
                             return {1, 8, 64, 32, 1};  // SR
                           }
@@ -6516,7 +6536,7 @@ inline Config gathered_config(const Features& f) {
                           return {1, 8, 64, 32, 1};  // SR
                         }
                       } else {
-                        return {1, 8, 64, 32, 1};  // SR
+                        return {4, 8, 32, 32, 1};  // SR
                       }
                     }
                   }
@@ -6525,41 +6545,33 @@ inline Config gathered_config(const Features& f) {
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 18.96271324157715) {
+              if (x.log2_S <= 20.487045288085938) {
                 if (x.long_level <= 1.5) {
-                  if (x.avg <= 105.64716720581055) {
-                    return {1, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 18.444201469421387) {
+                  if (x.log2_S <= 18.313854217529297) {
+                    if (x.avg <= 76.70975494384766) {
                       return {1, 8, 16, 32, 1};  // SR
                     } else {
-                      return {1, 8, 64, 32, 1};  // SR
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 20.281105041503906) {
+                      return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 69.79165077209473) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 17.093722343444824) {
-                    if (x.avg <= 8.828015089035034) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      return {1, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
-                  }
+                  return {1, 8, 64, 32, 1};  // SR
                 }
               } else {
-                if (x.log2_S <= 19.042810440063477) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 35.153059005737305) {
-                      if (x.avg <= 4.623426675796509) {
-                        if (x.log2_S <= 18.992353439331055) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 64, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
+                if (x.log2_S <= 21.067450523376465) {
+                  if (x.avg <= 3.2532418966293335) {
+                    if (x.long_level <= 1.5) {
+                      return {4, 8, 32, 32, 1};  // SR
                     } else {
                       return {1, 8, 64, 32, 1};  // SR
                     }
@@ -6571,50 +6583,46 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 19.35744857788086) {
-                if (x.avg <= 6.488550186157227) {
-                  if (x.log2_S <= 17.095783233642578) {
-                    return {1, 8, 16, 32, 1};  // SR
+              if (x.log2_S <= 19.542329788208008) {
+                if (x.avg <= 8.982176303863525) {
+                  if (x.log2_S <= 18.877405166625977) {
+                    return {4, 8, 32, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 4.863219499588013) {
-                      return {1, 32, 16, 8, 8};  // PR
+                    if (x.log2_S <= 18.96446418762207) {
+                      return {1, 8, 64, 32, 1};  // SR
                     } else {
-                      if (x.log2_S <= 17.731348991394043) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
+                      if (x.avg <= 7.298295497894287) {
                         return {1, 32, 16, 8, 8};  // PR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 19.134048461914062) {
-                    return {1, 8, 64, 32, 1};  // SR
+                  return {1, 8, 64, 32, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 20.34440517425537) {
+                  if (x.avg <= 11.957552433013916) {
+                    return {1, 32, 16, 8, 8};  // PR
                   } else {
-                    if (x.avg <= 25.64667797088623) {
-                      if (x.avg <= 7.709133148193359) {
+                    if (x.log2_S <= 19.73761558532715) {
+                      if (x.avg <= 104.77384185791016) {
                         return {1, 32, 16, 8, 8};  // PR
                       } else {
-                        if (x.avg <= 11.676828861236572) {
-                          return {1, 8, 64, 32, 1};  // SR
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 20.169270515441895) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        if (x.avg <= 28.97037696838379) {
+                          return {4, 32, 16, 2, 8};  // PR
                         } else {
                           return {1, 32, 16, 8, 8};  // PR
                         }
                       }
-                    } else {
-                      return {1, 8, 64, 32, 1};  // SR
                     }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 19.4635009765625) {
-                  if (x.avg <= 71.56624984741211) {
-                    if (x.log2_S <= 19.45118522644043) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
-                      return {1, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
                   }
                 } else {
                   return {1, 32, 16, 8, 8};  // PR
@@ -6630,170 +6638,122 @@ inline Config gathered_config(const Features& f) {
       if (x.F <= 11.313708498984761) {
         if (x.long_level <= 2.5) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 16.502166748046875) {
-              if (x.log2_S <= 13.69115161895752) {
-                if (x.log2_S <= 9.652293682098389) {
-                  if (x.avg <= 13.308732032775879) {
-                    if (x.avg <= 3.6757893562316895) {
-                      if (x.avg <= 1.3540284037590027) {
+            if (x.log2_S <= 15.718820571899414) {
+              if (x.log2_S <= 12.09975814819336) {
+                if (x.log2_S <= 9.68862247467041) {
+                  if (x.avg <= 3.3200902938842773) {
+                    if (x.avg <= 1.3222641944885254) {
+                      if (x.log2_S <= 9.38120698928833) {
                         return {4, 32, 16, 8, 0};  // SP
                       } else {
-                        return {4, 32, 64, 2, 0};  // SP
+                        return {4, 32, 32, 1, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 9.516363143920898) {
-                        return {4, 32, 16, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 9.604071617126465) {
-                          if (x.avg <= 10.666965961456299) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 16, 8, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 16, 8, 0};  // SP
-                        }
-                      }
+                      return {4, 32, 32, 1, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 9.429794311523438) {
-                      if (x.avg <= 17.6492919921875) {
-                        if (x.log2_S <= 9.127556324005127) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 32, 16, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
+                    if (x.log2_S <= 9.554594039916992) {
+                      return {1, 1, 64, 256, 0};  // SP
                     } else {
-                      if (x.avg <= 24.679532051086426) {
-                        return {4, 32, 16, 8, 0};  // SP
+                      if (x.avg <= 42.024187088012695) {
+                        return {1, 1, 64, 256, 0};  // SP
                       } else {
-                        return {4, 4, 64, 64, 0};  // SP
+                        return {4, 32, 32, 1, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 12.82191276550293) {
-                    if (x.avg <= 1.3317516446113586) {
-                      if (x.log2_S <= 11.633179664611816) {
-                        return {4, 32, 16, 8, 0};  // SP
+                  if (x.avg <= 1.3416222929954529) {
+                    if (x.log2_S <= 10.86851978302002) {
+                      if (x.log2_S <= 10.420668601989746) {
+                        return {4, 32, 32, 1, 0};  // SP
                       } else {
-                        return {4, 32, 64, 2, 0};  // SP
+                        return {4, 32, 16, 8, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 9.805980205535889) {
-                        if (x.avg <= 26.081625938415527) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
+                      if (x.log2_S <= 12.011160850524902) {
+                        return {4, 32, 32, 1, 0};  // SP
                       } else {
                         return {4, 32, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 8.932823657989502) {
-                      if (x.log2_S <= 13.602776050567627) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 3.6232348680496216) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 13.620640277862549) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.43058729171753) {
-                        if (x.avg <= 10.845015525817871) {
-                          if (x.log2_S <= 13.091409683227539) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 12.856808185577393) {
-                            if (x.avg <= 36.46436023712158) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 4, 64, 64, 0};  // SP
-                            }
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 28.545333862304688) {
-                          if (x.avg <= 15.372759342193604) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 13.511463165283203) {
-                              return {4, 4, 64, 64, 0};  // SP
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      }
-                    }
+                    return {4, 32, 32, 1, 0};  // SP
                   }
                 }
               } else {
-                if (x.avg <= 13.637645244598389) {
-                  if (x.log2_S <= 14.20503044128418) {
-                    if (x.avg <= 3.5294666290283203) {
-                      return {4, 32, 64, 2, 0};  // SP
+                if (x.log2_S <= 13.69115161895752) {
+                  if (x.avg <= 6.9270453453063965) {
+                    return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    if (x.avg <= 19.64256000518799) {
+                      if (x.log2_S <= 13.149909496307373) {
+                        return {4, 32, 32, 1, 0};  // SP
+                      } else {
+                        if (x.avg <= 7.615877389907837) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
                     } else {
-                      if (x.avg <= 4.2723236083984375) {
-                        if (x.avg <= 3.801152229309082) {
+                      if (x.log2_S <= 13.492594718933105) {
+                        if (x.log2_S <= 12.238807678222656) {
+                          if (x.avg <= 38.80207824707031) {
+                            return {4, 32, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 13.541261196136475) {
                           return {4, 2, 8, 128, 1};  // SR
                         } else {
                           return {4, 4, 64, 64, 0};  // SP
                         }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 14.383409023284912) {
+                    if (x.log2_S <= 14.916280746459961) {
+                      if (x.log2_S <= 14.063432693481445) {
+                        if (x.avg <= 5.467252254486084) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.171149253845215) {
-                      return {4, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.avg <= 2.7620640993118286) {
+                      if (x.avg <= 2.3838003873825073) {
                         return {4, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.avg <= 7.287599802017212) {
-                          return {4, 2, 64, 128, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 16.38938331604004) {
+                        if (x.avg <= 5.614284038543701) {
+                          if (x.log2_S <= 15.02382230758667) {
                             return {4, 2, 8, 128, 1};  // SR
                           } else {
-                            if (x.log2_S <= 16.419370651245117) {
-                              return {4, 4, 64, 64, 0};  // SP
-                            } else {
+                            return {4, 2, 64, 128, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 15.615526676177979) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 15.684319972991943) {
                               return {4, 2, 64, 128, 0};  // SP
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
                             }
                           }
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 14.972970008850098) {
-                    if (x.avg <= 34.23870658874512) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
                   } else {
-                    if (x.log2_S <= 15.132233142852783) {
-                      if (x.avg <= 23.703744888305664) {
+                    if (x.avg <= 19.58975601196289) {
+                      if (x.log2_S <= 14.5735764503479) {
                         return {4, 2, 8, 128, 1};  // SR
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
@@ -6805,57 +6765,41 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 18.33591938018799) {
-                if (x.avg <= 15.847364902496338) {
-                  if (x.avg <= 12.369717121124268) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.96946144104004) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.768837928771973) {
-                    if (x.avg <= 17.63585662841797) {
-                      if (x.log2_S <= 17.225534439086914) {
-                        return {4, 4, 64, 64, 0};  // SP
+              if (x.log2_S <= 17.76405620574951) {
+                if (x.avg <= 13.613755226135254) {
+                  if (x.avg <= 11.377279281616211) {
+                    if (x.log2_S <= 15.774492740631104) {
+                      if (x.avg <= 1.5456770658493042) {
+                        return {4, 2, 8, 128, 1};  // SR
                       } else {
                         return {4, 2, 64, 128, 0};  // SP
                       }
                     } else {
-                      return {4, 4, 64, 64, 0};  // SP
+                      return {4, 2, 64, 128, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 31.007288932800293) {
-                      return {4, 2, 64, 128, 0};  // SP
+                    if (x.log2_S <= 16.523615837097168) {
+                      return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.avg <= 33.7689266204834) {
-                        if (x.log2_S <= 17.92972183227539) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
+                      return {4, 2, 64, 128, 0};  // SP
                     }
+                  }
+                } else {
+                  if (x.avg <= 17.63585662841797) {
+                    if (x.log2_S <= 17.13164710998535) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
                   }
                 }
               } else {
                 if (x.avg <= 56.704994201660156) {
-                  if (x.avg <= 41.10503959655762) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 18.993799209594727) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
+                  return {4, 2, 64, 128, 0};  // SP
                 } else {
-                  if (x.log2_S <= 19.918638229370117) {
+                  if (x.log2_S <= 19.005269050598145) {
                     return {4, 4, 64, 64, 0};  // SP
                   } else {
                     return {4, 2, 64, 128, 0};  // SP
@@ -6864,785 +6808,845 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 13.997157573699951) {
-              if (x.avg <= 17.337456703186035) {
-                if (x.log2_S <= 12.705117225646973) {
-                  if (x.avg <= 4.616314172744751) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 11.225907325744629) {
+            if (x.log2_S <= 12.027162075042725) {
+              if (x.avg <= 5.648270845413208) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 2.794206380844116) {
+                    if (x.avg <= 1.2915834188461304) {
+                      if (x.log2_S <= 9.031651020050049) {
                         return {1, 32, 8, 8, 1};  // SR
                       } else {
-                        if (x.log2_S <= 11.790279388427734) {
-                          if (x.avg <= 2.55972421169281) {
-                            if (x.log2_S <= 11.375852108001709) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.avg <= 2.066530764102936) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                if (x.avg <= 2.5277230739593506) {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {4, 32, 64, 2, 0};  // SP
-                                }
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 4.13209867477417) {
-                              return {1, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
+                        return {1, 32, 8, 4, 1};  // SR
                       }
                     } else {
-                      return {1, 8, 8, 32, 1};  // SR
+                      if (x.log2_S <= 11.375494003295898) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.707231998443604) {
+                          if (x.avg <= 2.066530764102936) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.928070068359375) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
                     }
                   } else {
-                    if (x.avg <= 13.097099304199219) {
-                      if (x.log2_S <= 12.38853120803833) {
-                        if (x.avg <= 10.503260135650635) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 10.56001615524292) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 11.51520299911499) {
-                                return {4, 2, 8, 128, 1};  // SR
-                              } else {
-                                if (x.avg <= 11.30831527709961) {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                } else {
-                                  if (x.log2_S <= 11.743820667266846) {
-                                    return {1, 8, 8, 32, 1};  // SR
-                                  } else {
-                                    return {4, 2, 8, 128, 1};  // SR
-                                  }
-                                }
-                              }
-                            }
-                          }
-                        }
+                    if (x.log2_S <= 11.429142475128174) {
+                      if (x.avg <= 5.2841761112213135) {
+                        return {1, 32, 8, 8, 1};  // SR
                       } else {
-                        if (x.long_level <= 1.5) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 6.581879377365112) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        }
+                        return {1, 4, 8, 64, 1};  // SR
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 12.497773170471191) {
-                          return {1, 8, 8, 32, 1};  // SR
+                      if (x.log2_S <= 11.71278429031372) {
+                        if (x.avg <= 3.8632830381393433) {
+                          return {1, 32, 8, 2, 1};  // SR
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          return {1, 32, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 9.92085313796997) {
-                          if (x.avg <= 15.207214832305908) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
+                        return {1, 8, 8, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 3.794579267501831) {
-                    if (x.avg <= 2.9698132276535034) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.714320182800293) {
+                  if (x.log2_S <= 11.057289600372314) {
+                    if (x.avg <= 1.9443392157554626) {
+                      if (x.avg <= 1.8502825498580933) {
                         return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 10.110584259033203) {
                           return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 10.424750804901123) {
-                        if (x.log2_S <= 13.442161560058594) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 5.113595724105835) {
-                            if (x.log2_S <= 13.79629373550415) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.avg <= 4.167834520339966) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            }
+                          if (x.log2_S <= 10.702517032623291) {
+                            return {1, 4, 8, 64, 1};  // SR
                           } else {
-                            if (x.log2_S <= 13.478021621704102) {
-                              if (x.avg <= 7.27757453918457) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
+                            return {1, 8, 8, 32, 1};  // SR
                           }
                         }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 4.011816143989563) {
-                        if (x.log2_S <= 13.486908435821533) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 19.20076084136963) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 10.744723320007324) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
+                      return {1, 4, 8, 64, 1};  // SR
                     }
                   } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 13.673592567443848) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.avg <= 121.8778305053711) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 14.54938793182373) {
-                if (x.avg <= 2.9711151123046875) {
-                  if (x.long_level <= 1.5) {
                     return {1, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 14.035058498382568) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 114.97340393066406) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                return {4, 2, 8, 128, 1};  // SR
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 13.34903860092163) {
-            if (x.avg <= 8.115532875061035) {
-              if (x.log2_S <= 12.243038654327393) {
-                if (x.log2_S <= 12.176052570343018) {
-                  return {1, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.avg <= 6.899498462677002) {
-                    return {1, 8, 8, 32, 1};  // SR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              } else {
-                return {4, 32, 8, 2, 16};  // PR
-              }
-            } else {
-              if (x.avg <= 11.91218090057373) {
-                if (x.log2_S <= 12.549846172332764) {
-                  return {4, 2, 8, 128, 1};  // SR
-                } else {
-                  if (x.avg <= 10.252604484558105) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 12.96065616607666) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                }
-              } else {
-                return {4, 2, 8, 128, 1};  // SR
-              }
-            }
-          } else {
-            if (x.log2_S <= 14.091126918792725) {
-              if (x.avg <= 39.11592674255371) {
-                if (x.avg <= 32.6148681640625) {
-                  if (x.log2_S <= 13.381480693817139) {
-                    if (x.log2_S <= 13.373700618743896) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.avg <= 34.17792510986328) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              } else {
-                return {4, 2, 8, 128, 1};  // SR
-              }
-            } else {
-              return {4, 32, 8, 2, 16};  // PR
-            }
-          }
-        }
-      } else {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 14.060571193695068) {
-            if (x.avg <= 3.8334991931915283) {
-              if (x.log2_S <= 13.430240154266357) {
-                if (x.avg <= 3.173936128616333) {
-                  if (x.log2_S <= 12.93166971206665) {
-                    return {4, 64, 8, 1, 0};  // SP
-                  } else {
-                    if (x.avg <= 1.73781156539917) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      return {4, 64, 8, 1, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 9.876429080963135) {
-                    return {1, 16, 64, 8, 0};  // SP
-                  } else {
-                    return {4, 64, 8, 1, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.701401710510254) {
-                  return {1, 16, 8, 8, 1};  // SR
-                } else {
-                  return {4, 4, 8, 64, 1};  // SR
-                }
-              }
-            } else {
-              if (x.log2_S <= 12.933992862701416) {
-                if (x.log2_S <= 10.629023551940918) {
-                  return {1, 16, 64, 8, 0};  // SP
-                } else {
-                  if (x.avg <= 18.702802658081055) {
-                    if (x.log2_S <= 12.187943458557129) {
-                      return {4, 64, 8, 1, 0};  // SP
-                    } else {
-                      if (x.avg <= 6.921483755111694) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 25.668877601623535) {
-                      if (x.log2_S <= 11.658513069152832) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      return {1, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 7.250218629837036) {
-                  if (x.log2_S <= 13.641647338867188) {
-                    if (x.log2_S <= 13.077341556549072) {
-                      return {4, 64, 8, 1, 0};  // SP
-                    } else {
-                      return {1, 16, 64, 8, 0};  // SP
-                    }
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 11.870643615722656) {
-                    if (x.log2_S <= 13.400571346282959) {
-                      return {1, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 14.82640027999878) {
-              if (x.avg <= 3.575090169906616) {
-                return {4, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.log2_S <= 14.469302654266357) {
-                  if (x.avg <= 26.228700637817383) {
-                    if (x.avg <= 9.177313327789307) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.avg <= 16.956992149353027) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  return {4, 4, 64, 64, 0};  // SP
-                }
-              }
-            } else {
-              if (x.log2_S <= 15.15592098236084) {
-                if (x.avg <= 2.191123127937317) {
-                  return {4, 4, 8, 64, 1};  // SR
-                } else {
-                  return {4, 4, 64, 64, 0};  // SP
-                }
-              } else {
-                return {4, 4, 64, 64, 0};  // SP
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 16.792144775390625) {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 12.595448970794678) {
-                if (x.avg <= 8.590713500976562) {
-                  if (x.avg <= 6.948336124420166) {
-                    return {1, 16, 8, 8, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 10.462569236755371) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {1, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 102.35746002197266) {
-                      if (x.log2_S <= 11.662673950195312) {
-                        if (x.avg <= 73.32755661010742) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 10.174436569213867) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 78.20834350585938) {
-                              if (x.log2_S <= 11.00520372390747) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 4, 8, 64, 1};  // SR
-                              }
-                            } else {
-                              return {4, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 13.717249870300293) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
                   }
                 }
               } else {
                 if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 14.153534889221191) {
-                    if (x.avg <= 5.9417479038238525) {
-                      if (x.avg <= 3.942793607711792) {
-                        return {1, 16, 8, 8, 1};  // SR
+                  if (x.log2_S <= 11.88456106185913) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 69.92438697814941) {
+                      if (x.avg <= 11.053150177001953) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 13.607457160949707) {
-                          return {1, 16, 8, 8, 1};  // SR
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 28.731216430664062) {
+                    if (x.log2_S <= 11.136224269866943) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.avg <= 19.291998863220215) {
+                        if (x.avg <= 9.18690824508667) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.324953079223633) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.129764556884766) {
+                      if (x.avg <= 66.11598205566406) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 14.283882141113281) {
+                if (x.avg <= 7.479377269744873) {
+                  if (x.avg <= 4.438255786895752) {
+                    if (x.log2_S <= 13.649176597595215) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 2.6804277896881104) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 3.905371069908142) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.569307804107666) {
+                      if (x.long_level <= 1.5) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 5.990745544433594) {
+                          if (x.avg <= 5.812998056411743) {
+                            if (x.log2_S <= 13.477278232574463) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
                         } else {
                           return {4, 4, 8, 64, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 8.192769050598145) {
-                        if (x.log2_S <= 13.354958534240723) {
-                          return {1, 16, 8, 8, 1};  // SR
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 11.597418308258057) {
+                    if (x.log2_S <= 13.302241325378418) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 12.346686840057373) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 4, 8, 64, 1};  // SR
+                          return {4, 2, 8, 128, 1};  // SR
                         }
                       } else {
                         return {4, 4, 8, 64, 1};  // SR
                       }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 14.456348419189453) {
-                      if (x.avg <= 124.34912109375) {
-                        return {4, 4, 8, 64, 1};  // SR
+                    if (x.log2_S <= 14.265925884246826) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 101.59612274169922) {
+                        return {4, 2, 8, 128, 1};  // SR
                       } else {
-                        return {4, 4, 16, 64, 1};  // SR
+                        return {4, 4, 64, 64, 0};  // SP
                       }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.672767162322998) {
+                  if (x.avg <= 120.57360458374023) {
+                    if (x.avg <= 3.165792942047119) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 14.568920135498047) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
+              }
+            }
+          }
+        } else {
+          if (x.log2_S <= 13.050673007965088) {
+            if (x.avg <= 10.229007244110107) {
+              if (x.log2_S <= 11.35617208480835) {
+                return {1, 4, 8, 64, 1};  // SR
+              } else {
+                if (x.avg <= 4.735848903656006) {
+                  return {1, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.log2_S <= 12.251342296600342) {
+                    if (x.avg <= 9.364988803863525) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {1, 8, 16, 32, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 12.949380874633789) {
+                return {4, 2, 8, 128, 1};  // SR
+              } else {
+                if (x.avg <= 44.6600284576416) {
+                  if (x.avg <= 16.133567333221436) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 21.544492721557617) {
+              if (x.log2_S <= 13.286535739898682) {
+                if (x.avg <= 49.63530158996582) {
+                  if (x.avg <= 2.837299942970276) {
+                    return {1, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  if (x.avg <= 123.8528938293457) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 21.137917518615723) {
+                  if (x.log2_S <= 17.26023578643799) {
+                    if (x.log2_S <= 16.599327087402344) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 7.727847576141357) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        if (x.log2_S <= 16.963488578796387) {
+                          return {4, 32, 16, 2, 8};  // PR
+                        } else {
+                          if (x.avg <= 11.56807804107666) {
+                            return {4, 32, 16, 2, 8};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  if (x.avg <= 6.9472784996032715) {
+                    if (x.avg <= 3.36614191532135) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 9.778830528259277) {
+                if (x.log2_S <= 21.90495014190674) {
+                  if (x.avg <= 2.98063063621521) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.avg <= 7.687743902206421) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 2, 32};  // PR
+                }
+              } else {
+                if (x.avg <= 10.68774700164795) {
+                  if (x.log2_S <= 22.90949058532715) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
+              }
+            }
+          }
+        }
+      } else {
+        if (x.log2_S <= 15.579306602478027) {
+          if (x.long_level <= 1.5) {
+            if (x.log2_S <= 11.936898231506348) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 9.87217903137207) {
+                  if (x.avg <= 2.3779170513153076) {
+                    if (x.avg <= 1.7426434755325317) {
+                      return {4, 64, 8, 1, 0};  // SP
+                    } else {
+                      return {4, 32, 16, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 3.390712857246399) {
+                      if (x.log2_S <= 9.265880107879639) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 16, 8, 0};  // SP
+                      }
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 10.550582885742188) {
+                    if (x.avg <= 4.981765508651733) {
+                      if (x.avg <= 1.6430394649505615) {
+                        return {4, 64, 8, 1, 0};  // SP
+                      } else {
+                        return {4, 32, 16, 8, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 11.361196041107178) {
+                      return {4, 64, 8, 1, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.418538570404053) {
+                        if (x.log2_S <= 10.597278594970703) {
+                          return {4, 32, 32, 1, 0};  // SP
+                        } else {
+                          return {4, 64, 8, 1, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 4.343137979507446) {
+                  if (x.log2_S <= 11.168970584869385) {
+                    if (x.avg <= 3.316350221633911) {
+                      return {1, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 3.965825915336609) {
+                        return {1, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.521215438842773) {
+                      if (x.avg <= 2.136201858520508) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 11.807151317596436) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.773433685302734) {
+                    return {1, 16, 8, 8, 1};  // SR
+                  } else {
+                    if (x.avg <= 40.415283203125) {
+                      return {1, 16, 8, 8, 1};  // SR
                     } else {
                       return {4, 4, 8, 64, 1};  // SR
                     }
                   }
+                }
+              }
+            } else {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 13.040342330932617) {
+                  if (x.avg <= 4.472660064697266) {
+                    if (x.log2_S <= 12.291812896728516) {
+                      return {4, 64, 8, 1, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 12.6409010887146) {
+                        if (x.avg <= 3.0241353511810303) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 11.345945358276367) {
+                      if (x.log2_S <= 12.693187236785889) {
+                        return {4, 32, 32, 1, 0};  // SP
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 0};  // SP
+                    }
+                  }
                 } else {
-                  if (x.log2_S <= 15.532604217529297) {
-                    if (x.avg <= 36.7265567779541) {
-                      if (x.log2_S <= 13.262035369873047) {
-                        if (x.avg <= 2.6810487508773804) {
+                  if (x.log2_S <= 14.646708488464355) {
+                    if (x.avg <= 5.402758836746216) {
+                      if (x.log2_S <= 13.942912101745605) {
+                        if (x.log2_S <= 13.53903579711914) {
                           return {1, 16, 8, 8, 1};  // SR
                         } else {
-                          return {4, 4, 8, 64, 1};  // SR
+                          if (x.avg <= 2.656009078025818) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
                         }
                       } else {
                         return {4, 4, 8, 64, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 14.258924961090088) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.64329195022583) {
-                          if (x.avg <= 74.89689254760742) {
+                      if (x.log2_S <= 14.17408800125122) {
+                        if (x.avg <= 51.30477523803711) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.53862476348877) {
                             return {4, 4, 8, 64, 1};  // SR
                           } else {
-                            return {4, 4, 16, 64, 1};  // SR
+                            return {4, 8, 64, 32, 0};  // SP
                           }
+                        }
+                      } else {
+                        if (x.avg <= 15.604334831237793) {
+                          return {4, 4, 8, 64, 1};  // SR
                         } else {
-                          return {4, 4, 16, 64, 1};  // SR
+                          return {4, 4, 64, 64, 0};  // SP
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 15.790641784667969) {
-                      if (x.avg <= 11.193794250488281) {
+                    if (x.avg <= 2.8668724298477173) {
+                      if (x.log2_S <= 15.183725833892822) {
                         return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        return {4, 4, 16, 64, 1};  // SR
+                        if (x.avg <= 1.5566831231117249) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
                       }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 4.549599647521973) {
+                  if (x.log2_S <= 14.280715465545654) {
+                    if (x.log2_S <= 13.699002265930176) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 2.83786940574646) {
+                        if (x.log2_S <= 14.062554359436035) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 4, 8, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 118.61294555664062) {
+                    if (x.avg <= 7.165269136428833) {
+                      if (x.log2_S <= 13.308706283569336) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.176227569580078) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
                       return {4, 4, 16, 64, 1};  // SR
                     }
                   }
                 }
               }
-            } else {
-              if (x.log2_S <= 14.355283260345459) {
-                if (x.log2_S <= 13.242638111114502) {
-                  if (x.log2_S <= 9.906574249267578) {
-                    if (x.avg <= 78.2352409362793) {
-                      if (x.avg <= 30.857216835021973) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
+            }
+          } else {
+            if (x.avg <= 8.42064380645752) {
+              if (x.log2_S <= 12.086374282836914) {
+                if (x.avg <= 2.523510456085205) {
+                  if (x.log2_S <= 11.656837463378906) {
+                    return {1, 4, 8, 64, 1};  // SR
                   } else {
-                    if (x.log2_S <= 12.181179523468018) {
-                      if (x.avg <= 23.68294334411621) {
-                        if (x.log2_S <= 10.348618507385254) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 15.230557918548584) {
-                            if (x.avg <= 4.584205389022827) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 4, 8, 64, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 20.562207221984863) {
-                              return {4, 4, 16, 64, 1};  // SR
-                            } else {
-                              return {4, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        }
+                    return {1, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 10.855816841125488) {
+                    return {1, 16, 8, 8, 1};  // SR
+                  } else {
+                    if (x.avg <= 4.351831912994385) {
+                      if (x.log2_S <= 11.603160858154297) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        return {4, 4, 8, 64, 1};  // SR
+                        return {1, 16, 8, 8, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 3.6708717346191406) {
-                        if (x.log2_S <= 13.02929401397705) {
+                      if (x.avg <= 5.729538679122925) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.long_level <= 2.5) {
                           return {1, 16, 8, 8, 1};  // SR
                         } else {
                           return {4, 4, 8, 64, 1};  // SR
                         }
-                      } else {
-                        if (x.avg <= 6.111378192901611) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.026349067687988) {
-                            if (x.avg <= 79.36085891723633) {
-                              if (x.avg <= 31.37493324279785) {
-                                if (x.avg <= 14.214780330657959) {
-                                  if (x.avg <= 9.02731466293335) {
-                                    return {4, 4, 16, 64, 1};  // SR
-                                  } else {
-                                    return {4, 4, 8, 64, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 4, 16, 64, 1};  // SR
-                                }
-                              } else {
-                                if (x.log2_S <= 12.757334232330322) {
-                                  return {4, 4, 8, 64, 1};  // SR
-                                } else {
-                                  return {4, 4, 16, 64, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 28.372105598449707) {
-                              return {4, 4, 16, 64, 1};  // SR
-                            } else {
-                              return {4, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        }
                       }
                     }
                   }
-                } else {
-                  if (x.avg <= 5.722491025924683) {
-                    if (x.log2_S <= 14.064085483551025) {
-                      if (x.avg <= 4.414771318435669) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.585992336273193) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      }
+                }
+              } else {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 13.375569343566895) {
+                    if (x.avg <= 4.087641000747681) {
+                      return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.log2_S <= 14.283321380615234) {
-                        return {4, 32, 16, 2, 8};  // PR
+                      if (x.avg <= 5.726907014846802) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        return {4, 4, 32, 64, 1};  // SR
+                        return {4, 4, 8, 64, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 13.381012439727783) {
-                      if (x.avg <= 39.14130401611328) {
-                        if (x.log2_S <= 13.366651058197021) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
+                    return {4, 4, 8, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 13.34200668334961) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 14.929519176483154) {
+                      if (x.avg <= 7.797245025634766) {
+                        return {4, 32, 8, 2, 16};  // PR
                       } else {
-                        if (x.avg <= 78.21738052368164) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
+                        return {4, 4, 16, 64, 1};  // SR
                       }
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.309882640838623) {
+                if (x.log2_S <= 13.024866580963135) {
+                  if (x.avg <= 9.833778858184814) {
+                    if (x.log2_S <= 10.948316097259521) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    return {4, 4, 8, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 80.07410430908203) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
                       return {4, 4, 16, 64, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.avg <= 7.453716039657593) {
-                  if (x.log2_S <= 16.126561164855957) {
-                    if (x.log2_S <= 14.447860717773438) {
-                      return {4, 4, 32, 64, 1};  // SR
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 14.72677993774414) {
+                    if (x.avg <= 85.75443649291992) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      return {4, 32, 16, 2, 8};  // PR
+                      if (x.log2_S <= 14.184465408325195) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.avg <= 2.5177963972091675) {
-                      return {4, 4, 32, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 4.022600531578064) {
-                        return {4, 32, 16, 2, 8};  // PR
+                    if (x.avg <= 38.034481048583984) {
+                      if (x.avg <= 26.941207885742188) {
+                        return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        return {4, 4, 32, 64, 1};  // SR
+                        if (x.log2_S <= 15.180028438568115) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
                       }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
                     }
                   }
                 } else {
-                  return {4, 4, 32, 64, 1};  // SR
+                  if (x.log2_S <= 14.178702354431152) {
+                    return {4, 4, 16, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 32.16259002685547) {
+                      if (x.log2_S <= 14.96422815322876) {
+                        if (x.avg <= 18.053796768188477) {
+                          if (x.log2_S <= 14.61736536026001) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 32, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.407536506652832) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
+                    }
+                  }
                 }
               }
             }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            return {4, 4, 64, 64, 0};  // SP
           } else {
-            if (x.avg <= 9.216447830200195) {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 19.205425262451172) {
-                  if (x.avg <= 2.514984965324402) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 18.883106231689453) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 17.157928466796875) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 73.81965637207031) {
+                    if (x.avg <= 34.4238224029541) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      if (x.log2_S <= 18.10645866394043) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
+                      if (x.log2_S <= 16.85683250427246) {
                         return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 9.123974800109863) {
-                      if (x.log2_S <= 18.621830940246582) {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 4.765202045440674) {
+                    if (x.log2_S <= 16.396615982055664) {
+                      if (x.log2_S <= 15.65241527557373) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 16.78098201751709) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 19.363289833068848) {
+                  if (x.avg <= 9.239168167114258) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 4.608706474304199) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 18.13105297088623) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.810248374938965) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        if (x.avg <= 7.296762943267822) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 27.965599060058594) {
+                      if (x.log2_S <= 17.959789276123047) {
                         if (x.long_level <= 1.5) {
-                          if (x.avg <= 4.336233615875244) {
-                            if (x.log2_S <= 16.962268829345703) {
-                              return {4, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 18.099336624145508) {
-                              return {4, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
-                          }
+                          return {4, 4, 8, 64, 1};  // SR
                         } else {
                           return {4, 4, 16, 64, 1};  // SR
                         }
                       } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
+                        return {4, 4, 16, 64, 1};  // SR
                       }
                     } else {
-                      return {4, 4, 8, 64, 1};  // SR
+                      return {4, 4, 16, 64, 1};  // SR
                     }
                   }
                 } else {
                   return {4, 4, 16, 64, 1};  // SR
                 }
-              } else {
-                if (x.log2_S <= 20.321316719055176) {
-                  if (x.avg <= 2.5470722913742065) {
-                    return {4, 4, 32, 64, 1};  // SR
-                  } else {
-                    if (x.avg <= 4.8131654262542725) {
-                      if (x.avg <= 2.7001707553863525) {
-                        if (x.log2_S <= 18.681560516357422) {
-                          return {4, 4, 32, 64, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 8};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 16.873422622680664) {
-                          return {4, 4, 32, 64, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 8};  // PR
-                        }
-                      }
+              }
+            } else {
+              if (x.avg <= 9.458786487579346) {
+                if (x.log2_S <= 20.191140174865723) {
+                  if (x.log2_S <= 16.285093307495117) {
+                    if (x.avg <= 8.173413753509521) {
+                      return {4, 32, 16, 2, 8};  // PR
                     } else {
-                      if (x.log2_S <= 19.38697910308838) {
-                        if (x.avg <= 9.074485778808594) {
-                          return {4, 4, 32, 64, 1};  // SR
+                      return {4, 4, 32, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 2.4593310356140137) {
+                      return {4, 4, 32, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 17.921354293823242) {
+                        if (x.avg <= 4.89721941947937) {
+                          if (x.log2_S <= 17.29770565032959) {
+                            if (x.log2_S <= 16.395447731018066) {
+                              return {4, 32, 16, 2, 8};  // PR
+                            } else {
+                              return {4, 4, 32, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 3.1102793216705322) {
+                              return {4, 4, 32, 64, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 8};  // PR
+                            }
+                          }
                         } else {
-                          return {4, 4, 16, 64, 1};  // SR
+                          return {4, 4, 32, 64, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 7.187814474105835) {
+                        if (x.avg <= 6.526807546615601) {
                           return {4, 32, 16, 2, 8};  // PR
                         } else {
-                          return {4, 4, 32, 64, 1};  // SR
+                          if (x.log2_S <= 19.397262573242188) {
+                            return {4, 4, 32, 64, 1};  // SR
+                          } else {
+                            if (x.avg <= 7.830631256103516) {
+                              return {4, 32, 16, 2, 8};  // PR
+                            } else {
+                              return {4, 4, 32, 64, 1};  // SR
+                            }
+                          }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 7.476463079452515) {
+                  if (x.avg <= 8.344729900360107) {
                     return {4, 32, 16, 2, 8};  // PR
                   } else {
                     return {4, 4, 32, 64, 1};  // SR
                   }
                 }
-              }
-            } else {
-              if (x.log2_S <= 18.882330894470215) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 159.4762954711914) {
-                    if (x.avg <= 10.505388736724854) {
-                      if (x.log2_S <= 17.66610813140869) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
+              } else {
+                if (x.log2_S <= 17.421366691589355) {
+                  if (x.log2_S <= 15.809481143951416) {
+                    return {4, 32, 16, 2, 8};  // PR
                   } else {
-                    if (x.log2_S <= 17.978501319885254) {
-                      return {4, 4, 8, 64, 1};  // SR
+                    return {4, 4, 32, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 17.498706817626953) {
+                    if (x.avg <= 22.00484275817871) {
+                      return {4, 4, 32, 64, 1};  // SR
                     } else {
                       return {4, 4, 16, 64, 1};  // SR
                     }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
                   }
-                } else {
-                  return {4, 4, 16, 64, 1};  // SR
                 }
-              } else {
-                return {4, 4, 16, 64, 1};  // SR
               }
             }
           }
@@ -7651,34 +7655,98 @@ inline Config gathered_config(const Features& f) {
     } else {
       if (x.F <= 45.254833995939045) {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 13.093544960021973) {
-            if (x.avg <= 1.6808146238327026) {
-              if (x.log2_S <= 10.296123504638672) {
-                return {4, 64, 64, 4, 0};  // SP
+          if (x.log2_S <= 14.601568222045898) {
+            if (x.log2_S <= 12.78234577178955) {
+              if (x.log2_S <= 9.689248085021973) {
+                if (x.avg <= 3.363590717315674) {
+                  return {4, 64, 64, 4, 0};  // SP
+                } else {
+                  if (x.log2_S <= 9.139290809631348) {
+                    if (x.avg <= 3.50905978679657) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {1, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 64, 2, 0};  // SP
+                  }
+                }
               } else {
                 if (x.avg <= 1.5709806084632874) {
-                  return {1, 32, 8, 8, 1};  // SR
-                } else {
-                  if (x.log2_S <= 11.407469272613525) {
-                    return {4, 64, 64, 4, 0};  // SP
+                  if (x.log2_S <= 10.537707328796387) {
+                    return {4, 64, 8, 1, 0};  // SP
                   } else {
-                    return {1, 32, 8, 8, 1};  // SR
+                    if (x.log2_S <= 10.739418983459473) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.240246295928955) {
+                        return {1, 32, 8, 8, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 2, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.691634178161621) {
+                    if (x.log2_S <= 9.895140171051025) {
+                      if (x.avg <= 9.580396175384521) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 1.747334897518158) {
+                        if (x.log2_S <= 11.26093339920044) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 32, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 64, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 21.899372100830078) {
+                      return {4, 64, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 2, 0};  // SP
+                    }
                   }
                 }
               }
             } else {
-              if (x.avg <= 27.18886661529541) {
-                if (x.log2_S <= 12.496864795684814) {
-                  return {4, 64, 64, 4, 0};  // SP
-                } else {
-                  if (x.avg <= 10.845015525817871) {
-                    if (x.avg <= 1.894714593887329) {
-                      return {1, 32, 8, 8, 1};  // SR
+              if (x.avg <= 31.711005210876465) {
+                if (x.log2_S <= 13.511089324951172) {
+                  if (x.avg <= 3.6444703340530396) {
+                    if (x.avg <= 1.360745131969452) {
+                      return {1, 32, 8, 2, 1};  // SR
                     } else {
-                      return {4, 64, 64, 4, 0};  // SP
+                      if (x.log2_S <= 13.16738224029541) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 1.7769134044647217) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      }
                     }
                   } else {
-                    if (x.avg <= 12.923906326293945) {
+                    if (x.avg <= 7.859307765960693) {
+                      if (x.log2_S <= 13.182508945465088) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 12.52616262435913) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 14.054308414459229) {
                       return {4, 8, 8, 32, 1};  // SR
                     } else {
                       return {4, 8, 64, 32, 0};  // SP
@@ -7686,81 +7754,87 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 9.059125900268555) {
-                  return {4, 8, 64, 32, 0};  // SP
+                if (x.log2_S <= 14.016973972320557) {
+                  return {4, 16, 64, 2, 0};  // SP
                 } else {
-                  if (x.log2_S <= 12.240037441253662) {
-                    if (x.log2_S <= 9.188812255859375) {
-                      if (x.avg <= 36.99587821960449) {
-                        return {4, 64, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 64, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
+                  return {4, 8, 64, 32, 0};  // SP
                 }
               }
             }
           } else {
-            if (x.log2_S <= 14.678114414215088) {
-              if (x.avg <= 2.683442234992981) {
-                if (x.log2_S <= 13.56766939163208) {
-                  if (x.avg <= 2.099686861038208) {
-                    return {1, 32, 8, 8, 1};  // SR
-                  } else {
-                    return {4, 64, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 2.0236454010009766) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 14.054276466369629) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
+            if (x.log2_S <= 15.15592098236084) {
+              if (x.avg <= 3.193548560142517) {
+                return {4, 8, 8, 32, 1};  // SR
               } else {
-                if (x.avg <= 3.6018115282058716) {
-                  if (x.log2_S <= 13.682640552520752) {
-                    return {4, 64, 64, 4, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  return {4, 8, 64, 32, 0};  // SP
-                }
+                return {4, 8, 64, 32, 0};  // SP
               }
             } else {
               return {4, 8, 64, 32, 0};  // SP
             }
           }
         } else {
-          if (x.log2_S <= 14.13694953918457) {
-            if (x.long_level <= 2.5) {
-              if (x.avg <= 8.405534267425537) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 12.738486289978027) {
-                    if (x.log2_S <= 12.507466316223145) {
-                      if (x.avg <= 7.887535572052002) {
-                        return {1, 32, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.010629177093506) {
-                          return {1, 32, 8, 8, 1};  // SR
+          if (x.log2_S <= 14.087090969085693) {
+            if (x.long_level <= 1.5) {
+              if (x.log2_S <= 11.580289363861084) {
+                if (x.avg <= 57.95479774475098) {
+                  if (x.avg <= 12.122079372406006) {
+                    if (x.avg <= 3.7399359941482544) {
+                      return {1, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 4.595762014389038) {
+                        if (x.log2_S <= 9.28812313079834) {
+                          return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          return {2, 16, 8, 8, 1};  // SR
+                          if (x.log2_S <= 11.032732009887695) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.273609161376953) {
+                          if (x.log2_S <= 10.703330039978027) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.avg <= 9.645806312561035) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 8.556870937347412) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
                         }
                       }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.0902681350708) {
+                      return {2, 16, 8, 8, 1};  // SR
                     } else {
-                      if (x.avg <= 3.7616353034973145) {
-                        return {1, 32, 8, 8, 1};  // SR
+                      if (x.avg <= 29.807313919067383) {
+                        return {2, 16, 8, 8, 1};  // SR
                       } else {
-                        return {4, 8, 8, 32, 1};  // SR
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 4, 8, 64, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 3.4352571964263916) {
+                  if (x.log2_S <= 12.569937705993652) {
+                    if (x.log2_S <= 12.012400150299072) {
+                      return {1, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.392609596252441) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 2, 1};  // SR
                       }
                     }
                   } else {
@@ -7771,53 +7845,19 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  return {4, 8, 8, 32, 1};  // SR
-                }
-              } else {
-                if (x.avg <= 17.667784690856934) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 11.479820728302002) {
-                      if (x.avg <= 17.105612754821777) {
-                        if (x.avg <= 8.68605899810791) {
-                          return {1, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {2, 16, 8, 8, 1};  // SR
-                        }
+                  if (x.log2_S <= 13.632858276367188) {
+                    if (x.avg <= 6.067208766937256) {
+                      if (x.log2_S <= 12.492172241210938) {
+                        return {1, 32, 8, 4, 1};  // SR
                       } else {
-                        if (x.log2_S <= 9.613074779510498) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 16, 8, 8, 1};  // SR
-                        }
+                        return {4, 8, 8, 32, 1};  // SR
                       }
                     } else {
                       return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 13.794228553771973) {
-                    if (x.log2_S <= 13.644969463348389) {
+                    if (x.avg <= 58.90008735656738) {
                       return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 123.3635139465332) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 70.1244010925293) {
-                      if (x.log2_S <= 14.051338195800781) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 38.204341888427734) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
                     } else {
                       return {4, 8, 16, 32, 1};  // SR
                     }
@@ -7825,18 +7865,52 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 13.966779708862305) {
-                if (x.avg <= 5.830554962158203) {
-                  if (x.log2_S <= 13.375575065612793) {
-                    if (x.avg <= 2.7624380588531494) {
+              if (x.long_level <= 2.5) {
+                if (x.avg <= 5.260595321655273) {
+                  if (x.log2_S <= 11.80852222442627) {
+                    if (x.log2_S <= 11.113690853118896) {
+                      if (x.avg <= 1.1779271364212036) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 3.299501061439514) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 13.638588428497314) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 52.19753074645996) {
                       return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.log2_S <= 12.97456693649292) {
-                        if (x.avg <= 3.6708717346191406) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 11.21031379699707) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.log2_S <= 13.495044708251953) {
+                    if (x.avg <= 12.94257926940918) {
+                      if (x.log2_S <= 12.315041542053223) {
+                        if (x.avg <= 5.887814283370972) {
                           return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 12.438036441802979) {
-                            return {4, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 11.875236988067627) {
+                            if (x.avg <= 7.5745179653167725) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
                           } else {
                             return {4, 8, 16, 32, 1};  // SR
                           }
@@ -7844,280 +7918,222 @@ inline Config gathered_config(const Features& f) {
                       } else {
                         return {4, 8, 16, 32, 1};  // SR
                       }
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
                     }
                   } else {
-                    return {4, 8, 16, 32, 1};  // SR
+                    if (x.avg <= 14.93523359298706) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
                   }
-                } else {
-                  return {4, 8, 16, 32, 1};  // SR
-                }
-              } else {
-                if (x.avg <= 17.34898567199707) {
-                  return {4, 8, 16, 32, 1};  // SR
-                } else {
-                  return {4, 8, 32, 32, 1};  // SR
                 }
               }
             }
           } else {
             if (x.long_level <= 1.5) {
-              if (x.log2_S <= 17.650455474853516) {
-                if (x.avg <= 15.024502754211426) {
-                  if (x.avg <= 11.946562767028809) {
-                    if (x.log2_S <= 14.155110836029053) {
-                      return {2, 16, 8, 8, 1};  // SR
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
+              if (x.log2_S <= 18.84927749633789) {
+                if (x.avg <= 11.254916191101074) {
+                  if (x.log2_S <= 17.613301277160645) {
+                    return {4, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 15.216865539550781) {
+                    if (x.avg <= 3.985466241836548) {
                       return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 13.418504238128662) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
+                      return {4, 8, 16, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.404525756835938) {
-                    if (x.log2_S <= 14.253146171569824) {
-                      return {4, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 72.36410522460938) {
-                        if (x.log2_S <= 14.294699668884277) {
-                          return {4, 8, 32, 32, 1};  // SR
+                  if (x.avg <= 74.96977233886719) {
+                    if (x.avg <= 17.609642028808594) {
+                      if (x.log2_S <= 15.238462924957275) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 17.328146934509277) {
+                          if (x.log2_S <= 16.59875202178955) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
                         } else {
                           return {4, 8, 16, 32, 1};  // SR
                         }
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
                       }
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
                     }
                   } else {
-                    return {4, 8, 16, 32, 1};  // SR
+                    if (x.log2_S <= 16.53747272491455) {
+                      if (x.avg <= 127.29811096191406) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.243999481201172) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.337933540344238) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 15.83051586151123) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 18.450268745422363) {
-                  if (x.avg <= 3.2803430557250977) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
+                if (x.log2_S <= 19.517288208007812) {
+                  if (x.avg <= 30.43058681488037) {
                     return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 18.897890090942383) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
                   }
                 } else {
                   return {4, 8, 16, 32, 1};  // SR
                 }
               }
             } else {
-              if (x.log2_S <= 17.64683246612549) {
-                if (x.log2_S <= 16.157124519348145) {
-                  if (x.avg <= 18.495824813842773) {
-                    if (x.long_level <= 2.5) {
-                      if (x.log2_S <= 15.174042701721191) {
-                        if (x.avg <= 13.955537796020508) {
-                          if (x.log2_S <= 15.053090572357178) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 3.0328532457351685) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 14.408119678497314) {
+              if (x.log2_S <= 16.37999725341797) {
+                if (x.long_level <= 2.5) {
+                  if (x.avg <= 26.722479820251465) {
+                    if (x.log2_S <= 15.241100788116455) {
+                      if (x.avg <= 14.495328903198242) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.408119678497314) {
+                          if (x.avg <= 18.672657012939453) {
                             return {4, 8, 8, 32, 1};  // SR
                           } else {
                             return {4, 8, 16, 32, 1};  // SR
                           }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
                         }
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 14.360750675201416) {
-                        if (x.avg <= 5.994615316390991) {
+                      if (x.avg <= 11.873261451721191) {
+                        if (x.log2_S <= 15.460867881774902) {
+                          if (x.avg <= 2.242748498916626) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.520265102386475) {
                           return {4, 8, 16, 32, 1};  // SR
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
                         }
-                      } else {
-                        if (x.log2_S <= 16.005871772766113) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 2.7855799198150635) {
-                            return {4, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.209468841552734) {
-                      if (x.long_level <= 2.5) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
+                    if (x.log2_S <= 14.191474437713623) {
+                      return {4, 8, 16, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 26.65153694152832) {
-                        if (x.log2_S <= 14.930829524993896) {
-                          if (x.long_level <= 2.5) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
+                      return {4, 8, 32, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 16.321106910705566) {
-                      if (x.avg <= 12.32756757736206) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
+                  if (x.log2_S <= 14.273325443267822) {
+                    if (x.avg <= 5.922682046890259) {
+                      return {4, 8, 16, 32, 1};  // SR
                     } else {
-                      if (x.log2_S <= 17.392887115478516) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 33.981300354003906) {
-                          if (x.avg <= 4.070366859436035) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 11.411540031433105) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 89.71793746948242) {
-                            return {4, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      }
+                      return {4, 8, 32, 32, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 8.244533061981201) {
-                      if (x.avg <= 4.518341302871704) {
-                        if (x.avg <= 3.4678395986557007) {
-                          return {4, 8, 64, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.56989097595215) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 5.925787448883057) {
-                          if (x.avg <= 4.857700347900391) {
-                            if (x.log2_S <= 16.612568855285645) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 64, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 7.5269904136657715) {
-                            if (x.log2_S <= 17.36125659942627) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 64, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 16.191433906555176) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 64, 32, 1};  // SR
-                      }
-                    }
+                    return {4, 8, 32, 32, 1};  // SR
                   }
                 }
               } else {
                 if (x.long_level <= 2.5) {
-                  if (x.avg <= 27.112449645996094) {
-                    if (x.avg <= 2.418932318687439) {
-                      if (x.log2_S <= 21.551276206970215) {
-                        if (x.log2_S <= 19.714065551757812) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 64, 32, 1};  // SR
-                        }
-                      } else {
+                  if (x.avg <= 3.261325716972351) {
+                    if (x.log2_S <= 19.714065551757812) {
+                      if (x.log2_S <= 19.458420753479004) {
                         return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 3.366734027862549) {
-                        if (x.log2_S <= 19.74487018585205) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 21.603384971618652) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 18.413323402404785) {
-                          if (x.avg <= 17.212870597839355) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 19.005370140075684) {
-                      if (x.avg <= 79.39875030517578) {
-                        if (x.avg <= 33.69662857055664) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 64, 32, 1};  // SR
-                        }
                       } else {
                         return {4, 8, 32, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 20.21286678314209) {
-                        if (x.avg <= 51.65376281738281) {
-                          if (x.avg <= 34.51150703430176) {
-                            return {4, 8, 32, 32, 1};  // SR
+                      return {4, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 21.014836311340332) {
+                      if (x.avg <= 9.167084693908691) {
+                        if (x.log2_S <= 19.145834922790527) {
+                          if (x.avg <= 6.677237272262573) {
+                            return {4, 8, 16, 32, 1};  // SR
                           } else {
-                            if (x.avg <= 45.62483787536621) {
-                              return {4, 8, 64, 32, 1};  // SR
+                            if (x.log2_S <= 18.042428970336914) {
+                              return {4, 8, 32, 32, 1};  // SR
                             } else {
-                              if (x.log2_S <= 19.7699613571167) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 18.20058536529541) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 18.882887840270996) {
+                            if (x.log2_S <= 18.834918975830078) {
+                              if (x.log2_S <= 18.487059593200684) {
+                                return {4, 8, 16, 32, 1};  // SR
+                              } else {
+                                if (x.avg <= 12.165342330932617) {
+                                  return {4, 8, 16, 32, 1};  // SR
+                                } else {
+                                  return {4, 8, 32, 32, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 20.75885772705078) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 81.03833389282227) {
+                        if (x.avg <= 33.962154388427734) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 19.11471462249756) {
+                            if (x.log2_S <= 17.071040153503418) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 22.239737510681152) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              if (x.avg <= 58.869184494018555) {
                                 return {4, 8, 64, 32, 1};  // SR
                               } else {
                                 return {4, 8, 32, 32, 1};  // SR
                               }
                             }
                           }
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
                         }
                       } else {
                         return {4, 8, 32, 32, 1};  // SR
@@ -8125,33 +8141,21 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.avg <= 11.001584529876709) {
-                    if (x.avg <= 6.724338531494141) {
-                      return {4, 8, 64, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 7.5075249671936035) {
-                        if (x.log2_S <= 19.7279109954834) {
-                          if (x.log2_S <= 18.121028900146484) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 64, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
+                  if (x.avg <= 11.01776647567749) {
+                    if (x.log2_S <= 16.564574241638184) {
+                      if (x.avg <= 3.0690706968307495) {
                         return {4, 8, 64, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
                       }
+                    } else {
+                      return {4, 8, 64, 32, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 18.50959873199463) {
+                    if (x.log2_S <= 19.196839332580566) {
                       return {4, 8, 64, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 11.042909145355225) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
+                      return {4, 8, 16, 32, 1};  // SR
                     }
                   }
                 }
@@ -8161,373 +8165,415 @@ inline Config gathered_config(const Features& f) {
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.long_level <= 2.5) {
-            if (x.log2_S <= 13.973824501037598) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 10.61495590209961) {
-                  if (x.avg <= 1.7551098465919495) {
-                    if (x.log2_S <= 9.866827487945557) {
-                      return {1, 64, 64, 2, 0};  // SP
+          if (x.log2_S <= 14.017063617706299) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 12.054388523101807) {
+                if (x.avg <= 2.430235266685486) {
+                  if (x.log2_S <= 9.743497371673584) {
+                    if (x.avg <= 1.4899598956108093) {
+                      if (x.log2_S <= 9.537683010101318) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 32, 8, 2, 1};  // SR
+                      }
                     } else {
-                      if (x.avg <= 1.6530289053916931) {
+                      if (x.log2_S <= 9.499224185943604) {
+                        return {1, 64, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 1.908304214477539) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 64, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 1.3678597211837769) {
+                      if (x.log2_S <= 10.603723049163818) {
                         return {1, 32, 8, 2, 1};  // SR
                       } else {
-                        if (x.log2_S <= 10.22355318069458) {
-                          return {1, 64, 64, 2, 0};  // SP
+                        return {1, 32, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 10.587058544158936) {
+                        if (x.avg <= 1.6027437448501587) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 1.5079777240753174) {
+                          return {1, 32, 8, 4, 1};  // SR
                         } else {
                           return {1, 32, 8, 2, 1};  // SR
                         }
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 10.49338436126709) {
+                  }
+                } else {
+                  if (x.avg <= 3.8107986450195312) {
+                    if (x.log2_S <= 10.406816482543945) {
                       return {1, 64, 64, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 2.683363199234009) {
-                        return {1, 32, 8, 2, 1};  // SR
+                      if (x.log2_S <= 11.336476802825928) {
+                        if (x.avg <= 3.6469801664352417) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 64, 64, 2, 0};  // SP
+                        }
                       } else {
+                        if (x.avg <= 3.7809064388275146) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.93543004989624) {
+                      return {1, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.avg <= 27.001571655273438) {
                         return {1, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 16, 8, 8, 1};  // SR
                       }
                     }
                   }
+                }
+              } else {
+                if (x.avg <= 5.2954089641571045) {
+                  if (x.log2_S <= 13.289259433746338) {
+                    if (x.avg <= 1.5270338654518127) {
+                      return {1, 32, 8, 4, 1};  // SR
+                    } else {
+                      return {1, 32, 8, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 3.9913909435272217) {
+                      return {4, 16, 8, 8, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
                 } else {
-                  if (x.avg <= 7.480877161026001) {
-                    if (x.log2_S <= 13.194169998168945) {
-                      if (x.avg <= 1.5270338654518127) {
-                        return {1, 32, 8, 4, 1};  // SR
+                  if (x.log2_S <= 13.328071117401123) {
+                    if (x.avg <= 8.281742095947266) {
+                      if (x.log2_S <= 12.538823127746582) {
+                        return {1, 64, 64, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.818577289581299) {
-                          if (x.log2_S <= 10.697524070739746) {
-                            if (x.avg <= 2.859979748725891) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {1, 64, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {1, 32, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 3.3165684938430786) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        }
+                        return {4, 16, 8, 8, 1};  // SR
                       }
                     } else {
                       return {4, 16, 8, 8, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 13.91973352432251) {
-                      if (x.avg <= 8.366588592529297) {
-                        if (x.log2_S <= 11.938635349273682) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
+                    if (x.avg <= 12.52616262435913) {
+                      if (x.avg <= 7.170864820480347) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
                         return {4, 16, 8, 8, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 43.96447563171387) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {4, 16, 16, 2, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.417728424072266) {
-                  if (x.avg <= 4.583667278289795) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 10.590100288391113) {
-                        if (x.avg <= 3.7014306783676147) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 9.249680519104004) {
-                            if (x.avg <= 4.109394311904907) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 64, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {1, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.595945835113525) {
-                          if (x.log2_S <= 10.767714500427246) {
-                            if (x.avg <= 1.7767056822776794) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.avg <= 3.615961194038391) {
-                                return {1, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {1, 32, 8, 4, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 4.449119329452515) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 4.254043340682983) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 4.361545085906982) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.525652408599854) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.780957221984863) {
-                          if (x.log2_S <= 11.630962371826172) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 5.5132012367248535) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 9.23228120803833) {
-                          return {1, 64, 64, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 10.496763229370117) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.075257778167725) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 16, 8, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 12.097906589508057) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.avg <= 58.91462326049805) {
-                            if (x.log2_S <= 12.375908374786377) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 13.566998958587646) {
-                      if (x.avg <= 3.7822465896606445) {
-                        if (x.log2_S <= 12.986464500427246) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 3.4614527225494385) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 16, 8, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 18.99924659729004) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.61985445022583) {
-                          if (x.avg <= 113.4799690246582) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 5.183317184448242) {
-                      if (x.avg <= 3.818695902824402) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.252469539642334) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 5.95421838760376) {
-                        if (x.log2_S <= 12.852403163909912) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 2, 1};  // SR
-                      }
+                      return {4, 8, 64, 32, 0};  // SP
                     }
                   }
                 }
               }
             } else {
-              if (x.long_level <= 0.5) {
-                if (x.avg <= 14.11902666091919) {
-                  if (x.log2_S <= 15.398299217224121) {
-                    if (x.avg <= 4.466277599334717) {
-                      if (x.log2_S <= 15.099813461303711) {
-                        return {4, 16, 8, 8, 1};  // SR
+              if (x.log2_S <= 11.405943870544434) {
+                if (x.avg <= 4.583667278289795) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 2.020966053009033) {
+                      if (x.log2_S <= 11.24099588394165) {
+                        return {1, 32, 8, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 2.756150007247925) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.avg <= 3.8750317096710205) {
-                            return {4, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
-                          }
-                        }
+                        return {1, 32, 8, 4, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 14.375339031219482) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.172489166259766) {
-                          if (x.avg <= 13.84656286239624) {
-                            if (x.log2_S <= 14.43872594833374) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
+                      if (x.avg <= 3.947630286216736) {
+                        if (x.log2_S <= 9.238447189331055) {
+                          if (x.avg <= 2.250204086303711) {
+                            return {1, 64, 8, 2, 1};  // SR
                           } else {
-                            return {4, 8, 64, 32, 0};  // SP
+                            if (x.avg <= 3.8980512619018555) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 64, 8, 2, 1};  // SR
+                            }
                           }
                         } else {
-                          if (x.avg <= 12.755743980407715) {
-                            return {4, 16, 64, 2, 0};  // SP
+                          if (x.log2_S <= 11.043976783752441) {
+                            if (x.avg <= 2.0586390495300293) {
+                              return {1, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 9.337509632110596) {
+                                if (x.log2_S <= 9.287158012390137) {
+                                  return {1, 64, 8, 2, 1};  // SR
+                                } else {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                return {1, 64, 8, 2, 1};  // SR
+                              }
+                            }
                           } else {
-                            return {4, 8, 64, 32, 0};  // SP
+                            return {1, 32, 8, 4, 1};  // SR
                           }
+                        }
+                      } else {
+                        if (x.log2_S <= 10.977871417999268) {
+                          return {1, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    if (x.avg <= 12.989567279815674) {
-                      if (x.log2_S <= 15.716314792633057) {
-                        if (x.avg <= 1.566577136516571) {
+                    return {4, 16, 8, 8, 1};  // SR
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    return {4, 16, 8, 8, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 9.196223258972168) {
+                      return {4, 16, 16, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.08442735671997) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 13.661088466644287) {
                           return {4, 16, 8, 8, 1};  // SR
                         } else {
-                          return {4, 16, 64, 2, 0};  // SP
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 8.80458402633667) {
+                    if (x.log2_S <= 13.140564441680908) {
+                      if (x.avg <= 5.113595724105835) {
+                        if (x.log2_S <= 12.62886667251587) {
+                          if (x.log2_S <= 11.592920780181885) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
                         }
                       } else {
-                        return {4, 16, 64, 2, 0};  // SP
+                        if (x.log2_S <= 11.497841835021973) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.060716152191162) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        }
                       }
                     } else {
-                      if (x.log2_S <= 17.497632026672363) {
-                        return {4, 8, 64, 32, 0};  // SP
+                      if (x.log2_S <= 13.28885793685913) {
+                        if (x.avg <= 4.1550902128219604) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
                       } else {
-                        return {4, 16, 64, 2, 0};  // SP
+                        return {4, 16, 8, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.524074077606201) {
+                      return {4, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 46.1732177734375) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 19.17078971862793) {
-                    if (x.log2_S <= 14.693940162658691) {
-                      if (x.avg <= 47.13662147521973) {
-                        if (x.log2_S <= 14.15383768081665) {
-                          if (x.avg <= 18.54448413848877) {
+                  if (x.avg <= 7.118325233459473) {
+                    if (x.long_level <= 2.5) {
+                      if (x.log2_S <= 13.154170036315918) {
+                        if (x.log2_S <= 11.459707736968994) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 3.701046109199524) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.045397281646729) {
+                        if (x.avg <= 6.64418363571167) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.57418155670166) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.946817994117737) {
+                            return {4, 16, 64, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 3.7663469314575195) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.280139923095703) {
+                      if (x.long_level <= 2.5) {
+                        if (x.avg <= 9.505121231079102) {
+                          if (x.log2_S <= 11.564695358276367) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            return {4, 16, 16, 2, 1};  // SR
+                            return {4, 8, 8, 32, 1};  // SR
                           }
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 13.532352924346924) {
+                        if (x.avg <= 7.555067539215088) {
+                          return {4, 8, 16, 32, 1};  // SR
                         } else {
                           return {4, 16, 16, 2, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 14.301312446594238) {
+                        if (x.long_level <= 2.5) {
                           return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 17.147522926330566) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 13.6563720703125) {
+                              if (x.avg <= 78.544677734375) {
+                                return {4, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {4, 16, 64, 2, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 64, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 17.081053733825684) {
+                  if (x.avg <= 11.827949047088623) {
+                    if (x.log2_S <= 15.384448528289795) {
+                      if (x.avg <= 1.7380424737930298) {
+                        if (x.log2_S <= 15.197774410247803) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 14.32071828842163) {
+                          if (x.avg <= 3.7146672010421753) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
                         } else {
                           return {4, 8, 64, 32, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.avg <= 15.23718786239624) {
-                        if (x.log2_S <= 17.930100440979004) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
+                      if (x.log2_S <= 15.479589939117432) {
+                        if (x.avg <= 4.3745293617248535) {
                           return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
                         }
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
+                        return {4, 16, 64, 2, 0};  // SP
                       }
                     }
                   } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 14.90470027923584) {
                     return {4, 16, 64, 2, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 18.786625862121582) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 2, 0};  // SP
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 18.507274627685547) {
-                  if (x.avg <= 34.60971641540527) {
-                    if (x.avg <= 3.779264211654663) {
-                      if (x.log2_S <= 15.599411487579346) {
-                        if (x.log2_S <= 15.12590217590332) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
+                if (x.log2_S <= 18.06365394592285) {
+                  if (x.avg <= 3.2967647314071655) {
+                    if (x.log2_S <= 15.543384075164795) {
+                      return {4, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 17.593209266662598) {
+                          if (x.avg <= 2.379095673561096) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            return {4, 16, 16, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 17.172850608825684) {
-                            if (x.avg <= 3.3218077421188354) {
+                            if (x.log2_S <= 15.962763786315918) {
                               return {4, 16, 8, 8, 1};  // SR
                             } else {
-                              if (x.log2_S <= 15.824460506439209) {
-                                return {4, 16, 8, 8, 1};  // SR
+                              if (x.avg <= 2.782966375350952) {
+                                if (x.avg <= 2.6190152168273926) {
+                                  return {4, 16, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                }
                               } else {
                                 return {4, 16, 16, 2, 1};  // SR
                               }
                             }
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
                           }
                         } else {
                           return {4, 16, 16, 2, 1};  // SR
                         }
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
                       }
-                    } else {
-                      if (x.avg <= 29.779271125793457) {
-                        if (x.log2_S <= 14.166650772094727) {
-                          if (x.avg <= 7.056075811386108) {
+                    }
+                  } else {
+                    if (x.avg <= 34.60971641540527) {
+                      if (x.log2_S <= 14.166650772094727) {
+                        if (x.avg <= 6.532565116882324) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 4.348632097244263) {
+                          if (x.log2_S <= 15.421581268310547) {
                             if (x.long_level <= 1.5) {
                               return {4, 16, 8, 8, 1};  // SR
                             } else {
@@ -8539,80 +8585,52 @@ inline Config gathered_config(const Features& f) {
                         } else {
                           return {4, 16, 16, 2, 1};  // SR
                         }
-                      } else {
-                        if (x.log2_S <= 16.341771125793457) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 17.847147941589355) {
-                              return {4, 16, 64, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 14.646383285522461) {
-                        if (x.avg <= 106.59097671508789) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.169219017028809) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 16, 16, 2, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 15.185772895812988) {
-                        if (x.log2_S <= 14.611160278320312) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 90.68127822875977) {
-                            if (x.avg <= 77.08692932128906) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 14.952698230743408) {
+                          if (x.avg <= 123.52106094360352) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 14.25903034210205) {
                               return {4, 16, 16, 2, 1};  // SR
                             } else {
-                              if (x.log2_S <= 14.980851173400879) {
+                              return {4, 16, 64, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.251389503479004) {
+                          if (x.avg <= 120.63815307617188) {
+                            if (x.avg <= 77.7007827758789) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 14.905386924743652) {
                                 return {4, 16, 16, 2, 1};  // SR
                               } else {
                                 return {4, 16, 64, 2, 1};  // SR
                               }
                             }
                           } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 18.373769760131836) {
-                          if (x.log2_S <= 15.405231952667236) {
-                            if (x.avg <= 61.888628005981445) {
+                            if (x.log2_S <= 14.367383003234863) {
                               return {4, 16, 16, 2, 1};  // SR
                             } else {
                               return {4, 16, 64, 2, 1};  // SR
                             }
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
                           }
                         } else {
-                          if (x.avg <= 47.21808052062988) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
+                          return {4, 16, 64, 2, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 18.688343048095703) {
-                    if (x.avg <= 102.21910858154297) {
+                  if (x.avg <= 90.84222412109375) {
+                    return {4, 16, 16, 2, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 20.679659843444824) {
                       return {4, 16, 16, 2, 1};  // SR
                     } else {
                       if (x.long_level <= 1.5) {
@@ -8621,49 +8639,27 @@ inline Config gathered_config(const Features& f) {
                         return {4, 16, 64, 2, 1};  // SR
                       }
                     }
-                  } else {
-                    return {4, 16, 16, 2, 1};  // SR
                   }
                 }
-              }
-            }
-          } else {
-            if (x.log2_S <= 13.360782623291016) {
-              if (x.avg <= 4.8393683433532715) {
-                if (x.avg <= 4.1699910163879395) {
-                  return {4, 16, 64, 2, 1};  // SR
-                } else {
-                  if (x.log2_S <= 12.964184761047363) {
-                    if (x.log2_S <= 12.384893417358398) {
-                      return {4, 16, 64, 2, 1};  // SR
-                    } else {
-                      return {4, 16, 16, 2, 1};  // SR
-                    }
-                  } else {
-                    return {4, 16, 64, 2, 1};  // SR
-                  }
-                }
-              } else {
-                return {4, 16, 16, 2, 1};  // SR
               }
             } else {
-              if (x.log2_S <= 13.531521797180176) {
-                if (x.log2_S <= 13.525151252746582) {
-                  if (x.avg <= 9.602019309997559) {
+              if (x.avg <= 6.260205268859863) {
+                if (x.log2_S <= 17.390480041503906) {
+                  if (x.log2_S <= 16.293943405151367) {
                     return {4, 16, 64, 2, 1};  // SR
                   } else {
-                    if (x.avg <= 24.963799476623535) {
-                      if (x.log2_S <= 13.49544906616211) {
-                        return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 2, 1};  // SR
-                      }
+                    if (x.log2_S <= 17.294201850891113) {
+                      return {4, 8, 32, 32, 1};  // SR
                     } else {
-                      return {4, 16, 64, 2, 1};  // SR
+                      if (x.avg <= 4.156702876091003) {
+                        return {4, 16, 64, 2, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
                     }
                   }
                 } else {
-                  return {4, 16, 16, 2, 1};  // SR
+                  return {4, 16, 64, 2, 1};  // SR
                 }
               } else {
                 return {4, 16, 64, 2, 1};  // SR
@@ -8671,212 +8667,120 @@ inline Config gathered_config(const Features& f) {
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 15.165077686309814) {
-              if (x.log2_S <= 10.634116649627686) {
-                if (x.avg <= 2.2277450561523438) {
-                  if (x.log2_S <= 9.407687664031982) {
-                    if (x.log2_S <= 8.967225074768066) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 1.614906370639801) {
-                        if (x.avg <= 1.1943962574005127) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {1, 64, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 9.527009963989258) {
-                      if (x.avg <= 1.8588621020317078) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 1};  // SR
-                    }
-                  }
-                } else {
-                  return {1, 16, 64, 4, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 12.4205002784729) {
-                  if (x.avg <= 7.792405128479004) {
-                    if (x.avg <= 3.53061306476593) {
-                      return {1, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.296522617340088) {
-                        if (x.log2_S <= 10.768392086029053) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.86562728881836) {
-                            return {1, 64, 8, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 6.670948505401611) {
-                              if (x.avg <= 3.6444703340530396) {
+          if (x.log2_S <= 13.374143600463867) {
+            if (x.long_level <= 2.5) {
+              if (x.avg <= 11.341966152191162) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 2.935223340988159) {
+                    if (x.log2_S <= 11.76516580581665) {
+                      if (x.avg <= 2.2947624921798706) {
+                        if (x.log2_S <= 11.508524417877197) {
+                          if (x.long_level <= 0.5) {
+                            if (x.log2_S <= 9.616206645965576) {
+                              if (x.avg <= 1.6183413863182068) {
                                 return {1, 32, 8, 4, 1};  // SR
                               } else {
-                                return {1, 64, 8, 2, 1};  // SR
+                                return {1, 16, 64, 8, 0};  // SP
                               }
                             } else {
-                              return {4, 32, 8, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 8.39822244644165) {
-                      if (x.log2_S <= 11.830924987792969) {
-                        if (x.log2_S <= 11.040536403656006) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 64, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 11.005376815795898) {
-                    if (x.avg <= 9.468833446502686) {
-                      if (x.log2_S <= 12.535020351409912) {
-                        if (x.avg <= 1.611257255077362) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.524827003479004) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 16, 2, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.91753339767456) {
-                      if (x.log2_S <= 13.762685775756836) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        if (x.avg <= 44.79349136352539) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 13.98906421661377) {
-                        if (x.log2_S <= 14.209522724151611) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.440446376800537) {
-                          if (x.avg <= 41.32627487182617) {
-                            if (x.log2_S <= 14.227156162261963) {
-                              if (x.log2_S <= 14.190303802490234) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 64, 2, 0};  // SP
-                              }
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
+                              return {1, 32, 8, 4, 1};  // SR
                             }
                           } else {
-                            return {4, 16, 64, 2, 0};  // SP
+                            return {1, 32, 8, 4, 1};  // SR
                           }
                         } else {
-                          return {4, 16, 64, 2, 0};  // SP
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.long_level <= 0.5) {
+                          if (x.log2_S <= 10.11854076385498) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.484336376190186) {
+                              return {1, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.44834852218628) {
+                            if (x.avg <= 2.645051598548889) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 64, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
                         }
                       }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 15.895195960998535) {
-                if (x.avg <= 2.535411238670349) {
-                  if (x.log2_S <= 15.632850170135498) {
-                    return {4, 32, 8, 2, 1};  // SR
-                  } else {
-                    if (x.avg <= 1.7314343452453613) {
-                      return {4, 32, 8, 2, 1};  // SR
                     } else {
-                      return {4, 32, 16, 2, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 15.186912059783936) {
-                    if (x.avg <= 12.213409900665283) {
-                      return {4, 32, 8, 2, 1};  // SR
-                    } else {
-                      return {4, 16, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    return {4, 16, 64, 2, 0};  // SP
-                  }
-                }
-              } else {
-                return {4, 16, 64, 2, 0};  // SP
-              }
-            }
-          } else {
-            if (x.log2_S <= 13.282928943634033) {
-              if (x.avg <= 14.7017822265625) {
-                if (x.long_level <= 2.5) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 4.638353109359741) {
-                      if (x.log2_S <= 11.860783576965332) {
-                        if (x.avg <= 2.2578924894332886) {
+                      if (x.long_level <= 0.5) {
+                        if (x.log2_S <= 13.038979530334473) {
                           return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.avg <= 3.316350221633911) {
-                            if (x.log2_S <= 9.512697696685791) {
+                          if (x.avg <= 1.519602656364441) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 0.5) {
+                      if (x.log2_S <= 11.076334953308105) {
+                        if (x.log2_S <= 9.439727306365967) {
+                          if (x.avg <= 3.1038904190063477) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.619852542877197) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            if (x.avg <= 6.96045994758606) {
+                              return {1, 16, 64, 8, 0};  // SP
+                            } else {
+                              return {1, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.439424991607666) {
+                          if (x.avg <= 3.731638193130493) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.avg <= 8.129947185516357) {
                               return {1, 64, 8, 2, 1};  // SR
                             } else {
-                              if (x.avg <= 2.7088316679000854) {
-                                return {1, 32, 8, 4, 1};  // SR
+                              if (x.log2_S <= 11.875043392181396) {
+                                return {1, 64, 8, 2, 1};  // SR
                               } else {
-                                if (x.avg <= 3.079195976257324) {
-                                  return {1, 64, 8, 2, 1};  // SR
-                                } else {
-                                  return {2, 32, 8, 2, 1};  // SR
-                                }
+                                return {4, 32, 8, 2, 1};  // SR
                               }
                             }
-                          } else {
-                            if (x.avg <= 3.665197730064392) {
-                              if (x.log2_S <= 9.711795330047607) {
-                                return {1, 64, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 5.350899934768677) {
+                        if (x.log2_S <= 11.87227725982666) {
+                          if (x.avg <= 3.398930549621582) {
+                            if (x.avg <= 3.1986899375915527) {
+                              return {1, 64, 8, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 10.629354476928711) {
+                                return {2, 16, 8, 8, 1};  // SR
                               } else {
                                 return {2, 32, 8, 2, 1};  // SR
                               }
-                            } else {
-                              return {2, 32, 8, 2, 1};  // SR
                             }
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 5.149382591247559) {
-                        if (x.log2_S <= 11.751308917999268) {
-                          if (x.log2_S <= 9.459805011749268) {
-                            return {4, 32, 8, 2, 1};  // SR
                           } else {
                             return {2, 32, 8, 2, 1};  // SR
                           }
@@ -8887,106 +8791,234 @@ inline Config gathered_config(const Features& f) {
                         return {4, 32, 8, 2, 1};  // SR
                       }
                     }
-                  } else {
-                    if (x.avg <= 8.622442245483398) {
-                      return {4, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.501164436340332) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        if (x.avg <= 9.411810398101807) {
-                          if (x.log2_S <= 12.256911277770996) {
-                            return {4, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      }
-                    }
                   }
                 } else {
-                  if (x.log2_S <= 12.107857704162598) {
-                    if (x.log2_S <= 11.951143741607666) {
-                      return {4, 32, 16, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.004013061523438) {
-                        return {4, 32, 32, 1, 1};  // SR
-                      } else {
-                        return {4, 32, 16, 2, 1};  // SR
-                      }
-                    }
+                  if (x.avg <= 8.9141526222229) {
+                    return {4, 32, 8, 2, 1};  // SR
                   } else {
-                    return {4, 32, 32, 1, 1};  // SR
+                    if (x.log2_S <= 12.029243469238281) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 2, 1};  // SR
+                    }
                   }
                 }
               } else {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 11.182212829589844) {
-                    return {4, 32, 8, 2, 1};  // SR
+                if (x.log2_S <= 11.098380088806152) {
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 9.4945068359375) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 10.647839069366455) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    }
                   } else {
-                    if (x.log2_S <= 12.68516492843628) {
-                      if (x.avg <= 20.990447998046875) {
-                        if (x.log2_S <= 12.072192192077637) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
+                    if (x.long_level <= 1.5) {
+                      return {4, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 10.108293533325195) {
+                        if (x.log2_S <= 9.525914669036865) {
                           return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 83.8790397644043) {
+                            if (x.avg <= 28.149815559387207) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
                         }
                       } else {
-                        return {4, 32, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 74.94166946411133) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 16, 2, 1};  // SR
+                        if (x.log2_S <= 10.862828731536865) {
+                          if (x.avg <= 14.551371097564697) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 85.31795883178711) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 12.131657600402832) {
-                    return {4, 32, 16, 2, 1};  // SR
-                  } else {
-                    if (x.long_level <= 2.5) {
-                      return {4, 32, 16, 2, 1};  // SR
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 11.874321937561035) {
+                      return {1, 32, 8, 4, 1};  // SR
                     } else {
-                      return {4, 32, 32, 1, 1};  // SR
+                      return {4, 32, 8, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 12.320303440093994) {
+                        if (x.log2_S <= 11.285150051116943) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 122.29206085205078) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.058424949645996) {
+                              if (x.log2_S <= 11.448720932006836) {
+                                return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 2, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 15.674510955810547) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.04365587234497) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        if (x.avg <= 50.29582595825195) {
+                          if (x.log2_S <= 13.269190788269043) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      }
                     }
                   }
                 }
               }
             } else {
-              if (x.long_level <= 2.5) {
-                if (x.avg <= 10.361977577209473) {
-                  if (x.log2_S <= 14.236855506896973) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 14.210916519165039) {
-                        return {4, 32, 8, 2, 1};  // SR
+              if (x.log2_S <= 11.88667631149292) {
+                return {4, 32, 16, 2, 1};  // SR
+              } else {
+                if (x.avg <= 5.43739652633667) {
+                  if (x.log2_S <= 12.941855430603027) {
+                    return {4, 32, 16, 2, 1};  // SR
+                  } else {
+                    return {4, 32, 32, 1, 1};  // SR
+                  }
+                } else {
+                  return {4, 32, 32, 1, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 0.5) {
+              if (x.avg <= 13.968482971191406) {
+                if (x.log2_S <= 15.53539752960205) {
+                  if (x.avg <= 9.468833446502686) {
+                    return {4, 32, 8, 2, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 14.209522724151611) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      return {4, 16, 16, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 5.844080686569214) {
+                    if (x.log2_S <= 16.987055778503418) {
+                      if (x.avg <= 3.981407046318054) {
+                        return {4, 16, 16, 2, 1};  // SR
                       } else {
-                        if (x.avg <= 2.2595467567443848) {
-                          return {4, 32, 16, 2, 1};  // SR
+                        if (x.log2_S <= 16.601953506469727) {
+                          return {4, 16, 64, 2, 0};  // SP
                         } else {
-                          return {4, 32, 8, 2, 1};  // SR
+                          return {4, 32, 64, 2, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 13.829528331756592) {
-                        if (x.avg <= 6.129657983779907) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 8.008260726928711) {
-                            if (x.log2_S <= 13.461196422576904) {
-                              return {4, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
+                      if (x.log2_S <= 18.354037284851074) {
+                        if (x.log2_S <= 17.402743339538574) {
+                          if (x.avg <= 4.654992341995239) {
+                            return {4, 32, 64, 2, 0};  // SP
                           } else {
-                            return {4, 32, 32, 1, 1};  // SR
+                            return {4, 16, 64, 2, 0};  // SP
                           }
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
                         }
                       } else {
-                        if (x.avg <= 7.940964221954346) {
+                        if (x.log2_S <= 20.572564125061035) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.5225887298584) {
+                      return {4, 16, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.709226608276367) {
+                        if (x.avg <= 10.262889862060547) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 18.991122245788574) {
+                  if (x.log2_S <= 14.262595176696777) {
+                    if (x.log2_S <= 13.581529140472412) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.097381591796875) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 14.956573486328125) {
+                      if (x.log2_S <= 16.814298629760742) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {4, 16, 64, 2, 0};  // SP
+                }
+              }
+            } else {
+              if (x.avg <= 12.580823421478271) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 14.248384952545166) {
+                    if (x.avg <= 7.132385492324829) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 10.6488037109375) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 9.45176887512207) {
                           return {4, 32, 16, 2, 1};  // SR
                         } else {
                           return {4, 32, 32, 1, 1};  // SR
@@ -8994,50 +9026,14 @@ inline Config gathered_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.avg <= 3.820873975753784) {
-                      if (x.avg <= 2.4771312475204468) {
-                        return {4, 32, 16, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 18.566943168640137) {
-                          if (x.log2_S <= 14.57286262512207) {
-                            if (x.long_level <= 1.5) {
-                              return {4, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 19.559354782104492) {
-                              if (x.avg <= 2.934665083885193) {
-                                if (x.log2_S <= 19.11093235015869) {
-                                  return {4, 32, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              } else {
-                                return {4, 32, 32, 1, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 3.5734905004501343) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 32, 1, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      }
+                    if (x.avg <= 3.883416533470154) {
+                      return {4, 32, 16, 2, 1};  // SR
                     } else {
-                      if (x.log2_S <= 18.18337345123291) {
-                        if (x.log2_S <= 16.292851448059082) {
+                      if (x.log2_S <= 18.258605003356934) {
+                        if (x.log2_S <= 16.218209266662598) {
                           if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 15.006321430206299) {
-                              if (x.avg <= 7.705261707305908) {
+                            if (x.log2_S <= 14.904391288757324) {
+                              if (x.avg <= 7.897631883621216) {
                                 return {4, 32, 8, 2, 1};  // SR
                               } else {
                                 return {4, 32, 16, 2, 1};  // SR
@@ -9046,18 +9042,14 @@ inline Config gathered_config(const Features& f) {
                               return {4, 32, 16, 2, 1};  // SR
                             }
                           } else {
-                            if (x.avg <= 4.489253282546997) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              if (x.avg <= 4.969778776168823) {
-                                if (x.log2_S <= 15.02524709701538) {
-                                  return {4, 32, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
+                            if (x.avg <= 7.505043029785156) {
+                              if (x.log2_S <= 15.445718765258789) {
+                                return {4, 32, 16, 2, 1};  // SR
                               } else {
                                 return {4, 32, 32, 1, 1};  // SR
                               }
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
                             }
                           }
                         } else {
@@ -9073,102 +9065,14 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.avg <= 64.01818466186523) {
-                    if (x.log2_S <= 16.631802558898926) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.133684158325195) {
-                          if (x.avg <= 14.134416580200195) {
-                            if (x.log2_S <= 13.681983947753906) {
-                              return {4, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 14.55614948272705) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 16.640907287597656) {
-                              if (x.log2_S <= 15.90539836883545) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 16.61423397064209) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 17.130937576293945) {
-                          if (x.avg <= 34.6379337310791) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 17.45608615875244) {
-                            if (x.avg <= 14.952540874481201) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 16.929689407348633) {
-                          if (x.avg <= 20.955723762512207) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 17.314640998840332) {
-                            if (x.avg <= 36.379180908203125) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    }
+                  if (x.avg <= 7.452247619628906) {
+                    return {4, 32, 32, 1, 1};  // SR
                   } else {
-                    if (x.log2_S <= 14.039496421813965) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 32, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
+                    if (x.log2_S <= 17.12894916534424) {
+                      return {4, 32, 32, 1, 1};  // SR
                     } else {
-                      if (x.avg <= 70.74155044555664) {
-                        if (x.log2_S <= 17.958236694335938) {
-                          return {4, 32, 32, 1, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {4, 32, 32, 1, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 20.072893142700195) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          }
-                        }
+                      if (x.log2_S <= 19.35976505279541) {
+                        return {4, 16, 64, 2, 1};  // SR
                       } else {
                         return {4, 32, 32, 1, 1};  // SR
                       }
@@ -9176,7 +9080,95 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                return {4, 32, 32, 1, 1};  // SR
+                if (x.log2_S <= 16.990140914916992) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 14.058900356292725) {
+                      if (x.avg <= 64.31502723693848) {
+                        if (x.avg <= 16.444668769836426) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 16.645919799804688) {
+                        if (x.avg <= 13.863622665405273) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.27142333984375) {
+                            if (x.avg <= 59.062368392944336) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 66.19308471679688) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 19.36281108856201) {
+                    if (x.long_level <= 2.5) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 17.258809089660645) {
+                          if (x.avg <= 60.177541732788086) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 109.02157592773438) {
+                          if (x.log2_S <= 19.247672080993652) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 18.540149688720703) {
+                            return {4, 32, 32, 1, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 19.724732398986816) {
+                      if (x.long_level <= 2.5) {
+                        if (x.long_level <= 1.5) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          if (x.avg <= 86.71210861206055) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 1};  // SR
+                    }
+                  }
+                }
               }
             }
           }
