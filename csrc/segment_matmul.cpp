@@ -69,6 +69,7 @@ void validate_offsets(const at::Tensor& ptr, int64_t total) {
   int flags = 0;
   if (p.is_cuda()) {
 #ifdef GEOT_WITH_CUDA
+    if (capturing_cuda_graph()) return;  // unvalidated, as in validate_indices
     const c10::DeviceGuard guard(p.device());
     at::Tensor device_flags = at::zeros({1}, p.options().dtype(at::kInt));
     offsets_flags_cuda(p, total, device_flags.data_ptr<int>());

@@ -71,6 +71,13 @@ void raise_index_errors(int flags, const IndexCheck& check);
 // check).
 std::vector<int> validate_indices(const std::vector<IndexCheck>& checks);
 
+// Whether the current CUDA stream is capturing a CUDA graph. A device->host
+// sync cannot be captured, so validation then passes over what it has not
+// seen (hint -1): torch.compile's CUDA graphs (cudagraph trees) run each
+// function eagerly before recording it, and that run validates its inputs.
+// CUDA tensors' callers only (it may create a CUDA context).
+bool capturing_cuda_graph();
+
 #ifdef GEOT_WITH_CUDA
 // Launches the check of `index` on the current stream; ORs its flags into
 // *flags (device memory).

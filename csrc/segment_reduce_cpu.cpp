@@ -9,6 +9,9 @@
 #include <torch/library.h>
 
 #include <c10/core/DeviceGuard.h>
+#ifdef GEOT_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -25,6 +28,14 @@ std::atomic<bool> g_validation{true};
 
 bool validation_enabled() { return g_validation.load(std::memory_order_relaxed); }
 void set_validation(bool on) { g_validation.store(on, std::memory_order_relaxed); }
+
+bool capturing_cuda_graph() {
+#ifdef GEOT_WITH_CUDA
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+  return false;
+#endif
+}
 
 Reduce parse_reduce(c10::string_view reduce) {
   if (reduce == "sum") return Reduce::Sum;
@@ -251,6 +262,7 @@ std::vector<int> validate_indices(const std::vector<IndexCheck>& checks) {
   std::vector<int> flags(pending.size(), 0);
   if (pending.front()->index.is_cuda()) {
 #ifdef GEOT_WITH_CUDA
+    if (capturing_cuda_graph()) return finish_hints(hints, checks);
     const c10::DeviceGuard guard(pending.front()->index.device());
     at::Tensor device_flags = at::zeros({int64_t(pending.size())}, pending.front()->index.options().dtype(at::kInt));
     for (size_t i = 0; i < pending.size(); ++i)

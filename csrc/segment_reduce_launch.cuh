@@ -7,7 +7,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -74,16 +73,23 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 }
 
 // Segment offsets of a sorted index, for SP and the finalize pass (segment
-// sizes). Cached per index (computed on its first such call, with the exact
-// longest segment); fresh for this call where the index
-// cannot be cached (inference tensors) or a CUDA graph is being captured
-// (captured kernels only run on replay), with a longest-segment counter
-// the SP kernel raises.
+// sizes). On the default stream, cached per index (computed on its first
+// such call, with the exact longest segment); elsewhere, and for indices
+// that cannot be cached (inference tensors), fresh for this call, with a
+// longest-segment counter the SP kernel raises. Off the default stream run
+// CUDA graph captures and torch.compile's CUDA-graph warm-ups: a captured
+// kernel keeps the address it read, which a later eviction from the cache
+// would free under it (an illegal access on replay, seen with compiled RGCN
+// on an H100), and a warm-up allocates in the graph's private pool, where a
+// cached tensor would outlive the function (cudagraph trees reject that).
 template <typename index_t>
 SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, cudaStream_t stream) {
-  if (auto cached = cached_segment_offsets(index, S)) return *cached;
+  const c10::DeviceIndex device = index.device().index();
   const bool cache = index_cacheable(index) &&
-                     c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+                     c10::cuda::getCurrentCUDAStream(device) == c10::cuda::getDefaultCUDAStream(device);
+  if (cache) {
+    if (auto cached = cached_segment_offsets(index, S)) return *cached;
+  }
   const int64_t E = index.numel();
   SegmentOffsets o;
   o.ptr = at::empty({S + 1}, index.options().dtype(at::kLong));

@@ -852,6 +852,80 @@ def test_sp_under_cuda_graph_capture():
     assert_matches_ref(out, index, src, "sum", S)
 
 
+@requires_cuda
+def test_offsets_cached_from_the_default_stream_only():
+    """torch.compile's CUDA graphs warm up on a side stream with allocations
+    routed to the graph's private pool, where a cached tensor would outlive
+    the function (cudagraph trees raise): off the default stream SP's offsets
+    are made per call, not kept; on it they are kept."""
+    geot.clear_cache()
+    S = 400
+    index = powerlaw_index(S, 8000).cuda()
+    src = random_src(index.numel(), (16,), torch.float32, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = geot.segment_reduce(index, src, "sum", S, config=SP)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert _cached() == 0
+    assert_matches_ref(out, index, src, "sum", S)
+    geot.segment_reduce(index, src, "sum", S, config=SP)
+    assert _cached() == 1
+
+
+@requires_cuda
+def test_captured_sp_call_does_not_read_the_cache():
+    """A captured kernel keeps the addresses it read: offsets taken from the
+    cache would be freed under the graph when evicted. Captures make their
+    own, so a replay after the cache is cleared (and the memory reused) is
+    still right."""
+    geot.clear_cache()
+    S = 400
+    index = powerlaw_index(S, 8000).cuda()
+    src = random_src(index.numel(), (16,), torch.float32, "cuda")
+    geot.segment_reduce(index, src, "sum", S, config=SP)
+    assert _cached() == 1
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = geot.segment_reduce(index, src, "sum", S, config=SP)
+    geot.clear_cache()
+    junk = [torch.full((S + 1,), 2**40, dtype=torch.long, device="cuda") for _ in range(4)]  # reuse freed blocks
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_ref(out, index, src, "sum", S)
+    del junk
+
+
+@requires_cuda
+def test_index_first_seen_under_cuda_graph_capture():
+    """An index made inside the capture (as torch.compile's CUDA graphs make
+    RGCN's per-block edges) cannot be validated there (a sync cannot be
+    captured): it is passed over, not an error, and the replay is right.
+    The same for segment_matmul's ptr."""
+    S, E = 300, 5000
+    index = powerlaw_index(S, E).cuda()
+    gather = torch.randint(0, 64, (E,), device="cuda")
+    x = random_src(64, (16,), torch.float32, "cuda")
+    ptr = torch.tensor([0, 20, 20, 64], device="cuda")
+    weight = torch.randn(3, 16, 8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        fresh_index, fresh_gather, fresh_ptr = index + 0, gather + 0, ptr + 0
+        out = geot.index_segment_reduce(fresh_gather, fresh_index, x, "sum", S)
+        typed = geot.segment_matmul(x, fresh_ptr, weight)
+    x.copy_(random_src(64, (16,), torch.float32, "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_ref(out, index, x[gather], "sum", S)
+    bounds = zip(ptr[:-1].tolist(), ptr[1:].tolist())
+    ref = torch.cat([x[a:b].double() @ weight[t].double() for t, (a, b) in enumerate(bounds)])
+    torch.testing.assert_close(typed.double(), ref, rtol=5e-3, atol=2e-2)  # fp32 inputs run as TF32
+
+
 # --------------------------------------------------------------------------- #
 # CUDA: validation off never crashes (keep these last: a CUDA fault would
 # poison the context for every later test)
