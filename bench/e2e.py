@@ -18,7 +18,9 @@ bench/results/e2e_<gpu>.csv and a bar chart next to it; prints the table and
 the geomean speedups last. Compiled models are cached per (model, graph).
 Each model's cells are timed in --rounds rounds (fastest round kept), the
 paths of a (dtype, mode) back to back; --compile-mode picks torch.compile's
-mode for both compiled paths (reduce-overhead: CUDA graphs). On CUDA the
+mode for both compiled paths (reduce-overhead: CUDA graphs); on CUDA, when
+both libraries' compiled paths run, each library's paths run in a process
+of their own (run_libraries_apart; --processes). On CUDA the
 inputs (features, labels, edge_index, edge types) are marked as static
 inputs, as a full-batch model's are: CUDA graphs of both libraries read them
 in place rather than copying them on every replay (x alone is 100 MB on the
@@ -30,6 +32,7 @@ large graphs, ~70 us of copy per step on an H100).
 import argparse
 import math
 import os
+import subprocess
 import sys
 import traceback
 
@@ -108,12 +111,19 @@ def load_inputs(spec: str, device):
     return inputs
 
 
-def step_functions(model, runner, inputs, adj, amp_dtype, device):
-    """(inference step, training step) closures of one model and input path."""
+def step_functions(model, runner, inputs, adj, amp_dtype, device, compiled: bool):
+    """(inference step, training step) closures of one model and input path.
+    A compiled step starts with torch.compiler.cudagraph_mark_step_begin(), as
+    torch's docs ask where CUDA-graph models are invoked in turn: each step
+    is a new generation of the CUDA graph tree, not a continuation of the
+    step before. (It did not undo the slowdown between the two libraries'
+    compiled models that run_libraries_apart avoids.)"""
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     extra = (inputs["edge_type"],) if model.relational else ()
 
     def forward():
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             return runner(inputs["x"], adj, *extra)
 
@@ -179,7 +189,8 @@ def bench_model(model_name, hidden, inputs, args, device):
                                    mode=args.compile_mode)
         adj = inputs["adj_t"] if path == "pyg-csr" else inputs["edge_index"]
         for dtype_name in args.dtypes:
-            infer, train = step_functions(model, runner, inputs, adj, DTYPES[dtype_name], device)
+            infer, train = step_functions(model, runner, inputs, adj, DTYPES[dtype_name], device,
+                                          compiled=path.endswith("compile"))
             steps[path, dtype_name] = {"inference": infer, "train": train}
     cells = []
     for dtype_name in args.dtypes:
@@ -287,6 +298,10 @@ def parse_args():
     parser.add_argument("--rounds", type=int, default=2, help="rounds over each model's cells (fastest kept)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-time", type=float, default=2.0, help="seconds of timed work per cell at most")
+    parser.add_argument("--processes", choices=["one", "per-library"], default=None,
+                        help="run each library's paths in a process of its own (run_libraries_apart) or all in "
+                             "one; default: per library on CUDA when both libraries' compiled paths run")
+    parser.add_argument("--rows-csv", default=None, help=argparse.SUPPRESS)  # run_libraries_apart's children
     parser.add_argument("--quick", action="store_true",
                         help="tiny CPU check: one 500-node graph, hidden 32, fp32, aot_eager compile, 2 reps")
     args = parser.parse_args()
@@ -310,23 +325,65 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch._dynamo.config.cache_size_limit = 64  # modes x dtypes x layers recompile the same code
-    print(f"e2e on {common.device_name(device)}: models {args.models}, paths {args.paths}, dtypes {args.dtypes}")
+def library_of(path: str) -> str:
+    return path.split("-")[0]
+
+
+def run_libraries_apart(args) -> pd.DataFrame:
+    """Each library's paths in a process of its own (this script again, with
+    --paths cut to them), their rows merged. With CUDA graphs, two compiled
+    models in one process slowed each other: geot's compiled GCN step on
+    pubmed took 0.33 ms next to PyG's compiled model and 0.11 ms alone on an
+    H100, the same in both with cudagraph_mark_step_begin, while the eager
+    paths did not move; a user runs one of the two. The child writes its
+    rows as it goes, so a run cut off keeps what it timed."""
+    frames = []
+    for library in ("pyg", "geot"):
+        paths = [p for p in args.paths if library_of(p) == library]
+        if not paths:
+            continue
+        rows_csv = os.path.join(common.results_dir(), f"{args.name}_{library}_rows.csv")
+        command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--paths", ",".join(paths),
+                   "--rows-csv", rows_csv]
+        print(f"--- {library} paths in a process of their own: {paths}", flush=True)
+        if subprocess.run(command).returncode != 0:
+            print(f"--- the {library} process failed; its rows so far are kept", flush=True)
+        if os.path.exists(rows_csv):
+            frames.append(pd.read_csv(rows_csv))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def time_in_process(args, device) -> pd.DataFrame:
     rows = []
-    name = f"e2e_{common.device_slug(device)}{'_quick' if args.quick else ''}"
     for spec in args.graphs:
         inputs = load_inputs(spec, device)
         if inputs is not None:
             print(f"{inputs['name']}: {inputs['x'].size(0)} nodes, {inputs['edge_index'].size(1)} edges, "
                   f"{inputs['x'].size(1)} features", flush=True)
             rows += bench_graph(inputs, args, device)
-            common.write_csv(add_speedups(pd.DataFrame(rows)), f"{name}.csv")  # so far: a cut-off run keeps it
+            so_far = pd.DataFrame(rows)  # written as it grows: a cut-off run keeps it
+            if args.rows_csv:
+                so_far.to_csv(args.rows_csv, index=False)
+            else:
+                common.write_csv(add_speedups(so_far), f"{args.name}.csv")
         torch._dynamo.reset()  # compiled models of the previous graph are not used again
-    df = add_speedups(pd.DataFrame(rows))
-    paths = common.write_csv(df, f"{name}.csv")
+    return pd.DataFrame(rows)
+
+
+def main():
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch._dynamo.config.cache_size_limit = 64  # modes x dtypes x layers recompile the same code
+    args.name = f"e2e_{common.device_slug(device)}{'_quick' if args.quick else ''}"
+    both_compiled = len({library_of(p) for p in args.paths if p.endswith("compile")}) > 1
+    apart = not args.rows_csv and (args.processes == "per-library"
+                                   or (args.processes is None and device.type == "cuda" and both_compiled))
+    if args.rows_csv:  # a child of run_libraries_apart: time, write the rows, leave the summary to the parent
+        time_in_process(args, device)
+        return
+    print(f"e2e on {common.device_name(device)}: models {args.models}, paths {args.paths}, dtypes {args.dtypes}")
+    df = add_speedups(run_libraries_apart(args) if apart else time_in_process(args, device))
+    paths = common.write_csv(df, f"{args.name}.csv")
     for csv_path in paths:
         plot(df, csv_path[: -len(".csv")] + ".png")
     print(f"\nwrote {', '.join(paths)} and .png charts next to them")

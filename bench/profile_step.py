@@ -48,7 +48,8 @@ def main():
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     for label, runner in (("eager", model), ("compiled", torch.compile(model, fullgraph=True, backend=args.backend,
                                                                     mode=args.compile_mode))):
-        infer, train = e2e.step_functions(model, runner, inputs, inputs["edge_index"], None, device)
+        infer, train = e2e.step_functions(model, runner, inputs, inputs["edge_index"], None, device,
+                                         compiled=label == "compiled")
         step = train if args.mode == "train" else infer
         ms = per_step_ms(step, device)  # also the warm-up (and compilation) before profiling
         with profile(activities=activities) as prof:

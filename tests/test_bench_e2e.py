@@ -11,13 +11,17 @@ pytest.importorskip("torch_geometric")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_e2e_quick_times_every_path(tmp_path):
+@pytest.mark.parametrize("processes", ["one", "per-library"])
+def test_e2e_quick_times_every_path(tmp_path, processes):
+    """per-library: each library's paths in a child process, rows merged (the
+    default on CUDA when both compiled paths run)."""
     env = dict(os.environ, OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
     result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--quick", "--models", "gcn",
-                             "--paths", "pyg,pyg-csr,geot,geot-compile"],
+                             "--paths", "pyg,pyg-csr,geot,geot-compile", "--processes", processes],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "geomean speedup of geot-compile over geot eager" in result.stdout
+    assert ("in a process of their own" in result.stdout) == (processes == "per-library")
     df = pd.read_csv(tmp_path / "e2e_cpu_quick.csv")
     assert set(df["path"]) == {"pyg", "pyg-csr", "geot", "geot-compile"}
     assert set(df["mode"]) == {"inference", "train"}
