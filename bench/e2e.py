@@ -48,6 +48,7 @@ import common  # noqa: E402
 
 import geot.nn as geot_nn  # noqa: E402
 from geot.data import load_dataset  # noqa: E402
+from geot.nn.graph import static_addresses  # noqa: E402
 
 NUM_RELATIONS = 8
 MODELS = {"gcn": (32, 64), "gin": (32, 64), "sage": (32, 64), "gat": (64,), "rgcn": (64,)}
@@ -105,9 +106,8 @@ def load_inputs(spec: str, device):
     edge_type = torch.randint(0, NUM_RELATIONS, (graph.num_edges,), generator=gen)
     inputs = {"name": graph.name, "x": x.to(device), "y": y.to(device), "edge_index": edge_index.to(device),
               "adj_t": adj_t.to(device), "edge_type": edge_type.to(device), "num_classes": int(y.max()) + 1}
-    if device.type == "cuda":  # a full-batch model's inputs never change: CUDA graphs may read them in place
-        for key in ("x", "y", "edge_index", "edge_type"):
-            torch._dynamo.mark_static_address(inputs[key])
+    # A full-batch model's inputs never change: CUDA graphs may read them in place.
+    static_addresses([inputs[key] for key in ("x", "y", "edge_index", "edge_type")])
     return inputs
 
 

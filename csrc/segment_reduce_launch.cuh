@@ -84,9 +84,8 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 // cached tensor would outlive the function (cudagraph trees reject that).
 template <typename index_t>
 SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, cudaStream_t stream) {
-  const c10::DeviceIndex device = index.device().index();
-  const bool cache = index_cacheable(index) &&
-                     c10::cuda::getCurrentCUDAStream(device) == c10::cuda::getDefaultCUDAStream(device);
+  const bool cache =
+      index_cacheable(index) && stream == c10::cuda::getDefaultCUDAStream(index.device().index()).stream();
   if (cache) {
     if (auto cached = cached_segment_offsets(index, S)) return *cached;
   }
