@@ -15,7 +15,7 @@ generated graphs with >= 2M edges, in fp32 and bf16 autocast. Reports the
 median ms per step (CUDA events, warm-up, L2 flush: bench/common.py), the
 speedup of geot over the fastest PyG path and the peak memory; writes
 bench/results/e2e_<gpu>.csv and a bar chart next to it; prints the table and
-the geomean speedups last. Compiled models are cached per (model, graph).
+the geomean speedups last. Each model starts from a fresh state (fresh_state).
 Each model's cells are timed in --rounds rounds (fastest round kept), the
 paths of a (dtype, mode) back to back; --compile-mode picks torch.compile's
 mode for both compiled paths (reduce-overhead: CUDA graphs); on CUDA, when
@@ -30,6 +30,7 @@ large graphs, ~70 us of copy per step on an H100).
     python bench/e2e.py --quick    # tiny CPU check that everything runs
 """
 import argparse
+import gc
 import math
 import os
 import subprocess
@@ -46,8 +47,10 @@ sys.path.insert(0, BENCH_DIR)
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 import common  # noqa: E402
 
+import geot  # noqa: E402
 import geot.nn as geot_nn  # noqa: E402
 from geot.data import load_dataset  # noqa: E402
+from geot.nn import graph as graph_cache  # noqa: E402
 from geot.nn.graph import static_addresses  # noqa: E402
 
 NUM_RELATIONS = 8
@@ -142,18 +145,23 @@ def step_functions(model, runner, inputs, adj, amp_dtype, device, compiled: bool
 
 
 def measure(fn, device, args):
-    """(median ms, peak MB) of fn. The peak is max_memory_allocated over one
-    step, the benchmark's L2-flush buffer not counted."""
+    """(median ms, peak MB) of fn. The peak is max_memory_allocated over the
+    second and third calls, the benchmark's L2-flush buffer not counted. A
+    CUDA-graph path (reduce-overhead) warms up on its first call and records
+    on its second, allocating its intermediates in the graph's pool then;
+    later replays allocate nothing, so a peak over a replay alone would miss
+    every intermediate (torch's and geot's alike)."""
     # Two untimed calls first: compilation (and a recompile for the other grad
     # mode), the optimizer's lazy state. Otherwise time_stats' probe would
     # include them and cut a compiled path to its minimum reps, no warm-up.
-    for _ in range(2):
-        fn()
-    peak = float("nan")
+    fn()
     if device.type == "cuda":
         common.release_flush_buffer(device)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    peak = float("nan")
+    if device.type == "cuda":
         fn()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) / 2**20
@@ -171,11 +179,25 @@ def bench_graph(inputs, args, device):
     return rows
 
 
+def fresh_state(device) -> None:
+    """Each model starts as in a process of its own: no compiled code or CUDA
+    graphs of an earlier model (whose dynamo caches would also turn this
+    model's compile dynamic-shaped or push it past the recompile limit),
+    no graphs geot kept for an earlier model, no cached allocator blocks."""
+    torch._dynamo.reset()  # cudagraph trees included
+    graph_cache.clear_cache()
+    geot.validation.clear_cache()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench_model(model_name, hidden, inputs, args, device):
     """Every (dtype, mode, path) cell of one model; the cells of a (dtype, mode)
     are timed back to back, in ``args.rounds`` rounds, and each keeps its
     fastest round's median: a slow spell of the host then hits one round of
     every path alike rather than one path's only measurement."""
+    fresh_state(device)
     torch.manual_seed(0)
     pyg_model = Net(pyg_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
     geot_model = Net(geot_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
@@ -214,8 +236,8 @@ def bench_model(model_name, hidden, inputs, args, device):
                 continue
             if math.isnan(row["ms"]) or ms < row["ms"]:  # the fastest round
                 row["ms"] = ms
-            # the lowest peak: the round with the fewest other paths' caches alive
-            row["peak_mb"] = peak if math.isnan(row["peak_mb"]) else min(row["peak_mb"], peak)
+            if math.isnan(row["peak_mb"]):  # the first round's: a CUDA-graph path records then (see measure)
+                row["peak_mb"] = peak
     for row, _ in cells:
         print(f"  {model_name}/{hidden} {inputs['name']} {row['dtype']} {row['mode']:<9} {row['path']:<12} "
               f"{common.fmt_ms(row['ms'])} ms {row.get('note', '')}", flush=True)
@@ -228,11 +250,14 @@ def _failure_note(error: Exception) -> str:
 
 
 def add_speedups(df):
-    """Speedup of each path over the fastest PyG path of its (model, hidden, graph, dtype, mode)."""
+    """Speedup and peak memory of each path relative to the fastest PyG path
+    of its (model, hidden, graph, dtype, mode)."""
     keys = ["model", "hidden", "graph", "dtype", "mode"]
-    best_pyg = df[df["path"].str.startswith("pyg")].groupby(keys)["ms"].min().rename("best_pyg_ms")
-    df = df.join(best_pyg, on=keys)
+    pyg = df[df["path"].str.startswith("pyg") & df["ms"].notna()]
+    fastest = pyg.loc[pyg.groupby(keys)["ms"].idxmin(), keys + ["ms", "peak_mb"]]
+    df = df.merge(fastest.rename(columns={"ms": "best_pyg_ms", "peak_mb": "best_pyg_peak_mb"}), on=keys, how="left")
     df["speedup"] = df["best_pyg_ms"] / df["ms"]
+    df["peak_ratio"] = df["peak_mb"] / df["best_pyg_peak_mb"]
     return df
 
 
@@ -251,6 +276,14 @@ def summarize(df):
                 sel = df[df["model"].isin(models) & (df["mode"] == mode) & (df["path"] == path)]
                 if len(sel) and sel["speedup"].notna().any():
                     print(f"  {label:<13} {mode:<9} {path:<12} {common.geomean(sel['speedup'].dropna()):.2f}x")
+    if df["peak_ratio"].notna().any():
+        print("\npeak memory / the fastest PyG path's: geomean, largest, cells above 1")
+        for label, models in groups.items():
+            for path in ("geot", "geot-compile"):
+                ratio = df[df["model"].isin(models) & (df["path"] == path)]["peak_ratio"].dropna()
+                if len(ratio):
+                    print(f"  {label:<13} {path:<12} {common.geomean(ratio):.2f}x, max {ratio.max():.2f}x, "
+                          f"{int((ratio > 1).sum())} of {len(ratio)} above")
     if {"geot", "geot-compile"} <= set(wide):
         both = wide.dropna(subset=["geot", "geot-compile"])
         print("\ngeomean speedup of geot-compile over geot eager")

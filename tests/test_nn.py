@@ -205,8 +205,53 @@ def test_graph_cache_invalidation():
     torch.testing.assert_close(out, expect(x, edge_index))
 
 
+def test_graph_kept_in_int32_when_ids_fit():
+    """An int64 edge_index is kept as int32 (sorted edges, perm, transposed
+    index); ids past int32, or RGCN rows src * R + relation past it, keep int64."""
+    from geot.nn.graph import _survey
+    layer = gnn.GCNConv(4, 3)
+    layer(torch.randn(5, 4), torch.tensor([[0, 1, 2, 4], [2, 0, 1, 3]]))
+    graph = layer._geot_graph[3]
+    kept = [graph.src, graph.dst, graph.perm, *graph.transposed]
+    assert all(t.dtype == torch.int32 for t in kept)
+    layer(torch.randn(5, 4), in_order := torch.tensor([[3, 1, 4], [0, 2, 2]]))  # sorted: views, no copy
+    graph = layer._geot_graph[3]
+    assert graph.perm is None and graph.src.data_ptr() == in_order.data_ptr() and graph.src.dtype == torch.int64
+    assert all(t.dtype == torch.int32 for t in graph.transposed)
+    src, dst = torch.tensor([0, 2**31 - 1]), torch.tensor([0, 1])
+    assert _survey(src, dst, 0) == (False, True)
+    assert _survey(src + 1, dst, 0) == (False, False), "a source id past int32"
+    assert _survey(dst, src + 1, 0) == (False, False), "a destination id past int32"
+    assert _survey(src - 2**31, dst, 0) == (False, True), "negative ids that int32 holds (validation rejects them)"
+    assert _survey(src - 2**31 - 1, dst, 0) == (False, False)
+    assert _survey(torch.tensor([0, 2**31 // 8]), dst, 8) == (False, False), "RGCN rows past int32"
+    assert _survey(torch.tensor([0, 2**31 // 8 - 1]), dst.flip(0), 8) == (True, True)
+
+
 def _gcn_norm_entries(layer):
-    return [v for k, v in layer._geot_graph[3].memo.items() if k[0] == "gcn"]
+    return [v for k, v in layer._geot_graph[3].memo.items() if k[0] == "gcn" and k[-1] != "transposed"]
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_transposed_index_made_when_gradients_first_recorded(cached, device):
+    """Inference alone keeps no transposed index; the first call recording
+    gradients adds it (the graph's memo carried over) and matches PyG."""
+    geot_layer, pyg_layer = build_pair(gnn.GCNConv, pyg_nn.GCNConv, (12, 8), {"cached": cached}, device)
+    edge_index = random_graph(50, 200, device)
+    x = torch.randn(50, 12, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(geot_layer(x, edge_index), pyg_layer(x, edge_index))
+    graph = geot_layer._geot_graph[3]
+    assert graph.transposed is None and ("gcn" in [k[0] for k in graph.memo])
+    assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, ())
+    trained = geot_layer._geot_norm[0] if cached else geot_layer._geot_graph[3]
+    assert trained.transposed is not None and trained.src is graph.src
+    assert cached or trained.memo is graph.memo
+    kept_t = geot_layer._geot_norm[2] if cached else [v for k, v in trained.memo.items() if k[-1] == "transposed"]
+    assert kept_t is not None and len(kept_t), "the normalization in transposed order is kept"
+    other = gnn.GCNConv(12, 8).to(device).double()
+    other(x, edge_index)
+    assert cached or other._geot_graph[3] is trained, "the shared cache holds the graph with its transposed index"
 
 
 def test_gcn_norm_kept_with_graph(device):
@@ -425,6 +470,36 @@ def test_compile_fullgraph_layers_match_eager(make_layer):
     assert x.grad is not None
     with torch.no_grad():  # inference traces another graph (the op without autograd)
         torch.testing.assert_close(compiled(x, edge_index, *extra), layer(x, edge_index, *extra))
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_compiled_rgcn_inference_takes_eager_blocks(amp, monkeypatch):
+    """Compiled inference reads the relation blocks an eager call kept (it
+    cannot split the edges itself): same peak memory as eager, same result."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = gnn.RGCNConv(12, 4, 3)  # 3 relations * 4 > 12 channels: blocks of one relation
+    edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 12)
+    edge_type = torch.randint(0, 3, (edge_index.size(1),))
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        eager = layer(x, edge_index, edge_type)
+        assert [key[0] for key in layer._geot_graph[3].memo] == ["rgcn blocks"]
+
+        def one_table(*args):
+            raise AssertionError("compiled inference built the whole projected table")
+
+        monkeypatch.setattr(gnn.RGCNConv, "_project_then_reduce", one_table)
+        torch.testing.assert_close(compiled(x, edge_index, edge_type), eager)
+
+
+def test_accumulate_op():
+    """geot::accumulate_ (the blocks' in-place sum in compiled code) passes torch's op checks."""
+    total, part = torch.randn(5, 3), torch.randn(5, 3)
+    expect = total + part
+    torch.library.opcheck(torch.ops.geot.accumulate_, (total.clone(), part))
+    torch.ops.geot.accumulate_(total, part)
+    torch.testing.assert_close(total, expect)
 
 
 def test_cora_accuracy_matches_pyg():

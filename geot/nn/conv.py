@@ -19,7 +19,7 @@ from .. import hetero, index
 from .._ops import mean_counts
 from ..index import TransposedIndex, transpose_index
 from ..segment import segment_reduce
-from .graph import SortedGraph, sorted_graph
+from .graph import SortedGraph, sorted_graph, static_addresses, with_transposed
 
 _REDUCE = {"add": "sum", "sum": "sum", "mean": "mean", "max": "max"}
 
@@ -68,8 +68,24 @@ def _gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, w
 
 class _GCNNorm(NamedTuple):
     edge: Optional[Tensor]    # [E'] per-edge weight in graph order (None: unweighted, normalize=False)
-    edge_t: Optional[Tensor]  # [E'] the same in transposed order, for the backward pass (None: gathered there)
     loop: Optional[Tensor]    # [N, 1] added self loops' weight (None without them)
+
+
+def _matmul_dtype(x: Tensor):
+    """The dtype of x @ W: autocast's where it casts x (it leaves float64 alone)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _transposed_order(graph: SortedGraph, edge_values: Optional[Tensor]) -> Optional[Tensor]:
+    """Per-edge values of the graph's order in its transposed order, for the
+    backward pass; None where there is nothing to keep (no values, or values
+    that require grad: those are gathered on every call, in their autograd graph)."""
+    if edge_values is None or edge_values.requires_grad or graph.transposed is None:
+        return None
+    return edge_values.index_select(0, graph.transposed.perm)
 
 
 class _RelationEdges(NamedTuple):
@@ -77,8 +93,12 @@ class _RelationEdges(NamedTuple):
     rows: Tensor                # [E'] row an edge reads: src * R + its relation
     dst: Tensor                 # [E'] destination node, sorted (the graph's segment // R)
     weight: Optional[Tensor]    # [E'] mean: 1 / edges of its (node, relation) segment; None: sum
-    transposed: Optional[TransposedIndex]  # for the gradient (None where the graph has none)
-    weight_t: Optional[Tensor]  # weight in transposed order
+
+
+class _TransposedRelationEdges(NamedTuple):
+    """What the gradient of the projected table reads (where the graph has a transposed index)."""
+    transposed: TransposedIndex  # _RelationEdges (rows, dst) sorted by row
+    weight_t: Optional[Tensor]   # weight in that order
 
 
 def _mean_edge_weights(graph: SortedGraph, num_segments: int, dtype) -> Tensor:
@@ -101,10 +121,14 @@ def _split_segments(graph: SortedGraph, relations: int, num_nodes: int, mean_dty
 
 def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean_dtype) -> _RelationEdges:
     relation, dst, weight = _split_segments(graph, relations, num_nodes, mean_dtype)
-    rows = graph.src * relations + relation
-    transposed = None if graph.transposed is None else transpose_index(rows, dst)
-    weight_t = None if weight is None or transposed is None else weight.index_select(0, transposed.perm)
-    return _RelationEdges(rows, dst, weight, transposed, weight_t)
+    return _RelationEdges(graph.src * relations + relation, dst, weight)
+
+
+def _transposed_relation_edges(edges: _RelationEdges) -> _TransposedRelationEdges:
+    transposed = transpose_index(edges.rows, edges.dst)
+    perm = transposed.perm.to(edges.rows.dtype)
+    weight_t = None if edges.weight is None else edges.weight.index_select(0, perm)
+    return _TransposedRelationEdges(transposed._replace(perm=perm), weight_t)
 
 
 class _RelationBlock(NamedTuple):
@@ -162,7 +186,7 @@ class GCNConv(_GeotLayer, pyg_nn.GCNConv):
 
     def _geot_init(self) -> None:
         super()._geot_init()
-        self._geot_norm = None  # (SortedGraph, _GCNNorm) when cached
+        self._geot_norm = None  # (SortedGraph, _GCNNorm, weights in transposed order) when cached
 
     def _check_options(self) -> None:
         _check_common(self)
@@ -177,30 +201,40 @@ class GCNConv(_GeotLayer, pyg_nn.GCNConv):
                              f"got {type(x).__name__}")
         num_nodes = x.size(0)
         h = self.lin(x)
-        if self.cached and self._geot_norm is not None:
-            graph, norm = self._geot_norm
-        else:
-            graph = sorted_graph(self, edge_index)
-            key = ("gcn", self.normalize, self.add_self_loops, self.improved, edge_weight is None, num_nodes,
-                   x.dtype, h.dtype)
-            norm = graph.derived(key, lambda: self._norm(graph, edge_weight, num_nodes, x.dtype, h.dtype),
-                                 edge_weight)
-            if self.cached:
-                self._geot_norm = (graph, norm)
-        out = _gather_reduce(graph, h, "sum", num_nodes, norm.edge, norm.edge_t)
+        graph, norm, edge_t = self._graph_and_norm(edge_index, edge_weight, num_nodes, x.dtype, h.dtype)
+        out = _gather_reduce(graph, h, "sum", num_nodes, norm.edge, edge_t)
         if norm.loop is not None:
             out = torch.addcmul(out, norm.loop.to(h.dtype), h)
         return out if self.bias is None else out + self.bias
+
+    def _graph_and_norm(self, edge_index, edge_weight: Optional[Tensor], num_nodes: int, dtype, out_dtype):
+        """(sorted graph, _GCNNorm, its edge weights in transposed order or None):
+        kept with the graph, or with the layer when cached."""
+        if self.cached and self._geot_norm is not None:
+            graph, norm, edge_t = self._geot_norm
+            if torch.is_grad_enabled() and graph.transposed is None:  # cached by calls without gradients
+                graph = with_transposed(graph)
+                edge_t = _transposed_order(graph, norm.edge)
+                if not torch.compiler.is_compiling():
+                    self._geot_norm = (graph, norm, static_addresses(edge_t))
+            return graph, norm, edge_t
+        graph = sorted_graph(self, edge_index)
+        key = ("gcn", self.normalize, self.add_self_loops, self.improved, edge_weight is None, num_nodes,
+               dtype, out_dtype)
+        norm = graph.derived(key, lambda: self._norm(graph, edge_weight, num_nodes, dtype, out_dtype), edge_weight)
+        edge_t = None
+        if graph.transposed is not None and norm.edge is not None:
+            edge_t = graph.derived(key + ("transposed",), lambda: _transposed_order(graph, norm.edge), edge_weight)
+        if self.cached:
+            self._geot_norm = (graph, norm, edge_t)
+        return graph, norm, edge_t
 
     def _norm(self, graph: SortedGraph, edge_weight: Optional[Tensor], num_nodes: int, dtype, out_dtype) -> _GCNNorm:
         """The normalization in dtype (x's), kept in out_dtype (lin(x)'s, as autocast makes it)."""
         edge, loop = self._normalize(graph, graph.edge_values(edge_weight), num_nodes, dtype)
         if edge is None:
-            return _GCNNorm(None, None, None)
-        edge = edge.to(out_dtype)
-        keep_t = graph.transposed is not None and not edge.requires_grad
-        return _GCNNorm(edge, edge.index_select(0, graph.transposed.perm) if keep_t else None,
-                        None if loop is None else loop.to(out_dtype).unsqueeze(-1))
+            return _GCNNorm(None, None)
+        return _GCNNorm(edge.to(out_dtype), None if loop is None else loop.to(out_dtype).unsqueeze(-1))
 
     def _normalize(self, graph: SortedGraph, weight: Optional[Tensor], num_nodes: int, dtype):
         """Edge weights D^-1/2 (A + loops) D^-1/2 [E] and the loops' [N], or
@@ -246,15 +280,21 @@ class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
         x_src, x_dst = _pair(x)
         num_nodes = _num_targets(x_src, x_dst, size)
         graph, reduce = sorted_graph(self, edge_index), _REDUCE[self.aggr]
+        root = None
         if self._project_first(x_src, reduce):
+            # x cast once (autocast) for both projections: compiled code would make each copy up front.
+            cast = x_src.to(_matmul_dtype(x_src))
+            if self.root_weight and x_dst is x_src:
+                root = self.lin_r(cast)
             # lin_l commutes with mean and sum: aggregate the narrower projected
             # rows (bias after, so a node without edges still gets it).
-            out = _gather_reduce(graph, F.linear(x_src, self.lin_l.weight), reduce, num_nodes)
+            out = _gather_reduce(graph, F.linear(cast, self.lin_l.weight), reduce, num_nodes)
             out = out if self.lin_l.bias is None else out + self.lin_l.bias
         else:
             out = self.lin_l(_gather_reduce(graph, x_src, reduce, num_nodes))
-        if self.root_weight and x_dst is not None:
-            out = out + self.lin_r(x_dst)
+        if root is None and self.root_weight and x_dst is not None:
+            root = self.lin_r(x_dst)
+        out = out if root is None else out + root
         return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
 
     def _project_first(self, x_src: Tensor, reduce: str) -> bool:
@@ -278,8 +318,8 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
     def forward(self, x, edge_index, size=None) -> Tensor:
         x_src, x_dst = _pair(x)
         out = _gather_reduce(sorted_graph(self, edge_index), x_src, "sum", _num_targets(x_src, x_dst, size))
-        if x_dst is not None:  # one fused op: no [N, F] temporary for (1 + eps) x (peak memory)
-            out = torch.addcmul(out, x_dst, 1 + self.eps)
+        if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
+            out = out.addcmul_(x_dst, 1 + self.eps)
         return self.nn(out)
 
 
@@ -357,8 +397,11 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
         if self.num_bases is not None:
             weight = self.comp @ weight.view(self.num_bases, -1)
         weight = weight.view(relations, -1, self.out_channels)  # [R, C_in, C_out]
-        if self.out_channels < x_src.size(-1) and self._in_blocks(x_src, weight):
-            out = self._project_then_reduce_in_blocks(graph, x_src, weight, num_nodes)
+        if self.out_channels < x_src.size(-1) and self._in_blocks(graph, x_src, weight, num_nodes):
+            # x cast once (autocast), not per block and root: compiled code would make each copy up front.
+            cast = x_src.to(_matmul_dtype(x_src))
+            x_dst = cast if x_dst is x_src else x_dst
+            out = self._project_then_reduce_in_blocks(graph, cast, weight, num_nodes)
         elif self.out_channels < x_src.size(-1):
             out = self._project_then_reduce(graph, x_src, weight, num_nodes)
         else:
@@ -374,24 +417,35 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
         relations, in_channels = self.num_relations, x_src.size(-1)
         projected = (x_src @ weight.transpose(0, 1).reshape(in_channels, -1)).view(-1, self.out_channels)
         dtype = projected.dtype if self.aggr == "mean" else None  # a mean's edge weights, in the rows' dtype
-        edges = graph.derived(("rgcn rows", relations, num_nodes, dtype),
-                              lambda: _relation_edges(graph, relations, num_nodes, dtype))
-        return index._fused(edges.rows, edges.dst, edges.weight, projected, "sum", num_nodes, edges.transposed,
-                            None, None, edges.weight_t)
+        key = ("rgcn rows", relations, num_nodes, dtype)
+        edges = graph.derived(key, lambda: _relation_edges(graph, relations, num_nodes, dtype))
+        transposed = weight_t = None
+        if graph.transposed is not None:
+            transposed, weight_t = graph.derived(key + ("transposed",), lambda: _transposed_relation_edges(edges))
+        return index._fused(edges.rows, edges.dst, edges.weight, projected, "sum", num_nodes, transposed,
+                            None, None, weight_t)
 
-    def _in_blocks(self, x_src: Tensor, weight: Tensor) -> bool:
-        """Eager inference where the projected table [N_src, R * C_out] is wider
+    def _in_blocks(self, graph: SortedGraph, x_src: Tensor, weight: Tensor, num_nodes: int) -> bool:
+        """Inference where the projected table [N_src, R * C_out] is wider
         than x: it is then made a few relations at a time, each block at most
         half x's width, so the peak stays under PyG's per-relation [N, C_in].
         H100, fp32, 2M / 3.2M-edge graphs, 128 -> 64 channels, 8 relations,
         against PyG in the same run: blocks as wide as x peaked 1.07x / 1.10x
         PyG's memory at 8.0x / 8.2x its speed; half as wide, 0.86x / 0.89x
-        at 4.3x / 4.1x (each block re-reads x). Not
-        in training (each block's table would be kept for backward anyway)
-        nor in compiled code (the block sizes are data-dependent)."""
+        at 4.3x / 4.1x (each block re-reads x). Not in training (each
+        block's table would be kept for backward anyway). Compiled code
+        takes the blocks an eager call made (their sizes are data-dependent,
+        so it cannot split the edges itself), else the whole table."""
         records_grad = torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
-        return (not records_grad and not torch.compiler.is_compiling()
-                and self._relations_per_block(x_src.size(-1)) < self.num_relations)
+        if records_grad or self._relations_per_block(x_src.size(-1)) >= self.num_relations:
+            return False
+        return not torch.compiler.is_compiling() or self._blocks_key(x_src, num_nodes) in graph.memo
+
+    def _blocks_key(self, x_src: Tensor, num_nodes: int):
+        """The memo key of this call's relation blocks (SortedGraph.derived).
+        A mean's edge weights are kept in the projected rows' dtype."""
+        dtype = _matmul_dtype(x_src) if self.aggr == "mean" else None
+        return ("rgcn blocks", self.num_relations, self._relations_per_block(x_src.size(-1)), num_nodes, dtype)
 
     def _relations_per_block(self, in_channels: int) -> int:
         return max(1, in_channels // (2 * self.out_channels))
@@ -401,15 +455,17 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
         """_project_then_reduce one block of relations at a time, summed."""
         relations, in_channels = self.num_relations, x_src.size(-1)
         per_block = self._relations_per_block(in_channels)
-        out, blocks = None, None
-        for i, first in enumerate(range(0, relations, per_block)):
+        key = self._blocks_key(x_src, num_nodes)
+        blocks = graph.derived(key, lambda: _relation_blocks(graph, relations, per_block, num_nodes, key[-1]))
+        out = None
+        for block, first in zip(blocks, range(0, relations, per_block)):
             block_weight = weight[first:first + per_block].transpose(0, 1).reshape(in_channels, -1)
             projected = (x_src @ block_weight).view(-1, self.out_channels)
-            if blocks is None:  # a mean's edge weights in the rows' dtype (autocast's)
-                dtype = projected.dtype if self.aggr == "mean" else None
-                blocks = graph.derived(("rgcn blocks", relations, per_block, num_nodes, dtype),
-                                       lambda: _relation_blocks(graph, relations, per_block, num_nodes, dtype))
-            block = blocks[i]
             part = index._fused(block.rows, block.dst, block.weight, projected, "sum", num_nodes, None, None)
-            out = part if out is None else out.add_(part)
+            if out is None:
+                out = part
+            elif torch.compiler.is_compiling():  # each part freed once added (see geot::accumulate_)
+                torch.ops.geot.accumulate_(out, part)
+            else:
+                out.add_(part)
         return out

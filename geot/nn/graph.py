@@ -2,20 +2,25 @@
 
 geot's ops need the destination index sorted. A layer gets ``edge_index`` in
 any order, so it sorts it (stably) and keeps the result, with the source-sorted
-:class:`geot.TransposedIndex` its backward pass uses:
+:class:`geot.TransposedIndex` its backward pass uses (made when a call first
+records gradients: inference alone does not pay for it). A graph whose ids
+fit in int32 is kept in int32, whatever the dtype of ``edge_index``: half the
+memory, half the index bytes per kernel. Kept:
 
 * eagerly, in a cache shared by all layers, keyed by the ``edge_index``
   tensor object and checked against its data pointer, shape, stride and
   version counter: a new tensor, or an in-place change of this one, sorts
   again; an entry goes when its tensor is freed. The first look-up of a graph
-  costs one device->host sync (is it sorted already?).
+  costs one device->host sync (is it sorted already, do its ids fit in
+  int32?).
 * each layer also remembers the last graph it saw, with the same check:
   eagerly, a call on that graph is answered from there (no shared look-up).
   Inside ``torch.compile`` that is the only cache (the shared one is not
   traceable): a compiled call with the same ``edge_index`` object reuses it
   (dynamo guards on the identity), another graph is sorted inside the
-  compiled graph on every call (correct, no sync, but a sort per call). So
-  run the model once eagerly on a static graph before compiling it.
+  compiled graph on every call (correct, no sync, but a sort per call), as is
+  the transposed index of a graph eager calls saw only without gradients. So
+  run the model once eagerly, as it will be compiled, before compiling it.
   In-place changes to an ``edge_index`` are not seen by compiled code.
   What the caches keep is marked as a static input (static_addresses), so
   CUDA graphs read it in place instead of copying it on every replay.
@@ -39,8 +44,9 @@ class SortedGraph(NamedTuple):
     src: Tensor                  # [E'] source of each edge, edges in destination order
     dst: Tensor                  # [E'] destination (segment id), sorted non-decreasing
     perm: Optional[Tensor]       # [E'] input position of each edge; None: input order kept
-    transposed: Optional[TransposedIndex]  # for the gradient of x; None inside compiled no-grad code
+    transposed: Optional[TransposedIndex]  # for the gradient of x; None until a call records gradients
     drop: Optional[Tensor]       # [E'] bool, input self loops replaced by added ones (self-loop variant)
+    index_dtype: torch.dtype     # of the index tensors the graph makes: int32 where its ids fit
     memo: dict                   # derived values: see derived()
 
     def derived(self, key, compute, values: Optional[Tensor] = None):
@@ -102,23 +108,41 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
     of an edge is ``dst * R + edge_type`` (RGCN's per-relation mean).
     """
     last = getattr(layer, "_geot_graph", None)
+    grad = torch.is_grad_enabled()
     if torch.compiler.is_compiling():  # the layer's slot, guarded by identity (versions are not traceable)
         if (last is not None and last[0] is edge_index and last[1] is edge_type
                 and last[2][:2] == (self_loops, num_relations)):
-            return last[3]
+            graph = last[3]
+            return with_transposed(graph) if grad and graph.transposed is None else graph
         return _build(edge_index, self_loops, edge_type, num_relations, eager=False)
     # Tensors made in inference mode cannot be saved for backward: such a graph is kept apart.
     variant = (self_loops, num_relations, torch.is_inference_mode_enabled())
     if (last is not None and last[0] is edge_index and last[1] is edge_type and last[2] == variant
-            and last[4] == _graph_key(edge_index, edge_type)):
+            and last[4] == _graph_key(edge_index, edge_type) and (last[3].transposed is not None or not grad)):
         return last[3]  # the graph this layer saw last, unchanged: no shared look-up, no slot update
     graph = _shared_lookup(edge_index, variant, edge_type)
     if graph is None:
-        graph = _build(edge_index, self_loops, edge_type, num_relations, eager=True)  # validates the inputs
-        static_addresses(graph)
-        _shared_store(edge_index, variant, edge_type, graph)
+        graph = static_addresses(_build(edge_index, self_loops, edge_type, num_relations, eager=True))  # validates
+    elif grad and graph.transposed is None:  # first seen without grad: add what the backward pass needs
+        graph = with_transposed(graph)
+    _shared_store(edge_index, variant, edge_type, graph)
     layer._geot_graph = (edge_index, edge_type, variant, graph, _graph_key(edge_index, edge_type))
     return graph
+
+
+def with_transposed(graph: SortedGraph) -> SortedGraph:
+    """graph with its transposed index (sharing its memo); eagerly, marked static."""
+    perm, src, dst = transpose_index(graph.src, graph.dst)
+    dtype = graph.index_dtype
+    transposed = TransposedIndex(perm.to(dtype), src.to(dtype), dst.to(dtype))
+    return graph._replace(transposed=transposed if torch.compiler.is_compiling() else static_addresses(transposed))
+
+
+def clear_cache() -> None:
+    """Drops the graphs the shared caches keep (layers keep the last graph
+    each saw until called with another)."""
+    _graphs.clear()
+    _indices.clear()
 
 
 def static_addresses(value):
@@ -175,15 +199,37 @@ def _build(edge_index, self_loops, edge_type, num_relations, eager: bool) -> Sor
     if edge_type is not None:
         dst = dst * num_relations + _checked_types(edge_type, num_edges, num_relations, eager).to(dst.dtype)
         known_sorted = False
-    with_transposed = eager or torch.is_grad_enabled()
+    index_dtype, unsorted = src.dtype, True  # compiled code checks nothing (no sync): it sorts
+    if eager:  # one sync: is it sorted, do its ids fit in int32
+        unsorted, fits = _survey(src, dst, num_relations)
+        index_dtype = torch.int32 if fits else src.dtype
     # Added loops are never in order, and drop needs perm to tell them apart.
-    if self_loops is None and (known_sorted or (eager and not bool((dst[1:] < dst[:-1]).any()))):
-        perm = None
+    if self_loops is None and (known_sorted or not unsorted):
+        perm = None  # src, dst: views of edge_index, left in its dtype (a copy would add memory)
     else:
+        src, dst = src.to(index_dtype), dst.to(index_dtype)
         dst, perm = torch.sort(dst, stable=True)
-        src = src.index_select(0, perm)
+        src, perm = src.index_select(0, perm), perm.to(index_dtype)
     drop = None if self_loops is None else (src == dst) & (perm < num_edges)
-    return SortedGraph(src, dst, perm, transpose_index(src, dst) if with_transposed else None, drop, {})
+    graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {})
+    # Only a backward pass reads the transposed index: without gradients it is added when first needed.
+    return with_transposed(graph) if torch.is_grad_enabled() else graph
+
+
+def _survey(src: Tensor, dst: Tensor, num_relations: int) -> Tuple[bool, bool]:
+    """(dst unsorted, the graph may be kept in int32), with one device->host sync.
+
+    A graph kept in int32 takes half the memory (sorted edges, perm, the
+    transposed index) and its kernels read half the index bytes. RGCN's
+    table rows (src * R + relation) must fit too.
+    """
+    if src.dtype == torch.int32 or src.numel() == 0:
+        return bool((dst[1:] < dst[:-1]).any()), False
+    limit = 2**31 // max(num_relations, 1)
+    flags = torch.stack([(dst[1:] < dst[:-1]).any(),
+                         (torch.minimum(src.min(), dst.min()) >= -2**31) & (src.max() < limit) & (dst.max() < 2**31)])
+    unsorted, fits = flags.tolist()
+    return unsorted, fits
 
 
 def _checked_types(edge_type, num_edges: int, num_relations: int, eager: bool) -> Tensor:
