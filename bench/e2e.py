@@ -181,9 +181,10 @@ def bench_graph(inputs, args, device):
 
 def fresh_state(device) -> None:
     """Each model starts as in a process of its own: no compiled code or CUDA
-    graphs of an earlier model (whose dynamo caches would also turn this
-    model's compile dynamic-shaped or push it past the recompile limit),
-    no graphs geot kept for an earlier model, no cached allocator blocks."""
+    graphs of an earlier model (dynamo caches code per function, and PyG's
+    layers share propagate; with them, PyG's compiled GIN and SAGE on pubmed
+    ran 2-4x slower on an H100), no graphs geot kept for an earlier model,
+    no cached allocator blocks."""
     torch._dynamo.reset()  # cudagraph trees included
     graph_cache.clear_cache()
     geot.validation.clear_cache()

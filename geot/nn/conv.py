@@ -17,9 +17,9 @@ from torch import Tensor
 
 from .. import hetero, index
 from .._ops import mean_counts
-from ..index import TransposedIndex, transpose_index
+from ..index import TransposedIndex
 from ..segment import segment_reduce
-from .graph import SortedGraph, sorted_graph, static_addresses, with_transposed
+from .graph import SortedGraph, sorted_graph, static_addresses, transpose_index_as, with_transposed
 
 _REDUCE = {"add": "sum", "sum": "sum", "mean": "mean", "max": "max"}
 
@@ -125,10 +125,9 @@ def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean_dty
 
 
 def _transposed_relation_edges(edges: _RelationEdges) -> _TransposedRelationEdges:
-    transposed = transpose_index(edges.rows, edges.dst)
-    perm = transposed.perm.to(edges.rows.dtype)
-    weight_t = None if edges.weight is None else edges.weight.index_select(0, perm)
-    return _TransposedRelationEdges(transposed._replace(perm=perm), weight_t)
+    transposed = transpose_index_as(edges.rows, edges.dst, edges.rows.dtype)
+    weight_t = None if edges.weight is None else edges.weight.index_select(0, transposed.perm)
+    return _TransposedRelationEdges(transposed, weight_t)
 
 
 class _RelationBlock(NamedTuple):

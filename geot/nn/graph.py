@@ -132,10 +132,14 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
 
 def with_transposed(graph: SortedGraph) -> SortedGraph:
     """graph with its transposed index (sharing its memo); eagerly, marked static."""
-    perm, src, dst = transpose_index(graph.src, graph.dst)
-    dtype = graph.index_dtype
-    transposed = TransposedIndex(perm.to(dtype), src.to(dtype), dst.to(dtype))
+    transposed = transpose_index_as(graph.src, graph.dst, graph.index_dtype)
     return graph._replace(transposed=transposed if torch.compiler.is_compiling() else static_addresses(transposed))
+
+
+def transpose_index_as(src: Tensor, dst: Tensor, dtype: torch.dtype) -> TransposedIndex:
+    """transpose_index with all three tensors in dtype (torch.sort's perm is int64)."""
+    perm, src_t, dst_t = transpose_index(src, dst)
+    return TransposedIndex(perm.to(dtype), src_t.to(dtype), dst_t.to(dtype))
 
 
 def clear_cache() -> None:
