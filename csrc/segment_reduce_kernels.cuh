@@ -74,6 +74,11 @@ struct SegmentArgs {
   int lanes;                          // threads per (segment, N_t features), a power of two <= 32
   int64_t* longest;
   bool may_overflow;  // host side: false when no segment can exceed cap (no overflow pass)
+  // SP where no segment can exceed cap: the SP pass writes the result itself
+  // here, divided for a mean and rounded to scalar_t, rather than into out
+  // (then null): no fp32 buffer for half types and no finalize pass.
+  scalar_t* __restrict__ final_out;
+  bool mean;
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
@@ -300,6 +305,14 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], __shfl_xor_sync(mask, acc[j], d, lanes));
   }
   if (!active || lane != 0) return;
+  if (a.final_out) {  // as segment_finalize_kernel would make it
+    scalar_t* o = a.final_out + seg * a.F + col0;
+#pragma unroll
+    for (int j = 0; j < N_T; ++j)
+      if (col0 + j < a.F)
+        o[j] = from_acc<scalar_t>(begin == end ? acc_t(0) : a.mean ? acc[j] / acc_t(end - begin) : acc[j]);
+    return;
+  }
   acc_t* o = a.out + seg * a.F + col0;
 #pragma unroll
   for (int j = 0; j < N_T; ++j)

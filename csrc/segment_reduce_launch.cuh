@@ -192,15 +192,23 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const int64_t E = r.index.numel(), F = r.src.size(1), S = r.num_segments;
   const Config cfg = reduction_config(r, E, F);
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
-  // fp16/bf16 accumulate in an fp32 buffer: atomics in half precision would
-  // round every partial result.
+  // SP stores every output element itself (0 for empty segments); where no
+  // segment can pass its cap (no overflow pass adds to it) it writes the
+  // output directly (SegmentArgs::final_out). Where validation saw no
+  // segment over kLongSegmentRows[0] rows, the cap is raised to that: such
+  // short segments cannot stall the grid, and the hint is no finer.
+  int64_t sp_cap = cfg.is_sp() ? int64_t(cfg.M_t) * sp_lanes(F, with_head_aligned_n_t(cfg, F, r.heads).N_t, cfg) : 0;
+  if (cfg.is_sp() && r.long_segments == 0) sp_cap = std::max(sp_cap, kLongSegmentRows[0]);
+  const bool direct = cfg.is_sp() && !may_overflow(r.long_segments, sp_cap);
+  // Otherwise fp16/bf16 accumulate in an fp32 buffer (atomics in half
+  // precision would round every partial result) and a finalize pass makes
+  // the output (rounding, mean's division, empty segments of max/min).
   const at::ScalarType acc_type = half ? at::kFloat : r.src.scalar_type();
-  // SP stores every output element itself (0 for empty segments) but leaves
-  // the division of mean to the finalize pass.
-  at::Tensor acc = cfg.is_sp() ? at::empty({S, F}, r.src.options().dtype(acc_type))
-                               : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
-  const bool finalize = half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp());
-  at::Tensor out = half ? at::empty({S, F}, r.src.options()) : acc;
+  at::Tensor acc = direct ? at::Tensor()
+                   : cfg.is_sp() ? at::empty({S, F}, r.src.options().dtype(acc_type))
+                                 : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
+  const bool finalize = !direct && (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
+  at::Tensor out = direct || half ? at::empty({S, F}, r.src.options()) : acc;
   if (S == 0 || F == 0) return out;
   // Nothing to read (every element is empty or out of range); the kernels
   // may read row 0 of src unconditionally, so they must not run.
@@ -213,7 +221,9 @@ at::Tensor reduce_rows(const RowReduction& r) {
       SegmentArgs<in_t, acc_t, index_t> args{};
       args.index = r.index.data_ptr<index_t>();
       args.src = reinterpret_cast<const in_t*>(r.src.data_ptr<scalar_t>());
-      args.out = acc.data_ptr<acc_t>();
+      args.out = direct ? nullptr : acc.data_ptr<acc_t>();
+      args.final_out = direct ? reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()) : nullptr;
+      args.mean = r.reduce == Reduce::Mean;
       args.E = E, args.F = F, args.S = S;
       args.gather = r.gather ? r.gather->data_ptr<index_t>() : nullptr;
       args.weight = r.weight ? reinterpret_cast<const in_t*>(r.weight->data_ptr<scalar_t>()) : nullptr;
@@ -226,8 +236,8 @@ at::Tensor reduce_rows(const RowReduction& r) {
         args.ptr = offsets.ptr.data_ptr<int64_t>();
         args.longest = offsets.longest.data_ptr<int64_t>();
         args.lanes = sp_lanes(F, with_head_aligned_n_t(cfg, F, r.heads).N_t, cfg);
-        args.cap = int64_t(cfg.M_t) * args.lanes;
-        args.may_overflow = may_overflow(r.long_segments, args.cap);
+        args.cap = sp_cap;
+        args.may_overflow = !direct;
       }
       switch (r.reduce) {
         case Reduce::Max: launch_reduce<in_t, acc_t, index_t, MaxOp<acc_t>, FUSED>(args, cfg, stream); break;

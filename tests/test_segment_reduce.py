@@ -809,7 +809,8 @@ def test_sp_segments_of_exactly_the_cap(validation):
         (geot.Config(1, 8, 16, 32, 0), 2, 4),  # narrow: 2 columns x 4 lanes, cap 64
     ],
 )
-def test_sp_row_lanes(cfg, F, lanes, validation):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sp_row_lanes(cfg, F, lanes, validation, dtype):
     """SP threads the features leave over split a segment's rows as lanes:
     segments of exactly the cap (lanes * M_t rows), one row over it, far over
     it, and empty ones, for every reduction."""
@@ -820,15 +821,48 @@ def test_sp_row_lanes(cfg, F, lanes, validation):
     deg[[2, 200]] = cap + 1
     deg[150] = 5 * cap + 3
     index = index_from_degrees(deg).cuda()
-    src = random_src(index.numel(), (F,), torch.float32, "cuda")
+    src = random_src(index.numel(), (F,), dtype, "cuda")
     with geot.validation.validation(validation):
         for reduce in REDUCES:
             out = geot.segment_reduce(index, src, reduce, 300, config=cfg)
             assert_matches_ref(out, index, src, reduce, 300, where=f"{cfg}, {reduce}")
-            x = random_src(64, (F,), torch.float32, "cuda")
+            x = random_src(64, (F,), dtype, "cuda")
             gather = torch.randint(0, 64, (index.numel(),), device="cuda")
             fused = geot.index_segment_reduce(gather, index, x, reduce, 300, config=cfg)
             assert_matches_ref(fused, index, x[gather], reduce, 300, where=f"fused {cfg}, {reduce}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cfg, F", [
+    (geot.Config(N_t=2, T_N=32, M_t=32, T_M=4, G_t=0), 64),  # 32 columns of 2 features: one lane, 32 rows
+    (geot.Config(N_t=1, T_N=32, M_t=4, T_M=4, G_t=0), 8),    # 8 columns x 4 row lanes of 4 rows: 16
+])
+def test_sp_without_overflow_writes_the_output_itself(dtype, cfg, F):
+    """Where validation shows no segment over 64 rows, SP takes every row
+    (its cap raised to 64) and writes the output itself, a
+    mean divided in the kernel: the call allocates its output and nothing
+    else (no fp32 buffer for half types)."""
+    deg = torch.randint(0, 65, (4000,))
+    deg[[0, 7, 3999]] = 0
+    deg[[1, 9]] = 64
+    index = index_from_degrees(deg).cuda()
+    src = random_src(index.numel(), (F,), dtype, "cuda")
+    rows = torch.arange(index.numel(), device="cuda")
+    for reduce in REDUCES:
+        for gathered in (False, True):
+            def call():
+                if gathered:
+                    return geot.index_segment_reduce(rows, index, src, reduce, 4000, config=cfg)
+                return geot.segment_reduce(index, src, reduce, 4000, config=cfg)
+            call()  # validates, caches the offsets
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = call()
+            torch.cuda.synchronize()
+            assert torch.cuda.max_memory_allocated() - before <= out.nbytes + 1024, (reduce, gathered)
+            assert_matches_ref(out, index, src, reduce, 4000, where=f"{reduce}, gathered={gathered}")
 
 
 @requires_cuda

@@ -17,7 +17,6 @@ from torch import Tensor
 
 from .. import hetero, index
 from .._ops import mean_counts
-from ..index import TransposedIndex
 from ..segment import segment_reduce
 from .graph import SortedGraph, sorted_graph, static_addresses, transpose_index_as, with_transposed
 
@@ -89,66 +88,48 @@ def _transposed_order(graph: SortedGraph, edge_values: Optional[Tensor]) -> Opti
 
 
 class _RelationEdges(NamedTuple):
-    """RGCN's edges over the projected table [N_src * R, C_out] (RGCNConv._project_then_reduce)."""
+    """RGCN's edges over the projected table [N_src * R, C_out] (RGCNConv._project_then_reduce),
+    in the graph's order. Index tensors only: kept once for every dtype."""
     rows: Tensor                # [E'] row an edge reads: src * R + its relation
     dst: Tensor                 # [E'] destination node, sorted (the graph's segment // R)
-    weight: Optional[Tensor]    # [E'] mean: 1 / edges of its (node, relation) segment; None: sum
 
 
-class _TransposedRelationEdges(NamedTuple):
-    """What the gradient of the projected table reads (where the graph has a transposed index)."""
-    transposed: TransposedIndex  # _RelationEdges (rows, dst) sorted by row
-    weight_t: Optional[Tensor]   # weight in that order
+def _relation_edges(graph: SortedGraph, relations: int) -> _RelationEdges:
+    relation = graph.dst.remainder(relations)
+    return _RelationEdges(graph.src * relations + relation, graph.dst.div(relations, rounding_mode="floor"))
 
 
-def _mean_edge_weights(graph: SortedGraph, num_segments: int, dtype) -> Tensor:
-    """[E'] 1 / the edge count of each edge's segment, in dtype. The
+def _inverse_counts(graph: SortedGraph, num_segments: int, dtype) -> Tensor:
+    """[S] 1 / the edge count of each segment (1 where empty), in dtype. The
     reciprocal is taken in float64, which autocast leaves alone (CUDA
     autocast runs a half-precision reciprocal in float32)."""
-    counts = mean_counts(graph.dst, num_segments).to(torch.float64)
-    return counts.reciprocal().to(dtype).index_select(0, graph.dst)
-
-
-def _split_segments(graph: SortedGraph, relations: int, num_nodes: int, mean_dtype):
-    """(relation, destination node, mean weight or None) of each edge of an
-    RGCN graph, whose segments are dst * R + relation. mean_dtype: the mean's
-    edge weights in this dtype; None: a sum (no weights)."""
-    relation = graph.dst.remainder(relations)
-    dst = graph.dst.div(relations, rounding_mode="floor")
-    weight = None if mean_dtype is None else _mean_edge_weights(graph, num_nodes * relations, mean_dtype)
-    return relation, dst, weight
-
-
-def _relation_edges(graph: SortedGraph, relations: int, num_nodes: int, mean_dtype) -> _RelationEdges:
-    relation, dst, weight = _split_segments(graph, relations, num_nodes, mean_dtype)
-    return _RelationEdges(graph.src * relations + relation, dst, weight)
-
-
-def _transposed_relation_edges(edges: _RelationEdges) -> _TransposedRelationEdges:
-    transposed = transpose_index_as(edges.rows, edges.dst, edges.rows.dtype)
-    weight_t = None if edges.weight is None else edges.weight.index_select(0, transposed.perm)
-    return _TransposedRelationEdges(transposed, weight_t)
+    return mean_counts(graph.dst, num_segments).to(torch.float64).reciprocal().to(dtype)
 
 
 class _RelationBlock(NamedTuple):
-    """The edges of relations [first, end) over their own projected table [N_src * (end - first), C_out]."""
-    rows: Tensor               # [E_b] src * (end - first) + relation - first
+    """The edges of relations [first, first + width) over their own projected table [N_src * width, C_out]."""
+    rows: Tensor               # [E_b] src * width + relation - first
     dst: Tensor                # [E_b] destination node, sorted
-    weight: Optional[Tensor]   # [E_b] as _RelationEdges.weight
+    first: int
+    width: int
+
+    def segments(self, relations: int) -> Tensor:
+        """[E_b] each edge's segment in the graph (dst * R + relation)."""
+        return self.dst * relations + self.first + self.rows.remainder(self.width)
 
 
-def _relation_blocks(graph: SortedGraph, relations: int, per_block: int, num_nodes: int, mean_dtype):
+def _relation_blocks(graph: SortedGraph, relations: int, per_block: int):
     """The graph's edges split into blocks of per_block relations (a
     subsequence of dst-sorted edges stays sorted). One device->host sync per
     block (the edge counts), once per graph: eager only."""
-    relation, dst, weight = _split_segments(graph, relations, num_nodes, mean_dtype)
+    relation = graph.dst.remainder(relations)
+    dst = graph.dst.div(relations, rounding_mode="floor")
     blocks = []
     for first in range(0, relations, per_block):
-        end = min(first + per_block, relations)
-        keep = ((relation >= first) & (relation < end)).nonzero().squeeze(1)
-        rows = graph.src.index_select(0, keep) * (end - first) + relation.index_select(0, keep) - first
-        blocks.append(_RelationBlock(rows, dst.index_select(0, keep),
-                                     None if weight is None else weight.index_select(0, keep)))
+        width = min(per_block, relations - first)
+        keep = ((relation >= first) & (relation < first + width)).nonzero().squeeze(1)
+        rows = graph.src.index_select(0, keep) * width + relation.index_select(0, keep) - first
+        blocks.append(_RelationBlock(rows, dst.index_select(0, keep), first, width))
     return blocks
 
 
@@ -305,7 +286,14 @@ class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
 
 class GINConv(_GeotLayer, pyg_nn.GINConv):
     """``torch_geometric.nn.GINConv`` on geot: ``nn((1 + eps) x_i + sum_j x_j)``
-    with the sum one ``index_segment_reduce``."""
+    with the sum one ``index_segment_reduce``. In inference under autocast,
+    where ``nn`` begins with a Linear (which casts the sum to the autocast
+    dtype), x is cast first and the sum accumulates in float32 from those
+    values: half the bytes gathered and no float32 [N, F] sum (peak memory);
+    the output differs from PyG's by that rounding of x (1.16x PyG's error
+    norm against float32, median of 30 random bf16 cases). Training keeps
+    PyG's float32 sum: there the rounding would also move which of nn's
+    ReLUs fire, and with them the gradients."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -316,10 +304,26 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
 
     def forward(self, x, edge_index, size=None) -> Tensor:
         x_src, x_dst = _pair(x)
-        out = _gather_reduce(sorted_graph(self, edge_index), x_src, "sum", _num_targets(x_src, x_dst, size))
+        num_nodes = _num_targets(x_src, x_dst, size)
+        if not torch.is_grad_enabled() and _begins_with_linear(self.nn) and _matmul_dtype(x_src) != x_src.dtype:
+            cast = x_src.to(_matmul_dtype(x_src))
+            x_src, x_dst = cast, cast if x_dst is x_src else x_dst
+        out = _gather_reduce(sorted_graph(self, edge_index), x_src, "sum", num_nodes)
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)
         return self.nn(out)
+
+
+def _begins_with_linear(module: torch.nn.Module) -> bool:
+    """Whether module's first operation is a Linear (torch's or PyG's, alone,
+    first in a Sequential or PyG's MLP): under autocast it casts its input."""
+    while True:
+        if isinstance(module, torch.nn.Sequential) and len(module):
+            module = module[0]
+        elif isinstance(module, pyg_nn.MLP):
+            module = module.lins[0]
+        else:
+            return isinstance(module, (torch.nn.Linear, pyg_nn.Linear))
 
 
 class GATConv(_GeotLayer, pyg_nn.GATConv):
@@ -391,17 +395,19 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
         if edge_type is None:
             raise ValueError("geot.nn.RGCNConv needs edge_type, one relation per edge")
         relations, num_nodes = self.num_relations, x_dst.size(0)
-        graph = sorted_graph(self, edge_index, edge_type=edge_type, num_relations=relations)
+        projects = self.out_channels < x_src.size(-1)
+        # Gathering projected rows, the backward pass reads their own transposed edges, not the graph's.
+        graph = sorted_graph(self, edge_index, edge_type=edge_type, num_relations=relations, transposed=not projects)
         weight = self.weight
         if self.num_bases is not None:
             weight = self.comp @ weight.view(self.num_bases, -1)
         weight = weight.view(relations, -1, self.out_channels)  # [R, C_in, C_out]
-        if self.out_channels < x_src.size(-1) and self._in_blocks(graph, x_src, weight, num_nodes):
+        if projects and self._in_blocks(graph, x_src, weight, num_nodes):
             # x cast once (autocast), not per block and root: compiled code would make each copy up front.
             cast = x_src.to(_matmul_dtype(x_src))
             x_dst = cast if x_dst is x_src else x_dst
             out = self._project_then_reduce_in_blocks(graph, cast, weight, num_nodes)
-        elif self.out_channels < x_src.size(-1):
+        elif projects:
             out = self._project_then_reduce(graph, x_src, weight, num_nodes)
         else:
             per_relation = _gather_reduce(graph, x_src, _REDUCE[self.aggr], num_nodes * relations)
@@ -412,16 +418,25 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
 
     def _project_then_reduce(self, graph: SortedGraph, x_src: Tensor, weight: Tensor, num_nodes: int) -> Tensor:
         """sum_r (mean or sum over j in N_r(i) of x_j W_r) as one weighted
-        gather-reduce of the projected rows."""
+        gather-reduce of the projected rows. What is kept with the graph:
+        the edges and their transposed index once, a mean's edge weights
+        per dtype."""
         relations, in_channels = self.num_relations, x_src.size(-1)
         projected = (x_src @ weight.transpose(0, 1).reshape(in_channels, -1)).view(-1, self.out_channels)
-        dtype = projected.dtype if self.aggr == "mean" else None  # a mean's edge weights, in the rows' dtype
-        key = ("rgcn rows", relations, num_nodes, dtype)
-        edges = graph.derived(key, lambda: _relation_edges(graph, relations, num_nodes, dtype))
+        edges = graph.derived(("rgcn rows", relations), lambda: _relation_edges(graph, relations))
+        edge_weight = None
+        if self.aggr == "mean":  # in the rows' dtype
+            key = ("rgcn row weights", relations, num_nodes, projected.dtype)
+            edge_weight = graph.derived(key, lambda: _inverse_counts(graph, num_nodes * relations, projected.dtype)
+                                        .index_select(0, graph.dst))
         transposed = weight_t = None
-        if graph.transposed is not None:
-            transposed, weight_t = graph.derived(key + ("transposed",), lambda: _transposed_relation_edges(edges))
-        return index._fused(edges.rows, edges.dst, edges.weight, projected, "sum", num_nodes, transposed,
+        if projected.requires_grad and torch.is_grad_enabled():
+            key = ("rgcn rows transposed", relations)
+            transposed = graph.derived(key, lambda: transpose_index_as(edges.rows, edges.dst, edges.rows.dtype))
+            if edge_weight is not None:
+                weight_t = graph.derived(key + (num_nodes, projected.dtype),
+                                         lambda: edge_weight.index_select(0, transposed.perm))
+        return index._fused(edges.rows, edges.dst, edge_weight, projected, "sum", num_nodes, transposed,
                             None, None, weight_t)
 
     def _in_blocks(self, graph: SortedGraph, x_src: Tensor, weight: Tensor, num_nodes: int) -> bool:
@@ -433,18 +448,22 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
         PyG's memory at 8.0x / 8.2x its speed; half as wide, 0.86x / 0.89x
         at 4.3x / 4.1x (each block re-reads x). Not in training (each
         block's table would be kept for backward anyway). Compiled code
-        takes the blocks an eager call made (their sizes are data-dependent,
-        so it cannot split the edges itself), else the whole table."""
+        takes the blocks (and a mean's weights) an eager call made (their
+        sizes are data-dependent, so it cannot split the edges itself), else
+        the whole table."""
         records_grad = torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
-        if records_grad or self._relations_per_block(x_src.size(-1)) >= self.num_relations:
-            return False
-        return not torch.compiler.is_compiling() or self._blocks_key(x_src, num_nodes) in graph.memo
+        if records_grad or self.num_relations * self.out_channels <= x_src.size(-1):
+            return False  # no wider than x: one table (the edges training keeps, no blocks kept besides)
+        kept = [key in graph.memo for key in self._blocks_keys(x_src, num_nodes) if key is not None]
+        return not torch.compiler.is_compiling() or all(kept)
 
-    def _blocks_key(self, x_src: Tensor, num_nodes: int):
-        """The memo key of this call's relation blocks (SortedGraph.derived).
-        A mean's edge weights are kept in the projected rows' dtype."""
-        dtype = _matmul_dtype(x_src) if self.aggr == "mean" else None
-        return ("rgcn blocks", self.num_relations, self._relations_per_block(x_src.size(-1)), num_nodes, dtype)
+    def _blocks_keys(self, x_src: Tensor, num_nodes: int):
+        """The memo keys (SortedGraph.derived) of this call's relation blocks
+        and, for a mean, their edge weights in the projected rows' dtype."""
+        blocks = ("rgcn blocks", self.num_relations, self._relations_per_block(x_src.size(-1)))
+        if self.aggr != "mean":
+            return blocks, None
+        return blocks, ("rgcn block weights", *blocks[1:], num_nodes, _matmul_dtype(x_src))
 
     def _relations_per_block(self, in_channels: int) -> int:
         return max(1, in_channels // (2 * self.out_channels))
@@ -454,13 +473,19 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
         """_project_then_reduce one block of relations at a time, summed."""
         relations, in_channels = self.num_relations, x_src.size(-1)
         per_block = self._relations_per_block(in_channels)
-        key = self._blocks_key(x_src, num_nodes)
-        blocks = graph.derived(key, lambda: _relation_blocks(graph, relations, per_block, num_nodes, key[-1]))
+        blocks_key, weights_key = self._blocks_keys(x_src, num_nodes)
+        blocks = graph.derived(blocks_key, lambda: _relation_blocks(graph, relations, per_block))
+        block_weights = [None] * len(blocks)
+        if weights_key is not None:
+            def mean_weights():
+                inverse = _inverse_counts(graph, num_nodes * relations, weights_key[-1])
+                return [inverse.index_select(0, block.segments(relations)) for block in blocks]
+            block_weights = graph.derived(weights_key, mean_weights)
         out = None
-        for block, first in zip(blocks, range(0, relations, per_block)):
-            block_weight = weight[first:first + per_block].transpose(0, 1).reshape(in_channels, -1)
+        for block, edge_weight in zip(blocks, block_weights):
+            block_weight = weight[block.first:block.first + block.width].transpose(0, 1).reshape(in_channels, -1)
             projected = (x_src @ block_weight).view(-1, self.out_channels)
-            part = index._fused(block.rows, block.dst, block.weight, projected, "sum", num_nodes, None, None)
+            part = index._fused(block.rows, block.dst, edge_weight, projected, "sum", num_nodes, None, None)
             if out is None:
                 out = part
             elif torch.compiler.is_compiling():  # each part freed once added (see geot::accumulate_)

@@ -100,21 +100,25 @@ def edge_tensor(edge_index) -> Tuple[Tensor, bool]:
 
 
 def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int] = None,
-                 edge_type: Optional[Tensor] = None, num_relations: int = 0) -> SortedGraph:
+                 edge_type: Optional[Tensor] = None, num_relations: int = 0,
+                 transposed: bool = True) -> SortedGraph:
     """``edge_index`` sorted by destination, from the caches when possible.
 
     self_loops=N: input self loops are marked in ``drop`` and one loop per
     node 0..N-1 is added (GAT). edge_type with num_relations=R: the segment
     of an edge is ``dst * R + edge_type`` (RGCN's per-relation mean).
+    transposed=False: the caller's backward pass does not read the graph's
+    transposed index (RGCN gathering projected rows has its own), so a call
+    recording gradients does not add it.
     """
     last = getattr(layer, "_geot_graph", None)
-    grad = torch.is_grad_enabled()
+    grad = torch.is_grad_enabled() and transposed
     if torch.compiler.is_compiling():  # the layer's slot, guarded by identity (versions are not traceable)
         if (last is not None and last[0] is edge_index and last[1] is edge_type
                 and last[2][:2] == (self_loops, num_relations)):
             graph = last[3]
             return with_transposed(graph) if grad and graph.transposed is None else graph
-        return _build(edge_index, self_loops, edge_type, num_relations, eager=False)
+        return _build(edge_index, self_loops, edge_type, num_relations, eager=False, transposed=grad)
     # Tensors made in inference mode cannot be saved for backward: such a graph is kept apart.
     variant = (self_loops, num_relations, torch.is_inference_mode_enabled())
     if (last is not None and last[0] is edge_index and last[1] is edge_type and last[2] == variant
@@ -122,7 +126,8 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
         return last[3]  # the graph this layer saw last, unchanged: no shared look-up, no slot update
     graph = _shared_lookup(edge_index, variant, edge_type)
     if graph is None:
-        graph = static_addresses(_build(edge_index, self_loops, edge_type, num_relations, eager=True))  # validates
+        graph = static_addresses(_build(edge_index, self_loops, edge_type, num_relations, eager=True,
+                                        transposed=grad))  # validates
     elif grad and graph.transposed is None:  # first seen without grad: add what the backward pass needs
         graph = with_transposed(graph)
     _shared_store(edge_index, variant, edge_type, graph)
@@ -193,7 +198,7 @@ def _shared_store(edge_index, variant, edge_type, graph) -> None:
     _graphs.setdefault(edge_index, {})[variant] = (_graph_key(edge_index, edge_type), type_ref, graph)
 
 
-def _build(edge_index, self_loops, edge_type, num_relations, eager: bool) -> SortedGraph:
+def _build(edge_index, self_loops, edge_type, num_relations, eager: bool, transposed: bool) -> SortedGraph:
     edges, known_sorted = edge_tensor(edge_index)
     src, dst = edges[0], edges[1]
     num_edges = src.numel()
@@ -217,7 +222,7 @@ def _build(edge_index, self_loops, edge_type, num_relations, eager: bool) -> Sor
     drop = None if self_loops is None else (src == dst) & (perm < num_edges)
     graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {})
     # Only a backward pass reads the transposed index: without gradients it is added when first needed.
-    return with_transposed(graph) if torch.is_grad_enabled() else graph
+    return with_transposed(graph) if transposed else graph
 
 
 def _survey(src: Tensor, dst: Tensor, num_relations: int) -> Tuple[bool, bool]:
