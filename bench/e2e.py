@@ -13,7 +13,10 @@ and for a full training step (forward, cross-entropy, backward, Adam step) as
 on cora, citeseer, pubmed (the file's features, or random width-128 ones) and
 generated graphs with >= 2M edges, in fp32 and bf16 autocast. Reports the
 median ms per step (CUDA events, warm-up, L2 flush: bench/common.py), the
-speedup of geot over the fastest PyG path and the peak memory; writes
+speedup of geot over the fastest PyG path and the peak memory (with the
+memory resident when a step begins; --memory-snapshot DIR writes torch's
+memory snapshot of each cell's peak-memory calls, for
+https://pytorch.org/memory_viz); writes
 bench/results/e2e_<gpu>.csv and a bar chart next to it; prints the table and
 the geomean speedups last. Each model starts from a fresh state (fresh_state).
 Each model's cells are timed in --rounds rounds (fastest round kept), the
@@ -33,9 +36,11 @@ import argparse
 import gc
 import math
 import os
+import re
 import subprocess
 import sys
 import traceback
+from typing import Optional
 
 import pandas as pd
 import torch
@@ -144,31 +149,51 @@ def step_functions(model, runner, inputs, adj, amp_dtype, device, compiled: bool
     return infer, train
 
 
-def measure(fn, device, args):
-    """(median ms, peak MB) of fn. The peak is max_memory_allocated over the
-    second and third calls, the benchmark's L2-flush buffer not counted. A
-    CUDA-graph path (reduce-overhead) warms up on its first call and records
-    on its second, allocating its intermediates in the graph's pool then;
-    later replays allocate nothing, so a peak over a replay alone would miss
-    every intermediate (torch's and geot's alike)."""
+def measure(fn, device, args, snapshot: Optional[str] = None):
+    """(median ms, peak MB, resident MB) of fn. The peak is
+    max_memory_allocated over the second and third calls, the benchmark's
+    L2-flush buffer not counted. A CUDA-graph path (reduce-overhead) warms
+    up on its first call and records on its second, allocating its
+    intermediates in the graph's pool then; later replays allocate nothing,
+    so a peak over a replay alone would miss every intermediate (torch's and
+    geot's alike). Resident is what is allocated when those calls begin
+    (inputs, model, optimizer state and what a library keeps between steps,
+    such as geot's graph caches): peak - resident is the step's own.
+    snapshot: a file for torch's memory snapshot of those two calls
+    (--memory-snapshot; open it at https://pytorch.org/memory_viz)."""
     # Two untimed calls first: compilation (and a recompile for the other grad
     # mode), the optimizer's lazy state. Otherwise time_stats' probe would
     # include them and cut a compiled path to its minimum reps, no warm-up.
     fn()
-    if device.type == "cuda":
+    peak = resident = float("nan")
+    cuda = device.type == "cuda"
+    if cuda:
         common.release_flush_buffer(device)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device) / 2**20
+        if snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
     fn()
-    peak = float("nan")
-    if device.type == "cuda":
+    if cuda:
         fn()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) / 2**20
+        if snapshot:
+            torch.cuda.memory._dump_snapshot(snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
     # No gate: a model step's host time is part of what it costs.
     timing = common.time_stats(fn, warmup=args.warmup, reps=args.reps, device=device, max_time_s=args.max_time,
                                gate=False)
-    return timing.median_ms, peak
+    return timing.median_ms, peak, resident
+
+
+def snapshot_file(args, row) -> Optional[str]:
+    """Where measure writes the memory snapshot of a cell's first round (None: no snapshots)."""
+    if not args.memory_snapshot or not math.isnan(row["peak_mb"]):
+        return None
+    name = "_".join(str(row[key]) for key in ("model", "hidden", "graph", "dtype", "mode", "path"))
+    return os.path.join(args.memory_snapshot, re.sub(r"[^A-Za-z0-9_.-]+", "-", name) + ".pickle")
 
 
 def bench_graph(inputs, args, device):
@@ -220,7 +245,8 @@ def bench_model(model_name, hidden, inputs, args, device):
         for mode in ("inference", "train"):
             for path in args.paths:
                 row = {"model": model_name, "hidden": hidden, "graph": inputs["name"], "dtype": dtype_name,
-                       "mode": mode, "path": path, "ms": float("nan"), "peak_mb": float("nan")}
+                       "mode": mode, "path": path, "ms": float("nan"), "peak_mb": float("nan"),
+                       "resident_mb": float("nan")}
                 if path == "pyg-csr" and model_name in ("gat", "rgcn"):
                     row["note"] = "n/a"
                 cells.append((row, steps[path, dtype_name][mode]))
@@ -229,7 +255,7 @@ def bench_model(model_name, hidden, inputs, args, device):
             if "note" in row:
                 continue
             try:
-                ms, peak = measure(fn, device, args)
+                ms, peak, resident = measure(fn, device, args, snapshot_file(args, row))
             except Exception as error:  # a path PyG does not support here: recorded, not fatal
                 row["note"] = _failure_note(error)
                 if row["path"].startswith("geot"):  # geot failing is a bug, not a missing feature: show where
@@ -238,7 +264,7 @@ def bench_model(model_name, hidden, inputs, args, device):
             if math.isnan(row["ms"]) or ms < row["ms"]:  # the fastest round
                 row["ms"] = ms
             if math.isnan(row["peak_mb"]):  # the first round's: a CUDA-graph path records then (see measure)
-                row["peak_mb"] = peak
+                row["peak_mb"], row["resident_mb"] = peak, resident
     for row, _ in cells:
         print(f"  {model_name}/{hidden} {inputs['name']} {row['dtype']} {row['mode']:<9} {row['path']:<12} "
               f"{common.fmt_ms(row['ms'])} ms {row.get('note', '')}", flush=True)
@@ -335,11 +361,15 @@ def parse_args():
     parser.add_argument("--processes", choices=["one", "per-library"], default=None,
                         help="run each library's paths in a process of its own (run_libraries_apart) or all in "
                              "one; default: per library on CUDA when both libraries' compiled paths run")
+    parser.add_argument("--memory-snapshot", default=None, metavar="DIR",
+                        help="CUDA: write torch's memory snapshot of each cell's peak-memory calls to DIR")
     parser.add_argument("--rows-csv", default=None, help=argparse.SUPPRESS)  # run_libraries_apart's children
     parser.add_argument("--quick", action="store_true",
                         help="tiny CPU check: one 500-node graph, hidden 32, fp32, aot_eager compile, 2 reps")
     args = parser.parse_args()
     args.models = args.models.split(",")
+    if args.memory_snapshot:
+        os.makedirs(args.memory_snapshot, exist_ok=True)
     unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; have {list(MODELS)}")

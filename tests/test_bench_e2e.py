@@ -17,7 +17,8 @@ def test_e2e_quick_times_every_path(tmp_path, processes):
     default on CUDA when both compiled paths run)."""
     env = dict(os.environ, OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
     result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--quick", "--models", "gcn",
-                             "--paths", "pyg,pyg-csr,geot,geot-compile", "--processes", processes],
+                             "--paths", "pyg,pyg-csr,geot,geot-compile", "--processes", processes,
+                             "--memory-snapshot", str(tmp_path / "snapshots")],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "geomean speedup of geot-compile over geot eager" in result.stdout
@@ -26,3 +27,4 @@ def test_e2e_quick_times_every_path(tmp_path, processes):
     assert set(df["path"]) == {"pyg", "pyg-csr", "geot", "geot-compile"}
     assert set(df["mode"]) == {"inference", "train"}
     assert df["ms"].notna().all() and (df["ms"] > 0).all(), df
+    assert "resident_mb" in df and not any((tmp_path / "snapshots").iterdir()), "memory figures are CUDA's only"
