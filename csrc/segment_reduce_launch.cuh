@@ -197,7 +197,8 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // output directly (SegmentArgs::final_out). Where validation saw no
   // segment over kLongSegmentRows[0] rows, the cap is raised to that: such
   // short segments cannot stall the grid, and the hint is no finer.
-  int64_t sp_cap = cfg.is_sp() ? int64_t(cfg.M_t) * sp_lanes(F, with_head_aligned_n_t(cfg, F, r.heads).N_t, cfg) : 0;
+  const int lanes = cfg.is_sp() ? sp_lanes(F, with_head_aligned_n_t(cfg, F, r.heads).N_t, cfg) : 1;
+  int64_t sp_cap = int64_t(cfg.M_t) * lanes;
   if (cfg.is_sp() && r.long_segments == 0) sp_cap = std::max(sp_cap, kLongSegmentRows[0]);
   const bool direct = cfg.is_sp() && !may_overflow(r.long_segments, sp_cap);
   // Otherwise fp16/bf16 accumulate in an fp32 buffer (atomics in half
@@ -235,7 +236,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
         offsets = index_offsets<index_t>(r.index, S, stream);
         args.ptr = offsets.ptr.data_ptr<int64_t>();
         args.longest = offsets.longest.data_ptr<int64_t>();
-        args.lanes = sp_lanes(F, with_head_aligned_n_t(cfg, F, r.heads).N_t, cfg);
+        args.lanes = lanes;
         args.cap = sp_cap;
         args.may_overflow = !direct;
       }

@@ -78,6 +78,13 @@ def _matmul_dtype(x: Tensor):
     return x.dtype
 
 
+def _cast_for_matmul(x_src: Tensor, x_dst: Optional[Tensor]):
+    """(x_src, x_dst) in the dtype of x @ W, x cast once where both are one
+    tensor: compiled code would otherwise make each cast copy up front."""
+    cast = x_src.to(_matmul_dtype(x_src))
+    return cast, cast if x_dst is x_src else x_dst
+
+
 def _transposed_order(graph: SortedGraph, edge_values: Optional[Tensor]) -> Optional[Tensor]:
     """Per-edge values of the graph's order in its transposed order, for the
     backward pass; None where there is nothing to keep (no values, or values
@@ -262,9 +269,8 @@ class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
         graph, reduce = sorted_graph(self, edge_index), _REDUCE[self.aggr]
         root = None
         if self._project_first(x_src, reduce):
-            # x cast once (autocast) for both projections: compiled code would make each copy up front.
-            cast = x_src.to(_matmul_dtype(x_src))
-            if self.root_weight and x_dst is x_src:
+            cast, x_dst = _cast_for_matmul(x_src, x_dst)  # one cast for both projections
+            if self.root_weight and x_dst is cast:
                 root = self.lin_r(cast)
             # lin_l commutes with mean and sum: aggregate the narrower projected
             # rows (bias after, so a node without edges still gets it).
@@ -306,8 +312,7 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
         x_src, x_dst = _pair(x)
         num_nodes = _num_targets(x_src, x_dst, size)
         if not torch.is_grad_enabled() and _begins_with_linear(self.nn) and _matmul_dtype(x_src) != x_src.dtype:
-            cast = x_src.to(_matmul_dtype(x_src))
-            x_src, x_dst = cast, cast if x_dst is x_src else x_dst
+            x_src, x_dst = _cast_for_matmul(x_src, x_dst)
         out = _gather_reduce(sorted_graph(self, edge_index), x_src, "sum", num_nodes)
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)
@@ -403,9 +408,7 @@ class RGCNConv(_GeotLayer, pyg_nn.RGCNConv):
             weight = self.comp @ weight.view(self.num_bases, -1)
         weight = weight.view(relations, -1, self.out_channels)  # [R, C_in, C_out]
         if projects and self._in_blocks(graph, x_src, weight, num_nodes):
-            # x cast once (autocast), not per block and root: compiled code would make each copy up front.
-            cast = x_src.to(_matmul_dtype(x_src))
-            x_dst = cast if x_dst is x_src else x_dst
+            cast, x_dst = _cast_for_matmul(x_src, x_dst)  # once, not per block and root
             out = self._project_then_reduce_in_blocks(graph, cast, weight, num_nodes)
         elif projects:
             out = self._project_then_reduce(graph, x_src, weight, num_nodes)
