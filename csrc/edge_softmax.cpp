@@ -119,6 +119,20 @@ at::Tensor edge_softmax_op(const at::Tensor& score, const at::Tensor& dst_index,
   return out;
 }
 
+void edge_softmax_inplace_op(at::Tensor& score, const at::Tensor& dst_index, int64_t num_segments) {
+  const int64_t H = check_edge_values(score, "score");
+  check_dst_index(dst_index, score, "score", num_segments);
+  TORCH_CHECK_VALUE(score.is_contiguous(), "score must be contiguous to be overwritten by edge_softmax_");
+  if (score.numel() == 0) return;
+  // Each value is read before it is written, by the thread that writes it.
+  at::Tensor rows = score.view({score.size(0), H});
+  const at::Tensor index = dst_index.contiguous();
+#ifdef GEOT_WITH_CUDA
+  if (score.is_cuda()) return edge_softmax_cuda(rows, index, num_segments, rows);
+#endif
+  edge_softmax_cpu(rows, index, num_segments, rows);
+}
+
 at::Tensor edge_softmax_backward_op(const at::Tensor& y, const at::Tensor& grad, const at::Tensor& dst_index,
                                     int64_t num_segments) {
   const int64_t H = check_edge_values(y, "y");
@@ -167,6 +181,7 @@ void edge_softmax_backward_cpu(const at::Tensor& y, const at::Tensor& grad, cons
 
 TORCH_LIBRARY_IMPL(geot, CPU, m) {
   m.impl("edge_softmax", &edge_softmax_op);
+  m.impl("edge_softmax_", &edge_softmax_inplace_op);
   m.impl("edge_softmax_backward", &edge_softmax_backward_op);
 }
 

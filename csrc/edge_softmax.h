@@ -9,13 +9,16 @@ namespace geot {
 // out[e, h] = exp(score[e, h] - max_d) / sum over the edges e' of d of
 // exp(score[e', h] - max_d), d = dst_index[e] (sorted); score [E] or [E, H].
 at::Tensor edge_softmax_op(const at::Tensor& score, const at::Tensor& dst_index, int64_t num_segments);
+// The same in place: score (contiguous) becomes the softmax.
+void edge_softmax_inplace_op(at::Tensor& score, const at::Tensor& dst_index, int64_t num_segments);
 
 // grad_score[e, h] = y[e, h] * (grad[e, h] - sum over the edges e' of d of
 // grad[e', h] * y[e', h]), y the forward output.
 at::Tensor edge_softmax_backward_op(const at::Tensor& y, const at::Tensor& grad, const at::Tensor& dst_index,
                                     int64_t num_segments);
 
-// Per-device kernels on contiguous [E, H] inputs; out [E, H] preallocated.
+// Per-device kernels on contiguous [E, H] inputs; out [E, H] preallocated
+// (the forward kernels allow out to be score itself).
 void edge_softmax_cpu(const at::Tensor& score, const at::Tensor& dst_index, int64_t num_segments, at::Tensor& out);
 void edge_softmax_cuda(const at::Tensor& score, const at::Tensor& dst_index, int64_t num_segments, at::Tensor& out);
 void edge_softmax_backward_cpu(const at::Tensor& y, const at::Tensor& grad, const at::Tensor& dst_index,

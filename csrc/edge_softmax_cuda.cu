@@ -74,6 +74,7 @@ void edge_softmax_backward_cuda(const at::Tensor& y, const at::Tensor& grad, con
 
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
   m.impl("edge_softmax", &edge_softmax_op);
+  m.impl("edge_softmax_", &edge_softmax_inplace_op);
   m.impl("edge_softmax_backward", &edge_softmax_backward_op);
 }
 

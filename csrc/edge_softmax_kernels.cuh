@@ -41,12 +41,14 @@ template <typename acc_t> __device__ __forceinline__ acc_t rescale(acc_t sum, ac
   return max == lowest_value<acc_t>() ? acc_t(0) : sum * exp_acc(max - new_max);
 }
 
-// y = exp(score - max) / sum over each destination and head.
+// y = exp(score - max) / sum over each destination and head. out may be
+// score (in place): not __restrict__. Every value is read before it is
+// written, by the thread that writes it (the passes below keep that).
 template <typename scalar_t, typename acc_t>
 struct ForwardOp {
   using Acc = MaxSum<acc_t>;
-  const scalar_t* __restrict__ score;
-  scalar_t* __restrict__ out;
+  const scalar_t* score;
+  scalar_t* out;
 
   __device__ __forceinline__ Acc identity() const { return {lowest_value<acc_t>(), acc_t(0)}; }
   __device__ __forceinline__ Acc add(Acc a, int64_t i) const {

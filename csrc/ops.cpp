@@ -43,6 +43,8 @@ TORCH_LIBRARY(geot, m) {
   // Softmax over the edges of each destination (edge_softmax.cpp); the
   // backward takes the forward output y.
   m.def("edge_softmax(Tensor score, Tensor dst_index, int num_segments) -> Tensor");
+  // The same written over score (inference: no second [E, H] tensor).
+  m.def("edge_softmax_(Tensor(a!) score, Tensor dst_index, int num_segments) -> ()");
   m.def("edge_softmax_backward(Tensor y, Tensor grad, Tensor dst_index, int num_segments) -> Tensor");
 }
 

@@ -19,7 +19,10 @@
 //    first M_t rows per lane (threads the features leave over split the
 //    rows into lanes) and stores the result.
 //    Rows past that cap (hubs) are left to an SR pass with atomics, so one
-//    huge segment cannot stall the grid. Best on graphs of even degree.
+//    huge segment cannot stall the grid. For half types (whose output
+//    cannot take those additions without rounding each) such a segment
+//    goes to that pass whole, into a small fp32 buffer of one row per long
+//    segment, and a last pass writes it. Best on graphs of even degree.
 // Segment ids outside [0, S) are skipped, so a bad index can give a wrong
 // answer but never an out-of-bounds write.
 #pragma once
@@ -74,11 +77,21 @@ struct SegmentArgs {
   int lanes;                          // threads per (segment, N_t features), a power of two <= 32
   int64_t* longest;
   bool may_overflow;  // host side: false when no segment can exceed cap (no overflow pass)
-  // SP where no segment can exceed cap: the SP pass writes the result itself
-  // here, divided for a mean and rounded to scalar_t, rather than into out
-  // (then null): no fp32 buffer for half types and no finalize pass.
+  // SP: the SP pass writes its segments' results itself here, divided for a
+  // mean and rounded to scalar_t (no fp32 buffer for half types, no
+  // finalize pass), where no segment can exceed cap (out is then null) or
+  // long segments have slots (below); else null.
   scalar_t* __restrict__ final_out;
   bool mean;
+  // SP with slots for long segments: the SP pass leaves a segment of more
+  // than cap rows whole to the overflow pass, which reduces it into row
+  // long_slot[seg] of out (then a buffer of long_capacity rows, not S);
+  // finalize_long_segments_kernel writes its result. The SP pass claims the
+  // slots: long_count counts them, long_segment[slot] names the segment.
+  int* long_slot;                     // [S], -1 for segments the SP pass writes
+  int64_t* long_segment;              // [long_capacity]
+  int* long_count;
+  int64_t long_capacity;
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
@@ -132,12 +145,21 @@ __device__ __forceinline__ void load_or_identity(const SegmentArgs<scalar_t, acc
   }
 }
 
-// Merges a partial result into out[seg] with atomics.
+// Whether segment seg was left whole to the overflow pass (it has a slot).
+template <typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ bool has_slot(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg) {
+  return seg >= 0 && seg < a.S && a.long_slot[seg] >= 0;
+}
+
+// Merges a partial result into out[seg] (with slots: out[long_slot[seg]])
+// with atomics.
 template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg,
                                       int64_t col0, const acc_t (&acc)[N_T]) {
   if (seg < 0 || seg >= a.S) return;
-  acc_t* o = a.out + seg * a.F + col0;
+  const int64_t row = a.long_slot ? a.long_slot[seg] : seg;
+  if (row < 0) return;
+  acc_t* o = a.out + row * a.F + col0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // sm_90 has 2- and 4-wide float atomicAdd: one atomic per thread, not N_t.
   if constexpr (std::is_same_v<Op, SumOp<float>> && N_T == 4) {
@@ -172,7 +194,8 @@ __device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t
 // SR. Block (T_N, T_M): x spans features (N_t each), y spans row chunks of
 // rows_per_thread (M_t). Grid (row chunks / T_M, feature columns / T_N).
 // OVERFLOW_ONLY: the SR pass after SP, which takes only the rows past the SP
-// cap of their segment (and returns at once when no segment overflowed).
+// cap of their segment, or with slots every row of a segment that has one
+// (and returns at once when no segment overflowed).
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED,
           bool OVERFLOW_ONLY = false>
 __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int rows_per_thread) {
@@ -208,7 +231,8 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       take[b] = r < row_end;
       // Row r is past its segment's first cap rows iff row r - cap is in the
       // same segment (the index is sorted).
-      if (OVERFLOW_ONLY && take[b]) take[b] = r >= a.cap && int64_t(a.index[r - a.cap]) == s[b];
+      if (OVERFLOW_ONLY && take[b])
+        take[b] = a.long_slot ? has_slot(a, s[b]) : r >= a.cap && int64_t(a.index[r - a.cap]) == s[b];
     }
 #pragma unroll
     for (int b = 0; b < BATCH; ++b)
@@ -255,7 +279,8 @@ __global__ void segment_offsets_kernel(const index_t* __restrict__ index, int64_
 // idle and a segment of a few hundred rows costs one round of loads, not
 // one per row. Every output element is stored exactly once (empty segments
 // get 0), so the output needs no pre-fill; overflow rows (past cap = lanes *
-// M_t) are then added by the OVERFLOW_ONLY SR pass.
+// M_t) are then added by the OVERFLOW_ONLY SR pass, or with slots (see
+// SegmentArgs) a segment past the cap is left whole to that pass.
 // ROW_LANES = false compiles the one-lane kernel with the lane arithmetic
 // folded away (a runtime lane count of 1 cost gathered rows ~20% on H100).
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED, bool ROW_LANES>
@@ -272,9 +297,19 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     begin = min(max(a.ptr[seg], int64_t(0)), a.E);
     end = min(max(a.ptr[seg + 1], begin), a.E);
   }
-  const int64_t stop = min(end, begin + a.cap);
-  if (stop < end && threadIdx.x == 0 && blockIdx.y == 0)
+  const bool long_segment = end - begin > a.cap;
+  const bool left_whole = long_segment && a.long_slot;  // to the overflow pass, into a slot
+  const int64_t stop = left_whole ? begin : min(end, begin + a.cap);
+  if (long_segment && threadIdx.x == 0 && blockIdx.y == 0) {  // one thread per segment
     atomicMax(reinterpret_cast<unsigned long long*>(a.longest), static_cast<unsigned long long>(end - begin));
+    if (left_whole) {
+      const int slot = atomicAdd(a.long_count, 1);
+      if (slot < a.long_capacity) {  // always, for a validated index (its segments are disjoint ranges)
+        a.long_slot[seg] = slot;
+        a.long_segment[slot] = seg;
+      }
+    }
+  }
   const int64_t head = weight_head(a, col0);
 
   acc_t acc[N_T];
@@ -304,7 +339,7 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 #pragma unroll
       for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], __shfl_xor_sync(mask, acc[j], d, lanes));
   }
-  if (!active || lane != 0) return;
+  if (!active || lane != 0 || left_whole) return;
   if (a.final_out) {  // as segment_finalize_kernel would make it
     scalar_t* o = a.final_out + seg * a.F + col0;
 #pragma unroll
@@ -424,6 +459,22 @@ __global__ void segment_finalize_kernel(const acc_t* acc, out_t* out, const int6
     if (count <= 0) v = acc_t(0);
     else if (reduce == Reduce::Mean) v = v / acc_t(count);
     out[seg * F + f] = from_acc<out_t>(v);
+  }
+}
+
+// The results of the segments SP left whole to its overflow pass: slot n of
+// acc holds segment long_segment[n]'s (not empty) reduction, divided here
+// for a mean and rounded to out_t. 1-D blocks stride over the slots.
+template <typename acc_t, typename out_t>
+__global__ void finalize_long_segments_kernel(const acc_t* __restrict__ acc, out_t* __restrict__ out,
+                                              const int64_t* __restrict__ ptr, const int64_t* __restrict__ long_segment,
+                                              const int* __restrict__ long_count, int64_t capacity, int64_t F,
+                                              bool mean) {
+  const int64_t slots = min(int64_t(*long_count), capacity);
+  for (int64_t n = blockIdx.x; n < slots; n += gridDim.x) {
+    const int64_t seg = long_segment[n];
+    const acc_t scale = mean ? acc_t(1) / acc_t(ptr[seg + 1] - ptr[seg]) : acc_t(1);
+    for (int64_t f = threadIdx.x; f < F; f += blockDim.x) out[seg * F + f] = from_acc<out_t>(acc[n * F + f] * scale);
   }
 }
 

@@ -200,12 +200,22 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const int lanes = cfg.is_sp() ? sp_lanes(F, with_head_aligned_n_t(cfg, F, r.heads).N_t, cfg) : 1;
   int64_t sp_cap = int64_t(cfg.M_t) * lanes;
   if (cfg.is_sp() && r.long_segments == 0) sp_cap = std::max(sp_cap, kLongSegmentRows[0]);
-  const bool direct = cfg.is_sp() && !may_overflow(r.long_segments, sp_cap);
+  const bool overflow = cfg.is_sp() && may_overflow(r.long_segments, sp_cap);
+  // Half types cannot take the overflow pass's additions in place (each
+  // would round): SP still writes their output directly, and the segments
+  // past the cap go whole to the overflow pass, into fp32 slots: at most
+  // E / (cap + 1) of them where validation vouches for the index (its
+  // segments are disjoint ranges), a small buffer instead of [S, F].
+  // (fp32 sums and means keep adding in place; a mean divides afterwards.)
+  const bool long_slots = overflow && r.long_segments > 0 && half;
+  const int64_t slots = long_slots ? std::min(S, E / (sp_cap + 1)) : 0;
+  const bool direct = cfg.is_sp() && (!overflow || long_slots);
   // Otherwise fp16/bf16 accumulate in an fp32 buffer (atomics in half
   // precision would round every partial result) and a finalize pass makes
   // the output (rounding, mean's division, empty segments of max/min).
   const at::ScalarType acc_type = half ? at::kFloat : r.src.scalar_type();
-  at::Tensor acc = direct ? at::Tensor()
+  at::Tensor acc = long_slots ? identity_filled(slots, F, acc_type, r.reduce, r.src, stream)
+                   : direct   ? at::Tensor()
                    : cfg.is_sp() ? at::empty({S, F}, r.src.options().dtype(acc_type))
                                  : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
   const bool finalize = !direct && (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
@@ -222,7 +232,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       SegmentArgs<in_t, acc_t, index_t> args{};
       args.index = r.index.data_ptr<index_t>();
       args.src = reinterpret_cast<const in_t*>(r.src.data_ptr<scalar_t>());
-      args.out = direct ? nullptr : acc.data_ptr<acc_t>();
+      args.out = acc.defined() ? acc.data_ptr<acc_t>() : nullptr;
       args.final_out = direct ? reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()) : nullptr;
       args.mean = r.reduce == Reduce::Mean;
       args.E = E, args.F = F, args.S = S;
@@ -238,7 +248,18 @@ at::Tensor reduce_rows(const RowReduction& r) {
         args.longest = offsets.longest.data_ptr<int64_t>();
         args.lanes = lanes;
         args.cap = sp_cap;
-        args.may_overflow = !direct;
+        args.may_overflow = overflow;
+      }
+      at::Tensor slot_table, slot_segments;  // held until the launches are queued
+      if (long_slots) {
+        slot_table = at::empty({S + 1}, r.index.options().dtype(at::kInt));  // slot per segment, then the count
+        C10_CUDA_CHECK(cudaMemsetAsync(slot_table.data_ptr(), 0xff, S * sizeof(int), stream));  // -1: no slot
+        C10_CUDA_CHECK(cudaMemsetAsync(slot_table.data_ptr<int>() + S, 0, sizeof(int), stream));
+        slot_segments = at::empty({std::max<int64_t>(slots, 1)}, offsets.ptr.options());
+        args.long_slot = slot_table.data_ptr<int>();
+        args.long_count = args.long_slot + S;
+        args.long_segment = slot_segments.data_ptr<int64_t>();
+        args.long_capacity = slots;
       }
       switch (r.reduce) {
         case Reduce::Max: launch_reduce<in_t, acc_t, index_t, MaxOp<acc_t>, FUSED>(args, cfg, stream); break;
@@ -252,6 +273,13 @@ at::Tensor reduce_rows(const RowReduction& r) {
         const dim3 block(32, 8);
         segment_finalize_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
             acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), ptr, S, F, r.reduce);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      if (long_slots && slots > 0) {
+        const auto blocks = static_cast<unsigned>(std::min<int64_t>(slots, 1024));
+        finalize_long_segments_kernel<acc_t, in_t><<<blocks, 128, 0, stream>>>(
+            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), args.ptr, args.long_segment,
+            args.long_count, slots, F, args.mean);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     });

@@ -297,6 +297,11 @@ def _edge_softmax_fake(score, dst_index, num_segments):
     return torch.empty_like(score, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("geot::edge_softmax_")
+def _edge_softmax_inplace_fake(score, dst_index, num_segments):
+    return None
+
+
 @torch.library.register_fake("geot::edge_softmax_backward")
 def _edge_softmax_backward_fake(y, grad, dst_index, num_segments):
     return torch.empty_like(y, memory_format=torch.contiguous_format)

@@ -106,3 +106,20 @@ def edge_softmax(score: torch.Tensor, dst_index: torch.Tensor, num_segments: Opt
     if num_segments is None:
         num_segments = _infer_num_segments(dst_index, "dst_index")
     return torch.ops.geot.edge_softmax(score, dst_index, int(num_segments))
+
+
+def edge_softmax_(score: torch.Tensor, dst_index: torch.Tensor, num_segments: Optional[int] = None) -> torch.Tensor:
+    """:func:`edge_softmax` written over ``score``, which it returns: for
+    inference, where the scores are not needed afterwards, it saves a second
+    [E, H] tensor (GAT's largest). ``score`` must be contiguous and must not
+    require grad while grad mode is on (nothing could be differentiated).
+    With validation off, edges whose destination is out of range keep their
+    score (:func:`edge_softmax` gives them 0)."""
+    _check_tensor(score, "score")
+    if score.requires_grad and torch.is_grad_enabled():
+        raise ValueError("edge_softmax_ overwrites score, which requires grad: use geot.edge_softmax to "
+                         "differentiate, or call it under torch.no_grad()")
+    if num_segments is None:
+        num_segments = _infer_num_segments(dst_index, "dst_index")
+    torch.ops.geot.edge_softmax_(score, dst_index, int(num_segments))
+    return score

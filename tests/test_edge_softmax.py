@@ -115,6 +115,52 @@ def test_noncontiguous_score(device):
 
 
 # --------------------------------------------------------------------------- #
+# in place (edge_softmax_)
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("graph", list(GRAPHS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_in_place_matches_out_of_place(device, dtype, graph):
+    """edge_softmax_ overwrites score with exactly what edge_softmax returns
+    (the same kernels: each value read before the thread writes it)."""
+    dst, S, heads = GRAPHS[graph]()
+    dst = dst.to(device)
+    shape = (dst.numel(),) if heads is None else (dst.numel(), heads)
+    score = (torch.randn(shape, device=device) * 3).to(dtype)
+    expected = geot.edge_softmax(score, dst, S)
+    overwritten = score.clone()
+    assert geot.edge_softmax_(overwritten, dst.int(), S) is overwritten
+    assert torch.equal(overwritten, expected)
+
+
+def test_in_place_errors(device):
+    dst = torch.tensor([0, 0, 1, 3], device=device)
+    score = torch.randn(4, 2, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="edge_softmax_ overwrites score, which requires grad"):
+        geot.edge_softmax_(score, dst, 4)
+    with torch.no_grad():
+        geot.edge_softmax_(score, dst, 4)  # nothing to differentiate: allowed
+    with pytest.raises(ValueError, match="score must be contiguous to be overwritten"):
+        geot.edge_softmax_(torch.randn(2, 4, device=device).t(), dst, 4)
+    with pytest.raises(ValueError, match="dst_index must be sorted"):
+        geot.edge_softmax_(torch.randn(4, 2, device=device), torch.tensor([0, 1, 0, 3], device=device), 4)
+
+
+def test_in_place_compiled(device):
+    """Inductor runs the mutating op on its own temporary (no copy needed)
+    and gives the eager result."""
+    torch._dynamo.reset()
+    dst = powerlaw_index(300, 5000).to(device)
+
+    def attention(score):
+        return geot.edge_softmax_(torch.nn.functional.leaky_relu(score, 0.2), dst, 300) * 2
+
+    score = torch.randn(dst.numel(), 4, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(attention, fullgraph=True)(score), attention(score))
+    torch.library.opcheck(torch.ops.geot.edge_softmax_.default, (score.clone(), dst, 300))
+
+
+# --------------------------------------------------------------------------- #
 # backward
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize("graph", ["1d", "H4_empty_segments", "H3", "H8_powerlaw", "H40", "hub_H4", "hub_H3"])

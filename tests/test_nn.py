@@ -99,6 +99,27 @@ def test_matches_pyg(geot_class, pyg_class, args, kwargs, num_nodes, num_edges, 
     assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, extra)
 
 
+@pytest.mark.parametrize("input_loops", [True, False], ids=["input-loops", "no-input-loops"])
+def test_gat_inference_overwrites_its_scores(input_loops, device, monkeypatch):
+    """Without gradients GAT's softmax overwrites the scores (edge_softmax_,
+    one [E, H] tensor less); a graph without input self loops keeps no drop
+    mask. The output is PyG's either way."""
+    geot_layer, pyg_layer = build_pair(gnn.GATConv, pyg_nn.GATConv, (12, 5), {"heads": 3}, device)
+    edge_index = random_graph(200, 1500, device)
+    if not input_loops:
+        edge_index = edge_index[:, edge_index[0] != edge_index[1]]
+    x = torch.randn(200, 12, dtype=torch.float64, device=device)
+    overwrites = []
+    in_place = geot.edge_softmax_
+    monkeypatch.setattr(gnn.conv.hetero, "edge_softmax_", lambda *args: overwrites.append(1) or in_place(*args))
+    with torch.no_grad():
+        out, ref = geot_layer(x, edge_index), pyg_layer(x, edge_index)
+    torch.testing.assert_close(out, ref, **FLOAT64_TOL)
+    assert overwrites == [1]
+    assert (geot_layer._geot_graph[3].drop is None) == (not input_loops)
+    assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, ())  # training takes the out-of-place op
+
+
 @pytest.mark.parametrize("aggr", ["mean", "add"])
 @pytest.mark.parametrize("in_channels,out_channels,relations", [(12, 8, 4), (12, 3, 5), (24, 8, 6)])
 def test_rgcn_inference_in_relation_blocks(aggr, in_channels, out_channels, relations, device):
@@ -263,13 +284,14 @@ def test_graph_kept_in_int32_when_ids_fit():
     assert graph.perm is None and graph.src.data_ptr() == in_order.data_ptr() and graph.src.dtype == torch.int64
     assert all(t.dtype == torch.int32 for t in graph.transposed)
     src, dst = torch.tensor([0, 2**31 - 1]), torch.tensor([0, 1])
-    assert _survey(src, dst, 0) == (False, True)
-    assert _survey(src + 1, dst, 0) == (False, False), "a source id past int32"
-    assert _survey(dst, src + 1, 0) == (False, False), "a destination id past int32"
-    assert _survey(src - 2**31, dst, 0) == (False, True), "negative ids that int32 holds (validation rejects them)"
-    assert _survey(src - 2**31 - 1, dst, 0) == (False, False)
-    assert _survey(torch.tensor([0, 2**31 // 8]), dst, 8) == (False, False), "RGCN rows past int32"
-    assert _survey(torch.tensor([0, 2**31 // 8 - 1]), dst.flip(0), 8) == (True, True)
+    assert _survey(src, dst, 0, None) == (False, True, False)
+    assert _survey(src + 1, dst, 0, None) == (False, False, False), "a source id past int32"
+    assert _survey(dst, src + 1, 0, None) == (False, False, False), "a destination id past int32"
+    assert _survey(src - 2**31, dst, 0, None) == (False, True, False), "negative ids that int32 holds"
+    assert _survey(src - 2**31 - 1, dst, 0, None) == (False, False, False)
+    assert _survey(torch.tensor([0, 2**31 // 8]), dst, 8, None) == (False, False, False), "RGCN rows past int32"
+    assert _survey(torch.tensor([0, 2**31 // 8 - 1]), dst.flip(0), 8, None) == (True, True, False)
+    assert _survey(src.int(), dst.int(), 0, torch.tensor(True)) == (False, False, True), "int32 input: kept as is"
 
 
 def _gcn_norm_entries(layer):

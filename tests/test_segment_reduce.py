@@ -866,6 +866,50 @@ def test_sp_without_overflow_writes_the_output_itself(dtype, cfg, F):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("validation", [True, False])
+def test_sp_long_segments_of_half_types_take_slots(dtype, validation):
+    """Half types past the SP cap: with validation on, SP still writes the
+    output itself and each segment over the cap goes whole to the overflow
+    pass, into an fp32 slot (at most E / (cap + 1) of them) instead of an
+    [S, F] fp32 buffer; with it off (no hint), the buffer. Segments of
+    exactly the cap, one row over, far over, and empty ones."""
+    cfg, F = geot.Config(N_t=2, T_N=32, M_t=32, T_M=4, G_t=0), 64  # one lane: cap 32 rows
+    cap, S = 32, 4000
+    deg = torch.randint(0, 12, (S,))
+    deg[[0, 7, S - 1]] = 0
+    deg[[1, 9]] = cap
+    deg[[2, 300, S - 2]] = cap + 1
+    deg[[150, 151]] = 20 * cap + 5
+    index = index_from_degrees(deg).cuda()
+    E = index.numel()
+    src = random_src(E, (F,), dtype, "cuda")
+    rows = torch.arange(E, device="cuda")
+    slots = E // (cap + 1)
+    slot_bytes = 4 * (S + 1) + slots * (8 + 4 * F)
+    assert slot_bytes < S * F * 4 // 2  # the test tells the two apart
+    with geot.validation.validation(validation):
+        for reduce in REDUCES:
+            for gathered in (False, True):
+                def call():
+                    if gathered:
+                        return geot.index_segment_reduce(rows, index, src, reduce, S, config=cfg)
+                    return geot.segment_reduce(index, src, reduce, S, config=cfg)
+                call()  # validates, caches the offsets
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                out = call()
+                torch.cuda.synchronize()
+                extra = torch.cuda.max_memory_allocated() - before - out.nbytes
+                if validation:
+                    assert extra <= slot_bytes + 2048, (reduce, gathered, extra)
+                else:
+                    assert extra >= S * F * 4, (reduce, gathered, extra)
+                assert_matches_ref(out, index, src, reduce, S, where=f"{reduce}, gathered={gathered}")
+
+
+@requires_cuda
 def test_sp_under_cuda_graph_capture():
     """Offsets derived while a CUDA graph is captured only exist on replay:
     they are used by the graph but never cached."""

@@ -365,7 +365,9 @@ class GATConv(_GeotLayer, pyg_nn.GATConv):
         score = F.leaky_relu(score, self.negative_slope)
         if graph.drop is not None:
             score = score.masked_fill(graph.drop.unsqueeze(-1), float("-inf"))
-        alpha = F.dropout(hetero.edge_softmax(score, graph.dst, num_nodes), p=self.dropout, training=self.training)
+        # Without gradients the scores are not needed again: the softmax overwrites them (one [E, H] less).
+        softmax = hetero.edge_softmax if torch.is_grad_enabled() and score.requires_grad else hetero.edge_softmax_
+        alpha = F.dropout(softmax(score, graph.dst, num_nodes), p=self.dropout, training=self.training)
         out = _gather_reduce(graph, h_src, "sum", num_nodes, alpha)
         out = out.reshape(num_nodes, heads * channels) if self.concat else out.mean(dim=1)
         if self.res is not None:

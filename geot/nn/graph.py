@@ -45,7 +45,7 @@ class SortedGraph(NamedTuple):
     dst: Tensor                  # [E'] destination (segment id), sorted non-decreasing
     perm: Optional[Tensor]       # [E'] input position of each edge; None: input order kept
     transposed: Optional[TransposedIndex]  # for the gradient of x; None until a call records gradients
-    drop: Optional[Tensor]       # [E'] bool, input self loops replaced by added ones (self-loop variant)
+    drop: Optional[Tensor]       # [E'] bool, input self loops replaced by added ones (self-loop variant; None: none)
     index_dtype: torch.dtype     # of the index tensors the graph makes: int32 where its ids fit
     memo: dict                   # derived values: see derived()
 
@@ -104,9 +104,10 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
                  transposed: bool = True) -> SortedGraph:
     """``edge_index`` sorted by destination, from the caches when possible.
 
-    self_loops=N: input self loops are marked in ``drop`` and one loop per
-    node 0..N-1 is added (GAT). edge_type with num_relations=R: the segment
-    of an edge is ``dst * R + edge_type`` (RGCN's per-relation mean).
+    self_loops=N: input self loops are marked in ``drop`` (None where eager
+    code saw none) and one loop per node 0..N-1 is added (GAT). edge_type
+    with num_relations=R: the segment of an edge is ``dst * R + edge_type``
+    (RGCN's per-relation mean).
     transposed=False: the caller's backward pass does not read the graph's
     transposed index (RGCN gathering projected rows has its own), so a call
     recording gradients does not add it.
@@ -202,15 +203,16 @@ def _build(edge_index, self_loops, edge_type, num_relations, eager: bool, transp
     edges, known_sorted = edge_tensor(edge_index)
     src, dst = edges[0], edges[1]
     num_edges = src.numel()
+    input_loops = (src == dst).any() if self_loops is not None and eager and num_edges else None
     if self_loops is not None:
         loops = torch.arange(self_loops, device=src.device, dtype=src.dtype)
         src, dst = torch.cat([src, loops]), torch.cat([dst, loops])
     if edge_type is not None:
         dst = dst * num_relations + _checked_types(edge_type, num_edges, num_relations, eager).to(dst.dtype)
         known_sorted = False
-    index_dtype, unsorted = src.dtype, True  # compiled code checks nothing (no sync): it sorts
-    if eager:  # one sync: is it sorted, do its ids fit in int32
-        unsorted, fits = _survey(src, dst, num_relations)
+    index_dtype, unsorted, has_loops = src.dtype, True, True  # compiled code checks nothing (no sync): it sorts
+    if eager:  # one sync: is it sorted, do its ids fit in int32, has the input self loops
+        unsorted, fits, has_loops = _survey(src, dst, num_relations, input_loops)
         index_dtype = torch.int32 if fits else src.dtype
     # Added loops are never in order, and drop needs perm to tell them apart.
     if self_loops is None and (known_sorted or not unsorted):
@@ -219,26 +221,32 @@ def _build(edge_index, self_loops, edge_type, num_relations, eager: bool, transp
         src, dst = src.to(index_dtype), dst.to(index_dtype)
         dst, perm = torch.sort(dst, stable=True)
         src, perm = src.index_select(0, perm), perm.to(index_dtype)
-    drop = None if self_loops is None else (src == dst) & (perm < num_edges)
+    # Without input self loops nothing is dropped: no mask to keep or apply.
+    drop = None if self_loops is None or not has_loops else (src == dst) & (perm < num_edges)
     graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {})
     # Only a backward pass reads the transposed index: without gradients it is added when first needed.
     return with_transposed(graph) if transposed else graph
 
 
-def _survey(src: Tensor, dst: Tensor, num_relations: int) -> Tuple[bool, bool]:
-    """(dst unsorted, the graph may be kept in int32), with one device->host sync.
+def _survey(src: Tensor, dst: Tensor, num_relations: int, input_loops: Optional[Tensor]) -> Tuple[bool, bool, bool]:
+    """(dst unsorted, the graph may be kept in int32, input_loops), with one
+    device->host sync (input_loops: a bool tensor fetched with them; None
+    reads as False).
 
     A graph kept in int32 takes half the memory (sorted edges, perm, the
     transposed index) and its kernels read half the index bytes. RGCN's
     table rows (src * R + relation) must fit too.
     """
-    if src.dtype == torch.int32 or src.numel() == 0:
-        return bool((dst[1:] < dst[:-1]).any()), False
-    limit = 2**31 // max(num_relations, 1)
-    flags = torch.stack([(dst[1:] < dst[:-1]).any(),
-                         (torch.minimum(src.min(), dst.min()) >= -2**31) & (src.max() < limit) & (dst.max() < 2**31)])
-    unsorted, fits = flags.tolist()
-    return unsorted, fits
+    flags = [(dst[1:] < dst[:-1]).any()]
+    checks_fit = src.dtype != torch.int32 and src.numel() > 0
+    if checks_fit:
+        limit = 2**31 // max(num_relations, 1)
+        flags.append((torch.minimum(src.min(), dst.min()) >= -2**31) & (src.max() < limit) & (dst.max() < 2**31))
+    if input_loops is not None:
+        flags.append(input_loops)
+    values = torch.stack(flags).tolist()
+    unsorted, fits = values[0], checks_fit and values[1]
+    return unsorted, fits, input_loops is not None and values[-1]
 
 
 def _checked_types(edge_type, num_edges: int, num_relations: int, eager: bool) -> Tensor:
