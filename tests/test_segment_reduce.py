@@ -848,21 +848,31 @@ def test_sp_without_overflow_writes_the_output_itself(dtype, cfg, F):
     deg[[1, 9]] = 64
     index = index_from_degrees(deg).cuda()
     src = random_src(index.numel(), (F,), dtype, "cuda")
-    rows = torch.arange(index.numel(), device="cuda")
     for reduce in REDUCES:
         for gathered in (False, True):
-            def call():
-                if gathered:
-                    return geot.index_segment_reduce(rows, index, src, reduce, 4000, config=cfg)
-                return geot.segment_reduce(index, src, reduce, 4000, config=cfg)
-            call()  # validates, caches the offsets
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            out = call()
-            torch.cuda.synchronize()
-            assert torch.cuda.max_memory_allocated() - before <= out.nbytes + 1024, (reduce, gathered)
+            out, extra = _second_call_memory(index, src, reduce, 4000, cfg, gathered)
+            assert extra <= 1024, (reduce, gathered)
             assert_matches_ref(out, index, src, reduce, 4000, where=f"{reduce}, gathered={gathered}")
+
+
+def _second_call_memory(index, src, reduce, S, cfg, gathered):
+    """(output, bytes allocated besides it at peak) of a call after a first
+    one (which validates the index and caches its offsets); gathered: the
+    fused op, gathering row e as row e."""
+    rows = torch.arange(index.numel(), device=index.device)
+
+    def call():
+        if gathered:
+            return geot.index_segment_reduce(rows, index, src, reduce, S, config=cfg)
+        return geot.segment_reduce(index, src, reduce, S, config=cfg)
+
+    call()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - before - out.nbytes
 
 
 @requires_cuda
@@ -884,24 +894,13 @@ def test_sp_long_segments_of_half_types_take_slots(dtype, validation):
     index = index_from_degrees(deg).cuda()
     E = index.numel()
     src = random_src(E, (F,), dtype, "cuda")
-    rows = torch.arange(E, device="cuda")
     slots = E // (cap + 1)
     slot_bytes = 4 * (S + 1) + slots * (8 + 4 * F)
     assert slot_bytes < S * F * 4 // 2  # the test tells the two apart
     with geot.validation.validation(validation):
         for reduce in REDUCES:
             for gathered in (False, True):
-                def call():
-                    if gathered:
-                        return geot.index_segment_reduce(rows, index, src, reduce, S, config=cfg)
-                    return geot.segment_reduce(index, src, reduce, S, config=cfg)
-                call()  # validates, caches the offsets
-                torch.cuda.synchronize()
-                before = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                out = call()
-                torch.cuda.synchronize()
-                extra = torch.cuda.max_memory_allocated() - before - out.nbytes
+                out, extra = _second_call_memory(index, src, reduce, S, cfg, gathered)
                 if validation:
                     assert extra <= slot_bytes + 2048, (reduce, gathered, extra)
                 else:
