@@ -183,11 +183,17 @@ def test_autocast_matches_float32(geot_class, pyg_class, args, kwargs, amp_dtype
         assert error <= 2 * pyg_error + 2e-3 * r.abs().max().item(), (name, error, pyg_error)
 
 
-def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device):
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "sr"])
+def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, sp):
     """In inference under autocast GIN sums x cast to the autocast dtype (its
     nn begins with a Linear, which would cast the sum): half the bytes
     gathered. Its output error against float32 stays near PyG's under
-    autocast (1.07-1.28x over 30 seeds); training sums in float32 as PyG."""
+    autocast (1.07-1.28x over 30 seeds); training sums in float32 as PyG.
+    On CUDA only where the sum's config is SP (it writes half precision
+    itself); else x is summed in float32 as PyG does."""
+    if device == "cpu" and not sp:
+        pytest.skip("CPU always casts first")
+    monkeypatch.setattr(gnn.conv, "_fused_sum_is_sp", lambda *args: sp)
     geot_layer, pyg_layer = build_pair(gnn.GINConv, pyg_nn.GINConv, (), {"eps": 0.3, "train_eps": True}, device)
     geot_layer, pyg_layer = geot_layer.float(), pyg_layer.float()
     edge_index, x = random_graph(200, 1500, device), torch.randn(200, 12, device=device)
@@ -200,11 +206,30 @@ def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device):
         ref = pyg_layer(x, edge_index)
         with torch.autocast(device, dtype=amp_dtype):
             got, pyg_amp = geot_layer(x, edge_index), pyg_layer(x, edge_index)
-    assert summed == [amp_dtype]
+    summed_dtype = amp_dtype if sp else torch.float32
+    assert summed == [summed_dtype]
     assert (got.float() - ref).norm() <= 1.5 * (pyg_amp.float() - ref).norm()
     with torch.autocast(device, dtype=amp_dtype):
         geot_layer(x, edge_index)
-    assert summed == [amp_dtype, torch.float32], "training keeps the float32 sum"
+    assert summed == [summed_dtype, torch.float32], "training keeps the float32 sum"
+
+
+@requires_cuda
+def test_gin_cast_first_follows_the_sum_schedule():
+    """GIN's choice to cast x first (inference under autocast) follows the
+    config the CUDA sum will use: SP (writes bf16 itself) casts, SR keeps
+    float32 x; decided once per graph and width, kept with the graph."""
+    layer = gnn.GINConv(torch.nn.Linear(64, 8)).cuda()
+    edge_index = random_graph(3000, 30000, "cuda")
+    x = torch.randn(3000, 64, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        layer(x, edge_index)
+    graph = layer._geot_graph[3]
+    decided = graph.memo[("sum writes half", 64, 3000)][2]
+    longest = int(torch.bincount(graph.dst, minlength=3000).max())
+    config = geot.explain(graph.dst.numel(), 3000, 64, gathered=True,
+                          long_segments=geot.config.long_segment_level(longest))
+    assert decided == (config.schedule == "SP")
 
 
 def test_rgcn_keeps_indices_once_for_every_dtype():

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
-from .. import hetero, index
+from .. import hetero, index, validation
 from .._ops import mean_counts
+from ..config import explain, long_segment_level
 from ..segment import segment_reduce
 from .graph import SortedGraph, sorted_graph, static_addresses, transpose_index_as, with_transposed
 
@@ -297,9 +298,12 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
     dtype), x is cast first and the sum accumulates in float32 from those
     values: half the bytes gathered and no float32 [N, F] sum (peak memory);
     the output differs from PyG's by that rounding of x (1.16x PyG's error
-    norm against float32, median of 30 random bf16 cases). Training keeps
-    PyG's float32 sum: there the rounding would also move which of nn's
-    ReLUs fire, and with them the gradients."""
+    norm against float32, median of 30 random bf16 cases). On CUDA only
+    where the sum writes half precision itself (the SP schedule, see
+    :func:`_sums_half_directly`): under SR or PR it would keep an fp32 [N, F]
+    buffer besides the cast copy of x, more than PyG's float32 sum. Training
+    keeps PyG's float32 sum: there the rounding would also move which of
+    nn's ReLUs fire, and with them the gradients."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -311,12 +315,38 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
     def forward(self, x, edge_index, size=None) -> Tensor:
         x_src, x_dst = _pair(x)
         num_nodes = _num_targets(x_src, x_dst, size)
-        if not torch.is_grad_enabled() and _begins_with_linear(self.nn) and _matmul_dtype(x_src) != x_src.dtype:
+        graph = sorted_graph(self, edge_index)
+        if (not torch.is_grad_enabled() and _begins_with_linear(self.nn) and _matmul_dtype(x_src) != x_src.dtype
+                and _sums_half_directly(graph, x_src, num_nodes)):
             x_src, x_dst = _cast_for_matmul(x_src, x_dst)
-        out = _gather_reduce(sorted_graph(self, edge_index), x_src, "sum", num_nodes)
+        out = _gather_reduce(graph, x_src, "sum", num_nodes)
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)
         return self.nn(out)
+
+
+def _sums_half_directly(graph: SortedGraph, x: Tensor, num_nodes: int) -> bool:
+    """Whether the fused sum of x's rows in half precision writes its output
+    itself, keeping no fp32 [N, F] buffer: on CPU, and on CUDA where the
+    config the sum will use is SP with the index validated (see the
+    Kernels section of the README). Decided by eager code, once per graph
+    and width (one device->host sync: the longest segment); compiled code
+    reads that, or keeps the cast where no eager call decided."""
+    if not x.is_cuda:
+        return True
+    key = ("sum writes half", x.size(-1), num_nodes)
+    if torch.compiler.is_compiling() and key not in graph.memo:
+        return True
+    return graph.derived(key, lambda: _fused_sum_is_sp(graph, x.size(-1), num_nodes))
+
+
+def _fused_sum_is_sp(graph: SortedGraph, num_features: int, num_nodes: int) -> bool:
+    if not validation.validation_enabled():
+        return False  # SP without the validated long-segment level keeps the buffer
+    edges = graph.dst.numel()
+    longest = int(torch.bincount(graph.dst, minlength=num_nodes).max()) if edges else 0
+    level = long_segment_level(longest)
+    return explain(edges, num_nodes, num_features, gathered=True, long_segments=level).schedule == "SP"
 
 
 def _begins_with_linear(module: torch.nn.Module) -> bool:
