@@ -50,6 +50,13 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(flo
 template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
 template <typename T> __device__ __forceinline__ T from_acc(double v) { return T(v); }
 
+// A segment's result as the output holds it: 0 when empty (rows <= 0),
+// divided by its rows for a mean, rounded to out_t.
+template <typename out_t, typename acc_t>
+__device__ __forceinline__ out_t finished(acc_t v, int64_t rows, bool mean) {
+  return from_acc<out_t>(rows <= 0 ? acc_t(0) : mean ? v / acc_t(rows) : v);
+}
+
 template <typename scalar_t, typename acc_t, typename index_t>
 struct SegmentArgs {
   const index_t* __restrict__ index;  // [E], sorted (SR also takes any order)
@@ -344,8 +351,7 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     scalar_t* o = a.final_out + seg * a.F + col0;
 #pragma unroll
     for (int j = 0; j < N_T; ++j)
-      if (col0 + j < a.F)
-        o[j] = from_acc<scalar_t>(begin == end ? acc_t(0) : a.mean ? acc[j] / acc_t(end - begin) : acc[j]);
+      if (col0 + j < a.F) o[j] = finished<scalar_t>(acc[j], end - begin, a.mean);
     return;
   }
   acc_t* o = a.out + seg * a.F + col0;
@@ -454,12 +460,8 @@ __global__ void segment_finalize_kernel(const acc_t* acc, out_t* out, const int6
   const int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (seg >= S) return;
   const int64_t count = ptr ? ptr[seg + 1] - ptr[seg] : 1;
-  for (int64_t f = threadIdx.x; f < F; f += blockDim.x) {
-    acc_t v = acc[seg * F + f];
-    if (count <= 0) v = acc_t(0);
-    else if (reduce == Reduce::Mean) v = v / acc_t(count);
-    out[seg * F + f] = from_acc<out_t>(v);
-  }
+  for (int64_t f = threadIdx.x; f < F; f += blockDim.x)
+    out[seg * F + f] = finished<out_t>(acc[seg * F + f], count, reduce == Reduce::Mean);
 }
 
 // The results of the segments SP left whole to its overflow pass: slot n of

@@ -209,6 +209,8 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // (fp32 sums and means keep adding in place; a mean divides afterwards.)
   const bool long_slots = overflow && r.long_segments > 0 && half;
   const int64_t slots = long_slots ? std::min(S, E / (sp_cap + 1)) : 0;
+  // (For half types: SP with a validated index. geot/nn/conv.py's
+  // _fused_sum_is_sp mirrors that to decide GIN's cast; keep them in step.)
   const bool direct = cfg.is_sp() && (!overflow || long_slots);
   // Otherwise fp16/bf16 accumulate in an fp32 buffer (atomics in half
   // precision would round every partial result) and a finalize pass makes

@@ -341,6 +341,9 @@ def _sums_half_directly(graph: SortedGraph, x: Tensor, num_nodes: int) -> bool:
 
 
 def _fused_sum_is_sp(graph: SortedGraph, num_features: int, num_nodes: int) -> bool:
+    """Mirrors the CUDA launch layer's choice to write half-precision output
+    directly (``direct`` in csrc/segment_reduce_launch.cuh): SP, with the
+    long-segment level validation measures (here from the longest segment)."""
     if not validation.validation_enabled():
         return False  # SP without the validated long-segment level keeps the buffer
     edges = graph.dst.numel()
