@@ -8,7 +8,11 @@
 // over many threads and tiny segments are packed together. Partial results
 // meet in the output through atomics, only at segment boundaries:
 //  * SR (sequential reduction): a thread walks M_t consecutive rows for N_t
-//    features and flushes its accumulator whenever the segment changes.
+//    features and flushes its accumulator whenever the segment changes (a
+//    segment it saw whole it stores, no atomic). For half types the
+//    segments that straddle several threads' rows meet in a small fp32
+//    buffer of one row per thread's rows (only a thread's last segment can
+//    run on past them), and the rest is written to the output directly.
 //  * PR (parallel reduction): a tile of G_t lanes takes G_t consecutive rows at
 //    a time, reduces them with a segmented shuffle reduction, and the lane that
 //    heads each segment flushes; the tile's last segment is carried into the
@@ -64,7 +68,7 @@ struct SegmentArgs {
   acc_t* __restrict__ out;            // [S, F], pre-filled with the identity
   int64_t E, F, S;
   bool vector_loads;                  // F % N_t == 0 and src aligned to N_t elements
-  bool vector_out;                    // F % N_t == 0 and out aligned to N_t elements
+  bool vector_out;                    // F % N_t == 0, out and final_out aligned to N_t elements
   // SR: a thread stores (not adds) the segments it sees whole, from their
   // first row to their last. Needs a sorted index; off for any-order input.
   bool whole_segment_stores;
@@ -99,9 +103,22 @@ struct SegmentArgs {
   int64_t* long_segment;              // [long_capacity]
   int* long_count;
   int64_t long_capacity;
+  // SR writing half types directly (chunk_rows = M_t; 0: off): a segment a
+  // thread sees whole goes to final_out from that thread; one that
+  // straddles several threads' rows adds into row ptr[seg] / chunk_rows of
+  // out, a buffer of chunk_slots = ceil(E / M_t) rows (the thread where the
+  // segment begins owns that row: only its last segment can run on), and
+  // finalize_straddling_segments_kernel writes it.
+  int64_t chunk_rows;
+  int64_t chunk_slots;
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
+
+// fp16/bf16 rows (accumulated in float): only these take the direct-output
+// paths of SR, which fp32/fp64 kernels then compile without.
+template <typename scalar_t, typename acc_t>
+constexpr bool kHalfRows = !std::is_same_v<scalar_t, acc_t>;
 
 // Head of the weight that scales features col0 .. col0 + N_T - 1 (the launch
 // layer keeps N_T dividing the head size, so one head covers them all).
@@ -158,13 +175,17 @@ __device__ __forceinline__ bool has_slot(const SegmentArgs<scalar_t, acc_t, inde
   return seg >= 0 && seg < a.S && a.long_slot[seg] >= 0;
 }
 
-// Merges a partial result into out[seg] (with slots: out[long_slot[seg]])
-// with atomics.
-template <int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
+// Merges a partial result into out[seg] (with slots: out[long_slot[seg]];
+// CHUNKED, SR with chunk slots where set: the row of the chunk where the
+// segment begins) with atomics.
+template <int N_T, class Op, bool CHUNKED = false, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg,
                                       int64_t col0, const acc_t (&acc)[N_T]) {
   if (seg < 0 || seg >= a.S) return;
-  const int64_t row = a.long_slot ? a.long_slot[seg] : seg;
+  int64_t row = a.long_slot ? a.long_slot[seg] : seg;
+  if constexpr (CHUNKED) {
+    if (a.chunk_rows) row = min(a.ptr[seg] / a.chunk_rows, a.chunk_slots - 1);
+  }
   if (row < 0) return;
   acc_t* o = a.out + row * a.F + col0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -180,11 +201,33 @@ __device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t
     if (col0 + j < a.F) Op::atomic(o + j, acc[j]);
 }
 
-// Writes a whole segment's result into out[seg]: no other thread touches it.
+// Writes a whole segment's output (as segment_finalize_kernel would make
+// it) into final_out[seg]: no other thread touches it.
+template <int N_T, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ void store_finished(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg,
+                                               int64_t col0, const acc_t (&acc)[N_T], int64_t rows) {
+  scalar_t* o = a.final_out + seg * a.F + col0;
+  if (a.vector_out) {
+    Pack<scalar_t, N_T> pack;
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) pack.v[j] = finished<scalar_t>(acc[j], rows, a.mean);
+    *reinterpret_cast<Pack<scalar_t, N_T>*>(o) = pack;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < N_T; ++j)
+    if (col0 + j < a.F) o[j] = finished<scalar_t>(acc[j], rows, a.mean);
+}
+
+// Writes a whole segment into out[seg] (SR with chunk slots: its output
+// into final_out[seg]): no other thread touches it.
 template <int N_T, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg, int64_t col0,
                                       const acc_t (&acc)[N_T]) {
   if (seg < 0 || seg >= a.S) return;
+  if constexpr (kHalfRows<scalar_t, acc_t>) {
+    if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
+  }
   acc_t* o = a.out + seg * a.F + col0;
   if (a.vector_out) {
     Pack<acc_t, N_T> pack;
@@ -221,6 +264,7 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   // The current segment began in this thread's rows: if it also ends in
   // them, the thread saw it whole and stores it without an atomic.
   const bool stores = !OVERFLOW_ONLY && a.whole_segment_stores;
+  constexpr bool CHUNKED = !OVERFLOW_ONLY && kHalfRows<scalar_t, acc_t>;  // chunk slots possible
   bool began_here = stores && (row_begin == 0 || int64_t(a.index[row_begin - 1]) != seg);
 
   // Rows are fetched BATCH at a time before any is combined, so several loads
@@ -248,7 +292,7 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     for (int b = 0; b < BATCH; ++b) {
       if (s[b] != seg) {
         if (began_here) store<N_T>(a, seg, col0, acc);
-        else if (touched) flush<N_T, Op>(a, seg, col0, acc);
+        else if (touched) flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
         seg = s[b];
         began_here = stores;
         touched = !OVERFLOW_ONLY;
@@ -261,7 +305,7 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     }
   }
   if (began_here && (row_end == a.E || int64_t(a.index[row_end]) != seg)) store<N_T>(a, seg, col0, acc);
-  else if (touched) flush<N_T, Op>(a, seg, col0, acc);
+  else if (touched) flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
 }
 
 // ptr[s] = first row of segment s, ptr[S] = E, from one pass over the index:
@@ -347,13 +391,7 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], __shfl_xor_sync(mask, acc[j], d, lanes));
   }
   if (!active || lane != 0 || left_whole) return;
-  if (a.final_out) {  // as segment_finalize_kernel would make it
-    scalar_t* o = a.final_out + seg * a.F + col0;
-#pragma unroll
-    for (int j = 0; j < N_T; ++j)
-      if (col0 + j < a.F) o[j] = finished<scalar_t>(acc[j], end - begin, a.mean);
-    return;
-  }
+  if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, end - begin);
   acc_t* o = a.out + seg * a.F + col0;
 #pragma unroll
   for (int j = 0; j < N_T; ++j)
@@ -478,6 +516,23 @@ __global__ void finalize_long_segments_kernel(const acc_t* __restrict__ acc, out
     const acc_t scale = mean ? acc_t(1) / acc_t(ptr[seg + 1] - ptr[seg]) : acc_t(1);
     for (int64_t f = threadIdx.x; f < F; f += blockDim.x) out[seg * F + f] = from_acc<out_t>(acc[n * F + f] * scale);
   }
+}
+
+// The SR segments of half types that straddle several threads' rows (chunks
+// of chunk_rows): their result from their fp32 row of `slots` (that of the
+// chunk they begin in), divided for a mean and rounded to out_t; and 0 for
+// empty segments. The SR pass wrote every other segment itself. Block
+// (32, 8): y picks the segment.
+template <typename acc_t, typename out_t>
+__global__ void finalize_straddling_segments_kernel(const acc_t* __restrict__ slots, out_t* __restrict__ out,
+                                                    const int64_t* __restrict__ ptr, int64_t S, int64_t F,
+                                                    int64_t chunk_rows, int64_t chunk_slots, bool mean) {
+  const int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (seg >= S) return;
+  const int64_t begin = ptr[seg], end = max(ptr[seg + 1], begin);  // max: offsets of an unsorted index (validation off)
+  if (begin < end && begin / chunk_rows == (end - 1) / chunk_rows) return;  // one thread saw it whole
+  const acc_t* slot = slots + min(begin / chunk_rows, chunk_slots - 1) * F;
+  for (int64_t f = threadIdx.x; f < F; f += blockDim.x) out[seg * F + f] = finished<out_t>(slot[f], end - begin, mean);
 }
 
 // For max/min backward: arg[s, f] = smallest e in segment s with

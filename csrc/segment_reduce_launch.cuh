@@ -131,7 +131,8 @@ void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream
   c = with_head_aligned_n_t(c, a.F, a.heads);
   const auto aligned = [&](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   a.vector_loads = a.F % c.N_t == 0 && aligned(a.src, sizeof(scalar_t) * c.N_t);
-  a.vector_out = a.F % c.N_t == 0 && aligned(a.out, sizeof(acc_t) * c.N_t);
+  a.vector_out = a.F % c.N_t == 0 && aligned(a.out, sizeof(acc_t) * c.N_t) &&
+                 aligned(a.final_out, sizeof(scalar_t) * c.N_t);
   switch (c.N_t) {
     case 1: return launch_tiles<scalar_t, acc_t, index_t, 1, Op, FUSED>(a, c, stream);
     case 2: return launch_tiles<scalar_t, acc_t, index_t, 2, Op, FUSED>(a, c, stream);
@@ -209,15 +210,23 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // (fp32 sums and means keep adding in place; a mean divides afterwards.)
   const bool long_slots = overflow && r.long_segments > 0 && half;
   const int64_t slots = long_slots ? std::min(S, E / (sp_cap + 1)) : 0;
-  // (For half types: SP with a validated index. geot/nn/conv.py's
-  // _fused_sum_is_sp mirrors that to decide GIN's cast; keep them in step.)
-  const bool direct = cfg.is_sp() && (!overflow || long_slots);
+  // SR writes half types directly too, the segments that straddle threads
+  // into fp32 rows of one per thread's M_t rows: fewer than S rows where
+  // segments average under M_t rows (else the [S, F] buffer below). Needs
+  // the index sorted (a thread's whole segments).
+  const int64_t chunks = cfg.is_sr() ? ceil_div(E, int64_t(cfg.M_t)) : 0;
+  const bool chunk_slots = half && cfg.is_sr() && !r.any_order && E > 0 && chunks < S;
+  // (For half types: SP with a validated index, or SR with chunk slots.
+  // geot/nn/conv.py's _half_sum_buffer_rows mirrors that to decide GIN's
+  // cast; keep them in step.)
+  const bool direct = (cfg.is_sp() && (!overflow || long_slots)) || chunk_slots;
   // Otherwise fp16/bf16 accumulate in an fp32 buffer (atomics in half
   // precision would round every partial result) and a finalize pass makes
   // the output (rounding, mean's division, empty segments of max/min).
   const at::ScalarType acc_type = half ? at::kFloat : r.src.scalar_type();
-  at::Tensor acc = long_slots ? identity_filled(slots, F, acc_type, r.reduce, r.src, stream)
-                   : direct   ? at::Tensor()
+  at::Tensor acc = long_slots    ? identity_filled(slots, F, acc_type, r.reduce, r.src, stream)
+                   : chunk_slots ? identity_filled(chunks, F, acc_type, r.reduce, r.src, stream)
+                   : direct      ? at::Tensor()
                    : cfg.is_sp() ? at::empty({S, F}, r.src.options().dtype(acc_type))
                                  : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
   const bool finalize = !direct && (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
@@ -243,10 +252,16 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.src_rows = r.src.size(0);
       args.heads = r.heads;
       args.whole_segment_stores = !r.any_order;
-      SegmentOffsets offsets;  // SP, and the finalize pass of non-sums; held until the launches are queued
-      if (cfg.is_sp()) {
+      SegmentOffsets offsets;  // SP, chunk slots, finalize of non-sums; held until the launches are queued
+      if (cfg.is_sp() || chunk_slots) {
         offsets = index_offsets<index_t>(r.index, S, stream);
         args.ptr = offsets.ptr.data_ptr<int64_t>();
+      }
+      if (chunk_slots) {
+        args.chunk_rows = cfg.M_t;
+        args.chunk_slots = chunks;
+      }
+      if (cfg.is_sp()) {
         args.longest = offsets.longest.data_ptr<int64_t>();
         args.lanes = lanes;
         args.cap = sp_cap;
@@ -275,6 +290,13 @@ at::Tensor reduce_rows(const RowReduction& r) {
         const dim3 block(32, 8);
         segment_finalize_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
             acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), ptr, S, F, r.reduce);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      if (chunk_slots) {
+        const dim3 block(32, 8);
+        finalize_straddling_segments_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
+            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), args.ptr, S, F,
+            args.chunk_rows, chunks, args.mean);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       if (long_slots && slots > 0) {

@@ -183,17 +183,18 @@ def test_autocast_matches_float32(geot_class, pyg_class, args, kwargs, amp_dtype
         assert error <= 2 * pyg_error + 2e-3 * r.abs().max().item(), (name, error, pyg_error)
 
 
-@pytest.mark.parametrize("sp", [True, False], ids=["sp", "sr"])
-def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, sp):
+@pytest.mark.parametrize("buffer_rows, cast", [(0, True), (100, True), (101, False)],
+                         ids=["no-buffer", "half-N", "over-half-N"])
+def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, buffer_rows, cast):
     """In inference under autocast GIN sums x cast to the autocast dtype (its
     nn begins with a Linear, which would cast the sum): half the bytes
     gathered. Its output error against float32 stays near PyG's under
     autocast (1.07-1.28x over 30 seeds); training sums in float32 as PyG.
-    On CUDA only where the sum's config is SP (it writes half precision
-    itself); else x is summed in float32 as PyG does."""
-    if device == "cpu" and not sp:
+    On CUDA only where the half-precision sum keeps fp32 rows for at most
+    half the nodes (here 200); else x is summed in float32 as PyG does."""
+    if device == "cpu" and not cast:
         pytest.skip("CPU always casts first")
-    monkeypatch.setattr(gnn.conv, "_fused_sum_is_sp", lambda *args: sp)
+    monkeypatch.setattr(gnn.conv, "_half_sum_buffer_rows", lambda *args: buffer_rows)
     geot_layer, pyg_layer = build_pair(gnn.GINConv, pyg_nn.GINConv, (), {"eps": 0.3, "train_eps": True}, device)
     geot_layer, pyg_layer = geot_layer.float(), pyg_layer.float()
     edge_index, x = random_graph(200, 1500, device), torch.randn(200, 12, device=device)
@@ -206,7 +207,7 @@ def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, sp):
         ref = pyg_layer(x, edge_index)
         with torch.autocast(device, dtype=amp_dtype):
             got, pyg_amp = geot_layer(x, edge_index), pyg_layer(x, edge_index)
-    summed_dtype = amp_dtype if sp else torch.float32
+    summed_dtype = amp_dtype if cast else torch.float32
     assert summed == [summed_dtype]
     assert (got.float() - ref).norm() <= 1.5 * (pyg_amp.float() - ref).norm()
     with torch.autocast(device, dtype=amp_dtype):
@@ -215,21 +216,34 @@ def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, sp):
 
 
 @requires_cuda
-def test_gin_cast_first_follows_the_sum_schedule():
+@pytest.mark.parametrize("num_edges", [6000, 30000, 120000])
+def test_gin_cast_first_follows_the_sum_schedule(num_edges):
     """GIN's choice to cast x first (inference under autocast) follows the
-    config the CUDA sum will use: SP (writes bf16 itself) casts, SR keeps
-    float32 x; decided once per graph and width, kept with the graph."""
-    layer = gnn.GINConv(torch.nn.Linear(64, 8)).cuda()
-    edge_index = random_graph(3000, 30000, "cuda")
-    x = torch.randn(3000, 64, device="cuda")
+    config the CUDA sum will use: SP (writes bf16 itself) casts, SR casts
+    where its fp32 rows (one per M_t edges) are at most half the nodes, else
+    x is summed in float32; decided once per graph and width, kept with the
+    graph; the half-precision sum allocates no more than that."""
+    nodes, width = 3000, 64
+    layer = gnn.GINConv(torch.nn.Linear(width, 8)).cuda()
+    edge_index = random_graph(nodes, num_edges, "cuda")
+    x = torch.randn(nodes, width, device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         layer(x, edge_index)
     graph = layer._geot_graph[3]
-    decided = graph.memo[("sum writes half", 64, 3000)][2]
-    longest = int(torch.bincount(graph.dst, minlength=3000).max())
-    config = geot.explain(graph.dst.numel(), 3000, 64, gathered=True,
-                          long_segments=geot.config.long_segment_level(longest))
-    assert decided == (config.schedule == "SP")
+    decided = graph.memo[("cast first", width, nodes)][2]
+    longest = int(torch.bincount(graph.dst, minlength=nodes).max())
+    config = geot.explain(num_edges, nodes, width, gathered=True, long_segments=geot.config.long_segment_level(longest))
+    chunks = -(-num_edges // config.M_t)
+    rows = {"SP": 0, "SR": chunks if chunks < nodes else nodes}.get(config.schedule, nodes)
+    assert decided == (2 * rows <= nodes), (config, rows)
+    x_half = x.bfloat16()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = geot.index_segment_reduce(graph.src, graph.dst, x_half, "sum", nodes)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - out.nbytes
+    assert extra <= rows * width * 4 + 8 * (nodes + 1) + 4096, (config, rows, extra)
 
 
 def test_rgcn_keeps_indices_once_for_every_dtype():

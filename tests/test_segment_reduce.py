@@ -909,6 +909,45 @@ def test_sp_long_segments_of_half_types_take_slots(dtype, validation):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cfg, F", [
+    (geot.Config(N_t=4, T_N=16, M_t=16, T_M=4, G_t=1), 64),  # vector loads, 4-wide flushes
+    (geot.Config(N_t=1, T_N=32, M_t=8, T_M=8, G_t=1), 13),   # odd F: scalar
+])
+def test_sr_half_types_write_directly_with_chunk_slots(dtype, cfg, F):
+    """SR on half types where segments average fewer rows than M_t: each
+    segment one thread sees whole is written to the output by that thread;
+    those straddling threads' rows (two, several, a hub) meet in fp32 rows
+    of one per M_t rows, not an [S, F] buffer. Empty segments first, last
+    and between; segments of exactly M_t rows; plain, gathered (a
+    permutation, so rows are not in order) and weighted."""
+    m = cfg.M_t
+    S = 3000
+    deg = torch.randint(0, 6, (S,))
+    deg[[0, 1, 1500, S - 1]] = 0
+    deg[[10, 11, 12]] = m
+    deg[[20, 700]] = 3 * m + 5
+    deg[2000] = 40 * m
+    index = index_from_degrees(deg).cuda()
+    E = index.numel()
+    chunks = -(-E // m)
+    assert chunks * 4 * F + 8 * (S + 1) < S * F * 4 // 2  # the test tells slots from the [S, F] buffer
+    src = random_src(E, (F,), dtype, "cuda")
+    for reduce in REDUCES:
+        for gathered in (False, True):
+            out, extra = _second_call_memory(index, src, reduce, S, cfg, gathered)
+            assert extra <= chunks * 4 * F + 8 * (S + 1) + 2048, (reduce, gathered, extra)
+            assert_matches_ref(out, index, src, reduce, S, where=f"{reduce}, gathered={gathered}")
+    order = torch.randperm(E, device="cuda")
+    signs = torch.randint(0, 2, (E,), device="cuda") * 2 - 1
+    weight = (signs * 2.0 ** torch.randint(-2, 3, (E,), device="cuda")).to(dtype)  # exact products: a half reference
+    for reduce in REDUCES:
+        out = geot.index_weight_segment_reduce(order, index, weight, src, reduce, S, config=cfg)
+        messages = weight.double()[:, None] * src.double()[order]
+        assert_matches_ref(out, index, messages.to(dtype), reduce, S, where=f"weighted {reduce}")
+
+
+@requires_cuda
 def test_sp_under_cuda_graph_capture():
     """Offsets derived while a CUDA graph is captured only exist on replay:
     they are used by the graph but never cached."""

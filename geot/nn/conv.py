@@ -299,9 +299,10 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
     values: half the bytes gathered and no float32 [N, F] sum (peak memory);
     the output differs from PyG's by that rounding of x (1.16x PyG's error
     norm against float32, median of 30 random bf16 cases). On CUDA only
-    where the sum writes half precision itself (the SP schedule, see
-    :func:`_sums_half_directly`): under SR or PR it would keep an fp32 [N, F]
-    buffer besides the cast copy of x, more than PyG's float32 sum. Training
+    where that saves memory (see :func:`_cast_first_saves_memory`): where
+    the half-precision sum keeps an fp32 buffer of more than N / 2 rows
+    (PR, or SR on graphs of high degree), the buffer and the cast copy of x
+    would take more than PyG's float32 sum and its cast. Training
     keeps PyG's float32 sum: there the rounding would also move which of
     nn's ReLUs fire, and with them the gradients."""
 
@@ -317,7 +318,7 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
         num_nodes = _num_targets(x_src, x_dst, size)
         graph = sorted_graph(self, edge_index)
         if (not torch.is_grad_enabled() and _begins_with_linear(self.nn) and _matmul_dtype(x_src) != x_src.dtype
-                and _sums_half_directly(graph, x_src, num_nodes)):
+                and _cast_first_saves_memory(graph, x_src, num_nodes)):
             x_src, x_dst = _cast_for_matmul(x_src, x_dst)
         out = _gather_reduce(graph, x_src, "sum", num_nodes)
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
@@ -325,31 +326,38 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
         return self.nn(out)
 
 
-def _sums_half_directly(graph: SortedGraph, x: Tensor, num_nodes: int) -> bool:
-    """Whether the fused sum of x's rows in half precision writes its output
-    itself, keeping no fp32 [N, F] buffer: on CPU, and on CUDA where the
-    config the sum will use is SP with the index validated (see the
-    Kernels section of the README). Decided by eager code, once per graph
-    and width (one device->host sync: the longest segment); compiled code
-    reads that, or keeps the cast where no eager call decided."""
+def _cast_first_saves_memory(graph: SortedGraph, x: Tensor, num_nodes: int) -> bool:
+    """Whether summing x cast to half precision takes less memory than PyG's
+    float32 sum (4 N F bytes) and its cast for nn's Linear (2 N F): the
+    cast copy (2 N F), the output (2 N F) and the fp32 rows the sum keeps
+    (4 F each) come to less where those rows are at most N / 2. Always on
+    CPU (no buffer). On CUDA decided by eager code, once per graph and width
+    (one device->host sync: the longest segment); compiled code reads that,
+    or casts where no eager call decided."""
     if not x.is_cuda:
         return True
-    key = ("sum writes half", x.size(-1), num_nodes)
+    key = ("cast first", x.size(-1), num_nodes)
     if torch.compiler.is_compiling() and key not in graph.memo:
         return True
-    return graph.derived(key, lambda: _fused_sum_is_sp(graph, x.size(-1), num_nodes))
+    return graph.derived(key, lambda: 2 * _half_sum_buffer_rows(graph, x.size(-1), num_nodes) <= num_nodes)
 
 
-def _fused_sum_is_sp(graph: SortedGraph, num_features: int, num_nodes: int) -> bool:
-    """Mirrors the CUDA launch layer's choice to write half-precision output
-    directly (``direct`` in csrc/segment_reduce_launch.cuh): SP, with the
-    long-segment level validation measures (here from the longest segment)."""
-    if not validation.validation_enabled():
-        return False  # SP without the validated long-segment level keeps the buffer
+def _half_sum_buffer_rows(graph: SortedGraph, num_features: int, num_nodes: int) -> int:
+    """The fp32 rows the CUDA fused sum of x's rows in half precision keeps
+    besides its output, mirroring the launch layer (``direct`` and
+    ``chunk_slots`` in csrc/segment_reduce_launch.cuh): none for SP with the
+    long-segment level validation measures (here from the longest segment),
+    one per thread's M_t rows for SR where that is fewer than the segments,
+    else one per segment."""
     edges = graph.dst.numel()
-    longest = int(torch.bincount(graph.dst, minlength=num_nodes).max()) if edges else 0
-    level = long_segment_level(longest)
-    return explain(edges, num_nodes, num_features, gathered=True, long_segments=level).schedule == "SP"
+    if not edges:
+        return num_nodes
+    longest = int(torch.bincount(graph.dst, minlength=num_nodes).max())
+    config = explain(edges, num_nodes, num_features, gathered=True, long_segments=long_segment_level(longest))
+    if config.schedule == "SP":
+        return 0 if validation.validation_enabled() else num_nodes  # unvalidated: no level, the [S, F] buffer
+    chunks = -(-edges // config.M_t)
+    return chunks if config.schedule == "SR" and chunks < num_nodes else num_nodes
 
 
 def _begins_with_linear(module: torch.nn.Module) -> bool:
