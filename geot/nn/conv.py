@@ -346,9 +346,10 @@ def _half_sum_buffer_rows(graph: SortedGraph, num_features: int, num_nodes: int)
     """The fp32 rows the CUDA fused sum of x's rows in half precision keeps
     besides its output, mirroring the launch layer (``direct`` and
     ``chunk_slots`` in csrc/segment_reduce_launch.cuh): none for SP with the
-    long-segment level validation measures (here from the longest segment),
-    one per thread's M_t rows for SR where that is fewer than the segments,
-    else one per segment."""
+    long-segment level validation measures (here from the longest segment;
+    segments past SP's cap take a few slots, counted as none), one per
+    thread's M_t rows for SR where that is fewer than the segments, else
+    one per segment."""
     edges = graph.dst.numel()
     if not edges:
         return num_nodes
