@@ -521,8 +521,8 @@ __global__ void finalize_long_segments_kernel(const acc_t* __restrict__ acc, out
 // The SR segments of half types that straddle several threads' rows (chunks
 // of chunk_rows): their result from their fp32 row of `slots` (that of the
 // chunk they begin in), divided for a mean and rounded to out_t; and 0 for
-// empty segments. The SR pass wrote every other segment itself. Block
-// (32, 8): y picks the segment.
+// empty segments. The SR pass wrote every other segment itself. 2-D blocks:
+// y picks the segment, x strides over its features.
 template <typename acc_t, typename out_t>
 __global__ void finalize_straddling_segments_kernel(const acc_t* __restrict__ slots, out_t* __restrict__ out,
                                                     const int64_t* __restrict__ ptr, int64_t S, int64_t F,

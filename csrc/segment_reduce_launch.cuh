@@ -151,6 +151,16 @@ inline at::Tensor identity_filled(int64_t S, int64_t F, at::ScalarType dtype, Re
   return out;
 }
 
+// 256 threads, a row of up to 256 (at least a warp, F's power of two) per
+// segment: a segment's F features take few strides even for wide F (rows
+// of 32 threads took 17 us over cora's three bf16 GIN sums, the first of
+// 1433 features).
+inline dim3 segment_row_block(int64_t F) {
+  unsigned x = 32;
+  while (x < 256 && x < F) x *= 2;
+  return dim3(x, 256 / x);
+}
+
 // Compute capability of a device as major * 10 + minor, looked up once per
 // device: the config selector needs it on every call.
 inline int device_arch(int device) {
@@ -293,8 +303,8 @@ at::Tensor reduce_rows(const RowReduction& r) {
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       if (chunk_slots) {
-        const dim3 block(32, 8);
-        finalize_straddling_segments_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
+        const dim3 block = segment_row_block(F);
+        finalize_straddling_segments_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, block.y)), block, 0, stream>>>(
             acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), args.ptr, S, F,
             args.chunk_rows, chunks, args.mean);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
