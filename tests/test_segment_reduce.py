@@ -1047,13 +1047,17 @@ def test_index_first_seen_under_cuda_graph_capture():
 # poison the context for every later test)
 # --------------------------------------------------------------------------- #
 @requires_cuda
-@pytest.mark.parametrize("kind", ["too_large", "way_too_large", "negative", "int32_extremes"])
+@pytest.mark.parametrize("kind", ["too_large", "way_too_large", "negative", "int32_extremes", "unsorted"])
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_cuda_validation_off_out_of_range_no_crash(reduce, kind):
+    """Also bf16 through SR with chunk slots (64 rows per thread: 32 chunks
+    for 50 segments), whose slot rows come from segment offsets."""
     geot.set_validation(False)
     S = 50
     index = random_index(2000, S).cuda()
-    if kind == "too_large":
+    if kind == "unsorted":
+        index = index[torch.randperm(index.numel(), device="cuda")]
+    elif kind == "too_large":
         index[-40:] = torch.arange(S, S + 40, device="cuda")
     elif kind == "way_too_large":
         index[-3:] = torch.tensor([10**6, 10**9, 2**40], device="cuda")
@@ -1063,13 +1067,15 @@ def test_cuda_validation_off_out_of_range_no_crash(reduce, kind):
         index[:2] = torch.tensor([-(2**31), -5], device="cuda")
         index[-2:] = torch.tensor([2**31 - 2, 2**31 - 1], device="cuda")
         index = index.to(torch.int32)
-    src = torch.randn(index.numel(), 16, device="cuda")
     space = geot.config_space()
-    configs = [None, space[0], [c for c in space if c.G_t > 1][0], space[-1]]
-    for cfg in configs:
-        out = geot.segment_reduce(index, src, reduce, S, config=cfg)
-        torch.cuda.synchronize()
-        assert out.shape == (S, 16)
+    chunked_sr = geot.Config(N_t=1, T_N=16, M_t=64, T_M=4, G_t=1)
+    configs = [None, space[0], [c for c in space if c.G_t > 1][0], space[-1], chunked_sr]
+    for dtype in (torch.float32, torch.bfloat16):
+        src = torch.randn(index.numel(), 16, device="cuda", dtype=dtype)
+        for cfg in configs:
+            out = geot.segment_reduce(index, src, reduce, S, config=cfg)
+            torch.cuda.synchronize()
+            assert out.shape == (S, 16)
     # the context is still usable and validation back on still catches it
     geot.set_validation(True)
     ok_index = random_index(100, 10).cuda()
