@@ -227,7 +227,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const int64_t chunks = cfg.is_sr() ? ceil_div(E, int64_t(cfg.M_t)) : 0;
   const bool chunk_slots = half && cfg.is_sr() && !r.any_order && E > 0 && chunks < S;
   // (For half types: SP with a validated index, or SR with chunk slots.
-  // geot/nn/conv.py's _half_sum_buffer_rows mirrors that to decide GIN's
+  // geot/nn/conv.py's _sum_writes_half mirrors the SP case to decide GIN's
   // cast; keep them in step.)
   const bool direct = (cfg.is_sp() && (!overflow || long_slots)) || chunk_slots;
   // Otherwise fp16/bf16 accumulate in an fp32 buffer (atomics in half

@@ -183,9 +183,8 @@ def test_autocast_matches_float32(geot_class, pyg_class, args, kwargs, amp_dtype
         assert error <= 2 * pyg_error + 2e-3 * r.abs().max().item(), (name, error, pyg_error)
 
 
-@pytest.mark.parametrize("buffer_rows, cast", [(0, True), (1, False), (200, False)],
-                         ids=["no-buffer", "one-row", "N-rows"])
-def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, buffer_rows, cast):
+@pytest.mark.parametrize("cast", [True, False], ids=["no-buffer", "fp32-rows"])
+def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, cast):
     """In inference under autocast GIN sums x cast to the autocast dtype (its
     nn begins with a Linear, which would cast the sum): half the bytes
     gathered. Its output error against float32 stays near PyG's under
@@ -194,7 +193,7 @@ def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, buffer_ro
     summed in float32 as PyG does."""
     if device == "cpu" and not cast:
         pytest.skip("CPU always casts first")
-    monkeypatch.setattr(gnn.conv, "_half_sum_buffer_rows", lambda *args: buffer_rows)
+    monkeypatch.setattr(gnn.conv, "_sum_writes_half", lambda *args: cast)
     geot_layer, pyg_layer = build_pair(gnn.GINConv, pyg_nn.GINConv, (), {"eps": 0.3, "train_eps": True}, device)
     geot_layer, pyg_layer = geot_layer.float(), pyg_layer.float()
     edge_index, x = random_graph(200, 1500, device), torch.randn(200, 12, device=device)

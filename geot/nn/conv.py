@@ -328,42 +328,37 @@ def _cast_first_saves_memory(graph: SortedGraph, x: Tensor, num_nodes: int) -> b
     """Whether summing x cast to half precision saves memory over PyG's
     float32 sum (4 N F bytes) and its cast for nn's Linear (2 N F): the cast
     copy (2 N F) and the output (2 N F) do where the sum keeps no fp32 rows
-    (SP writing half precision itself). Where it keeps some (SR's chunk
-    rows, 4 F bytes each) the saving is smaller and the time worse on the
-    graphs measured (H100, compiled GIN bf16 inference, separate runs):
-    citeseer 112 MB and 0.43 ms cast first, 120 MB and 0.31 ms summing
-    float32 (PyG's fastest path: 120-121 MB, 0.39-0.40 ms); cora level in
-    memory, its three bf16 sums 86 us against 57 us for the float32 first
-    layer's alone (rows of an odd width take no vector loads). So it is not
-    done there. Always on
-    CPU (no buffer). On CUDA decided by eager code, once per graph and width
-    (one device->host sync: the longest segment); compiled code reads that,
-    or casts where no eager call decided."""
+    (:func:`_sum_writes_half`). Where it keeps some (SR's chunk rows, 4 F
+    bytes each) the saving is smaller and the time worse on the graphs
+    measured (H100, compiled GIN bf16 inference, separate runs): citeseer
+    112 MB and 0.43 ms cast first, 120 MB and 0.31 ms summing float32
+    (PyG's fastest path: 120-121 MB, 0.39-0.40 ms); cora level in memory,
+    its three bf16 sums 86 us against 57 us for the float32 first layer's
+    alone (rows of an odd width take no vector loads). So it is not done
+    there. Always on CPU (no buffer). On CUDA decided by eager code, once
+    per graph and width (one device->host sync: the longest segment);
+    compiled code reads that, or casts where no eager call decided."""
     if not x.is_cuda:
         return True
     key = ("cast first", x.size(-1), num_nodes)
     if torch.compiler.is_compiling() and key not in graph.memo:
         return True
-    return graph.derived(key, lambda: _half_sum_buffer_rows(graph, x.size(-1), num_nodes) == 0)
+    return graph.derived(key, lambda: _sum_writes_half(graph, x.size(-1), num_nodes))
 
 
-def _half_sum_buffer_rows(graph: SortedGraph, num_features: int, num_nodes: int) -> int:
-    """The fp32 rows the CUDA fused sum of x's rows in half precision keeps
-    besides its output, mirroring the launch layer (``direct`` and
-    ``chunk_slots`` in csrc/segment_reduce_launch.cuh): none for SP with the
-    long-segment level validation measures (here from the longest segment;
-    segments past SP's cap take a few slots, counted as none), one per
-    thread's M_t rows for SR where that is fewer than the segments, else
-    one per segment."""
+def _sum_writes_half(graph: SortedGraph, num_features: int, num_nodes: int) -> bool:
+    """Whether the CUDA fused sum of x's rows in half precision keeps no
+    fp32 rows besides its output, mirroring the launch layer (``direct`` in
+    csrc/segment_reduce_launch.cuh): SP with the long-segment level
+    validation measures (here from the longest segment; segments past SP's
+    cap take a few slots, counted as none). SR keeps its chunk rows (one per
+    M_t edges, or one per segment), PR one per segment."""
     edges = graph.dst.numel()
-    if not edges:
-        return num_nodes
+    if not edges or not validation.validation_enabled():  # unvalidated SP: no level, the [S, F] buffer
+        return False
     longest = int(torch.bincount(graph.dst, minlength=num_nodes).max())
     config = explain(edges, num_nodes, num_features, gathered=True, long_segments=long_segment_level(longest))
-    if config.schedule == "SP":
-        return 0 if validation.validation_enabled() else num_nodes  # unvalidated: no level, the [S, F] buffer
-    chunks = -(-edges // config.M_t)
-    return chunks if config.schedule == "SR" and chunks < num_nodes else num_nodes
+    return config.schedule == "SP"
 
 
 def _begins_with_linear(module: torch.nn.Module) -> bool:
