@@ -607,6 +607,80 @@ def test_accumulate_op():
     torch.testing.assert_close(total, expect)
 
 
+def test_index_sum_plus_scaled_op(device):
+    """geot::index_sum_plus_scaled (GIN's aggregation in compiled inference)
+    passes torch's op checks and adds scale * x to the sum of x[src]."""
+    nodes, edges = 30, 200
+    src = torch.randint(0, nodes, (edges,), device=device)
+    dst = torch.randint(0, nodes, (edges,), device=device).sort().values
+    x, scale = torch.randn(nodes, 5, device=device), torch.tensor([1.3], device=device)
+    torch.library.opcheck(torch.ops.geot.index_sum_plus_scaled, (src, dst, x, scale))
+    expect = (1.3 * x.double()).index_add(0, dst, x.double().index_select(0, src))
+    torch.testing.assert_close(torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale), expect.float())
+
+
+def test_linear_pair_op(device):
+    """geot::linear_pair (SAGE's two projections in compiled inference) passes torch's op checks."""
+    x, weight, other, bias = (torch.randn(*shape, device=device) for shape in ((7, 5), (3, 5), (4, 5), (4,)))
+    torch.library.opcheck(torch.ops.geot.linear_pair, (x, weight, other, bias))
+    projected, root = torch.ops.geot.linear_pair(x, weight, other, None)
+    torch.testing.assert_close(projected, x @ weight.T)
+    torch.testing.assert_close(root, x @ other.T)
+
+
+@pytest.mark.parametrize("make_layer,op", [
+    (lambda: gnn.GINConv(torch.nn.Linear(12, 4), eps=0.3), "index_sum_plus_scaled"),
+    (lambda: gnn.SAGEConv(12, 4), "linear_pair"),
+], ids=["gin", "sage"])
+def test_compiled_inference_takes_one_op_for_peak_memory(make_layer, op):
+    """Compiled inference takes GIN's sum and (1 + eps) x, and SAGE's two
+    projections, as one op each (peak memory: see the ops) and matches
+    eager; with gradients the layers keep their plain ops."""
+    layer = make_layer()
+    edge_index = random_graph(60, 300, "cpu")
+    for grad in (False, True):
+        x = torch.randn(60, 12, requires_grad=grad)
+        torch._dynamo.reset()
+        calls = []
+
+        def backend(gm, inputs):
+            calls.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            return gm.forward
+
+        compiled = torch.compile(layer, fullgraph=True, backend=backend)
+        with torch.set_grad_enabled(grad):
+            eager = layer(x.relu(), edge_index)
+            torch.testing.assert_close(compiled(x.relu(), edge_index), eager)
+        assert any(op in call for call in calls) != grad, calls
+
+
+@pytest.mark.parametrize("aggr", ["mean", "max"])
+def test_sage_inference_under_autocast_aggregates_cast_x(monkeypatch, device, aggr):
+    """Where SAGE aggregates first (out_channels >= in_channels), in
+    inference under autocast it aggregates x cast to the autocast dtype (its
+    Linears would cast the aggregate and x): a max is then PyG's, a mean
+    differs by the rounding of x (error norm near PyG's under autocast);
+    training aggregates float32 x, as PyG."""
+    geot_layer, pyg_layer = build_pair(gnn.SAGEConv, pyg_nn.SAGEConv, (12, 16), {"aggr": aggr}, device)
+    geot_layer, pyg_layer = geot_layer.float(), pyg_layer.float()
+    edge_index, x = random_graph(200, 1500, device), torch.randn(200, 12, device=device)
+    aggregated = []
+    gather_reduce = gnn.conv._gather_reduce
+    monkeypatch.setattr(gnn.conv, "_gather_reduce", lambda graph, h, *a: aggregated.append(h.dtype) or
+                        gather_reduce(graph, h, *a))
+    with torch.no_grad():
+        ref = pyg_layer(x, edge_index)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            got, pyg_amp = geot_layer(x, edge_index), pyg_layer(x, edge_index)
+    assert aggregated == [torch.bfloat16]
+    if aggr == "max":
+        torch.testing.assert_close(got, pyg_amp)
+    assert (got.float() - ref).norm() <= 1.5 * (pyg_amp.float() - ref).norm()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        geot_layer(x, edge_index)
+    assert aggregated == [torch.bfloat16, torch.float32], "training keeps the float32 aggregate"
+
+
 def test_cora_accuracy_matches_pyg():
     data = load_dataset("cora")
     if data is None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
-from .. import hetero, index, validation
+from .. import _ops, hetero, index, validation
 from .._ops import mean_counts
 from ..config import explain, long_segment_level
 from ..segment import segment_reduce
@@ -252,8 +252,12 @@ class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
     "max": one ``index_segment_reduce``). For mean and sum with fewer output
     than input channels, ``lin_l`` is applied before the aggregation (they
     commute), so fewer features are gathered per edge; results then differ
-    from PyG's by rounding only. ``project=True`` and other aggregations are
-    not supported."""
+    from PyG's by rounding only. Otherwise, in inference under autocast, x
+    is cast before the aggregation (the Linears would cast the aggregate and
+    x): half the bytes gathered and no float32 [N, F] aggregate or copy of x
+    besides (peak memory); a mean or sum then differs from PyG's by that
+    rounding of x, a max not at all. ``project=True`` and other
+    aggregations are not supported."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -271,18 +275,31 @@ class SAGEConv(_GeotLayer, pyg_nn.SAGEConv):
         root = None
         if self._project_first(x_src, reduce):
             cast, x_dst = _cast_for_matmul(x_src, x_dst)  # one cast for both projections
-            if self.root_weight and x_dst is cast:
-                root = self.lin_r(cast)
             # lin_l commutes with mean and sum: aggregate the narrower projected
             # rows (bias after, so a node without edges still gets it).
-            out = _gather_reduce(graph, F.linear(cast, self.lin_l.weight), reduce, num_nodes)
+            if self.root_weight and x_dst is cast:
+                projected, root = self._project_pair(cast)
+            else:
+                projected = F.linear(cast, self.lin_l.weight)
+            out = _gather_reduce(graph, projected, reduce, num_nodes)
             out = out if self.lin_l.bias is None else out + self.lin_l.bias
         else:
+            if not torch.is_grad_enabled() and _matmul_dtype(x_src) != x_src.dtype:
+                x_src, x_dst = _cast_for_matmul(x_src, x_dst)  # lin_l casts the mean, lin_r x: cast x once, first
             out = self.lin_l(_gather_reduce(graph, x_src, reduce, num_nodes))
         if root is None and self.root_weight and x_dst is not None:
             root = self.lin_r(x_dst)
         out = out if root is None else out + root
         return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
+
+    def _project_pair(self, x: Tensor):
+        """(x lin_l.weight^T, lin_r(x)); in compiled inference one op
+        (geot::linear_pair: x freed before the aggregation, peak memory)."""
+        weight, other, bias = self.lin_l.weight, self.lin_r.weight, self.lin_r.bias
+        if not _ops.compiled_without_grad(x, weight, other, bias):
+            return F.linear(x, weight), self.lin_r(x)
+        bias = None if bias is None else bias.to(x.dtype)
+        return torch.ops.geot.linear_pair(x, weight.to(x.dtype), other.to(x.dtype), bias)
 
     def _project_first(self, x_src: Tensor, reduce: str) -> bool:
         weight = self.lin_l.weight
@@ -302,7 +319,8 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
     where the half-precision sum keeps no fp32 rows (see
     :func:`_cast_first_saves_memory`). Training keeps PyG's float32 sum:
     there the rounding would also move which of nn's ReLUs fire, and with
-    them the gradients."""
+    them the gradients. Compiled inference on one x takes the sum and
+    ``(1 + eps) x`` as one op (geot::index_sum_plus_scaled, peak memory)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -318,6 +336,9 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
         if (not torch.is_grad_enabled() and _begins_with_linear(self.nn) and _matmul_dtype(x_src) != x_src.dtype
                 and _cast_first_saves_memory(graph, x_src, num_nodes)):
             x_src, x_dst = _cast_for_matmul(x_src, x_dst)
+        if x_dst is x_src and num_nodes == x_src.size(0) and _ops.compiled_without_grad(x_src, self.eps):
+            out = torch.ops.geot.index_sum_plus_scaled(graph.src, graph.dst, x_src, 1 + self.eps)
+            return self.nn(out)  # one op: see geot::index_sum_plus_scaled (peak memory)
         out = _gather_reduce(graph, x_src, "sum", num_nodes)
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)
