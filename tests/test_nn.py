@@ -183,6 +183,23 @@ def test_autocast_matches_float32(geot_class, pyg_class, args, kwargs, amp_dtype
         assert error <= 2 * pyg_error + 2e-3 * r.abs().max().item(), (name, error, pyg_error)
 
 
+def record_aggregated_dtypes(monkeypatch):
+    """The dtype of every x geot.nn's layers aggregate from now on, in call order."""
+    dtypes = []
+    gather_reduce = gnn.conv._gather_reduce
+    monkeypatch.setattr(gnn.conv, "_gather_reduce", lambda graph, h, *a: dtypes.append(h.dtype) or
+                        gather_reduce(graph, h, *a))
+    return dtypes
+
+
+def bf16_inference(geot_layer, pyg_layer, x, edge_index, device):
+    """(geot's and PyG's outputs under bf16 autocast, PyG's in float32), without gradients."""
+    with torch.no_grad():
+        ref = pyg_layer(x, edge_index)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return geot_layer(x, edge_index), pyg_layer(x, edge_index), ref
+
+
 @pytest.mark.parametrize("cast", [True, False], ids=["no-buffer", "fp32-rows"])
 def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, cast):
     """In inference under autocast GIN sums x cast to the autocast dtype (its
@@ -198,14 +215,8 @@ def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, cast):
     geot_layer, pyg_layer = geot_layer.float(), pyg_layer.float()
     edge_index, x = random_graph(200, 1500, device), torch.randn(200, 12, device=device)
     amp_dtype = torch.bfloat16
-    summed = []
-    gather_reduce = gnn.conv._gather_reduce
-    monkeypatch.setattr(gnn.conv, "_gather_reduce", lambda graph, h, *a: summed.append(h.dtype) or
-                        gather_reduce(graph, h, *a))
-    with torch.no_grad():
-        ref = pyg_layer(x, edge_index)
-        with torch.autocast(device, dtype=amp_dtype):
-            got, pyg_amp = geot_layer(x, edge_index), pyg_layer(x, edge_index)
+    summed = record_aggregated_dtypes(monkeypatch)
+    got, pyg_amp, ref = bf16_inference(geot_layer, pyg_layer, x, edge_index, device)
     summed_dtype = amp_dtype if cast else torch.float32
     assert summed == [summed_dtype]
     assert (got.float() - ref).norm() <= 1.5 * (pyg_amp.float() - ref).norm()
@@ -664,14 +675,8 @@ def test_sage_inference_under_autocast_aggregates_cast_x(monkeypatch, device, ag
     geot_layer, pyg_layer = build_pair(gnn.SAGEConv, pyg_nn.SAGEConv, (12, 16), {"aggr": aggr}, device)
     geot_layer, pyg_layer = geot_layer.float(), pyg_layer.float()
     edge_index, x = random_graph(200, 1500, device), torch.randn(200, 12, device=device)
-    aggregated = []
-    gather_reduce = gnn.conv._gather_reduce
-    monkeypatch.setattr(gnn.conv, "_gather_reduce", lambda graph, h, *a: aggregated.append(h.dtype) or
-                        gather_reduce(graph, h, *a))
-    with torch.no_grad():
-        ref = pyg_layer(x, edge_index)
-        with torch.autocast(device, dtype=torch.bfloat16):
-            got, pyg_amp = geot_layer(x, edge_index), pyg_layer(x, edge_index)
+    aggregated = record_aggregated_dtypes(monkeypatch)
+    got, pyg_amp, ref = bf16_inference(geot_layer, pyg_layer, x, edge_index, device)
     assert aggregated == [torch.bfloat16]
     if aggr == "max":
         torch.testing.assert_close(got, pyg_amp)
