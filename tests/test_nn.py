@@ -1,4 +1,6 @@
 """geot.nn against torch_geometric: same parameters, same outputs and gradients."""
+import warnings
+
 import pytest
 import torch
 
@@ -564,6 +566,32 @@ def test_compile_fullgraph_gcn_matches_eager(device):
     loss = compiled(x, edge_index).square().sum()
     loss.backward()
     assert model.conv1.lin.weight.grad is not None
+
+
+def test_compiling_an_uncached_graph_warns():
+    """Compiling a layer that will sort its graph, or build the transposed
+    index, on every call warns once (UncachedGraphWarning); after eager calls
+    on the graph, with gradients where it trains, it does not."""
+    layer = gnn.GCNConv(12, 4)
+    edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 12)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with pytest.warns(gnn.UncachedGraphWarning, match="sorts edge_index"):
+        compiled(x, edge_index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.UncachedGraphWarning)
+        compiled(x, edge_index)  # the same compiled code: no second warning
+        with torch.no_grad():
+            layer(x, edge_index)
+            torch._dynamo.reset()
+            compiled(x, edge_index)  # seen eagerly: nothing sorted per call
+    with pytest.warns(gnn.UncachedGraphWarning, match="transposed index"):
+        compiled(x, edge_index)  # with gradients, which no eager call recorded
+    layer(x, edge_index)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.UncachedGraphWarning)
+        compiled(x, edge_index)
 
 
 @pytest.mark.parametrize("make_layer", [

@@ -12,8 +12,8 @@ except ImportError as error:  # geot itself does not need PyG; geot.nn does
 
 from .aggr import SegmentAggregation
 from .conv import GATConv, GCNConv, GINConv, RGCNConv, SAGEConv
-from .graph import SortedGraph, sorted_graph, sorted_index
+from .graph import SortedGraph, UncachedGraphWarning, sorted_graph, sorted_index
 from .patch import patch
 
 __all__ = ["GATConv", "GCNConv", "GINConv", "RGCNConv", "SAGEConv", "SegmentAggregation", "SortedGraph",
-           "patch", "sorted_graph", "sorted_index"]
+           "UncachedGraphWarning", "patch", "sorted_graph", "sorted_index"]

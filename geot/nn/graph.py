@@ -20,7 +20,9 @@ memory, half the index bytes per kernel. Kept:
   (dynamo guards on the identity), another graph is sorted inside the
   compiled graph on every call (correct, no sync, but a sort per call), as is
   the transposed index of a graph eager calls saw only without gradients. So
-  run the model once eagerly, as it will be compiled, before compiling it.
+  run the model once eagerly, as it will be compiled, before compiling it;
+  compiling a layer that will sort or transpose on every call warns
+  (:class:`UncachedGraphWarning`, once per compilation).
   In-place changes to an ``edge_index`` are not seen by compiled code.
   What the caches keep is marked as a static input (static_addresses), so
   CUDA graphs read it in place instead of copying it on every replay.
@@ -30,6 +32,7 @@ of a mean's backward pass) are kept with its :class:`SortedGraph`
 (:meth:`SortedGraph.derived`), so they go with it: a new ``edge_index``
 tensor or an in-place change of it starts afresh.
 """
+import warnings
 import weakref
 from typing import NamedTuple, Optional, Tuple
 
@@ -38,6 +41,25 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..index import TransposedIndex, transpose_index
+
+
+class UncachedGraphWarning(UserWarning):
+    """Compiled code sorts a graph, or builds its transposed index, on every
+    call: no eager call of the layer saw it (so) first. Expected for graphs
+    that change every call (mini-batches); for a static graph, run the model
+    once eagerly, as it will be compiled, before compiling it."""
+
+
+def _warn_at_compile_time(layer: torch.nn.Module, what: str) -> None:
+    """An UncachedGraphWarning while dynamo traces (once per compilation, not per call)."""
+    message = (f"geot.nn.{type(layer).__name__}: compiled code {what} on every call; for a static graph, run the "
+               "model once eagerly, as it will be compiled, before compiling it (see geot.nn.graph)")
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:  # no trace-time hook in this torch: no warning
+        return
+    # A comptime function may not close over variables: it reads message from this frame.
+    comptime(lambda ctx: warnings.warn(ctx.get_local("message").as_python_constant(), UncachedGraphWarning))
 
 
 class SortedGraph(NamedTuple):
@@ -118,7 +140,12 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
         if (last is not None and last[0] is edge_index and last[1] is edge_type
                 and last[2][:2] == (self_loops, num_relations)):
             graph = last[3]
-            return with_transposed(graph) if grad and graph.transposed is None else graph
+            if grad and graph.transposed is None:
+                _warn_at_compile_time(layer, "builds the transposed index (eager calls saw the graph without "
+                                             "gradients only)")
+                return with_transposed(graph)
+            return graph
+        _warn_at_compile_time(layer, "sorts edge_index (no eager call of this layer saw this tensor)")
         return _build(edge_index, self_loops, edge_type, num_relations, eager=False, transposed=grad)
     # Tensors made in inference mode cannot be saved for backward: such a graph is kept apart.
     variant = (self_loops, num_relations, torch.is_inference_mode_enabled())
