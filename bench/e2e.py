@@ -308,16 +308,27 @@ def summarize(df):
     for label, models in groups.items():
         for mode in ("inference", "train"):
             for path in ("geot", "geot-compile"):
-                sel = df[df["model"].isin(models) & (df["mode"] == mode) & (df["path"] == path)]
-                if len(sel) and sel["speedup"].notna().any():
-                    print(f"  {label:<13} {mode:<9} {path:<12} {common.geomean(sel['speedup'].dropna()):.2f}x")
+                sel = df[df["model"].isin(models) & (df["mode"] == mode) & (df["path"] == path)].dropna(
+                    subset=["speedup"])
+                if len(sel):
+                    worst = sel.loc[sel["speedup"].idxmin()]
+                    print(f"  {label:<13} {mode:<9} {path:<12} {common.geomean(sel['speedup']):.2f}x "
+                          f"(worst {worst['speedup']:.2f}x, {worst['model']}/{worst['hidden']} {worst['graph']} "
+                          f"{worst['dtype']}; {int((sel['speedup'] < 1).sum())} of {len(sel)} below 1)")
+    compiled = df[df["model"].isin(groups["GCN/GIN/SAGE"]) & (df["path"] == "geot-compile")].dropna(subset=["speedup"])
+    for by in ("model", "graph", "dtype"):
+        if compiled[by].nunique() > 1:
+            table = compiled.groupby([by, "mode"])["speedup"].apply(common.geomean).unstack("mode")
+            print(f"  GCN/GIN/SAGE geot-compile by {by}: " + "; ".join(
+                f"{key} " + ", ".join(f"{row[mode]:.2f}x" for mode in table.columns) for key, row in table.iterrows())
+                + f" ({', '.join(table.columns)})")
     if df["peak_ratio"].notna().any():
         print("\npeak memory / the fastest PyG path's: geomean, largest, cells above 1")
         for label, models in groups.items():
             for path in ("geot", "geot-compile"):
                 ratio = df[df["model"].isin(models) & (df["path"] == path)]["peak_ratio"].dropna()
                 if len(ratio):
-                    print(f"  {label:<13} {path:<12} {common.geomean(ratio):.2f}x, max {ratio.max():.2f}x, "
+                    print(f"  {label:<13} {path:<12} {common.geomean(ratio):.2f}x, max {ratio.max():.3f}x, "
                           f"{int((ratio > 1).sum())} of {len(ratio)} above")
     if {"geot", "geot-compile"} <= set(wide):
         both = wide.dropna(subset=["geot", "geot-compile"])
@@ -371,6 +382,9 @@ def parse_args():
                              "one; default: per library on CUDA when both libraries' compiled paths run")
     parser.add_argument("--memory-snapshot", default=None, metavar="DIR",
                         help="CUDA: write torch's memory snapshot of each cell's peak-memory calls to DIR")
+    parser.add_argument("--summarize", nargs="+", default=None, metavar="CSV",
+                        help="print the summary of rows already measured (one or more e2e CSVs, e.g. several runs "
+                             "of one session) and exit")
     parser.add_argument("--rows-csv", default=None, help=argparse.SUPPRESS)  # run_libraries_apart's children
     parser.add_argument("--quick", action="store_true",
                         help="tiny CPU check: one 500-node graph, hidden 32, fp32, aot_eager compile, 2 reps")
@@ -442,8 +456,17 @@ def time_in_process(args, device) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def summarize_files(paths) -> None:
+    """summarize() of the rows of several e2e CSVs, speedups recomputed over them all."""
+    rows = pd.concat([pd.read_csv(path) for path in paths], ignore_index=True)
+    rows = rows.drop(columns=["best_pyg_ms", "best_pyg_peak_mb", "speedup", "peak_ratio"], errors="ignore")
+    summarize(add_speedups(rows))
+
+
 def main():
     args = parse_args()
+    if args.summarize:
+        return summarize_files(args.summarize)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch._dynamo.config.cache_size_limit = 64  # modes x dtypes x layers recompile the same code
     args.name = f"e2e_{common.device_slug(device)}{'_quick' if args.quick else ''}"

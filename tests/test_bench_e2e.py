@@ -1,5 +1,6 @@
 """bench/e2e.py --quick runs end to end on CPU: every path of a model is timed
 and the summary (speedups, compiled vs eager) is printed."""
+import math
 import os
 import subprocess
 import sys
@@ -28,3 +29,19 @@ def test_e2e_quick_times_every_path(tmp_path, processes):
     assert set(df["mode"]) == {"inference", "train"}
     assert df["ms"].notna().all() and (df["ms"] > 0).all(), df
     assert "resident_mb" in df and not any((tmp_path / "snapshots").iterdir()), "memory figures are CUDA's only"
+
+
+def test_e2e_summarizes_measured_rows():
+    """--summarize prints the summary of rows already measured, speedups
+    recomputed over all the files given (the committed H100 table here)."""
+    measured = os.path.join(ROOT, "bench", "measured", "e2e_h100_2026-11-25.csv")
+    rows = pd.read_csv(measured)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--summarize", measured],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = rows[rows["model"].isin(["gcn", "gin", "sage"]) & (rows["path"] == "geot-compile")
+                    & (rows["mode"] == "train")]
+    geomean = math.exp(compiled["speedup"].map(math.log).mean())
+    expected = f"GCN/GIN/SAGE  train     geot-compile {geomean:.2f}x"
+    assert expected in result.stdout, (expected, result.stdout[-2000:])
+    assert "GCN/GIN/SAGE geot-compile by graph:" in result.stdout
