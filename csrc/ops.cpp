@@ -46,6 +46,18 @@ TORCH_LIBRARY(geot, m) {
   // The same written over score (inference: no second [E, H] tensor).
   m.def("edge_softmax_(Tensor(a!) score, Tensor dst_index, int num_segments) -> ()");
   m.def("edge_softmax_backward(Tensor y, Tensor grad, Tensor dst_index, int num_segments) -> Tensor");
+  // Ops of compiled geot.nn inference, each where two would hold more memory
+  // at the peak (no gradients). GIN's aggregation: scale * x + the sum of
+  // x[src_index] into dst_index's segments, one per row of x. As two ops,
+  // inductor gives the sum a copy of a computed x (relu(h)) and computes x
+  // again from h for the scaled term: h, the copy and the sum alive at once.
+  m.def("index_sum_plus_scaled(Tensor src_index, Tensor dst_index, Tensor x, Tensor scale) -> Tensor");
+  // SAGE's two projections of one cast copy of x: (x weight^T, x
+  // other_weight^T + other_bias). As two matmuls, inductor ran the second
+  // after the aggregation that reads the first (its output can then take the
+  // first's memory), keeping the copy alive on top of the aggregation's own
+  // buffers, which it does not see.
+  m.def("linear_pair(Tensor x, Tensor weight, Tensor other_weight, Tensor? other_bias) -> (Tensor, Tensor)");
 }
 
 namespace geot {
@@ -68,15 +80,32 @@ at::Tensor index_segment_reduce_inference(const at::Tensor& src_index, const at:
                  std::nullopt);
 }
 
+at::Tensor index_sum_plus_scaled(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                                 const at::Tensor& scale) {
+  at::Tensor out = index_segment_reduce_inference(src_index, dst_index, x, std::nullopt, x.size(0), "sum", std::nullopt);
+  return out.addcmul_(x, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_pair(const at::Tensor& x, const at::Tensor& weight,
+                                               const at::Tensor& other_weight,
+                                               const std::optional<at::Tensor>& other_bias) {
+  return {at::linear(x, weight), at::linear(x, other_weight, other_bias)};
+}
+
 }  // namespace
 }  // namespace geot
 
+// Device-agnostic: the same functions for each device.
 TORCH_LIBRARY_IMPL(geot, CPU, m) {
   m.impl("index_segment_reduce_inference", &geot::index_segment_reduce_inference);
+  m.impl("index_sum_plus_scaled", &geot::index_sum_plus_scaled);
+  m.impl("linear_pair", &geot::linear_pair);
 }
 #ifdef GEOT_WITH_CUDA
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
   m.impl("index_segment_reduce_inference", &geot::index_segment_reduce_inference);
+  m.impl("index_sum_plus_scaled", &geot::index_sum_plus_scaled);
+  m.impl("linear_pair", &geot::linear_pair);
 }
 #endif
 

@@ -1,7 +1,5 @@
 """Loads the extension and registers the Python side of torch.ops.geot.*:
 fake (meta) kernels for torch.compile and autograd formulas."""
-from typing import Optional, Tuple
-
 import torch
 
 from . import _C  # noqa: F401  (registers the C++ operators)
@@ -367,41 +365,14 @@ def accumulate_(total: torch.Tensor, part: torch.Tensor) -> None:
 
 
 # --------------------------------------------------------------------------- #
-# GIN's aggregation, one op in compiled inference.
+# Ops of compiled geot.nn inference (csrc/ops.cpp says why each is one op).
 # --------------------------------------------------------------------------- #
-@torch.library.custom_op("geot::index_sum_plus_scaled", mutates_args=())
-def index_sum_plus_scaled(src_index: torch.Tensor, dst_index: torch.Tensor, x: torch.Tensor,
-                          scale: torch.Tensor) -> torch.Tensor:
-    """scale * x + the sum of x[src_index] into dst_index's segments, one per
-    row of x (GIN's (1 + eps) x_i + sum_j x_j), without gradients. As two
-    ops, compiled code gives the sum a copy of a computed x (relu(h)) and
-    computes x again from h for the scaled term, keeping h, the copy and
-    the sum alive at once; here x has one user."""
-    out = torch.ops.geot.index_segment_reduce_inference(src_index, dst_index, x, None, x.size(0), "sum", None)
-    return out.addcmul_(x, scale)
-
-
-@index_sum_plus_scaled.register_fake
+@torch.library.register_fake("geot::index_sum_plus_scaled")
 def _index_sum_plus_scaled_fake(src_index, dst_index, x, scale):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-# --------------------------------------------------------------------------- #
-# SAGE's two projections, one op in compiled inference.
-# --------------------------------------------------------------------------- #
-@torch.library.custom_op("geot::linear_pair", mutates_args=())
-def linear_pair(x: torch.Tensor, weight: torch.Tensor, other_weight: torch.Tensor,
-                other_bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(x W^T, x W'^T + b'), without gradients: SAGE's projected rows to
-    aggregate and its root term, from one cast copy of x. As two matmuls,
-    inductor ran the second after the aggregation (its output can then take
-    the projected rows' memory), which kept the copy alive through it, on
-    top of the aggregation's own buffers it does not see; here the copy is
-    freed before the aggregation."""
-    return torch.nn.functional.linear(x, weight), torch.nn.functional.linear(x, other_weight, other_bias)
-
-
-@linear_pair.register_fake
+@torch.library.register_fake("geot::linear_pair")
 def _linear_pair_fake(x, weight, other_weight, other_bias):
     rows = x.shape[:-1]
     return x.new_empty((*rows, weight.size(0))), x.new_empty((*rows, other_weight.size(0)))
