@@ -1,6 +1,6 @@
 // Operator schemas (torch.ops.geot.*) and the Python module geot._C.
 // Implementations register per device in segment_reduce_cpu.cpp,
-// index_segment_reduce.cpp, segment_matmul.cpp, edge_softmax.cpp and the .cu
+// index_segment_reduce.cpp, segment_matmul.cpp, edge_softmax.cpp, attention.cpp and the .cu
 // files (index_segment_reduce_inference here: it forwards to the autograd op's
 // kernels); autograd and fake kernels are registered from Python (geot/_ops.py).
 #include <torch/extension.h>
@@ -46,6 +46,11 @@ TORCH_LIBRARY(geot, m) {
   // The same written over score (inference: no second [E, H] tensor).
   m.def("edge_softmax_(Tensor(a!) score, Tensor dst_index, int num_segments) -> ()");
   m.def("edge_softmax_backward(Tensor y, Tensor grad, Tensor dst_index, int num_segments) -> Tensor");
+  // GAT's softmax and weighted sum in one pass, no [E, H] tensor (attention.cpp);
+  // no gradient: inference only.
+  m.def(
+      "attention_aggregate(Tensor x, Tensor score_src, Tensor score_dst, Tensor src_index, Tensor dst_index, "
+      "int num_segments, float negative_slope, bool self_loops) -> Tensor");
   // Ops of compiled geot.nn inference, each where two would hold more memory
   // at the peak (no gradients). GIN's aggregation: scale * x + the sum of
   // x[src_index] into dst_index's segments, one per row of x. As two ops,

@@ -6,12 +6,13 @@ torch.ops.geot.* with CPU and CUDA kernels, autograd and fake kernels.
 from . import _ops  # noqa: F401
 from ._C import cuda_built
 from .config import Config, config_space, explain, explain_source, rules_mode, set_rules
-from .hetero import edge_softmax, edge_softmax_, group_by_type, segment_matmul
+from .hetero import attention_aggregate, edge_softmax, edge_softmax_, group_by_type, segment_matmul
 from .index import TransposedIndex, index_segment_reduce, index_weight_segment_reduce, transpose_index
 from .segment import segment_reduce
 from .validation import clear_cache, set_validation, validation_enabled
 
 __all__ = [
+    "attention_aggregate",
     "Config",
     "clear_cache",
     "config_space",

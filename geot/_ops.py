@@ -353,6 +353,28 @@ torch.library.register_autograd(
 
 
 # --------------------------------------------------------------------------- #
+# attention_aggregate (inference only)
+# --------------------------------------------------------------------------- #
+@torch.library.register_fake("geot::attention_aggregate")
+def _attention_aggregate_fake(x, score_src, score_dst, src_index, dst_index, num_segments, negative_slope,
+                              self_loops):
+    return x.new_empty((num_segments, x.size(1), x.size(2)))
+
+
+def _attention_aggregate_setup(ctx, inputs, output):
+    pass
+
+
+def _attention_aggregate_backward(ctx, grad):
+    raise RuntimeError("geot attention_aggregate has no gradient (inference only): differentiate "
+                       "geot.edge_softmax followed by geot.index_weight_segment_reduce instead")
+
+
+torch.library.register_autograd("geot::attention_aggregate", _attention_aggregate_backward,
+                                setup_context=_attention_aggregate_setup)
+
+
+# --------------------------------------------------------------------------- #
 # A sum compiled code keeps where it stands.
 # --------------------------------------------------------------------------- #
 @torch.library.custom_op("geot::accumulate_", mutates_args=("total",))

@@ -4,6 +4,8 @@
   grouped by type and type t is multiplied by its own weight, in one kernel.
 * :func:`group_by_type`: the permutation and offsets that group rows by type.
 * :func:`edge_softmax`: softmax over the incoming edges of each node (GAT).
+* :func:`attention_aggregate`: GAT's softmax and weighted sum in one pass
+  (inference).
 """
 from typing import Optional, Tuple
 
@@ -123,3 +125,46 @@ def edge_softmax_(score: torch.Tensor, dst_index: torch.Tensor, num_segments: Op
         num_segments = _infer_num_segments(dst_index, "dst_index")
     torch.ops.geot.edge_softmax_(score, dst_index, int(num_segments))
     return score
+
+
+def attention_aggregate(x: torch.Tensor, score_src: torch.Tensor, score_dst: torch.Tensor, src_index: torch.Tensor,
+                        dst_index: torch.Tensor, num_segments: Optional[int] = None, negative_slope: float = 0.2,
+                        self_loops: bool = False) -> torch.Tensor:
+    """GAT's attention and aggregation in one pass, for inference.
+
+    ``out[d, h] = sum_e a[e, h] * x[src_index[e], h]`` over the edges e into
+    d, with ``a[., h]`` the softmax over d's edges of ``leaky_relu(
+    score_src[src_index[e], h] + score_dst[d, h], negative_slope)``: the same
+    as :func:`edge_softmax` of those scores fed to
+    :func:`geot.index_weight_segment_reduce`, but the weights are computed on
+    the fly (an online softmax), so no [E, H] tensor exists; fp16/bf16
+    accumulate in fp32. Destinations without edges get 0.
+
+    Args:
+        x: [N, H, C] projected source rows (H heads of C channels).
+        score_src: [N, H] each source's half of the attention logit
+            (``(x * att_src).sum(-1)`` in PyG's GATConv), dtype of x or, for
+            float16/bfloat16 x, float32 (what autocast gives); the logits
+            are computed in float32 (float64 for float64 x).
+        score_dst: [num_segments, H] each destination's half, the same.
+        src_index, dst_index: [E] int32/int64 (the same dtype) edge list,
+            dst_index sorted non-decreasing.
+        num_segments: destinations; omitted, ``score_dst.size(0)``.
+        negative_slope: of the leaky ReLU.
+        self_loops: leave out edges with ``src == dst`` and give every
+            destination d one loop (row x[d], logit from score_src[d]), as
+            PyG's ``add_self_loops`` does; needs num_segments <= N.
+
+    Returns:
+        [num_segments, H, C], dtype of x. No gradient: raises if one would be
+        recorded (train with edge_softmax + index_weight_segment_reduce).
+    """
+    for value, name in ((x, "x"), (score_src, "score_src"), (score_dst, "score_dst")):
+        _check_tensor(value, name)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, score_src, score_dst)):
+        raise ValueError("attention_aggregate has no gradient (inference only): call it under torch.no_grad(), or "
+                         "use geot.edge_softmax with geot.index_weight_segment_reduce to differentiate")
+    if num_segments is None:
+        num_segments = score_dst.size(0)
+    return torch.ops.geot.attention_aggregate(x, score_src, score_dst, src_index, dst_index, int(num_segments),
+                                              float(negative_slope), bool(self_loops))

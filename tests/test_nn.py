@@ -101,25 +101,41 @@ def test_matches_pyg(geot_class, pyg_class, args, kwargs, num_nodes, num_edges, 
     assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, extra)
 
 
+@pytest.mark.parametrize("kwargs", [{"heads": 3}, {"heads": 2, "concat": False, "add_self_loops": False}],
+                         ids=["loops", "no-loops-mean"])
 @pytest.mark.parametrize("input_loops", [True, False], ids=["input-loops", "no-input-loops"])
-def test_gat_inference_overwrites_its_scores(input_loops, device, monkeypatch):
-    """Without gradients GAT's softmax overwrites the scores (edge_softmax_,
-    one [E, H] tensor less); a graph without input self loops keeps no drop
-    mask. The output is PyG's either way."""
-    geot_layer, pyg_layer = build_pair(gnn.GATConv, pyg_nn.GATConv, (12, 5), {"heads": 3}, device)
+def test_gat_inference_in_one_pass(input_loops, kwargs, device, monkeypatch):
+    """Without gradients (and without dropout) GAT's softmax and sum are one
+    op (geot.attention_aggregate: no [E, H] attention, no self-looped edge
+    list); training keeps the two ops, with a drop mask only where the input
+    has self loops. The output is PyG's either way."""
+    geot_layer, pyg_layer = build_pair(gnn.GATConv, pyg_nn.GATConv, (12, 5), kwargs, device)
     edge_index = random_graph(200, 1500, device)
     if not input_loops:
         edge_index = edge_index[:, edge_index[0] != edge_index[1]]
     x = torch.randn(200, 12, dtype=torch.float64, device=device)
+    one_pass = []
+    aggregate = geot.attention_aggregate
+    monkeypatch.setattr(gnn.conv.hetero, "attention_aggregate", lambda *args: one_pass.append(1) or aggregate(*args))
+    with torch.no_grad():
+        out, ref = geot_layer(x, edge_index), pyg_layer(x, edge_index)
+    torch.testing.assert_close(out, ref, **FLOAT64_TOL)
+    assert one_pass == [1]
+    assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, ())  # training: the two ops
+    assert one_pass == [1]
+    if kwargs.get("add_self_loops", True):
+        assert (geot_layer._geot_graphs[200, 0][3].drop is None) == (not input_loops)
+
+
+def test_gat_dropout_without_gradients_overwrites_its_scores(device, monkeypatch):
+    """Training with dropout under no_grad takes the two ops, the softmax in place (one [E, H] tensor less)."""
+    layer = gnn.GATConv(12, 5, heads=3, dropout=0.5).to(device).train()
     overwrites = []
     in_place = geot.edge_softmax_
     monkeypatch.setattr(gnn.conv.hetero, "edge_softmax_", lambda *args: overwrites.append(1) or in_place(*args))
     with torch.no_grad():
-        out, ref = geot_layer(x, edge_index), pyg_layer(x, edge_index)
-    torch.testing.assert_close(out, ref, **FLOAT64_TOL)
-    assert overwrites == [1]
-    assert (geot_layer._geot_graph[3].drop is None) == (not input_loops)
-    assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, ())  # training takes the out-of-place op
+        out = layer(torch.randn(200, 12, device=device), random_graph(200, 1500, device))
+    assert overwrites == [1] and torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("aggr", ["mean", "add"])

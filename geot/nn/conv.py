@@ -146,7 +146,10 @@ class _GeotLayer:
 
     def _geot_init(self) -> None:
         self._check_options()
-        self._geot_graph = None  # (edge_index, edge_type, variant, SortedGraph, version key): see geot.nn.graph
+        # (self_loops, num_relations) -> (edge_index, edge_type, variant, SortedGraph, version key): the last
+        # graph of each variant the layer saw (see geot.nn.graph); _geot_graph: the last one stored.
+        self._geot_graphs = {}
+        self._geot_graph = None
 
     def _check_options(self) -> None:
         raise NotImplementedError
@@ -396,10 +399,12 @@ def _begins_with_linear(module: torch.nn.Module) -> bool:
 
 class GATConv(_GeotLayer, pyg_nn.GATConv):
     """``torch_geometric.nn.GATConv`` on geot: ``geot.edge_softmax`` over each
-    node's incoming edges and one multi-head ``index_weight_segment_reduce``.
-    ``add_self_loops`` replaces the input's self loops by one per node, as
-    PyG does (they stay in the edge list with zero attention, so the edge
-    count does not depend on the data). Not supported: ``edge_dim``
+    node's incoming edges and one multi-head ``index_weight_segment_reduce``;
+    in inference (no gradient recorded, no dropout) both in one pass,
+    ``geot.attention_aggregate``. ``add_self_loops`` replaces the input's
+    self loops by one per node, as PyG does (in training they stay in the
+    edge list with zero attention, so the edge count does not depend on the
+    data; in inference each node's loop is a term of its softmax). Not supported: ``edge_dim``
     (edge features), bipartite ``x``, ``size`` and ``return_attention_weights``."""
 
     def __init__(self, *args, **kwargs):
@@ -422,17 +427,28 @@ class GATConv(_GeotLayer, pyg_nn.GATConv):
             h_src = h_dst = self.lin(x).view(-1, heads, channels)
         else:
             h_src, h_dst = self.lin_src(x).view(-1, heads, channels), self.lin_dst(x).view(-1, heads, channels)
+        score_src, score_dst = (h_src * self.att_src).sum(-1), (h_dst * self.att_dst).sum(-1)
+        records = torch.is_grad_enabled() and any(t.requires_grad for t in (h_src, score_src, score_dst))
+        if not records and not (self.training and self.dropout > 0):
+            # Inference: softmax and sum in one pass, the self loops a term of each node's softmax (no
+            # [E, H] attention, no self-looped edge list).
+            graph = sorted_graph(self, edge_index)
+            out = hetero.attention_aggregate(h_src, score_src, score_dst, graph.src, graph.dst, num_nodes,
+                                             self.negative_slope, self.add_self_loops)
+            return self._finish(x, out, num_nodes)
         graph = sorted_graph(self, edge_index, self_loops=num_nodes if self.add_self_loops else None)
-        score = ((h_src * self.att_src).sum(-1).index_select(0, graph.src)
-                 + (h_dst * self.att_dst).sum(-1).index_select(0, graph.dst))
+        score = score_src.index_select(0, graph.src) + score_dst.index_select(0, graph.dst)
         score = F.leaky_relu(score, self.negative_slope)
         if graph.drop is not None:
             score = score.masked_fill(graph.drop.unsqueeze(-1), float("-inf"))
         # Without gradients the scores are not needed again: the softmax overwrites them (one [E, H] less).
         softmax = hetero.edge_softmax if torch.is_grad_enabled() and score.requires_grad else hetero.edge_softmax_
         alpha = F.dropout(softmax(score, graph.dst, num_nodes), p=self.dropout, training=self.training)
-        out = _gather_reduce(graph, h_src, "sum", num_nodes, alpha)
-        out = out.reshape(num_nodes, heads * channels) if self.concat else out.mean(dim=1)
+        return self._finish(x, _gather_reduce(graph, h_src, "sum", num_nodes, alpha), num_nodes)
+
+    def _finish(self, x: Tensor, out: Tensor, num_nodes: int) -> Tensor:
+        """The heads' [N, H, C] sums concatenated or averaged, the residual and the bias added."""
+        out = out.reshape(num_nodes, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
         if self.res is not None:
             out = out + self.res(x)
         return out if self.bias is None else out + self.bias

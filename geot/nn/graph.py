@@ -13,8 +13,10 @@ memory, half the index bytes per kernel. Kept:
   again; an entry goes when its tensor is freed. The first look-up of a graph
   costs one device->host sync (is it sorted already, do its ids fit in
   int32?).
-* each layer also remembers the last graph it saw, with the same check:
-  eagerly, a call on that graph is answered from there (no shared look-up).
+* each layer also remembers the last graph it saw per variant (GAT's
+  self-looped graph for training, its plain one for inference), with the
+  same check: eagerly, a call on that graph is answered from there (no
+  shared look-up).
   Inside ``torch.compile`` that is the only cache (the shared one is not
   traceable): a compiled call with the same ``edge_index`` object reuses it
   (dynamo guards on the identity), another graph is sorted inside the
@@ -134,7 +136,7 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
     transposed index (RGCN gathering projected rows has its own), so a call
     recording gradients does not add it.
     """
-    last = getattr(layer, "_geot_graph", None)
+    last = layer._geot_graphs.get((self_loops, num_relations))
     grad = torch.is_grad_enabled() and transposed
     if torch.compiler.is_compiling():  # the layer's slot, guarded by identity (versions are not traceable)
         if (last is not None and last[0] is edge_index and last[1] is edge_type
@@ -160,6 +162,7 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
         graph = with_transposed(graph)
     _shared_store(edge_index, variant, edge_type, graph)
     layer._geot_graph = (edge_index, edge_type, variant, graph, _graph_key(edge_index, edge_type))
+    layer._geot_graphs[self_loops, num_relations] = layer._geot_graph
     return graph
 
 
