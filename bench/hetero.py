@@ -16,10 +16,20 @@ Sections (each a table, a CSV under bench/results and $OUT, and geomeans):
             and forward + backward:
               pyg        torch_geometric.utils.softmax (when importable)
               composite  scatter_reduce amax + exp + index_add + divide
+  attention GAT's inference aggregation of projected rows x [N, H, 64 / H]
+            with attention vectors att_src / att_dst [H, C], H in {1, 4, 8}:
+            geot.attention_aggregate (scores, softmax and sum in one pass)
+            against
+              pyg        PyG GATConv's steps: scores, gathered logits,
+                         torch_geometric.utils.softmax, scatter of the
+                         weighted rows (when importable)
+              two_op     geot.edge_softmax + geot.index_weight_segment_reduce
+                         (what geot's GATConv trains with)
 
   python bench/hetero.py                              # everything (GPU)
   python bench/hetero.py --quick --device cpu         # smoke test
   python bench/hetero.py --sections matmul --T 16 --KN 64 --dtypes bfloat16
+  python bench/hetero.py --sections attention --dtypes float32 bfloat16
 """
 from __future__ import annotations
 
@@ -37,7 +47,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import geot  # noqa: E402
 
-SECTIONS = ["matmul", "softmax"]
+SECTIONS = ["matmul", "softmax", "attention"]
 DEFAULT_GRAPHS = ["cora", "citeseer", "pubmed", "powerlaw", "hubs_small"]
 QUICK_GRAPHS = ["cora", "powerlaw_small"]
 BMM_BYTES_CAP = 8 << 30  # padded tensors beyond this are not timed
@@ -220,6 +230,51 @@ def softmax_row(g: common.Graph, heads: int, args, backward: bool):
 
 
 # ----------------------------------------------------------------------------
+# attention_aggregate
+# ----------------------------------------------------------------------------
+ATTENTION_FEATURES = 64  # H * C: GAT's 8 heads of 8 channels
+
+
+def gat_logits(x, att_src, att_dst, src, dst, slope=0.2):
+    """[E, H] leaky_relu(score_src[src] + score_dst[dst]) as PyG's GATConv makes them."""
+    score_src, score_dst = (x * att_src).sum(-1), (x * att_dst).sum(-1)
+    return torch.nn.functional.leaky_relu(score_src.index_select(0, src) + score_dst.index_select(0, dst), slope)
+
+
+def attention_row(g: common.Graph, heads: int, dtype, args):
+    N, C = g.num_nodes, ATTENTION_FEATURES // heads
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    x = torch.randn(N, heads, C, device=args.device, generator=gen).to(dtype)
+    att_src, att_dst = (torch.randn(heads, C, device=args.device, generator=gen).to(dtype) for _ in range(2))
+    src, dst = g.src, g.dst
+
+    def one_pass():
+        return geot.attention_aggregate(x, None, None, src, dst, N, att_src=att_src, att_dst=att_dst)
+
+    def two_op():
+        alpha = geot.edge_softmax(gat_logits(x, att_src, att_dst, src, dst), dst, N)
+        return geot.index_weight_segment_reduce(src, dst, alpha, x, "sum", N)
+
+    impls = {"geot": one_pass, "two_op": two_op}
+    pyg = try_pyg_softmax()
+    if pyg is not None:
+        from torch_geometric.utils import scatter
+
+        def pyg_steps():
+            alpha = pyg(gat_logits(x, att_src, att_dst, src, dst), dst, num_nodes=N)
+            return scatter(x.index_select(0, src) * alpha.unsqueeze(-1), dst, 0, dim_size=N, reduce="sum")
+        impls["pyg"] = pyg_steps
+
+    row = {"graph": g.name, "E": g.num_edges, "H": heads, "dtype": str(dtype).replace("torch.", "")}
+    with torch.no_grad():
+        ref = two_op().float()
+        for name, fn in impls.items():
+            check_close(fn().float(), ref, f"{g.name} H={heads} {name}", rel=1e-4 if dtype == torch.float32 else 2e-2)
+            row[name] = timed(fn, args)
+    return row
+
+
+# ----------------------------------------------------------------------------
 # reporting
 # ----------------------------------------------------------------------------
 def report(df, title, peers, filename, keys):
@@ -278,6 +333,12 @@ def main(argv=None):
             rows = [softmax_row(g, h, args, backward) for g in graphs for h in args.heads]
             report(pd.DataFrame(rows), f"edge_softmax {label}, fp32 (ms)", ("pyg", "composite"),
                    f"hetero_softmax_{label}_{slug}.csv", ("graph", "H"))
+    if "attention" in args.sections:
+        graphs = [g for g in (common.make_graph(s, args.device) for s in args.graphs) if g]
+        for dtype_name in args.dtypes:
+            rows = [attention_row(g, h, getattr(torch, dtype_name), args) for g in graphs for h in args.heads]
+            report(pd.DataFrame(rows), f"attention_aggregate (GAT inference, F = {ATTENTION_FEATURES}), {dtype_name} "
+                   "(ms)", ("pyg", "two_op"), f"hetero_attention_{dtype_name}_{slug}.csv", ("graph", "H"))
     return 0
 
 

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "segment_reduce.h"
@@ -17,6 +19,12 @@
 namespace geot {
 
 namespace {
+
+// The dtype the kernels compute in (and read the scores in): float32 for x
+// in float16/bfloat16/float32, float64 for float64.
+at::ScalarType accumulation_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 void check_index(const at::Tensor& index, const char* name, const at::Tensor& x) {
   TORCH_CHECK_TYPE(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt, name,
@@ -26,34 +34,49 @@ void check_index(const at::Tensor& index, const char* name, const at::Tensor& x)
                     index.device().str());
 }
 
-// The dtype the kernels compute in (and read the scores in): float32 for x
-// in float16/bfloat16/float32, float64 for float64.
-at::ScalarType accumulation_type(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-// score_src / score_dst: [rows, H] in the dtype of x, or float32 for
-// float16/bfloat16 x (autocast's x * att with float32 att).
-void check_scores(const at::Tensor& score, const char* name, int64_t rows, const char* rows_name,
-                  const at::Tensor& x) {
+// The dtypes a score or attention vector may have: that of x, or float32
+// for float16/bfloat16 x (autocast's x * att with float32 att).
+void check_score_dtype(const at::Tensor& score, const char* name, const at::Tensor& x) {
   TORCH_CHECK_TYPE(score.scalar_type() == x.scalar_type() || score.scalar_type() == accumulation_type(x), name,
                    " must have the dtype of x (", x.scalar_type(), ") or ", accumulation_type(x), ", got ",
                    score.scalar_type());
   TORCH_CHECK_VALUE(score.device() == x.device(), name, " must be on the device of x (", x.device().str(), "), got ",
                     score.device().str());
-  TORCH_CHECK_VALUE(score.dim() == 2 && score.size(0) == rows && score.size(1) == x.size(1), name,
-                    " must have shape [", rows_name, ", H] = [", std::to_string(rows), ", ", std::to_string(x.size(1)),
-                    "], got ", shape_string(score.sizes()));
 }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& score_src, const at::Tensor& score_dst,
-                  const at::Tensor& src_index, const at::Tensor& dst_index, int64_t num_segments, bool self_loops) {
+// One side of the logit: a score [rows, H], or an attention vector [H, C]
+// (PyG's parameter [1, H, C] too) whose scores come from rows of x.
+void check_side(const std::optional<at::Tensor>& score, const std::optional<at::Tensor>& att, const char* score_name,
+                const char* att_name, int64_t rows, const char* rows_name, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(score.has_value() != att.has_value(), "give one of ", score_name, " and ", att_name, ", got ",
+                    score.has_value() ? "both" : "neither");
+  const int64_t H = x.size(1), C = x.size(2);
+  if (score) {
+    check_score_dtype(*score, score_name, x);
+    TORCH_CHECK_VALUE(score->dim() == 2 && score->size(0) == rows && score->size(1) == H, score_name,
+                      " must have shape [", rows_name, ", H] = [", std::to_string(rows), ", ", std::to_string(H),
+                      "], got ", shape_string(score->sizes()));
+    return;
+  }
+  check_score_dtype(*att, att_name, x);
+  const bool flat = att->dim() == 2 && att->size(0) == H && att->size(1) == C;
+  const bool pyg = att->dim() == 3 && att->size(0) == 1 && att->size(1) == H && att->size(2) == C;
+  TORCH_CHECK_VALUE(flat || pyg, att_name, " must have shape [H, C] = [", std::to_string(H), ", ", std::to_string(C),
+                    "] (or [1, H, C]), got ", shape_string(att->sizes()));
+  TORCH_CHECK_VALUE(rows <= x.size(0), att_name, " scores destinations by their rows of x: num_segments (",
+                    std::to_string(rows), ") must be <= x.size(0) (", std::to_string(x.size(0)), ")");
+}
+
+void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& score_src,
+                  const std::optional<at::Tensor>& score_dst, const std::optional<at::Tensor>& att_src,
+                  const std::optional<at::Tensor>& att_dst, const at::Tensor& src_index, const at::Tensor& dst_index,
+                  int64_t num_segments, bool self_loops) {
   TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "x must be a float32, float16, bfloat16 or float64 tensor, got ",
                    x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() == 3, "x must have shape [N, H, C] (rows, heads, channels), got ", shape_string(x.sizes()));
   TORCH_CHECK_VALUE(num_segments >= 0, "num_segments must be >= 0, got ", std::to_string(num_segments));
-  check_scores(score_src, "score_src", x.size(0), "N", x);
-  check_scores(score_dst, "score_dst", num_segments, "num_segments", x);
+  check_side(score_src, att_src, "score_src", "att_src", x.size(0), "N", x);
+  check_side(score_dst, att_dst, "score_dst", "att_dst", num_segments, "num_segments", x);
   check_index(src_index, "src_index", x);
   check_index(dst_index, "dst_index", x);
   TORCH_CHECK_VALUE(src_index.size(0) == dst_index.size(0), "src_index and dst_index must have the same length, got ",
@@ -64,6 +87,14 @@ void check_inputs(const at::Tensor& x, const at::Tensor& score_src, const at::Te
   TORCH_CHECK_VALUE(!self_loops || num_segments <= x.size(0), "self_loops needs a row of x per destination: "
                     "num_segments (", std::to_string(num_segments), ") must be <= x.size(0) (",
                     std::to_string(x.size(0)), ")");
+}
+
+// A score or attention vector as the kernels read it: in the accumulation
+// dtype, contiguous (a vector flat, [H * C]); undefined where not given.
+at::Tensor as_read(const std::optional<at::Tensor>& t, at::ScalarType acc_type) {
+  if (!t) return at::Tensor();
+  const at::Tensor read = t->to(acc_type).contiguous();
+  return read.dim() == 3 ? read.view({-1}) : read;
 }
 
 template <typename acc_t>
@@ -129,32 +160,54 @@ void aggregate_rows(const AttentionInputs& in, at::Tensor& out) {
 
 }  // namespace
 
-at::Tensor attention_aggregate_op(const at::Tensor& x, const at::Tensor& score_src, const at::Tensor& score_dst,
-                                  const at::Tensor& src_index, const at::Tensor& dst_index, int64_t num_segments,
-                                  double negative_slope, bool self_loops) {
-  check_inputs(x, score_src, score_dst, src_index, dst_index, num_segments, self_loops);
+at::Tensor attention_aggregate_op(const at::Tensor& x, const std::optional<at::Tensor>& score_src,
+                                  const std::optional<at::Tensor>& score_dst, const at::Tensor& src_index,
+                                  const at::Tensor& dst_index, int64_t num_segments, double negative_slope,
+                                  bool self_loops, const std::optional<at::Tensor>& att_src,
+                                  const std::optional<at::Tensor>& att_dst) {
+  check_inputs(x, score_src, score_dst, att_src, att_dst, src_index, dst_index, num_segments, self_loops);
   const int long_segments = validate_indices({{dst_index, num_segments, true, "dst_index", "num_segments"},
                                              {src_index, x.size(0), false, "src_index", "x.size(0)"}})[0];
   const int64_t H = x.size(1), C = x.size(2);
   at::Tensor out = at::empty({num_segments, H, C}, x.options());
   if (out.numel() == 0) return out;
   const at::ScalarType acc_type = accumulation_type(x);
-  const AttentionInputs in{x.contiguous().view({x.size(0), H * C}), score_src.to(acc_type).contiguous(),
-                           score_dst.to(acc_type).contiguous(),
-                           src_index.contiguous(), dst_index.contiguous(), H, num_segments, long_segments,
-                           negative_slope, self_loops};
+  AttentionInputs in{x.contiguous().view({x.size(0), H * C}),
+                     as_read(score_src, acc_type),
+                     as_read(score_dst, acc_type),
+                     as_read(att_src, acc_type),
+                     as_read(att_dst, acc_type),
+                     src_index.contiguous(),
+                     dst_index.contiguous(),
+                     H,
+                     num_segments,
+                     long_segments,
+                     negative_slope,
+                     self_loops};
   at::Tensor rows = out.view({num_segments, H * C});
 #ifdef GEOT_WITH_CUDA
   if (x.is_cuda()) {
-    attention_aggregate_cuda(in, rows);
+    attention_aggregate_cuda(std::move(in), rows);
     return out;
   }
 #endif
-  attention_aggregate_cpu(in, rows);
+  attention_aggregate_cpu(std::move(in), rows);
   return out;
 }
 
-void attention_aggregate_cpu(const AttentionInputs& in, at::Tensor& out) {
+void scores_from_attention(AttentionInputs& in) {
+  const int64_t H = in.heads, C = in.x.size(1) / H;
+  auto scores = [&](const at::Tensor& rows, const at::Tensor& att) {
+    return (rows.view({rows.size(0), H, C}).to(att.scalar_type()) * att.view({1, H, C})).sum(-1).contiguous();
+  };
+  if (in.att_src.defined()) in.score_src = scores(in.x, std::exchange(in.att_src, at::Tensor()));
+  if (in.att_dst.defined()) {
+    in.score_dst = scores(in.x.narrow(0, 0, in.num_segments), std::exchange(in.att_dst, at::Tensor()));
+  }
+}
+
+void attention_aggregate_cpu(AttentionInputs in, at::Tensor& out) {
+  scores_from_attention(in);
   AT_DISPATCH_INDEX_TYPES(in.dst_index.scalar_type(), "geot_attention_aggregate_cpu", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.x.scalar_type(), "geot_attention_aggregate_cpu",
                                     [&] { aggregate_rows<scalar_t, index_t>(in, out); });

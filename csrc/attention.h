@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace geot {
 
 // out[d, h, :] = sum over the edges e into d of a[e, h] * x[src_index[e], h, :],
@@ -15,22 +17,32 @@ namespace geot {
 // x[d], score score_src[d] + score_dst[d]), as PyG's GATConv adds them.
 // Destinations without edges get 0. x [N, H, C], score_src [N, H],
 // score_dst [num_segments, H] (dtype of x, or float32 for half x); out
-// [num_segments, H, C], dtype of x.
-at::Tensor attention_aggregate_op(const at::Tensor& x, const at::Tensor& score_src, const at::Tensor& score_dst,
-                                  const at::Tensor& src_index, const at::Tensor& dst_index, int64_t num_segments,
-                                  double negative_slope, bool self_loops);
+// [num_segments, H, C], dtype of x. Either score may instead come from an
+// attention vector, att_src / att_dst [H, C] (or PyG's [1, H, C]): score_src
+// = (x * att_src).sum(-1), score_dst = (x[:num_segments] * att_dst).sum(-1),
+// computed from the rows the kernel loads anyway (no [N, H] tensors).
+at::Tensor attention_aggregate_op(const at::Tensor& x, const std::optional<at::Tensor>& score_src,
+                                  const std::optional<at::Tensor>& score_dst, const at::Tensor& src_index,
+                                  const at::Tensor& dst_index, int64_t num_segments, double negative_slope,
+                                  bool self_loops, const std::optional<at::Tensor>& att_src,
+                                  const std::optional<at::Tensor>& att_dst);
 
 // The per-device kernels, on contiguous inputs (x viewed [N, H * C], the
-// scores in float32, float64 for float64 x); out [num_segments, H * C]
+// scores or attention vectors in float32, float64 for float64 x: of each
+// side one defined, the vector viewed [H * C]); out [num_segments, H * C]
 // preallocated.
 struct AttentionInputs {
-  at::Tensor x, score_src, score_dst, src_index, dst_index;
+  at::Tensor x, score_src, score_dst, att_src, att_dst, src_index, dst_index;
   int64_t heads, num_segments;
   int long_segments;  // dst_index's long-segment level from validation, -1 unknown
   double negative_slope;
   bool self_loops;
 };
-void attention_aggregate_cpu(const AttentionInputs& in, at::Tensor& out);
-void attention_aggregate_cuda(const AttentionInputs& in, at::Tensor& out);
+// Computes the scores of the sides given as attention vectors (the vectors
+// then undefined): the CPU kernel's way, and CUDA's where a head's lanes
+// cannot sum them.
+void scores_from_attention(AttentionInputs& in);
+void attention_aggregate_cpu(AttentionInputs in, at::Tensor& out);
+void attention_aggregate_cuda(AttentionInputs in, at::Tensor& out);
 
 }  // namespace geot

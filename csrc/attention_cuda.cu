@@ -1,6 +1,7 @@
 // CUDA side of attention_aggregate: the segment offsets, the features per
 // thread and the lanes per destination, the hub pass where one may be
-// needed; dispatches dtypes onto attention_kernels.cuh.
+// needed, the scores of attention vectors where a head's lanes cannot sum
+// them; dispatches dtypes onto attention_kernels.cuh.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -80,20 +81,37 @@ void launch(attention::Args<scalar_t, acc_t, index_t> a, int long_segments, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether a head's lanes can sum its scores from an attention vector: C / N_t
+// neighbouring lanes, a power of two within a warp (a head's features then
+// lie in one pass of the feature lanes).
+bool heads_fit_lanes(int64_t C, int n_t) {
+  const int64_t lanes = C / n_t;
+  return lanes <= 32 && (lanes & (lanes - 1)) == 0;
+}
+
+template <typename acc_t>
+const acc_t* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<acc_t>() : nullptr;
+}
+
 }  // namespace
 
-void attention_aggregate_cuda(const AttentionInputs& in, at::Tensor& out) {
+void attention_aggregate_cuda(AttentionInputs in, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(in.x.device());
   const int64_t F = in.x.size(1), C = F / in.heads, E = in.src_index.size(0);
   const int n_t = features_per_thread(C, in.x);
+  if (!heads_fit_lanes(C, n_t)) scores_from_attention(in);
   AT_DISPATCH_INDEX_TYPES(in.dst_index.scalar_type(), "geot_attention_aggregate", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.x.scalar_type(), "geot_attention_aggregate", [&] {
       using in_t = typename cuda_type<scalar_t>::type;
       using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
       attention::Args<in_t, acc_t, index_t> a{};
       a.x = reinterpret_cast<const in_t*>(in.x.data_ptr<scalar_t>());
-      a.score_src = in.score_src.data_ptr<acc_t>();
-      a.score_dst = in.score_dst.data_ptr<acc_t>();
+      a.score_src = data_or_null<acc_t>(in.score_src);
+      a.score_dst = data_or_null<acc_t>(in.score_dst);
+      a.att_src = data_or_null<acc_t>(in.att_src);
+      a.att_dst = data_or_null<acc_t>(in.att_dst);
+      a.head_lanes = static_cast<int>(C / n_t);
       a.src = in.src_index.data_ptr<index_t>();
       a.dst = in.dst_index.data_ptr<index_t>();
       const at::Tensor ptr = segment_offsets<index_t>(in.dst_index, in.num_segments,

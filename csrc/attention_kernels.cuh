@@ -7,6 +7,9 @@
 // both whenever the max grows, so the logits are computed once, on the fly
 // (score_src[src] + score_dst[dst], leaky ReLU), and no [E, H] tensor exists.
 // Lanes that split a destination's edges merge their states at the end.
+// Given attention vectors instead of scores, a score is the dot product of
+// the row just loaded with the vector, summed over the head's lanes: no
+// [N, H] score tensors either.
 //
 // Schedule: a block of kThreads takes kThreads / G consecutive destinations,
 // a group of G lanes each: FL feature lanes (N_t features each, one head)
@@ -39,8 +42,12 @@ constexpr int64_t kHubEdges = 1024;
 template <typename scalar_t, typename acc_t, typename index_t>
 struct Args {
   const scalar_t* __restrict__ x;          // [rows, F], F = H * C
+  // Of each side one: the scores, or the attention vector ([H * C], a
+  // score from a row of x: its source's, or its destination's, row seg).
   const acc_t* __restrict__ score_src;     // [rows, H]
   const acc_t* __restrict__ score_dst;     // [S, H]
+  const acc_t* __restrict__ att_src;       // [F]
+  const acc_t* __restrict__ att_dst;       // [F]
   const index_t* __restrict__ src;         // [E]
   const index_t* __restrict__ dst;         // [E], sorted
   scalar_t* __restrict__ out;              // [S, F]
@@ -55,6 +62,7 @@ struct Args {
   bool vector_access;  // x and out rows aligned to N_t elements
   int feature_lanes;   // FL: a power of two <= 32, at least F / N_t where that is <= 32
   int group;           // G: lanes per destination, a power of two, FL <= G <= 32
+  int head_lanes;      // C / N_t, with an attention vector: a power of two <= FL
 };
 
 // A lane's share of one destination's softmax-weighted sum.
@@ -134,6 +142,29 @@ __device__ __forceinline__ void load_features(const Args<scalar_t, acc_t, index_
   }
 }
 
+// A head's score of a row: the dot product of its features v (this lane's
+// N_T of them) with the attention vector's w, summed over the head's
+// head_lanes neighbouring lanes (all of them here, on the same row: they
+// share the destination and edge lane). Every lane gets the same bits.
+template <int N_T, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ acc_t head_score(const Args<scalar_t, acc_t, index_t>& a, const acc_t (&v)[N_T],
+                                            const acc_t (&w)[N_T]) {
+  acc_t dot = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) dot += v[j] * w[j];
+  const int hl = a.head_lanes, lane = threadIdx.x & 31;
+  const unsigned mask = hl == 32 ? 0xffffffffu : ((1u << hl) - 1) << (lane & ~(hl - 1));
+  for (int offset = 1; offset < hl; offset <<= 1) dot += __shfl_xor_sync(mask, dot, offset);
+  return dot;
+}
+
+// The attention vector's features col0 .. col0 + N_T (col0 < F).
+template <int N_T, typename acc_t>
+__device__ __forceinline__ void load_attention(const acc_t* att, int64_t col0, acc_t (&w)[N_T]) {
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) w[j] = att[col0 + j];
+}
+
 // Adds the messages of destination seg that fall to one lane: edges begin +
 // k * stride of [begin, end), and the self loop if `loop`. col0 < F.
 template <int N_T, typename scalar_t, typename acc_t, typename index_t>
@@ -141,12 +172,22 @@ __device__ __forceinline__ void add_messages(const Args<scalar_t, acc_t, index_t
                                              int64_t seg, int64_t col0, int64_t begin, int64_t end, int stride,
                                              bool loop) {
   const int64_t head = col0 / a.C;
-  const acc_t to_dst = a.score_dst[seg * a.H + head];
-  if (loop) {
-    acc_t v[N_T];
-    load_features<N_T>(a, seg, col0, v);
-    add(s, leaky_relu(a.score_src[seg * a.H + head] + to_dst, a.negative_slope), v);
+  acc_t w_src[N_T], own[N_T];  // own: row seg, the loop's and the destination's score's
+  if (a.att_src) load_attention<N_T>(a.att_src, col0, w_src);
+  if (loop || a.att_dst) load_features<N_T>(a, seg, col0, own);
+  acc_t to_dst;
+  if (a.att_dst) {
+    acc_t w_dst[N_T];
+    load_attention<N_T>(a.att_dst, col0, w_dst);
+    to_dst = head_score<N_T>(a, own, w_dst);
+  } else {
+    to_dst = a.score_dst[seg * a.H + head];
   }
+  auto logit = [&](int64_t j, const acc_t(&v)[N_T]) {
+    const acc_t from_src = a.att_src ? head_score<N_T>(a, v, w_src) : a.score_src[j * a.H + head];
+    return leaky_relu(from_src + to_dst, a.negative_slope);
+  };
+  if (loop) add(s, logit(seg, own), own);
   // Edges BATCH at a time: their loads are issued before the first is combined.
   constexpr int BATCH = 4;
   for (int64_t e0 = begin; e0 < end; e0 += BATCH * int64_t(stride)) {
@@ -159,16 +200,16 @@ __device__ __forceinline__ void add_messages(const Args<scalar_t, acc_t, index_t
       // Out-of-range sources (validation off) are skipped; added loops replace the input's.
       take[b] = static_cast<uint64_t>(j[b]) < static_cast<uint64_t>(a.rows) && !(a.self_loops && j[b] == seg);
     }
-    acc_t logit[BATCH], rows[BATCH][N_T];
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      if (!take[b]) continue;
-      load_features<N_T>(a, j[b], col0, rows[b]);
-      logit[b] = leaky_relu(a.score_src[j[b] * a.H + head] + to_dst, a.negative_slope);
-    }
+    acc_t logits[BATCH], rows[BATCH][N_T];
 #pragma unroll
     for (int b = 0; b < BATCH; ++b)
-      if (take[b]) add(s, logit[b], rows[b]);
+      if (take[b]) load_features<N_T>(a, j[b], col0, rows[b]);
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b)
+      if (take[b]) logits[b] = logit(j[b], rows[b]);
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b)
+      if (take[b]) add(s, logits[b], rows[b]);
   }
 }
 

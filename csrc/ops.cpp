@@ -49,8 +49,8 @@ TORCH_LIBRARY(geot, m) {
   // GAT's softmax and weighted sum in one pass, no [E, H] tensor (attention.cpp);
   // no gradient: inference only.
   m.def(
-      "attention_aggregate(Tensor x, Tensor score_src, Tensor score_dst, Tensor src_index, Tensor dst_index, "
-      "int num_segments, float negative_slope, bool self_loops) -> Tensor");
+      "attention_aggregate(Tensor x, Tensor? score_src, Tensor? score_dst, Tensor src_index, Tensor dst_index, "
+      "int num_segments, float negative_slope, bool self_loops, Tensor? att_src=None, Tensor? att_dst=None) -> Tensor");
   // Ops of compiled geot.nn inference, each where two would hold more memory
   // at the peak (no gradients). GIN's aggregation: scale * x + the sum of
   // x[src_index] into dst_index's segments, one per row of x. As two ops,

@@ -72,31 +72,37 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   if (a.E > 0 && a.may_overflow) launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, c, stream);
 }
 
-// Segment offsets of a sorted index, for SP and the finalize pass (segment
-// sizes). On the default stream, cached per index (computed on its first
-// such call, with the exact longest segment); elsewhere, and for indices
-// that cannot be cached (inference tensors), fresh for this call, with a
-// longest-segment counter the SP kernel raises. Off the default stream run
-// CUDA graph captures and torch.compile's CUDA-graph warm-ups: a captured
-// kernel keeps the address it read, which a later eviction from the cache
-// would free under it (an illegal access on replay, seen with compiled RGCN
-// on an H100), and a warm-up allocates in the graph's private pool, where a
-// cached tensor would outlive the function (cudagraph trees reject that).
+// Segment offsets of a sorted index: for SP (with_longest: and the rows of
+// its longest segment), SR's chunk slots and the finalize pass (segment
+// sizes). SP's are cached per index on the default stream (computed on its
+// first such call, with the exact longest segment); elsewhere, and for
+// indices that cannot be cached (inference tensors), fresh for this call,
+// with a longest-segment counter the SP kernel raises. The others are always
+// fresh: a cached copy stays resident between steps (8 bytes per segment)
+// to save a pass of a few microseconds, and compiled code, which never reads
+// it, would carry what an eager warm-up call left. Off the default stream
+// run CUDA graph captures and torch.compile's CUDA-graph warm-ups: a
+// captured kernel keeps the address it read, which a later eviction from the
+// cache would free under it (an illegal access on replay, seen with compiled
+// RGCN on an H100), and a warm-up allocates in the graph's private pool,
+// where a cached tensor would outlive the function (cudagraph trees reject
+// that).
 template <typename index_t>
-SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, cudaStream_t stream) {
-  const bool cache =
-      index_cacheable(index) && stream == c10::cuda::getDefaultCUDAStream(index.device().index()).stream();
+SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, bool with_longest, cudaStream_t stream) {
+  const bool cache = with_longest && index_cacheable(index) &&
+                     stream == c10::cuda::getDefaultCUDAStream(index.device().index()).stream();
   if (cache) {
     if (auto cached = cached_segment_offsets(index, S)) return *cached;
   }
   const int64_t E = index.numel();
   SegmentOffsets o;
   o.ptr = at::empty({S + 1}, index.options().dtype(at::kLong));
-  o.longest = at::empty({1}, o.ptr.options());
+  if (with_longest) o.longest = at::empty({1}, o.ptr.options());
   const int threads = 256;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(E + 1, threads), 65536));
   segment_offsets_kernel<index_t><<<blocks, threads, 0, stream>>>(
-      index.data_ptr<index_t>(), E, S, o.ptr.data_ptr<int64_t>(), cache ? nullptr : o.longest.data_ptr<int64_t>());
+      index.data_ptr<index_t>(), E, S, o.ptr.data_ptr<int64_t>(),
+      with_longest && !cache ? o.longest.data_ptr<int64_t>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (cache) {
     at::amax_out(o.longest, o.ptr.slice(0, 1) - o.ptr.slice(0, 0, S), 0, /*keepdim=*/true);
@@ -264,7 +270,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.whole_segment_stores = !r.any_order;
       SegmentOffsets offsets;  // SP, chunk slots, finalize of non-sums; held until the launches are queued
       if (cfg.is_sp() || chunk_slots) {
-        offsets = index_offsets<index_t>(r.index, S, stream);
+        offsets = index_offsets<index_t>(r.index, S, cfg.is_sp(), stream);
         args.ptr = offsets.ptr.data_ptr<int64_t>();
       }
       if (chunk_slots) {
@@ -295,7 +301,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       }
       if (finalize) {
         // Segment sizes for mean and max/min's empty segments.
-        if (r.reduce != Reduce::Sum && !offsets.ptr.defined()) offsets = index_offsets<index_t>(r.index, S, stream);
+        if (r.reduce != Reduce::Sum && !offsets.ptr.defined()) offsets = index_offsets<index_t>(r.index, S, false, stream);
         const int64_t* ptr = r.reduce == Reduce::Sum ? nullptr : offsets.ptr.data_ptr<int64_t>();
         const dim3 block(32, 8);
         segment_finalize_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(

@@ -357,7 +357,7 @@ torch.library.register_autograd(
 # --------------------------------------------------------------------------- #
 @torch.library.register_fake("geot::attention_aggregate")
 def _attention_aggregate_fake(x, score_src, score_dst, src_index, dst_index, num_segments, negative_slope,
-                              self_loops):
+                              self_loops, att_src=None, att_dst=None):
     return x.new_empty((num_segments, x.size(1), x.size(2)))
 
 

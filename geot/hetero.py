@@ -127,9 +127,10 @@ def edge_softmax_(score: torch.Tensor, dst_index: torch.Tensor, num_segments: Op
     return score
 
 
-def attention_aggregate(x: torch.Tensor, score_src: torch.Tensor, score_dst: torch.Tensor, src_index: torch.Tensor,
-                        dst_index: torch.Tensor, num_segments: Optional[int] = None, negative_slope: float = 0.2,
-                        self_loops: bool = False) -> torch.Tensor:
+def attention_aggregate(x: torch.Tensor, score_src: Optional[torch.Tensor], score_dst: Optional[torch.Tensor],
+                        src_index: torch.Tensor, dst_index: torch.Tensor, num_segments: Optional[int] = None,
+                        negative_slope: float = 0.2, self_loops: bool = False, *,
+                        att_src: Optional[torch.Tensor] = None, att_dst: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GAT's attention and aggregation in one pass, for inference.
 
     ``out[d, h] = sum_e a[e, h] * x[src_index[e], h]`` over the edges e into
@@ -145,26 +146,37 @@ def attention_aggregate(x: torch.Tensor, score_src: torch.Tensor, score_dst: tor
         score_src: [N, H] each source's half of the attention logit
             (``(x * att_src).sum(-1)`` in PyG's GATConv), dtype of x or, for
             float16/bfloat16 x, float32 (what autocast gives); the logits
-            are computed in float32 (float64 for float64 x).
-        score_dst: [num_segments, H] each destination's half, the same.
+            are computed in float32 (float64 for float64 x). None: from
+            ``att_src``.
+        score_dst: [num_segments, H] each destination's half, the same
+            (None: from ``att_dst``).
         src_index, dst_index: [E] int32/int64 (the same dtype) edge list,
             dst_index sorted non-decreasing.
-        num_segments: destinations; omitted, ``score_dst.size(0)``.
+        num_segments: destinations; omitted, ``score_dst.size(0)`` (with
+            ``att_dst``, ``x.size(0)``).
         negative_slope: of the leaky ReLU.
         self_loops: leave out edges with ``src == dst`` and give every
             destination d one loop (row x[d], logit from score_src[d]), as
             PyG's ``add_self_loops`` does; needs num_segments <= N.
+        att_src, att_dst: instead of a score, its attention vector, [H, C]
+            or PyG's [1, H, C] parameter (dtype rules as the scores'):
+            ``score_src = (x * att_src).sum(-1)``, ``score_dst =
+            (x[:num_segments] * att_dst).sum(-1)``, computed from the rows
+            the kernel loads anyway, so no [N, H] score tensors exist
+            either. Give one of each pair.
 
     Returns:
         [num_segments, H, C], dtype of x. No gradient: raises if one would be
         recorded (train with edge_softmax + index_weight_segment_reduce).
     """
-    for value, name in ((x, "x"), (score_src, "score_src"), (score_dst, "score_dst")):
+    given = [(t, name) for t, name in ((x, "x"), (score_src, "score_src"), (score_dst, "score_dst"),
+                                       (att_src, "att_src"), (att_dst, "att_dst")) if t is not None]
+    for value, name in given:
         _check_tensor(value, name)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, score_src, score_dst)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t, _ in given):
         raise ValueError("attention_aggregate has no gradient (inference only): call it under torch.no_grad(), or "
                          "use geot.edge_softmax with geot.index_weight_segment_reduce to differentiate")
     if num_segments is None:
-        num_segments = score_dst.size(0)
+        num_segments = score_dst.size(0) if score_dst is not None else x.size(0)
     return torch.ops.geot.attention_aggregate(x, score_src, score_dst, src_index, dst_index, int(num_segments),
-                                              float(negative_slope), bool(self_loops))
+                                              float(negative_slope), bool(self_loops), att_src, att_dst)

@@ -60,6 +60,11 @@ GRAPHS = {
     "hub_narrow": lambda: (huge_segment_index(3000, 9, big=0), 9, 9, 1, 3),
     "one_segment": lambda: (torch.zeros(700, dtype=torch.long), 1, 40, 2, 6),
     "degree_1": lambda: (torch.arange(500), 500, 500, 2, 2),
+    # A head's lanes summing scores of attention vectors (CUDA): 4 of them, with idle feature lanes past F;
+    # 8 over hubs and the block's destinations; 32, two passes of the feature lanes.
+    "head_lanes_4": lambda: (powerlaw_index(120, 2000), 120, 150, 3, 16),
+    "head_lanes_8_hubs": lambda: (index_from_degrees(torch.tensor([1500, 3, 0, 2500, 1100, 300, 90])), 7, 9, 2, 32),
+    "head_lanes_32": lambda: (powerlaw_index(100, 3000), 100, 100, 2, 128),
 }
 
 
@@ -85,6 +90,41 @@ def test_matches_reference(device, dtype, graph, self_loops):
     assert out.dtype == dtype and out.device == x.device and out.shape == (S, *x.shape[1:])
     ref = attention_ref(x, score_src, score_dst, src, dst, S, 0.2, self_loops)
     assert_close_to_ref(out, ref, x, dtype, f"{graph} self_loops={self_loops}")
+
+
+def scores_of(x, att, rows):
+    """float64 (x[:rows] * att).sum(-1) of an attention vector [H, C] or [1, H, C]."""
+    return (x[:rows].double() * att.double().view(1, *x.shape[1:])).sum(-1)
+
+
+@pytest.mark.parametrize("self_loops", [False, True], ids=["plain", "self_loops"])
+@pytest.mark.parametrize("graph", list(GRAPHS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_vectors(device, dtype, graph, self_loops):
+    """Scores from attention vectors (PyG's [1, H, C] parameter for the source side, [H, C] for the
+    destination's): the same as the scores they make, given."""
+    x, _, _, src, dst, S = inputs(graph, dtype, device, with_input_loops=self_loops)
+    N, H, C = x.shape
+    att_src = torch.randn(1, H, C, dtype=torch.float64).to(dtype).to(device)
+    att_dst = torch.randn(H, C, dtype=torch.float64).to(dtype).to(device)
+    out = geot.attention_aggregate(x, None, None, src, dst, S, 0.2, self_loops, att_src=att_src, att_dst=att_dst)
+    assert out.dtype == dtype and out.shape == (S, H, C)
+    ref = attention_ref(x, scores_of(x, att_src, N), scores_of(x, att_dst, S), src, dst, S, 0.2, self_loops)
+    assert_close_to_ref(out, ref, x, dtype, f"{graph} self_loops={self_loops}")
+
+
+@pytest.mark.parametrize("graph", ["gat_layer", "head_lanes_8_hubs"])
+def test_one_side_from_a_vector(device, graph):
+    """A given score on one side and an attention vector (float32 for bf16 rows, as autocast has it) on the other."""
+    x, score_src, score_dst, src, dst, S = inputs(graph, torch.bfloat16, device, scores_dtype=torch.float32)
+    N, H, C = x.shape
+    att = torch.randn(H, C, device=device)
+    out = geot.attention_aggregate(x, score_src, None, src, dst, S, 0.1, True, att_dst=att)
+    ref = attention_ref(x, score_src, scores_of(x, att, S), src, dst, S, 0.1, True)
+    assert_close_to_ref(out, ref, x, torch.bfloat16, "att_dst")
+    out = geot.attention_aggregate(x, None, score_dst, src, dst, S, 0.1, True, att_src=att)
+    ref = attention_ref(x, scores_of(x, att, N), score_dst, src, dst, S, 0.1, True)
+    assert_close_to_ref(out, ref, x, torch.bfloat16, "att_src")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -146,6 +186,20 @@ def test_errors(device):
     wide = torch.randn(S + 1, x.size(1), device=device)
     with pytest.raises(ValueError, match="self_loops needs a row of x per destination"):
         call(x, score_src, wide, src, dst, S + 1, 0.2, True)
+    H, C = x.shape[1:]
+    att = torch.randn(H, C, device=device)
+    with pytest.raises(ValueError, match="give one of score_src and att_src, got both"):
+        call(x, score_src, score_dst, src, dst, S, att_src=att)
+    with pytest.raises(ValueError, match="give one of score_dst and att_dst, got neither"):
+        call(x, score_src, None, src, dst, S)
+    with pytest.raises(ValueError, match=r"att_src must have shape \[H, C\]"):
+        call(x, None, score_dst, src, dst, S, att_src=att.t())
+    with pytest.raises(TypeError, match="att_dst must have the dtype of x"):
+        call(x, score_src, None, src, dst, S, att_dst=att.double())
+    with pytest.raises(ValueError, match=r"att_dst scores destinations by their rows of x"):
+        call(x, score_src, None, src, dst, x.size(0) + 1, att_dst=att)
+    with pytest.raises(ValueError, match="inference only"):
+        call(x, score_src, None, src, dst, S, att_dst=att.requires_grad_())
     with pytest.raises(RuntimeError, match="no gradient"):
         torch.ops.geot.attention_aggregate(x, score_src.requires_grad_(), score_dst, src, dst, S, 0.2,
                                            False).sum().backward()
@@ -175,5 +229,15 @@ def test_compiled(device):
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(layer, fullgraph=True)(x, score_src, score_dst),
                                    layer(x, score_src, score_dst))
+    att = torch.randn(1, *x.shape[1:], device=device)
+
+    def layer_of_vectors(x, att):
+        return geot.attention_aggregate(x * 2, None, None, src, dst, S, 0.2, True, att_src=att, att_dst=att).relu()
+
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(layer_of_vectors, fullgraph=True)(x, att), layer_of_vectors(x, att))
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
     torch.library.opcheck(torch.ops.geot.attention_aggregate.default, (x, score_src, score_dst, src, dst, S, 0.2, True),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+                          test_utils=checks)
+    torch.library.opcheck(torch.ops.geot.attention_aggregate.default, (x, None, score_dst, src, dst, S, 0.2, True),
+                          {"att_src": att}, test_utils=checks)

@@ -101,22 +101,26 @@ def test_matches_pyg(geot_class, pyg_class, args, kwargs, num_nodes, num_edges, 
     assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, extra)
 
 
-@pytest.mark.parametrize("kwargs", [{"heads": 3}, {"heads": 2, "concat": False, "add_self_loops": False}],
-                         ids=["loops", "no-loops-mean"])
+@pytest.mark.parametrize("channels,kwargs", [((12, 5), {"heads": 3}),
+                                             ((12, 5), {"heads": 2, "concat": False, "add_self_loops": False}),
+                                             (((12, 12), 4), {"heads": 2})],
+                         ids=["loops", "no-loops-mean", "separate-projections"])
 @pytest.mark.parametrize("input_loops", [True, False], ids=["input-loops", "no-input-loops"])
-def test_gat_inference_in_one_pass(input_loops, kwargs, device, monkeypatch):
+def test_gat_inference_in_one_pass(input_loops, channels, kwargs, device, monkeypatch):
     """Without gradients (and without dropout) GAT's softmax and sum are one
     op (geot.attention_aggregate: no [E, H] attention, no self-looped edge
-    list); training keeps the two ops, with a drop mask only where the input
-    has self loops. The output is PyG's either way."""
-    geot_layer, pyg_layer = build_pair(gnn.GATConv, pyg_nn.GATConv, (12, 5), kwargs, device)
+    list; scores from the attention vectors, or the destination's given where
+    it has a projection of its own); training keeps the two ops, with a drop
+    mask only where the input has self loops. The output is PyG's either way."""
+    geot_layer, pyg_layer = build_pair(gnn.GATConv, pyg_nn.GATConv, channels, kwargs, device)
     edge_index = random_graph(200, 1500, device)
     if not input_loops:
         edge_index = edge_index[:, edge_index[0] != edge_index[1]]
     x = torch.randn(200, 12, dtype=torch.float64, device=device)
     one_pass = []
     aggregate = geot.attention_aggregate
-    monkeypatch.setattr(gnn.conv.hetero, "attention_aggregate", lambda *args: one_pass.append(1) or aggregate(*args))
+    monkeypatch.setattr(gnn.conv.hetero, "attention_aggregate",
+                        lambda *args, **kwargs: one_pass.append(1) or aggregate(*args, **kwargs))
     with torch.no_grad():
         out, ref = geot_layer(x, edge_index), pyg_layer(x, edge_index)
     torch.testing.assert_close(out, ref, **FLOAT64_TOL)

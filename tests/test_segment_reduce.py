@@ -753,6 +753,21 @@ def test_sp_offsets_keyed_by_num_segments():
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sr_offsets_not_cached(dtype):
+    """SR reads segment offsets for a mean's sizes and half types' chunk
+    slots; they are made per call, never kept resident between steps."""
+    geot.clear_cache()
+    index = powerlaw_index(300, 4000).cuda()
+    src = random_src(index.numel(), (8,), dtype, "cuda")
+    for reduce in REDUCES:
+        assert_matches_ref(geot.segment_reduce(index, src, reduce, 300, config=SR), index, src, reduce, 300)
+    assert _cached() == 0
+    geot.segment_reduce(index, src, "sum", 300, config=SP)
+    assert _cached() == 1  # the test can see a cached entry
+
+
+@requires_cuda
 def test_sp_offsets_freed_with_the_index():
     geot.clear_cache()
     index = powerlaw_index(200, 3000).cuda()

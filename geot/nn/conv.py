@@ -427,15 +427,18 @@ class GATConv(_GeotLayer, pyg_nn.GATConv):
             h_src = h_dst = self.lin(x).view(-1, heads, channels)
         else:
             h_src, h_dst = self.lin_src(x).view(-1, heads, channels), self.lin_dst(x).view(-1, heads, channels)
-        score_src, score_dst = (h_src * self.att_src).sum(-1), (h_dst * self.att_dst).sum(-1)
-        records = torch.is_grad_enabled() and any(t.requires_grad for t in (h_src, score_src, score_dst))
+        records = torch.is_grad_enabled() and any(t.requires_grad for t in (h_src, h_dst, self.att_src, self.att_dst))
         if not records and not (self.training and self.dropout > 0):
             # Inference: softmax and sum in one pass, the self loops a term of each node's softmax (no
-            # [E, H] attention, no self-looped edge list).
+            # [E, H] attention, no self-looped edge list), the scores from the rows it loads (no [N, H]
+            # scores) where the destinations' rows are the sources'.
             graph = sorted_graph(self, edge_index)
-            out = hetero.attention_aggregate(h_src, score_src, score_dst, graph.src, graph.dst, num_nodes,
-                                             self.negative_slope, self.add_self_loops)
+            score_dst = None if h_dst is h_src else (h_dst * self.att_dst).sum(-1)
+            out = hetero.attention_aggregate(h_src, None, score_dst, graph.src, graph.dst, num_nodes,
+                                             self.negative_slope, self.add_self_loops, att_src=self.att_src,
+                                             att_dst=self.att_dst if score_dst is None else None)
             return self._finish(x, out, num_nodes)
+        score_src, score_dst = (h_src * self.att_src).sum(-1), (h_dst * self.att_dst).sum(-1)
         graph = sorted_graph(self, edge_index, self_loops=num_nodes if self.add_self_loops else None)
         score = score_src.index_select(0, graph.src) + score_dst.index_select(0, graph.dst)
         score = F.leaky_relu(score, self.negative_slope)

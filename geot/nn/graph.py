@@ -67,7 +67,8 @@ def _warn_at_compile_time(layer: torch.nn.Module, what: str) -> None:
 class SortedGraph(NamedTuple):
     src: Tensor                  # [E'] source of each edge, edges in destination order
     dst: Tensor                  # [E'] destination (segment id), sorted non-decreasing
-    perm: Optional[Tensor]       # [E'] input position of each edge; None: input order kept
+    perm: Optional[Tensor]       # [E'] input position of each edge; None: input order kept, or not kept
+                                 # (the self-loop variant: GAT has no per-edge inputs to put in order)
     transposed: Optional[TransposedIndex]  # for the gradient of x; None until a call records gradients
     drop: Optional[Tensor]       # [E'] bool, input self loops replaced by added ones (self-loop variant; None: none)
     index_dtype: torch.dtype     # of the index tensors the graph makes: int32 where its ids fit
@@ -253,6 +254,8 @@ def _build(edge_index, self_loops, edge_type, num_relations, eager: bool, transp
         src, perm = src.index_select(0, perm), perm.to(index_dtype)
     # Without input self loops nothing is dropped: no mask to keep or apply.
     drop = None if self_loops is None or not has_loops else (src == dst) & (perm < num_edges)
+    if self_loops is not None:
+        perm = None  # read by nothing else: not kept (E + N indices less for GAT's training graph)
     graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {})
     # Only a backward pass reads the transposed index: without gradients it is added when first needed.
     return with_transposed(graph) if transposed else graph
