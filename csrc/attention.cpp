@@ -27,9 +27,7 @@ at::ScalarType accumulation_type(const at::Tensor& x) {
 }
 
 void check_index(const at::Tensor& index, const char* name, const at::Tensor& x) {
-  TORCH_CHECK_TYPE(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt, name,
-                   " must be an int32 or int64 tensor, got ", index.scalar_type());
-  TORCH_CHECK_VALUE(index.dim() == 1, name, " must be 1-D, got shape ", shape_string(index.sizes()));
+  check_index_tensor(index, name);
   TORCH_CHECK_VALUE(index.device() == x.device(), name, " must be on the device of x (", x.device().str(), "), got ",
                     index.device().str());
 }

@@ -29,9 +29,7 @@ int64_t check_edge_values(const at::Tensor& t, const char* name) {
 }
 
 void check_dst_index(const at::Tensor& dst_index, const at::Tensor& values, const char* name, int64_t num_segments) {
-  TORCH_CHECK_TYPE(dst_index.scalar_type() == at::kLong || dst_index.scalar_type() == at::kInt,
-                   "dst_index must be an int32 or int64 tensor, got ", dst_index.scalar_type());
-  TORCH_CHECK_VALUE(dst_index.dim() == 1, "dst_index must be 1-D, got shape ", shape_string(dst_index.sizes()));
+  check_index_tensor(dst_index, "dst_index");
   TORCH_CHECK_VALUE(dst_index.size(0) == values.size(0), name, " and dst_index must have the same length E, got ",
                     std::to_string(values.size(0)), " and ", std::to_string(dst_index.size(0)));
   TORCH_CHECK_VALUE(dst_index.device() == values.device(), "dst_index must be on the device of ", name, " (",

@@ -13,12 +13,6 @@ namespace geot {
 
 namespace {
 
-void check_index_tensor(const at::Tensor& index, const char* name) {
-  TORCH_CHECK_TYPE(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt, name,
-                   " must be an int32 or int64 tensor, got ", index.scalar_type());
-  TORCH_CHECK_VALUE(index.dim() == 1, name, " must be 1-D, got shape ", shape_string(index.sizes()));
-}
-
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
   TORCH_CHECK_VALUE(t.device() == x.device(), name, " must be on the device of x (", x.device().str(), "), got ",
                     t.device().str());

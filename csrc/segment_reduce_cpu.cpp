@@ -45,12 +45,16 @@ Reduce parse_reduce(c10::string_view reduce) {
   TORCH_CHECK_VALUE(false, "reduce must be one of 'sum', 'mean', 'max', 'min', got '", std::string(reduce), "'");
 }
 
+void check_index_tensor(const at::Tensor& index, const char* name) {
+  TORCH_CHECK_TYPE(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt, name,
+                   " must be an int32 or int64 tensor, got ", index.scalar_type());
+  TORCH_CHECK_VALUE(index.dim() == 1, name, " must be 1-D, got shape ", shape_string(index.sizes()));
+}
+
 void check_segment_inputs(const at::Tensor& index, const at::Tensor& src, int64_t num_segments) {
-  TORCH_CHECK_TYPE(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt,
-                   "index must be an int32 or int64 tensor, got ", index.scalar_type());
+  check_index_tensor(index, "index");
   TORCH_CHECK_TYPE(at::isFloatingType(src.scalar_type()),
                    "src must be a float32, float16, bfloat16 or float64 tensor, got ", src.scalar_type());
-  TORCH_CHECK_VALUE(index.dim() == 1, "index must be 1-D, got shape ", shape_string(index.sizes()));
   TORCH_CHECK_VALUE(src.dim() >= 1, "src must have at least one dimension (rows), got a 0-d tensor");
   TORCH_CHECK_VALUE(index.size(0) == src.size(0), "index and src must have the same length along dim 0, got ",
                     std::to_string(index.size(0)), " and ", std::to_string(src.size(0)));
