@@ -28,7 +28,7 @@
 #include <cstdint>
 
 #include "edge_softmax_kernels.cuh"
-#include "segment_reduce_kernels.cuh"  // Pack, to_acc, segment_offsets_kernel
+#include "segment_reduce_kernels.cuh"  // load_columns, to_acc, segment_offsets_kernel
 
 namespace geot {
 namespace attention {
@@ -131,15 +131,7 @@ __device__ __forceinline__ acc_t leaky_relu(acc_t v, acc_t slope) {
 template <int N_T, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void load_features(const Args<scalar_t, acc_t, index_t>& a, int64_t j, int64_t col0,
                                               acc_t (&v)[N_T]) {
-  const scalar_t* p = a.x + j * a.F + col0;
-  if (a.vector_access) {
-    const Pack<scalar_t, N_T> pack = *reinterpret_cast<const Pack<scalar_t, N_T>*>(p);
-#pragma unroll
-    for (int j2 = 0; j2 < N_T; ++j2) v[j2] = to_acc(pack.v[j2]);
-  } else {
-#pragma unroll
-    for (int j2 = 0; j2 < N_T; ++j2) v[j2] = col0 + j2 < a.F ? to_acc(p[j2]) : acc_t(0);
-  }
+  load_columns<N_T>(a.x + j * a.F + col0, col0, a.F, a.vector_access, acc_t(0), v);
 }
 
 // A head's score of a row: the dot product of its features v (this lane's

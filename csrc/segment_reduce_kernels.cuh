@@ -127,6 +127,21 @@ __device__ __forceinline__ int64_t weight_head(const SegmentArgs<scalar_t, acc_t
   return a.heads > 1 ? col0 / (a.F / a.heads) : 0;
 }
 
+// Features col0 .. col0 + N_T of a row of F (p: its element col0) in acc_t
+// registers, `fill` past F; vector: one aligned Pack load.
+template <int N_T, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void load_columns(const scalar_t* p, int64_t col0, int64_t F, bool vector, acc_t fill,
+                                             acc_t (&v)[N_T]) {
+  if (vector) {
+    const Pack<scalar_t, N_T> pack = *reinterpret_cast<const Pack<scalar_t, N_T>*>(p);
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) v[j] = to_acc(pack.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) v[j] = col0 + j < F ? to_acc(p[j]) : fill;
+  }
+}
+
 // Loads element `row`'s features col0 : col0 + N_T (src[row], or the gathered
 // and weighted row of the fused ops) into acc_t registers; features past F
 // get the identity so they can be combined blindly. `row` must be in
@@ -141,15 +156,7 @@ __device__ __forceinline__ void load_row(const SegmentArgs<scalar_t, acc_t, inde
                                          int64_t col0, int64_t head, bool take, acc_t (&v)[N_T]) {
   const int64_t src_row = FUSED && a.gather && take ? int64_t(a.gather[row]) : row;
   take = take && (!FUSED || static_cast<uint64_t>(src_row) < static_cast<uint64_t>(a.src_rows));
-  const scalar_t* p = a.src + (take ? src_row : 0) * a.F + col0;
-  if (a.vector_loads) {
-    const Pack<scalar_t, N_T> pack = *reinterpret_cast<const Pack<scalar_t, N_T>*>(p);
-#pragma unroll
-    for (int j = 0; j < N_T; ++j) v[j] = to_acc(pack.v[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < N_T; ++j) v[j] = col0 + j < a.F ? to_acc(p[j]) : Op::identity();
-  }
+  load_columns<N_T>(a.src + (take ? src_row : 0) * a.F + col0, col0, a.F, a.vector_loads, Op::identity(), v);
   if (!FUSED) return;  // callers of the plain path skip rows they do not take
   const acc_t w = a.weight && take ? to_acc(a.weight[row * a.heads + head]) : acc_t(1);
 #pragma unroll
