@@ -100,6 +100,23 @@ at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor
   return shaped_like_rows_of(reduce_rows(r), x);
 }
 
+at::Tensor index_sum_plus_scaled_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                                    const at::Tensor& scale, at::OptionalIntArrayRef config) {
+  check_edges(src_index, dst_index, x);
+  check_same_device(scale, "scale", x);
+  TORCH_CHECK_TYPE(at::isFloatingType(scale.scalar_type()), "scale must be a floating-point tensor, got ",
+                   scale.scalar_type());
+  TORCH_CHECK_VALUE(scale.numel() == 1, "scale must hold one value, got shape ", shape_string(scale.sizes()));
+  const int64_t rows = x.size(0);
+  const int long_segments = validate_indices({{dst_index, rows, true, "dst_index", "x.size(0)"},
+                                             {src_index, rows, false, "src_index", "x.size(0)"}})[0];
+  RowReduction r = fused_reduction(dst_index, src_index, x, std::nullopt, 1, rows);
+  r.long_segments = long_segments;
+  r.config = config;
+  r.self_scale = scale;
+  return shaped_like_rows_of(reduce_rows(r), x);
+}
+
 at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                        const at::Tensor& b, int64_t heads) {
   const int64_t E = check_edges(src_index, dst_index, b);
@@ -159,6 +176,7 @@ void edge_dot_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, cons
 TORCH_LIBRARY_IMPL(geot, CPU, m) {
   m.impl("index_segment_reduce", &index_segment_reduce_op);
   m.impl("index_scatter_sum", &index_scatter_sum_op);
+  m.impl("index_sum_plus_scaled", &index_sum_plus_scaled_op);
   m.impl("edge_dot", &edge_dot_op);
 }
 

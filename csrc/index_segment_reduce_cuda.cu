@@ -43,6 +43,7 @@ void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, con
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
   m.impl("index_segment_reduce", &index_segment_reduce_op);
   m.impl("index_scatter_sum", &index_scatter_sum_op);
+  m.impl("index_sum_plus_scaled", &index_sum_plus_scaled_op);
   m.impl("edge_dot", &edge_dot_op);
 }
 

@@ -105,6 +105,10 @@ struct RowReduction {
   at::OptionalIntArrayRef config;    // override of the selector (CUDA)
   int long_segments = -1;            // long_segment_level from validate_indices, -1 unknown
   bool any_order = false;
+  // Sum only, src with a row per segment: out[s] += self_scale * src[s] (GIN's
+  // (1 + eps) x). One element on src's device; the CUDA SP schedule adds it
+  // as it stores (no second pass over [S, F]), the others after the sum.
+  std::optional<at::Tensor> self_scale;
 };
 at::Tensor reduce_rows_cpu(const RowReduction& r);  // [num_segments, F]
 at::Tensor reduce_rows_cuda(const RowReduction& r);

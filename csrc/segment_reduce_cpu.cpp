@@ -307,6 +307,7 @@ at::Tensor reduce_rows_cpu(const RowReduction& r) {
       }
     });
   });
+  if (r.self_scale) out.addcmul_(r.src, *r.self_scale);
   return out;
 }
 

@@ -111,6 +111,9 @@ struct SegmentArgs {
   // finalize_straddling_segments_kernel writes it.
   int64_t chunk_rows;
   int64_t chunk_slots;
+  // SP sums only (null: off): the SP pass adds *self_scale * src[seg] to each
+  // segment it stores, empty ones included (src has a row per segment).
+  const acc_t* self_scale;
 };
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
@@ -398,11 +401,20 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], __shfl_xor_sync(mask, acc[j], d, lanes));
   }
   if (!active || lane != 0 || left_whole) return;
-  if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, end - begin);
+  const bool self_term = a.self_scale != nullptr;
+  if (self_term) {
+    acc_t own[N_T];
+    load_columns<N_T>(a.src + seg * a.F + col0, col0, a.F, a.vector_loads, acc_t(0), own);
+    const acc_t scale = *a.self_scale;
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) acc[j] += scale * own[j];
+  }
+  // rows + self_term: an empty segment stores its own term, not 0.
+  if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, end - begin + self_term);
   acc_t* o = a.out + seg * a.F + col0;
 #pragma unroll
   for (int j = 0; j < N_T; ++j)
-    if (col0 + j < a.F) o[j] = begin == end ? acc_t(0) : acc[j];
+    if (col0 + j < a.F) o[j] = begin == end && !self_term ? acc_t(0) : acc[j];
 }
 
 // PR. 1-D blocks whose size is a multiple of 32; consecutive `group` lanes

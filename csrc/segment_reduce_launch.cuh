@@ -236,6 +236,9 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // geot/nn/conv.py's _sum_writes_half mirrors the SP case to decide GIN's
   // cast; keep them in step.)
   const bool direct = (cfg.is_sp() && (!overflow || long_slots)) || chunk_slots;
+  // The self term (r.self_scale) goes into the SP pass's stores, unless long
+  // segments go whole to slots (another pass stores those); else after the sum.
+  const bool self_in_sp = r.self_scale && cfg.is_sp() && !long_slots;
   // Otherwise fp16/bf16 accumulate in an fp32 buffer (atomics in half
   // precision would round every partial result) and a finalize pass makes
   // the output (rounding, mean's division, empty segments of max/min).
@@ -283,6 +286,11 @@ at::Tensor reduce_rows(const RowReduction& r) {
         args.cap = sp_cap;
         args.may_overflow = overflow;
       }
+      at::Tensor self_scale;  // in acc_t, held until the launches are queued
+      if (self_in_sp) {
+        self_scale = r.self_scale->to(acc_type).contiguous();
+        args.self_scale = self_scale.data_ptr<acc_t>();
+      }
       at::Tensor slot_table, slot_segments;  // held until the launches are queued
       if (long_slots) {
         slot_table = at::empty({S + 1}, r.index.options().dtype(at::kInt));  // slot per segment, then the count
@@ -324,6 +332,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       }
     });
   });
+  if (r.self_scale && !self_in_sp) out.addcmul_(r.src, *r.self_scale);
   return out;
 }
 

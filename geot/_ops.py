@@ -175,11 +175,17 @@ def _index_reduce(src_index, dst_index, x, weight, num_segments):
     return _C.index_segment_reduce_no_grad(src_index, dst_index, x, weight, num_segments, "sum", None)
 
 
+def records_no_grad(*tensors) -> bool:
+    """Whether a call records no gradient: it may then call an op without an
+    autograd formula."""
+    return (not torch._C._are_functorch_transforms_active()
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)))
+
+
 def compiled_without_grad(*tensors) -> bool:
     """Whether a traced call records no gradient: it may then call an op
     without an autograd formula (no Python autograd kernel per call)."""
-    return (torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
-            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)))
+    return torch.compiler.is_compiling() and records_no_grad(*tensors)
 
 
 def eager_autograd(*tensors) -> bool:
@@ -387,10 +393,10 @@ def accumulate_(total: torch.Tensor, part: torch.Tensor) -> None:
 
 
 # --------------------------------------------------------------------------- #
-# Ops of compiled geot.nn inference (csrc/ops.cpp says why each is one op).
+# Ops of geot.nn inference (csrc/ops.cpp says why each is one op).
 # --------------------------------------------------------------------------- #
 @torch.library.register_fake("geot::index_sum_plus_scaled")
-def _index_sum_plus_scaled_fake(src_index, dst_index, x, scale):
+def _index_sum_plus_scaled_fake(src_index, dst_index, x, scale, config=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

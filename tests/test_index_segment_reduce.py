@@ -402,3 +402,82 @@ def test_every_schedule_cuda(reduce):
         for cfg in geot.config_space(narrow=True)[::7]:
             out = geot.index_weight_segment_reduce(src, dst, w, x, reduce, S, config=cfg)
             assert_fused_matches(out, src, dst, w, x, reduce, S, f"{cfg} feat={feat}")
+
+
+# --------------------------------------------------------------------------- #
+# index_sum_plus_scaled: GIN's scale * x + the sum of x[src] (a row of x per segment)
+# --------------------------------------------------------------------------- #
+def assert_sum_plus_scaled_matches(out, src, dst, x, scale, where):
+    """Against float64: the scaled term is the segment's one more message; the
+    sum may be rounded to x's dtype before the term is added (all but CUDA's SP)."""
+    S = x.shape[0]
+    x64 = x.detach().cpu().double()
+    index = torch.cat([dst.cpu().long(), torch.arange(S)])
+    messages = torch.cat([x64[src.cpu().long()], scale * x64])
+    ref = segment_reduce_ref(index, messages, "sum", S)
+    tol = sum_tolerance(index, messages.to(x.dtype) if x.dtype != torch.float64 else messages, "sum", S)
+    sum_rounding = RTOL[x.dtype] * segment_reduce_ref(dst, messages[: dst.numel()], "sum", S).abs()
+    assert out.dtype == x.dtype and out.shape == x.shape, where
+    bad = ~((out.detach().cpu().double() - ref).abs() <= tol * 4 + sum_rounding)
+    assert not bad.any(), f"{where}: {int(bad.sum())} wrong, first at {tuple(bad.nonzero()[0].tolist())}"
+
+
+# name -> (dst_index, rows of x = segments, feature shape)
+SELF_GRAPHS = {
+    "E0": lambda: (torch.zeros(0, dtype=torch.long), 5, (4,)),
+    "one_segment": lambda: (one_segment_index(50, 2), 4, (8,)),
+    "isolated_nodes": lambda: (random_index(80, 200, lo=10, hi=190), 200, (5,)),
+    "F1": lambda: (random_index(400, 50), 50, (1,)),
+    "F33": lambda: (random_index(300, 40), 40, (33,)),
+    "F128": lambda: (random_index(200, 30), 30, (128,)),
+    "3d": lambda: (random_index(300, 40), 40, (2, 6)),
+    "huge_degree": lambda: (huge_segment_index(50_000, 1000, big=3), 1000, (4,)),  # sources: 1000 rows
+}
+
+
+@pytest.mark.parametrize("graph", list(SELF_GRAPHS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sum_plus_scaled_matches_reference(device, dtype, graph):
+    dst, S, feat = SELF_GRAPHS[graph]()
+    src, dst = edges(dst, S).to(device), dst.to(device)
+    x = random_src(S, feat, dtype, device)
+    for scale in (torch.tensor([1.3], device=device), torch.tensor(0.0, device=device, dtype=torch.float64)):
+        out = torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale)
+        assert_sum_plus_scaled_matches(out, src, dst, x, float(scale), f"{graph} scale={float(scale)}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_sum_plus_scaled_every_schedule_cuda(dtype):
+    """SP adds the scaled term as it stores (empty segments, overflow rows,
+    long segments' slots), SR and PR after the sum: every config agrees."""
+    S = 3000
+    dst = powerlaw_index(S, 40_000)
+    dst[-9000:] = S - 1  # a hub at the end
+    dst[(dst >= 100) & (dst < 140)] = 99  # empty segments, and a long one
+    dst = dst.sort().values
+    src = edges(dst, S).cuda()
+    dst = dst.cuda()
+    scale = torch.tensor([0.7], device="cuda")
+    for feat in [(1,), (3,), (32,)]:
+        x = random_src(S, feat, dtype, "cuda")
+        for cfg in geot.config_space(narrow=True)[::9]:
+            out = torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale, list(cfg))
+            assert_sum_plus_scaled_matches(out, src, dst, x, 0.7, f"{cfg} feat={feat}")
+
+
+def test_sum_plus_scaled_errors(device):
+    src, dst = torch.tensor([0, 2], device=device), torch.tensor([0, 1], device=device)
+    x = torch.randn(3, 4, device=device)
+    op = torch.ops.geot.index_sum_plus_scaled
+    with pytest.raises(ValueError, match="scale must hold one value"):
+        op(src, dst, x, torch.ones(2, device=device))
+    with pytest.raises(TypeError, match="scale must be a floating-point"):
+        op(src, dst, x, torch.ones(1, device=device, dtype=torch.long))
+    with pytest.raises(ValueError, match="src_index has values >= x.size"):
+        op(torch.tensor([0, 3], device=device), dst, x, torch.ones(1, device=device))
+    with pytest.raises(ValueError, match="dst_index must be sorted"):
+        op(src, torch.tensor([1, 0], device=device), x, torch.ones(1, device=device))
+    if device == "cuda":
+        with pytest.raises(ValueError, match="scale must be on the device of x"):
+            op(src, dst, x, torch.ones(1))

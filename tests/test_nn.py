@@ -208,9 +208,10 @@ def test_autocast_matches_float32(geot_class, pyg_class, args, kwargs, amp_dtype
 def record_aggregated_dtypes(monkeypatch):
     """The dtype of every x geot.nn's layers aggregate from now on, in call order."""
     dtypes = []
-    gather_reduce = gnn.conv._gather_reduce
-    monkeypatch.setattr(gnn.conv, "_gather_reduce", lambda graph, h, *a: dtypes.append(h.dtype) or
-                        gather_reduce(graph, h, *a))
+    for name in ("_gather_reduce", "_sum_plus_scaled"):
+        aggregate = getattr(gnn.conv, name)
+        monkeypatch.setattr(gnn.conv, name, lambda graph, h, *a, aggregate=aggregate: dtypes.append(h.dtype) or
+                            aggregate(graph, h, *a))
     return dtypes
 
 
@@ -668,7 +669,7 @@ def test_accumulate_op():
 
 
 def test_index_sum_plus_scaled_op(device):
-    """geot::index_sum_plus_scaled (GIN's aggregation in compiled inference)
+    """geot::index_sum_plus_scaled (GIN's aggregation in inference)
     passes torch's op checks and adds scale * x to the sum of x[src]."""
     nodes, edges = 30, 200
     src = torch.randint(0, nodes, (edges,), device=device)

@@ -66,6 +66,12 @@ def _gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, w
     return index._fused(graph.src, graph.dst, weight, x, reduce, num_nodes, graph.transposed, None, counts, weight_t)
 
 
+def _sum_plus_scaled(graph: SortedGraph, x: Tensor, scale: Tensor) -> Tensor:
+    """scale * x[d] + the sum of x over the edges into d, one op without an
+    autograd formula (GIN's inference; a row of x per node)."""
+    return torch.ops.geot.index_sum_plus_scaled(graph.src, graph.dst, x, scale)
+
+
 class _GCNNorm(NamedTuple):
     edge: Optional[Tensor]    # [E'] per-edge weight in graph order (None: unweighted, normalize=False)
     loop: Optional[Tensor]    # [N, 1] added self loops' weight (None without them)
@@ -322,8 +328,9 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
     where the half-precision sum keeps no fp32 rows (see
     :func:`_cast_first_saves_memory`). Training keeps PyG's float32 sum:
     there the rounding would also move which of nn's ReLUs fire, and with
-    them the gradients. Compiled inference on one x takes the sum and
-    ``(1 + eps) x`` as one op (geot::index_sum_plus_scaled, peak memory)."""
+    them the gradients. Inference on one x takes the sum and ``(1 + eps) x``
+    as one op (geot::index_sum_plus_scaled: on CUDA's SP schedule one pass
+    over the output; compiled, a lower peak)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -339,9 +346,9 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
         if (not torch.is_grad_enabled() and _begins_with_linear(self.nn) and _matmul_dtype(x_src) != x_src.dtype
                 and _cast_first_saves_memory(graph, x_src, num_nodes)):
             x_src, x_dst = _cast_for_matmul(x_src, x_dst)
-        if x_dst is x_src and num_nodes == x_src.size(0) and _ops.compiled_without_grad(x_src, self.eps):
-            out = torch.ops.geot.index_sum_plus_scaled(graph.src, graph.dst, x_src, 1 + self.eps)
-            return self.nn(out)  # one op: see geot::index_sum_plus_scaled (peak memory)
+        if x_dst is x_src and num_nodes == x_src.size(0) and _ops.records_no_grad(x_src, self.eps):
+            out = _sum_plus_scaled(graph, x_src, 1 + self.eps)
+            return self.nn(out)  # one op: see geot::index_sum_plus_scaled (one pass on CUDA, peak memory)
         out = _gather_reduce(graph, x_src, "sum", num_nodes)
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)
