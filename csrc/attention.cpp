@@ -28,8 +28,7 @@ at::ScalarType accumulation_type(const at::Tensor& x) {
 
 void check_index(const at::Tensor& index, const char* name, const at::Tensor& x) {
   check_index_tensor(index, name);
-  TORCH_CHECK_VALUE(index.device() == x.device(), name, " must be on the device of x (", x.device().str(), "), got ",
-                    index.device().str());
+  check_same_device(index, name, x, "x");
 }
 
 // The dtypes a score or attention vector may have: that of x, or float32
@@ -38,8 +37,7 @@ void check_score_dtype(const at::Tensor& score, const char* name, const at::Tens
   TORCH_CHECK_TYPE(score.scalar_type() == x.scalar_type() || score.scalar_type() == accumulation_type(x), name,
                    " must have the dtype of x (", x.scalar_type(), ") or ", accumulation_type(x), ", got ",
                    score.scalar_type());
-  TORCH_CHECK_VALUE(score.device() == x.device(), name, " must be on the device of x (", x.device().str(), "), got ",
-                    score.device().str());
+  check_same_device(score, name, x, "x");
 }
 
 // One side of the logit: a score [rows, H], or an attention vector [H, C]

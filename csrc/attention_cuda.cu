@@ -17,6 +17,7 @@
 #include "attention_kernels.cuh"
 #include "launch_utils.cuh"
 #include "segment_reduce.h"
+#include "segment_reduce_launch.cuh"  // index_offsets
 
 namespace geot {
 
@@ -43,23 +44,10 @@ void pick_lanes(int64_t F, int n_t, int64_t messages, int64_t S, int& feature_la
   group = feature_lanes * edge_lanes;
 }
 
-// Segment offsets of dst, fresh for this call (not cached: a cached copy
-// would stay resident between steps for a pass of ~2 us).
-template <typename index_t>
-at::Tensor segment_offsets(const at::Tensor& dst_index, int64_t S, cudaStream_t stream) {
-  const int64_t E = dst_index.numel();
-  at::Tensor ptr = at::empty({S + 1}, dst_index.options().dtype(at::kLong));
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(E + 1, 256), 65536));
-  segment_offsets_kernel<index_t><<<blocks, 256, 0, stream>>>(dst_index.data_ptr<index_t>(), E, S,
-                                                                ptr.data_ptr<int64_t>(), nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return ptr;
-}
-
 // The hub pass where a destination may have more than kHubEdges edges (the
 // long-segment level from validation; -1 unknown), then the main kernel.
 template <typename scalar_t, typename acc_t, typename index_t, int N_T>
-void launch(attention::Args<scalar_t, acc_t, index_t> a, int long_segments, const at::Tensor& like) {
+void launch_attention(attention::Args<scalar_t, acc_t, index_t> a, int long_segments, const at::Tensor& like) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   static_assert(attention::kHubEdges == kLongSegmentRows[1], "the hub pass is skipped by the level of its size");
   a.columns = ceil_div(a.F, N_T);
@@ -114,8 +102,9 @@ void attention_aggregate_cuda(AttentionInputs in, at::Tensor& out) {
       a.head_lanes = static_cast<int>(C / n_t);
       a.src = in.src_index.data_ptr<index_t>();
       a.dst = in.dst_index.data_ptr<index_t>();
-      const at::Tensor ptr = segment_offsets<index_t>(in.dst_index, in.num_segments,
-                                                      c10::cuda::getCurrentCUDAStream());
+      // Fresh for this call, as SR's (not cached: see index_offsets).
+      const at::Tensor ptr =
+          launch::index_offsets<index_t>(in.dst_index, in.num_segments, false, c10::cuda::getCurrentCUDAStream()).ptr;
       a.ptr = ptr.data_ptr<int64_t>();
       a.out = reinterpret_cast<in_t*>(out.data_ptr<scalar_t>());
       a.E = E, a.S = in.num_segments, a.rows = in.x.size(0), a.H = in.heads, a.C = C, a.F = F;
@@ -124,9 +113,9 @@ void attention_aggregate_cuda(AttentionInputs in, at::Tensor& out) {
       a.vector_access = true;  // n_t divides F; x checked aligned, out fresh (aligned)
       pick_lanes(F, n_t, E + (in.self_loops ? in.num_segments : 0), in.num_segments, a.feature_lanes, a.group);
       switch (n_t) {
-        case 4: return launch<in_t, acc_t, index_t, 4>(a, in.long_segments, in.x);
-        case 2: return launch<in_t, acc_t, index_t, 2>(a, in.long_segments, in.x);
-        default: return launch<in_t, acc_t, index_t, 1>(a, in.long_segments, in.x);
+        case 4: return launch_attention<in_t, acc_t, index_t, 4>(a, in.long_segments, in.x);
+        case 2: return launch_attention<in_t, acc_t, index_t, 2>(a, in.long_segments, in.x);
+        default: return launch_attention<in_t, acc_t, index_t, 1>(a, in.long_segments, in.x);
       }
     });
   });

@@ -28,7 +28,7 @@
 #include <cstdint>
 
 #include "edge_softmax_kernels.cuh"
-#include "segment_reduce_kernels.cuh"  // load_columns, to_acc, segment_offsets_kernel
+#include "segment_reduce_kernels.cuh"  // load_columns, to_acc
 
 namespace geot {
 namespace attention {

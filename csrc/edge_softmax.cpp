@@ -32,8 +32,7 @@ void check_dst_index(const at::Tensor& dst_index, const at::Tensor& values, cons
   check_index_tensor(dst_index, "dst_index");
   TORCH_CHECK_VALUE(dst_index.size(0) == values.size(0), name, " and dst_index must have the same length E, got ",
                     std::to_string(values.size(0)), " and ", std::to_string(dst_index.size(0)));
-  TORCH_CHECK_VALUE(dst_index.device() == values.device(), "dst_index must be on the device of ", name, " (",
-                    values.device().str(), "), got ", dst_index.device().str());
+  check_same_device(dst_index, "dst_index", values, name);
   TORCH_CHECK_VALUE(num_segments >= 0, "num_segments must be >= 0, got ", std::to_string(num_segments));
   validate_indices({{dst_index, num_segments, true, "dst_index", "num_segments"}});
 }
@@ -139,8 +138,7 @@ at::Tensor edge_softmax_backward_op(const at::Tensor& y, const at::Tensor& grad,
                    "), got ", grad.scalar_type());
   TORCH_CHECK_VALUE(grad.sizes() == y.sizes(), "grad must have the shape of y (", shape_string(y.sizes()), "), got ",
                     shape_string(grad.sizes()));
-  TORCH_CHECK_VALUE(grad.device() == y.device(), "grad must be on the device of y (", y.device().str(), "), got ",
-                    grad.device().str());
+  check_same_device(grad, "grad", y, "y");
   check_dst_index(dst_index, y, "y", num_segments);
   at::Tensor out = new_output(y);
   if (out.numel() == 0) return out;

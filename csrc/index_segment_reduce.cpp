@@ -13,11 +13,6 @@ namespace geot {
 
 namespace {
 
-void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(t.device() == x.device(), name, " must be on the device of x (", x.device().str(), "), got ",
-                    t.device().str());
-}
-
 void check_features(const at::Tensor& x, const char* name) {
   TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), name,
                    " must be a float32, float16, bfloat16 or float64 tensor, got ", x.scalar_type());
@@ -31,8 +26,8 @@ int64_t check_edges(const at::Tensor& src_index, const at::Tensor& dst_index, co
   check_features(x, "x");
   TORCH_CHECK_VALUE(src_index.size(0) == dst_index.size(0), "src_index and dst_index must have the same length, got ",
                     std::to_string(src_index.size(0)), " and ", std::to_string(dst_index.size(0)));
-  check_same_device(src_index, "src_index", x);
-  check_same_device(dst_index, "dst_index", x);
+  check_same_device(src_index, "src_index", x, "x");
+  check_same_device(dst_index, "dst_index", x, "x");
   return src_index.size(0);
 }
 
@@ -40,7 +35,7 @@ int64_t check_edges(const at::Tensor& src_index, const at::Tensor& dst_index, co
 int64_t check_weight(const at::Tensor& weight, int64_t E, const at::Tensor& x) {
   TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "weight must have the dtype of x (", x.scalar_type(),
                    "), got ", weight.scalar_type());
-  check_same_device(weight, "weight", x);
+  check_same_device(weight, "weight", x, "x");
   TORCH_CHECK_VALUE((weight.dim() == 1 || weight.dim() == 2) && weight.size(0) == E,
                     "weight must have shape [E] or [E, H] with E = ", std::to_string(E), " edges, got ",
                     shape_string(weight.sizes()));
@@ -103,7 +98,7 @@ at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor
 at::Tensor index_sum_plus_scaled_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
                                     const at::Tensor& scale, at::OptionalIntArrayRef config) {
   check_edges(src_index, dst_index, x);
-  check_same_device(scale, "scale", x);
+  check_same_device(scale, "scale", x, "x");
   TORCH_CHECK_TYPE(at::isFloatingType(scale.scalar_type()), "scale must be a floating-point tensor, got ",
                    scale.scalar_type());
   TORCH_CHECK_VALUE(scale.numel() == 1, "scale must hold one value, got shape ", shape_string(scale.sizes()));
@@ -121,7 +116,7 @@ at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index,
                        const at::Tensor& b, int64_t heads) {
   const int64_t E = check_edges(src_index, dst_index, b);
   check_features(a, "a");
-  check_same_device(a, "a", b);
+  check_same_device(a, "a", b, "b");
   TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "a and b must have one dtype, got ", a.scalar_type(),
                    " and ", b.scalar_type());
   const at::Tensor a_rows = as_rows(a), b_rows = as_rows(b);

@@ -20,11 +20,6 @@ void check_rows(const at::Tensor& t, const char* name, const char* shape) {
   TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D ", shape, ", got shape ", shape_string(t.sizes()));
 }
 
-void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x, const char* x_name) {
-  TORCH_CHECK_VALUE(t.device() == x.device(), name, " must be on the device of ", x_name, " (", x.device().str(),
-                    "), got ", t.device().str());
-}
-
 // ptr: [T + 1] int64 on the device of `a`. Returns T.
 int64_t check_ptr(const at::Tensor& ptr, const at::Tensor& a, const char* a_name) {
   TORCH_CHECK_TYPE(ptr.scalar_type() == at::kLong, "ptr must be an int64 tensor, got ", ptr.scalar_type());

@@ -26,6 +26,8 @@ std::string shape_string(at::IntArrayRef sizes);
 // Dtype, shape and device checks with messages that name the argument.
 // An index: int32 or int64, 1-D.
 void check_index_tensor(const at::Tensor& index, const char* name);
+// t on the device of `like` (named like_name in the message).
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name);
 void check_segment_inputs(const at::Tensor& index, const at::Tensor& src, int64_t num_segments);
 
 // src viewed as [E, F] contiguous, F = product of the trailing dims.

@@ -51,6 +51,11 @@ void check_index_tensor(const at::Tensor& index, const char* name) {
   TORCH_CHECK_VALUE(index.dim() == 1, name, " must be 1-D, got shape ", shape_string(index.sizes()));
 }
 
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name) {
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on the device of ", like_name, " (",
+                    like.device().str(), "), got ", t.device().str());
+}
+
 void check_segment_inputs(const at::Tensor& index, const at::Tensor& src, int64_t num_segments) {
   check_index_tensor(index, "index");
   TORCH_CHECK_TYPE(at::isFloatingType(src.scalar_type()),

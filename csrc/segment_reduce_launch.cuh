@@ -73,8 +73,8 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 }
 
 // Segment offsets of a sorted index: for SP (with_longest: and the rows of
-// its longest segment), SR's chunk slots and the finalize pass (segment
-// sizes). SP's are cached per index on the default stream (computed on its
+// its longest segment), SR's chunk slots, the finalize pass (segment sizes)
+// and attention_aggregate. SP's are cached per index on the default stream (computed on its
 // first such call, with the exact longest segment); elsewhere, and for
 // indices that cannot be cached (inference tensors), fresh for this call,
 // with a longest-segment counter the SP kernel raises. The others are always
