@@ -434,8 +434,7 @@ class GATConv(_GeotLayer, pyg_nn.GATConv):
             h_src = h_dst = self.lin(x).view(-1, heads, channels)
         else:
             h_src, h_dst = self.lin_src(x).view(-1, heads, channels), self.lin_dst(x).view(-1, heads, channels)
-        records = torch.is_grad_enabled() and any(t.requires_grad for t in (h_src, h_dst, self.att_src, self.att_dst))
-        if not records and not (self.training and self.dropout > 0):
+        if _ops.records_no_grad(h_src, h_dst, self.att_src, self.att_dst) and not (self.training and self.dropout > 0):
             # Inference: softmax and sum in one pass, the self loops a term of each node's softmax (no
             # [E, H] attention, no self-looped edge list), the scores from the rows it loads (no [N, H]
             # scores) where the destinations' rows are the sources'.
