@@ -22,7 +22,7 @@ at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor
 
 // GIN's aggregation: scale * x[d] plus the sum of x[src_index[e]] over e with
 // dst_index[e] == d, a row of x per segment; scale holds one value. On CUDA
-// the SP schedule adds the scaled term as it stores (one pass over [N, F]).
+// the kernels add the scaled term as they store (one pass over [N, F]).
 at::Tensor index_sum_plus_scaled_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
                                     const at::Tensor& scale, at::OptionalIntArrayRef config);
 

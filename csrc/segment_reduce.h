@@ -108,8 +108,9 @@ struct RowReduction {
   int long_segments = -1;            // long_segment_level from validate_indices, -1 unknown
   bool any_order = false;
   // Sum only, src with a row per segment: out[s] += self_scale * src[s] (GIN's
-  // (1 + eps) x). One element on src's device; the CUDA SP schedule adds it
-  // as it stores (no second pass over [S, F]), the others after the sum.
+  // (1 + eps) x). One element on src's device; the CUDA kernels add it as
+  // they store (no second pass over [S, F]; SP's long-segment slots and CPU
+  // add it after the sum).
   std::optional<at::Tensor> self_scale;
 };
 at::Tensor reduce_rows_cpu(const RowReduction& r);  // [num_segments, F]

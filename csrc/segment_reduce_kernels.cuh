@@ -111,8 +111,12 @@ struct SegmentArgs {
   // finalize_straddling_segments_kernel writes it.
   int64_t chunk_rows;
   int64_t chunk_slots;
-  // SP sums only (null: off): the SP pass adds *self_scale * src[seg] to each
-  // segment it stores, empty ones included (src has a row per segment).
+  // Sums with a row of src per segment (null: off): *self_scale * src[seg] is
+  // added to each segment. SP adds it as it stores (empty segments included);
+  // SR adds it to the segments it stores whole, and the launch layer
+  // pre-fills out with the term for the rest (SR's straddling and empty
+  // segments, and PR's, which only add), or with chunk slots
+  // finalize_straddling_segments_kernel adds it to them.
   const acc_t* self_scale;
 };
 
@@ -143,6 +147,19 @@ __device__ __forceinline__ void load_columns(const scalar_t* p, int64_t col0, in
 #pragma unroll
     for (int j = 0; j < N_T; ++j) v[j] = col0 + j < F ? to_acc(p[j]) : fill;
   }
+}
+
+// acc += *self_scale * src[seg]'s features col0 .. col0 + N_T - 1, where
+// self_scale is set (SegmentArgs::self_scale).
+template <int N_T, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ void add_self_term(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg,
+                                              int64_t col0, acc_t (&acc)[N_T]) {
+  if (!a.self_scale) return;
+  acc_t own[N_T];
+  load_columns<N_T>(a.src + seg * a.F + col0, col0, a.F, a.vector_loads, acc_t(0), own);
+  const acc_t scale = *a.self_scale;
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) acc[j] += scale * own[j];
 }
 
 // Loads element `row`'s features col0 : col0 + N_T (src[row], or the gathered
@@ -229,12 +246,13 @@ __device__ __forceinline__ void store_finished(const SegmentArgs<scalar_t, acc_t
     if (col0 + j < a.F) o[j] = finished<scalar_t>(acc[j], rows, a.mean);
 }
 
-// Writes a whole segment into out[seg] (SR with chunk slots: its output
-// into final_out[seg]): no other thread touches it.
+// Writes a whole segment, with its self term, into out[seg] (SR with chunk
+// slots: its output into final_out[seg]): no other thread touches it.
 template <int N_T, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg, int64_t col0,
-                                      const acc_t (&acc)[N_T]) {
+                                      acc_t (&acc)[N_T]) {
   if (seg < 0 || seg >= a.S) return;
+  add_self_term(a, seg, col0, acc);
   if constexpr (kHalfRows<scalar_t, acc_t>) {
     if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
   }
@@ -402,13 +420,7 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   }
   if (!active || lane != 0 || left_whole) return;
   const bool self_term = a.self_scale != nullptr;
-  if (self_term) {
-    acc_t own[N_T];
-    load_columns<N_T>(a.src + seg * a.F + col0, col0, a.F, a.vector_loads, acc_t(0), own);
-    const acc_t scale = *a.self_scale;
-#pragma unroll
-    for (int j = 0; j < N_T; ++j) acc[j] += scale * own[j];
-  }
+  add_self_term(a, seg, col0, acc);
   // rows + self_term: an empty segment stores its own term, not 0.
   if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, end - begin + self_term);
   acc_t* o = a.out + seg * a.F + col0;
@@ -540,18 +552,27 @@ __global__ void finalize_long_segments_kernel(const acc_t* __restrict__ acc, out
 // The SR segments of half types that straddle several threads' rows (chunks
 // of chunk_rows): their result from their fp32 row of `slots` (that of the
 // chunk they begin in), divided for a mean and rounded to out_t; and 0 for
-// empty segments. The SR pass wrote every other segment itself. 2-D blocks:
-// y picks the segment, x strides over its features.
+// empty segments. With self_scale (sums), *self_scale * self_src[seg] is
+// added to both before rounding. The SR pass wrote every other segment
+// itself. 2-D blocks: y picks the segment, x strides over its features.
 template <typename acc_t, typename out_t>
 __global__ void finalize_straddling_segments_kernel(const acc_t* __restrict__ slots, out_t* __restrict__ out,
                                                     const int64_t* __restrict__ ptr, int64_t S, int64_t F,
-                                                    int64_t chunk_rows, int64_t chunk_slots, bool mean) {
+                                                    int64_t chunk_rows, int64_t chunk_slots, bool mean,
+                                                    const out_t* __restrict__ self_src,
+                                                    const acc_t* __restrict__ self_scale) {
   const int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (seg >= S) return;
   const int64_t begin = ptr[seg], end = max(ptr[seg + 1], begin);  // max: offsets of an unsorted index (validation off)
   if (begin < end && begin / chunk_rows == (end - 1) / chunk_rows) return;  // one thread saw it whole
   const acc_t* slot = slots + min(begin / chunk_rows, chunk_slots - 1) * F;
-  for (int64_t f = threadIdx.x; f < F; f += blockDim.x) out[seg * F + f] = finished<out_t>(slot[f], end - begin, mean);
+  if (!self_scale) {
+    for (int64_t f = threadIdx.x; f < F; f += blockDim.x) out[seg * F + f] = finished<out_t>(slot[f], end - begin, mean);
+    return;
+  }
+  const acc_t scale = *self_scale;
+  for (int64_t f = threadIdx.x; f < F; f += blockDim.x)
+    out[seg * F + f] = from_acc<out_t>((begin < end ? slot[f] : acc_t(0)) + scale * to_acc(self_src[seg * F + f]));
 }
 
 // For max/min backward: arg[s, f] = smallest e in segment s with

@@ -236,18 +236,24 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // geot/nn/conv.py's _sum_writes_half mirrors the SP case to decide GIN's
   // cast; keep them in step.)
   const bool direct = (cfg.is_sp() && (!overflow || long_slots)) || chunk_slots;
-  // The self term (r.self_scale) goes into the SP pass's stores, unless long
-  // segments go whole to slots (another pass stores those); else after the sum.
-  const bool self_in_sp = r.self_scale && cfg.is_sp() && !long_slots;
+  // The self term (r.self_scale) goes into the kernels' stores (SegmentArgs::
+  // self_scale), unless SP's long segments go whole to slots (another pass
+  // stores those): then it is added after the sum.
+  const bool self_in_kernel = r.self_scale && !long_slots;
   // Otherwise fp16/bf16 accumulate in an fp32 buffer (atomics in half
   // precision would round every partial result) and a finalize pass makes
   // the output (rounding, mean's division, empty segments of max/min).
   const at::ScalarType acc_type = half ? at::kFloat : r.src.scalar_type();
-  at::Tensor acc = long_slots    ? identity_filled(slots, F, acc_type, r.reduce, r.src, stream)
-                   : chunk_slots ? identity_filled(chunks, F, acc_type, r.reduce, r.src, stream)
-                   : direct      ? at::Tensor()
-                   : cfg.is_sp() ? at::empty({S, F}, r.src.options().dtype(acc_type))
-                                 : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
+  // The self term's scale in acc_type, 1-D: an fp32 [1] scale keeps the
+  // product of half rows in fp32, where a 0-d one would round it.
+  const at::Tensor self_scale = r.self_scale ? r.self_scale->to(acc_type).reshape({1}) : at::Tensor();
+  // (SR and PR add to a pre-filled [S, F]: with a self term, filled with it.)
+  at::Tensor acc = long_slots     ? identity_filled(slots, F, acc_type, r.reduce, r.src, stream)
+                   : chunk_slots  ? identity_filled(chunks, F, acc_type, r.reduce, r.src, stream)
+                   : direct       ? at::Tensor()
+                   : cfg.is_sp()  ? at::empty({S, F}, r.src.options().dtype(acc_type))
+                   : r.self_scale ? at::mul(r.src, self_scale)
+                                  : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
   const bool finalize = !direct && (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
   at::Tensor out = direct || half ? at::empty({S, F}, r.src.options()) : acc;
   if (S == 0 || F == 0) return out;
@@ -286,11 +292,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
         args.cap = sp_cap;
         args.may_overflow = overflow;
       }
-      at::Tensor self_scale;  // in acc_t, held until the launches are queued
-      if (self_in_sp) {
-        self_scale = r.self_scale->to(acc_type).contiguous();
-        args.self_scale = self_scale.data_ptr<acc_t>();
-      }
+      if (self_in_kernel) args.self_scale = self_scale.data_ptr<acc_t>();
       at::Tensor slot_table, slot_segments;  // held until the launches are queued
       if (long_slots) {
         slot_table = at::empty({S + 1}, r.index.options().dtype(at::kInt));  // slot per segment, then the count
@@ -320,7 +322,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
         const dim3 block = segment_row_block(F);
         finalize_straddling_segments_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, block.y)), block, 0, stream>>>(
             acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), args.ptr, S, F,
-            args.chunk_rows, chunks, args.mean);
+            args.chunk_rows, chunks, args.mean, args.src, args.self_scale);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       if (long_slots && slots > 0) {
@@ -332,7 +334,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       }
     });
   });
-  if (r.self_scale && !self_in_sp) out.addcmul_(r.src, *r.self_scale);
+  if (r.self_scale && !self_in_kernel) out.addcmul_(r.src, *r.self_scale);
   return out;
 }
 

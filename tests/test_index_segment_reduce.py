@@ -409,7 +409,8 @@ def test_every_schedule_cuda(reduce):
 # --------------------------------------------------------------------------- #
 def assert_sum_plus_scaled_matches(out, src, dst, x, scale, where):
     """Against float64: the scaled term is the segment's one more message; the
-    sum may be rounded to x's dtype before the term is added (all but CUDA's SP)."""
+    sum may be rounded to x's dtype before the term is added (CPU, CUDA SP's
+    long-segment slots)."""
     S = x.shape[0]
     x64 = x.detach().cpu().double()
     index = torch.cat([dst.cpu().long(), torch.arange(S)])
@@ -449,8 +450,11 @@ def test_sum_plus_scaled_matches_reference(device, dtype, graph):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_sum_plus_scaled_every_schedule_cuda(dtype):
-    """SP adds the scaled term as it stores (empty segments, overflow rows,
-    long segments' slots), SR and PR after the sum: every config agrees."""
+    """The kernels add the scaled term as they store: SP (empty segments,
+    overflow rows; after the sum with long segments' slots), SR (whole
+    segments; straddling and empty ones in the pre-filled output, or in the
+    finalize kernel of half-precision chunk slots), PR (pre-filled output):
+    every config agrees."""
     S = 3000
     dst = powerlaw_index(S, 40_000)
     dst[-9000:] = S - 1  # a hub at the end
@@ -464,6 +468,11 @@ def test_sum_plus_scaled_every_schedule_cuda(dtype):
         for cfg in geot.config_space(narrow=True)[::9]:
             out = torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale, list(cfg))
             assert_sum_plus_scaled_matches(out, src, dst, x, 0.7, f"{cfg} feat={feat}")
+    no_edges = torch.zeros(0, dtype=torch.long, device="cuda")  # the output is the term alone
+    x = random_src(7, (5,), dtype, "cuda")
+    for cfg in geot.config_space(narrow=True)[::40]:
+        out = torch.ops.geot.index_sum_plus_scaled(no_edges, no_edges, x, scale, list(cfg))
+        assert_sum_plus_scaled_matches(out, no_edges, no_edges, x, 0.7, f"{cfg} E=0")
 
 
 def test_sum_plus_scaled_errors(device):

@@ -329,8 +329,8 @@ class GINConv(_GeotLayer, pyg_nn.GINConv):
     :func:`_cast_first_saves_memory`). Training keeps PyG's float32 sum:
     there the rounding would also move which of nn's ReLUs fire, and with
     them the gradients. Inference on one x takes the sum and ``(1 + eps) x``
-    as one op (geot::index_sum_plus_scaled: on CUDA's SP schedule one pass
-    over the output; compiled, a lower peak)."""
+    as one op (geot::index_sum_plus_scaled: on CUDA one pass over the
+    output; compiled, a lower peak)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
