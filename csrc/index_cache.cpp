@@ -65,9 +65,15 @@ Cache<ValidIndex, 16>& valid_indices() {
 struct CachedOffsets {
   int64_t S = 0;
   SegmentOffsets offsets;
+  bool pinned = false;  // read by a captured CUDA graph
 };
 Cache<CachedOffsets, 8>& segment_offsets() {
   static Cache<CachedOffsets, 8> cache;
+  return cache;
+}
+
+Cache<bool, 64>& static_indices() {
+  static Cache<bool, 64> cache;
   return cache;
 }
 
@@ -105,26 +111,52 @@ void remember_valid_offsets(const at::Tensor& ptr, int64_t total) {
   if (index_cacheable(ptr)) valid_indices().insert(ptr, {total, true, true, 0});
 }
 
-std::optional<SegmentOffsets> cached_segment_offsets(const at::Tensor& index, int64_t S) {
+void mark_static_index(const at::Tensor& index) {
+  if (index_cacheable(index) && !is_static_index(index)) static_indices().insert(index, true);
+}
+
+bool is_static_index(const at::Tensor& index) {
+  if (!index_cacheable(index)) return false;
+  auto& cache = static_indices();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  for (const auto& e : cache.entries)
+    if (e.value && e.key.matches(index)) return true;
+  return false;
+}
+
+std::optional<SegmentOffsets> cached_segment_offsets(const at::Tensor& index, int64_t S, bool pin) {
   if (!index_cacheable(index)) return std::nullopt;
   auto& cache = segment_offsets();
   const std::lock_guard<std::mutex> lock(cache.mutex);
   std::optional<SegmentOffsets> found;
   for (auto& e : cache.entries) {
     if (e.key.expired() && e.value.offsets.ptr.defined()) e.value = {};  // the index is gone: free its offsets
-    if (e.value.offsets.ptr.defined() && e.value.S == S && e.key.matches(index)) found = e.value.offsets;
+    if (e.value.offsets.ptr.defined() && e.value.S == S && e.key.matches(index)) {
+      e.value.pinned |= pin;
+      found = e.value.offsets;
+    }
   }
   return found;
 }
 
 void remember_segment_offsets(const at::Tensor& index, int64_t S, const SegmentOffsets& offsets) {
-  if (index_cacheable(index)) segment_offsets().insert(index, {S, offsets});
+  if (!index_cacheable(index)) return;
+  auto& cache = segment_offsets();
+  const std::lock_guard<std::mutex> lock(cache.mutex);
+  // Round robin over the entries no captured graph reads.
+  for (size_t tried = 0; tried < cache.entries.size(); ++tried) {
+    auto& e = cache.entries[cache.next++ % cache.entries.size()];
+    if (e.value.pinned && !e.key.expired()) continue;
+    e = {IndexKey(index), {S, offsets, false}};
+    return;
+  }
 }
 
 void clear_segment_offsets() {
   auto& cache = segment_offsets();
   const std::lock_guard<std::mutex> lock(cache.mutex);
-  for (auto& e : cache.entries) e = {};
+  for (auto& e : cache.entries)
+    if (!e.value.pinned || e.key.expired()) e = {};
 }
 
 int64_t segment_offsets_cached() {

@@ -29,13 +29,24 @@ void remember_valid_offsets(const at::Tensor& ptr, int64_t total);
 // [S + 1] int64 (segment s is rows ptr[s] .. ptr[s + 1]) and longest, a
 // one-element int64 tensor holding the rows of the longest segment. The
 // cache holds them strongly (8 (S + 1) bytes each, a few entries) until
-// their index is freed or changed, or they are pushed out.
+// their index is freed or changed, or they are pushed out. pin: the entry
+// found is read by a CUDA graph being captured, which keeps its address:
+// from then on it is never pushed out or cleared, only freed with its index.
 struct SegmentOffsets {
   at::Tensor ptr, longest;
 };
-std::optional<SegmentOffsets> cached_segment_offsets(const at::Tensor& index, int64_t S);
+std::optional<SegmentOffsets> cached_segment_offsets(const at::Tensor& index, int64_t S, bool pin = false);
+// Indices declared static (their values do not change while CUDA graphs
+// that read them are replayed): only theirs does a capture take from the
+// cache. Another index may be a static buffer that a replay refills; its
+// captured kernels derive offsets from its values on every replay. Keyed as
+// the caches are, so an in-place change ends the declaration.
+void mark_static_index(const at::Tensor& index);
+bool is_static_index(const at::Tensor& index);
+// Caches offsets in an unpinned entry (none free: not cached).
 void remember_segment_offsets(const at::Tensor& index, int64_t S, const SegmentOffsets& offsets);
-// Drops every cached offsets tensor (frees their device memory).
+// Drops every cached offsets tensor no captured graph reads (frees their
+// device memory), and the pinned ones of freed indices.
 void clear_segment_offsets();
 // Entries held (tests).
 int64_t segment_offsets_cached();

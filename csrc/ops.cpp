@@ -183,6 +183,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("clear_segment_offsets", &geot::clear_segment_offsets,
         "Free the segment offsets cached for the SP schedule (CUDA memory)");
   m.def("segment_offsets_cached", &geot::segment_offsets_cached, "Cached segment offsets held (tests)");
+  m.def("mark_static_index", &geot::mark_static_index,
+        "Declare an index's values fixed while CUDA graphs reading it replay (captures may read its cached offsets)");
+  m.def("is_static_index", &geot::is_static_index, "Whether an index is declared static (tests)");
 #ifdef GEOT_WITH_CUDA
   m.attr("cuda_built") = true;
 #else

@@ -9,7 +9,7 @@ from .config import Config, config_space, explain, explain_source, rules_mode, s
 from .hetero import attention_aggregate, edge_softmax, edge_softmax_, group_by_type, segment_matmul
 from .index import TransposedIndex, index_segment_reduce, index_weight_segment_reduce, transpose_index
 from .segment import segment_reduce
-from .validation import clear_cache, set_validation, validation_enabled
+from .validation import clear_cache, mark_static_index, set_validation, validation_enabled
 
 __all__ = [
     "attention_aggregate",
@@ -24,6 +24,7 @@ __all__ = [
     "group_by_type",
     "index_segment_reduce",
     "index_weight_segment_reduce",
+    "mark_static_index",
     "rules_mode",
     "segment_matmul",
     "segment_reduce",

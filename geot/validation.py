@@ -13,7 +13,8 @@ the index. They are derived once per sorted index, keyed the same way, and
 held on the GPU (8 bytes per segment, a few indices at most) until the index
 is freed or changed in place, or :func:`clear_cache` is called. Inference
 tensors have no version counter: they are never cached, and SP derives
-their offsets on every call.
+their offsets on every call. A CUDA graph capture reads the cached offsets
+only of indices declared static (:func:`mark_static_index`).
 """
 import contextlib
 
@@ -29,8 +30,20 @@ def validation_enabled() -> bool:
 
 
 def clear_cache() -> None:
-    """Frees the segment offsets cached on the GPU for the SP schedule."""
+    """Frees the segment offsets cached on the GPU for the SP schedule, but
+    for those a captured CUDA graph reads (freed with their index)."""
     _C.clear_segment_offsets()
+
+
+def mark_static_index(index) -> None:
+    """Declares that ``index``'s values stay as they are while CUDA graphs
+    that read it are replayed (a static graph, as geot.nn keeps). A CUDA
+    graph capture then reads the SP segment offsets an eager call cached for
+    it (and keeps them, pinned, until the index is freed) instead of deriving
+    them on every replay. Without it a capture derives its own: the index
+    may be a static buffer that each replay refills with a new graph. An
+    in-place change of the index ends the declaration."""
+    _C.mark_static_index(index)
 
 
 @contextlib.contextmanager

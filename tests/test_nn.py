@@ -179,6 +179,9 @@ def test_kept_graph_is_a_static_input_for_cuda_graphs():
         kept += [value] if isinstance(value, torch.Tensor) else [t for t in value if isinstance(t, torch.Tensor)]
     assert len(kept) >= 6
     assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in kept)
+    # and its indices declared static to geot: captures read their cached segment offsets
+    indices = [t for t in kept if t.dim() == 1 and t.dtype in (torch.int32, torch.int64)]
+    assert any(t is graph.dst for t in indices) and all(geot._C.is_static_index(t) for t in indices)
 
 
 @pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

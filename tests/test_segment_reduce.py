@@ -1,4 +1,5 @@
 """Tests of geot.segment_reduce against the float64 reference in reference.py."""
+import gc
 import itertools
 
 import pytest
@@ -723,6 +724,19 @@ def _cached():
     return geot._C.segment_offsets_cached()
 
 
+def test_static_index_declaration_is_keyed_like_the_caches():
+    """A declaration holds for that index's values: a copy is not declared,
+    and an in-place change ends it (a capture would read stale offsets)."""
+    index = torch.arange(100)
+    other = index.clone()
+    assert not geot._C.is_static_index(index)
+    geot.mark_static_index(index)
+    assert geot._C.is_static_index(index) and geot._C.is_static_index(index[:])
+    assert not geot._C.is_static_index(other) and not geot._C.is_static_index(index[1:])
+    index.add_(1)
+    assert not geot._C.is_static_index(index)
+
+
 @requires_cuda
 def test_sp_offsets_rebuilt_after_in_place_change():
     geot.clear_cache()
@@ -964,18 +978,15 @@ def test_sr_half_types_write_directly_with_chunk_slots(dtype, cfg, F):
 
 @requires_cuda
 def test_sp_under_cuda_graph_capture():
-    """Offsets derived while a CUDA graph is captured only exist on replay:
-    they are used by the graph but never cached."""
+    """With no cached offsets (no eager SP call before it), a capture derives
+    them in the graph (allocated in its pool): used on replay, never cached."""
     geot.clear_cache()
     S = 400
     index = powerlaw_index(S, 8000).cuda()
     src = random_src(index.numel(), (16,), torch.float32, "cuda")
     geot.segment_reduce(index, src, "sum", S, config=SR)  # validates (a sync: not capturable)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out = geot.segment_reduce(index, src, "sum", S, config=SP)
+    graph, out, allocated = _capture(lambda: geot.segment_reduce(index, src, "sum", S, config=SP))
+    assert allocated > out.nbytes
     assert _cached() == 0
     src.copy_(random_src(index.numel(), (16,), torch.float32, "cuda"))
     graph.replay()
@@ -1004,29 +1015,95 @@ def test_offsets_cached_from_the_default_stream_only():
     assert _cached() == 1
 
 
+def _capture(fn):
+    """(graph, fn's output, peak bytes allocated while capturing fn) of fn in a
+    CUDA graph (the peak: fn's temporaries are freed to the graph's pool)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    gc.collect()  # as torch.cuda.graph does on entry, so garbage is not freed inside
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    return graph, out, torch.cuda.max_memory_allocated() - before
+
+
 @requires_cuda
-def test_captured_sp_call_does_not_read_the_cache():
-    """A captured kernel keeps the addresses it read: offsets taken from the
-    cache would be freed under the graph when evicted. Captures make their
-    own, so a replay after the cache is cleared (and the memory reused) is
-    still right."""
+def test_captured_sp_call_reads_and_pins_the_cache():
+    """A capture reads the offsets an eager call cached for an index declared
+    static (no offsets pass on replay, none allocated) and pins them: its kernels keep the address, so
+    neither clear_cache nor eviction by other indices may free them while the
+    index lives; the replay after both is still right."""
+    geot.clear_cache()
+    pinned_before = _cached()  # entries earlier tests' graphs pinned, if their indices live on
+    S = 400
+    index = powerlaw_index(S, 8000).cuda()
+    src = random_src(index.numel(), (16,), torch.float32, "cuda")
+    geot.segment_reduce(index, src, "sum", S, config=SR)  # validates (a sync: not capturable); caches nothing
+    geot.mark_static_index(index)
+
+    def sp_sum():
+        return geot.segment_reduce(index, src, "sum", S, config=SP)
+
+    fresh_graph, fresh_out, fresh_bytes = _capture(sp_sum)  # derives its own offsets (a temporary)
+    assert _cached() == pinned_before
+    sp_sum()
+    assert _cached() == pinned_before + 1
+    graph, out, cached_bytes = _capture(sp_sum)
+    assert fresh_bytes - cached_bytes >= 8 * (S + 1)  # no offsets made in the graph
+    geot.clear_cache()
+    assert _cached() == pinned_before + 1  # pinned
+    others = [powerlaw_index(S, 7000 + i).cuda() for i in range(10)]  # more than the cache holds
+    for other in others:
+        geot.segment_reduce(other, src[: other.numel()], "sum", S, config=SP)
+    junk = [torch.full((S + 1,), 2**40, dtype=torch.long, device="cuda") for _ in range(8)]  # reuse freed blocks
+    src.copy_(random_src(index.numel(), (16,), torch.float32, "cuda"))
+    graph.replay()
+    fresh_graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_ref(out, index, src, "sum", S)
+    assert_matches_ref(fresh_out, index, src, "sum", S)
+    del junk, others
+    geot.clear_cache()
+    assert _cached() == pinned_before + 1  # the pinned entry outlived eviction and clearing
+
+
+@requires_cuda
+def test_capture_derives_offsets_of_an_index_not_declared_static():
+    """An index not declared static may be a static buffer that each replay
+    refills with another graph (the usual CUDA graph pattern): a capture
+    derives its offsets in the graph even when an eager call cached them, so
+    a replay after the index changes in place is right."""
     geot.clear_cache()
     S = 400
     index = powerlaw_index(S, 8000).cuda()
     src = random_src(index.numel(), (16,), torch.float32, "cuda")
-    geot.segment_reduce(index, src, "sum", S, config=SP)
-    assert _cached() == 1
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out = geot.segment_reduce(index, src, "sum", S, config=SP)
-    geot.clear_cache()
-    junk = [torch.full((S + 1,), 2**40, dtype=torch.long, device="cuda") for _ in range(4)]  # reuse freed blocks
+    geot.segment_reduce(index, src, "sum", S, config=SP)  # caches its offsets
+    graph, out, _ = _capture(lambda: geot.segment_reduce(index, src, "sum", S, config=SP))
+    index.copy_(powerlaw_index(S, 8000, alpha=1.5).cuda())  # same length, other segments
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_ref(out, index, src, "sum", S)
-    del junk
+
+
+@requires_cuda
+def test_pinned_offsets_freed_with_the_index():
+    geot.clear_cache()
+    pinned_before = _cached()
+    S = 300
+    index = powerlaw_index(S, 5000).cuda()
+    src = random_src(index.numel(), (8,), torch.float32, "cuda")
+    geot.mark_static_index(index)
+    geot.segment_reduce(index, src, "sum", S, config=SP)
+    graph, _, _ = _capture(lambda: geot.segment_reduce(index, src, "sum", S, config=SP))
+    geot.clear_cache()
+    assert _cached() == pinned_before + 1  # pinned
+    del graph, index
+    gc.collect()
+    geot.clear_cache()
+    assert _cached() == pinned_before
 
 
 @requires_cuda

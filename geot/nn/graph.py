@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..index import TransposedIndex, transpose_index
+from ..validation import mark_static_index
 
 
 class UncachedGraphWarning(UserWarning):
@@ -191,10 +192,14 @@ def static_addresses(value):
     inputs for torch.compile. What a graph keeps does not change while kept,
     so CUDA graphs (mode="reduce-overhead") may read it in place; unmarked,
     every replay would first copy it into the graph's own buffers (E-sized
-    index and weight copies per layer and step)."""
+    index and weight copies per layer and step). Its indices are declared
+    static to geot too, so captures read their cached segment offsets
+    (geot.mark_static_index)."""
     if isinstance(value, Tensor):
         if value.is_cuda:
             torch._dynamo.mark_static_address(value)
+            if value.dim() == 1 and value.dtype in (torch.int32, torch.int64):
+                mark_static_index(value)
     elif isinstance(value, (tuple, list)):
         for item in value:
             static_addresses(item)
