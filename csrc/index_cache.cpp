@@ -45,9 +45,16 @@ struct Cache {
   std::array<Entry, N> entries;
   size_t next = 0;
 
-  void insert(const at::Tensor& index, Value value) {
+  // Round robin over the entries `keep` does not hold on to (none: not inserted).
+  template <typename Keep = bool (*)(const Entry&)>
+  void insert(const at::Tensor& index, Value value, Keep keep = [](const Entry&) { return false; }) {
     const std::lock_guard<std::mutex> lock(mutex);
-    entries[next++ % N] = {IndexKey(index), std::move(value)};
+    for (size_t tried = 0; tried < N; ++tried) {
+      Entry& e = entries[next++ % N];
+      if (keep(e)) continue;
+      e = {IndexKey(index), std::move(value)};
+      return;
+    }
   }
 };
 
@@ -141,15 +148,8 @@ std::optional<SegmentOffsets> cached_segment_offsets(const at::Tensor& index, in
 
 void remember_segment_offsets(const at::Tensor& index, int64_t S, const SegmentOffsets& offsets) {
   if (!index_cacheable(index)) return;
-  auto& cache = segment_offsets();
-  const std::lock_guard<std::mutex> lock(cache.mutex);
-  // Round robin over the entries no captured graph reads.
-  for (size_t tried = 0; tried < cache.entries.size(); ++tried) {
-    auto& e = cache.entries[cache.next++ % cache.entries.size()];
-    if (e.value.pinned && !e.key.expired()) continue;
-    e = {IndexKey(index), {S, offsets, false}};
-    return;
-  }
+  // Entries a captured graph reads stay while their index lives.
+  segment_offsets().insert(index, {S, offsets, false}, [](const auto& e) { return e.value.pinned && !e.key.expired(); });
 }
 
 void clear_segment_offsets() {

@@ -6,7 +6,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -81,10 +80,10 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 // call, with a longest-segment counter the SP kernel raises. The others are
 // always fresh: a cached copy stays resident between steps (8 bytes per
 // segment) to save a pass of a few microseconds. Off the default stream run
-// CUDA graph captures and torch.compile's CUDA-graph warm-ups: there a
-// cached entry is read but none is made (a warm-up allocates in the graph's
-// private pool, where a cached tensor would outlive the function: cudagraph
-// trees reject that). A capture reads one only for an index declared static
+// CUDA graph captures and torch.compile's CUDA-graph warm-ups: there none
+// is made (a warm-up allocates in the graph's private pool, where a cached
+// tensor would outlive the function: cudagraph trees reject that), and
+// warm-ups make their own. A capture reads one only for an index declared static
 // (mark_static_index: a replay may refill any other with new values) and
 // pins it, since its kernels keep the address: an eviction would free it
 // under the graph (an illegal access on replay, seen with compiled RGCN on an
@@ -95,16 +94,8 @@ SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, bool with_longe
   const bool cacheable = with_longest && index_cacheable(index);
   const bool on_default = stream == c10::cuda::getDefaultCUDAStream(index.device().index()).stream();
   const bool capturing = cacheable && capturing_cuda_graph();
-  if (cacheable && (!capturing || is_static_index(index))) {
-    if (auto cached = cached_segment_offsets(index, S, /*pin=*/capturing)) {
-      // A warm-up's kernels may still read an entry that an eviction frees:
-      // the allocator must not hand its memory out before this stream is done.
-      if (!on_default && !capturing)
-        for (const at::Tensor* t : {&cached->ptr, &cached->longest})
-          c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(),
-                                                        c10::cuda::getCurrentCUDAStream(index.device().index()));
-      return *cached;
-    }
+  if (cacheable && (capturing ? is_static_index(index) : on_default)) {
+    if (auto cached = cached_segment_offsets(index, S, /*pin=*/capturing)) return *cached;
   }
   const bool cache = cacheable && on_default;
   const int64_t E = index.numel();
