@@ -4,6 +4,7 @@
 
 #include <array>
 #include <mutex>
+#include <optional>
 
 #include "segment_reduce.h"
 
@@ -56,6 +57,15 @@ struct Cache {
       return;
     }
   }
+
+  // The value of the first entry for index's current values that `accept` takes.
+  template <typename Accept>
+  std::optional<Value> find(const at::Tensor& index, Accept accept) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (const auto& e : entries)
+      if (accept(e.value) && e.key.matches(index)) return e.value;
+    return std::nullopt;
+  }
 };
 
 struct ValidIndex {
@@ -92,13 +102,9 @@ bool index_cacheable(const at::Tensor& index) {
 
 int known_index_flags(const at::Tensor& index, int64_t bound, bool sorted) {
   if (!index_cacheable(index)) return -1;
-  auto& cache = valid_indices();
-  const std::lock_guard<std::mutex> lock(cache.mutex);
-  for (const auto& e : cache.entries) {
-    const ValidIndex& v = e.value;
-    if (!v.offsets && e.key.matches(index) && v.bound <= bound && (v.sorted || !sorted)) return v.flags;
-  }
-  return -1;
+  const auto found = valid_indices().find(
+      index, [&](const ValidIndex& v) { return !v.offsets && v.bound <= bound && (v.sorted || !sorted); });
+  return found ? found->flags : -1;
 }
 
 void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, int flags) {
@@ -106,12 +112,8 @@ void remember_valid_index(const at::Tensor& index, int64_t bound, bool sorted, i
 }
 
 bool offsets_known_valid(const at::Tensor& ptr, int64_t total) {
-  if (!index_cacheable(ptr)) return false;
-  auto& cache = valid_indices();
-  const std::lock_guard<std::mutex> lock(cache.mutex);
-  for (const auto& e : cache.entries)
-    if (e.value.offsets && e.key.matches(ptr) && e.value.bound == total) return true;
-  return false;
+  return index_cacheable(ptr) &&
+         valid_indices().find(ptr, [&](const ValidIndex& v) { return v.offsets && v.bound == total; }).has_value();
 }
 
 void remember_valid_offsets(const at::Tensor& ptr, int64_t total) {
@@ -123,12 +125,7 @@ void mark_static_index(const at::Tensor& index) {
 }
 
 bool is_static_index(const at::Tensor& index) {
-  if (!index_cacheable(index)) return false;
-  auto& cache = static_indices();
-  const std::lock_guard<std::mutex> lock(cache.mutex);
-  for (const auto& e : cache.entries)
-    if (e.value && e.key.matches(index)) return true;
-  return false;
+  return index_cacheable(index) && static_indices().find(index, [](bool declared) { return declared; }).has_value();
 }
 
 std::optional<SegmentOffsets> cached_segment_offsets(const at::Tensor& index, int64_t S, bool pin) {
