@@ -119,7 +119,7 @@ def test_gat_inference_in_one_pass(input_loops, channels, kwargs, device, monkey
     x = torch.randn(200, 12, dtype=torch.float64, device=device)
     one_pass = []
     aggregate = geot.attention_aggregate
-    monkeypatch.setattr(gnn.conv.hetero, "attention_aggregate",
+    monkeypatch.setattr(gnn.gat.hetero, "attention_aggregate",
                         lambda *args, **kwargs: one_pass.append(1) or aggregate(*args, **kwargs))
     with torch.no_grad():
         out, ref = geot_layer(x, edge_index), pyg_layer(x, edge_index)
@@ -128,7 +128,7 @@ def test_gat_inference_in_one_pass(input_loops, channels, kwargs, device, monkey
     assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, ())  # training: the two ops
     assert one_pass == [1]
     if kwargs.get("add_self_loops", True):
-        assert (geot_layer._geot_graphs[200, 0][3].drop is None) == (not input_loops)
+        assert (geot_layer._geot_graphs[200, 0, False, False][3].drop is None) == (not input_loops)
 
 
 def test_gat_dropout_without_gradients_overwrites_its_scores(device, monkeypatch):
@@ -136,7 +136,7 @@ def test_gat_dropout_without_gradients_overwrites_its_scores(device, monkeypatch
     layer = gnn.GATConv(12, 5, heads=3, dropout=0.5).to(device).train()
     overwrites = []
     in_place = geot.edge_softmax_
-    monkeypatch.setattr(gnn.conv.hetero, "edge_softmax_", lambda *args: overwrites.append(1) or in_place(*args))
+    monkeypatch.setattr(gnn.gat.hetero, "edge_softmax_", lambda *args: overwrites.append(1) or in_place(*args))
     with torch.no_grad():
         out = layer(torch.randn(200, 12, device=device), random_graph(200, 1500, device))
     assert overwrites == [1] and torch.isfinite(out).all()
@@ -211,9 +211,10 @@ def test_autocast_matches_float32(geot_class, pyg_class, args, kwargs, amp_dtype
 def record_aggregated_dtypes(monkeypatch):
     """The dtype of every x geot.nn's layers aggregate from now on, in call order."""
     dtypes = []
-    for name in ("_gather_reduce", "_sum_plus_scaled"):
-        aggregate = getattr(gnn.conv, name)
-        monkeypatch.setattr(gnn.conv, name, lambda graph, h, *a, aggregate=aggregate: dtypes.append(h.dtype) or
+    for module, name in ((gnn.gin, "gather_reduce_nodes"), (gnn.gin, "_sum_plus_scaled"),
+                         (gnn.sage, "gather_reduce_nodes")):
+        aggregate = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda graph, h, *a, aggregate=aggregate: dtypes.append(h.dtype) or
                             aggregate(graph, h, *a))
     return dtypes
 
@@ -236,7 +237,7 @@ def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, cast):
     summed in float32 as PyG does."""
     if device == "cpu" and not cast:
         pytest.skip("CPU always casts first")
-    monkeypatch.setattr(gnn.conv, "_sum_writes_half", lambda *args: cast)
+    monkeypatch.setattr(gnn.gin, "_sum_writes_half", lambda *args: cast)
     geot_layer, pyg_layer = build_pair(gnn.GINConv, pyg_nn.GINConv, (), {"eps": 0.3, "train_eps": True}, device)
     geot_layer, pyg_layer = geot_layer.float(), pyg_layer.float()
     edge_index, x = random_graph(200, 1500, device), torch.randn(200, 12, device=device)
@@ -518,23 +519,15 @@ def test_patch():
     torch.testing.assert_close(model(x, edge_index), expect)
 
 
-def test_unsupported_options():
-    with pytest.raises(NotImplementedError, match="project"):
-        gnn.SAGEConv(8, 8, project=True)
-    with pytest.raises(NotImplementedError, match="aggr"):
-        gnn.SAGEConv(8, 8, aggr="lstm")
-    with pytest.raises(NotImplementedError, match="edge_dim"):
-        gnn.GATConv(8, 8, edge_dim=3)
-    with pytest.raises(NotImplementedError, match="num_blocks"):
-        gnn.RGCNConv(8, 8, 3, num_blocks=2)
-    with pytest.raises(NotImplementedError, match="flow"):
-        gnn.GCNConv(8, 8, flow="target_to_source")
-    with pytest.raises(NotImplementedError, match="layer convs.0"):
-        gnn.patch(_Holder(pyg_nn.SAGEConv(8, 8, aggr="lstm")))
-    holder = _Holder(pyg_nn.SAGEConv(8, 8, project=True))
-    with pytest.warns(UserWarning, match="left as PyG"):
-        gnn.patch(holder, strict=False)
+def test_patch_strict_names_the_layer_that_runs_pyg():
+    """patch converts every layer; strict=True raises for one whose options
+    keep every call on PyG's forward, and leaves it a PyG layer."""
+    holder = _Holder(pyg_nn.SAGEConv(8, 8, aggr="lstm"))
+    with pytest.raises(NotImplementedError, match="layer convs.0 runs PyG's forward: aggr='lstm'"):
+        gnn.patch(holder, strict=True)
     assert type(holder.convs[0]) is pyg_nn.SAGEConv
+    gnn.patch(holder)
+    assert type(holder.convs[0]) is gnn.SAGEConv
 
 
 class _Holder(torch.nn.Module):
@@ -549,8 +542,6 @@ def test_bad_inputs():
         layer(x, torch.zeros(3, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="edge_index must be int32 or int64"):
         layer(x, torch.zeros(2, 4))
-    with pytest.raises(TypeError, match="SparseTensor or torch.sparse"):
-        layer(x, torch.eye(5).to_sparse_csr())
     rgcn = gnn.RGCNConv(4, 2, 3)
     edge_index = torch.tensor([[0, 1], [1, 2]])
     with pytest.raises(ValueError, match="needs edge_type"):

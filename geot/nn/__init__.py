@@ -1,7 +1,9 @@
 """PyTorch Geometric layers on geot's kernels (needs torch_geometric).
 
 * ``GCNConv``, ``SAGEConv``, ``GINConv``, ``GATConv``, ``RGCNConv``: drop-in
-  subclasses of PyG's layers, same constructor, parameters and forward.
+  subclasses of PyG's layers, same constructor, parameters and forward; a
+  call geot does not run natively runs PyG's forward
+  (:class:`GeotFallbackWarning`).
 * :func:`patch`: converts the PyG layers of an existing model in place.
 * :class:`SegmentAggregation`: ``MessagePassing(aggr=SegmentAggregation("sum"))``.
 """
@@ -11,9 +13,14 @@ except ImportError as error:  # geot itself does not need PyG; geot.nn does
     raise ImportError("geot.nn needs PyTorch Geometric: pip install torch-geometric") from error
 
 from .aggr import SegmentAggregation
-from .conv import GATConv, GCNConv, GINConv, RGCNConv, SAGEConv
+from .gat import GATConv
+from .gcn import GCNConv
+from .gin import GINConv
 from .graph import SortedGraph, UncachedGraphWarning, sorted_graph, sorted_index
+from .layer import GeotFallbackWarning
 from .patch import patch
+from .rgcn import RGCNConv
+from .sage import SAGEConv
 
-__all__ = ["GATConv", "GCNConv", "GINConv", "RGCNConv", "SAGEConv", "SegmentAggregation", "SortedGraph",
-           "UncachedGraphWarning", "patch", "sorted_graph", "sorted_index"]
+__all__ = ["GATConv", "GCNConv", "GeotFallbackWarning", "GINConv", "RGCNConv", "SAGEConv", "SegmentAggregation",
+           "SortedGraph", "UncachedGraphWarning", "patch", "sorted_graph", "sorted_index"]

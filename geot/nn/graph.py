@@ -44,6 +44,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..index import TransposedIndex, transpose_index
 from ..validation import mark_static_index
+from .inputs import edges_of
 
 
 class UncachedGraphWarning(UserWarning):
@@ -109,40 +110,30 @@ _graphs = WeakTensorKeyDictionary()   # edge_index -> {variant: (version key, ed
 _indices = WeakTensorKeyDictionary()  # base of an index view -> {view key: (perm, sorted index)}
 
 
-def edge_tensor(edge_index) -> Tuple[Tensor, bool]:
-    """The plain [2, E] index tensor and whether it is known to be sorted by destination."""
-    if not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided:
-        kind = type(edge_index).__name__ if not isinstance(edge_index, Tensor) else str(edge_index.layout)
-        raise TypeError(f"edge_index must be a [2, E] integer tensor or a torch_geometric EdgeIndex, got {kind}; "
-                        "geot layers do not take SparseTensor or torch.sparse adjacencies")
-    if edge_index.dim() != 2 or edge_index.size(0) != 2:
-        raise ValueError(f"edge_index must have shape [2, E], got {tuple(edge_index.shape)}")
-    if edge_index.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"edge_index must be int32 or int64, got {edge_index.dtype}")
-    known_sorted = bool(getattr(edge_index, "is_sorted_by_col", False))
-    if hasattr(edge_index, "as_tensor"):  # EdgeIndex: work on the plain data
-        edge_index = edge_index.as_tensor()
-    return edge_index, known_sorted
+def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, self_loops: Optional[int] = None,
+                 edge_type: Optional[Tensor] = None, num_relations: int = 0, transposed: bool = True,
+                 keep_perm: bool = False) -> SortedGraph:
+    """The graph input (any kind :mod:`geot.nn.inputs` takes) sorted by
+    destination, from the caches when possible.
 
-
-def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int] = None,
-                 edge_type: Optional[Tensor] = None, num_relations: int = 0,
-                 transposed: bool = True) -> SortedGraph:
-    """``edge_index`` sorted by destination, from the caches when possible.
-
-    self_loops=N: input self loops are marked in ``drop`` (None where eager
-    code saw none) and one loop per node 0..N-1 is added (GAT). edge_type
-    with num_relations=R: the segment of an edge is ``dst * R + edge_type``
-    (RGCN's per-relation mean).
+    flipped: row 0 of edge_index holds the destinations (PyG's
+    flow="target_to_source"). self_loops=N: input self loops are marked in
+    ``drop`` (None where eager code saw none) and one loop per node 0..N-1
+    is added (GAT); keep_perm keeps that graph's ``perm`` (input positions,
+    the added loops at E..E+N-1). edge_type with num_relations=R: the
+    segment of an edge is ``dst * R + edge_type`` (RGCN's per-relation mean).
     transposed=False: the caller's backward pass does not read the graph's
     transposed index (RGCN gathering projected rows has its own), so a call
     recording gradients does not add it.
     """
-    last = layer._geot_graphs.get((self_loops, num_relations))
+    edges = edges_of(edge_index)
+    tensor = _checked_edges(edges.index)
+    slot = (self_loops, num_relations, flipped, keep_perm)
+    last = layer._geot_graphs.get(slot)
     grad = torch.is_grad_enabled() and transposed
+    build = (tensor, edges.sorted and not flipped, flipped, self_loops, edge_type, num_relations, keep_perm)
     if torch.compiler.is_compiling():  # the layer's slot, guarded by identity (versions are not traceable)
-        if (last is not None and last[0] is edge_index and last[1] is edge_type
-                and last[2][:2] == (self_loops, num_relations)):
+        if last is not None and last[0] is tensor and last[1] is edge_type and last[2][:4] == slot:
             graph = last[3]
             if grad and graph.transposed is None:
                 _warn_at_compile_time(layer, "builds the transposed index (eager calls saw the graph without "
@@ -150,22 +141,30 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, self_loops: Optional[int
                 return with_transposed(graph)
             return graph
         _warn_at_compile_time(layer, "sorts edge_index (no eager call of this layer saw this tensor)")
-        return _build(edge_index, self_loops, edge_type, num_relations, eager=False, transposed=grad)
+        return _build(*build, eager=False, transposed=grad)
     # Tensors made in inference mode cannot be saved for backward: such a graph is kept apart.
-    variant = (self_loops, num_relations, torch.is_inference_mode_enabled())
-    if (last is not None and last[0] is edge_index and last[1] is edge_type and last[2] == variant
-            and last[4] == _graph_key(edge_index, edge_type) and (last[3].transposed is not None or not grad)):
+    variant = slot + (torch.is_inference_mode_enabled(),)
+    if (last is not None and last[0] is tensor and last[1] is edge_type and last[2] == variant
+            and last[4] == _graph_key(tensor, edge_type) and (last[3].transposed is not None or not grad)):
         return last[3]  # the graph this layer saw last, unchanged: no shared look-up, no slot update
-    graph = _shared_lookup(edge_index, variant, edge_type)
+    graph = _shared_lookup(tensor, variant, edge_type)
     if graph is None:
-        graph = static_addresses(_build(edge_index, self_loops, edge_type, num_relations, eager=True,
-                                        transposed=grad))  # validates
+        graph = static_addresses(_build(*build, eager=True, transposed=grad))  # validates
     elif grad and graph.transposed is None:  # first seen without grad: add what the backward pass needs
         graph = with_transposed(graph)
-    _shared_store(edge_index, variant, edge_type, graph)
-    layer._geot_graph = (edge_index, edge_type, variant, graph, _graph_key(edge_index, edge_type))
-    layer._geot_graphs[self_loops, num_relations] = layer._geot_graph
+    _shared_store(tensor, variant, edge_type, graph)
+    layer._geot_graph = (tensor, edge_type, variant, graph, _graph_key(tensor, edge_type))
+    layer._geot_graphs[slot] = layer._geot_graph
     return graph
+
+
+def _checked_edges(edge_index: Tensor) -> Tensor:
+    """The plain [2, E] index tensor of an edge_index (an EdgeIndex's data)."""
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"edge_index must have shape [2, E], got {tuple(edge_index.shape)}")
+    if edge_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"edge_index must be int32 or int64, got {edge_index.dtype}")
+    return edge_index.as_tensor() if hasattr(edge_index, "as_tensor") else edge_index
 
 
 def with_transposed(graph: SortedGraph) -> SortedGraph:
@@ -235,9 +234,9 @@ def _shared_store(edge_index, variant, edge_type, graph) -> None:
     _graphs.setdefault(edge_index, {})[variant] = (_graph_key(edge_index, edge_type), type_ref, graph)
 
 
-def _build(edge_index, self_loops, edge_type, num_relations, eager: bool, transposed: bool) -> SortedGraph:
-    edges, known_sorted = edge_tensor(edge_index)
-    src, dst = edges[0], edges[1]
+def _build(edges: Tensor, known_sorted: bool, flipped: bool, self_loops, edge_type, num_relations, keep_perm: bool,
+           eager: bool, transposed: bool) -> SortedGraph:
+    src, dst = (edges[1], edges[0]) if flipped else (edges[0], edges[1])
     num_edges = src.numel()
     input_loops = (src == dst).any() if self_loops is not None and eager and num_edges else None
     if self_loops is not None:
@@ -259,7 +258,7 @@ def _build(edge_index, self_loops, edge_type, num_relations, eager: bool, transp
         src, perm = src.index_select(0, perm), perm.to(index_dtype)
     # Without input self loops nothing is dropped: no mask to keep or apply.
     drop = None if self_loops is None or not has_loops else (src == dst) & (perm < num_edges)
-    if self_loops is not None:
+    if self_loops is not None and not keep_perm:
         perm = None  # read by nothing else: not kept (E + N indices less for GAT's training graph)
     graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {})
     # Only a backward pass reads the transposed index: without gradients it is added when first needed.

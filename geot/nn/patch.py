@@ -1,30 +1,35 @@
 """Speeding up an existing PyG model without rewriting it."""
-import warnings
-
 import torch
 import torch_geometric.nn as pyg_nn
 
-from . import conv
+from .gat import GATConv
+from .gcn import GCNConv
+from .gin import GINConv
+from .rgcn import RGCNConv
+from .sage import SAGEConv
 
 GEOT_LAYERS = {
-    pyg_nn.GCNConv: conv.GCNConv,
-    pyg_nn.SAGEConv: conv.SAGEConv,
-    pyg_nn.GINConv: conv.GINConv,
-    pyg_nn.GATConv: conv.GATConv,
-    pyg_nn.RGCNConv: conv.RGCNConv,
+    pyg_nn.GCNConv: GCNConv,
+    pyg_nn.SAGEConv: SAGEConv,
+    pyg_nn.GINConv: GINConv,
+    pyg_nn.GATConv: GATConv,
+    pyg_nn.RGCNConv: RGCNConv,
 }
 
 
-def patch(model: torch.nn.Module, strict: bool = True) -> torch.nn.Module:
+def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
     """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv and RGCNConv in
-    ``model`` (the model itself included) into its geot version, in place.
+    ``model`` (the model itself included, and the per-edge-type copies that
+    ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place.
 
     The layer's class changes, nothing else: it keeps its parameters (the
     same tensors, so an optimizer built before still trains them), buffers,
     hooks and options. Subclasses of the PyG layers are left alone (their
-    forward may differ). A layer with an option geot does not support raises
-    ``NotImplementedError`` (``strict=False``: it stays a PyG layer, with a
-    warning). Returns ``model``.
+    forward may differ). A call with an input or option geot does not run
+    natively runs PyG's forward (one :class:`geot.nn.GeotFallbackWarning`
+    per layer and reason), so a patched model runs wherever PyG's does.
+    ``strict=True`` raises ``NotImplementedError`` instead for a layer whose
+    options keep every call on PyG's forward. Returns ``model``.
     """
     for name, module in model.named_modules():
         geot_class = GEOT_LAYERS.get(type(module))
@@ -32,11 +37,9 @@ def patch(model: torch.nn.Module, strict: bool = True) -> torch.nn.Module:
             continue
         pyg_class = module.__class__
         module.__class__ = geot_class
-        try:
-            module._geot_init()
-        except NotImplementedError as error:
+        reason = module.unsupported_options()  # reads PyG's attributes only
+        if strict and reason is not None:
             module.__class__ = pyg_class
-            if strict:
-                raise NotImplementedError(f"patch: layer {name or '<model>'}: {error}") from error
-            warnings.warn(f"geot.nn.patch: layer {name or '<model>'} left as PyG: {error}")
+            raise NotImplementedError(f"patch: layer {name or '<model>'} runs PyG's forward: {reason}")
+        module._geot_init()
     return model

@@ -1,0 +1,129 @@
+"""Helpers the geot layers share: node inputs, output sizes, the fused
+gather-reduce over a sorted graph, dtypes under autocast."""
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .. import index
+from .._ops import mean_counts
+from .graph import SortedGraph
+from .inputs import Edges
+
+# PyG's aggr strings -> geot's reductions
+REDUCE = {"add": "sum", "sum": "sum", "mean": "mean", "max": "max", "min": "min"}
+
+
+class Nodes(NamedTuple):
+    """A layer's x: one tensor, or a (source, destination) pair (PyG's bipartite input)."""
+    src: Tensor
+    dst: Optional[Tensor]   # the pair's second tensor (may be None); for one tensor, that tensor
+    paired: bool
+
+
+def node_inputs(x) -> Optional[Nodes]:
+    """x as Nodes, or None for an x geot does not take (PyG's forward decides)."""
+    if isinstance(x, Tensor):
+        return Nodes(x, x, False)
+    if (isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], Tensor)
+            and (x[1] is None or isinstance(x[1], Tensor))):
+        return Nodes(x[0], x[1], True)
+    return None
+
+
+def nodes_reason(nodes: Optional[Nodes], node_dim: int, max_dim: int = 3) -> Optional[str]:
+    """Why these node features run PyG's forward, or None. geot takes [N, F]
+    rows, and [B, N, F] (a static graph) where the node axis is -2."""
+    if nodes is None:
+        return "x of this type"
+    for x in (nodes.src, nodes.dst):
+        if x is None:
+            continue
+        if x.dim() not in (2, 3) or x.dim() > max_dim:
+            return f"x of {x.dim()} dimensions"
+        if node_dim % x.dim() != x.dim() - 2:
+            return f"node_dim={node_dim} with x of {x.dim()} dimensions"
+    if nodes.dst is not None and nodes.dst.dim() != nodes.src.dim():
+        return "x_src and x_dst of different dimensions"
+    return None
+
+
+def sizes_reason(nodes: Nodes, edges: Edges, size) -> Optional[str]:
+    """Why these sizes run PyG's forward (which raises where they disagree), or None."""
+    given = [size] if size is not None else []
+    if edges.size is not None:
+        given.append(edges.size)
+    for sizes in given:
+        if len(sizes) != 2:
+            return f"size={sizes}"
+        if sizes[0] is not None and sizes[0] != nodes.src.size(-2):
+            return "a size that disagrees with x"
+        if sizes[1] is not None and nodes.dst is not None and sizes[1] != nodes.dst.size(-2):
+            return "a size that disagrees with x"
+    return None
+
+
+def num_targets(nodes: Nodes, edges: Edges, size, graph: Optional[SortedGraph]) -> int:
+    """Output rows, as PyG counts them: size[1], the adjacency's rows, x_dst's
+    rows; for a pair (x_src, None) without either, the largest destination
+    + 1 (one device->host sync, as PyG's scatter)."""
+    if size is not None and size[1] is not None:
+        return int(size[1])
+    if edges.size is not None:
+        return int(edges.size[1])
+    if nodes.dst is not None:
+        return nodes.dst.size(-2)
+    if graph is None or graph.dst.numel() == 0:
+        return 0
+    return int(graph.dst[-1]) + 1
+
+
+def gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, weight: Optional[Tensor] = None,
+                  weight_t: Optional[Tensor] = None) -> Tensor:
+    """out[d] = reduce over the edges into d of weight[e] * x[src[e]]; x
+    [N, *] rows (see :func:`gather_reduce_nodes` for a static graph's).
+
+    weight_t: weight in the graph's transposed order, when kept with the
+    graph (the backward pass would gather it on every call). A mean's edge
+    counts are kept with the graph, for the same reason."""
+    counts = None
+    if reduce == "mean" and x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        counts = graph.derived(("mean counts", num_nodes, x.dtype),
+                               lambda: mean_counts(graph.dst, num_nodes).to(x.dtype))
+    if weight is not None:
+        weight, weight_t = weight.to(x.dtype), None if weight_t is None else weight_t.to(x.dtype)
+    return index._fused(graph.src, graph.dst, weight, x, reduce, num_nodes, graph.transposed, None, counts, weight_t)
+
+
+def gather_reduce_nodes(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int,
+                        weight: Optional[Tensor] = None, weight_t: Optional[Tensor] = None) -> Tensor:
+    """gather_reduce of node features [N, F], or [B, N, F] (PyG's static
+    graphs: one graph, nodes on axis -2), as [B, N_out, F]."""
+    if x.dim() == 2:
+        return gather_reduce(graph, x, reduce, num_nodes, weight, weight_t)
+    rows = x.transpose(0, 1).contiguous()  # [N, B, F]: a node's rows side by side, one gather per edge
+    return gather_reduce(graph, rows, reduce, num_nodes, weight, weight_t).transpose(0, 1)
+
+
+def matmul_dtype(x: Tensor):
+    """The dtype of x @ W: autocast's where it casts x (it leaves float64 alone)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def cast_for_matmul(x_src: Tensor, x_dst: Optional[Tensor]):
+    """(x_src, x_dst) in the dtype of x @ W, x cast once where both are one
+    tensor: compiled code would otherwise make each cast copy up front."""
+    cast = x_src.to(matmul_dtype(x_src))
+    return cast, cast if x_dst is x_src else x_dst
+
+
+def transposed_order(graph: SortedGraph, edge_values: Optional[Tensor]) -> Optional[Tensor]:
+    """Per-edge values of the graph's order in its transposed order, for the
+    backward pass; None where there is nothing to keep (no values, or values
+    that require grad: those are gathered on every call, in their autograd graph)."""
+    if edge_values is None or edge_values.requires_grad or graph.transposed is None:
+        return None
+    return edge_values.index_select(0, graph.transposed.perm)

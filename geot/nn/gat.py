@@ -1,0 +1,169 @@
+"""GATConv on geot."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import torch_geometric.nn as pyg_nn
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+from torch_geometric.utils import add_self_loops, remove_self_loops
+
+from .. import _ops, hetero
+from .common import Nodes, gather_reduce, node_inputs, nodes_reason, num_targets, sizes_reason
+from .graph import SortedGraph, sorted_graph
+from .inputs import Edges, edges_of
+from .layer import GeotLayer
+
+_looped = WeakTensorKeyDictionary()  # edge_index -> (version key, loops, PyG's self-looped edge_index)
+
+
+class GATConv(GeotLayer, pyg_nn.GATConv):
+    """``torch_geometric.nn.GATConv`` on geot: ``geot.edge_softmax`` over
+    each node's incoming edges and one multi-head
+    ``index_weight_segment_reduce``; in inference (no gradient recorded, no
+    dropout, no edge features, no attention weights returned) both in one
+    pass, ``geot.attention_aggregate``. ``add_self_loops`` replaces the
+    input's self loops by one per node, as PyG does (in training they stay
+    in the edge list with zero attention, so the edge count does not depend
+    on the data; in inference each node's loop is a term of its softmax).
+    Takes one x or a bipartite pair (x_src, x_dst or None) with ``size``,
+    an ``edge_index`` (either ``flow``) or a sparse ``adj_t``, edge features
+    (``edge_dim``, ``fill_value``) and ``return_attention_weights`` (with an
+    ``edge_index``: the self-looped edges and their weights in PyG's order);
+    attention weights over a sparse adjacency run PyG's forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._geot_init()
+
+    def forward(self, x, edge_index, edge_attr: Optional[Tensor] = None, size=None,
+                return_attention_weights: Optional[bool] = None):
+        nodes = node_inputs(x)
+        edge_attr = edge_attr if self.lin_edge is not None else None  # PyG reads it only with edge_dim
+        reason = self._call_reason(nodes, edge_index, edge_attr, size, return_attention_weights)
+        if reason is not None:
+            return self._pyg_forward(reason, x, edge_index, edge_attr, size, return_attention_weights)
+        heads, channels = self.heads, self.out_channels
+        lin_src, lin_dst = (self.lin, self.lin) if self.lin is not None else (self.lin_src, self.lin_dst)
+        h_src = lin_src(nodes.src).view(-1, heads, channels)
+        h_dst = None
+        if nodes.dst is not None:
+            h_dst = h_src if nodes.dst is nodes.src and lin_dst is lin_src else \
+                lin_dst(nodes.dst).view(-1, heads, channels)
+        res = None if self.res is None or nodes.dst is None else self.res(nodes.dst)
+        edges = edges_of(edge_index)
+        if edge_attr is not None or return_attention_weights:
+            return self._with_edge_values(nodes, edges, edge_index, h_src, h_dst, res, edge_attr, size,
+                                          return_attention_weights)
+        loops = self._loops(nodes, edges, size)
+        if self._one_pass(nodes, h_src, h_dst, loops):
+            graph = sorted_graph(self, edge_index, flipped=self._flipped())
+            num_nodes = num_targets(nodes, edges, size, graph)
+            score_dst = None if h_dst is h_src else (h_dst * self.att_dst).sum(-1)
+            out = hetero.attention_aggregate(h_src, None, score_dst, graph.src, graph.dst, num_nodes,
+                                             self.negative_slope, loops is not None, att_src=self.att_src,
+                                             att_dst=self.att_dst if score_dst is None else None)
+            return self._finish(out, res, num_nodes)
+        graph = sorted_graph(self, edge_index, flipped=self._flipped(), self_loops=loops)
+        num_nodes = num_targets(nodes, edges, size, graph)
+        score = self._scores(graph, h_src, h_dst)
+        if graph.drop is not None:
+            score = score.masked_fill(graph.drop.unsqueeze(-1), float("-inf"))
+        alpha = self._attention(score, graph, num_nodes)
+        return self._finish(gather_reduce(graph, h_src, "sum", num_nodes, alpha), res, num_nodes)
+
+    def _call_reason(self, nodes: Optional[Nodes], edge_index, edge_attr, size, attention) -> Optional[str]:
+        reason = (self._option_reason() or self._input_reason(edge_index)
+                  or nodes_reason(nodes, self.node_dim, max_dim=2))
+        if reason is not None:
+            return reason
+        edges = edges_of(edge_index)
+        if edges.kind != "edge_index" and (edge_attr is not None or attention):
+            return "edge features or attention weights over a sparse adjacency"
+        return sizes_reason(nodes, edges, size)
+
+    def _loops(self, nodes: Nodes, edges: Edges, size) -> Optional[int]:
+        """How many nodes get a self loop (PyG's count), None without loops."""
+        if not self.add_self_loops:
+            return None
+        if size is not None:
+            return min(size)
+        if edges.size is not None:
+            return min(edges.size)
+        count = nodes.src.size(0)
+        return count if nodes.dst is None else min(count, nodes.dst.size(0))
+
+    def _one_pass(self, nodes: Nodes, h_src: Tensor, h_dst: Optional[Tensor], loops: Optional[int]) -> bool:
+        """Whether attention_aggregate runs the call: inference (no gradient
+        recorded, no dropout), with a destination score, and a loop for every
+        destination where there are loops."""
+        if (h_dst is None or not _ops.records_no_grad(h_src, h_dst, self.att_src, self.att_dst)
+                or (self.training and self.dropout > 0)):
+            return False
+        return loops is None or not nodes.paired or loops == h_dst.size(0)
+
+    def _scores(self, graph: SortedGraph, h_src: Tensor, h_dst: Optional[Tensor],
+                score_edge: Optional[Tensor] = None) -> Tensor:
+        """[E, H] leaky_relu(a_src . h_src[src] + a_dst . h_dst[dst] + edge term), in graph order."""
+        score = (h_src * self.att_src).sum(-1).index_select(0, graph.src)
+        if h_dst is not None:
+            score = score + (h_dst * self.att_dst).sum(-1).index_select(0, graph.dst)
+        if score_edge is not None:
+            score = score + score_edge
+        return F.leaky_relu(score, self.negative_slope)
+
+    def _attention(self, score: Tensor, graph: SortedGraph, num_nodes: int) -> Tensor:
+        # Without gradients the scores are not needed again: the softmax overwrites them (one [E, H] less).
+        softmax = hetero.edge_softmax if torch.is_grad_enabled() and score.requires_grad else hetero.edge_softmax_
+        return F.dropout(softmax(score, graph.dst, num_nodes), p=self.dropout, training=self.training)
+
+    def _with_edge_values(self, nodes: Nodes, edges: Edges, edge_index, h_src, h_dst, res, edge_attr, size,
+                          attention):
+        """Edge features or attention weights returned: over PyG's self-looped
+        edge list (input loops removed, one loop per node appended, edge
+        features filled as ``fill_value`` says), kept per graph, so the
+        weights come back in PyG's order."""
+        loops = self._loops(nodes, edges, size)
+        looped = edge_index if loops is None else _pyg_looped(edge_index, loops)
+        graph = sorted_graph(self, looped, flipped=self._flipped(), keep_perm=True)
+        num_nodes = num_targets(nodes, edges, size, graph)
+        score_edge = None
+        if edge_attr is not None:
+            if loops is not None:
+                edge_attr = add_self_loops(*remove_self_loops(edge_index, edge_attr), fill_value=self.fill_value,
+                                           num_nodes=loops)[1]
+            score_edge = self._edge_scores(graph.edge_values(edge_attr))
+        alpha = self._attention(self._scores(graph, h_src, h_dst, score_edge), graph, num_nodes)
+        out = self._finish(gather_reduce(graph, h_src, "sum", num_nodes, alpha), res, num_nodes)
+        if not attention:
+            return out
+        if graph.perm is not None:  # back to the input order
+            alpha = torch.empty_like(alpha).index_copy_(0, graph.perm.long(), alpha)
+        return out, (looped, alpha)
+
+    def _edge_scores(self, edge_attr: Tensor) -> Tensor:
+        """[E, H] a_edge . lin_edge(edge_attr)."""
+        if edge_attr.dim() == 1:
+            edge_attr = edge_attr.view(-1, 1)
+        projected = self.lin_edge(edge_attr).view(-1, self.heads, self.out_channels)
+        return (projected * self.att_edge).sum(-1)
+
+    def _finish(self, out: Tensor, res: Optional[Tensor], num_nodes: int) -> Tensor:
+        """The heads' [N, H, C] sums concatenated or averaged, the residual and the bias added."""
+        out = out.reshape(num_nodes, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
+        if res is not None:
+            out = out + res
+        return out if self.bias is None else out + self.bias
+
+
+def _pyg_looped(edge_index: Tensor, loops: int) -> Tensor:
+    """PyG's self-looped edge_index (input loops removed, loops 0..loops-1
+    appended), kept with edge_index so the sorted graph is kept too."""
+    key = (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape), loops)
+    entry = None if torch.compiler.is_compiling() else _looped.get(edge_index)
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    looped = add_self_loops(remove_self_loops(edge_index)[0], num_nodes=loops)[0]
+    if not torch.compiler.is_compiling():
+        _looped[edge_index] = (key, looped)
+    return looped

@@ -1,0 +1,143 @@
+"""What geot's PyG layers share: the per-layer graph slots, and PyG's own
+forward for the calls geot does not run.
+
+A geot layer subclasses the PyG layer and overrides ``forward`` only. Each
+call first asks :meth:`GeotLayer._fallback_reason` whether geot runs it
+(from the layer's options at call time and the call's inputs); where it does
+not, the call runs PyG's own forward on the same module (same parameters),
+with one :class:`GeotFallbackWarning` per layer and reason. So a geot layer
+takes every input and option PyG's layer takes: geot's kernels where they
+apply, PyG's result otherwise. ``torch.jit.script`` scripts PyG's layer with
+the same parameters (geot's forward is not TorchScript).
+"""
+import copy
+import warnings
+from typing import Optional
+
+import torch
+import torch_geometric.nn as pyg_nn
+from torch_geometric.inspector import Inspector
+
+from .inputs import input_kind
+
+
+class GeotFallbackWarning(UserWarning):
+    """A geot.nn layer ran PyG's own forward for a call: an option or input
+    geot does not run on its kernels. The result is PyG's. Turn it into an
+    error with ``warnings.simplefilter("error", GeotFallbackWarning)``."""
+
+
+# Per-call hooks of MessagePassing: a layer that has any runs PyG's propagate, which calls them.
+_HOOK_DICTS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks", "_message_forward_pre_hooks",
+               "_message_forward_hooks", "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
+               "_message_and_aggregate_forward_pre_hooks", "_message_and_aggregate_forward_hooks",
+               "_edge_update_forward_pre_hooks", "_edge_update_forward_hooks")
+
+
+def pyg_base(layer_class: type) -> type:
+    """The PyG layer class a geot layer class derives from."""
+    for base in layer_class.__mro__:
+        if base.__module__.startswith("torch_geometric."):
+            return base
+    raise TypeError(f"{layer_class.__name__} derives from no torch_geometric layer")
+
+
+class GeotLayer:
+    """Mixin of the geot layers (listed first among the bases)."""
+
+    def _geot_init(self) -> None:
+        # (self_loops, num_relations, flipped, keep_perm) -> (edge tensor, edge_type, variant, SortedGraph,
+        # version key): the last graph of each variant the layer saw (see geot.nn.graph); _geot_graph: the
+        # last one stored.
+        self._geot_graphs = {}
+        self._geot_graph = None
+        self._geot_warned = set()
+
+    def unsupported_options(self) -> Optional[str]:
+        """Why the layer's options keep every call on PyG's forward, or None."""
+        return self._option_reason()
+
+    # What subclasses define -------------------------------------------------------------------
+
+    _aggregations = ("add", "sum")  # the aggr strings geot runs
+
+    def _option_reason(self) -> Optional[str]:
+        """Why the layer's current options run PyG's forward, or None (extended by layers)."""
+        if not isinstance(self.aggr, str) or self.aggr not in self._aggregations:
+            return f"aggr={self.aggr!r} (geot runs {', '.join(map(repr, self._aggregations))})"
+        if self.explain:
+            return "explain mode"
+        if any(getattr(self, name) for name in _HOOK_DICTS):
+            return "message-passing hooks"
+        return None
+
+    # Calls --------------------------------------------------------------------------------------
+
+    def _input_reason(self, edge_index) -> Optional[str]:
+        """Why this graph input runs PyG's forward, or None."""
+        kind = input_kind(edge_index)
+        if kind is None:
+            return f"edge_index of type {type(edge_index).__name__}"
+        if kind != "edge_index" and self.flow != "source_to_target":
+            return f"flow={self.flow!r} with a sparse adjacency"
+        if kind == "torch.sparse" and edge_index.dim() != 2:
+            return "a sparse adjacency that is not 2-D"
+        return None
+
+    def _pyg_forward(self, reason: str, *args, **kwargs):
+        """PyG's forward for this call, warning once per layer and reason."""
+        self._warn_fallback(reason)
+        return pyg_base(type(self)).forward(self, *args, **kwargs)
+
+    def _warn_fallback(self, reason: str) -> None:
+        message = f"geot.nn.{type(self).__name__} runs PyG's forward for {reason}"
+        if torch.compiler.is_compiling():
+            _warn_at_trace_time(message)
+        elif reason not in self._geot_warned:
+            self._geot_warned.add(reason)
+            warnings.warn(message, GeotFallbackWarning, stacklevel=3)
+
+    def _flipped(self) -> bool:
+        return self.flow == "target_to_source"
+
+    def _set_jittable_templates(self, raise_on_error: bool = False) -> None:
+        """PyG generates a ``propagate`` per layer class from the source of
+        its forward; geot's forward calls none, so the layer inherits the one
+        of its PyG class (generated here if no PyG instance was made yet)."""
+        base = pyg_base(type(self))
+        if "_jinja_propagate" in base.__dict__:
+            return
+        own_class, own_inspector = self.__class__, self.inspector
+        self.__class__, self.inspector = base, Inspector(base)
+        self.inspector.inspect_signature(self.message)  # as MessagePassing.__init__ does
+        self.inspector.inspect_signature(self.aggregate, exclude=[0, "aggr"])
+        self.inspector.inspect_signature(self.message_and_aggregate, [0])
+        self.inspector.inspect_signature(self.update, exclude=[0])
+        self.inspector.inspect_signature(self.edge_update)
+        try:
+            pyg_nn.MessagePassing._set_jittable_templates(self, raise_on_error)
+        finally:
+            self.__class__, self.inspector = own_class, own_inspector
+
+    def __prepare_scriptable__(self):
+        """torch.jit.script scripts PyG's layer, sharing this one's parameters."""
+        scripted = copy.copy(self)
+        scripted.__dict__ = {name: value for name, value in self.__dict__.items() if not name.startswith("_geot")}
+        scripted.__dict__.update(self._pyg_attributes())
+        scripted.__class__ = pyg_base(type(self))
+        return scripted
+
+    def _pyg_attributes(self) -> dict:
+        """Attributes PyG's layer keeps in its __dict__ that this one holds elsewhere."""
+        return {}
+
+
+def _warn_at_trace_time(message: str) -> None:
+    """A GeotFallbackWarning while dynamo traces (once per compilation, not per call)."""
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:  # no trace-time hook in this torch: no warning
+        return
+    # A comptime function may not close over variables: it reads message from this frame.
+    comptime(lambda ctx: warnings.warn(ctx.get_local("message").as_python_constant(), GeotFallbackWarning))
+
