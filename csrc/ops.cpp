@@ -9,19 +9,22 @@
 #include <chrono>
 
 #include "config.h"
+#include "index_cache.h"
 #include "index_segment_reduce.h"
 #include "rules.h"
 #include "segment_reduce.h"
 
 TORCH_LIBRARY(geot, m) {
-  m.def("segment_reduce(Tensor index, Tensor src, int num_segments, str reduce=\"sum\", int[]? config=None) -> Tensor");
+  // Output row counts are SymInt: compiled code with dynamic shapes (a new
+  // graph every step) passes them symbolically instead of recompiling per size.
+  m.def("segment_reduce(Tensor index, Tensor src, SymInt num_segments, str reduce=\"sum\", int[]? config=None) -> Tensor");
   // For max/min backward: [S, F] int64, the smallest row of each segment that
   // holds the extremum per feature, E where the segment is empty.
   m.def("segment_arg(Tensor index, Tensor src, Tensor out) -> Tensor");
   // Fused gather + segment reduce; t_perm / t_src / t_dst: an optional
   // transposed index (geot.TransposedIndex) that the backward pass reuses.
   m.def(
-      "index_segment_reduce(Tensor src_index, Tensor dst_index, Tensor x, Tensor? weight, int num_segments, "
+      "index_segment_reduce(Tensor src_index, Tensor dst_index, Tensor x, Tensor? weight, SymInt num_segments, "
       "str reduce=\"sum\", int[]? config=None, Tensor? t_perm=None, Tensor? t_src=None, Tensor? t_dst=None) "
       "-> Tensor");
   // The same without an autograd formula, for compiled code that records no
@@ -30,9 +33,9 @@ TORCH_LIBRARY(geot, m) {
   // graphs call ops through the dispatcher.
   m.def(
       "index_segment_reduce_inference(Tensor src_index, Tensor dst_index, Tensor x, Tensor? weight, "
-      "int num_segments, str reduce=\"sum\", int[]? config=None) -> Tensor");
+      "SymInt num_segments, str reduce=\"sum\", int[]? config=None) -> Tensor");
   // out[scatter_index[e]] += weight[e] * x[gather_index[e]], any order.
-  m.def("index_scatter_sum(Tensor gather_index, Tensor scatter_index, Tensor x, Tensor? weight, int num_out) -> Tensor");
+  m.def("index_scatter_sum(Tensor gather_index, Tensor scatter_index, Tensor x, Tensor? weight, SymInt num_out) -> Tensor");
   // out[e, h] = <a[dst_index[e], h], b[src_index[e], h]> (SDDMM).
   m.def("edge_dot(Tensor src_index, Tensor dst_index, Tensor a, Tensor b, int heads) -> Tensor");
   // Typed matmul (segment_matmul.cpp): rows ptr[t]:ptr[t+1] of x times
@@ -42,15 +45,15 @@ TORCH_LIBRARY(geot, m) {
   m.def("segment_matmul_weight_grad(Tensor x, Tensor ptr, Tensor grad) -> Tensor");
   // Softmax over the edges of each destination (edge_softmax.cpp); the
   // backward takes the forward output y.
-  m.def("edge_softmax(Tensor score, Tensor dst_index, int num_segments) -> Tensor");
+  m.def("edge_softmax(Tensor score, Tensor dst_index, SymInt num_segments) -> Tensor");
   // The same written over score (inference: no second [E, H] tensor).
-  m.def("edge_softmax_(Tensor(a!) score, Tensor dst_index, int num_segments) -> ()");
-  m.def("edge_softmax_backward(Tensor y, Tensor grad, Tensor dst_index, int num_segments) -> Tensor");
+  m.def("edge_softmax_(Tensor(a!) score, Tensor dst_index, SymInt num_segments) -> ()");
+  m.def("edge_softmax_backward(Tensor y, Tensor grad, Tensor dst_index, SymInt num_segments) -> Tensor");
   // GAT's softmax and weighted sum in one pass, no [E, H] tensor (attention.cpp);
   // no gradient: inference only.
   m.def(
       "attention_aggregate(Tensor x, Tensor? score_src, Tensor? score_dst, Tensor src_index, Tensor dst_index, "
-      "int num_segments, float negative_slope, bool self_loops, Tensor? att_src=None, Tensor? att_dst=None) -> Tensor");
+      "SymInt num_segments, float negative_slope, bool self_loops, Tensor? att_src=None, Tensor? att_dst=None) -> Tensor");
   // Ops of geot.nn inference (no gradients), each one where two would cost
   // more. GIN's aggregation (index_segment_reduce.cpp): scale * x + the sum of
   // x[src_index] into dst_index's segments, one per row of x; on CUDA one
@@ -186,6 +189,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mark_static_index", &geot::mark_static_index,
         "Declare an index's values fixed while CUDA graphs reading it replay (captures may read its cached offsets)");
   m.def("is_static_index", &geot::is_static_index, "Whether an index is declared static (tests)");
+  m.def("vouch_index", [](const at::Tensor& index, int64_t bound, bool sorted) {
+        // As validated, its segments assumed as long as any (the conservative configs): the caller checks
+        // the values itself, without a sync (geot.nn's deferred checks).
+        geot::remember_valid_index(index, bound, sorted, geot::kLongSegmentBits);
+      },
+      "Record an index as valid for bound (and sorted): its calls skip validation");
 #ifdef GEOT_WITH_CUDA
   m.attr("cuda_built") = true;
 #else

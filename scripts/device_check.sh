@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, then the steps named on the command line
-# (tests, cuda_tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e, keep_so), logs and CSVs packed into
+# (tests, cuda_tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e, nn_tests, minibatch, keep_so), logs and CSVs packed into
 # $OUT/results.tgz (the device tool brings back 8 files at most). Used with the device tool:
 #   bash scripts/device_check.sh tests memcheck bench spmm
 set -o pipefail
@@ -67,6 +67,13 @@ for step in "$@"; do
         --graphs "${E2E_COMPILE_GRAPHS:-pubmed,powerlaw:n=200000,deg=10}" \
         ${E2E_COMPILE_MODE:+--compile-mode $E2E_COMPILE_MODE} 2>&1 | grep -v Warning \
         | tee "$FINAL_OUT/e2e_compile.log" | sed -n '/^ms per step/,$p' || status=1 ;;
+    nn_tests)  # geot.nn against PyG (every option, CUDA), under compute-sanitizer's memcheck when NN_MEMCHECK=1
+      ${NN_MEMCHECK:+compute-sanitizer --tool memcheck --error-exitcode 9} \
+        python3 -m pytest -q tests/test_nn_conformance.py tests/test_nn.py -k cuda -p no:cacheprovider 2>&1 \
+        | grep -v Warning | tee "$OUT/nn_tests.log" | tail -4 || status=1 ;;
+    minibatch)  # sampled GraphSAGE training, a new graph every step (MINIBATCH_ARGS: bench/minibatch.py's options)
+      python3 bench/minibatch.py $MINIBATCH_ARGS 2>&1 | grep -v -i warn | tee "$FINAL_OUT/minibatch.log" | tail -12 \
+        || status=1 ;;
     keep_so)  # bring the built extension back (gzipped), for a later call's PREBUILT
       for f in geot/_C.*.so; do gzip -c "$f" > "$FINAL_OUT/$(basename "$f").gz"; done ;;
     spmm)

@@ -172,7 +172,8 @@ def test_kept_graph_is_a_static_input_for_cuda_graphs():
     read it in place instead of copying it on every replay."""
     layer = gnn.GCNConv(8, 4).cuda()
     edge_index = random_graph(30, 120, "cuda")
-    layer(torch.randn(30, 8, device="cuda"), edge_index).sum().backward()
+    for _ in range(2):  # the second call on the graph adds the transposed index
+        layer(torch.randn(30, 8, device="cuda"), edge_index).sum().backward()
     graph = layer._geot_graph[3]
     kept = [graph.src, graph.dst, *graph.transposed]
     for _, _, value in graph.memo.values():  # a tensor, or a tuple of them
@@ -335,6 +336,11 @@ def test_graph_cache_invalidation():
     x = torch.randn(3, 4)
     layer(x, edge_index)
     first = layer._geot_graph[3]
+    assert first.transposed is None, "a graph's first call: atomics in the backward pass, no transposed index"
+    layer(x, edge_index)
+    assert layer._geot_graph[3].src is first.src and layer._geot_graph[3].transposed is not None, \
+        "the second call on the graph adds the transposed index to the sorted graph"
+    first = layer._geot_graph[3]
     layer(x, edge_index)
     assert layer._geot_graph[3] is first, "same tensor: the sorted graph is reused"
     other = gnn.SAGEConv(4, 3)
@@ -353,11 +359,15 @@ def test_graph_kept_in_int32_when_ids_fit():
     index); ids past int32, or RGCN rows src * R + relation past it, keep int64."""
     from geot.nn.graph import _survey
     layer = gnn.GCNConv(4, 3)
-    layer(torch.randn(5, 4), torch.tensor([[0, 1, 2, 4], [2, 0, 1, 3]]))
+    edge_index = torch.tensor([[0, 1, 2, 4], [2, 0, 1, 3]])
+    for _ in range(2):  # the second call adds the transposed index
+        layer(torch.randn(5, 4), edge_index)
     graph = layer._geot_graph[3]
     kept = [graph.src, graph.dst, graph.perm, *graph.transposed]
     assert all(t.dtype == torch.int32 for t in kept)
-    layer(torch.randn(5, 4), in_order := torch.tensor([[3, 1, 4], [0, 2, 2]]))  # sorted: views, no copy
+    in_order = torch.tensor([[3, 1, 4], [0, 2, 2]])  # sorted: views, no copy
+    for _ in range(2):
+        layer(torch.randn(5, 4), in_order)
     graph = layer._geot_graph[3]
     assert graph.perm is None and graph.src.data_ptr() == in_order.data_ptr() and graph.src.dtype == torch.int64
     assert all(t.dtype == torch.int32 for t in graph.transposed)

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import index
 from .._ops import mean_counts
-from .graph import SortedGraph
+from .graph import SortedGraph, checked
 from .inputs import Edges
 
 # PyG's aggr strings -> geot's reductions
@@ -86,6 +86,7 @@ def gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, we
     weight_t: weight in the graph's transposed order, when kept with the
     graph (the backward pass would gather it on every call). A mean's edge
     counts are kept with the graph, for the same reason."""
+    checked(graph, x.size(0), num_nodes)
     counts = None
     if reduce == "mean" and x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         counts = graph.derived(("mean counts", num_nodes, x.dtype),

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..segment import segment_reduce
 from .common import gather_reduce_nodes, node_inputs, nodes_reason, transposed_order
-from .graph import SortedGraph, sorted_graph, static_addresses, with_transposed
+from .graph import SortedGraph, checked, sorted_graph, static_addresses, with_transposed
 from .inputs import edges_of, input_kind
 from .layer import GeotLayer
 
@@ -106,7 +106,7 @@ class GCNConv(GeotLayer, pyg_nn.GCNConv):
             edge_index, edge_weight = self.__dict__["_geot_pyg_cache"]  # normalized by PyG's forward
             return self._graph_and_weights(edge_index, edge_weight, out_dtype)
         edges = edges_of(edge_index)
-        graph = sorted_graph(self, edge_index, flipped=self._flipped())
+        graph = checked(sorted_graph(self, edge_index, flipped=self._flipped()), num_nodes, num_nodes)
         weight = edge_weight if edges.kind == "edge_index" else edges.values
         key = ("gcn", edges.kind, self.normalize, self.add_self_loops, self.improved, weight is None, num_nodes,
                dtype, out_dtype)

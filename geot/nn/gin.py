@@ -9,7 +9,7 @@ from .. import _ops, validation
 from ..config import explain, long_segment_level
 from .common import (Nodes, cast_for_matmul, gather_reduce_nodes, matmul_dtype, node_inputs, nodes_reason,
                      num_targets, sizes_reason)
-from .graph import SortedGraph, sorted_graph
+from .graph import SortedGraph, checked, sorted_graph
 from .inputs import edges_of
 from .layer import GeotLayer
 
@@ -51,7 +51,7 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
             x_src, x_dst = cast_for_matmul(x_src, x_dst)
         if (x_dst is x_src and x_src.dim() == 2 and weight is None and num_nodes == x_src.size(0)
                 and _ops.records_no_grad(x_src, self.eps)):
-            return self.nn(_sum_plus_scaled(graph, x_src, 1 + self.eps))
+            return self.nn(_sum_plus_scaled(checked(graph, x_src.size(0), num_nodes), x_src, 1 + self.eps))
         out = gather_reduce_nodes(graph, x_src, "sum", num_nodes, weight)
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)

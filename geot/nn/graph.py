@@ -3,7 +3,9 @@
 geot's ops need the destination index sorted. A layer gets ``edge_index`` in
 any order, so it sorts it (stably) and keeps the result, with the source-sorted
 :class:`geot.TransposedIndex` its backward pass uses (made when a call first
-records gradients: inference alone does not pay for it). A graph whose ids
+records gradients on a graph the layer saw before: inference alone, and a
+graph used for one step, do not pay for its sort; their backward pass takes
+atomics). A graph whose ids
 fit in int32 is kept in int32, whatever the dtype of ``edge_index``: half the
 memory, half the index bytes per kernel. Kept:
 
@@ -42,6 +44,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .. import _C
 from ..index import TransposedIndex, transpose_index
 from ..validation import mark_static_index
 from .inputs import edges_of
@@ -75,6 +78,7 @@ class SortedGraph(NamedTuple):
     drop: Optional[Tensor]       # [E'] bool, input self loops replaced by added ones (self-loop variant; None: none)
     index_dtype: torch.dtype     # of the index tensors the graph makes: int32 where its ids fit
     memo: dict                   # derived values: see derived()
+    deferred: bool = False       # a CUDA graph's first build: no device->host sync (see sorted_graph)
 
     def derived(self, key, compute, values: Optional[Tensor] = None):
         """``compute()``, computed once per key for this graph and kept with it.
@@ -144,16 +148,22 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, s
         return _build(*build, eager=False, transposed=grad)
     # Tensors made in inference mode cannot be saved for backward: such a graph is kept apart.
     variant = slot + (torch.is_inference_mode_enabled(),)
-    if (last is not None and last[0] is tensor and last[1] is edge_type and last[2] == variant
-            and last[4] == _graph_key(tensor, edge_type) and (last[3].transposed is not None or not grad)):
+    key = _graph_key(tensor, edge_type)
+    seen = last is not None and last[0] is tensor and last[1] is edge_type and last[2] == variant and last[4] == key
+    if seen and (last[3].transposed is not None or not grad):
         return last[3]  # the graph this layer saw last, unchanged: no shared look-up, no slot update
     graph = _shared_lookup(tensor, variant, edge_type)
-    if graph is None:
-        graph = static_addresses(_build(*build, eager=True, transposed=grad))  # validates
-    elif grad and graph.transposed is None:  # first seen without grad: add what the backward pass needs
+    if graph is None:  # first seen: on CUDA built without a sync, its ids checked without one (deferred)
+        graph = _build(*build, eager=True, transposed=False, survey=not tensor.is_cuda)
+        graph = graph if graph.deferred else static_addresses(graph)
+    if seen and graph.deferred:  # this layer's second call on the graph: a static graph's layout
+        graph = static_addresses(_build(*build, eager=True, transposed=False))
+    if grad and graph.transposed is None and seen:
+        # This layer's second call on the graph: worth the sort of an atomic-free backward pass (a graph
+        # of one step, seen once by each layer, takes atomics and no sort).
         graph = with_transposed(graph)
     _shared_store(tensor, variant, edge_type, graph)
-    layer._geot_graph = (tensor, edge_type, variant, graph, _graph_key(tensor, edge_type))
+    layer._geot_graph = (tensor, edge_type, variant, graph, key)
     layer._geot_graphs[slot] = layer._geot_graph
     return graph
 
@@ -165,6 +175,50 @@ def _checked_edges(edge_index: Tensor) -> Tensor:
     if edge_index.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"edge_index must be int32 or int64, got {edge_index.dtype}")
     return edge_index.as_tensor() if hasattr(edge_index, "as_tensor") else edge_index
+
+
+_pending_checks = []  # (event, pinned flag, message) of deferred checks not read yet
+
+
+def checked(graph: SortedGraph, num_src: int, num_dst: int) -> SortedGraph:
+    """graph, its ids checked against this call's node counts: raises for
+    an earlier deferred check that failed; a deferred graph is checked here
+    without a device->host sync (:func:`check_deferred`), once per counts."""
+    raise_failed_checks()
+    if graph.deferred and not torch.compiler.is_compiling() and ("checked", num_src, num_dst) not in graph.memo:
+        check_deferred(graph, num_src, num_dst)
+        graph.memo["checked", num_src, num_dst] = (None, None, True)
+    return graph
+
+
+def check_deferred(graph: SortedGraph, num_src: int, num_dst: int) -> None:
+    """Checks a deferred graph's ids against node counts without a
+    device->host sync: the check runs on the device and its flag comes back
+    asynchronously; :func:`raise_failed_checks` (at every later call of a
+    geot layer) raises if it failed. Meanwhile the kernels read no row out
+    of bounds (they skip such ids). The indices are recorded as valid, so
+    the ops skip their own (synchronizing) validation."""
+    _C.vouch_index(graph.dst, num_dst, True)
+    _C.vouch_index(graph.src, num_src, False)
+    if graph.src.numel() == 0:
+        return
+    bad = (graph.src.min() < 0) | (graph.src.max() >= num_src) | (graph.dst[0] < 0) | (graph.dst[-1] >= num_dst)
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True).copy_(bad, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    message = (f"edge_index has ids out of range for this call's nodes (sources must lie in [0, {num_src}), "
+               f"destinations in [0, {num_dst})); geot.nn checks a graph's first call without a sync, so this "
+               "reports an earlier call")
+    _pending_checks.append((event, flag, message))
+
+
+def raise_failed_checks() -> None:
+    """Raises ValueError for a deferred check (check_deferred) that failed; drops those done."""
+    while _pending_checks and _pending_checks[0][0].query():
+        _, flag, message = _pending_checks.pop(0)
+        if bool(flag):
+            _pending_checks.clear()
+            raise ValueError(message)
 
 
 def with_transposed(graph: SortedGraph) -> SortedGraph:
@@ -235,18 +289,20 @@ def _shared_store(edge_index, variant, edge_type, graph) -> None:
 
 
 def _build(edges: Tensor, known_sorted: bool, flipped: bool, self_loops, edge_type, num_relations, keep_perm: bool,
-           eager: bool, transposed: bool) -> SortedGraph:
+           eager: bool, transposed: bool, survey: bool = True) -> SortedGraph:
+    """The sorted graph; eager and survey: with one device->host sync, to
+    keep it in int32 and skip the sort where it is sorted already."""
     src, dst = (edges[1], edges[0]) if flipped else (edges[0], edges[1])
     num_edges = src.numel()
-    input_loops = (src == dst).any() if self_loops is not None and eager and num_edges else None
+    input_loops = (src == dst).any() if self_loops is not None and eager and survey and num_edges else None
     if self_loops is not None:
         loops = torch.arange(self_loops, device=src.device, dtype=src.dtype)
         src, dst = torch.cat([src, loops]), torch.cat([dst, loops])
     if edge_type is not None:
         dst = dst * num_relations + _checked_types(edge_type, num_edges, num_relations, eager).to(dst.dtype)
         known_sorted = False
-    index_dtype, unsorted, has_loops = src.dtype, True, True  # compiled code checks nothing (no sync): it sorts
-    if eager:  # one sync: is it sorted, do its ids fit in int32, has the input self loops
+    index_dtype, unsorted, has_loops = src.dtype, True, True  # no survey (no sync): it sorts
+    if eager and survey:  # one sync: is it sorted, do its ids fit in int32, has the input self loops
         unsorted, fits, has_loops = _survey(src, dst, num_relations, input_loops)
         index_dtype = torch.int32 if fits else src.dtype
     # Added loops are never in order, and drop needs perm to tell them apart.
@@ -260,7 +316,7 @@ def _build(edges: Tensor, known_sorted: bool, flipped: bool, self_loops, edge_ty
     drop = None if self_loops is None or not has_loops else (src == dst) & (perm < num_edges)
     if self_loops is not None and not keep_perm:
         perm = None  # read by nothing else: not kept (E + N indices less for GAT's training graph)
-    graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {})
+    graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {}, eager and not survey)
     # Only a backward pass reads the transposed index: without gradients it is added when first needed.
     return with_transposed(graph) if transposed else graph
 

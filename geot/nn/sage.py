@@ -71,11 +71,7 @@ class SAGEConv(GeotLayer, pyg_nn.SAGEConv):
         reason = self._option_reason() or self._input_reason(edge_index) or nodes_reason(nodes, self.node_dim)
         if reason is not None:
             return reason
-        edges = edges_of(edge_index)
-        reason = sizes_reason(nodes, edges, size)
-        if reason is None and edges.weights is not None and self.aggr in ("max", "min"):
-            return f"aggr={self.aggr!r} over a weighted sparse adjacency"
-        return reason
+        return sizes_reason(nodes, edges_of(edge_index), size)
 
     def _project_pair(self, x: Tensor):
         """(x lin_l.weight^T, lin_r(x)); in compiled inference one op
