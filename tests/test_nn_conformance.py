@@ -266,7 +266,7 @@ def assert_matches(spec, graph, dtype, device, tol):
 
 def assert_close(got, want, tol, what):
     scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
-    torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=what)
+    torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.parametrize("graph", list(GRAPHS))
