@@ -1,5 +1,10 @@
 """Builds geot._C: CPU kernels always, CUDA kernels when a CUDA toolkit is found.
 
+Project metadata is in pyproject.toml, the version in geot/_version.py.
+
+    python setup.py build_ext --inplace                   # in place (make build)
+    pip wheel --no-build-isolation --no-deps -w dist .    # a wheel for this torch
+
 Environment:
   FORCE_CUDA=1           build the CUDA kernels even if no GPU is visible
   GEOT_NO_CUDA=1         build the CPU kernels only
@@ -9,7 +14,7 @@ Environment:
 import glob
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"  # torch would guess from the nvcc on PATH
@@ -33,7 +38,7 @@ def extension():
         return CppExtension("geot._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
-        print("geot: no GPU visible, building for TORCH_CUDA_ARCH_LIST=9.0 (H100)")
+        print("geot: no GPU visible, building for TORCH_CUDA_ARCH_LIST=9.0 (sm_90)")
     nvcc = ["-O3", "-lineinfo"]
     return CUDAExtension(
         "geot._C",
@@ -44,14 +49,15 @@ def extension():
     )
 
 
+def torch_requirement() -> str:
+    """The extension links against this torch's C++ ABI: the wheel needs the
+    same minor version at run time."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
+
+
 setup(
-    name="geot",
-    version="0.1.0",
-    description="Format-agnostic GPU kernels for GNN message passing (segment reduce, fused gather-reduce)",
-    packages=find_packages(include=["geot", "geot.*"]),
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
-    python_requires=">=3.9",
-    install_requires=["torch", "numpy"],
-    zip_safe=False,
+    install_requires=[torch_requirement(), "numpy"],
 )

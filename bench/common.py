@@ -12,7 +12,10 @@ Timing
                                   time.perf_counter on CPU.
     copy_bandwidth_gbs(device)    measured device-to-device copy rate.
 Reporting
-    geomean, print_table, write_csv, device_slug, results_dir
+    geomean, print_table, device_slug, gpu_tag
+    write_csv(df, name)           bench/out/<name> (scratch, not tracked) and $OUT/<name>
+                                  when $OUT is set; `python bench/report.py --add`
+                                  merges a run into the tracked bench/results/.
 """
 from __future__ import annotations
 
@@ -448,16 +451,33 @@ def device_slug(device=None) -> str:
     return slug or "device"
 
 
-def results_dir() -> str:
-    path = os.path.join(BENCH_DIR, "results")
+def gpu_tag(name: str) -> str:
+    """Short GPU name for the file names of bench/results/: 'NVIDIA H100 80GB
+    HBM3' -> 'h100', 'NVIDIA A100-SXM4-80GB' -> 'a100', 'NVIDIA GeForce RTX
+    4090' -> 'rtx4090', 'cpu' -> 'cpu'."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "geforce", "tesla")]
+    if not words:
+        return "device"
+    if words[0] in ("rtx", "gtx", "quadro") and len(words) > 1:
+        return words[0] + words[1]
+    return words[0]
+
+
+def out_dir() -> str:
+    """bench/out/: where every run writes its CSVs and plots (scratch, not
+    tracked). The current figures live in bench/results/ (bench/report.py)."""
+    path = os.path.join(BENCH_DIR, "out")
     os.makedirs(path, exist_ok=True)
     return path
 
 
+results_dir = out_dir  # the name bench/e2e.py calls
+
+
 def write_csv(df, filename: str, also_out: bool = True) -> List[str]:
-    """Writes df to bench/results/<filename> and, when $OUT is set, to
+    """Writes df to bench/out/<filename> and, when $OUT is set, to
     $OUT/<filename>. Returns the paths written."""
-    paths = [os.path.join(results_dir(), filename)]
+    paths = [os.path.join(out_dir(), filename)]
     out = os.environ.get("OUT")
     if also_out and out:
         os.makedirs(out, exist_ok=True)

@@ -10,7 +10,7 @@ as in a compiled model's replay: on small graphs kernel counts and tails
 decide. Rows: the op with the default config, geot's sum alone
 (index_segment_reduce), inductor's fused version, and with --configs every
 config of the narrow space forced (which the rules might pick instead).
-GPU only; writes bench/results/gin_sum_<gpu>.csv.
+GPU only; writes bench/out/gin_sum_<gpu>.csv.
 
     python bench/gin_sum.py [--graphs cora,citeseer,pubmed] [--F 64 128] [--configs]
 """

@@ -2,7 +2,7 @@
 """Microbenchmark: geot's typed matmul and edge softmax against what a user
 would write instead.
 
-Sections (each a table, a CSV under bench/results and $OUT, and geomeans):
+Sections (each a table, a CSV under bench/out and $OUT, and geomeans):
   matmul    geot.segment_matmul(x, ptr, W) over M rows grouped into T types,
             T in {4, 16, 64, 512}, K = N in {16, 64, 128}, even and skewed
             (Zipf) type sizes; forward and forward + backward (x and W):

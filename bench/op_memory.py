@@ -8,13 +8,13 @@ For each graph x F x dtype, the learned (or heuristic) config of
 is timed (CUDA events, warm-up, median, L2 flushed: bench/common.py) and
 the memory a call allocates besides its output is measured (peak over a
 call after a first one, which validates the index and caches its offsets).
-Writes bench/results/op_memory_<device>[_<tag>].csv. To compare two builds
+Writes bench/out/op_memory_<device>[_<tag>].csv. To compare two builds
 (e.g. before and after a kernel change), run it with each, then
 
   python bench/op_memory.py --tag before      # with the old build
   python bench/op_memory.py --tag after       # with the new build
-  python bench/op_memory.py --compare bench/results/op_memory_<device>_before.csv \
-      bench/results/op_memory_<device>_after.csv
+  python bench/op_memory.py --compare bench/out/op_memory_<device>_before.csv \
+      bench/out/op_memory_<device>_after.csv
 """
 from __future__ import annotations
 

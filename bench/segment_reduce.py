@@ -12,7 +12,7 @@ For each graph x F x reduce x dtype it times
   ts_*       torch_scatter.segment_coo / segment_csr / scatter, when importable
 checks every peer's output against geot's once per cell, and prints a table,
 geomean speedups and the worst cell. The full CSV goes to
-bench/results/segment_reduce_<device>.csv (and $OUT when set).
+bench/out/segment_reduce_<device>.csv (and $OUT when set).
 
   python bench/segment_reduce.py                       # default sweep (GPU)
   python bench/segment_reduce.py --quick --device cpu  # smoke test
@@ -408,7 +408,7 @@ def parse_args(argv=None):
                    help="geot.set_validation(False): no index check, and no long-segment hint for the selector")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None, help="directory of <name>.npz graphs (searched first)")
-    p.add_argument("--csv", default=None, help="CSV file name under bench/results (default segment_reduce_<device>.csv)")
+    p.add_argument("--csv", default=None, help="CSV file name under bench/out (default segment_reduce_<device>.csv)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     args = p.parse_args(argv)
 

@@ -2,7 +2,7 @@
 """Microbenchmark: geot's fused gather + segment reduce (SpMM from the edge
 list) against what a PyG user would call instead.
 
-Sections (each a table, a CSV under bench/results and $OUT, and geomeans):
+Sections (each a table, a CSV under bench/out and $OUT, and geomeans):
   fwd       fp32 weighted sum, graphs x F:
               geot       geot.index_weight_segment_reduce(src, dst, w, x, "sum", S)
               cusparse   torch.sparse.mm(A, x), A a CSR tensor built outside the timing

@@ -55,7 +55,7 @@ inline Features make_features(int64_t E, int64_t num_segments, int64_t F, bool g
 void check_config(const Config& cfg);
 
 // The baseline the learned rules must beat, read off H100 probes
-// (README.md, "Kernel configs"):
+// (docs/design.md, "Dispatch"):
 //  * E < 2^18 (latency-bound): SR, one feature per thread, M_t 8 or 16;
 //    gathered rows with F >= 64: SR, 4 features per thread, M_t 16.
 //  * F <= 4: PR with 32-lane tiles; F < 16: PR with 16-lane tiles; F < 32:

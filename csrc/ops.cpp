@@ -8,6 +8,7 @@
 
 #include <chrono>
 
+#include "build_info.h"
 #include "config.h"
 #include "index_cache.h"
 #include "index_segment_reduce.h"
@@ -220,6 +221,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Index in `known` of the rules used for arch (exact, else nearest of the same major), -1 if none");
   m.def("learned_archs", &geot::learned_archs, "Architectures (major * 10 + minor) with learned rules");
+  m.def(
+      "learned_rule_sets",
+      [] {
+        pybind11::list sets;
+        for (const auto& r : geot::learned_rule_sets())
+          sets.append(pybind11::make_tuple(r.arch, r.source, r.plain, r.gathered));
+        return sets;
+      },
+      "(arch, perf DB, has plain-row rules, has gathered-row rules) of each compiled-in rule set");
+  m.def(
+      "build_info",
+      [] {
+        pybind11::dict info;
+        info["torch"] = TORCH_VERSION;
+#ifdef GEOT_WITH_CUDA
+        const int cuda = geot::cuda_toolkit_version();
+        info["cuda"] = std::to_string(cuda / 1000) + "." + std::to_string(cuda % 1000 / 10);
+        info["cuda_arch_list"] = geot::cuda_arch_list();
+#else
+        info["cuda"] = pybind11::none();
+        info["cuda_arch_list"] = "";
+#endif
+        return info;
+      },
+      "torch version the extension was compiled against, CUDA toolkit version and __CUDA_ARCH_LIST__ "
+      "(None and '' in a CPU-only build)");
   m.def("set_rules", &geot::set_rules, "'learned' (default) or 'heuristic': force the hand heuristic");
   m.def("rules_mode", &geot::rules_mode);
   m.def("selection_cost_ns", &selection_cost_ns,

@@ -57,6 +57,13 @@ int nearest_arch(int arch, const int* known, int n) {
 
 std::vector<int> learned_archs() { return {kKnownArchs.begin(), kKnownArchs.end()}; }
 
+std::vector<RuleSetInfo> learned_rule_sets() {
+  std::vector<RuleSetInfo> sets;
+  for (const RuleSet& rules : generated::kRuleSets)
+    sets.push_back({rules.arch, rules.source, rules.plain != nullptr, rules.gathered != nullptr});
+  return sets;
+}
+
 bool learned_config(const Features& f, Config* out) {
   if (!learned_enabled().load(std::memory_order_relaxed)) return false;
   const RuleSet* rules = rule_set(f.arch);

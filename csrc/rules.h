@@ -39,6 +39,15 @@ int nearest_arch(int arch, const int* known, int n);
 // The architectures with learned rules (generated/rules_index.h).
 std::vector<int> learned_archs();
 
+// One compiled-in rule set: its architecture, the perf DB it was trained on
+// and which families (plain rows, gathered rows) it has rules for.
+struct RuleSetInfo {
+  int arch;
+  std::string source;
+  bool plain, gathered;
+};
+std::vector<RuleSetInfo> learned_rule_sets();
+
 // The learned rules' config for f (sorted reductions) on f.arch; false if
 // there are none for it or the hand heuristic is forced.
 bool learned_config(const Features& f, Config* out);

@@ -4,6 +4,7 @@ Plain index tensors in, dense tensors out. Operators are registered as
 torch.ops.geot.* with CPU and CUDA kernels, autograd and fake kernels.
 """
 from . import _ops  # noqa: F401
+from ._version import __version__
 from ._C import cuda_built
 from .config import Config, config_space, explain, explain_source, rules_mode, set_rules
 from .hetero import attention_aggregate, edge_softmax, edge_softmax_, group_by_type, segment_matmul
@@ -12,6 +13,7 @@ from .segment import segment_reduce
 from .validation import clear_cache, mark_static_index, set_validation, validation_enabled
 
 __all__ = [
+    "__version__",
     "attention_aggregate",
     "Config",
     "clear_cache",
@@ -34,4 +36,3 @@ __all__ = [
     "TransposedIndex",
     "validation_enabled",
 ]
-__version__ = "0.1.0"

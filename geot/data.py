@@ -10,14 +10,20 @@ import torch
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def in_checkout() -> bool:
+    """Whether geot is imported from a source checkout (not an installed wheel)."""
+    return os.path.isfile(os.path.join(REPO_ROOT, "setup.py")) and os.path.isdir(os.path.join(REPO_ROOT, "csrc"))
+
+
 def data_dirs(data_dir: Optional[str] = None) -> List[str]:
     """Directories searched for <name>.npz, in order: data_dir, $GEOT_DATA,
-    <repo>/../shared/data, <repo>/.data."""
+    and in a source checkout <checkout>/../shared/data and <checkout>/.data."""
     dirs = [data_dir] if data_dir else []
     if os.environ.get("GEOT_DATA"):
         dirs.append(os.environ["GEOT_DATA"])
-    dirs.append(os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data")))
-    dirs.append(os.path.join(REPO_ROOT, ".data"))
+    if in_checkout():
+        dirs.append(os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data")))
+        dirs.append(os.path.join(REPO_ROOT, ".data"))
     return dirs
 
 

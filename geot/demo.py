@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import geot
-from geot.data import load_dataset
+from geot.data import data_dirs, load_dataset
 
 
 class GCN(torch.nn.Module):
@@ -137,8 +137,29 @@ def load_data(args):
             data = planetoid_cora()
         if data is not None:
             return data, name
+        searched = f"searched {', '.join(data_dirs())}" if data_dirs() else "set $GEOT_DATA to its directory"
+        print(f"cora.npz not found ({searched}): using a generated graph")
     nodes = args.nodes or (200_000 if torch.cuda.is_available() else 20_000)
     return planted_graph(nodes), f"generated graph ({nodes} nodes, planted classes)"
+
+
+class _NoProgress:
+    """Stands in for tqdm when it is not installed."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, text):
+        print(f"training {text}", flush=True)
 
 
 def main() -> None:
@@ -148,8 +169,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=200)
     args = parser.parse_args()
 
-    from tqdm import tqdm
-    from torch_geometric.nn import GCNConv as PyGGCNConv
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = _NoProgress
+    try:
+        from torch_geometric.nn import GCNConv as PyGGCNConv
+    except ImportError:
+        raise SystemExit("geot.demo compares geot's layers with PyG's: pip install torch-geometric") from None
 
     import geot.nn
 

@@ -9,7 +9,7 @@ perfdb/<gpu>/<family>.csv. Cells already in the file are skipped, so a sweep
 cut short (--budget-s, a crash, the device's time limit) resumes where it
 stopped. GPU only.
 
-    python perfdb/sweep.py                    # default corpus, ~4 minutes on an H100
+    python perfdb/sweep.py                    # default corpus, ~8 minutes on an H100
     python perfdb/sweep.py --full             # bigger corpus, every config
     python perfdb/sweep.py --graphs cora 'uniform:num_nodes=200000,degree=16' --F 64 128
 

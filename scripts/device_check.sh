@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, then the steps named on the command line
 # (tests, cuda_tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e, nn_tests, minibatch, keep_so), logs and CSVs packed into
-# $OUT/results.tgz (the device tool brings back 8 files at most). Used with the device tool:
+# one file, $OUT/results.tgz (default OUT: /tmp/geot-out), for machines that return only a few files:
 #   bash scripts/device_check.sh tests memcheck bench spmm
 set -o pipefail
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
@@ -61,7 +61,7 @@ for step in "$@"; do
           # logs straight to the real $OUT, so a run cut off by the time limit still brings them back
       python3 bench/e2e.py --dtypes fp32 --no-compile 2>&1 | grep -v Warning | tee "$FINAL_OUT/e2e_eager.log" \
         | sed -n '/^ms per step/,$p' || status=1
-      mv bench/results/e2e_*.csv "$OUT/e2e_eager.csv"; mv bench/results/e2e_*.png "$OUT/e2e_eager.png"
+      mv bench/out/e2e_*.csv "$OUT/e2e_eager.csv"; mv bench/out/e2e_*.png "$OUT/e2e_eager.png"
       rm -f "$OUT"/e2e_nvidia*
       python3 bench/e2e.py --models "${E2E_COMPILE_MODELS:-gcn,sage}" --hidden 64 --dtypes fp32 \
         --graphs "${E2E_COMPILE_GRAPHS:-pubmed,powerlaw:n=200000,deg=10}" \

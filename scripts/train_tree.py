@@ -83,14 +83,14 @@ COVER_CONFIGS = 8
 # that slow is a miss whatever its factor. Unfloored, the few 10-100x misses
 # (an untimed config counts as the slowest) dominate the squared error and
 # the cover, and the splits chase them instead of separating the near-best
-# configs. With a forest of 100 trees on the 2026-11-23 H100 DBs, held-out
+# configs. With a forest of 100 trees on the committed H100 DBs, held-out
 # graphs (plain, gathered): floor -0.5 0.953, 0.951; -1 0.952, 0.950; -2
 # 0.950, 0.948; -10 0.948, 0.944.
 GAIN_FLOOR = -1.0
 # Extremely randomized trees (random cut points, grown until each leaf
 # holds one cell, averaged over FOREST_TREES) fit the floored gains; the
 # averaging does the smoothing a depth limit did for a single tree, without
-# a depth to choose. On the 2026-11-23 H100 DBs, held-out graphs (base
+# a depth to choose. On the committed H100 DBs, held-out graphs (base
 # graphs): plain 0.924 (0.910) -> 0.953 (0.939), gathered 0.907 (0.903) ->
 # 0.950 (0.933), against a single tree of depth and cells per leaf chosen by
 # nested cross-validation; random forests (bootstrap, best cut) held out
@@ -276,7 +276,7 @@ def sample_shapes(X: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray
 # The forest is one over the cells of every swept F, log2 F a feature beside
 # the shape ones, rather than one per F (46 cells each): neighbouring widths
 # pick alike, and the forest splits on F only where the gains differ. On the
-# 2026-11-23 H100 DBs, held-out graphs (base graphs), per F -> pooled: plain
+# committed H100 DBs, held-out graphs (base graphs), per F -> pooled: plain
 # 0.9527 (0.9389) -> 0.9526 (0.9420), gathered 0.9499 (0.9329) -> 0.9519
 # (0.9381); mean over 6 forest seeds: plain 0.9513 -> 0.9521, gathered 0.9502
 # -> 0.9514 (pooled gathered 0.9498-0.9531 over the seeds). The gain is on

@@ -33,8 +33,8 @@ def test_e2e_quick_times_every_path(tmp_path, processes):
 
 def test_e2e_summarizes_measured_rows():
     """--summarize prints the summary of rows already measured, speedups
-    recomputed over all the files given (the committed H100 table here)."""
-    measured = os.path.join(ROOT, "bench", "measured", "e2e_h100_2026-11-25_session4.csv")
+    recomputed over all the files given (the current H100 results here)."""
+    measured = os.path.join(ROOT, "bench", "results", "e2e_h100.csv")
     rows = pd.read_csv(measured)
     result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--summarize", measured],
                             capture_output=True, text=True, timeout=120)

@@ -1,0 +1,94 @@
+"""bench/report.py: the benchmark report (docs/benchmarks.md, its plots and
+the README's headline table) regenerates from bench/results/*.csv, and the
+committed report is what the current CSVs give (a stale one fails here)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "report.py")
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+pytest.importorskip("matplotlib")
+
+
+def run(*args, cwd=ROOT):
+    result = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return result
+
+
+def test_committed_report_matches_the_results():
+    result = run("--check")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
+def test_report_regenerates_identically(tmp_path):
+    docs, readme = tmp_path / "docs", tmp_path / "README.md"
+    docs.mkdir()
+    shutil.copy(os.path.join(ROOT, "README.md"), readme)
+    result = run("--docs", str(docs), "--readme", str(readme))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        assert (docs / "benchmarks.md").read_text() == f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert readme.read_text() == f.read()
+    images = sorted(p.name for p in (docs / "img").iterdir())
+    assert images == sorted(os.path.basename(p) for p in os.listdir(os.path.join(ROOT, "docs", "img")))
+    for name in os.listdir(RESULTS):
+        bench, _, gpu = name[: -len(".csv")].rpartition("_")
+        assert f"{bench}_{gpu}.png" in images, name
+
+
+def test_every_results_csv_is_one_bench_on_one_gpu():
+    names = sorted(os.listdir(RESULTS))
+    assert names, "bench/results/ is empty"
+    for name in names:
+        assert name.endswith(".csv") and "_" in name, name
+        assert not pd.read_csv(os.path.join(RESULTS, name)).empty, name
+
+
+def test_add_merges_a_run_into_the_current_results(tmp_path):
+    results, docs, readme = tmp_path / "results", tmp_path / "docs", tmp_path / "README.md"
+    results.mkdir()
+    docs.mkdir()
+    shutil.copy(os.path.join(RESULTS, "spmm_h100.csv"), results)
+    shutil.copy(os.path.join(ROOT, "README.md"), readme)
+    current = pd.read_csv(results / "spmm_h100.csv")
+    rerun = current[current["graph"] == "cora"].assign(geot=lambda d: d["geot"] / 2)
+    rerun.to_csv(tmp_path / "run.csv", index=False)
+    result = run("--add", "spmm", str(tmp_path / "run.csv"), "--gpu", "h100", "--results", str(results),
+                 "--docs", str(docs), "--readme", str(readme))
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = pd.read_csv(results / "spmm_h100.csv")
+    assert len(merged) == len(current)  # the run's cells replaced the same cells
+    cora = merged[merged["graph"] == "cora"].set_index("F")["geot"]
+    assert (cora == current[current["graph"] == "cora"].set_index("F")["geot"] / 2).all()
+    expected = current.copy()
+    expected.loc[expected["graph"] == "cora", "geot"] /= 2
+    pd.testing.assert_frame_equal(merged[["graph", "F", "geot", "cusparse"]], expected[["graph", "F", "geot", "cusparse"]])
+    assert "spmm_h100.png" in os.listdir(docs / "img")
+
+
+def test_add_recomputes_e2e_speedups(tmp_path):
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    results.mkdir()
+    docs.mkdir()
+    current = pd.read_csv(os.path.join(RESULTS, "e2e_h100.csv"))
+    cell = (current["model"] == "gcn") & (current["graph"] == "cora") & (current["hidden"] == 32)
+    run_rows = current[cell & (current["path"] == "geot-compile")].drop(
+        columns=["best_pyg_ms", "best_pyg_peak_mb", "speedup", "peak_ratio"]).assign(ms=lambda d: d["ms"] * 2)
+    run_rows.to_csv(tmp_path / "run.csv", index=False)
+    current.to_csv(results / "e2e_h100.csv", index=False)
+    result = run("--add", "e2e", str(tmp_path / "run.csv"), "--gpu", "h100", "--results", str(results),
+                 "--docs", str(docs), "--readme", "")
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = pd.read_csv(results / "e2e_h100.csv")
+    assert len(merged) == len(current)
+    keys = ["model", "hidden", "graph", "dtype", "mode", "path"]
+    before = current[cell & (current["path"] == "geot-compile")].set_index(keys)["speedup"]
+    after = merged.set_index(keys).loc[before.index, "speedup"]
+    pd.testing.assert_series_equal(after, before / 2, check_names=False)
