@@ -471,7 +471,6 @@ def out_dir() -> str:
     return path
 
 
-results_dir = out_dir  # the name bench/e2e.py calls
 
 
 def write_csv(df, filename: str, also_out: bool = True) -> List[str]:

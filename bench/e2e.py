@@ -19,7 +19,8 @@ its training cells, so an inference peak leaves out what training keeps;
 --memory-snapshot DIR writes torch's
 memory snapshot of each cell's peak-memory calls, for
 https://pytorch.org/memory_viz); writes
-bench/results/e2e_<gpu>.csv and a bar chart next to it; prints the table and
+bench/out/e2e_<gpu>.csv and a bar chart next to it (bench/report.py --add
+merges a run into bench/results/); prints the table and
 the geomean speedups last. Each model starts from a fresh state (fresh_state).
 Each model's cells are timed in --rounds rounds (fastest round kept), the
 paths of a (dtype, mode) back to back; --compile-mode picks torch.compile's
@@ -33,6 +34,7 @@ large graphs, ~70 us of copy per step on an H100).
 
     python bench/e2e.py [--models gcn,gat] [--graphs cora,pubmed] [--dtypes fp32] [--hidden 64] [--no-compile]
     python bench/e2e.py --quick    # tiny CPU check that everything runs
+    python bench/e2e.py --minibatch [bench/minibatch.py's options]   # sampled training, a new graph every step
 """
 import argparse
 import gc
@@ -389,7 +391,7 @@ def parse_args():
                         help="CUDA: write torch's memory snapshot of each cell's peak-memory calls to DIR")
     parser.add_argument("--summarize", nargs="+", default=None, metavar="CSV",
                         help="print the summary of rows already measured (one or more e2e CSVs, e.g. several runs "
-                             "of one session) and exit")
+                             "of the same code) and exit")
     parser.add_argument("--rows-csv", default=None, help=argparse.SUPPRESS)  # run_libraries_apart's children
     parser.add_argument("--quick", action="store_true",
                         help="tiny CPU check: one 500-node graph, hidden 32, fp32, aot_eager compile, 2 reps")
@@ -433,7 +435,7 @@ def run_libraries_apart(args) -> pd.DataFrame:
         paths = [p for p in args.paths if library_of(p) == library]
         if not paths:
             continue
-        rows_csv = os.path.join(common.results_dir(), f"{args.name}_{library}_rows.csv")
+        rows_csv = os.path.join(common.out_dir(), f"{args.name}_{library}_rows.csv")
         command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--paths", ",".join(paths),
                    "--rows-csv", rows_csv]
         print(f"--- {library} paths in a process of their own: {paths}", flush=True)
@@ -469,6 +471,9 @@ def summarize_files(paths) -> None:
 
 
 def main():
+    if "--minibatch" in sys.argv:  # sampled mini-batch training: bench/minibatch.py, its own options
+        import minibatch
+        return minibatch.main([arg for arg in sys.argv[1:] if arg != "--minibatch"])
     args = parse_args()
     if args.summarize:
         return summarize_files(args.summarize)
