@@ -488,3 +488,42 @@ def test_ids_out_of_range_are_reported_by_a_later_call():
     with pytest.raises(ValueError, match="out of range"):
         conv(x, torch.tensor([[0, 1], [1, 2]], device="cuda"))
     conv(x, torch.tensor([[0, 1], [1, 2]], device="cuda"))  # reported once
+
+
+# torch_sparse.SparseTensor adj_t (torch_sparse is not installed here: a stand-in with its interface) ----------
+
+from torch_geometric.typing import SparseTensor  # noqa: E402
+
+
+class StandInSparseTensor(SparseTensor):
+    """adj_t with torch_sparse's coo() and sparse_sizes(), rows (destinations) sorted."""
+
+    def __init__(self, edge_index, value, num_src, num_dst):  # noqa: super().__init__ raises without torch_sparse
+        order = torch.argsort(edge_index[1], stable=True)
+        self._coo = (edge_index[1, order], edge_index[0, order], None if value is None else value[order])
+        self._sizes = (num_dst, num_src)
+
+    def coo(self):
+        return self._coo
+
+    def sparse_sizes(self):
+        return self._sizes
+
+
+@pytest.mark.parametrize("layer", ["gcn", "sage", "gin", "rgcn"])
+def test_sparse_tensor_adjacency_matches_edge_index(layer, device):
+    """A SparseTensor adj_t as PyG reads it: GCN weights by its values and
+    sets its diagonal; SAGE and GIN drop its values; RGCN reads them as the
+    relations. Compared with PyG's layer on the same edges as an edge_index."""
+    spec = case(layer, relations=layer == "rgcn")
+    geot_layer, pyg_layer = build_pair(spec, torch.float64, device)
+    x, edge_index, kwargs = make_call(spec, "duplicates", torch.float64, device)
+    relations = kwargs.pop("edge_type", None)
+    adj_t = StandInSparseTensor(edge_index, relations, 13, 13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        got = run(geot_layer, x, adj_t, {})
+    want = run(pyg_layer, x, edge_index, {} if relations is None else {"edge_type": relations})
+    assert_close(got[0], want[0], F64, "output")
+    for g, w in zip(got[2], want[2]):
+        assert_close(g, w, F64, "gradient")

@@ -36,7 +36,6 @@ of a mean's backward pass) are kept with its :class:`SortedGraph`
 (:meth:`SortedGraph.derived`), so they go with it: a new ``edge_index``
 tensor or an in-place change of it starts afresh.
 """
-import warnings
 import weakref
 from typing import NamedTuple, Optional, Tuple
 
@@ -48,6 +47,7 @@ from .. import _C
 from ..index import TransposedIndex, transpose_index
 from ..validation import mark_static_index
 from .inputs import edges_of
+from .layer import warn_at_trace_time
 
 
 class UncachedGraphWarning(UserWarning):
@@ -59,14 +59,9 @@ class UncachedGraphWarning(UserWarning):
 
 def _warn_at_compile_time(layer: torch.nn.Module, what: str) -> None:
     """An UncachedGraphWarning while dynamo traces (once per compilation, not per call)."""
-    message = (f"geot.nn.{type(layer).__name__}: compiled code {what} on every call; for a static graph, run the "
-               "model once eagerly, as it will be compiled, before compiling it (see geot.nn.graph)")
-    try:
-        from torch._dynamo.comptime import comptime
-    except ImportError:  # no trace-time hook in this torch: no warning
-        return
-    # A comptime function may not close over variables: it reads message from this frame.
-    comptime(lambda ctx: warnings.warn(ctx.get_local("message").as_python_constant(), UncachedGraphWarning))
+    warn_at_trace_time(f"geot.nn.{type(layer).__name__}: compiled code {what} on every call; for a static graph, "
+                       "run the model once eagerly, as it will be compiled, before compiling it (see geot.nn.graph)",
+                       UncachedGraphWarning)
 
 
 class SortedGraph(NamedTuple):

@@ -2,8 +2,8 @@
 
 A layer's ``edge_index`` may be a [2, E] index tensor (or PyG's
 ``EdgeIndex``), a ``torch.sparse`` adjacency ``adj_t`` (COO, CSR or CSC, of
-shape [N_dst, N_src]) or a ``torch_sparse.SparseTensor`` ``adj_t``; and a
-layer's input order. :func:`edges_of` turns each into an :class:`Edges`: a
+shape [N_dst, N_src]) or a ``torch_sparse.SparseTensor`` ``adj_t``.
+:func:`edges_of` turns each into an :class:`Edges`: a
 [2, E] tensor whose row 0 holds the sources and row 1 the destinations, the
 adjacency's values and sizes. An adjacency is converted once per input
 tensor and kept with it (a new tensor, or an in-place change of this one,
@@ -29,11 +29,6 @@ class Edges(NamedTuple):
 
 
 _converted = WeakTensorKeyDictionary()  # adjacency -> (version key, Edges)
-
-
-def is_adjacency(edge_index) -> bool:
-    return isinstance(edge_index, SparseTensor) or (isinstance(edge_index, Tensor)
-                                                    and edge_index.layout != torch.strided)
 
 
 def input_kind(edge_index) -> Optional[str]:

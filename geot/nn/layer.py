@@ -2,9 +2,10 @@
 forward for the calls geot does not run.
 
 A geot layer subclasses the PyG layer and overrides ``forward`` only. Each
-call first asks :meth:`GeotLayer._fallback_reason` whether geot runs it
-(from the layer's options at call time and the call's inputs); where it does
-not, the call runs PyG's own forward on the same module (same parameters),
+call first asks the layer's ``_call_reason`` whether geot runs it (from the
+layer's options at call time, :meth:`GeotLayer._option_reason`, and the
+call's inputs); where it does not, the call runs PyG's own forward on the
+same module (same parameters),
 with one :class:`GeotFallbackWarning` per layer and reason. So a geot layer
 takes every input and option PyG's layer takes: geot's kernels where they
 apply, PyG's result otherwise. ``torch.jit.script`` scripts PyG's layer with
@@ -92,7 +93,7 @@ class GeotLayer:
     def _warn_fallback(self, reason: str) -> None:
         message = f"geot.nn.{type(self).__name__} runs PyG's forward for {reason}"
         if torch.compiler.is_compiling():
-            _warn_at_trace_time(message)
+            warn_at_trace_time(message, GeotFallbackWarning)
         elif reason not in self._geot_warned:
             self._geot_warned.add(reason)
             warnings.warn(message, GeotFallbackWarning, stacklevel=3)
@@ -132,12 +133,13 @@ class GeotLayer:
         return {}
 
 
-def _warn_at_trace_time(message: str) -> None:
-    """A GeotFallbackWarning while dynamo traces (once per compilation, not per call)."""
+def warn_at_trace_time(message: str, category: type) -> None:
+    """A warning while dynamo traces (once per compilation, not per call)."""
     try:
         from torch._dynamo.comptime import comptime
     except ImportError:  # no trace-time hook in this torch: no warning
         return
-    # A comptime function may not close over variables: it reads message from this frame.
-    comptime(lambda ctx: warnings.warn(ctx.get_local("message").as_python_constant(), GeotFallbackWarning))
+    # A comptime function may not close over variables: it reads both from this frame.
+    comptime(lambda ctx: warnings.warn(ctx.get_local("message").as_python_constant(),
+                                       ctx.get_local("category").as_python_constant()))
 
