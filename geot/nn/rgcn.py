@@ -96,7 +96,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
 
     def forward(self, x, edge_index, edge_type: Optional[Tensor] = None) -> Tensor:
         x_src, x_dst = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
-        if x_src is None:  # featureless: every node its own embedding row
+        every_node = x_src is None  # featureless: node j's embedding is row j of each relation's weight
+        if every_node:
             x_src = torch.arange(self.in_channels_l, device=self.weight.device)
         x_dst = x_src if not isinstance(x, tuple) else x_dst
         reason = self._call_reason(x_src, x_dst, edge_index)
@@ -115,7 +116,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             out = self._reduce_then_blocks(edge_index, edge_type, x_src, weight, num_nodes)
         else:
             out = self._relations(edge_index, edge_type, x_src, x_dst,
-                                  weight.view(self.num_relations, -1, self.out_channels), num_nodes)
+                                  weight.view(self.num_relations, -1, self.out_channels), num_nodes, every_node)
         if self.root is not None:
             out = out + (x_dst @ self.root if x_dst.is_floating_point() else self.root.index_select(0, x_dst))
         return out if self.bias is None else out + self.bias
@@ -135,13 +136,13 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         return None
 
     def _relations(self, edge_index, edge_type: Tensor, x_src: Tensor, x_dst: Tensor, weight: Tensor,
-                   num_nodes: int) -> Tensor:
+                   num_nodes: int, every_node: bool) -> Tensor:
         """sum_r aggr over j in N_r(i) of x_j W_r, for the three ways it is computed cheapest."""
         relations = self.num_relations
         if not x_src.is_floating_point():
             graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                                  num_relations=relations, transposed=False)
-            return self._gather_embeddings(graph, x_src, weight, num_nodes)
+            return self._gather_embeddings(graph, x_src, weight, num_nodes, every_node)
         projects = self.out_channels < x_src.size(-1)
         # Gathering projected rows, the backward pass reads their own transposed edges, not the graph's.
         graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
@@ -166,14 +167,17 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         out = torch.einsum("nrbi,rbio->nbo", per_relation, weight.view(relations, blocks, weight.size(-2), -1))
         return out.reshape(num_nodes, self.out_channels)
 
-    def _gather_embeddings(self, graph: SortedGraph, x_src: Tensor, weight: Tensor, num_nodes: int) -> Tensor:
+    def _gather_embeddings(self, graph: SortedGraph, x_src: Tensor, weight: Tensor, num_nodes: int,
+                           every_node: bool) -> Tensor:
         """Featureless nodes (x_src: node indices into the weights): sum_r aggr
         over j in N_r(i) of W_r[x_src[j]], gathered straight from the weights
         [R * C_in, C_out], weighted by 1 / the edges of their (node, relation)
-        segment for a mean."""
+        segment for a mean. The rows are kept with the graph (and, for given
+        indices, checked against that tensor)."""
         relations, table = self.num_relations, weight.reshape(-1, self.out_channels)
-        key = ("rgcn embedding rows", relations, weight.size(1))
-        edges = graph.derived(key, lambda: _embedding_edges(graph, relations, weight.size(1), x_src), x_src)
+        key = ("rgcn embedding rows", relations, weight.size(1), every_node)
+        given = None if every_node else x_src  # every node's own row: the rows depend on the graph alone
+        edges = graph.derived(key, lambda: _embedding_edges(graph, relations, weight.size(1), x_src), given)
         edge_weight = None
         if self.aggr == "mean":
             edge_weight = graph.derived(("rgcn row weights", relations, num_nodes, table.dtype),
@@ -182,7 +186,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         transposed = weight_t = None
         if table.requires_grad and torch.is_grad_enabled():
             transposed = graph.derived(key + ("transposed",),
-                                       lambda: transpose_index_as(edges.rows, edges.dst, edges.rows.dtype), x_src)
+                                       lambda: transpose_index_as(edges.rows, edges.dst, edges.rows.dtype), given)
             if edge_weight is not None:
                 weight_t = edge_weight.index_select(0, transposed.perm)
         return index._fused(edges.rows, edges.dst, edge_weight, table, "sum", num_nodes, transposed,
