@@ -55,6 +55,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 import common  # noqa: E402
+from report import with_speedups  # noqa: E402  (each path against the fastest PyG path of its cell)
 
 import geot  # noqa: E402
 import geot.nn as geot_nn  # noqa: E402
@@ -291,18 +292,6 @@ def _failure_note(error: Exception) -> str:
     return f"n/a: {type(error).__name__}: {first_line}"
 
 
-def add_speedups(df):
-    """Speedup and peak memory of each path relative to the fastest PyG path
-    of its (model, hidden, graph, dtype, mode)."""
-    keys = ["model", "hidden", "graph", "dtype", "mode"]
-    pyg = df[df["path"].str.startswith("pyg") & df["ms"].notna()]
-    fastest = pyg.loc[pyg.groupby(keys)["ms"].idxmin(), keys + ["ms", "peak_mb"]]
-    df = df.merge(fastest.rename(columns={"ms": "best_pyg_ms", "peak_mb": "best_pyg_peak_mb"}), on=keys, how="left")
-    df["speedup"] = df["best_pyg_ms"] / df["ms"]
-    df["peak_ratio"] = df["peak_mb"] / df["best_pyg_peak_mb"]
-    return df
-
-
 def summarize(df):
     keys = ["model", "hidden", "graph", "dtype", "mode"]
     wide = df.pivot_table(index=keys, columns="path", values="ms", sort=False)
@@ -458,7 +447,7 @@ def time_in_process(args, device) -> pd.DataFrame:
             if args.rows_csv:
                 so_far.to_csv(args.rows_csv, index=False)
             else:
-                common.write_csv(add_speedups(so_far), f"{args.name}.csv")
+                common.write_csv(with_speedups(so_far), f"{args.name}.csv")
         torch._dynamo.reset()  # compiled models of the previous graph are not used again
     return pd.DataFrame(rows)
 
@@ -467,7 +456,7 @@ def summarize_files(paths) -> None:
     """summarize() of the rows of several e2e CSVs, speedups recomputed over them all."""
     rows = pd.concat([pd.read_csv(path) for path in paths], ignore_index=True)
     rows = rows.drop(columns=["best_pyg_ms", "best_pyg_peak_mb", "speedup", "peak_ratio"], errors="ignore")
-    summarize(add_speedups(rows))
+    summarize(with_speedups(rows))
 
 
 def main():
@@ -487,7 +476,7 @@ def main():
         time_in_process(args, device)
         return
     print(f"e2e on {common.device_name(device)}: models {args.models}, paths {args.paths}, dtypes {args.dtypes}")
-    df = add_speedups(run_libraries_apart(args) if apart else time_in_process(args, device))
+    df = with_speedups(run_libraries_apart(args) if apart else time_in_process(args, device))
     paths = common.write_csv(df, f"{args.name}.csv")
     for csv_path in paths:
         plot(df, csv_path[: -len(".csv")] + ".png")

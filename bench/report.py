@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import io
 import math
 import os
 import re
@@ -218,8 +217,8 @@ class E2E(Bench):
         return rows
 
     def section(self, df, gpu, img_dir):
-        out = [f"Speedup over the fastest PyG path, geomean over the cells (worst cell; cells below 1), "
-               f"and the compiled model's peak memory against the fastest PyG path's:\n",
+        out = ["Speedup over the fastest PyG path, geomean over the cells (worst cell; cells below 1), "
+               "and the compiled model's peak memory against the fastest PyG path's:\n",
                markdown_table(["models", "mode", "geot eager", "worst (eager)", "geot compiled",
                                "worst (compiled)", "peak memory (compiled)"], self.summary_rows(df), "llrlrll")]
         compiled = df[(df["path"] == "geot-compile") & df["model"].isin(self.GROUPS["GCN/GIN/SAGE"])]
@@ -304,7 +303,9 @@ class E2E(Bench):
 
 
 def with_speedups(df: pd.DataFrame) -> pd.DataFrame:
-    """bench/e2e.py's add_speedups: each path against the fastest PyG path of its cell."""
+    """e2e rows with each path's speedup and peak memory against the fastest
+    PyG path of its cell (model, hidden, graph, dtype, mode); bench/e2e.py
+    adds them to its runs with this too."""
     keys = ["model", "hidden", "graph", "dtype", "mode"]
     pyg = df[df["path"].str.startswith("pyg") & df["ms"].notna()]
     fastest = pyg.loc[pyg.groupby(keys)["ms"].idxmin(), keys + ["ms", "peak_mb"]]

@@ -465,11 +465,12 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA n
 @requires_cuda
 @pytest.mark.parametrize("layer", ["gcn", "sage", "gin"])
 def test_new_graph_every_step_makes_no_sync(layer):
-    """A graph's first call (a sampled block, a new edge_index each step)
-    sorts and checks its ids on the device: forward and backward make no
-    device->host sync."""
+    """Once a layer's graph has changed, each new graph (a sampled block, a
+    new edge_index each step) is sorted and its ids checked on the device:
+    forward and backward make no device->host sync."""
     conv = _layer(layer)(CLASSES[layer][0]).cuda()
     x = torch.randn(13, 6, device="cuda", requires_grad=True)
+    conv(x, graph_with_duplicates(13, 13, 40, "cuda")).sum().backward()  # the first graph: its static layout
     for _ in range(3):
         edge_index = graph_with_duplicates(13, 13, 40, "cuda")
         torch.cuda.set_sync_debug_mode("error")
@@ -483,7 +484,8 @@ def test_new_graph_every_step_makes_no_sync(layer):
 def test_ids_out_of_range_are_reported_by_a_later_call():
     conv = gnn.SAGEConv(6, 5).cuda()
     x = torch.randn(5, 6, device="cuda")
-    conv(x, torch.tensor([[0, 7], [1, 2]], device="cuda"))  # a first call: checked on the device
+    conv(x, torch.tensor([[0, 1], [1, 2]], device="cuda"))
+    conv(x, torch.tensor([[0, 7], [1, 2]], device="cuda"))  # a new graph: checked on the device
     torch.cuda.synchronize()
     with pytest.raises(ValueError, match="out of range"):
         conv(x, torch.tensor([[0, 1], [1, 2]], device="cuda"))

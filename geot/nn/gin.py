@@ -1,16 +1,12 @@
 """GINConv on geot."""
-from typing import Optional
-
 import torch
 import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import _ops, validation
 from ..config import explain, long_segment_level
-from .common import (Nodes, cast_for_matmul, gather_reduce_nodes, matmul_dtype, node_inputs, nodes_reason,
-                     num_targets, sizes_reason)
-from .graph import SortedGraph, checked, sorted_graph
-from .inputs import edges_of
+from .common import cast_for_matmul, gather_reduce_nodes, matmul_dtype, node_inputs
+from .graph import SortedGraph, checked
 from .layer import GeotLayer
 
 
@@ -38,14 +34,11 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
 
     def forward(self, x, edge_index, size=None) -> Tensor:
         nodes = node_inputs(x)
-        reason = self._call_reason(nodes, edge_index, size)
+        reason = self._pair_call_reason(nodes, edge_index, size)
         if reason is not None:
             return self._pyg_forward(reason, x, edge_index, size)
         x_src, x_dst = nodes.src, nodes.dst
-        edges = edges_of(edge_index)
-        graph = sorted_graph(self, edge_index, flipped=self._flipped())
-        num_nodes = num_targets(nodes, edges, size, graph)
-        weight = graph.edge_values(edges.weights) if edges.kind == "torch.sparse" else None
+        graph, num_nodes, weight = self._aggregation_graph(nodes, edge_index, size)
         if (not torch.is_grad_enabled() and _begins_with_linear(self.nn) and matmul_dtype(x_src) != x_src.dtype
                 and _cast_first_saves_memory(graph, x_src, num_nodes)):
             x_src, x_dst = cast_for_matmul(x_src, x_dst)
@@ -56,10 +49,6 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)
         return self.nn(out)
-
-    def _call_reason(self, nodes: Optional[Nodes], edge_index, size) -> Optional[str]:
-        reason = self._option_reason() or self._input_reason(edge_index) or nodes_reason(nodes, self.node_dim)
-        return reason or sizes_reason(nodes, edges_of(edge_index), size)
 
 
 def _sum_plus_scaled(graph: SortedGraph, x: Tensor, scale: Tensor) -> Tensor:

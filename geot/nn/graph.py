@@ -5,9 +5,12 @@ any order, so it sorts it (stably) and keeps the result, with the source-sorted
 :class:`geot.TransposedIndex` its backward pass uses (made when a call first
 records gradients on a graph the layer saw before: inference alone, and a
 graph used for one step, do not pay for its sort; their backward pass takes
-atomics). A graph whose ids
-fit in int32 is kept in int32, whatever the dtype of ``edge_index``: half the
-memory, half the index bytes per kernel. Kept:
+atomics). A graph whose ids fit in int32 is kept in int32, whatever the dtype
+of ``edge_index``: half the memory, half the index bytes per kernel. Once a
+layer's graph has changed, a new graph on CUDA is built without a
+device->host sync (sorted without a look first, its ids checked on the
+device: :func:`checked`) and gets that layout at the layer's second call on
+it. Kept:
 
 * eagerly, in a cache shared by all layers, keyed by the ``edge_index``
   tensor object and checked against its data pointer, shape, stride and
@@ -36,6 +39,7 @@ of a mean's backward pass) are kept with its :class:`SortedGraph`
 (:meth:`SortedGraph.derived`), so they go with it: a new ``edge_index``
 tensor or an in-place change of it starts afresh.
 """
+import warnings
 import weakref
 from typing import NamedTuple, Optional, Tuple
 
@@ -47,7 +51,6 @@ from .. import _C
 from ..index import TransposedIndex, transpose_index
 from ..validation import mark_static_index
 from .inputs import edges_of
-from .layer import warn_at_trace_time
 
 
 class UncachedGraphWarning(UserWarning):
@@ -55,6 +58,17 @@ class UncachedGraphWarning(UserWarning):
     call: no eager call of the layer saw it (so) first. Expected for graphs
     that change every call (mini-batches); for a static graph, run the model
     once eagerly, as it will be compiled, before compiling it."""
+
+
+def warn_at_trace_time(message: str, category: type) -> None:
+    """A warning while dynamo traces (once per compilation, not per call)."""
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:  # no trace-time hook in this torch: no warning
+        return
+    # A comptime function may not close over variables: it reads both from this frame.
+    comptime(lambda ctx: warnings.warn(ctx.get_local("message").as_python_constant(),
+                                       ctx.get_local("category").as_python_constant()))
 
 
 def _warn_at_compile_time(layer: torch.nn.Module, what: str) -> None:
@@ -73,7 +87,7 @@ class SortedGraph(NamedTuple):
     drop: Optional[Tensor]       # [E'] bool, input self loops replaced by added ones (self-loop variant; None: none)
     index_dtype: torch.dtype     # of the index tensors the graph makes: int32 where its ids fit
     memo: dict                   # derived values: see derived()
-    deferred: bool = False       # a CUDA graph's first build: no device->host sync (see sorted_graph)
+    deferred: bool = False       # built without a device->host sync, for a graph of one step (see sorted_graph)
 
     def derived(self, key, compute, values: Optional[Tensor] = None):
         """``compute()``, computed once per key for this graph and kept with it.
@@ -145,11 +159,14 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, s
     variant = slot + (torch.is_inference_mode_enabled(),)
     key = _graph_key(tensor, edge_type)
     seen = last is not None and last[0] is tensor and last[1] is edge_type and last[2] == variant and last[4] == key
-    if seen and (last[3].transposed is not None or not grad):
+    if seen and not last[3].deferred and (last[3].transposed is not None or not grad):
         return last[3]  # the graph this layer saw last, unchanged: no shared look-up, no slot update
     graph = _shared_lookup(tensor, variant, edge_type)
-    if graph is None:  # first seen: on CUDA built without a sync, its ids checked without one (deferred)
-        graph = _build(*build, eager=True, transposed=False, survey=not tensor.is_cuda)
+    if graph is None:
+        # A layer whose graph changes (a new graph every step) builds the next one without a sync on CUDA, its
+        # ids checked without one (deferred); a layer's first graph, which may be static, gets its layout.
+        changing = last is not None and not seen
+        graph = _build(*build, eager=True, transposed=False, survey=not (changing and tensor.is_cuda))
         graph = graph if graph.deferred else static_addresses(graph)
     if seen and graph.deferred:  # this layer's second call on the graph: a static graph's layout
         graph = static_addresses(_build(*build, eager=True, transposed=False))
@@ -204,8 +221,8 @@ def check_deferred(graph: SortedGraph, num_src: int, num_dst: int) -> None:
     event = torch.cuda.Event()
     event.record()
     message = (f"edge_index has ids out of range for this call's nodes (sources must lie in [0, {num_src}), "
-               f"destinations in [0, {num_dst})); geot.nn checks a graph's first call without a sync, so this "
-               "reports an earlier call")
+               f"destinations in [0, {num_dst})); geot.nn checks a new graph without a sync, so this reports an "
+               "earlier call")
     _pending_checks.append((event, flag, message))
 
 

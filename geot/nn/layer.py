@@ -19,7 +19,9 @@ import torch
 import torch_geometric.nn as pyg_nn
 from torch_geometric.inspector import Inspector
 
-from .inputs import input_kind
+from .common import nodes_reason, num_targets, sizes_reason
+from .graph import sorted_graph, warn_at_trace_time
+from .inputs import edges_of, input_kind
 
 
 class GeotFallbackWarning(UserWarning):
@@ -85,6 +87,20 @@ class GeotLayer:
             return "a sparse adjacency that is not 2-D"
         return None
 
+    def _pair_call_reason(self, nodes, edge_index, size) -> Optional[str]:
+        """Why a call of a layer taking x or (x_src, x_dst) with size runs PyG's forward, or None."""
+        reason = self._option_reason() or self._input_reason(edge_index) or nodes_reason(nodes, self.node_dim)
+        return reason or sizes_reason(nodes, edges_of(edge_index), size)
+
+    def _aggregation_graph(self, nodes, edge_index, size):
+        """(sorted graph, output rows, per-edge weights in graph order or None)
+        of a call: a torch.sparse adjacency's values weight the aggregation,
+        as in PyG's spmm (a SparseTensor's are dropped, as PyG does)."""
+        edges = edges_of(edge_index)
+        graph = sorted_graph(self, edge_index, flipped=self._flipped())
+        weight = graph.edge_values(edges.weights) if edges.kind == "torch.sparse" else None
+        return graph, num_targets(nodes, edges, size, graph), weight
+
     def _pyg_forward(self, reason: str, *args, **kwargs):
         """PyG's forward for this call, warning once per layer and reason."""
         self._warn_fallback(reason)
@@ -131,15 +147,3 @@ class GeotLayer:
     def _pyg_attributes(self) -> dict:
         """Attributes PyG's layer keeps in its __dict__ that this one holds elsewhere."""
         return {}
-
-
-def warn_at_trace_time(message: str, category: type) -> None:
-    """A warning while dynamo traces (once per compilation, not per call)."""
-    try:
-        from torch._dynamo.comptime import comptime
-    except ImportError:  # no trace-time hook in this torch: no warning
-        return
-    # A comptime function may not close over variables: it reads both from this frame.
-    comptime(lambda ctx: warnings.warn(ctx.get_local("message").as_python_constant(),
-                                       ctx.get_local("category").as_python_constant()))
-

@@ -1,16 +1,11 @@
 """SAGEConv on geot."""
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import _ops
-from .common import (REDUCE, Nodes, cast_for_matmul, gather_reduce_nodes, matmul_dtype, node_inputs, nodes_reason,
-                     num_targets, sizes_reason)
-from .graph import sorted_graph
-from .inputs import edges_of
+from .common import REDUCE, cast_for_matmul, gather_reduce_nodes, matmul_dtype, node_inputs
 from .layer import GeotLayer
 
 
@@ -37,16 +32,14 @@ class SAGEConv(GeotLayer, pyg_nn.SAGEConv):
 
     def forward(self, x, edge_index, size=None) -> Tensor:
         nodes = node_inputs(x)
-        reason = self._call_reason(nodes, edge_index, size)
+        reason = self._pair_call_reason(nodes, edge_index, size)
         if reason is not None:
             return self._pyg_forward(reason, x, edge_index, size)
         x_src, x_dst = nodes.src, nodes.dst
         if self.project:  # the sources' rows only: PyG's root term reads x_dst as given
             x_src = self.lin(x_src).relu()
-        edges = edges_of(edge_index)
-        graph, reduce = sorted_graph(self, edge_index, flipped=self._flipped()), REDUCE[self.aggr]
-        num_nodes = num_targets(nodes, edges, size, graph)
-        weight = graph.edge_values(edges.weights) if edges.kind == "torch.sparse" else None
+        graph, num_nodes, weight = self._aggregation_graph(nodes, edge_index, size)
+        reduce = REDUCE[self.aggr]
         root = None
         if self._project_first(x_src, reduce):
             cast, x_dst = cast_for_matmul(x_src, x_dst)  # one cast for both projections
@@ -66,12 +59,6 @@ class SAGEConv(GeotLayer, pyg_nn.SAGEConv):
             root = self.lin_r(x_dst)
         out = out if root is None else out + root
         return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
-
-    def _call_reason(self, nodes: Optional[Nodes], edge_index, size) -> Optional[str]:
-        reason = self._option_reason() or self._input_reason(edge_index) or nodes_reason(nodes, self.node_dim)
-        if reason is not None:
-            return reason
-        return sizes_reason(nodes, edges_of(edge_index), size)
 
     def _project_pair(self, x: Tensor):
         """(x lin_l.weight^T, lin_r(x)); in compiled inference one op
