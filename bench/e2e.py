@@ -1,17 +1,19 @@
 """End-to-end GNN models: geot layers vs PyG's own fast paths.
 
-Models: 3-layer GCN, GIN, GraphSAGE (hidden 32 and 64), 2-layer GAT (8 heads
-of 8) and RGCN (8 random relations, hidden 64). Each is timed for inference
+Models: 3-layer GCN, GIN, GraphSAGE (hidden 128 and 256), 2-layer GAT (8
+heads of 16, hidden 128) and RGCN (8 random relations, hidden 128). Each is timed for inference
 and for a full training step (forward, cross-entropy, backward, Adam step) as
 
     pyg        PyG's layers on edge_index
     pyg-csr    PyG's layers on a torch.sparse_csr adjacency (GCN, GIN, SAGE; else n/a)
     pyg-compile  torch.compile of the PyG model
     geot       geot.nn layers (eager)
-    geot-compile torch.compile(fullgraph=True) of the geot model
+    geot-compile torch.compile(fullgraph=True) of the geot model, compiled
+                 before any eager call, as users do (--warm-eagerly: one eager
+                 call of each grad mode first)
 
 on cora, citeseer, pubmed (the file's features, or random width-128 ones) and
-generated graphs with >= 2M edges, in fp32 and bf16 autocast. Reports the
+generated graphs of 2M, 3.2M and 10M edges, in fp32 and bf16 autocast. Reports the
 median ms per step (CUDA events, warm-up, L2 flush: bench/common.py), the
 speedup of geot over the fastest PyG path and the peak memory (with the
 memory resident when a step begins; a model's inference cells run before
@@ -64,8 +66,10 @@ from geot.nn import graph as graph_cache  # noqa: E402
 from geot.nn.graph import static_addresses  # noqa: E402
 
 NUM_RELATIONS = 8
-MODELS = {"gcn": (32, 64), "gin": (32, 64), "sage": (32, 64), "gat": (64,), "rgcn": (64,)}
-GRAPHS = ["cora", "citeseer", "pubmed", "powerlaw:n=200000,deg=10", "uniform:n=200000,d=16"]  # 2.0M, 3.2M edges
+MODELS = {"gcn": (128, 256), "gin": (128, 256), "sage": (128, 256), "gat": (128,), "rgcn": (128,)}
+# 2.0M, 3.2M and 10M edges
+GRAPHS = ["cora", "citeseer", "pubmed", "powerlaw:n=200000,deg=10", "uniform:n=200000,d=16",
+          "powerlaw:n=1000000,deg=10"]
 PATHS = ["pyg", "pyg-csr", "pyg-compile", "geot", "geot-compile"]
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -105,7 +109,7 @@ class Net(torch.nn.Module):
 
 
 def load_inputs(spec: str, device):
-    """x, labels, edge_index (sorted by destination), CSR adjacency, edge types."""
+    """x, labels, edge_index (edges in random order, as a user's often are), CSR adjacency, edge types."""
     graph = common.make_graph(spec, device="cpu")
     if graph is None:
         return None
@@ -113,7 +117,7 @@ def load_inputs(spec: str, device):
     gen = torch.Generator().manual_seed(0)
     x = data["x"] if data is not None and "x" in data else torch.randn(graph.num_nodes, 128, generator=gen)
     y = data["y"] if data is not None and "y" in data else torch.randint(0, 8, (graph.num_nodes,), generator=gen)
-    edge_index = torch.stack([graph.src, graph.dst])
+    edge_index = torch.stack([graph.src, graph.dst])[:, torch.randperm(graph.num_edges, generator=gen)]
     ptr = torch.searchsorted(graph.dst, torch.arange(graph.num_nodes + 1))
     adj_t = torch.sparse_csr_tensor(ptr, graph.src, torch.ones(graph.num_edges), (graph.num_nodes,) * 2)
     edge_type = torch.randint(0, NUM_RELATIONS, (graph.num_edges,), generator=gen)
@@ -131,9 +135,9 @@ def step_functions(model, runner, inputs, adj, amp_dtype, device, compiled: bool
     is a new generation of the CUDA graph tree, not a continuation of the
     step before. (It did not undo the slowdown between the two libraries'
     compiled models that run_libraries_apart avoids.) warm_eagerly: each
-    step's first call runs the model eagerly once before the compiled one,
-    as geot.nn's docs ask (the graph caches compiled code reads are filled
-    by eager calls), whichever paths run before it."""
+    grad mode's first call runs the model eagerly once before the compiled
+    one (--warm-eagerly; users compile first, and geot.nn needs no eager
+    call)."""
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     extra = (inputs["edge_type"],) if model.relational else ()
     warmed = set()
@@ -251,7 +255,8 @@ def bench_model(model_name, hidden, inputs, args, device):
         adj = inputs["adj_t"] if path == "pyg-csr" else inputs["edge_index"]
         for dtype_name in args.dtypes:
             infer, train = step_functions(model, runner, inputs, adj, DTYPES[dtype_name], device,
-                                          compiled=path.endswith("compile"), warm_eagerly=path == "geot-compile")
+                                          compiled=path.endswith("compile"),
+                                          warm_eagerly=args.warm_eagerly and path == "geot-compile")
             steps[path, dtype_name] = {"inference": infer, "train": train}
     # Inference cells first (each dtype's), then training: an inference peak is what an inference-only
     # process holds, without the caches a training step leaves (a graph's transposed index, its weights in
@@ -369,6 +374,8 @@ def parse_args():
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode for both compiled paths, e.g. reduce-overhead (CUDA graphs)")
+    parser.add_argument("--warm-eagerly", action="store_true",
+                        help="run the geot model eagerly once per grad mode before its compiled path")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2, help="rounds over each model's cells (fastest kept)")
     parser.add_argument("--warmup", type=int, default=3)

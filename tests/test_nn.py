@@ -1,4 +1,5 @@
 """geot.nn against torch_geometric: same parameters, same outputs and gradients."""
+import copy
 import warnings
 
 import pytest
@@ -128,7 +129,7 @@ def test_gat_inference_in_one_pass(input_loops, channels, kwargs, device, monkey
     assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, ())  # training: the two ops
     assert one_pass == [1]
     if kwargs.get("add_self_loops", True):
-        assert (geot_layer._geot_graphs[200, 0, False, False][3].drop is None) == (not input_loops)
+        assert (geot_layer._geot_graph_200_0_0_0[3].drop is None) == (not input_loops)
 
 
 def test_gat_dropout_without_gradients_overwrites_its_scores(device, monkeypatch):
@@ -594,30 +595,118 @@ def test_compile_fullgraph_gcn_matches_eager(device):
     assert model.conv1.lin.weight.grad is not None
 
 
-def test_compiling_an_uncached_graph_warns():
-    """Compiling a layer that will sort its graph, or build the transposed
-    index, on every call warns once (UncachedGraphWarning); after eager calls
-    on the graph, with gradients where it trains, it does not."""
-    layer = gnn.GCNConv(12, 4)
+class _CallRecorder:
+    """A torch.compile backend that records the ops of each graph it is given and runs it as traced."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, inputs):
+        self.graphs.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
+        return gm.forward
+
+    def sorts(self) -> int:
+        return sum("sort" in target for graph in self.graphs for target in graph)
+
+
+def _two_layer_gcns():
+    """(a two-layer GCN of geot's layers, the same model of PyG's)"""
+    class GCN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = pyg_nn.GCNConv(12, 16), pyg_nn.GCNConv(16, 4)
+
+        def forward(self, x, edge_index):
+            return self.conv2(self.conv1(x, edge_index).relu(), edge_index)
+
+    reference = GCN()
+    return gnn.patch(copy.deepcopy(reference)), reference
+
+
+def test_compiling_first_sorts_a_static_graph_once():
+    """A model compiled before any eager call sorts its graph while dynamo
+    traces, not in the compiled code, and keeps it (with the transposed index
+    for training): no warning, no sort per call, one compilation per grad
+    mode, PyG's results."""
+    torch.manual_seed(0)
+    model, reference = _two_layer_gcns()
     edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 12)
     torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    with pytest.warns(gnn.UncachedGraphWarning, match="sorts edge_index"):
-        compiled(x, edge_index)
+    recorder = _CallRecorder()
+    compiled = torch.compile(model, fullgraph=True, backend=recorder)
     with warnings.catch_warnings():
         warnings.simplefilter("error", gnn.UncachedGraphWarning)
-        compiled(x, edge_index)  # the same compiled code: no second warning
+        for _ in range(3):
+            out = compiled(x, edge_index)
+            out.square().sum().backward()
         with torch.no_grad():
-            layer(x, edge_index)
-            torch._dynamo.reset()
-            compiled(x, edge_index)  # seen eagerly: nothing sorted per call
-    with pytest.warns(gnn.UncachedGraphWarning, match="transposed index"):
-        compiled(x, edge_index)  # with gradients, which no eager call recorded
-    layer(x, edge_index)
+            torch.testing.assert_close(compiled(x, edge_index), reference(x, edge_index))
+    reference(x, edge_index).square().sum().backward()
+    torch.testing.assert_close(out, reference(x, edge_index))
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, 3 * dict(reference.named_parameters())[name].grad)
+    assert len(recorder.graphs) == 2 and recorder.sorts() == 0, recorder.graphs
+    assert model.conv1._geot_graph[3].transposed is not None
+
+
+def test_compiled_model_on_a_new_graph_every_call():
+    """A layer's later graphs are sorted inside the compiled code (it warns
+    once per compilation): PyG's results and gradients for each, no compilation per
+    graph, and in training one sort per step for both layers (the
+    partitioner torch.compile uses merges theirs) and no transposed index."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    torch.manual_seed(0)
+    model, reference = _two_layer_gcns()
+    x = torch.randn(60, 12)
     torch._dynamo.reset()
+    recorder = _CallRecorder()  # of the forward graphs after AOTAutograd
+    compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(
+        fw_compiler=recorder, bw_compiler=lambda gm, inputs: gm.forward,
+        partition_fn=min_cut_rematerialization_partition))
+    compiled(x, random_graph(60, 300, "cpu")).sum().backward()  # the first graph: sorted while tracing
+    with pytest.warns(gnn.UncachedGraphWarning, match="sorts edge_index"):
+        compiled(x, random_graph(60, 300, "cpu")).sum().backward()
     with warnings.catch_warnings():
-        warnings.simplefilter("error", gnn.UncachedGraphWarning)
-        compiled(x, edge_index)
+        warnings.simplefilter("ignore", gnn.UncachedGraphWarning)  # again where shapes become dynamic
+        for edges in (300, 300, 250, 320):
+            edge_index = random_graph(60, edges, "cpu")
+            model.zero_grad()
+            reference.zero_grad()
+            compiled(x, edge_index).square().sum().backward()
+            reference(x, edge_index).square().sum().backward()
+            for name, parameter in reference.named_parameters():
+                torch.testing.assert_close(dict(model.named_parameters())[name].grad, parameter.grad)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, edge_index), reference(x, edge_index))
+    assert len(recorder.graphs) <= 4, "the first graph, the later ones (and their dynamic shapes), inference"
+    assert all(sum("sort" in target for target in graph) <= 1 for graph in recorder.graphs[:-1]), recorder.graphs
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_first_on_cuda_static_then_new_graphs(mode):
+    """CUDA, inductor, CUDA graphs too: compiled before any eager call, a
+    static graph's results and gradients are PyG's on every call, and so are
+    those of new graphs given later (a CUDA graph never replays a stale
+    sort)."""
+    torch.manual_seed(0)
+    model, reference = (m.cuda() for m in _two_layer_gcns())
+    x = torch.randn(60, 12, device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode=mode)
+    graphs = [random_graph(60, 300, "cuda")] * 3 + [random_graph(60, 300, "cuda") for _ in range(3)]
+    for edge_index in graphs:
+        model.zero_grad()
+        reference.zero_grad()
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(x, edge_index)
+        out.square().sum().backward()
+        expect = reference(x, edge_index)
+        expect.square().sum().backward()
+        torch.testing.assert_close(out, expect)
+        for name, parameter in reference.named_parameters():
+            torch.testing.assert_close(dict(model.named_parameters())[name].grad, parameter.grad)
 
 
 @pytest.mark.parametrize("make_layer", [
@@ -628,18 +717,22 @@ def test_compiling_an_uncached_graph_warns():
     lambda: gnn.RGCNConv(12, 4, 3),
 ], ids=["sage-mean", "sage-max", "gin", "gat", "rgcn"])
 def test_compile_fullgraph_layers_match_eager(make_layer):
-    """Every layer traces whole (e2e.py compiles them with fullgraph=True);
-    aot_eager keeps it quick on CPU."""
+    """Every layer traces whole (e2e.py compiles them with fullgraph=True),
+    compiled before any eager call without sorting per call; aot_eager keeps
+    it quick on CPU."""
     torch._dynamo.reset()
     layer = make_layer()
     edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 12, requires_grad=True)
     extra = (torch.randint(0, 3, (300,)),) if isinstance(layer, gnn.RGCNConv) else ()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x, edge_index, *extra), layer(x, edge_index, *extra))
-    compiled(x, edge_index, *extra).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.UncachedGraphWarning)  # compiled first: sorted while tracing
+        out = compiled(x, edge_index, *extra)
+        out.sum().backward()
+        with torch.no_grad():  # inference traces another graph (the op without autograd)
+            torch.testing.assert_close(compiled(x, edge_index, *extra), layer(x, edge_index, *extra))
+    torch.testing.assert_close(out, layer(x, edge_index, *extra))
     assert x.grad is not None
-    with torch.no_grad():  # inference traces another graph (the op without autograd)
-        torch.testing.assert_close(compiled(x, edge_index, *extra), layer(x, edge_index, *extra))
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])

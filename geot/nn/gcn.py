@@ -7,7 +7,8 @@ from torch import Tensor
 
 from ..segment import segment_reduce
 from .common import gather_reduce_nodes, node_inputs, nodes_reason, transposed_order
-from .graph import SortedGraph, checked, sorted_graph, static_addresses, with_transposed
+from .graph import (SortedGraph, call_at_trace_time, checked, prepare_for_compiled, sorted_graph, static_addresses,
+                    with_transposed)
 from .inputs import edges_of, input_kind
 from .layer import GeotLayer
 
@@ -105,6 +106,9 @@ class GCNConv(GeotLayer, pyg_nn.GCNConv):
         if self.cached and self.__dict__.get("_geot_pyg_cache") is not None:
             edge_index, edge_weight = self.__dict__["_geot_pyg_cache"]  # normalized by PyG's forward
             return self._graph_and_weights(edge_index, edge_weight, out_dtype)
+        if torch.compiler.is_compiling():  # the graph and its normalization, kept before compiled code reads them
+            call_at_trace_time(_prepare_for_compiled, self, edge_index, edge_weight, num_nodes, dtype, out_dtype,
+                               torch.is_grad_enabled())
         edges = edges_of(edge_index)
         graph = checked(sorted_graph(self, edge_index, flipped=self._flipped()), num_nodes, num_nodes)
         weight = edge_weight if edges.kind == "edge_index" else edges.values
@@ -166,6 +170,15 @@ class GCNConv(GeotLayer, pyg_nn.GCNConv):
         inv_sqrt = degree.pow(-0.5).masked_fill(degree == 0, 0)
         norm = inv_sqrt.index_select(0, graph.src) * weight * inv_sqrt.index_select(0, graph.dst)
         return norm, None if loop_weight is None else inv_sqrt * loop_weight * inv_sqrt
+
+
+def _prepare_for_compiled(layer: GCNConv, edge_index, edge_weight, num_nodes: int, dtype, out_dtype,
+                          grad: bool) -> None:
+    """Run while dynamo traces (see geot.nn.graph.call_at_trace_time): the
+    layer's first graph and its normalization, computed eagerly and kept."""
+    if not layer.cached and prepare_for_compiled(layer, edge_index, layer._flipped(), grad):
+        with torch.set_grad_enabled(grad):
+            layer._graph_and_norm(edge_index, edge_weight, num_nodes, dtype, out_dtype)
 
 
 def _last_loop_weight(graph: SortedGraph, is_loop: Tensor, weight: Tensor, fill: Tensor) -> Tensor:

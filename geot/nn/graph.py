@@ -24,11 +24,16 @@ it. Kept:
   shared look-up).
   Inside ``torch.compile`` that is the only cache (the shared one is not
   traceable): a compiled call with the same ``edge_index`` object reuses it
-  (dynamo guards on the identity), another graph is sorted inside the
-  compiled graph on every call (correct, no sync, but a sort per call), as is
-  the transposed index of a graph eager calls saw only without gradients. So
-  run the model once eagerly, as it will be compiled, before compiling it;
-  compiling a layer that will sort or transpose on every call warns
+  (dynamo guards on the identity). No eager warm-up is needed: while dynamo
+  traces a layer whose slot is empty, the graph it is given (an input of the
+  compiled model) is sorted eagerly, on its real values, with its transposed
+  index where the call records gradients, and kept in the slot before the
+  compiled code reads it (:func:`call_at_trace_time`; GCN keeps its
+  normalization the same way). A layer's later graphs (a new graph every
+  step) are sorted inside the compiled code, one compiled version for all of
+  them: a sort per call (in training shared by the layers: the partitioner
+  computes the same sort of the same input once), and atomics in the
+  backward pass, as eagerly for a graph of one step; compiling that warns
   (:class:`UncachedGraphWarning`, once per compilation).
   In-place changes to an ``edge_index`` are not seen by compiled code.
   What the caches keep is marked as a static input (static_addresses), so
@@ -55,9 +60,10 @@ from .inputs import edges_of
 
 class UncachedGraphWarning(UserWarning):
     """Compiled code sorts a graph, or builds its transposed index, on every
-    call: no eager call of the layer saw it (so) first. Expected for graphs
-    that change every call (mini-batches); for a static graph, run the model
-    once eagerly, as it will be compiled, before compiling it."""
+    call. Expected for graphs that change every call (mini-batches): one
+    compiled version serves them all. A graph that is an input of the
+    compiled model and the first a layer sees is sorted once, while dynamo
+    traces, and kept."""
 
 
 def warn_at_trace_time(message: str, category: type) -> None:
@@ -71,11 +77,64 @@ def warn_at_trace_time(message: str, category: type) -> None:
                                        ctx.get_local("category").as_python_constant()))
 
 
+def call_at_trace_time(function, *args) -> None:
+    """Calls ``function(*args)`` while dynamo traces (not in the compiled
+    code), with the real values of its arguments: the tensors must be inputs
+    of the compiled graph, the rest constants or modules. Nothing is called
+    where a value is not known at trace time (a tensor computed inside the
+    compiled code, a dynamic size) or this torch has no trace-time hook."""
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:
+        return
+    comptime(lambda ctx: _call_with_real_values(ctx.get_local("function"), ctx.get_local("args")))
+
+
+def _call_with_real_values(function, args) -> None:
+    try:
+        values = [_real_value(item) for item in args._i_will_not_complain_if_bc_breaks_VariableTracker().items]
+    except _NotKnown:
+        return
+    import torch.compiler as compiler
+    if not isinstance(getattr(compiler, "_is_compiling_flag", None), bool):
+        return  # eager code would take itself for compiled code
+    tracing, compiler._is_compiling_flag = compiler._is_compiling_flag, False  # set while tracing in some torch
+    try:
+        function.as_python_constant()(*values)
+    except Exception:  # e.g. a bad graph: the compiled code, which validates, reports it
+        pass
+    finally:
+        compiler._is_compiling_flag = tracing
+
+
+class _NotKnown(Exception):
+    pass
+
+
+def _real_value(tracker):
+    """The value a dynamo variable tracker holds at trace time: a graph
+    input's real tensor, a constant, a module; else raises _NotKnown."""
+    try:
+        from torch._dynamo.comptime import ComptimeVar
+        tracker = tracker.realize() if hasattr(tracker, "realize") else tracker
+        var = ComptimeVar(tracker)
+        if var.is_python_constant():
+            return var.as_python_constant()
+        if isinstance(getattr(tracker, "value", None), torch.nn.Module):
+            return tracker.value
+        graph_arg = var.as_proxy().node.meta.get("grapharg")
+        value = None if graph_arg is None else graph_arg.example
+        if isinstance(value, Tensor):
+            return value
+    except Exception:  # an internal of this torch's tracer that differs: not known
+        pass
+    raise _NotKnown
+
+
 def _warn_at_compile_time(layer: torch.nn.Module, what: str) -> None:
     """An UncachedGraphWarning while dynamo traces (once per compilation, not per call)."""
-    warn_at_trace_time(f"geot.nn.{type(layer).__name__}: compiled code {what} on every call; for a static graph, "
-                       "run the model once eagerly, as it will be compiled, before compiling it (see geot.nn.graph)",
-                       UncachedGraphWarning)
+    warn_at_trace_time(f"geot.nn.{type(layer).__name__}: compiled code {what} on every call (expected for a "
+                       "graph that changes every call; see geot.nn.graph)", UncachedGraphWarning)
 
 
 class SortedGraph(NamedTuple):
@@ -142,41 +201,94 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, s
     edges = edges_of(edge_index)
     tensor = _checked_edges(edges.index)
     slot = (self_loops, num_relations, flipped, keep_perm)
-    last = layer._geot_graphs.get(slot)
     grad = torch.is_grad_enabled() and transposed
-    build = (tensor, edges.sorted and not flipped, flipped, self_loops, edge_type, num_relations, keep_perm)
-    if torch.compiler.is_compiling():  # the layer's slot, guarded by identity (versions are not traceable)
-        if last is not None and last[0] is tensor and last[1] is edge_type and last[2][:4] == slot:
-            graph = last[3]
-            if grad and graph.transposed is None:
-                _warn_at_compile_time(layer, "builds the transposed index (eager calls saw the graph without "
-                                             "gradients only)")
-                return with_transposed(graph)
-            return graph
-        _warn_at_compile_time(layer, "sorts edge_index (no eager call of this layer saw this tensor)")
-        return _build(*build, eager=False, transposed=grad)
+    known_sorted = edges.sorted and not flipped
+    if torch.compiler.is_compiling():
+        call_at_trace_time(_prepare_for_compiled, layer, tensor, edge_type, self_loops, num_relations, flipped,
+                           keep_perm, known_sorted, grad)
+        return _compiled_graph(layer, tensor, edge_type, slot, known_sorted, grad)
+    build = (tensor, known_sorted, flipped, self_loops, edge_type, num_relations, keep_perm)
+    return _eager_graph(layer, tensor, edge_type, slot, build, grad)
+
+
+def _slot_attr(slot) -> str:
+    """The layer attribute holding the last graph of a variant: one attribute per variant, so that compiled
+    code reads each after the trace-time build of it (see call_at_trace_time)."""
+    self_loops, num_relations, flipped, keep_perm = slot
+    return f"_geot_graph_{self_loops}_{num_relations}_{int(flipped)}_{int(keep_perm)}"
+
+
+def _compiled_graph(layer, tensor: Tensor, edge_type, slot, known_sorted: bool, grad: bool) -> SortedGraph:
+    """Inside torch.compile: the layer's slot, guarded by identity (versions are not traceable), or a sort."""
+    last = getattr(layer, _slot_attr(slot), None)
+    if last is not None and last[0] is tensor and last[1] is edge_type and last[2][:4] == slot:
+        graph = last[3]
+        if grad and graph.transposed is None:
+            _warn_at_compile_time(layer, "builds the transposed index (eager calls kept the graph without one)")
+            return with_transposed(graph)
+        return graph
+    _warn_at_compile_time(layer, "sorts edge_index (the layer's graph changed, or is computed inside the "
+                                 "compiled code)")
+    # As eagerly for a graph of one step: its backward pass takes atomics, not the sort of a transposed index.
+    self_loops, num_relations, flipped, keep_perm = slot
+    return _build(tensor, known_sorted, flipped, self_loops, edge_type, num_relations, keep_perm, eager=False,
+                  transposed=False)
+
+
+def _prepare_for_compiled(layer, tensor: Tensor, edge_type, self_loops, num_relations, flipped, keep_perm,
+                          known_sorted, grad) -> bool:
+    """Run eagerly while dynamo traces, on the real graph: a layer's first graph gets its static layout (and
+    its transposed index where gradients are recorded) before the compiled code reads the layer's slot, so
+    compiling needs no eager warm-up. A layer that saw another graph first is left as it is: its graph
+    changes, and compiled code sorts each (one compiled version for all of them, not one per graph).
+    True where the layer keeps the graph."""
+    slot = (self_loops, num_relations, flipped, keep_perm)
+    last = layer.__dict__.get(_slot_attr(slot))
+    if last is not None and last[0] is not tensor:
+        return False
+    build = (tensor, known_sorted, flipped, self_loops, edge_type, num_relations, keep_perm)
+    with torch.set_grad_enabled(grad):
+        _eager_graph(layer, tensor, edge_type, slot, build, grad, static=True)
+    return True
+
+
+def prepare_for_compiled(layer, edge_index, flipped: bool, grad: bool) -> bool:
+    """For code run by call_at_trace_time: the layer's first graph (a plain
+    edge_index) built as compiled code will read it (see sorted_graph);
+    True where the layer keeps it, so that values derived from it may be
+    computed eagerly too."""
+    edges = edges_of(edge_index)
+    return edges.kind == "edge_index" and _prepare_for_compiled(
+        layer, _checked_edges(edges.index), None, None, 0, flipped, False, edges.sorted and not flipped, grad)
+
+
+def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, static: bool = False) -> SortedGraph:
+    """sorted_graph outside torch.compile. static: build the static layout (and transposed index) at once."""
+    attr = _slot_attr(slot)
+    last = layer.__dict__.get(attr)
     # Tensors made in inference mode cannot be saved for backward: such a graph is kept apart.
     variant = slot + (torch.is_inference_mode_enabled(),)
     key = _graph_key(tensor, edge_type)
     seen = last is not None and last[0] is tensor and last[1] is edge_type and last[2] == variant and last[4] == key
     if seen and not last[3].deferred and (last[3].transposed is not None or not grad):
         return last[3]  # the graph this layer saw last, unchanged: no shared look-up, no slot update
+    again = seen or static  # a graph worth its static layout and its transposed index
     graph = _shared_lookup(tensor, variant, edge_type)
     if graph is None:
         # A layer whose graph changes (a new graph every step) builds the next one without a sync on CUDA, its
         # ids checked without one (deferred); a layer's first graph, which may be static, gets its layout.
-        changing = last is not None and not seen
+        changing = last is not None and not again
         graph = _build(*build, eager=True, transposed=False, survey=not (changing and tensor.is_cuda))
         graph = graph if graph.deferred else static_addresses(graph)
-    if seen and graph.deferred:  # this layer's second call on the graph: a static graph's layout
+    if again and graph.deferred:  # this layer's second call on the graph: a static graph's layout
         graph = static_addresses(_build(*build, eager=True, transposed=False))
-    if grad and graph.transposed is None and seen:
+    if grad and graph.transposed is None and again:
         # This layer's second call on the graph: worth the sort of an atomic-free backward pass (a graph
         # of one step, seen once by each layer, takes atomics and no sort).
         graph = with_transposed(graph)
     _shared_store(tensor, variant, edge_type, graph)
     layer._geot_graph = (tensor, edge_type, variant, graph, key)
-    layer._geot_graphs[slot] = layer._geot_graph
+    layer.__dict__[attr] = layer._geot_graph
     return graph
 
 

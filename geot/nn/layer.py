@@ -49,10 +49,9 @@ class GeotLayer:
     """Mixin of the geot layers (listed first among the bases)."""
 
     def _geot_init(self) -> None:
-        # (self_loops, num_relations, flipped, keep_perm) -> (edge tensor, edge_type, variant, SortedGraph,
-        # version key): the last graph of each variant the layer saw (see geot.nn.graph); _geot_graph: the
-        # last one stored.
-        self._geot_graphs = {}
+        # The last graph of each variant the layer saw is kept in an attribute of its own (see
+        # geot.nn.graph); _geot_graph: the last one stored, (edge tensor, edge_type, variant, SortedGraph,
+        # version key).
         self._geot_graph = None
         self._geot_warned = set()
 
