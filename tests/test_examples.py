@@ -1,5 +1,6 @@
 """The example layers (examples/rgcn.py, examples/gat.py) against their
-plain-torch versions: outputs and parameter gradients, on CPU."""
+plain-torch versions: outputs and parameter gradients, on CPU; and the
+multi-GPU example (examples/multi_gpu.py) against one process."""
 import os
 import sys
 
@@ -43,3 +44,16 @@ def test_gat_matches_plain_torch():
     g = torch.randn_like(out)
     _assert_same_grads(layer, lambda: (layer(x, edge_index) * g).sum(),
                        lambda: (gat.gat_reference(layer, x, edge_index) * g).sum())
+
+
+def test_multi_gpu_example_matches_one_process():
+    """examples/multi_gpu.py: DDP over 2 processes (NCCL where 2 GPUs are
+    visible, else gloo on the CPU) takes the steps one process takes alone."""
+    import subprocess
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "multi_gpu.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+         "--nodes", "20000", "--batch", "256", "--steps", "6", "--hidden", "64", "--check"],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parameters match after 6 steps" in result.stdout, result.stdout
