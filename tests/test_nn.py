@@ -846,3 +846,27 @@ def test_cora_accuracy_matches_pyg():
     pyg_acc, geot_acc = accuracies[pyg_nn.GCNConv], accuracies[gnn.GCNConv]
     assert geot_acc > 0.78, f"geot GCN reached {geot_acc:.3f} on Cora"
     assert abs(geot_acc - pyg_acc) <= 0.01, f"geot {geot_acc:.3f} vs PyG {pyg_acc:.3f}"
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("num_edges", [0, 1, 150])
+def test_gather_reduce_of_a_graph_in_input_order(reduce, weighted, num_edges, device):
+    """A graph of one step left unsorted (what a layer summing in any order
+    gets on CUDA) reduces with atomics: the float64 reference's values, and
+    gradcheck's gradients for x and the edge weights."""
+    from geot.nn.common import gather_reduce
+    from geot.nn.graph import _unordered
+    edge_index = torch.randint(0, 20, (2, num_edges), device=device)
+    graph = _unordered(edge_index, flipped=False)._replace(deferred=False)  # ids known valid: no device check
+    assert not graph.ordered
+    x = torch.randn(20, 3, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.rand(num_edges, dtype=torch.float64, device=device, requires_grad=True) if weighted else None
+    src, dst = edge_index
+    messages = x[src] * (1 if weight is None else weight[:, None])
+    expect = torch.zeros(25, 3, dtype=torch.float64, device=device).index_add(0, dst, messages)
+    if reduce == "mean":
+        expect = expect / torch.bincount(dst, minlength=25).clamp(min=1)[:, None]
+    torch.testing.assert_close(gather_reduce(graph, x, reduce, 25, weight), expect)
+    inputs = (x,) if weight is None else (x, weight)
+    assert torch.autograd.gradcheck(lambda *t: gather_reduce(graph, t[0], reduce, 25, *t[1:]), inputs)

@@ -481,6 +481,35 @@ def test_new_graph_every_step_makes_no_sync(layer):
 
 
 @requires_cuda
+@pytest.mark.parametrize("layer,kwargs,pair", [
+    ("sage", {}, False), ("sage", {}, True), ("sage", {"aggr": "sum", "channels": 8}, False),
+    ("sage", {"aggr": "max"}, False), ("gin", {}, False), ("gin", {}, True), ("gcn", {}, False)],
+    ids=["sage-mean", "sage-mean-pair", "sage-sum-projected-first", "sage-max", "gin", "gin-pair", "gcn"])
+def test_new_graphs_every_step_match_pyg(layer, kwargs, pair):
+    """After a layer's first graph, each new one (sums and means left in
+    input order, with atomics both ways; the rest sorted without a sync)
+    gives PyG's outputs and gradients (float64), in training and inference."""
+    geot_layer, pyg_layer = build_pair(case(layer, kwargs=kwargs), torch.float64, "cuda")
+    num_dst = 9 if pair else 13
+    call = {"size": (13, num_dst)} if pair else {}
+
+    def inputs():
+        x = torch.randn(13, kwargs.get("channels", 6), dtype=torch.float64, device="cuda")
+        return ((x, x[:num_dst]) if pair else x), graph_with_duplicates(13, num_dst, 40, "cuda")
+
+    for step in range(4):
+        x, edge_index = inputs()
+        got, want = run(geot_layer, x, edge_index, call), run(pyg_layer, x, edge_index, call)
+        assert_close(got[0], want[0], F64, f"output of step {step}")
+        for g, w in zip(got[2], want[2]):
+            assert_close(g, w, F64, f"gradient of step {step}")
+        x, edge_index = inputs()
+        with torch.no_grad():
+            assert_close(geot_layer(x, edge_index, **call), pyg_layer(x, edge_index, **call), F64,
+                         f"inference output of step {step}")
+
+
+@requires_cuda
 def test_ids_out_of_range_are_reported_by_a_later_call():
     conv = gnn.SAGEConv(6, 5).cuda()
     x = torch.randn(5, 6, device="cuda")

@@ -75,7 +75,7 @@ def num_targets(nodes: Nodes, edges: Edges, size, graph: Optional[SortedGraph]) 
         return nodes.dst.size(-2)
     if graph is None or graph.dst.numel() == 0:
         return 0
-    return int(graph.dst[-1]) + 1
+    return int(graph.dst[-1] if graph.ordered else graph.dst.max()) + 1
 
 
 def gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, weight: Optional[Tensor] = None,
@@ -85,8 +85,11 @@ def gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, we
 
     weight_t: weight in the graph's transposed order, when kept with the
     graph (the backward pass would gather it on every call). A mean's edge
-    counts are kept with the graph, for the same reason."""
+    counts are kept with the graph, for the same reason. A graph in input
+    order (``graph.ordered`` False) takes sum or mean only: atomics."""
     checked(graph, x.size(0), num_nodes)
+    if not graph.ordered:
+        return _scatter_reduce(graph, x, reduce, num_nodes, weight)
     counts = None
     if reduce == "mean" and x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         counts = graph.derived(("mean counts", num_nodes, x.dtype),
@@ -94,6 +97,43 @@ def gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, we
     if weight is not None:
         weight, weight_t = weight.to(x.dtype), None if weight_t is None else weight_t.to(x.dtype)
     return index._fused(graph.src, graph.dst, weight, x, reduce, num_nodes, graph.transposed, None, counts, weight_t)
+
+
+def _scatter_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, weight: Optional[Tensor]) -> Tensor:
+    """gather_reduce of a graph in input order: a sum scattered with atomics (geot::index_scatter_sum, the
+    same backward), a mean that sum over the edge counts."""
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"a graph in input order takes sum or mean, not {reduce!r}")
+    weight = None if weight is None else weight.to(x.dtype)
+    out = _ScatterSum.apply(graph.src, graph.dst, x, weight, num_nodes)
+    if reduce == "sum":
+        return out
+    counts = torch.zeros(num_nodes, dtype=x.dtype, device=x.device)
+    counts.index_add_(0, graph.dst, x.new_ones(()).expand(graph.dst.numel()))
+    return out / counts.clamp_(min=1).view(-1, *[1] * (x.dim() - 1))
+
+
+class _ScatterSum(torch.autograd.Function):
+    """out[dst[e]] += weight[e] * x[src[e]], edges in any order; its backward scatters the other way."""
+
+    @staticmethod
+    def forward(ctx, src, dst, x, weight, num_nodes):
+        ctx.save_for_backward(src, dst, x if weight is not None else None, weight)
+        ctx.num_src = x.size(0)
+        return torch.ops.geot.index_scatter_sum(src, dst, x, weight, num_nodes)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        src, dst, x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[2]:
+            grad_x = torch.ops.geot.index_scatter_sum(dst, src, grad, weight, ctx.num_src)
+        if ctx.needs_input_grad[3]:
+            heads = 1 if weight.dim() == 1 else weight.size(1)
+            grad_w = torch.ops.geot.edge_dot(src, dst, grad, x, heads).reshape(weight.shape)
+        return None, None, grad_x, grad_w, None
 
 
 def gather_reduce_nodes(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int,

@@ -38,11 +38,13 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
         if reason is not None:
             return self._pyg_forward(reason, x, edge_index, size)
         x_src, x_dst = nodes.src, nodes.dst
-        graph, num_nodes, weight = self._aggregation_graph(nodes, edge_index, size)
+        # Inference takes the sorted graph (its sum and (1 + eps) x are one op there).
+        graph, num_nodes, weight = self._aggregation_graph(nodes, edge_index, size,
+                                                           any_order=torch.is_grad_enabled())
         if (not torch.is_grad_enabled() and _begins_with_linear(self.nn) and matmul_dtype(x_src) != x_src.dtype
                 and _cast_first_saves_memory(graph, x_src, num_nodes)):
             x_src, x_dst = cast_for_matmul(x_src, x_dst)
-        if (x_dst is x_src and x_src.dim() == 2 and weight is None and num_nodes == x_src.size(0)
+        if (graph.ordered and x_dst is x_src and x_src.dim() == 2 and weight is None and num_nodes == x_src.size(0)
                 and _ops.records_no_grad(x_src, self.eps)):
             return self.nn(_sum_plus_scaled(checked(graph, x_src.size(0), num_nodes), x_src, 1 + self.eps))
         out = gather_reduce_nodes(graph, x_src, "sum", num_nodes, weight)

@@ -147,6 +147,8 @@ class SortedGraph(NamedTuple):
     index_dtype: torch.dtype     # of the index tensors the graph makes: int32 where its ids fit
     memo: dict                   # derived values: see derived()
     deferred: bool = False       # built without a device->host sync, for a graph of one step (see sorted_graph)
+    ordered: bool = True         # False: dst left in input order (a graph of one step whose caller sums in any
+                                 # order, see sorted_graph's any_order)
 
     def derived(self, key, compute, values: Optional[Tensor] = None):
         """``compute()``, computed once per key for this graph and kept with it.
@@ -184,7 +186,7 @@ _indices = WeakTensorKeyDictionary()  # base of an index view -> {view key: (per
 
 def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, self_loops: Optional[int] = None,
                  edge_type: Optional[Tensor] = None, num_relations: int = 0, transposed: bool = True,
-                 keep_perm: bool = False) -> SortedGraph:
+                 keep_perm: bool = False, any_order: bool = False) -> SortedGraph:
     """The graph input (any kind :mod:`geot.nn.inputs` takes) sorted by
     destination, from the caches when possible.
 
@@ -196,7 +198,12 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, s
     segment of an edge is ``dst * R + edge_type`` (RGCN's per-relation mean).
     transposed=False: the caller's backward pass does not read the graph's
     transposed index (RGCN gathering projected rows has its own), so a call
-    recording gradients does not add it.
+    recording gradients does not add it. any_order: the caller sums or
+    averages in any order (:func:`geot.nn.common.gather_reduce` takes
+    ``ordered=False`` graphs), so a graph of one step on CUDA is not sorted
+    at all: its sum scatters with atomics, forward and backward (for the
+    small graphs of sampled mini-batches the sort would cost more than the
+    layer).
     """
     edges = edges_of(edge_index)
     tensor = _checked_edges(edges.index)
@@ -208,7 +215,8 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, s
                            keep_perm, known_sorted, grad)
         return _compiled_graph(layer, tensor, edge_type, slot, known_sorted, grad)
     build = (tensor, known_sorted, flipped, self_loops, edge_type, num_relations, keep_perm)
-    return _eager_graph(layer, tensor, edge_type, slot, build, grad)
+    plain = self_loops is None and edge_type is None and not keep_perm
+    return _eager_graph(layer, tensor, edge_type, slot, build, grad, any_order=any_order and plain)
 
 
 def _slot_attr(slot) -> str:
@@ -262,7 +270,8 @@ def prepare_for_compiled(layer, edge_index, flipped: bool, grad: bool) -> bool:
         layer, _checked_edges(edges.index), None, None, 0, flipped, False, edges.sorted and not flipped, grad)
 
 
-def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, static: bool = False) -> SortedGraph:
+def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, static: bool = False,
+                 any_order: bool = False) -> SortedGraph:
     """sorted_graph outside torch.compile. static: build the static layout (and transposed index) at once."""
     attr = _slot_attr(slot)
     last = layer.__dict__.get(attr)
@@ -274,11 +283,17 @@ def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, stat
         return last[3]  # the graph this layer saw last, unchanged: no shared look-up, no slot update
     again = seen or static  # a graph worth its static layout and its transposed index
     graph = _shared_lookup(tensor, variant, edge_type)
+    if graph is not None and not graph.ordered and not (any_order and not again):
+        graph = None  # a layer summing in any order left it unsorted: this caller needs it sorted
     if graph is None:
         # A layer whose graph changes (a new graph every step) builds the next one without a sync on CUDA, its
-        # ids checked without one (deferred); a layer's first graph, which may be static, gets its layout.
-        changing = last is not None and not again
-        graph = _build(*build, eager=True, transposed=False, survey=not (changing and tensor.is_cuda))
+        # ids checked without one (deferred), unsorted where the caller sums in any order; a layer's first
+        # graph, which may be static, gets its layout.
+        changing = last is not None and not again and tensor.is_cuda
+        if changing and any_order and not build[1]:
+            graph = _unordered(tensor, flipped=build[2])
+        else:
+            graph = _build(*build, eager=True, transposed=False, survey=not changing)
         graph = graph if graph.deferred else static_addresses(graph)
     if again and graph.deferred:  # this layer's second call on the graph: a static graph's layout
         graph = static_addresses(_build(*build, eager=True, transposed=False))
@@ -324,11 +339,12 @@ def check_deferred(graph: SortedGraph, num_src: int, num_dst: int) -> None:
     geot layer) raises if it failed. Meanwhile the kernels read no row out
     of bounds (they skip such ids). The indices are recorded as valid, so
     the ops skip their own (synchronizing) validation."""
-    _C.vouch_index(graph.dst, num_dst, True)
+    _C.vouch_index(graph.dst, num_dst, graph.ordered)
     _C.vouch_index(graph.src, num_src, False)
     if graph.src.numel() == 0:
         return
-    bad = (graph.src.min() < 0) | (graph.src.max() >= num_src) | (graph.dst[0] < 0) | (graph.dst[-1] >= num_dst)
+    low, high = (graph.dst[0], graph.dst[-1]) if graph.ordered else (graph.dst.min(), graph.dst.max())
+    bad = (graph.src.min() < 0) | (graph.src.max() >= num_src) | (low < 0) | (high >= num_dst)
     flag = torch.empty((), dtype=torch.bool, pin_memory=True).copy_(bad, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
@@ -412,6 +428,12 @@ def _shared_lookup(edge_index, variant, edge_type) -> Optional[SortedGraph]:
 def _shared_store(edge_index, variant, edge_type, graph) -> None:
     type_ref = None if edge_type is None else weakref.ref(edge_type)
     _graphs.setdefault(edge_index, {})[variant] = (_graph_key(edge_index, edge_type), type_ref, graph)
+
+
+def _unordered(edges: Tensor, flipped: bool) -> SortedGraph:
+    """A graph of one step left in input order (no sort, no sync): for callers summing in any order."""
+    src, dst = (edges[1], edges[0]) if flipped else (edges[0], edges[1])
+    return SortedGraph(src, dst, None, None, None, src.dtype, {}, deferred=True, ordered=False)
 
 
 def _build(edges: Tensor, known_sorted: bool, flipped: bool, self_loops, edge_type, num_relations, keep_perm: bool,

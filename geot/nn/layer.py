@@ -91,12 +91,12 @@ class GeotLayer:
         reason = self._option_reason() or self._input_reason(edge_index) or nodes_reason(nodes, self.node_dim)
         return reason or sizes_reason(nodes, edges_of(edge_index), size)
 
-    def _aggregation_graph(self, nodes, edge_index, size):
+    def _aggregation_graph(self, nodes, edge_index, size, any_order: bool = False):
         """(sorted graph, output rows, per-edge weights in graph order or None)
         of a call: a torch.sparse adjacency's values weight the aggregation,
         as in PyG's spmm (a SparseTensor's are dropped, as PyG does)."""
         edges = edges_of(edge_index)
-        graph = sorted_graph(self, edge_index, flipped=self._flipped())
+        graph = sorted_graph(self, edge_index, flipped=self._flipped(), any_order=any_order)
         weight = graph.edge_values(edges.weights) if edges.kind == "torch.sparse" else None
         return graph, num_targets(nodes, edges, size, graph), weight
 

@@ -38,8 +38,9 @@ class SAGEConv(GeotLayer, pyg_nn.SAGEConv):
         x_src, x_dst = nodes.src, nodes.dst
         if self.project:  # the sources' rows only: PyG's root term reads x_dst as given
             x_src = self.lin(x_src).relu()
-        graph, num_nodes, weight = self._aggregation_graph(nodes, edge_index, size)
         reduce = REDUCE[self.aggr]
+        graph, num_nodes, weight = self._aggregation_graph(nodes, edge_index, size,
+                                                           any_order=reduce in ("sum", "mean"))
         root = None
         if self._project_first(x_src, reduce):
             cast, x_dst = cast_for_matmul(x_src, x_dst)  # one cast for both projections
