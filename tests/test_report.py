@@ -66,7 +66,8 @@ def test_add_merges_a_run_into_the_current_results(tmp_path):
     merged = pd.read_csv(results / "spmm_h100.csv")
     assert len(merged) == len(current)  # the run's cells replaced the same cells
     cora = merged[merged["graph"] == "cora"].set_index("F")["geot"]
-    assert (cora == current[current["graph"] == "cora"].set_index("F")["geot"] / 2).all()
+    # CSV text round trips may differ in the last digit between pandas versions
+    pd.testing.assert_series_equal(cora, current[current["graph"] == "cora"].set_index("F")["geot"] / 2, rtol=1e-12)
     expected = current.copy()
     expected.loc[expected["graph"] == "cora", "geot"] /= 2
     pd.testing.assert_frame_equal(merged[["graph", "F", "geot", "cusparse"]], expected[["graph", "F", "geot", "cusparse"]])
