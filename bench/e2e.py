@@ -369,7 +369,8 @@ def parse_args():
     parser.add_argument("--graphs", default=",".join(GRAPHS), help="names or generator specs (bench/common.py)")
     parser.add_argument("--dtypes", default=None, help="fp32,bf16 (default: both on GPU, fp32 on CPU)")
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--hidden", default=None, help="hidden sizes to keep, e.g. 64 (default: each model's own)")
+    parser.add_argument("--hidden", default=None,
+                        help="hidden sizes to run, e.g. 64,128 (default: each model's own; GAT's: multiples of 8)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--compile-mode", default=None,
@@ -401,9 +402,8 @@ def parse_args():
     args.paths = [p for p in args.paths.split(",") if not (args.no_compile and p.endswith("compile"))]
     args.graphs = common.split_graph_specs(args.graphs)
     if args.hidden:
-        keep = {int(h) for h in args.hidden.split(",")}
         for model in MODELS:
-            MODELS[model] = tuple(h for h in MODELS[model] if h in keep) or MODELS[model]
+            MODELS[model] = tuple(int(h) for h in args.hidden.split(","))
     if args.quick:
         args.graphs, args.reps, args.warmup, args.backend = ["powerlaw:n=500,deg=6"], 2, 1, "aot_eager"
         args.rounds = 1

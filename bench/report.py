@@ -181,7 +181,7 @@ class E2E(Bench):
         'E2E="python bench/e2e.py --compile-mode reduce-overhead --rounds 2 --max-time 0.3"',
         'ADD="python bench/report.py --add e2e bench/out/e2e_nvidia-h100-80gb-hbm3.csv --gpu h100"',
         "for g in cora citeseer; do for d in fp32 bf16; do",
-        "  $E2E --models gin,gcn,sage --graphs $g --dtypes $d && $ADD; done; done",
+        "  $E2E --models gin,gcn,sage --hidden 32,64 --graphs $g --dtypes $d && $ADD; done; done",
         "for d in fp32 bf16; do",
         '  $E2E --models gin,gcn,sage,gat,rgcn --hidden 64 --graphs "powerlaw:n=200000,deg=10" --dtypes $d && $ADD',
         "  $E2E --models gin,gcn,sage --hidden 64 --graphs pubmed --dtypes $d && $ADD; done",
