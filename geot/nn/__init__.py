@@ -4,7 +4,9 @@
   subclasses of PyG's layers, same constructor, parameters and forward; a
   call geot does not run natively runs PyG's forward
   (:class:`GeotFallbackWarning`).
-* :func:`patch`: converts the PyG layers of an existing model in place.
+* :func:`patch`: converts the PyG layers of an existing model in place;
+  other ``MessagePassing`` layers whose message is ``x_j`` or a weighted
+  ``x_j`` propagate on geot (:mod:`geot.nn.generic`, :func:`explain`).
 * :class:`SegmentAggregation`: ``MessagePassing(aggr=SegmentAggregation("sum"))``.
 """
 try:
@@ -15,6 +17,7 @@ except ImportError as error:  # geot itself does not need PyG; geot.nn does
 from .aggr import SegmentAggregation
 from .gat import GATConv
 from .gcn import GCNConv
+from .generic import explain, geot_class
 from .gin import GINConv
 from .graph import SortedGraph, UncachedGraphWarning, sorted_graph, sorted_index
 from .layer import GeotFallbackWarning
@@ -23,4 +26,4 @@ from .rgcn import RGCNConv
 from .sage import SAGEConv
 
 __all__ = ["GATConv", "GCNConv", "GeotFallbackWarning", "GINConv", "RGCNConv", "SAGEConv", "SegmentAggregation",
-           "SortedGraph", "UncachedGraphWarning", "patch", "sorted_graph", "sorted_index"]
+           "SortedGraph", "UncachedGraphWarning", "explain", "geot_class", "patch", "sorted_graph", "sorted_index"]

@@ -38,7 +38,10 @@ _HOOK_DICTS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks", "_mes
 
 
 def pyg_base(layer_class: type) -> type:
-    """The PyG layer class a geot layer class derives from."""
+    """The PyG layer class a geot layer class derives from (for a generic
+    one, the class it extends: PyG's or the user's)."""
+    if getattr(layer_class, "_geot_base", None) is not None:
+        return layer_class._geot_base
     for base in layer_class.__mro__:
         if base.__module__.startswith("torch_geometric."):
             return base
@@ -105,8 +108,8 @@ class GeotLayer:
         self._warn_fallback(reason)
         return pyg_base(type(self)).forward(self, *args, **kwargs)
 
-    def _warn_fallback(self, reason: str) -> None:
-        message = f"geot.nn.{type(self).__name__} runs PyG's forward for {reason}"
+    def _warn_fallback(self, reason: str, what: str = "forward") -> None:
+        message = f"geot.nn.{type(self).__name__} runs PyG's {what} for {reason}"
         if torch.compiler.is_compiling():
             warn_at_trace_time(message, GeotFallbackWarning)
         elif reason not in self._geot_warned:

@@ -4,6 +4,7 @@ import torch_geometric.nn as pyg_nn
 
 from .gat import GATConv
 from .gcn import GCNConv
+from .generic import geot_class, propagates_on_geot
 from .gin import GINConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
@@ -20,23 +21,28 @@ GEOT_LAYERS = {
 def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
     """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv and RGCNConv in
     ``model`` (the model itself included, and the per-edge-type copies that
-    ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place.
+    ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place,
+    and gives every other ``MessagePassing`` layer whose message geot
+    understands (``x_j`` or a per-edge weight times ``x_j``, see
+    :mod:`geot.nn.generic`) geot's propagate.
 
     The layer's class changes, nothing else: it keeps its parameters (the
     same tensors, so an optimizer built before still trains them), buffers,
-    hooks and options. Subclasses of the PyG layers are left alone (their
-    forward may differ). A call with an input or option geot does not run
+    hooks and options. Subclasses of the five PyG layers get geot's
+    propagate only (their forward may differ). A call with an input or option geot does not run
     natively runs PyG's forward (one :class:`geot.nn.GeotFallbackWarning`
     per layer and reason), so a patched model runs wherever PyG's does.
     ``strict=True`` raises ``NotImplementedError`` instead for a layer whose
     options keep every call on PyG's forward. Returns ``model``.
     """
     for name, module in model.named_modules():
-        geot_class = GEOT_LAYERS.get(type(module))
-        if geot_class is None:
+        new_class = GEOT_LAYERS.get(type(module))
+        if new_class is None and propagates_on_geot(module):
+            new_class = geot_class(type(module))
+        if new_class is None:
             continue
         pyg_class = module.__class__
-        module.__class__ = geot_class
+        module.__class__ = new_class
         reason = module.unsupported_options()  # reads PyG's attributes only
         if strict and reason is not None:
             module.__class__ = pyg_class

@@ -1,0 +1,206 @@
+"""geot.nn.generic: PyG MessagePassing layers whose message is x_j or a
+weighted x_j propagate on geot after patch; their outputs and gradients are
+PyG's (float64, 1e-10), the rest stays on PyG's propagate."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+pyg_nn = pytest.importorskip("torch_geometric.nn")
+import geot.nn as gnn  # noqa: E402
+import geot.nn.generic as generic  # noqa: E402
+from torch_geometric import EdgeIndex  # noqa: E402
+
+F64 = {"rtol": 1e-10, "atol": 1e-10}
+
+# name -> (make the PyG layer, takes edge weights)
+LAYERS = {
+    "appnp": (lambda: pyg_nn.APPNP(K=3, alpha=0.1), True),
+    "appnp-cached": (lambda: pyg_nn.APPNP(K=2, alpha=0.2, cached=True), True),
+    "sg": (lambda: pyg_nn.SGConv(6, 4, K=2), True),
+    "tag": (lambda: pyg_nn.TAGConv(6, 4, K=2), True),
+    "graph": (lambda: pyg_nn.GraphConv(6, 4), True),
+    "graph-mean": (lambda: pyg_nn.GraphConv(6, 4, aggr="mean"), True),
+    "graph-max": (lambda: pyg_nn.GraphConv(6, 4, aggr="max"), True),
+    "cheb": (lambda: pyg_nn.ChebConv(6, 4, K=3), True),
+    "lg": (lambda: pyg_nn.LGConv(), True),
+    "simple-sum": (lambda: pyg_nn.SimpleConv(), True),
+    "simple-min": (lambda: pyg_nn.SimpleConv(aggr="min"), True),
+    "cluster-gcn": (lambda: pyg_nn.ClusterGCNConv(6, 4), False),
+    "gatv2": (lambda: pyg_nn.GATv2Conv(6, 3, heads=2), False),
+}
+
+
+def graph(num_nodes, num_edges, device, generator):
+    """Unsorted, with duplicated edges and self loops; isolated nodes where there are few edges."""
+    edge_index = torch.randint(0, num_nodes, (2, num_edges), device=device, generator=generator)
+    loops = torch.arange(0, num_nodes, 4, device=device).repeat(2, 1)
+    return torch.cat([edge_index, edge_index[:, :3], loops, loops[:, :2]], dim=1)
+
+
+def pair(name, device):
+    torch.manual_seed(0)
+    reference = LAYERS[name][0]().to(device).double()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_()
+    return gnn.patch(copy.deepcopy(reference)), reference
+
+
+def outputs_and_grads(layer, x, *args, **kwargs):
+    x = x.detach().clone().requires_grad_()
+    out = layer(x, *args, **kwargs)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out))
+    return out, x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def assert_same(mine, reference, x, *args, **kwargs):
+    out, grad_x, grads = outputs_and_grads(mine, x, *args, **kwargs)
+    want, want_x, want_grads = outputs_and_grads(reference, x, *args, **kwargs)
+    torch.testing.assert_close(out, want, **F64)
+    torch.testing.assert_close(grad_x, want_x, **F64)
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], **F64, msg=f"gradient of {name}")
+
+
+@pytest.fixture
+def geot_calls(monkeypatch):
+    """How many propagations ran on geot's fused gather-reduce."""
+    calls = []
+    run = generic.gather_reduce
+    monkeypatch.setattr(generic, "gather_reduce", lambda *a, **k: calls.append(1) or run(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("edges", [40, 0], ids=["edges", "no-edges"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_patched_layer_matches_pyg(name, edges, weighted, device, geot_calls):
+    if weighted and not LAYERS[name][1]:
+        pytest.skip("the layer takes no edge weights")
+    mine, reference = pair(name, device)
+    assert type(mine).__module__ == generic.__name__
+    generator = torch.Generator(device=device).manual_seed(1)
+    edge_index = graph(13, edges, device, generator)
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    weight = () if not weighted else (torch.rand(edge_index.size(1), dtype=torch.float64, device=device,
+                                                 generator=generator),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        assert_same(mine, reference, x, edge_index, *weight)
+    assert geot_calls, "no propagation ran on geot"
+
+
+@pytest.mark.parametrize("dst_none", [False, True], ids=["x_dst", "x_dst-None"])
+def test_bipartite_pairs_and_edge_index_sizes(dst_none, device, geot_calls):
+    """GraphConv on (x_src, x_dst) pairs with size, and on an EdgeIndex whose sparse size gives the rows."""
+    mine, reference = pair("graph", device)
+    generator = torch.Generator(device=device).manual_seed(2)
+    x_src = torch.randn(9, 6, dtype=torch.float64, device=device, generator=generator)
+    x_dst = None if dst_none else torch.randn(5, 6, dtype=torch.float64, device=device, generator=generator)
+    edge_index = torch.stack([torch.randint(0, 9, (30,), device=device, generator=generator),
+                              torch.randint(0, 5, (30,), device=device, generator=generator)])
+    for call in ({"size": (9, 5)}, {}):
+        if dst_none and not call:
+            continue
+        out = mine((x_src, x_dst), edge_index, **call)
+        torch.testing.assert_close(out, reference((x_src, x_dst), edge_index, **call), **F64)
+    indexed = EdgeIndex(edge_index, sparse_size=(9, 5))
+    torch.testing.assert_close(mine((x_src, x_dst), indexed), reference((x_src, x_dst), indexed), **F64)
+    assert len(geot_calls) >= 2
+
+
+def test_flow_target_to_source(device, geot_calls):
+    torch.manual_seed(0)
+    reference = pyg_nn.SimpleConv(aggr="mean", flow="target_to_source").to(device)
+    mine = gnn.patch(copy.deepcopy(reference))
+    edge_index = graph(11, 30, device, torch.Generator(device=device).manual_seed(3))
+    x = torch.randn(11, 5, dtype=torch.float64, device=device)
+    assert_same(mine, reference, x, edge_index)
+    assert geot_calls
+
+
+def test_sparse_adjacency_runs_pyg_propagate(device, geot_calls):
+    """A sparse adjacency takes PyG's propagate (its own spmm), with one warning per layer and reason."""
+    mine, reference = pair("appnp", device)
+    edge_index = graph(10, 30, device, torch.Generator(device=device).manual_seed(4))
+    adj_t = torch.sparse_coo_tensor(edge_index.flip(0), torch.ones(edge_index.size(1), device=device,
+                                                                   dtype=torch.float64), (10, 10)).coalesce()
+    x = torch.randn(10, 6, dtype=torch.float64, device=device)
+    with pytest.warns(gnn.GeotFallbackWarning, match="runs PyG's propagate for a sparse adjacency"):
+        out = mine(x, adj_t)
+    torch.testing.assert_close(out, reference(x, adj_t), **F64)
+    assert not geot_calls
+
+
+class WeightedMean(pyg_nn.MessagePassing):
+    """A layer as users write them: its message scales x_j by a weight per edge."""
+
+    def __init__(self):
+        super().__init__(aggr="mean")
+
+    def forward(self, x, edge_index, w):
+        return self.propagate(edge_index, x=x, w=w)
+
+    def message(self, x_j, w):
+        return x_j * w[:, None]
+
+
+class Difference(pyg_nn.MessagePassing):
+    """A message of x_i and x_j: not geot's pattern."""
+
+    def forward(self, x, edge_index):
+        return self.propagate(edge_index, x=x)
+
+    def message(self, x_i, x_j):
+        return x_j - x_i
+
+
+def test_custom_layers(device, geot_calls):
+    """A user's layer with a weighted x_j message propagates on geot; one
+    with another message is left as it is, and explain says why."""
+    model = torch.nn.ModuleList([WeightedMean(), Difference()])
+    reference = copy.deepcopy(model)
+    gnn.patch(model)
+    assert isinstance(model[0], generic.GeotPropagate) and type(model[1]) is Difference
+    assert "geot's fused gather-reduce for a message of w * x_j (mean)" in gnn.explain(model[0])
+    assert "PyG's propagate, for a message of (x_i, x_j)" in gnn.explain(model[1])
+    edge_index = graph(12, 40, device, torch.Generator(device=device).manual_seed(5))
+    x = torch.randn(12, 4, dtype=torch.float64, device=device)
+    w = torch.rand(edge_index.size(1), dtype=torch.float64, device=device)
+    torch.testing.assert_close(model[0](x, edge_index, w), reference[0](x, edge_index, w), **F64)
+    assert geot_calls
+
+
+def test_explain_names_the_path():
+    layers = gnn.patch(torch.nn.ModuleList([pyg_nn.APPNP(2, 0.1), pyg_nn.SimpleConv(aggr="mul"),
+                                            pyg_nn.TransformerConv(4, 4), pyg_nn.GCNConv(4, 4)]))
+    explained = [gnn.explain(layer) for layer in layers]
+    assert explained[0] == "APPNP: geot's fused gather-reduce for a message of x_j or edge_weight * x_j (add)"
+    assert explained[1] == "SimpleConv: PyG's propagate, for aggr='mul'"
+    assert explained[2].startswith("TransformerConv: PyG's propagate, for a message of (query_i, key_j")
+    assert explained[3] == "GCNConv: geot's layer"
+    assert gnn.explain(torch.nn.Linear(2, 2)) == "Linear is not a MessagePassing layer"
+
+
+@pytest.mark.parametrize("name", ["appnp", "graph-mean"])
+def test_compiled_patched_layer_matches(name, device):
+    """Compiled whole; APPNP normalizes its graph inside the compiled code, which then sorts it there."""
+    torch._dynamo.reset()
+    mine, reference = pair(name, device)
+    edge_index = graph(13, 40, device, torch.Generator(device=device).manual_seed(6))
+    x = torch.randn(13, 6, dtype=torch.float64, device=device)
+    compiled = torch.compile(mine, fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gnn.UncachedGraphWarning)
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x, edge_index), reference(x, edge_index), **F64)
+
+
+def test_torchscript_scripts_pyg_layer():
+    mine, reference = pair("sg", "cpu")
+    scripted = torch.jit.script(mine)
+    edge_index = graph(13, 40, "cpu", torch.Generator().manual_seed(7))
+    x = torch.randn(13, 6, dtype=torch.float64)
+    torch.testing.assert_close(scripted(x, edge_index), reference(x, edge_index), **F64)
