@@ -67,6 +67,8 @@ from geot.nn.graph import static_addresses  # noqa: E402
 
 NUM_RELATIONS = 8
 MODELS = {"gcn": (128, 256), "gin": (128, 256), "sage": (128, 256), "gat": (128,), "rgcn": (128,)}
+# PyG layers that propagate on geot once patched (geot.nn.generic); run when named in --models
+GENERIC_MODELS = {"graphconv": (128,), "tag": (128,), "appnp": (128,), "sg": (128,)}
 # 2.0M, 3.2M and 10M edges
 GRAPHS = ["cora", "citeseer", "pubmed", "powerlaw:n=200000,deg=10", "uniform:n=200000,d=16",
           "powerlaw:n=1000000,deg=10"]
@@ -85,10 +87,16 @@ class Net(torch.nn.Module):
         elif model == "rgcn":
             self.convs = torch.nn.ModuleList([lib.RGCNConv(in_channels, hidden, NUM_RELATIONS),
                                               lib.RGCNConv(hidden, num_classes, NUM_RELATIONS)])
+        elif model == "appnp":  # an MLP, then K = 10 propagation steps
+            self.convs = torch.nn.ModuleList([_Dense(in_channels, hidden), _Dense(hidden, num_classes),
+                                              lib.APPNP(K=10, alpha=0.1)])
+        elif model == "sg":
+            self.convs = torch.nn.ModuleList([lib.SGConv(in_channels, num_classes, K=2)])
         else:
             sizes = [in_channels, hidden, hidden, num_classes]
             self.convs = torch.nn.ModuleList([self._layer(lib, model, a, b) for a, b in zip(sizes, sizes[1:])])
         self.relational = model == "rgcn"
+        self.propagates_logits = model == "appnp"  # no ReLU between the MLP's logits and APPNP
 
     @staticmethod
     def _layer(lib, model, in_channels, out_channels):
@@ -96,6 +104,10 @@ class Net(torch.nn.Module):
             return lib.GCNConv(in_channels, out_channels)
         if model == "sage":
             return lib.SAGEConv(in_channels, out_channels)
+        if model == "graphconv":
+            return lib.GraphConv(in_channels, out_channels)
+        if model == "tag":
+            return lib.TAGConv(in_channels, out_channels, K=2)
         mlp = torch.nn.Sequential(torch.nn.Linear(in_channels, out_channels), torch.nn.ReLU(),
                                   torch.nn.Linear(out_channels, out_channels))
         return lib.GINConv(mlp)
@@ -103,9 +115,16 @@ class Net(torch.nn.Module):
     def forward(self, x, adj, edge_type=None):
         for i, conv in enumerate(self.convs):
             x = conv(x, adj, edge_type) if self.relational else conv(x, adj)
-            if i < len(self.convs) - 1:
+            if i < len(self.convs) - 1 and not (self.propagates_logits and i == len(self.convs) - 2):
                 x = F.relu(x)
         return x
+
+
+class _Dense(torch.nn.Linear):
+    """A Linear in the conv stack (takes the graph, reads nothing of it)."""
+
+    def forward(self, x, adj=None):
+        return super().forward(x)
 
 
 def load_inputs(spec: str, device):
@@ -243,7 +262,11 @@ def bench_model(model_name, hidden, inputs, args, device):
     fresh_state(device)
     torch.manual_seed(0)
     pyg_model = Net(pyg_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
-    geot_model = Net(geot_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
+    if model_name in GENERIC_MODELS:  # PyG's model, patched
+        geot_model = geot_nn.patch(Net(pyg_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]))
+        geot_model = geot_model.to(device)
+    else:
+        geot_model = Net(geot_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
     geot_model.load_state_dict(pyg_model.state_dict())
     steps = {}  # (path, dtype) -> {"inference": fn, "train": fn}
     for path in args.paths:
@@ -396,6 +419,7 @@ def parse_args():
     args.models = args.models.split(",")
     if args.memory_snapshot:
         os.makedirs(args.memory_snapshot, exist_ok=True)
+    MODELS.update({name: GENERIC_MODELS[name] for name in args.models if name in GENERIC_MODELS})
     unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; have {list(MODELS)}")

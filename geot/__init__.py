@@ -9,6 +9,7 @@ from ._C import cuda_built
 from .config import Config, config_space, explain, explain_source, rules_mode, set_rules
 from .hetero import attention_aggregate, edge_softmax, edge_softmax_, group_by_type, segment_matmul
 from .index import TransposedIndex, index_segment_reduce, index_weight_segment_reduce, transpose_index
+from .sddmm import sddmm
 from .segment import segment_reduce
 from .validation import clear_cache, mark_static_index, set_validation, validation_enabled
 
@@ -28,6 +29,7 @@ __all__ = [
     "index_weight_segment_reduce",
     "mark_static_index",
     "rules_mode",
+    "sddmm",
     "segment_matmul",
     "segment_reduce",
     "set_rules",

@@ -87,6 +87,30 @@ def _edge_dot_fake(src_index, dst_index, a, b, heads):
     return b.new_empty((src_index.shape[0], heads))
 
 
+def _edge_dot_setup(ctx, inputs, output):
+    src_index, dst_index, a, b, heads = inputs
+    ctx.save_for_backward(src_index, dst_index, a, b)
+    ctx.heads = heads
+
+
+def _edge_dot_backward(ctx, grad):
+    """out[e, h] = <a[dst[e], h], b[src[e], h]>: each side's gradient scatters the other side's rows, scaled
+    by the edge's gradient (one fused kernel each, atomics, no [E, F] rows)."""
+    src_index, dst_index, a, b = ctx.saved_tensors
+    weight = grad.contiguous()  # [E, heads], one weight per edge and head
+
+    def scatter(gather, to, rows, like):
+        heads_rows = rows.reshape(rows.size(0), ctx.heads, -1)
+        return torch.ops.geot.index_scatter_sum(gather, to, heads_rows, weight, like.size(0)).reshape(like.shape)
+
+    grad_a = scatter(src_index, dst_index, b, a) if ctx.needs_input_grad[2] else None
+    grad_b = scatter(dst_index, src_index, a, b) if ctx.needs_input_grad[3] else None
+    return None, None, grad_a, grad_b, None
+
+
+torch.library.register_autograd("geot::edge_dot", _edge_dot_backward, setup_context=_edge_dot_setup)
+
+
 def _index_segment_reduce_setup(ctx, inputs, output):
     src_index, dst_index, x, weight, num_segments, reduce, _config, t_perm, t_src, t_dst = inputs
     ctx.reduce, ctx.num_segments, ctx.num_src = reduce, num_segments, x.shape[0]
