@@ -5,7 +5,7 @@ generalized SDDMM), with no [E, F] gather for ``dot``.
 """
 import torch
 
-from . import _ops  # noqa: F401  (operator registration)
+from . import _ops  # noqa: F401  (operator registration, edge_dot's autograd formula)
 
 OPS = ("dot", "add", "sub", "mul", "div")
 _ELEMENTWISE = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
