@@ -870,3 +870,14 @@ def test_gather_reduce_of_a_graph_in_input_order(reduce, weighted, num_edges, de
     torch.testing.assert_close(gather_reduce(graph, x, reduce, 25, weight), expect)
     inputs = (x,) if weight is None else (x, weight)
     assert torch.autograd.gradcheck(lambda *t: gather_reduce(graph, t[0], reduce, 25, *t[1:]), inputs)
+
+
+def test_mean_in_input_order_of_half_rows_counts_in_float32(device):
+    """A hub's edge count past bf16's integers (256) still divides exactly."""
+    from geot.nn.common import gather_reduce
+    from geot.nn.graph import _unordered
+    edge_index = torch.stack([torch.arange(1000, device=device) % 7, torch.zeros(1000, dtype=torch.long,
+                                                                                 device=device)])
+    graph = _unordered(edge_index, flipped=False)._replace(deferred=False)
+    x = torch.ones(7, 4, dtype=torch.bfloat16, device=device)
+    assert (gather_reduce(graph, x, "mean", 2, None)[0] == 1).all()

@@ -108,9 +108,11 @@ def _scatter_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, 
     out = _ScatterSum.apply(graph.src, graph.dst, x, weight, num_nodes)
     if reduce == "sum":
         return out
-    counts = torch.zeros(num_nodes, dtype=x.dtype, device=x.device)
-    counts.index_add_(0, graph.dst, x.new_ones(()).expand(graph.dst.numel()))
-    return out / counts.clamp_(min=1).view(-1, *[1] * (x.dim() - 1))
+    # Counts in float32 (half types would round degrees past 256), the division there too.
+    count_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    counts = torch.zeros(num_nodes, dtype=count_dtype, device=x.device)
+    counts.index_add_(0, graph.dst, counts.new_ones(()).expand(graph.dst.numel()))
+    return (out / counts.clamp_(min=1).view(-1, *[1] * (x.dim() - 1))).to(x.dtype)
 
 
 class _ScatterSum(torch.autograd.Function):
