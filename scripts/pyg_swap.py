@@ -1,5 +1,5 @@
 """A pytest plugin that runs PyG's own tests with geot's layers in place of
-PyG's: GCNConv, SAGEConv, GINConv, GATConv and RGCNConv, and the layers
+PyG's: GCNConv, SAGEConv, GINConv, GATConv, RGCNConv and TransformerConv, and the layers
 that propagate on geot through geot.nn.generic (APPNP, SGConv, TAGConv,
 GraphConv, ChebConv, LGConv, SimpleConv, ClusterGCNConv, GATv2Conv): a
 conformance check of geot.nn as a drop-in. With PyG's test files at the
@@ -16,7 +16,7 @@ import geot.nn
 GENERIC = ("APPNP", "SGConv", "TAGConv", "GraphConv", "ChebConv", "LGConv", "SimpleConv", "ClusterGCNConv",
            "GATv2Conv")
 
-for _name in ("GCNConv", "SAGEConv", "GINConv", "GATConv", "RGCNConv") + GENERIC:
+for _name in ("GCNConv", "SAGEConv", "GINConv", "GATConv", "RGCNConv", "TransformerConv") + GENERIC:
     _layer = getattr(geot.nn, _name) if hasattr(geot.nn, _name) else geot.nn.geot_class(getattr(pyg_nn, _name))
     setattr(pyg_nn, _name, _layer)
     setattr(pyg_conv, _name, _layer)

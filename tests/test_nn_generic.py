@@ -175,11 +175,11 @@ def test_custom_layers(device, geot_calls):
 
 def test_explain_names_the_path():
     layers = gnn.patch(torch.nn.ModuleList([pyg_nn.APPNP(2, 0.1), pyg_nn.SimpleConv(aggr="mul"),
-                                            pyg_nn.TransformerConv(4, 4), pyg_nn.GCNConv(4, 4)]))
+                                            pyg_nn.EdgeConv(torch.nn.Linear(8, 4)), pyg_nn.GCNConv(4, 4)]))
     explained = [gnn.explain(layer) for layer in layers]
     assert explained[0] == "APPNP: geot's fused gather-reduce for a message of x_j or edge_weight * x_j (add)"
     assert explained[1] == "SimpleConv: PyG's propagate, for aggr='mul'"
-    assert explained[2].startswith("TransformerConv: PyG's propagate, for a message of (query_i, key_j")
+    assert explained[2] == "EdgeConv: PyG's propagate, for a message of (x_i, x_j)"
     assert explained[3] == "GCNConv: geot's layer"
     assert gnn.explain(torch.nn.Linear(2, 2)) == "Linear is not a MessagePassing layer"
 
@@ -204,3 +204,72 @@ def test_torchscript_scripts_pyg_layer():
     edge_index = graph(13, 40, "cpu", torch.Generator().manual_seed(7))
     x = torch.randn(13, 6, dtype=torch.float64)
     torch.testing.assert_close(scripted(x, edge_index), reference(x, edge_index), **F64)
+
+
+# TransformerConv: a geot layer of its own (its message reads query_i) ------------------------------------
+
+TRANSFORMER = {
+    "heads2": {"heads": 2},
+    "mean-heads": {"heads": 3, "concat": False},
+    "beta": {"heads": 2, "beta": True},
+    "no-root": {"heads": 2, "root_weight": False},
+    "edge-dim": {"heads": 2, "edge_dim": 3},
+    "edge-dim-beta-mean": {"heads": 2, "edge_dim": 3, "beta": True, "concat": False},
+    "target-to-source": {"heads": 2, "flow": "target_to_source"},
+}
+
+
+@pytest.mark.parametrize("edges", [40, 0], ids=["edges", "no-edges"])
+@pytest.mark.parametrize("name", list(TRANSFORMER))
+def test_transformer_matches_pyg(name, edges, device, monkeypatch):
+    """Outputs, gradients (x, edge features, parameters) and the attention
+    weights (input edge order) are PyG's; the scores are one sddmm dot."""
+    torch.manual_seed(0)
+    kwargs = TRANSFORMER[name]
+    reference = pyg_nn.TransformerConv(6, 4, **kwargs).to(device).double()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_()
+    mine = gnn.patch(copy.deepcopy(reference))
+    assert type(mine) is gnn.TransformerConv
+    dots = []
+    sddmm = gnn.transformer.sddmm
+    monkeypatch.setattr(gnn.transformer, "sddmm", lambda *a, **k: dots.append(1) or sddmm(*a, **k))
+    generator = torch.Generator(device=device).manual_seed(1)
+    edge_index = graph(13, edges, device, generator)
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    extra = ()
+    if "edge_dim" in kwargs:
+        extra = (torch.randn(edge_index.size(1), 3, dtype=torch.float64, device=device, generator=generator)
+                 .requires_grad_(),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        assert_same(mine, reference, x, edge_index, *extra)
+        out, (_, alpha) = mine(x, edge_index, *extra, return_attention_weights=True)
+    want, (_, want_alpha) = reference(x, edge_index, *extra, return_attention_weights=True)
+    torch.testing.assert_close(out, want, **F64)
+    torch.testing.assert_close(alpha, want_alpha, **F64)
+    assert dots, "the scores did not run on geot"
+
+
+def test_transformer_bipartite(device):
+    torch.manual_seed(0)
+    reference = pyg_nn.TransformerConv((6, 5), 4, heads=2).to(device).double()
+    mine = gnn.patch(copy.deepcopy(reference))
+    x_src = torch.randn(9, 6, dtype=torch.float64, device=device)
+    x_dst = torch.randn(4, 5, dtype=torch.float64, device=device)
+    edge_index = torch.stack([torch.randint(0, 9, (25,), device=device), torch.randint(0, 4, (25,), device=device)])
+    torch.testing.assert_close(mine((x_src, x_dst), edge_index), reference((x_src, x_dst), edge_index), **F64)
+
+
+def test_transformer_falls_back_for_raw_edge_features(device):
+    """edge_attr without edge_dim: PyG adds it to the values as given; that runs PyG's forward."""
+    mine, reference = (pyg_nn.TransformerConv(4, 4).to(device).double() for _ in range(2))
+    mine.load_state_dict(reference.state_dict())
+    gnn.patch(mine)
+    edge_index = graph(7, 10, device, torch.Generator(device=device).manual_seed(2))
+    x = torch.randn(7, 4, dtype=torch.float64, device=device)
+    edge_attr = torch.randn(edge_index.size(1), 1, 4, dtype=torch.float64, device=device)  # [E, H, C]
+    with pytest.warns(gnn.GeotFallbackWarning, match="edge_attr without edge_dim"):
+        out = mine(x, edge_index, edge_attr)
+    torch.testing.assert_close(out, reference(x, edge_index, edge_attr), **F64)

@@ -1,6 +1,6 @@
 """PyTorch Geometric layers on geot's kernels (needs torch_geometric).
 
-* ``GCNConv``, ``SAGEConv``, ``GINConv``, ``GATConv``, ``RGCNConv``: drop-in
+* ``GCNConv``, ``SAGEConv``, ``GINConv``, ``GATConv``, ``RGCNConv``, ``TransformerConv``: drop-in
   subclasses of PyG's layers, same constructor, parameters and forward; a
   call geot does not run natively runs PyG's forward
   (:class:`GeotFallbackWarning`).
@@ -24,6 +24,8 @@ from .layer import GeotFallbackWarning
 from .patch import patch
 from .rgcn import RGCNConv
 from .sage import SAGEConv
+from .transformer import TransformerConv
 
 __all__ = ["GATConv", "GCNConv", "GeotFallbackWarning", "GINConv", "RGCNConv", "SAGEConv", "SegmentAggregation",
-           "SortedGraph", "UncachedGraphWarning", "explain", "geot_class", "patch", "sorted_graph", "sorted_index"]
+           "SortedGraph", "TransformerConv", "UncachedGraphWarning", "explain", "geot_class", "patch", "sorted_graph",
+           "sorted_index"]

@@ -8,6 +8,7 @@ from .generic import geot_class, propagates_on_geot
 from .gin import GINConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
+from .transformer import TransformerConv
 
 GEOT_LAYERS = {
     pyg_nn.GCNConv: GCNConv,
@@ -15,11 +16,12 @@ GEOT_LAYERS = {
     pyg_nn.GINConv: GINConv,
     pyg_nn.GATConv: GATConv,
     pyg_nn.RGCNConv: RGCNConv,
+    pyg_nn.TransformerConv: TransformerConv,
 }
 
 
 def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
-    """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv and RGCNConv in
+    """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv, RGCNConv and TransformerConv in
     ``model`` (the model itself included, and the per-edge-type copies that
     ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place,
     and gives every other ``MessagePassing`` layer whose message geot
@@ -28,7 +30,7 @@ def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
 
     The layer's class changes, nothing else: it keeps its parameters (the
     same tensors, so an optimizer built before still trains them), buffers,
-    hooks and options. Subclasses of the five PyG layers get geot's
+    hooks and options. Subclasses of those PyG layers get geot's
     propagate only (their forward may differ). A call with an input or option geot does not run
     natively runs PyG's forward (one :class:`geot.nn.GeotFallbackWarning`
     per layer and reason), so a patched model runs wherever PyG's does.
