@@ -4608,7 +4608,7 @@ inline Config plain_config(const Features& f) {
 }
 
 // gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 16, 1142 leaves
-//   oracle/pick on held-out graphs: geomean 0.952, worst 0.397; held-out base graphs (25): 0.938, worst 0.432 (hand heuristic: 0.806, worst 0.356; training set: 0.993, worst 0.904)
+//   oracle/pick on held-out graphs: geomean 0.952, worst 0.397; held-out base graphs (25): 0.937, worst 0.432 (hand heuristic: 0.806, worst 0.356; training set: 0.993, worst 0.904)
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
@@ -6123,37 +6123,65 @@ inline Config gathered_config(const Features& f) {
         }
       } else {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 12.296419620513916) {
-            if (x.avg <= 3.168370246887207) {
-              if (x.log2_S <= 11.096350193023682) {
+          if (x.log2_S <= 12.347053527832031) {
+            if (x.log2_S <= 11.436910152435303) {
+              if (x.avg <= 3.2872432470321655) {
                 if (x.avg <= 1.7551098465919495) {
-                  return {1, 64, 16, 4, 0};  // SP
+                  if (x.log2_S <= 10.735882759094238) {
+                    return {1, 64, 16, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 1.5082613825798035) {
+                      return {4, 64, 8, 1, 0};  // SP
+                    } else {
+                      return {1, 64, 16, 4, 0};  // SP
+                    }
+                  }
                 } else {
                   if (x.log2_S <= 10.670092582702637) {
-                    if (x.log2_S <= 9.714824199676514) {
-                      if (x.avg <= 2.48992919921875) {
+                    if (x.log2_S <= 9.186178207397461) {
+                      if (x.avg <= 2.3049689531326294) {
                         return {2, 32, 32, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 8.974298000335693) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          return {2, 32, 32, 2, 0};  // SP
-                        }
+                        return {4, 32, 32, 1, 0};  // SP
                       }
                     } else {
                       if (x.avg <= 2.315405488014221) {
-                        return {4, 32, 16, 8, 0};  // SP
+                        if (x.log2_S <= 9.75990343093872) {
+                          return {2, 32, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 16, 8, 0};  // SP
+                        }
                       } else {
                         return {2, 32, 32, 2, 0};  // SP
                       }
                     }
                   } else {
-                    return {1, 64, 16, 4, 0};  // SP
+                    if (x.log2_S <= 11.096350193023682) {
+                      return {1, 64, 16, 4, 0};  // SP
+                    } else {
+                      return {1, 32, 64, 2, 0};  // SP
+                    }
                   }
                 }
               } else {
+                if (x.log2_S <= 9.069896697998047) {
+                  if (x.avg <= 14.110815525054932) {
+                    if (x.avg <= 3.7620415687561035) {
+                      return {4, 32, 32, 1, 0};  // SP
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  return {4, 32, 32, 1, 0};  // SP
+                }
+              }
+            } else {
+              if (x.avg <= 3.4304510354995728) {
                 if (x.avg <= 1.5035325288772583) {
-                  if (x.avg <= 1.3317516446113586) {
+                  if (x.avg <= 1.3156806826591492) {
                     return {4, 64, 8, 1, 0};  // SP
                   } else {
                     return {1, 32, 8, 8, 1};  // SR
@@ -6161,53 +6189,25 @@ inline Config gathered_config(const Features& f) {
                 } else {
                   return {1, 32, 64, 2, 0};  // SP
                 }
-              }
-            } else {
-              if (x.log2_S <= 9.069896697998047) {
-                if (x.avg <= 14.110815525054932) {
-                  if (x.avg <= 3.7620415687561035) {
-                    return {4, 32, 32, 1, 0};  // SP
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
-                  }
-                } else {
-                  return {1, 8, 64, 32, 0};  // SP
-                }
               } else {
-                if (x.log2_S <= 11.505480766296387) {
-                  if (x.avg <= 3.25584614276886) {
-                    return {2, 32, 32, 2, 0};  // SP
-                  } else {
-                    return {4, 32, 32, 1, 0};  // SP
-                  }
-                } else {
-                  return {2, 32, 32, 2, 0};  // SP
-                }
+                return {2, 32, 32, 2, 0};  // SP
               }
             }
           } else {
-            if (x.avg <= 3.5032522678375244) {
+            if (x.avg <= 3.583546996116638) {
               if (x.log2_S <= 20.874393463134766) {
                 if (x.log2_S <= 14.057997703552246) {
                   if (x.log2_S <= 12.688061714172363) {
-                    if (x.avg <= 1.6469249725341797) {
-                      return {4, 64, 8, 1, 0};  // SP
-                    } else {
-                      return {1, 32, 64, 2, 0};  // SP
-                    }
+                    return {1, 32, 64, 2, 0};  // SP
                   } else {
-                    if (x.avg <= 2.2459139823913574) {
+                    if (x.log2_S <= 13.632712841033936) {
                       if (x.avg <= 1.288961410522461) {
-                        if (x.log2_S <= 13.420502662658691) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 13.521070957183838) {
+                      if (x.avg <= 2.2459139823913574) {
                         return {1, 8, 8, 32, 1};  // SR
                       } else {
                         return {1, 8, 64, 32, 0};  // SP
@@ -6234,7 +6234,7 @@ inline Config gathered_config(const Features& f) {
                       return {4, 32, 16, 2, 8};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 21.770925521850586) {
+                    if (x.log2_S <= 21.64518451690674) {
                       return {1, 8, 64, 32, 0};  // SP
                     } else {
                       return {1, 32, 16, 8, 8};  // PR
