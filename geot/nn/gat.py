@@ -32,10 +32,6 @@ class GATConv(GeotLayer, pyg_nn.GATConv):
     ``edge_index``: the self-looped edges and their weights in PyG's order);
     attention weights over a sparse adjacency run PyG's forward."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._geot_init()
-
     def forward(self, x, edge_index, edge_attr: Optional[Tensor] = None, size=None,
                 return_attention_weights: Optional[bool] = None):
         nodes = node_inputs(x)

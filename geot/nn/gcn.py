@@ -42,10 +42,6 @@ class GCNConv(GeotLayer, pyg_nn.GCNConv):
     F]; other aggregations, explain mode and message-passing hooks run
     PyG's forward."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._geot_init()
-
     def _geot_init(self) -> None:
         super()._geot_init()
         self._geot_norm = None  # (SortedGraph, _GCNNorm, weights in transposed order) when cached

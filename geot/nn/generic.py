@@ -43,10 +43,6 @@ class GeotPropagate(GeotLayer):
     _aggregations = tuple(REDUCE)
     _geot_base: type  # the layer class it extends
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._geot_init()
-
     def propagate(self, edge_index, size=None, **kwargs) -> Tensor:
         reason = self._propagate_reason(edge_index, size, kwargs)
         if reason is not None:

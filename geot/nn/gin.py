@@ -28,10 +28,6 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
     eps) x`` as one op (geot::index_sum_plus_scaled: on CUDA one pass over
     the output; compiled, a lower peak)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._geot_init()
-
     def forward(self, x, edge_index, size=None) -> Tensor:
         nodes = node_inputs(x)
         reason = self._pair_call_reason(nodes, edge_index, size)

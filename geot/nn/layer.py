@@ -51,6 +51,10 @@ def pyg_base(layer_class: type) -> type:
 class GeotLayer:
     """Mixin of the geot layers (listed first among the bases)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)  # the PyG layer's constructor
+        self._geot_init()
+
     def _geot_init(self) -> None:
         # The last graph of each variant the layer saw is kept in an attribute of its own (see
         # geot.nn.graph); _geot_graph: the last one stored, (edge tensor, edge_type, variant, SortedGraph,

@@ -83,10 +83,6 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
 
     _aggregations = ("mean", "add", "sum")
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._geot_init()
-
     def _pyg_attributes(self) -> dict:
         # PyG's forward sets this on its first call, before which TorchScript cannot type it; False is its
         # value without pyg-lib's segment_matmul.

@@ -26,10 +26,6 @@ class SAGEConv(GeotLayer, pyg_nn.SAGEConv):
 
     _aggregations = tuple(REDUCE)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._geot_init()
-
     def forward(self, x, edge_index, size=None) -> Tensor:
         nodes = node_inputs(x)
         reason = self._pair_call_reason(nodes, edge_index, size)

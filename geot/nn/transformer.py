@@ -31,10 +31,6 @@ class TransformerConv(GeotLayer, pyg_nn.TransformerConv):
 
     _aggregations = ("add", "sum")
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._geot_init()
-
     def forward(self, x, edge_index, edge_attr: Optional[Tensor] = None,
                 return_attention_weights: Optional[bool] = None):
         reason = self._call_reason(x, edge_index, edge_attr)
