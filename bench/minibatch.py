@@ -17,6 +17,11 @@ meets a graph of new tensors (no path can reuse what it kept of another). Paths:
     pyg-compile   torch.compile(dynamic=True) of the PyG model
     geot          geot.nn.SAGEConv (eager)
     geot-compile  torch.compile(dynamic=True) of the geot model
+    no-mp         the same step with message passing left out: each layer
+                  applies both Linears to its targets' rows. What a step
+                  costs besides aggregation (features, Linears, loss,
+                  backward, Adam: host-bound at this size), so no layer
+                  library can make a step faster than this path.
 
     python bench/minibatch.py --graph "powerlaw:n=1000000,deg=12" [--fanouts 15,10] [--batch 1024]
     python bench/e2e.py --minibatch    # the same, from e2e's options
@@ -26,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from typing import List, NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import pandas as pd
 import torch
@@ -40,7 +45,7 @@ import common  # noqa: E402
 
 import geot.nn as geot_nn  # noqa: E402
 
-PATHS = ["pyg", "pyg-compile", "geot", "geot-compile"]
+PATHS = ["pyg", "pyg-compile", "geot", "geot-compile", "no-mp"]
 
 
 class Block(NamedTuple):
@@ -90,6 +95,21 @@ class NeighborSampler:
         return edge_index, nodes, (nodes.numel(), targets.numel())
 
 
+class NoMessagePassing(torch.nn.Module):
+    """SAGEConv's Linears without its aggregation: lin_l and lin_r both read the targets' rows."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.lin_l = torch.nn.Linear(in_channels, out_channels)
+        self.lin_r = torch.nn.Linear(in_channels, out_channels, bias=False)
+
+    def forward(self, x, edge_index, size):
+        return self.lin_l(x[1]) + self.lin_r(x[1])
+
+
+NO_MP = type("NoMessagePassingLibrary", (), {"SAGEConv": NoMessagePassing})
+
+
 class SAGE(torch.nn.Module):
     """SAGEConv layers over bipartite blocks (``lib``: torch_geometric.nn or geot.nn)."""
 
@@ -124,33 +144,39 @@ def fresh(batch: Batch) -> Batch:
     return batch._replace(blocks=[block._replace(edge_index=block.edge_index.clone()) for block in batch.blocks])
 
 
-def time_steps(step, batches: List[Batch], warmup: int, device) -> Tuple[float, float]:
-    """(median ms per step over the batches after the first warmup, ms of
-    the first step: compilation included). Every batch is stepped once."""
+def time_steps(steps: Dict[str, Callable], batches: List[Batch], warmup: int, device) -> Dict[str, Tuple[float, float]]:
+    """path -> (median ms per step over the batches after the first warmup,
+    ms of the first step: compilation included). Every path steps every
+    batch once; the timed steps take turns across paths, batch by batch, so
+    drift of the host's speed (host-bound steps) reaches all paths alike."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    batches = [fresh(batch) for batch in batches]
-    sync()
-    begin = time.perf_counter()
-    step(batches[0])
-    sync()
-    first_ms = (time.perf_counter() - begin) * 1e3
-    for batch in batches[1:warmup]:
-        step(batch)
-    times = []
-    for batch in batches[warmup:]:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    own = {path: [fresh(batch) for batch in batches] for path in steps}
+    first = {}
+    for path, step in steps.items():
+        sync()
+        begin = time.perf_counter()
+        step(own[path][0])
+        sync()
+        first[path] = (time.perf_counter() - begin) * 1e3
+        for batch in own[path][1:warmup]:
             step(batch)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            step(batch)
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times), first_ms
+    times = {path: [] for path in steps}
+    for i in range(warmup, len(batches)):
+        for path, step in steps.items():
+            sync()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step(own[path][i])
+                end.record()
+                end.synchronize()
+                times[path].append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                step(own[path][i])
+                times[path].append((time.perf_counter() - begin) * 1e3)
+    return {path: (statistics.median(times[path]), first[path]) for path in steps}
 
 
 def run(args, device) -> pd.DataFrame:
@@ -177,12 +203,14 @@ def run(args, device) -> pd.DataFrame:
         models = {"pyg": SAGE(pyg_nn, args.features, args.hidden, args.classes, len(args.fanouts)).to(device)}
         models["geot"] = SAGE(geot_nn, args.features, args.hidden, args.classes, len(args.fanouts)).to(device)
         models["geot"].load_state_dict(models["pyg"].state_dict())
+        models["no"] = SAGE(NO_MP, args.features, args.hidden, args.classes, len(args.fanouts)).to(device)
+        steps = {}
         for path in args.paths:
             model = models[path.split("-")[0]]
             runner = torch.compile(model, dynamic=True) if path.endswith("compile") else model
             optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-            step = training_step(model, runner, optimizer, features, labels, DTYPES[dtype_name])
-            ms, first_ms = time_steps(step, batches, args.warmup, device)
+            steps[path] = training_step(model, runner, optimizer, features, labels, DTYPES[dtype_name])
+        for path, (ms, first_ms) in time_steps(steps, batches, args.warmup, device).items():
             rows.append({"graph": graph.name, "edges": graph.num_edges, "fanouts": "/".join(map(str, args.fanouts)),
                          "batch": args.batch, "hidden": args.hidden, "dtype": dtype_name, "path": path,
                          "ms": ms, "first_ms": first_ms, "sampled_edges": edges, "sample_ms": sample_ms})

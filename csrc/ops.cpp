@@ -14,6 +14,7 @@
 #include "index_segment_reduce.h"
 #include "rules.h"
 #include "segment_reduce.h"
+#include "unordered_graph.h"
 
 TORCH_LIBRARY(geot, m) {
   // Output row counts are SymInt: compiled code with dynamic shapes (a new
@@ -196,6 +197,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         geot::remember_valid_index(index, bound, sorted, geot::kLongSegmentBits);
       },
       "Record an index as valid for bound (and sorted): its calls skip validation");
+  m.def("deferred_index_check", &geot::deferred_index_check,
+        "Vouch for a graph's CUDA indices and queue a check of their ids without a sync; returns its ticket");
+  m.def("take_failed_check", &geot::take_failed_check,
+        "The ticket of a failed deferred_index_check seen since the last call, 0 if none");
+  m.def("any_order_counts", &geot::any_order_counts, "Rows per segment of an index in any order, at least 1, in float64 or float32 (a mean's divisor)");
 #ifdef GEOT_WITH_CUDA
   m.attr("cuda_built") = true;
 #else

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 pyg_nn = pytest.importorskip("torch_geometric.nn")
+import geot  # noqa: E402
 import geot.nn as gnn  # noqa: E402
 from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
 
@@ -510,15 +511,27 @@ def test_new_graphs_every_step_match_pyg(layer, kwargs, pair):
 
 
 @requires_cuda
-def test_ids_out_of_range_are_reported_by_a_later_call():
+@pytest.mark.parametrize("bad_edges", [[[0, 7], [1, 2]], [[0, 1], [1, 5]], [[-1, 1], [1, 2]]],
+                         ids=["source", "destination", "negative"])
+def test_ids_out_of_range_are_reported_by_a_later_call(bad_edges):
     conv = gnn.SAGEConv(6, 5).cuda()
     x = torch.randn(5, 6, device="cuda")
     conv(x, torch.tensor([[0, 1], [1, 2]], device="cuda"))
-    conv(x, torch.tensor([[0, 7], [1, 2]], device="cuda"))  # a new graph: checked on the device
+    conv(x, torch.tensor(bad_edges, device="cuda"))  # a new graph: checked on the device
     torch.cuda.synchronize()
     with pytest.raises(ValueError, match="out of range"):
         conv(x, torch.tensor([[0, 1], [1, 2]], device="cuda"))
     conv(x, torch.tensor([[0, 1], [1, 2]], device="cuda"))  # reported once
+
+
+@pytest.mark.parametrize("float64", [False, True])
+def test_any_order_counts_are_each_rows_edges_at_least_one(device, float64):
+    """The divisor of a mean over a graph in input order: ids out of range are not counted."""
+    index = torch.tensor([3, 1, 1, 7, -1, 3, 3, 0], device=device)
+    got = geot._C.any_order_counts(index, 5, float64)
+    want = torch.tensor([1, 2, 1, 3, 1], dtype=torch.float64 if float64 else torch.float32, device=device)
+    assert torch.equal(got, want)
+    assert torch.equal(geot._C.any_order_counts(index[:0], 3, float64), torch.ones_like(want[:3]))
 
 
 # torch_sparse.SparseTensor adj_t (torch_sparse is not installed here: a stand-in with its interface) ----------

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .. import index
+from .. import _C, index
 from .._ops import mean_counts
 from .graph import SortedGraph, checked
 from .inputs import Edges
@@ -105,37 +105,36 @@ def _scatter_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, 
     if reduce not in ("sum", "mean"):
         raise ValueError(f"a graph in input order takes sum or mean, not {reduce!r}")
     weight = None if weight is None else weight.to(x.dtype)
-    out = _ScatterSum.apply(graph.src, graph.dst, x, weight, num_nodes)
-    if reduce == "sum":
-        return out
-    # Counts in float32 (half types would round degrees past 256), the division there too.
-    count_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    counts = torch.zeros(num_nodes, dtype=count_dtype, device=x.device)
-    counts.index_add_(0, graph.dst, counts.new_ones(()).expand(graph.dst.numel()))
-    return (out / counts.clamp_(min=1).view(-1, *[1] * (x.dim() - 1))).to(x.dtype)
+    return _ScatterSum.apply(graph.src, graph.dst, x, weight, num_nodes, reduce == "mean")
 
 
 class _ScatterSum(torch.autograd.Function):
-    """out[dst[e]] += weight[e] * x[src[e]], edges in any order; its backward scatters the other way."""
+    """out[dst[e]] += weight[e] * x[src[e]], edges in any order, divided by
+    each row's edge count for a mean; its backward scatters the other way."""
 
     @staticmethod
-    def forward(ctx, src, dst, x, weight, num_nodes):
-        ctx.save_for_backward(src, dst, x if weight is not None else None, weight)
+    def forward(ctx, src, dst, x, weight, num_nodes, mean):
+        out = torch.ops.geot.index_scatter_sum(src, dst, x, weight, num_nodes)
+        counts = None
+        if mean:  # counted and divided in float32 at least, the result rounded once
+            counts = _C.any_order_counts(dst, num_nodes, x.dtype == torch.float64).view(-1, *[1] * (x.dim() - 1))
+            out = out.div_(counts) if out.dtype == counts.dtype else (out / counts).to(x.dtype)
+        ctx.save_for_backward(src, dst, x if weight is not None else None, weight, counts)
         ctx.num_src = x.size(0)
-        return torch.ops.geot.index_scatter_sum(src, dst, x, weight, num_nodes)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        src, dst, x, weight = ctx.saved_tensors
-        grad = grad.contiguous()
+        src, dst, x, weight, counts = ctx.saved_tensors
+        grad = grad.contiguous() if counts is None else (grad / counts).to(grad.dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[2]:
             grad_x = torch.ops.geot.index_scatter_sum(dst, src, grad, weight, ctx.num_src)
         if ctx.needs_input_grad[3]:
             heads = 1 if weight.dim() == 1 else weight.size(1)
             grad_w = torch.ops.geot.edge_dot(src, dst, grad, x, heads).reshape(weight.shape)
-        return None, None, grad_x, grad_w, None
+        return None, None, grad_x, grad_w, None, None
 
 
 def gather_reduce_nodes(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int,

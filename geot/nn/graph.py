@@ -316,7 +316,7 @@ def _checked_edges(edge_index: Tensor) -> Tensor:
     return edge_index.as_tensor() if hasattr(edge_index, "as_tensor") else edge_index
 
 
-_pending_checks = []  # (event, pinned flag, message) of deferred checks not read yet
+_checked_counts = {}  # ticket -> (num_src, num_dst) of the deferred checks of recent calls
 
 
 def checked(graph: SortedGraph, num_src: int, num_dst: int) -> SortedGraph:
@@ -334,33 +334,25 @@ def checked(graph: SortedGraph, num_src: int, num_dst: int) -> SortedGraph:
 
 def check_deferred(graph: SortedGraph, num_src: int, num_dst: int) -> None:
     """Checks a deferred graph's ids against node counts without a
-    device->host sync: the check runs on the device and its flag comes back
-    asynchronously; :func:`raise_failed_checks` (at every later call of a
-    geot layer) raises if it failed. Meanwhile the kernels read no row out
-    of bounds (they skip such ids). The indices are recorded as valid, so
-    the ops skip their own (synchronizing) validation."""
-    _C.vouch_index(graph.dst, num_dst, graph.ordered)
-    _C.vouch_index(graph.src, num_src, False)
-    if graph.src.numel() == 0:
-        return
-    low, high = (graph.dst[0], graph.dst[-1]) if graph.ordered else (graph.dst.min(), graph.dst.max())
-    bad = (graph.src.min() < 0) | (graph.src.max() >= num_src) | (low < 0) | (high >= num_dst)
-    flag = torch.empty((), dtype=torch.bool, pin_memory=True).copy_(bad, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    message = (f"edge_index has ids out of range for this call's nodes (sources must lie in [0, {num_src}), "
-               f"destinations in [0, {num_dst})); geot.nn checks a new graph without a sync, so this reports an "
-               "earlier call")
-    _pending_checks.append((event, flag, message))
+    device->host sync: one kernel checks them on the device and reports a
+    failure through mapped host memory; :func:`raise_failed_checks` (at
+    every later call of a geot layer) raises for it. Meanwhile the kernels
+    read no row out of bounds (they skip such ids). The indices are recorded
+    as valid, so the ops skip their own (synchronizing) validation."""
+    ticket = _C.deferred_index_check(graph.src, graph.dst, num_src, num_dst, graph.ordered)
+    if len(_checked_counts) >= 1024:
+        _checked_counts.clear()
+    _checked_counts[ticket] = (num_src, num_dst)
 
 
 def raise_failed_checks() -> None:
-    """Raises ValueError for a deferred check (check_deferred) that failed; drops those done."""
-    while _pending_checks and _pending_checks[0][0].query():
-        _, flag, message = _pending_checks.pop(0)
-        if bool(flag):
-            _pending_checks.clear()
-            raise ValueError(message)
+    """Raises ValueError for a deferred check (check_deferred) seen failed."""
+    ticket = _C.take_failed_check()
+    if ticket:
+        num_src, num_dst = _checked_counts.get(ticket, ("num_src", "num_dst"))
+        raise ValueError(f"edge_index has ids out of range for this call's nodes (sources must lie in "
+                         f"[0, {num_src}), destinations in [0, {num_dst})); geot.nn checks a new graph "
+                         "without a sync, so this reports an earlier call")
 
 
 def with_transposed(graph: SortedGraph) -> SortedGraph:
