@@ -42,35 +42,36 @@ int check_dst_index(const at::Tensor& dst_index, const at::Tensor& values, const
 // The fused CUDA kernels give a destination to one block: a hub of 10^5 edges
 // is walked by one SM while the rest of the GPU idles. The segment reduce
 // splits long segments over blocks, so a graph with a destination past the
-// last long-segment level takes the softmax composed of it (more memory
-// passes and launches, so not for small graphs). On an H200, 10M-edge
-// power-law graph (a hub of 9 * 10^5 edges), forward + backward: H = 1 0.76
-// ms composed against 4.9 fused, H = 8 20.8 against 41.3; on a 10M-edge
-// uniform graph (not composed) they are level.
+// last long-segment level takes the softmax composed of it and of per-edge
+// kernels (more memory passes and launches, so not for small graphs).
 constexpr int64_t kComposedMinValues = int64_t(1) << 16;
 
 bool composed_on_cuda(const at::Tensor& values, int level) {
   return values.is_cuda() && level >= kLongSegmentLevels && values.numel() >= kComposedMinValues;
 }
 
-// y = exp(score - max) / sum per destination and head, from segment reduces.
-at::Tensor softmax_composed(const at::Tensor& rows, const at::Tensor& index, int64_t S) {
+// y = exp(score - max) / sum per destination and head, from segment reduces,
+// into out_rows (may be rows itself: each value is read before it is written).
+void softmax_composed(const at::Tensor& rows, const at::Tensor& index, int64_t S, at::Tensor& out_rows) {
+#ifdef GEOT_WITH_CUDA
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const at::Tensor values = rows.to(at::toOpMathType(rows.scalar_type()));
   const at::Tensor max = segment_reduce_op(index, values, S, "max", std::nullopt);
-  at::Tensor y = values.sub(max.index_select(0, index)).exp_();  // -inf scores give 0
+  const at::Tensor y = exp_shift_cuda(values, max, index);  // -inf scores give 0
   const at::Tensor sum = segment_reduce_op(index, y, S, "sum", std::nullopt);
-  return y.div_(sum.index_select(0, index)).to(rows.scalar_type());
+  normalize_cuda(y, sum, index, out_rows);
+#endif
 }
 
 // grad_score = y * (grad - sum of grad * y) per destination and head, from a segment sum.
-at::Tensor softmax_backward_composed(const at::Tensor& y_rows, const at::Tensor& g_rows, const at::Tensor& index,
-                                     int64_t S) {
+void softmax_backward_composed(const at::Tensor& y_rows, const at::Tensor& g_rows, const at::Tensor& index, int64_t S,
+                               at::Tensor& out_rows) {
+#ifdef GEOT_WITH_CUDA
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const auto acc = at::toOpMathType(y_rows.scalar_type());
-  const at::Tensor y = y_rows.to(acc), grad = g_rows.to(acc);
-  const at::Tensor dot = segment_reduce_op(index, y * grad, S, "sum", std::nullopt);
-  return grad.sub(dot.index_select(0, index)).mul_(y).to(y_rows.scalar_type());
+  const at::Tensor dot = segment_reduce_op(index, y_rows.to(acc) * g_rows.to(acc), S, "sum", std::nullopt);
+  softmax_grad_cuda(y_rows, g_rows, dot, index, out_rows);
+#endif
 }
 
 // Every edge belongs to a destination once dst_index is valid; with
@@ -145,8 +146,11 @@ at::Tensor edge_softmax_op(const at::Tensor& score, const at::Tensor& dst_index,
   at::Tensor out = new_output(score);
   if (out.numel() == 0) return out;
   const at::Tensor rows = as_edge_rows(score, H), index = dst_index.contiguous();
-  if (composed_on_cuda(score, level)) return out.copy_(softmax_composed(rows, index, num_segments).view_as(out));
   at::Tensor out_rows = out.view({score.size(0), H});
+  if (composed_on_cuda(score, level)) {
+    softmax_composed(rows, index, num_segments, out_rows);
+    return out;
+  }
 #ifdef GEOT_WITH_CUDA
   if (score.is_cuda()) {
     edge_softmax_cuda(rows, index, num_segments, out_rows);
@@ -165,10 +169,7 @@ void edge_softmax_inplace_op(at::Tensor& score, const at::Tensor& dst_index, int
   // Each value is read before it is written, by the thread that writes it.
   at::Tensor rows = score.view({score.size(0), H});
   const at::Tensor index = dst_index.contiguous();
-  if (composed_on_cuda(score, level)) {
-    rows.copy_(softmax_composed(rows, index, num_segments));
-    return;
-  }
+  if (composed_on_cuda(score, level)) return softmax_composed(rows, index, num_segments, rows);
 #ifdef GEOT_WITH_CUDA
   if (score.is_cuda()) return edge_softmax_cuda(rows, index, num_segments, rows);
 #endif
@@ -188,9 +189,11 @@ at::Tensor edge_softmax_backward_op(const at::Tensor& y, const at::Tensor& grad,
   at::Tensor out = new_output(y);
   if (out.numel() == 0) return out;
   const at::Tensor y_rows = as_edge_rows(y, H), g_rows = as_edge_rows(grad, H), index = dst_index.contiguous();
-  if (composed_on_cuda(y, level))
-    return out.copy_(softmax_backward_composed(y_rows, g_rows, index, num_segments).view_as(out));
   at::Tensor out_rows = out.view({y.size(0), H});
+  if (composed_on_cuda(y, level)) {
+    softmax_backward_composed(y_rows, g_rows, index, num_segments, out_rows);
+    return out;
+  }
 #ifdef GEOT_WITH_CUDA
   if (y.is_cuda()) {
     edge_softmax_backward_cuda(y_rows, g_rows, index, num_segments, out_rows);

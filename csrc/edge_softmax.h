@@ -26,4 +26,13 @@ void edge_softmax_backward_cpu(const at::Tensor& y, const at::Tensor& grad, cons
 void edge_softmax_backward_cuda(const at::Tensor& y, const at::Tensor& grad, const at::Tensor& dst_index,
                                 int64_t num_segments, at::Tensor& out);
 
+// The composed CUDA softmax's per-edge steps (all [E, H] contiguous, the
+// per-destination [S, H] in the accumulation type): y = exp(values -
+// max[index]); out = y / sum[index] in out's dtype; out = y * (grad -
+// dot[index]).
+at::Tensor exp_shift_cuda(const at::Tensor& values, const at::Tensor& max, const at::Tensor& index);
+void normalize_cuda(const at::Tensor& y, const at::Tensor& sum, const at::Tensor& index, at::Tensor& out);
+void softmax_grad_cuda(const at::Tensor& y, const at::Tensor& grad, const at::Tensor& dot, const at::Tensor& index,
+                       at::Tensor& out);
+
 }  // namespace geot

@@ -40,7 +40,55 @@ void launch(const Op& op, const at::Tensor& dst_index, int64_t E, int64_t H, int
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename index_t, typename acc_t, typename Op>
+void launch_per_edge(const Op& op, const at::Tensor& index, const at::Tensor& per_destination, int64_t E, int64_t H) {
+  const int threads = 256;
+  const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(E * H, threads), 65536)));
+  softmax::per_edge_kernel<index_t, acc_t, Op><<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      op, index.data_ptr<index_t>(), per_destination.data_ptr<acc_t>(), E, H, per_destination.size(0));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
+
+at::Tensor exp_shift_cuda(const at::Tensor& values, const at::Tensor& max, const at::Tensor& index) {
+  const c10::cuda::CUDAGuard guard(values.device());
+  at::Tensor y = at::empty_like(values);
+  AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_exp_shift", [&] {
+    AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "geot_exp_shift", [&] {
+      const softmax::ExpShiftOp<scalar_t> op{values.data_ptr<scalar_t>(), y.data_ptr<scalar_t>()};
+      launch_per_edge<index_t, scalar_t>(op, index, max, values.size(0), values.size(1));
+    });
+  });
+  return y;
+}
+
+void normalize_cuda(const at::Tensor& y, const at::Tensor& sum, const at::Tensor& index, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(y.device());
+  AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_normalize", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "geot_normalize", [&] {
+      using out_t = typename cuda_type<scalar_t>::type;
+      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      const softmax::NormalizeOp<acc_t, out_t> op{y.data_ptr<acc_t>(), reinterpret_cast<out_t*>(out.data_ptr<scalar_t>())};
+      launch_per_edge<index_t, acc_t>(op, index, sum, y.size(0), y.size(1));
+    });
+  });
+}
+
+void softmax_grad_cuda(const at::Tensor& y, const at::Tensor& grad, const at::Tensor& dot, const at::Tensor& index,
+                       at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(y.device());
+  AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_softmax_grad", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "geot_softmax_grad", [&] {
+      using in_t = typename cuda_type<scalar_t>::type;
+      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      const softmax::SoftmaxGradOp<in_t, acc_t> op{reinterpret_cast<const in_t*>(y.data_ptr<scalar_t>()),
+                                                   reinterpret_cast<const in_t*>(grad.data_ptr<scalar_t>()),
+                                                   reinterpret_cast<in_t*>(out.data_ptr<scalar_t>())};
+      launch_per_edge<index_t, acc_t>(op, index, dot, y.size(0), y.size(1));
+    });
+  });
+}
 
 void edge_softmax_cuda(const at::Tensor& score, const at::Tensor& dst_index, int64_t num_segments, at::Tensor& out) {
   if (num_segments == 0) return;  // no edge has a destination (validation off): out stays 0

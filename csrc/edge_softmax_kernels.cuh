@@ -212,5 +212,55 @@ __global__ void __launch_bounds__(kThreads) edge_softmax_kernel(Op op, Destinati
   for (int i = 0; i < num_long; ++i) block_pass(op, long_edges[i][0], long_edges[i][1], d.H, partial, total);
 }
 
+// The composed softmax's per-edge steps: each value of [E, H] meets its
+// destination's value of [S, H] (max, sum or dot). A hub's value is read by
+// many threads at once: read-only loads keep it in L1, where torch's row
+// gather of [S, H] by dst_index (16-byte rows) stalled on a 10^6-edge hub.
+// Edges whose destination lies outside [0, S) (validation off) get 0.
+template <typename index_t, typename acc_t, typename Op>
+__global__ void per_edge_kernel(Op op, const index_t* __restrict__ index, const acc_t* __restrict__ per_destination,
+                                int64_t E, int64_t H, int64_t S) {
+  const int64_t total = E * H;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = H == 1 ? i : i / H;
+    const int64_t d = index[e];
+    if (d < 0 || d >= S) {
+      op.skip(i);
+    } else {
+      op(i, __ldg(per_destination + d * H + (i - e * H)));
+    }
+  }
+}
+
+// y = exp(value - max of its destination); -inf values give 0.
+template <typename acc_t>
+struct ExpShiftOp {
+  const acc_t* value;
+  acc_t* y;
+  __device__ __forceinline__ void operator()(int64_t i, acc_t max) const { y[i] = exp_acc(value[i] - max); }
+  __device__ __forceinline__ void skip(int64_t i) const { y[i] = acc_t(0); }
+};
+
+// out = y / sum of its destination, rounded to out_t.
+template <typename acc_t, typename out_t>
+struct NormalizeOp {
+  const acc_t* y;
+  out_t* out;
+  __device__ __forceinline__ void operator()(int64_t i, acc_t sum) const { out[i] = from_acc<out_t>(y[i] / sum); }
+  __device__ __forceinline__ void skip(int64_t i) const { out[i] = from_acc<out_t>(acc_t(0)); }
+};
+
+// grad_score = y * (grad - sum of grad * y over its destination).
+template <typename scalar_t, typename acc_t>
+struct SoftmaxGradOp {
+  const scalar_t* y;
+  const scalar_t* grad;
+  scalar_t* out;
+  __device__ __forceinline__ void operator()(int64_t i, acc_t dot) const {
+    out[i] = from_acc<scalar_t>(to_acc(y[i]) * (to_acc(grad[i]) - dot));
+  }
+  __device__ __forceinline__ void skip(int64_t i) const { out[i] = from_acc<scalar_t>(acc_t(0)); }
+};
+
 }  // namespace softmax
 }  // namespace geot

@@ -18,26 +18,52 @@ namespace geot {
 
 at::Tensor reduce_rows_fused_cuda(const RowReduction& r) { return launch::reduce_rows<true>(r); }
 
+namespace {
+
+// 16-byte vector loads where every row offset allows them (head_size a
+// multiple of the vector, 16-byte aligned bases), else one value per lane.
+template <typename scalar_t>
+int edge_dot_vector(const at::Tensor& a, const at::Tensor& b, int64_t head_size) {
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  const bool aligned = reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0;
+  return aligned && head_size % kVec == 0 ? kVec : 1;
+}
+
+template <typename scalar_t, typename acc_t, typename index_t, int VEC>
+void launch_edge_dot(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                     const at::Tensor& b, at::Tensor& out, int64_t heads, int64_t head_size, cudaStream_t stream) {
+  int group = 1;  // lanes per (edge, head): enough to cover the head's vectors, at most a warp
+  while (group < 32 && group * VEC < head_size) group <<= 1;
+  const int threads = 256;
+  const int64_t E = out.size(0);
+  const int64_t blocks = std::min<int64_t>(ceil_div(E * heads, threads / group), 1 << 20);
+  using in_t = typename cuda_type<scalar_t>::type;
+  edge_dot_kernel<in_t, acc_t, index_t, VEC><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      src_index.data_ptr<index_t>(), dst_index.data_ptr<index_t>(),
+      reinterpret_cast<const in_t*>(a.data_ptr<scalar_t>()), reinterpret_cast<const in_t*>(b.data_ptr<scalar_t>()),
+      reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), E, heads, head_size, a.size(0), b.size(0), group);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
 void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                    const at::Tensor& b, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(b.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t E = out.size(0), heads = out.size(1), head_size = b.size(1) / heads;
-  int group = 1;  // lanes per (edge, head): enough to cover the head, at most a warp
-  while (group < 32 && group < head_size) group <<= 1;
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>(ceil_div(E * heads, threads / group), 1 << 20);
+  const int64_t heads = out.size(1), head_size = b.size(1) / heads;
   AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_dot", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "geot_edge_dot", [&] {
-      using in_t = typename cuda_type<scalar_t>::type;
       using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-      edge_dot_kernel<in_t, acc_t, index_t><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-          src_index.data_ptr<index_t>(), dst_index.data_ptr<index_t>(),
-          reinterpret_cast<const in_t*>(a.data_ptr<scalar_t>()), reinterpret_cast<const in_t*>(b.data_ptr<scalar_t>()),
-          reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), E, heads, head_size, a.size(0), b.size(0), group);
+      constexpr int kVec = 16 / sizeof(scalar_t);
+      if (edge_dot_vector<scalar_t>(a, b, head_size) == kVec) {
+        launch_edge_dot<scalar_t, acc_t, index_t, kVec>(src_index, dst_index, a, b, out, heads, head_size, stream);
+      } else {
+        launch_edge_dot<scalar_t, acc_t, index_t, 1>(src_index, dst_index, a, b, out, heads, head_size, stream);
+      }
     });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {

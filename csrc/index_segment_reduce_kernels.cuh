@@ -11,15 +11,25 @@
 
 namespace geot {
 
+// VEC consecutive values loaded as one 16-byte (or narrower) access.
+template <typename scalar_t, int VEC>
+struct alignas(sizeof(scalar_t) * VEC) Packed {
+  scalar_t v[VEC];
+};
+
 // out[e, h] = <a[dst[e], h, :], b[src[e], h, :]> over head_size features.
 // A tile of `group` lanes (a power of two <= 32) takes one (edge, head) item:
-// lanes stride over the features, then reduce with shuffles. Out-of-range
-// rows (possible with validation off) give 0.
-template <typename scalar_t, typename acc_t, typename index_t>
+// lanes stride over the features VEC at a time (one vector load each from a
+// and b: the caller checks alignment), then reduce with shuffles. A narrow
+// head (32 fp32 features: 8 lanes) leaves a warp four items per iteration,
+// so fewer dependent index -> row loads wait per value. Out-of-range rows
+// (possible with validation off) give 0.
+template <typename scalar_t, typename acc_t, typename index_t, int VEC>
 __global__ void edge_dot_kernel(const index_t* __restrict__ src_index, const index_t* __restrict__ dst_index,
                                 const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
                                 scalar_t* __restrict__ out, int64_t E, int64_t heads, int64_t head_size,
                                 int64_t a_rows, int64_t b_rows, int group) {
+  using Vec = Packed<scalar_t, VEC>;
   const int lane = threadIdx.x & (group - 1);
   const unsigned tile_mask =
       group == 32 ? 0xffffffffu : ((1u << group) - 1u) << (threadIdx.x & 31 & ~(group - 1));
@@ -27,13 +37,17 @@ __global__ void edge_dot_kernel(const index_t* __restrict__ src_index, const ind
   const int64_t tiles = int64_t(gridDim.x) * (blockDim.x / group);
   for (int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / group; item < E * heads;
        item += tiles) {
-    const int64_t e = item / heads, h = item - e * heads;
+    const int64_t e = heads == 1 ? item : item / heads, h = item - e * heads;
     const int64_t s = src_index[e], d = dst_index[e];
     acc_t sum = 0;
     if (s >= 0 && s < b_rows && d >= 0 && d < a_rows) {
       const scalar_t* pa = a + d * F + h * head_size;
       const scalar_t* pb = b + s * F + h * head_size;
-      for (int64_t f = lane; f < head_size; f += group) sum += to_acc(pa[f]) * to_acc(pb[f]);
+      for (int64_t f = int64_t(lane) * VEC; f < head_size; f += int64_t(group) * VEC) {
+        const Vec va = *reinterpret_cast<const Vec*>(pa + f), vb = *reinterpret_cast<const Vec*>(pb + f);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) sum += to_acc(va.v[k]) * to_acc(vb.v[k]);
+      }
     }
     for (int offset = group >> 1; offset > 0; offset >>= 1) sum += __shfl_xor_sync(tile_mask, sum, offset, group);
     if (lane == 0) out[item] = from_acc<scalar_t>(sum);

@@ -23,6 +23,8 @@ TORCH_LIBRARY(geot, m) {
   // For max/min backward: [S, F] int64, the smallest row of each segment that
   // holds the extremum per feature, E where the segment is empty.
   m.def("segment_arg(Tensor index, Tensor src, Tensor out) -> Tensor");
+  // out[e] = values[index[e]], index sorted: a segment sum's adjoint.
+  m.def("segment_broadcast(Tensor values, Tensor index) -> Tensor");
   // Fused gather + segment reduce; t_perm / t_src / t_dst: an optional
   // transposed index (geot.TransposedIndex) that the backward pass reuses.
   m.def(

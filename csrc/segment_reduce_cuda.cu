@@ -60,9 +60,26 @@ at::Tensor segment_arg_cuda(const at::Tensor& index, const at::Tensor& src, cons
   return arg;
 }
 
+void segment_broadcast_cuda(const at::Tensor& values_rows, const at::Tensor& index, at::Tensor& out_rows) {
+  const c10::cuda::CUDAGuard guard(values_rows.device());
+  const int64_t E = out_rows.size(0), F = out_rows.size(1);
+  const int threads = 256;
+  const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(E * F, threads), 65536)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values_rows.scalar_type(), "geot_segment_broadcast", [&] {
+    using in_t = typename cuda_type<scalar_t>::type;
+    AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_segment_broadcast_index", [&] {
+      segment_broadcast_kernel<in_t, index_t><<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          reinterpret_cast<const in_t*>(values_rows.data_ptr<scalar_t>()), index.data_ptr<index_t>(),
+          reinterpret_cast<in_t*>(out_rows.data_ptr<scalar_t>()), E, F, values_rows.size(0));
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
   m.impl("segment_reduce", &segment_reduce_op);
   m.impl("segment_arg", &segment_arg_cuda);
+  m.impl("segment_broadcast", &segment_broadcast_op);
 }
 
 }  // namespace geot

@@ -10,7 +10,7 @@ from .config import Config, config_space, explain, explain_source, rules_mode, s
 from .hetero import attention_aggregate, edge_softmax, edge_softmax_, group_by_type, segment_matmul
 from .index import TransposedIndex, index_segment_reduce, index_weight_segment_reduce, transpose_index
 from .sddmm import sddmm
-from .segment import segment_reduce
+from .segment import segment_broadcast, segment_reduce
 from .validation import clear_cache, mark_static_index, set_validation, validation_enabled
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "mark_static_index",
     "rules_mode",
     "sddmm",
+    "segment_broadcast",
     "segment_matmul",
     "segment_reduce",
     "set_rules",

@@ -12,6 +12,27 @@ def _segment_reduce_fake(index, src, num_segments, reduce="sum", config=None):
     return src.new_empty((num_segments, *src.shape[1:]))
 
 
+@torch.library.register_fake("geot::segment_broadcast")
+def _segment_broadcast_fake(values, index):
+    return values.new_empty((index.shape[0], *values.shape[1:]))
+
+
+def _segment_broadcast_setup(ctx, inputs, output):
+    values, index = inputs
+    ctx.num_segments = values.shape[0]
+    ctx.save_for_backward(index)
+
+
+def _segment_broadcast_backward(ctx, grad):
+    index, = ctx.saved_tensors
+    return torch.ops.geot.segment_reduce(index, grad.contiguous(), ctx.num_segments, "sum", None), None
+
+
+torch.library.register_autograd(
+    "geot::segment_broadcast", _segment_broadcast_backward, setup_context=_segment_broadcast_setup
+)
+
+
 @torch.library.register_fake("geot::segment_arg")
 def _segment_arg_fake(index, src, out):
     features = 1
@@ -44,11 +65,11 @@ def _segment_reduce_setup(ctx, inputs, output):
 def _segment_reduce_backward(ctx, grad_out):
     index = ctx.saved_tensors[0]
     if ctx.reduce == "sum":
-        grad_src = grad_out.index_select(0, index)
+        grad_src = torch.ops.geot.segment_broadcast(grad_out.contiguous(), index)
     elif ctx.reduce == "mean":
         counts = mean_counts(index, ctx.num_segments)
         scale = counts.to(grad_out.dtype).view(-1, *([1] * (grad_out.dim() - 1)))
-        grad_src = (grad_out / scale).index_select(0, index)
+        grad_src = torch.ops.geot.segment_broadcast(grad_out / scale, index)
     else:
         # Route each (segment, feature) gradient to its arg row; empty segments
         # point at row E, a scratch row dropped afterwards.
@@ -357,7 +378,7 @@ def _edge_softmax_backward_setup(ctx, inputs, output):
 def _destination_sum(values, dst_index, num_segments):
     """sum over the edges of each destination, gathered back to the edges."""
     sums = torch.ops.geot.segment_reduce(dst_index, values, num_segments, "sum", None)
-    return sums.index_select(0, dst_index)
+    return torch.ops.geot.segment_broadcast(sums, dst_index)
 
 
 def _edge_softmax_backward_backward(ctx, upstream):

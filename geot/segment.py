@@ -1,4 +1,4 @@
-"""segment_reduce: reduce the rows of src that share a segment id."""
+"""segment_reduce: reduce the rows of src that share a segment id; segment_broadcast: its adjoint."""
 from typing import Optional, Sequence
 
 import torch
@@ -54,3 +54,29 @@ def segment_reduce(
             return _ops.SegmentReduce.apply(index, src, num_segments, reduce, cfg)
         return torch.ops.geot.segment_reduce(index, src, num_segments, reduce, cfg)
     return _C.segment_reduce_no_grad(index, src, num_segments, reduce, cfg)
+
+
+def segment_broadcast(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Repeats each segment's row over the rows of its segment.
+
+    ``out[e] = values[index[e]]``: the adjoint of a segment sum (its
+    gradient is ``segment_reduce(index, grad, "sum", values.shape[0])``),
+    e.g. per-destination values spread over the destination's edges.
+
+    Args:
+        values: [S, *] float tensor, a row per segment.
+        index: 1-D int32/int64 tensor of length E, sorted non-decreasing,
+            values in [0, S).
+
+    Returns:
+        Tensor of shape [E, *values.shape[1:]]. On CUDA a row read by many
+        edges (a hub) is served from cache, where ``values.index_select(0,
+        index)`` slows down on long runs of one id.
+    """
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
+    if index.dim() != 1:
+        raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
+    return torch.ops.geot.segment_broadcast(values, index)

@@ -1176,3 +1176,52 @@ def test_cuda_validation_off_out_of_range_no_crash(reduce, kind):
     with pytest.raises(ValueError, match="index|num_segments"):
         geot.segment_reduce(index, src, reduce, S)
     torch.cuda.synchronize()
+
+
+# segment_broadcast: out[e] = values[index[e]], the adjoint of a segment sum ------------------------------
+
+@pytest.mark.parametrize("case", list(FORWARD_CASES) + list(CUDA_ONLY_CASES))
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_segment_broadcast_matches_reference(device, dtype, index_dtype, case):
+    if case in CUDA_ONLY_CASES and torch.device(device).type != "cuda":
+        pytest.skip("CUDA-only case")
+    index, S, feat, layout = (CUDA_ONLY_CASES.get(case) or FORWARD_CASES[case])()
+    values = make_src(S, feat, dtype, device, layout)
+    index = index.to(device=device, dtype=index_dtype)
+    poison_allocator((index.numel(), *feat), dtype, device)
+    got = geot.segment_broadcast(values, index)
+    want = values.double().cpu()[index.long().cpu()]  # float64 reference: a plain row gather
+    assert got.dtype == dtype and got.shape == (index.numel(), *feat)
+    assert torch.equal(got.double().cpu(), want), describe(case=case, dtype=dtype)
+
+
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_segment_broadcast_gradcheck(device, index_dtype):
+    index = powerlaw_index(30, 200).to(device=device, dtype=index_dtype)
+    values = torch.randn(30, 3, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: geot.segment_broadcast(v, index), (values,))
+    assert torch.autograd.gradgradcheck(lambda v: geot.segment_broadcast(v, index), (values,))
+
+
+def test_segment_broadcast_is_the_adjoint_of_a_segment_sum(device):
+    """<broadcast(v), x> == <v, segment_sum(x)>, as an adjoint must."""
+    index = powerlaw_index(50, 1000).to(device)
+    values = torch.randn(50, 4, dtype=torch.float64, device=device)
+    x = torch.randn(1000, 4, dtype=torch.float64, device=device)
+    left = (geot.segment_broadcast(values, index) * x).sum()
+    right = (values * geot.segment_reduce(index, x, "sum", 50)).sum()
+    assert torch.allclose(left, right)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda d: (torch.randn(4, 2, device=d), torch.tensor([0, 4], device=d)), "index"),
+    (lambda d: (torch.randn(4, 2, device=d), torch.tensor([2, 1], device=d)), "sorted"),
+    (lambda d: (torch.randn(4, 2, device=d), torch.tensor([[0, 1]], device=d)), "1-D"),
+    (lambda d: (torch.randn(4, 2, device=d), torch.tensor([0.0, 1.0], device=d)), "index"),
+    (lambda d: (torch.tensor([1, 2], device=d), torch.tensor([0, 1], device=d)), "values"),
+], ids=["out_of_range", "unsorted", "2d_index", "float_index", "int_values"])
+def test_segment_broadcast_rejects_bad_input(device, bad, message):
+    values, index = bad(device)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
+        geot.segment_broadcast(values, index)

@@ -108,6 +108,14 @@ def _scatter_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, 
     return _ScatterSum.apply(graph.src, graph.dst, x, weight, num_nodes, reduce == "mean")
 
 
+def _any_order_counts(dst: Tensor, num_nodes: int, float64: bool) -> Tensor:
+    """max(edges into each row, 1): one kernel eagerly, torch ops in compiled code (which fuses them)."""
+    if not torch.compiler.is_compiling():
+        return _C.any_order_counts(dst, num_nodes, float64)
+    counts = torch.zeros(num_nodes, dtype=torch.float64 if float64 else torch.float32, device=dst.device)
+    return counts.index_add_(0, dst, counts.new_ones(()).expand(dst.numel())).clamp_(min=1)
+
+
 class _ScatterSum(torch.autograd.Function):
     """out[dst[e]] += weight[e] * x[src[e]], edges in any order, divided by
     each row's edge count for a mean; its backward scatters the other way."""
@@ -117,7 +125,7 @@ class _ScatterSum(torch.autograd.Function):
         out = torch.ops.geot.index_scatter_sum(src, dst, x, weight, num_nodes)
         counts = None
         if mean:  # counted and divided in float32 at least, the result rounded once
-            counts = _C.any_order_counts(dst, num_nodes, x.dtype == torch.float64).view(-1, *[1] * (x.dim() - 1))
+            counts = _any_order_counts(dst, num_nodes, x.dtype == torch.float64).view(-1, *[1] * (x.dim() - 1))
             out = out.div_(counts) if out.dtype == counts.dtype else (out / counts).to(x.dtype)
         ctx.save_for_backward(src, dst, x if weight is not None else None, weight, counts)
         ctx.num_src = x.size(0)

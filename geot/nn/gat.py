@@ -103,7 +103,7 @@ class GATConv(GeotLayer, pyg_nn.GATConv):
         """[E, H] leaky_relu(a_src . h_src[src] + a_dst . h_dst[dst] + edge term), in graph order."""
         score = (h_src * self.att_src).sum(-1).index_select(0, graph.src)
         if h_dst is not None:
-            score = score + (h_dst * self.att_dst).sum(-1).index_select(0, graph.dst)
+            score = score + torch.ops.geot.segment_broadcast((h_dst * self.att_dst).sum(-1), graph.dst)
         if score_edge is not None:
             score = score + score_edge
         return F.leaky_relu(score, self.negative_slope)

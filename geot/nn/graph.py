@@ -210,12 +210,12 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, s
     slot = (self_loops, num_relations, flipped, keep_perm)
     grad = torch.is_grad_enabled() and transposed
     known_sorted = edges.sorted and not flipped
+    plain = self_loops is None and edge_type is None and not keep_perm
     if torch.compiler.is_compiling():
         call_at_trace_time(_prepare_for_compiled, layer, tensor, edge_type, self_loops, num_relations, flipped,
                            keep_perm, known_sorted, grad)
-        return _compiled_graph(layer, tensor, edge_type, slot, known_sorted, grad)
+        return _compiled_graph(layer, tensor, edge_type, slot, known_sorted, grad, any_order and plain)
     build = (tensor, known_sorted, flipped, self_loops, edge_type, num_relations, keep_perm)
-    plain = self_loops is None and edge_type is None and not keep_perm
     return _eager_graph(layer, tensor, edge_type, slot, build, grad, any_order=any_order and plain)
 
 
@@ -226,8 +226,10 @@ def _slot_attr(slot) -> str:
     return f"_geot_graph_{self_loops}_{num_relations}_{int(flipped)}_{int(keep_perm)}"
 
 
-def _compiled_graph(layer, tensor: Tensor, edge_type, slot, known_sorted: bool, grad: bool) -> SortedGraph:
-    """Inside torch.compile: the layer's slot, guarded by identity (versions are not traceable), or a sort."""
+def _compiled_graph(layer, tensor: Tensor, edge_type, slot, known_sorted: bool, grad: bool,
+                    any_order: bool) -> SortedGraph:
+    """Inside torch.compile: the layer's slot, guarded by identity (versions are not traceable), or else, as
+    eagerly for a graph of one step, the graph in input order (any_order, on CUDA) or sorted."""
     last = getattr(layer, _slot_attr(slot), None)
     if last is not None and last[0] is tensor and last[1] is edge_type and last[2][:4] == slot:
         graph = last[3]
@@ -235,6 +237,8 @@ def _compiled_graph(layer, tensor: Tensor, edge_type, slot, known_sorted: bool, 
             _warn_at_compile_time(layer, "builds the transposed index (eager calls kept the graph without one)")
             return with_transposed(graph)
         return graph
+    if any_order and tensor.is_cuda:
+        return _unordered(tensor, flipped=slot[2])
     _warn_at_compile_time(layer, "sorts edge_index (the layer's graph changed, or is computed inside the "
                                  "compiled code)")
     # As eagerly for a graph of one step: its backward pass takes atomics, not the sort of a transposed index.

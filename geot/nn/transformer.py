@@ -75,7 +75,7 @@ class TransformerConv(GeotLayer, pyg_nn.TransformerConv):
         """[E', H] query_i . (key_j + edge) / sqrt(C), in graph order."""
         score = sddmm(graph.src, graph.dst, key, query)
         if edge is not None:
-            score = score + (query.index_select(0, graph.dst) * edge).sum(-1)
+            score = score + (torch.ops.geot.segment_broadcast(query, graph.dst) * edge).sum(-1)
         return score / math.sqrt(self.out_channels)
 
     def _with_root(self, out: Tensor, x_dst: Tensor) -> Tensor:
