@@ -19,6 +19,7 @@ Reporting
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -32,6 +33,28 @@ import torch
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
+
+# ----------------------------------------------------------------------------
+# Deterministic mode (--deterministic of the benches)
+# ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def deterministic_mode():
+    """torch.use_deterministic_algorithms(True) inside, the previous mode after."""
+    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))
+
 
 # ----------------------------------------------------------------------------
 # Graphs

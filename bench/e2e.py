@@ -37,6 +37,12 @@ large graphs, ~70 us of copy per step on an H100).
     python bench/e2e.py [--models gcn,gat] [--graphs cora,pubmed] [--dtypes fp32] [--hidden 64] [--no-compile]
     python bench/e2e.py --quick    # tiny CPU check that everything runs
     python bench/e2e.py --minibatch [bench/minibatch.py's options]   # sampled training, a new graph every step
+    python bench/e2e.py --deterministic [--models gcn,gat] [--graphs ...] [--steps 50]
+
+--deterministic trains each model (geot layers, eager) for --steps steps
+under torch.use_deterministic_algorithms(True), twice from the same seed
+(geot's caches cleared in between), and checks that the two runs' losses
+agree bitwise (CUBLAS_WORKSPACE_CONFIG=:4096:8 is set for torch's matmuls).
 """
 import argparse
 import gc
@@ -413,6 +419,9 @@ def parse_args():
                         help="print the summary of rows already measured (one or more e2e CSVs, e.g. several runs "
                              "of the same code) and exit")
     parser.add_argument("--rows-csv", default=None, help=argparse.SUPPRESS)  # run_libraries_apart's children
+    parser.add_argument("--deterministic", action="store_true",
+                        help="train each model twice in deterministic mode, compare the losses bitwise")
+    parser.add_argument("--steps", type=int, default=50, help="training steps of --deterministic")
     parser.add_argument("--quick", action="store_true",
                         help="tiny CPU check: one 500-node graph, hidden 32, fp32, aot_eager compile, 2 reps")
     args = parser.parse_args()
@@ -483,6 +492,54 @@ def time_in_process(args, device) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def deterministic_losses(model_name, hidden, inputs, amp_dtype, device, steps):
+    """Losses of `steps` training steps of a fresh geot model (seeded), in deterministic mode."""
+    graph_cache.clear_cache()
+    geot.clear_cache()
+    torch.manual_seed(0)
+    model = Net(geot_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    extra = (inputs["edge_type"],) if model.relational else ()
+    losses = []
+    with common.deterministic_mode():
+        for _ in range(steps):
+            optimizer.zero_grad()
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                out = model(inputs["x"], inputs["edge_index"], *extra)
+            loss = F.cross_entropy(out.float(), inputs["y"])
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def check_deterministic(args, device) -> int:
+    """--deterministic: two runs per (graph, model, dtype), their losses compared bitwise."""
+    rows = []
+    for spec in args.graphs:
+        inputs = load_inputs(spec, device)
+        if inputs is None:
+            continue
+        for model_name in args.models:
+            for dtype in args.dtypes:
+                hidden = MODELS[model_name][0]
+                runs = [deterministic_losses(model_name, hidden, inputs, DTYPES[dtype], device, args.steps).cpu()
+                        for _ in range(2)]
+                same = common.same_bits(runs[0], runs[1])
+                differ = (runs[0] != runs[1]).nonzero()
+                rows.append({"graph": inputs["name"], "model": model_name, "dtype": dtype, "steps": args.steps,
+                             "bitwise_identical": same, "first_loss": float(runs[0][0]),
+                             "last_loss": float(runs[0][-1]),
+                             "first_differing_step": int(differ[0]) if len(differ) else -1})
+                print(rows[-1], flush=True)
+    df = pd.DataFrame(rows)
+    common.print_table(df, f"deterministic mode: losses of two runs of {args.steps} training steps")
+    common.write_csv(df, f"e2e_deterministic_{common.device_slug(device)}.csv")
+    identical = bool(len(df)) and bool(df["bitwise_identical"].all())
+    print(f"bitwise-identical losses in {int(df['bitwise_identical'].sum()) if len(df) else 0}/{len(df)} cells")
+    return 0 if identical else 1
+
+
 def summarize_files(paths) -> None:
     """summarize() of the rows of several e2e CSVs, speedups recomputed over them all."""
     rows = pd.concat([pd.read_csv(path) for path in paths], ignore_index=True)
@@ -498,6 +555,9 @@ def main():
     if args.summarize:
         return summarize_files(args.summarize)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch's matmuls, read when cuBLAS starts
+        return check_deterministic(args, device)
     torch._dynamo.config.cache_size_limit = 64  # modes x dtypes x layers recompile the same code
     args.name = f"e2e_{common.device_slug(device)}{'_quick' if args.quick else ''}"
     both_compiled = len({library_of(p) for p in args.paths if p.endswith("compile")}) > 1
@@ -516,4 +576,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

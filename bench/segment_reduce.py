@@ -18,6 +18,13 @@ bench/out/segment_reduce_<device>.csv (and $OUT when set).
   python bench/segment_reduce.py --quick --device cpu  # smoke test
   python bench/segment_reduce.py --graphs hubs powerlaw:n=1000000,deg=4 --F 8 64
   python bench/segment_reduce.py --quick --config 2,32,8,4,1
+  python bench/segment_reduce.py --deterministic       # also under torch.use_deterministic_algorithms(True)
+
+--deterministic times geot and the torch-native peers again in deterministic
+mode (a peer that raises there is left out), checks that two deterministic
+geot calls agree bitwise, and adds the columns det (geot's deterministic
+time), det/def (its ratio to the default mode) and x_det (the fastest native
+peer in deterministic mode / det).
 """
 from __future__ import annotations
 
@@ -281,8 +288,29 @@ def run_cell(args, geot, ts, g: common.Graph, gidx, index64, offsets, lengths, n
         row[f"{key}_reps"] = reps
         if key == "segred":
             row["segred_variant"] = best_var
+    if args.deterministic and ref is not None:
+        deterministic_cell(row, geot_fn, peers, tkw)
     del src, ref, peers
     return row
+
+
+def deterministic_cell(row, geot_fn, peers, tkw) -> None:
+    """--deterministic: geot and the torch-native peers again in deterministic mode."""
+    with common.deterministic_mode():
+        row["det_bitwise"] = common.same_bits(geot_fn(), geot_fn())
+        row["geot_det_ms"] = common.time_stats(geot_fn, **tkw).median_ms
+        best = float("nan")
+        for key in NATIVE:
+            for fn in peers.get(key, {}).values():
+                try:
+                    fn()
+                    t = common.time_stats(fn, **tkw).median_ms
+                except Exception:  # noqa: BLE001  (raises in deterministic mode, or unsupported)
+                    continue
+                best = t if not math.isfinite(best) else min(best, t)
+        row["best_native_det_ms"] = best
+    row["det_ratio"] = row["geot_det_ms"] / row["geot_ms"]
+    row["x_det_vs_best_native"] = best / row["geot_det_ms"]
 
 
 def add_speedups(df: pd.DataFrame) -> pd.DataFrame:
@@ -325,7 +353,27 @@ def compact_table(df: pd.DataFrame, multi_reduce: bool, multi_dtype: bool) -> pd
         out["x_scatter"] = df["speedup_vs_scatter"].map(fmt)
     out["x_best"] = df["speedup_vs_best_native"].map(fmt)
     out["%copyBW"] = (100 * df["geot_bw_frac"]).map(lambda v: f"{v:.1f}" if np.isfinite(v) else "nan")
+    if "geot_det_ms" in df:
+        out["det"] = [cell(m, ok, "") + ("" if same else "#") for m, ok, same in
+                      zip(df["geot_det_ms"], df["geot_ok"], df["det_bitwise"])]
+        out["det/def"] = df["det_ratio"].map(fmt)
+        out["x_det"] = df["x_det_vs_best_native"].map(fmt)
     return out
+
+
+def summarize_deterministic(df: pd.DataFrame) -> None:
+    """--deterministic: the ratio to the default mode, and the worst cell against the native peers."""
+    if "det_ratio" not in df or not df["det_ratio"].notna().any():
+        return
+    ratio, lead = df["det_ratio"].dropna(), df["x_det_vs_best_native"].dropna()
+    print(f"\nDeterministic mode: geot det / default time, geomean {common.geomean(ratio):.3f}x "
+          f"(max {ratio.max():.2f}x) over {len(ratio)} cells; bitwise repeatable in "
+          f"{int(df['det_bitwise'].sum())}/{int(df['det_bitwise'].notna().sum())} cells")
+    if len(lead):
+        worst = df.loc[df["x_det_vs_best_native"].idxmin()]
+        print(f"  vs the fastest torch-native peer in deterministic mode: geomean {common.geomean(lead):.2f}x, "
+              f"worst {worst['x_det_vs_best_native']:.2f}x ({worst['graph']}, F={worst['F']}, {worst['reduce']}, "
+              f"{worst['dtype']}); geot faster in {int((lead > 1).sum())}/{len(lead)} cells")
 
 
 def summarize(df: pd.DataFrame, copy_bw: float) -> None:
@@ -406,6 +454,8 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the output check against geot")
     p.add_argument("--no-validation", action="store_true",
                    help="geot.set_validation(False): no index check, and no long-segment hint for the selector")
+    p.add_argument("--deterministic", action="store_true",
+                   help="also time geot and the native peers under torch.use_deterministic_algorithms(True)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None, help="directory of <name>.npz graphs (searched first)")
     p.add_argument("--csv", default=None, help="CSV file name under bench/out (default segment_reduce_<device>.csv)")
@@ -525,8 +575,10 @@ def main(argv=None) -> int:
     print("Notes: index_add_ and scatter_reduce_ include their torch.zeros(S, F) output; geot allocates its own. "
           "torch.segment_reduce: unsafe=True, offsets and lengths precomputed outside the timing, the faster one counts, "
           "F=1 passed as 1-D data (its CUB path); its check skips empty segments. Peers use an int64 index. "
-          "'!' = output differs from geot's (on geot: from an fp32 computation, fp16/bf16 only); 'n/a' = not applicable; 'err'/'nan' = the peer failed (see CSV *_err).")
+          "'!' = output differs from geot's (on geot: from an fp32 computation, fp16/bf16 only); 'n/a' = not applicable; 'err'/'nan' = the peer failed (see CSV *_err); "
+          "'#' on det = two deterministic calls differed.")
     summarize(df, copy_bw)
+    summarize_deterministic(df)
 
     name = args.csv or f"segment_reduce_{common.device_slug(dev)}.csv"
     paths = common.write_csv(df, name)

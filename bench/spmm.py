@@ -19,6 +19,13 @@ Sections (each a table, a CSV under bench/out and $OUT, and geomeans):
   python bench/spmm.py                         # everything (GPU)
   python bench/spmm.py --quick --device cpu    # smoke test
   python bench/spmm.py --sections fwd --graphs cora powerlaw --F 1 128
+  python bench/spmm.py --sections fwd --deterministic   # also under torch.use_deterministic_algorithms(True)
+
+--deterministic (fwd and dtypes sections): geot, cusparse and composite again
+in deterministic mode (a peer that raises there is left out); columns
+geot_det, det_ratio (geot_det / geot), det_bitwise (two deterministic calls
+agree) and x_det_vs_native (the fastest native peer in deterministic mode /
+geot_det).
 """
 from __future__ import annotations
 
@@ -135,7 +142,39 @@ def forward_rows(p: Problem, F: int, dtype, args, peers):
             print(f"  {p.name} F={F} {name}: {type(err).__name__}: {str(err)[:100]}")
             row[name] = float("nan")
     row["geot_GBps"] = moved_bytes(p, F, x.element_size()) / (row["geot"] * 1e-3) / 1e9
+    if args.deterministic:
+        deterministic_columns(row, fns, args, ref, scale, rtol)
     return row
+
+
+def deterministic_columns(row, fns, args, ref, scale, rtol):
+    """--deterministic: geot and the torch-native peers (cusparse, composite) in deterministic mode."""
+    with common.deterministic_mode():
+        row["det_bitwise"] = common.same_bits(fns["geot"](), fns["geot"]())
+        for name in ("geot", "cusparse", "composite"):
+            if name not in fns:
+                continue
+            try:
+                row[f"{name}_det"] = timed(fns[name], args, ref, scale, rtol)
+            except Exception as err:  # noqa: BLE001  (raises in deterministic mode)
+                print(f"  {row['graph']} F={row['F']} {name} (deterministic): {type(err).__name__}: {str(err)[:100]}")
+                row[f"{name}_det"] = float("nan")
+    row["det_ratio"] = row["geot_det"] / row["geot"]
+    native = [row[k] for k in ("cusparse_det", "composite_det") if k in row and row[k] == row[k]]
+    row["x_det_vs_native"] = min(native) / row["geot_det"] if native else float("nan")
+
+
+def report_deterministic(df):
+    if "det_ratio" not in df:
+        return
+    worst = df.loc[df["x_det_vs_native"].idxmin()] if df["x_det_vs_native"].notna().any() else None
+    print(f"  deterministic mode: geot det / default geomean {common.geomean(df['det_ratio']):.3f}x "
+          f"(max {df['det_ratio'].max():.2f}x); bitwise repeatable in {int(df['det_bitwise'].sum())}/{len(df)} cells"
+          + ("" if worst is None else
+             f"; vs the fastest native peer in deterministic mode: geomean "
+             f"{common.geomean(df['x_det_vs_native'].dropna()):.2f}x, worst {worst['x_det_vs_native']:.2f}x "
+             f"({worst['graph']}, F={worst['F']}), geot faster in "
+             f"{int((df['x_det_vs_native'] > 1).sum())}/{int(df['x_det_vs_native'].notna().sum())} cells"))
 
 
 def head_rows(p: Problem, heads: int, F: int, args):
@@ -232,6 +271,7 @@ def report(df, title, peers, filename):
             worst = df.loc[df[col].idxmin()]
             print(f"  geomean speedup vs {peer}: {common.geomean(df[col]):.2f}x   worst: {worst[col]:.2f}x "
                   f"({worst['graph']}, F={worst['F']})")
+    report_deterministic(df)
     common.write_csv(df, filename)
 
 
@@ -244,6 +284,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="two small graphs, F in {1, 32}")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="fwd, dtypes: also time geot and the native peers in deterministic mode")
     args = ap.parse_args(argv)
     args.graphs = args.graphs or (QUICK_GRAPHS if args.quick else DEFAULT_GRAPHS)
     args.F = args.F or ([1, 32] if args.quick else DEFAULT_F)

@@ -90,6 +90,15 @@ at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor
   TORCH_CHECK_VALUE(num_out >= 0, "num_out must be >= 0, got ", std::to_string(num_out));
   validate_indices({{scatter_index, num_out, false, "scatter_index", "num_out"},
                     {gather_index, x.size(0), false, "gather_index", "x.size(0)"}});
+  if (x.is_cuda() && at::globalContext().deterministicAlgorithms()) {
+    // Deterministic: no atomics in edge order; the edges sorted (stably) by
+    // scatter_index take the sorted, deterministic segment schedules.
+    const auto [sorted, perm] = at::sort(scatter_index, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const std::optional<at::Tensor> sorted_weight =
+        weight ? std::optional<at::Tensor>(weight->index_select(0, perm)) : std::nullopt;
+    RowReduction r = fused_reduction(sorted, gather_index.index_select(0, perm), x, sorted_weight, heads, num_out);
+    return shaped_like_rows_of(reduce_rows(r), x);
+  }
   RowReduction r = fused_reduction(scatter_index, gather_index, x, weight, heads, num_out);
   r.any_order = true;
   return shaped_like_rows_of(reduce_rows(r), x);

@@ -187,6 +187,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "index_segment_reduce without autograd (fast path)");
   m.def("set_validation", &geot::set_validation, "Turn index value validation on or off");
   m.def("validation_enabled", &geot::validation_enabled);
+  m.def("deterministic_algorithms", [] { return at::globalContext().deterministicAlgorithms(); },
+        "The flag the CUDA dispatch reads per call to pick the deterministic schedules (tests)");
   m.def("clear_segment_offsets", &geot::clear_segment_offsets,
         "Free the segment offsets cached for the SP schedule (CUDA memory)");
   m.def("segment_offsets_cached", &geot::segment_offsets_cached, "Cached segment offsets held (tests)");

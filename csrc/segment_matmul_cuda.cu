@@ -84,9 +84,11 @@ void launch_gemm(const at::Tensor& a, const at::Tensor& ptr, const at::Tensor& w
 
 // Rows per chunk of the weight gradient: enough chunks for ~8 blocks per SM
 // (big types split, so they spread over the GPU), at least 4 BK steps each
-// (amortizes the atomic epilogue).
-int64_t weight_grad_chunk_rows(int64_t M, int64_t tiles_per_chunk) {
-  const int64_t sms = device_attribute(cudaDevAttrMultiProcessorCount);
+// (amortizes the atomic epilogue). Deterministic: sized for a nominal 132
+// SMs (an H100's), so that the chunks, and the order of the sums, do not
+// depend on the GPU.
+int64_t weight_grad_chunk_rows(int64_t M, int64_t tiles_per_chunk, bool deterministic) {
+  const int64_t sms = deterministic ? 132 : device_attribute(cudaDevAttrMultiProcessorCount);
   const int64_t chunks = std::max<int64_t>(1, 8 * sms / tiles_per_chunk);
   const int64_t rows = std::max<int64_t>(4 * sg::BK, ceil_div(M, chunks));
   return ceil_div(rows, sg::BK) * sg::BK;
@@ -103,12 +105,27 @@ void launch_weight_grad(const at::Tensor& x, const at::Tensor& ptr, const at::Te
   p.vec_x = vector_rows(p.x, p.K, sizeof(T));
   p.vec_grad = vector_rows(p.grad, p.N, sizeof(T));
   const int64_t tiles = ceil_div(p.K, sg::BM) * ceil_div(p.N, sg::BN);
-  p.chunk_rows = weight_grad_chunk_rows(p.M, tiles);
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  p.chunk_rows = weight_grad_chunk_rows(p.M, tiles, deterministic);
   const at::Tensor chunk_ptr = tile_offsets(ptr, p.M, p.chunk_rows, stream);
   p.ptr = ptr.data_ptr<int64_t>();
   p.chunk_ptr = chunk_ptr.data_ptr<int64_t>();
   const unsigned blocks = grid_size(p.M, p.types, p.chunk_rows, tiles);
+  // Deterministic: chunks store their products (at most as many as the
+  // grid's bound on chunks), then one pass adds each type's in order.
+  at::Tensor partial;  // held until the launches are queued
+  if (deterministic) {
+    partial = at::empty({int64_t(blocks / tiles), p.K * p.N}, acc.options());
+    p.partial = partial.data_ptr<float>();
+  }
   sg::segment_gemm_weight_grad_kernel<T><<<blocks, sg::kThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!p.partial) return;
+  const int64_t total = p.types * p.K * p.N;
+  const auto combine_blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(total, 256), 65536));
+  if (total == 0) return;
+  sg::combine_weight_grad_kernel<<<combine_blocks, 256, 0, stream>>>(p.partial, p.chunk_ptr, p.types, p.K * p.N,
+                                                                     p.out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

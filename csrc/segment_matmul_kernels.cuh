@@ -324,6 +324,10 @@ struct WeightGradArgs {
   const int64_t* __restrict__ chunk_ptr;   // [T + 1] first row chunk of each type
   int64_t M, types, K, N, chunk_rows;
   bool vec_x, vec_grad;
+  // Deterministic (set): chunk c stores its [K, N] product in partial[c]
+  // instead of adding it to out; combine_weight_grad_kernel adds a type's
+  // chunks in order.
+  float* __restrict__ partial;
 };
 
 // out[t] += x[chunk]^T @ grad[chunk] for one chunk of rows of type t and one
@@ -359,12 +363,33 @@ __global__ void __launch_bounds__(kThreads) segment_gemm_weight_grad_kernel(Weig
   mainloop<T, wmma::col_major, wmma::row_major>(smem, int((ref.rows + BK - 1) / BK), load, acc);
   float* C = reinterpret_cast<float*>(smem_bytes);
   stage_accumulators<T>(C, acc);
+  if (p.partial) {
+    float* part = p.partial + (int64_t(blockIdx.x) / tiles) * p.K * p.N + k0 * p.N + n0;
+    for (int i = threadIdx.x; i < k_valid * n_valid; i += kThreads) {
+      const int r = i / n_valid, c = i - r * n_valid;
+      part[int64_t(r) * p.N + c] = C[r * Smem<T>::kLdC + c];
+    }
+    return;
+  }
   float* out = p.out + ref.type * p.K * p.N + k0 * p.N + n0;
   for (int i = threadIdx.x; i < k_valid * n_valid; i += kThreads) {
     const int r = i / n_valid, c = i - r * n_valid;
     atomicAdd(out + int64_t(r) * p.N + c, C[r * Smem<T>::kLdC + c]);
   }
 #endif
+}
+
+// The deterministic weight gradient's sum: out[t] = the partial products of
+// type t's chunks (chunk_ptr[t] .. chunk_ptr[t + 1]), added in chunk order.
+__global__ void combine_weight_grad_kernel(const float* __restrict__ partial, const int64_t* __restrict__ chunk_ptr,
+                                           int64_t types, int64_t KN, float* __restrict__ out) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < types * KN;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / KN, e = i - t * KN;
+    float sum = 0.f;
+    for (int64_t c = chunk_ptr[t]; c < chunk_ptr[t + 1]; ++c) sum += partial[c * KN + e];
+    out[i] = sum;
+  }
 }
 
 // ptr validation, flags as OffsetsFlag: 1 ptr[0] != 0, 2 decreasing,

@@ -118,7 +118,39 @@ struct SegmentArgs {
   // segments, and PR's, which only add), or with chunk slots
   // finalize_straddling_segments_kernel adds it to them.
   const acc_t* self_scale;
+  // Deterministic schedules (partial set; torch.use_deterministic_algorithms):
+  // no float atomics. Rows are cut into chunks of fixed size (SR and SP's
+  // overflow pass: a thread's M_t rows; PR: a tile's G_t * M_t), never of
+  // the grid's. A chunk stores the segments it sees whole; of a segment
+  // that began before it, it writes its part into slot 2c (head) of
+  // partial, of one that goes on past it, into slot 2c + 1 (tail).
+  // partial_code[slot] = slot_code(segment, written): unwritten slots hold
+  // no values. combine_partials_kernel then adds each segment's slots in
+  // slot order, level by level, and stores the result.
+  acc_t* partial;                     // [2 * chunks, F]
+  int64_t* partial_code;              // [2 * chunks]
 };
+
+// A partial slot's segment and whether it holds a value, as one sortable
+// code (segments clamped to [-1, S] by the writers, so the code is >= 0).
+__device__ __forceinline__ int64_t slot_code(int64_t seg, bool written) { return ((seg + 1) << 1) | int64_t(written); }
+__device__ __forceinline__ int64_t code_segment(int64_t code) { return (code >> 1) - 1; }
+
+// The two ends of a chunk of rows [begin, end) (begin < end) of a sorted
+// sequence of segments: head, its first segment began before the chunk;
+// tail, its last goes on past it (and is not the head's).
+struct ChunkEnds {
+  int64_t chunk, first, last;
+  bool head, tail;
+};
+template <class SegmentOf>
+__device__ __forceinline__ ChunkEnds chunk_ends(const SegmentOf& segment_of, int64_t n, int64_t begin, int64_t end,
+                                                int64_t chunk) {
+  ChunkEnds c{chunk, segment_of(begin), segment_of(end - 1), false, false};
+  c.head = begin > 0 && segment_of(begin - 1) == c.first;
+  c.tail = end < n && segment_of(end) == c.last && !(c.head && c.first == c.last);
+  return c;
+}
 
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 
@@ -253,9 +285,8 @@ __device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t
                                       acc_t (&acc)[N_T]) {
   if (seg < 0 || seg >= a.S) return;
   add_self_term(a, seg, col0, acc);
-  if constexpr (kHalfRows<scalar_t, acc_t>) {
-    if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
-  }
+  // (fp32 / fp64 rows write final_out only in the deterministic SP schedule.)
+  if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
   acc_t* o = a.out + seg * a.F + col0;
   if (a.vector_out) {
     Pack<acc_t, N_T> pack;
@@ -269,6 +300,54 @@ __device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t
     if (col0 + j < a.F) o[j] = acc[j];
 }
 
+// Writes a partial result into slot `slot` of the deterministic schedules' partial rows.
+template <int N_T, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ void write_slot(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t slot, int64_t col0,
+                                           const acc_t (&acc)[N_T]) {
+  acc_t* o = a.partial + slot * a.F + col0;
+  if (a.F % N_T == 0) {  // col0 is a multiple of N_T, the buffer fresh: aligned
+    Pack<acc_t, N_T> pack;
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) pack.v[j] = acc[j];
+    *reinterpret_cast<Pack<acc_t, N_T>*>(o) = pack;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < N_T; ++j)
+    if (col0 + j < a.F) o[j] = acc[j];
+}
+
+// The deterministic schedules' end of a run of rows of segment seg in a
+// chunk (valid: it holds rows to add): the chunk's head or tail slot, or,
+// for a segment the chunk saw whole, the store. Returns 1 for the head
+// slot, 2 for the tail slot, else 0.
+template <int N_T, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ int emit_run(const SegmentArgs<scalar_t, acc_t, index_t>& a, const ChunkEnds& c,
+                                        int64_t seg, int64_t col0, acc_t (&acc)[N_T], bool valid) {
+  if (!valid || seg < 0 || seg >= a.S) return 0;
+  if (c.head && seg == c.first) return write_slot<N_T>(a, 2 * c.chunk, col0, acc), 1;
+  if (c.tail && seg == c.last) return write_slot<N_T>(a, 2 * c.chunk + 1, col0, acc), 2;
+  store<N_T>(a, seg, col0, acc);
+  return 0;
+}
+
+// Whether rows of segment seg are reduced by the pass: in range, and for
+// SP's deterministic overflow pass a segment past the cap (SP left it whole).
+template <bool OVERFLOW_ONLY, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ bool reduced_segment(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg) {
+  if (seg < 0 || seg >= a.S) return false;
+  return !OVERFLOW_ONLY || a.ptr[seg + 1] - a.ptr[seg] > a.cap;
+}
+
+// The slot codes of a chunk of the deterministic schedules: a slot holds a
+// value where the chunk's head / tail segment is one the pass reduces.
+template <bool OVERFLOW_ONLY, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ void write_codes(const SegmentArgs<scalar_t, acc_t, index_t>& a, const ChunkEnds& c) {
+  const int64_t first = min(max(c.first, int64_t(-1)), a.S), last = min(max(c.last, int64_t(-1)), a.S);
+  a.partial_code[2 * c.chunk] = slot_code(first, c.head && reduced_segment<OVERFLOW_ONLY>(a, c.first));
+  a.partial_code[2 * c.chunk + 1] = slot_code(last, c.tail && reduced_segment<OVERFLOW_ONLY>(a, c.last));
+}
+
 // SR. Block (T_N, T_M): x spans features (N_t each), y spans row chunks of
 // rows_per_thread (M_t). Grid (row chunks / T_M, feature columns / T_N).
 // OVERFLOW_ONLY: the SR pass after SP, which takes only the rows past the SP
@@ -280,9 +359,17 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   const int64_t col0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N_T;
   const int64_t row_begin = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * rows_per_thread;
   if (col0 >= a.F || row_begin >= a.E) return;
-  if (OVERFLOW_ONLY && *a.longest <= a.cap) return;
+  if (OVERFLOW_ONLY && *a.longest <= a.cap) return;  // (the combine levels return as well)
   const int64_t head = weight_head(a, col0);
   const int64_t row_end = min(row_begin + int64_t(rows_per_thread), a.E);
+  // Deterministic: each run of a segment ends in emit_run, not in an atomic.
+  const bool det = a.partial != nullptr;
+  ChunkEnds ends{};
+  if (det) {
+    ends = chunk_ends([&](int64_t r) { return int64_t(a.index[r]); }, a.E, row_begin, row_end,
+                      row_begin / rows_per_thread);
+    if (col0 == 0) write_codes<OVERFLOW_ONLY>(a, ends);
+  }
 
   acc_t acc[N_T];
 #pragma unroll
@@ -311,7 +398,9 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       // Row r is past its segment's first cap rows iff row r - cap is in the
       // same segment (the index is sorted).
       if (OVERFLOW_ONLY && take[b])
-        take[b] = a.long_slot ? has_slot(a, s[b]) : r >= a.cap && int64_t(a.index[r - a.cap]) == s[b];
+        take[b] = det           ? reduced_segment<true>(a, s[b])
+                  : a.long_slot ? has_slot(a, s[b])
+                                : r >= a.cap && int64_t(a.index[r - a.cap]) == s[b];
     }
 #pragma unroll
     for (int b = 0; b < BATCH; ++b)
@@ -319,7 +408,8 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
       if (s[b] != seg) {
-        if (began_here) store<N_T>(a, seg, col0, acc);
+        if (det) emit_run<N_T>(a, ends, seg, col0, acc, touched);
+        else if (began_here) store<N_T>(a, seg, col0, acc);
         else if (touched) flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
         seg = s[b];
         began_here = stores;
@@ -332,7 +422,8 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], v[b][j]);
     }
   }
-  if (began_here && (row_end == a.E || int64_t(a.index[row_end]) != seg)) store<N_T>(a, seg, col0, acc);
+  if (det) emit_run<N_T>(a, ends, seg, col0, acc, touched);
+  else if (began_here && (row_end == a.E || int64_t(a.index[row_end]) != seg)) store<N_T>(a, seg, col0, acc);
   else if (touched) flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
 }
 
@@ -377,11 +468,12 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     end = min(max(a.ptr[seg + 1], begin), a.E);
   }
   const bool long_segment = end - begin > a.cap;
-  const bool left_whole = long_segment && a.long_slot;  // to the overflow pass, into a slot
+  // Left whole to the overflow pass: into a slot, or (deterministic) to its chunks.
+  const bool left_whole = long_segment && (a.long_slot || a.partial);
   const int64_t stop = left_whole ? begin : min(end, begin + a.cap);
   if (long_segment && threadIdx.x == 0 && blockIdx.y == 0) {  // one thread per segment
     atomicMax(reinterpret_cast<unsigned long long*>(a.longest), static_cast<unsigned long long>(end - begin));
-    if (left_whole) {
+    if (left_whole && a.long_slot) {
       const int slot = atomicAdd(a.long_count, 1);
       if (slot < a.long_capacity) {  // always, for a validated index (its segments are disjoint ranges)
         a.long_slot[seg] = slot;
@@ -450,6 +542,23 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   for (int j = 0; j < N_T; ++j) carry[j] = Op::identity();
   int64_t carry_seg = past_end;
 
+  // Deterministic: the tile's rows are its chunk; each segment's result
+  // (found in one lane, once) ends in emit_run instead of an atomic.
+  const bool det = a.partial != nullptr;
+  ChunkEnds ends{};
+  if (det && row_base < a.E) {
+    ends = chunk_ends([&](int64_t r) { return int64_t(a.index[r]); }, a.E, row_base,
+                      min(row_base + int64_t(group) * iterations, a.E), tile / columns);
+    if (col0 == 0 && lane == 0) write_codes<false>(a, ends);
+  }
+  auto finish = [&](int64_t seg, const acc_t (&part)[N_T]) {
+    if (!det) return flush<N_T, Op>(a, seg, col0, part);
+    acc_t copy[N_T];
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) copy[j] = part[j];
+    emit_run<N_T>(a, ends, seg, col0, copy, seg != past_end);
+  };
+
   // Every lane runs every iteration (shuffles need the whole warp); lanes
   // without a row hold the past_end segment and identity values. The next
   // iteration's row is loaded before this one is reduced, so its load is in
@@ -493,17 +602,82 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 #pragma unroll
         for (int j = 0; j < N_T; ++j) v[j] = Op::combine(v[j], carry[j]);
       } else {
-        flush<N_T, Op>(a, carry_seg, col0, carry);
+        finish(carry_seg, carry);
       }
     }
     // The tile's last segment may go on in the next rows: keep it in lane 0.
-    if (head && lane != last_head) flush<N_T, Op>(a, s, col0, v);
+    if (head && lane != last_head) finish(s, v);
     const int64_t s_last = __shfl_sync(FULL, s, last_head, group);
 #pragma unroll
     for (int j = 0; j < N_T; ++j) carry[j] = __shfl_sync(FULL, v[j], last_head, group);
     carry_seg = s_last;
   }
-  if (lane == 0) flush<N_T, Op>(a, carry_seg, col0, carry);
+  if (lane == 0) finish(carry_seg, carry);
+}
+
+// One level of the deterministic combine. Its rows are the slots of the
+// level before (in: values, in_code: slot codes, n rows), in chunks of
+// rows_per_thread, sorted by segment like any index: a thread adds, for N_t
+// features, the written rows of each run of one segment in its chunk in
+// order, and ends each run as the schedules end theirs (emit_run: the store
+// of a segment it saw whole, else the head / tail slot of a.partial, the
+// next level's rows), counting as written only runs that held a written
+// row. The last level is one chunk (a.partial null): it stores every
+// segment left. overflow_only: SP's overflow pass, which wrote nothing
+// where no segment passed the cap. Block (32, T_M): x spans features.
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+__global__ void combine_partials_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, const acc_t* __restrict__ in,
+                                        const int64_t* __restrict__ in_code, int64_t n, int rows_per_thread,
+                                        bool overflow_only) {
+  const int64_t col0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N_T;
+  const int64_t chunk = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64_t begin = chunk * rows_per_thread;
+  if (col0 >= a.F || begin >= n) return;
+  if (overflow_only && *a.longest <= a.cap) return;
+  const int64_t end = min(begin + int64_t(rows_per_thread), n);
+  const ChunkEnds ends =
+      chunk_ends([&](int64_t r) { return code_segment(in_code[r]); }, n, begin, end, chunk);
+  acc_t acc[N_T];
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
+  int64_t seg = ends.first;
+  bool valid = false;  // the run holds a written row
+  int written = 0;     // 1: head slot written, 2: tail slot
+  constexpr int BATCH = 8;
+  for (int64_t r0 = begin; r0 < end; r0 += BATCH) {
+    int64_t code[BATCH];
+    acc_t v[BATCH][N_T];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) code[b] = r0 + b < end ? in_code[r0 + b] : slot_code(ends.last, false);
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      if (code[b] & 1) {
+        load_columns<N_T>(in + (r0 + b) * a.F + col0, col0, a.F, a.F % N_T == 0, Op::identity(), v[b]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) v[b][j] = Op::identity();
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int64_t s = code_segment(code[b]);
+      if (s != seg) {
+        written |= emit_run<N_T>(a, ends, seg, col0, acc, valid);
+        seg = s;
+        valid = false;
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
+      }
+      valid |= (code[b] & 1) != 0;
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], v[b][j]);
+    }
+  }
+  written |= emit_run<N_T>(a, ends, seg, col0, acc, valid);
+  if (a.partial_code && col0 == 0) {  // the next level's codes (all columns write the same slots)
+    a.partial_code[2 * chunk] = slot_code(ends.first, written & 1);
+    a.partial_code[2 * chunk + 1] = slot_code(ends.last, (written & 2) != 0);
+  }
 }
 
 template <typename index_t>

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <vector>
 
 #include "launch_utils.cuh"
 #include "segment_reduce.h"
@@ -57,6 +58,57 @@ inline int sp_lanes(int64_t F, int n_t, const Config& c) {
   return lanes;
 }
 
+// The deterministic schedules (docs/design.md, "Determinism"): rows per
+// thread of a combine level, and at least that many rows per thread for
+// SR's chunks and SP's overflow pass (fewer slots to combine; the tile
+// shapes are kept otherwise).
+constexpr int kCombineRows = 32;
+constexpr int kDeterministicMinRows = 32;
+
+inline int deterministic_chunk_rows(const Config& c) {
+  return c.is_pr() ? c.G_t * c.M_t : std::max(c.M_t, kDeterministicMinRows);
+}
+
+// Rows of each combine level, from the chunks of the deterministic pass:
+// level k reads the 2 * chunks slots of level k - 1 in chunks of
+// kCombineRows; a level of at most 2 * kCombineRows rows is one chunk, the
+// last (it stores every segment left).
+inline std::vector<int64_t> combine_levels(int64_t chunks) {
+  std::vector<int64_t> levels;
+  for (int64_t n = 2 * chunks; n > 0; n = 2 * ceil_div(n, kCombineRows)) {
+    levels.push_back(n);
+    if (n <= 2 * kCombineRows) break;
+  }
+  return levels;
+}
+
+// The deterministic combine: one launch per level, in order (a.partial,
+// a.partial_code: level 0's slots, the levels' after them in one buffer).
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+void launch_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks, bool overflow_only,
+                    cudaStream_t stream) {
+  const int64_t columns = ceil_div(a.F, N_T);
+  int x = 1;
+  while (x < 32 && x < columns) x *= 2;
+  const dim3 block(x, 256 / x);
+  int64_t offset = 0;
+  const std::vector<int64_t> levels = combine_levels(chunks);
+  for (size_t k = 0; k < levels.size(); ++k) {
+    const int64_t n = levels[k];
+    const bool last = k + 1 == levels.size();
+    const int rows = last ? static_cast<int>(n) : kCombineRows;
+    SegmentArgs<scalar_t, acc_t, index_t> b = a;  // its partial: the next level's slots
+    b.partial = last ? nullptr : a.partial + (offset + n) * a.F;
+    b.partial_code = last ? nullptr : a.partial_code + offset + n;
+    const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(n, rows), block.y)),
+                    static_cast<unsigned>(ceil_div(columns, block.x)));
+    combine_partials_kernel<scalar_t, acc_t, index_t, N_T, Op><<<grid, block, 0, stream>>>(
+        b, a.partial + offset * a.F, a.partial_code + offset, n, rows, overflow_only);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    offset += n;
+  }
+}
+
 // SP: the no-atomic pass over each segment's first a.cap rows (a.ptr and
 // a.longest set by index_offsets), then, unless no segment can be longer, the
 // SR pass over the overflow rows (it returns at once if none overflowed).
@@ -69,7 +121,13 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
     segment_reduce_sp_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, false><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (a.E > 0 && a.may_overflow) launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, c, stream);
+  if (a.E == 0 || !a.may_overflow) return;
+  if (!a.partial) return launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, c, stream);
+  // Deterministic: SP left each long segment whole to chunks of the overflow pass.
+  Config chunked = c;
+  chunked.M_t = deterministic_chunk_rows(c);
+  launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, chunked, stream);
+  launch_combine<scalar_t, acc_t, index_t, N_T, Op>(a, ceil_div(a.E, chunked.M_t), true, stream);
 }
 
 // Segment offsets of a sorted index: for SP (with_longest: and the rows of
@@ -126,8 +184,16 @@ template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op
 void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
   if (c.is_sp()) return launch_sp<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
   if (a.E == 0) return;  // the pre-filled output is the answer
-  if (c.is_sr()) return launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, false>(a, c, stream);
-  launch_pr<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
+  if (!a.partial) {
+    if (c.is_sr()) return launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, false>(a, c, stream);
+    return launch_pr<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
+  }
+  // Deterministic: the same tiles, chunks of fixed rows, then the combine.
+  Config chunked = c;
+  if (c.is_sr()) chunked.M_t = deterministic_chunk_rows(c);
+  if (c.is_sr()) launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, false>(a, chunked, stream);
+  else launch_pr<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
+  launch_combine<scalar_t, acc_t, index_t, N_T, Op>(a, ceil_div(a.E, deterministic_chunk_rows(c)), false, stream);
 }
 
 // A thread's N_t features must share one weight head.
@@ -213,6 +279,10 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const int64_t E = r.index.numel(), F = r.src.size(1), S = r.num_segments;
   const Config cfg = reduction_config(r, E, F);
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
+  // torch.use_deterministic_algorithms: the deterministic counterpart of the
+  // config (the same tiles, no float atomics; any-order input was sorted by
+  // its op). Read per call: a flag of the global context, no dispatch.
+  const bool det = at::globalContext().deterministicAlgorithms() && !r.any_order;
   // SP stores every output element itself (0 for empty segments); where no
   // segment can pass its cap (no overflow pass adds to it) it writes the
   // output directly (SegmentArgs::final_out). Where validation saw no
@@ -228,18 +298,20 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // E / (cap + 1) of them where validation vouches for the index (its
   // segments are disjoint ranges), a small buffer instead of [S, F].
   // (fp32 sums and means keep adding in place; a mean divides afterwards.)
-  const bool long_slots = overflow && r.long_segments > 0 && half;
+  const bool long_slots = overflow && r.long_segments > 0 && half && !det;
   const int64_t slots = long_slots ? std::min(S, E / (sp_cap + 1)) : 0;
   // SR writes half types directly too, the segments that straddle threads
   // into fp32 rows of one per thread's M_t rows: fewer than S rows where
   // segments average under M_t rows (else the [S, F] buffer below). Needs
   // the index sorted (a thread's whole segments).
   const int64_t chunks = cfg.is_sr() ? ceil_div(E, int64_t(cfg.M_t)) : 0;
-  const bool chunk_slots = half && cfg.is_sr() && !r.any_order && E > 0 && chunks < S;
+  const bool chunk_slots = half && cfg.is_sr() && !r.any_order && E > 0 && chunks < S && !det;
   // (For half types: SP with a validated index, or SR with chunk slots.
   // geot/nn/conv.py's _sum_writes_half mirrors the SP case to decide GIN's
   // cast; keep them in step.)
-  const bool direct = (cfg.is_sp() && (!overflow || long_slots)) || chunk_slots;
+  // (Deterministic SP writes the output directly for every dtype: its
+  // overflow rows end in stores of whole segments, no additions.)
+  const bool direct = (cfg.is_sp() && (!overflow || long_slots || det)) || chunk_slots;
   // The self term (r.self_scale) goes into the kernels' stores (SegmentArgs::
   // self_scale), unless SP's long segments go whole to slots (another pass
   // stores those): then it is added after the sum.
@@ -297,6 +369,18 @@ at::Tensor reduce_rows(const RowReduction& r) {
         args.may_overflow = overflow;
       }
       if (self_in_kernel) args.self_scale = self_scale.data_ptr<acc_t>();
+      // Deterministic: slots of the chunks' partial results and of the combine levels.
+      const int64_t det_chunks =
+          det && E > 0 && (!cfg.is_sp() || overflow) ? ceil_div(E, deterministic_chunk_rows(cfg)) : 0;
+      at::Tensor partial, partial_code;  // held until the launches are queued
+      if (det_chunks > 0) {
+        int64_t rows = 0;
+        for (int64_t n : combine_levels(det_chunks)) rows += n;
+        partial = at::empty({rows, F}, r.src.options().dtype(acc_type));
+        partial_code = at::empty({rows}, r.index.options().dtype(at::kLong));
+        args.partial = partial.data_ptr<acc_t>();
+        args.partial_code = partial_code.data_ptr<int64_t>();
+      }
       at::Tensor slot_table, slot_segments;  // held until the launches are queued
       if (long_slots) {
         slot_table = at::empty({S + 1}, r.index.options().dtype(at::kInt));  // slot per segment, then the count

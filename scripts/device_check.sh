@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build, then the steps named on the command line
-# (tests, cuda_tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e, nn_tests, minibatch, keep_so), logs and CSVs packed into
+# (tests, cuda_tests, memcheck, sweep, bench, spmm, hetero, hetero_bench, e2e, nn_tests, minibatch, keep_so,
+# det_tests, det_memcheck, det_bench, det_spmm, det_e2e, det_summary: deterministic mode), logs and CSVs packed into
 # one file, $OUT/results.tgz (default OUT: /tmp/geot-out), for machines that return only a few files:
 #   bash scripts/device_check.sh tests memcheck bench spmm
 set -o pipefail
@@ -76,6 +77,33 @@ for step in "$@"; do
         || status=1 ;;
     keep_so)  # bring the built extension back (gzipped), for a later call's PREBUILT
       for f in geot/_C.*.so; do gzip -c "$f" > "$FINAL_OUT/$(basename "$f").gz"; done ;;
+    det_tests)  # deterministic mode: tests/test_determinism.py (CUDA tests included)
+      timeout "${DET_TESTS_S:-240}" python3 -m pytest -q tests/test_determinism.py -p no:cacheprovider 2>&1 \
+        | tee "$OUT/det_tests.log" | tail -6 || status=1 ;;
+    det_memcheck)  # a cut of them under compute-sanitizer: one config per schedule, fp32 and bf16
+      timeout "${DET_MEMCHECK_S:-150}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -m pytest -q -x tests/test_determinism.py -p no:cacheprovider \
+          -k "${DET_MEMCHECK_K:-(test_segment_reduce and sum) or (test_weighted_reduce and mean) or index_scatter or segment_matmul or gin}" \
+        > "$OUT/det_memcheck.log" 2>&1
+      rc=$?; echo "det memcheck exit $rc (0 = clean, 124 = time limit)"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/det_memcheck.log" | tail -3
+      [ $rc -eq 0 ] || status=1 ;;
+    det_bench)  # segment_reduce in both modes (DET_BENCH_ARGS: e.g. --F 1 8 64)
+      timeout "${DET_BENCH_S:-200}" python3 bench/segment_reduce.py --deterministic --reps 20 $DET_BENCH_ARGS 2>&1 \
+        | tee "$OUT/det_bench.log" | sed -n '/^Deterministic mode/,+2p' || status=1 ;;
+    det_spmm)  # SpMM forward in both modes
+      timeout "${DET_SPMM_S:-150}" python3 bench/spmm.py --sections fwd --deterministic --reps 15 $DET_SPMM_ARGS 2>&1 \
+        | grep -v Warning | tee "$OUT/det_spmm.log" | grep -E "geomean|deterministic mode" || status=1 ;;
+    det_e2e)  # GCN and GAT, 50 training steps twice in deterministic mode: losses bitwise equal
+      timeout "${DET_E2E_S:-150}" python3 bench/e2e.py --deterministic --models gcn,gat --steps 50 \
+        --graphs "${DET_E2E_GRAPHS:-cora,pubmed,powerlaw:n=200000,deg=10}" 2>&1 | grep -v Warning \
+        | tee "$OUT/det_e2e.log" | grep -E "bitwise-identical" || status=1 ;;
+    det_summary)  # the deterministic steps' results, one line each (last in the output)
+      echo "=== deterministic mode ==="
+      grep -hE "passed|failed" "$OUT/det_tests.log" 2>/dev/null | tail -1 | sed 's/^/tests:          /'
+      grep -h "ERROR SUMMARY" "$OUT/det_memcheck.log" 2>/dev/null | tail -1 | sed 's/^/memcheck:       /'
+      grep -h -A2 "^Deterministic mode" "$OUT/det_bench.log" 2>/dev/null | sed 's/^/segment_reduce: /'
+      grep -h "deterministic mode:" "$OUT/det_spmm.log" 2>/dev/null | sed 's/^/spmm:           /'
+      grep -h "bitwise-identical" "$OUT/det_e2e.log" 2>/dev/null | sed 's/^/e2e:            /' ;;
     spmm)
       python3 bench/spmm.py 2>&1 | grep -v Warning | tee "$OUT/spmm.log" | grep -E "geomean|speedup|^ *cora +16 |^ *graph +F +op" || status=1 ;;
   esac

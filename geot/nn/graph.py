@@ -294,7 +294,9 @@ def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, stat
         # ids checked without one (deferred), unsorted where the caller sums in any order; a layer's first
         # graph, which may be static, gets its layout.
         changing = last is not None and not again and tensor.is_cuda
-        if changing and any_order and not build[1]:
+        # Deterministic mode sorts it: its sum takes the segment schedules (an
+        # any-order sum would sort it on every call, forward and backward).
+        if changing and any_order and not build[1] and not torch.are_deterministic_algorithms_enabled():
             graph = _unordered(tensor, flipped=build[2])
         else:
             graph = _build(*build, eager=True, transposed=False, survey=not changing)

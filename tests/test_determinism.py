@@ -1,0 +1,321 @@
+"""Deterministic mode (torch.use_deterministic_algorithms): every geot op,
+forward and backward, gives bitwise-identical results call after call and
+process after process, and still matches the float64 references. The CUDA
+tests use hub graphs (a segment of 2 * 10^5 rows among many small ones),
+where the default schedules add a hub's partial sums with atomics."""
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import geot
+from conftest import requires_cuda
+from reference import assert_matches_ref, index_from_degrees, segment_reduce_ref
+
+# torch's own matmuls (geot.nn's Linear layers) refuse deterministic mode without it.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REDUCES = ["sum", "mean", "max", "min"]
+DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]
+HUB_ROWS = 200_000
+
+
+@contextlib.contextmanager
+def deterministic(on=True, warn_only=False):
+    before, before_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=before_warn)
+
+
+def hub_graph(device, hub=HUB_ROWS, small=20_000, index_dtype=torch.int64):
+    """(src, dst sorted, S): one hub of `hub` edges, `small` nodes of 0..8
+    edges (some empty), a second hub of hub // 4 edges between them."""
+    deg = torch.randint(0, 9, (small,))
+    deg[small // 3] = hub
+    deg[2 * small // 3] = hub // 4
+    dst = index_from_degrees(deg)
+    src = torch.randint(0, small, (dst.numel(),))
+    return src.to(device, index_dtype), dst.to(device, index_dtype), small
+
+
+def same_bits(a, b):
+    """Bitwise equality (NaNs included), for tensors or tuples of them."""
+    if isinstance(a, (tuple, list)):
+        return all(same_bits(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def assert_repeatable(run, times=3):
+    """run() under deterministic mode, several times: bitwise the same."""
+    with deterministic():
+        first = run()
+        for _ in range(times - 1):
+            assert same_bits(run(), first), "deterministic mode gave different bits on the same input"
+    return first
+
+
+# --------------------------------------------------------------------------- #
+# The flag (CPU)
+# --------------------------------------------------------------------------- #
+def test_dispatch_reads_the_flag_per_call():
+    """The C++ dispatch reads torch's global flag: on, off again, warn_only."""
+    assert not geot._C.deterministic_algorithms()
+    with deterministic():
+        assert geot._C.deterministic_algorithms()
+    assert not geot._C.deterministic_algorithms()
+    with deterministic(warn_only=True):
+        assert geot._C.deterministic_algorithms()
+    assert not geot._C.deterministic_algorithms()
+
+
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_ops_neither_raise_nor_warn(warn_only, recwarn):
+    """Every op has a deterministic implementation: no error, no warning."""
+    src, dst, S = hub_graph("cpu", hub=300, small=50)
+    x = torch.randn(S, 4, requires_grad=True)
+    w = torch.rand(src.numel(), requires_grad=True)
+    with deterministic(warn_only=warn_only):
+        out = geot.index_weight_segment_reduce(src, dst, w, x, "sum", S)
+        out = out + geot.segment_reduce(dst, x.index_select(0, src), "mean", S)
+        out.sum().backward()
+        torch.ops.geot.index_scatter_sum(dst, src, x.detach(), None, S)
+        geot.edge_softmax(torch.randn(src.numel(), 2), dst, S)
+    assert not [w for w in recwarn.list if "determinis" in str(w.message)]
+
+
+def test_cpu_results_unchanged_by_the_mode():
+    """The CPU kernels are deterministic already: the mode changes nothing."""
+    src, dst, S = hub_graph("cpu", hub=2000, small=200)
+    x = torch.randn(S, 8, dtype=torch.float64)
+    plain = geot.index_segment_reduce(src, dst, x, "sum", S)
+    with deterministic():
+        det = geot.index_segment_reduce(src, dst, x, "sum", S)
+    assert same_bits(plain, det)
+    assert_matches_ref(det, dst, x.index_select(0, src), "sum", S, "cpu")
+
+
+# --------------------------------------------------------------------------- #
+# CUDA: repeatable and right, every op
+# --------------------------------------------------------------------------- #
+# One config per schedule, forced, so that each deterministic counterpart
+# runs whatever the rules pick: SR, PR, SP with row lanes, SP without.
+CONFIGS = [None, (2, 32, 8, 4, 1), (1, 32, 4, 8, 16), (1, 64, 8, 4, 0), (4, 16, 16, 8, 0)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "auto" if c is None else ",".join(map(str, c)))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_segment_reduce(reduce, dtype, config):
+    _, dst, S = hub_graph("cuda")
+    src = torch.randn(dst.numel(), 16, device="cuda").to(dtype)
+    kw = {} if config is None else {"config": config}
+    out = assert_repeatable(lambda: geot.segment_reduce(dst, src, reduce, S, **kw))
+    assert_matches_ref(out, dst.cpu(), src.cpu(), reduce, S, f"segment_reduce {config}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "auto" if c is None else ",".join(map(str, c)))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_weighted_reduce(reduce, dtype, config):
+    src, dst, S = hub_graph("cuda", index_dtype=torch.int32)
+    x = torch.randn(S, 32, device="cuda").to(dtype)
+    w = torch.rand(src.numel(), device="cuda").to(dtype)
+    kw = {} if config is None else {"config": config}
+    out = assert_repeatable(lambda: geot.index_weight_segment_reduce(src, dst, w, x, reduce, S, **kw))
+    rows = w.cpu().double()[:, None] * x.cpu().double().index_select(0, src.cpu().long())  # exact products
+    if reduce in ("sum", "mean"):
+        ref = segment_reduce_ref(dst.cpu().long(), rows, reduce, S)
+        torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+                                   atol=1e-1 if dtype == torch.bfloat16 else 1e-2)
+    else:  # one of the products, rounded once: exact
+        assert_matches_ref(out, dst.cpu().long(), rows.to(dtype), reduce, S, f"weighted {config}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gin_sum_plus_self_term(dtype):
+    src, dst, S = hub_graph("cuda")
+    x = torch.randn(S, 32, device="cuda").to(dtype)
+    scale = torch.tensor([1.5], device="cuda")
+    out = assert_repeatable(lambda: torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale, None))
+    ref = 1.5 * x.cpu().double() + segment_reduce_ref(dst.cpu(), x.cpu().double().index_select(0, src.cpu()), "sum", S)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-1 if dtype == torch.bfloat16 else 1e-2)
+
+
+def fused_grads(src, dst, x, w, reduce, S, transposed):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    out = geot.index_weight_segment_reduce(src, dst, w, x, reduce, S, transposed=transposed)
+    out.backward(torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(out.dtype))
+    return out.detach(), x.grad, w.grad
+
+
+@requires_cuda
+@pytest.mark.parametrize("transposed", [False, True], ids=["no_transposed", "transposed"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_fused_gradients(reduce, dtype, transposed):
+    """The gradient of x (atomics in edge order by default; sorted in this
+    mode) and of the weight: repeatable, and equal to float64's."""
+    src, dst, S = hub_graph("cuda", hub=100_000, small=5000)
+    x = torch.randn(S, 16, device="cuda").to(dtype)
+    w = torch.rand(src.numel(), device="cuda").to(dtype)
+    t = geot.transpose_index(src, dst) if transposed else None
+    out, gx, gw = assert_repeatable(lambda: fused_grads(src, dst, x, w, reduce, S, t))
+    if reduce in ("max", "min"):
+        return  # arg routing is checked by test_index_segment_reduce; here: repeatable
+    _, ref_gx, ref_gw = fused_grads(src.cpu(), dst.cpu(), x.cpu().double(), w.cpu().double(), reduce, S, None)
+    tol = dict(rtol=3e-2, atol=3e-1) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(gx.cpu().double(), ref_gx, **tol)
+    torch.testing.assert_close(gw.cpu().double(), ref_gw, **tol)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_index_scatter_sum_any_order(dtype):
+    """Edges in any order: sorted in this mode, then the segment schedules."""
+    src, dst, S = hub_graph("cuda")
+    order = torch.randperm(src.numel(), device="cuda")
+    src, dst = src[order], dst[order]
+    x = torch.randn(S, 32, device="cuda").to(dtype)
+    w = torch.rand(src.numel(), device="cuda").to(dtype)
+    out = assert_repeatable(lambda: torch.ops.geot.index_scatter_sum(src, dst, x, w, S))
+    ref = torch.zeros(S, 32, dtype=torch.float64).index_add_(
+        0, dst.cpu(), w.cpu().double()[:, None] * x.cpu().double().index_select(0, src.cpu()))
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-1 if dtype == torch.bfloat16 else 1e-2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_edge_softmax(dtype, heads):
+    """A hub past 16384 edges: the composed softmax (segment sums)."""
+    _, dst, S = hub_graph("cuda")
+    score = torch.randn(dst.numel(), heads, device="cuda").to(dtype)
+
+    def run():
+        s = score.detach().requires_grad_()
+        y = geot.edge_softmax(s, dst, S)
+        y.backward(torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(dtype))
+        return y.detach(), s.grad
+
+    y, _ = assert_repeatable(run)
+    ref = geot.edge_softmax(score.cpu().double(), dst.cpu(), S)
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-6)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_aggregate(dtype):
+    src, dst, S = hub_graph("cuda")
+    x = torch.randn(S, 2, 16, device="cuda").to(dtype)
+    a_src, a_dst = torch.randn(S, 2, device="cuda"), torch.randn(S, 2, device="cuda")
+    assert_repeatable(lambda: geot.attention_aggregate(x, a_src, a_dst, src, dst, num_segments=S))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_segment_matmul(dtype):
+    """Forward, and both gradients: the weight's adds its chunks in order."""
+    M, K, N, T = 300_000, 32, 48, 4
+    types = torch.randint(0, T, (M,))
+    types[: M // 2] = 1  # one big type, split over many chunks
+    perm, ptr = geot.group_by_type(types.cuda(), T)
+    x = torch.randn(M, K, device="cuda").to(dtype)
+    weight = torch.randn(T, K, N, device="cuda").to(dtype)
+
+    def run():
+        xs, ws = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        out = geot.segment_matmul(xs, ptr, ws)
+        out.backward(torch.ones_like(out))
+        return out.detach(), xs.grad, ws.grad
+
+    _, _, gw = assert_repeatable(run)
+    p = ptr.cpu()
+    ref = torch.stack([x[p[t]:p[t + 1]].cpu().double().sum(0)[:, None].expand(K, N) for t in range(T)])
+    torch.testing.assert_close(gw.cpu().double(), ref, rtol=2e-2, atol=2.0)  # fp32 runs as TF32
+
+
+@requires_cuda
+def test_nn_graph_of_one_step():
+    """geot.nn on a new unsorted graph every step (any-order sums by
+    default): repeatable training steps."""
+    from geot.nn import GCNConv
+
+    def steps():
+        torch.manual_seed(0)
+        conv = GCNConv(16, 8).cuda()
+        opt = torch.optim.SGD(conv.parameters(), lr=0.1)
+        x = torch.randn(5000, 16, device="cuda")
+        losses = []
+        for step in range(4):
+            g = torch.Generator("cuda").manual_seed(step)
+            edge_index = torch.randint(0, 5000, (2, 200_000), device="cuda", generator=g)
+            edge_index[1, : 50_000] = 7  # a hub
+            loss = conv(x, edge_index).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return torch.stack(losses)
+
+    assert_repeatable(steps, times=2)
+
+
+@requires_cuda
+def test_mode_toggles_back():
+    """Off again, the default schedules run: results still right."""
+    _, dst, S = hub_graph("cuda")
+    src = torch.randn(dst.numel(), 8, device="cuda")
+    with deterministic():
+        det = geot.segment_reduce(dst, src, "sum", S)
+    assert not torch.are_deterministic_algorithms_enabled()
+    plain = geot.segment_reduce(dst, src, "sum", S)
+    assert_matches_ref(plain, dst.cpu(), src.cpu(), "sum", S, "default")
+    torch.testing.assert_close(plain, det, rtol=1e-4, atol=1e-3)
+
+
+# --------------------------------------------------------------------------- #
+# Two processes
+# --------------------------------------------------------------------------- #
+CHILD = r"""
+import hashlib, sys, torch
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
+import geot
+from test_determinism import hub_graph, fused_grads
+torch.use_deterministic_algorithms(True)
+torch.manual_seed(0)
+src, dst, S = hub_graph("cuda")
+digest = hashlib.sha256()
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(S, 32, device="cuda").to(dtype)
+    w = torch.rand(src.numel(), device="cuda").to(dtype)
+    for reduce in ("sum", "mean", "max"):
+        for t in fused_grads(src, dst, x, w, reduce, S, None):
+            digest.update(t.cpu().view(torch.uint8).numpy().tobytes())
+    rows = x.index_select(0, src)
+    digest.update(geot.segment_reduce(dst, rows, "sum", S).cpu().view(torch.uint8).numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+@requires_cuda
+def test_two_processes_agree():
+    def child():
+        done = subprocess.run([sys.executable, "-c", CHILD, REPO], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    first, second = child(), child()
+    assert len(first) == 64 and first == second
