@@ -6,10 +6,9 @@
 
 namespace geot {
 namespace generated {
-namespace sm90 {
+namespace gpu_nvidia_h100_80gb_hbm3 {
 
-// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 17, 1149 leaves
-//   oracle/pick on held-out graphs: geomean 0.953, worst 0.413; held-out base graphs (25): 0.942, worst 0.413 (hand heuristic: 0.813, worst 0.396; training set: 0.993, worst 0.911)
+// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 17, 1149 leaves; training set: oracle/pick geomean 0.993, worst cell 0.911
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
@@ -4607,8 +4606,7 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 16, 1142 leaves
-//   oracle/pick on held-out graphs: geomean 0.952, worst 0.397; held-out base graphs (25): 0.937, worst 0.432 (hand heuristic: 0.806, worst 0.356; training set: 0.993, worst 0.904)
+// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 16, 1142 leaves; training set: oracle/pick geomean 0.993, worst cell 0.904
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
@@ -9178,6 +9176,6 @@ inline Config gathered_config(const Features& f) {
   }
 }
 
-}  // namespace sm90
+}  // namespace gpu_nvidia_h100_80gb_hbm3
 }  // namespace generated
 }  // namespace geot
