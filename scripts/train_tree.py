@@ -1,12 +1,17 @@
 """Trains the learned kernel-config rules from the perf databases.
 
-For every perfdb/<gpu>/device.json, fits a decision tree per kernel family
-(segment_reduce.csv: plain rows; index_weight_segment_reduce.csv: gathered
-rows) and writes csrc/generated/rules_sm<major><minor>.h, then
-csrc/generated/rules_index.h listing the architectures. Rebuild the extension
-afterwards (python -m geot.tune does all of it).
+For every perfdb/<gpu>/device.json (one GPU model each), fits a decision tree
+per kernel family (segment_reduce.csv: plain rows;
+index_weight_segment_reduce.csv: gathered rows) and writes
+csrc/generated/rules_<gpu-slug>.h, then csrc/generated/rules_index.h listing
+the GPU models and, per architecture, the rule set a GPU of no listed model
+falls back to (the largest DB's). A GPU's cells are joined by the cells of
+the graphs its DB lacks from the other DBs of its architecture
+(with_donors), which are not scored. Rebuild the extension afterwards
+(python -m geot.tune does all of it).
 
-    python scripts/train_tree.py
+    python scripts/train_tree.py              # every perfdb/<gpu>/, with the held-out figures
+    python scripts/train_tree.py --no-eval    # the same headers, without the held-out evaluation
     python scripts/train_tree.py --perfdb perfdb --out csrc/generated
 
 The trees: each cell (graph, F) is a sample with the features of
@@ -25,9 +30,11 @@ distilled into one DecisionTreeClassifier, small enough to be an if/else
 (distill). The schedule (SR/PR/SP) is part of the pick, so the SR/PR switch
 is learned with the rest rather than fixed (GeoT's F > 4 -> SR). An if/else
 on F (geometric midpoints between swept widths) sits on top. The printed
-held-out figures are cross-validation over held-out graphs (GroupKFold): no
-hyperparameter is chosen on them (the forest grows full trees; the distilled
-tree has a fixed leaf budget).
+held-out figures are cross-validation (GroupKFold) leaving out graphs, base
+graphs (with their augmentations) and whole generator families (HOLDOUTS):
+no hyperparameter is chosen on them (the forest grows full trees; the
+distilled tree has a fixed leaf budget). The headers hold no held-out figure,
+so --no-eval writes them byte for byte the same.
 """
 import argparse
 import glob
@@ -118,7 +125,10 @@ FOREST_TREES = 64
 # by best - mean predicted gain 0.9524, 0.9532 (mean over 4 seeds within
 # 0.0003 of unweighted); relabelling the classifier's leaves with the argmax
 # of the mean predicted gain 0.9523, 0.9518.
-DISTILL_POINTS = 20000
+# 10000 points held out within 0.002 of 20000 (H100 DBs, by graph: plain
+# 0.951 against 0.953, gathered 0.951 against 0.952) in about half the time
+# (the forest's predictions on them are most of a fit).
+DISTILL_POINTS = 10000
 DISTILL_LEAVES = 128
 
 
@@ -157,6 +167,12 @@ class Family:
     configs: np.ndarray  # [C, 5] every config timed, sorted
     times: np.ndarray  # [cells, C] ms; NaN: no equivalent launch timed (the sweep pruned it for that F)
     X: np.ndarray  # [cells, len(FEATURES)]
+    donated: Optional[np.ndarray] = None  # [cells] bool: a cell of another GPU's DB (with_donors); None: none
+
+    @property
+    def own(self) -> np.ndarray:
+        """The cells of this GPU's DB: the ones scored."""
+        return np.ones(len(self.X), bool) if self.donated is None else ~self.donated
 
     @property
     def timed(self) -> np.ndarray:
@@ -223,6 +239,31 @@ def load_family(path: str) -> Family:
     X = np.array([rule_features(int(c.E), int(c.num_segments), int(c.F), long_level(int(c.max_deg)))
                   for c in cells.itertuples()])
     return Family(cells, configs, time_table(timed, cells, configs), X)
+
+
+def with_donors(own: Family, donors: List[Family]) -> Family:
+    """own's cells, then the cells of the graphs own lacks from donors (the
+    DBs of other GPUs of its architecture, in order), marked donated. Within
+    an architecture the ranking of configs carries over far better than
+    nothing: a DB cut short by its sweep budget (the H200's, 26 of the H100's
+    46 graphs) held out, by graph, plain 0.907 -> 0.934, gathered 0.913 ->
+    0.931; by base graph 0.865 -> 0.921, 0.880 -> 0.914."""
+    parts, seen = [own], set(own.cells.graph)
+    for donor in donors:
+        lacking = ~donor.cells.graph.isin(seen).to_numpy()
+        if not lacking.any():
+            continue
+        seen |= set(donor.cells.graph[lacking])
+        column = {tuple(c): i for i, c in enumerate(donor.configs.tolist())}
+        times = np.full((int(lacking.sum()), len(own.configs)), np.nan)
+        for j, config in enumerate(own.configs.tolist()):
+            if tuple(config) in column:
+                times[:, j] = donor.times[lacking, column[tuple(config)]]
+        parts.append(Family(donor.cells[lacking], own.configs, times, donor.X[lacking]))
+    donated = np.concatenate([np.full(len(part.X), part is not own) for part in parts])
+    return Family(pd.concat([part.cells for part in parts], ignore_index=True), own.configs,
+                  np.concatenate([part.times for part in parts]), np.concatenate([part.X for part in parts]),
+                  donated if donated.any() else None)
 
 
 @dataclass
@@ -384,18 +425,19 @@ def holdout_groups(cells: pd.DataFrame, holdout: str) -> np.ndarray:
     return cells[column].to_numpy()
 
 
-def held_out_gain(family: Family, groups: np.ndarray) -> np.ndarray:
-    """Gain of each cell's pick by a tree that never saw its group (the
-    trainer has no hyperparameter chosen on held-out cells to nest). The
-    folds train in parallel processes (each tree is the same either way)."""
-    folds = list(group_folds(groups))
-    fit = delayed(fit_tree)
-    trees = Parallel(n_jobs=min(len(folds), os.cpu_count() or 1))(
-        fit(family.X[train], family.target[train], family.timed[train]) for train, _ in folds)
-    out = np.empty(len(family.X))
+def held_out_folds(family: Family, groups: np.ndarray) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """(train, test) cell indices of the folds that leave out groups (of
+    cells from any GPU's DB) and test some own cell."""
+    return [(train, test) for train, test in group_folds(groups) if family.own[test].any()]
+
+
+def held_out_gain(family: Family, folds, trees: List[Node]) -> np.ndarray:
+    """Gain of each own cell's pick by the tree of the fold that left it out
+    (the trainer has no hyperparameter chosen on held-out cells to nest)."""
+    out = np.full(len(family.X), np.nan)
     for (_, test), tree in zip(folds, trees):
         out[test] = family.gain[test, predict(tree, family.X[test])]
-    return out
+    return out[family.own]
 
 
 @dataclass
@@ -414,19 +456,28 @@ def ratios(gains: np.ndarray, graphs: np.ndarray) -> Tuple[float, float, float]:
 
 def train_family(family: Family, evaluate: bool = True) -> Trained:
     """The tree on every cell; with `evaluate`, also scored on held-out cells
-    (HOLDOUTS), against the hand heuristic's picks and on the training set."""
-    graphs = family.cells.graph.to_numpy()
-    everything = np.arange(len(family.X))
-    tree = fit_tree(family.X, family.target, family.timed)
-    summary = dict(cells=len(family.X), graphs=len(np.unique(graphs)), configs=len(family.configs),
-                   depth=depth(tree), leaves=leaves(tree))
-    scored = [("train", family.gain[everything, predict(tree, family.X)])]
+    (HOLDOUTS), against the hand heuristic's picks and on the training set.
+    The fits run in parallel processes (each tree is the same either way)."""
+    own = family.own
+    graphs = family.cells.graph.to_numpy()[own]
+    folds = {}
+    for holdout, _ in HOLDOUTS if evaluate else ():
+        groups = holdout_groups(family.cells, holdout)
+        if len(np.unique(groups[own])) > 1:  # a DB of one generator family has no family-out figure
+            folds[holdout] = held_out_folds(family, groups)
+    fits = [np.arange(len(family.X))] + [train for holdout in folds for train, _ in folds[holdout]]
+    fit = delayed(fit_tree)
+    trees = Parallel(n_jobs=min(len(fits), os.cpu_count() or 1))(
+        fit(family.X[train], family.target[train], family.timed[train]) for train in fits)
+    tree = trees.pop(0)
+    summary = dict(cells=int(own.sum()), graphs=len(np.unique(graphs)), donated=int((~own).sum()),
+                   configs=len(family.configs), depth=depth(tree), leaves=leaves(tree))
+    scored = [("train", family.gain[own][np.arange(own.sum()), predict(tree, family.X[own])])]
+    for holdout, holdout_folds in folds.items():
+        scored.append((holdout, held_out_gain(family, holdout_folds, trees[:len(holdout_folds)])))
+        del trees[:len(holdout_folds)]
     if evaluate:
-        for holdout, _ in HOLDOUTS:
-            groups = holdout_groups(family.cells, holdout)
-            if len(np.unique(groups)) > 1:  # a DB of one generator family has no family-out figure
-                scored.append((holdout, held_out_gain(family, groups)))
-        scored.append(("heuristic", family.heuristic_gain))
+        scored.append(("heuristic", family.heuristic_gain[own]))
     for name, gains in scored:
         summary[f"{name}_geomean"], summary[f"{name}_worst"], summary[f"{name}_worst_graph"] = ratios(gains, graphs)
     return Trained(tree, family.configs, summary)
@@ -435,7 +486,8 @@ def train_family(family: Family, evaluate: bool = True) -> Trained:
 def describe(summary: dict) -> List[str]:
     """The summary's lines: the tree, then the held-out figures if evaluated."""
     s = summary
-    lines = [f"{s['cells']} cells of {s['graphs']} graphs, {s['configs']} configs; distilled tree of depth "
+    donated = f" (and {s['donated']} of graphs it lacks from DBs of its architecture)" if s["donated"] else ""
+    lines = [f"{s['cells']} cells of {s['graphs']} graphs{donated}, {s['configs']} configs; distilled tree of depth "
              f"{s['depth']}, {s['leaves']} leaves; training set: oracle/pick geomean {s['train_geomean']:.3f}, "
              f"worst cell {s['train_worst']:.3f}"]
     if "heuristic_geomean" in s:
@@ -576,14 +628,43 @@ def read_device(path: str) -> Tuple[str, int]:
         raise ValueError(f'{path}: want {{"name": ..., "capability": [major, minor]}}, got {device}') from None
 
 
-def train_device(db_dir: str, source: str, evaluate: bool) -> dict:
-    trained = {}
+@dataclass
+class PerfDB:
+    """One perfdb/<gpu>/: its device and its families' tables."""
+
+    source: str  # "perfdb/<dir>"
+    device: str
+    arch: int
+    families: dict  # family -> Family
+
+    @property
+    def slug(self) -> str:
+        return device_slug(self.device)
+
+
+def load_perfdb(device_json: str, root: str) -> PerfDB:
+    db_dir = os.path.dirname(device_json)
+    source = f"{os.path.basename(os.path.normpath(root))}/{os.path.basename(db_dir)}"
+    device, arch = read_device(device_json)
+    families = {}
     for family, csv, _ in FAMILIES:
         paths = [p for p in (os.path.join(db_dir, csv), os.path.join(db_dir, csv + ".gz")) if os.path.exists(p)]
         if paths:  # the committed DBs are gzipped; a sweep in progress writes plain CSV
-            path = paths[0]
-            print(f"{source}/{os.path.basename(path)} ({family} rows):", flush=True)
-            trained[family] = train_family(load_family(path), evaluate)
+            families[family] = load_family(paths[0])
+    return PerfDB(source, device, arch, families)
+
+
+def train_device(db: PerfDB, donors: List[PerfDB], evaluate: bool) -> dict:
+    """Each family's rules for db's GPU, from its cells and the donors' of
+    graphs it lacks (with_donors)."""
+    trained = {}
+    for family, csv, _ in FAMILIES:
+        if family in db.families:
+            gave = [donor for donor in donors if family in donor.families]
+            print(f"{db.source}/{csv} ({family} rows"
+                  + (f"; graphs it lacks from {', '.join(d.source for d in gave)}" if gave else "") + "):", flush=True)
+            pooled = with_donors(db.families[family], [donor.families[family] for donor in gave])
+            trained[family] = train_family(pooled, evaluate)
             print("\n".join("  " + line for line in describe(trained[family].summary)), flush=True)
     return trained
 
@@ -597,30 +678,32 @@ def main(argv=None) -> pd.DataFrame:
     args = parser.parse_args(argv)
 
     os.makedirs(args.out, exist_ok=True)
-    entries, table = {}, []
+    dbs = {}
     for device_json in sorted(glob.glob(os.path.join(args.perfdb, "*", "device.json"))):
-        db_dir = os.path.dirname(device_json)
-        source = f"{os.path.basename(os.path.normpath(args.perfdb))}/{os.path.basename(db_dir)}"
-        device_name, arch = read_device(device_json)
-        slug = device_slug(device_name)
-        if slug in entries:
-            raise ValueError(f"{entries[slug].source} and {source} are both {device_name}: keep one perf DB per GPU")
-        trained = train_device(db_dir, source, args.evaluate)
-        if not trained:
-            print(f"{source}: no family CSV, skipped")
+        db = load_perfdb(device_json, args.perfdb)
+        if db.slug in dbs:
+            raise ValueError(f"{dbs[db.slug].source} and {db.source} are both {db.device}: keep one perf DB per GPU")
+        if not db.families:
+            print(f"{db.source}: no family CSV, skipped")
             continue
-        entry = RuleSetEntry(slug, device_name, arch, source, sorted(trained),
+        dbs[db.slug] = db
+    entries, table = [], []
+    for slug in sorted(dbs):
+        db = dbs[slug]
+        donors = [dbs[other] for other in sorted(dbs) if other != slug and dbs[other].arch == db.arch]
+        trained = train_device(db, donors, args.evaluate)
+        entry = RuleSetEntry(slug, db.device, db.arch, db.source, sorted(trained),
                              sum(t.summary["cells"] for t in trained.values()))
-        entries[slug] = entry
+        entries.append(entry)
         write(os.path.join(args.out, entry.header), emit_header(entry, trained))
-        table += [dict(gpu=slug, arch=f"sm_{arch}", family=family, **t.summary) for family, t in trained.items()]
+        table += [dict(gpu=slug, arch=f"sm_{db.arch}", family=family, **t.summary) for family, t in trained.items()]
 
-    kept = {entry.header for entry in entries.values()} | {"rules_index.h"}
+    kept = {entry.header for entry in entries} | {"rules_index.h"}
     for stale in sorted(glob.glob(os.path.join(args.out, "rules_*.h"))):
         if os.path.basename(stale) not in kept:
             os.remove(stale)
             print(f"removed {stale}")
-    write(os.path.join(args.out, "rules_index.h"), emit_index([entries[slug] for slug in sorted(entries)]))
+    write(os.path.join(args.out, "rules_index.h"), emit_index(entries))
     summary = pd.DataFrame(table)
     print_summary(summary)
     return summary
