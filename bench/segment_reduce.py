@@ -191,13 +191,14 @@ def first_tensor(out):
 
 
 def time_with_heuristic(geot, fn, tkw) -> float:
-    """Median ms of fn with the hand heuristic forced instead of the learned
-    rules (the same where the GPU has none)."""
+    """Median ms of fn with the hand heuristic forced instead of the rules
+    in force (--rules; the same where the GPU has none)."""
+    mode = geot.rules_mode()
     geot.set_rules("heuristic")
     try:
         return common.time_stats(fn, **tkw).median_ms
     finally:
-        geot.set_rules("learned")
+        geot.set_rules(mode)
 
 
 def run_cell(args, geot, ts, g: common.Graph, gidx, index64, offsets, lengths, nonempty, F, reduce, dtype, copy_bw, stats):
@@ -243,8 +244,9 @@ def run_cell(args, geot, ts, g: common.Graph, gidx, index64, offsets, lengths, n
         level = geot.config.long_segment_level(stats["max_deg"]) if geot.validation_enabled() else None
         cfg = geot.explain(E, S, F, long_segments=level)
         row["geot_config"] = "" if args.device_type != "cuda" else ",".join(str(v) for v in cfg)
+        row["geot_rules"] = geot.explain_source(E, S, F, long_segments=level) if args.device_type == "cuda" else ""
     except Exception:  # noqa: BLE001
-        row["geot_config"] = ""
+        row["geot_config"], row["geot_rules"] = "", ""
     if args.config is not None:
         row["geot_config"] = ",".join(str(v) for v in args.config) + " (forced)"
     nbytes = E * F * src.element_size() + E * gidx.element_size() + S * F * src.element_size()
@@ -444,6 +446,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help=f"graphs {' '.join(QUICK_GRAPHS)}, F {QUICK_F}")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--config", default=None, help="N_t,T_N,M_t,T_M,G_t forced on geot (CUDA tuning experiments)")
+    p.add_argument("--rules", default=None,
+                   help="geot's config rules: learned (each GPU's own, the default), heuristic, or a rule set's slug "
+                        "(geot.rule_sets(), e.g. nvidia-h100-80gb-hbm3); the CSV name gets _rules-<mode> and its "
+                        "geot_rules column says which rules ran (GEOT_RULES sets the same)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 10 on GPU, 1 on CPU)")
     p.add_argument("--reps", type=int, default=None, help="timed calls, median reported (default 50 on GPU, 5 on CPU)")
     p.add_argument("--max-time", type=float, default=None,
@@ -499,6 +505,8 @@ def main(argv=None) -> int:
         torch.cuda.set_device(dev)
     geot = import_geot()
     geot.set_validation(not args.no_validation)
+    if args.rules is not None:
+        geot.set_rules(args.rules)
     ts = import_torch_scatter()
     if args.methods:
         ts = ts if any(m.startswith("ts_") for m in args.methods) else None
@@ -512,6 +520,7 @@ def main(argv=None) -> int:
               "runs the check, outside the timed reps")
     else:
         print("geot index validation: OFF (--no-validation); the selector lacks the long-segment hint")
+    print(f"geot config rules: {geot.rules_mode()} (--rules / GEOT_RULES)")
     copy_bw = common.copy_bandwidth_gbs(dev)
     print(f"copy bandwidth: {copy_bw:.1f} GB/s (read + write, {'1 GiB' if dev.type == 'cuda' else '256 MiB'} copy_)")
     if dev.type == "cuda":
@@ -580,7 +589,8 @@ def main(argv=None) -> int:
     summarize(df, copy_bw)
     summarize_deterministic(df)
 
-    name = args.csv or f"segment_reduce_{common.device_slug(dev)}.csv"
+    rules = f"_rules-{args.rules}" if args.rules is not None else ""
+    name = args.csv or f"segment_reduce_{common.device_slug(dev)}{rules}.csv"
     paths = common.write_csv(df, name)
     print(f"\nCSV: {', '.join(paths)}")
     print(f"total time: {time.perf_counter() - t_start:.1f}s")

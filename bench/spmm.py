@@ -109,13 +109,14 @@ def timed(fn, args, ref=None, scale=None, rtol=1e-4):
 
 
 def with_heuristic(fn):
-    """fn() with the hand heuristic's configs forced instead of the learned
-    rules (two host calls more per launch: negligible at these sizes)."""
+    """fn() with the hand heuristic's configs forced instead of the rules in
+    force (two host calls more per launch: negligible at these sizes)."""
+    mode = geot.rules_mode()
     geot.set_rules("heuristic")
     try:
         return fn()
     finally:
-        geot.set_rules("learned")
+        geot.set_rules(mode)
 
 
 def forward_rows(p: Problem, F: int, dtype, args, peers):
@@ -134,7 +135,7 @@ def forward_rows(p: Problem, F: int, dtype, args, peers):
     if "pyg_spmm" in peers and pyg_spmm is not None:
         A = p.csr(dtype)
         fns["pyg_spmm"] = lambda: pyg_spmm(A, x, "sum")
-    row = {"graph": p.name, "E": p.E, "F": F, "dtype": str(dtype).replace("torch.", "")}
+    row = {"graph": p.name, "E": p.E, "F": F, "dtype": str(dtype).replace("torch.", ""), "rules": geot.rules_mode()}
     for name, fn in fns.items():
         try:
             row[name] = timed(fn, args, ref, scale, rtol)
@@ -286,6 +287,9 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--deterministic", action="store_true",
                     help="fwd, dtypes: also time geot and the native peers in deterministic mode")
+    ap.add_argument("--rules", default=None,
+                    help="geot's config rules: learned (each GPU's own, the default), heuristic, or a rule set's slug "
+                         "(geot.rule_sets()); the CSV names get _rules-<mode> (GEOT_RULES sets the same)")
     args = ap.parse_args(argv)
     args.graphs = args.graphs or (QUICK_GRAPHS if args.quick else DEFAULT_GRAPHS)
     args.F = args.F or ([1, 32] if args.quick else DEFAULT_F)
@@ -296,8 +300,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    slug = common.device_slug(args.device)
-    print(f"device: {common.device_name(args.device)}, copy bandwidth "
+    if args.rules is not None:
+        geot.set_rules(args.rules)
+    slug = common.device_slug(args.device) + (f"_rules-{args.rules}" if args.rules is not None else "")
+    print(f"geot config rules: {geot.rules_mode()}; device: {common.device_name(args.device)}, copy bandwidth "
           f"{common.copy_bandwidth_gbs(args.device):.0f} GB/s")
     problems = [Problem(g, args.device) for g in (common.make_graph(s, args.device) for s in args.graphs) if g]
     if "fwd" in args.sections:

@@ -35,20 +35,22 @@ struct Config {
 // how many of 64, 1024 and 16384 rows the longest segment exceeds (0..3;
 // kLongSegmentRows), -1 unknown (a by-product of index validation, cached
 // per index; unknown when validation is off);
-// arch: the GPU's compute capability as major * 10 + minor, which picks the
-// learned rules (rules.h); 0 = unknown or CPU, the hand heuristic.
+// rules: the learned rule set of the GPU (rules.h: an index chosen once per
+// device, by its model, else its architecture); -1 = none (CPU, unknown
+// GPU): the hand heuristic unless set_rules forces a rule set; -2: the hand
+// heuristic whatever is forced (reductions the rules were not trained on).
 struct Features {
   int64_t E, num_segments, F;
   double avg;
   bool gathered;
   int long_segments;
-  int arch;
+  int rules;
 };
 
 inline Features make_features(int64_t E, int64_t num_segments, int64_t F, bool gathered, int long_segments,
-                              int arch) {
+                              int rules) {
   double avg = num_segments > 0 ? double(E) / double(num_segments) : double(E);
-  return {E, num_segments, F, avg, gathered, long_segments, arch};
+  return {E, num_segments, F, avg, gathered, long_segments, rules};
 }
 
 // Throws std::invalid_argument with a readable message if cfg is unusable.

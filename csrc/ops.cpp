@@ -162,14 +162,16 @@ pybind11::tuple config_tuple(const geot::Config& c) {
 }
 
 // Host time of the selection a kernel call makes (features, then learned
-// rules or heuristic), in ns per call, averaged over n calls.
+// rules or heuristic), in ns per call, averaged over n calls; the rule set
+// is chosen before, as a device's is once (device_rules).
 double selection_cost_ns(int64_t E, int64_t S, int64_t F, bool gathered, int long_segments, int arch, int64_t n) {
   if (n < 1) throw pybind11::value_error("n must be >= 1, got " + std::to_string(n));
+  const int rules = geot::choose_rules("", arch).index;
   int sink = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < n; ++i) {
     // E varies so the compiler cannot hoist the call out of the loop.
-    const auto f = geot::make_features(E + (i & 1), S, F, gathered, long_segments, arch);
+    const auto f = geot::make_features(E + (i & 1), S, F, gathered, long_segments, rules);
     sink += geot::resolve_config(at::OptionalIntArrayRef(), f).M_t;
   }
   const std::chrono::duration<double, std::nano> elapsed = std::chrono::steady_clock::now() - start;
@@ -219,27 +221,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The hand-written heuristic's config for (E, num_segments, F, gathered, long_segments)");
   m.def(
       "select_config",
-      [](int64_t E, int64_t S, int64_t F, bool gathered, int long_segments, int arch) {
-        const auto f = geot::make_features(E, S, F, gathered, long_segments, arch);
-        return pybind11::make_tuple(config_tuple(geot::select_config(f)), geot::config_source(f));
+      [](int64_t E, int64_t S, int64_t F, bool gathered, int long_segments, int arch, const std::string& gpu) {
+        const geot::RuleChoice choice = geot::choose_rules(gpu, arch);
+        const auto f = geot::make_features(E, S, F, gathered, long_segments, choice.index);
+        return pybind11::make_tuple(config_tuple(geot::select_config(f)), geot::config_source(f, choice));
       },
-      "(config, source) a sorted reduction picks for (E, num_segments, F, gathered, long_segments, arch)");
+      "(config, source) a sorted reduction picks for (E, num_segments, F, gathered, long_segments, arch, "
+      "GPU name or slug, '' for none)");
   m.def(
       "nearest_arch",
       [](int arch, const std::vector<int>& known) {
         return geot::nearest_arch(arch, known.data(), static_cast<int>(known.size()));
       },
       "Index in `known` of the rules used for arch (exact, else nearest of the same major), -1 if none");
-  m.def("learned_archs", &geot::learned_archs, "Architectures (major * 10 + minor) with learned rules");
+  m.def("device_slug", &geot::device_slug, "'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'");
+  m.def("learned_archs", &geot::learned_archs, "Architectures (major * 10 + minor) with a fallback rule set");
   m.def(
       "learned_rule_sets",
       [] {
         pybind11::list sets;
         for (const auto& r : geot::learned_rule_sets())
-          sets.append(pybind11::make_tuple(r.arch, r.source, r.plain, r.gathered));
+          sets.append(pybind11::make_tuple(r.slug, r.device, r.arch, r.source, r.plain, r.gathered, r.arch_fallback));
         return sets;
       },
-      "(arch, perf DB, has plain-row rules, has gathered-row rules) of each compiled-in rule set");
+      "(slug, device, arch, perf DB, has plain-row rules, has gathered-row rules, is its architecture's fallback) "
+      "of each compiled-in rule set");
   m.def(
       "build_info",
       [] {
@@ -257,7 +263,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "torch version the extension was compiled against, CUDA toolkit version and __CUDA_ARCH_LIST__ "
       "(None and '' in a CPU-only build)");
-  m.def("set_rules", &geot::set_rules, "'learned' (default) or 'heuristic': force the hand heuristic");
+  m.def("set_rules", &geot::set_rules,
+        "'learned' (default: each GPU's own rules), 'heuristic' or a rule set's slug: force that everywhere");
   m.def("rules_mode", &geot::rules_mode);
   m.def("selection_cost_ns", &selection_cost_ns,
         "ns per call of the config selection for (E, num_segments, F, gathered, long_segments, arch, n)");

@@ -89,7 +89,7 @@ void index_flags_cuda(const at::Tensor& index, int64_t bound, bool sorted, int* 
 #endif
 
 // The config the kernels will use: the override if given, else the selector
-// (select_config: learned rules for features.arch, else the hand heuristic).
+// (select_config: the learned rules features.rules names, else the hand heuristic).
 Config resolve_config(at::OptionalIntArrayRef override_config, const Features& features);
 
 // The core every op of the family runs on:

@@ -237,30 +237,30 @@ inline dim3 segment_row_block(int64_t F) {
   return dim3(x, 256 / x);
 }
 
-// Compute capability of a device as major * 10 + minor, looked up once per
-// device: the config selector needs it on every call.
-inline int device_arch(int device) {
+// The learned rule set of a device (choose_rules: its model's, else its
+// architecture's), looked up once per device: the config selector needs it
+// on every call, and the lookup compares names.
+inline int device_rules(int device) {
   constexpr int kCachedDevices = 64;
-  static std::atomic<int> cached[kCachedDevices] = {};  // 0: not looked up yet
+  static std::atomic<int> cached[kCachedDevices] = {};  // rule set + 2; 0: not looked up yet
   auto lookup = [device] {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    return major * 10 + minor;
+    cudaDeviceProp prop;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    return choose_rules(prop.name, prop.major * 10 + prop.minor).index;
   };
   if (device < 0 || device >= kCachedDevices) return lookup();
-  int arch = cached[device].load(std::memory_order_relaxed);
-  if (arch == 0) cached[device].store(arch = lookup(), std::memory_order_relaxed);
-  return arch;
+  int rules = cached[device].load(std::memory_order_relaxed) - 2;
+  if (rules == -2) cached[device].store((rules = lookup()) + 2, std::memory_order_relaxed);
+  return rules;
 }
 
 // Any-order input only works with SR (PR and SP assume sorted segments); it
-// keeps the hand heuristic (arch 0): the learned rules were trained on sorted
-// reductions.
+// keeps the hand heuristic (rules -2): the learned rules were trained on
+// sorted reductions.
 inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F) {
-  const int arch = r.any_order ? 0 : device_arch(r.src.get_device());
+  const int rules = r.any_order ? -2 : device_rules(r.src.get_device());
   const Config cfg =
-      resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments, arch));
+      resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments, rules));
   if (!r.any_order || cfg.is_sr()) return cfg;
   const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
   const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(F, n_t), 8, 64));

@@ -6,7 +6,7 @@ torch.ops.geot.* with CPU and CUDA kernels, autograd and fake kernels.
 from . import _ops  # noqa: F401
 from ._version import __version__
 from ._C import cuda_built
-from .config import Config, config_space, explain, explain_source, rules_mode, set_rules
+from .config import Config, config_space, explain, explain_source, rule_sets, rules_mode, set_rules
 from .hetero import attention_aggregate, edge_softmax, edge_softmax_, group_by_type, segment_matmul
 from .index import TransposedIndex, index_segment_reduce, index_weight_segment_reduce, transpose_index
 from .sddmm import sddmm
@@ -28,6 +28,7 @@ __all__ = [
     "index_segment_reduce",
     "index_weight_segment_reduce",
     "mark_static_index",
+    "rule_sets",
     "rules_mode",
     "sddmm",
     "segment_broadcast",

@@ -85,14 +85,24 @@ def _device_arch() -> int:
     return major * 10 + minor
 
 
-def _select(num_rows, num_segments, num_features, gathered, long_segments, arch):
+def _device_name() -> str:
+    """The current CUDA device's name, "" without a GPU."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+
+
+def _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu):
     hint = -1 if long_segments is None else int(long_segments)
     if not -1 <= hint <= 3 or (hint == -1 and long_segments is not None):
         raise ValueError(f"long_segments must be None, a bool or a level 0..3, got {long_segments!r}")
-    arch = _device_arch() if arch is None else arch
-    if not isinstance(arch, int) or arch < 0:
+    if arch is None and gpu is None:
+        arch, gpu = _device_arch(), _device_name()
+    if not isinstance(arch, (int, type(None))) or (arch or 0) < 0:
         raise ValueError(f"arch must be None or major * 10 + minor (e.g. 90 for sm_90), got {arch!r}")
-    config, source = _C.select_config(num_rows, num_segments, num_features, gathered, hint, arch)
+    if not isinstance(gpu, (str, type(None))):
+        raise ValueError(f"gpu must be None or a GPU name or slug (e.g. 'NVIDIA H200'), got {gpu!r}")
+    config, source = _C.select_config(num_rows, num_segments, num_features, gathered, hint, arch or 0, gpu or "")
     return Config(*config), source
 
 
@@ -104,6 +114,7 @@ def explain(
     long_segments: Optional[int] = None,
     arch: Optional[int] = None,
     verbose: bool = False,
+    gpu: Optional[str] = None,
 ) -> Config:
     """The config a CUDA call with these sizes would use.
 
@@ -112,11 +123,13 @@ def explain(
     which have their own rules; long_segments: how many of 64, 1024 and
     16384 rows the longest segment exceeds, 0..3 (True counts as 1; index
     validation measures it and caches it per index; None: unknown, as with
-    validation off); arch: compute capability as
-    major * 10 + minor (None: the current GPU's, 0 without one), which picks
-    the learned rules (csrc/generated/), else the hand heuristic. verbose
-    prints which of the two chose (explain_source)."""
-    config, source = _select(num_rows, num_segments, num_features, gathered, long_segments, arch)
+    validation off). The GPU picks the learned rules (csrc/generated/): those
+    trained on its model, else its architecture's fallback, else the hand
+    heuristic. gpu: a GPU name or rule-set slug ("NVIDIA H200",
+    "nvidia-h200"); arch: compute capability as major * 10 + minor (90 for
+    sm_90); both None: the current GPU's (none without one). verbose prints
+    which rules chose and why (explain_source)."""
+    config, source = _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu)
     if verbose:
         print(f"{config}: {source}")
     return config
@@ -129,16 +142,21 @@ def explain_source(
     gathered: bool = False,
     long_segments: Optional[int] = None,
     arch: Optional[int] = None,
+    gpu: Optional[str] = None,
 ) -> str:
-    """Which selector explain() (and a CUDA call) uses for these arguments:
-    "learned rules sm_90 from perfdb/<gpu>" or "hand heuristic (why)"."""
-    return _select(num_rows, num_segments, num_features, gathered, long_segments, arch)[1]
+    """Which selector explain() (and a CUDA call) uses for these arguments,
+    and why: "learned rules <slug> from perfdb/<gpu> (trained on this GPU
+    model, ...)", "(... sm_90 fallback: no rules for this GPU model)",
+    "(forced by GEOT_RULES / geot.set_rules)" or "hand heuristic (why)"."""
+    return _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu)[1]
 
 
 def set_rules(mode: str) -> None:
-    """"learned" (default): learned rules where the GPU has some; "heuristic":
-    always the hand heuristic (also set by the environment variable
-    GEOT_RULES=heuristic), e.g. to compare both in one build."""
+    """"learned" (default): each GPU's own rules (its model's, else its
+    architecture's); "heuristic": always the hand heuristic; a rule set's
+    slug (geot.rule_sets()): that rule set on every GPU. The environment
+    variable GEOT_RULES sets the same at startup, e.g. to compare the H200's
+    rules with the H100's and the heuristic in one build."""
     try:
         _C.set_rules(mode)
     except ValueError as err:
@@ -146,5 +164,14 @@ def set_rules(mode: str) -> None:
 
 
 def rules_mode() -> str:
-    """"learned" or "heuristic" (see set_rules)."""
+    """"learned", "heuristic" or the forced rule set's slug (see set_rules)."""
     return _C.rules_mode()
+
+
+def rule_sets() -> List[dict]:
+    """The learned rule sets compiled in (csrc/generated/rules_index.h): slug,
+    device, arch, source (perf DB), plain / gathered (which families have
+    rules), arch_fallback (used by GPUs of that architecture and no rules of
+    their own model)."""
+    keys = ("slug", "device", "arch", "source", "plain", "gathered", "arch_fallback")
+    return [dict(zip(keys, row)) for row in _C.learned_rule_sets()]

@@ -40,8 +40,7 @@ def build_info() -> Dict:
 
 def rule_sets() -> List[Dict]:
     """The learned rule sets compiled in (csrc/generated/rules_index.h)."""
-    return [{"arch": arch, "source": source, "plain": plain, "gathered": gathered}
-            for arch, source, plain, gathered in _C.learned_rule_sets()]
+    return geot.rule_sets()
 
 
 def runs_on(cuda_archs: List[int], arch: int) -> bool:
@@ -64,7 +63,8 @@ def gpus(info: Dict) -> List[Dict]:
             "name": torch.cuda.get_device_name(device),
             "arch": arch,
             "kernels": info["cuda_built"] and runs_on(info["cuda_archs"], arch),
-            "config_rules": geot.explain_source(1 << 20, 1 << 16, 64, arch=arch),
+            "config_rules": geot.explain_source(1 << 20, 1 << 16, 64, arch=arch,
+                                                gpu=torch.cuda.get_device_name(device)),
         })
     return seen
 
@@ -89,10 +89,12 @@ def print_report(r: Dict) -> None:
     print(f"torch      {r['torch']} (CUDA {r['torch_cuda'] or 'none'})")
     if _minor(r["torch"]) != _minor(r["torch_at_build"]):
         print(f"           warning: geot was compiled against torch {r['torch_at_build']}; rebuild it for this torch")
-    sets = [f"{_arch_name(s['arch'])} from {s['source']} ("
-            + ", ".join(family for family in ("plain", "gathered") if s[family]) + " rows)" for s in r["rules"]]
+    sets = [f"{s['slug']} ({_arch_name(s['arch'])}{', its fallback' if s['arch_fallback'] else ''}) from "
+            f"{s['source']} (" + ", ".join(family for family in ("plain", "gathered") if s[family]) + " rows)"
+            for s in r["rules"]]
     print(f"rules      {'; '.join(sets) or 'none'}; mode {r['rules_mode']} "
-          "(other GPUs: the nearest architecture of the same major version, else the hand heuristic)")
+          "(a GPU uses its model's rules, else its architecture's fallback (the nearest of the same major "
+          "version), else the hand heuristic)")
     if not r["gpus"]:
         print("GPU        none")
     for gpu in r["gpus"]:

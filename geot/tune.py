@@ -78,11 +78,11 @@ def report_dispatch() -> None:
     probe = (
         "import geot\n"
         "from geot import _C\n"
-        "from geot.config import _device_arch\n"
-        "arch = _device_arch()\n"
-        "source = geot.explain_source(1 << 20, 1 << 16, 64, arch=arch)\n"
+        "from geot.config import _device_arch, _device_name\n"
+        "arch, name = _device_arch(), _device_name()\n"
+        "source = geot.explain_source(1 << 20, 1 << 16, 64)\n"
         "ns = _C.selection_cost_ns(1 << 20, 1 << 16, 64, False, 1, arch, 1000000)\n"
-        "print(f'dispatch for sm_{arch}, E=2^20, F=64: {source}; {ns:.1f} ns per call')\n"
+        "print(f'dispatch for {name} (sm_{arch}), E=2^20, F=64: {source}; {ns:.1f} ns per call')\n"
     )
     subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True)
 

@@ -111,6 +111,15 @@ GENERATED_DEFAULT = [
     # above): more of them, cheap to sweep (~7 s a graph).
     "powerlaw:num_nodes=30000,avg_degree=20,exponent=2.0",
     "uniform:num_nodes=2000,degree=32",
+    # The worst held-out cells of the H100 DBs had no neighbour in the corpus:
+    # a tiny graph with one segment of ~900 rows (the long-segment level
+    # cannot tell it from cora's 168) and even degree 128 (between uniform 64
+    # and skewed graphs of mean 100). Neighbours for both, cheap to sweep.
+    "hubs:num_nodes=2000,avg_degree=3,num_hubs=1,hub_min=400,hub_max=1000",
+    "hubs:num_nodes=5000,avg_degree=4,num_hubs=2,hub_min=200,hub_max=900",
+    "uniform:num_nodes=8000,degree=128",
+    "uniform:num_nodes=4000,degree=256",
+    "uniform:num_nodes=40000,degree=200",
 ]
 
 GENERATED_FULL = GENERATED_DEFAULT + [

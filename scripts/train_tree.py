@@ -1,12 +1,17 @@
 """Trains the learned kernel-config rules from the perf databases.
 
-For every perfdb/<gpu>/device.json, fits a decision tree per kernel family
-(segment_reduce.csv: plain rows; index_weight_segment_reduce.csv: gathered
-rows) and writes csrc/generated/rules_sm<major><minor>.h, then
-csrc/generated/rules_index.h listing the architectures. Rebuild the extension
-afterwards (python -m geot.tune does all of it).
+For every perfdb/<gpu>/device.json (one GPU model each), fits a decision tree
+per kernel family (segment_reduce.csv: plain rows;
+index_weight_segment_reduce.csv: gathered rows) and writes
+csrc/generated/rules_<gpu-slug>.h, then csrc/generated/rules_index.h listing
+the GPU models and, per architecture, the rule set a GPU of no listed model
+falls back to (the largest DB's). A GPU's cells are joined by the cells of
+the graphs its DB lacks from the other DBs of its architecture
+(with_donors), which are not scored. Rebuild the extension afterwards
+(python -m geot.tune does all of it).
 
-    python scripts/train_tree.py
+    python scripts/train_tree.py              # every perfdb/<gpu>/, with the held-out figures
+    python scripts/train_tree.py --no-eval    # the same headers, without the held-out evaluation
     python scripts/train_tree.py --perfdb perfdb --out csrc/generated
 
 The trees: each cell (graph, F) is a sample with the features of
@@ -25,15 +30,18 @@ distilled into one DecisionTreeClassifier, small enough to be an if/else
 (distill). The schedule (SR/PR/SP) is part of the pick, so the SR/PR switch
 is learned with the rest rather than fixed (GeoT's F > 4 -> SR). An if/else
 on F (geometric midpoints between swept widths) sits on top. The printed
-held-out figures are cross-validation over held-out graphs (GroupKFold): no
-hyperparameter is chosen on them (the forest grows full trees; the distilled
-tree has a fixed leaf budget).
+held-out figures are cross-validation (GroupKFold) leaving out graphs, base
+graphs (with their augmentations) and whole generator families (HOLDOUTS):
+no hyperparameter is chosen on them (the forest grows full trees; the
+distilled tree has a fixed leaf budget). The headers hold no held-out figure,
+so --no-eval writes them byte for byte the same.
 """
 import argparse
 import glob
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -117,7 +125,10 @@ FOREST_TREES = 64
 # by best - mean predicted gain 0.9524, 0.9532 (mean over 4 seeds within
 # 0.0003 of unweighted); relabelling the classifier's leaves with the argmax
 # of the mean predicted gain 0.9523, 0.9518.
-DISTILL_POINTS = 20000
+# 10000 points held out within 0.002 of 20000 (H100 DBs, by graph: plain
+# 0.951 against 0.953, gathered 0.951 against 0.952) in about half the time
+# (the forest's predictions on them are most of a fit).
+DISTILL_POINTS = 10000
 DISTILL_LEAVES = 128
 
 
@@ -156,6 +167,12 @@ class Family:
     configs: np.ndarray  # [C, 5] every config timed, sorted
     times: np.ndarray  # [cells, C] ms; NaN: no equivalent launch timed (the sweep pruned it for that F)
     X: np.ndarray  # [cells, len(FEATURES)]
+    donated: Optional[np.ndarray] = None  # [cells] bool: a cell of another GPU's DB (with_donors); None: none
+
+    @property
+    def own(self) -> np.ndarray:
+        """The cells of this GPU's DB: the ones scored."""
+        return np.ones(len(self.X), bool) if self.donated is None else ~self.donated
 
     @property
     def timed(self) -> np.ndarray:
@@ -222,6 +239,31 @@ def load_family(path: str) -> Family:
     X = np.array([rule_features(int(c.E), int(c.num_segments), int(c.F), long_level(int(c.max_deg)))
                   for c in cells.itertuples()])
     return Family(cells, configs, time_table(timed, cells, configs), X)
+
+
+def with_donors(own: Family, donors: List[Family]) -> Family:
+    """own's cells, then the cells of the graphs own lacks from donors (the
+    DBs of other GPUs of its architecture, in order), marked donated. Within
+    an architecture the ranking of configs carries over far better than
+    nothing: a DB cut short by its sweep budget (the H200's, 26 of the H100's
+    46 graphs) held out, by graph, plain 0.907 -> 0.934, gathered 0.913 ->
+    0.931; by base graph 0.865 -> 0.921, 0.880 -> 0.914."""
+    parts, seen = [own], set(own.cells.graph)
+    for donor in donors:
+        lacking = ~donor.cells.graph.isin(seen).to_numpy()
+        if not lacking.any():
+            continue
+        seen |= set(donor.cells.graph[lacking])
+        column = {tuple(c): i for i, c in enumerate(donor.configs.tolist())}
+        times = np.full((int(lacking.sum()), len(own.configs)), np.nan)
+        for j, config in enumerate(own.configs.tolist()):
+            if tuple(config) in column:
+                times[:, j] = donor.times[lacking, column[tuple(config)]]
+        parts.append(Family(donor.cells[lacking], own.configs, times, donor.X[lacking]))
+    donated = np.concatenate([np.full(len(part.X), part is not own) for part in parts])
+    return Family(pd.concat([part.cells for part in parts], ignore_index=True), own.configs,
+                  np.concatenate([part.times for part in parts]), np.concatenate([part.X for part in parts]),
+                  donated if donated.any() else None)
 
 
 @dataclass
@@ -359,22 +401,43 @@ def depth(tree: Node) -> int:
 def group_folds(groups: np.ndarray):
     n_groups = len(np.unique(groups))
     if n_groups < 2:
-        raise ValueError(f"cross-validation needs cells of at least 2 graphs, got {n_groups}")
+        raise ValueError(f"cross-validation needs cells of at least 2 groups, got {n_groups}")
     return GroupKFold(n_splits=min(MAX_FOLDS, n_groups)).split(np.zeros(len(groups)), groups=groups)
 
 
-def held_out_gain(family: Family, groups: np.ndarray) -> np.ndarray:
-    """Gain of each cell's pick by a tree that never saw its group (the
-    trainer has no hyperparameter chosen on held-out cells to nest). The
-    folds train in parallel processes (each tree is the same either way)."""
-    folds = list(group_folds(groups))
-    fit = delayed(fit_tree)
-    trees = Parallel(n_jobs=min(len(folds), os.cpu_count() or 1))(
-        fit(family.X[train], family.target[train], family.timed[train]) for train, _ in folds)
-    out = np.empty(len(family.X))
+def graph_family(base_graph: str) -> str:
+    """The generator of a corpus graph (perfdb/corpus.py): 'powerlaw',
+    'uniform', 'hubs' for generated ones ('uniform(num_nodes=...)'), 'real'
+    for the shared graphs and their augmentations."""
+    return base_graph.split("(", 1)[0] if "(" in base_graph else "real"
+
+
+# What the held-out figures leave out together: a graph (each augmented
+# variant a graph of its own, as in GeoT), a base graph with all its
+# augmentations, a whole generator family.
+HOLDOUTS = (("graph", "graph"), ("base", "base_graph"), ("family", "family"))
+
+
+def holdout_groups(cells: pd.DataFrame, holdout: str) -> np.ndarray:
+    column = dict(HOLDOUTS)[holdout]
+    if column == "family":
+        return cells.base_graph.map(graph_family).to_numpy()
+    return cells[column].to_numpy()
+
+
+def held_out_folds(family: Family, groups: np.ndarray) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """(train, test) cell indices of the folds that leave out groups (of
+    cells from any GPU's DB) and test some own cell."""
+    return [(train, test) for train, test in group_folds(groups) if family.own[test].any()]
+
+
+def held_out_gain(family: Family, folds, trees: List[Node]) -> np.ndarray:
+    """Gain of each own cell's pick by the tree of the fold that left it out
+    (the trainer has no hyperparameter chosen on held-out cells to nest)."""
+    out = np.full(len(family.X), np.nan)
     for (_, test), tree in zip(folds, trees):
         out[test] = family.gain[test, predict(tree, family.X[test])]
-    return out
+    return out[family.own]
 
 
 @dataclass
@@ -384,38 +447,56 @@ class Trained:
     summary: dict
 
 
-def ratios(gains: np.ndarray) -> Tuple[float, float]:
-    """(geomean, worst) of oracle / pick."""
-    return float(2 ** gains.mean()), float(2 ** gains.min())
+def ratios(gains: np.ndarray, graphs: np.ndarray) -> Tuple[float, float, float]:
+    """(geomean, worst cell, worst graph) of oracle / pick; a graph's figure
+    is the geomean over its cells (one per swept F)."""
+    per_graph = pd.Series(gains).groupby(graphs).mean()
+    return float(2 ** gains.mean()), float(2 ** gains.min()), float(2 ** per_graph.min())
 
 
-def train_family(family: Family) -> Trained:
-    """The tree on every cell, hyperparameters by cross-validation over held-out
-    graphs; evaluated on held-out graphs (each augmented variant is a graph of
-    its own, as in GeoT) and, stricter, held-out base graphs (a graph and all
-    its augmentations left out together)."""
-    graphs, bases = family.cells.graph.to_numpy(), family.cells.base_graph.to_numpy()
-    everything = np.arange(len(family.X))
-    tree = fit_tree(family.X, family.target, family.timed)
-    summary = dict(cells=len(family.X), graphs=len(np.unique(graphs)), bases=len(np.unique(bases)),
+def train_family(family: Family, evaluate: bool = True) -> Trained:
+    """The tree on every cell; with `evaluate`, also scored on held-out cells
+    (HOLDOUTS), against the hand heuristic's picks and on the training set.
+    The fits run in parallel processes (each tree is the same either way)."""
+    own = family.own
+    graphs = family.cells.graph.to_numpy()[own]
+    folds = {}
+    for holdout, _ in HOLDOUTS if evaluate else ():
+        groups = holdout_groups(family.cells, holdout)
+        if len(np.unique(groups[own])) > 1:  # a DB of one generator family has no family-out figure
+            folds[holdout] = held_out_folds(family, groups)
+    fits = [np.arange(len(family.X))] + [train for holdout in folds for train, _ in folds[holdout]]
+    fit = delayed(fit_tree)
+    trees = Parallel(n_jobs=min(len(fits), os.cpu_count() or 1))(
+        fit(family.X[train], family.target[train], family.timed[train]) for train in fits)
+    tree = trees.pop(0)
+    summary = dict(cells=int(own.sum()), graphs=len(np.unique(graphs)), donated=int((~own).sum()),
                    configs=len(family.configs), depth=depth(tree), leaves=leaves(tree))
-    for name, gains in (("cv", held_out_gain(family, graphs)), ("cv_base", held_out_gain(family, bases)),
-                        ("heuristic", family.heuristic_gain),
-                        ("train", family.gain[everything, predict(tree, family.X)])):
-        summary[f"{name}_geomean"], summary[f"{name}_worst"] = ratios(gains)
+    scored = [("train", family.gain[own][np.arange(own.sum()), predict(tree, family.X[own])])]
+    for holdout, holdout_folds in folds.items():
+        scored.append((holdout, held_out_gain(family, holdout_folds, trees[:len(holdout_folds)])))
+        del trees[:len(holdout_folds)]
+    if evaluate:
+        scored.append(("heuristic", family.heuristic_gain[own]))
+    for name, gains in scored:
+        summary[f"{name}_geomean"], summary[f"{name}_worst"], summary[f"{name}_worst_graph"] = ratios(gains, graphs)
     return Trained(tree, family.configs, summary)
 
 
 def describe(summary: dict) -> List[str]:
+    """The summary's lines: the tree, then the held-out figures if evaluated."""
     s = summary
-    return [
-        f"{s['cells']} cells of {s['graphs']} graphs, {s['configs']} configs; "
-        f"distilled tree of depth {s['depth']}, {s['leaves']} leaves",
-        f"oracle/pick on held-out graphs: geomean {s['cv_geomean']:.3f}, worst {s['cv_worst']:.3f}; "
-        f"held-out base graphs ({s['bases']}): {s['cv_base_geomean']:.3f}, worst {s['cv_base_worst']:.3f} "
-        f"(hand heuristic: {s['heuristic_geomean']:.3f}, worst {s['heuristic_worst']:.3f}; "
-        f"training set: {s['train_geomean']:.3f}, worst {s['train_worst']:.3f})",
-    ]
+    donated = f" (and {s['donated']} of graphs it lacks from DBs of its architecture)" if s["donated"] else ""
+    lines = [f"{s['cells']} cells of {s['graphs']} graphs{donated}, {s['configs']} configs; distilled tree of depth "
+             f"{s['depth']}, {s['leaves']} leaves; training set: oracle/pick geomean {s['train_geomean']:.3f}, "
+             f"worst cell {s['train_worst']:.3f}"]
+    if "heuristic_geomean" in s:
+        figures = [f"{name} {s[name + '_geomean']:.3f} (worst cell {s[name + '_worst']:.3f}, "
+                   f"graph {s[name + '_worst_graph']:.3f})" for name, _ in HOLDOUTS if name + "_geomean" in s]
+        lines.append("oracle/pick held out by " + ", ".join(figures) + "; hand heuristic "
+                     f"{s['heuristic_geomean']:.3f} (worst cell {s['heuristic_worst']:.3f}, "
+                     f"graph {s['heuristic_worst_graph']:.3f})")
+    return lines
 
 
 # ---- code generation ----
@@ -437,8 +518,7 @@ def emit_node(node: Node, configs: np.ndarray, indent: str) -> List[str]:
 
 
 def emit_selector(name: str, family: str, trained: Trained) -> List[str]:
-    first, second = describe(trained.summary)
-    comment = [f"// {family} rows: {first}", f"//   {second}"]
+    comment = [f"// {family} rows: {describe(trained.summary)[0]}"]
     if trained.tree.feature < 0:
         return comment + [f"inline Config {name}(const Features&) {{",
                           "  " + config_literal(trained.configs[trained.tree.pick]), "}"]
@@ -446,43 +526,84 @@ def emit_selector(name: str, family: str, trained: Trained) -> List[str]:
             + emit_node(trained.tree, trained.configs, "  ") + ["}"])
 
 
-def arch_namespace(arch: int) -> str:
-    return f"sm{arch}"
+@dataclass
+class RuleSetEntry:
+    """One GPU's rules, as rules_index.h lists them."""
+
+    slug: str  # device_slug(device): the runtime matches a GPU's name to it
+    device: str
+    arch: int
+    source: str  # "perfdb/<dir>"
+    families: List[str]
+    cells: int  # finished cells over its families: the arch fallback is the largest DB
+
+    @property
+    def namespace(self) -> str:
+        return "gpu_" + self.slug.replace("-", "_")
+
+    @property
+    def header(self) -> str:
+        return f"rules_{self.slug}.h"
 
 
-def emit_header(source: str, device_name: str, arch: int, trained: dict) -> str:
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3', as bench/common.py
+    and device_slug in csrc/rules.cpp make it."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def emit_header(entry: RuleSetEntry, trained: dict) -> str:
     csvs = ", ".join(csv for family, csv, _ in FAMILIES if family in trained)
     lines = [
-        f"// Generated by scripts/train_tree.py from {source}/ ({csvs}):",
-        f"// {device_name}, sm_{arch}. Do not edit; rerun python scripts/train_tree.py.",
+        f"// Generated by scripts/train_tree.py from {entry.source}/ ({csvs}):",
+        f"// {entry.device}, sm_{entry.arch}. Do not edit; rerun python scripts/train_tree.py.",
         "#pragma once",
         "",
         '#include "../rules.h"',
         "",
-        f"namespace geot {{\nnamespace generated {{\nnamespace {arch_namespace(arch)} {{",
+        f"namespace geot {{\nnamespace generated {{\nnamespace {entry.namespace} {{",
     ]
     for family, _, name in FAMILIES:
         if family in trained:
             lines += [""] + emit_selector(name, family, trained[family])
-    lines += ["", f"}}  // namespace {arch_namespace(arch)}", "}  // namespace generated", "}  // namespace geot"]
+    lines += ["", f"}}  // namespace {entry.namespace}", "}  // namespace generated", "}  // namespace geot"]
     return "\n".join(lines) + "\n"
 
 
-def emit_index(rule_sets: List[Tuple[int, str, List[str]]]) -> str:
-    """rule_sets: (arch, source, families) sorted by arch."""
-    lines = ["// Generated by scripts/train_tree.py: the architectures with learned rules.",
-             "// Do not edit; rerun python scripts/train_tree.py.", "#pragma once", "", "#include <array>", "",
-             '#include "../rules.h"']
-    lines += [f'#include "rules_sm{arch}.h"' for arch, _, _ in rule_sets]
+def arch_fallbacks(entries: List[RuleSetEntry]) -> List[Tuple[int, int]]:
+    """(arch, index into entries) per architecture: the rule set of the
+    largest perf DB of that architecture (the first slug on a tie)."""
+    best = {}
+    for i, entry in enumerate(entries):
+        if entry.arch not in best or entry.cells > entries[best[entry.arch]].cells:
+            best[entry.arch] = i
+    return sorted(best.items())
+
+
+def emit_index(entries: List[RuleSetEntry]) -> str:
+    """entries: sorted by slug."""
+    lines = ["// Generated by scripts/train_tree.py: the GPU models with learned rules, and the rule set",
+             "// each architecture falls back to. Do not edit; rerun python scripts/train_tree.py.", "#pragma once",
+             "", "#include <array>", "", '#include "../rules.h"']
+    lines += [f'#include "{entry.header}"' for entry in entries]
     lines += ["", "namespace geot {\nnamespace generated {", ""]
-    if not rule_sets:
+    if not entries:
         lines.append("inline constexpr std::array<RuleSet, 0> kRuleSets = {};")
     else:
-        lines.append(f"inline constexpr std::array<RuleSet, {len(rule_sets)}> kRuleSets = {{{{")
-        for arch, source, families in rule_sets:
-            selectors = [f"&{arch_namespace(arch)}::{name}" if family in families else "nullptr"
+        lines.append(f"inline constexpr std::array<RuleSet, {len(entries)}> kRuleSets = {{{{")
+        for entry in entries:
+            selectors = [f"&{entry.namespace}::{name}" if family in entry.families else "nullptr"
                          for family, _, name in FAMILIES]
-            lines.append(f'    {{{arch}, {json.dumps(source)}, {", ".join(selectors)}}},')
+            fields = [json.dumps(entry.slug), json.dumps(entry.device), str(entry.arch), json.dumps(entry.source)]
+            lines.append(f"    {{{', '.join(fields + selectors)}}},")
+        lines.append("}};")
+    fallbacks = arch_fallbacks(entries)
+    lines += ["", "// Per architecture, the largest perf DB's rules: for GPUs of no listed model."]
+    if not fallbacks:
+        lines.append("inline constexpr std::array<ArchFallback, 0> kArchFallbacks = {};")
+    else:
+        lines.append(f"inline constexpr std::array<ArchFallback, {len(fallbacks)}> kArchFallbacks = {{{{")
+        lines += [f"    {{{arch}, {i}}},  // {entries[i].slug}" for arch, i in fallbacks]
         lines.append("}};")
     lines += ["", "}  // namespace generated", "}  // namespace geot"]
     return "\n".join(lines) + "\n"
@@ -499,20 +620,52 @@ def read_device(path: str) -> Tuple[str, int]:
         device = json.load(f)
     try:
         major, minor = device["capability"]
-        return str(device["name"]), int(major) * 10 + int(minor)
+        name = str(device["name"])
+        if not device_slug(name):
+            raise ValueError
+        return name, int(major) * 10 + int(minor)
     except (KeyError, TypeError, ValueError):
         raise ValueError(f'{path}: want {{"name": ..., "capability": [major, minor]}}, got {device}') from None
 
 
-def train_device(db_dir: str, source: str) -> dict:
-    trained = {}
+@dataclass
+class PerfDB:
+    """One perfdb/<gpu>/: its device and its families' tables."""
+
+    source: str  # "perfdb/<dir>"
+    device: str
+    arch: int
+    families: dict  # family -> Family
+
+    @property
+    def slug(self) -> str:
+        return device_slug(self.device)
+
+
+def load_perfdb(device_json: str, root: str) -> PerfDB:
+    db_dir = os.path.dirname(device_json)
+    source = f"{os.path.basename(os.path.normpath(root))}/{os.path.basename(db_dir)}"
+    device, arch = read_device(device_json)
+    families = {}
     for family, csv, _ in FAMILIES:
         paths = [p for p in (os.path.join(db_dir, csv), os.path.join(db_dir, csv + ".gz")) if os.path.exists(p)]
         if paths:  # the committed DBs are gzipped; a sweep in progress writes plain CSV
-            path = paths[0]
-            print(f"{source}/{os.path.basename(path)} ({family} rows):")
-            trained[family] = train_family(load_family(path))
-            print("\n".join("  " + line for line in describe(trained[family].summary)))
+            families[family] = load_family(paths[0])
+    return PerfDB(source, device, arch, families)
+
+
+def train_device(db: PerfDB, donors: List[PerfDB], evaluate: bool) -> dict:
+    """Each family's rules for db's GPU, from its cells and the donors' of
+    graphs it lacks (with_donors)."""
+    trained = {}
+    for family, csv, _ in FAMILIES:
+        if family in db.families:
+            gave = [donor for donor in donors if family in donor.families]
+            print(f"{db.source}/{csv} ({family} rows"
+                  + (f"; graphs it lacks from {', '.join(d.source for d in gave)}" if gave else "") + "):", flush=True)
+            pooled = with_donors(db.families[family], [donor.families[family] for donor in gave])
+            trained[family] = train_family(pooled, evaluate)
+            print("\n".join("  " + line for line in describe(trained[family].summary)), flush=True)
     return trained
 
 
@@ -520,31 +673,37 @@ def main(argv=None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--perfdb", default=os.path.join(ROOT, "perfdb"), help="perf DB root (default perfdb/)")
     parser.add_argument("--out", default=os.path.join(ROOT, "csrc", "generated"), help="header directory")
+    parser.add_argument("--no-eval", dest="evaluate", action="store_false",
+                        help="skip the held-out evaluation (the headers come out the same)")
     args = parser.parse_args(argv)
 
     os.makedirs(args.out, exist_ok=True)
-    archs, rule_sets, table = {}, [], []
+    dbs = {}
     for device_json in sorted(glob.glob(os.path.join(args.perfdb, "*", "device.json"))):
-        db_dir = os.path.dirname(device_json)
-        source = f"{os.path.basename(os.path.normpath(args.perfdb))}/{os.path.basename(db_dir)}"
-        device_name, arch = read_device(device_json)
-        if arch in archs:
-            raise ValueError(f"{archs[arch]} and {source} are both sm_{arch}: keep one perf DB per architecture")
-        archs[arch] = source
-        trained = train_device(db_dir, source)
-        if not trained:
-            print(f"{source}: no family CSV, skipped")
+        db = load_perfdb(device_json, args.perfdb)
+        if db.slug in dbs:
+            raise ValueError(f"{dbs[db.slug].source} and {db.source} are both {db.device}: keep one perf DB per GPU")
+        if not db.families:
+            print(f"{db.source}: no family CSV, skipped")
             continue
-        write(os.path.join(args.out, f"rules_sm{arch}.h"), emit_header(source, device_name, arch, trained))
-        rule_sets.append((arch, source, sorted(trained)))
-        table += [dict(arch=f"sm_{arch}", family=family, **t.summary) for family, t in trained.items()]
+        dbs[db.slug] = db
+    entries, table = [], []
+    for slug in sorted(dbs):
+        db = dbs[slug]
+        donors = [dbs[other] for other in sorted(dbs) if other != slug and dbs[other].arch == db.arch]
+        trained = train_device(db, donors, args.evaluate)
+        entry = RuleSetEntry(slug, db.device, db.arch, db.source, sorted(trained),
+                             sum(t.summary["cells"] for t in trained.values()))
+        entries.append(entry)
+        write(os.path.join(args.out, entry.header), emit_header(entry, trained))
+        table += [dict(gpu=slug, arch=f"sm_{db.arch}", family=family, **t.summary) for family, t in trained.items()]
 
-    kept = {f"rules_sm{arch}.h" for arch, _, _ in rule_sets}
-    for stale in sorted(glob.glob(os.path.join(args.out, "rules_sm*.h"))):
+    kept = {entry.header for entry in entries} | {"rules_index.h"}
+    for stale in sorted(glob.glob(os.path.join(args.out, "rules_*.h"))):
         if os.path.basename(stale) not in kept:
             os.remove(stale)
             print(f"removed {stale}")
-    write(os.path.join(args.out, "rules_index.h"), emit_index(sorted(rule_sets)))
+    write(os.path.join(args.out, "rules_index.h"), emit_index(entries))
     summary = pd.DataFrame(table)
     print_summary(summary)
     return summary
@@ -552,11 +711,14 @@ def main(argv=None) -> pd.DataFrame:
 
 def print_summary(summary: pd.DataFrame) -> None:
     if summary.empty:
-        print("no perf DB found (perfdb/<gpu>/device.json): the rules index lists no architecture")
+        print("no perf DB found (perfdb/<gpu>/device.json): the rules index lists no GPU")
         return
-    columns = ["arch", "family", "cells", "graphs", "depth", "leaves", "cv_geomean", "cv_worst", "cv_base_geomean",
-               "heuristic_geomean", "heuristic_worst", "train_geomean"]
-    print("\noracle/pick (geomean, worst): cv = held-out graphs (GroupKFold)")
+    columns = ["gpu", "family", "cells", "graphs", "leaves", "train_geomean"]
+    names = [name for name, _ in HOLDOUTS] + ["heuristic"]
+    held_out = [f"{name}_{figure}" for name in names for figure in ("geomean", "worst", "worst_graph")]
+    columns += [c for c in held_out if c in summary.columns]
+    print("\noracle/pick: geomean, worst cell, worst graph; held out by graph, base graph (with its "
+          "augmentations), generator family (GroupKFold); the hand heuristic's")
     print(summary[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
 
 
