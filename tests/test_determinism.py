@@ -120,7 +120,7 @@ def test_segment_reduce(reduce, dtype, config):
     src = torch.randn(dst.numel(), 16, device="cuda").to(dtype)
     kw = {} if config is None else {"config": config}
     out = assert_repeatable(lambda: geot.segment_reduce(dst, src, reduce, S, **kw))
-    assert_matches_ref(out, dst.cpu(), src.cpu(), reduce, S, f"segment_reduce {config}")
+    assert_matches_ref(out.cpu(), dst.cpu(), src.cpu(), reduce, S, f"segment_reduce {config}")
 
 
 @requires_cuda
@@ -139,7 +139,7 @@ def test_weighted_reduce(reduce, dtype, config):
         torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
                                    atol=1e-1 if dtype == torch.bfloat16 else 1e-2)
     else:  # one of the products, rounded once: exact
-        assert_matches_ref(out, dst.cpu().long(), rows.to(dtype), reduce, S, f"weighted {config}")
+        assert_matches_ref(out.cpu(), dst.cpu().long(), rows.to(dtype), reduce, S, f"weighted {config}")
 
 
 @requires_cuda
@@ -281,7 +281,7 @@ def test_mode_toggles_back():
         det = geot.segment_reduce(dst, src, "sum", S)
     assert not torch.are_deterministic_algorithms_enabled()
     plain = geot.segment_reduce(dst, src, "sum", S)
-    assert_matches_ref(plain, dst.cpu(), src.cpu(), "sum", S, "default")
+    assert_matches_ref(plain.cpu(), dst.cpu(), src.cpu(), "sum", S, "default")
     torch.testing.assert_close(plain, det, rtol=1e-4, atol=1e-3)
 
 
