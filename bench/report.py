@@ -40,6 +40,12 @@ GPU_NAMES = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200", "a100": "NV
 # ----------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------
+
+def cells(n: int) -> str:
+    """'1 cell', '4 cells'."""
+    return f"{n} cell" if n == 1 else f"{n} cells"
+
+
 def geomean(values) -> float:
     vals = [float(v) for v in values if v is not None and math.isfinite(float(v)) and float(v) > 0]
     return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else float("nan")
@@ -236,7 +242,7 @@ class E2E(Bench):
             parts = []
             for mode in ("inference", "train"):
                 r = ratio[ratio.index.get_level_values("mode") == mode]
-                parts.append(f"{mode} {geomean(r):.2f}× (lowest {r.min():.2f}×, {len(r)} cells)")
+                parts.append(f"{mode} {geomean(r):.2f}× (lowest {r.min():.2f}×, {cells(len(r))})")
             out.append(f"\ngeot compiled against geot eager: {'; '.join(parts)}.")
         image = f"e2e_{gpu}.png"
         self.plot(df, os.path.join(img_dir, image))
@@ -337,7 +343,7 @@ class SegmentReduce(Bench):
                  ("speedup_vs_heuristic", "hand heuristic")]
         summary = [[label, f"{geomean(df[c]):.2f}×", worst_cell(df, c, ("graph", "F")),
                     f"{int((df[c] < 1).sum())} of {int(df[c].notna().sum())}"] for c, label in peers if c in df]
-        out = [f"{len(df)} cells, fp32 sum. geot's speedup (peer time / geot time):\n",
+        out = [f"{cells(len(df))}, fp32 sum. geot's speedup (peer time / geot time):\n",
                markdown_table(["against", "geomean", "worst cell", "cells below 1"], summary, "lrll")]
         image = f"segment_reduce_{gpu}.png"
         speedup_plot(df, "speedup_vs_best_native", "speedup over the fastest torch peer",
@@ -354,7 +360,7 @@ class SegmentReduce(Bench):
         return "\n".join(out)
 
     def headline(self, df):
-        return [[f"`segment_reduce`, fp32 sum (`segment_reduce.py`, {len(df)} cells)", "fastest torch peer",
+        return [[f"`segment_reduce`, fp32 sum (`segment_reduce.py`, {cells(len(df))})", "fastest torch peer",
                  f"{geomean(df['speedup_vs_best_native']):.2f}×"]]
 
 
@@ -376,7 +382,7 @@ class Spmm(Bench):
                  ("x_vs_composite", "`index_select` + `index_add_`"), ("x_vs_geot_heuristic", "hand heuristic")]
         summary = [[label, f"{geomean(df[c]):.2f}×", worst_cell(df, c, ("graph", "F")),
                     f"{int((df[c] < 1).sum())} of {int(df[c].notna().sum())}"] for c, label in peers if c in df]
-        out = [f"{len(df)} cells, fp32. geot's speedup (peer time / geot time):\n",
+        out = [f"{cells(len(df))}, fp32. geot's speedup (peer time / geot time):\n",
                markdown_table(["against", "geomean", "worst cell", "cells below 1"], summary, "lrll")]
         image = f"spmm_{gpu}.png"
         speedup_plot(df, "x_vs_cusparse", "speedup over cuSPARSE", os.path.join(img_dir, image))
@@ -390,7 +396,7 @@ class Spmm(Bench):
         return "\n".join(out)
 
     def headline(self, df):
-        return [[f"SpMM forward, fp32 (`spmm.py`, {len(df)} cells)", "cuSPARSE (`torch.sparse.mm`, CSR)",
+        return [[f"SpMM forward, fp32 (`spmm.py`, {cells(len(df))})", "cuSPARSE (`torch.sparse.mm`, CSR)",
                  f"{geomean(df['x_vs_cusparse']):.2f}×"]]
 
 
@@ -445,7 +451,7 @@ class HeteroAttention(Bench):
         save_figure(fig, path)
 
     def headline(self, df):
-        return [[f"GAT inference aggregation (`hetero.py`, {len(df)} cells)", "PyG GATConv's steps",
+        return [[f"GAT inference aggregation (`hetero.py`, {cells(len(df))})", "PyG GATConv's steps",
                  f"{geomean(df['x_vs_pyg']):.2f}×"]]
 
 
@@ -510,7 +516,7 @@ class GinSum(Bench):
     def headline(self, df):
         table = self.wide(df)
         parts = [f"{geomean(sel['ratio']):.2f}× {dtype}" for dtype, sel in table.groupby(level="dtype", sort=False)]
-        return [[f"GIN's aggregation in CUDA graphs (`gin_sum.py`, {len(table)} cells)",
+        return [[f"GIN's aggregation in CUDA graphs (`gin_sum.py`, {cells(len(table))})",
                  "inductor's fused scatter (PyG compiled)", ", ".join(parts)]]
 
 
@@ -551,7 +557,7 @@ class MiniBatch(Bench):
 
     def headline(self, df):
         eager = df[df["path"] == "geot"]
-        return [[f"Sampled GraphSAGE training, eager (`minibatch.py`, {len(eager)} cells)",
+        return [[f"Sampled GraphSAGE training, eager (`minibatch.py`, {cells(len(eager))})",
                  "fastest of PyG eager / compiled", f"{geomean(eager['speedup']):.2f}×"]]
 
 
