@@ -43,7 +43,7 @@ void launch(const Op& op, const at::Tensor& dst_index, int64_t E, int64_t H, int
 template <typename index_t, typename acc_t, typename Op>
 void launch_per_edge(const Op& op, const at::Tensor& index, const at::Tensor& per_destination, int64_t E, int64_t H) {
   const int threads = 256;
-  const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(E * H, threads), 65536)));
+  const unsigned blocks = grid_stride_blocks(E * H, threads);
   softmax::per_edge_kernel<index_t, acc_t, Op><<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       op, index.data_ptr<index_t>(), per_destination.data_ptr<acc_t>(), E, H, per_destination.size(0));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

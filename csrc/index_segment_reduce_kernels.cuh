@@ -11,12 +11,6 @@
 
 namespace geot {
 
-// VEC consecutive values loaded as one 16-byte (or narrower) access.
-template <typename scalar_t, int VEC>
-struct alignas(sizeof(scalar_t) * VEC) Packed {
-  scalar_t v[VEC];
-};
-
 // out[e, h] = <a[dst[e], h, :], b[src[e], h, :]> over head_size features.
 // A tile of `group` lanes (a power of two <= 32) takes one (edge, head) item:
 // lanes stride over the features VEC at a time (one vector load each from a
@@ -29,7 +23,7 @@ __global__ void edge_dot_kernel(const index_t* __restrict__ src_index, const ind
                                 const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
                                 scalar_t* __restrict__ out, int64_t E, int64_t heads, int64_t head_size,
                                 int64_t a_rows, int64_t b_rows, int group) {
-  using Vec = Packed<scalar_t, VEC>;
+  using Vec = Pack<scalar_t, VEC>;  // VEC values in one 16-byte (or narrower) load
   const int lane = threadIdx.x & (group - 1);
   const unsigned tile_mask =
       group == 32 ? 0xffffffffu : ((1u << group) - 1u) << (threadIdx.x & 31 & ~(group - 1));

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace geot {
@@ -15,5 +16,11 @@ template <> struct cuda_type<at::Half> { using type = __half; };
 template <> struct cuda_type<at::BFloat16> { using type = __nv_bfloat16; };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks of a grid-stride loop over `items`: one per `threads` items, at
+// least 1, at most `cap` (the loop covers the rest).
+inline unsigned grid_stride_blocks(int64_t items, int threads, int64_t cap = 65536) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(items, threads), cap)));
+}
 
 }  // namespace geot

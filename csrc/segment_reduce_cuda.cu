@@ -64,7 +64,7 @@ void segment_broadcast_cuda(const at::Tensor& values_rows, const at::Tensor& ind
   const c10::cuda::CUDAGuard guard(values_rows.device());
   const int64_t E = out_rows.size(0), F = out_rows.size(1);
   const int threads = 256;
-  const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(E * F, threads), 65536)));
+  const unsigned blocks = grid_stride_blocks(E * F, threads);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values_rows.scalar_type(), "geot_segment_broadcast", [&] {
     using in_t = typename cuda_type<scalar_t>::type;
     AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_segment_broadcast_index", [&] {

@@ -278,6 +278,22 @@ __device__ __forceinline__ void store_finished(const SegmentArgs<scalar_t, acc_t
     if (col0 + j < a.F) o[j] = finished<scalar_t>(acc[j], rows, a.mean);
 }
 
+// Writes a thread's N_T accumulators at o (features col0.. of a row of F):
+// one vector store where `vector` (aligned, F % N_T == 0), else each one in range.
+template <int N_T, typename acc_t>
+__device__ __forceinline__ void write_row(acc_t* o, int64_t col0, int64_t F, bool vector, const acc_t (&acc)[N_T]) {
+  if (vector) {
+    Pack<acc_t, N_T> pack;
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) pack.v[j] = acc[j];
+    *reinterpret_cast<Pack<acc_t, N_T>*>(o) = pack;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < N_T; ++j)
+    if (col0 + j < F) o[j] = acc[j];
+}
+
 // Writes a whole segment, with its self term, into out[seg] (SR with chunk
 // slots: its output into final_out[seg]): no other thread touches it.
 template <int N_T, typename scalar_t, typename acc_t, typename index_t>
@@ -287,34 +303,15 @@ __device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t
   add_self_term(a, seg, col0, acc);
   // (fp32 / fp64 rows write final_out only in the deterministic SP schedule.)
   if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
-  acc_t* o = a.out + seg * a.F + col0;
-  if (a.vector_out) {
-    Pack<acc_t, N_T> pack;
-#pragma unroll
-    for (int j = 0; j < N_T; ++j) pack.v[j] = acc[j];
-    *reinterpret_cast<Pack<acc_t, N_T>*>(o) = pack;
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < N_T; ++j)
-    if (col0 + j < a.F) o[j] = acc[j];
+  write_row<N_T>(a.out + seg * a.F + col0, col0, a.F, a.vector_out, acc);
 }
 
 // Writes a partial result into slot `slot` of the deterministic schedules' partial rows.
 template <int N_T, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void write_slot(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t slot, int64_t col0,
                                            const acc_t (&acc)[N_T]) {
-  acc_t* o = a.partial + slot * a.F + col0;
-  if (a.F % N_T == 0) {  // col0 is a multiple of N_T, the buffer fresh: aligned
-    Pack<acc_t, N_T> pack;
-#pragma unroll
-    for (int j = 0; j < N_T; ++j) pack.v[j] = acc[j];
-    *reinterpret_cast<Pack<acc_t, N_T>*>(o) = pack;
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < N_T; ++j)
-    if (col0 + j < a.F) o[j] = acc[j];
+  // col0 is a multiple of N_T and the buffer fresh: aligned where F is too.
+  write_row<N_T>(a.partial + slot * a.F + col0, col0, a.F, a.F % N_T == 0, acc);
 }
 
 // The deterministic schedules' end of a run of rows of segment seg in a

@@ -51,10 +51,6 @@ __global__ void count_rows_kernel(const index_t* __restrict__ index, int64_t E, 
   }
 }
 
-unsigned grid_for(int64_t E, int threads) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(E, threads), 4096)));
-}
-
 }  // namespace
 
 void deferred_index_check_cuda(const at::Tensor& src, const at::Tensor& dst, int64_t num_src, int64_t num_dst,
@@ -69,7 +65,7 @@ void deferred_index_check_cuda(const at::Tensor& src, const at::Tensor& dst, int
   const at::Tensor s = src.contiguous(), d = dst.contiguous();
   const int threads = 256;
   AT_DISPATCH_INDEX_TYPES(s.scalar_type(), "geot_deferred_check", [&] {
-    deferred_check_kernel<index_t><<<grid_for(E, threads), threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    deferred_check_kernel<index_t><<<grid_stride_blocks(E, threads, 4096), threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         s.data_ptr<index_t>(), d.data_ptr<index_t>(), E, num_src, num_dst, device_flag, ticket);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -93,7 +89,7 @@ void count_rows_cuda(const at::Tensor& index, at::Tensor& counts) {
   const int threads = 256;
   AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_count_rows", [&] {
     AT_DISPATCH_FLOATING_TYPES(counts.scalar_type(), "geot_count_rows", [&] {
-      count_rows_kernel<index_t, scalar_t><<<grid_for(E, threads), threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      count_rows_kernel<index_t, scalar_t><<<grid_stride_blocks(E, threads, 4096), threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           idx.data_ptr<index_t>(), E, counts.size(0), counts.data_ptr<scalar_t>());
     });
   });
