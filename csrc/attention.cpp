@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "segment_reduce.h"
+#include "uninitialized.h"
 
 namespace geot {
 
@@ -165,7 +166,7 @@ at::Tensor attention_aggregate_op(const at::Tensor& x, const std::optional<at::T
   const int long_segments = validate_indices({{dst_index, num_segments, true, "dst_index", "num_segments"},
                                              {src_index, x.size(0), false, "src_index", "x.size(0)"}})[0];
   const int64_t H = x.size(1), C = x.size(2);
-  at::Tensor out = at::empty({num_segments, H, C}, x.options());
+  at::Tensor out = uninitialized({num_segments, H, C}, x.options());
   if (out.numel() == 0) return out;
   const at::ScalarType acc_type = accumulation_type(x);
   AttentionInputs in{x.contiguous().view({x.size(0), H * C}),

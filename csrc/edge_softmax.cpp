@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "segment_reduce.h"
+#include "uninitialized.h"
 
 namespace geot {
 
@@ -77,7 +78,7 @@ void softmax_backward_composed(const at::Tensor& y_rows, const at::Tensor& g_row
 // Every edge belongs to a destination once dst_index is valid; with
 // validation off, edges outside [0, num_segments) are left at 0.
 at::Tensor new_output(const at::Tensor& like) {
-  return validation_enabled() ? at::empty_like(like, at::MemoryFormat::Contiguous)
+  return validation_enabled() ? uninitialized(like.sizes(), like.options())
                               : at::zeros_like(like, at::MemoryFormat::Contiguous);
 }
 

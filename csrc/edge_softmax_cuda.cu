@@ -14,6 +14,7 @@
 #include "edge_softmax.h"
 #include "edge_softmax_kernels.cuh"
 #include "launch_utils.cuh"
+#include "uninitialized.h"
 
 namespace geot {
 
@@ -53,7 +54,7 @@ void launch_per_edge(const Op& op, const at::Tensor& index, const at::Tensor& pe
 
 at::Tensor exp_shift_cuda(const at::Tensor& values, const at::Tensor& max, const at::Tensor& index) {
   const c10::cuda::CUDAGuard guard(values.device());
-  at::Tensor y = at::empty_like(values);
+  at::Tensor y = uninitialized(values.sizes(), values.options());
   AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_exp_shift", [&] {
     AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "geot_exp_shift", [&] {
       const softmax::ExpShiftOp<scalar_t> op{values.data_ptr<scalar_t>(), y.data_ptr<scalar_t>()};

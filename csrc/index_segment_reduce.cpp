@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "segment_reduce.h"
+#include "uninitialized.h"
 
 namespace geot {
 
@@ -136,7 +137,7 @@ at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index,
                     ") must divide the features per row (", std::to_string(F), ")");
   validate_indices({{dst_index, a.size(0), false, "dst_index", "a.size(0)"},
                     {src_index, b.size(0), false, "src_index", "b.size(0)"}});
-  at::Tensor out = at::empty({E, heads}, b.options());
+  at::Tensor out = uninitialized({E, heads}, b.options());
   if (E == 0) return out;
   const at::Tensor dst = dst_index.contiguous(), src = src_index.to(dst.scalar_type()).contiguous();
 #ifdef GEOT_WITH_CUDA

@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "segment_reduce.h"
+#include "uninitialized.h"
 
 namespace geot {
 
@@ -93,7 +94,7 @@ at::Tensor compute_type(const at::Tensor& t) { return reduced_precision(t) ? t.t
 
 // A bad ptr (validation off) may leave rows uncovered: start from zeros then.
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  return validation_enabled() ? at::empty(sizes, options) : at::zeros(sizes, options);
+  return validation_enabled() ? uninitialized(sizes, options) : at::zeros(sizes, options);
 }
 
 // The entry of segment_matmul and its transposed form: a [M, A] against

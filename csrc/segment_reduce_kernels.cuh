@@ -72,6 +72,9 @@ struct SegmentArgs {
   // SR: a thread stores (not adds) the segments it sees whole, from their
   // first row to their last. Needs a sorted index; off for any-order input.
   bool whole_segment_stores;
+  // SR of gathered sums: a group of lanes loads its rows' ids together
+  // (segment_reduce_shared_ids_kernel).
+  bool shared_ids;
   // Fused ops: element e reads row gather[e] of src (null: row e) scaled by
   // weight[e, head] (null: unscaled), where a row holds `heads` heads of
   // F / heads features. Rows outside [0, src_rows) read as the identity.
@@ -424,6 +427,77 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   else if (touched) flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
 }
 
+// SR with shared ids, for gathered rows of wide F (the fused sums; the launch
+// layer picks it: see wide_rows_config). A group of blockDim.x lanes (a
+// power of two up to a warp) holds N_T features each of one column block and
+// walks rows_per_thread consecutive edges, as an SR thread does. The group
+// loads the ids of blockDim.x edges at once, one edge per lane (coalesced),
+// and hands them round with shuffles, so each row load issues at once; SR's
+// lanes would each first wait on the ids of every row. Segments the group
+// sees whole are stored, the rest flushed (atomics), as in SR, chunk slots
+// included. Sums only, one weight head: a row out of range adds weight 0.
+template <typename scalar_t, typename acc_t, typename index_t, int N_T>
+__global__ void segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int rows_per_thread) {
+  using Op = SumOp<acc_t>;
+  const int width = blockDim.x, lane = threadIdx.x;
+  const int64_t col0 = (int64_t(blockIdx.y) * width + lane) * N_T;
+  const int64_t row_begin = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * rows_per_thread;
+  if (row_begin >= a.E) return;  // the whole group: its lanes share row_begin
+  const int64_t row_end = min(row_begin + int64_t(rows_per_thread), a.E);
+  const bool columns_in_range = col0 < a.F;
+  const int first_lane = (threadIdx.y * width) & 31;
+  const unsigned group_mask = width == 32 ? 0xffffffffu : ((1u << width) - 1u) << first_lane;
+  constexpr bool CHUNKED = kHalfRows<scalar_t, acc_t>;
+
+  acc_t acc[N_T];
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
+  int64_t seg = a.index[row_begin];
+  bool began_here = row_begin == 0 || int64_t(a.index[row_begin - 1]) != seg;
+  const auto finish_run = [&](bool whole) {
+    if (!columns_in_range) return;
+    if (whole) store<N_T>(a, seg, col0, acc);
+    else flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
+  };
+  constexpr int BATCH = 4;
+  for (int64_t r0 = row_begin; r0 < row_end; r0 += width) {
+    // This lane's edge of the next `width`: its source row, weight and segment.
+    const int n = static_cast<int>(min(int64_t(width), row_end - r0));
+    const int64_t r = r0 + min(lane, n - 1);
+    const int64_t src_row = a.gather ? int64_t(a.gather[r]) : r;
+    const bool in_range = lane < n && static_cast<uint64_t>(src_row) < static_cast<uint64_t>(a.src_rows);
+    const int64_t lane_src = in_range ? src_row : 0;
+    const acc_t lane_weight = !in_range ? acc_t(0) : a.weight ? to_acc(a.weight[r]) : acc_t(1);
+    const int64_t lane_seg = a.index[r];  // past n: the last edge's segment, so padding never ends a run
+    for (int j0 = 0; j0 < n; j0 += BATCH) {
+      int64_t s[BATCH];
+      acc_t w[BATCH], v[BATCH][N_T];
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b) {
+        const int j = min(j0 + b, n - 1);
+        const int64_t row = __shfl_sync(group_mask, lane_src, j, width);
+        const acc_t weight = __shfl_sync(group_mask, lane_weight, j, width);
+        w[b] = j0 + b < n ? weight : acc_t(0);
+        s[b] = __shfl_sync(group_mask, lane_seg, j, width);
+        load_columns<N_T>(a.src + row * a.F + col0, col0, a.F, a.vector_loads && columns_in_range, acc_t(0), v[b]);
+      }
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b) {
+        if (s[b] != seg) {
+          finish_run(began_here);
+          seg = s[b];
+          began_here = true;
+#pragma unroll
+          for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
+        }
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) acc[j] += w[b] * v[b][j];
+      }
+    }
+  }
+  finish_run(began_here && (row_end == a.E || int64_t(a.index[row_end]) != seg));
+}
+
 // ptr[s] = first row of segment s, ptr[S] = E, from one pass over the index:
 // position e writes the entries of the segments that start at e. Ids are
 // clamped to [-1, S] so a bad index cannot write out of bounds. It also
@@ -697,11 +771,11 @@ template <typename acc_t, typename out_t>
 // acc and out may be the same buffer (in-place), hence no __restrict__.
 __global__ void segment_finalize_kernel(const acc_t* acc, out_t* out, const int64_t* __restrict__ ptr, int64_t S,
                                         int64_t F, Reduce reduce) {
-  const int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (seg >= S) return;
-  const int64_t count = ptr ? ptr[seg + 1] - ptr[seg] : 1;
-  for (int64_t f = threadIdx.x; f < F; f += blockDim.x)
-    out[seg * F + f] = finished<out_t>(acc[seg * F + f], count, reduce == Reduce::Mean);
+  for (int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; seg < S; seg += int64_t(gridDim.x) * blockDim.y) {
+    const int64_t count = ptr ? ptr[seg + 1] - ptr[seg] : 1;
+    for (int64_t f = threadIdx.x; f < F; f += blockDim.x)
+      out[seg * F + f] = finished<out_t>(acc[seg * F + f], count, reduce == Reduce::Mean);
+  }
 }
 
 // The results of the segments SP left whole to its overflow pass: slot n of
@@ -725,25 +799,25 @@ __global__ void finalize_long_segments_kernel(const acc_t* __restrict__ acc, out
 // chunk they begin in), divided for a mean and rounded to out_t; and 0 for
 // empty segments. With self_scale (sums), *self_scale * self_src[seg] is
 // added to both before rounding. The SR pass wrote every other segment
-// itself. 2-D blocks: y picks the segment, x strides over its features.
+// itself. 2-D blocks: y strides over the segments, x over their features.
 template <typename acc_t, typename out_t>
 __global__ void finalize_straddling_segments_kernel(const acc_t* __restrict__ slots, out_t* __restrict__ out,
                                                     const int64_t* __restrict__ ptr, int64_t S, int64_t F,
                                                     int64_t chunk_rows, int64_t chunk_slots, bool mean,
                                                     const out_t* __restrict__ self_src,
                                                     const acc_t* __restrict__ self_scale) {
-  const int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (seg >= S) return;
-  const int64_t begin = ptr[seg], end = max(ptr[seg + 1], begin);  // max: offsets of an unsorted index (validation off)
-  if (begin < end && begin / chunk_rows == (end - 1) / chunk_rows) return;  // one thread saw it whole
-  const acc_t* slot = slots + min(begin / chunk_rows, chunk_slots - 1) * F;
-  if (!self_scale) {
-    for (int64_t f = threadIdx.x; f < F; f += blockDim.x) out[seg * F + f] = finished<out_t>(slot[f], end - begin, mean);
-    return;
+  for (int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; seg < S; seg += int64_t(gridDim.x) * blockDim.y) {
+    const int64_t begin = ptr[seg], end = max(ptr[seg + 1], begin);  // max: offsets of an unsorted index (validation off)
+    if (begin < end && begin / chunk_rows == (end - 1) / chunk_rows) continue;  // one thread saw it whole
+    const acc_t* slot = slots + min(begin / chunk_rows, chunk_slots - 1) * F;
+    if (!self_scale) {
+      for (int64_t f = threadIdx.x; f < F; f += blockDim.x) out[seg * F + f] = finished<out_t>(slot[f], end - begin, mean);
+      continue;
+    }
+    const acc_t scale = *self_scale;
+    for (int64_t f = threadIdx.x; f < F; f += blockDim.x)
+      out[seg * F + f] = from_acc<out_t>((begin < end ? slot[f] : acc_t(0)) + scale * to_acc(self_src[seg * F + f]));
   }
-  const acc_t scale = *self_scale;
-  for (int64_t f = threadIdx.x; f < F; f += blockDim.x)
-    out[seg * F + f] = from_acc<out_t>((begin < end ? slot[f] : acc_t(0)) + scale * to_acc(self_src[seg * F + f]));
 }
 
 // For max/min backward: arg[s, f] = smallest e in segment s with

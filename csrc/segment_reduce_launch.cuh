@@ -18,6 +18,7 @@
 #include "launch_utils.cuh"
 #include "segment_reduce.h"
 #include "segment_reduce_kernels.cuh"
+#include "uninitialized.h"
 
 namespace geot {
 namespace launch {
@@ -34,6 +35,13 @@ void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   const dim3 grid = feature_row_grid(ceil_div(a.E, c.M_t), c.T_M, a.F, N_T, c);
   segment_reduce_sr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, OVERFLOW_ONLY>
       <<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, typename acc_t, typename index_t, int N_T>
+void launch_shared_ids(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
+  const dim3 grid = feature_row_grid(ceil_div(a.E, c.M_t), c.T_M, a.F, N_T, c);
+  segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -158,8 +166,8 @@ SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, bool with_longe
   const bool cache = cacheable && on_default;
   const int64_t E = index.numel();
   SegmentOffsets o;
-  o.ptr = at::empty({S + 1}, index.options().dtype(at::kLong));
-  if (with_longest) o.longest = at::empty({1}, o.ptr.options());
+  o.ptr = uninitialized({S + 1}, index.options().dtype(at::kLong));
+  if (with_longest) o.longest = uninitialized({1}, o.ptr.options());
   const int threads = 256;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(E + 1, threads), 65536));
   segment_offsets_kernel<index_t><<<blocks, threads, 0, stream>>>(
@@ -184,6 +192,9 @@ template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op
 void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
   if (c.is_sp()) return launch_sp<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
   if (a.E == 0) return;  // the pre-filled output is the answer
+  if constexpr (FUSED && std::is_same_v<Op, SumOp<acc_t>>) {
+    if (a.shared_ids) return launch_shared_ids<scalar_t, acc_t, index_t, N_T>(a, c, stream);
+  }
   if (!a.partial) {
     if (c.is_sr()) return launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, false>(a, c, stream);
     return launch_pr<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
@@ -216,13 +227,18 @@ void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream
   }
 }
 
+// Blocks of the finalize passes, which stride over the segments: a block
+// per few segments (10^6 segments, 5 * 10^5 blocks) took 0.49 ms on an H100,
+// mostly launching blocks whose threads had nothing to write.
+constexpr int64_t kFinalizeBlocks = 8192;
+
 inline at::Tensor identity_filled(int64_t S, int64_t F, at::ScalarType dtype, Reduce r, const at::Tensor& like,
                            cudaStream_t stream) {
   auto opts = like.options().dtype(dtype);
   if (r == Reduce::Max) return at::full({S, F}, -std::numeric_limits<double>::infinity(), opts);
   if (r == Reduce::Min) return at::full({S, F}, std::numeric_limits<double>::infinity(), opts);
   // A memset costs less host time than at::zeros (a dispatched fill kernel).
-  at::Tensor out = at::empty({S, F}, opts);
+  at::Tensor out = uninitialized({S, F}, opts);
   C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, out.nbytes(), stream));
   return out;
 }
@@ -254,13 +270,51 @@ inline int device_rules(int device) {
   return rules;
 }
 
+// Deterministic mode where validation measured no segment over
+// kLongSegmentRows[1] rows: SP with its cap above every segment, so each
+// segment is reduced whole by its thread group (a fixed shuffle order) and
+// no chunk slots or combine levels run. Those cost 30-40 us on graphs of
+// 10^4-10^5 edges (3-4x the reduction itself); a segment walked whole costs
+// rounds of loads only for the longest one. Lanes split the rows: as many
+// as a 256-thread block row holds, fewer where S segments would need more
+// than ~4 waves of threads.
+inline Config deterministic_short_segment_config(const Config& c, int64_t S, int64_t F, int64_t heads) {
+  const int n_t = with_head_aligned_n_t(c, F, heads).N_t;
+  const int64_t columns = ceil_div(F, n_t);
+  int column_threads = 1;
+  while (column_threads < columns && column_threads < 256) column_threads *= 2;
+  constexpr int64_t kThreadBudget = int64_t(1) << 20;
+  int lanes = 1;
+  while (lanes < 32 && 2 * lanes * column_threads <= 256 && S * 2 * lanes * column_threads <= kThreadBudget) lanes *= 2;
+  const int t_n = column_threads * lanes;
+  return {n_t, t_n, static_cast<int>(ceil_div(kLongSegmentRows[1], lanes)), std::max(1, 256 / t_n), 0};
+}
+
+// Gathered sums (and means) of rows of 64 features or more, on graphs of 2^20
+// edges or more with segments over kLongSegmentRows[1] rows: SR with shared
+// ids, groups of up to a warp covering 128 features, 256 edges each. A hand
+// rule until the perf DB sweeps the schedule: there the learned configs lost
+// to cuSPARSE's SpMM (bench/spmm.py), whose row loads this schedule matches.
+inline bool use_shared_ids(const RowReduction& r, int64_t E, int64_t F, bool det) {
+  return r.gather.has_value() && r.heads == 1 && (r.reduce == Reduce::Sum || r.reduce == Reduce::Mean) && !det &&
+         !r.any_order && !r.config && F >= 64 && F % 4 == 0 && E >= (int64_t(1) << 20) && r.long_segments >= 2;
+}
+
+inline Config shared_ids_config(int64_t F) {
+  int width = 1;
+  while (width < 32 && 4 * width < F) width *= 2;
+  return {4, width, 256, 256 / width, 1};
+}
+
 // Any-order input only works with SR (PR and SP assume sorted segments); it
 // keeps the hand heuristic (rules -2): the learned rules were trained on
 // sorted reductions.
-inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F) {
+inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F, bool det) {
   const int rules = r.any_order ? -2 : device_rules(r.src.get_device());
   const Config cfg =
       resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments, rules));
+  if (det && !r.config && !cfg.is_sp() && r.long_segments >= 0 && r.long_segments <= 1)
+    return deterministic_short_segment_config(cfg, r.num_segments, F, r.heads);
   if (!r.any_order || cfg.is_sr()) return cfg;
   const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
   const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(F, n_t), 8, 64));
@@ -277,12 +331,14 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const c10::cuda::CUDAGuard guard(r.src.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t E = r.index.numel(), F = r.src.size(1), S = r.num_segments;
-  const Config cfg = reduction_config(r, E, F);
-  const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
   // torch.use_deterministic_algorithms: the deterministic counterpart of the
   // config (the same tiles, no float atomics; any-order input was sorted by
-  // its op). Read per call: a flag of the global context, no dispatch.
+  // its op), or on short segments SP walking each whole. Read per call: a
+  // flag of the global context, no dispatch.
   const bool det = at::globalContext().deterministicAlgorithms() && !r.any_order;
+  const bool shared_ids = use_shared_ids(r, E, F, det);
+  const Config cfg = shared_ids ? shared_ids_config(F) : reduction_config(r, E, F, det);
+  const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
   // SP stores every output element itself (0 for empty segments); where no
   // segment can pass its cap (no overflow pass adds to it) it writes the
   // output directly (SegmentArgs::final_out). Where validation saw no
@@ -291,6 +347,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const int lanes = cfg.is_sp() ? sp_lanes(F, with_head_aligned_n_t(cfg, F, r.heads).N_t, cfg) : 1;
   int64_t sp_cap = int64_t(cfg.M_t) * lanes;
   if (cfg.is_sp() && r.long_segments == 0) sp_cap = std::max(sp_cap, kLongSegmentRows[0]);
+  if (cfg.is_sp() && det && r.long_segments == 1) sp_cap = std::max(sp_cap, kLongSegmentRows[1]);
   const bool overflow = cfg.is_sp() && may_overflow(r.long_segments, sp_cap);
   // Half types cannot take the overflow pass's additions in place (each
   // would round): SP still writes their output directly, and the segments
@@ -327,11 +384,11 @@ at::Tensor reduce_rows(const RowReduction& r) {
   at::Tensor acc = long_slots     ? identity_filled(slots, F, acc_type, r.reduce, r.src, stream)
                    : chunk_slots  ? identity_filled(chunks, F, acc_type, r.reduce, r.src, stream)
                    : direct       ? at::Tensor()
-                   : cfg.is_sp()  ? at::empty({S, F}, r.src.options().dtype(acc_type))
+                   : cfg.is_sp()  ? uninitialized({S, F}, r.src.options().dtype(acc_type))
                    : r.self_scale ? at::mul(r.src, self_scale)
                                   : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
   const bool finalize = !direct && (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
-  at::Tensor out = direct || half ? at::empty({S, F}, r.src.options()) : acc;
+  at::Tensor out = direct || half ? uninitialized({S, F}, r.src.options()) : acc;
   if (S == 0 || F == 0) return out;
   // Nothing to read (every element is empty or out of range); the kernels
   // may read row 0 of src unconditionally, so they must not run.
@@ -353,6 +410,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.src_rows = r.src.size(0);
       args.heads = r.heads;
       args.whole_segment_stores = !r.any_order;
+      args.shared_ids = shared_ids;
       SegmentOffsets offsets;  // SP, chunk slots, finalize of non-sums; held until the launches are queued
       if (cfg.is_sp() || chunk_slots) {
         offsets = index_offsets<index_t>(r.index, S, cfg.is_sp(), stream);
@@ -376,17 +434,17 @@ at::Tensor reduce_rows(const RowReduction& r) {
       if (det_chunks > 0) {
         int64_t rows = 0;
         for (int64_t n : combine_levels(det_chunks)) rows += n;
-        partial = at::empty({rows, F}, r.src.options().dtype(acc_type));
-        partial_code = at::empty({rows}, r.index.options().dtype(at::kLong));
+        partial = uninitialized({rows, F}, r.src.options().dtype(acc_type));
+        partial_code = uninitialized({rows}, r.index.options().dtype(at::kLong));
         args.partial = partial.data_ptr<acc_t>();
         args.partial_code = partial_code.data_ptr<int64_t>();
       }
       at::Tensor slot_table, slot_segments;  // held until the launches are queued
       if (long_slots) {
-        slot_table = at::empty({S + 1}, r.index.options().dtype(at::kInt));  // slot per segment, then the count
+        slot_table = uninitialized({S + 1}, r.index.options().dtype(at::kInt));  // slot per segment, then the count
         C10_CUDA_CHECK(cudaMemsetAsync(slot_table.data_ptr(), 0xff, S * sizeof(int), stream));  // -1: no slot
         C10_CUDA_CHECK(cudaMemsetAsync(slot_table.data_ptr<int>() + S, 0, sizeof(int), stream));
-        slot_segments = at::empty({std::max<int64_t>(slots, 1)}, offsets.ptr.options());
+        slot_segments = uninitialized({std::max<int64_t>(slots, 1)}, offsets.ptr.options());
         args.long_slot = slot_table.data_ptr<int>();
         args.long_count = args.long_slot + S;
         args.long_segment = slot_segments.data_ptr<int64_t>();
@@ -402,13 +460,13 @@ at::Tensor reduce_rows(const RowReduction& r) {
         if (r.reduce != Reduce::Sum && !offsets.ptr.defined()) offsets = index_offsets<index_t>(r.index, S, false, stream);
         const int64_t* ptr = r.reduce == Reduce::Sum ? nullptr : offsets.ptr.data_ptr<int64_t>();
         const dim3 block(32, 8);
-        segment_finalize_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, 8)), block, 0, stream>>>(
+        segment_finalize_kernel<acc_t, in_t><<<grid_stride_blocks(S, block.y, kFinalizeBlocks), block, 0, stream>>>(
             acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), ptr, S, F, r.reduce);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       if (chunk_slots) {
         const dim3 block = segment_row_block(F);
-        finalize_straddling_segments_kernel<acc_t, in_t><<<static_cast<unsigned>(ceil_div(S, block.y)), block, 0, stream>>>(
+        finalize_straddling_segments_kernel<acc_t, in_t><<<grid_stride_blocks(S, block.y, kFinalizeBlocks), block, 0, stream>>>(
             acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), args.ptr, S, F,
             args.chunk_rows, chunks, args.mean, args.src, args.self_scale);
         C10_CUDA_KERNEL_LAUNCH_CHECK();

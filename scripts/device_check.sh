@@ -4,6 +4,8 @@
 # det_tests, det_memcheck, det_bench, det_spmm, det_e2e, det_summary: deterministic mode), logs and CSVs packed into
 # one file, $OUT/results.tgz (default OUT: /tmp/geot-out), for machines that return only a few files:
 #   bash scripts/device_check.sh tests memcheck bench spmm
+# A later call on the same warm machine can skip the build (KEEP_BUILD=1): the
+# copied sources are newer than its objects, so setup.py would rebuild everything.
 set -o pipefail
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD GEOT_DATA=${GEOT_DATA:-$PWD/.data}
@@ -12,7 +14,9 @@ export OUT=/tmp/geot-run  # the benchmarks write their CSVs here too
 mkdir -p "$OUT" "$FINAL_OUT"
 trap 'tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . 2>/dev/null' EXIT
 start=$(date +%s)
-if [ -n "$PREBUILT" ]; then  # PREBUILT=dir: the extension a previous call built (keep_so), carried back
+if [ -n "$KEEP_BUILD" ] && ls geot/_C.*.so >/dev/null 2>&1; then  # KEEP_BUILD=1: a warm machine's extension, as built
+  echo "extension kept from an earlier call on this machine"
+elif [ -n "$PREBUILT" ]; then  # PREBUILT=dir: the extension a previous call built (keep_so), carried back
   gunzip -c "$PREBUILT"/_C.*.so.gz > "geot/$(basename "$PREBUILT"/_C.*.so.gz .gz)" || exit 1
   echo "prebuilt extension from $PREBUILT"
 else

@@ -13,6 +13,7 @@ from reference import (
     huge_segment_index,
     index_from_degrees,
     one_segment_index,
+    powerlaw_degrees,
     powerlaw_index,
     random_index,
     random_src,
@@ -191,6 +192,49 @@ def test_backward_matches_reference_large(device, reduce, transposed):
     segment_reduce_ref_autograd(dst.cpu(), msg, reduce, S).backward(g.cpu().double())
     torch.testing.assert_close(x.grad.cpu().double(), x64.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(w.grad.cpu().double(), w64.grad, rtol=1e-4, atol=1e-4)
+
+
+def _large_skewed_graph(S=40_000, E=1_100_000):
+    """Over 2^20 edges, one destination with 300k of them, many empty: the
+    graphs on which gathered sums of wide rows take SR with shared ids."""
+    deg = powerlaw_degrees(S, E - 300_000)
+    deg[S // 2] += 300_000
+    dst = index_from_degrees(deg)
+    return dst, S, torch.randint(0, S, (dst.numel(),))
+
+
+@requires_cuda
+@pytest.mark.parametrize("F", [64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
+def test_wide_rows_on_large_skewed_graphs(op, dtype, F):
+    dst, S, src = _large_skewed_graph()  # x: a row per destination too (sum_plus_scaled adds x[i] to out[i])
+    dst, src = dst.cuda(), src.cuda()
+    x = random_src(S, (F,), dtype, "cuda")
+    w = random_src(dst.numel(), (), dtype, "cuda") if op == "weighted_sum" else None
+    scale = torch.tensor([1.25], device="cuda")
+    if op == "weighted_sum":
+        out = geot.index_weight_segment_reduce(src, dst, w, x, "sum", S)
+    elif op == "mean":
+        out = geot.index_segment_reduce(src, dst, x, "mean", S)
+    else:
+        out = torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale)
+    # float64 reference on the GPU (the messages take ~1 GB)
+    msg = x.double()[src]
+    if w is not None:
+        msg = msg * w.double()[:, None]
+    ref = torch.zeros(S, F, dtype=torch.float64, device="cuda").index_add_(0, dst, msg)
+    magnitude = torch.zeros_like(ref).index_add_(0, dst, msg.abs())
+    if op == "mean":
+        counts = torch.bincount(dst, minlength=S).clamp_min(1).double()[:, None]
+        ref, magnitude = ref / counts, magnitude / counts
+    if op == "sum_plus_scaled":
+        ref = ref + 1.25 * x.double()
+        magnitude = magnitude + 1.25 * x.double().abs()
+    rounding = 2.0 ** -7 if dtype == torch.bfloat16 else 0.0
+    tol = 1e-5 * magnitude + rounding * ref.abs() + 1e-6
+    bad = (out.double() - ref).abs() > tol
+    assert out.dtype == dtype and not bad.any(), f"{int(bad.sum())} wrong of {bad.numel()}"
 
 
 def segment_reduce_ref_autograd(index, src, reduce, S):
