@@ -299,13 +299,16 @@ __device__ __forceinline__ void write_row(acc_t* o, int64_t col0, int64_t F, boo
 
 // Writes a whole segment, with its self term, into out[seg] (SR with chunk
 // slots: its output into final_out[seg]): no other thread touches it.
-template <int N_T, typename scalar_t, typename acc_t, typename index_t>
+// DET: a deterministic schedule's store, where fp32 / fp64 rows may write
+// final_out too (SP's); the default kernels of those compile without it.
+template <int N_T, bool DET = false, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg, int64_t col0,
                                       acc_t (&acc)[N_T]) {
   if (seg < 0 || seg >= a.S) return;
   add_self_term(a, seg, col0, acc);
-  // (fp32 / fp64 rows write final_out only in the deterministic SP schedule.)
-  if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
+  if constexpr (DET || kHalfRows<scalar_t, acc_t>) {
+    if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
+  }
   write_row<N_T>(a.out + seg * a.F + col0, col0, a.F, a.vector_out, acc);
 }
 
@@ -327,7 +330,7 @@ __device__ __forceinline__ int emit_run(const SegmentArgs<scalar_t, acc_t, index
   if (!valid || seg < 0 || seg >= a.S) return 0;
   if (c.head && seg == c.first) return write_slot<N_T>(a, 2 * c.chunk, col0, acc), 1;
   if (c.tail && seg == c.last) return write_slot<N_T>(a, 2 * c.chunk + 1, col0, acc), 2;
-  store<N_T>(a, seg, col0, acc);
+  store<N_T, true>(a, seg, col0, acc);
   return 0;
 }
 
@@ -354,7 +357,7 @@ __device__ __forceinline__ void write_codes(const SegmentArgs<scalar_t, acc_t, i
 // cap of their segment, or with slots every row of a segment that has one
 // (and returns at once when no segment overflowed).
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED,
-          bool OVERFLOW_ONLY = false>
+          bool OVERFLOW_ONLY, bool DET>
 __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int rows_per_thread) {
   const int64_t col0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N_T;
   const int64_t row_begin = (int64_t(blockIdx.x) * blockDim.y + threadIdx.y) * rows_per_thread;
@@ -362,10 +365,12 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   if (OVERFLOW_ONLY && *a.longest <= a.cap) return;  // (the combine levels return as well)
   const int64_t head = weight_head(a, col0);
   const int64_t row_end = min(row_begin + int64_t(rows_per_thread), a.E);
-  // Deterministic: each run of a segment ends in emit_run, not in an atomic.
-  const bool det = a.partial != nullptr;
+  // Deterministic (DET: a.partial set): each run of a segment ends in
+  // emit_run, not in an atomic. A template parameter: the default kernels
+  // compile without its code (it took them from 64 to 96 registers).
+  constexpr bool det = DET;
   ChunkEnds ends{};
-  if (det) {
+  if constexpr (det) {
     ends = chunk_ends([&](int64_t r) { return int64_t(a.index[r]); }, a.E, row_begin, row_end,
                       row_begin / rows_per_thread);
     if (col0 == 0) write_codes<OVERFLOW_ONLY>(a, ends);
@@ -408,7 +413,7 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
       if (s[b] != seg) {
-        if (det) emit_run<N_T>(a, ends, seg, col0, acc, touched);
+        if constexpr (det) emit_run<N_T>(a, ends, seg, col0, acc, touched);
         else if (began_here) store<N_T>(a, seg, col0, acc);
         else if (touched) flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
         seg = s[b];
@@ -422,7 +427,7 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
       for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], v[b][j]);
     }
   }
-  if (det) emit_run<N_T>(a, ends, seg, col0, acc, touched);
+  if constexpr (det) emit_run<N_T>(a, ends, seg, col0, acc, touched);
   else if (began_here && (row_end == a.E || int64_t(a.index[row_end]) != seg)) store<N_T>(a, seg, col0, acc);
   else if (touched) flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
 }
@@ -595,7 +600,7 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 // PR. 1-D blocks whose size is a multiple of 32; consecutive `group` lanes
 // form a tile. Tiles are numbered with the feature column fastest, so the
 // tiles of one warp read neighbouring columns of the same rows.
-template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED>
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED, bool DET>
 __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int group, int iterations) {
   constexpr unsigned FULL = 0xffffffffu;
   const int lane = threadIdx.x & (group - 1);
@@ -613,9 +618,10 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   for (int j = 0; j < N_T; ++j) carry[j] = Op::identity();
   int64_t carry_seg = past_end;
 
-  // Deterministic: the tile's rows are its chunk; each segment's result
-  // (found in one lane, once) ends in emit_run instead of an atomic.
-  const bool det = a.partial != nullptr;
+  // Deterministic (DET: a.partial set; a template parameter, as SR's): the
+  // tile's rows are its chunk; each segment's result (found in one lane,
+  // once) ends in emit_run instead of an atomic.
+  constexpr bool det = DET;
   ChunkEnds ends{};
   if (det && row_base < a.E) {
     ends = chunk_ends([&](int64_t r) { return int64_t(a.index[r]); }, a.E, row_base,
@@ -623,11 +629,14 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     if (col0 == 0 && lane == 0) write_codes<false>(a, ends);
   }
   auto finish = [&](int64_t seg, const acc_t (&part)[N_T]) {
-    if (!det) return flush<N_T, Op>(a, seg, col0, part);
-    acc_t copy[N_T];
+    if constexpr (!det) {
+      flush<N_T, Op>(a, seg, col0, part);
+    } else {
+      acc_t copy[N_T];
 #pragma unroll
-    for (int j = 0; j < N_T; ++j) copy[j] = part[j];
-    emit_run<N_T>(a, ends, seg, col0, copy, seg != past_end);
+      for (int j = 0; j < N_T; ++j) copy[j] = part[j];
+      emit_run<N_T>(a, ends, seg, col0, copy, seg != past_end);
+    }
   };
 
   // Every lane runs every iteration (shuffles need the whole warp); lanes

@@ -33,8 +33,13 @@ inline dim3 feature_row_grid(int64_t rows, int64_t row_tile, int64_t F, int N_T,
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED, bool OVERFLOW_ONLY>
 void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
   const dim3 grid = feature_row_grid(ceil_div(a.E, c.M_t), c.T_M, a.F, N_T, c);
-  segment_reduce_sr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, OVERFLOW_ONLY>
-      <<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
+  if (a.partial) {
+    segment_reduce_sr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, OVERFLOW_ONLY, true>
+        <<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
+  } else {
+    segment_reduce_sr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, OVERFLOW_ONLY, false>
+        <<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -52,8 +57,13 @@ void launch_pr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   const int64_t tiles = ceil_div(a.E, int64_t(c.G_t) * c.M_t) * ceil_div(a.F, N_T);
   const int64_t blocks = ceil_div(tiles, threads / c.G_t);
   TORCH_CHECK_VALUE(blocks < std::numeric_limits<int>::max(), "input too large for config ", config_to_string(c));
-  segment_reduce_pr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED>
-      <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a, c.G_t, c.M_t);
+  if (a.partial) {
+    segment_reduce_pr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>
+        <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a, c.G_t, c.M_t);
+  } else {
+    segment_reduce_pr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, false>
+        <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a, c.G_t, c.M_t);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -192,7 +202,7 @@ template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op
 void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
   if (c.is_sp()) return launch_sp<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
   if (a.E == 0) return;  // the pre-filled output is the answer
-  if constexpr (FUSED && std::is_same_v<Op, SumOp<acc_t>>) {
+  if constexpr (FUSED && std::is_same_v<Op, SumOp<acc_t>> && N_T == 4) {  // (shared_ids_config's N_t)
     if (a.shared_ids) return launch_shared_ids<scalar_t, acc_t, index_t, N_T>(a, c, stream);
   }
   if (!a.partial) {
