@@ -7,25 +7,30 @@ a training step (forward, log-softmax NLL loss against random labels,
 backward, Adam step). Paths:
 
     geot              geot.nn.RGCNConv / RGATConv / HGTConv (eager)
-    pyg, pyg-compile  PyG's RGCNConv / RGATConv / HGTConv, eager and torch.compile
-    pyg-fast, pyg-fast-compile   PyG's FastRGCNConv (RGCN only)
+    pyg               PyG's RGCNConv / RGATConv / HGTConv
+    pyg-fast          PyG's FastRGCNConv (RGCN only)
+    pyg-compile, pyg-fast-compile   torch.compile of those (--compile: one
+                      compilation per graph, model, variant and path, so
+                      the run takes much longer)
 
 Graphs are generated with the shapes (node types, edge types, nodes, edges)
 of Pigeon's datasets (GRAPHS): node-type sizes and relation frequencies
 Zipf-skewed, each relation between two node types, sources and
 destinations drawn with power-law degrees, hubs at random ids; 64 random
 features per node. RGCN and RGAT take the homogeneous view (ids offset by
-node type, one relation per edge type); HGT the dicts. A cell reports the
-median ms per step (CUDA events, warm-up, L2 flush: bench/common.py; the
-same step functions and peak-memory rules as bench/e2e.py), the peak memory
-and, where a path runs out of memory, "OOM" (counted in the summary);
-speedups are against the fastest PyG path of the cell. float32 matmuls run
-as TF32 on every path (``--precision high``, geot's typed matmuls need it on
-CUDA; ``--precision highest`` gives both libraries IEEE float32). A run
-stops starting cells after --budget seconds (those left are noted).
+node type, one relation per edge type, edges in random order); HGT the
+dicts. A cell reports the median ms per step (CUDA events, L2 flush, host
+time included, as bench/e2e.py; a step slower than --max-time is timed
+once), the peak memory of a step and, where a path runs out of memory,
+"OOM" (counted in the summary); speedups are against the fastest PyG path
+of the cell. float32 matmuls run as TF32 on every path (``--precision
+high``; geot's typed matmuls need it on CUDA, else they loop over types;
+``--precision highest`` gives every path IEEE float32). No cell starts
+after --budget seconds (those left are noted "skipped").
 
-    python bench/rgnn.py                            # every graph, model, variant and path (H100: about 5 min)
-    python bench/rgnn.py --graphs aifb,mutag --models rgat --no-compile
+    python bench/rgnn.py                            # every graph, model, variant, eager path (H100: under 6 min)
+    python bench/rgnn.py --compile --budget 3600    # with PyG's compiled paths
+    python bench/rgnn.py --graphs aifb,mutag --models rgat
     python bench/rgnn.py --quick                    # tiny CPU check that everything runs
 """
 import argparse
@@ -42,7 +47,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 import common  # noqa: E402
-from e2e import fresh_state, measure  # noqa: E402  (the same timing and peak-memory rules)
+from e2e import fresh_state  # noqa: E402
 from report import with_speedups  # noqa: E402
 
 import geot.nn as geot_nn  # noqa: E402
@@ -60,7 +65,8 @@ GRAPHS = {
 }
 MODELS = ("rgcn", "rgat", "hgt")
 VARIANTS = {"1x64": (1, 1), "2x64h4": (2, 4)}  # (layers, heads)
-PATHS = ("geot", "pyg", "pyg-compile", "pyg-fast", "pyg-fast-compile")
+PATHS = ("geot", "pyg", "pyg-fast")
+COMPILED = ("pyg-compile", "pyg-fast-compile")
 CHANNELS = 64
 
 
@@ -201,43 +207,82 @@ def is_oom(error: Exception) -> bool:
 
 
 def bench_cells(model_name: str, variant: str, graph: dict, args, device, deadline: float) -> list:
-    """Every (mode, path) cell of one model variant on one graph, inference first."""
-    fresh_state(device)
-    torch.manual_seed(0)
-    paths = paths_of(model_name, args.paths)
+    """Every (path, mode) cell of one model variant on one graph: per path one model (one compilation),
+    its inference cell, then its training cell."""
     rows = []
-    for mode in ("inference", "train"):
-        for path in paths:
-            row = {"model": model_name, "hidden": variant, "graph": graph["name"], "dtype": "fp32", "mode": mode,
-                   "path": path, "ms": float("nan"), "peak_mb": float("nan"), "resident_mb": float("nan"),
-                   "note": ""}
-            rows.append(row)
-            if time.time() > deadline:
+    for path in paths_of(model_name, args.paths):
+        cells = [{"model": model_name, "hidden": variant, "graph": graph["name"], "dtype": "fp32", "mode": mode,
+                  "path": path, "ms": float("nan"), "peak_mb": float("nan"), "resident_mb": float("nan"),
+                  "note": ""} for mode in ("inference", "train")]
+        rows += cells
+        if time.time() > deadline:
+            for row in cells:
                 row["note"] = "skipped: time budget"
-                continue
-            run_cell(row, model_name, variant, graph, args, device)
-            print(f"  {model_name}/{variant} {graph['name']} {mode:<9} {path:<16} {common.fmt_ms(row['ms'])} ms "
-                  f"{row['note']}", flush=True)
+            continue
+        run_path(cells, model_name, variant, graph, args, device)
+        for row in cells:
+            print(f"  {model_name}/{variant} {graph['name']} {row['mode']:<9} {path:<16} "
+                  f"{common.fmt_ms(row['ms'])} ms {row['note']}", flush=True)
     return rows
 
 
-def run_cell(row: dict, model_name: str, variant: str, graph: dict, args, device) -> None:
-    """Times one cell into row; an out-of-memory or another failure is noted, not raised."""
-    model = runner = None
+def run_path(cells: list, model_name: str, variant: str, graph: dict, args, device) -> None:
+    """Times a path's inference and training cells; running out of memory (or another failure of a PyG
+    path) is noted in the cell, not raised."""
+    fresh_state(device)
+    torch.manual_seed(0)
+    model = runner = steps = None
     try:
-        torch.manual_seed(0)
-        model = build(model_name, row["path"], variant, graph).to(device)
-        runner = torch.compile(model, backend=args.backend) if row["path"].endswith("compile") else model
-        infer, train = step_functions(model, runner, graph)
-        ms, peak, resident = measure(infer if row["mode"] == "inference" else train, device, args)
-        row.update(ms=ms, peak_mb=peak, resident_mb=resident)
-    except Exception as error:  # noqa: BLE001  (PyG running out of memory is a result)
-        row["note"] = "OOM" if is_oom(error) else f"n/a: {type(error).__name__}: {str(error)[:100]}"
-        if row["path"] == "geot" and not is_oom(error):
-            raise
+        model = build(model_name, cells[0]["path"], variant, graph).to(device)
+        runner = torch.compile(model, backend=args.backend) if cells[0]["path"].endswith("compile") else model
+        steps = dict(zip(("inference", "train"), step_functions(model, runner, graph)))
+        for row in cells:
+            try:
+                row["ms"], row["peak_mb"], row["resident_mb"] = measure(steps[row["mode"]], device, args.max_time)
+            except Exception as error:  # noqa: BLE001  (PyG running out of memory is a result)
+                row["note"] = failure_note(error, row["path"])
+                fresh_state(device)
+    except Exception as error:  # noqa: BLE001
+        for row in cells:
+            row["note"] = row["note"] or failure_note(error, row["path"])
     finally:
-        del model, runner
+        del model, runner, steps
         fresh_state(device)
+
+
+def failure_note(error: Exception, path: str) -> str:
+    if is_oom(error):
+        return "OOM"
+    if path == "geot":  # geot failing otherwise is a bug: stop there
+        raise error
+    return f"n/a: {type(error).__name__}: {str(error)[:100]}"
+
+
+def measure(step, device, max_time: float):
+    """(median ms, peak MB, resident MB) of a step: one untimed call (compilation, caches), then one
+    whose peak memory is read (max_memory_allocated, from what is resident before it) and time kept;
+    more reps while the timed work stays under max_time. CUDA events, host time included (as
+    bench/e2e.py)."""
+    step()
+    cuda = device.type == "cuda"
+    peak = resident = float("nan")
+    if cuda:
+        common.release_flush_buffer(device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device) / 2**20
+    start = time.perf_counter()
+    step()
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    once_ms = (time.perf_counter() - start) * 1e3
+    reps = int(min(10, max_time * 1e3 / max(once_ms, 1e-3)))
+    if reps < 2:
+        return once_ms, peak, resident
+    timing = common.time_stats(step, warmup=0, reps=reps, device=device, max_time_s=max_time, min_reps=1,
+                               gate=False)
+    return timing.median_ms, peak, resident
 
 
 def summarize(df: pd.DataFrame) -> None:
@@ -266,23 +311,21 @@ def parse_args(argv=None):
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
+    parser.add_argument("--compile", action="store_true",
+                        help="add PyG's compiled paths (one compilation per graph, model, variant and path)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--scale", type=float, default=1.0, help="nodes and edges times this")
     parser.add_argument("--max-types", type=int, default=0, help="at most this many node and edge types")
     parser.add_argument("--precision", default="high", help="torch.set_float32_matmul_precision, every path")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-time", type=float, default=1.0, help="seconds of timed work per cell at most")
     parser.add_argument("--budget", type=float, default=330.0, help="seconds after which no cell starts")
     parser.add_argument("--quick", action="store_true",
                         help="tiny CPU check: aifb at 1/500 scale, at most 6 types, eager paths, 1 rep")
     args = parser.parse_args(argv)
     if args.quick:
-        args.graphs, args.scale, args.reps, args.warmup, args.no_compile = "aifb", 0.002, 1, 0, True
-        args.max_types = 6
+        args.graphs, args.scale, args.max_types, args.max_time = "aifb", 0.002, 6, 0.05
     args.graphs, args.models, args.variants = (s.split(",") for s in (args.graphs, args.models, args.variants))
-    args.paths = [p for p in args.paths.split(",") if not (args.no_compile and p.endswith("compile"))]
+    args.paths = args.paths.split(",") + (list(COMPILED) if args.compile else [])
     return args
 
 

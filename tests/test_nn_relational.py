@@ -189,6 +189,55 @@ def test_rgat_edge_attr_without_edge_dim_raises_as_pyg():
         layer(torch.randn(NODES, 6), edge_index, edge_type, torch.randn(edge_type.numel(), 3))
 
 
+# RGCNConv with many relations ----------------------------------------------------------------
+
+RGCN = {
+    "mean": {},
+    "add": {"aggr": "add"},
+    "bases": {"num_bases": 3},
+    "narrower": {"out_channels": 3},
+    "no-root": {"root_weight": False},
+    "target-to-source": {"flow": "target_to_source"},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", list(RGCN))
+def test_rgcn_with_more_segments_than_edges(name, dtype, device):
+    """Many relations, few edges: RGCNConv projects each distinct (source, relation) pair once."""
+    relations = 20
+    kwargs = dict(RGCN[name])
+    out_channels = kwargs.pop("out_channels", 5)
+    args = (6, out_channels, relations)
+    geot_layer, pyg_layer = pair(gnn.RGCNConv, pyg_nn.RGCNConv, args, kwargs, device, dtype)
+    edge_index, _ = relational_edges(device)
+    edge_type = torch.randint(0, relations - 1, (edge_index.size(1),), device=device)
+    assert NODES * relations > edge_index.size(1)
+    x = torch.randn(NODES, 6, device=device, dtype=dtype)
+    tol = F64 if dtype == torch.float64 else F32
+
+    def call(layer):
+        x_in = x.clone().requires_grad_()
+        out = layer(x_in, edge_index, edge_type)
+        return out, grads_of(weighted_sum(out), [x_in], layer)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        for _ in range(2):
+            got = call(geot_layer)
+    want = call(pyg_layer)
+    assert_close(got[0], want[0], tol, "output")
+    assert_grads(got[1], want[1], tol)
+
+
+def test_rgcn_pairs_bipartite_matches_pyg():
+    geot_layer, pyg_layer = pair(gnn.RGCNConv, pyg_nn.RGCNConv, ((6, 4), 5, 20), {}, "cpu", torch.float64)
+    edge_index = torch.stack([torch.randint(0, 9, (25,)), torch.randint(0, 7, (25,))])
+    edge_type = torch.randint(0, 20, (25,))
+    x = (torch.randn(9, 6, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64))
+    torch.testing.assert_close(geot_layer(x, edge_index, edge_type), pyg_layer(x, edge_index, edge_type), **F64)
+
+
 # HGTConv --------------------------------------------------------------------------------------
 
 COUNTS = {"author": 7, "paper": 5, "venue": 4, "orphan": 3}

@@ -199,3 +199,20 @@ def per_type_matmul(x: Tensor, bounds, weight: Tensor) -> Tensor:
     """typed_matmul as one torch matmul per non-empty type."""
     parts = [x[start:end] @ weight[t] for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.size(-1))
+
+
+class Pairs(NamedTuple):
+    """The distinct (node, relation) pairs at one end of a graph's edges:
+    each pair's projection x_node W_rel is computed once, however many edges
+    share it (compact materialization)."""
+    node: Tensor      # [U] node of each pair, pairs grouped by relation
+    ptr: Tensor       # [R + 1] int64: pairs of relation r are ptr[r]:ptr[r+1]
+    bounds: list      # ptr on the host
+    of_edge: Tensor   # [E] each edge's pair, in the graph's order
+
+
+def distinct_pairs(nodes: Tensor, relation: Tensor, num_nodes: int, relations: int) -> Pairs:
+    key = relation.long() * num_nodes + nodes.long()
+    distinct, of_edge = torch.unique(key, sorted=True, return_inverse=True)
+    ptr = torch.searchsorted(distinct, torch.arange(relations + 1, device=key.device) * num_nodes)
+    return Pairs(distinct.remainder(num_nodes), ptr, ptr.tolist(), of_edge.to(nodes.dtype))

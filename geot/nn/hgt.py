@@ -9,11 +9,10 @@ from torch import Tensor
 
 from .. import hetero, index
 from ..sddmm import sddmm
-from .common import typed_matmul
+from .common import Pairs, distinct_pairs, typed_matmul
 from .graph import static_addresses, transpose_index_as
 from .inputs import edges_of, input_kind
 from .layer import GeotLayer
-from .rgat import _Pairs, _pairs
 
 
 class _TypedGraph(NamedTuple):
@@ -21,7 +20,7 @@ class _TypedGraph(NamedTuple):
     key: tuple         # the inputs it was built from (tensor identities, versions, node counts)
     inputs: tuple      # those tensors, kept so that their identities stay theirs
     dst: Tensor        # [E] destination row (its type's offset added), sorted
-    sources: _Pairs    # distinct (source row, edge type) pairs, grouped by edge type
+    sources: Pairs    # distinct (source row, edge type) pairs, grouped by edge type
     memo: dict         # the transposed index, made when a call first records gradients
 
 
@@ -161,7 +160,8 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
             raise ValueError("edge_index_dict has node ids out of range of x_dict")
         dtype = torch.int32 if max(bounds[-1], src.numel()) < 2**31 else torch.int64
         dst, perm = torch.sort(dst, stable=True)
-        pairs = _pairs(src.index_select(0, perm), relation.index_select(0, perm), bounds[-1], len(self.edge_types))
+        pairs = distinct_pairs(src.index_select(0, perm), relation.index_select(0, perm), bounds[-1],
+                               len(self.edge_types))
         pairs = pairs._replace(of_edge=pairs.of_edge.to(dtype))
         return static_addresses(_TypedGraph(key, inputs, dst.to(dtype), pairs, {}))
 

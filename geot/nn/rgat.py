@@ -7,7 +7,7 @@ import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import hetero, index
-from .common import Nodes, sizes_reason, typed_matmul
+from .common import Nodes, Pairs, distinct_pairs, sizes_reason, typed_matmul
 from .graph import SortedGraph, checked, sorted_graph, transpose_index_as
 from .inputs import edges_of, input_kind
 from .layer import GeotLayer
@@ -15,28 +15,11 @@ from .layer import GeotLayer
 _MODS = ("additive", "scaled", "f-additive", "f-scaled")
 
 
-class _Pairs(NamedTuple):
-    """The distinct (node, relation) pairs at one end of a graph's edges:
-    each pair's projection x_node W_rel is computed once, however many edges
-    share it (compact materialization)."""
-    node: Tensor      # [U] node of each pair, pairs grouped by relation
-    ptr: Tensor       # [R + 1] int64: pairs of relation r are ptr[r]:ptr[r+1]
-    bounds: list      # ptr on the host
-    of_edge: Tensor   # [E] each edge's pair, in the graph's order
-
-
-def _pairs(nodes: Tensor, relation: Tensor, num_nodes: int, relations: int) -> _Pairs:
-    key = relation.long() * num_nodes + nodes.long()
-    distinct, of_edge = torch.unique(key, sorted=True, return_inverse=True)
-    ptr = torch.searchsorted(distinct, torch.arange(relations + 1, device=key.device) * num_nodes)
-    return _Pairs(distinct.remainder(num_nodes), ptr, ptr.tolist(), of_edge.to(nodes.dtype))
-
-
 class _RelationGraph(NamedTuple):
     """RGAT's view of a graph sorted by (destination, relation)."""
     dst: Tensor        # [E] destination node, sorted
-    sources: _Pairs    # (source, relation) pairs
-    targets: _Pairs    # (destination, relation) pairs
+    sources: Pairs    # (source, relation) pairs
+    targets: Pairs    # (destination, relation) pairs
     degree: Tensor     # [N] edges into each node (the scaled mods), float32
 
 
@@ -47,8 +30,8 @@ def _relation_graph(graph: SortedGraph, num_nodes: int, relations: int) -> _Rela
     relation = graph.dst.remainder(relations)
     dst = graph.dst.div(relations, rounding_mode="floor")
     degree = torch.bincount(dst.long(), minlength=num_nodes).float()
-    return _RelationGraph(dst, _pairs(graph.src, relation, num_nodes, relations),
-                          _pairs(dst, relation, num_nodes, relations), degree)
+    return _RelationGraph(dst, distinct_pairs(graph.src, relation, num_nodes, relations),
+                          distinct_pairs(dst, relation, num_nodes, relations), degree)
 
 
 class RGATConv(GeotLayer, pyg_nn.RGATConv):
