@@ -346,6 +346,30 @@ def test_per_type_matmul_matches_segment_matmul():
     assert per_type_matmul(x[:0], [0] * 5, weight).shape == (0, 6)
 
 
+def test_compiled_rgat_runs_pyg_forward():
+    """torch.compile(fullgraph=True) traces PyG's forward (geot's graph tables are built eagerly)."""
+    torch._dynamo.reset()
+    geot_rgat, pyg_rgat = rgat_pair({"heads": 2}, "cpu", torch.float32)
+    edge_index, edge_type = relational_edges("cpu")
+    x = torch.randn(NODES, 6)
+    with pytest.warns(gnn.GeotFallbackWarning, match="torch.compile"):
+        got = torch.compile(geot_rgat, backend="aot_eager", fullgraph=True)(x, edge_index, edge_type)
+    torch.testing.assert_close(got, pyg_rgat(x, edge_index, edge_type))
+
+
+def test_hgt_under_compile_runs_pyg_forward(monkeypatch):
+    geot_hgt, pyg_hgt = pair(gnn.HGTConv, pyg_nn.HGTConv, (8, 8, METADATA), {"heads": 2}, "cpu", torch.float32)
+    x_dict, edge_index_dict = hetero_inputs("cpu", torch.float32, {t: 8 for t in COUNTS})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(gnn.layer, "warn_at_trace_time", lambda message, category: warnings.warn(message, category))
+    with pytest.warns(gnn.GeotFallbackWarning, match="torch.compile"):
+        got = geot_hgt(x_dict, edge_index_dict)
+    monkeypatch.undo()
+    want = pyg_hgt(x_dict, edge_index_dict)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key])
+
+
 # patch ----------------------------------------------------------------------------------------
 
 def test_patch_converts_rgat_and_hgt():

@@ -70,6 +70,8 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         reason = self._option_reason()
         if reason is not None:
             return reason
+        if torch.compiler.is_compiling():  # its graph tables have data-dependent sizes (eager only)
+            return "torch.compile"
         if self.flow != "source_to_target":
             return f"flow={self.flow!r}"
         if not isinstance(x_dict, dict) or not isinstance(edge_index_dict, dict) or not edge_index_dict:
@@ -106,9 +108,9 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
     def _qkv(self, x_dict, types, bounds) -> Tensor:
         """[N, 3F] every node's Q | K | V (PyG's kqv_lin, its columns reordered so that K | V, which
         the pairs gather, are adjacent), node types concatenated in ``types`` order."""
-        channels = self.out_channels
-        order = torch.cat([torch.arange(channels, 2 * channels), torch.arange(channels),
-                           torch.arange(2 * channels, 3 * channels)]).to(self.out_lin.lins[types[0]].weight.device)
+        channels, device = self.out_channels, x_dict[types[0]].device
+        order = torch.arange(3 * channels, device=device)
+        order[:2 * channels] = order[:2 * channels].roll(channels)  # K | Q | V -> Q | K | V
         lins = [self.kqv_lin.lins[t] for t in types]
         widths = {x_dict[t].size(-1) for t in types}
         if hasattr(self.kqv_lin, "_hook") or len(widths) != 1 or any(lin.bias is None for lin in lins):

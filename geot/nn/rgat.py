@@ -84,6 +84,8 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
         reason = self._option_reason() or self._input_reason(edge_index)
         if reason is not None:
             return reason
+        if torch.compiler.is_compiling():  # its graph tables have data-dependent sizes (eager only)
+            return "torch.compile"
         if input_kind(edge_index) != "edge_index":
             return "a sparse adjacency"
         if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
