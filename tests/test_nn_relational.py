@@ -93,6 +93,7 @@ RGAT = {
     "mod-f-additive": {"mod": "f-additive"},
     "mod-f-scaled": {"mod": "f-scaled", "heads": 2},
     "dropout-eval": {"dropout": 0.5, "heads": 2},
+    "target-to-source": {"flow": "target_to_source", "heads": 2},
 }
 
 
@@ -147,10 +148,11 @@ def test_rgat_without_edges(name, device):
     check_rgat(RGAT[name], device, torch.float64, F64, no_edges(device))
 
 
+@pytest.mark.parametrize("flow", ["source_to_target", "target_to_source"])
 @pytest.mark.parametrize("mechanism", ["across-relation", "within-relation"])
-def test_rgat_attention_weights_in_input_order(mechanism, device):
-    check_rgat({"attention_mechanism": mechanism, "heads": 2, "edge_dim": 3}, device, torch.float64, F64,
-               relational_edges(device), attention=True)
+def test_rgat_attention_weights_in_input_order(mechanism, flow, device):
+    check_rgat({"attention_mechanism": mechanism, "heads": 2, "edge_dim": 3, "flow": flow}, device, torch.float64,
+               F64, relational_edges(device), attention=True)
 
 
 def test_rgat_sorted_and_int32_edges(device):
