@@ -32,17 +32,17 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
     """``torch_geometric.nn.HGTConv`` on geot. The node types' K, Q, V
     projections are one ``geot.segment_matmul`` over the concatenated node
     features (where the types share a width; else PyG's per-type linears).
-    Each edge type's relation transforms (its heads' K and V matrices, the
-    prior ``p_rel / sqrt(D)`` folded into K) are one block-diagonal matrix,
-    applied by one ``segment_matmul`` to the distinct (source node, edge
-    type) pairs only (compact materialization: not every node of every
-    source type, as PyG's, nor every edge). The scores are one
-    ``geot.sddmm`` dot, their softmax one ``geot.edge_softmax`` per
-    destination over all edge types, the sum one multi-head
-    ``index_weight_segment_reduce``; the output projections one more
-    ``segment_matmul``. Takes ``edge_index`` tensors and sparse adjacencies
-    in ``edge_index_dict``; calls PyG's forward would reject (edge types
-    outside ``metadata``, node types without features) run it."""
+    Each edge type's K and V transforms (its heads' matrices on a block
+    diagonal, the prior ``p_rel / sqrt(D)`` folded into K) are one
+    ``segment_matmul`` each, over the distinct (source node, edge type)
+    pairs only (compact materialization: not every node of every source
+    type, as PyG's, nor every edge). The scores are one ``geot.sddmm`` dot,
+    their softmax one ``geot.edge_softmax`` per destination over all edge
+    types, the sum one multi-head ``index_weight_segment_reduce``; the
+    output projections one more ``segment_matmul``. Takes ``edge_index``
+    tensors and sparse adjacencies in ``edge_index_dict``; calls PyG's
+    forward would reject (edge types outside ``metadata``, node types
+    without features) run it, as do calls inside ``torch.compile``."""
 
     def forward(self, x_dict: Dict[str, Tensor], edge_index_dict) -> Dict[str, Optional[Tensor]]:
         reason = self._call_reason(x_dict, edge_index_dict)
@@ -52,17 +52,20 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         bounds = [0]
         for t in types:
             bounds.append(bounds[-1] + x_dict[t].size(0))
-        qkv = self._qkv(x_dict, types, bounds)
+        kqv = self._kqv(x_dict, types, bounds)
         graph = self._typed_graph(edge_index_dict, types, bounds)
         channels, heads = self.out_channels, self.heads
-        rows = qkv[:, channels:].index_select(0, graph.sources.node)  # each pair's K | V, [U, 2F]
-        kv = typed_matmul(rows, graph.sources.ptr, graph.sources.bounds, self._relation_weights(rows.dtype))
-        key, value = (part.contiguous() for part in kv.view(-1, 2, heads, channels // heads).unbind(1))
-        query = qkv[:, :channels].reshape(-1, heads, channels // heads)
-        src, dst = graph.sources.of_edge, graph.dst
+        key_rel, value_rel = self._relation_weights(kqv.dtype)
+        sources = graph.sources
+        key = typed_matmul(kqv[:, :channels].index_select(0, sources.node), sources.ptr, sources.bounds, key_rel)
+        value = typed_matmul(kqv[:, 2 * channels:].index_select(0, sources.node), sources.ptr, sources.bounds,
+                             value_rel)
+        key, value = (t.view(-1, heads, channels // heads) for t in (key, value))
+        query = kqv[:, channels:2 * channels].reshape(-1, heads, channels // heads)
+        src, dst = sources.of_edge, graph.dst
         alpha = hetero.edge_softmax(sddmm(src, dst, key, query), dst, bounds[-1])
         out = index._fused(src, dst, alpha, value, "sum", bounds[-1], self._transposed(graph, value), None)
-        out = typed_matmul(F.gelu(out.view(-1, channels)), self._ptr(bounds, qkv.device), bounds,
+        out = typed_matmul(F.gelu(out.view(-1, channels)), self._ptr(bounds, kqv.device), bounds,
                            self._stacked(self.out_lin, types, out.dtype))
         return self._outputs(out, x_dict, types, bounds)
 
@@ -98,33 +101,26 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
             cache[key] = static_addresses(torch.tensor(bounds, device=device))
         return cache[key]
 
-    def _stacked(self, linears, types, dtype, order: Optional[Tensor] = None) -> Tensor:
-        """[T, C_in, C_out] the per-type Linear weights, transposed and stacked in type order (their
-        output columns in ``order``)."""
-        weight = torch.stack([linears.lins[t].weight for t in types])
-        weight = weight if order is None else weight.index_select(1, order)
-        return weight.transpose(1, 2).to(dtype)
+    def _stacked(self, linears, types, dtype) -> Tensor:
+        """[T, C_in, C_out] the per-type Linear weights, transposed and stacked in type order."""
+        return torch.stack([linears.lins[t].weight for t in types]).transpose(1, 2).to(dtype)
 
-    def _qkv(self, x_dict, types, bounds) -> Tensor:
-        """[N, 3F] every node's Q | K | V (PyG's kqv_lin, its columns reordered so that K | V, which
-        the pairs gather, are adjacent), node types concatenated in ``types`` order."""
-        channels, device = self.out_channels, x_dict[types[0]].device
-        order = torch.arange(3 * channels, device=device)
-        order[:2 * channels] = order[:2 * channels].roll(channels)  # K | Q | V -> Q | K | V
+    def _kqv(self, x_dict, types, bounds) -> Tensor:
+        """[N, 3F] every node's K | Q | V (PyG's kqv_lin), node types concatenated in ``types`` order."""
         lins = [self.kqv_lin.lins[t] for t in types]
         widths = {x_dict[t].size(-1) for t in types}
         if hasattr(self.kqv_lin, "_hook") or len(widths) != 1 or any(lin.bias is None for lin in lins):
             projected = self.kqv_lin(x_dict)  # lazy or of several widths: PyG's per-type linears
-            return torch.cat([projected[t] for t in types]).index_select(1, order)
+            return torch.cat([projected[t] for t in types])
         x = torch.cat([x_dict[t] for t in types])
         ptr = self._ptr(bounds, x.device)
-        out = typed_matmul(x, ptr, bounds, self._stacked(self.kqv_lin, types, x.dtype, order))
-        bias = torch.stack([lin.bias for lin in lins]).index_select(1, order).to(out.dtype)
+        out = typed_matmul(x, ptr, bounds, self._stacked(self.kqv_lin, types, x.dtype))
+        bias = torch.stack([lin.bias for lin in lins]).to(out.dtype)
         return out + torch.repeat_interleave(bias, ptr.diff(), dim=0, output_size=out.size(0))
 
-    def _relation_weights(self, dtype) -> Tensor:
-        """[ET, 2F, 2F]: a node's K | V to its K times p_rel / sqrt(D) | its V, for each edge type: the
-        heads' matrices on the block diagonal."""
+    def _relation_weights(self, dtype):
+        """([ET, F, F], [ET, F, F]): each edge type's K transform (times p_rel / sqrt(D)) and V
+        transform, the heads' matrices on the block diagonal."""
         heads, width, count = self.heads, self.out_channels // self.heads, len(self.edge_types)
         diagonal = torch.eye(heads, dtype=dtype, device=self.k_rel.weight.device)
 
@@ -133,9 +129,8 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
             return torch.einsum("ehij,hg->ehigj", per_type, diagonal).reshape(count, heads * width, -1)
 
         prior = torch.stack([self.p_rel["__".join(t)].view(heads) for t in self.edge_types]).to(dtype)
-        key = blocks(self.k_rel.weight) * (prior / math.sqrt(width)).repeat_interleave(width, dim=1).unsqueeze(1)
-        zeros = torch.zeros_like(key)
-        return torch.cat([torch.cat([key, zeros], 2), torch.cat([zeros, blocks(self.v_rel.weight)], 2)], 1)
+        scale = (prior / math.sqrt(width)).repeat_interleave(width, dim=1).unsqueeze(1)
+        return blocks(self.k_rel.weight) * scale, blocks(self.v_rel.weight)
 
     def _typed_graph(self, edge_index_dict, types, bounds) -> _TypedGraph:
         """The concatenated graph, kept for the next call with the same edge tensors and node counts."""

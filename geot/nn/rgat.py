@@ -48,7 +48,8 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
     attention modes and mechanisms, ``heads``, ``dim``, ``concat``, every
     ``mod``, ``dropout``, ``edge_dim`` with ``edge_attr`` and
     ``return_attention_weights`` (the weights in the input's edge order)
-    over an ``edge_index``; a sparse adjacency runs PyG's forward."""
+    over an ``edge_index``; a sparse adjacency, and calls inside
+    ``torch.compile``, run PyG's forward."""
 
     def forward(self, x, edge_index, edge_type: Optional[Tensor] = None, edge_attr: Optional[Tensor] = None,
                 size=None, return_attention_weights=None):
