@@ -159,8 +159,8 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         dst, perm = torch.sort(dst, stable=True)
         pairs = distinct_pairs(src.index_select(0, perm), relation.index_select(0, perm), bounds[-1],
                                len(self.edge_types))
-        pairs = pairs._replace(of_edge=pairs.of_edge.to(dtype))
-        return static_addresses(_TypedGraph(key, inputs, dst.to(dtype), pairs, {}))
+        dst, pairs = static_addresses((dst.to(dtype), pairs._replace(of_edge=pairs.of_edge.to(dtype))))
+        return _TypedGraph(key, inputs, dst, pairs, {})
 
     def _transposed(self, graph: _TypedGraph, value: Tensor):
         """The graph's transposed index for the backward pass, made once where gradients are recorded."""
