@@ -161,6 +161,18 @@ def test_rgat_sorted_and_int32_edges(device):
     check_rgat({"heads": 2}, device, torch.float64, F64, (edge_index[:, order].int(), edge_type[order].int()))
 
 
+def test_rgat_size_matches_pyg():
+    geot_layer, pyg_layer = rgat_pair({"heads": 2}, "cpu", torch.float64)
+    edge_index, edge_type = relational_edges("cpu")
+    x = torch.randn(NODES, 6, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        got = geot_layer(x, edge_index, edge_type, size=(NODES, NODES))
+    torch.testing.assert_close(got, pyg_layer(x, edge_index, edge_type, size=(NODES, NODES)), **F64)
+    with pytest.warns(gnn.GeotFallbackWarning, match="size"), pytest.raises(ValueError):
+        geot_layer(x, edge_index, edge_type, size=(NODES + 1, NODES))  # PyG raises for a size x disagrees with
+
+
 def test_rgat_dropout_trains_natively(device):
     """Dropout in training runs on geot: its mask differs from PyG's draw, so only the shapes and the
     dropped weights' mean are checked."""

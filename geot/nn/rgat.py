@@ -21,6 +21,8 @@ class _RelationGraph(NamedTuple):
     sources: Pairs    # (source, relation) pairs
     targets: Pairs    # (destination, relation) pairs
     degree: Tensor     # [N] edges into each node (the scaled mods), float32
+    segment: Tensor    # [E] each edge's (destination, relation) segment among the non-empty ones, sorted
+    segments: int      # how many are non-empty (within-relation softmax: not N * R segments)
 
 
 def _relation_graph(graph: SortedGraph, num_nodes: int, relations: int) -> _RelationGraph:
@@ -30,8 +32,10 @@ def _relation_graph(graph: SortedGraph, num_nodes: int, relations: int) -> _Rela
     relation = graph.dst.remainder(relations)
     dst = graph.dst.div(relations, rounding_mode="floor")
     degree = torch.bincount(dst.long(), minlength=num_nodes).float()
+    distinct, segment = torch.unique_consecutive(graph.dst, return_inverse=True)
     return _RelationGraph(dst, distinct_pairs(graph.src, relation, num_nodes, relations),
-                          distinct_pairs(dst, relation, num_nodes, relations), degree)
+                          distinct_pairs(dst, relation, num_nodes, relations), degree,
+                          segment.to(graph.dst.dtype), distinct.numel())
 
 
 class RGATConv(GeotLayer, pyg_nn.RGATConv):
@@ -70,7 +74,7 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
         score = self._scores(query.index_select(0, rel.targets.of_edge), key.index_select(0, rel.sources.of_edge),
                              graph.edge_values(edge_attr))
         if self.attention_mechanism == "within-relation":
-            alpha = hetero.edge_softmax(score, graph.dst, num_nodes * relations)
+            alpha = hetero.edge_softmax(score, rel.segment, rel.segments)
         else:
             alpha = hetero.edge_softmax(score, rel.dst, num_nodes)
         out = self._aggregate(graph, rel, projected, alpha, num_nodes)
