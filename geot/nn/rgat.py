@@ -18,8 +18,8 @@ _MODS = ("additive", "scaled", "f-additive", "f-scaled")
 class _RelationGraph(NamedTuple):
     """RGAT's view of a graph sorted by (destination, relation)."""
     dst: Tensor        # [E] destination node, sorted
-    sources: Pairs    # (source, relation) pairs
-    targets: Pairs    # (destination, relation) pairs
+    sources: Pairs     # (source, relation) pairs
+    targets: Pairs     # (destination, relation) pairs
     degree: Tensor     # [N] edges into each node (the scaled mods), float32
     segment: Tensor    # [E] each edge's (destination, relation) segment among the non-empty ones, sorted
     segments: int      # how many are non-empty (within-relation softmax: not N * R segments)
@@ -66,17 +66,7 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
         checked(graph, num_nodes, num_nodes * relations)
         rel = graph.derived(("rgat pairs", relations, num_nodes),
                             lambda: _relation_graph(graph, num_nodes, relations))
-        weight = self._relation_weights()
-        projected = typed_matmul(x.index_select(0, rel.sources.node), rel.sources.ptr, rel.sources.bounds, weight)
-        key = projected @ self.k
-        query = typed_matmul(x.index_select(0, rel.targets.node), rel.targets.ptr, rel.targets.bounds,
-                             weight @ self.q.to(weight.dtype))
-        score = self._scores(query.index_select(0, rel.targets.of_edge), key.index_select(0, rel.sources.of_edge),
-                             graph.edge_values(edge_attr))
-        if self.attention_mechanism == "within-relation":
-            alpha = hetero.edge_softmax(score, rel.segment, rel.segments)
-        else:
-            alpha = hetero.edge_softmax(score, rel.dst, num_nodes)
+        projected, alpha = self._attention(rel, x, graph.edge_values(edge_attr), num_nodes)
         out = self._aggregate(graph, rel, projected, alpha, num_nodes)
         out = self._update(out, num_nodes)
         if isinstance(return_attention_weights, bool):
@@ -102,6 +92,20 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
                                       or edge_attr.size(0) != edge_type.numel()):
             return "edge_attr without edge_dim, or not one row per edge"
         return sizes_reason(Nodes(x, x, False), edges, size)
+
+    def _attention(self, rel: _RelationGraph, x: Tensor, edge_attr: Optional[Tensor], num_nodes: int):
+        """(each source pair's x_j W_r [U, H * C], the attention [E, H * dim] in graph order)."""
+        weight = self._relation_weights()
+        sources, targets = rel.sources, rel.targets
+        projected = typed_matmul(x.index_select(0, sources.node), sources.ptr, sources.bounds, weight)
+        key = projected @ self.k
+        query = typed_matmul(x.index_select(0, targets.node), targets.ptr, targets.bounds,
+                             weight @ self.q.to(weight.dtype))
+        score = self._scores(query.index_select(0, targets.of_edge), key.index_select(0, sources.of_edge),
+                             edge_attr)
+        if self.attention_mechanism == "within-relation":
+            return projected, hetero.edge_softmax(score, rel.segment, rel.segments)
+        return projected, hetero.edge_softmax(score, rel.dst, num_nodes)
 
     def _relation_weights(self) -> Tensor:
         """[R, C_in, H * C]: each relation's weight, bases combined, blocks laid on the diagonal."""
