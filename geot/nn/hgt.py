@@ -54,20 +54,26 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
             bounds.append(bounds[-1] + x_dict[t].size(0))
         kqv = self._kqv(x_dict, types, bounds)
         graph = self._typed_graph(edge_index_dict, types, bounds)
+        out = self._attend(graph, kqv, bounds[-1])
+        out = typed_matmul(F.gelu(out.view(-1, self.out_channels)), self._ptr(bounds, kqv.device), bounds,
+                           self._stacked(self.out_lin, types, out.dtype))
+        return self._outputs(out, x_dict, types, bounds)
+
+    def _attend(self, graph: _TypedGraph, kqv: Tensor, num_nodes: int) -> Tensor:
+        """[N, H, D]: each node's attention-weighted sum of its sources' relation-transformed values."""
         channels, heads = self.out_channels, self.heads
         key_rel, value_rel = self._relation_weights(kqv.dtype)
         sources = graph.sources
-        key = typed_matmul(kqv[:, :channels].index_select(0, sources.node), sources.ptr, sources.bounds, key_rel)
-        value = typed_matmul(kqv[:, 2 * channels:].index_select(0, sources.node), sources.ptr, sources.bounds,
-                             value_rel)
-        key, value = (t.view(-1, heads, channels // heads) for t in (key, value))
+
+        def transformed(rows: Tensor, weight: Tensor) -> Tensor:  # each (source, edge type) pair's row
+            out = typed_matmul(rows.index_select(0, sources.node), sources.ptr, sources.bounds, weight)
+            return out.view(-1, heads, channels // heads)
+
+        key, value = transformed(kqv[:, :channels], key_rel), transformed(kqv[:, 2 * channels:], value_rel)
         query = kqv[:, channels:2 * channels].reshape(-1, heads, channels // heads)
         src, dst = sources.of_edge, graph.dst
-        alpha = hetero.edge_softmax(sddmm(src, dst, key, query), dst, bounds[-1])
-        out = index._fused(src, dst, alpha, value, "sum", bounds[-1], self._transposed(graph, value), None)
-        out = typed_matmul(F.gelu(out.view(-1, channels)), self._ptr(bounds, kqv.device), bounds,
-                           self._stacked(self.out_lin, types, out.dtype))
-        return self._outputs(out, x_dict, types, bounds)
+        alpha = hetero.edge_softmax(sddmm(src, dst, key, query), dst, num_nodes)
+        return index._fused(src, dst, alpha, value, "sum", num_nodes, self._transposed(graph, value), None)
 
     def _call_reason(self, x_dict, edge_index_dict) -> Optional[str]:
         reason = self._option_reason()
