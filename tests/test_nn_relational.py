@@ -350,6 +350,22 @@ def test_hgt_unknown_edge_type_raises_as_pyg():
         gnn.HGTConv(8, 8, METADATA)(x_dict, edge_index_dict)
 
 
+@pytest.fixture
+def tf32_matmuls():
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_grouped_gemm_path_matches_pyg(device, tf32_matmuls):
+    """At matmul precision "high" float32 takes geot.segment_matmul on CUDA too (TF32 tensor cores; PyG's
+    matmuls round to TF32 as well): results within TF32's rounding."""
+    tf32 = {"rtol": 1e-2, "atol": 1e-2}
+    check_rgat({"heads": 2, "edge_dim": 3}, device, torch.float32, tf32, relational_edges(device))
+    check_hgt("heads-2", device, torch.float32, tf32)
+
+
 def test_per_type_matmul_matches_segment_matmul():
     """The typed matmul of float32 on CUDA at torch's default precision (segment_matmul rounds to TF32)."""
     from geot.nn.common import per_type_matmul
