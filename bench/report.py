@@ -561,6 +561,63 @@ class MiniBatch(Bench):
                  "fastest of PyG eager / compiled", f"{geomean(eager['speedup']):.2f}×"]]
 
 
+class RelationalGNN(Bench):
+    name = "rgnn"
+    title = "Relational GNNs on heterogeneous graphs (`bench/rgnn.py`)"
+    keys = ("model", "hidden", "graph", "dtype", "mode", "path")
+    about = (
+        "RGCN, RGAT and HGT as Pigeon measures them: one layer of 64 channels and one head (`1x64`), and two "
+        "layers of hidden 64 with 4 heads (`2x64h4`), inference and a training step (NLL loss against random "
+        "labels, Adam), on generated graphs with the shapes of Pigeon's datasets (node and relation counts and "
+        "sizes, Zipf-skewed relation frequencies, power-law degrees), 64 features, TF32 matmuls on every path. "
+        "Paths: `geot.nn` eager; PyG's RGCNConv, FastRGCNConv (`pyg-fast`), RGATConv and HGTConv, eager and "
+        "(`--compile`) compiled. Speedup: the fastest PyG path's time / geot's; OOM: the path ran out of memory."
+    )
+    commands = ("python bench/rgnn.py --compile --budget 3600",
+                "python bench/report.py --add rgnn bench/out/rgnn_nvidia-h100-80gb-hbm3.csv --gpu h100")
+
+    def merge(self, current, runs):  # the speedups of the merged rows, each against its cell's fastest PyG path
+        merged = super().merge(current, [r.drop(columns=E2E.DERIVED, errors="ignore") for r in runs])
+        return with_speedups(merged.drop(columns=E2E.DERIVED, errors="ignore"))
+
+    def section(self, df, gpu, img_dir):
+        geot_rows = df[df["path"] == "geot"]
+        rows = [[r["model"], r["hidden"], r["graph"], r["mode"], fmt(r["ms"], 3), fmt(r["best_pyg_ms"], 3),
+                 fmt(r["speedup"], 2, "×"), fmt(r["peak_ratio"], 2, "×")] for _, r in geot_rows.iterrows()]
+        ooms = df[df["note"].astype(str) == "OOM"].groupby("path").size()
+        summary = "; ".join(f"{path}: {count}" for path, count in ooms.items()) or "none"
+        image = f"rgnn_{gpu}.png"
+        self.plot(geot_rows, os.path.join(img_dir, image))
+        return ("geot's ms per step against the fastest PyG path of the cell (peak: geot's peak memory / that "
+                f"path's); cells where a path ran out of memory: {summary}.\n\n"
+                + markdown_table(["model", "layers", "graph", "mode", "geot ms", "PyG ms", "speedup", "peak"], rows,
+                                 "llllrrrr")
+                + f"\n\n![geot vs the fastest PyG path]({os.path.basename(img_dir)}/{image})\n")
+
+    def plot(self, geot_rows, path):
+        plt = plot_style()
+        fig, axes = plt.subplots(2, 1, figsize=(9, 6), squeeze=False)
+        for ax, mode in zip(axes[:, 0], ("inference", "train")):
+            sel = geot_rows[geot_rows["mode"] == mode]
+            table = sel.assign(case=sel["model"] + " " + sel["hidden"]).pivot_table(
+                index="graph", columns="case", values="speedup", sort=False)
+            if not table.empty:
+                table.plot.bar(ax=ax, rot=0, width=0.8)
+            speedup_axis(ax, sel["speedup"].dropna().tolist() or [1.0])
+            ax.set_ylabel(f"{mode}: speedup")
+            ax.set_xlabel("")
+            ax.legend(fontsize=7, ncols=3)
+        save_figure(fig, path)
+
+    def headline(self, df):
+        rows = []
+        for model, sel in df[df["path"] == "geot"].dropna(subset=["speedup"]).groupby("model", sort=False):
+            speedups = [geomean(sel[sel["mode"] == mode]["speedup"]) for mode in ("inference", "train")]
+            rows.append([f"{model.upper()}, eager (`rgnn.py`, {cells(len(sel) // 2)} per mode)",
+                         "fastest PyG path", f"{speedups[0]:.2f}× inference, {speedups[1]:.2f}× training"])
+        return rows
+
+
 def speedup_plot(df, column, ylabel, path):
     """Speedup against F, one line per graph."""
     plt = plot_style()
@@ -577,7 +634,7 @@ def speedup_plot(df, column, ylabel, path):
 
 
 BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), HeteroAttention(), GinSum(),
-                                                  MiniBatch())}
+                                                  MiniBatch(), RelationalGNN())}
 
 
 # ----------------------------------------------------------------------------

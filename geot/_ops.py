@@ -1,5 +1,7 @@
 """Loads the extension and registers the Python side of torch.ops.geot.*:
 fake (meta) kernels for torch.compile and autograd formulas."""
+import math
+
 import torch
 
 from . import _C  # noqa: F401  (registers the C++ operators)
@@ -121,7 +123,8 @@ def _edge_dot_backward(ctx, grad):
     weight = grad.contiguous()  # [E, heads], one weight per edge and head
 
     def scatter(gather, to, rows, like):
-        heads_rows = rows.reshape(rows.size(0), ctx.heads, -1)
+        width = math.prod(rows.shape[1:]) // ctx.heads  # not -1: rows may be empty
+        heads_rows = rows.reshape(rows.size(0), ctx.heads, width)
         return torch.ops.geot.index_scatter_sum(gather, to, heads_rows, weight, like.size(0)).reshape(like.shape)
 
     grad_a = scatter(src_index, dst_index, b, a) if ctx.needs_input_grad[2] else None

@@ -93,3 +93,26 @@ def test_add_recomputes_e2e_speedups(tmp_path):
     before = current[cell & (current["path"] == "geot-compile")].set_index(keys)["speedup"]
     after = merged.set_index(keys).loc[before.index, "speedup"]
     pd.testing.assert_series_equal(after, before / 2, check_names=False)
+
+
+def test_add_rgnn_run_makes_its_section(tmp_path):
+    """bench/rgnn.py's rows (here a quick CPU run's, OOM and skipped cells included) merge into the results and
+    give a section, a plot and headline rows."""
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    results.mkdir()
+    docs.mkdir()
+    rows = []
+    for model in ("rgcn", "rgat"):
+        for mode in ("inference", "train"):
+            for path, ms, note in (("geot", 1.0, ""), ("pyg", 3.0, ""), ("pyg-compile", float("nan"), "OOM")):
+                rows.append({"model": model, "hidden": "1x64", "graph": "aifb", "dtype": "fp32", "mode": mode,
+                             "path": path, "ms": ms, "peak_mb": 10.0, "resident_mb": 1.0, "note": note})
+    pd.DataFrame(rows).to_csv(tmp_path / "run.csv", index=False)
+    result = run("--add", "rgnn", str(tmp_path / "run.csv"), "--gpu", "h100", "--results", str(results),
+                 "--docs", str(docs), "--readme", "")
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = pd.read_csv(results / "rgnn_h100.csv")
+    assert (merged[merged["path"] == "geot"]["speedup"] == 3.0).all()
+    text = (docs / "benchmarks.md").read_text()
+    assert "Relational GNNs on heterogeneous graphs" in text and "pyg-compile: 4" in text
+    assert "rgnn_h100.png" in os.listdir(docs / "img")

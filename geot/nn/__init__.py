@@ -1,6 +1,7 @@
 """PyTorch Geometric layers on geot's kernels (needs torch_geometric).
 
-* ``GCNConv``, ``SAGEConv``, ``GINConv``, ``GATConv``, ``RGCNConv``, ``TransformerConv``: drop-in
+* ``GCNConv``, ``SAGEConv``, ``GINConv``, ``GATConv``, ``RGCNConv``, ``RGATConv``, ``HGTConv``,
+  ``TransformerConv``: drop-in
   subclasses of PyG's layers, same constructor, parameters and forward; a
   call geot does not run natively runs PyG's forward
   (:class:`GeotFallbackWarning`).
@@ -20,12 +21,14 @@ from .gcn import GCNConv
 from .generic import explain, geot_class
 from .gin import GINConv
 from .graph import SortedGraph, UncachedGraphWarning, sorted_graph, sorted_index
+from .hgt import HGTConv
 from .layer import GeotFallbackWarning
 from .patch import patch
+from .rgat import RGATConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
 from .transformer import TransformerConv
 
-__all__ = ["GATConv", "GCNConv", "GeotFallbackWarning", "GINConv", "RGCNConv", "SAGEConv", "SegmentAggregation",
-           "SortedGraph", "TransformerConv", "UncachedGraphWarning", "explain", "geot_class", "patch", "sorted_graph",
-           "sorted_index"]
+__all__ = ["GATConv", "GCNConv", "GeotFallbackWarning", "GINConv", "HGTConv", "RGATConv", "RGCNConv", "SAGEConv",
+           "SegmentAggregation", "SortedGraph", "TransformerConv", "UncachedGraphWarning", "explain", "geot_class",
+           "patch", "sorted_graph", "sorted_index"]

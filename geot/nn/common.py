@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import _C, index
+from ..hetero import segment_matmul
 from .._ops import mean_counts
 from .graph import SortedGraph, checked
 from .inputs import Edges
@@ -177,3 +178,41 @@ def transposed_order(graph: SortedGraph, edge_values: Optional[Tensor]) -> Optio
     if edge_values is None or edge_values.requires_grad or graph.transposed is None:
         return None
     return edge_values.index_select(0, graph.transposed.perm)
+
+
+def typed_matmul(x: Tensor, ptr: Tensor, bounds, weight: Tensor) -> Tensor:
+    """Rows ptr[t]:ptr[t+1] of x times weight[t] ([T, K, N]): one
+    ``geot.segment_matmul`` where its precision is what torch's matmul would
+    give. Its CUDA kernel rounds float32 to TF32, so float32 on CUDA under
+    ``torch.get_float32_matmul_precision() == "highest"`` (torch's default),
+    and float64 on CUDA, take one torch matmul per non-empty type instead
+    (bounds: ptr on the host)."""
+    dtype = matmul_dtype(x)
+    x, weight = x.to(dtype), weight.to(dtype)
+    if not x.is_cuda or dtype in (torch.float16, torch.bfloat16) or (
+            dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"):
+        return segment_matmul(x, ptr, weight)
+    return per_type_matmul(x, bounds, weight)
+
+
+def per_type_matmul(x: Tensor, bounds, weight: Tensor) -> Tensor:
+    """typed_matmul as one torch matmul per non-empty type."""
+    parts = [x[start:end] @ weight[t] for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.size(-1))
+
+
+class Pairs(NamedTuple):
+    """The distinct (node, relation) pairs at one end of a graph's edges:
+    each pair's projection x_node W_rel is computed once, however many edges
+    share it (compact materialization)."""
+    node: Tensor      # [U] node of each pair, pairs grouped by relation
+    ptr: Tensor       # [R + 1] int64: pairs of relation r are ptr[r]:ptr[r+1]
+    bounds: list      # ptr on the host
+    of_edge: Tensor   # [E] each edge's pair, in the graph's order
+
+
+def distinct_pairs(nodes: Tensor, relation: Tensor, num_nodes: int, relations: int) -> Pairs:
+    key = relation.long() * num_nodes + nodes.long()
+    distinct, of_edge = torch.unique(key, sorted=True, return_inverse=True)
+    ptr = torch.searchsorted(distinct, torch.arange(relations + 1, device=key.device) * num_nodes)
+    return Pairs(distinct.remainder(num_nodes), ptr, ptr.tolist(), of_edge.to(nodes.dtype))

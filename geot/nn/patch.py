@@ -6,6 +6,8 @@ from .gat import GATConv
 from .gcn import GCNConv
 from .generic import geot_class, propagates_on_geot
 from .gin import GINConv
+from .hgt import HGTConv
+from .rgat import RGATConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
 from .transformer import TransformerConv
@@ -17,11 +19,14 @@ GEOT_LAYERS = {
     pyg_nn.GATConv: GATConv,
     pyg_nn.RGCNConv: RGCNConv,
     pyg_nn.TransformerConv: TransformerConv,
+    pyg_nn.RGATConv: RGATConv,
+    pyg_nn.HGTConv: HGTConv,
 }
 
 
 def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
-    """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv, RGCNConv and TransformerConv in
+    """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv, RGCNConv, RGATConv, HGTConv and
+    TransformerConv in
     ``model`` (the model itself included, and the per-edge-type copies that
     ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place,
     and gives every other ``MessagePassing`` layer whose message geot

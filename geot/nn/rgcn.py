@@ -7,8 +7,8 @@ from torch import Tensor
 
 from .. import index
 from .._ops import mean_counts
-from .common import REDUCE, cast_for_matmul, gather_reduce, matmul_dtype
-from .graph import SortedGraph, sorted_graph, transpose_index_as
+from .common import REDUCE, Pairs, cast_for_matmul, distinct_pairs, gather_reduce, matmul_dtype, typed_matmul
+from .graph import SortedGraph, checked, sorted_graph, transpose_index_as
 from .inputs import edges_of
 from .layer import GeotLayer
 
@@ -59,6 +59,27 @@ def _relation_blocks(graph: SortedGraph, relations: int, per_block: int):
     return blocks
 
 
+class _SourcePairs(NamedTuple):
+    """RGCN's edges over the projections of their distinct (source, relation) pairs."""
+    sources: Pairs
+    dst: Tensor        # [E] destination node, sorted
+
+
+def _source_pairs(graph: SortedGraph, num_src: int, num_dst: int, relations: int) -> _SourcePairs:
+    if graph.src.numel() and bool((graph.src.min() < 0) | (graph.src.max() >= num_src)
+                                  | (graph.dst.max() >= num_dst * relations)):
+        raise ValueError(f"edge_index has ids out of range ([0, {num_src}) sources, [0, {num_dst}) destinations)")
+    relation = graph.dst.remainder(relations)
+    return _SourcePairs(distinct_pairs(graph.src, relation, num_src, relations),
+                        graph.dst.div(relations, rounding_mode="floor"))
+
+
+def _inverse_segment_counts(segments: Tensor) -> Tensor:
+    """[E] 1 / the edges of each edge's segment (sorted segment ids), in float64; no [segments] tensor."""
+    _, inverse, counts = torch.unique_consecutive(segments, return_inverse=True, return_counts=True)
+    return counts.to(torch.float64).reciprocal().index_select(0, inverse)
+
+
 def _embedding_edges(graph: SortedGraph, relations: int, in_channels: int, x_src: Tensor) -> _RelationEdges:
     """Featureless RGCN's edges over the weights [R * C_in, C_out]: the row
     of edge j -> i of relation r is r * C_in + x_src[j]."""
@@ -75,7 +96,10 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
     x_j W_r, [N_src * R, C_out]) and gathers those narrower rows, weighted by
     1 / the edges of their (node, relation) segment for a mean: less to
     gather and a smaller table; in eager inference, where that table is wider
-    than x, a few relations at a time (peak memory). ``num_bases`` as PyG;
+    than x, a few relations at a time (peak memory). Where the (node,
+    relation) segments outnumber the edges (many relations), x_j W_r once per
+    distinct (source, relation) pair (one ``segment_matmul``), gathered over
+    the edges: no [N * R, C] table. ``num_bases`` as PyG;
     ``num_blocks``: every relation's aggregate, then its blocks; featureless
     nodes (``x`` None or node indices, also in a pair): rows gathered
     straight from the weights. Takes an ``edge_index`` (either ``flow``) or
@@ -139,6 +163,10 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                                  num_relations=relations, transposed=False)
             return self._gather_embeddings(graph, x_src, weight, num_nodes, every_node)
+        if num_nodes * relations > edges_of(edge_index).index.size(1):
+            graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
+                                 num_relations=relations, transposed=False)
+            return self._project_pairs_then_reduce(graph, x_src, weight, num_nodes)
         projects = self.out_channels < x_src.size(-1)
         # Gathering projected rows, the backward pass reads their own transposed edges, not the graph's.
         graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
@@ -150,6 +178,33 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             return self._project_then_reduce(graph, x_src, weight, num_nodes)
         per_relation = gather_reduce(graph, x_src, REDUCE[self.aggr], num_nodes * relations)
         return per_relation.view(num_nodes, -1) @ weight.reshape(-1, self.out_channels)
+
+    def _project_pairs_then_reduce(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
+                                   num_nodes: int) -> Tensor:
+        """Where (node, relation) segments outnumber the edges (many relations: most segments are empty,
+        and an [N * R, C] table would be mostly zeros, or not fit): x_j W_r once per distinct (source,
+        relation) pair, one ``segment_matmul`` over the pairs grouped by relation ([U, C_out], U <= E),
+        then one gather-reduce of those rows over the edges, weighted by 1 / the edges of their
+        (node, relation) segment for a mean."""
+        relations = self.num_relations
+        checked(graph, x_src.size(0), num_nodes * relations)
+        key = ("rgcn pairs", relations, x_src.size(0), num_nodes)
+        pairs = graph.derived(key, lambda: _source_pairs(graph, x_src.size(0), num_nodes, relations))
+        sources = pairs.sources
+        table = typed_matmul(x_src.index_select(0, sources.node), sources.ptr, sources.bounds, weight)
+        edge_weight = None
+        if self.aggr == "mean":
+            edge_weight = graph.derived(("rgcn pair weights", relations, table.dtype),
+                                        lambda: _inverse_segment_counts(graph.dst).to(table.dtype))
+        transposed = weight_t = None
+        if table.requires_grad and torch.is_grad_enabled():
+            transposed = graph.derived(key + ("transposed",), lambda: transpose_index_as(
+                sources.of_edge, pairs.dst, sources.of_edge.dtype))
+            if edge_weight is not None:
+                weight_t = graph.derived(key + ("transposed weights", table.dtype),
+                                         lambda: edge_weight.index_select(0, transposed.perm))
+        return index._fused(sources.of_edge, pairs.dst, edge_weight, table, "sum", num_nodes, transposed,
+                            None, None, weight_t)
 
     def _reduce_then_blocks(self, edge_index, edge_type: Tensor, x_src: Tensor, weight: Tensor,
                             num_nodes: int) -> Tensor:

@@ -1,0 +1,193 @@
+"""HGTConv on geot."""
+import math
+from typing import Dict, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+import torch_geometric.nn as pyg_nn
+from torch import Tensor
+
+from .. import hetero, index
+from ..sddmm import sddmm
+from .common import Pairs, distinct_pairs, typed_matmul
+from .graph import static_addresses, transpose_index_as
+from .inputs import edges_of, input_kind
+from .layer import GeotLayer
+
+
+class _TypedGraph(NamedTuple):
+    """Every edge type's edges as one graph over the concatenated node types."""
+    key: tuple         # the inputs it was built from (tensor identities, versions, node counts)
+    inputs: tuple      # those tensors, kept so that their identities stay theirs
+    dst: Tensor        # [E] destination row (its type's offset added), sorted
+    sources: Pairs    # distinct (source row, edge type) pairs, grouped by edge type
+    memo: dict         # the transposed index, made when a call first records gradients
+
+
+def _input_key(value: Tensor):
+    return (id(value), value.data_ptr(), value._version, tuple(value.shape), value.device)
+
+
+class HGTConv(GeotLayer, pyg_nn.HGTConv):
+    """``torch_geometric.nn.HGTConv`` on geot. The node types' K, Q, V
+    projections are one ``geot.segment_matmul`` over the concatenated node
+    features (where the types share a width; else PyG's per-type linears).
+    Each edge type's K and V transforms (its heads' matrices on a block
+    diagonal, the prior ``p_rel / sqrt(D)`` folded into K) are one
+    ``segment_matmul`` each, over the distinct (source node, edge type)
+    pairs only (compact materialization: not every node of every source
+    type, as PyG's, nor every edge). The scores are one ``geot.sddmm`` dot,
+    their softmax one ``geot.edge_softmax`` per destination over all edge
+    types, the sum one multi-head ``index_weight_segment_reduce``; the
+    output projections one more ``segment_matmul``. Takes ``edge_index``
+    tensors and sparse adjacencies in ``edge_index_dict``; calls PyG's
+    forward would reject (edge types outside ``metadata``, node types
+    without features) run it, as do calls inside ``torch.compile``."""
+
+    def forward(self, x_dict: Dict[str, Tensor], edge_index_dict) -> Dict[str, Optional[Tensor]]:
+        reason = self._call_reason(x_dict, edge_index_dict)
+        if reason is not None:
+            return self._pyg_forward(reason, x_dict, edge_index_dict)
+        types = [t for t in self.kqv_lin.lins if t in x_dict]
+        bounds = [0]
+        for t in types:
+            bounds.append(bounds[-1] + x_dict[t].size(0))
+        kqv = self._kqv(x_dict, types, bounds)
+        graph = self._typed_graph(edge_index_dict, types, bounds)
+        out = self._attend(graph, kqv, bounds[-1])
+        out = typed_matmul(F.gelu(out.view(-1, self.out_channels)), self._ptr(bounds, kqv.device), bounds,
+                           self._stacked(self.out_lin, types, out.dtype))
+        return self._outputs(out, x_dict, types, bounds)
+
+    def _attend(self, graph: _TypedGraph, kqv: Tensor, num_nodes: int) -> Tensor:
+        """[N, H, D]: each node's attention-weighted sum of its sources' relation-transformed values."""
+        channels, heads = self.out_channels, self.heads
+        key_rel, value_rel = self._relation_weights(kqv.dtype)
+        sources = graph.sources
+
+        def transformed(rows: Tensor, weight: Tensor) -> Tensor:  # each (source, edge type) pair's row
+            out = typed_matmul(rows.index_select(0, sources.node), sources.ptr, sources.bounds, weight)
+            return out.view(-1, heads, channels // heads)
+
+        key, value = transformed(kqv[:, :channels], key_rel), transformed(kqv[:, 2 * channels:], value_rel)
+        query = kqv[:, channels:2 * channels].reshape(-1, heads, channels // heads)
+        src, dst = sources.of_edge, graph.dst
+        alpha = hetero.edge_softmax(sddmm(src, dst, key, query), dst, num_nodes)
+        return index._fused(src, dst, alpha, value, "sum", num_nodes, self._transposed(graph, value), None)
+
+    def _call_reason(self, x_dict, edge_index_dict) -> Optional[str]:
+        reason = self._option_reason()
+        if reason is not None:
+            return reason
+        if torch.compiler.is_compiling():  # its graph tables have data-dependent sizes (eager only)
+            return "torch.compile"
+        if self.flow != "source_to_target":
+            return f"flow={self.flow!r}"
+        if not isinstance(x_dict, dict) or not isinstance(edge_index_dict, dict) or not edge_index_dict:
+            return "inputs that are not dicts of features and of edges"
+        if any(not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point() for x in x_dict.values()):
+            return "node features that are not [N, F] float tensors"
+        known = {t for t in self.kqv_lin.lins if t in x_dict}
+        for edge_type, adj in edge_index_dict.items():
+            if edge_type not in self.edge_types_map or edge_type[0] not in known or edge_type[-1] not in known:
+                return "an edge type outside metadata or between node types without features"
+            kind = input_kind(adj)
+            if kind is None or (kind == "torch.sparse" and (adj.dim() != 2 or adj.values().dim() != 1)):
+                return "an adjacency of this kind"
+        if any(t not in self.out_lin.lins for t in known):
+            return "node types outside out_lin"
+        return None
+
+    def _ptr(self, bounds, device) -> Tensor:
+        """bounds as a device tensor, kept per value (segment_matmul validates a ptr once per tensor)."""
+        cache = self.__dict__.setdefault("_geot_ptrs", {})
+        key = (tuple(bounds), device)
+        if key not in cache:
+            cache.clear()
+            cache[key] = static_addresses(torch.tensor(bounds, device=device))
+        return cache[key]
+
+    def _stacked(self, linears, types, dtype) -> Tensor:
+        """[T, C_in, C_out] the per-type Linear weights, transposed and stacked in type order."""
+        return torch.stack([linears.lins[t].weight for t in types]).transpose(1, 2).to(dtype)
+
+    def _kqv(self, x_dict, types, bounds) -> Tensor:
+        """[N, 3F] every node's K | Q | V (PyG's kqv_lin), node types concatenated in ``types`` order."""
+        lins = [self.kqv_lin.lins[t] for t in types]
+        widths = {x_dict[t].size(-1) for t in types}
+        if hasattr(self.kqv_lin, "_hook") or len(widths) != 1 or any(lin.bias is None for lin in lins):
+            projected = self.kqv_lin(x_dict)  # lazy or of several widths: PyG's per-type linears
+            return torch.cat([projected[t] for t in types])
+        x = torch.cat([x_dict[t] for t in types])
+        ptr = self._ptr(bounds, x.device)
+        out = typed_matmul(x, ptr, bounds, self._stacked(self.kqv_lin, types, x.dtype))
+        bias = torch.stack([lin.bias for lin in lins]).to(out.dtype)
+        return out + torch.repeat_interleave(bias, ptr.diff(), dim=0, output_size=out.size(0))
+
+    def _relation_weights(self, dtype):
+        """([ET, F, F], [ET, F, F]): each edge type's K transform (times p_rel / sqrt(D)) and V
+        transform, the heads' matrices on the block diagonal."""
+        heads, width, count = self.heads, self.out_channels // self.heads, len(self.edge_types)
+        diagonal = torch.eye(heads, dtype=dtype, device=self.k_rel.weight.device)
+
+        def blocks(weight):  # HeteroLinear's [H * ET, D, D], type h * ET + e -> [ET, H * D, H * D]
+            per_type = weight.view(heads, count, width, width).transpose(0, 1).to(dtype)
+            return torch.einsum("ehij,hg->ehigj", per_type, diagonal).reshape(count, heads * width, -1)
+
+        prior = torch.stack([self.p_rel["__".join(t)].view(heads) for t in self.edge_types]).to(dtype)
+        scale = (prior / math.sqrt(width)).repeat_interleave(width, dim=1).unsqueeze(1)
+        return blocks(self.k_rel.weight) * scale, blocks(self.v_rel.weight)
+
+    def _typed_graph(self, edge_index_dict, types, bounds) -> _TypedGraph:
+        """The concatenated graph, kept for the next call with the same edge tensors and node counts."""
+        inputs = tuple(edge_index_dict.values())
+        key = (tuple(edge_index_dict), tuple(bounds), tuple(_input_key(edges_of(a).index) for a in inputs))
+        kept = self.__dict__.get("_geot_typed_graph")
+        if kept is not None and kept.key == key and not torch.compiler.is_compiling():
+            return kept
+        graph = self._build_typed_graph(edge_index_dict, types, bounds, key, inputs)
+        self.__dict__["_geot_typed_graph"] = graph
+        return graph
+
+    def _build_typed_graph(self, edge_index_dict, types, bounds, key, inputs) -> _TypedGraph:
+        offset = dict(zip(types, bounds))
+        sources, targets, relations = [], [], []
+        for edge_type, adj in edge_index_dict.items():
+            src, dst = edges_of(adj).index
+            sources.append(src.long() + offset[edge_type[0]])
+            targets.append(dst.long() + offset[edge_type[-1]])
+            relations.append(torch.full_like(sources[-1], self.edge_types_map[edge_type]))
+        src, dst, relation = torch.cat(sources), torch.cat(targets), torch.cat(relations)
+        if src.numel() and bool((src.min() < 0) | (dst.min() < 0) | (src.max() >= bounds[-1])
+                                | (dst.max() >= bounds[-1])):
+            raise ValueError("edge_index_dict has node ids out of range of x_dict")
+        dtype = torch.int32 if max(bounds[-1], src.numel()) < 2**31 else torch.int64
+        dst, perm = torch.sort(dst, stable=True)
+        pairs = distinct_pairs(src.index_select(0, perm), relation.index_select(0, perm), bounds[-1],
+                               len(self.edge_types))
+        dst, pairs = static_addresses((dst.to(dtype), pairs._replace(of_edge=pairs.of_edge.to(dtype))))
+        return _TypedGraph(key, inputs, dst, pairs, {})
+
+    def _transposed(self, graph: _TypedGraph, value: Tensor):
+        """The graph's transposed index for the backward pass, made once where gradients are recorded."""
+        if not (torch.is_grad_enabled() and value.requires_grad):
+            return None
+        if "transposed" not in graph.memo:
+            graph.memo["transposed"] = static_addresses(transpose_index_as(graph.sources.of_edge, graph.dst,
+                                                                           graph.dst.dtype))
+        return graph.memo["transposed"]
+
+    def _outputs(self, out: Tensor, x_dict, types, bounds) -> Dict[str, Tensor]:
+        """Each destination type's rows, its out_lin bias added, gated with its input where widths agree."""
+        out_dict = {}
+        for t, start, end in zip(types, bounds[:-1], bounds[1:]):
+            if t not in self.dst_node_types:
+                continue
+            rows = out[start:end]
+            bias = self.out_lin.lins[t].bias
+            rows = rows if bias is None else rows + bias
+            if rows.size(-1) == x_dict[t].size(-1):
+                gate = self.skip[t].sigmoid()
+                rows = gate * rows + (1 - gate) * x_dict[t]
+            out_dict[t] = rows
+        return out_dict

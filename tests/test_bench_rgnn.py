@@ -1,0 +1,34 @@
+"""bench/rgnn.py --quick runs end to end on CPU: every model, variant and eager path is timed."""
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("torch_geometric")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_rgnn_quick_times_every_cell(tmp_path):
+    """aifb's shape at 1/500 scale: every model, variant and eager path has a time."""
+    # One thread: on a loaded CPU, OpenMP's waits make each tiny op take milliseconds.
+    env = dict(os.environ, OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rgnn.py"), "--quick"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "geot's geomean speedup" in result.stdout
+    df = pd.read_csv(tmp_path / "rgnn_cpu_quick.csv")
+    assert set(df["model"]) == {"rgcn", "rgat", "hgt"} and set(df["hidden"]) == {"1x64", "2x64h4"}
+    assert set(df["path"]) == {"geot", "pyg", "pyg-fast"} and set(df["mode"]) == {"inference", "train"}
+    assert df["ms"].notna().all() and (df["ms"] > 0).all(), df
+    assert set(df[df["path"] == "pyg-fast"]["model"]) == {"rgcn"}
+
+
+def test_generated_graph_has_the_requested_shape():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rgnn
+    graph = rgnn.hetero_graph("bgs", scale=0.01)
+    assert len(graph["metadata"][0]) == 27 and graph["num_relations"] == 122
+    assert abs(graph["num_edges"] - 6730) < 200 and graph["edge_type"].max() < 122
+    assert sum(x.size(0) for x in graph["x_dict"].values()) == graph["num_nodes"]

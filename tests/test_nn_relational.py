@@ -1,0 +1,422 @@
+"""geot.nn.RGATConv and geot.nn.HGTConv as drop-ins for PyG's: outputs and
+gradients equal PyG's (float64 to 1e-10, float32 to 1e-5) for each option,
+on graphs with duplicated edges, self loops, isolated nodes, relations
+without edges and no edges at all; what geot does not run natively runs
+PyG's forward with one warning. Written from PyG's documented behaviour."""
+import warnings
+
+import pytest
+import torch
+
+pyg_nn = pytest.importorskip("torch_geometric.nn")
+import geot  # noqa: E402
+import geot.nn as gnn  # noqa: E402
+from torch_geometric.utils import to_torch_coo_tensor, to_torch_csr_tensor  # noqa: E402
+
+F64 = {"rtol": 1e-10, "atol": 1e-10}
+F32 = {"rtol": 1e-5, "atol": 1e-5}
+RELATIONS = 4  # the last one has no edges
+NODES = 11     # the last two have no edges
+
+
+def relational_edges(device, num_edges=30):
+    """(edge_index, edge_type): unsorted, duplicated edges and self loops, relation 3 and nodes 9, 10 unused."""
+    src = torch.randint(0, NODES - 2, (num_edges,), device=device)
+    dst = torch.randint(0, NODES - 2, (num_edges,), device=device)
+    kind = torch.randint(0, RELATIONS - 1, (num_edges,), device=device)
+    loops = torch.arange(0, NODES - 2, 3, device=device)
+    src, dst = torch.cat([src, src[:4], loops]), torch.cat([dst, dst[:4], loops])
+    kind = torch.cat([kind, kind[:4], torch.zeros_like(loops)])
+    return torch.stack([src, dst]), kind
+
+
+def no_edges(device):
+    return torch.empty(2, 0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device)
+
+
+def pair(geot_class, pyg_class, args, kwargs, device, dtype):
+    """A PyG layer with random parameters and the geot layer holding the same (load_state_dict)."""
+    pyg_layer = pyg_class(*args, **kwargs).to(device, dtype)
+    with torch.no_grad():
+        for p in pyg_layer.parameters():
+            p.normal_()
+    geot_layer = geot_class(*args, **kwargs).to(device, dtype)
+    geot_layer.load_state_dict(pyg_layer.state_dict())
+    return geot_layer, pyg_layer
+
+
+def grads_of(loss, inputs, layer):
+    params = [p for _, p in layer.named_parameters()]
+    return torch.autograd.grad(loss, inputs + params, allow_unused=True)
+
+
+def weighted_sum(out):
+    return (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out)).sum()
+
+
+def assert_close(got, want, tol, what):
+    scale = max(1.0, float(want.detach().abs().max())) if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=lambda m: f"{what}: {m}")
+
+
+def assert_grads(got, want, tol):
+    for position, (g, w) in enumerate(zip(got, want)):
+        if w is None or g is None:
+            assert (g is None or not g.any()) and (w is None or not w.any()), f"gradient {position}"
+            continue
+        assert_close(g, w, tol, f"gradient {position}")
+
+
+# RGATConv -------------------------------------------------------------------------------------
+
+RGAT = {
+    "additive-across": {},
+    "multiplicative-across": {"attention_mode": "multiplicative-self-attention"},
+    "additive-within": {"attention_mechanism": "within-relation"},
+    "multiplicative-within": {"attention_mode": "multiplicative-self-attention",
+                              "attention_mechanism": "within-relation"},
+    "heads": {"heads": 3},
+    "heads-mean": {"heads": 2, "concat": False},
+    "dim": {"attention_mode": "multiplicative-self-attention", "heads": 2, "dim": 3},
+    "dim-mean": {"attention_mode": "multiplicative-self-attention", "heads": 2, "dim": 2, "concat": False},
+    "edge-dim": {"edge_dim": 4, "heads": 2},
+    "edge-dim-multiplicative": {"edge_dim": 4, "attention_mode": "multiplicative-self-attention"},
+    "edge-vector": {"edge_dim": 1},
+    "no-bias": {"bias": False, "heads": 2},
+    "bases": {"num_bases": 2, "heads": 2},
+    "blocks": {"num_blocks": 2, "heads": 2},
+    "mod-additive": {"mod": "additive", "heads": 2},
+    "mod-additive-multiplicative": {"mod": "additive", "attention_mode": "multiplicative-self-attention",
+                                    "dim": 2},
+    "mod-scaled": {"mod": "scaled", "heads": 2},
+    "mod-scaled-multiplicative": {"mod": "scaled", "attention_mode": "multiplicative-self-attention", "dim": 2},
+    "mod-f-additive": {"mod": "f-additive"},
+    "mod-f-scaled": {"mod": "f-scaled", "heads": 2},
+    "dropout-eval": {"dropout": 0.5, "heads": 2},
+    "target-to-source": {"flow": "target_to_source", "heads": 2},
+}
+
+
+def rgat_pair(kwargs, device, dtype):
+    return pair(gnn.RGATConv, pyg_nn.RGATConv, (6, 4, RELATIONS), kwargs, device, dtype)
+
+
+def rgat_call(layer, x, edge_index, edge_type, edge_attr, attention):
+    x = x.detach().clone().requires_grad_()
+    result = layer(x, edge_index, edge_type, edge_attr, return_attention_weights=attention or None)
+    out, alpha = result if attention else (result, None)
+    loss = weighted_sum(out) + (0 if alpha is None else weighted_sum(alpha[1]))
+    return out, alpha, grads_of(loss, [x], layer)
+
+
+def check_rgat(kwargs, device, dtype, tol, edges, attention=False):
+    geot_layer, pyg_layer = rgat_pair(kwargs, device, dtype)
+    geot_layer.eval(), pyg_layer.eval()
+    edge_index, edge_type = edges
+    # PyG's own gradients are wrong for int32 edges (its softmax's scatter): its int64 result is the reference.
+    pyg_edges = edge_index.long(), edge_type.long()
+    x = torch.randn(NODES, 6, device=device, dtype=dtype)
+    edge_dim = kwargs.get("edge_dim")
+    edge_attr = None
+    if edge_dim is not None:
+        shape = (edge_type.numel(),) if edge_dim == 1 else (edge_type.numel(), edge_dim)
+        edge_attr = torch.randn(*shape, device=device, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)  # native: PyG's forward must not run
+        for _ in range(2):  # the second call reads what the first kept
+            got = rgat_call(geot_layer, x, edge_index, edge_type, edge_attr, attention)
+    want = rgat_call(pyg_layer, x, *pyg_edges, edge_attr, attention)
+    assert_close(got[0], want[0], tol, "output")
+    if attention:
+        assert got[1][0] is edge_index
+        assert_close(got[1][1], want[1][1], tol, "attention weights")
+    assert_grads(got[2], want[2], tol)
+
+
+@pytest.mark.parametrize("name", list(RGAT))
+def test_rgat_matches_pyg_float64(name, device):
+    check_rgat(RGAT[name], device, torch.float64, F64, relational_edges(device))
+
+
+@pytest.mark.parametrize("name", list(RGAT))
+def test_rgat_matches_pyg_float32(name, device):
+    check_rgat(RGAT[name], device, torch.float32, F32, relational_edges(device))
+
+
+@pytest.mark.parametrize("name", ["additive-across", "multiplicative-within", "edge-dim", "mod-scaled"])
+def test_rgat_without_edges(name, device):
+    check_rgat(RGAT[name], device, torch.float64, F64, no_edges(device))
+
+
+@pytest.mark.parametrize("flow", ["source_to_target", "target_to_source"])
+@pytest.mark.parametrize("mechanism", ["across-relation", "within-relation"])
+def test_rgat_attention_weights_in_input_order(mechanism, flow, device):
+    check_rgat({"attention_mechanism": mechanism, "heads": 2, "edge_dim": 3, "flow": flow}, device, torch.float64,
+               F64, relational_edges(device), attention=True)
+
+
+def test_rgat_sorted_and_int32_edges(device):
+    edge_index, edge_type = relational_edges(device)
+    order = (edge_index[1] * RELATIONS + edge_type).argsort(stable=True)
+    check_rgat({"heads": 2}, device, torch.float64, F64, (edge_index[:, order].int(), edge_type[order].int()))
+
+
+def test_rgat_size_matches_pyg():
+    geot_layer, pyg_layer = rgat_pair({"heads": 2}, "cpu", torch.float64)
+    edge_index, edge_type = relational_edges("cpu")
+    x = torch.randn(NODES, 6, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        got = geot_layer(x, edge_index, edge_type, size=(NODES, NODES))
+    torch.testing.assert_close(got, pyg_layer(x, edge_index, edge_type, size=(NODES, NODES)), **F64)
+    with pytest.warns(gnn.GeotFallbackWarning, match="size"), pytest.raises(ValueError):
+        geot_layer(x, edge_index, edge_type, size=(NODES + 1, NODES))  # PyG raises for a size x disagrees with
+
+
+def test_rgat_dropout_trains_natively(device):
+    """Dropout in training runs on geot: its mask differs from PyG's draw, so only the shapes and the
+    dropped weights' mean are checked."""
+    layer = gnn.RGATConv(6, 4, RELATIONS, heads=2, dropout=0.5).to(device)
+    edge_index, edge_type = relational_edges(device)
+    x = torch.randn(NODES, 6, device=device, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        out = layer(x, edge_index, edge_type)
+    out.sum().backward()
+    assert out.shape == (NODES, 8) and x.grad is not None
+
+
+def test_rgat_sparse_adjacency_runs_pyg(device):
+    geot_layer, pyg_layer = rgat_pair({}, device, torch.float64)
+    edge_index, edge_type = relational_edges(device)
+    adj = to_torch_coo_tensor(edge_index.flip(0), size=(NODES, NODES)).coalesce()
+    x = torch.randn(NODES, 6, device=device, dtype=torch.float64)
+    with pytest.warns(gnn.GeotFallbackWarning, match="sparse adjacency"):
+        got = geot_layer(x, adj, edge_type[:adj._nnz()])
+    torch.testing.assert_close(got, pyg_layer(x, adj, edge_type[:adj._nnz()]), **F64)
+
+
+def test_rgat_edge_attr_without_edge_dim_raises_as_pyg():
+    layer = gnn.RGATConv(6, 4, RELATIONS)
+    edge_index, edge_type = relational_edges("cpu")
+    with pytest.warns(gnn.GeotFallbackWarning), pytest.raises(AssertionError):
+        layer(torch.randn(NODES, 6), edge_index, edge_type, torch.randn(edge_type.numel(), 3))
+
+
+# RGCNConv with many relations ----------------------------------------------------------------
+
+RGCN = {
+    "mean": {},
+    "add": {"aggr": "add"},
+    "bases": {"num_bases": 3},
+    "narrower": {"out_channels": 3},
+    "no-root": {"root_weight": False},
+    "target-to-source": {"flow": "target_to_source"},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", list(RGCN))
+def test_rgcn_with_more_segments_than_edges(name, dtype, device):
+    """Many relations, few edges: RGCNConv projects each distinct (source, relation) pair once."""
+    relations = 20
+    kwargs = dict(RGCN[name])
+    out_channels = kwargs.pop("out_channels", 5)
+    args = (6, out_channels, relations)
+    geot_layer, pyg_layer = pair(gnn.RGCNConv, pyg_nn.RGCNConv, args, kwargs, device, dtype)
+    edge_index, _ = relational_edges(device)
+    edge_type = torch.randint(0, relations - 1, (edge_index.size(1),), device=device)
+    assert NODES * relations > edge_index.size(1)
+    x = torch.randn(NODES, 6, device=device, dtype=dtype)
+    tol = F64 if dtype == torch.float64 else F32
+
+    def call(layer):
+        x_in = x.clone().requires_grad_()
+        out = layer(x_in, edge_index, edge_type)
+        return out, grads_of(weighted_sum(out), [x_in], layer)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        for _ in range(2):
+            got = call(geot_layer)
+    want = call(pyg_layer)
+    assert_close(got[0], want[0], tol, "output")
+    assert_grads(got[1], want[1], tol)
+
+
+def test_rgcn_pairs_bipartite_matches_pyg():
+    geot_layer, pyg_layer = pair(gnn.RGCNConv, pyg_nn.RGCNConv, ((6, 4), 5, 20), {}, "cpu", torch.float64)
+    edge_index = torch.stack([torch.randint(0, 9, (25,)), torch.randint(0, 7, (25,))])
+    edge_type = torch.randint(0, 20, (25,))
+    x = (torch.randn(9, 6, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64))
+    torch.testing.assert_close(geot_layer(x, edge_index, edge_type), pyg_layer(x, edge_index, edge_type), **F64)
+
+
+# HGTConv --------------------------------------------------------------------------------------
+
+COUNTS = {"author": 7, "paper": 5, "venue": 4, "orphan": 3}
+EDGE_TYPES = [("author", "writes", "paper"), ("paper", "rev_writes", "author"), ("author", "knows", "author"),
+              ("venue", "hosts", "paper"), ("paper", "in", "venue"), ("orphan", "to", "orphan")]
+
+
+def hetero_inputs(device, dtype, widths, empty=False):
+    """x_dict, edge_index_dict: duplicated edges and self loops, isolated nodes, an edge type without
+    edges (venue -> paper), one in metadata but absent (paper -> venue, so venue's output is its bias),
+    and no edges at all with empty=True."""
+    x_dict = {t: torch.randn(n, widths[t], device=device, dtype=dtype) for t, n in COUNTS.items() if t != "orphan"}
+    edge_index_dict = {}
+    for src, rel, dst in EDGE_TYPES[:4]:
+        count = 0 if empty or rel == "hosts" else 12
+        edges = torch.stack([torch.randint(0, COUNTS[src] - 1, (count,)), torch.randint(0, COUNTS[dst] - 1, (count,))])
+        if src == dst and not empty:
+            loops = torch.arange(3).repeat(2)
+            edges = torch.cat([edges, torch.stack([loops, loops]), edges[:, :3]], 1)
+        edge_index_dict[src, rel, dst] = edges.to(device)
+    return x_dict, edge_index_dict
+
+
+METADATA = (list(COUNTS), EDGE_TYPES)
+
+HGT = {
+    "heads-1": ({"in_channels": 8, "out_channels": 8}, {t: 8 for t in COUNTS}),
+    "heads-2": ({"in_channels": 8, "out_channels": 8, "heads": 2}, {t: 8 for t in COUNTS}),
+    "no-skip": ({"in_channels": 6, "out_channels": 8, "heads": 4}, {t: 6 for t in COUNTS}),
+    "widths": ({"in_channels": {"author": 6, "paper": 8, "venue": 5, "orphan": 3}, "out_channels": 8,
+                "heads": 2}, {"author": 6, "paper": 8, "venue": 5, "orphan": 3}),
+}
+
+
+def hgt_call(layer, x_dict, edge_index_dict):
+    x_dict = {t: x.detach().clone().requires_grad_() for t, x in x_dict.items()}
+    out = layer(x_dict, edge_index_dict)
+    loss = sum(weighted_sum(value) * (i + 1) for i, value in enumerate(out.values()))
+    return out, grads_of(loss, list(x_dict.values()), layer)
+
+
+def check_hgt(name, device, dtype, tol, empty=False, adjacency=False):
+    kwargs, widths = HGT[name]
+    geot_layer, pyg_layer = pair(gnn.HGTConv, pyg_nn.HGTConv, (), dict(kwargs, metadata=METADATA), device, dtype)
+    x_dict, edge_index_dict = hetero_inputs(device, dtype, widths, empty)
+    if adjacency:
+        edge_index_dict = {key: to_torch_csr_tensor(edges.flip(0), size=(COUNTS[key[-1]], COUNTS[key[0]]))
+                           for key, edges in edge_index_dict.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        for _ in range(2):
+            got = hgt_call(geot_layer, x_dict, edge_index_dict)
+    want = hgt_call(pyg_layer, x_dict, edge_index_dict)
+    assert list(got[0]) == list(want[0]), "output node types and their order"
+    for key in want[0]:
+        assert_close(got[0][key], want[0][key], tol, f"output {key}")
+    assert_grads(got[1], want[1], tol)
+
+
+@pytest.mark.parametrize("name", list(HGT))
+def test_hgt_matches_pyg_float64(name, device):
+    check_hgt(name, device, torch.float64, F64)
+
+
+@pytest.mark.parametrize("name", list(HGT))
+def test_hgt_matches_pyg_float32(name, device):
+    check_hgt(name, device, torch.float32, F32)
+
+
+def test_hgt_without_edges(device):
+    check_hgt("heads-2", device, torch.float64, F64, empty=True)
+
+
+def test_hgt_sparse_adjacencies(device):
+    check_hgt("heads-2", device, torch.float64, F64, adjacency=True)
+
+
+def test_hgt_lazy_matches_pyg():
+    x_dict, edge_index_dict = hetero_inputs("cpu", torch.float32, {t: 5 + i for i, t in enumerate(COUNTS)})
+    geot_layer = gnn.HGTConv(-1, 8, METADATA, heads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        got = geot_layer(x_dict, edge_index_dict)
+    pyg_layer = pyg_nn.HGTConv(-1, 8, METADATA, heads=2)
+    pyg_layer(x_dict, edge_index_dict)  # materializes its parameters
+    pyg_layer.load_state_dict(geot_layer.state_dict())
+    want = pyg_layer(x_dict, edge_index_dict)
+    for key in want:
+        assert_close(got[key], want[key], F32, key)
+
+
+def test_hgt_unknown_edge_type_raises_as_pyg():
+    x_dict, edge_index_dict = hetero_inputs("cpu", torch.float32, {t: 8 for t in COUNTS})
+    edge_index_dict["paper", "cites", "paper"] = torch.tensor([[0], [1]])
+    with pytest.warns(gnn.GeotFallbackWarning, match="outside metadata"), pytest.raises(KeyError):
+        gnn.HGTConv(8, 8, METADATA)(x_dict, edge_index_dict)
+
+
+@pytest.fixture
+def tf32_matmuls():
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_grouped_gemm_path_matches_pyg(device, tf32_matmuls):
+    """At matmul precision "high" float32 takes geot.segment_matmul on CUDA too (TF32 tensor cores; PyG's
+    matmuls round to TF32 as well): results within TF32's rounding."""
+    tf32 = {"rtol": 1e-2, "atol": 1e-2}
+    check_rgat({"heads": 2, "edge_dim": 3}, device, torch.float32, tf32, relational_edges(device))
+    check_hgt("heads-2", device, torch.float32, tf32)
+
+
+def test_per_type_matmul_matches_segment_matmul():
+    """The typed matmul of float32 on CUDA at torch's default precision (segment_matmul rounds to TF32)."""
+    from geot.nn.common import per_type_matmul
+    bounds = [0, 3, 3, 9, 10]  # type 1 empty
+    x, weight = torch.randn(10, 5, dtype=torch.float64), torch.randn(4, 5, 6, dtype=torch.float64)
+    want = geot.segment_matmul(x, torch.tensor(bounds), weight)
+    torch.testing.assert_close(per_type_matmul(x, bounds, weight), want, **F64)
+    assert per_type_matmul(x[:0], [0] * 5, weight).shape == (0, 6)
+
+
+def test_compiled_rgat_runs_pyg_forward():
+    """torch.compile(fullgraph=True) traces PyG's forward (geot's graph tables are built eagerly)."""
+    torch._dynamo.reset()
+    geot_rgat, pyg_rgat = rgat_pair({"heads": 2}, "cpu", torch.float32)
+    edge_index, edge_type = relational_edges("cpu")
+    x = torch.randn(NODES, 6)
+    with pytest.warns(gnn.GeotFallbackWarning, match="torch.compile"):
+        got = torch.compile(geot_rgat, backend="aot_eager", fullgraph=True)(x, edge_index, edge_type)
+    torch.testing.assert_close(got, pyg_rgat(x, edge_index, edge_type))
+
+
+def test_hgt_under_compile_runs_pyg_forward(monkeypatch):
+    geot_hgt, pyg_hgt = pair(gnn.HGTConv, pyg_nn.HGTConv, (8, 8, METADATA), {"heads": 2}, "cpu", torch.float32)
+    x_dict, edge_index_dict = hetero_inputs("cpu", torch.float32, {t: 8 for t in COUNTS})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(gnn.layer, "warn_at_trace_time", lambda message, category: warnings.warn(message, category))
+    with pytest.warns(gnn.GeotFallbackWarning, match="torch.compile"):
+        got = geot_hgt(x_dict, edge_index_dict)
+    monkeypatch.undo()
+    want = pyg_hgt(x_dict, edge_index_dict)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key])
+
+
+# patch ----------------------------------------------------------------------------------------
+
+def test_patch_converts_rgat_and_hgt():
+    model = torch.nn.ModuleDict({"rgat": pyg_nn.RGATConv(6, 4, RELATIONS, heads=2),
+                                 "hgt": pyg_nn.HGTConv(8, 8, METADATA, heads=2)})
+    torch.nn.init.normal_(model["rgat"].l2)  # PyG leaves it uninitialized
+    state = {name: layer.state_dict() for name, layer in model.items()}
+    gnn.patch(model)
+    assert type(model["rgat"]) is gnn.RGATConv and type(model["hgt"]) is gnn.HGTConv
+    edge_index, edge_type = relational_edges("cpu")
+    x = torch.randn(NODES, 6)
+    pyg_rgat = pyg_nn.RGATConv(6, 4, RELATIONS, heads=2)
+    pyg_rgat.load_state_dict(state["rgat"])
+    torch.testing.assert_close(model["rgat"](x, edge_index, edge_type), pyg_rgat(x, edge_index, edge_type))
+    pyg_hgt = pyg_nn.HGTConv(8, 8, METADATA, heads=2)
+    pyg_hgt.load_state_dict(state["hgt"])
+    x_dict, edge_index_dict = hetero_inputs("cpu", torch.float32, {t: 8 for t in COUNTS})
+    got, want = model["hgt"](x_dict, edge_index_dict), pyg_hgt(x_dict, edge_index_dict)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key])
