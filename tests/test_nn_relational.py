@@ -15,6 +15,13 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csr_tensor  # no
 
 F64 = {"rtol": 1e-10, "atol": 1e-10}
 F32 = {"rtol": 1e-5, "atol": 1e-5}
+# float32 on CUDA: both libraries sum gradients over edges with atomics (and
+# cuBLAS picks its own orders), so sums of ~10^2 terms differ by a few 1e-5.
+F32_CUDA = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def f32_tolerance(device):
+    return F32_CUDA if str(device).startswith("cuda") else F32
 RELATIONS = 4  # the last one has no edges
 NODES = 11     # the last two have no edges
 
@@ -140,7 +147,7 @@ def test_rgat_matches_pyg_float64(name, device):
 
 @pytest.mark.parametrize("name", list(RGAT))
 def test_rgat_matches_pyg_float32(name, device):
-    check_rgat(RGAT[name], device, torch.float32, F32, relational_edges(device))
+    check_rgat(RGAT[name], device, torch.float32, f32_tolerance(device), relational_edges(device))
 
 
 @pytest.mark.parametrize("name", ["additive-across", "multiplicative-within", "edge-dim", "mod-scaled"])
@@ -228,7 +235,7 @@ def test_rgcn_with_more_segments_than_edges(name, dtype, device):
     edge_type = torch.randint(0, relations - 1, (edge_index.size(1),), device=device)
     assert NODES * relations > edge_index.size(1)
     x = torch.randn(NODES, 6, device=device, dtype=dtype)
-    tol = F64 if dtype == torch.float64 else F32
+    tol = F64 if dtype == torch.float64 else f32_tolerance(device)
 
     def call(layer):
         x_in = x.clone().requires_grad_()
@@ -318,7 +325,7 @@ def test_hgt_matches_pyg_float64(name, device):
 
 @pytest.mark.parametrize("name", list(HGT))
 def test_hgt_matches_pyg_float32(name, device):
-    check_hgt(name, device, torch.float32, F32)
+    check_hgt(name, device, torch.float32, f32_tolerance(device))
 
 
 def test_hgt_without_edges(device):
