@@ -16,13 +16,23 @@ namespace geot {
 // What the trees split on, all O(1) from Features. The formulae must equal
 // rule_features() in scripts/train_tree.py: the thresholds are float64
 // midpoints between training values computed there.
+// skew_lo, skew_hi: log2 of the long level's lower and upper bounds on the
+// longest segment (over 1, 64, 1024, 16384 rows; at most 64, 1024, 16384
+// rows, and E) over the mean segment.
 struct RuleInputs {
-  double log2_E, log2_S, avg, F, long_level;
+  double log2_E, log2_S, avg, F, long_level, skew_lo, skew_hi;
 };
 
 inline RuleInputs rule_inputs(const Features& f) {
-  return {std::log2(double(f.E > 1 ? f.E : 1)), std::log2(double(f.num_segments > 1 ? f.num_segments : 1)), f.avg,
-          double(f.F), f.long_segments < 0 ? 3.0 : double(f.long_segments)};  // unknown: the most skewed, the safe side
+  constexpr double kFloorLog2[4] = {0.0, 6.0, 10.0, 14.0};  // log2 of 1 and kLongSegmentRows
+  constexpr double kCeilLog2[4] = {6.0, 10.0, 14.0, HUGE_VAL};
+  // unknown (-1): the most skewed, the safe side
+  const int level = f.long_segments < 0 || f.long_segments > 3 ? 3 : f.long_segments;
+  const double log2_E = std::log2(double(f.E > 1 ? f.E : 1));
+  const double log2_S = std::log2(double(f.num_segments > 1 ? f.num_segments : 1));
+  const double log2_avg = log2_E - log2_S;
+  const double ceil = kCeilLog2[level] < log2_E ? kCeilLog2[level] : log2_E;
+  return {log2_E, log2_S, f.avg, double(f.F), double(level), kFloorLog2[level] - log2_avg, ceil - log2_avg};
 }
 
 // One GPU model's rules; a family without a perf DB has no selector.

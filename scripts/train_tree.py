@@ -15,15 +15,16 @@ the graphs its DB lacks from the other DBs of its architecture
     python scripts/train_tree.py --perfdb perfdb --out csrc/generated
 
 The trees: each cell (graph, F) is a sample with the features of
-rule_features (log2 E, log2 num_segments, avg = E / num_segments, F, and the
-long-segment level index validation measures); its target is the vector
+rule_features (log2 E, log2 num_segments, avg = E / num_segments, F, the
+long-segment level index validation measures, and the bounds it and E set on
+log2(longest segment / avg)); its target is the vector
 gain[c] = log2(oracle_time / time of config c) over the configs the sweep
 timed for that F (0 for the best one), floored at GAIN_FLOOR for fitting
 (scoring keeps the true gains). Per swept F, the candidates are cut to a
 greedy cover of COVER_CONFIGS configs; one scikit-learn multi-output
 ExtraTreesRegressor, over the cells of every F, fits the gains of the union
-of the covers from the shape features (log2 S, avg and the long level; not
-log2 E: see SHAPE_FEATURES) and log2 F (forest_inputs). Per F, the forest's
+of the covers from the shape features (log2 S, avg, the long level and its
+skew bounds; not log2 E: see SHAPE_FEATURES) and log2 F (forest_inputs). Per F, the forest's
 pick (the candidate timed for that F of largest predicted gain, which
 maximises the geomean of oracle/pick, the figure the rules are judged by) is
 distilled into one DecisionTreeClassifier, small enough to be an if/else
@@ -60,7 +61,7 @@ FAMILIES = (
     ("plain", "segment_reduce.csv", "plain_config"),
     ("gathered", "index_weight_segment_reduce.csv", "gathered_config"),
 )
-FEATURES = ("log2_E", "log2_S", "avg", "F", "long_level")  # the fields of RuleInputs (csrc/rules.h)
+FEATURES = ("log2_E", "log2_S", "avg", "F", "long_level", "skew_lo", "skew_hi")  # the fields of RuleInputs (csrc/rules.h)
 F_FEATURE = FEATURES.index("F")
 # What the per-F trees split on (the forest also on log2 F: forest_inputs):
 # not log2_E, which is log2_S + log2(avg) anyway.
@@ -71,6 +72,16 @@ F_FEATURE = FEATURES.index("F")
 # 0.933 (0.903) -> 0.934 (0.907); dropping log2_S instead: 0.903 (0.897),
 # 0.936 (0.921).
 SHAPE_FEATURES = [i for i, name in enumerate(FEATURES) if name not in ("F", "log2_E")]
+# skew_lo and skew_hi bound log2(longest segment / mean) from what the runtime
+# knows (the long level, E and S; skew_bounds): the longest segment of level L
+# exceeds LONG_SEGMENT_ROWS[L - 1] rows (1 at level 0) and is at most
+# LONG_SEGMENT_ROWS[L] rows, and E. Cuts on the level alone treat a
+# degree-128 graph of level 1 (every segment just over 64 rows) like a
+# power-law one of the same level. On the committed DBs (forest picks, mean
+# over 3 forest seeds and the 4 GPU/family pairs) held-out families 0.837 ->
+# 0.861 (worst family graph 0.38-0.55 -> 0.55-0.59), held-out graphs 0.943 ->
+# 0.942 (within the spread between seeds); either bound alone 0.858, 0.857,
+# the lower one floored at 0 0.857.
 # kLongSegmentRows (csrc/segment_reduce.h; geot.config.LONG_SEGMENT_ROWS): a copy, so the
 # trainer runs without the extension built; a test checks they agree.
 LONG_SEGMENT_ROWS = (64, 1024, 16384)
@@ -138,11 +149,33 @@ def long_level(max_deg: int) -> int:
     return sum(max_deg > rows for rows in LONG_SEGMENT_ROWS)
 
 
+# log2 of the long-segment level's bounds on the longest segment: above
+# LEVEL_FLOOR_LOG2[L] rows (a segment of level 0 has at least one row) and
+# at most LEVEL_CEIL_LOG2[L] (level 3: E bounds it).
+LEVEL_FLOOR_LOG2 = (0.0,) + tuple(math.log2(rows) for rows in LONG_SEGMENT_ROWS)
+LEVEL_CEIL_LOG2 = tuple(math.log2(rows) for rows in LONG_SEGMENT_ROWS) + (math.inf,)
+
+
+def skew_bounds(log2_E, log2_S, level):
+    """(skew_lo, skew_hi): log2 of the long level's lower and upper bounds on
+    the longest segment (the upper one capped at E) over the mean segment
+    (log2_E - log2_S). Scalars or numpy arrays (level an int array)."""
+    log2_avg = log2_E - log2_S
+    floor = np.asarray(LEVEL_FLOOR_LOG2)[level]
+    ceil = np.minimum(np.asarray(LEVEL_CEIL_LOG2)[level], log2_E)
+    return floor - log2_avg, ceil - log2_avg
+
+
 def rule_features(E: int, num_segments: int, F: int, level: int) -> Tuple[float, ...]:
     """rule_inputs() of csrc/rules.h, formula for formula (float64, libm log2);
     level -1 (unknown: validation off) counts as the most skewed."""
     avg = E / num_segments if num_segments > 0 else float(E)
-    return (math.log2(max(E, 1)), math.log2(max(num_segments, 1)), avg, float(F), float(3 if level < 0 else level))
+    level = 3 if level < 0 or level > 3 else level
+    log2_E, log2_S = math.log2(max(E, 1)), math.log2(max(num_segments, 1))
+    log2_avg = log2_E - log2_S
+    skew_lo = LEVEL_FLOOR_LOG2[level] - log2_avg
+    skew_hi = min(LEVEL_CEIL_LOG2[level], log2_E) - log2_avg
+    return (log2_E, log2_S, avg, float(F), float(level), skew_lo, skew_hi)
 
 
 def launch_keys(configs: np.ndarray, F: np.ndarray) -> np.ndarray:
@@ -311,7 +344,9 @@ def sample_shapes(X: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray
     level = rng.integers(0, len(LONG_SEGMENT_ROWS) + 1, n)
     thresholds = np.log2((1,) + LONG_SEGMENT_ROWS + (np.inf,))
     possible = (log2_avg <= thresholds[level + 1]) & (log2_S + log2_avg >= thresholds[level])
-    rows = np.stack([log2_S + log2_avg, log2_S, 2 ** log2_avg, np.zeros(n), level.astype(float)], axis=1)
+    log2_E = log2_S + log2_avg
+    rows = np.stack([log2_E, log2_S, 2 ** log2_avg, np.zeros(n), level.astype(float),
+                     *skew_bounds(log2_E, log2_S, level)], axis=1)
     return rows[possible]
 
 

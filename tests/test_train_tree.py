@@ -4,6 +4,7 @@ dispatch (rule-set matching, fallback, the heuristic switch, its cost)."""
 import glob
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -403,6 +404,26 @@ def test_long_segment_thresholds_match_the_extension():
     assert train_tree.LONG_SEGMENT_ROWS == geot.config.LONG_SEGMENT_ROWS
     for longest in (1, 64, 65, 1025, 20000):
         assert train_tree.long_level(longest) == geot.config.long_segment_level(longest)
+
+
+def test_skew_bounds_bracket_the_longest_segment():
+    """skew_lo, skew_hi: log2 of the level's bounds on the longest segment
+    (the upper one at most E) over the mean; level -1 (unknown) is level 3."""
+    names = list(train_tree.FEATURES)
+    lo, hi = names.index("skew_lo"), names.index("skew_hi")
+    x = train_tree.rule_features(20000 * 128, 20000, 8, 1)  # even degree 128: over 64, at most 1024 rows
+    assert (x[lo], x[hi]) == pytest.approx((-1.0, 3.0), abs=1e-12)
+    x = train_tree.rule_features(4096, 1024, 8, 3)  # at most E = 4096 rows, mean 4
+    assert (x[lo], x[hi]) == pytest.approx((14.0 - 2.0, 12.0 - 2.0), abs=1e-12)
+    assert train_tree.rule_features(4096, 1024, 8, -1) == x
+    for E, S, longest in ((10556, 2708, 168), (100239, 10000, 4598), (2000, 500, 4), (372303, 50000, 190395)):
+        x = train_tree.rule_features(E, S, 8, train_tree.long_level(longest))
+        assert x[lo] <= math.log2(longest * S / E) <= x[hi] + 1e-12
+    # The vectorised form sample_shapes uses agrees.
+    log2_E, log2_S, level = np.log2([2.0 ** 21, 4096.0]), np.log2([20000.0, 1024.0]), np.array([1, 3])
+    got = np.stack(train_tree.skew_bounds(log2_E, log2_S, level), axis=1)
+    want = [train_tree.rule_features(2 ** 21, 20000, 8, 1)[lo:], train_tree.rule_features(4096, 1024, 8, 3)[lo:]]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
 def test_sweep_dedupe_agrees_with_the_trainer():

@@ -8,285 +8,285 @@ namespace geot {
 namespace generated {
 namespace gpu_nvidia_h100_80gb_hbm3 {
 
-// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 17, 1147 leaves; training set: oracle/pick geomean 0.993, worst cell 0.908
+// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 16, 1151 leaves; training set: oracle/pick geomean 0.993, worst cell 0.909
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 18.75691318511963) {
-            if (x.avg <= 10.745616912841797) {
-              if (x.log2_S <= 12.596920013427734) {
-                if (x.avg <= 2.9480042457580566) {
-                  if (x.avg <= 1.3831815719604492) {
-                    if (x.log2_S <= 9.336389064788818) {
-                      if (x.avg <= 1.2971502542495728) {
+          if (x.skew_hi <= 2.1781442165374756) {
+            if (x.log2_S <= 20.472838401794434) {
+              if (x.log2_S <= 12.063205242156982) {
+                if (x.skew_hi <= 0.8541579842567444) {
+                  return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.log2_S <= 11.334497928619385) {
+                    if (x.skew_hi <= 1.4195609092712402) {
+                      if (x.log2_S <= 10.613656044006348) {
+                        return {1, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 1.6404488682746887) {
+                      if (x.avg <= 30.488290786743164) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 0.4724041372537613) {
+                  if (x.log2_S <= 17.107696533203125) {
+                    if (x.log2_S <= 16.250947952270508) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -5.8948073387146) {
                         return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        return {1, 8, 8, 32, 0};  // SP
-                      }
-                    } else {
-                      return {1, 8, 8, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 12.080228805541992) {
-                      if (x.avg <= 1.5745030045509338) {
-                        if (x.log2_S <= 10.637923240661621) {
-                          return {1, 32, 16, 8, 0};  // SP
-                        } else {
-                          return {1, 8, 8, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 8.977357864379883) {
-                          if (x.avg <= 1.9364899396896362) {
-                            return {1, 32, 16, 8, 0};  // SP
-                          } else {
-                            return {1, 1, 64, 256, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 11.900552749633789) {
-                            return {1, 32, 16, 8, 0};  // SP
-                          } else {
-                            return {1, 8, 8, 32, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 10.52216911315918) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 10.88655710220337) {
-                      if (x.avg <= 8.987095832824707) {
-                        return {1, 32, 16, 8, 0};  // SP
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 12.251076221466064) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 3.1231701374053955) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {1, 1, 64, 256, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.905562400817871) {
-                  if (x.avg <= 1.605715274810791) {
-                    return {1, 8, 8, 32, 0};  // SP
-                  } else {
-                    return {1, 1, 64, 256, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 9.498672008514404) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.753239631652832) {
-                      if (x.log2_S <= 15.706326007843018) {
-                        return {1, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 12.424265384674072) {
-                if (x.log2_S <= 10.649508476257324) {
-                  return {1, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 10.874534130096436) {
-                    if (x.avg <= 22.26234722137451) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      return {4, 8, 32, 32, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 32, 32, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 49.71099853515625) {
-                  if (x.avg <= 12.290308475494385) {
-                    if (x.log2_S <= 16.853410720825195) {
-                      if (x.log2_S <= 13.528881549835205) {
-                        return {1, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 18.498517990112305) {
-                      if (x.log2_S <= 13.252327919006348) {
-                        if (x.avg <= 35.52088165283203) {
-                          if (x.avg <= 12.936825275421143) {
-                            return {1, 1, 64, 256, 0};  // SP
-                          } else {
-                            return {1, 2, 64, 128, 0};  // SP
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 0};  // SP
-                        }
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 23.27326774597168) {
-                        return {1, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 16.818452835083008) {
-                    if (x.log2_S <= 13.489844799041748) {
-                      return {4, 8, 32, 32, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 16.250947952270508) {
-                        if (x.avg <= 53.25019454956055) {
-                          return {1, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 59.55707931518555) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
+                        return {4, 4, 64, 64, 0};  // SP
                       }
                     }
                   } else {
                     return {1, 2, 64, 128, 0};  // SP
                   }
+                } else {
+                  if (x.log2_S <= 19.78224277496338) {
+                    if (x.avg <= 40.81889724731445) {
+                      if (x.log2_S <= 19.23796844482422) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 1.4070987105369568) {
+                          return {1, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.64294719696045) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -5.113213300704956) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  }
                 }
+              }
+            } else {
+              if (x.log2_S <= 21.380563735961914) {
+                if (x.avg <= 44.797218322753906) {
+                  return {1, 1, 64, 256, 0};  // SP
+                } else {
+                  return {1, 2, 64, 128, 0};  // SP
+                }
+              } else {
+                return {1, 1, 64, 256, 0};  // SP
               }
             }
           } else {
-            if (x.avg <= 62.94377326965332) {
-              return {1, 1, 64, 256, 0};  // SP
+            if (x.log2_S <= 13.932078838348389) {
+              if (x.avg <= 2.8831676244735718) {
+                if (x.skew_hi <= 5.4314844608306885) {
+                  if (x.log2_S <= 12.549245357513428) {
+                    if (x.log2_S <= 11.52269983291626) {
+                      if (x.skew_lo <= -1.2162179350852966) {
+                        if (x.log2_S <= 10.317090034484863) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {1, 32, 16, 8, 0};  // SP
+                        }
+                      } else {
+                        return {1, 32, 16, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -0.815306156873703) {
+                        if (x.skew_hi <= 4.491831302642822) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {1, 32, 16, 8, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 1.6948540210723877) {
+                      if (x.skew_hi <= 5.362015008926392) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {1, 8, 8, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.89547872543335) {
+                    return {1, 8, 8, 32, 0};  // SP
+                  } else {
+                    return {1, 16, 64, 4, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.866522789001465) {
+                  return {1, 1, 64, 256, 0};  // SP
+                } else {
+                  return {1, 2, 64, 128, 0};  // SP
+                }
+              }
             } else {
-              return {1, 2, 64, 128, 0};  // SP
+              if (x.skew_lo <= -3.5063300132751465) {
+                if (x.log2_S <= 16.9946928024292) {
+                  return {1, 2, 64, 128, 0};  // SP
+                } else {
+                  return {1, 1, 64, 256, 0};  // SP
+                }
+              } else {
+                return {1, 1, 64, 256, 0};  // SP
+              }
             }
           }
         } else {
           if (x.log2_S <= 17.710415840148926) {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 13.478855609893799) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 11.80724811553955) {
-                    if (x.avg <= 3.935884475708008) {
-                      if (x.log2_S <= 11.163846492767334) {
-                        if (x.log2_S <= 10.567878246307373) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 14.524491786956787) {
+                  if (x.log2_S <= 12.075485229492188) {
+                    if (x.avg <= 15.841246128082275) {
+                      if (x.skew_hi <= 8.200836181640625) {
+                        if (x.log2_S <= 11.6765718460083) {
                           return {1, 32, 64, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 10.728590488433838) {
-                            if (x.avg <= 1.8573984503746033) {
-                              return {1, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.avg <= 3.596277952194214) {
-                                return {1, 32, 32, 4, 0};  // SP
-                              } else {
+                          if (x.skew_lo <= 3.063973903656006) {
+                            if (x.log2_S <= 11.7957444190979) {
+                              if (x.skew_lo <= 2.6394219398498535) {
                                 return {1, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {1, 32, 32, 4, 0};  // SP
                               }
+                            } else {
+                              return {1, 32, 64, 2, 0};  // SP
                             }
-                          } else {
-                            return {1, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.347658157348633) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.avg <= 2.5169756412506104) {
-                            return {1, 16, 64, 8, 0};  // SP
                           } else {
                             return {1, 16, 64, 4, 0};  // SP
                           }
                         }
-                      }
-                    } else {
-                      if (x.log2_S <= 10.650274753570557) {
-                        return {1, 32, 32, 4, 0};  // SP
                       } else {
-                        if (x.avg <= 108.1020393371582) {
-                          if (x.log2_S <= 11.436975002288818) {
+                        if (x.log2_S <= 11.074554920196533) {
+                          if (x.log2_S <= 8.290163516998291) {
                             return {1, 32, 64, 2, 0};  // SP
                           } else {
-                            if (x.avg <= 6.373813629150391) {
-                              return {1, 16, 64, 4, 0};  // SP
-                            } else {
-                              if (x.avg <= 10.07566785812378) {
-                                return {1, 32, 32, 4, 0};  // SP
-                              } else {
-                                if (x.avg <= 73.57760620117188) {
-                                  return {1, 32, 64, 2, 0};  // SP
-                                } else {
-                                  return {1, 32, 32, 4, 0};  // SP
-                                }
-                              }
-                            }
+                            return {1, 32, 32, 4, 0};  // SP
                           }
                         } else {
-                          return {1, 32, 32, 4, 0};  // SP
+                          if (x.log2_S <= 11.302924156188965) {
+                            if (x.avg <= 2.781383752822876) {
+                              return {2, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 32, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 11.86020278930664) {
+                              if (x.skew_hi <= 8.56401014328003) {
+                                if (x.skew_lo <= 4.444075345993042) {
+                                  return {1, 16, 64, 8, 0};  // SP
+                                } else {
+                                  return {1, 16, 64, 4, 0};  // SP
+                                }
+                              } else {
+                                return {1, 16, 64, 8, 0};  // SP
+                              }
+                            } else {
+                              return {1, 16, 64, 4, 0};  // SP
+                            }
+                          }
                         }
                       }
+                    } else {
+                      return {1, 32, 32, 4, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 12.223172664642334) {
-                      if (x.avg <= 10.583966255187988) {
+                    if (x.skew_lo <= -0.47015446424484253) {
+                      if (x.log2_S <= 12.85042142868042) {
                         return {1, 16, 64, 4, 0};  // SP
                       } else {
-                        return {1, 32, 64, 2, 0};  // SP
+                        return {1, 16, 64, 8, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 89.21184539794922) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.067483901977539) {
-                          if (x.avg <= 96.41338729858398) {
-                            return {1, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
+                      if (x.log2_S <= 12.40873098373413) {
+                        if (x.avg <= 10.583966255187988) {
+                          return {1, 16, 64, 4, 0};  // SP
                         } else {
-                          return {1, 16, 64, 8, 0};  // SP
+                          if (x.skew_hi <= 5.671029329299927) {
+                            if (x.skew_lo <= -0.039045631885528564) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 32, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {1, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.988627910614014) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 68.09061813354492) {
+                            if (x.skew_lo <= 1.944123923778534) {
+                              if (x.skew_hi <= 5.031390190124512) {
+                                return {1, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {1, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {1, 16, 64, 8, 0};  // SP
+                          }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 17.32624053955078) {
-                    if (x.log2_S <= 13.451409339904785) {
-                      return {1, 4, 8, 64, 1};  // SR
+                  if (x.skew_hi <= 3.8137691020965576) {
+                    if (x.log2_S <= 16.343181610107422) {
+                      if (x.skew_lo <= -0.19548935443162918) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
                     } else {
-                      return {1, 2, 8, 128, 1};  // SR
+                      if (x.skew_hi <= 2.9072855710983276) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 10.697195053100586) {
-                      if (x.avg <= 83.44088745117188) {
-                        return {1, 4, 8, 64, 1};  // SR
+                    if (x.skew_hi <= 4.518438100814819) {
+                      if (x.log2_S <= 15.540732383728027) {
+                        return {1, 16, 64, 4, 0};  // SP
                       } else {
                         return {1, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 22.92395782470703) {
-                        if (x.log2_S <= 11.290758609771729) {
+                      if (x.log2_S <= 14.587109565734863) {
+                        if (x.avg <= 6.161457180976868) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
@@ -298,84 +298,116 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 14.467864513397217) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 78.0776481628418) {
-                      if (x.avg <= 17.8962459564209) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 23.509357452392578) {
-                          if (x.log2_S <= 13.850578308105469) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
+                if (x.log2_S <= 14.782461166381836) {
+                  if (x.avg <= 16.493858337402344) {
+                    if (x.skew_hi <= 10.981453895568848) {
+                      if (x.log2_S <= 9.474853515625) {
+                        if (x.skew_lo <= 7.172151565551758) {
+                          if (x.log2_S <= 9.125301361083984) {
                             return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 6.176414251327515) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
                           }
                         } else {
-                          return {1, 16, 64, 4, 0};  // SP
+                          return {1, 2, 8, 128, 1};  // SR
                         }
-                      }
-                    } else {
-                      return {1, 16, 64, 8, 0};  // SP
-                    }
-                  } else {
-                    return {1, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 73.80191802978516) {
-                    if (x.log2_S <= 17.236677169799805) {
-                      if (x.avg <= 64.84037780761719) {
-                        return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.avg <= 65.14951705932617) {
-                          return {1, 16, 64, 4, 0};  // SP
+                        if (x.log2_S <= 13.440292835235596) {
+                          if (x.skew_hi <= 10.153746604919434) {
+                            if (x.log2_S <= 11.239523887634277) {
+                              if (x.avg <= 2.8953335285186768) {
+                                if (x.log2_S <= 9.989088535308838) {
+                                  return {1, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                }
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 12.9094557762146) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 13.188586235046387) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            }
+                          }
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
+                      if (x.avg <= 6.944040536880493) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.avg <= 6.199440240859985) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.log2_S <= 17.58021354675293) {
+                        if (x.log2_S <= 12.743582248687744) {
+                          if (x.log2_S <= 11.442117691040039) {
                             return {1, 2, 8, 128, 1};  // SR
                           } else {
-                            if (x.avg <= 12.031681537628174) {
-                              return {1, 32, 8, 2, 32};  // PR
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
+                            return {1, 4, 8, 64, 1};  // SR
                           }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 15.920248031616211) {
-                        if (x.avg <= 99.15804290771484) {
-                          if (x.log2_S <= 15.21787691116333) {
-                            if (x.avg <= 83.64166641235352) {
-                              return {1, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 16, 64, 8, 0};  // SP
-                        }
+                    if (x.skew_hi <= 9.740898132324219) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.039374828338623) {
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
                         return {1, 2, 8, 128, 1};  // SR
                       }
-                    } else {
-                      if (x.log2_S <= 15.152130126953125) {
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 11.081252574920654) {
+                    if (x.avg <= 74.73260498046875) {
+                      if (x.log2_S <= 17.368271827697754) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
                         return {1, 32, 8, 2, 32};  // PR
                       }
+                    } else {
+                      if (x.log2_S <= 15.039266109466553) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 2.0773351192474365) {
+                          if (x.log2_S <= 16.136510848999023) {
+                            return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            if (x.log2_S <= 17.072388648986816) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 7.236771821975708) {
+                      if (x.log2_S <= 15.41500186920166) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {1, 32, 8, 2, 32};  // PR
                     }
                   }
                 }
@@ -384,136 +416,108 @@ inline Config plain_config(const Features& f) {
               return {1, 32, 8, 2, 32};  // PR
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 21.027308464050293) {
-                if (x.log2_S <= 18.010473251342773) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 20.87229347229004) {
-                      return {1, 2, 8, 128, 1};  // SR
+            if (x.skew_hi <= 18.312137603759766) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 21.025843620300293) {
+                  if (x.log2_S <= 18.423686981201172) {
+                    if (x.skew_lo <= -1.3745193481445312) {
+                      return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.log2_S <= 17.826260566711426) {
+                      if (x.log2_S <= 18.37041187286377) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    return {1, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  return {1, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 3.5749751329421997) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {2, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.avg <= 12.56875228881836) {
-                    if (x.avg <= 4.396926641464233) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.log2_S <= 22.036359786987305) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.avg <= 9.013128280639648) {
-                          return {2, 32, 8, 2, 16};  // PR
+                        if (x.skew_hi <= 6.014342784881592) {
+                          return {1, 2, 8, 128, 1};  // SR
                         } else {
-                          if (x.avg <= 9.604422092437744) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {2, 32, 8, 2, 16};  // PR
-                          }
+                          return {1, 32, 8, 2, 32};  // PR
                         }
                       }
                     }
                   } else {
+                    if (x.log2_S <= 18.989389419555664) {
+                      if (x.skew_hi <= 5.749659061431885) {
+                        if (x.avg <= 69.53941345214844) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= -1.6285601258277893) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {1, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      } else {
+                        return {1, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {1, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 3.6289743185043335) {
                     return {1, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 21.33197784423828) {
+                      if (x.avg <= 18.787602424621582) {
+                        if (x.skew_lo <= 3.7460415363311768) {
+                          return {2, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        if (x.avg <= 39.54206657409668) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.avg <= 134.46252059936523) {
+                            if (x.log2_S <= 21.05418109893799) {
+                              return {1, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {2, 32, 8, 2, 16};  // PR
+                            }
+                          } else {
+                            return {1, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 18.165557861328125) {
+                  return {1, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.avg <= 38.3198881149292) {
+                    return {1, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {1, 32, 16, 2, 16};  // PR
                   }
                 }
               }
             } else {
-              if (x.avg <= 18.621548652648926) {
-                if (x.log2_S <= 21.889511108398438) {
-                  if (x.log2_S <= 20.72549819946289) {
-                    if (x.avg <= 11.874089241027832) {
-                      if (x.log2_S <= 20.592127799987793) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.avg <= 6.4358603954315186) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 32, 16, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 19.331073760986328) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 20.301939964294434) {
-                          return {2, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.avg <= 14.23498010635376) {
-                            return {2, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {1, 32, 16, 2, 16};  // PR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 4.659158229827881) {
-                      if (x.log2_S <= 21.220970153808594) {
-                        if (x.log2_S <= 20.769341468811035) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 32, 16, 2, 16};  // PR
-                        }
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      return {1, 32, 16, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 13.855795860290527) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 22.997422218322754) {
-                      return {1, 32, 16, 2, 16};  // PR
-                    } else {
-                      return {1, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
+              if (x.avg <= 8.85367488861084) {
+                return {1, 32, 8, 2, 32};  // PR
               } else {
-                if (x.log2_S <= 17.959208488464355) {
-                  return {1, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.avg <= 21.884416580200195) {
-                    if (x.log2_S <= 20.13157367706299) {
-                      if (x.log2_S <= 19.511281967163086) {
-                        if (x.avg <= 21.595306396484375) {
-                          if (x.avg <= 18.793509483337402) {
-                            return {2, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {1, 32, 16, 2, 16};  // PR
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
+                if (x.log2_S <= 19.931623458862305) {
+                  if (x.skew_lo <= 9.61311960220337) {
+                    if (x.skew_hi <= 19.880038261413574) {
+                      return {1, 32, 16, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  } else {
+                    if (x.skew_lo <= 10.425639152526855) {
+                      if (x.skew_hi <= 19.110140800476074) {
+                        return {1, 32, 8, 2, 32};  // PR
                       } else {
                         return {2, 32, 8, 2, 16};  // PR
                       }
                     } else {
-                      return {1, 32, 16, 2, 16};  // PR
+                      return {1, 32, 8, 2, 32};  // PR
                     }
-                  } else {
-                    return {1, 32, 16, 2, 16};  // PR
                   }
+                } else {
+                  return {1, 32, 16, 2, 16};  // PR
                 }
               }
             }
@@ -521,180 +525,164 @@ inline Config plain_config(const Features& f) {
         }
       } else {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 19.81370449066162) {
-            if (x.log2_S <= 14.231849670410156) {
-              if (x.log2_S <= 10.04721450805664) {
-                if (x.avg <= 2.6757885217666626) {
-                  if (x.avg <= 1.5897487998008728) {
-                    if (x.avg <= 1.3460034728050232) {
-                      if (x.log2_S <= 9.524621486663818) {
-                        return {1, 32, 8, 2, 0};  // SP
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 1.4813077449798584) {
-                        if (x.log2_S <= 9.185283660888672) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  return {2, 1, 64, 256, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 10.649508476257324) {
-                  if (x.avg <= 1.5557132363319397) {
-                    return {4, 8, 32, 32, 0};  // SP
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 12.322034358978271) {
-                    if (x.log2_S <= 11.088330268859863) {
-                      if (x.avg <= 1.847647786140442) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 1.3306646347045898) {
-                        return {2, 8, 8, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 3.3564966917037964) {
-                          if (x.avg <= 1.7123541831970215) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 11.630204677581787) {
-                              return {2, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 8, 64, 32, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 15.575730323791504) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.031361103057861) {
-                              if (x.avg <= 27.34850025177002) {
-                                return {4, 8, 64, 32, 0};  // SP
-                              } else {
-                                return {1, 16, 64, 4, 0};  // SP
-                              }
-                            } else {
-                              return {2, 8, 8, 32, 0};  // SP
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 12.938548564910889) {
-                      if (x.avg <= 1.5111615061759949) {
-                        return {2, 8, 8, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.067185878753662) {
-                          if (x.avg <= 1.8259103894233704) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.761834621429443) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {2, 8, 8, 32, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 7.46788477897644) {
-                            return {2, 1, 64, 256, 0};  // SP
-                          } else {
-                            if (x.avg <= 11.585577487945557) {
-                              if (x.log2_S <= 13.303202152252197) {
-                                return {2, 8, 8, 32, 0};  // SP
-                              } else {
-                                return {1, 2, 64, 128, 0};  // SP
-                              }
-                            } else {
-                              return {4, 4, 64, 64, 0};  // SP
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      return {2, 8, 8, 32, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 4.685399770736694) {
-                if (x.avg <= 3.3174551725387573) {
-                  return {2, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 16.871849060058594) {
-                    return {2, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 18.150772094726562) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {2, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 11.03502082824707) {
-                  if (x.log2_S <= 18.388540267944336) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.avg <= 8.060325860977173) {
+          if (x.skew_hi <= 3.1014515161514282) {
+            if (x.log2_S <= 18.801544189453125) {
+              if (x.log2_S <= 13.925555229187012) {
+                if (x.log2_S <= 9.620311737060547) {
+                  if (x.skew_lo <= -4.563696384429932) {
+                    if (x.avg <= 58.79162406921387) {
                       return {2, 1, 64, 256, 0};  // SP
                     } else {
-                      if (x.log2_S <= 19.51625156402588) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -3.703117609024048) {
+                      if (x.log2_S <= 9.308388710021973) {
                         return {1, 2, 64, 128, 0};  // SP
                       } else {
                         return {2, 1, 64, 256, 0};  // SP
                       }
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 17.550527572631836) {
-                    if (x.avg <= 48.99546432495117) {
-                      if (x.avg <= 13.423532962799072) {
-                        if (x.log2_S <= 14.982117176055908) {
-                          return {4, 4, 64, 64, 0};  // SP
+                  if (x.skew_hi <= 1.3521767258644104) {
+                    if (x.log2_S <= 10.75642728805542) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -4.919469833374023) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.74740982055664) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 12.863486766815186) {
+                      if (x.log2_S <= 12.635624408721924) {
+                        if (x.log2_S <= 11.028144836425781) {
+                          if (x.log2_S <= 10.148950576782227) {
+                            return {2, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {1, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          return {2, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -3.8569668531417847) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.269871234893799) {
+                          return {1, 8, 64, 32, 0};  // SP
                         } else {
                           return {2, 2, 64, 128, 0};  // SP
                         }
-                      } else {
-                        if (x.log2_S <= 17.02621364593506) {
-                          return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= -3.526270627975464) {
+                  if (x.avg <= 16.450838088989258) {
+                    return {2, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 0.4724041372537613) {
+                      if (x.log2_S <= 16.0306978225708) {
+                        if (x.log2_S <= 14.857841491699219) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          if (x.avg <= 24.38079071044922) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 17.29872989654541) {
+                          return {2, 8, 8, 32, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.649524688720703) {
+                        if (x.avg <= 30.36298656463623) {
+                          if (x.log2_S <= 17.152398109436035) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
                             return {2, 2, 64, 128, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 16.16993522644043) {
+                            if (x.log2_S <= 14.696603298187256) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {4, 8, 32, 32, 0};  // SP
+                            }
                           } else {
                             return {4, 4, 64, 64, 0};  // SP
                           }
                         }
-                      }
-                    } else {
-                      if (x.log2_S <= 16.818452835083008) {
-                        return {2, 8, 8, 32, 0};  // SP
                       } else {
-                        return {4, 4, 64, 64, 0};  // SP
+                        if (x.avg <= 30.829862594604492) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.941314220428467) {
+                    if (x.skew_lo <= -3.1135144233703613) {
+                      return {2, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= -5.390852451324463) {
+                if (x.log2_S <= 20.075020790100098) {
+                  return {1, 2, 64, 128, 0};  // SP
+                } else {
+                  return {2, 1, 64, 256, 0};  // SP
+                }
+              } else {
+                if (x.avg <= 10.513665199279785) {
+                  if (x.log2_S <= 21.298029899597168) {
+                    return {1, 2, 64, 128, 0};  // SP
+                  } else {
+                    return {2, 1, 64, 256, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 19.976219177246094) {
+                    if (x.avg <= 14.82154369354248) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -4.840571165084839) {
+                        if (x.log2_S <= 19.335508346557617) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 18.954537391662598) {
-                      if (x.avg <= 48.632686614990234) {
-                        return {2, 2, 64, 128, 0};  // SP
+                    if (x.skew_lo <= -5.223226547241211) {
+                      if (x.log2_S <= 21.598878860473633) {
+                        return {1, 2, 64, 128, 0};  // SP
                       } else {
-                        return {4, 4, 64, 64, 0};  // SP
+                        return {2, 1, 64, 256, 0};  // SP
                       }
                     } else {
                       return {1, 2, 64, 128, 0};  // SP
@@ -704,290 +692,198 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 20.507046699523926) {
-              if (x.avg <= 13.24902868270874) {
-                return {2, 1, 64, 256, 0};  // SP
-              } else {
-                if (x.avg <= 48.220218658447266) {
-                  return {1, 2, 64, 128, 0};  // SP
+            if (x.log2_S <= 13.905562400817871) {
+              if (x.avg <= 3.307711601257324) {
+                if (x.skew_hi <= 5.202425479888916) {
+                  if (x.log2_S <= 11.90050983428955) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -1.0810423493385315) {
+                      if (x.log2_S <= 12.686378002166748) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
                 } else {
-                  return {2, 1, 64, 256, 0};  // SP
+                  if (x.skew_lo <= -0.42273056507110596) {
+                    if (x.skew_hi <= 5.310153007507324) {
+                      return {2, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 11.998075008392334) {
+                      return {1, 32, 8, 2, 0};  // SP
+                    } else {
+                      return {2, 8, 8, 32, 0};  // SP
+                    }
+                  }
                 }
+              } else {
+                return {2, 1, 64, 256, 0};  // SP
               }
             } else {
               return {2, 1, 64, 256, 0};  // SP
             }
           }
         } else {
-          if (x.log2_S <= 18.0112943649292) {
-            if (x.long_level <= 2.5) {
+          if (x.long_level <= 2.5) {
+            if (x.log2_S <= 18.350489616394043) {
               if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.817108154296875) {
-                  if (x.log2_S <= 11.445366859436035) {
-                    if (x.avg <= 3.2961846590042114) {
-                      if (x.avg <= 2.4505470991134644) {
+                if (x.log2_S <= 12.519169807434082) {
+                  if (x.skew_hi <= 8.285018920898438) {
+                    if (x.log2_S <= 11.815287590026855) {
+                      return {2, 32, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 7.661916494369507) {
+                        if (x.log2_S <= 12.170436382293701) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.248560428619385) {
+                      if (x.avg <= 2.442422389984131) {
                         return {2, 32, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 10.018178462982178) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          if (x.avg <= 2.7286003828048706) {
-                            if (x.log2_S <= 11.041953086853027) {
-                              return {4, 32, 64, 2, 0};  // SP
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.062703132629395) {
+                        if (x.log2_S <= 11.649765491485596) {
+                          if (x.skew_lo <= 4.991560459136963) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.460689544677734) {
+                              return {2, 32, 64, 4, 0};  // SP
                             } else {
                               return {2, 16, 64, 4, 0};  // SP
                             }
-                          } else {
-                            return {2, 32, 64, 4, 0};  // SP
                           }
-                        }
-                      }
-                    } else {
-                      return {2, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 7.661916494369507) {
-                      if (x.log2_S <= 12.232303619384766) {
-                        if (x.log2_S <= 11.573980331420898) {
-                          return {2, 16, 64, 4, 0};  // SP
                         } else {
-                          if (x.avg <= 5.248976707458496) {
-                            return {1, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
+                          return {1, 32, 64, 2, 0};  // SP
                         }
                       } else {
                         return {2, 16, 64, 4, 0};  // SP
                       }
-                    } else {
-                      return {2, 32, 64, 4, 0};  // SP
                     }
                   }
                 } else {
                   if (x.log2_S <= 14.53263807296753) {
-                    if (x.log2_S <= 13.94749641418457) {
-                      return {2, 16, 64, 4, 0};  // SP
+                    if (x.skew_lo <= 0.8583090007305145) {
+                      if (x.log2_S <= 12.568283557891846) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
                     } else {
-                      if (x.avg <= 38.186702728271484) {
-                        if (x.avg <= 2.5549274682998657) {
-                          return {1, 8, 8, 32, 1};  // SR
+                      if (x.skew_lo <= 2.307080388069153) {
+                        if (x.log2_S <= 13.092877388000488) {
+                          if (x.log2_S <= 12.803494453430176) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
                         } else {
-                          if (x.avg <= 7.590737819671631) {
-                            if (x.log2_S <= 14.232536792755127) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.002820491790771) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= 4.334706783294678) {
+                            if (x.avg <= 7.044752597808838) {
                               return {2, 16, 64, 4, 0};  // SP
                             } else {
                               return {1, 2, 8, 128, 1};  // SR
                             }
                           } else {
-                            return {1, 2, 8, 128, 1};  // SR
+                            return {1, 8, 8, 32, 1};  // SR
                           }
                         }
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 74.56194686889648) {
-                      if (x.avg <= 2.925382137298584) {
-                        if (x.log2_S <= 16.451775550842285) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 17.148054122924805) {
-                            return {4, 2, 8, 128, 1};  // SR
+                    if (x.avg <= 76.59214401245117) {
+                      if (x.log2_S <= 17.88579750061035) {
+                        if (x.skew_lo <= 4.544644355773926) {
+                          if (x.avg <= 44.68050765991211) {
+                            return {1, 2, 8, 128, 1};  // SR
                           } else {
-                            if (x.log2_S <= 17.899255752563477) {
+                            if (x.log2_S <= 14.984293460845947) {
+                              return {2, 16, 64, 4, 0};  // SP
+                            } else {
                               return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 16.22248077392578) {
+                            if (x.log2_S <= 14.639786720275879) {
+                              return {1, 4, 8, 64, 1};  // SR
                             } else {
-                              return {2, 32, 8, 2, 32};  // PR
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 16.977211952209473) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
                             }
                           }
                         }
                       } else {
-                        return {1, 2, 8, 128, 1};  // SR
+                        if (x.skew_hi <= 6.716888904571533) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
                       }
                     } else {
-                      if (x.log2_S <= 15.689079284667969) {
-                        if (x.avg <= 99.15804290771484) {
-                          if (x.log2_S <= 15.21787691116333) {
-                            return {2, 16, 64, 4, 0};  // SP
+                      if (x.log2_S <= 16.343181610107422) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 17.2599458694458) {
+                          if (x.skew_hi <= 2.9716166257858276) {
+                            return {4, 4, 64, 64, 0};  // SP
                           } else {
                             return {1, 2, 8, 128, 1};  // SR
                           }
                         } else {
-                          return {2, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 17.880789756774902) {
                           return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
                         }
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 11.551663875579834) {
-                  if (x.log2_S <= 11.106968879699707) {
-                    if (x.avg <= 7.407831430435181) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 10.189060688018799) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.619603157043457) {
-                      if (x.log2_S <= 12.435533046722412) {
-                        if (x.avg <= 7.638339042663574) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.524044513702393) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                } else {
+                if (x.skew_hi <= 11.237985134124756) {
                   return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  if (x.log2_S <= 14.781612396240234) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 11.51051664352417) {
-                if (x.avg <= 21.173429489135742) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  return {2, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                if (x.log2_S <= 16.388699531555176) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.avg <= 15.06555461883545) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {2, 32, 8, 2, 16};  // PR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 3.80306077003479) {
-              if (x.avg <= 2.9912261962890625) {
-                if (x.log2_S <= 19.193974494934082) {
-                  if (x.log2_S <= 18.647199630737305) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.long_level <= 1.5) {
+              if (x.skew_hi <= 11.072438716888428) {
+                if (x.log2_S <= 21.6547794342041) {
+                  if (x.avg <= 22.61717700958252) {
+                    if (x.log2_S <= 20.95791244506836) {
                       return {2, 32, 8, 2, 32};  // PR
                     } else {
-                      if (x.long_level <= 2.5) {
-                        return {2, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.long_level <= 2.5) {
-                  if (x.long_level <= 1.5) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 20.378978729248047) {
-                      if (x.avg <= 3.1445847749710083) {
-                        return {2, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
-                }
-              }
-            } else {
-              if (x.log2_S <= 21.023961067199707) {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 18.445958137512207) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 18.18510913848877) {
-                        if (x.avg <= 40.30753803253174) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.avg <= 23.893375396728516) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 10.400676727294922) {
-                      if (x.long_level <= 1.5) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 20.21909999847412) {
-                          if (x.log2_S <= 19.20769214630127) {
-                            if (x.log2_S <= 18.853832244873047) {
-                              return {2, 32, 8, 2, 32};  // PR
-                            } else {
-                              return {2, 32, 8, 2, 16};  // PR
-                            }
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {2, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 11.584000587463379) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 20.363679885864258) {
-                      return {2, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.avg <= 25.3287992477417) {
-                        return {2, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 32, 4, 16};  // PR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 100.42091751098633) {
-                    if (x.log2_S <= 22.138212203979492) {
-                      if (x.avg <= 27.446210861206055) {
-                        return {2, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 21.3758544921875) {
+                      if (x.skew_lo <= 3.799013137817383) {
+                        if (x.avg <= 19.337800979614258) {
+                          if (x.log2_S <= 21.07627773284912) {
                             return {2, 32, 8, 2, 32};  // PR
                           } else {
                             return {2, 32, 8, 2, 16};  // PR
@@ -995,36 +891,140 @@ inline Config plain_config(const Features& f) {
                         } else {
                           return {2, 32, 8, 2, 32};  // PR
                         }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
                       }
+                    }
+                  } else {
+                    if (x.skew_hi <= 8.51948070526123) {
+                      if (x.log2_S <= 18.727377891540527) {
+                        if (x.avg <= 33.575246810913086) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.036559820175171) {
+                          if (x.log2_S <= 20.803458213806152) {
+                            if (x.skew_hi <= 2.1193777322769165) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 32};  // PR
+                            }
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 4.1251380443573) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 3.992397427558899) {
+                      if (x.avg <= 95.7961311340332) {
+                        return {2, 32, 8, 2, 16};  // PR
+                      } else {
+                        if (x.avg <= 167.73336029052734) {
+                          if (x.skew_hi <= 6.790257692337036) {
+                            return {2, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 10.25629997253418) {
+                        if (x.avg <= 22.546817779541016) {
+                          if (x.skew_lo <= 4.173246383666992) {
+                            return {2, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          if (x.avg <= 41.44947624206543) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 4.282392263412476) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 19.16704273223877) {
+                  if (x.skew_lo <= 8.074620246887207) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 18.502418518066406) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  return {2, 32, 8, 2, 16};  // PR
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 20.363679885864258) {
+              if (x.log2_S <= 16.441146850585938) {
+                if (x.avg <= 133.61936950683594) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.skew_hi <= 11.00481128692627) {
+                    if (x.skew_hi <= 10.344332218170166) {
+                      return {2, 32, 8, 2, 32};  // PR
                     } else {
                       return {2, 32, 8, 2, 16};  // PR
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 21.687922477722168) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 18.402429580688477) {
-                    if (x.log2_S <= 21.413992881774902) {
-                      if (x.avg <= 11.458308219909668) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    return {4, 32, 32, 4, 16};  // PR
+                    return {2, 32, 8, 2, 32};  // PR
                   }
                 }
+              } else {
+                if (x.avg <= 13.284884929656982) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.skew_lo <= 9.636746883392334) {
+                    return {2, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 18.196834564208984) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 10.61926794052124) {
+                if (x.skew_hi <= 20.958361625671387) {
+                  if (x.skew_lo <= 9.340277194976807) {
+                    return {4, 32, 32, 4, 16};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  return {4, 32, 32, 4, 16};  // PR
+                }
+              } else {
+                return {2, 32, 8, 2, 32};  // PR
               }
             }
           }
@@ -1032,509 +1032,509 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.log2_S <= 17.57593059539795) {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 12.820991039276123) {
-                if (x.log2_S <= 9.907757759094238) {
-                  if (x.avg <= 3.201190233230591) {
-                    if (x.avg <= 1.5132285952568054) {
-                      return {1, 32, 8, 2, 0};  // SP
-                    } else {
-                      return {4, 8, 32, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 9.385326862335205) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      if (x.avg <= 36.62000846862793) {
-                        if (x.avg <= 4.07592499256134) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {1, 1, 64, 256, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
-                    }
-                  }
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 13.790423393249512) {
+            if (x.avg <= 1.642390787601471) {
+              if (x.log2_S <= 11.38987398147583) {
+                return {1, 32, 8, 2, 0};  // SP
+              } else {
+                if (x.avg <= 1.16612708568573) {
+                  return {4, 16, 64, 4, 0};  // SP
                 } else {
-                  if (x.avg <= 1.5448933839797974) {
-                    if (x.log2_S <= 11.000325202941895) {
-                      return {1, 32, 8, 2, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
+                  if (x.avg <= 1.4691807627677917) {
+                    return {4, 8, 64, 32, 0};  // SP
                   } else {
-                    if (x.avg <= 2.531991481781006) {
-                      if (x.log2_S <= 11.13074016571045) {
+                    return {4, 8, 32, 32, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 12.59223461151123) {
+                if (x.avg <= 15.067322254180908) {
+                  if (x.log2_S <= 10.314457416534424) {
+                    if (x.avg <= 3.5430104732513428) {
+                      if (x.avg <= 2.1777782440185547) {
                         return {1, 32, 8, 2, 0};  // SP
                       } else {
                         return {4, 8, 32, 32, 0};  // SP
                       }
                     } else {
-                      return {4, 8, 32, 32, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 7.087538719177246) {
-                  if (x.log2_S <= 15.445173263549805) {
-                    if (x.avg <= 1.5474231839179993) {
-                      if (x.log2_S <= 14.215263366699219) {
-                        return {4, 8, 64, 32, 0};  // SP
+                      if (x.avg <= 9.188828945159912) {
+                        return {1, 1, 64, 256, 0};  // SP
                       } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 15.050004005432129) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.avg <= 2.271131992340088) {
-                          return {4, 4, 64, 64, 0};  // SP
+                        if (x.log2_S <= 9.078298568725586) {
+                          return {1, 1, 64, 256, 0};  // SP
                         } else {
-                          return {4, 2, 64, 128, 0};  // SP
+                          return {4, 8, 32, 32, 0};  // SP
                         }
                       }
                     }
                   } else {
-                    return {4, 2, 64, 128, 0};  // SP
+                    return {4, 8, 32, 32, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 49.56397247314453) {
-                    if (x.log2_S <= 13.483866214752197) {
-                      if (x.avg <= 17.118164539337158) {
-                        return {4, 4, 64, 64, 0};  // SP
+                  return {4, 8, 32, 32, 0};  // SP
+                }
+              } else {
+                if (x.skew_lo <= -1.6673373579978943) {
+                  if (x.avg <= 29.505433082580566) {
+                    if (x.avg <= 4.961884498596191) {
+                      if (x.log2_S <= 13.511151790618896) {
+                        return {2, 2, 64, 128, 0};  // SP
                       } else {
-                        return {4, 8, 32, 32, 0};  // SP
+                        return {4, 4, 64, 64, 0};  // SP
                       }
                     } else {
                       return {4, 4, 64, 64, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 14.242590427398682) {
-                      if (x.avg <= 58.90795707702637) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 16.818452835083008) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 11.643210887908936) {
-                  if (x.avg <= 5.896066665649414) {
-                    if (x.avg <= 2.5271899700164795) {
-                      if (x.log2_S <= 11.155867576599121) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.302924156188965) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.061208248138428) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {2, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.175257205963135) {
-                      return {2, 64, 32, 1, 0};  // SP
-                    } else {
-                      if (x.avg <= 12.748720645904541) {
-                        return {2, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 64, 32, 1, 0};  // SP
-                      }
-                    }
+                    return {4, 8, 32, 32, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 16.366121292114258) {
-                    if (x.log2_S <= 14.39049243927002) {
-                      if (x.avg <= 8.542380809783936) {
-                        if (x.log2_S <= 13.845126628875732) {
-                          if (x.log2_S <= 11.898428916931152) {
-                            if (x.avg <= 4.114368557929993) {
-                              return {4, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 32, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 3.1929664611816406) {
-                            if (x.log2_S <= 14.061007022857666) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 8.270846366882324) {
-                              return {4, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 39.86071968078613) {
-                          if (x.log2_S <= 12.459480285644531) {
-                            return {2, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.avg <= 12.23573350906372) {
-                              return {4, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 13.51688528060913) {
-                            return {2, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.avg <= 119.86387252807617) {
-                              if (x.log2_S <= 13.78074312210083) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {4, 16, 64, 4, 0};  // SP
-                              }
-                            } else {
-                              return {2, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 74.56194686889648) {
-                        if (x.avg <= 59.91044235229492) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.898766040802002) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 16.137511253356934) {
-                          if (x.avg <= 93.58488845825195) {
-                            if (x.log2_S <= 15.2141695022583) {
-                              return {4, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 2.8889501094818115) {
-                      if (x.log2_S <= 16.628557205200195) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 15.415244102478027) {
-                  if (x.log2_S <= 14.292848110198975) {
-                    if (x.avg <= 2.9785150289535522) {
-                      if (x.log2_S <= 11.58832836151123) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.738516330718994) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {1, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 29.37785243988037) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 15.22244119644165) {
-                        return {4, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 116.1995849609375) {
-                    if (x.log2_S <= 15.6142897605896) {
-                      if (x.avg <= 59.05273246765137) {
-                        if (x.avg <= 2.490427851676941) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.log2_S <= 15.50551176071167) {
-                            if (x.avg <= 10.07619571685791) {
-                              return {4, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 1, 16};  // PR
-                            }
-                          } else {
-                            return {4, 32, 8, 1, 16};  // PR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 17.410917282104492) {
-                      if (x.log2_S <= 15.845215797424316) {
-                        if (x.log2_S <= 15.574573040008545) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 8};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
-                  }
+                  return {4, 8, 32, 32, 0};  // SP
                 }
               }
             }
           } else {
-            if (x.log2_S <= 13.72416877746582) {
-              if (x.avg <= 17.670324325561523) {
-                if (x.avg <= 3.304536819458008) {
-                  return {4, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.log2_S <= 13.224674701690674) {
-                    return {2, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.avg <= 11.48159646987915) {
-                      return {2, 32, 8, 2, 16};  // PR
+            if (x.skew_lo <= -3.112394094467163) {
+              if (x.log2_S <= 18.801544189453125) {
+                if (x.skew_lo <= -5.604169607162476) {
+                  if (x.log2_S <= 16.818452835083008) {
+                    if (x.log2_S <= 15.821279525756836) {
+                      return {4, 16, 64, 4, 0};  // SP
                     } else {
-                      return {4, 32, 8, 2, 16};  // PR
+                      return {4, 8, 64, 32, 0};  // SP
                     }
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
+              } else {
+                return {4, 2, 64, 128, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 17.004050254821777) {
+                if (x.skew_lo <= -0.6341549158096313) {
+                  if (x.skew_lo <= -2.825284481048584) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -1.315629243850708) {
+                      if (x.log2_S <= 15.079487323760986) {
+                        if (x.skew_lo <= -2.3036712408065796) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.164201736450195) {
+                        if (x.log2_S <= 15.434017181396484) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {4, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.057374477386475) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 1, 64, 256, 0};  // SP
                   }
                 }
               } else {
-                return {4, 32, 8, 2, 16};  // PR
-              }
-            } else {
-              if (x.log2_S <= 15.774130821228027) {
-                return {4, 32, 8, 2, 32};  // PR
-              } else {
-                if (x.avg <= 10.812373161315918) {
-                  return {4, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.log2_S <= 16.796382904052734) {
-                    return {4, 32, 8, 2, 16};  // PR
+                if (x.skew_lo <= -2.4474858045578003) {
+                  if (x.log2_S <= 19.32595729827881) {
+                    return {4, 2, 64, 128, 0};  // SP
                   } else {
-                    return {4, 32, 8, 1, 16};  // PR
+                    return {4, 1, 64, 256, 0};  // SP
                   }
+                } else {
+                  return {4, 1, 64, 256, 0};  // SP
                 }
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.avg <= 12.202110767364502) {
-              if (x.log2_S <= 19.096898078918457) {
-                if (x.avg <= 5.930876016616821) {
-                  return {4, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 17.67647647857666) {
-                    return {4, 4, 64, 64, 0};  // SP
+          if (x.log2_S <= 16.19315528869629) {
+            if (x.long_level <= 2.5) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 11.430864334106445) {
+                  if (x.skew_lo <= 0.18450484424829483) {
+                    return {4, 32, 64, 4, 0};  // SP
                   } else {
-                    return {4, 2, 64, 128, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 10.513665199279785) {
-                  return {4, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 20.17003631591797) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {4, 1, 64, 256, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 18.37717914581299) {
-                return {4, 4, 64, 64, 0};  // SP
-              } else {
-                return {4, 2, 64, 128, 0};  // SP
-              }
-            }
-          } else {
-            if (x.log2_S <= 20.837413787841797) {
-              if (x.avg <= 6.452755928039551) {
-                if (x.avg <= 4.3840014934539795) {
-                  if (x.log2_S <= 18.068242073059082) {
-                    if (x.long_level <= 2.5) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 17.742435455322266) {
-                          return {4, 2, 8, 128, 1};  // SR
+                    if (x.avg <= 5.972075700759888) {
+                      if (x.skew_lo <= 4.036455154418945) {
+                        if (x.log2_S <= 11.116058349609375) {
+                          return {1, 32, 8, 4, 1};  // SR
                         } else {
+                          return {2, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.891178131103516) {
+                          if (x.log2_S <= 11.125251293182373) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 11.169829845428467) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.175257205963135) {
+                        return {2, 64, 32, 1, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= 2.332974672317505) {
+                          return {2, 64, 32, 1, 0};  // SP
+                        } else {
+                          return {2, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.39049243927002) {
+                    if (x.avg <= 8.542380809783936) {
+                      if (x.log2_S <= 14.002820491790771) {
+                        if (x.log2_S <= 12.129897594451904) {
+                          if (x.skew_hi <= 7.849370718002319) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 3.1929664611816406) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.176342964172363) {
+                        if (x.log2_S <= 12.479954242706299) {
+                          return {2, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 33.8540096282959) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 0.9455837905406952) {
+                          if (x.avg <= 102.70466613769531) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 14.101150512695312) {
+                              return {2, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 0.15807777643203735) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 4.518438100814819) {
+                        if (x.log2_S <= 15.169477462768555) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.523999214172363) {
+                  if (x.log2_S <= 14.34483528137207) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 9.08238410949707) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {1, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 6.998092174530029) {
+                    if (x.avg <= 18.978447914123535) {
+                      if (x.log2_S <= 15.839593887329102) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.575364112854004) {
+                        if (x.log2_S <= 15.250962257385254) {
                           return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.skew_lo <= 4.799355506896973) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
                         }
                       } else {
                         return {4, 32, 8, 1, 16};  // PR
                       }
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 32};  // PR
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 13.409550666809082) {
+                if (x.avg <= 29.04540729522705) {
+                  if (x.avg <= 4.027647495269775) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  if (x.skew_hi <= 11.337507724761963) {
+                    if (x.avg <= 133.61936950683594) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.skew_hi <= 9.935163021087646) {
+                        return {4, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 13.29061508178711) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
                       return {4, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                }
+              } else {
+                return {4, 32, 8, 2, 32};  // PR
+              }
+            }
+          } else {
+            if (x.avg <= 8.217686653137207) {
+              if (x.skew_lo <= 4.055507659912109) {
+                if (x.log2_S <= 20.93727207183838) {
+                  if (x.log2_S <= 17.759325981140137) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 7.844520330429077) {
+                      return {4, 32, 8, 1, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 3.3397951126098633) {
+                    if (x.log2_S <= 21.877243995666504) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.57120990753174) {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_hi <= 8.493460655212402) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {1, 4, 8, 64, 1};  // SR
                     }
                   } else {
                     return {4, 32, 8, 2, 32};  // PR
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 17.893664360046387) {
-                      return {4, 2, 8, 128, 1};  // SR
+                  return {4, 32, 8, 2, 32};  // PR
+                }
+              }
+            } else {
+              if (x.skew_lo <= 4.015641212463379) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 20.769164085388184) {
+                    if (x.log2_S <= 18.043313026428223) {
+                      if (x.skew_lo <= -0.6071246564388275) {
+                        if (x.skew_hi <= 3.0527446269989014) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.30646514892578) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
                     } else {
-                      if (x.avg <= 4.4868323802948) {
-                        return {4, 32, 8, 2, 16};  // PR
+                      if (x.skew_hi <= 3.1676549911499023) {
+                        if (x.avg <= 193.63626098632812) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.log2_S <= 18.569645881652832) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 1, 16};  // PR
+                          }
+                        }
                       } else {
                         return {4, 32, 8, 1, 16};  // PR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 18.207816123962402) {
-                      return {4, 32, 8, 1, 16};  // PR
+                    if (x.skew_lo <= -1.2798917293548584) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      return {4, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 21.84438419342041) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 17.884886741638184) {
-                        return {4, 2, 8, 128, 1};  // SR
+                      if (x.skew_lo <= 0.6791182458400726) {
+                        if (x.skew_lo <= -0.17217402905225754) {
+                          if (x.log2_S <= 22.139196395874023) {
+                            return {4, 32, 8, 2, 32};  // PR
+                          } else {
+                            if (x.skew_lo <= -1.201099455356598) {
+                              return {4, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 21.24180793762207) {
+                            return {4, 32, 8, 1, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        }
                       } else {
-                        return {4, 32, 8, 1, 16};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 18.56770133972168) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        if (x.avg <= 19.126508712768555) {
+                        if (x.log2_S <= 21.517050743103027) {
                           return {4, 32, 8, 2, 32};  // PR
                         } else {
-                          if (x.log2_S <= 19.864013671875) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 1, 16};  // PR
+                }
+              } else {
+                if (x.log2_S <= 19.585710525512695) {
+                  if (x.skew_hi <= 16.905508041381836) {
+                    if (x.avg <= 18.353601455688477) {
+                      if (x.log2_S <= 18.592949867248535) {
+                        if (x.skew_lo <= 6.876420974731445) {
+                          if (x.log2_S <= 18.068553924560547) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 1, 16};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 16.730329513549805) {
                             return {4, 32, 8, 2, 32};  // PR
                           } else {
                             return {4, 32, 8, 1, 16};  // PR
                           }
                         }
+                      } else {
+                        if (x.skew_lo <= 6.291305780410767) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.log2_S <= 19.13302993774414) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 9.68797779083252) {
+                        if (x.log2_S <= 18.385282516479492) {
+                          return {4, 32, 8, 1, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 17.693751335144043) {
-                      if (x.avg <= 107.77398300170898) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
+                    return {4, 32, 8, 1, 16};  // PR
+                  }
+                } else {
+                  if (x.skew_hi <= 22.555697441101074) {
+                    if (x.avg <= 9.9150710105896) {
+                      if (x.skew_lo <= 8.831307172775269) {
                         return {4, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     } else {
-                      if (x.log2_S <= 19.713183403015137) {
-                        return {4, 32, 8, 1, 16};  // PR
+                      if (x.log2_S <= 22.116496086120605) {
+                        return {4, 32, 8, 2, 16};  // PR
                       } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 86.38079452514648) {
-                            if (x.log2_S <= 20.67336654663086) {
-                              return {4, 32, 8, 1, 16};  // PR
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
+                        if (x.skew_lo <= 5.468769311904907) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.skew_hi <= 9.637560844421387) {
+                            return {4, 32, 8, 2, 32};  // PR
                           } else {
-                            if (x.log2_S <= 20.15036392211914) {
+                            if (x.avg <= 44.63017463684082) {
                               return {4, 32, 8, 2, 16};  // PR
                             } else {
-                              return {4, 32, 8, 2, 32};  // PR
+                              if (x.skew_lo <= 7.14899206161499) {
+                                return {4, 32, 8, 2, 16};  // PR
+                              } else {
+                                return {4, 32, 32, 4, 16};  // PR
+                              }
                             }
                           }
-                        } else {
-                          return {4, 32, 8, 1, 16};  // PR
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 19.05752944946289) {
-                    if (x.avg <= 8.01073694229126) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
                   } else {
-                    if (x.avg <= 11.874089241027832) {
-                      if (x.log2_S <= 19.336503982543945) {
-                        return {4, 32, 8, 1, 16};  // PR
+                    if (x.avg <= 26.940720558166504) {
+                      if (x.skew_lo <= 9.766664028167725) {
+                        return {4, 32, 8, 2, 16};  // PR
                       } else {
                         return {4, 32, 8, 2, 32};  // PR
                       }
                     } else {
-                      return {4, 32, 8, 2, 16};  // PR
+                      if (x.log2_S <= 23.03147792816162) {
+                        if (x.skew_lo <= 6.9893598556518555) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 32, 4, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 32, 4, 16};  // PR
+                      }
                     }
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 21.514060974121094) {
-                  if (x.avg <= 30.89942741394043) {
-                    return {4, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.avg <= 27.362207412719727) {
-                  if (x.log2_S <= 22.07612133026123) {
-                    if (x.avg <= 9.882943153381348) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  if (x.log2_S <= 22.053257942199707) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 32, 4, 16};  // PR
                   }
                 }
               }
@@ -1542,20 +1542,36 @@ inline Config plain_config(const Features& f) {
           }
         }
       } else {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 21.821733474731445) {
-            if (x.log2_S <= 10.13814640045166) {
-              if (x.avg <= 2.851300001144409) {
-                return {1, 32, 16, 8, 0};  // SP
+        if (x.skew_lo <= -1.9986830353736877) {
+          if (x.log2_S <= 17.905272483825684) {
+            if (x.skew_hi <= 2.473729372024536) {
+              if (x.skew_lo <= -4.647010326385498) {
+                return {1, 16, 64, 4, 0};  // SP
               } else {
-                if (x.avg <= 36.62000846862793) {
-                  if (x.log2_S <= 9.871703147888184) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.avg <= 9.559332370758057) {
-                      return {1, 1, 64, 256, 0};  // SP
+                if (x.log2_S <= 16.781115531921387) {
+                  if (x.log2_S <= 12.057273864746094) {
+                    if (x.log2_S <= 10.101576328277588) {
+                      if (x.log2_S <= 9.505867004394531) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 14.720118999481201) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      }
                     } else {
                       return {1, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -3.7827560901641846) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 15.267704963684082) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
                     }
                   }
                 } else {
@@ -1563,241 +1579,213 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.avg <= 3.0697590112686157) {
-                if (x.log2_S <= 18.603035926818848) {
-                  if (x.log2_S <= 13.459672451019287) {
-                    if (x.avg <= 1.3312110304832458) {
+              if (x.log2_S <= 10.821366310119629) {
+                if (x.skew_hi <= 2.861492156982422) {
+                  return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  return {1, 1, 64, 256, 0};  // SP
+                }
+              } else {
+                return {1, 8, 64, 32, 0};  // SP
+              }
+            }
+          } else {
+            if (x.skew_hi <= 3.6311529874801636) {
+              if (x.avg <= 62.94377326965332) {
+                return {1, 8, 64, 32, 0};  // SP
+              } else {
+                return {1, 16, 64, 4, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 22.025521278381348) {
+                return {1, 8, 64, 32, 0};  // SP
+              } else {
+                return {1, 8, 16, 32, 1};  // SR
+              }
+            }
+          }
+        } else {
+          if (x.log2_S <= 14.833633422851562) {
+            if (x.long_level <= 2.5) {
+              if (x.long_level <= 0.5) {
+                if (x.skew_lo <= -1.5276547074317932) {
+                  if (x.log2_S <= 11.259920120239258) {
+                    return {1, 1, 64, 256, 0};  // SP
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 13.373738288879395) {
+                    if (x.avg <= 1.3154987692832947) {
                       if (x.log2_S <= 10.53645372390747) {
                         return {1, 32, 16, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 13.340564727783203) {
-                          return {2, 32, 16, 4, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 8, 0};  // SP
-                        }
+                        return {2, 32, 16, 4, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 12.73818302154541) {
-                        return {1, 32, 16, 8, 0};  // SP
-                      } else {
-                        if (x.avg <= 2.055388331413269) {
-                          return {1, 32, 16, 8, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
+                      return {1, 32, 16, 8, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 13.969068050384521) {
-                      if (x.avg <= 2.0130330324172974) {
+                    if (x.avg <= 1.6312129497528076) {
+                      if (x.log2_S <= 14.452649593353271) {
+                        if (x.skew_lo <= -0.27073605358600616) {
+                          if (x.avg <= 1.3873337507247925) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {2, 32, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.174213886260986) {
                         return {1, 16, 64, 8, 0};  // SP
                       } else {
                         return {1, 8, 64, 32, 0};  // SP
                       }
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 2.540555715560913) {
-                    return {1, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 20.82071876525879) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.avg <= 34.426025390625) {
-                  if (x.log2_S <= 11.131335258483887) {
-                    if (x.avg <= 11.47218370437622) {
-                      if (x.avg <= 7.987679958343506) {
-                        return {1, 1, 64, 256, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 10.559184074401855) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 21.50864887237549) {
-                      if (x.avg <= 20.67168140411377) {
-                        if (x.avg <= 3.308611750602722) {
-                          if (x.log2_S <= 12.151007175445557) {
-                            return {1, 32, 16, 8, 0};  // SP
-                          } else {
-                            return {1, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 17.09725570678711) {
-                          if (x.log2_S <= 15.470383167266846) {
-                            return {1, 8, 64, 32, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 15.928993225097656) {
-                              return {1, 16, 64, 8, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 8.197923421859741) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.806065559387207) {
-                    if (x.log2_S <= 12.84802532196045) {
-                      if (x.log2_S <= 11.926629543304443) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 51.11688423156738) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 32, 16, 8, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.783772945404053) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.701828002929688) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 40.730764389038086) {
-              return {1, 8, 16, 32, 1};  // SR
-            } else {
-              return {1, 8, 64, 32, 0};  // SP
-            }
-          }
-        } else {
-          if (x.log2_S <= 14.835692882537842) {
-            if (x.long_level <= 2.5) {
-              if (x.avg <= 4.084752559661865) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 11.871826171875) {
-                    if (x.log2_S <= 11.624629020690918) {
-                      return {2, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 2.4331096410751343) {
+                if (x.avg <= 4.084752559661865) {
+                  if (x.skew_lo <= 5.981133699417114) {
+                    if (x.log2_S <= 11.95967149734497) {
+                      if (x.log2_S <= 11.511791706085205) {
                         return {2, 32, 8, 8, 1};  // SR
                       } else {
-                        return {1, 16, 8, 8, 1};  // SR
+                        if (x.skew_hi <= 8.875223636627197) {
+                          if (x.skew_hi <= 8.26815128326416) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {2, 32, 8, 8, 1};  // SR
+                        }
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.138780117034912) {
-                      if (x.avg <= 3.1485737562179565) {
-                        return {1, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.383606910705566) {
+                    } else {
+                      if (x.skew_hi <= 8.543296337127686) {
+                        if (x.log2_S <= 12.122973918914795) {
                           return {1, 16, 8, 8, 1};  // SR
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
-                      }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  return {1, 8, 8, 32, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 13.958912372589111) {
-                  if (x.avg <= 4.868189096450806) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 11.004760265350342) {
-                        return {2, 32, 8, 8, 1};  // SR
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 13.698739528656006) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 99.31937026977539) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 107.63958740234375) {
-                            return {1, 8, 8, 32, 1};  // SR
+                        if (x.log2_S <= 14.343902587890625) {
+                          if (x.log2_S <= 12.034567832946777) {
+                            return {2, 32, 8, 8, 1};  // SR
                           } else {
-                            return {1, 8, 16, 32, 1};  // SR
+                            return {1, 16, 8, 8, 1};  // SR
                           }
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.avg <= 37.83407402038574) {
-                    if (x.avg <= 15.098382472991943) {
+                  } else {
+                    if (x.log2_S <= 14.557104110717773) {
                       return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.long_level <= 1.5) {
-                        return {1, 8, 8, 32, 1};  // SR
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.817885398864746) {
+                    if (x.skew_lo <= 2.195694327354431) {
+                      if (x.avg <= 43.83485794067383) {
+                        if (x.log2_S <= 11.401317596435547) {
+                          if (x.log2_S <= 9.369839191436768) {
+                            if (x.avg <= 17.27747917175293) {
+                              if (x.skew_lo <= 2.1313387155532837) {
+                                return {1, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 10.967200756072998) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.avg <= 30.5545072555542) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 8, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
                       } else {
-                        if (x.log2_S <= 14.301246643066406) {
+                        if (x.log2_S <= 12.567128658294678) {
                           return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          return {1, 8, 16, 32, 1};  // SR
+                          if (x.skew_hi <= 3.4339606761932373) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
                         }
+                      }
+                    } else {
+                      if (x.avg <= 5.118771314620972) {
+                        if (x.skew_lo <= 3.9186737537384033) {
+                          if (x.log2_S <= 11.004760265350342) {
+                            if (x.log2_S <= 9.437681674957275) {
+                              if (x.skew_hi <= 7.8375163078308105) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_lo <= 3.7918747663497925) {
+                                return {1, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 109.663818359375) {
-                      if (x.log2_S <= 14.140257358551025) {
-                        if (x.avg <= 62.615896224975586) {
+                    if (x.avg <= 40.372968673706055) {
+                      if (x.avg <= 29.37785243988037) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 8.721513271331787) {
                           return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          return {1, 8, 16, 32, 1};  // SR
+                          if (x.log2_S <= 14.1625337600708) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
                         }
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.131853580474854) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 16, 64, 8, 0};  // SP
-                        }
+                      if (x.skew_lo <= -0.4064928740262985) {
+                        return {1, 16, 64, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 14.71976900100708) {
-                          return {1, 8, 16, 32, 1};  // SR
+                        if (x.log2_S <= 13.973602771759033) {
+                          if (x.avg <= 67.52959442138672) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
                         } else {
-                          return {1, 8, 32, 32, 1};  // SR
+                          return {1, 8, 16, 32, 1};  // SR
                         }
                       }
                     }
@@ -1805,78 +1793,138 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 14.278553009033203) {
-                if (x.log2_S <= 11.914691925048828) {
-                  if (x.log2_S <= 10.725942611694336) {
-                    return {1, 8, 32, 32, 1};  // SR
+              if (x.log2_S <= 12.174875736236572) {
+                if (x.avg <= 12.317352771759033) {
+                  if (x.avg <= 8.091735601425171) {
+                    if (x.avg <= 6.200436592102051) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
                   } else {
-                    if (x.avg <= 23.506895065307617) {
-                      if (x.avg <= 8.429523468017578) {
-                        return {4, 32, 8, 2, 8};  // PR
+                    return {1, 8, 32, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_lo <= 9.569382190704346) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 11.615915298461914) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 6.444573163986206) {
+                  if (x.log2_S <= 12.520967960357666) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    return {1, 8, 32, 32, 1};  // SR
+                  }
+                } else {
+                  return {1, 8, 32, 32, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.705038070678711) {
+              if (x.skew_lo <= 1.0016723275184631) {
+                if (x.skew_lo <= -1.360817313194275) {
+                  if (x.skew_hi <= 3.326654553413391) {
+                    if (x.log2_S <= 19.862238883972168) {
+                      if (x.log2_S <= 15.335684776306152) {
+                        return {1, 16, 64, 8, 0};  // SP
                       } else {
-                        return {1, 8, 32, 32, 1};  // SR
+                        return {1, 8, 16, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 11.829039573669434) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 20.85583209991455) {
+                      if (x.avg <= 2.940181255340576) {
+                        if (x.log2_S <= 18.25290012359619) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.245943069458008) {
+                    if (x.long_level <= 0.5) {
+                      if (x.skew_hi <= 5.256640911102295) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 0.8379770815372467) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 19.961151123046875) {
                         return {1, 8, 16, 32, 1};  // SR
                       } else {
                         return {1, 8, 32, 32, 1};  // SR
                       }
                     }
                   }
-                } else {
-                  return {1, 8, 32, 32, 1};  // SR
                 }
               } else {
-                return {1, 8, 64, 32, 1};  // SR
-              }
-            }
-          } else {
-            if (x.log2_S <= 19.224831581115723) {
-              if (x.long_level <= 2.5) {
-                if (x.avg <= 24.94945240020752) {
-                  if (x.log2_S <= 15.965129375457764) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 21.61100196838379) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.327125549316406) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.99628210067749) {
-                        if (x.avg <= 9.204439163208008) {
-                          if (x.avg <= 2.2427008748054504) {
-                            return {1, 8, 16, 32, 1};  // SR
+                if (x.avg <= 23.87022304534912) {
+                  if (x.log2_S <= 19.134048461914062) {
+                    if (x.skew_lo <= 8.966558933258057) {
+                      if (x.log2_S <= 15.924930572509766) {
+                        if (x.long_level <= 1.5) {
+                          if (x.skew_lo <= 2.7642024755477905) {
+                            if (x.log2_S <= 15.531929969787598) {
+                              if (x.avg <= 22.117429733276367) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
                           } else {
                             return {1, 8, 8, 32, 1};  // SR
                           }
                         } else {
-                          return {1, 8, 16, 32, 1};  // SR
+                          if (x.log2_S <= 15.048692226409912) {
+                            if (x.avg <= 6.696844100952148) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 10.04551362991333) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 5.999596834182739) {
+                              if (x.log2_S <= 15.432573795318604) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 32, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
                         }
                       } else {
-                        if (x.avg <= 23.961135864257812) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 16.85014533996582) {
-                      if (x.avg <= 2.747734785079956) {
-                        if (x.long_level <= 1.5) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 16.150702476501465) {
-                          if (x.long_level <= 1.5) {
-                            if (x.avg <= 14.001620292663574) {
+                        if (x.avg <= 2.563836693763733) {
+                          if (x.log2_S <= 17.09161949157715) {
+                            if (x.skew_hi <= 9.875565528869629) {
                               return {1, 8, 8, 32, 1};  // SR
                             } else {
                               return {1, 8, 16, 32, 1};  // SR
@@ -1889,160 +1937,116 @@ inline Config plain_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.log2_S <= 19.107088088989258) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 6.36430287361145) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 19.023924827575684) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 27.50075054168701) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 18.59768772125244) {
-                      if (x.avg <= 33.253183364868164) {
-                        if (x.log2_S <= 15.341289520263672) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 18.07673454284668) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 19.146099090576172) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 138.76825714111328) {
-                          if (x.log2_S <= 19.1827974319458) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.364206314086914) {
-                  if (x.avg <= 6.638738393783569) {
-                    if (x.log2_S <= 16.249953269958496) {
-                      return {1, 8, 64, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 16.97010326385498) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 3.938451647758484) {
-                          if (x.avg <= 1.9811654090881348) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 9.265907287597656) {
-                    if (x.log2_S <= 17.526153564453125) {
-                      if (x.avg <= 4.146799564361572) {
-                        return {1, 8, 64, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 7.266396522521973) {
+                      if (x.skew_hi <= 15.319475650787354) {
+                        if (x.log2_S <= 17.99662971496582) {
                           return {1, 8, 32, 32, 1};  // SR
                         } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.31040096282959) {
                           return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
                         }
                       }
-                    } else {
-                      return {1, 8, 64, 32, 1};  // SR
                     }
                   } else {
-                    return {1, 8, 32, 32, 1};  // SR
+                    if (x.skew_lo <= 4.197065353393555) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 11.357619762420654) {
+                        if (x.skew_hi <= 9.713147640228271) {
+                          if (x.log2_S <= 21.55931282043457) {
+                            if (x.avg <= 21.959583282470703) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 1.1666061878204346) {
+                            if (x.log2_S <= 21.834157943725586) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 20.145197868347168) {
+                          if (x.skew_lo <= 9.107635974884033) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.125216484069824) {
+                    if (x.skew_hi <= 15.459256649017334) {
+                      if (x.avg <= 31.478483200073242) {
+                        if (x.skew_lo <= 7.219313621520996) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 7.352478981018066) {
+                        if (x.log2_S <= 16.087830543518066) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 16.692259788513184) {
+                            return {1, 8, 64, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.3730998039245605) {
+                      if (x.log2_S <= 18.921317100524902) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
                   }
                 }
               }
             } else {
-              if (x.avg <= 9.652241230010986) {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 21.270129203796387) {
-                    if (x.avg <= 3.4910377264022827) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 20.47676181793213) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 6.719011068344116) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    return {1, 8, 32, 32, 1};  // SR
-                  }
-                } else {
+              if (x.skew_hi <= 17.76834487915039) {
+                if (x.skew_hi <= 16.14905834197998) {
                   return {1, 8, 64, 32, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 21.009950637817383) {
-                  if (x.avg <= 43.61045837402344) {
-                    if (x.long_level <= 1.5) {
+                } else {
+                  if (x.avg <= 6.309079885482788) {
+                    if (x.skew_hi <= 17.662273406982422) {
                       return {1, 8, 32, 32, 1};  // SR
                     } else {
-                      if (x.long_level <= 2.5) {
-                        if (x.avg <= 27.938858032226562) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 20.165292739868164) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
+                      return {1, 8, 64, 32, 1};  // SR
                     }
                   } else {
-                    return {1, 8, 32, 32, 1};  // SR
+                    return {1, 8, 64, 32, 1};  // SR
                   }
-                } else {
-                  return {1, 8, 32, 32, 1};  // SR
                 }
+              } else {
+                return {1, 8, 64, 32, 1};  // SR
               }
             }
           }
@@ -2053,170 +2057,306 @@ inline Config plain_config(const Features& f) {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
         if (x.long_level <= 2.5) {
-          if (x.log2_S <= 13.518330097198486) {
-            if (x.long_level <= 1.5) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 10.349218845367432) {
-                  if (x.avg <= 2.3429962396621704) {
-                    if (x.avg <= 1.7041739225387573) {
-                      if (x.log2_S <= 9.22997522354126) {
-                        if (x.avg <= 1.4049593210220337) {
-                          return {4, 32, 8, 2, 0};  // SP
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 16.242196083068848) {
+              if (x.log2_S <= 11.185493469238281) {
+                if (x.log2_S <= 10.440947532653809) {
+                  if (x.skew_lo <= -4.842312574386597) {
+                    if (x.log2_S <= 9.940858840942383) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {2, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 2.3429962396621704) {
+                      if (x.skew_hi <= 5.4332053661346436) {
+                        if (x.skew_lo <= -0.7680982947349548) {
+                          return {4, 8, 32, 32, 0};  // SP
                         } else {
                           return {2, 16, 64, 4, 0};  // SP
                         }
                       } else {
-                        return {2, 16, 64, 4, 0};  // SP
+                        return {4, 32, 8, 2, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 9.903372287750244) {
-                        return {1, 32, 32, 4, 0};  // SP
+                      if (x.avg <= 2.9567500352859497) {
+                        if (x.log2_S <= 9.3320894241333) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 32, 32, 4, 0};  // SP
+                        }
                       } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 2.9567500352859497) {
-                      if (x.log2_S <= 9.3320894241333) {
                         return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {1, 32, 32, 4, 0};  // SP
                       }
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.510003566741943) {
-                    if (x.avg <= 1.5152616500854492) {
-                      return {4, 32, 8, 2, 0};  // SP
+                  if (x.skew_hi <= 4.21928334236145) {
+                    if (x.avg <= 21.347065925598145) {
+                      if (x.log2_S <= 10.871870517730713) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -3.006098985671997) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      }
                     } else {
-                      if (x.log2_S <= 10.434399604797363) {
+                      return {2, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.401110887527466) {
+                      if (x.skew_hi <= 5.225195646286011) {
                         return {4, 8, 32, 32, 0};  // SP
                       } else {
                         return {2, 16, 64, 4, 0};  // SP
                       }
+                    } else {
+                      return {4, 32, 8, 2, 0};  // SP
                     }
-                  } else {
-                    if (x.avg <= 1.5851064920425415) {
-                      if (x.log2_S <= 12.091296195983887) {
-                        if (x.avg <= 1.3289330005645752) {
+                  }
+                }
+              } else {
+                if (x.avg <= 1.605715274810791) {
+                  if (x.avg <= 1.3378913402557373) {
+                    if (x.log2_S <= 14.775699615478516) {
+                      if (x.log2_S <= 12.386398792266846) {
+                        if (x.skew_hi <= 5.950984477996826) {
                           return {4, 32, 8, 2, 0};  // SP
                         } else {
-                          return {1, 32, 64, 2, 0};  // SP
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       } else {
-                        if (x.avg <= 1.338403046131134) {
-                          if (x.log2_S <= 13.340564727783203) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
+                        if (x.skew_lo <= -0.12089939042925835) {
+                          return {4, 16, 64, 4, 0};  // SP
                         } else {
-                          return {4, 8, 64, 32, 0};  // SP
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.avg <= 53.70920944213867) {
-                        if (x.avg <= 8.953883171081543) {
-                          if (x.avg <= 4.2245564460754395) {
+                      if (x.log2_S <= 15.923518180847168) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.800961017608643) {
+                      if (x.avg <= 1.5019402503967285) {
+                        return {1, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.43868637084961) {
+                    if (x.skew_hi <= 1.0454831719398499) {
+                      if (x.log2_S <= 12.003714561462402) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.91096544265747) {
+                          if (x.avg <= 46.0100212097168) {
                             return {4, 8, 32, 32, 0};  // SP
                           } else {
-                            if (x.log2_S <= 12.596048355102539) {
-                              if (x.log2_S <= 11.90893030166626) {
-                                if (x.log2_S <= 11.63804006576538) {
-                                  return {4, 8, 32, 32, 0};  // SP
-                                } else {
-                                  return {4, 32, 8, 2, 0};  // SP
-                                }
-                              } else {
-                                return {4, 8, 32, 32, 0};  // SP
-                              }
-                            } else {
-                              return {4, 8, 64, 32, 0};  // SP
-                            }
+                            return {4, 32, 64, 2, 0};  // SP
                           }
                         } else {
                           return {4, 8, 32, 32, 0};  // SP
                         }
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -3.279009222984314) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -2.290510058403015) {
+                        return {4, 4, 64, 64, 0};  // SP
                       } else {
-                        return {2, 16, 64, 4, 0};  // SP
+                        if (x.skew_lo <= -0.7834217548370361) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 8, 32, 32, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 19.99747371673584) {
+                if (x.avg <= 6.290591239929199) {
+                  return {4, 2, 64, 128, 0};  // SP
+                } else {
+                  if (x.log2_S <= 17.79440975189209) {
+                    if (x.skew_hi <= 2.6579352617263794) {
+                      if (x.avg <= 43.69802665710449) {
+                        if (x.log2_S <= 17.392173767089844) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 1.289709448814392) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            if (x.avg <= 13.98262882232666) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -3.116906523704529) {
+                      if (x.log2_S <= 19.66216468811035) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.avg <= 25.465219497680664) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.53677272796631) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 12.10411024093628) {
-                  if (x.log2_S <= 11.266886711120605) {
-                    if (x.avg <= 2.3088219165802) {
-                      return {4, 64, 64, 1, 0};  // SP
+                return {4, 2, 64, 128, 0};  // SP
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.8414306640625) {
+              if (x.long_level <= 1.5) {
+                if (x.skew_hi <= 4.773589134216309) {
+                  if (x.log2_S <= 12.516499996185303) {
+                    if (x.log2_S <= 9.286050796508789) {
+                      if (x.skew_hi <= 4.545811891555786) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 1, 0};  // SP
+                      }
                     } else {
-                      if (x.avg <= 9.765682697296143) {
-                        if (x.avg <= 4.470245122909546) {
-                          if (x.avg <= 2.960793137550354) {
-                            if (x.log2_S <= 8.795073986053467) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {1, 16, 8, 8, 1};  // SR
-                            }
+                      if (x.log2_S <= 11.166923522949219) {
+                        if (x.log2_S <= 9.480947017669678) {
+                          if (x.skew_lo <= 0.3163032606244087) {
+                            return {4, 64, 64, 2, 0};  // SP
                           } else {
-                            return {1, 32, 8, 4, 1};  // SR
+                            return {4, 64, 64, 1, 0};  // SP
                           }
                         } else {
-                          if (x.log2_S <= 11.103669166564941) {
-                            return {1, 16, 8, 8, 1};  // SR
+                          if (x.skew_lo <= -0.5176978558301926) {
+                            return {4, 64, 64, 1, 0};  // SP
                           } else {
-                            return {1, 32, 8, 4, 1};  // SR
+                            if (x.avg <= 54.47784996032715) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 10.79450798034668) {
+                                return {4, 64, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 64, 64, 1, 0};  // SP
+                              }
+                            }
                           }
                         }
                       } else {
-                        return {1, 16, 8, 4, 1};  // SR
+                        return {4, 64, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.317730903625488) {
-                      if (x.avg <= 5.969919443130493) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.929339408874512) {
-                          return {4, 64, 32, 1, 0};  // SP
+                    if (x.skew_lo <= 0.5303160846233368) {
+                      if (x.log2_S <= 12.785534858703613) {
+                        if (x.avg <= 107.14628601074219) {
+                          return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          if (x.avg <= 7.452218532562256) {
-                            return {4, 32, 64, 4, 0};  // SP
+                          if (x.skew_hi <= 2.4557323455810547) {
+                            return {4, 64, 64, 2, 0};  // SP
                           } else {
-                            return {1, 16, 8, 4, 1};  // SR
+                            return {4, 64, 32, 1, 0};  // SP
                           }
                         }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 3.555650472640991) {
-                        if (x.log2_S <= 12.916487216949463) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {1, 16, 8, 4, 1};  // SR
-                        }
+                      if (x.log2_S <= 12.848607063293457) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        return {4, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 59.26790428161621) {
-                    if (x.log2_S <= 11.315476417541504) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.962986946105957) {
-                        if (x.log2_S <= 11.471326351165771) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.644486427307129) {
-                            if (x.avg <= 16.51814556121826) {
-                              return {4, 64, 32, 1, 0};  // SP
+                  if (x.avg <= 3.5550092458724976) {
+                    if (x.log2_S <= 12.386205196380615) {
+                      if (x.log2_S <= 11.002127647399902) {
+                        if (x.skew_hi <= 9.018826961517334) {
+                          if (x.skew_lo <= 4.3723719120025635) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 8.265812873840332) {
+                              return {4, 64, 64, 1, 0};  // SP
                             } else {
-                              return {4, 64, 64, 2, 0};  // SP
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.766387462615967) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 13.07714319229126) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.824374556541443) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 13.19967794418335) {
+                      if (x.log2_S <= 12.247830867767334) {
+                        if (x.avg <= 6.959023475646973) {
+                          if (x.skew_lo <= 3.686766266822815) {
+                            if (x.log2_S <= 11.046267986297607) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
                             }
                           } else {
-                            if (x.log2_S <= 11.855093002319336) {
+                            if (x.log2_S <= 11.26716947555542) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.226109981536865) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.76405382156372) {
                               return {4, 64, 32, 1, 0};  // SP
                             } else {
                               return {1, 16, 8, 4, 1};  // SR
@@ -2224,385 +2364,219 @@ inline Config plain_config(const Features& f) {
                           }
                         }
                       } else {
-                        if (x.log2_S <= 13.395430088043213) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.849555492401123) {
+                        if (x.log2_S <= 11.272795677185059) {
                           return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 10.569466590881348) {
-                      return {4, 64, 64, 1, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 12.74862003326416) {
-                        if (x.log2_S <= 11.57479190826416) {
-                          if (x.log2_S <= 11.079360008239746) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.470569133758545) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
+                          if (x.log2_S <= 11.953460693359375) {
+                            if (x.skew_lo <= 2.0106465220451355) {
                               return {4, 64, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 71.75020980834961) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 64, 32, 1, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 75.36713409423828) {
-                          if (x.log2_S <= 13.212092399597168) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 12.620815753936768) {
-                return {1, 8, 8, 32, 1};  // SR
-              } else {
-                if (x.avg <= 25.989200592041016) {
-                  return {1, 8, 8, 32, 1};  // SR
-                } else {
-                  return {4, 2, 8, 128, 1};  // SR
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 17.816213607788086) {
-                if (x.avg <= 11.328519344329834) {
-                  if (x.log2_S <= 15.560174465179443) {
-                    if (x.avg <= 3.3631668090820312) {
-                      if (x.avg <= 1.4828247427940369) {
-                        if (x.avg <= 1.2659672498703003) {
-                          if (x.log2_S <= 14.178245544433594) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 8, 32, 32, 0};  // SP
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 2.8348523378372192) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 14.042477130889893) {
-                            return {4, 8, 32, 32, 0};  // SP
-                          } else {
-                            if (x.avg <= 3.1201528310775757) {
-                              return {4, 2, 64, 128, 0};  // SP
                             } else {
-                              return {4, 8, 64, 32, 0};  // SP
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.968914985656738) {
-                        if (x.avg <= 8.166032314300537) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 14.417672157287598) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 8, 32, 32, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 5.922714948654175) {
-                          return {4, 2, 64, 128, 0};  // SP
-                        } else {
-                          if (x.avg <= 8.18978214263916) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 8, 32, 32, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 4.25797700881958) {
-                      if (x.log2_S <= 16.961355209350586) {
-                        if (x.avg <= 3.087910294532776) {
-                          if (x.log2_S <= 15.717304706573486) {
-                            return {4, 2, 64, 128, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 3.8318883180618286) {
-                          return {4, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 9.520450592041016) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.350924491882324) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 16.79558563232422) {
-                    if (x.avg <= 61.69758987426758) {
-                      if (x.avg <= 13.707674026489258) {
-                        if (x.log2_S <= 15.411258697509766) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 26.239373207092285) {
-                      if (x.log2_S <= 17.625490188598633) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 17.523446083068848) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 36.8253116607666) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 17.701828002929688) {
-                            return {4, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 18.92430019378662) {
-                  if (x.avg <= 8.060325860977173) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  return {4, 2, 64, 128, 0};  // SP
-                }
-              }
-            } else {
-              if (x.log2_S <= 15.024784088134766) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 8.378812313079834) {
-                    if (x.log2_S <= 13.933247566223145) {
-                      if (x.avg <= 2.5935075283050537) {
-                        return {1, 16, 8, 4, 1};  // SR
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 4.777475118637085) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.565180778503418) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 84.83214569091797) {
-                      if (x.avg <= 35.77865982055664) {
-                        if (x.log2_S <= 14.534263134002686) {
-                          if (x.avg <= 14.867454528808594) {
-                            if (x.log2_S <= 14.003383159637451) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
+                              return {4, 64, 64, 1, 0};  // SP
                             }
                           } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 20.497145652770996) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
+                            return {1, 8, 8, 32, 1};  // SR
                           }
                         }
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
                       }
-                    } else {
-                      if (x.log2_S <= 14.269732475280762) {
-                        return {4, 32, 64, 4, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 11.45974588394165) {
+                  if (x.skew_lo <= 2.662160277366638) {
+                    if (x.skew_hi <= 6.462399244308472) {
+                      if (x.log2_S <= 10.984214305877686) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 14.441819667816162) {
-                          if (x.avg <= 120.23316192626953) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 64, 32, 1, 0};  // SP
-                          }
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {1, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 21.582873344421387) {
+                    if (x.log2_S <= 13.487247943878174) {
+                      if (x.skew_lo <= 5.774625539779663) {
+                        if (x.log2_S <= 12.687489986419678) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.avg <= 93.58488845825195) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 6.358169078826904) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 7.790949583053589) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
                         }
                       }
                     }
+                  } else {
+                    if (x.skew_hi <= 9.23564338684082) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.209488868713379) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 9.659589290618896) {
+                if (x.log2_S <= 15.097556591033936) {
+                  if (x.skew_hi <= 4.364800214767456) {
+                    if (x.avg <= 127.61883163452148) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 14.714298725128174) {
+                        if (x.log2_S <= 14.222186088562012) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 64, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_hi <= 7.766230583190918) {
+                        if (x.log2_S <= 14.176233768463135) {
+                          if (x.avg <= 11.804002285003662) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
                   }
                 } else {
-                  return {4, 2, 8, 128, 1};  // SR
+                  if (x.log2_S <= 15.632423400878906) {
+                    if (x.skew_lo <= -0.4303569346666336) {
+                      if (x.log2_S <= 15.363061428070068) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= 8.96536111831665) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
                 }
               } else {
-                return {4, 2, 8, 128, 1};  // SR
+                if (x.log2_S <= 14.616971492767334) {
+                  return {4, 2, 8, 128, 1};  // SR
+                } else {
+                  return {4, 32, 8, 1, 16};  // PR
+                }
               }
             }
           }
         } else {
-          if (x.log2_S <= 13.584033012390137) {
+          if (x.skew_hi <= 13.96462631225586) {
             return {4, 32, 8, 1, 16};  // PR
           } else {
-            if (x.avg <= 11.253596782684326) {
-              if (x.log2_S <= 18.60564613342285) {
-                if (x.avg <= 7.150556802749634) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.log2_S <= 16.158759117126465) {
-                    if (x.log2_S <= 14.836523056030273) {
-                      if (x.log2_S <= 14.08494758605957) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        if (x.avg <= 8.146122694015503) {
-                          return {4, 32, 8, 1, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
+            if (x.avg <= 10.952086925506592) {
+              if (x.skew_hi <= 19.020401000976562) {
+                if (x.log2_S <= 15.612551212310791) {
+                  if (x.avg <= 6.519734144210815) {
+                    if (x.log2_S <= 15.130458354949951) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
                       return {4, 32, 8, 1, 16};  // PR
                     }
                   } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              } else {
-                if (x.avg <= 6.30200457572937) {
-                  if (x.avg <= 2.9449130296707153) {
-                    return {4, 32, 32, 4, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 21.099716186523438) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 32, 4, 16};  // PR
-                    }
+                    return {4, 32, 8, 1, 16};  // PR
                   }
                 } else {
                   return {4, 32, 8, 2, 16};  // PR
+                }
+              } else {
+                if (x.skew_lo <= 11.26105546951294) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.avg <= 3.292808413505554) {
+                    return {4, 32, 32, 4, 16};  // PR
+                  } else {
+                    if (x.skew_hi <= 20.95394515991211) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 3.4084463119506836) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 32, 4, 16};  // PR
+                      }
+                    }
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 16.101137161254883) {
-                if (x.log2_S <= 15.41031551361084) {
+              if (x.log2_S <= 16.30463695526123) {
+                if (x.log2_S <= 15.132559299468994) {
                   return {4, 32, 8, 2, 16};  // PR
                 } else {
-                  if (x.log2_S <= 15.802049160003662) {
-                    return {4, 32, 8, 1, 16};  // PR
-                  } else {
-                    if (x.avg <= 22.235384941101074) {
+                  if (x.log2_S <= 15.998434066772461) {
+                    if (x.avg <= 149.29874420166016) {
                       return {4, 32, 8, 1, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    if (x.skew_lo <= 6.43060564994812) {
+                      return {4, 32, 8, 2, 8};  // PR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
                   }
                 }
               } else {
-                if (x.avg <= 12.559725761413574) {
-                  if (x.log2_S <= 17.317529678344727) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 8};  // PR
-                  }
-                } else {
-                  return {4, 32, 8, 2, 8};  // PR
-                }
+                return {4, 32, 8, 2, 8};  // PR
               }
             }
           }
         }
       } else {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 17.183749198913574) {
-            if (x.log2_S <= 12.585289001464844) {
-              if (x.log2_S <= 10.557944774627686) {
-                if (x.log2_S <= 9.036425590515137) {
-                  if (x.avg <= 36.259525299072266) {
-                    if (x.avg <= 3.4375842809677124) {
-                      if (x.avg <= 1.8123148679733276) {
-                        if (x.avg <= 1.3507344126701355) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          return {2, 32, 16, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
+          if (x.log2_S <= 17.32059955596924) {
+            if (x.skew_hi <= 4.534024715423584) {
+              if (x.log2_S <= 9.407397747039795) {
+                if (x.avg <= 35.502145767211914) {
+                  if (x.skew_lo <= -2.9239728450775146) {
                     return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 2.1147186756134033) {
-                    if (x.log2_S <= 9.279550552368164) {
-                      if (x.avg <= 1.34746515750885) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        if (x.avg <= 1.7233726382255554) {
-                          return {2, 32, 16, 4, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
                   } else {
-                    if (x.log2_S <= 9.307145595550537) {
-                      if (x.avg <= 11.348368644714355) {
-                        if (x.avg <= 4.1784504652023315) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
+                    if (x.skew_lo <= -1.7199156284332275) {
+                      if (x.log2_S <= 9.0826997756958) {
+                        return {4, 2, 64, 128, 0};  // SP
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
                       }
@@ -2610,301 +2584,339 @@ inline Config plain_config(const Features& f) {
                       return {4, 8, 64, 32, 0};  // SP
                     }
                   }
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
                 }
               } else {
-                if (x.avg <= 1.7309444546699524) {
-                  if (x.log2_S <= 11.468509197235107) {
-                    if (x.avg <= 1.4061148166656494) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 1.5152616500854492) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 32, 16, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
+                if (x.log2_S <= 15.394137382507324) {
+                  return {4, 8, 64, 32, 0};  // SP
                 } else {
-                  if (x.log2_S <= 12.36102819442749) {
-                    return {2, 32, 16, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 11.952826976776123) {
+                  if (x.skew_lo <= -2.3725167512893677) {
+                    if (x.skew_lo <= -2.8935742378234863) {
                       return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      return {2, 32, 16, 4, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 4.282066345214844) {
-                if (x.log2_S <= 15.620798110961914) {
-                  if (x.avg <= 1.7265616059303284) {
-                    if (x.log2_S <= 14.014068126678467) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 1.6676403284072876) {
-                    if (x.log2_S <= 16.7683687210083) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.686812400817871) {
-                  if (x.avg <= 27.159932136535645) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 50.09831619262695) {
-                      return {2, 32, 16, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 53.70920944213867) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.497392177581787) {
-                          return {2, 32, 16, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 6.944138050079346) {
-                    if (x.log2_S <= 15.80234146118164) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 16.510229110717773) {
-                        return {4, 8, 32, 32, 0};  // SP
+                      if (x.log2_S <= 16.703701972961426) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 58.02166938781738) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 14.095926284790039) {
-                        return {4, 32, 64, 4, 0};  // SP
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 16.096096992492676) {
+                if (x.log2_S <= 13.964668273925781) {
+                  if (x.avg <= 1.61955988407135) {
+                    if (x.log2_S <= 11.65045166015625) {
+                      if (x.skew_lo <= -0.3949818015098572) {
+                        if (x.avg <= 1.4644647240638733) {
+                          if (x.avg <= 1.3475786447525024) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 9.918860912322998) {
+                            return {2, 32, 16, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.82836627960205) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
                       } else {
-                        if (x.avg <= 59.26347732543945) {
-                          return {2, 32, 16, 4, 0};  // SP
+                        if (x.log2_S <= 11.234606742858887) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.045818567276001) {
+                      if (x.log2_S <= 10.066079139709473) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.60038137435913) {
+                          if (x.skew_lo <= -1.1894144415855408) {
+                            return {2, 32, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
                         } else {
                           return {4, 8, 64, 32, 0};  // SP
                         }
                       }
+                    } else {
+                      if (x.skew_lo <= -0.7611084878444672) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 32, 16, 4, 0};  // SP
+                      }
                     }
                   }
+                } else {
+                  if (x.skew_lo <= -1.2290164828300476) {
+                    if (x.log2_S <= 15.03609848022461) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
                 }
+              } else {
+                return {4, 4, 64, 64, 0};  // SP
               }
             }
           } else {
-            if (x.log2_S <= 18.11266803741455) {
-              if (x.avg <= 8.019955396652222) {
-                return {4, 4, 64, 64, 0};  // SP
-              } else {
-                if (x.avg <= 48.632686614990234) {
-                  return {4, 8, 32, 32, 0};  // SP
+            if (x.log2_S <= 18.007125854492188) {
+              if (x.skew_hi <= 2.6971486806869507) {
+                if (x.avg <= 39.74620246887207) {
+                  if (x.skew_lo <= -3.52169406414032) {
+                    return {4, 8, 32, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
                 } else {
                   return {4, 8, 64, 32, 0};  // SP
                 }
+              } else {
+                return {4, 4, 64, 64, 0};  // SP
               }
             } else {
               return {4, 4, 64, 64, 0};  // SP
             }
           }
         } else {
-          if (x.log2_S <= 14.37685775756836) {
+          if (x.log2_S <= 14.313986778259277) {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 11.47560977935791) {
-                if (x.avg <= 2.463264584541321) {
-                  if (x.log2_S <= 9.63072919845581) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 9.296275615692139) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 1.6388992071151733) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 2.0492132902145386) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 16, 8, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.197589874267578) {
-                      return {1, 16, 8, 4, 1};  // SR
-                    } else {
-                      return {4, 64, 64, 1, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 7.017758846282959) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 3.935884475708008) {
-                        if (x.log2_S <= 11.248549938201904) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 64, 64, 1, 0};  // SP
-                        }
-                      } else {
+              if (x.skew_lo <= 5.932619094848633) {
+                if (x.log2_S <= 11.689267635345459) {
+                  if (x.avg <= 6.391940116882324) {
+                    if (x.skew_hi <= 8.597766399383545) {
+                      if (x.skew_lo <= 4.010854721069336) {
                         if (x.log2_S <= 11.010749816894531) {
                           return {1, 32, 8, 2, 1};  // SR
                         } else {
                           return {1, 16, 8, 8, 1};  // SR
                         }
+                      } else {
+                        if (x.skew_lo <= 4.867513418197632) {
+                          if (x.log2_S <= 10.987788200378418) {
+                            if (x.avg <= 3.7792434692382812) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 8.411987781524658) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        }
                       }
                     } else {
-                      return {1, 16, 8, 8, 1};  // SR
+                      return {4, 64, 64, 1, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 72.97660064697266) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {1, 16, 8, 8, 1};  // SR
+                    if (x.skew_hi <= 8.335735321044922) {
+                      if (x.skew_lo <= -0.8095003664493561) {
+                        if (x.skew_hi <= 2.5669777393341064) {
+                          if (x.log2_S <= 9.675298690795898) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 10.785032272338867) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 10.746562004089355) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.437491416931152) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 64, 64, 2, 0};  // SP
+                            }
+                          }
+                        }
                       } else {
-                        if (x.log2_S <= 9.048294067382812) {
+                        if (x.avg <= 156.90554809570312) {
                           return {1, 16, 8, 8, 1};  // SR
                         } else {
+                          if (x.avg <= 182.2589111328125) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.065798282623291) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 5.015769958496094) {
+                        if (x.skew_lo <= 4.7164247035980225) {
+                          if (x.log2_S <= 10.952588558197021) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 10.827071189880371) {
+                          if (x.skew_hi <= 8.526156425476074) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 9.80031442642212) {
+                              return {1, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
                           return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 0.2722434550523758) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    if (x.avg <= 10.556314468383789) {
+                      if (x.log2_S <= 12.04900074005127) {
+                        if (x.avg <= 3.917403817176819) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.896036148071289) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 14.150693893432617) {
+                          if (x.log2_S <= 12.533526420593262) {
+                            if (x.avg <= 2.2870062589645386) {
+                              return {1, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 4.1941609382629395) {
+                                return {1, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 13.840921401977539) {
+                              return {1, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 8.032063722610474) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 4, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 8.525464057922363) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.727096557617188) {
+                        if (x.long_level <= 1.5) {
+                          if (x.skew_hi <= 4.858309030532837) {
+                            if (x.log2_S <= 12.091609954833984) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.avg <= 43.32797622680664) {
+                                return {4, 64, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 64, 64, 1, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 11.837374687194824) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 45.509700775146484) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.900303840637207) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 9.13753604888916) {
+                          return {2, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.395864009857178) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 8, 16, 32, 1};  // SR
+                          }
                         }
                       }
                     }
                   }
                 }
               } else {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 12.788803100585938) {
-                    if (x.avg <= 6.341143608093262) {
-                      if (x.log2_S <= 12.137885093688965) {
-                        if (x.avg <= 4.486340761184692) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
+                if (x.log2_S <= 8.4649338722229) {
+                  if (x.avg <= 6.232567310333252) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {1, 16, 8, 8, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 13.922935485839844) {
+                    if (x.long_level <= 1.5) {
+                      return {4, 64, 64, 1, 0};  // SP
                     } else {
-                      if (x.avg <= 131.72690963745117) {
-                        if (x.log2_S <= 12.588765621185303) {
-                          if (x.avg <= 11.837374687194824) {
-                            if (x.log2_S <= 11.956040859222412) {
-                              if (x.log2_S <= 11.638515949249268) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.avg <= 7.7499964237213135) {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {1, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
-                          }
+                      if (x.skew_hi <= 9.000670433044434) {
+                        if (x.skew_lo <= 6.389184236526489) {
+                          return {1, 16, 8, 4, 1};  // SR
                         } else {
-                          if (x.avg <= 52.86659240722656) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {2, 8, 16, 32, 1};  // SR
-                          }
+                          return {4, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 11.903008460998535) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 64, 64, 1, 0};  // SP
-                        }
+                        return {4, 8, 8, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 12.386749744415283) {
-                      if (x.log2_S <= 13.824031352996826) {
-                        if (x.log2_S <= 12.95158052444458) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 16, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 2.8226914405822754) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.avg <= 3.867134213447571) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 104.76456832885742) {
-                        if (x.log2_S <= 13.002515316009521) {
-                          if (x.avg <= 46.87260055541992) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.717759609222412) {
-                    if (x.avg <= 86.73118591308594) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.255521774291992) {
+                    if (x.skew_lo <= 8.45723819732666) {
+                      if (x.avg <= 10.306371688842773) {
                         return {4, 8, 8, 32, 1};  // SR
                       } else {
                         return {2, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 23.657496452331543) {
-                      if (x.log2_S <= 13.91340446472168) {
-                        if (x.avg <= 14.205599308013916) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.464456558227539) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 2.8525867462158203) {
-                          if (x.log2_S <= 14.07315444946289) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
                       }
                     } else {
                       return {2, 8, 16, 32, 1};  // SR
@@ -2913,50 +2925,42 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 11.677939891815186) {
-                if (x.avg <= 24.094401359558105) {
-                  if (x.avg <= 8.794264793395996) {
-                    return {4, 32, 8, 2, 16};  // PR
+              if (x.skew_lo <= 10.676614761352539) {
+                if (x.avg <= 106.38959884643555) {
+                  return {4, 32, 8, 2, 8};  // PR
+                } else {
+                  if (x.skew_hi <= 12.875802040100098) {
+                    return {2, 8, 16, 32, 1};  // SR
                   } else {
                     return {4, 32, 8, 2, 8};  // PR
                   }
-                } else {
-                  return {2, 8, 16, 32, 1};  // SR
                 }
               } else {
-                if (x.avg <= 9.445365905761719) {
-                  if (x.log2_S <= 12.097551822662354) {
+                if (x.avg <= 8.980925559997559) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.skew_hi <= 12.919600486755371) {
                     return {4, 32, 8, 2, 8};  // PR
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.log2_S <= 14.064142227172852) {
-                    return {4, 32, 8, 2, 8};  // PR
-                  } else {
-                    if (x.avg <= 21.26314926147461) {
-                      return {4, 32, 8, 2, 8};  // PR
-                    } else {
-                      return {4, 32, 16, 4, 8};  // PR
-                    }
                   }
                 }
               }
             }
           } else {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 17.0777530670166) {
-                if (x.avg <= 5.529736280441284) {
-                  if (x.long_level <= 1.5) {
+              if (x.log2_S <= 17.072802543640137) {
+                if (x.avg <= 5.621621131896973) {
+                  if (x.skew_hi <= 10.753445625305176) {
                     if (x.log2_S <= 15.936191082000732) {
-                      if (x.avg <= 3.2777276039123535) {
-                        return {1, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.153569221496582) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
+                      if (x.skew_hi <= 8.649303913116455) {
+                        if (x.log2_S <= 15.355119705200195) {
                           return {2, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
                         }
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
                       }
                     } else {
                       return {4, 32, 8, 2, 8};  // PR
@@ -2965,98 +2969,106 @@ inline Config plain_config(const Features& f) {
                     return {2, 8, 16, 32, 1};  // SR
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 10.661189079284668) {
-                      if (x.log2_S <= 16.051342964172363) {
-                        return {2, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 8};  // PR
-                      }
+                  if (x.skew_lo <= -0.8340027332305908) {
+                    if (x.log2_S <= 15.17770004272461) {
+                      return {4, 64, 64, 1, 0};  // SP
                     } else {
-                      if (x.avg <= 114.10767364501953) {
-                        return {2, 8, 16, 32, 1};  // SR
+                      if (x.log2_S <= 15.365223407745361) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.log2_S <= 15.140369892120361) {
-                          if (x.log2_S <= 14.628040790557861) {
-                            return {4, 64, 64, 1, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
+                        return {2, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    return {2, 8, 16, 32, 1};  // SR
+                    if (x.skew_hi <= 3.745318651199341) {
+                      if (x.log2_S <= 14.817301273345947) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {2, 8, 16, 32, 1};  // SR
+                    }
                   }
                 }
               } else {
                 return {2, 8, 16, 32, 1};  // SR
               }
             } else {
-              if (x.log2_S <= 16.024290084838867) {
-                if (x.avg <= 8.161881923675537) {
-                  if (x.log2_S <= 15.159400939941406) {
+              if (x.log2_S <= 16.21174716949463) {
+                if (x.log2_S <= 14.597776889801025) {
+                  if (x.skew_lo <= 10.68705129623413) {
+                    return {4, 32, 8, 2, 8};  // PR
+                  } else {
                     return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  if (x.skew_hi <= 15.186830997467041) {
+                    if (x.avg <= 14.240176677703857) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 16, 4, 8};  // PR
+                    }
                   } else {
                     return {4, 32, 16, 4, 8};  // PR
                   }
-                } else {
-                  return {4, 32, 16, 4, 8};  // PR
                 }
               } else {
-                if (x.avg <= 22.52434253692627) {
-                  if (x.log2_S <= 16.991851806640625) {
-                    if (x.avg <= 7.108751058578491) {
-                      if (x.log2_S <= 16.705904006958008) {
-                        return {4, 32, 16, 4, 8};  // PR
-                      } else {
-                        if (x.avg <= 2.3283510208129883) {
-                          return {2, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 4, 8};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 16.058727264404297) {
-                        return {4, 32, 16, 4, 8};  // PR
-                      } else {
-                        return {2, 8, 64, 32, 1};  // SR
-                      }
-                    }
+                if (x.skew_lo <= 6.814468145370483) {
+                  if (x.skew_hi <= 18.315678596496582) {
+                    return {2, 8, 64, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 11.56928014755249) {
-                      if (x.log2_S <= 17.216301918029785) {
-                        if (x.avg <= 3.4090163707733154) {
+                    return {2, 8, 16, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 21.644861221313477) {
+                    if (x.log2_S <= 19.019404411315918) {
+                      if (x.skew_lo <= 11.160276889801025) {
+                        if (x.skew_hi <= 18.839040756225586) {
                           return {2, 8, 64, 32, 1};  // SR
                         } else {
-                          if (x.avg <= 6.118754625320435) {
-                            return {4, 32, 16, 4, 8};  // PR
+                          if (x.skew_lo <= 8.707077503204346) {
+                            return {2, 8, 16, 32, 1};  // SR
                           } else {
                             return {2, 8, 64, 32, 1};  // SR
                           }
                         }
                       } else {
-                        return {2, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 19.296512603759766) {
-                        return {2, 8, 64, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 21.69684886932373) {
-                          return {2, 8, 16, 32, 1};  // SR
+                        if (x.log2_S <= 17.220580101013184) {
+                          return {4, 32, 16, 4, 8};  // PR
                         } else {
                           return {2, 8, 64, 32, 1};  // SR
                         }
                       }
+                    } else {
+                      if (x.avg <= 11.334929466247559) {
+                        if (x.skew_lo <= 12.510136604309082) {
+                          if (x.avg <= 4.210978984832764) {
+                            if (x.log2_S <= 19.5254545211792) {
+                              return {2, 8, 64, 32, 1};  // SR
+                            } else {
+                              return {4, 4, 64, 64, 0};  // SP
+                            }
+                          } else {
+                            return {2, 8, 64, 32, 1};  // SR
+                          }
+                        } else {
+                          return {2, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 21.042287826538086) {
+                          return {2, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.58676815032959) {
+                            return {2, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {2, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      }
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 19.22831153869629) {
-                    return {2, 8, 64, 32, 1};  // SR
                   } else {
-                    return {2, 8, 16, 32, 1};  // SR
+                    return {2, 8, 64, 32, 1};  // SR
                   }
                 }
               }
@@ -3067,487 +3079,491 @@ inline Config plain_config(const Features& f) {
     } else {
       if (x.F <= 45.254833995939045) {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 13.198826789855957) {
-            if (x.avg <= 3.0535744428634644) {
-              if (x.log2_S <= 11.061169624328613) {
-                if (x.avg <= 1.811869740486145) {
-                  if (x.avg <= 1.7049997448921204) {
-                    return {4, 64, 64, 2, 0};  // SP
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 9.214850902557373) {
-                    if (x.avg <= 2.2944823503494263) {
+          if (x.log2_S <= 17.651883125305176) {
+            if (x.avg <= 2.1547518968582153) {
+              if (x.log2_S <= 14.485750675201416) {
+                if (x.skew_hi <= 5.5049896240234375) {
+                  if (x.log2_S <= 10.762811183929443) {
+                    if (x.skew_lo <= -0.8573288917541504) {
                       return {2, 64, 32, 1, 0};  // SP
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 10.688764572143555) {
-                      return {2, 64, 32, 1, 0};  // SP
-                    } else {
-                      if (x.avg <= 2.5882402658462524) {
+                      if (x.avg <= 1.4409854412078857) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
                         return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 2.8198658227920532) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          return {2, 64, 32, 1, 0};  // SP
-                        }
                       }
                     }
-                  }
-                }
-              } else {
-                if (x.avg <= 1.305395245552063) {
-                  if (x.log2_S <= 12.106220722198486) {
-                    return {4, 64, 64, 2, 0};  // SP
                   } else {
                     return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  return {4, 32, 64, 4, 0};  // SP
-                }
-              }
-            } else {
-              if (x.avg <= 36.119300842285156) {
-                if (x.log2_S <= 11.921184062957764) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.avg <= 5.226896524429321) {
-                    if (x.avg <= 4.021090865135193) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 12.701184749603271) {
-                        if (x.log2_S <= 12.40605878829956) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 13.009819507598877) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    }
+                  if (x.log2_S <= 13.850412845611572) {
+                    return {4, 64, 64, 2, 0};  // SP
                   } else {
-                    if (x.log2_S <= 12.215940475463867) {
-                      if (x.avg <= 9.813150405883789) {
-                        if (x.avg <= 9.148400783538818) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 64, 16, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 15.510077953338623) {
-                        if (x.log2_S <= 13.020270347595215) {
-                          if (x.avg <= 6.828968286514282) {
-                            if (x.log2_S <= 12.669564723968506) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {1, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 22.221059799194336) {
-                          if (x.avg <= 17.118164539337158) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 12.841065406799316) {
-                            if (x.log2_S <= 12.54312801361084) {
-                              return {4, 64, 16, 2, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      }
-                    }
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 }
               } else {
-                if (x.log2_S <= 10.206859111785889) {
-                  return {4, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.log2_S <= 10.779160499572754) {
-                    return {2, 64, 32, 1, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.476904392242432) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 12.67176103591919) {
-                        return {4, 64, 16, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 51.88592338562012) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 13.029716491699219) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 15.215909004211426) {
-              if (x.avg <= 3.406292676925659) {
-                if (x.log2_S <= 14.853970527648926) {
-                  return {4, 32, 64, 4, 0};  // SP
-                } else {
-                  return {4, 16, 64, 4, 0};  // SP
-                }
-              } else {
-                if (x.avg <= 4.755686521530151) {
-                  if (x.log2_S <= 13.921178340911865) {
-                    if (x.avg <= 4.0697325468063354) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  return {4, 8, 64, 32, 0};  // SP
-                }
-              }
-            } else {
-              if (x.log2_S <= 17.703357696533203) {
-                if (x.log2_S <= 17.4369535446167) {
-                  if (x.log2_S <= 17.25039768218994) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 33.11269760131836) {
-                      if (x.log2_S <= 17.251402854919434) {
-                        return {1, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 13.77390193939209) {
-                    if (x.avg <= 9.205235004425049) {
+                if (x.log2_S <= 15.203991889953613) {
+                  if (x.log2_S <= 14.823530673980713) {
+                    if (x.skew_lo <= -0.8012281656265259) {
                       return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      return {1, 32, 64, 2, 0};  // SP
+                      return {4, 16, 64, 4, 0};  // SP
                     }
                   } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
-                }
-              } else {
-                return {4, 8, 64, 32, 0};  // SP
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 18.242789268493652) {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 12.64125394821167) {
-                if (x.avg <= 7.9109838008880615) {
-                  if (x.log2_S <= 11.373282432556152) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 2.4130908250808716) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.avg <= 3.2679611444473267) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 7.551372766494751) {
-                            if (x.log2_S <= 11.118441104888916) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            return {1, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 2.0210273265838623) {
-                      if (x.log2_S <= 11.869905471801758) {
-                        if (x.log2_S <= 11.650423049926758) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 11.431469440460205) {
-                          if (x.log2_S <= 11.397796154022217) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 3.6463887691497803) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 52.8131160736084) {
-                      if (x.log2_S <= 11.794127941131592) {
-                        if (x.avg <= 44.46735954284668) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 9.112841129302979) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 15.265105724334717) {
-                          if (x.log2_S <= 12.450643539428711) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 10.615825653076172) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.avg <= 68.74723052978516) {
-                          if (x.log2_S <= 11.550868034362793) {
-                            if (x.log2_S <= 11.383578300476074) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 8.881414890289307) {
-                      if (x.avg <= 8.633257389068604) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
-                      }
+                    if (x.skew_hi <= 5.415039777755737) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
                       return {4, 8, 8, 32, 1};  // SR
                     }
                   }
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.854274272918701) {
+                if (x.skew_hi <= 3.5936414003372192) {
+                  if (x.log2_S <= 13.015089988708496) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.avg <= 24.638728141784668) {
+                      if (x.log2_S <= 13.830170631408691) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.668237209320068) {
+                    if (x.skew_hi <= 4.539674758911133) {
+                      if (x.log2_S <= 11.131266593933105) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -2.1062222719192505) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.280910015106201) {
+                        return {2, 64, 32, 1, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.5081687569618225) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 4.521031856536865) {
+                        return {2, 64, 32, 1, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
                 }
               } else {
-                if (x.log2_S <= 17.48802947998047) {
-                  if (x.avg <= 5.945632219314575) {
-                    if (x.log2_S <= 14.771173477172852) {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 2.9095579385757446) {
-                          if (x.log2_S <= 14.682528495788574) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.avg <= 1.9706903100013733) {
-                              return {1, 32, 8, 4, 1};  // SR
+                if (x.skew_lo <= -3.4768444299697876) {
+                  if (x.log2_S <= 15.230403423309326) {
+                    if (x.skew_lo <= -3.518216609954834) {
+                      if (x.log2_S <= 13.862724304199219) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 15.79679250717163) {
+                      if (x.log2_S <= 16.716612815856934) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 17.279834747314453) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.655794143676758) {
+                        if (x.log2_S <= 16.470966339111328) {
+                          if (x.skew_hi <= 1.2247734069824219) {
+                            if (x.log2_S <= 16.34634780883789) {
+                              return {4, 32, 64, 4, 0};  // SP
                             } else {
-                              return {4, 8, 8, 32, 1};  // SR
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 16.180424690246582) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
                             }
                           }
                         } else {
-                          if (x.log2_S <= 13.674398422241211) {
-                            if (x.avg <= 3.3777743577957153) {
-                              return {1, 32, 8, 4, 1};  // SR
+                          if (x.avg <= 27.303648948669434) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= -5.69305682182312) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              }
+            }
+          } else {
+            return {4, 8, 64, 32, 0};  // SP
+          }
+        } else {
+          if (x.log2_S <= 18.282529830932617) {
+            if (x.skew_hi <= 13.2936429977417) {
+              if (x.skew_lo <= 5.9920878410339355) {
+                if (x.log2_S <= 12.53681468963623) {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_lo <= 0.8306675553321838) {
+                      if (x.log2_S <= 10.785032272338867) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.706357479095459) {
+                          if (x.skew_hi <= 3.201560139656067) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.590933799743652) {
+                              return {4, 16, 8, 8, 1};  // SR
                             } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 4.843417406082153) {
+                        if (x.skew_lo <= 2.0143983364105225) {
+                          if (x.log2_S <= 11.886125087738037) {
+                            if (x.skew_lo <= 0.8482800126075745) {
                               return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
                             }
                           } else {
-                            if (x.avg <= 4.340568780899048) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 14.041890621185303) {
-                                return {4, 8, 8, 32, 1};  // SR
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 3.0500118732452393) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 3.8474977016448975) {
+                              if (x.log2_S <= 11.986904621124268) {
+                                return {1, 32, 8, 2, 1};  // SR
                               } else {
-                                if (x.log2_S <= 14.725818157196045) {
-                                  return {2, 16, 16, 8, 1};  // SR
+                                if (x.skew_hi <= 8.589158535003662) {
+                                  return {1, 32, 8, 2, 1};  // SR
                                 } else {
-                                  return {4, 8, 8, 32, 1};  // SR
+                                  return {2, 32, 8, 8, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 11.397796154022217) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                if (x.avg <= 4.585625171661377) {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {1, 32, 8, 2, 1};  // SR
                                 }
                               }
                             }
                           }
                         }
                       } else {
-                        if (x.log2_S <= 12.999213695526123) {
-                          return {1, 32, 8, 4, 1};  // SR
+                        return {1, 32, 8, 4, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 8.814385890960693) {
+                    if (x.avg <= 6.723180770874023) {
+                      if (x.log2_S <= 13.682723045349121) {
+                        if (x.skew_hi <= 8.439746379852295) {
+                          return {1, 32, 8, 2, 1};  // SR
                         } else {
-                          if (x.avg <= 4.191345453262329) {
-                            if (x.log2_S <= 13.312102317810059) {
-                              if (x.avg <= 2.438981533050537) {
-                                return {1, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.482944965362549) {
+                          if (x.avg <= 3.0311344861984253) {
+                            return {1, 32, 8, 4, 1};  // SR
                           } else {
-                            if (x.log2_S <= 13.967358112335205) {
+                            if (x.log2_S <= 14.167506694793701) {
                               return {4, 8, 8, 32, 1};  // SR
                             } else {
                               return {2, 16, 16, 8, 1};  // SR
                             }
                           }
-                        }
-                      }
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 7.849130868911743) {
-                      if (x.log2_S <= 13.52464246749878) {
-                        return {1, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 43.29414749145508) {
-                      if (x.avg <= 2.3982672691345215) {
-                        if (x.log2_S <= 17.798368453979492) {
+                        } else {
                           return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 16, 16, 8, 1};  // SR
                         }
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.81768274307251) {
+                      if (x.avg <= 2.2556591033935547) {
+                        return {1, 32, 8, 4, 1};  // SR
                       } else {
-                        if (x.avg <= 29.026229858398438) {
-                          return {2, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 17.728032112121582) {
-                            return {4, 8, 8, 32, 1};  // SR
+                        if (x.log2_S <= 14.365408897399902) {
+                          if (x.avg <= 9.228682160377502) {
+                            return {2, 32, 8, 8, 1};  // SR
                           } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 5.288806676864624) {
                             return {2, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 18.122801780700684) {
+                      if (x.avg <= 9.25964081287384) {
                         return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.avg <= 125.14062118530273) {
-                          return {2, 16, 16, 8, 1};  // SR
+                        if (x.log2_S <= 16.368270874023438) {
+                          if (x.avg <= 33.035648345947266) {
+                            return {2, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
+                          if (x.avg <= 19.86315155029297) {
+                            return {2, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
                         }
                       }
                     }
                   }
                 }
+              } else {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 14.593690872192383) {
+                    if (x.log2_S <= 12.119677543640137) {
+                      if (x.skew_lo <= 6.777960538864136) {
+                        if (x.skew_hi <= 8.125800609588623) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 11.818067073822021) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.746042728424072) {
+                            if (x.skew_lo <= 8.195634365081787) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 12.843295574188232) {
+                        if (x.avg <= 4.711933135986328) {
+                          if (x.skew_hi <= 12.134295463562012) {
+                            if (x.log2_S <= 12.808622360229492) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 13.467416763305664) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 12.45728349685669) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {2, 16, 16, 8, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.812646389007568) {
+                      if (x.skew_hi <= 11.646973609924316) {
+                        if (x.skew_hi <= 11.16484785079956) {
+                          if (x.skew_lo <= 6.166747808456421) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {2, 16, 16, 8, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 8.23463249206543) {
+                    if (x.skew_hi <= 12.876102447509766) {
+                      if (x.avg <= 7.389716863632202) {
+                        return {2, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    } else {
+                      return {2, 16, 64, 2, 1};  // SR
+                    }
+                  } else {
+                    return {2, 16, 16, 8, 1};  // SR
+                  }
+                }
               }
             } else {
-              if (x.log2_S <= 13.659690380096436) {
-                if (x.avg <= 8.23463249206543) {
-                  if (x.log2_S <= 12.8096342086792) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 15.398201942443848) {
+                  return {2, 16, 16, 8, 1};  // SR
+                } else {
+                  if (x.log2_S <= 16.414148330688477) {
+                    return {2, 16, 64, 2, 1};  // SR
+                  } else {
                     return {2, 16, 16, 8, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 18.022116661071777) {
+                  if (x.skew_hi <= 13.388811111450195) {
+                    if (x.log2_S <= 13.337034702301025) {
+                      return {2, 16, 64, 2, 1};  // SR
+                    } else {
+                      if (x.avg <= 33.1909065246582) {
+                        if (x.avg <= 9.776506662368774) {
+                          return {2, 16, 64, 2, 1};  // SR
+                        } else {
+                          return {2, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {2, 16, 64, 2, 1};  // SR
+                      }
+                    }
                   } else {
                     return {2, 16, 64, 2, 1};  // SR
                   }
                 } else {
-                  return {2, 16, 16, 8, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 17.78706932067871) {
-                  return {2, 16, 64, 2, 1};  // SR
-                } else {
-                  if (x.avg <= 10.923710823059082) {
-                    return {2, 16, 64, 2, 1};  // SR
-                  } else {
+                  if (x.skew_lo <= 10.487829208374023) {
                     return {2, 16, 16, 8, 1};  // SR
+                  } else {
+                    return {2, 16, 64, 2, 1};  // SR
                   }
                 }
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 18.699752807617188) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 18.43307399749756) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 109.65371704101562) {
-                      return {2, 16, 16, 8, 1};  // SR
-                    } else {
+            if (x.skew_lo <= 10.556324005126953) {
+              if (x.avg <= 77.41104507446289) {
+                if (x.log2_S <= 18.609248161315918) {
+                  if (x.skew_lo <= 3.720238447189331) {
+                    if (x.avg <= 42.71600914001465) {
                       return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {2, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 30.47575092315674) {
+                      if (x.avg <= 1.5265434980392456) {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 18.492216110229492) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {2, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 6.351171970367432) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
                     }
                   }
                 } else {
-                  if (x.avg <= 115.75907516479492) {
-                    return {2, 16, 16, 8, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 18.53309917449951) {
+                  if (x.avg <= 1.2451367378234863) {
+                    if (x.long_level <= 1.5) {
                       return {2, 16, 16, 8, 1};  // SR
                     } else {
-                      return {4, 8, 8, 32, 1};  // SR
+                      if (x.log2_S <= 19.98098373413086) {
+                        return {2, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {2, 16, 64, 2, 1};  // SR
+                      }
                     }
+                  } else {
+                    return {2, 16, 16, 8, 1};  // SR
                   }
                 }
               } else {
-                if (x.log2_S <= 18.89174747467041) {
-                  if (x.avg <= 109.71726989746094) {
-                    return {2, 16, 16, 8, 1};  // SR
-                  } else {
-                    if (x.avg <= 226.7664566040039) {
-                      return {4, 8, 8, 32, 1};  // SR
+                if (x.skew_hi <= 13.004798889160156) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 18.88361167907715) {
+                      if (x.skew_lo <= -0.8948931992053986) {
+                        return {2, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
                     } else {
                       return {2, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 7.678157567977905) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 20.393832206726074) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
                     }
                   }
                 } else {
@@ -3555,22 +3571,18 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.avg <= 11.205843925476074) {
-                if (x.avg <= 3.565700054168701) {
-                  if (x.avg <= 2.749440550804138) {
+              if (x.skew_lo <= 12.214227199554443) {
+                return {2, 16, 64, 2, 1};  // SR
+              } else {
+                if (x.avg <= 2.7189451456069946) {
+                  return {2, 16, 64, 2, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 19.716012954711914) {
                     return {2, 16, 64, 2, 1};  // SR
                   } else {
-                    if (x.log2_S <= 19.716012954711914) {
-                      return {2, 16, 64, 2, 1};  // SR
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
+                    return {4, 8, 64, 32, 0};  // SP
                   }
-                } else {
-                  return {2, 16, 64, 2, 1};  // SR
                 }
-              } else {
-                return {2, 16, 16, 8, 1};  // SR
               }
             }
           }
@@ -3578,30 +3590,198 @@ inline Config plain_config(const Features& f) {
       } else {
         if (x.F <= 90.50966799187809) {
           if (x.long_level <= 2.5) {
-            if (x.log2_S <= 17.45906639099121) {
-              if (x.log2_S <= 12.82255506515503) {
-                if (x.long_level <= 0.5) {
-                  if (x.log2_S <= 10.62461805343628) {
-                    if (x.avg <= 2.3429962396621704) {
+            if (x.log2_S <= 12.787996768951416) {
+              if (x.long_level <= 0.5) {
+                if (x.avg <= 2.728902220726013) {
+                  if (x.log2_S <= 11.659410953521729) {
+                    return {4, 64, 16, 2, 0};  // SP
+                  } else {
+                    if (x.avg <= 1.3312110304832458) {
                       return {4, 64, 16, 2, 0};  // SP
                     } else {
-                      return {1, 32, 64, 2, 0};  // SP
+                      if (x.skew_hi <= 5.316797494888306) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 64, 32, 1, 0};  // SP
+                      }
                     }
-                  } else {
-                    if (x.avg <= 3.2527542114257812) {
-                      if (x.avg <= 1.6948540210723877) {
-                        if (x.log2_S <= 11.407168865203857) {
-                          return {4, 64, 16, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 11.352250576019287) {
+                    if (x.skew_hi <= 1.601353645324707) {
+                      if (x.log2_S <= 10.660529136657715) {
+                        if (x.log2_S <= 10.22763729095459) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          return {4, 64, 32, 1, 0};  // SP
+                          if (x.avg <= 40.02932929992676) {
+                            return {1, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
                         }
                       } else {
-                        if (x.log2_S <= 11.876289367675781) {
-                          if (x.avg <= 2.728902220726013) {
-                            return {4, 64, 16, 2, 0};  // SP
+                        return {2, 64, 32, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -2.7040454149246216) {
+                        if (x.skew_lo <= -3.178852915763855) {
+                          if (x.log2_S <= 10.700424194335938) {
+                            if (x.skew_lo <= -4.295090198516846) {
+                              if (x.log2_S <= 9.389292240142822) {
+                                return {4, 8, 64, 32, 0};  // SP
+                              } else {
+                                return {1, 32, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              return {1, 32, 64, 2, 0};  // SP
+                            }
                           } else {
-                            if (x.avg <= 3.043467164039612) {
-                              return {4, 32, 64, 4, 0};  // SP
+                            if (x.skew_hi <= 2.423711895942688) {
+                              return {2, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {1, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 10.394469261169434) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.899291157722473) {
+                      return {2, 64, 32, 1, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.853971481323242) {
+                        if (x.skew_lo <= -1.6503247022628784) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.332662582397461) {
+                          if (x.skew_lo <= -2.8896069526672363) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 155.0761947631836) {
+                  if (x.avg <= 2.066923499107361) {
+                    if (x.skew_lo <= 5.875864505767822) {
+                      if (x.log2_S <= 11.422025680541992) {
+                        if (x.log2_S <= 8.863797187805176) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {2, 32, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      return {2, 32, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.295418739318848) {
+                      if (x.log2_S <= 11.982985496520996) {
+                        if (x.skew_lo <= 4.039096117019653) {
+                          if (x.skew_lo <= 3.8286125659942627) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 32, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 87.12605667114258) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 10.686801433563232) {
+                        return {2, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 2.367174744606018) {
+                          if (x.skew_hi <= 3.25450336933136) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.626964092254639) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 23.960001945495605) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 7.171568393707275) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 11.882030487060547) {
+                      return {2, 32, 8, 8, 1};  // SR
+                    } else {
+                      return {4, 16, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.136205196380615) {
+                      return {2, 16, 16, 8, 1};  // SR
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 15.834867000579834) {
+                  if (x.avg <= 8.136140823364258) {
+                    if (x.log2_S <= 14.237521648406982) {
+                      if (x.skew_hi <= 4.338534832000732) {
+                        if (x.skew_hi <= 3.678761839866638) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.952503681182861) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.21320104598999) {
+                          if (x.skew_lo <= -0.6071412563323975) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 5.678582668304443) {
+                              return {4, 64, 32, 1, 0};  // SP
                             } else {
                               return {4, 64, 16, 2, 0};  // SP
                             }
@@ -3611,178 +3791,38 @@ inline Config plain_config(const Features& f) {
                         }
                       }
                     } else {
-                      return {2, 64, 32, 1, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 2.0616639852523804) {
-                      if (x.log2_S <= 11.45453405380249) {
-                        return {1, 32, 8, 4, 1};  // SR
+                      if (x.skew_hi <= 5.1496500968933105) {
+                        return {4, 16, 64, 4, 0};  // SP
                       } else {
-                        return {2, 32, 8, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 11.69995641708374) {
-                        if (x.log2_S <= 10.654045581817627) {
-                          if (x.avg <= 17.97282314300537) {
-                            if (x.avg <= 14.845390796661377) {
-                              if (x.avg <= 4.4445390701293945) {
-                                if (x.avg <= 3.579178214073181) {
-                                  return {2, 32, 8, 8, 1};  // SR
-                                } else {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                }
-                              } else {
-                                return {2, 32, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {2, 32, 8, 8, 1};  // SR
-                          }
+                        if (x.log2_S <= 15.032904624938965) {
+                          return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          if (x.avg <= 15.330706596374512) {
-                            return {2, 32, 8, 8, 1};  // SR
+                          if (x.skew_hi <= 5.716670751571655) {
+                            return {4, 16, 64, 4, 0};  // SP
                           } else {
-                            if (x.avg <= 70.23918151855469) {
-                              if (x.log2_S <= 11.426084995269775) {
-                                if (x.avg <= 24.619221687316895) {
-                                  if (x.avg <= 18.90521240234375) {
-                                    return {1, 32, 8, 4, 1};  // SR
-                                  } else {
-                                    return {2, 32, 8, 8, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 32, 8, 8, 1};  // SR
-                                }
-                              } else {
-                                return {2, 32, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 11.464561462402344) {
-                                return {2, 32, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 16, 16, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 10.411512851715088) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          if (x.avg <= 103.46566772460938) {
-                            if (x.log2_S <= 12.550222873687744) {
-                              if (x.log2_S <= 11.800057888031006) {
-                                return {2, 32, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 31.441970825195312) {
-                                return {2, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 12.128436088562012) {
-                              return {2, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
+                            return {2, 32, 16, 2, 1};  // SR
                           }
                         }
                       }
                     }
                   } else {
-                    if (x.avg <= 9.439494609832764) {
-                      if (x.log2_S <= 11.232405662536621) {
-                        if (x.avg <= 3.2285773754119873) {
-                          if (x.avg <= 2.237176299095154) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 11.420190811157227) {
-                          if (x.avg <= 2.140214681625366) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 8.1981201171875) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
+                    if (x.log2_S <= 12.861974239349365) {
+                      return {2, 64, 32, 1, 0};  // SP
                     } else {
-                      if (x.log2_S <= 11.9471435546875) {
-                        if (x.log2_S <= 11.7234787940979) {
-                          if (x.avg <= 10.034928798675537) {
-                            if (x.avg <= 9.705790519714355) {
-                              return {2, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {2, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 89.46642684936523) {
-                            if (x.avg <= 11.20088005065918) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {2, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
+                      if (x.log2_S <= 15.047180652618408) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        if (x.avg <= 22.724913597106934) {
-                          if (x.avg <= 16.902899742126465) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.306204319000244) {
-                              return {2, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.long_level <= 0.5) {
-                  if (x.avg <= 8.033225059509277) {
-                    if (x.log2_S <= 15.900978565216064) {
-                      if (x.avg <= 1.626270055770874) {
-                        if (x.log2_S <= 14.511959075927734) {
-                          return {4, 64, 32, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 3.840460419654846) {
+                        if (x.avg <= 18.00749111175537) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          if (x.log2_S <= 15.165254592895508) {
-                            if (x.log2_S <= 13.531164646148682) {
-                              if (x.avg <= 5.256174087524414) {
-                                return {4, 64, 64, 1, 0};  // SP
+                          if (x.skew_lo <= -4.607672929763794) {
+                            if (x.log2_S <= 15.52911901473999) {
+                              if (x.log2_S <= 15.405539512634277) {
+                                if (x.log2_S <= 15.244655132293701) {
+                                  return {4, 32, 64, 4, 0};  // SP
+                                } else {
+                                  return {4, 16, 64, 4, 0};  // SP
+                                }
                               } else {
                                 return {2, 64, 32, 1, 0};  // SP
                               }
@@ -3790,292 +3830,268 @@ inline Config plain_config(const Features& f) {
                               return {4, 32, 64, 4, 0};  // SP
                             }
                           } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 2.1016080379486084) {
-                        if (x.log2_S <= 17.131672859191895) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.240460872650146) {
-                      if (x.avg <= 34.36645698547363) {
-                        return {2, 64, 32, 1, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.04660940170288) {
-                          return {2, 64, 32, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 14.803405284881592) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 16.13837718963623) {
-                          if (x.avg <= 18.860079765319824) {
-                            if (x.log2_S <= 15.438946723937988) {
-                              return {2, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 17.19120216369629) {
-                            if (x.avg <= 47.734148025512695) {
-                              return {2, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {2, 32, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            if (x.avg <= 40.11452865600586) {
-                              return {4, 64, 16, 2, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
+                            return {2, 64, 32, 1, 0};  // SP
                           }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 20.98001766204834) {
-                    if (x.avg <= 3.5083202123641968) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 13.392413139343262) {
-                          if (x.avg <= 2.2141895294189453) {
-                            if (x.log2_S <= 12.988768100738525) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
+                  if (x.log2_S <= 17.6735782623291) {
+                    if (x.skew_hi <= 2.7025856971740723) {
+                      if (x.avg <= 17.720565795898438) {
+                        if (x.log2_S <= 16.569207191467285) {
+                          if (x.avg <= 15.914440155029297) {
+                            return {4, 32, 64, 4, 0};  // SP
                           } else {
-                            return {2, 32, 8, 8, 1};  // SR
+                            return {4, 64, 64, 1, 0};  // SP
                           }
                         } else {
-                          return {4, 16, 8, 8, 1};  // SR
+                          return {4, 32, 64, 2, 0};  // SP
                         }
                       } else {
-                        if (x.log2_S <= 15.608128547668457) {
-                          if (x.log2_S <= 13.72938346862793) {
-                            if (x.log2_S <= 13.14355993270874) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
+                        if (x.log2_S <= 15.975536346435547) {
+                          if (x.skew_hi <= 1.3281666040420532) {
+                            return {4, 32, 64, 4, 0};  // SP
                           } else {
-                            if (x.avg <= 2.765960931777954) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 15.097423076629639) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            }
+                            return {2, 64, 32, 1, 0};  // SP
                           }
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
+                          return {2, 64, 32, 1, 0};  // SP
                         }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 16.60158348083496) {
-                          if (x.log2_S <= 13.352507591247559) {
-                            if (x.avg <= 8.765067100524902) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 12.985815048217773) {
-                                return {2, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 4.263368606567383) {
-                              if (x.log2_S <= 15.991957187652588) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 18.53303050994873) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 14.303808212280273) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 17.20454502105713) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.22716474533081) {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 23.54254913330078) {
-                          return {2, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 25.413381576538086) {
-                        if (x.long_level <= 1.5) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.09610414505005) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 16, 8, 8, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 17.6735782623291) {
-                  if (x.avg <= 9.865110874176025) {
-                    return {4, 16, 64, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 21.44327163696289) {
-                      if (x.avg <= 15.5604829788208) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {2, 32, 64, 4, 0};  // SP
                       }
                     } else {
                       return {4, 16, 64, 4, 0};  // SP
                     }
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
                   }
-                } else {
-                  return {4, 16, 64, 4, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 18.53208827972412) {
-                  if (x.avg <= 23.15611171722412) {
-                    if (x.avg <= 3.8123621940612793) {
-                      if (x.log2_S <= 17.79996395111084) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 2.3431848287582397) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {2, 64, 16, 2, 1};  // SR
-                          }
+                if (x.log2_S <= 17.443655967712402) {
+                  if (x.avg <= 18.948180198669434) {
+                    if (x.avg <= 3.3971177339553833) {
+                      if (x.skew_lo <= 7.11630654335022) {
+                        if (x.log2_S <= 13.392413139343262) {
+                          return {2, 32, 8, 8, 1};  // SR
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
+                          return {4, 16, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.long_level <= 1.5) {
-                          return {2, 32, 16, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 18.288643836975098) {
-                            if (x.avg <= 2.456990599632263) {
+                        if (x.skew_hi <= 13.611756324768066) {
+                          if (x.log2_S <= 16.809309005737305) {
+                            if (x.log2_S <= 12.969447612762451) {
                               return {2, 32, 16, 2, 1};  // SR
                             } else {
                               return {4, 16, 16, 8, 1};  // SR
                             }
                           } else {
+                            if (x.skew_lo <= 9.078007698059082) {
+                              return {2, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 15.371006488800049) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 64, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.998356819152832) {
+                        if (x.long_level <= 1.5) {
+                          if (x.skew_lo <= 2.830450177192688) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.917867422103882) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 2.0694915056228638) {
+                      if (x.skew_lo <= -1.5901487469673157) {
+                        if (x.log2_S <= 14.55845594406128) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.179363250732422) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 95.74996566772461) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.193954467773438) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 16.137388229370117) {
+                          if (x.skew_hi <= 9.38350772857666) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 3.748647451400757) {
+                            return {2, 32, 16, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 24.116641998291016) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 9.182462692260742) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 13.265326499938965) {
+                    if (x.avg <= 21.792856216430664) {
+                      if (x.log2_S <= 19.158004760742188) {
+                        if (x.avg <= 4.148052930831909) {
+                          if (x.log2_S <= 18.06422710418701) {
+                            if (x.skew_lo <= 8.047753810882568) {
+                              if (x.avg <= 3.004545569419861) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                if (x.avg <= 3.306795358657837) {
+                                  return {2, 32, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {2, 32, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.798078298568726) {
+                            return {2, 32, 16, 2, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 7.612382650375366) {
+                              if (x.log2_S <= 18.866636276245117) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                if (x.skew_hi <= 7.716658115386963) {
+                                  return {2, 32, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 17.77537250518799) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 5.915038585662842) {
+                          return {2, 32, 16, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 8.608386993408203) {
+                            if (x.log2_S <= 19.436452865600586) {
+                              if (x.skew_hi <= 11.829612255096436) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 2, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 16, 2, 1};  // SR
+                            }
+                          } else {
                             return {4, 16, 16, 8, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.avg <= 19.940680503845215) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {2, 32, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {2, 32, 16, 2, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 19.3200740814209) {
-                    if (x.avg <= 7.511751890182495) {
                       return {2, 32, 16, 2, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 19.06275749206543) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {2, 32, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 13.396237850189209) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {2, 32, 16, 2, 1};  // SR
-                        }
-                      }
                     }
                   } else {
-                    return {2, 32, 16, 2, 1};  // SR
+                    return {2, 32, 64, 2, 1};  // SR
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 17.53070831298828) {
-              return {2, 32, 64, 2, 1};  // SR
-            } else {
-              if (x.avg <= 8.180042266845703) {
-                if (x.log2_S <= 19.869064331054688) {
-                  if (x.log2_S <= 19.32878589630127) {
-                    return {2, 32, 64, 2, 1};  // SR
-                  } else {
-                    if (x.avg <= 2.4502413272857666) {
-                      return {2, 32, 64, 2, 1};  // SR
+            if (x.skew_hi <= 19.046567916870117) {
+              if (x.log2_S <= 9.172927379608154) {
+                if (x.skew_lo <= 7.76245903968811) {
+                  if (x.skew_lo <= 7.027806520462036) {
+                    if (x.log2_S <= 8.461994647979736) {
+                      return {2, 16, 16, 8, 1};  // SR
                     } else {
-                      if (x.avg <= 4.86043119430542) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
+                      if (x.avg <= 210.453369140625) {
                         return {2, 32, 64, 2, 1};  // SR
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
                       }
                     }
+                  } else {
+                    return {2, 16, 16, 8, 1};  // SR
                   }
                 } else {
-                  if (x.avg <= 6.9129650592803955) {
-                    return {4, 16, 64, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 7.730711221694946) {
+                  return {2, 32, 64, 2, 1};  // SR
+                }
+              } else {
+                if (x.skew_hi <= 17.963976860046387) {
+                  return {2, 32, 64, 2, 1};  // SR
+                } else {
+                  if (x.avg <= 30.435521125793457) {
+                    if (x.avg <= 8.5628342628479) {
                       return {2, 32, 64, 2, 1};  // SR
                     } else {
                       return {4, 16, 64, 4, 0};  // SP
                     }
+                  } else {
+                    return {2, 32, 64, 2, 1};  // SR
                   }
+                }
+              }
+            } else {
+              if (x.avg <= 8.110016822814941) {
+                if (x.avg <= 6.035123109817505) {
+                  if (x.log2_S <= 19.869064331054688) {
+                    if (x.skew_lo <= 12.657847881317139) {
+                      if (x.skew_lo <= 11.719985961914062) {
+                        return {2, 32, 64, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {2, 32, 64, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                } else {
+                  return {2, 32, 64, 2, 1};  // SR
                 }
               } else {
                 return {4, 16, 64, 4, 0};  // SP
@@ -4084,275 +4100,291 @@ inline Config plain_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 2.5) {
-            if (x.log2_S <= 14.872268676757812) {
+            if (x.log2_S <= 14.886064052581787) {
               if (x.long_level <= 0.5) {
-                if (x.log2_S <= 12.646097660064697) {
-                  if (x.avg <= 1.576828956604004) {
-                    if (x.avg <= 1.3405367732048035) {
-                      if (x.log2_S <= 10.586496829986572) {
+                if (x.skew_lo <= -2.7126721143722534) {
+                  if (x.log2_S <= 12.887650966644287) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 2.018560826778412) {
+                      return {4, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 14.10640811920166) {
                         return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        return {2, 32, 8, 2, 1};  // SR
+                        if (x.avg <= 12.396367073059082) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
                       }
-                    } else {
-                      return {4, 64, 64, 2, 0};  // SP
                     }
-                  } else {
-                    if (x.log2_S <= 12.53615427017212) {
-                      if (x.avg <= 1.7384081482887268) {
+                  }
+                } else {
+                  if (x.avg <= 1.764732539653778) {
+                    if (x.skew_hi <= 5.592879056930542) {
+                      if (x.skew_lo <= -0.6701032519340515) {
                         if (x.log2_S <= 10.666164875030518) {
                           return {1, 32, 64, 2, 0};  // SP
                         } else {
                           return {4, 64, 64, 2, 0};  // SP
                         }
                       } else {
-                        return {1, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 17.74013328552246) {
-                        return {1, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 13.158361434936523) {
-                    if (x.avg <= 3.1971144676208496) {
-                      if (x.avg <= 1.3273950219154358) {
-                        if (x.log2_S <= 13.723740577697754) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
-                      } else {
                         return {4, 64, 64, 2, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 14.071730136871338) {
-                        if (x.log2_S <= 12.746560096740723) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 1, 0};  // SP
-                        }
+                      if (x.log2_S <= 10.586496829986572) {
+                        return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        if (x.log2_S <= 14.825339317321777) {
-                          return {4, 64, 64, 2, 0};  // SP
+                        if (x.log2_S <= 13.988696098327637) {
+                          return {2, 32, 8, 2, 1};  // SR
                         } else {
-                          return {4, 64, 64, 1, 0};  // SP
+                          return {4, 16, 8, 8, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.91556167602539) {
-                      if (x.avg <= 23.35487937927246) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
+                    if (x.log2_S <= 11.905869007110596) {
+                      return {1, 32, 64, 2, 0};  // SP
                     } else {
-                      return {4, 64, 64, 2, 0};  // SP
+                      if (x.log2_S <= 14.016761779785156) {
+                        if (x.avg <= 3.085703492164612) {
+                          if (x.log2_S <= 12.679869651794434) {
+                            return {1, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 2.788839101791382) {
+                          if (x.log2_S <= 14.618268966674805) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 8.486476421356201) {
-                  if (x.log2_S <= 11.618711471557617) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 7.473864793777466) {
-                        if (x.log2_S <= 11.191874980926514) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.avg <= 3.4967281818389893) {
+                if (x.avg <= 10.519248008728027) {
+                  if (x.avg <= 3.536437153816223) {
+                    if (x.skew_hi <= 11.965449333190918) {
+                      if (x.skew_lo <= 5.968912601470947) {
+                        if (x.log2_S <= 12.326184749603271) {
+                          if (x.log2_S <= 11.6353440284729) {
                             return {1, 32, 8, 4, 1};  // SR
                           } else {
-                            return {4, 16, 8, 8, 1};  // SR
+                            if (x.log2_S <= 11.73527193069458) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
                           }
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 9.322495460510254) {
-                          return {1, 32, 8, 4, 1};  // SR
+                        if (x.avg <= 3.3947556018829346) {
+                          return {2, 32, 8, 2, 1};  // SR
                         } else {
                           return {4, 16, 8, 8, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 2.9575815200805664) {
-                        if (x.avg <= 2.0862170457839966) {
-                          if (x.log2_S <= 11.501615047454834) {
-                            return {1, 32, 8, 4, 1};  // SR
+                      if (x.skew_lo <= 9.2940092086792) {
+                        if (x.log2_S <= 13.02604627609253) {
+                          if (x.skew_lo <= 9.18965768814087) {
+                            return {4, 32, 8, 8, 1};  // SR
                           } else {
                             return {2, 32, 8, 2, 1};  // SR
                           }
                         } else {
-                          if (x.avg <= 2.5475293397903442) {
-                            return {2, 32, 8, 2, 1};  // SR
+                          if (x.log2_S <= 13.99953317642212) {
+                            return {4, 16, 16, 8, 1};  // SR
                           } else {
-                            return {4, 32, 8, 8, 1};  // SR
+                            if (x.avg <= 2.869402766227722) {
+                              if (x.avg <= 1.9159064888954163) {
+                                return {2, 64, 16, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 2, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 14.586772441864014) {
+                                return {2, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 64, 16, 2, 1};  // SR
+                              }
+                            }
                           }
                         }
                       } else {
-                        if (x.avg <= 7.72266149520874) {
-                          return {4, 16, 8, 8, 1};  // SR
+                        if (x.log2_S <= 14.580707550048828) {
+                          return {2, 64, 16, 2, 1};  // SR
                         } else {
-                          if (x.log2_S <= 10.527064800262451) {
-                            return {4, 32, 8, 8, 1};  // SR
+                          if (x.avg <= 1.2981155514717102) {
+                            return {2, 64, 64, 1, 1};  // SR
                           } else {
-                            return {4, 16, 8, 8, 1};  // SR
+                            return {2, 64, 16, 2, 1};  // SR
                           }
                         }
                       }
                     }
                   } else {
-                    if (x.avg <= 3.0080841779708862) {
-                      if (x.log2_S <= 12.501825332641602) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 11.707881927490234) {
+                    if (x.log2_S <= 12.470442295074463) {
+                      if (x.skew_lo <= 4.023357391357422) {
+                        if (x.skew_hi <= 7.306141138076782) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.761662006378174) {
                             return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 2.299071431159973) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.723353385925293) {
-                            if (x.log2_S <= 13.067347049713135) {
-                              if (x.avg <= 2.0691362023353577) {
-                                return {2, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 14.382633686065674) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
-                              if (x.avg <= 2.263045072555542) {
-                                return {2, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 2, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.56239128112793) {
-                        if (x.log2_S <= 12.746068477630615) {
-                          if (x.avg <= 3.576837182044983) {
-                            if (x.long_level <= 1.5) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
                           } else {
                             return {4, 16, 8, 8, 1};  // SR
                           }
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            if (x.avg <= 6.6751532554626465) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
                         }
                       } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 4.0863471031188965) {
-                            return {2, 32, 8, 2, 1};  // SR
+                        if (x.log2_S <= 12.096350193023682) {
+                          if (x.avg <= 8.418862342834473) {
+                            return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            if (x.log2_S <= 14.078386783599854) {
-                              if (x.avg <= 5.578111886978149) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 8, 1};  // SR
-                              }
+                            if (x.skew_hi <= 9.436066627502441) {
+                              return {4, 16, 8, 8, 1};  // SR
                             } else {
-                              return {4, 32, 8, 8, 1};  // SR
+                              if (x.log2_S <= 10.781646251678467) {
+                                return {4, 32, 8, 8, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 11.521959781646729) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 8, 1};  // SR
+                                }
+                              }
                             }
                           }
                         } else {
                           return {4, 32, 8, 8, 1};  // SR
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.88615608215332) {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 6.339315414428711) {
+                            if (x.log2_S <= 12.601739406585693) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 13.011162757873535) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 6.933532476425171) {
+                                return {4, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.98331356048584) {
+                            return {4, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 9.610167980194092) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 64, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 8, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.481394290924072) {
-                    if (x.avg <= 10.64823865890503) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 12.322520732879639) {
-                          return {4, 16, 8, 8, 1};  // SR
+                  if (x.skew_hi <= 5.933797836303711) {
+                    if (x.log2_S <= 11.62867021560669) {
+                      return {2, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.481394290924072) {
+                        if (x.log2_S <= 12.708593845367432) {
+                          if (x.skew_hi <= 3.2314839363098145) {
+                            return {4, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 4.283995866775513) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 11.81201696395874) {
+                                return {2, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 8, 1};  // SR
+                              }
+                            }
+                          }
                         } else {
                           return {4, 32, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 12.720201015472412) {
-                          return {4, 32, 8, 8, 1};  // SR
+                        if (x.avg <= 52.31706619262695) {
+                          return {2, 64, 16, 2, 1};  // SR
                         } else {
-                          if (x.log2_S <= 13.78727674484253) {
-                            return {2, 32, 64, 2, 1};  // SR
+                          if (x.skew_hi <= 3.086564064025879) {
+                            return {2, 64, 16, 2, 1};  // SR
                           } else {
                             return {4, 32, 8, 8, 1};  // SR
                           }
                         }
                       }
-                    } else {
-                      if (x.avg <= 26.678312301635742) {
-                        if (x.log2_S <= 9.19769287109375) {
-                          if (x.avg <= 14.19669246673584) {
-                            return {4, 32, 8, 8, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
+                    }
+                  } else {
+                    if (x.log2_S <= 14.574887752532959) {
+                      if (x.skew_hi <= 10.005788326263428) {
+                        if (x.log2_S <= 8.223634243011475) {
+                          if (x.skew_hi <= 8.002562522888184) {
+                            if (x.skew_lo <= 2.1997207403182983) {
                               return {2, 32, 8, 2, 1};  // SR
                             } else {
                               return {4, 32, 8, 8, 1};  // SR
                             }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 12.860857009887695) {
-                            return {4, 32, 8, 8, 1};  // SR
+                          if (x.avg <= 10.635436058044434) {
+                            return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            if (x.long_level <= 1.5) {
-                              if (x.log2_S <= 14.336655616760254) {
-                                return {4, 32, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 64, 16, 2, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 13.626893520355225) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 8, 1};  // SR
-                              }
-                            }
+                            return {4, 32, 8, 8, 1};  // SR
                           }
                         }
                       } else {
-                        return {4, 32, 8, 8, 1};  // SR
+                        if (x.log2_S <= 12.629575729370117) {
+                          return {4, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.036737442016602) {
+                            if (x.skew_lo <= 6.452747821807861) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 64, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        }
                       }
-                    }
-                  } else {
-                    if (x.avg <= 14.112014770507812) {
-                      return {4, 32, 8, 8, 1};  // SR
                     } else {
-                      if (x.avg <= 69.93398666381836) {
-                        return {2, 64, 16, 2, 1};  // SR
-                      } else {
+                      if (x.skew_hi <= 6.96349835395813) {
                         return {4, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 13.677602291107178) {
+                          return {4, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 64, 16, 2, 1};  // SR
+                        }
                       }
                     }
                   }
@@ -4360,232 +4392,216 @@ inline Config plain_config(const Features& f) {
               }
             } else {
               if (x.long_level <= 0.5) {
-                if (x.log2_S <= 17.747084617614746) {
-                  if (x.log2_S <= 16.013352394104004) {
-                    if (x.avg <= 12.905771255493164) {
-                      if (x.avg <= 3.1892905235290527) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 6.629075288772583) {
-                          if (x.avg <= 4.218592166900635) {
-                            return {4, 64, 64, 1, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 15.365997314453125) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 15.182020664215088) {
-                            if (x.avg <= 9.758613586425781) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 32, 1, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 64, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 6.654597043991089) {
-                      if (x.avg <= 2.1546889543533325) {
-                        if (x.log2_S <= 17.07044792175293) {
-                          return {4, 64, 64, 2, 0};  // SP
+                if (x.log2_S <= 17.967687606811523) {
+                  if (x.avg <= 8.972308158874512) {
+                    if (x.skew_hi <= 5.550941467285156) {
+                      if (x.avg <= 2.07196843624115) {
+                        if (x.skew_hi <= 5.118786334991455) {
+                          return {4, 16, 64, 4, 0};  // SP
                         } else {
                           return {4, 32, 64, 2, 0};  // SP
                         }
                       } else {
-                        if (x.log2_S <= 16.484248161315918) {
-                          if (x.avg <= 3.7522311210632324) {
-                            return {4, 64, 64, 1, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 17.531371116638184) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 27.863577842712402) {
-                        if (x.log2_S <= 16.952235221862793) {
-                          if (x.log2_S <= 16.089369773864746) {
-                            return {4, 64, 32, 1, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 12.282002925872803) {
-                            if (x.avg <= 8.326022624969482) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 1, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 40.00050926208496) {
-                          if (x.log2_S <= 16.76547336578369) {
-                            if (x.avg <= 35.817657470703125) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 16.106060028076172) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 32, 1, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 20.044060707092285) {
-                    if (x.avg <= 3.1879873275756836) {
-                      if (x.log2_S <= 17.9181489944458) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
                         return {4, 32, 64, 2, 0};  // SP
                       }
                     } else {
-                      return {4, 32, 64, 4, 0};  // SP
+                      if (x.log2_S <= 15.961599349975586) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
                     }
                   } else {
-                    return {4, 16, 64, 4, 0};  // SP
+                    if (x.log2_S <= 17.066946983337402) {
+                      return {4, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -4.076172351837158) {
+                        if (x.log2_S <= 17.671486854553223) {
+                          return {4, 64, 32, 1, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -5.106217384338379) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 64, 32, 1, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 2.364054560661316) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 10.82989501953125) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 4.693076133728027) {
+                    if (x.log2_S <= 20.58686637878418) {
+                      if (x.log2_S <= 20.128976821899414) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 0.7142350375652313) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 4.553174018859863) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -2.875351667404175) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 3.9732617139816284) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 19.995068550109863) {
+                      if (x.avg <= 1.5885968208312988) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 18.890201568603516) {
+                          if (x.skew_hi <= 5.142270565032959) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 16.301159858703613) {
-                  if (x.avg <= 13.547094821929932) {
-                    if (x.avg <= 3.1426397562026978) {
-                      if (x.log2_S <= 15.358881950378418) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 15.213148593902588) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 2, 1};  // SR
-                          }
+                if (x.log2_S <= 18.001378059387207) {
+                  if (x.skew_hi <= 7.96807074546814) {
+                    if (x.avg <= 50.77001953125) {
+                      if (x.log2_S <= 15.543773651123047) {
+                        if (x.skew_lo <= 2.2170205116271973) {
+                          return {2, 64, 16, 2, 1};  // SR
                         } else {
-                          if (x.avg <= 2.573956608772278) {
-                            return {2, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
+                          return {4, 32, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 15.998669147491455) {
-                            return {2, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {2, 64, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          return {2, 64, 16, 2, 1};  // SR
-                        }
+                        return {4, 32, 8, 2, 0};  // SP
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 15.983229637145996) {
-                          return {4, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 0};  // SP
-                        }
+                      if (x.log2_S <= 16.39990997314453) {
+                        return {2, 64, 16, 2, 1};  // SR
                       } else {
-                        if (x.log2_S <= 15.670637607574463) {
-                          if (x.avg <= 8.873813152313232) {
-                            return {4, 32, 8, 8, 1};  // SR
-                          } else {
+                        if (x.skew_lo <= -0.25083909928798676) {
+                          if (x.log2_S <= 17.69662570953369) {
                             return {2, 64, 16, 2, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 3.1599587202072144) {
+                              return {2, 64, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 0};  // SP
+                            }
                           }
                         } else {
-                          return {2, 64, 16, 2, 1};  // SR
+                          return {4, 32, 8, 2, 0};  // SP
                         }
                       }
                     }
                   } else {
-                    return {2, 64, 16, 2, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 3.9288604259490967) {
-                    if (x.log2_S <= 18.860273361206055) {
-                      return {2, 64, 16, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 19.286635398864746) {
+                    if (x.skew_lo <= 9.406586647033691) {
+                      if (x.log2_S <= 15.337297439575195) {
                         if (x.long_level <= 1.5) {
-                          if (x.avg <= 2.773160934448242) {
-                            return {2, 64, 16, 2, 1};  // SR
+                          if (x.avg <= 3.7083916664123535) {
+                            return {2, 32, 8, 2, 1};  // SR
                           } else {
-                            return {4, 32, 8, 2, 0};  // SP
+                            return {4, 32, 8, 8, 1};  // SR
                           }
                         } else {
-                          return {4, 32, 8, 2, 0};  // SP
+                          return {2, 64, 16, 2, 1};  // SR
                         }
                       } else {
                         return {2, 64, 16, 2, 1};  // SR
                       }
+                    } else {
+                      return {2, 64, 64, 1, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 2.471590042114258) {
+                    if (x.skew_hi <= 13.225239753723145) {
+                      return {2, 64, 16, 2, 1};  // SR
+                    } else {
+                      return {2, 64, 64, 1, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 17.959834098815918) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 32, 8, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 12.307374000549316) {
-                          if (x.avg <= 4.376308917999268) {
+                    if (x.skew_lo <= -1.1730450987815857) {
+                      return {2, 64, 16, 2, 1};  // SR
+                    } else {
+                      if (x.avg <= 4.005141019821167) {
+                        if (x.skew_lo <= 4.340427875518799) {
+                          return {2, 64, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 18.892334938049316) {
                             return {2, 64, 16, 2, 1};  // SR
                           } else {
                             return {4, 32, 8, 2, 0};  // SP
                           }
-                        } else {
-                          return {2, 64, 16, 2, 1};  // SR
                         }
+                      } else {
+                        return {4, 32, 8, 2, 0};  // SP
                       }
-                    } else {
-                      return {4, 32, 8, 2, 0};  // SP
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 16.772135734558105) {
-              if (x.log2_S <= 16.329453468322754) {
-                return {2, 64, 64, 1, 1};  // SR
-              } else {
-                if (x.avg <= 7.86069130897522) {
+            if (x.skew_hi <= 17.201333045959473) {
+              if (x.log2_S <= 10.794875144958496) {
+                if (x.avg <= 29.985858917236328) {
                   return {2, 64, 64, 1, 1};  // SR
                 } else {
-                  if (x.log2_S <= 16.474032402038574) {
+                  return {2, 64, 16, 2, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 16.43150806427002) {
+                  return {2, 64, 64, 1, 1};  // SR
+                } else {
+                  if (x.avg <= 4.715724945068359) {
                     return {4, 32, 64, 2, 0};  // SP
                   } else {
-                    return {4, 32, 64, 4, 0};  // SP
+                    if (x.skew_lo <= 8.38907766342163) {
+                      return {2, 64, 64, 1, 1};  // SR
+                    } else {
+                      if (x.avg <= 7.687680959701538) {
+                        return {2, 64, 64, 1, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 16.47219944000244) {
+                          return {2, 64, 64, 1, 1};  // SR
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 17.45246410369873) {
-                if (x.avg <= 7.788709402084351) {
-                  if (x.avg <= 3.854964256286621) {
-                    return {4, 32, 64, 2, 0};  // SP
-                  } else {
-                    return {2, 64, 64, 1, 1};  // SR
-                  }
+              if (x.skew_hi <= 17.62453556060791) {
+                if (x.avg <= 86.93960952758789) {
+                  return {4, 32, 64, 2, 0};  // SP
                 } else {
-                  return {4, 32, 64, 4, 0};  // SP
+                  return {2, 64, 64, 1, 1};  // SR
                 }
               } else {
                 return {4, 32, 64, 2, 0};  // SP
@@ -4598,63 +4614,51 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 16, 1143 leaves; training set: oracle/pick geomean 0.993, worst cell 0.904
+// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 18, 1146 leaves; training set: oracle/pick geomean 0.993, worst cell 0.844
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 17.710415840148926) {
-          if (x.log2_S <= 12.600098609924316) {
+        if (x.log2_S <= 17.57672119140625) {
+          if (x.skew_hi <= 13.081966400146484) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 9.57624101638794) {
-                if (x.avg <= 3.201190233230591) {
-                  if (x.avg <= 1.4163593649864197) {
-                    return {1, 16, 16, 8, 0};  // SP
-                  } else {
-                    if (x.avg <= 2.3429962396621704) {
-                      return {2, 16, 64, 2, 0};  // SP
+              if (x.log2_S <= 10.377434253692627) {
+                if (x.skew_hi <= 4.374707937240601) {
+                  if (x.skew_lo <= -5.240541696548462) {
+                    if (x.log2_S <= 9.304690837860107) {
+                      return {1, 1, 64, 256, 0};  // SP
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
+                      return {2, 16, 64, 2, 0};  // SP
                     }
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 9.445253849029541) {
-                    return {1, 1, 64, 256, 0};  // SP
+                  if (x.skew_lo <= -0.566794753074646) {
+                    if (x.skew_lo <= -1.240206003189087) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {2, 16, 64, 2, 0};  // SP
+                    }
                   } else {
-                    return {1, 8, 64, 32, 0};  // SP
+                    if (x.avg <= 1.3024700284004211) {
+                      return {4, 32, 16, 8, 0};  // SP
+                    } else {
+                      return {1, 16, 16, 8, 0};  // SP
+                    }
                   }
                 }
               } else {
-                if (x.avg <= 1.4827027320861816) {
-                  return {1, 16, 16, 8, 0};  // SP
-                } else {
-                  if (x.log2_S <= 10.488165378570557) {
-                    if (x.avg <= 3.4949055910110474) {
+                if (x.avg <= 5.111857175827026) {
+                  if (x.log2_S <= 13.924198150634766) {
+                    if (x.skew_hi <= 5.387559175491333) {
                       return {2, 16, 64, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 24.809650421142578) {
-                        return {1, 8, 64, 32, 0};  // SP
+                      if (x.log2_S <= 12.745180606842041) {
+                        return {1, 16, 16, 8, 0};  // SP
                       } else {
-                        return {2, 16, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {2, 16, 64, 2, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 10.24196195602417) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 4.071820974349976) {
-                    if (x.log2_S <= 11.302924156188965) {
-                      return {1, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.987791538238525) {
-                        return {1, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 2.801862955093384) {
+                        if (x.avg <= 1.338403046131134) {
                           return {2, 16, 64, 2, 0};  // SP
                         } else {
                           return {1, 16, 64, 8, 0};  // SP
@@ -4662,283 +4666,307 @@ inline Config gathered_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.160133838653564) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    return {1, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.avg <= 8.091735601425171) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 81.37942123413086) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 11.261010646820068) {
-                      if (x.avg <= 55.601457595825195) {
-                        if (x.avg <= 29.00753402709961) {
-                          if (x.avg <= 17.762218475341797) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {1, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 12.219113826751709) {
-                      if (x.avg <= 14.189214706420898) {
-                        if (x.log2_S <= 9.78923511505127) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 16.722708702087402) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
+                    if (x.avg <= 1.8240204453468323) {
+                      if (x.log2_S <= 16.219942092895508) {
                         return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.skew_lo <= -2.273242712020874) {
+                        return {4, 2, 32, 128, 0};  // SP
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 124.37620544433594) {
-                        if (x.log2_S <= 11.765326976776123) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
+                  if (x.log2_S <= 11.797655582427979) {
+                    if (x.avg <= 23.63006591796875) {
+                      return {1, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 11.961116790771484) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
+                      return {2, 16, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 12.389689922332764) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 1.5) {
-                if (x.long_level <= 0.5) {
-                  if (x.log2_S <= 14.649401664733887) {
-                    if (x.log2_S <= 13.790423393249512) {
-                      if (x.avg <= 8.323928833007812) {
-                        return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 32.171502113342285) {
-                          if (x.log2_S <= 12.950790882110596) {
-                            return {2, 16, 64, 2, 0};  // SP
+                    if (x.avg <= 44.69426345825195) {
+                      if (x.skew_hi <= 2.665569543838501) {
+                        if (x.log2_S <= 12.415793418884277) {
+                          if (x.skew_lo <= -4.007902264595032) {
+                            return {1, 8, 64, 32, 0};  // SP
                           } else {
-                            return {1, 1, 8, 256, 1};  // SR
+                            return {1, 4, 64, 64, 0};  // SP
                           }
                         } else {
-                          return {2, 16, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 39.35849571228027) {
-                        if (x.avg <= 5.4277942180633545) {
-                          if (x.log2_S <= 14.059396743774414) {
-                            return {2, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
+                          return {1, 4, 64, 64, 0};  // SP
                         }
                       } else {
-                        return {2, 16, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 10.056928157806396) {
-                      if (x.log2_S <= 15.314494132995605) {
-                        if (x.avg <= 3.406729817390442) {
+                        if (x.log2_S <= 13.99854040145874) {
                           return {1, 4, 64, 64, 0};  // SP
                         } else {
-                          return {4, 2, 32, 128, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 3.5368027687072754) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.log2_S <= 16.862268447875977) {
-                            return {2, 32, 8, 2, 32};  // PR
+                          if (x.log2_S <= 17.0502347946167) {
+                            if (x.log2_S <= 14.320421695709229) {
+                              return {1, 2, 64, 128, 0};  // SP
+                            } else {
+                              return {4, 2, 32, 128, 0};  // SP
+                            }
                           } else {
                             return {1, 2, 64, 128, 0};  // SP
                           }
                         }
                       }
                     } else {
-                      if (x.avg <= 44.58321189880371) {
-                        if (x.avg <= 34.69754981994629) {
-                          return {1, 4, 64, 64, 0};  // SP
+                      if (x.log2_S <= 16.0306978225708) {
+                        return {2, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.131425380706787) {
+                if (x.long_level <= 1.5) {
+                  if (x.skew_hi <= 4.546103239059448) {
+                    if (x.avg <= 99.35427856445312) {
+                      if (x.log2_S <= 11.169533729553223) {
+                        if (x.avg <= 51.09304237365723) {
+                          return {1, 1, 8, 256, 1};  // SR
                         } else {
-                          if (x.log2_S <= 17.002585411071777) {
-                            return {2, 32, 8, 2, 32};  // PR
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.30838918685913) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {4, 32, 32, 1, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 18.143513679504395) {
+                      if (x.avg <= 3.935884475708008) {
+                        if (x.log2_S <= 11.163846492767334) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.01723861694336) {
+                            return {1, 32, 64, 4, 0};  // SP
                           } else {
-                            return {1, 4, 64, 64, 0};  // SP
+                            if (x.log2_S <= 12.827985763549805) {
+                              return {2, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
                           }
                         }
                       } else {
-                        if (x.log2_S <= 15.719179153442383) {
-                          return {2, 16, 64, 2, 0};  // SP
+                        if (x.log2_S <= 11.720049381256104) {
+                          if (x.avg <= 6.643059015274048) {
+                            if (x.skew_lo <= 3.848517417907715) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 6.3877716064453125) {
+                              if (x.skew_hi <= 5.967337369918823) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_lo <= 3.1692858934402466) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 8, 1};  // SR
+                              }
+                            }
+                          }
                         } else {
-                          return {1, 16, 64, 4, 0};  // SP
+                          if (x.skew_hi <= 7.146996974945068) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.191666603088379) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.54587173461914) {
-                    if (x.avg <= 6.879611015319824) {
-                      if (x.avg <= 2.785794496536255) {
-                        if (x.log2_S <= 13.652768611907959) {
-                          if (x.log2_S <= 13.013880729675293) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 14.299692153930664) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        }
+                  if (x.long_level <= 2.5) {
+                    if (x.log2_S <= 11.771193504333496) {
+                      if (x.skew_hi <= 10.137766361236572) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.log2_S <= 13.799534320831299) {
+                        if (x.skew_lo <= 7.3082685470581055) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 92.46305847167969) {
-                        if (x.avg <= 14.069579124450684) {
-                          if (x.log2_S <= 13.302991390228271) {
-                            return {1, 2, 8, 128, 1};  // SR
+                      if (x.skew_lo <= 3.7854808568954468) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 11.14665937423706) {
+                          if (x.avg <= 11.39882755279541) {
+                            return {1, 4, 8, 64, 1};  // SR
                           } else {
-                            return {1, 1, 8, 256, 1};  // SR
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.306009769439697) {
+                      if (x.avg <= 108.0191879272461) {
+                        if (x.log2_S <= 11.823748588562012) {
+                          if (x.log2_S <= 9.61814546585083) {
+                            if (x.skew_lo <= 8.004675149917603) {
+                              return {1, 1, 8, 256, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 8.629977703094482) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {1, 1, 8, 256, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 9.424142837524414) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
                           }
                         } else {
                           return {1, 1, 8, 256, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 14.13682222366333) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
+                        return {1, 1, 8, 256, 1};  // SR
                       }
-                    }
-                  } else {
-                    return {1, 1, 8, 256, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 15.346837520599365) {
-                  if (x.avg <= 13.009130477905273) {
-                    if (x.log2_S <= 13.374131679534912) {
-                      return {1, 4, 8, 64, 1};  // SR
                     } else {
-                      if (x.log2_S <= 14.252920627593994) {
-                        return {1, 2, 8, 128, 1};  // SR
+                      if (x.skew_lo <= 11.485171794891357) {
+                        if (x.skew_lo <= 6.773636341094971) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
                       } else {
                         return {1, 1, 8, 256, 1};  // SR
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 14.694488525390625) {
-                      return {1, 1, 8, 256, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.skew_hi <= 3.3438154458999634) {
+                    if (x.log2_S <= 15.725464344024658) {
+                      if (x.log2_S <= 13.9004225730896) {
+                        return {4, 32, 32, 1, 0};  // SP
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
                     } else {
-                      if (x.avg <= 19.525192260742188) {
+                      if (x.log2_S <= 17.446142196655273) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.618791580200195) {
+                      if (x.avg <= 6.7621026039123535) {
+                        if (x.log2_S <= 13.815955638885498) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 3.73693585395813) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 4.794276714324951) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.353855609893799) {
+                    if (x.skew_lo <= 4.649469375610352) {
+                      if (x.log2_S <= 14.105756282806396) {
                         return {1, 1, 8, 256, 1};  // SR
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
                       }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.04241943359375) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.avg <= 10.630937576293945) {
-                      return {1, 32, 8, 4, 32};  // PR
                     } else {
-                      return {2, 32, 8, 2, 32};  // PR
+                      if (x.log2_S <= 13.820188522338867) {
+                        if (x.skew_hi <= 10.063422679901123) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 11.57252550125122) {
+                      if (x.skew_hi <= 9.832743644714355) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 16.62131690979004) {
+                          if (x.skew_lo <= 6.937772750854492) {
+                            return {1, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
                     }
                   }
                 }
               }
-            } else {
-              if (x.log2_S <= 13.46824026107788) {
-                if (x.avg <= 106.09529113769531) {
-                  if (x.avg <= 17.138973236083984) {
-                    return {1, 1, 8, 256, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 12.905699253082275) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
+            }
+          } else {
+            if (x.log2_S <= 13.617762565612793) {
+              if (x.avg <= 6.798721551895142) {
+                if (x.long_level <= 2.5) {
+                  return {1, 2, 8, 128, 1};  // SR
                 } else {
                   return {1, 32, 8, 4, 32};  // PR
                 }
               } else {
-                if (x.log2_S <= 16.500943183898926) {
-                  if (x.log2_S <= 13.94717264175415) {
-                    if (x.avg <= 21.51676082611084) {
-                      if (x.avg <= 8.011312246322632) {
-                        return {1, 32, 8, 4, 32};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    return {1, 32, 8, 4, 32};  // PR
-                  }
+                return {2, 32, 8, 2, 32};  // PR
+              }
+            } else {
+              if (x.skew_hi <= 16.26284885406494) {
+                return {1, 32, 8, 4, 32};  // PR
+              } else {
+                if (x.avg <= 11.57152509689331) {
+                  return {1, 32, 8, 4, 32};  // PR
                 } else {
-                  if (x.log2_S <= 16.96314239501953) {
-                    if (x.avg <= 7.377316951751709) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
+                  if (x.log2_S <= 17.064334869384766) {
+                    return {2, 32, 8, 2, 32};  // PR
                   } else {
                     return {1, 32, 8, 4, 32};  // PR
                   }
@@ -4947,103 +4975,99 @@ inline Config gathered_config(const Features& f) {
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.avg <= 10.217135906219482) {
-                if (x.avg <= 3.904756784439087) {
-                  return {1, 1, 64, 256, 0};  // SP
+          if (x.long_level <= 0.5) {
+            if (x.avg <= 7.749627590179443) {
+              if (x.skew_hi <= 3.810192108154297) {
+                if (x.log2_S <= 23.519577026367188) {
+                  if (x.log2_S <= 18.276705741882324) {
+                    return {1, 2, 64, 128, 0};  // SP
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
                 } else {
-                  if (x.log2_S <= 24.34131622314453) {
-                    if (x.log2_S <= 19.096898078918457) {
-                      return {1, 2, 64, 128, 0};  // SP
+                  return {1, 2, 64, 128, 0};  // SP
+                }
+              } else {
+                return {1, 1, 64, 256, 0};  // SP
+              }
+            } else {
+              if (x.avg <= 22.972240447998047) {
+                if (x.skew_hi <= 2.081400156021118) {
+                  if (x.log2_S <= 23.589611053466797) {
+                    if (x.log2_S <= 17.803194999694824) {
+                      return {1, 4, 64, 64, 0};  // SP
                     } else {
-                      return {1, 1, 64, 256, 0};  // SP
+                      return {1, 32, 16, 4, 32};  // PR
                     }
                   } else {
                     return {1, 2, 64, 128, 0};  // SP
                   }
+                } else {
+                  return {1, 2, 64, 128, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 23.601343154907227) {
-                  if (x.avg <= 14.86540937423706) {
-                    if (x.log2_S <= 20.27536106109619) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 22.58043384552002) {
-                        if (x.avg <= 12.878145217895508) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
+                if (x.log2_S <= 24.23595905303955) {
+                  if (x.log2_S <= 18.505183219909668) {
+                    if (x.avg <= 42.621437072753906) {
+                      if (x.log2_S <= 17.98537826538086) {
+                        return {1, 4, 64, 64, 0};  // SP
                       } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 18.884553909301758) {
-                      if (x.avg <= 42.621437072753906) {
                         return {1, 32, 16, 4, 32};  // PR
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
                       }
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
                     }
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
                   }
                 } else {
-                  if (x.avg <= 32.396202087402344) {
-                    return {1, 2, 64, 128, 0};  // SP
+                  if (x.skew_lo <= -4.875367879867554) {
+                    return {1, 4, 64, 64, 0};  // SP
                   } else {
-                    if (x.log2_S <= 24.425618171691895) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {4, 2, 32, 128, 0};  // SP
-                    }
+                    return {4, 2, 32, 128, 0};  // SP
                   }
                 }
               }
-            } else {
-              if (x.log2_S <= 21.489983558654785) {
+            }
+          } else {
+            if (x.skew_hi <= 17.8093900680542) {
+              if (x.log2_S <= 21.09650230407715) {
                 if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 18.372063636779785) {
-                    if (x.avg <= 32.444735527038574) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
+                  if (x.log2_S <= 18.511820793151855) {
+                    if (x.skew_lo <= 1.3356022834777832) {
                       return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 4.15509819984436) {
-                      if (x.log2_S <= 19.17619228363037) {
-                        return {1, 32, 8, 4, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 20.623072624206543) {
-                          if (x.avg <= 3.004545569419861) {
-                            return {1, 32, 16, 4, 32};  // PR
-                          } else {
-                            return {1, 32, 8, 4, 32};  // PR
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      }
+                    if (x.avg <= 4.0122857093811035) {
+                      return {1, 32, 8, 4, 32};  // PR
                     } else {
-                      if (x.log2_S <= 21.09650230407715) {
-                        return {1, 32, 16, 4, 32};  // PR
-                      } else {
-                        if (x.avg <= 43.42282485961914) {
+                      if (x.skew_hi <= 3.5673686265945435) {
+                        if (x.log2_S <= 19.500503540039062) {
                           return {1, 32, 16, 4, 32};  // PR
                         } else {
                           return {1, 32, 8, 4, 32};  // PR
                         }
+                      } else {
+                        return {1, 32, 16, 4, 32};  // PR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 18.17182445526123) {
-                    if (x.avg <= 36.97932243347168) {
-                      return {1, 32, 8, 4, 32};  // PR
+                  if (x.skew_lo <= 4.83573055267334) {
+                    if (x.log2_S <= 19.51582908630371) {
+                      if (x.log2_S <= 18.65975284576416) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.skew_hi <= 7.655891418457031) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
                     } else {
-                      return {2, 32, 8, 2, 32};  // PR
+                      return {1, 32, 8, 4, 32};  // PR
                     }
                   } else {
                     return {1, 32, 8, 4, 32};  // PR
@@ -5052,302 +5076,120 @@ inline Config gathered_config(const Features& f) {
               } else {
                 return {1, 32, 8, 4, 32};  // PR
               }
-            }
-          } else {
-            if (x.log2_S <= 21.736248016357422) {
-              if (x.log2_S <= 18.990114212036133) {
-                if (x.avg <= 8.01073694229126) {
-                  return {1, 32, 8, 4, 32};  // PR
-                } else {
-                  return {1, 32, 16, 4, 32};  // PR
-                }
-              } else {
-                if (x.avg <= 8.96157455444336) {
-                  return {1, 32, 16, 4, 32};  // PR
-                } else {
-                  if (x.avg <= 41.081260681152344) {
-                    if (x.log2_S <= 19.715953826904297) {
+            } else {
+              if (x.skew_hi <= 23.101354598999023) {
+                if (x.skew_hi <= 21.380760192871094) {
+                  if (x.log2_S <= 19.56563091278076) {
+                    return {1, 32, 16, 4, 32};  // PR
+                  } else {
+                    if (x.avg <= 12.731667518615723) {
                       return {1, 32, 16, 4, 32};  // PR
                     } else {
-                      if (x.log2_S <= 20.55278491973877) {
-                        if (x.avg <= 17.297883987426758) {
-                          return {1, 32, 8, 4, 32};  // PR
+                      if (x.log2_S <= 20.515117645263672) {
+                        if (x.avg <= 24.226298332214355) {
+                          if (x.log2_S <= 19.82534694671631) {
+                            return {1, 32, 16, 4, 32};  // PR
+                          } else {
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
                         } else {
                           return {2, 32, 8, 2, 32};  // PR
                         }
                       } else {
-                        if (x.log2_S <= 21.31273651123047) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
+                        return {1, 32, 16, 4, 32};  // PR
                       }
                     }
-                  } else {
-                    return {1, 32, 16, 4, 32};  // PR
                   }
-                }
-              }
-            } else {
-              if (x.avg <= 10.881345748901367) {
-                if (x.log2_S <= 22.898290634155273) {
-                  if (x.avg <= 3.7699882984161377) {
-                    if (x.log2_S <= 22.562759399414062) {
+                } else {
+                  if (x.skew_lo <= 11.608623504638672) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 22.822887420654297) {
                       return {1, 32, 16, 4, 32};  // PR
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
                     }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 9.582521915435791) {
+                  if (x.skew_lo <= 7.717213153839111) {
+                    return {1, 32, 8, 4, 32};  // PR
                   } else {
                     return {2, 32, 8, 2, 32};  // PR
                   }
                 } else {
                   return {1, 32, 8, 4, 32};  // PR
                 }
-              } else {
-                return {2, 32, 8, 2, 32};  // PR
               }
             }
           }
         }
       } else {
-        if (x.log2_S <= 17.577831268310547) {
-          if (x.log2_S <= 13.423128128051758) {
-            if (x.avg <= 15.065533638000488) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 11.894702911376953) {
-                  if (x.log2_S <= 9.369587898254395) {
-                    if (x.avg <= 3.367232084274292) {
-                      if (x.avg <= 1.4979559779167175) {
-                        if (x.avg <= 1.2971502542495728) {
+        if (x.log2_S <= 16.711947441101074) {
+          if (x.long_level <= 1.5) {
+            if (x.skew_lo <= -0.2884819060564041) {
+              if (x.avg <= 53.10122108459473) {
+                if (x.log2_S <= 12.596920013427734) {
+                  if (x.log2_S <= 10.057703971862793) {
+                    if (x.skew_hi <= 4.213933944702148) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -0.6376675963401794) {
+                        return {1, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 1.3024700284004211) {
                           return {2, 32, 32, 2, 0};  // SP
                         } else {
                           return {2, 16, 64, 2, 0};  // SP
                         }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -2.254725694656372) {
+                      if (x.log2_S <= 11.75963020324707) {
+                        if (x.skew_lo <= -4.272649765014648) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 10.49014139175415) {
+                            return {1, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.088330268859863) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              if (x.avg <= 7.811324596405029) {
+                                if (x.log2_S <= 11.485505104064941) {
+                                  return {1, 16, 64, 4, 0};  // SP
+                                } else {
+                                  return {1, 32, 64, 4, 0};  // SP
+                                }
+                              } else {
+                                return {1, 8, 64, 32, 0};  // SP
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.961219310760498) {
+                          return {1, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 1.5639634132385254) {
+                        return {2, 16, 64, 2, 0};  // SP
                       } else {
                         return {1, 32, 64, 4, 0};  // SP
                       }
-                    } else {
-                      return {1, 2, 64, 128, 0};  // SP
                     }
-                  } else {
-                    if (x.avg <= 1.587768793106079) {
-                      if (x.log2_S <= 10.861944198608398) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 12.586170196533203) {
-                        if (x.log2_S <= 10.441049575805664) {
+                  }
+                } else {
+                  if (x.avg <= 7.236366033554077) {
+                    if (x.skew_hi <= 4.888122081756592) {
+                      if (x.log2_S <= 13.518976211547852) {
+                        if (x.avg <= 3.6833754777908325) {
                           return {1, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 10.79779052734375) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 32, 64, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 12.936825275421143) {
-                    return {2, 16, 64, 2, 0};  // SP
-                  } else {
-                    return {1, 2, 8, 128, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 4.154972553253174) {
-                    if (x.log2_S <= 11.302924156188965) {
-                      return {1, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.526297569274902) {
-                        if (x.avg <= 2.9897736310958862) {
-                          if (x.log2_S <= 12.232303619384766) {
-                            if (x.log2_S <= 11.530340671539307) {
-                              return {2, 16, 64, 2, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {2, 16, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {2, 32, 32, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 2.660166382789612) {
-                          if (x.log2_S <= 12.820621967315674) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 7.870447874069214) {
-                      if (x.log2_S <= 11.19048547744751) {
-                        return {1, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      return {1, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.avg <= 9.991629600524902) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.152667999267578) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.1166090965271) {
-                      if (x.log2_S <= 10.90863847732544) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 3.45536208152771) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 1.5) {
-                if (x.long_level <= 0.5) {
-                  if (x.log2_S <= 9.312160015106201) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.77653169631958) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 25.421518325805664) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 66.79462432861328) {
-                    if (x.log2_S <= 12.126109600067139) {
-                      if (x.log2_S <= 11.999592304229736) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 12.54331350326538) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.377438068389893) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.avg <= 118.41407775878906) {
-                        if (x.log2_S <= 12.812032699584961) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.932381629943848) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {2, 16, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.420439720153809) {
-                  return {1, 2, 8, 128, 1};  // SR
-                } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.avg <= 85.72185134887695) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.845990657806396) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.9948148727417) {
-                      if (x.avg <= 32.48141956329346) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 19.15250015258789) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.avg <= 128.31489944458008) {
-                          return {1, 32, 8, 4, 32};  // PR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 0.5) {
-                if (x.avg <= 10.056928157806396) {
-                  if (x.log2_S <= 15.296878337860107) {
-                    if (x.avg <= 2.696273684501648) {
-                      if (x.log2_S <= 14.881204605102539) {
-                        if (x.avg <= 1.5417877435684204) {
-                          return {2, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 13.723159313201904) {
-                        return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 14.802616596221924) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 4.225053071975708) {
-                      if (x.log2_S <= 16.907166481018066) {
-                        if (x.avg <= 3.613957166671753) {
-                          return {2, 32, 8, 2, 32};  // PR
                         } else {
                           return {1, 2, 64, 128, 0};  // SP
                         }
@@ -5355,258 +5197,436 @@ inline Config gathered_config(const Features& f) {
                         return {1, 2, 64, 128, 0};  // SP
                       }
                     } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 49.56397247314453) {
-                    if (x.log2_S <= 14.082151889801025) {
-                      if (x.avg <= 19.372782707214355) {
-                        return {1, 2, 8, 128, 1};  // SR
+                      if (x.log2_S <= 14.13325309753418) {
+                        if (x.skew_hi <= 5.2388916015625) {
+                          if (x.log2_S <= 13.613194465637207) {
+                            return {1, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          return {2, 16, 64, 2, 0};  // SP
+                        }
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
+                        if (x.log2_S <= 16.273303031921387) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 2, 64, 128, 0};  // SP
+                        }
                       }
-                    } else {
-                      return {1, 4, 64, 64, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 16.818452835083008) {
-                      return {2, 16, 64, 2, 0};  // SP
+                    if (x.avg <= 44.69426345825195) {
+                      if (x.skew_hi <= 2.8581801652908325) {
+                        return {1, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.06746244430542) {
+                          return {1, 4, 64, 64, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.631730079650879) {
+                            return {1, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {4, 2, 64, 128, 0};  // SP
+                          }
+                        }
+                      }
                     } else {
-                      return {1, 4, 64, 64, 0};  // SP
+                      if (x.log2_S <= 15.314564228057861) {
+                        return {2, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 10.581988334655762) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 14.960366249084473) {
-                      if (x.log2_S <= 14.278664588928223) {
-                        if (x.avg <= 6.420597076416016) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 9.173216342926025) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 7.158732652664185) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      }
+                if (x.log2_S <= 12.377438068389893) {
+                  if (x.avg <= 86.69975280761719) {
+                    if (x.log2_S <= 9.195461750030518) {
+                      return {1, 2, 64, 128, 0};  // SP
                     } else {
-                      if (x.log2_S <= 17.136762619018555) {
-                        return {2, 2, 8, 128, 1};  // SR
+                      if (x.log2_S <= 11.532572269439697) {
+                        return {1, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.avg <= 3.253832697868347) {
-                          if (x.log2_S <= 17.434019088745117) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 1, 8, 256, 1};  // SR
-                          }
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
+                        return {2, 16, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.763384342193604) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 17.440921783447266) {
-                        return {2, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
+                    return {1, 2, 8, 128, 1};  // SR
                   }
                 } else {
-                  if (x.avg <= 83.80656433105469) {
-                    if (x.log2_S <= 14.35058069229126) {
-                      if (x.avg <= 26.900208473205566) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
-                      }
+                  if (x.skew_lo <= -0.5480948090553284) {
+                    if (x.log2_S <= 16.173319816589355) {
+                      return {2, 16, 64, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 64.39292907714844) {
-                        return {2, 1, 8, 256, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.286093711853027) {
-                            return {2, 1, 8, 256, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 15.123009204864502) {
+                      if (x.avg <= 138.88931274414062) {
                         return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.263751029968262) {
-                        return {2, 1, 8, 256, 1};  // SR
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
                       }
                     }
+                  } else {
+                    return {2, 1, 8, 256, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.avg <= 35.54566955566406) {
-                if (x.log2_S <= 15.930318832397461) {
-                  return {1, 32, 8, 4, 32};  // PR
+              if (x.log2_S <= 13.14193344116211) {
+                if (x.avg <= 2.4881324768066406) {
+                  if (x.log2_S <= 11.155867576599121) {
+                    if (x.long_level <= 0.5) {
+                      return {2, 32, 32, 2, 0};  // SP
+                    } else {
+                      return {1, 32, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.42387056350708) {
+                      return {2, 16, 64, 2, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= 2.4787216437980533) {
+                        return {2, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
                 } else {
-                  if (x.avg <= 7.893581390380859) {
-                    if (x.log2_S <= 17.224879264831543) {
+                  if (x.log2_S <= 11.863314628601074) {
+                    if (x.avg <= 5.1201331615448) {
+                      if (x.skew_hi <= 8.21618366241455) {
+                        if (x.avg <= 4.470245122909546) {
+                          if (x.skew_hi <= 8.023357391357422) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 11.194541454315186) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {1, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 6.435297012329102) {
+                      if (x.log2_S <= 12.439984798431396) {
+                        if (x.avg <= 21.435673713684082) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 46.50650405883789) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 11.243145942687988) {
+                  if (x.log2_S <= 15.21618366241455) {
+                    if (x.log2_S <= 14.4266037940979) {
+                      if (x.skew_lo <= 3.599838376045227) {
+                        if (x.skew_hi <= 6.271507024765015) {
+                          return {2, 16, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.586043357849121) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.avg <= 8.349202156066895) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 7.34598708152771) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 1.2604288319125772) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.356806755065918) {
+                    if (x.skew_lo <= 1.6910494565963745) {
+                      if (x.log2_S <= 13.321950435638428) {
+                        if (x.avg <= 38.8392391204834) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        return {2, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {2, 1, 8, 256, 1};  // SR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.499518394470215) {
+              if (x.skew_hi <= 13.313043117523193) {
+                if (x.avg <= 14.920403480529785) {
+                  if (x.skew_lo <= 7.076925039291382) {
+                    if (x.log2_S <= 10.094637393951416) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.529109954833984) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 10.930367946624756) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 11.223108768463135) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {1, 2, 8, 128, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 6.3147337436676025) {
+                  return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  return {1, 32, 8, 4, 32};  // PR
+                }
+              }
+            } else {
+              if (x.skew_hi <= 13.508289337158203) {
+                if (x.skew_hi <= 7.856139183044434) {
+                  if (x.log2_S <= 14.71064567565918) {
+                    return {2, 1, 8, 256, 1};  // SR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.skew_hi <= 11.548466205596924) {
+                    if (x.log2_S <= 14.19655704498291) {
+                      if (x.avg <= 16.38417148590088) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      return {2, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 15.154624938964844) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 12.608969688415527) {
+                        return {2, 1, 8, 256, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.586459159851074) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 9.997557163238525) {
+                  if (x.log2_S <= 14.879444599151611) {
+                    if (x.skew_lo <= 7.6078643798828125) {
+                      if (x.skew_hi <= 13.847062587738037) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.avg <= 8.918736040592194) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.skew_lo <= 10.59289264678955) {
+                    if (x.skew_hi <= 15.19126844406128) {
                       return {1, 32, 8, 4, 32};  // PR
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
                     }
                   } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                }
-              } else {
-                if (x.avg <= 84.76588821411133) {
-                  if (x.log2_S <= 15.239609718322754) {
                     return {1, 32, 8, 4, 32};  // PR
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
                   }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
                 }
               }
             }
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.avg <= 37.487548828125) {
-              if (x.avg <= 3.3842540979385376) {
-                if (x.log2_S <= 23.49972152709961) {
-                  if (x.log2_S <= 19.24767780303955) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 23.105271339416504) {
-                      return {4, 1, 64, 256, 0};  // SP
-                    } else {
-                      if (x.avg <= 2.1447113156318665) {
-                        return {1, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {4, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  }
+            if (x.skew_hi <= 1.4996468424797058) {
+              if (x.log2_S <= 22.066903114318848) {
+                if (x.log2_S <= 18.11234188079834) {
+                  return {1, 4, 64, 64, 0};  // SP
                 } else {
-                  return {1, 2, 64, 128, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 24.170473098754883) {
-                  if (x.log2_S <= 17.957481384277344) {
-                    if (x.avg <= 10.761619567871094) {
-                      return {1, 2, 64, 128, 0};  // SP
+                  if (x.avg <= 48.23280334472656) {
+                    if (x.log2_S <= 21.79282283782959) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      return {1, 4, 64, 64, 0};  // SP
+                      return {2, 32, 8, 2, 32};  // PR
                     }
                   } else {
-                    if (x.avg <= 27.073433876037598) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 19.0414400100708) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.log2_S <= 23.184799194335938) {
-                          return {1, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 5.930840253829956) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.avg <= 29.352773666381836) {
-                      return {4, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {4, 2, 32, 128, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 23.12810230255127) {
-                if (x.log2_S <= 19.94636344909668) {
-                  if (x.log2_S <= 18.019243240356445) {
-                    return {1, 4, 64, 64, 0};  // SP
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.avg <= 41.553768157958984) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 24.429075241088867) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  return {4, 2, 32, 128, 0};  // SP
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 5.083478927612305) {
-              if (x.log2_S <= 23.095731735229492) {
-                if (x.log2_S <= 18.010891914367676) {
-                  if (x.long_level <= 1.5) {
-                    return {2, 1, 8, 256, 1};  // SR
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.long_level <= 2.5) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  return {1, 32, 16, 4, 32};  // PR
-                }
-              }
-            } else {
-              if (x.log2_S <= 17.74327564239502) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 54.4498405456543) {
-                    return {2, 1, 8, 256, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 17.59859561920166) {
-                      return {2, 1, 8, 256, 1};  // SR
+                    if (x.log2_S <= 20.075020790100098) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
                     }
                   }
+                }
+              } else {
+                if (x.skew_hi <= 1.2565159797668457) {
+                  return {4, 2, 32, 128, 0};  // SP
+                } else {
+                  return {4, 2, 64, 128, 0};  // SP
+                }
+              }
+            } else {
+              if (x.skew_hi <= 4.241162300109863) {
+                if (x.log2_S <= 23.70883083343506) {
+                  if (x.log2_S <= 18.05796241760254) {
+                    if (x.skew_lo <= -3.2510050535202026) {
+                      return {1, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_hi <= 3.742794156074524) {
+                    if (x.log2_S <= 24.38962459564209) {
+                      if (x.avg <= 9.671848773956299) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 23.105271339416504) {
+                  if (x.log2_S <= 17.878799438476562) {
+                    if (x.skew_lo <= -0.17630689591169357) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {4, 1, 64, 256, 0};  // SP
+                  }
+                } else {
+                  return {1, 2, 64, 128, 0};  // SP
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 17.80611228942871) {
+              if (x.skew_hi <= 12.185752868652344) {
+                if (x.avg <= 73.08162307739258) {
+                  if (x.avg <= 2.8413214683532715) {
+                    if (x.log2_S <= 17.63008975982666) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {2, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 17.73051643371582) {
+                      return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {2, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
                 } else {
                   return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
-                return {2, 32, 8, 2, 32};  // PR
+                if (x.skew_lo <= 11.17040491104126) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.skew_hi <= 17.082122802734375) {
+                    return {1, 32, 8, 4, 32};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 11.502870082855225) {
+                if (x.log2_S <= 18.534323692321777) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 5.207035541534424) {
+                      return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 1.4835167527198792) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 18.176682472229004) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
+                }
+              } else {
+                if (x.log2_S <= 23.204774856567383) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  return {1, 32, 16, 4, 32};  // PR
+                }
               }
             }
           }
@@ -5614,391 +5634,439 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.long_level <= 2.5) {
-          if (x.log2_S <= 18.665228843688965) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 14.489742279052734) {
-                if (x.log2_S <= 9.146659851074219) {
-                  if (x.avg <= 3.367232084274292) {
-                    if (x.avg <= 2.1995095014572144) {
-                      return {4, 32, 32, 1, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    return {1, 16, 16, 8, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 11.909994125366211) {
-                    if (x.log2_S <= 12.110798358917236) {
-                      if (x.log2_S <= 10.381874561309814) {
-                        if (x.avg <= 3.592535138130188) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 9.343711853027344) {
-                            return {1, 16, 16, 8, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.018566131591797) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.017942905426025) {
-                        if (x.avg <= 1.1044248342514038) {
-                          if (x.log2_S <= 12.758041858673096) {
-                            return {4, 32, 32, 1, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 5.047747373580933) {
+        if (x.skew_hi <= 13.973933696746826) {
+          if (x.log2_S <= 18.052714347839355) {
+            if (x.skew_lo <= -0.4504854381084442) {
+              if (x.log2_S <= 13.81788682937622) {
+                if (x.skew_hi <= 4.487332820892334) {
+                  if (x.avg <= 75.68093872070312) {
+                    if (x.log2_S <= 9.654581546783447) {
+                      if (x.avg <= 26.738778114318848) {
+                        if (x.avg <= 3.4488359689712524) {
                           return {4, 16, 64, 2, 0};  // SP
                         } else {
-                          return {4, 2, 32, 128, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.483866214752197) {
-                      return {4, 16, 64, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 38.07533836364746) {
-                        if (x.log2_S <= 14.082151889801025) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
+                          return {1, 16, 16, 8, 0};  // SP
                         }
                       } else {
                         return {4, 16, 64, 2, 0};  // SP
                       }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.020910263061523) {
-                  if (x.avg <= 51.53568458557129) {
-                    if (x.avg <= 1.569274365901947) {
-                      if (x.log2_S <= 16.3338041305542) {
-                        if (x.log2_S <= 15.058057308197021) {
-                          return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.534178256988525) {
+                        if (x.avg <= 2.9480042457580566) {
+                          return {4, 32, 32, 1, 0};  // SP
                         } else {
-                          return {4, 32, 8, 2, 32};  // PR
+                          return {4, 16, 64, 2, 0};  // SP
                         }
                       } else {
-                        return {4, 2, 32, 128, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 15.796798706054688) {
-                        return {4, 2, 32, 128, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 15.690417289733887) {
-                          return {4, 2, 32, 128, 0};  // SP
+                        if (x.skew_hi <= 1.4626503586769104) {
+                          return {4, 16, 64, 2, 0};  // SP
                         } else {
-                          if (x.avg <= 25.341423988342285) {
-                            return {1, 4, 64, 64, 0};  // SP
+                          if (x.avg <= 7.017145156860352) {
+                            if (x.log2_S <= 13.31705904006958) {
+                              return {4, 16, 64, 2, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 4.1103675365448) {
+                                return {4, 2, 32, 128, 0};  // SP
+                              } else {
+                                return {4, 16, 64, 2, 0};  // SP
+                              }
+                            }
                           } else {
-                            return {4, 2, 32, 128, 0};  // SP
+                            return {4, 4, 64, 64, 0};  // SP
                           }
                         }
                       }
                     }
                   } else {
-                    return {4, 16, 64, 2, 0};  // SP
+                    if (x.log2_S <= 12.46139669418335) {
+                      if (x.avg <= 112.1706314086914) {
+                        if (x.log2_S <= 11.56402587890625) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 12.08905029296875) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 16, 64, 2, 0};  // SP
+                    }
                   }
                 } else {
-                  if (x.avg <= 8.500686168670654) {
-                    if (x.log2_S <= 17.12010383605957) {
-                      return {4, 2, 32, 128, 0};  // SP
+                  if (x.log2_S <= 13.465463161468506) {
+                    return {4, 32, 32, 1, 0};  // SP
+                  } else {
+                    return {4, 16, 64, 2, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.avg <= 43.158735275268555) {
+                  if (x.avg <= 11.521617889404297) {
+                    if (x.skew_hi <= 3.892439603805542) {
+                      if (x.log2_S <= 15.237764835357666) {
+                        if (x.avg <= 6.329772472381592) {
+                          return {4, 2, 32, 128, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.299855709075928) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {4, 2, 64, 128, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 3.266900897026062) {
+                          return {4, 2, 32, 128, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 17.04369068145752) {
+                            if (x.avg <= 4.812289476394653) {
+                              return {4, 1, 64, 256, 0};  // SP
+                            } else {
+                              return {4, 2, 32, 128, 0};  // SP
+                            }
+                          } else {
+                            return {4, 1, 64, 256, 0};  // SP
+                          }
+                        }
+                      }
                     } else {
-                      return {4, 1, 64, 256, 0};  // SP
+                      if (x.avg <= 2.0625098943710327) {
+                        if (x.log2_S <= 16.622013092041016) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 14.53435230255127) {
+                          return {4, 2, 32, 128, 0};  // SP
+                        } else {
+                          return {4, 1, 64, 256, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    if (x.avg <= 12.109853267669678) {
-                      return {4, 2, 32, 128, 0};  // SP
+                    if (x.log2_S <= 15.520483016967773) {
+                      return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.avg <= 58.1234188079834) {
-                        return {1, 4, 64, 64, 0};  // SP
+                      if (x.log2_S <= 16.8742094039917) {
+                        if (x.avg <= 26.124094009399414) {
+                          if (x.avg <= 13.237852573394775) {
+                            return {4, 2, 32, 128, 0};  // SP
+                          } else {
+                            return {1, 4, 64, 64, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 16.16477108001709) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {4, 2, 32, 128, 0};  // SP
+                          }
+                        }
                       } else {
+                        return {1, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.679296493530273) {
+                    if (x.log2_S <= 15.123009204864502) {
+                      return {4, 16, 64, 2, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 2.3048391342163086) {
+                        return {4, 16, 64, 2, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 3.393578886985779) {
+                          if (x.log2_S <= 15.615918636322021) {
+                            if (x.skew_hi <= 3.1105849742889404) {
+                              return {4, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.4423173666000366) {
+                      if (x.skew_hi <= 0.5244281589984894) {
                         return {4, 2, 32, 128, 0};  // SP
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 16.878015518188477) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 13.132741451263428) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 10.635436058044434) {
-                    if (x.log2_S <= 9.470572471618652) {
-                      if (x.avg <= 2.588934302330017) {
-                        return {1, 32, 8, 8, 1};  // SR
-                      } else {
-                        if (x.avg <= 5.0857014656066895) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 9.547848224639893) {
-                            return {1, 16, 8, 8, 1};  // SR
+              if (x.log2_S <= 13.515160083770752) {
+                if (x.skew_lo <= 4.851093053817749) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 11.956568717956543) {
+                      if (x.avg <= 4.923502683639526) {
+                        if (x.log2_S <= 11.163846492767334) {
+                          if (x.skew_hi <= 7.793792724609375) {
+                            if (x.avg <= 1.304824709892273) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.skew_lo <= 1.658822014927864) {
+                                return {4, 32, 32, 1, 0};  // SP
+                              } else {
+                                return {1, 16, 8, 8, 1};  // SR
+                              }
+                            }
                           } else {
-                            return {1, 2, 8, 128, 1};  // SR
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 1.8574670357629657) {
+                            return {4, 32, 32, 1, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 12.30483865737915) {
+                              if (x.avg <= 3.345725893974304) {
+                                return {4, 32, 32, 2, 0};  // SP
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 8.5960693359375) {
+                          if (x.log2_S <= 11.15194845199585) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.783159732818604) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.865334510803223) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 12.347339153289795) {
-                        if (x.log2_S <= 11.11935806274414) {
-                          if (x.avg <= 2.6431912183761597) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.avg <= 5.047923564910889) {
-                              if (x.avg <= 2.711634039878845) {
-                                return {1, 32, 8, 8, 1};  // SR
-                              } else {
-                                return {1, 32, 8, 2, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 7.085607051849365) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 3.637274384498596) {
-                            if (x.log2_S <= 11.266449451446533) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 2, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 11.91050672531128) {
-                              if (x.avg <= 4.502213478088379) {
-                                return {4, 32, 32, 1, 0};  // SP
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 4.6898558139801025) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.95955753326416) {
-                      if (x.log2_S <= 11.47572660446167) {
+                      if (x.log2_S <= 11.901639938354492) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.avg <= 70.23918151855469) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.728897094726562) {
+                        if (x.log2_S <= 12.380430221557617) {
+                          if (x.skew_hi <= 5.183028936386108) {
                             return {4, 2, 8, 128, 1};  // SR
                           } else {
                             return {2, 2, 8, 128, 1};  // SR
                           }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 14.513105869293213) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.883195877075195) {
-                          return {2, 2, 8, 128, 1};  // SR
                         } else {
-                          if (x.avg <= 106.2110710144043) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 0};  // SP
-                          }
+                          return {2, 2, 8, 128, 1};  // SR
                         }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 75.56057739257812) {
-                    if (x.log2_S <= 11.729676723480225) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 19.53740882873535) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 10.136709213256836) {
-                      return {4, 2, 8, 128, 1};  // SR
+                    if (x.skew_hi <= 7.661959886550903) {
+                      return {2, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.log2_S <= 11.452181339263916) {
-                        if (x.log2_S <= 11.126662254333496) {
-                          if (x.avg <= 83.44088745117188) {
+                      if (x.log2_S <= 10.888236999511719) {
+                        if (x.log2_S <= 8.756918907165527) {
+                          if (x.skew_hi <= 8.059128284454346) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
                             return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
                           }
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 82.95748519897461) {
-                  if (x.log2_S <= 14.409310817718506) {
-                    if (x.avg <= 6.871598720550537) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 11.754884243011475) {
-                        if (x.log2_S <= 14.01744556427002) {
                           return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
                         }
                       } else {
                         return {2, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 2.9230862855911255) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.969249248504639) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.451775550842285) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 17.430696487426758) {
-                              return {4, 2, 8, 128, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 18.272109985351562) {
-                                return {2, 2, 8, 128, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 18.399846076965332) {
-                                  return {4, 32, 8, 2, 16};  // PR
-                                } else {
-                                  return {4, 32, 8, 2, 32};  // PR
-                                }
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 16.411959648132324) {
-                          if (x.avg <= 39.50573539733887) {
-                            if (x.log2_S <= 15.55909776687622) {
-                              return {2, 2, 8, 128, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 16.02258586883545) {
-                                if (x.avg <= 4.792764902114868) {
-                                  return {2, 2, 8, 128, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 2, 16};  // PR
-                                }
-                              } else {
-                                return {2, 2, 8, 128, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 15.002628326416016) {
-                              return {2, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
-                          }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
                       }
                     }
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 15.002887725830078) {
-                      if (x.log2_S <= 13.545587539672852) {
-                        if (x.avg <= 119.8385238647461) {
-                          return {2, 2, 8, 128, 1};  // SR
+                  if (x.skew_hi <= 12.377142429351807) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 12.294692039489746) {
+                        if (x.log2_S <= 11.169829845428467) {
+                          if (x.skew_hi <= 8.964980125427246) {
+                            if (x.skew_hi <= 8.388453483581543) {
+                              return {1, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 9.706835746765137) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
                         } else {
-                          return {4, 32, 32, 1, 0};  // SP
+                          return {4, 32, 32, 2, 0};  // SP
                         }
                       } else {
-                        return {4, 16, 64, 2, 0};  // SP
+                        return {1, 4, 8, 64, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 17.77653408050537) {
-                        if (x.log2_S <= 15.725464344024658) {
-                          if (x.avg <= 91.19449996948242) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
+                      if (x.log2_S <= 11.867709636688232) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.avg <= 18.047707557678223) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
-                          if (x.log2_S <= 17.63393783569336) {
+                          if (x.avg <= 85.28585815429688) {
                             return {2, 2, 8, 128, 1};  // SR
                           } else {
-                            return {4, 32, 8, 2, 16};  // PR
+                            return {1, 4, 8, 64, 1};  // SR
                           }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.60013484954834) {
+                        if (x.avg <= 18.099891662597656) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
                         }
                       } else {
                         return {4, 32, 8, 2, 32};  // PR
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 13.879748821258545) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.avg <= 88.01290130615234) {
-                        if (x.log2_S <= 14.467574119567871) {
-                          return {2, 2, 8, 128, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.long_level <= 2.5) {
+                  if (x.avg <= 79.97072219848633) {
+                    if (x.avg <= 2.8306580781936646) {
+                      if (x.log2_S <= 15.243192195892334) {
+                        if (x.skew_hi <= 11.257688999176025) {
+                          if (x.skew_lo <= 2.2422797912731767) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
                         } else {
-                          if (x.log2_S <= 16.958264350891113) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 9.04138994216919) {
+                          if (x.skew_hi <= 5.9119744300842285) {
+                            if (x.log2_S <= 16.791882514953613) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 1, 64, 256, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_lo <= 4.803479909896851) {
+                              if (x.log2_S <= 16.184213638305664) {
+                                return {2, 2, 8, 128, 1};  // SR
+                              } else {
+                                if (x.skew_hi <= 8.580076217651367) {
+                                  return {2, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 15.567190170288086) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
                             return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 64.76790237426758) {
+                        if (x.log2_S <= 14.311420440673828) {
+                          if (x.avg <= 9.720853328704834) {
+                            if (x.skew_lo <= 7.0272908210754395) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
                           } else {
                             return {2, 2, 8, 128, 1};  // SR
                           }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
                         }
+                      } else {
+                        if (x.skew_hi <= 7.723413944244385) {
+                          if (x.log2_S <= 17.663552284240723) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 15.291053295135498) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.713881015777588) {
+                      if (x.long_level <= 1.5) {
+                        return {4, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 4.832641005516052) {
+                        return {2, 2, 8, 128, 1};  // SR
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
                       }
                     }
                   }
+                } else {
+                  return {4, 32, 8, 2, 32};  // PR
                 }
               }
             }
           } else {
             if (x.long_level <= 1.5) {
               if (x.long_level <= 0.5) {
-                if (x.avg <= 12.788236618041992) {
-                  if (x.log2_S <= 24.12521457672119) {
-                    if (x.avg <= 10.217135906219482) {
-                      return {4, 1, 64, 256, 0};  // SP
+                if (x.skew_hi <= 2.709903597831726) {
+                  if (x.avg <= 43.351051330566406) {
+                    if (x.skew_lo <= -3.597637176513672) {
+                      return {1, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.log2_S <= 22.35537338256836) {
-                        if (x.log2_S <= 19.319575309753418) {
+                      return {4, 2, 32, 128, 0};  // SP
+                    }
+                  } else {
+                    return {4, 2, 32, 128, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 23.8043794631958) {
+                    if (x.skew_hi <= 3.0870555639266968) {
+                      if (x.log2_S <= 22.987391471862793) {
+                        if (x.log2_S <= 18.439151763916016) {
                           return {4, 2, 32, 128, 0};  // SP
                         } else {
                           return {4, 1, 64, 256, 0};  // SP
@@ -6006,86 +6074,34 @@ inline Config gathered_config(const Features& f) {
                       } else {
                         return {4, 2, 32, 128, 0};  // SP
                       }
-                    }
-                  } else {
-                    if (x.avg <= 3.3222867250442505) {
+                    } else {
                       return {4, 1, 64, 256, 0};  // SP
-                    } else {
+                    }
+                  } else {
+                    if (x.skew_hi <= 4.241528272628784) {
                       return {4, 2, 32, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 53.92410469055176) {
-                    return {1, 4, 64, 64, 0};  // SP
-                  } else {
-                    return {4, 2, 32, 128, 0};  // SP
-                  }
-                }
-              } else {
-                return {4, 32, 8, 2, 32};  // PR
-              }
-            } else {
-              if (x.log2_S <= 18.928009033203125) {
-                if (x.avg <= 5.515169382095337) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.avg <= 77.5389404296875) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 20.200276374816895) {
-                  if (x.avg <= 23.191554069519043) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.avg <= 63.44053649902344) {
-                      return {2, 2, 8, 128, 1};  // SR
                     } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 13.322841167449951) {
-            if (x.avg <= 81.46539306640625) {
-              if (x.avg <= 16.064651012420654) {
-                return {1, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.log2_S <= 11.539552211761475) {
-                  if (x.log2_S <= 9.048409461975098) {
-                    if (x.avg <= 40.23901557922363) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.09072732925415) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 23.506895065307617) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.6658353805542) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 12.906251430511475) {
-                      if (x.avg <= 42.26097869873047) {
-                        return {2, 2, 8, 128, 1};  // SR
+                      if (x.skew_lo <= -0.06639287248253822) {
+                        return {4, 1, 64, 256, 0};  // SP
                       } else {
                         return {4, 32, 8, 2, 32};  // PR
                       }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 18.52858066558838) {
+                  if (x.skew_lo <= 1.8672621250152588) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {2, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 9.712444305419922) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 19.357807159423828) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
                       return {4, 32, 8, 2, 32};  // PR
                     }
@@ -6093,223 +6109,171 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 10.863369464874268) {
-                return {4, 2, 8, 128, 1};  // SR
-              } else {
-                if (x.log2_S <= 12.306350231170654) {
-                  return {2, 2, 8, 128, 1};  // SR
+              if (x.log2_S <= 19.68743133544922) {
+                if (x.skew_hi <= 8.554005146026611) {
+                  return {4, 32, 8, 2, 16};  // PR
                 } else {
-                  return {4, 32, 8, 2, 32};  // PR
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 20.026321411132812) {
-              if (x.log2_S <= 18.820521354675293) {
-                return {4, 32, 8, 2, 32};  // PR
-              } else {
-                if (x.avg <= 12.834768295288086) {
-                  return {4, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.avg <= 41.626007080078125) {
+                  if (x.avg <= 8.049493789672852) {
                     return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    return {4, 32, 8, 2, 32};  // PR
+                    if (x.log2_S <= 19.234291076660156) {
+                      if (x.skew_lo <= 4.701800584793091) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 5.889671325683594) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
                   }
                 }
+              } else {
+                return {4, 32, 8, 2, 16};  // PR
               }
-            } else {
-              return {4, 32, 8, 2, 32};  // PR
             }
+          }
+        } else {
+          if (x.long_level <= 2.5) {
+            return {4, 32, 8, 2, 16};  // PR
+          } else {
+            return {4, 32, 8, 2, 32};  // PR
           }
         }
       } else {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 12.311470985412598) {
-            if (x.log2_S <= 11.454390048980713) {
-              if (x.log2_S <= 9.072752952575684) {
-                if (x.avg <= 13.887704849243164) {
-                  if (x.avg <= 3.666878819465637) {
-                    if (x.avg <= 1.4780147671699524) {
-                      return {1, 64, 16, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 2.1995095014572144) {
-                        if (x.avg <= 1.7080881595611572) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          return {2, 32, 32, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 32, 1, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
-                  }
-                } else {
-                  return {1, 8, 64, 32, 0};  // SP
-                }
+        if (x.skew_lo <= -1.9814181327819824) {
+          if (x.log2_S <= 11.353082656860352) {
+            if (x.log2_S <= 10.099784851074219) {
+              if (x.skew_lo <= -2.075648784637451) {
+                return {1, 8, 64, 32, 0};  // SP
               } else {
-                if (x.avg <= 3.1656556129455566) {
-                  if (x.avg <= 1.7049997448921204) {
-                    if (x.log2_S <= 10.783048629760742) {
-                      return {1, 64, 16, 4, 0};  // SP
-                    } else {
-                      return {4, 64, 8, 1, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 9.96207571029663) {
-                      return {2, 32, 32, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 10.568452835083008) {
-                        return {4, 32, 16, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.088213443756104) {
-                          return {1, 64, 16, 4, 0};  // SP
-                        } else {
-                          return {1, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  }
+                return {1, 2, 64, 128, 0};  // SP
+              }
+            } else {
+              if (x.avg <= 29.05027484893799) {
+                if (x.log2_S <= 11.138538360595703) {
+                  return {4, 32, 32, 1, 0};  // SP
                 } else {
-                  if (x.avg <= 3.731481909751892) {
-                    return {2, 32, 32, 2, 0};  // SP
+                  if (x.skew_lo <= -2.6198185682296753) {
+                    return {1, 8, 64, 32, 0};  // SP
                   } else {
                     return {4, 32, 32, 1, 0};  // SP
                   }
                 }
-              }
-            } else {
-              if (x.avg <= 3.4970805644989014) {
-                if (x.avg <= 1.5448933839797974) {
-                  if (x.avg <= 1.3289330005645752) {
-                    return {4, 64, 8, 1, 0};  // SP
-                  } else {
-                    return {1, 32, 8, 8, 1};  // SR
-                  }
-                } else {
-                  return {1, 32, 64, 2, 0};  // SP
-                }
               } else {
-                return {2, 32, 32, 2, 0};  // SP
+                return {1, 8, 64, 32, 0};  // SP
               }
             }
           } else {
-            if (x.avg <= 3.3870275020599365) {
-              if (x.log2_S <= 20.714564323425293) {
-                if (x.log2_S <= 14.495047092437744) {
-                  if (x.log2_S <= 12.758275985717773) {
-                    if (x.avg <= 1.7545883059501648) {
-                      if (x.avg <= 1.365710735321045) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      return {1, 32, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 1.3131755590438843) {
-                      if (x.log2_S <= 13.340564727783203) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 13.822840213775635) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 2.214266777038574) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  return {1, 8, 64, 32, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 22.382929801940918) {
-                  if (x.log2_S <= 21.38089370727539) {
-                    if (x.avg <= 2.752564549446106) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 2.6961207389831543) {
-                      return {4, 32, 16, 2, 8};  // PR
-                    } else {
-                      return {1, 32, 16, 8, 8};  // PR
-                    }
-                  }
-                } else {
-                  return {1, 32, 16, 8, 8};  // PR
-                }
-              }
-            } else {
-              return {1, 8, 64, 32, 0};  // SP
-            }
+            return {1, 8, 64, 32, 0};  // SP
           }
         } else {
-          if (x.log2_S <= 17.74721908569336) {
-            if (x.log2_S <= 11.901012897491455) {
+          if (x.log2_S <= 17.76265525817871) {
+            if (x.log2_S <= 11.89873218536377) {
               if (x.long_level <= 2.5) {
-                if (x.avg <= 7.040631532669067) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 4.470245122909546) {
-                      if (x.avg <= 3.935884475708008) {
-                        if (x.avg <= 2.5271899700164795) {
+                if (x.avg <= 6.6743550300598145) {
+                  if (x.skew_lo <= 6.617401123046875) {
+                    if (x.skew_lo <= 4.023357391357422) {
+                      if (x.skew_hi <= 7.463452339172363) {
+                        if (x.avg <= 1.642390787601471) {
+                          if (x.log2_S <= 10.783048629760742) {
+                            if (x.avg <= 1.3131216764450073) {
+                              return {1, 64, 16, 4, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 5.4332053661346436) {
+                                return {1, 64, 16, 4, 0};  // SP
+                              } else {
+                                return {4, 64, 8, 1, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 1.5088128447532654) {
+                              return {4, 64, 8, 1, 0};  // SP
+                            } else {
+                              return {1, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 3.0535744428634644) {
+                            if (x.avg <= 2.009112536907196) {
+                              return {4, 32, 16, 8, 0};  // SP
+                            } else {
+                              return {2, 32, 32, 2, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_hi <= 5.8341028690338135) {
+                              return {4, 32, 32, 1, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 10.920509338378906) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 3.9833879470825195) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.809849262237549) {
+                        if (x.avg <= 2.437351942062378) {
                           return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.avg <= 2.768724203109741) {
+                          if (x.avg <= 2.960793137550354) {
                             return {1, 32, 8, 2, 1};  // SR
                           } else {
                             return {1, 32, 8, 4, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 11.048555374145508) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 8.081742763519287) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
                         return {1, 16, 8, 8, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 11.138069152832031) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 1.9922932982444763) {
+                    return {1, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 11.125124454498291) {
+                    if (x.skew_lo <= 6.660284757614136) {
+                      if (x.skew_hi <= 10.093291282653809) {
                         return {1, 4, 8, 64, 1};  // SR
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.472736358642578) {
-                    return {1, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.avg <= 12.226673603057861) {
-                      return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 121.77207565307617) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 2.388047933578491) {
+                      if (x.avg <= 99.36303329467773) {
                         return {1, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.log2_S <= 11.71278429031372) {
+                        if (x.log2_S <= 11.5170259475708) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.802520751953125) {
+                        if (x.avg <= 159.47264099121094) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 16.84505558013916) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
                         }
                       }
                     }
@@ -6319,76 +6283,134 @@ inline Config gathered_config(const Features& f) {
                 return {1, 8, 16, 32, 1};  // SR
               }
             } else {
-              if (x.log2_S <= 14.587793350219727) {
-                if (x.avg <= 5.962984323501587) {
-                  if (x.long_level <= 2.5) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 13.321849822998047) {
-                        if (x.avg <= 3.555650472640991) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
+              if (x.skew_hi <= 16.02108860015869) {
+                if (x.skew_lo <= -0.711529552936554) {
+                  if (x.skew_hi <= 3.6575316190719604) {
+                    if (x.log2_S <= 16.387453079223633) {
+                      if (x.log2_S <= 12.42608642578125) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.avg <= 4.340568780899048) {
-                          return {1, 8, 8, 32, 1};  // SR
+                        if (x.skew_lo <= -0.8042900860309601) {
+                          return {1, 16, 64, 8, 0};  // SP
                         } else {
-                          if (x.log2_S <= 13.974220752716064) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
+                          return {4, 8, 32, 32, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 4.048370957374573) {
-                        return {1, 8, 8, 32, 1};  // SR
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.088413119316101) {
+                      if (x.log2_S <= 12.27133846282959) {
+                        if (x.skew_lo <= -1.6408612728118896) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {2, 32, 32, 2, 0};  // SP
+                        }
                       } else {
-                        if (x.log2_S <= 13.304110050201416) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.338358879089355) {
+                        if (x.log2_S <= 13.189251899719238) {
+                          if (x.skew_hi <= 5.032431364059448) {
+                            return {2, 32, 32, 2, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
                           return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 1.8895829916000366) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 14.803028583526611) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 3.6249449253082275) {
+                        if (x.log2_S <= 16.65530490875244) {
+                          if (x.log2_S <= 12.346445560455322) {
+                            if (x.skew_hi <= 9.01911735534668) {
+                              if (x.avg <= 1.7827631831169128) {
+                                return {4, 64, 8, 1, 0};  // SP
+                              } else {
+                                return {1, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 13.298542022705078) {
+                              if (x.long_level <= 0.5) {
+                                if (x.skew_hi <= 5.553163766860962) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {4, 64, 8, 1, 0};  // SP
+                                }
+                              } else {
+                                if (x.skew_hi <= 8.859492301940918) {
+                                  if (x.skew_lo <= 4.440454721450806) {
+                                    return {1, 8, 8, 32, 1};  // SR
+                                  } else {
+                                    return {1, 16, 8, 8, 1};  // SR
+                                  }
+                                } else {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.avg <= 2.9150004386901855) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 15.225967407226562) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.528007984161377) {
+                          if (x.avg <= 12.411478996276855) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 36.06966972351074) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 12.967360973358154) {
+                                if (x.skew_hi <= 3.6616885662078857) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                }
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            }
+                          }
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
                         }
                       }
-                    }
-                  } else {
-                    return {1, 8, 16, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 12.895004749298096) {
-                      if (x.avg <= 60.85010528564453) {
-                        if (x.avg <= 13.97730827331543) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.625036239624023) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 75.5160903930664) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      }
                     } else {
-                      if (x.avg <= 111.7645263671875) {
-                        if (x.avg <= 10.524052143096924) {
-                          if (x.log2_S <= 13.665555477142334) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.179042339324951) {
-                            if (x.avg <= 39.53727149963379) {
-                              if (x.avg <= 14.465473651885986) {
+                      if (x.log2_S <= 14.587793350219727) {
+                        if (x.skew_hi <= 14.10840129852295) {
+                          if (x.avg <= 5.1303558349609375) {
+                            if (x.log2_S <= 12.31397819519043) {
+                              if (x.long_level <= 2.5) {
                                 return {1, 8, 8, 32, 1};  // SR
                               } else {
-                                return {1, 4, 8, 64, 1};  // SR
+                                return {1, 8, 16, 32, 1};  // SR
                               }
                             } else {
                               return {1, 8, 16, 32, 1};  // SR
@@ -6396,186 +6418,174 @@ inline Config gathered_config(const Features& f) {
                           } else {
                             return {1, 8, 16, 32, 1};  // SR
                           }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.337414264678955) {
-                          return {1, 8, 16, 32, 1};  // SR
                         } else {
-                          return {1, 16, 64, 8, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.217925548553467) {
-                      if (x.long_level <= 2.5) {
-                        if (x.avg <= 14.206355571746826) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 12.072062969207764) {
-                            if (x.avg <= 70.88233947753906) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
+                          if (x.skew_lo <= 9.23296594619751) {
+                            return {4, 8, 32, 32, 1};  // SR
                           } else {
                             return {1, 8, 16, 32, 1};  // SR
                           }
                         }
                       } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.198180198669434) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 50.06614112854004) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.long_level <= 2.5) {
-                            if (x.avg <= 70.47891235351562) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
+                        if (x.avg <= 28.47165870666504) {
+                          if (x.log2_S <= 17.157057762145996) {
+                            return {1, 8, 16, 32, 1};  // SR
                           } else {
-                            return {1, 8, 64, 32, 1};  // SR
+                            if (x.avg <= 5.54271125793457) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 17.562861442565918) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 32, 32, 1};  // SR
+                              }
+                            }
                           }
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 64.5151138305664) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 3.032496452331543) {
-                        if (x.log2_S <= 15.391529083251953) {
-                          return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 14.348470211029053) {
-                        if (x.log2_S <= 16.871240615844727) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 4.1294025182724) {
-                            if (x.log2_S <= 17.434755325317383) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 64, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 15.249467849731445) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 35.52114677429199) {
-                            if (x.log2_S <= 15.55530071258545) {
+                          if (x.log2_S <= 15.59449577331543) {
+                            if (x.avg <= 31.82772922515869) {
                               return {1, 8, 16, 32, 1};  // SR
                             } else {
                               return {4, 8, 32, 32, 1};  // SR
                             }
                           } else {
-                            if (x.log2_S <= 16.457261085510254) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
+                            if (x.skew_hi <= 8.897376537322998) {
                               return {1, 8, 64, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
                             }
                           }
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 15.350495338439941) {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 121.3602409362793) {
-                          if (x.avg <= 89.78156661987305) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 15.111146450042725) {
-                            return {1, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 119.30863189697266) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 64, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 16.1991024017334) {
-                    if (x.avg <= 10.342368602752686) {
-                      if (x.log2_S <= 15.802575588226318) {
-                        if (x.log2_S <= 15.130458354949951) {
-                          if (x.log2_S <= 14.843392372131348) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
+                    if (x.avg <= 8.589147090911865) {
+                      if (x.skew_hi <= 15.738460063934326) {
+                        if (x.skew_hi <= 14.890362739562988) {
+                          return {2, 32, 8, 2, 32};  // PR
                         } else {
                           return {1, 32, 16, 8, 8};  // PR
                         }
                       } else {
-                        if (x.avg <= 7.652677297592163) {
-                          return {4, 32, 16, 2, 8};  // PR
-                        } else {
-                          return {1, 8, 64, 32, 1};  // SR
-                        }
+                        return {4, 32, 16, 2, 8};  // PR
                       }
                     } else {
-                      return {1, 8, 64, 32, 1};  // SR
+                      if (x.skew_hi <= 14.849913120269775) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
                     }
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
                   }
                 }
+              } else {
+                return {4, 8, 32, 32, 1};  // SR
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 20.562501907348633) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 18.318973541259766) {
-                    if (x.avg <= 18.507086753845215) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 18.07615089416504) {
-                        if (x.avg <= 88.57900810241699) {
+            if (x.skew_hi <= 19.172396659851074) {
+              if (x.long_level <= 0.5) {
+                if (x.avg <= 2.7763203382492065) {
+                  if (x.log2_S <= 22.382929801940918) {
+                    if (x.log2_S <= 20.122072219848633) {
+                      if (x.skew_lo <= -1.0294781923294067) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 18.603035926818848) {
                           return {1, 8, 16, 32, 1};  // SR
                         } else {
-                          return {4, 8, 32, 32, 1};  // SR
+                          return {1, 32, 16, 8, 8};  // PR
                         }
+                      }
+                    } else {
+                      if (x.skew_lo <= -1.1549822688102722) {
+                        return {1, 32, 16, 8, 8};  // PR
                       } else {
-                        return {4, 8, 32, 32, 1};  // SR
+                        return {4, 32, 16, 2, 8};  // PR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 20.321735382080078) {
-                      return {4, 8, 32, 32, 1};  // SR
+                    return {1, 32, 16, 8, 8};  // PR
+                  }
+                } else {
+                  return {1, 8, 64, 32, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 21.042434692382812) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 18.285162925720215) {
+                      if (x.skew_lo <= 2.2985315322875977) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
                     } else {
-                      if (x.avg <= 3.9478310346603394) {
+                      if (x.log2_S <= 20.53372287750244) {
+                        if (x.skew_hi <= 7.904359340667725) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 18.644131660461426) {
+                            if (x.avg <= 2.7664016485214233) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 3.285478949546814) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.299681663513184) {
+                          if (x.skew_lo <= 1.8697662353515625) {
+                            if (x.log2_S <= 20.873842239379883) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 34.42828559875488) {
+                      if (x.skew_lo <= 7.686136484146118) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 10.943037033081055) {
+                          if (x.log2_S <= 17.91024684906006) {
+                            if (x.skew_lo <= 8.723196029663086) {
+                              return {1, 8, 64, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 18.289647102355957) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 11.827385425567627) {
+                              if (x.skew_lo <= 11.267265796661377) {
+                                return {4, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 8};  // PR
+                              }
+                            } else {
+                              return {1, 32, 16, 8, 8};  // PR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.791434288024902) {
                         return {4, 8, 32, 32, 1};  // SR
                       } else {
                         return {1, 8, 64, 32, 1};  // SR
@@ -6583,48 +6593,54 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  return {1, 8, 64, 32, 1};  // SR
-                }
-              } else {
-                return {1, 8, 64, 32, 1};  // SR
-              }
-            } else {
-              if (x.log2_S <= 19.172396659851074) {
-                if (x.avg <= 9.265907287597656) {
-                  if (x.log2_S <= 18.87013816833496) {
-                    return {4, 8, 32, 32, 1};  // SR
+                  if (x.skew_hi <= 8.834103107452393) {
+                    return {1, 8, 64, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 4.574343681335449) {
-                      return {1, 32, 16, 8, 8};  // PR
+                    if (x.skew_hi <= 11.40222454071045) {
+                      if (x.avg <= 32.293256759643555) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
                     } else {
-                      return {4, 8, 32, 32, 1};  // SR
+                      return {1, 8, 64, 32, 1};  // SR
                     }
                   }
-                } else {
-                  return {1, 8, 64, 32, 1};  // SR
                 }
-              } else {
-                if (x.log2_S <= 20.20509624481201) {
-                  if (x.avg <= 11.041135787963867) {
-                    return {1, 32, 16, 8, 8};  // PR
+              }
+            } else {
+              if (x.log2_S <= 21.042624473571777) {
+                if (x.avg <= 10.489766120910645) {
+                  return {1, 32, 16, 8, 8};  // PR
+                } else {
+                  if (x.skew_lo <= 7.141445875167847) {
+                    return {1, 8, 64, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 19.69953727722168) {
-                      if (x.avg <= 24.071277618408203) {
+                    if (x.skew_hi <= 19.829548835754395) {
+                      if (x.skew_lo <= 9.410929679870605) {
+                        return {1, 8, 64, 32, 1};  // SR
+                      } else {
                         if (x.log2_S <= 19.305806159973145) {
                           return {1, 8, 64, 32, 1};  // SR
                         } else {
                           return {1, 32, 16, 8, 8};  // PR
                         }
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
                       }
                     } else {
-                      return {4, 32, 16, 2, 8};  // PR
+                      if (x.skew_hi <= 20.92323589324951) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        if (x.avg <= 27.489596366882324) {
+                          return {4, 32, 16, 2, 8};  // PR
+                        } else {
+                          return {1, 32, 16, 8, 8};  // PR
+                        }
+                      }
                     }
                   }
-                } else {
-                  return {1, 32, 16, 8, 8};  // PR
                 }
+              } else {
+                return {1, 32, 16, 8, 8};  // PR
               }
             }
           }
@@ -6634,412 +6650,444 @@ inline Config gathered_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.long_level <= 2.5) {
+        if (x.skew_hi <= 13.722850322723389) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 15.43868637084961) {
-              if (x.log2_S <= 12.288361549377441) {
-                if (x.log2_S <= 9.535709857940674) {
-                  if (x.avg <= 3.0434688329696655) {
-                    if (x.avg <= 1.2971502542495728) {
-                      if (x.log2_S <= 9.407602310180664) {
-                        return {4, 32, 16, 8, 0};  // SP
-                      } else {
-                        return {4, 32, 32, 1, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 32, 1, 0};  // SP
-                    }
-                  } else {
-                    return {1, 1, 64, 256, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 12.069444179534912) {
-                    if (x.log2_S <= 9.755967617034912) {
-                      if (x.avg <= 3.8733490705490112) {
-                        return {4, 32, 32, 1, 0};  // SP
-                      } else {
-                        if (x.avg <= 14.31729793548584) {
+            if (x.log2_S <= 17.077159881591797) {
+              if (x.log2_S <= 12.47629690170288) {
+                if (x.log2_S <= 10.59128999710083) {
+                  if (x.skew_lo <= -1.6252922415733337) {
+                    if (x.log2_S <= 10.298814296722412) {
+                      if (x.skew_hi <= 0.23644836246967316) {
+                        if (x.log2_S <= 9.951744079589844) {
                           return {1, 1, 64, 256, 0};  // SP
                         } else {
-                          return {4, 32, 32, 1, 0};  // SP
+                          return {4, 32, 64, 2, 0};  // SP
                         }
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 1.316527545452118) {
-                        if (x.avg <= 1.1999475359916687) {
+                      if (x.avg <= 35.49409294128418) {
+                        if (x.skew_hi <= 1.9492242932319641) {
                           return {4, 32, 32, 1, 0};  // SP
                         } else {
-                          if (x.log2_S <= 11.286616325378418) {
-                            return {4, 32, 16, 8, 0};  // SP
+                          if (x.skew_hi <= 4.110576152801514) {
+                            return {1, 1, 64, 256, 0};  // SP
                           } else {
                             return {4, 32, 32, 1, 0};  // SP
                           }
                         }
                       } else {
-                        return {4, 32, 32, 1, 0};  // SP
+                        return {4, 32, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 5.873334646224976) {
-                      if (x.log2_S <= 12.099944114685059) {
+                    if (x.avg <= 1.3024700284004211) {
+                      return {4, 32, 16, 8, 0};  // SP
+                    } else {
+                      return {4, 32, 32, 1, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -5.170634746551514) {
+                    return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 5.588088035583496) {
+                      if (x.log2_S <= 12.006475925445557) {
                         return {4, 32, 32, 1, 0};  // SP
                       } else {
-                        return {4, 32, 64, 2, 0};  // SP
+                        if (x.skew_hi <= 3.4356666803359985) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.456518650054932) {
+                            return {4, 32, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
                       }
                     } else {
-                      if (x.avg <= 31.80884075164795) {
-                        return {4, 32, 32, 1, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
+                      return {4, 32, 16, 8, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 13.573689937591553) {
-                  if (x.avg <= 6.236813545227051) {
-                    return {4, 32, 64, 2, 0};  // SP
+                if (x.skew_hi <= 3.161367893218994) {
+                  if (x.avg <= 11.744064331054688) {
+                    if (x.log2_S <= 15.890002727508545) {
+                      if (x.log2_S <= 12.605915546417236) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
                   } else {
-                    if (x.avg <= 19.64869976043701) {
-                      if (x.log2_S <= 13.12218713760376) {
-                        if (x.avg <= 7.560796499252319) {
-                          return {4, 32, 64, 2, 0};  // SP
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 14.313165664672852) {
+                    if (x.avg <= 3.0888947248458862) {
+                      if (x.skew_lo <= -0.34581810235977173) {
+                        if (x.log2_S <= 14.007922172546387) {
+                          if (x.log2_S <= 12.699873924255371) {
+                            if (x.skew_lo <= -1.2937099933624268) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 5.467989206314087) {
+                                return {4, 32, 32, 1, 0};  // SP
+                              } else {
+                                return {4, 32, 16, 8, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
                         } else {
-                          return {4, 32, 32, 1, 0};  // SP
+                          return {4, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 9.600610256195068) {
-                          if (x.log2_S <= 13.471149921417236) {
-                            return {4, 32, 64, 2, 0};  // SP
+                        if (x.avg <= 1.0603683590888977) {
+                          if (x.log2_S <= 13.03155517578125) {
+                            return {4, 32, 32, 1, 0};  // SP
                           } else {
                             return {4, 2, 8, 128, 1};  // SR
                           }
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          return {4, 32, 16, 8, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 13.353176593780518) {
+                      if (x.log2_S <= 13.162653923034668) {
                         return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.397767066955566) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 11.997886657714844) {
-                    if (x.log2_S <= 14.032676219940186) {
-                      if (x.avg <= 5.047747373580933) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.953271389007568) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.avg <= 2.809664726257324) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.avg <= 5.922714948654175) {
-                            if (x.log2_S <= 15.02600908279419) {
-                              return {4, 4, 64, 64, 0};  // SP
-                            } else {
-                              return {4, 2, 64, 128, 0};  // SP
-                            }
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.548705577850342) {
-                      if (x.avg <= 19.59879970550537) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.541156768798828) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 17.771924018859863) {
-                if (x.avg <= 12.290308475494385) {
-                  if (x.log2_S <= 15.816774845123291) {
-                    if (x.avg <= 1.8890179991722107) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.avg <= 9.124767303466797) {
-                        return {4, 2, 64, 128, 0};  // SP
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
                       }
                     }
                   } else {
-                    return {4, 2, 64, 128, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 17.49713897705078) {
-                    return {4, 4, 64, 64, 0};  // SP
-                  } else {
-                    if (x.avg <= 21.47865104675293) {
-                      return {4, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 62.94377326965332) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  return {4, 4, 64, 64, 0};  // SP
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 12.249523162841797) {
-              if (x.avg <= 5.146695137023926) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 2.8342695236206055) {
-                    if (x.log2_S <= 11.912022590637207) {
-                      if (x.avg <= 1.1837780475616455) {
-                        if (x.log2_S <= 9.094570636749268) {
-                          return {1, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 11.370338439941406) {
-                          if (x.log2_S <= 8.00194764137268) {
-                            return {1, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 1.991846740245819) {
-                            if (x.log2_S <= 11.655910968780518) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 11.866224765777588) {
-                                return {1, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.42385721206665) {
-                      return {1, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.691038131713867) {
-                        return {1, 32, 8, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.92065954208374) {
-                          if (x.avg <= 3.917403817176819) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.745046138763428) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 10.791332721710205) {
-                    if (x.avg <= 1.9115114212036133) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {1, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {1, 8, 8, 32, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 11.881757736206055) {
-                    if (x.avg <= 5.501810073852539) {
-                      if (x.avg <= 5.363706111907959) {
-                        return {1, 32, 8, 8, 1};  // SR
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 11.52631139755249) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 10.305047035217285) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 12.015153408050537) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 40.101213455200195) {
-                        if (x.log2_S <= 12.147672653198242) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 29.28017520904541) {
-                    if (x.log2_S <= 11.245346546173096) {
-                      if (x.log2_S <= 11.075841903686523) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 16.43184518814087) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 14.332438468933105) {
-                        if (x.log2_S <= 11.895343780517578) {
-                          if (x.log2_S <= 11.337589740753174) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 7.1640777587890625) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.591721057891846) {
-                          if (x.avg <= 21.495680809020996) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 8.917993545532227) {
-                      if (x.avg <= 67.45226287841797) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
+                    if (x.avg <= 2.06876540184021) {
                       return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.791338920593262) {
+                        if (x.avg <= 3.4723938703536987) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 3.5779284238815308) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 14.58150053024292) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 2, 64, 128, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 14.408285140991211) {
-                if (x.avg <= 5.59632682800293) {
-                  if (x.log2_S <= 13.80942440032959) {
-                    if (x.avg <= 5.569003582000732) {
-                      return {1, 8, 8, 32, 1};  // SR
+              if (x.log2_S <= 17.954333305358887) {
+                if (x.skew_hi <= 1.780643343925476) {
+                  return {4, 4, 64, 64, 0};  // SP
+                } else {
+                  if (x.avg <= 1.2697203755378723) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {4, 2, 64, 128, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.avg <= 52.63484764099121) {
+                  return {4, 2, 64, 128, 0};  // SP
+                } else {
+                  if (x.log2_S <= 20.594465255737305) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    if (x.avg <= 60.479570388793945) {
+                      return {4, 2, 64, 128, 0};  // SP
                     } else {
-                      return {4, 8, 8, 32, 1};  // SR
+                      if (x.skew_hi <= 0.03456092346459627) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.755954265594482) {
+              if (x.avg <= 15.065533638000488) {
+                if (x.skew_hi <= 7.8522961139678955) {
+                  if (x.log2_S <= 11.84527063369751) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 7.269437551498413) {
+                      if (x.log2_S <= 12.250295162200928) {
+                        if (x.avg <= 12.015153408050537) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.104113578796387) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 2.93845796585083) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.391565322875977) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.51680612564087) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 6.030872821807861) {
+                    if (x.log2_S <= 11.781925678253174) {
+                      if (x.skew_hi <= 8.27921438217163) {
+                        if (x.avg <= 1.8624401092529297) {
+                          if (x.skew_hi <= 8.05891466140747) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.496376037597656) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.72655439376831) {
+                              return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.262754917144775) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.329957008361816) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 8.62644338607788) {
+                              if (x.log2_S <= 11.578258037567139) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 2, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 11.515602588653564) {
+                                if (x.skew_hi <= 8.960423946380615) {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {4, 32, 64, 2, 0};  // SP
+                                }
+                              } else {
+                                return {1, 32, 8, 4, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 3.002514958381653) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.838068962097168) {
-                        return {4, 8, 8, 32, 1};  // SR
+                    if (x.skew_hi <= 10.108325004577637) {
+                      if (x.log2_S <= 9.418127536773682) {
+                        return {4, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 4.421268701553345) {
-                            if (x.avg <= 3.3297427892684937) {
+                        if (x.skew_lo <= 7.296395778656006) {
+                          if (x.avg <= 14.35481071472168) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 8.215731143951416) {
+                        if (x.log2_S <= 13.304110050201416) {
+                          if (x.skew_lo <= 7.7909979820251465) {
+                            if (x.log2_S <= 10.196291446685791) {
+                              if (x.skew_hi <= 10.170125961303711) {
+                                return {4, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 11.796058177947998) {
                               return {1, 8, 8, 32, 1};  // SR
                             } else {
-                              return {4, 2, 8, 128, 1};  // SR
+                              return {4, 4, 8, 64, 1};  // SR
                             }
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 10.060919284820557) {
+                          if (x.log2_S <= 13.231896877288818) {
+                            if (x.log2_S <= 10.259703636169434) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 8.577563285827637) {
+                                if (x.skew_hi <= 11.833048343658447) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  if (x.skew_hi <= 12.334261417388916) {
+                                    return {4, 4, 8, 64, 1};  // SR
+                                  } else {
+                                    return {1, 8, 8, 32, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                if (x.skew_hi <= 10.567084312438965) {
+                                  if (x.avg <= 1.886364221572876) {
+                                    if (x.avg <= 1.2372859120368958) {
+                                      return {1, 8, 8, 32, 1};  // SR
+                                    } else {
+                                      return {4, 2, 8, 128, 1};  // SR
+                                    }
+                                  } else {
+                                    return {1, 8, 8, 32, 1};  // SR
+                                  }
+                                } else {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 12.358872413635254) {
+                            if (x.skew_lo <= 10.694926738739014) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 11.864548206329346) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 11.765652656555176) {
+                              return {4, 32, 8, 2, 16};  // PR
+                            } else {
+                              if (x.log2_S <= 12.889681339263916) {
+                                return {4, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 11.798743724822998) {
+                    if (x.avg <= 104.64596939086914) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 13.698739528656006) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 106.93212890625) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 12.890888214111328) {
+                    if (x.avg <= 19.34062099456787) {
+                      if (x.skew_lo <= 6.077021360397339) {
+                        if (x.log2_S <= 12.19644546508789) {
+                          if (x.log2_S <= 9.356715679168701) {
+                            return {4, 2, 8, 128, 1};  // SR
                           } else {
                             return {4, 4, 8, 64, 1};  // SR
                           }
                         } else {
                           return {4, 2, 8, 128, 1};  // SR
                         }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 11.475235939025879) {
-                    if (x.log2_S <= 13.107336044311523) {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 9.166514873504639) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
                       } else {
-                        return {4, 4, 8, 64, 1};  // SR
+                        return {4, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 13.381300926208496) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 8.048004388809204) {
-                            return {1, 8, 8, 32, 1};  // SR
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 7.027694225311279) {
+                      if (x.skew_hi <= 13.492066860198975) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 14.716282367706299) {
+                if (x.skew_hi <= 3.1124712228775024) {
+                  return {4, 4, 64, 64, 0};  // SP
+                } else {
+                  if (x.avg <= 2.9349929094314575) {
+                    if (x.long_level <= 1.5) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 4.501533508300781) {
+                      if (x.skew_hi <= 8.311948776245117) {
+                        if (x.skew_lo <= 4.0618836879730225) {
+                          if (x.log2_S <= 14.050897121429443) {
+                            return {4, 8, 8, 32, 1};  // SR
                           } else {
                             return {4, 2, 8, 128, 1};  // SR
                           }
                         } else {
-                          return {4, 4, 8, 64, 1};  // SR
+                          return {1, 8, 8, 32, 1};  // SR
                         }
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.261763095855713) {
-                      return {4, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.avg <= 126.78404235839844) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   }
                 }
@@ -7049,31 +7097,11 @@ inline Config gathered_config(const Features& f) {
             }
           }
         } else {
-          if (x.log2_S <= 13.018873691558838) {
-            if (x.avg <= 9.735353469848633) {
-              if (x.log2_S <= 11.370269298553467) {
-                return {1, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.avg <= 5.474915027618408) {
-                  return {1, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.log2_S <= 12.215175151824951) {
-                    if (x.avg <= 8.763992309570312) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {1, 8, 16, 32, 1};  // SR
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 12.882882118225098) {
-                return {4, 2, 8, 128, 1};  // SR
-              } else {
-                if (x.avg <= 29.936060905456543) {
-                  if (x.avg <= 17.17678213119507) {
+          if (x.skew_hi <= 22.124611854553223) {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 21.644563674926758) {
+                if (x.log2_S <= 15.866610527038574) {
+                  if (x.log2_S <= 15.371944904327393) {
                     return {4, 2, 8, 128, 1};  // SR
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
@@ -7081,566 +7109,562 @@ inline Config gathered_config(const Features& f) {
                 } else {
                   return {4, 2, 8, 128, 1};  // SR
                 }
-              }
-            }
-          } else {
-            if (x.log2_S <= 21.61289405822754) {
-              if (x.log2_S <= 13.196426391601562) {
-                if (x.avg <= 54.08254814147949) {
-                  if (x.avg <= 4.466659069061279) {
-                    return {1, 8, 16, 32, 1};  // SR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
+              } else {
+                if (x.log2_S <= 22.830137252807617) {
+                  return {4, 32, 8, 2, 16};  // PR
                 } else {
                   return {4, 2, 8, 128, 1};  // SR
                 }
-              } else {
-                if (x.log2_S <= 16.94803810119629) {
-                  if (x.log2_S <= 16.60006046295166) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.avg <= 8.400712966918945) {
-                      if (x.avg <= 7.667556285858154) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 4, 32, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
               }
             } else {
-              if (x.avg <= 9.76796579360962) {
-                if (x.log2_S <= 21.84808349609375) {
-                  if (x.avg <= 2.419085741043091) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.avg <= 8.583317756652832) {
+              if (x.avg <= 137.57437133789062) {
+                if (x.log2_S <= 21.5632266998291) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.avg <= 7.4474687576293945) {
+                    if (x.skew_lo <= 12.378745079040527) {
                       return {4, 32, 8, 2, 32};  // PR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
                   }
-                } else {
-                  return {4, 32, 8, 2, 32};  // PR
                 }
               } else {
-                if (x.avg <= 11.486188888549805) {
-                  if (x.log2_S <= 23.317070960998535) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 32};  // PR
-                  }
-                } else {
+                if (x.skew_hi <= 18.797475814819336) {
                   return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.log2_S <= 20.63718318939209) {
+                    if (x.skew_hi <= 20.476479530334473) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 6.5131542682647705) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
                 }
               }
+            }
+          } else {
+            if (x.skew_lo <= 10.957372188568115) {
+              return {4, 32, 8, 2, 16};  // PR
+            } else {
+              return {4, 32, 8, 2, 32};  // PR
             }
           }
         }
       } else {
-        if (x.log2_S <= 15.584656238555908) {
-          if (x.long_level <= 1.5) {
-            if (x.log2_S <= 12.651947975158691) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 9.887000560760498) {
-                  if (x.avg <= 2.3429962396621704) {
-                    if (x.avg <= 1.7136386036872864) {
-                      return {4, 64, 8, 1, 0};  // SP
-                    } else {
-                      return {4, 32, 16, 8, 0};  // SP
-                    }
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 14.490121841430664) {
+            if (x.log2_S <= 11.909353733062744) {
+              if (x.skew_lo <= -1.5645516514778137) {
+                if (x.avg <= 3.3078094720840454) {
+                  if (x.log2_S <= 10.103400230407715) {
+                    return {1, 16, 64, 8, 0};  // SP
+                  } else {
+                    return {4, 32, 32, 1, 0};  // SP
+                  }
+                } else {
+                  return {1, 16, 64, 8, 0};  // SP
+                }
+              } else {
+                if (x.skew_lo <= -0.7688237428665161) {
+                  return {4, 32, 16, 8, 0};  // SP
+                } else {
+                  return {4, 64, 8, 1, 0};  // SP
+                }
+              }
+            } else {
+              if (x.skew_lo <= -1.7284398674964905) {
+                if (x.log2_S <= 12.387146472930908) {
+                  if (x.skew_lo <= -3.822662353515625) {
+                    return {4, 8, 64, 32, 0};  // SP
                   } else {
                     return {1, 16, 64, 8, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 9.295621395111084) {
-                    if (x.log2_S <= 10.499076843261719) {
-                      if (x.avg <= 1.6901594400405884) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        if (x.avg <= 3.9211392402648926) {
-                          return {4, 32, 16, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 10.140332221984863) {
-                            return {4, 32, 32, 1, 0};  // SP
-                          } else {
-                            return {4, 32, 16, 8, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.212786197662354) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        if (x.avg <= 3.6833754777908325) {
-                          if (x.avg <= 1.4823297262191772) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 2.0066583156585693) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 64, 8, 1, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 32, 32, 1, 0};  // SP
-                        }
-                      }
-                    }
+                  if (x.log2_S <= 14.080714702606201) {
+                    return {4, 8, 64, 32, 0};  // SP
                   } else {
-                    if (x.log2_S <= 11.509315490722656) {
-                      if (x.log2_S <= 10.595003604888916) {
-                        return {4, 32, 32, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 8, 1, 0};  // SP
-                      }
+                    if (x.skew_hi <= 2.6407631635665894) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      return {4, 32, 32, 1, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 4.346423864364624) {
-                  if (x.log2_S <= 11.140497207641602) {
-                    if (x.avg <= 3.0326554775238037) {
-                      return {1, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 10.079163074493408) {
-                        return {1, 32, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 10.899900913238525) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.898879528045654) {
-                      if (x.avg <= 2.3536652326583862) {
-                        if (x.log2_S <= 11.582975387573242) {
-                          if (x.avg <= 2.118075370788574) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.819007396697998) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      return {1, 16, 8, 8, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.910390377044678) {
-                    if (x.log2_S <= 11.262648582458496) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 122.0869369506836) {
-                        return {1, 16, 8, 8, 1};  // SR
-                      } else {
+                      if (x.avg <= 4.158162832260132) {
                         return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 9.38399600982666) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 14.68395471572876) {
-                  if (x.log2_S <= 13.198826789855957) {
-                    if (x.avg <= 13.735243797302246) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.029716491699219) {
-                        return {4, 32, 32, 1, 0};  // SP
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 13.158006191253662) {
-                      if (x.log2_S <= 13.912763595581055) {
-                        if (x.avg <= 2.6842408180236816) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.463773250579834) {
-                            if (x.avg <= 7.753321647644043) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 4, 8, 64, 1};  // SR
-                            }
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.22593355178833) {
-                        if (x.avg <= 55.601966857910156) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.497392177581787) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
                       }
                     }
                   }
-                } else {
-                  if (x.avg <= 1.611082911491394) {
-                    return {4, 4, 8, 64, 1};  // SR
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
                 }
               } else {
-                if (x.avg <= 5.774101257324219) {
-                  if (x.log2_S <= 14.285027027130127) {
-                    if (x.log2_S <= 13.632400035858154) {
-                      return {1, 16, 8, 8, 1};  // SR
+                if (x.log2_S <= 13.765561580657959) {
+                  if (x.skew_hi <= 5.316797494888306) {
+                    if (x.log2_S <= 13.576834678649902) {
+                      return {4, 32, 16, 8, 0};  // SP
                     } else {
-                      if (x.avg <= 3.080283999443054) {
-                        if (x.log2_S <= 14.150693893432617) {
-                          if (x.avg <= 2.2141895294189453) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 14.084945678710938) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {2, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 4.586886644363403) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
+                      return {4, 8, 64, 32, 0};  // SP
                     }
                   } else {
-                    return {4, 4, 8, 64, 1};  // SR
+                    if (x.skew_lo <= -0.42013411223888397) {
+                      if (x.avg <= 1.5111615061759949) {
+                        return {1, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 64, 8, 1, 0};  // SP
+                      }
+                    } else {
+                      return {4, 64, 8, 1, 0};  // SP
+                    }
                   }
                 } else {
-                  if (x.avg <= 117.65515518188477) {
-                    return {4, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 14.184215545654297) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  }
+                  return {4, 4, 8, 64, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.avg <= 7.2909345626831055) {
-              if (x.log2_S <= 11.866461753845215) {
-                if (x.avg <= 2.5557496547698975) {
-                  if (x.log2_S <= 11.634134769439697) {
-                    return {1, 4, 8, 64, 1};  // SR
-                  } else {
-                    return {1, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 3.3512632846832275) {
-                    if (x.log2_S <= 10.89299726486206) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    return {1, 16, 8, 8, 1};  // SR
-                  }
-                }
+            if (x.skew_lo <= -0.5700016915798187) {
+              if (x.skew_lo <= -1.1468234658241272) {
+                return {4, 4, 64, 64, 0};  // SP
               } else {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 13.331944942474365) {
-                    if (x.avg <= 4.737298250198364) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
-                  }
+                if (x.log2_S <= 15.986321449279785) {
+                  return {4, 4, 8, 64, 1};  // SR
                 } else {
-                  if (x.log2_S <= 13.338782787322998) {
-                    return {4, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 14.937967777252197) {
-                      return {4, 32, 8, 2, 16};  // PR
+                  if (x.log2_S <= 17.289958000183105) {
+                    if (x.avg <= 1.8778390884399414) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      return {4, 32, 16, 2, 8};  // PR
+                      return {4, 4, 64, 64, 0};  // SP
                     }
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 13.338213443756104) {
-                if (x.avg <= 9.718433380126953) {
-                  if (x.log2_S <= 10.772027492523193) {
-                    return {1, 16, 8, 8, 1};  // SR
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 12.954587459564209) {
-                    return {4, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.long_level <= 2.5) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 82.86922073364258) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
+              if (x.log2_S <= 18.575525283813477) {
+                return {4, 4, 8, 64, 1};  // SR
               } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 62.972984313964844) {
-                    if (x.log2_S <= 15.108338356018066) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 27.552332878112793) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.198320388793945) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  }
+                if (x.skew_hi <= 5.766508340835571) {
+                  return {4, 4, 64, 64, 0};  // SP
                 } else {
-                  if (x.log2_S <= 14.153780460357666) {
-                    return {4, 4, 16, 64, 1};  // SR
-                  } else {
-                    if (x.avg <= 18.75688934326172) {
-                      if (x.log2_S <= 14.952259063720703) {
-                        if (x.log2_S <= 14.75450086593628) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 32, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 16, 2, 8};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 15.168845176696777) {
-                        return {4, 4, 32, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 40.179203033447266) {
-                          return {4, 32, 16, 2, 8};  // PR
-                        } else {
-                          if (x.log2_S <= 15.531483173370361) {
-                            return {4, 4, 32, 64, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 8};  // PR
-                          }
-                        }
-                      }
-                    }
-                  }
+                  return {4, 4, 8, 64, 1};  // SR
                 }
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            return {4, 4, 64, 64, 0};  // SP
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 18.744359016418457) {
-                if (x.avg <= 29.623616218566895) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 17.74030303955078) {
-                      if (x.log2_S <= 17.16263198852539) {
-                        return {4, 4, 8, 64, 1};  // SR
+          if (x.log2_S <= 16.88751983642578) {
+            if (x.skew_hi <= 13.290201663970947) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 12.537336349487305) {
+                  if (x.skew_lo <= -0.6833797991275787) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 3.888476610183716) {
+                      if (x.log2_S <= 11.761505603790283) {
+                        return {1, 16, 8, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 4.155214548110962) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
+                        if (x.skew_hi <= 6.464319229125977) {
                           return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 17.96895980834961) {
-                        if (x.avg <= 5.504887580871582) {
-                          return {4, 4, 16, 64, 1};  // SR
+                      if (x.skew_hi <= 9.00553035736084) {
+                        if (x.log2_S <= 11.140497207641602) {
+                          if (x.avg <= 2.7939672470092773) {
+                            if (x.skew_hi <= 8.765060901641846) {
+                              return {1, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 8.864493370056152) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                if (x.skew_lo <= 5.452632427215576) {
+                                  return {1, 32, 8, 8, 1};  // SR
+                                } else {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.skew_lo <= 4.023357391357422) {
+                              if (x.skew_lo <= 3.911600351333618) {
+                                return {1, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {1, 32, 8, 2, 1};  // SR
+                            }
+                          }
                         } else {
-                          return {4, 4, 8, 64, 1};  // SR
+                          if (x.log2_S <= 11.81263780593872) {
+                            if (x.skew_lo <= 4.766389608383179) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
                         }
                       } else {
-                        return {4, 4, 16, 64, 1};  // SR
+                        if (x.log2_S <= 11.680256843566895) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.298835277557373) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
+                        }
                       }
                     }
-                  } else {
-                    if (x.avg <= 6.4228129386901855) {
-                      if (x.log2_S <= 17.644285202026367) {
-                        if (x.log2_S <= 16.775090217590332) {
-                          if (x.log2_S <= 16.383115768432617) {
-                            if (x.log2_S <= 15.655028820037842) {
-                              return {4, 4, 8, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 111.30787658691406) {
+                    if (x.skew_hi <= 7.77744197845459) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 13.815299987792969) {
+                        if (x.log2_S <= 13.598106861114502) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 4.980166435241699) {
+                            if (x.avg <= 4.08085560798645) {
+                              return {1, 16, 8, 8, 1};  // SR
                             } else {
-                              return {4, 4, 16, 64, 1};  // SR
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 14.498021125793457) {
+                          if (x.avg <= 2.3390493392944336) {
+                            if (x.log2_S <= 14.058713436126709) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 16, 8, 8, 1};  // SR
                             }
                           } else {
                             return {4, 4, 8, 64, 1};  // SR
                           }
                         } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 17.99040985107422) {
-                          if (x.avg <= 3.314430594444275) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        } else {
                           return {4, 4, 8, 64, 1};  // SR
                         }
                       }
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 54.932193756103516) {
-                    if (x.log2_S <= 16.693655967712402) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
                     }
                   } else {
-                    return {4, 4, 16, 64, 1};  // SR
+                    if (x.log2_S <= 14.098527431488037) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 19.446353912353516) {
-                  if (x.avg <= 6.885217189788818) {
-                    if (x.long_level <= 1.5) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
+                if (x.log2_S <= 14.667158603668213) {
+                  if (x.skew_hi <= 12.989369869232178) {
+                    if (x.skew_lo <= 12.190035820007324) {
                       return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                } else {
-                  return {4, 4, 16, 64, 1};  // SR
-                }
-              }
-            } else {
-              if (x.avg <= 9.519814491271973) {
-                if (x.log2_S <= 20.176609992980957) {
-                  if (x.avg <= 2.4270275831222534) {
-                    if (x.log2_S <= 16.324077606201172) {
-                      return {4, 32, 16, 2, 8};  // PR
                     } else {
-                      return {4, 4, 32, 64, 1};  // SR
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 18.733256340026855) {
-                      if (x.log2_S <= 16.32135581970215) {
-                        if (x.avg <= 6.565414667129517) {
-                          return {4, 32, 16, 2, 8};  // PR
-                        } else {
-                          if (x.log2_S <= 15.757527828216553) {
-                            return {4, 32, 16, 2, 8};  // PR
-                          } else {
-                            return {4, 4, 32, 64, 1};  // SR
-                          }
-                        }
+                    if (x.skew_lo <= 11.13137674331665) {
+                      if (x.avg <= 4.922600448131561) {
+                        return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.log2_S <= 17.367708206176758) {
-                          return {4, 4, 32, 64, 1};  // SR
+                        if (x.avg <= 122.9137191772461) {
+                          return {4, 4, 16, 64, 1};  // SR
                         } else {
-                          if (x.avg <= 5.59188437461853) {
-                            if (x.avg <= 2.8338690996170044) {
-                              return {4, 4, 32, 64, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 8};  // PR
-                            }
-                          } else {
-                            return {4, 4, 32, 64, 1};  // SR
-                          }
+                          return {4, 4, 8, 64, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 7.79603123664856) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 9.383071422576904) {
+                    if (x.log2_S <= 14.897410869598389) {
+                      if (x.skew_lo <= 4.393235445022583) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 4.025365829467773) {
+                      if (x.log2_S <= 15.586790561676025) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 14.44312858581543) {
+                if (x.skew_lo <= 11.01571273803711) {
+                  if (x.skew_hi <= 14.106602191925049) {
+                    if (x.avg <= 1.5801547169685364) {
+                      if (x.log2_S <= 15.398201942443848) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 21.216113090515137) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 32, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
+              } else {
+                if (x.skew_lo <= 10.565465450286865) {
+                  if (x.log2_S <= 15.750673294067383) {
+                    if (x.log2_S <= 15.381693840026855) {
+                      if (x.avg <= 14.98410415649414) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 98.8011474609375) {
                         return {4, 32, 16, 2, 8};  // PR
                       } else {
                         return {4, 4, 32, 64, 1};  // SR
                       }
                     }
+                  } else {
+                    return {4, 4, 32, 64, 1};  // SR
                   }
                 } else {
-                  if (x.avg <= 8.34347152709961) {
-                    return {4, 32, 16, 2, 8};  // PR
+                  if (x.skew_hi <= 16.17778205871582) {
+                    if (x.log2_S <= 14.790228843688965) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.skew_hi <= 15.855706214904785) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        if (x.avg <= 5.9615888595581055) {
+                          return {4, 32, 16, 2, 8};  // PR
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      }
+                    }
                   } else {
                     return {4, 4, 32, 64, 1};  // SR
                   }
                 }
-              } else {
-                if (x.log2_S <= 17.47788429260254) {
-                  if (x.log2_S <= 15.72629451751709) {
-                    return {4, 32, 16, 2, 8};  // PR
-                  } else {
-                    if (x.log2_S <= 17.400845527648926) {
-                      return {4, 4, 32, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 32.71193027496338) {
-                        return {4, 4, 32, 64, 1};  // SR
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.729274272918701) {
+              if (x.avg <= 15.682936668395996) {
+                if (x.skew_lo <= 8.60651445388794) {
+                  if (x.skew_lo <= 4.563284873962402) {
+                    if (x.log2_S <= 18.572882652282715) {
+                      if (x.skew_lo <= 4.453455209732056) {
+                        return {4, 4, 8, 64, 1};  // SR
                       } else {
                         return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 21.43312168121338) {
+                      if (x.skew_lo <= 7.573101997375488) {
+                        if (x.skew_hi <= 8.710571765899658) {
+                          if (x.avg <= 2.5796682834625244) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.899556159973145) {
+                          if (x.avg <= 5.066425085067749) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 21.213120460510254) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 21.322986602783203) {
+                              return {4, 4, 16, 64, 1};  // SR
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 2.192678213119507) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 6.389911890029907) {
+                          if (x.log2_S <= 21.853100776672363) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 16, 64, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 11.294631481170654) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.avg <= 4.547088861465454) {
+                              if (x.skew_lo <= 7.990414381027222) {
+                                return {4, 4, 8, 64, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 22.063406944274902) {
+                                  if (x.log2_S <= 21.62522315979004) {
+                                    return {4, 4, 16, 64, 1};  // SR
+                                  } else {
+                                    return {4, 4, 8, 64, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 4, 16, 64, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
+                          }
+                        }
                       }
                     }
                   }
                 } else {
-                  return {4, 4, 16, 64, 1};  // SR
+                  if (x.log2_S <= 17.56352996826172) {
+                    if (x.avg <= 6.235683560371399) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 32, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 8.969369411468506) {
+                      if (x.log2_S <= 19.218175888061523) {
+                        if (x.log2_S <= 17.837495803833008) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  }
                 }
+              } else {
+                if (x.log2_S <= 17.509653091430664) {
+                  if (x.skew_lo <= 7.228270053863525) {
+                    if (x.avg <= 76.54347229003906) {
+                      if (x.long_level <= 1.5) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 9.665283679962158) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    return {4, 4, 32, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 20.54379653930664) {
+                    if (x.log2_S <= 18.605433464050293) {
+                      if (x.skew_hi <= 13.937420845031738) {
+                        if (x.avg <= 16.220526218414307) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 18.42657470703125) {
+                      if (x.avg <= 40.81013298034668) {
+                        if (x.skew_lo <= 3.147639274597168) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 20.205459594726562) {
+                if (x.avg <= 2.4270275831222534) {
+                  return {4, 4, 32, 64, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 18.733256340026855) {
+                    if (x.skew_lo <= 12.022380352020264) {
+                      if (x.skew_lo <= 10.788120746612549) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 3.045135974884033) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 7.328959226608276) {
+                      return {4, 32, 16, 2, 8};  // PR
+                    } else {
+                      return {4, 4, 32, 64, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                return {4, 32, 16, 2, 8};  // PR
               }
             }
           }
@@ -7648,209 +7672,189 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 14.288634777069092) {
-            if (x.log2_S <= 12.762754917144775) {
-              if (x.log2_S <= 9.789092063903809) {
-                if (x.avg <= 3.0851844549179077) {
-                  if (x.log2_S <= 9.28101396560669) {
-                    return {4, 64, 64, 4, 0};  // SP
+        if (x.log2_S <= 13.725813388824463) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 11.915379524230957) {
+              if (x.skew_hi <= 2.964322566986084) {
+                if (x.log2_S <= 9.49693250656128) {
+                  if (x.skew_lo <= -4.933482646942139) {
+                    return {4, 32, 64, 2, 0};  // SP
                   } else {
-                    if (x.avg <= 1.4429123401641846) {
-                      return {4, 64, 8, 1, 0};  // SP
+                    if (x.log2_S <= 9.108899593353271) {
+                      return {1, 32, 64, 4, 0};  // SP
                     } else {
-                      return {4, 64, 64, 4, 0};  // SP
+                      if (x.skew_hi <= 1.9201382398605347) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 32, 64, 4, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 9.203986644744873) {
-                    if (x.avg <= 3.528491973876953) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {1, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 3.5512804985046387) {
-                      return {4, 64, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  }
+                  return {4, 32, 64, 2, 0};  // SP
                 }
               } else {
-                if (x.avg <= 1.7235900163650513) {
-                  if (x.log2_S <= 10.591588497161865) {
-                    if (x.avg <= 1.4121450781822205) {
-                      return {4, 64, 8, 1, 0};  // SP
-                    } else {
-                      return {4, 64, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 12.216206073760986) {
-                      if (x.log2_S <= 11.07023572921753) {
-                        if (x.avg <= 1.3537914156913757) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 8, 1};  // SR
-                        }
+                if (x.avg <= 1.5022622346878052) {
+                  if (x.skew_lo <= -0.3949818015098572) {
+                    if (x.skew_lo <= -0.5041747093200684) {
+                      if (x.log2_S <= 10.50888967514038) {
+                        return {4, 64, 8, 1, 0};  // SP
                       } else {
                         return {1, 32, 8, 8, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 1.365710735321045) {
-                        return {1, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
-                      }
+                      return {1, 32, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 11.468509197235107) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      return {1, 32, 8, 8, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 9.887000560760498) {
-                    if (x.avg <= 12.423780918121338) {
-                      return {4, 64, 64, 4, 0};  // SP
+                  if (x.skew_hi <= 4.374707937240601) {
+                    if (x.log2_S <= 10.533422946929932) {
+                      if (x.log2_S <= 9.467114925384521) {
+                        if (x.skew_lo <= -1.893839716911316) {
+                          return {1, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 3.664383292198181) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {4, 32, 64, 2, 0};  // SP
+                      if (x.log2_S <= 11.851044654846191) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 12.719138622283936) {
-                      return {4, 64, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 2, 0};  // SP
-                    }
+                    return {4, 64, 64, 4, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.avg <= 30.27418804168701) {
-                if (x.avg <= 3.313694477081299) {
-                  if (x.log2_S <= 13.707075119018555) {
-                    if (x.avg <= 1.3348674178123474) {
-                      return {1, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.349870204925537) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 2, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 13.081193447113037) {
-                    if (x.avg <= 6.234786510467529) {
-                      return {4, 64, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 25.252694129943848) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.987914085388184) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  }
-                }
+              if (x.skew_lo <= -1.9765599966049194) {
+                return {4, 16, 64, 2, 0};  // SP
               } else {
-                if (x.log2_S <= 14.101887702941895) {
-                  return {4, 16, 64, 2, 0};  // SP
+                if (x.skew_lo <= -0.42013411223888397) {
+                  if (x.skew_lo <= -0.7133284211158752) {
+                    if (x.skew_hi <= 4.745104074478149) {
+                      if (x.log2_S <= 12.715059757232666) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 4.206552743911743) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 64, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {1, 32, 8, 4, 1};  // SR
+                  }
                 } else {
-                  return {4, 8, 64, 32, 0};  // SP
+                  return {1, 32, 8, 2, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.log2_S <= 15.0961012840271) {
-              if (x.avg <= 3.6309810876846313) {
-                return {4, 8, 8, 32, 1};  // SR
-              } else {
-                if (x.avg <= 12.178705215454102) {
-                  if (x.log2_S <= 14.604576110839844) {
-                    return {4, 8, 8, 32, 1};  // SR
+            if (x.skew_hi <= 12.301841259002686) {
+              if (x.long_level <= 1.5) {
+                if (x.skew_lo <= 2.736355423927307) {
+                  if (x.skew_lo <= 0.18994464725255966) {
+                    if (x.log2_S <= 12.631351947784424) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 3.1773558855056763) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.511512756347656) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
                   } else {
-                    return {4, 8, 64, 32, 0};  // SP
+                    if (x.log2_S <= 11.604535579681396) {
+                      if (x.skew_hi <= 5.898320913314819) {
+                        if (x.avg <= 45.14276313781738) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 9.294118881225586) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 2.462857723236084) {
+                          return {2, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
                   }
                 } else {
-                  return {4, 8, 64, 32, 0};  // SP
-                }
-              }
-            } else {
-              return {4, 8, 64, 32, 0};  // SP
-            }
-          }
-        } else {
-          if (x.log2_S <= 13.85423231124878) {
-            if (x.long_level <= 1.5) {
-              if (x.log2_S <= 11.601428508758545) {
-                if (x.avg <= 57.89442443847656) {
-                  if (x.avg <= 12.15217638015747) {
-                    if (x.avg <= 3.734204053878784) {
-                      return {1, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 4.2826011180877686) {
+                  if (x.skew_lo <= 4.202178239822388) {
+                    if (x.log2_S <= 12.32254695892334) {
+                      if (x.avg <= 4.160262584686279) {
                         if (x.avg <= 3.935884475708008) {
                           return {1, 32, 8, 4, 1};  // SR
                         } else {
                           return {1, 32, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 10.635436058044434) {
+                        if (x.log2_S <= 11.784589290618896) {
                           return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.log2_S <= 10.367194652557373) {
-                            return {1, 32, 8, 4, 1};  // SR
+                          if (x.skew_hi <= 7.113659143447876) {
+                            return {4, 8, 8, 32, 1};  // SR
                           } else {
-                            return {2, 16, 8, 8, 1};  // SR
+                            return {1, 32, 8, 4, 1};  // SR
                           }
                         }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.096653938293457) {
-                      return {2, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 30.10801124572754) {
-                        return {2, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 4, 8, 64, 1};  // SR
-                }
-              } else {
-                if (x.avg <= 3.5550092458724976) {
-                  if (x.log2_S <= 12.534217834472656) {
-                    if (x.log2_S <= 12.007709503173828) {
-                      return {1, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.393661975860596) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 2, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {2, 16, 8, 8, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 13.585427284240723) {
-                    if (x.avg <= 6.975031614303589) {
-                      if (x.log2_S <= 12.477630138397217) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
                       }
                     } else {
                       return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 84.90757751464844) {
+                    if (x.log2_S <= 12.100574493408203) {
+                      return {1, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.484400749206543) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 2.544790744781494) {
+                          return {2, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 11.936568260192871) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 6.037110805511475) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 8.460333824157715) {
                       return {4, 8, 8, 32, 1};  // SR
                     } else {
                       return {4, 8, 16, 32, 1};  // SR
@@ -7860,226 +7864,258 @@ inline Config gathered_config(const Features& f) {
               }
             } else {
               if (x.long_level <= 2.5) {
-                if (x.avg <= 5.397963047027588) {
-                  if (x.log2_S <= 11.78931713104248) {
-                    return {1, 32, 8, 4, 1};  // SR
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 13.702218055725098) {
+                return {4, 8, 8, 32, 1};  // SR
+              } else {
+                if (x.avg <= 4.3872857093811035) {
+                  if (x.log2_S <= 12.826947689056396) {
                     return {4, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 75.3587532043457) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 11.227418422698975) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.log2_S <= 13.472987651824951) {
-                    if (x.avg <= 8.39582109451294) {
-                      if (x.log2_S <= 12.35353136062622) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 14.296751976013184) {
-                      return {4, 8, 16, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 1.5) {
-              if (x.log2_S <= 18.89614486694336) {
-                if (x.avg <= 13.227304935455322) {
-                  if (x.log2_S <= 17.574387550354004) {
-                    if (x.log2_S <= 14.285027027130127) {
-                      if (x.avg <= 2.5202912092208862) {
-                        return {2, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 9.130750179290771) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.563792705535889) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.56487274169922) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 3.6900492906570435) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 74.1932373046875) {
-                    if (x.log2_S <= 14.071581363677979) {
-                      if (x.avg <= 30.652191162109375) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 16.280027389526367) {
-                      if (x.avg <= 138.17064666748047) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.247560977935791) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.365223407745361) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 15.850925922393799) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 19.487143516540527) {
-                  if (x.avg <= 30.36993408203125) {
                     return {4, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 19.40001678466797) {
-                      return {4, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 110.78253173828125) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    }
                   }
                 } else {
                   return {4, 8, 16, 32, 1};  // SR
                 }
               }
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.skew_hi <= 5.238381385803223) {
+              if (x.log2_S <= 14.069079875946045) {
+                if (x.skew_lo <= -3.960118055343628) {
+                  return {4, 16, 64, 2, 0};  // SP
+                } else {
+                  if (x.skew_lo <= -1.309719204902649) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                }
+              } else {
+                return {4, 8, 64, 32, 0};  // SP
+              }
             } else {
-              if (x.log2_S <= 16.42520523071289) {
-                if (x.avg <= 16.134850025177002) {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 15.081663131713867) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 10.639873504638672) {
-                        if (x.log2_S <= 15.481125354766846) {
-                          if (x.avg <= 4.423250198364258) {
+              if (x.skew_hi <= 5.402904033660889) {
+                if (x.log2_S <= 17.78446865081787) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.log2_S <= 22.01781463623047) {
+                    return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
+              } else {
+                return {4, 8, 8, 32, 1};  // SR
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.532952308654785) {
+              if (x.log2_S <= 18.229785919189453) {
+                if (x.avg <= 15.399442195892334) {
+                  if (x.skew_lo <= 6.089298963546753) {
+                    if (x.skew_hi <= 6.983262062072754) {
+                      if (x.log2_S <= 16.011221885681152) {
+                        if (x.skew_lo <= 2.2822924852371216) {
+                          if (x.log2_S <= 14.595120429992676) {
                             return {4, 8, 8, 32, 1};  // SR
                           } else {
                             return {4, 8, 16, 32, 1};  // SR
                           }
                         } else {
-                          return {4, 8, 16, 32, 1};  // SR
+                          return {4, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 15.486157894134521) {
-                          return {4, 8, 16, 32, 1};  // SR
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.47246265411377) {
+                        if (x.avg <= 2.5202912092208862) {
+                          return {2, 16, 8, 8, 1};  // SR
                         } else {
-                          return {4, 8, 32, 32, 1};  // SR
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.406088829040527) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.5887447595596313) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 17.776402473449707) {
+                              if (x.avg <= 6.459082365036011) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 16, 32, 1};  // SR
+                              }
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.183051109313965) {
-                      if (x.avg <= 10.52663278579712) {
-                        return {4, 8, 16, 32, 1};  // SR
+                    if (x.log2_S <= 14.874359607696533) {
+                      if (x.skew_hi <= 12.424364566802979) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 16.18355369567871) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 2.7037919759750366) {
-                          return {4, 8, 64, 32, 1};  // SR
+                        if (x.skew_hi <= 14.150733947753906) {
+                          if (x.log2_S <= 14.136521339416504) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 13.464623928070068) {
+                        if (x.skew_lo <= 8.50016975402832) {
+                          if (x.log2_S <= 15.088225364685059) {
+                            if (x.skew_lo <= 6.90065598487854) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 16.538050651550293) {
+                            if (x.log2_S <= 15.574923515319824) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 16.320717811584473) {
+                          if (x.log2_S <= 15.514327049255371) {
+                            if (x.skew_hi <= 13.860406875610352) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.198320388793945) {
-                    if (x.long_level <= 2.5) {
-                      if (x.avg <= 53.79331588745117) {
-                        if (x.log2_S <= 14.073986053466797) {
-                          return {4, 8, 8, 32, 1};  // SR
+                  if (x.skew_hi <= 16.42940330505371) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 101.46673583984375) {
+                        if (x.skew_hi <= 3.678858757019043) {
+                          if (x.log2_S <= 16.877805709838867) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
                         } else {
-                          return {4, 8, 16, 32, 1};  // SR
+                          if (x.log2_S <= 13.950084686279297) {
+                            if (x.avg <= 42.09342575073242) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
                         }
                       } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 24.750843048095703) {
-                      if (x.long_level <= 2.5) {
-                        if (x.log2_S <= 15.356442928314209) {
+                        if (x.log2_S <= 14.212262630462646) {
                           return {4, 8, 16, 32, 1};  // SR
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.091105461120605) {
+                        if (x.avg <= 49.5095157623291) {
+                          if (x.skew_lo <= 8.705937385559082) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.94757843017578) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 75.87837219238281) {
+                            if (x.avg <= 35.21362495422363) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 17.57734966278076) {
+                                return {4, 8, 64, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 32, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 17.805030822753906) {
+                      return {4, 8, 64, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 94.03686141967773) {
+                        return {4, 8, 64, 32, 1};  // SR
                       } else {
                         return {4, 8, 32, 32, 1};  // SR
                       }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 3.1506152153015137) {
-                    if (x.log2_S <= 19.766950607299805) {
-                      if (x.log2_S <= 19.452472686767578) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 19.316003799438477) {
+                    if (x.skew_hi <= 3.3964091539382935) {
+                      return {4, 8, 32, 32, 1};  // SR
                     } else {
-                      return {4, 8, 64, 32, 1};  // SR
+                      if (x.skew_hi <= 9.44546890258789) {
+                        if (x.skew_hi <= 5.282775402069092) {
+                          if (x.log2_S <= 19.169032096862793) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 18.664012908935547) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
                     }
                   } else {
-                    if (x.avg <= 20.028925895690918) {
-                      if (x.avg <= 9.145358085632324) {
-                        if (x.log2_S <= 19.235811233520508) {
-                          if (x.avg <= 7.912727355957031) {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 9.57936954498291) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 2.824830651283264) {
+                      if (x.skew_lo <= 9.561843395233154) {
+                        if (x.log2_S <= 19.29305362701416) {
+                          if (x.skew_hi <= 13.031982421875) {
                             return {4, 8, 16, 32, 1};  // SR
                           } else {
                             return {4, 8, 32, 32, 1};  // SR
@@ -8088,66 +8124,58 @@ inline Config gathered_config(const Features& f) {
                           return {4, 8, 32, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 18.197340965270996) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 18.886987686157227) {
-                            if (x.avg <= 13.0585036277771) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 18.486416816711426) {
-                                if (x.log2_S <= 18.28200912475586) {
-                                  return {4, 8, 32, 32, 1};  // SR
-                                } else {
-                                  return {4, 8, 16, 32, 1};  // SR
-                                }
-                              } else {
-                                return {4, 8, 32, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        }
+                        return {4, 8, 64, 32, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 80.22001647949219) {
-                        if (x.avg <= 33.80371856689453) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 19.089938163757324) {
-                            if (x.log2_S <= 17.033870697021484) {
+                      if (x.log2_S <= 18.627127647399902) {
+                        if (x.avg <= 167.42237854003906) {
+                          if (x.avg <= 25.293546676635742) {
+                            if (x.log2_S <= 18.288275718688965) {
                               return {4, 8, 32, 32, 1};  // SR
                             } else {
-                              return {4, 8, 64, 32, 1};  // SR
+                              return {4, 8, 16, 32, 1};  // SR
                             }
                           } else {
-                            if (x.log2_S <= 22.231513023376465) {
-                              return {4, 8, 32, 32, 1};  // SR
+                            if (x.skew_hi <= 18.412516593933105) {
+                              if (x.avg <= 35.289411544799805) {
+                                return {4, 8, 64, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 16, 32, 1};  // SR
+                              }
                             } else {
-                              if (x.avg <= 59.29100227355957) {
+                              if (x.avg <= 82.72065734863281) {
                                 return {4, 8, 64, 32, 1};  // SR
                               } else {
                                 return {4, 8, 32, 32, 1};  // SR
                               }
                             }
                           }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
                         }
                       } else {
-                        return {4, 8, 32, 32, 1};  // SR
+                        return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   }
+                }
+              }
+            } else {
+              if (x.log2_S <= 16.14009952545166) {
+                if (x.skew_hi <= 14.183051109313965) {
+                  return {4, 8, 16, 32, 1};  // SR
                 } else {
-                  if (x.avg <= 10.997792720794678) {
+                  return {4, 8, 32, 32, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 16.443775177001953) {
+                  if (x.avg <= 2.9904500246047974) {
                     return {4, 8, 64, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 19.100317001342773) {
-                      return {4, 8, 64, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
+                    return {4, 8, 32, 32, 1};  // SR
                   }
+                } else {
+                  return {4, 8, 64, 32, 1};  // SR
                 }
               }
             }
@@ -8155,117 +8183,63 @@ inline Config gathered_config(const Features& f) {
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.log2_S <= 13.858939170837402) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 12.061286449432373) {
-                if (x.avg <= 3.320533871650696) {
-                  if (x.log2_S <= 10.434410572052002) {
-                    if (x.avg <= 1.5182554125785828) {
-                      if (x.log2_S <= 9.430323600769043) {
-                        return {4, 64, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 1.5022622346878052) {
+          if (x.skew_hi <= 14.053166389465332) {
+            if (x.log2_S <= 12.526327133178711) {
+              if (x.long_level <= 0.5) {
+                if (x.avg <= 2.0216249227523804) {
+                  if (x.avg <= 1.4830583930015564) {
+                    if (x.log2_S <= 10.50807523727417) {
+                      if (x.skew_lo <= -0.37196342647075653) {
+                        if (x.skew_hi <= 5.474842071533203) {
                           return {1, 32, 8, 2, 1};  // SR
                         } else {
-                          return {4, 64, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 9.677490711212158) {
-                        return {1, 64, 64, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 2.6706491708755493) {
-                          if (x.avg <= 1.5876170992851257) {
-                            return {1, 32, 8, 2, 1};  // SR
+                          if (x.skew_hi <= 5.605018138885498) {
+                            return {1, 32, 8, 4, 1};  // SR
                           } else {
-                            return {4, 64, 64, 4, 0};  // SP
+                            return {1, 32, 8, 8, 1};  // SR
                           }
-                        } else {
-                          return {1, 64, 64, 2, 0};  // SP
                         }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 1.504905641078949) {
-                      if (x.log2_S <= 10.620874881744385) {
-                        return {1, 32, 8, 2, 1};  // SR
                       } else {
-                        if (x.avg <= 1.4658597111701965) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 8, 1};  // SR
-                        }
+                        return {1, 32, 8, 2, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 11.069482326507568) {
-                        if (x.avg <= 2.648574113845825) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 64, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {1, 32, 8, 2, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 3.883070945739746) {
-                    if (x.log2_S <= 11.023584365844727) {
-                      return {1, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 3.4970805644989014) {
-                        return {1, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 64, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {1, 64, 64, 2, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 5.394727468490601) {
-                  if (x.log2_S <= 13.139779090881348) {
-                    if (x.avg <= 1.5474231839179993) {
                       return {1, 32, 8, 4, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.202425479888916) {
+                      if (x.log2_S <= 10.497812271118164) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 32, 8, 2, 1};  // SR
+                      }
                     } else {
                       return {1, 32, 8, 2, 1};  // SR
                     }
-                  } else {
-                    if (x.avg <= 4.767786264419556) {
-                      return {4, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.294564247131348) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    }
                   }
                 } else {
-                  if (x.log2_S <= 13.36174201965332) {
-                    if (x.log2_S <= 12.14631462097168) {
-                      if (x.avg <= 16.323957443237305) {
+                  if (x.log2_S <= 12.056597232818604) {
+                    if (x.avg <= 2.218665361404419) {
+                      if (x.log2_S <= 9.662658214569092) {
                         return {1, 64, 64, 2, 0};  // SP
                       } else {
-                        return {4, 16, 8, 8, 1};  // SR
+                        return {4, 64, 64, 4, 0};  // SP
                       }
                     } else {
-                      return {4, 16, 8, 8, 1};  // SR
+                      return {1, 64, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 12.299643993377686) {
-                      if (x.avg <= 7.081521034240723) {
-                        return {4, 8, 64, 32, 0};  // SP
+                    if (x.avg <= 4.077365279197693) {
+                      if (x.avg <= 2.578213095664978) {
+                        return {1, 32, 8, 2, 1};  // SR
                       } else {
-                        return {4, 16, 8, 8, 1};  // SR
+                        return {1, 64, 64, 2, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 13.382730484008789) {
-                        if (x.avg <= 29.486273765563965) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
+                      if (x.log2_S <= 12.123695850372314) {
+                        if (x.skew_lo <= -4.040098667144775) {
                           return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 1, 0};  // SP
                         }
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
@@ -8273,270 +8247,316 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 }
-              }
-            } else {
-              if (x.log2_S <= 11.489733219146729) {
-                if (x.avg <= 4.725808143615723) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 2.0285446643829346) {
-                      if (x.log2_S <= 11.266075134277344) {
-                        return {1, 32, 8, 8, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 3.935884475708008) {
-                        if (x.log2_S <= 11.046442985534668) {
-                          if (x.log2_S <= 9.159195899963379) {
-                            if (x.avg <= 2.238278388977051) {
-                              return {1, 64, 8, 2, 1};  // SR
+              } else {
+                if (x.skew_hi <= 11.448231220245361) {
+                  if (x.avg <= 4.4579057693481445) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 11.582618236541748) {
+                        if (x.skew_hi <= 9.00302267074585) {
+                          if (x.skew_lo <= 4.781358003616333) {
+                            if (x.skew_lo <= 4.023357391357422) {
+                              if (x.log2_S <= 11.101261615753174) {
+                                return {1, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 4, 1};  // SR
+                              }
                             } else {
-                              return {1, 32, 8, 4, 1};  // SR
+                              if (x.skew_lo <= 4.517702102661133) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                if (x.avg <= 2.6706855297088623) {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {1, 32, 8, 2, 1};  // SR
+                                }
+                              }
                             }
                           } else {
-                            if (x.avg <= 3.8508235216140747) {
+                            if (x.log2_S <= 11.136342525482178) {
                               return {1, 64, 8, 2, 1};  // SR
                             } else {
                               return {1, 32, 8, 4, 1};  // SR
                             }
                           }
                         } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 11.019152164459229) {
-                          if (x.avg <= 4.677165985107422) {
+                          if (x.log2_S <= 11.21495246887207) {
                             return {1, 32, 8, 8, 1};  // SR
                           } else {
                             return {1, 32, 8, 4, 1};  // SR
                           }
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
                         }
+                      } else {
+                        return {1, 32, 8, 2, 1};  // SR
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.434075355529785) {
+                    } else {
                       return {4, 16, 8, 8, 1};  // SR
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
                     }
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    return {4, 16, 8, 8, 1};  // SR
                   } else {
-                    if (x.log2_S <= 9.193909168243408) {
-                      return {4, 16, 16, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.125420093536377) {
+                    if (x.log2_S <= 11.505352020263672) {
+                      if (x.skew_lo <= 10.46705961227417) {
                         return {4, 16, 8, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 12.95149040222168) {
-                          if (x.log2_S <= 11.441898345947266) {
+                        if (x.skew_hi <= 10.778481483459473) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 7.834501266479492) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
                             return {4, 16, 16, 2, 1};  // SR
                           }
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
                         }
                       }
-                    }
-                  }
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 8.534717082977295) {
-                    if (x.log2_S <= 13.222287654876709) {
-                      if (x.avg <= 5.398958444595337) {
-                        if (x.log2_S <= 12.628480911254883) {
-                          if (x.log2_S <= 11.582618236541748) {
-                            return {1, 32, 8, 4, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 9.248349666595459) {
+                        if (x.avg <= 6.72088098526001) {
+                          if (x.skew_hi <= 7.683310508728027) {
+                            return {4, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.avg <= 4.984037399291992) {
+                            if (x.log2_S <= 11.828629970550537) {
                               return {1, 32, 8, 2, 1};  // SR
                             } else {
                               return {2, 32, 8, 2, 1};  // SR
                             }
                           }
                         } else {
-                          return {2, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.380754470825195) {
-                          if (x.avg <= 6.08525276184082) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.022183418273926) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
+                          if (x.skew_lo <= 4.478682518005371) {
                             return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.931083679199219) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
                           }
                         }
-                      }
-                    } else {
-                      return {4, 16, 8, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 13.618569374084473) {
-                      if (x.log2_S <= 13.482237339019775) {
-                        return {4, 16, 8, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 111.04644393920898) {
-                          return {4, 16, 8, 8, 1};  // SR
+                        if (x.log2_S <= 12.054738998413086) {
+                          return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 16, 16, 2, 1};  // SR
+                          if (x.log2_S <= 12.129549026489258) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 19.27522850036621) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
                         }
-                      }
-                    } else {
-                      if (x.avg <= 40.73570442199707) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {4, 16, 16, 2, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 8.452834606170654) {
-                    if (x.long_level <= 2.5) {
-                      if (x.log2_S <= 13.114752769470215) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 3.6322113275527954) {
-                          return {4, 16, 8, 8, 1};  // SR
+                  if (x.long_level <= 2.5) {
+                    if (x.log2_S <= 12.431204319000244) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 16, 16, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 16, 2, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 0.5) {
+                if (x.skew_lo <= -3.8698577880859375) {
+                  if (x.log2_S <= 19.628833770751953) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 16, 64, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 1.5896933674812317) {
+                    if (x.log2_S <= 18.323296546936035) {
+                      if (x.log2_S <= 13.044082641601562) {
+                        if (x.skew_lo <= -0.5732039213180542) {
+                          return {1, 32, 8, 2, 1};  // SR
                         } else {
-                          return {4, 16, 16, 2, 1};  // SR
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= -0.4503711760044098) {
+                          if (x.log2_S <= 16.879627227783203) {
+                            if (x.log2_S <= 13.24658489227295) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 13.083711624145508) {
-                        if (x.avg <= 7.099763631820679) {
+                      if (x.avg <= 1.4266400933265686) {
+                        return {4, 16, 16, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 19.822568893432617) {
                           return {4, 16, 16, 2, 1};  // SR
                         } else {
-                          if (x.avg <= 7.382893085479736) {
-                            return {4, 8, 16, 32, 1};  // SR
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.750011920928955) {
+                      if (x.skew_lo <= -2.2527620792388916) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 4.8634350299835205) {
+                          if (x.skew_hi <= 4.442394971847534) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 4.853176593780518) {
+                        if (x.skew_lo <= -3.7998783588409424) {
+                          if (x.log2_S <= 16.94406509399414) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 14.981606483459473) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 34.291656494140625) {
+                  if (x.log2_S <= 15.213200092315674) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 13.965099811553955) {
+                        if (x.skew_lo <= 3.2694376707077026) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.192940711975098) {
+                            if (x.skew_hi <= 7.870234489440918) {
+                              if (x.log2_S <= 12.864826679229736) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 12.55830430984497) {
+                                return {1, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 4.561938285827637) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.06933879852295) {
+                            if (x.skew_hi <= 5.9694459438323975) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 4.50762414932251) {
+                        if (x.log2_S <= 13.949300765991211) {
+                          if (x.avg <= 2.2137482166290283) {
+                            if (x.skew_lo <= 9.778180122375488) {
+                              if (x.log2_S <= 12.833956718444824) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 13.377800941467285) {
+                                  if (x.log2_S <= 12.991273403167725) {
+                                    return {4, 16, 8, 8, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 2, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 13.873509407043457) {
+                                if (x.avg <= 1.1258519887924194) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  if (x.skew_hi <= 12.790977001190186) {
+                                    return {4, 8, 8, 32, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 2, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                return {4, 16, 64, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 12.593817710876465) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 13.866741180419922) {
+                                return {4, 16, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 8, 32, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 15.16369104385376) {
+                            return {4, 16, 8, 8, 1};  // SR
                           } else {
                             return {4, 16, 16, 2, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 13.570026874542236) {
-                          if (x.avg <= 6.011986255645752) {
-                            return {4, 8, 16, 32, 1};  // SR
+                        if (x.skew_hi <= 13.793209075927734) {
+                          if (x.skew_hi <= 13.570959568023682) {
+                            return {4, 16, 16, 2, 1};  // SR
                           } else {
-                            if (x.log2_S <= 13.391141891479492) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 3.229662299156189) {
-                            return {4, 16, 64, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 4.194243311882019) {
+                            if (x.skew_lo <= 10.484211444854736) {
                               return {4, 16, 16, 2, 1};  // SR
                             } else {
-                              return {4, 8, 32, 32, 1};  // SR
+                              if (x.skew_lo <= 11.565292835235596) {
+                                return {4, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 2, 1};  // SR
+                              }
                             }
                           }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.287242412567139) {
-                      if (x.long_level <= 2.5) {
-                        if (x.avg <= 238.64469146728516) {
-                          return {4, 16, 8, 8, 1};  // SR
                         } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 13.551573753356934) {
-                        return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        if (x.long_level <= 2.5) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 38.04081344604492) {
-                            if (x.log2_S <= 13.55855655670166) {
-                              return {4, 16, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 13.575859069824219) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {4, 16, 64, 2, 1};  // SR
-                            }
-                          }
+                          return {4, 8, 32, 32, 1};  // SR
                         }
                       }
                     }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 15.40122938156128) {
-                  if (x.avg <= 2.242736577987671) {
-                    if (x.log2_S <= 15.077630519866943) {
-                      return {4, 16, 8, 8, 1};  // SR
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
                   } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 14.513628959655762) {
-                    return {4, 16, 64, 2, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 18.776062965393066) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 2, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 3.0940206050872803) {
-                  if (x.log2_S <= 17.654410362243652) {
-                    if (x.long_level <= 1.5) {
-                      return {4, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 15.469819068908691) {
-                        if (x.avg <= 3.0408796072006226) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 2, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 16, 16, 2, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 55.96417808532715) {
-                    if (x.avg <= 32.395347595214844) {
-                      if (x.log2_S <= 14.300248146057129) {
-                        if (x.avg <= 5.586621046066284) {
-                          if (x.long_level <= 1.5) {
+                    if (x.avg <= 3.1473681926727295) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 19.072978019714355) {
+                          if (x.avg <= 2.655930757522583) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            if (x.avg <= 3.7425529956817627) {
+                            if (x.log2_S <= 16.929039001464844) {
                               return {4, 16, 8, 8, 1};  // SR
                             } else {
                               return {4, 16, 16, 2, 1};  // SR
@@ -8549,111 +8569,123 @@ inline Config gathered_config(const Features& f) {
                         return {4, 16, 16, 2, 1};  // SR
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
+                      if (x.avg <= 30.737887382507324) {
                         return {4, 16, 16, 2, 1};  // SR
                       } else {
-                        if (x.log2_S <= 18.07124423980713) {
-                          if (x.log2_S <= 15.797729015350342) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 33.26188087463379) {
-                              if (x.log2_S <= 17.741798400878906) {
+                        if (x.skew_lo <= 2.9790032505989075) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 19.66217613220215) {
+                            if (x.log2_S <= 18.019362449645996) {
+                              if (x.skew_lo <= 4.990827322006226) {
                                 return {4, 16, 64, 2, 1};  // SR
                               } else {
                                 return {4, 16, 16, 2, 1};  // SR
                               }
                             } else {
-                              return {4, 16, 64, 2, 1};  // SR
+                              return {4, 16, 16, 2, 1};  // SR
                             }
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 5.450010776519775) {
+                    if (x.log2_S <= 13.63648271560669) {
+                      if (x.log2_S <= 13.360090255737305) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 3.0473650693893433) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 105.44696807861328) {
+                        if (x.log2_S <= 13.832797050476074) {
+                          if (x.avg <= 62.89841651916504) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
                           }
                         } else {
                           return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 19.834460258483887) {
+                          if (x.log2_S <= 15.585333824157715) {
+                            if (x.log2_S <= 14.24162483215332) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 14.99367380142212) {
-                        if (x.avg <= 119.93070220947266) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.271419525146484) {
-                            return {4, 16, 16, 2, 1};  // SR
+                    if (x.log2_S <= 15.131041049957275) {
+                      if (x.skew_hi <= 13.733239650726318) {
+                        if (x.log2_S <= 12.804090023040771) {
+                          if (x.skew_lo <= 5.346841096878052) {
+                            return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            return {4, 16, 64, 2, 1};  // SR
+                            return {4, 16, 16, 2, 1};  // SR
                           }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
                         }
                       } else {
-                        return {4, 16, 16, 2, 1};  // SR
+                        return {4, 8, 32, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 18.0701322555542) {
-                        if (x.log2_S <= 14.387597560882568) {
-                          return {4, 16, 16, 2, 1};  // SR
+                      if (x.log2_S <= 15.514400005340576) {
+                        if (x.skew_lo <= 3.744504451751709) {
+                          return {4, 16, 64, 2, 1};  // SR
                         } else {
-                          if (x.log2_S <= 15.332351207733154) {
-                            if (x.avg <= 93.57998275756836) {
-                              return {4, 16, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 64, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
+                          return {4, 16, 16, 2, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 20.78842067718506) {
-                          if (x.log2_S <= 18.149916648864746) {
-                            if (x.avg <= 89.88496780395508) {
-                              return {4, 16, 64, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 90.1039924621582) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        }
+                        return {4, 16, 64, 2, 1};  // SR
                       }
                     }
                   }
                 }
               }
+            }
+          } else {
+            if (x.skew_lo <= 11.30856704711914) {
+              return {4, 16, 64, 2, 1};  // SR
             } else {
-              if (x.avg <= 6.2544848918914795) {
-                if (x.log2_S <= 17.576717376708984) {
-                  if (x.log2_S <= 16.304760932922363) {
-                    if (x.log2_S <= 13.879343509674072) {
-                      return {4, 8, 16, 32, 1};  // SR
-                    } else {
-                      return {4, 16, 64, 2, 1};  // SR
-                    }
+              if (x.skew_hi <= 18.044994354248047) {
+                if (x.skew_hi <= 16.439183235168457) {
+                  return {4, 16, 64, 2, 1};  // SR
+                } else {
+                  if (x.log2_S <= 17.426620483398438) {
+                    return {4, 8, 32, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 17.29347801208496) {
-                      if (x.avg <= 5.049701690673828) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 5.688520431518555) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
+                    if (x.avg <= 3.854964256286621) {
+                      return {4, 16, 64, 2, 1};  // SR
                     } else {
-                      if (x.avg <= 4.574343681335449) {
-                        return {4, 16, 64, 2, 1};  // SR
+                      if (x.skew_lo <= 11.621097087860107) {
+                        if (x.skew_lo <= 11.43606424331665) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
                       } else {
                         return {4, 8, 32, 32, 1};  // SR
                       }
                     }
                   }
-                } else {
-                  return {4, 16, 64, 2, 1};  // SR
                 }
               } else {
                 return {4, 16, 64, 2, 1};  // SR
@@ -8661,400 +8693,318 @@ inline Config gathered_config(const Features& f) {
             }
           }
         } else {
-          if (x.log2_S <= 13.851277828216553) {
-            if (x.long_level <= 2.5) {
-              if (x.avg <= 11.624430656433105) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 12.040940761566162) {
-                    if (x.avg <= 2.8070403337478638) {
-                      if (x.log2_S <= 11.510531425476074) {
-                        if (x.avg <= 1.580944836139679) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.long_level <= 0.5) {
-                            if (x.log2_S <= 9.600574016571045) {
-                              return {1, 16, 64, 8, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 10.296106338500977) {
-                                return {1, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {1, 32, 8, 4, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 2.5273300409317017) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 9.799264430999756) {
-                                return {1, 64, 8, 2, 1};  // SR
-                              } else {
-                                return {1, 32, 8, 4, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.long_level <= 0.5) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.787290096282959) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 0.5) {
-                        if (x.log2_S <= 11.047802448272705) {
-                          if (x.log2_S <= 9.506824493408203) {
-                            if (x.avg <= 3.305088520050049) {
-                              return {1, 16, 64, 8, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 10.662232875823975) {
-                              return {1, 16, 64, 8, 0};  // SP
-                            } else {
-                              if (x.avg <= 6.644239902496338) {
-                                if (x.avg <= 5.01191258430481) {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {1, 16, 64, 8, 0};  // SP
-                                }
-                              } else {
-                                return {1, 16, 64, 4, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 3.6937114000320435) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 64, 8, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 5.244268178939819) {
-                          if (x.avg <= 3.202573776245117) {
-                            return {1, 64, 8, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.806899070739746) {
-                              if (x.avg <= 3.432354211807251) {
-                                if (x.log2_S <= 10.515119075775146) {
-                                  return {2, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {2, 32, 8, 2, 1};  // SR
-                                }
-                              } else {
-                                return {2, 32, 8, 2, 1};  // SR
-                              }
-                            } else {
-                              return {4, 32, 8, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    }
+          if (x.skew_hi <= 12.89159107208252) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 11.825974464416504) {
+                if (x.skew_hi <= 4.374707937240601) {
+                  if (x.skew_hi <= 4.136353254318237) {
+                    return {1, 16, 64, 4, 0};  // SP
                   } else {
-                    if (x.long_level <= 0.5) {
-                      if (x.avg <= 3.518362522125244) {
-                        if (x.log2_S <= 13.017741680145264) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.avg <= 1.5241621136665344) {
-                            if (x.log2_S <= 13.534947872161865) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.251330852508545) {
-                          return {1, 64, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 1};  // SR
-                        }
-                      }
+                    if (x.log2_S <= 9.7470064163208) {
+                      return {1, 16, 64, 4, 0};  // SP
                     } else {
-                      return {4, 32, 8, 2, 1};  // SR
+                      return {1, 16, 64, 8, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.avg <= 9.492174625396729) {
-                    return {4, 32, 8, 2, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 11.701231002807617) {
-                      return {4, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.274107933044434) {
-                        return {4, 32, 16, 2, 1};  // SR
+                  if (x.skew_hi <= 5.016116142272949) {
+                    if (x.avg <= 2.218665361404419) {
+                      if (x.log2_S <= 9.451685428619385) {
+                        return {1, 16, 64, 8, 0};  // SP
                       } else {
-                        return {4, 32, 32, 1, 1};  // SR
+                        if (x.log2_S <= 10.859731197357178) {
+                          return {1, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    return {1, 32, 8, 4, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_lo <= -3.8466169834136963) {
+                  if (x.log2_S <= 19.212284088134766) {
+                    if (x.log2_S <= 14.87282657623291) {
+                      if (x.log2_S <= 14.097443103790283) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -4.727251291275024) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    return {4, 16, 64, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 2.139621138572693) {
+                    if (x.log2_S <= 16.94968891143799) {
+                      if (x.log2_S <= 12.837467193603516) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.593470573425293) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 5.557071208953857) {
+                            if (x.skew_hi <= 5.321941137313843) {
+                              return {4, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.4504265785217285) {
+                        if (x.log2_S <= 17.9181489944458) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 17.73850440979004) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 1.3168453574180603) {
+                            if (x.log2_S <= 18.286771774291992) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.602388381958008) {
+                      if (x.avg <= 3.1254740953445435) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 18.75577449798584) {
+                        if (x.skew_lo <= -1.3275709748268127) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 15.192359447479248) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 5.059516429901123) {
+                          if (x.log2_S <= 20.09638214111328) {
+                            if (x.skew_lo <= -1.7381505370140076) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.skew_lo <= -1.5264063477516174) {
+                                return {4, 16, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
                       }
                     }
                   }
                 }
-              } else {
-                if (x.log2_S <= 11.08063793182373) {
-                  if (x.long_level <= 0.5) {
-                    if (x.log2_S <= 9.500617980957031) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 10.62478256225586) {
-                        return {1, 16, 64, 8, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 13.88517141342163) {
+                if (x.long_level <= 2.5) {
+                  if (x.skew_hi <= 6.443162202835083) {
+                    if (x.log2_S <= 12.082178592681885) {
+                      if (x.avg <= 82.59476852416992) {
+                        if (x.log2_S <= 11.653817176818848) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 0.2889416217803955) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 5.456831216812134) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
                       } else {
-                        return {1, 16, 64, 4, 0};  // SP
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 10.684558391571045) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.562288761138916) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 57.82223892211914) {
+                        if (x.skew_hi <= 6.248099327087402) {
+                          if (x.log2_S <= 13.058425903320312) {
+                            if (x.skew_hi <= 5.320352077484131) {
+                              if (x.skew_lo <= 0.49975141882896423) {
+                                return {4, 32, 8, 2, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 12.343865871429443) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 32, 16, 2, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 81.40053939819336) {
+                          if (x.log2_S <= 12.63388967514038) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
                       }
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 10.111791610717773) {
-                        if (x.log2_S <= 9.382136821746826) {
+                    if (x.log2_S <= 12.145804405212402) {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_lo <= 3.7937928438186646) {
                           return {4, 32, 8, 2, 1};  // SR
                         } else {
-                          if (x.avg <= 30.092761993408203) {
-                            return {4, 32, 8, 2, 1};  // SR
+                          if (x.skew_lo <= 4.46155858039856) {
+                            if (x.log2_S <= 11.84878158569336) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 1};  // SR
+                            }
                           } else {
-                            if (x.avg <= 90.60426712036133) {
-                              if (x.log2_S <= 9.58473539352417) {
-                                if (x.avg <= 51.22230529785156) {
-                                  return {4, 16, 8, 8, 1};  // SR
+                            if (x.avg <= 2.3406578302383423) {
+                              if (x.log2_S <= 11.589231967926025) {
+                                if (x.skew_hi <= 8.04487133026123) {
+                                  return {1, 64, 8, 2, 1};  // SR
+                                } else {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                if (x.log2_S <= 11.787290096282959) {
+                                  return {1, 32, 8, 2, 1};  // SR
                                 } else {
                                   return {4, 32, 8, 2, 1};  // SR
                                 }
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
                               }
+                            } else {
+                              if (x.log2_S <= 10.798056602478027) {
+                                if (x.skew_hi <= 8.662614345550537) {
+                                  return {1, 64, 8, 2, 1};  // SR
+                                } else {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                return {1, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 6.759238958358765) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.04021167755127) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 4.880635499954224) {
+                              return {4, 32, 16, 2, 1};  // SR
                             } else {
                               return {4, 32, 8, 2, 1};  // SR
                             }
                           }
                         }
-                      } else {
-                        if (x.log2_S <= 10.882386684417725) {
-                          if (x.avg <= 14.575348854064941) {
-                            return {4, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 36.822794914245605) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        }
                       }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 0.5) {
-                    if (x.log2_S <= 11.876574993133545) {
-                      return {1, 32, 8, 4, 1};  // SR
                     } else {
-                      if (x.log2_S <= 13.596531391143799) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 16, 8, 8, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 12.263553142547607) {
-                        if (x.log2_S <= 11.42948865890503) {
-                          if (x.log2_S <= 11.294764041900635) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 50.97233200073242) {
-                              return {4, 16, 16, 2, 1};  // SR
+                      if (x.avg <= 12.096901893615723) {
+                        if (x.skew_lo <= 6.234933376312256) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.284409523010254) {
+                            if (x.avg <= 7.0673606395721436) {
+                              return {4, 32, 8, 2, 1};  // SR
                             } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 13.487620830535889) {
-                          if (x.avg <= 14.51832389831543) {
-                            return {4, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 63.22427940368652) {
-                            if (x.avg <= 16.03779888153076) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.233218669891357) {
-                        return {4, 32, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 11.880024909973145) {
-                return {4, 32, 16, 2, 1};  // SR
-              } else {
-                return {4, 32, 32, 1, 1};  // SR
-              }
-            }
-          } else {
-            if (x.long_level <= 0.5) {
-              if (x.avg <= 14.513628959655762) {
-                if (x.log2_S <= 15.543753147125244) {
-                  if (x.avg <= 5.5052971839904785) {
-                    return {4, 32, 8, 2, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 14.77762508392334) {
-                      return {4, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 15.401368618011475) {
-                        return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 5.059516429901123) {
-                    if (x.log2_S <= 16.98466968536377) {
-                      if (x.avg <= 3.6942814588546753) {
-                        return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 16.24313735961914) {
-                          return {4, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 18.27065944671631) {
-                        if (x.log2_S <= 17.44053363800049) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 20.5606746673584) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 18.388188362121582) {
-                      return {4, 16, 64, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 9.269201755523682) {
-                        if (x.log2_S <= 19.761022567749023) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 19.007591247558594) {
-                  if (x.log2_S <= 14.257521152496338) {
-                    return {4, 16, 8, 8, 1};  // SR
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  return {4, 16, 64, 2, 0};  // SP
-                }
-              }
-            } else {
-              if (x.avg <= 13.671707153320312) {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 14.304079055786133) {
-                    if (x.avg <= 6.745824575424194) {
-                      return {4, 32, 8, 2, 1};  // SR
-                    } else {
-                      return {4, 32, 16, 2, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 4.310087203979492) {
-                      return {4, 32, 16, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 18.253300666809082) {
-                        if (x.log2_S <= 16.39519500732422) {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 14.91545057296753) {
-                              if (x.avg <= 8.770639419555664) {
-                                return {4, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 7.3483545780181885) {
-                              if (x.log2_S <= 15.457312107086182) {
+                              if (x.log2_S <= 13.190846920013428) {
                                 return {4, 32, 16, 2, 1};  // SR
                               } else {
                                 return {4, 32, 32, 1, 1};  // SR
                               }
-                            } else {
+                            }
+                          } else {
+                            if (x.skew_hi <= 10.735496044158936) {
                               return {4, 32, 32, 1, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
                             }
                           }
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
                         }
                       } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 32, 32, 1, 1};  // SR
+                        if (x.log2_S <= 13.624865531921387) {
+                          return {4, 32, 16, 2, 1};  // SR
                         } else {
-                          if (x.log2_S <= 18.325794219970703) {
-                            return {4, 16, 16, 2, 1};  // SR
+                          if (x.skew_lo <= 3.673133611679077) {
+                            return {4, 32, 32, 1, 1};  // SR
                           } else {
-                            if (x.avg <= 13.396237850189209) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
+                            return {4, 32, 16, 2, 1};  // SR
                           }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 8.857674598693848) {
-                    return {4, 32, 32, 1, 1};  // SR
+                  if (x.log2_S <= 11.891725063323975) {
+                    return {4, 32, 16, 2, 1};  // SR
                   } else {
-                    if (x.log2_S <= 16.98957633972168) {
-                      return {4, 32, 32, 1, 1};  // SR
+                    if (x.log2_S <= 12.074745655059814) {
+                      if (x.skew_lo <= 10.807754516601562) {
+                        if (x.skew_lo <= 8.341882944107056) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
                     } else {
-                      if (x.log2_S <= 19.31414222717285) {
-                        return {4, 16, 64, 2, 1};  // SR
+                      if (x.avg <= 3.3457165956497192) {
+                        return {4, 32, 16, 2, 1};  // SR
                       } else {
                         return {4, 32, 32, 1, 1};  // SR
                       }
@@ -9062,107 +9012,185 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 16.91205883026123) {
-                  if (x.log2_S <= 14.132736206054688) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 72.44272804260254) {
-                        return {4, 16, 16, 2, 1};  // SR
+                if (x.skew_lo <= 4.261453866958618) {
+                  if (x.avg <= 14.55513048171997) {
+                    if (x.log2_S <= 17.821585655212402) {
+                      if (x.log2_S <= 15.113555908203125) {
+                        if (x.skew_hi <= 6.907220125198364) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
                       } else {
-                        return {4, 32, 16, 2, 1};  // SR
+                        if (x.avg <= 12.044592380523682) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.931650638580322) {
+                            return {4, 32, 32, 1, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 17.285369873046875) {
+                              return {4, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          }
+                        }
                       }
                     } else {
-                      return {4, 32, 32, 1, 1};  // SR
+                      if (x.log2_S <= 18.21861171722412) {
+                        if (x.skew_lo <= 3.5517560243606567) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 16.567867279052734) {
-                      return {4, 32, 32, 1, 1};  // SR
+                    if (x.log2_S <= 15.999358654022217) {
+                      if (x.log2_S <= 15.376075744628906) {
+                        if (x.avg <= 16.93734359741211) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.024011611938477) {
+                            if (x.avg <= 84.77407836914062) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 0.2813727930188179) {
+                          if (x.skew_hi <= 2.261658787727356) {
+                            return {4, 16, 64, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 3.574278712272644) {
+                            if (x.avg <= 25.10695457458496) {
+                              return {4, 32, 32, 1, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 67.41485977172852) {
+                      if (x.skew_lo <= 3.6958863735198975) {
+                        if (x.skew_lo <= 3.1697964668273926) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 17.664029121398926) {
+                            if (x.log2_S <= 16.638998985290527) {
+                              return {4, 32, 32, 1, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 18.688920974731445) {
                           return {4, 32, 16, 2, 1};  // SR
                         } else {
                           return {4, 32, 32, 1, 1};  // SR
                         }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.723214626312256) {
+                    if (x.avg <= 14.348470211029053) {
+                      if (x.skew_hi <= 8.820573806762695) {
+                        if (x.log2_S <= 14.767229080200195) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.118631839752197) {
+                          if (x.long_level <= 1.5) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.195907592773438) {
+                        if (x.log2_S <= 14.108307838439941) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 23.52535629272461) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 32, 16, 2, 1};  // SR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 17.21733570098877) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 15.476575374603271) {
+                  if (x.log2_S <= 13.231396675109863) {
+                    return {4, 32, 8, 2, 1};  // SR
+                  } else {
+                    return {4, 32, 16, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 17.48854923248291) {
+                    if (x.log2_S <= 16.935712814331055) {
+                      return {4, 32, 32, 1, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 1};  // SR
+                  }
+                }
+              } else {
+                return {4, 32, 32, 1, 1};  // SR
+              }
+            } else {
+              if (x.skew_hi <= 18.967045783996582) {
+                if (x.skew_lo <= 10.935317516326904) {
+                  if (x.avg <= 89.58745574951172) {
+                    return {4, 16, 64, 2, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 17.86383628845215) {
+                      return {4, 32, 32, 1, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 18.76514720916748) {
+                        return {4, 16, 64, 2, 1};  // SR
                       } else {
                         return {4, 32, 32, 1, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 19.362079620361328) {
-                    if (x.long_level <= 2.5) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 17.392770767211914) {
-                          if (x.avg <= 49.32568550109863) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 93.65852355957031) {
-                          if (x.log2_S <= 19.237215995788574) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 18.55923366546631) {
-                            if (x.log2_S <= 17.481130599975586) {
-                              return {4, 32, 32, 1, 1};  // SR
-                            } else {
-                              if (x.avg <= 123.24446105957031) {
-                                if (x.log2_S <= 17.734646797180176) {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 2, 1};  // SR
-                                }
-                              } else {
-                                if (x.log2_S <= 17.79037094116211) {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 19.237404823303223) {
-                              return {4, 16, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 16.993258476257324) {
-                        return {4, 32, 32, 1, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 2, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 19.7038516998291) {
-                      if (x.avg <= 79.47450637817383) {
-                        if (x.long_level <= 1.5) {
-                          return {4, 32, 32, 1, 1};  // SR
-                        } else {
-                          if (x.long_level <= 2.5) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 32, 1, 1};  // SR
-                    }
-                  }
+                  return {4, 32, 32, 1, 1};  // SR
                 }
+              } else {
+                return {4, 32, 32, 1, 1};  // SR
               }
             }
           }

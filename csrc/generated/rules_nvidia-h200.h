@@ -8,516 +8,516 @@ namespace geot {
 namespace generated {
 namespace gpu_nvidia_h200 {
 
-// plain rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 18, 1149 leaves; training set: oracle/pick geomean 0.991, worst cell 0.905
+// plain rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 19, 1146 leaves; training set: oracle/pick geomean 0.990, worst cell 0.892
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 13.932078838348389) {
-            if (x.log2_S <= 9.9443941116333) {
-              if (x.avg <= 3.1313878297805786) {
-                if (x.avg <= 2.3429962396621704) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
+          if (x.log2_S <= 15.740380764007568) {
+            if (x.skew_lo <= -3.1583518981933594) {
+              if (x.log2_S <= 9.346044063568115) {
+                if (x.skew_lo <= -5.099253416061401) {
                   return {2, 2, 64, 128, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 9.671156406402588) {
-                  return {1, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.avg <= 41.30290222167969) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    return {2, 2, 64, 128, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 10.542661190032959) {
-                if (x.avg <= 3.21306574344635) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  return {2, 2, 64, 128, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 12.842374801635742) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.avg <= 8.916908740997314) {
-                    if (x.avg <= 1.9903055429458618) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 51.72109794616699) {
-                      return {2, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 12.881615161895752) {
-              if (x.avg <= 11.363472938537598) {
-                return {1, 1, 64, 256, 0};  // SP
-              } else {
-                if (x.log2_S <= 17.4473237991333) {
-                  if (x.log2_S <= 16.457233428955078) {
-                    return {2, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {1, 2, 32, 128, 0};  // SP
-                  }
                 } else {
                   return {1, 1, 64, 256, 0};  // SP
                 }
-              }
-            } else {
-              if (x.log2_S <= 19.457563400268555) {
-                if (x.log2_S <= 15.454913139343262) {
-                  if (x.avg <= 55.00777053833008) {
+              } else {
+                if (x.skew_hi <= 0.28545157611370087) {
+                  if (x.log2_S <= 10.590661525726318) {
                     return {2, 2, 64, 128, 0};  // SP
                   } else {
                     return {1, 8, 64, 32, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 14.766122817993164) {
-                    if (x.log2_S <= 15.896821022033691) {
-                      return {2, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 17.383914947509766) {
-                        return {1, 2, 32, 128, 0};  // SP
-                      } else {
+                  if (x.skew_hi <= 2.3774163722991943) {
+                    return {2, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 14.059999942779541) {
+                      if (x.log2_S <= 9.76505184173584) {
                         return {1, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 59.4771614074707) {
-                      if (x.log2_S <= 19.106213569641113) {
-                        return {1, 2, 32, 128, 0};  // SP
                       } else {
-                        if (x.avg <= 31.970623016357422) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {1, 2, 32, 128, 0};  // SP
-                        }
+                        return {2, 2, 64, 128, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 17.362988471984863) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {1, 2, 32, 128, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                return {1, 1, 64, 256, 0};  // SP
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 18.377495765686035) {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 13.465883255004883) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 15.033315181732178) {
-                    if (x.log2_S <= 11.072305679321289) {
-                      return {1, 32, 32, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.931260585784912) {
-                        if (x.avg <= 3.7955058813095093) {
-                          if (x.log2_S <= 11.530340671539307) {
-                            return {2, 32, 32, 8, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 11.799590110778809) {
-                              return {1, 32, 32, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 8, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 8.42228889465332) {
-                            return {1, 32, 64, 2, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 11.6765718460083) {
-                              return {1, 32, 32, 4, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 7.951395034790039) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.708973407745361) {
-                            if (x.avg <= 12.645954132080078) {
-                              return {1, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 32, 32, 4, 0};  // SP
-                            }
-                          } else {
-                            return {2, 16, 64, 8, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.6490478515625) {
-                      return {2, 32, 32, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 12.50861406326294) {
-                        if (x.avg <= 75.73877334594727) {
-                          return {1, 32, 32, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.125996589660645) {
-                            if (x.log2_S <= 11.805248260498047) {
-                              return {1, 32, 32, 4, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            if (x.avg <= 85.11199951171875) {
-                              return {1, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 18.575627326965332) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 21.935368537902832) {
-                    if (x.avg <= 17.03200340270996) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.092958927154541) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {1, 2, 8, 128, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 15.224999904632568) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 62.46548271179199) {
-                      if (x.log2_S <= 14.620875358581543) {
-                        if (x.avg <= 10.524052143096924) {
-                          if (x.log2_S <= 13.742666721343994) {
-                            if (x.avg <= 4.4939340353012085) {
-                              return {2, 16, 64, 8, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 39.44094657897949) {
-                            if (x.log2_S <= 13.54607343673706) {
-                              return {2, 16, 64, 8, 0};  // SP
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {1, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 48.864559173583984) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.50724172592163) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 17.57593059539795) {
-                      if (x.avg <= 111.01520919799805) {
-                        if (x.log2_S <= 17.193403244018555) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.avg <= 12.943317413330078) {
-                            if (x.avg <= 4.391829967498779) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 1, 8, 256, 1};  // SR
-                            }
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 15.987099647521973) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 3.6608805656433105) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 17.695008277893066) {
-                          if (x.avg <= 16.93908929824829) {
-                            return {1, 1, 8, 256, 1};  // SR
-                          } else {
-                            if (x.avg <= 95.8819580078125) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 1, 8, 256, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.077597618103027) {
-                      if (x.avg <= 97.40126419067383) {
-                        if (x.avg <= 3.122865319252014) {
-                          if (x.log2_S <= 16.666263580322266) {
-                            if (x.log2_S <= 15.34022855758667) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 1, 8, 256, 1};  // SR
-                            }
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 15.971316814422607) {
-                          if (x.log2_S <= 15.469144821166992) {
-                            return {1, 1, 8, 256, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 4, 16};  // PR
-                          }
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 17.84489917755127) {
-                        if (x.log2_S <= 17.259676933288574) {
-                          if (x.avg <= 8.483154296875) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
+                      return {1, 1, 64, 256, 0};  // SP
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 16.388699531555176) {
-                return {1, 32, 8, 2, 32};  // PR
-              } else {
-                if (x.avg <= 8.191975593566895) {
-                  return {1, 32, 8, 2, 32};  // PR
+              if (x.log2_S <= 13.071845054626465) {
+                if (x.skew_hi <= 4.472345352172852) {
+                  if (x.log2_S <= 10.33573055267334) {
+                    return {1, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 11.38825511932373) {
+                      return {2, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 12.535388469696045) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  }
                 } else {
-                  if (x.avg <= 44.13682556152344) {
+                  if (x.avg <= 1.1576340794563293) {
+                    if (x.log2_S <= 10.974133014678955) {
+                      return {1, 32, 32, 4, 0};  // SP
+                    } else {
+                      return {2, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.avg <= 1.7265616059303284) {
+                  if (x.log2_S <= 14.215263366699219) {
+                    if (x.log2_S <= 13.53748893737793) {
+                      return {2, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
+                } else {
+                  return {1, 1, 64, 256, 0};  // SP
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 2.1121445894241333) {
+              if (x.log2_S <= 19.598234176635742) {
+                return {1, 2, 32, 128, 0};  // SP
+              } else {
+                if (x.skew_hi <= 0.28206101059913635) {
+                  if (x.log2_S <= 20.7520809173584) {
+                    return {1, 2, 32, 128, 0};  // SP
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
+                } else {
+                  return {1, 1, 64, 256, 0};  // SP
+                }
+              }
+            } else {
+              return {1, 1, 64, 256, 0};  // SP
+            }
+          }
+        } else {
+          if (x.skew_lo <= 4.185550689697266) {
+            if (x.log2_S <= 16.334495544433594) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 12.116839408874512) {
+                  if (x.skew_hi <= 3.463640332221985) {
+                    if (x.log2_S <= 11.075305938720703) {
+                      if (x.skew_lo <= -1.0178929567337036) {
+                        return {2, 32, 32, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.10286569595337) {
+                          return {2, 32, 32, 8, 0};  // SP
+                        } else {
+                          return {1, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {2, 32, 32, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 11.01762580871582) {
+                      if (x.avg <= 3.935884475708008) {
+                        return {1, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 54.19438362121582) {
+                          return {1, 32, 32, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 10.045992851257324) {
+                            return {1, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 6.276296377182007) {
+                        return {2, 32, 32, 2, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 6.9260241985321045) {
+                          if (x.skew_hi <= 6.4740471839904785) {
+                            return {1, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {1, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 36.28439903259277) {
+                    if (x.log2_S <= 14.330172538757324) {
+                      if (x.log2_S <= 13.551421165466309) {
+                        if (x.avg <= 12.536880493164062) {
+                          if (x.log2_S <= 12.595366477966309) {
+                            if (x.skew_lo <= 3.1136590242385864) {
+                              return {1, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {2, 16, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= 2.108025312423706) {
+                            if (x.log2_S <= 12.597597122192383) {
+                              return {2, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {1, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {1, 32, 32, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 2.315082550048828) {
+                          if (x.avg <= 24.381428718566895) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 15.436832427978516) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 4.033918380737305) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.387938499450684) {
+                  return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  return {1, 1, 8, 256, 1};  // SR
+                }
+              }
+            } else {
+              if (x.skew_lo <= 2.090787887573242) {
+                if (x.log2_S <= 20.30703353881836) {
+                  if (x.log2_S <= 17.345301628112793) {
+                    if (x.skew_hi <= 3.29520583152771) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 64.04126930236816) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 32.63934516906738) {
+                      if (x.log2_S <= 18.827698707580566) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.skew_lo <= -1.3503742218017578) {
+                        if (x.log2_S <= 19.266430854797363) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -1.732395887374878) {
+                            return {1, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 15.592236518859863) {
                     return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.log2_S <= 17.358939170837402) {
-                      if (x.log2_S <= 16.47909164428711) {
-                        return {4, 32, 8, 4, 16};  // PR
+                    return {1, 1, 8, 256, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 20.824737548828125) {
+                  if (x.log2_S <= 18.376673698425293) {
+                    return {1, 1, 8, 256, 1};  // SR
+                  } else {
+                    if (x.avg <= 94.83548355102539) {
+                      return {1, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 20.32915687561035) {
+                        return {1, 1, 8, 256, 1};  // SR
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
                       }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 8.00838851928711) {
+                    if (x.avg <= 212.66727447509766) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      if (x.log2_S <= 18.142735481262207) {
-                        return {4, 32, 8, 4, 16};  // PR
-                      } else {
-                        return {2, 32, 16, 4, 16};  // PR
-                      }
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 30.637765407562256) {
+                      return {4, 32, 16, 2, 32};  // PR
+                    } else {
+                      return {1, 32, 8, 2, 32};  // PR
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 20.750569343566895) {
-                if (x.avg <= 91.45637130737305) {
-                  if (x.log2_S <= 18.56355857849121) {
-                    if (x.avg <= 7.092367649078369) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {1, 1, 8, 256, 1};  // SR
+            if (x.skew_hi <= 19.03183364868164) {
+              if (x.log2_S <= 18.568880081176758) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 15.250962257385254) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 11.713530540466309) {
+                        if (x.skew_hi <= 8.891178131103516) {
+                          return {1, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {2, 32, 32, 8, 0};  // SP
+                        }
                       } else {
-                        return {1, 32, 8, 2, 32};  // PR
+                        if (x.log2_S <= 14.639786720275879) {
+                          if (x.log2_S <= 13.962390422821045) {
+                            if (x.log2_S <= 12.663215160369873) {
+                              if (x.skew_hi <= 8.892740249633789) {
+                                return {2, 16, 64, 8, 0};  // SP
+                              } else {
+                                return {1, 16, 64, 4, 0};  // SP
+                              }
+                            } else {
+                              return {2, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.726063251495361) {
+                        if (x.skew_lo <= 5.721731901168823) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 9.107223510742188) {
+                            if (x.skew_hi <= 8.554316997528076) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 7.570272445678711) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.skew_hi <= 12.338997840881348) {
+                              if (x.skew_lo <= 5.954439878463745) {
+                                if (x.log2_S <= 10.221640586853027) {
+                                  return {1, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                }
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     }
                   } else {
-                    return {1, 32, 8, 2, 32};  // PR
+                    if (x.avg <= 8.45331335067749) {
+                      if (x.skew_hi <= 11.57252550125122) {
+                        if (x.log2_S <= 18.379863739013672) {
+                          if (x.avg <= 5.734102964401245) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.avg <= 6.424881219863892) {
+                              return {1, 32, 8, 2, 32};  // PR
+                            } else {
+                              if (x.log2_S <= 16.10942840576172) {
+                                return {1, 1, 8, 256, 1};  // SR
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {1, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
+                  if (x.skew_hi <= 15.930318832397461) {
                     return {1, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.log2_S <= 18.5697660446167) {
-                      return {1, 1, 8, 256, 1};  // SR
+                    if (x.avg <= 8.191975593566895) {
+                      return {1, 32, 8, 2, 32};  // PR
                     } else {
-                      return {4, 32, 8, 4, 16};  // PR
+                      if (x.skew_hi <= 16.247827529907227) {
+                        if (x.avg <= 14.600895881652832) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 4, 16};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 18.258742332458496) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.skew_lo <= 8.963133811950684) {
+                            return {2, 32, 16, 4, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 3.66606605052948) {
-                  return {1, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 4.391077518463135) {
-                      if (x.log2_S <= 22.663722038269043) {
-                        return {4, 32, 16, 2, 32};  // PR
+                if (x.avg <= 58.20646286010742) {
+                  if (x.skew_lo <= 7.812673807144165) {
+                    return {1, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.avg <= 3.2122737169265747) {
+                      return {1, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 21.908698081970215) {
+                        if (x.avg <= 8.481935501098633) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 4, 8};  // PR
+                        }
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
                       }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
                     }
+                  }
+                } else {
+                  if (x.avg <= 127.47693252563477) {
+                    return {2, 32, 16, 4, 16};  // PR
                   } else {
-                    if (x.avg <= 90.58097839355469) {
-                      if (x.avg <= 10.965273380279541) {
-                        if (x.log2_S <= 21.294102668762207) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        if (x.avg <= 55.370140075683594) {
-                          if (x.avg <= 11.912193775177002) {
-                            if (x.log2_S <= 22.268810272216797) {
-                              return {1, 32, 8, 2, 32};  // PR
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
-                          } else {
-                            return {1, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 }
               }
             } else {
-              if (x.avg <= 8.719868659973145) {
-                if (x.log2_S <= 22.043381690979004) {
-                  if (x.log2_S <= 20.25761890411377) {
-                    if (x.log2_S <= 19.917604446411133) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.avg <= 2.412350058555603) {
-                        return {4, 32, 16, 2, 32};  // PR
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 2.9258960485458374) {
-                      if (x.log2_S <= 20.82178783416748) {
-                        if (x.avg <= 2.654321789741516) {
-                          return {4, 32, 16, 2, 32};  // PR
+              if (x.skew_lo <= 11.344191074371338) {
+                if (x.avg <= 70.43889999389648) {
+                  if (x.log2_S <= 22.190349578857422) {
+                    if (x.skew_lo <= 9.811015605926514) {
+                      if (x.skew_hi <= 20.07282543182373) {
+                        if (x.avg <= 41.626007080078125) {
+                          if (x.skew_hi <= 19.646096229553223) {
+                            return {4, 32, 8, 4, 8};  // PR
+                          } else {
+                            return {1, 1, 8, 256, 1};  // SR
+                          }
                         } else {
-                          return {1, 32, 8, 2, 32};  // PR
+                          return {2, 32, 16, 4, 16};  // PR
                         }
                       } else {
-                        if (x.log2_S <= 21.652080535888672) {
+                        if (x.skew_lo <= 9.414465427398682) {
                           return {1, 32, 16, 2, 16};  // PR
                         } else {
-                          return {4, 32, 16, 2, 32};  // PR
+                          if (x.log2_S <= 20.950770378112793) {
+                            return {2, 32, 16, 4, 16};  // PR
+                          } else {
+                            return {1, 32, 16, 2, 16};  // PR
+                          }
                         }
                       }
                     } else {
-                      return {1, 32, 16, 2, 16};  // PR
+                      if (x.skew_hi <= 19.987295150756836) {
+                        if (x.avg <= 11.912278175354004) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 4, 8};  // PR
+                        }
+                      } else {
+                        return {2, 32, 16, 4, 16};  // PR
+                      }
                     }
+                  } else {
+                    return {2, 32, 16, 4, 16};  // PR
                   }
                 } else {
-                  if (x.avg <= 6.341827392578125) {
-                    return {4, 32, 16, 2, 32};  // PR
+                  if (x.log2_S <= 19.82499122619629) {
+                    return {2, 32, 16, 4, 16};  // PR
                   } else {
-                    if (x.log2_S <= 22.931801795959473) {
-                      return {2, 32, 16, 4, 16};  // PR
+                    if (x.skew_hi <= 23.05807590484619) {
+                      return {1, 32, 16, 2, 16};  // PR
                     } else {
-                      return {4, 32, 16, 2, 32};  // PR
+                      if (x.avg <= 136.87427520751953) {
+                        return {2, 32, 16, 4, 16};  // PR
+                      } else {
+                        return {1, 32, 16, 2, 16};  // PR
+                      }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 22.0716495513916) {
-                  if (x.log2_S <= 19.936195373535156) {
-                    if (x.avg <= 40.10189437866211) {
-                      if (x.avg <= 11.912278175354004) {
-                        return {4, 32, 8, 2, 16};  // PR
+                if (x.log2_S <= 20.728453636169434) {
+                  if (x.skew_hi <= 19.907992362976074) {
+                    return {1, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.skew_lo <= 12.693006992340088) {
+                      if (x.skew_lo <= 11.883483409881592) {
+                        return {1, 32, 16, 2, 16};  // PR
                       } else {
-                        if (x.log2_S <= 19.756489753723145) {
-                          if (x.avg <= 29.58925724029541) {
-                            if (x.log2_S <= 18.46005630493164) {
-                              return {4, 32, 8, 2, 16};  // PR
-                            } else {
-                              return {4, 32, 8, 4, 8};  // PR
-                            }
-                          } else {
-                            return {4, 32, 16, 4, 8};  // PR
-                          }
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
+                        return {1, 32, 8, 2, 32};  // PR
                       }
                     } else {
-                      return {2, 32, 16, 4, 16};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 25.659937858581543) {
-                      return {2, 32, 16, 4, 16};  // PR
-                    } else {
-                      return {1, 32, 16, 2, 16};  // PR
+                      return {4, 32, 16, 2, 32};  // PR
                     }
                   }
                 } else {
-                  return {2, 32, 16, 4, 16};  // PR
+                  if (x.log2_S <= 22.043381690979004) {
+                    if (x.skew_lo <= 12.452908039093018) {
+                      return {1, 32, 16, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 16, 2, 32};  // PR
+                    }
+                  } else {
+                    return {4, 32, 16, 2, 32};  // PR
+                  }
                 }
               }
             }
@@ -525,145 +525,103 @@ inline Config plain_config(const Features& f) {
         }
       } else {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 13.905562400817871) {
-            if (x.log2_S <= 11.092466354370117) {
-              if (x.log2_S <= 9.612300395965576) {
-                if (x.avg <= 3.201190233230591) {
-                  if (x.avg <= 1.5560316443443298) {
-                    if (x.avg <= 1.3507344126701355) {
-                      return {1, 32, 32, 4, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
+          if (x.log2_S <= 14.31894588470459) {
+            if (x.skew_lo <= -1.725833237171173) {
+              if (x.skew_lo <= -4.94102144241333) {
+                if (x.log2_S <= 10.75642728805542) {
+                  if (x.log2_S <= 9.759597301483154) {
+                    return {1, 16, 64, 4, 0};  // SP
                   } else {
                     return {1, 8, 64, 32, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 35.502145767211914) {
-                    if (x.log2_S <= 9.131959438323975) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      if (x.avg <= 20.7579288482666) {
-                        if (x.avg <= 7.941432237625122) {
-                          if (x.avg <= 4.121161103248596) {
-                            return {1, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {1, 1, 64, 256, 0};  // SP
-                          }
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {1, 16, 64, 4, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 1.5876170992851257) {
-                  if (x.avg <= 1.3475786447525024) {
-                    return {1, 32, 32, 4, 0};  // SP
+                  if (x.avg <= 36.0213508605957) {
+                    return {4, 4, 64, 64, 0};  // SP
                   } else {
                     return {4, 8, 64, 32, 0};  // SP
                   }
+                }
+              } else {
+                if (x.skew_lo <= -3.337981104850769) {
+                  if (x.log2_S <= 10.039071559906006) {
+                    return {2, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 12.349641799926758) {
+                      if (x.avg <= 14.485278606414795) {
+                        return {2, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  }
                 } else {
-                  return {1, 8, 64, 32, 0};  // SP
+                  if (x.log2_S <= 10.415273666381836) {
+                    return {1, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 12.574416160583496) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 12.457775115966797) {
-                if (x.avg <= 3.843787670135498) {
-                  if (x.avg <= 1.6394962668418884) {
-                    if (x.avg <= 1.3306646347045898) {
-                      return {2, 8, 16, 32, 0};  // SP
-                    } else {
-                      return {1, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 11.237165451049805) {
+              if (x.skew_lo <= -0.7975746393203735) {
+                return {1, 8, 64, 32, 0};  // SP
+              } else {
+                if (x.skew_hi <= 5.577269554138184) {
+                  if (x.skew_lo <= -0.6499775350093842) {
                     return {4, 8, 64, 32, 0};  // SP
                   } else {
                     return {1, 16, 64, 4, 0};  // SP
                   }
-                }
-              } else {
-                if (x.avg <= 1.338403046131134) {
-                  return {2, 8, 16, 32, 0};  // SP
                 } else {
-                  if (x.log2_S <= 13.163008689880371) {
-                    if (x.avg <= 1.5851064920425415) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
+                  if (x.log2_S <= 11.829154014587402) {
+                    return {1, 32, 32, 4, 0};  // SP
                   } else {
-                    if (x.avg <= 32.171502113342285) {
-                      if (x.avg <= 4.077365279197693) {
-                        if (x.log2_S <= 13.463915348052979) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          if (x.avg <= 1.6620938777923584) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {2, 1, 64, 256, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 21.152189254760742) {
-                          return {2, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
+                    return {2, 8, 16, 32, 0};  // SP
                   }
                 }
               }
             }
           } else {
-            if (x.avg <= 9.315208435058594) {
-              return {2, 1, 64, 256, 0};  // SP
-            } else {
-              if (x.log2_S <= 19.335508346557617) {
-                if (x.avg <= 24.635948181152344) {
-                  return {2, 2, 64, 128, 0};  // SP
-                } else {
-                  if (x.avg <= 48.64406967163086) {
-                    if (x.log2_S <= 16.88615894317627) {
+            if (x.skew_lo <= -3.2195873260498047) {
+              if (x.log2_S <= 19.897178649902344) {
+                if (x.skew_lo <= -4.622653007507324) {
+                  if (x.avg <= 50.09137535095215) {
+                    if (x.log2_S <= 17.523666381835938) {
                       return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.avg <= 40.7515811920166) {
+                      if (x.skew_lo <= -5.143967390060425) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
                         return {2, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.135036945343018) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 17.361820220947266) {
+                        return {4, 8, 8, 32, 0};  // SP
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 16.818452835083008) {
-                      if (x.log2_S <= 14.493634223937988) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 8, 8, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
                   }
+                } else {
+                  return {2, 2, 64, 128, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 20.326641082763672) {
-                  if (x.avg <= 23.55395221710205) {
-                    if (x.avg <= 14.251588821411133) {
-                      return {2, 1, 64, 256, 0};  // SP
+                if (x.log2_S <= 22.194165229797363) {
+                  if (x.avg <= 32.75253677368164) {
+                    if (x.skew_hi <= 2.261574387550354) {
+                      return {2, 2, 64, 128, 0};  // SP
                     } else {
-                      return {1, 2, 32, 128, 0};  // SP
+                      return {2, 1, 64, 256, 0};  // SP
                     }
                   } else {
                     return {2, 1, 64, 256, 0};  // SP
@@ -672,185 +630,315 @@ inline Config plain_config(const Features& f) {
                   return {2, 1, 64, 256, 0};  // SP
                 }
               }
+            } else {
+              return {2, 1, 64, 256, 0};  // SP
             }
           }
         } else {
-          if (x.log2_S <= 17.916760444641113) {
+          if (x.skew_hi <= 19.70960521697998) {
             if (x.long_level <= 2.5) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.477455615997314) {
-                  if (x.avg <= 9.085950374603271) {
-                    if (x.log2_S <= 11.248560428619385) {
-                      if (x.avg <= 3.935884475708008) {
-                        if (x.avg <= 2.1236190795898438) {
-                          if (x.log2_S <= 11.058709144592285) {
+              if (x.log2_S <= 18.377495765686035) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 12.662387371063232) {
+                    if (x.skew_hi <= 8.403521537780762) {
+                      if (x.avg <= 5.05813193321228) {
+                        if (x.avg <= 3.935884475708008) {
+                          if (x.log2_S <= 11.424525737762451) {
                             return {2, 32, 32, 8, 0};  // SP
                           } else {
-                            return {2, 32, 32, 2, 0};  // SP
+                            return {1, 32, 64, 4, 0};  // SP
                           }
                         } else {
-                          if (x.avg <= 3.132639765739441) {
-                            return {4, 32, 32, 4, 0};  // SP
+                          if (x.avg <= 4.70356822013855) {
+                            if (x.log2_S <= 11.040176391601562) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 32, 32, 8, 0};  // SP
+                            }
                           } else {
-                            return {2, 32, 32, 8, 0};  // SP
+                            return {4, 32, 32, 4, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.avg <= 7.727604389190674) {
-                          if (x.log2_S <= 11.026233673095703) {
-                            return {2, 8, 8, 32, 1};  // SR
+                        if (x.log2_S <= 11.899240016937256) {
+                          return {2, 32, 32, 8, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 4.3421478271484375) {
+                            if (x.log2_S <= 12.46139669418335) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 8, 0};  // SP
+                            }
                           } else {
                             return {2, 32, 32, 8, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 10.54164981842041) {
-                            return {4, 32, 32, 4, 0};  // SP
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.avg <= 3.7955058813095093) {
-                        return {1, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.981109619140625) {
-                          return {2, 32, 32, 8, 0};  // SP
+                      if (x.log2_S <= 11.074554920196533) {
+                        if (x.avg <= 2.1743905544281006) {
+                          return {2, 32, 32, 2, 0};  // SP
                         } else {
-                          if (x.avg <= 6.731647729873657) {
-                            return {2, 16, 64, 8, 0};  // SP
+                          if (x.skew_hi <= 8.711856842041016) {
+                            return {4, 32, 32, 4, 0};  // SP
                           } else {
                             return {2, 32, 32, 8, 0};  // SP
                           }
                         }
+                      } else {
+                        return {1, 32, 64, 4, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 11.758727073669434) {
-                      return {2, 32, 32, 8, 0};  // SP
-                    } else {
-                      if (x.avg <= 61.8162956237793) {
-                        return {2, 32, 32, 8, 0};  // SP
+                    if (x.log2_S <= 14.524491786956787) {
+                      if (x.skew_hi <= 4.9430718421936035) {
+                        return {2, 16, 64, 8, 0};  // SP
                       } else {
-                        return {2, 32, 32, 2, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 14.53263807296753) {
-                    if (x.avg <= 41.234907150268555) {
-                      if (x.avg <= 9.940085887908936) {
-                        if (x.log2_S <= 13.445170402526855) {
-                          if (x.avg <= 5.0817365646362305) {
-                            return {1, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {2, 16, 64, 8, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 14.002820491790771) {
-                            if (x.avg <= 8.349202156066895) {
+                        if (x.avg <= 7.8558573722839355) {
+                          if (x.log2_S <= 13.324427127838135) {
+                            if (x.skew_lo <= 3.927945137023926) {
                               return {2, 16, 64, 8, 0};  // SP
                             } else {
-                              return {4, 2, 8, 128, 1};  // SR
+                              return {1, 32, 64, 4, 0};  // SP
                             }
                           } else {
-                            if (x.avg <= 3.1929664611816406) {
-                              return {2, 8, 8, 32, 1};  // SR
+                            if (x.log2_S <= 14.002820491790771) {
+                              return {2, 16, 64, 8, 0};  // SP
                             } else {
-                              if (x.avg <= 7.474628686904907) {
+                              if (x.skew_hi <= 8.334706783294678) {
                                 return {2, 16, 64, 8, 0};  // SP
                               } else {
-                                return {4, 2, 8, 128, 1};  // SR
+                                return {2, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.749295711517334) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 79.43097686767578) {
+                        if (x.log2_S <= 17.632136344909668) {
+                          if (x.skew_lo <= 2.9368292093276978) {
+                            if (x.log2_S <= 14.953254222869873) {
+                              if (x.skew_lo <= 0.6502448618412018) {
+                                return {2, 16, 64, 8, 0};  // SP
+                              } else {
+                                if (x.avg <= 16.81966257095337) {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {1, 2, 8, 128, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 16.977211952209473) {
+                              if (x.log2_S <= 16.04398536682129) {
+                                if (x.avg <= 4.192943811416626) {
+                                  return {1, 2, 8, 128, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 15.29853630065918) {
+                                    return {4, 2, 8, 128, 1};  // SR
+                                  } else {
+                                    return {1, 2, 8, 128, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                if (x.skew_hi <= 8.207066535949707) {
+                                  return {1, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 6.207646608352661) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 4.210685968399048) {
+                              return {2, 32, 8, 2, 32};  // PR
+                            } else {
+                              if (x.log2_S <= 18.084453582763672) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 32};  // PR
                               }
                             }
                           }
                         }
                       } else {
-                        if (x.avg <= 20.994393348693848) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {2, 16, 64, 8, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 2.925382137298584) {
-                      if (x.log2_S <= 16.09926986694336) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 17.314169883728027) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 112.22648620605469) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.740543842315674) {
+                        if (x.log2_S <= 16.896159172058105) {
                           return {2, 16, 64, 8, 0};  // SP
                         } else {
+                          if (x.skew_lo <= -1.0611704587936401) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 11.790804862976074) {
+                    if (x.skew_hi <= 10.299037456512451) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.720407485961914) {
+                        if (x.log2_S <= 11.106968879699707) {
                           return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.09206247329712) {
+                      if (x.log2_S <= 12.338997840881348) {
+                        if (x.avg <= 3.2067984342575073) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.701976299285889) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.65722131729126) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 4, 16};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.782321453094482) {
+                        return {4, 32, 8, 4, 16};  // PR
+                      } else {
+                        if (x.log2_S <= 17.42829704284668) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 4, 16};  // PR
                         }
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 10.449327945709229) {
-                  if (x.log2_S <= 11.472225666046143) {
-                    if (x.log2_S <= 11.261102676391602) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 2.868790030479431) {
-                        return {2, 8, 8, 32, 1};  // SR
+                if (x.skew_hi <= 10.752816200256348) {
+                  if (x.skew_hi <= 8.072269439697266) {
+                    if (x.log2_S <= 21.173742294311523) {
+                      if (x.avg <= 74.80856323242188) {
+                        if (x.skew_lo <= 0.37949514389038086) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        if (x.skew_lo <= 2.0543954372406006) {
+                          if (x.log2_S <= 19.145065307617188) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 2.2549679279327393) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              if (x.avg <= 157.3209991455078) {
+                                if (x.log2_S <= 19.898022651672363) {
+                                  return {4, 32, 8, 2, 16};  // PR
+                                } else {
+                                  return {1, 2, 8, 128, 1};  // SR
+                                }
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.04341459274292) {
-                      if (x.avg <= 3.285578966140747) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.276604175567627) {
-                          if (x.avg <= 9.583434581756592) {
-                            return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 0.8417908251285553) {
+                        if (x.skew_hi <= 3.6809747219085693) {
+                          if (x.skew_lo <= -1.7470483779907227) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 21.575078010559082) {
+                            return {4, 32, 8, 2, 16};  // PR
                           } else {
                             return {1, 2, 8, 128, 1};  // SR
                           }
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.93610668182373) {
+                      if (x.avg <= 16.46642017364502) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.skew_hi <= 8.396597385406494) {
+                          return {2, 32, 8, 2, 32};  // PR
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      return {1, 2, 8, 128, 1};  // SR
+                      if (x.avg <= 48.6421012878418) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 21.699503898620605) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
                     }
                   }
                 } else {
-                  return {1, 2, 8, 128, 1};  // SR
+                  if (x.avg <= 5.031007766723633) {
+                    return {4, 32, 8, 4, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 21.121880531311035) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 4, 16};  // PR
+                    }
+                  }
                 }
               }
             } else {
-              if (x.avg <= 14.920527935028076) {
-                if (x.log2_S <= 10.960691928863525) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.avg <= 10.342368602752686) {
-                    if (x.log2_S <= 12.281481266021729) {
-                      if (x.avg <= 6.6997597217559814) {
-                        return {4, 32, 8, 4, 16};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
+              if (x.avg <= 9.36843204498291) {
+                if (x.skew_hi <= 13.849683284759521) {
+                  if (x.avg <= 5.935961484909058) {
+                    if (x.skew_lo <= 11.866671562194824) {
+                      return {4, 32, 8, 4, 16};  // PR
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 16.079037189483643) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.avg <= 7.986022472381592) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.skew_hi <= 16.253843307495117) {
                       return {2, 32, 8, 2, 32};  // PR
                     } else {
                       return {4, 32, 8, 4, 16};  // PR
@@ -858,176 +946,84 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 11.037748336791992) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.log2_S <= 12.903162002563477) {
-                    return {4, 32, 8, 4, 16};  // PR
+                if (x.log2_S <= 18.820521354675293) {
+                  if (x.log2_S <= 13.981602668762207) {
+                    return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.log2_S <= 14.983241558074951) {
-                      if (x.log2_S <= 13.79967975616455) {
-                        if (x.avg <= 126.74673843383789) {
-                          if (x.log2_S <= 13.194442749023438) {
-                            return {2, 32, 8, 2, 32};  // PR
+                    if (x.log2_S <= 17.008180618286133) {
+                      if (x.log2_S <= 16.431368827819824) {
+                        if (x.log2_S <= 14.470023155212402) {
+                          if (x.skew_lo <= 7.891218423843384) {
+                            return {4, 32, 8, 4, 16};  // PR
                           } else {
-                            if (x.avg <= 23.71472930908203) {
-                              if (x.log2_S <= 13.261992931365967) {
-                                return {4, 32, 8, 2, 16};  // PR
-                              } else {
-                                return {2, 32, 8, 2, 32};  // PR
-                              }
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
+                            return {4, 32, 8, 2, 16};  // PR
                           }
                         } else {
-                          return {4, 32, 8, 2, 16};  // PR
+                          if (x.avg <= 10.528355121612549) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
                         }
                       } else {
-                        return {2, 32, 8, 2, 32};  // PR
+                        return {4, 32, 8, 4, 16};  // PR
                       }
                     } else {
-                      if (x.log2_S <= 16.232336044311523) {
-                        if (x.avg <= 23.76948356628418) {
-                          if (x.log2_S <= 15.840544700622559) {
-                            return {2, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 17.33828639984131) {
-                          if (x.log2_S <= 16.317100524902344) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 32, 8, 4, 16};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 8.669973373413086) {
+                    if (x.skew_hi <= 19.303709983825684) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {2, 32, 16, 4, 16};  // PR
+                    }
+                  } else {
+                    if (x.skew_lo <= 10.41278600692749) {
+                      return {4, 32, 8, 4, 8};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 21.260292053222656) {
-                  if (x.avg <= 86.38079452514648) {
-                    if (x.log2_S <= 18.010473251342773) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 20.15036392211914) {
-                      if (x.log2_S <= 18.373690605163574) {
-                        if (x.avg <= 123.5746955871582) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
+            if (x.skew_lo <= 10.853745937347412) {
+              if (x.log2_S <= 20.12629795074463) {
+                if (x.avg <= 43.55963897705078) {
+                  return {4, 32, 8, 4, 8};  // PR
                 } else {
-                  if (x.avg <= 3.7810717821121216) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
+                  return {2, 32, 16, 4, 16};  // PR
                 }
               } else {
-                if (x.avg <= 79.01845169067383) {
-                  if (x.log2_S <= 18.4957914352417) {
-                    if (x.avg <= 48.640249252319336) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 4, 16};  // PR
-                  }
-                } else {
-                  if (x.avg <= 82.74825286865234) {
-                    if (x.log2_S <= 22.230828285217285) {
-                      return {4, 32, 8, 4, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
+                return {2, 32, 16, 4, 16};  // PR
               }
             } else {
-              if (x.avg <= 9.897212028503418) {
-                if (x.log2_S <= 22.22439479827881) {
-                  if (x.log2_S <= 20.979783058166504) {
-                    if (x.avg <= 7.903735876083374) {
-                      if (x.log2_S <= 20.51435375213623) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.avg <= 2.7526642084121704) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.avg <= 4.267993688583374) {
-                            return {4, 32, 16, 2, 32};  // PR
-                          } else {
-                            if (x.avg <= 5.439502477645874) {
-                              return {2, 32, 8, 2, 32};  // PR
-                            } else {
-                              return {2, 32, 16, 4, 16};  // PR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
+              if (x.log2_S <= 21.800289154052734) {
+                if (x.skew_lo <= 12.520133018493652) {
+                  if (x.avg <= 4.937519788742065) {
+                    return {4, 32, 16, 2, 32};  // PR
                   } else {
-                    return {2, 32, 16, 4, 16};  // PR
-                  }
-                } else {
-                  return {4, 32, 16, 2, 32};  // PR
-                }
-              } else {
-                if (x.log2_S <= 18.96052360534668) {
-                  if (x.avg <= 40.10189437866211) {
-                    if (x.avg <= 24.9925537109375) {
-                      if (x.log2_S <= 18.811595916748047) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 4, 8};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 4, 8};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.log2_S <= 20.051685333251953) {
-                    if (x.avg <= 42.64709281921387) {
-                      if (x.avg <= 11.947632789611816) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 4, 8};  // PR
-                      }
+                    if (x.log2_S <= 20.285082817077637) {
+                      return {2, 32, 8, 2, 32};  // PR
                     } else {
                       return {2, 32, 16, 4, 16};  // PR
                     }
-                  } else {
-                    return {2, 32, 16, 4, 16};  // PR
                   }
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
+                }
+              } else {
+                if (x.log2_S <= 22.792219161987305) {
+                  if (x.skew_lo <= 11.719985961914062) {
+                    return {2, 32, 16, 4, 16};  // PR
+                  } else {
+                    return {4, 32, 16, 2, 32};  // PR
+                  }
+                } else {
+                  return {4, 32, 16, 2, 32};  // PR
                 }
               }
             }
@@ -1036,978 +1032,982 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 17.72292995452881) {
-            if (x.log2_S <= 14.279115200042725) {
-              if (x.log2_S <= 9.663126945495605) {
-                if (x.avg <= 36.62000846862793) {
-                  if (x.avg <= 2.4238157272338867) {
-                    if (x.avg <= 1.4813077449798584) {
+        if (x.log2_S <= 14.987605094909668) {
+          if (x.long_level <= 2.5) {
+            if (x.long_level <= 1.5) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 10.506807327270508) {
+                  if (x.avg <= 28.92197036743164) {
+                    if (x.skew_hi <= 4.374707937240601) {
+                      return {2, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -0.566794753074646) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 32, 32, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.60867166519165) {
                       return {1, 32, 32, 4, 0};  // SP
                     } else {
                       return {4, 8, 64, 32, 0};  // SP
                     }
-                  } else {
-                    return {2, 2, 64, 128, 0};  // SP
                   }
                 } else {
-                  return {1, 32, 32, 4, 0};  // SP
-                }
-              } else {
-                if (x.avg <= 1.4691807627677917) {
-                  if (x.log2_S <= 12.970697402954102) {
-                    return {1, 32, 32, 4, 0};  // SP
+                  if (x.log2_S <= 13.790423393249512) {
+                    if (x.log2_S <= 11.833099365234375) {
+                      if (x.skew_lo <= -5.170634746551514) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.avg <= 3.6612154245376587) {
+                          if (x.skew_lo <= -0.546425074338913) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {1, 32, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.669802188873291) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {1, 32, 32, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.895622730255127) {
+                        if (x.skew_lo <= -0.465437650680542) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 32, 32, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -1.4751750230789185) {
+                          if (x.skew_hi <= 2.9461207389831543) {
+                            if (x.skew_lo <= -4.435059309005737) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {4, 4, 64, 64, 0};  // SP
+                            }
+                          } else {
+                            return {2, 2, 64, 128, 0};  // SP
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    }
                   } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 13.47337007522583) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 25.851966857910156) {
-                      if (x.avg <= 9.297179222106934) {
+                    if (x.skew_hi <= 3.144811987876892) {
+                      if (x.skew_lo <= -5.295705795288086) {
                         return {4, 8, 64, 32, 0};  // SP
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
                       }
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 9.653105735778809) {
-                if (x.log2_S <= 16.851016998291016) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  if (x.avg <= 2.329231381416321) {
-                    return {4, 1, 64, 256, 0};  // SP
-                  } else {
-                    return {4, 2, 64, 128, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 51.53568458557129) {
-                  return {4, 4, 64, 64, 0};  // SP
-                } else {
-                  if (x.log2_S <= 16.818452835083008) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 10.513665199279785) {
-              if (x.log2_S <= 18.356891632080078) {
-                if (x.avg <= 5.195594787597656) {
-                  return {4, 1, 64, 256, 0};  // SP
-                } else {
-                  return {4, 2, 64, 128, 0};  // SP
-                }
-              } else {
-                return {4, 1, 64, 256, 0};  // SP
-              }
-            } else {
-              if (x.log2_S <= 21.51461887359619) {
-                if (x.log2_S <= 18.954537391662598) {
-                  return {4, 4, 64, 64, 0};  // SP
-                } else {
-                  if (x.avg <= 24.011996269226074) {
-                    if (x.avg <= 14.983676433563232) {
-                      if (x.log2_S <= 19.947080612182617) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {4, 1, 64, 256, 0};  // SP
-                      }
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    return {4, 2, 64, 128, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 48.32891082763672) {
-                  return {4, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 22.84083652496338) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {4, 1, 64, 256, 0};  // SP
-                  }
-                }
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 17.79228973388672) {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 11.445366859436035) {
-                if (x.avg <= 13.558273792266846) {
-                  if (x.avg <= 3.9267150163650513) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 11.019887447357178) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 10.883946418762207) {
-                        if (x.avg <= 2.0828036069869995) {
-                          if (x.log2_S <= 10.043079853057861) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 10.653499603271484) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
+                      if (x.skew_hi <= 5.338648080825806) {
+                        if (x.skew_hi <= 3.5688873529434204) {
+                          return {4, 2, 64, 128, 0};  // SP
                         } else {
-                          return {2, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 14.1963210105896) {
+                            if (x.skew_hi <= 4.442394971847534) {
+                              return {2, 2, 64, 128, 0};  // SP
+                            } else {
+                              return {4, 2, 64, 128, 0};  // SP
+                            }
+                          } else {
+                            return {4, 1, 64, 256, 0};  // SP
+                          }
                         }
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 11.097280025482178) {
-                      return {2, 8, 8, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 11.611871242523193) {
+                  if (x.skew_lo <= 4.023357391357422) {
+                    if (x.skew_hi <= 4.184504985809326) {
+                      if (x.log2_S <= 11.075305938720703) {
+                        return {4, 32, 32, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 32, 8, 0};  // SP
+                      }
                     } else {
-                      if (x.avg <= 9.062350749969482) {
-                        if (x.long_level <= 1.5) {
-                          return {4, 32, 32, 4, 0};  // SP
+                      if (x.avg <= 11.127859115600586) {
+                        if (x.log2_S <= 10.960802555084229) {
+                          if (x.skew_hi <= 7.99092698097229) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
                         } else {
-                          return {1, 4, 8, 64, 1};  // SR
+                          if (x.avg <= 6.774462699890137) {
+                            return {4, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {2, 64, 32, 2, 0};  // SP
+                          }
                         }
                       } else {
                         return {2, 64, 32, 2, 0};  // SP
                       }
                     }
+                  } else {
+                    return {4, 32, 32, 4, 0};  // SP
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
-                    return {2, 64, 32, 2, 0};  // SP
-                  } else {
-                    if (x.avg <= 25.40635395050049) {
-                      if (x.avg <= 17.064223289489746) {
-                        if (x.log2_S <= 11.197689533233643) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
+                  if (x.avg <= 6.824262619018555) {
+                    if (x.log2_S <= 14.28406286239624) {
+                      if (x.log2_S <= 12.150222778320312) {
+                        return {4, 32, 32, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= 4.401733636856079) {
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
-                    } else {
-                      return {1, 4, 8, 64, 1};  // SR
                     }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 15.115638256072998) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 6.824262619018555) {
-                      if (x.log2_S <= 14.362492084503174) {
-                        if (x.log2_S <= 11.756828784942627) {
-                          return {4, 32, 32, 4, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
+                  } else {
+                    if (x.log2_S <= 12.619157314300537) {
+                      if (x.skew_hi <= 6.511864185333252) {
+                        return {4, 32, 32, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 14.836756706237793) {
-                          if (x.avg <= 3.3297427892684937) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
+                        if (x.log2_S <= 12.14013957977295) {
+                          return {4, 32, 32, 8, 0};  // SP
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 12.479954242706299) {
-                        if (x.log2_S <= 11.74510908126831) {
-                          return {2, 64, 32, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.116839408874512) {
-                            return {4, 32, 32, 8, 0};  // SP
-                          } else {
-                            if (x.avg <= 19.796732425689697) {
-                              return {4, 32, 32, 8, 0};  // SP
-                            } else {
+                      if (x.skew_lo <= 0.8659245669841766) {
+                        if (x.log2_S <= 14.36591911315918) {
+                          if (x.avg <= 65.07742691040039) {
+                            if (x.log2_S <= 13.24490213394165) {
                               return {4, 32, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 8, 0};  // SP
                             }
+                          } else {
+                            return {4, 32, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 3.169935703277588) {
+                            if (x.log2_S <= 14.824472904205322) {
+                              return {4, 32, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.avg <= 52.99538612365723) {
-                          if (x.log2_S <= 14.356806755065918) {
-                            if (x.avg <= 12.386749744415283) {
-                              if (x.log2_S <= 14.01744556427002) {
-                                return {4, 16, 64, 8, 0};  // SP
+                        if (x.log2_S <= 13.965312480926514) {
+                          if (x.avg <= 9.663872241973877) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= 2.307080388069153) {
+                              if (x.avg <= 20.98974895477295) {
+                                if (x.log2_S <= 13.10844087600708) {
+                                  return {4, 32, 32, 8, 0};  // SP
+                                } else {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                }
                               } else {
                                 return {1, 4, 8, 64, 1};  // SR
                               }
                             } else {
-                              if (x.avg <= 36.96828079223633) {
-                                if (x.avg <= 23.509357452392578) {
-                                  if (x.log2_S <= 13.192088603973389) {
-                                    return {1, 4, 8, 64, 1};  // SR
-                                  } else {
-                                    return {4, 2, 8, 128, 1};  // SR
-                                  }
-                                } else {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 64, 8, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.050893306732178) {
-                            return {4, 32, 32, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 13.700225353240967) {
-                              return {4, 16, 64, 8, 0};  // SP
-                            } else {
-                              if (x.avg <= 76.20431518554688) {
-                                return {4, 16, 64, 8, 0};  // SP
-                              } else {
-                                if (x.log2_S <= 14.891920566558838) {
-                                  return {4, 32, 32, 4, 0};  // SP
-                                } else {
-                                  return {4, 16, 64, 8, 0};  // SP
-                                }
-                              }
+                              return {1, 4, 8, 64, 1};  // SR
                             }
                           }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.024319648742676) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 49.05654525756836) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 111.94632720947266) {
-                          return {4, 32, 8, 2, 16};  // PR
                         } else {
-                          return {4, 32, 8, 4, 8};  // PR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 17.06274700164795) {
-                      if (x.avg <= 83.81583404541016) {
-                        if (x.avg <= 2.6254080533981323) {
-                          if (x.log2_S <= 15.994211196899414) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 16.73662757873535) {
+                          if (x.skew_hi <= 5.6182379722595215) {
                             return {1, 4, 8, 64, 1};  // SR
                           } else {
-                            if (x.avg <= 19.623451232910156) {
+                            if (x.skew_hi <= 6.403601408004761) {
                               return {4, 2, 8, 128, 1};  // SR
                             } else {
                               return {1, 4, 8, 64, 1};  // SR
                             }
                           }
                         }
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 14.075133323669434) {
+                return {1, 4, 8, 64, 1};  // SR
+              } else {
+                if (x.avg <= 64.48842239379883) {
+                  if (x.log2_S <= 14.782461166381836) {
+                    return {1, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 2.3252521753311157) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 5.2971251010894775) {
+                        return {4, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.log2_S <= 15.438478946685791) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 16.618596076965332) {
-                            return {4, 32, 8, 4, 8};  // PR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
+              }
+            }
+          } else {
+            return {4, 32, 8, 4, 16};  // PR
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.skew_hi <= 2.883587598800659) {
+              if (x.log2_S <= 19.41072654724121) {
+                if (x.skew_lo <= -5.614574432373047) {
+                  if (x.log2_S <= 16.818452835083008) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 18.801544189453125) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 1.8924278616905212) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= -4.204253435134888) {
+                  return {4, 2, 64, 128, 0};  // SP
+                } else {
+                  if (x.skew_hi <= 2.163082480430603) {
+                    return {2, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.avg <= 10.513665199279785) {
+                      if (x.log2_S <= 21.469882011413574) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 1, 64, 256, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 92.86779403686523) {
-                        if (x.avg <= 2.861016631126404) {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 3.495729088783264) {
+                if (x.log2_S <= 19.026132583618164) {
+                  return {4, 2, 64, 128, 0};  // SP
+                } else {
+                  return {4, 1, 64, 256, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 15.802067279815674) {
+                  if (x.skew_hi <= 5.402769327163696) {
+                    return {4, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 5.583557605743408) {
+                      return {2, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 15.511197090148926) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 1, 64, 256, 0};  // SP
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 23.053274154663086) {
+              if (x.avg <= 4.719252109527588) {
+                if (x.skew_hi <= 18.17346477508545) {
+                  if (x.skew_hi <= 10.88043737411499) {
+                    if (x.log2_S <= 17.626307487487793) {
+                      if (x.skew_hi <= 8.818963050842285) {
+                        if (x.log2_S <= 17.368298530578613) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {4, 2, 8, 128, 1};  // SR
                         }
                       } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 8.302634239196777) {
                         return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 4, 16};  // PR
                       }
                     }
                   } else {
-                    if (x.avg <= 70.71803283691406) {
-                      if (x.log2_S <= 15.563600063323975) {
-                        if (x.avg <= 6.21033501625061) {
-                          return {4, 2, 8, 128, 1};  // SR
+                    if (x.skew_lo <= 10.879462242126465) {
+                      if (x.log2_S <= 22.195344924926758) {
+                        if (x.log2_S <= 18.502418518066406) {
+                          return {4, 32, 8, 2, 16};  // PR
                         } else {
-                          if (x.avg <= 22.715829849243164) {
-                            if (x.log2_S <= 15.501343250274658) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
+                          if (x.skew_lo <= 8.878355979919434) {
+                            if (x.skew_lo <= 8.028833389282227) {
                               return {4, 32, 8, 2, 16};  // PR
+                            } else {
+                              if (x.avg <= 2.329976797103882) {
+                                return {4, 32, 8, 2, 16};  // PR
+                              } else {
+                                return {4, 32, 16, 2, 32};  // PR
+                              }
                             }
                           } else {
                             return {4, 32, 8, 2, 16};  // PR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 17.743325233459473) {
-                          if (x.avg <= 8.705113410949707) {
-                            return {4, 32, 8, 2, 16};  // PR
+                        if (x.skew_hi <= 13.669173240661621) {
+                          return {4, 32, 16, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 17.93095588684082) {
+                        return {4, 32, 8, 4, 16};  // PR
+                      } else {
+                        if (x.skew_lo <= 12.23411512374878) {
+                          return {4, 32, 8, 4, 16};  // PR
+                        } else {
+                          return {4, 32, 16, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 16, 2, 32};  // PR
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 22.05627155303955) {
+                    if (x.log2_S <= 17.573309898376465) {
+                      if (x.skew_hi <= 4.72798228263855) {
+                        if (x.skew_lo <= -0.8340027332305908) {
+                          if (x.log2_S <= 16.265274047851562) {
+                            return {4, 16, 64, 8, 0};  // SP
                           } else {
-                            if (x.avg <= 27.562146186828613) {
-                              if (x.log2_S <= 16.495570182800293) {
-                                return {4, 32, 8, 2, 16};  // PR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
+                            return {4, 4, 64, 64, 0};  // SP
                           }
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.05298614501953) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {4, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 17.35779857635498) {
-                        return {4, 32, 8, 4, 8};  // PR
-                      } else {
-                        if (x.avg <= 135.52959823608398) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.7119975388050079) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.skew_lo <= -0.2662033140659332) {
+                        if (x.log2_S <= 23.62621784210205) {
                           return {4, 32, 8, 2, 16};  // PR
                         } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 20.214131355285645) {
+                    if (x.skew_hi <= 18.322189331054688) {
+                      if (x.skew_hi <= 7.880028009414673) {
+                        if (x.log2_S <= 17.61344623565674) {
                           return {4, 32, 8, 4, 8};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.skew_lo <= 9.08576250076294) {
+                          if (x.avg <= 19.545527458190918) {
+                            if (x.log2_S <= 17.58021354675293) {
+                              if (x.log2_S <= 16.435909271240234) {
+                                if (x.log2_S <= 15.326362133026123) {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 15.572124481201172) {
+                                    return {4, 2, 8, 128, 1};  // SR
+                                  } else {
+                                    return {4, 32, 8, 2, 16};  // PR
+                                  }
+                                }
+                              } else {
+                                if (x.skew_hi <= 11.292657852172852) {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 2, 16};  // PR
+                                }
+                              }
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 17.101022720336914) {
+                            if (x.skew_lo <= 11.456108093261719) {
+                              if (x.avg <= 14.087387561798096) {
+                                if (x.skew_lo <= 11.015161991119385) {
+                                  if (x.skew_lo <= 10.721356868743896) {
+                                    return {4, 32, 8, 2, 16};  // PR
+                                  } else {
+                                    return {4, 32, 8, 4, 16};  // PR
+                                  }
+                                } else {
+                                  return {4, 32, 8, 2, 16};  // PR
+                                }
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            } else {
+                              return {4, 32, 8, 4, 16};  // PR
+                            }
+                          } else {
+                            if (x.skew_lo <= 10.656527996063232) {
+                              return {4, 32, 8, 4, 8};  // PR
+                            } else {
+                              if (x.avg <= 6.025465250015259) {
+                                return {4, 32, 8, 4, 16};  // PR
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            }
+                          }
                         }
                       }
+                    } else {
+                      if (x.avg <= 8.344689130783081) {
+                        if (x.avg <= 5.742392063140869) {
+                          return {4, 32, 16, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 4, 16};  // PR
+                        }
+                      } else {
+                        if (x.skew_hi <= 19.70960521697998) {
+                          return {4, 32, 8, 4, 8};  // PR
+                        } else {
+                          if (x.skew_lo <= 8.729327201843262) {
+                            return {4, 32, 16, 4, 8};  // PR
+                          } else {
+                            return {4, 32, 8, 4, 8};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 11.47153091430664) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 16, 2, 32};  // PR
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 16.235596656799316) {
-                if (x.avg <= 6.171873331069946) {
-                  if (x.log2_S <= 14.163222312927246) {
-                    return {4, 32, 8, 4, 16};  // PR
+              return {4, 32, 16, 2, 32};  // PR
+            }
+          }
+        }
+      } else {
+        if (x.skew_lo <= -1.9986830353736877) {
+          if (x.log2_S <= 11.24694538116455) {
+            if (x.skew_lo <= -4.818761587142944) {
+              if (x.log2_S <= 11.080199241638184) {
+                return {1, 8, 64, 32, 0};  // SP
+              } else {
+                return {2, 32, 32, 2, 0};  // SP
+              }
+            } else {
+              if (x.avg <= 7.987679958343506) {
+                return {4, 8, 8, 32, 0};  // SP
+              } else {
+                if (x.skew_hi <= 2.212077260017395) {
+                  if (x.log2_S <= 10.924695014953613) {
+                    return {4, 8, 8, 32, 0};  // SP
                   } else {
-                    if (x.log2_S <= 16.00322723388672) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
+                    return {1, 8, 64, 32, 0};  // SP
                   }
                 } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                if (x.avg <= 6.640234708786011) {
-                  return {4, 32, 8, 4, 16};  // PR
-                } else {
-                  if (x.avg <= 39.30362129211426) {
-                    if (x.avg <= 11.357569217681885) {
-                      if (x.avg <= 7.652677297592163) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 4, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 4, 8};  // PR
-                    }
+                  if (x.skew_lo <= -3.138507843017578) {
+                    return {1, 8, 64, 32, 0};  // SP
                   } else {
-                    if (x.log2_S <= 16.988597869873047) {
-                      if (x.log2_S <= 16.383724212646484) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 4, 16};  // PR
-                      }
+                    if (x.log2_S <= 10.432240962982178) {
+                      return {4, 8, 8, 32, 0};  // SP
                     } else {
-                      return {4, 32, 8, 2, 16};  // PR
+                      return {1, 8, 64, 32, 0};  // SP
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.avg <= 5.90600848197937) {
-              if (x.long_level <= 1.5) {
-                if (x.avg <= 3.539523482322693) {
-                  return {4, 32, 8, 4, 16};  // PR
-                } else {
-                  if (x.log2_S <= 22.22855854034424) {
-                    if (x.log2_S <= 18.128050804138184) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 4.389773607254028) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 18.707404136657715) {
-                  if (x.long_level <= 2.5) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.avg <= 3.614571213722229) {
-                      return {4, 32, 16, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
-                  }
-                } else {
-                  return {4, 32, 16, 2, 32};  // PR
-                }
-              }
-            } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 18.223149299621582) {
-                  if (x.avg <= 30.151138305664062) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                if (x.log2_S <= 22.791444778442383) {
-                  if (x.log2_S <= 20.43046760559082) {
-                    if (x.log2_S <= 18.704174995422363) {
-                      if (x.avg <= 47.99211311340332) {
-                        if (x.avg <= 10.523728370666504) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 8};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      if (x.avg <= 9.776482105255127) {
-                        if (x.log2_S <= 19.787592887878418) {
-                          return {4, 32, 8, 4, 16};  // PR
-                        } else {
-                          return {4, 32, 16, 2, 32};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 19.502653121948242) {
-                          return {4, 32, 8, 4, 8};  // PR
-                        } else {
-                          if (x.avg <= 39.41903495788574) {
-                            return {4, 32, 8, 4, 8};  // PR
-                          } else {
-                            if (x.log2_S <= 20.38791561126709) {
-                              return {4, 32, 16, 4, 8};  // PR
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 20.797863006591797) {
-                      if (x.avg <= 37.08685493469238) {
-                        return {4, 32, 16, 4, 8};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  return {4, 32, 16, 2, 32};  // PR
-                }
-              }
-            }
-          }
-        }
-      } else {
-        if (x.log2_S <= 15.12365436553955) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 12.47629690170288) {
-              if (x.log2_S <= 10.345010757446289) {
-                if (x.avg <= 2.851300001144409) {
-                  if (x.avg <= 1.3734885454177856) {
-                    if (x.log2_S <= 9.537551403045654) {
-                      return {2, 32, 32, 2, 0};  // SP
-                    } else {
-                      return {1, 32, 64, 2, 0};  // SP
-                    }
+            if (x.skew_hi <= 0.2706412076950073) {
+              if (x.log2_S <= 18.746203422546387) {
+                if (x.log2_S <= 13.771400928497314) {
+                  if (x.skew_lo <= -5.945799112319946) {
+                    return {2, 32, 32, 8, 0};  // SP
                   } else {
                     return {2, 32, 32, 2, 0};  // SP
                   }
                 } else {
-                  return {4, 8, 8, 32, 0};  // SP
+                  return {1, 16, 64, 4, 0};  // SP
                 }
               } else {
-                if (x.avg <= 1.7309444546699524) {
-                  if (x.avg <= 1.3306646347045898) {
-                    return {1, 32, 64, 2, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.436091423034668) {
-                      return {1, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.919409275054932) {
-                        return {2, 32, 8, 4, 0};  // SP
-                      } else {
-                        return {1, 32, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 10.514514923095703) {
-                    if (x.avg <= 18.19039011001587) {
-                      if (x.avg <= 4.282949805259705) {
-                        return {2, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {4, 8, 8, 32, 0};  // SP
-                      }
-                    } else {
-                      return {2, 32, 32, 2, 0};  // SP
-                    }
-                  } else {
-                    return {2, 32, 32, 2, 0};  // SP
-                  }
-                }
+                return {1, 8, 64, 32, 0};  // SP
               }
             } else {
-              if (x.avg <= 46.350324630737305) {
-                if (x.log2_S <= 13.352388858795166) {
-                  if (x.avg <= 1.810234248638153) {
-                    return {1, 32, 64, 2, 0};  // SP
+              if (x.skew_lo <= -4.911232233047485) {
+                if (x.log2_S <= 16.93492317199707) {
+                  if (x.log2_S <= 12.66161298751831) {
+                    return {2, 32, 32, 2, 0};  // SP
                   } else {
-                    if (x.avg <= 3.178948998451233) {
-                      return {2, 32, 32, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 21.72236919403076) {
+                    if (x.skew_hi <= 0.8832481801509857) {
+                      if (x.log2_S <= 13.358148097991943) {
                         return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.948131561279297) {
-                          return {2, 32, 32, 2, 0};  // SP
+                        if (x.log2_S <= 16.78658676147461) {
+                          return {1, 16, 64, 4, 0};  // SP
                         } else {
-                          return {1, 8, 64, 32, 0};  // SP
+                          return {2, 16, 64, 8, 0};  // SP
                         }
                       }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
                     }
                   }
                 } else {
                   return {1, 8, 64, 32, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 14.59685230255127) {
-                  return {2, 32, 32, 2, 0};  // SP
-                } else {
-                  return {1, 16, 64, 4, 0};  // SP
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.avg <= 3.170626997947693) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 12.634927749633789) {
-                    return {1, 32, 8, 4, 1};  // SR
+                if (x.avg <= 5.220319747924805) {
+                  if (x.log2_S <= 21.608943939208984) {
+                    return {1, 8, 64, 32, 0};  // SP
                   } else {
-                    if (x.log2_S <= 13.512234687805176) {
-                      return {4, 16, 8, 8, 1};  // SR
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
+                    return {1, 8, 16, 32, 1};  // SR
                   }
                 } else {
-                  return {1, 8, 8, 32, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 13.785659790039062) {
-                  if (x.avg <= 8.477538108825684) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 11.789686679840088) {
-                        if (x.avg <= 5.576671123504639) {
-                          if (x.log2_S <= 11.26716947555542) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.01130723953247) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 6.235105752944946) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.854799747467041) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 13.16036605834961) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 110.2650032043457) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 13.683194160461426) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 30.547626495361328) {
-                    if (x.avg <= 17.620838165283203) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.630943298339844) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 111.10873413085938) {
-                      if (x.log2_S <= 14.401079654693604) {
-                        if (x.avg <= 82.30677795410156) {
-                          if (x.log2_S <= 14.052159309387207) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 63.880807876586914) {
-                              if (x.long_level <= 1.5) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 32.873680114746094) {
-                            if (x.log2_S <= 14.921035289764404) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 61.470102310180664) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.929092407226562) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.367781162261963) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 11.945127964019775) {
-                if (x.avg <= 9.274736404418945) {
-                  if (x.log2_S <= 11.805013179779053) {
-                    return {4, 32, 8, 4, 8};  // PR
-                  } else {
-                    return {4, 32, 8, 4, 16};  // PR
-                  }
-                } else {
-                  return {1, 8, 16, 32, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 14.281822681427002) {
-                  if (x.avg <= 7.779432058334351) {
-                    if (x.log2_S <= 12.778624534606934) {
-                      if (x.log2_S <= 12.24948263168335) {
-                        if (x.avg <= 6.111278295516968) {
-                          return {4, 32, 8, 4, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 8};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 4, 8};  // PR
-                      }
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    return {1, 8, 32, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 27.249591827392578) {
-                    if (x.avg <= 8.699029445648193) {
-                      return {1, 8, 64, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.762067317962646) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
-                  }
+                  return {1, 8, 64, 32, 0};  // SP
                 }
               }
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.avg <= 5.22805380821228) {
-                if (x.log2_S <= 18.40076446533203) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.avg <= 3.0050660371780396) {
-                    return {1, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 19.816645622253418) {
-                      return {1, 8, 64, 32, 0};  // SP
+          if (x.log2_S <= 15.962229251861572) {
+            if (x.long_level <= 2.5) {
+              if (x.long_level <= 0.5) {
+                if (x.skew_lo <= -0.811385840177536) {
+                  if (x.log2_S <= 12.810822486877441) {
+                    if (x.skew_lo <= -1.6104986071586609) {
+                      if (x.log2_S <= 11.259920120239258) {
+                        return {4, 8, 8, 32, 0};  // SP
+                      } else {
+                        if (x.avg <= 3.759478211402893) {
+                          return {2, 32, 32, 2, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {1, 8, 16, 32, 1};  // SR
+                      return {2, 32, 32, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 2.0220963954925537) {
+                      if (x.log2_S <= 13.844637870788574) {
+                        return {1, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
                     }
                   }
-                }
-              } else {
-                if (x.log2_S <= 22.061244010925293) {
-                  if (x.avg <= 53.83289909362793) {
-                    if (x.avg <= 44.495025634765625) {
-                      return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.log2_S <= 13.888391971588135) {
+                    if (x.avg <= 1.58011794090271) {
+                      return {1, 32, 64, 2, 0};  // SP
                     } else {
-                      if (x.log2_S <= 16.99744415283203) {
-                        return {1, 16, 64, 4, 0};  // SP
+                      if (x.log2_S <= 11.358022212982178) {
+                        return {2, 32, 32, 2, 0};  // SP
                       } else {
-                        return {1, 8, 64, 32, 0};  // SP
+                        return {1, 32, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 17.945255279541016) {
-                      return {1, 16, 64, 4, 0};  // SP
+                    return {1, 8, 8, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.139066696166992) {
+                  if (x.avg <= 4.084752559661865) {
+                    if (x.skew_lo <= 6.983633279800415) {
+                      if (x.log2_S <= 12.701042175292969) {
+                        if (x.avg <= 3.935884475708008) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.321849822998047) {
+                          if (x.skew_lo <= 4.6857147216796875) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 1.220934808254242) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 6.2565834522247314) {
+                      if (x.skew_lo <= 3.9186737537384033) {
+                        if (x.log2_S <= 11.911324501037598) {
+                          if (x.skew_lo <= 3.8522961139678955) {
+                            if (x.log2_S <= 11.218242645263672) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.avg <= 5.248976707458496) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 13.785659790039062) {
+                        if (x.skew_hi <= 3.152022361755371) {
+                          if (x.log2_S <= 12.820512294769287) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 2.761682868003845) {
+                              return {2, 16, 64, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 13.488670349121094) {
+                                return {1, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {2, 16, 64, 8, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 83.9520263671875) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 3.3072433471679688) {
+                            return {2, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      }
                     }
                   }
                 } else {
-                  if (x.avg <= 14.090875148773193) {
-                    return {1, 8, 16, 32, 1};  // SR
+                  if (x.avg <= 26.66039276123047) {
+                    if (x.skew_hi <= 11.293432235717773) {
+                      if (x.avg <= 14.11866283416748) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 7.744008302688599) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.03834581375122) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.99956226348877) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 12.96536111831665) {
+                          if (x.log2_S <= 15.19554615020752) {
+                            if (x.skew_hi <= 12.513673305511475) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 15.198484420776367) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
                   } else {
-                    return {1, 8, 64, 32, 0};  // SP
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_hi <= 3.337915301322937) {
+                        if (x.log2_S <= 15.142957210540771) {
+                          return {2, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 0.9010034501552582) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.761817455291748) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.83305025100708) {
+                        if (x.avg <= 72.9947624206543) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.410187721252441) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 36.3773250579834) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 19.15558624267578) {
-                if (x.avg <= 29.623616218566895) {
-                  if (x.log2_S <= 16.427818298339844) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 18.311649322509766) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.493130207061768) {
-                          if (x.avg <= 23.757206916809082) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
+              if (x.skew_hi <= 11.557316780090332) {
+                if (x.avg <= 51.84014701843262) {
+                  if (x.skew_lo <= 10.493213653564453) {
+                    if (x.avg <= 30.769007682800293) {
+                      return {1, 8, 16, 32, 1};  // SR
                     } else {
-                      if (x.log2_S <= 15.16920804977417) {
-                        if (x.avg <= 5.28104829788208) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
+                      if (x.skew_hi <= 10.778627395629883) {
+                        return {1, 8, 32, 32, 1};  // SR
                       } else {
                         return {1, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 22.951374053955078) {
-                      if (x.log2_S <= 16.85014533996582) {
-                        if (x.avg <= 3.946845293045044) {
-                          if (x.long_level <= 1.5) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
+                    if (x.skew_lo <= 10.826282978057861) {
+                      return {1, 8, 32, 32, 1};  // SR
                     } else {
-                      if (x.long_level <= 1.5) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 16.843921661376953) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 18.496851921081543) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      }
+                      return {4, 32, 8, 4, 8};  // PR
                     }
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 18.66204833984375) {
-                      return {1, 8, 16, 32, 1};  // SR
+                  return {1, 8, 16, 32, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 14.429232597351074) {
+                  if (x.avg <= 8.869999885559082) {
+                    if (x.log2_S <= 12.797061443328857) {
+                      return {4, 32, 8, 4, 8};  // PR
                     } else {
-                      if (x.avg <= 52.579660415649414) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
+                      return {1, 8, 32, 32, 1};  // SR
                     }
                   } else {
                     return {1, 8, 32, 32, 1};  // SR
                   }
-                }
-              } else {
-                if (x.avg <= 3.7271230220794678) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 20.832469940185547) {
-                      if (x.avg <= 3.518456220626831) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    return {1, 8, 16, 32, 1};  // SR
-                  }
                 } else {
-                  if (x.log2_S <= 21.294007301330566) {
-                    if (x.avg <= 23.15611171722412) {
-                      if (x.long_level <= 1.5) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 15.440209865570068) {
-                          if (x.log2_S <= 20.922125816345215) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 8.596222877502441) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 19.841571807861328) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 20.625526428222656) {
-                              if (x.avg <= 20.988861083984375) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 32, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
-                    }
+                  if (x.avg <= 9.115801334381104) {
+                    return {1, 8, 64, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 3.815311908721924) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
+                    if (x.log2_S <= 15.180777072906494) {
                       return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 62.636268615722656) {
+                        if (x.avg <= 14.087387561798096) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 19.4329891204834) {
-              if (x.log2_S <= 16.283952713012695) {
-                return {1, 8, 64, 32, 1};  // SR
-              } else {
-                if (x.avg <= 8.235020160675049) {
-                  if (x.log2_S <= 17.662273406982422) {
-                    if (x.avg <= 7.4863176345825195) {
-                      return {1, 8, 32, 32, 1};  // SR
+            if (x.skew_hi <= 19.567548751831055) {
+              if (x.avg <= 23.960511207580566) {
+                if (x.skew_hi <= 13.963460445404053) {
+                  if (x.log2_S <= 19.210012435913086) {
+                    if (x.skew_lo <= -1.369693398475647) {
+                      return {1, 8, 64, 32, 0};  // SP
                     } else {
-                      return {1, 8, 64, 32, 1};  // SR
+                      if (x.log2_S <= 16.700730323791504) {
+                        if (x.long_level <= 1.5) {
+                          if (x.skew_lo <= 3.853566527366638) {
+                            if (x.log2_S <= 16.31849956512451) {
+                              if (x.avg <= 21.20670223236084) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_lo <= -1.21522057056427) {
+                                return {1, 8, 64, 32, 0};  // SP
+                              } else {
+                                if (x.avg <= 1.286660373210907) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
                     }
                   } else {
-                    return {1, 8, 64, 32, 1};  // SR
+                    if (x.skew_lo <= 5.713147878646851) {
+                      if (x.long_level <= 0.5) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 4.197065353393555) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 21.347128868103027) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 9.201644897460938) {
+                        if (x.skew_lo <= 6.023315906524658) {
+                          if (x.log2_S <= 22.107625007629395) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 21.474170684814453) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
                   }
                 } else {
-                  if (x.log2_S <= 16.66754722595215) {
-                    if (x.avg <= 16.6202392578125) {
-                      return {1, 8, 32, 32, 1};  // SR
-                    } else {
+                  if (x.skew_hi <= 18.368440628051758) {
+                    if (x.log2_S <= 16.130864143371582) {
                       return {1, 8, 64, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 9.151198387145996) {
+                      return {1, 8, 64, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 5.396887302398682) {
+                  if (x.log2_S <= 20.297858238220215) {
+                    if (x.log2_S <= 19.86409854888916) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 4.263686656951904) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 20.58320426940918) {
+                      if (x.skew_hi <= 3.8277782201766968) {
+                        if (x.skew_hi <= 2.724032998085022) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 28.468067169189453) {
+                    if (x.skew_lo <= 5.399672985076904) {
+                      if (x.log2_S <= 20.662781715393066) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
                     }
                   } else {
                     return {1, 8, 32, 32, 1};  // SR
@@ -2015,38 +2015,30 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.avg <= 22.736570358276367) {
-                if (x.avg <= 10.064760208129883) {
-                  return {1, 8, 64, 32, 1};  // SR
+              if (x.log2_S <= 19.883020401000977) {
+                if (x.skew_lo <= 10.760333061218262) {
+                  return {1, 8, 32, 32, 1};  // SR
                 } else {
-                  if (x.log2_S <= 21.80319118499756) {
-                    if (x.avg <= 18.58441162109375) {
-                      return {1, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 20.556346893310547) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 16.38276195526123) {
-                      if (x.avg <= 15.674063682556152) {
-                        if (x.log2_S <= 23.07643699645996) {
-                          return {1, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 1};  // SR
-                    }
-                  }
+                  return {1, 8, 64, 32, 1};  // SR
                 }
               } else {
-                return {1, 8, 64, 32, 1};  // SR
+                if (x.avg <= 19.740242958068848) {
+                  if (x.avg <= 11.334929466247559) {
+                    return {1, 8, 64, 32, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 21.4332857131958) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 10.2543044090271) {
+                        return {1, 8, 64, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {1, 8, 64, 32, 1};  // SR
+                }
               }
             }
           }
@@ -2058,133 +2050,169 @@ inline Config plain_config(const Features& f) {
       if (x.F <= 11.313708498984761) {
         if (x.long_level <= 2.5) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 16.53952980041504) {
-              if (x.log2_S <= 12.47629690170288) {
-                if (x.log2_S <= 10.584056377410889) {
-                  if (x.avg <= 2.851300001144409) {
-                    if (x.avg <= 1.3024700284004211) {
-                      return {2, 32, 32, 2, 0};  // SP
+            if (x.log2_S <= 16.11400318145752) {
+              if (x.log2_S <= 12.015172958374023) {
+                if (x.avg <= 3.232967495918274) {
+                  if (x.skew_hi <= 5.554593801498413) {
+                    if (x.skew_hi <= 4.389501571655273) {
+                      if (x.avg <= 3.169603705406189) {
+                        return {4, 8, 8, 32, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 4, 0};  // SP
+                      }
                     } else {
                       return {2, 32, 8, 4, 0};  // SP
                     }
                   } else {
-                    return {4, 8, 8, 32, 0};  // SP
+                    if (x.log2_S <= 9.812121868133545) {
+                      return {2, 32, 32, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
                   }
                 } else {
-                  if (x.avg <= 1.4658597111701965) {
-                    return {4, 32, 64, 4, 0};  // SP
+                  if (x.skew_hi <= 0.8253965973854065) {
+                    return {1, 16, 64, 4, 0};  // SP
                   } else {
-                    return {2, 32, 8, 4, 0};  // SP
+                    if (x.log2_S <= 11.718825340270996) {
+                      return {4, 8, 8, 32, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -3.5246028900146484) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 8, 8, 32, 0};  // SP
+                      }
+                    }
                   }
                 }
               } else {
-                if (x.avg <= 7.087538719177246) {
-                  if (x.log2_S <= 14.495047092437744) {
-                    if (x.avg <= 1.316711187362671) {
-                      if (x.log2_S <= 13.340564727783203) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+                if (x.skew_hi <= 3.174715518951416) {
+                  if (x.skew_lo <= -5.7347142696380615) {
+                    if (x.log2_S <= 14.10468053817749) {
+                      return {4, 32, 64, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 2.8573094606399536) {
-                        if (x.log2_S <= 13.399233341217041) {
-                          if (x.log2_S <= 13.052610874176025) {
-                            if (x.avg <= 1.557769238948822) {
-                              return {2, 32, 32, 8, 0};  // SP
-                            } else {
-                              return {2, 32, 8, 4, 0};  // SP
-                            }
+                      if (x.avg <= 58.41472053527832) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.506521701812744) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 13.822840213775635) {
+                    if (x.skew_hi <= 5.2866716384887695) {
+                      if (x.skew_lo <= -1.725833237171173) {
+                        if (x.log2_S <= 13.09487009048462) {
+                          return {4, 8, 8, 32, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 12.810822486877441) {
+                          return {2, 32, 8, 4, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 4.745104074478149) {
+                            return {4, 8, 64, 32, 0};  // SP
                           } else {
                             return {2, 16, 64, 8, 0};  // SP
                           }
-                        } else {
-                          if (x.avg <= 2.30194091796875) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
                         }
+                      }
+                    } else {
+                      if (x.avg <= 1.338403046131134) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
+                        return {2, 32, 32, 8, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 15.681206226348877) {
-                      if (x.avg <= 1.5133744478225708) {
-                        if (x.log2_S <= 14.96180772781372) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 3.489182472229004) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 46.82097053527832) {
-                    if (x.log2_S <= 16.255752563476562) {
-                      if (x.log2_S <= 12.855475902557373) {
-                        if (x.avg <= 21.72236919403076) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {2, 32, 8, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 26.014236450195312) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.891339302062988) {
-                      return {2, 32, 8, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 58.41472053527832) {
-                        if (x.log2_S <= 14.409251689910889) {
+                    if (x.avg <= 1.521480917930603) {
+                      if (x.log2_S <= 15.71963357925415) {
+                        if (x.log2_S <= 14.157946109771729) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
                           return {4, 8, 64, 32, 0};  // SP
                         }
                       } else {
-                        return {4, 32, 64, 4, 0};  // SP
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.7719948291778564) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.552263259887695) {
+                          if (x.skew_lo <= -0.7775527238845825) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 1.915638506412506) {
+                            if (x.log2_S <= 15.269357204437256) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 2, 64, 128, 0};  // SP
+                            }
+                          } else {
+                            return {4, 2, 64, 128, 0};  // SP
+                          }
+                        }
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 19.28757953643799) {
-                if (x.avg <= 5.772977590560913) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  if (x.avg <= 12.165694236755371) {
-                    if (x.log2_S <= 17.924800872802734) {
+              if (x.skew_hi <= 2.316479444503784) {
+                if (x.log2_S <= 22.02510643005371) {
+                  if (x.log2_S <= 21.111828804016113) {
+                    if (x.log2_S <= 16.292454719543457) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -4.214901447296143) {
                       return {4, 4, 64, 64, 0};  // SP
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
                     }
+                  }
+                } else {
+                  if (x.avg <= 35.696428298950195) {
+                    return {4, 2, 64, 128, 0};  // SP
                   } else {
-                    return {4, 4, 64, 64, 0};  // SP
+                    if (x.skew_lo <= -5.631341218948364) {
+                      if (x.log2_S <= 22.52971076965332) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
                   }
                 }
               } else {
-                if (x.avg <= 52.63484764099121) {
+                if (x.avg <= 6.092294931411743) {
                   return {4, 2, 64, 128, 0};  // SP
                 } else {
-                  if (x.log2_S <= 21.141639709472656) {
-                    return {4, 4, 64, 64, 0};  // SP
+                  if (x.log2_S <= 18.767898559570312) {
+                    if (x.skew_hi <= 3.081532597541809) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 17.502680778503418) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
                   } else {
                     return {4, 2, 64, 128, 0};  // SP
                   }
@@ -2192,52 +2220,60 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 13.925605297088623) {
-              if (x.avg <= 13.579983711242676) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 11.134221076965332) {
-                    if (x.avg <= 7.046525478363037) {
-                      return {1, 32, 8, 4, 1};  // SR
-                    } else {
-                      return {2, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 13.281444072723389) {
-                      if (x.avg <= 6.609329700469971) {
-                        if (x.avg <= 2.5364590883255005) {
+            if (x.log2_S <= 13.766603469848633) {
+              if (x.avg <= 35.53573417663574) {
+                if (x.avg <= 6.042818784713745) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 3.2446967363357544) {
+                      if (x.log2_S <= 13.209013938903809) {
+                        if (x.avg <= 2.494552254676819) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          if (x.avg <= 3.1485737562179565) {
-                            if (x.log2_S <= 11.609950542449951) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 12.821964263916016) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 4, 0};  // SP
-                              }
-                            }
+                          if (x.log2_S <= 11.352338314056396) {
+                            return {4, 32, 64, 4, 0};  // SP
                           } else {
-                            if (x.log2_S <= 13.085724830627441) {
-                              if (x.log2_S <= 11.574759006500244) {
-                                if (x.avg <= 5.692523002624512) {
-                                  return {4, 32, 64, 4, 0};  // SP
-                                } else {
-                                  return {4, 64, 32, 1, 0};  // SP
-                                }
-                              } else {
-                                return {4, 32, 64, 4, 0};  // SP
-                              }
+                            if (x.log2_S <= 12.821964263916016) {
+                              return {4, 32, 64, 2, 0};  // SP
                             } else {
-                              return {1, 8, 8, 32, 1};  // SR
+                              return {4, 32, 64, 4, 0};  // SP
                             }
                           }
                         }
                       } else {
-                        if (x.log2_S <= 11.929339408874512) {
-                          return {4, 64, 32, 1, 0};  // SP
+                        if (x.skew_hi <= 8.965113639831543) {
+                          return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          if (x.log2_S <= 13.045170307159424) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.26716947555542) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.085724830627441) {
+                          if (x.log2_S <= 11.75293254852295) {
+                            if (x.avg <= 4.216942548751831) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.487247943878174) {
+                      if (x.avg <= 5.284958600997925) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 10.641263008117676) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 11.547698020935059) {
                             return {2, 8, 8, 32, 1};  // SR
                           } else {
                             return {1, 8, 8, 32, 1};  // SR
@@ -2245,101 +2281,97 @@ inline Config plain_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.avg <= 11.679945468902588) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 13.487247943878174) {
-                    return {2, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 7.15276312828064) {
-                      return {1, 8, 8, 32, 1};  // SR
+                  if (x.avg <= 13.613242149353027) {
+                    if (x.log2_S <= 13.311499118804932) {
+                      if (x.avg <= 6.263376474380493) {
+                        if (x.skew_hi <= 9.323290348052979) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 8, 8, 32, 1};  // SR
+                      }
                     } else {
-                      return {4, 2, 8, 128, 1};  // SR
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 9.404849529266357) {
+                      if (x.log2_S <= 13.007549285888672) {
+                        if (x.skew_hi <= 4.9609479904174805) {
+                          if (x.log2_S <= 10.369615077972412) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.675608158111572) {
+                        if (x.avg <= 22.24830150604248) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.090121269226074) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.432292938232422) {
+                          if (x.skew_lo <= 5.7542266845703125) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 12.623807907104492) {
-                  if (x.avg <= 76.83091735839844) {
-                    if (x.log2_S <= 11.616926670074463) {
-                      return {1, 8, 8, 32, 1};  // SR
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 12.437537670135498) {
+                    if (x.log2_S <= 12.123918533325195) {
+                      return {4, 64, 32, 1, 0};  // SP
                     } else {
-                      if (x.avg <= 24.287741661071777) {
-                        if (x.log2_S <= 12.220794677734375) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
+                      if (x.skew_hi <= 3.1854509115219116) {
+                        return {4, 64, 32, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.784148693084717) {
-                          if (x.long_level <= 1.5) {
-                            if (x.avg <= 36.5126953125) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 64, 32, 1, 0};  // SP
-                            }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 63.08314514160156) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.227054595947266) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        }
+                        return {4, 64, 32, 1, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 64, 32, 1, 0};  // SP
+                    if (x.skew_hi <= 3.2252609729766846) {
+                      if (x.log2_S <= 12.684507369995117) {
+                        return {4, 64, 32, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
                     } else {
-                      if (x.log2_S <= 11.738416194915771) {
-                        return {1, 8, 8, 32, 1};  // SR
+                      if (x.skew_lo <= 0.7658345103263855) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 60.33416748046875) {
-                      if (x.log2_S <= 12.88605260848999) {
-                        if (x.avg <= 36.828922271728516) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 12.788652420043945) {
-                        if (x.avg <= 107.14628601074219) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 64, 32, 1, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
+                  if (x.skew_lo <= 4.556164264678955) {
+                    return {4, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.avg <= 25.989200592041016) {
-                      if (x.log2_S <= 13.432292938232422) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
+                    if (x.log2_S <= 10.681148052215576) {
+                      return {1, 8, 8, 32, 1};  // SR
                     } else {
                       return {4, 2, 8, 128, 1};  // SR
                     }
@@ -2347,31 +2379,47 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 14.90763235092163) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 8.378812313079834) {
-                    return {1, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 71.9161148071289) {
-                      return {4, 2, 8, 128, 1};  // SR
+              if (x.log2_S <= 15.445452690124512) {
+                if (x.skew_lo <= 0.19802702963352203) {
+                  if (x.skew_hi <= 3.241155982017517) {
+                    if (x.log2_S <= 15.227967739105225) {
+                      return {4, 32, 64, 2, 0};  // SP
                     } else {
-                      if (x.log2_S <= 14.11264419555664) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 99.15804290771484) {
-                          if (x.log2_S <= 14.498043537139893) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 14.935914039611816) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   }
                 } else {
-                  return {4, 2, 8, 128, 1};  // SR
+                  if (x.avg <= 7.881335496902466) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 15.13805103302002) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 2.497053623199463) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 1.5667343139648438) {
+                        if (x.log2_S <= 15.020602703094482) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 4, 16};  // PR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
                 }
               } else {
                 return {4, 2, 8, 128, 1};  // SR
@@ -2379,690 +2427,634 @@ inline Config plain_config(const Features& f) {
             }
           }
         } else {
-          if (x.log2_S <= 18.97878932952881) {
-            if (x.avg <= 16.28218173980713) {
-              if (x.log2_S <= 16.130864143371582) {
-                if (x.avg <= 7.850534439086914) {
-                  if (x.log2_S <= 12.254094123840332) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 8, 4, 16};  // PR
-                  }
+          if (x.skew_hi <= 19.516974449157715) {
+            if (x.skew_lo <= 10.577968120574951) {
+              if (x.avg <= 11.188536643981934) {
+                if (x.skew_lo <= 10.53154993057251) {
+                  return {4, 32, 8, 4, 16};  // PR
                 } else {
-                  if (x.log2_S <= 13.460989952087402) {
-                    if (x.avg <= 12.926740169525146) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.log2_S <= 11.486475944519043) {
-                        return {4, 32, 8, 4, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 11.46825885772705) {
-                      if (x.log2_S <= 14.060183048248291) {
-                        if (x.avg <= 9.783474445343018) {
-                          return {4, 32, 8, 4, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 4, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 4, 8};  // PR
-                    }
-                  }
+                  return {4, 32, 8, 4, 8};  // PR
                 }
               } else {
-                if (x.avg <= 5.22473669052124) {
-                  if (x.log2_S <= 18.87013816833496) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 8, 4, 16};  // PR
-                  }
-                } else {
-                  if (x.log2_S <= 17.17423725128174) {
-                    if (x.avg <= 8.869845390319824) {
-                      if (x.avg <= 7.807831287384033) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 16, 4, 8};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 4, 8};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 4, 8};  // PR
-                  }
-                }
+                return {4, 32, 8, 4, 8};  // PR
               }
             } else {
-              if (x.log2_S <= 16.389347076416016) {
-                if (x.avg <= 18.34956932067871) {
-                  if (x.log2_S <= 13.152322769165039) {
-                    if (x.log2_S <= 12.520200252532959) {
+              if (x.log2_S <= 16.050868034362793) {
+                if (x.skew_lo <= 10.77150011062622) {
+                  if (x.log2_S <= 13.019486904144287) {
+                    return {4, 32, 8, 4, 16};  // PR
+                  } else {
+                    if (x.skew_hi <= 14.060183048248291) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
                       return {4, 32, 8, 4, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
                     }
-                  } else {
-                    return {4, 32, 8, 4, 8};  // PR
-                  }
-                } else {
-                  return {4, 32, 8, 4, 8};  // PR
-                }
-              } else {
-                if (x.log2_S <= 16.92814540863037) {
-                  if (x.avg <= 27.904019355773926) {
-                    return {4, 32, 8, 4, 8};  // PR
-                  } else {
-                    return {4, 32, 16, 4, 8};  // PR
-                  }
-                } else {
-                  return {4, 32, 8, 4, 8};  // PR
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 5.194025039672852) {
-              if (x.avg <= 2.240148663520813) {
-                if (x.log2_S <= 22.846186637878418) {
-                  if (x.log2_S <= 20.823150634765625) {
-                    if (x.log2_S <= 19.715232849121094) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {2, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
                   }
                 } else {
                   return {4, 32, 8, 4, 16};  // PR
                 }
               } else {
-                if (x.avg <= 4.2203474044799805) {
-                  if (x.log2_S <= 19.53569984436035) {
-                    if (x.avg <= 2.8169848918914795) {
+                if (x.avg <= 5.319766283035278) {
+                  if (x.log2_S <= 18.794727325439453) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.avg <= 2.5233291387557983) {
                       return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 2.34884250164032) {
-                      if (x.log2_S <= 20.41104221343994) {
-                        return {2, 8, 64, 32, 1};  // SR
+                      if (x.skew_lo <= 11.808160305023193) {
+                        return {4, 32, 8, 2, 16};  // PR
                       } else {
                         return {4, 32, 8, 4, 16};  // PR
                       }
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 20.88276767730713) {
-                    if (x.log2_S <= 19.490181922912598) {
-                      return {4, 32, 8, 2, 16};  // PR
+                  if (x.log2_S <= 18.557859420776367) {
+                    if (x.skew_hi <= 16.582619667053223) {
+                      if (x.avg <= 8.362713813781738) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 4, 8};  // PR
+                      }
                     } else {
-                      return {4, 32, 8, 4, 16};  // PR
+                      if (x.skew_lo <= 11.12499475479126) {
+                        if (x.skew_lo <= 10.830480098724365) {
+                          return {4, 32, 8, 4, 8};  // PR
+                        } else {
+                          return {4, 32, 16, 4, 8};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 4, 8};  // PR
+                      }
                     }
+                  } else {
+                    if (x.avg <= 9.18196964263916) {
+                      return {4, 32, 16, 4, 8};  // PR
+                    } else {
+                      return {4, 32, 8, 4, 8};  // PR
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 4.9557249546051025) {
+              if (x.log2_S <= 21.388239860534668) {
+                if (x.avg <= 2.3885759115219116) {
+                  return {2, 8, 64, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 4.624663352966309) {
+                    return {4, 32, 8, 4, 16};  // PR
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
                   }
                 }
+              } else {
+                if (x.avg <= 4.4577319622039795) {
+                  return {4, 32, 8, 4, 16};  // PR
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
               }
             } else {
-              if (x.log2_S <= 20.974018096923828) {
-                if (x.log2_S <= 19.670968055725098) {
-                  if (x.avg <= 22.499155044555664) {
-                    if (x.avg <= 9.983949661254883) {
-                      if (x.log2_S <= 19.360292434692383) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
+              if (x.skew_hi <= 21.012744903564453) {
+                if (x.skew_lo <= 10.439666748046875) {
+                  if (x.skew_lo <= 8.758261680603027) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 20.630330085754395) {
+                      if (x.log2_S <= 19.72068214416504) {
                         return {4, 32, 16, 4, 8};  // PR
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 19.52498149871826) {
-                        return {4, 32, 8, 4, 8};  // PR
-                      } else {
-                        return {4, 32, 16, 4, 8};  // PR
-                      }
+                      return {4, 32, 16, 4, 8};  // PR
                     }
+                  }
+                } else {
+                  return {4, 32, 16, 4, 8};  // PR
+                }
+              } else {
+                if (x.log2_S <= 21.14188861846924) {
+                  if (x.skew_lo <= 8.14128303527832) {
+                    return {4, 2, 8, 128, 1};  // SR
                   } else {
                     return {4, 32, 16, 4, 8};  // PR
                   }
                 } else {
-                  if (x.avg <= 11.835453033447266) {
-                    if (x.avg <= 10.92994499206543) {
+                  if (x.avg <= 5.585567474365234) {
+                    if (x.skew_hi <= 23.13417625427246) {
                       return {4, 32, 16, 4, 8};  // PR
                     } else {
-                      if (x.avg <= 11.607295036315918) {
-                        return {4, 32, 8, 4, 8};  // PR
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    return {4, 32, 16, 4, 8};  // PR
+                  }
+                }
+              }
+            }
+          }
+        }
+      } else {
+        if (x.log2_S <= 14.81153678894043) {
+          if (x.long_level <= 2.5) {
+            if (x.skew_lo <= 0.06960234045982361) {
+              if (x.avg <= 65.075439453125) {
+                if (x.log2_S <= 11.035250663757324) {
+                  if (x.skew_lo <= -1.6252922415733337) {
+                    if (x.log2_S <= 10.770453453063965) {
+                      if (x.skew_lo <= -1.9052343964576721) {
+                        return {2, 64, 32, 2, 0};  // SP
                       } else {
-                        return {4, 32, 16, 4, 8};  // PR
+                        if (x.log2_S <= 9.324662208557129) {
+                          return {2, 64, 32, 2, 0};  // SP
+                        } else {
+                          return {1, 2, 32, 128, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -5.044519424438477) {
+                        return {2, 64, 32, 2, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 3.2373851537704468) {
+                          return {2, 32, 32, 8, 0};  // SP
+                        } else {
+                          return {2, 64, 32, 2, 0};  // SP
+                        }
                       }
                     }
                   } else {
-                    if (x.avg <= 22.272379875183105) {
-                      if (x.log2_S <= 20.52743148803711) {
-                        return {4, 2, 8, 128, 1};  // SR
+                    if (x.skew_lo <= -0.6880686283111572) {
+                      if (x.skew_hi <= 4.487296104431152) {
+                        if (x.log2_S <= 9.77795124053955) {
+                          return {1, 2, 32, 128, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
                       } else {
-                        return {4, 32, 16, 4, 8};  // PR
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     } else {
-                      return {4, 2, 8, 128, 1};  // SR
+                      if (x.skew_hi <= 5.605018138885498) {
+                        if (x.skew_lo <= -0.4301912486553192) {
+                          return {2, 32, 32, 8, 0};  // SP
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 32, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.466436862945557) {
+                    if (x.avg <= 2.728902220726013) {
+                      if (x.skew_lo <= -0.8220908939838409) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -0.49338553845882416) {
+                          return {2, 32, 32, 8, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.00975513458252) {
+                            return {4, 32, 8, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 8, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      return {2, 32, 32, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -2.510385751724243) {
+                      if (x.log2_S <= 12.76016092300415) {
+                        if (x.skew_hi <= 1.3212130069732666) {
+                          return {2, 32, 32, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 0.04906639643013477) {
+                          return {2, 32, 32, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -1.6269683241844177) {
+                        if (x.log2_S <= 13.3918137550354) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.229870080947876) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= -0.39690546691417694) {
+                            if (x.skew_lo <= -0.7878356873989105) {
+                              if (x.log2_S <= 14.422080516815186) {
+                                return {4, 8, 64, 32, 0};  // SP
+                              } else {
+                                return {4, 4, 64, 64, 0};  // SP
+                              }
+                            } else {
+                              if (x.log2_S <= 13.72749376296997) {
+                                return {2, 32, 32, 8, 0};  // SP
+                              } else {
+                                return {4, 8, 64, 32, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 13.316951751708984) {
+                              return {4, 32, 32, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 14.055456161499023) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 8, 64, 32, 0};  // SP
+                              }
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 95.66654205322266) {
+                  if (x.log2_S <= 11.358182907104492) {
+                    return {2, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 13.906205654144287) {
+                      return {4, 64, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 64, 64, 4, 0};  // SP
+                }
+              }
+            } else {
+              if (x.avg <= 5.268927812576294) {
+                if (x.skew_lo <= 5.981133699417114) {
+                  if (x.log2_S <= 12.546160697937012) {
+                    if (x.skew_hi <= 8.433621883392334) {
+                      if (x.log2_S <= 11.248549938201904) {
+                        if (x.skew_lo <= 4.867513418197632) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.02301025390625) {
+                          if (x.log2_S <= 11.968071937561035) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 64, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.259861469268799) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {2, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 14.554771900177002) {
+                    return {2, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 12.78446626663208) {
+                      return {2, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {2, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.015398025512695) {
+                  if (x.log2_S <= 13.210103034973145) {
+                    if (x.avg <= 12.200785636901855) {
+                      if (x.skew_lo <= 2.9332741498947144) {
+                        if (x.log2_S <= 11.161669254302979) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.001494407653809) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.636763095855713) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {2, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {2, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 65.12635040283203) {
+                      return {2, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 13.532591342926025) {
+                        return {2, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 7.4139604568481445) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 15.098382472991943) {
+                    return {2, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 44.675466537475586) {
+                      if (x.log2_S <= 14.406601905822754) {
+                        if (x.skew_lo <= 1.8943271040916443) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.544727802276611) {
+              if (x.skew_hi <= 13.916800498962402) {
+                if (x.log2_S <= 11.841705799102783) {
+                  return {4, 32, 8, 4, 8};  // PR
+                } else {
+                  if (x.avg <= 61.99339294433594) {
+                    if (x.avg <= 24.091445922851562) {
+                      if (x.skew_lo <= 10.137216091156006) {
+                        return {4, 32, 8, 4, 8};  // PR
+                      } else {
+                        if (x.skew_hi <= 12.836977481842041) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 4, 8};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 12.10623550415039) {
+                        if (x.avg <= 36.339073181152344) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 4, 8};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 11.92795467376709) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 4, 8};  // PR
                     }
                   }
                 }
               } else {
                 return {4, 32, 16, 4, 8};  // PR
               }
-            }
-          }
-        }
-      } else {
-        if (x.log2_S <= 15.026832103729248) {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 12.959238529205322) {
-                if (x.log2_S <= 9.75969123840332) {
-                  if (x.avg <= 3.201190233230591) {
-                    if (x.avg <= 1.5560316443443298) {
-                      if (x.avg <= 1.3460034728050232) {
-                        return {4, 32, 32, 4, 0};  // SP
-                      } else {
-                        return {4, 32, 32, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 2.6757885217666626) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {1, 2, 32, 128, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 9.693624496459961) {
-                      return {2, 64, 32, 2, 0};  // SP
-                    } else {
-                      return {1, 2, 32, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 1.4575206637382507) {
-                    if (x.log2_S <= 11.899999141693115) {
-                      if (x.log2_S <= 11.234606742858887) {
-                        if (x.avg <= 1.316527545452118) {
-                          return {4, 32, 32, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 1.3642170429229736) {
-                        return {4, 32, 32, 8, 0};  // SP
-                      } else {
-                        return {2, 32, 32, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 10.449530601501465) {
-                      if (x.log2_S <= 10.191472053527832) {
-                        if (x.avg <= 11.242180824279785) {
-                          if (x.avg <= 3.9211392402648926) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 2, 32, 128, 0};  // SP
-                          }
-                        } else {
-                          return {2, 32, 32, 8, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 43.13726806640625) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 32, 32, 8, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 2.9480042457580566) {
-                        if (x.log2_S <= 11.190662384033203) {
-                          if (x.avg <= 1.7123541831970215) {
-                            return {4, 32, 32, 8, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {2, 32, 32, 8, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 12.45851469039917) {
-                          return {2, 32, 32, 8, 0};  // SP
-                        } else {
-                          if (x.avg <= 6.828968286514282) {
-                            return {2, 32, 32, 8, 0};  // SP
-                          } else {
-                            if (x.avg <= 21.72236919403076) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {2, 32, 32, 8, 0};  // SP
-                            }
-                          }
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 53.25019454956055) {
-                  if (x.avg <= 1.336170494556427) {
-                    if (x.log2_S <= 14.093542098999023) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 6.0201122760772705) {
-                      if (x.avg <= 4.997626066207886) {
-                        if (x.log2_S <= 14.935550212860107) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 14.146700382232666) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  return {2, 32, 32, 8, 0};  // SP
-                }
-              }
             } else {
-              if (x.log2_S <= 13.518079280853271) {
-                if (x.avg <= 6.2565834522247314) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 11.24753189086914) {
-                      if (x.avg <= 2.327281951904297) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 12.173337459564209) {
-                        return {4, 64, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.393661975860596) {
-                          if (x.avg <= 2.5676567554473877) {
-                            if (x.log2_S <= 12.259861469268799) {
-                              return {4, 64, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {2, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 12.45884370803833) {
-                    return {2, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 97.66350173950195) {
-                      if (x.avg <= 74.33820343017578) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.949317455291748) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.277313709259033) {
-                            return {2, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 109.50291442871094) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 64, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 12.79292345046997) {
-                          return {2, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 17.651860237121582) {
-                  if (x.avg <= 12.658898830413818) {
-                    return {2, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 14.354376792907715) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 49.30473327636719) {
-                    if (x.log2_S <= 13.751638412475586) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.49842357635498) {
-                        if (x.log2_S <= 14.062124252319336) {
-                          if (x.avg <= 29.17243766784668) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 105.20374298095703) {
-                      if (x.log2_S <= 13.647431373596191) {
-                        return {2, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.791461944580078) {
-                          return {4, 64, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 28.904994010925293) {
-              if (x.log2_S <= 14.452149391174316) {
-                if (x.log2_S <= 14.08162784576416) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.avg <= 8.699029445648193) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 16, 4, 8};  // PR
-                  }
-                }
-              } else {
-                if (x.avg <= 2.3571866750717163) {
-                  if (x.log2_S <= 14.854713916778564) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 16, 4, 8};  // PR
-                  }
-                } else {
-                  return {4, 32, 16, 4, 8};  // PR
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.093041896820068) {
-                return {2, 8, 16, 32, 1};  // SR
-              } else {
-                if (x.avg <= 31.701736450195312) {
-                  return {4, 32, 16, 4, 8};  // PR
-                } else {
-                  return {2, 8, 64, 32, 1};  // SR
-                }
-              }
+              return {4, 32, 8, 2, 16};  // PR
             }
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 17.749564170837402) {
-              if (x.avg <= 9.498672008514404) {
-                if (x.log2_S <= 15.135679721832275) {
-                  if (x.avg <= 2.882763147354126) {
-                    return {4, 8, 64, 32, 0};  // SP
+            if (x.log2_S <= 18.707704544067383) {
+              if (x.avg <= 10.555309295654297) {
+                if (x.log2_S <= 16.160329818725586) {
+                  if (x.avg <= 5.575007677078247) {
+                    if (x.skew_hi <= 5.460830211639404) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 15.449418067932129) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
                   } else {
-                    return {4, 4, 64, 64, 0};  // SP
+                    return {4, 8, 64, 32, 0};  // SP
                   }
                 } else {
                   return {4, 4, 64, 64, 0};  // SP
                 }
               } else {
-                if (x.avg <= 60.50326347351074) {
+                if (x.log2_S <= 18.383865356445312) {
                   return {4, 8, 64, 32, 0};  // SP
                 } else {
-                  return {2, 64, 32, 2, 0};  // SP
+                  if (x.avg <= 14.251588821411133) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
                 }
               }
             } else {
               return {4, 4, 64, 64, 0};  // SP
             }
           } else {
-            if (x.avg <= 44.96855354309082) {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 19.14607524871826) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 15.908936977386475) {
-                      if (x.avg <= 12.187483787536621) {
-                        if (x.avg <= 8.512168407440186) {
-                          return {2, 8, 8, 32, 1};  // SR
+            if (x.skew_lo <= 10.727040767669678) {
+              if (x.avg <= 42.33623695373535) {
+                if (x.skew_lo <= 7.588248252868652) {
+                  if (x.log2_S <= 19.47982692718506) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 15.840733051300049) {
+                        if (x.skew_lo <= 2.102967619895935) {
+                          if (x.log2_S <= 15.421478271484375) {
+                            if (x.skew_hi <= 4.927713394165039) {
+                              return {4, 4, 16, 64, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 1.6748027801513672) {
+                                return {2, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {4, 4, 16, 64, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 4, 16, 64, 1};  // SR
+                          }
                         } else {
-                          if (x.log2_S <= 15.50490665435791) {
+                          if (x.log2_S <= 15.572718620300293) {
                             return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 7.385625600814819) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 2.5382449626922607) {
+                          if (x.log2_S <= 18.03338050842285) {
+                            if (x.log2_S <= 16.388205528259277) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 8.74149227142334) {
+                              return {4, 4, 16, 64, 1};  // SR
+                            } else {
+                              return {2, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 18.202470779418945) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            if (x.avg <= 19.12797260284424) {
+                              return {4, 4, 16, 64, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 1.2486299872398376) {
+                                return {4, 4, 16, 64, 1};  // SR
+                              } else {
+                                return {2, 8, 16, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.047557830810547) {
+                        if (x.skew_hi <= 10.605324268341064) {
+                          return {2, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.81332540512085) {
+                            if (x.log2_S <= 15.01465368270874) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 8, 16, 32, 1};  // SR
+                            }
                           } else {
                             return {4, 4, 16, 64, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.avg <= 19.656746864318848) {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 1.1336852312088013) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 7.428552150726318) {
+                        return {2, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 21.70355224609375) {
                           return {4, 4, 16, 64, 1};  // SR
                         } else {
                           return {2, 8, 16, 32, 1};  // SR
                         }
                       }
-                    } else {
-                      if (x.avg <= 20.390911102294922) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 18.097636222839355) {
-                          if (x.log2_S <= 17.137808799743652) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            if (x.avg <= 35.594038009643555) {
-                              return {2, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 42.71600914001465) {
-                            return {2, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 4.051225423812866) {
-                      if (x.log2_S <= 15.59230375289917) {
-                        if (x.log2_S <= 15.171190738677979) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 17.010164260864258) {
-                        if (x.log2_S <= 15.82605504989624) {
-                          if (x.avg <= 12.768379211425781) {
-                            return {2, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 15.372602939605713) {
-                              if (x.avg <= 26.04594326019287) {
-                                return {2, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {4, 4, 16, 64, 1};  // SR
-                              }
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 14.429051399230957) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 16.338221549987793) {
-                              return {4, 4, 16, 64, 1};  // SR
-                            } else {
-                              return {2, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 19.85392665863037) {
-                    if (x.avg <= 17.012401580810547) {
-                      if (x.avg <= 3.301882028579712) {
-                        return {2, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 19.396048545837402) {
-                          return {2, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 19.66604709625244) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {2, 8, 16, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 19.72215175628662) {
-                                return {2, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {4, 4, 16, 64, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      }
-                    } else {
+                  if (x.log2_S <= 15.78471326828003) {
+                    if (x.long_level <= 2.5) {
                       return {2, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 4, 8};  // PR
                     }
                   } else {
-                    if (x.avg <= 42.90869903564453) {
-                      return {2, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {2, 8, 16, 32, 1};  // SR
-                      } else {
+                    if (x.log2_S <= 17.18648338317871) {
+                      if (x.long_level <= 2.5) {
                         return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 10.703857898712158) {
-                  if (x.log2_S <= 17.245492935180664) {
-                    if (x.avg <= 7.108751058578491) {
-                      if (x.log2_S <= 17.07451343536377) {
-                        return {4, 32, 16, 4, 8};  // PR
                       } else {
-                        if (x.avg <= 2.8627352714538574) {
+                        if (x.skew_lo <= 10.494566440582275) {
                           return {2, 8, 64, 32, 1};  // SR
                         } else {
                           return {4, 32, 16, 4, 8};  // PR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 16.128291130065918) {
-                        return {4, 32, 16, 4, 8};  // PR
+                      if (x.skew_lo <= 7.924776554107666) {
+                        if (x.log2_S <= 18.98370933532715) {
+                          if (x.log2_S <= 17.837434768676758) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {2, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
                       } else {
-                        return {2, 8, 64, 32, 1};  // SR
+                        return {4, 4, 16, 64, 1};  // SR
                       }
                     }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 16.76717185974121) {
+                  if (x.skew_hi <= 11.699392795562744) {
+                    return {4, 4, 16, 64, 1};  // SR
                   } else {
-                    if (x.avg <= 9.776482105255127) {
-                      return {2, 8, 64, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 20.72243881225586) {
-                        return {4, 4, 16, 64, 1};  // SR
+                    if (x.log2_S <= 15.462522983551025) {
+                      if (x.avg <= 71.86707305908203) {
+                        return {4, 32, 16, 4, 8};  // PR
                       } else {
-                        return {2, 8, 64, 32, 1};  // SR
+                        if (x.skew_hi <= 14.846621990203857) {
+                          return {4, 32, 16, 4, 8};  // PR
+                        } else {
+                          return {2, 8, 64, 32, 1};  // SR
+                        }
                       }
+                    } else {
+                      return {2, 8, 64, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 17.29698085784912) {
-                    if (x.log2_S <= 15.78759241104126) {
-                      if (x.avg <= 29.27418041229248) {
-                        return {4, 32, 16, 4, 8};  // PR
-                      } else {
-                        return {2, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      return {2, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
+                  return {4, 4, 16, 64, 1};  // SR
                 }
               }
             } else {
-              if (x.log2_S <= 16.76717185974121) {
-                if (x.long_level <= 2.5) {
-                  return {4, 4, 16, 64, 1};  // SR
-                } else {
-                  return {2, 8, 64, 32, 1};  // SR
-                }
-              } else {
-                if (x.avg <= 54.36088562011719) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 20.618172645568848) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      return {2, 8, 16, 32, 1};  // SR
-                    }
+              if (x.log2_S <= 17.094667434692383) {
+                if (x.skew_hi <= 15.095932006835938) {
+                  if (x.skew_lo <= 10.924638271331787) {
+                    return {4, 32, 16, 4, 8};  // PR
                   } else {
-                    return {4, 4, 16, 64, 1};  // SR
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 } else {
-                  return {4, 4, 16, 64, 1};  // SR
+                  if (x.skew_lo <= 11.17040491104126) {
+                    if (x.log2_S <= 16.09351921081543) {
+                      return {4, 32, 16, 4, 8};  // PR
+                    } else {
+                      return {2, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 16, 4, 8};  // PR
+                  }
                 }
+              } else {
+                return {2, 8, 64, 32, 1};  // SR
               }
             }
           }
@@ -3070,179 +3062,117 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.log2_S <= 18.491867065429688) {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 14.069079875946045) {
-                if (x.log2_S <= 10.09520959854126) {
-                  if (x.avg <= 2.851300001144409) {
-                    if (x.avg <= 1.3248245120048523) {
-                      return {4, 64, 64, 4, 0};  // SP
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 17.66928768157959) {
+            if (x.log2_S <= 12.596329689025879) {
+              if (x.skew_hi <= 4.389501571655273) {
+                if (x.log2_S <= 9.90608549118042) {
+                  return {1, 32, 64, 4, 0};  // SP
+                } else {
+                  if (x.skew_hi <= 2.215880513191223) {
+                    if (x.log2_S <= 11.022278308868408) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.avg <= 1.7136386036872864) {
-                        return {4, 64, 32, 1, 0};  // SP
+                      if (x.skew_lo <= -5.220736026763916) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        if (x.avg <= 2.009112536907196) {
-                          return {2, 64, 32, 2, 0};  // SP
+                        if (x.log2_S <= 12.049378871917725) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          if (x.log2_S <= 9.392786502838135) {
-                            return {1, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {2, 64, 32, 2, 0};  // SP
-                          }
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     }
                   } else {
-                    if (x.avg <= 3.5430104732513428) {
-                      if (x.log2_S <= 9.584295272827148) {
+                    if (x.log2_S <= 11.457653999328613) {
+                      if (x.skew_hi <= 4.08410120010376) {
                         return {1, 32, 64, 4, 0};  // SP
                       } else {
                         return {1, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      return {1, 32, 64, 4, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.595775127410889) {
-                    if (x.log2_S <= 10.557944774627686) {
-                      if (x.log2_S <= 10.30211067199707) {
-                        if (x.avg <= 7.580054521560669) {
-                          return {4, 64, 32, 1, 0};  // SP
+                      if (x.skew_lo <= -2.2357089519500732) {
+                        if (x.skew_lo <= -3.4369713068008423) {
+                          if (x.log2_S <= 12.111703872680664) {
+                            return {1, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 11.709840297698975) {
+                          return {2, 64, 32, 2, 0};  // SP
                         } else {
                           return {4, 8, 64, 32, 0};  // SP
                         }
-                      } else {
-                        if (x.log2_S <= 10.516085147857666) {
-                          if (x.avg <= 2.810731291770935) {
-                            return {2, 64, 32, 2, 0};  // SP
-                          } else {
-                            return {1, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          return {2, 32, 32, 8, 0};  // SP
-                        }
                       }
-                    } else {
-                      if (x.log2_S <= 11.012677192687988) {
-                        if (x.avg <= 3.8267252445220947) {
-                          if (x.avg <= 1.5069226026535034) {
-                            if (x.avg <= 1.3537914156913757) {
-                              return {4, 64, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 64, 32, 1, 0};  // SP
-                            }
-                          } else {
-                            return {2, 64, 32, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 10.64809799194336) {
-                            if (x.avg <= 10.162133693695068) {
-                              return {2, 32, 32, 8, 0};  // SP
-                            } else {
-                              return {4, 64, 32, 1, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 64, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 7.811324596405029) {
-                          if (x.avg <= 4.050029873847961) {
-                            if (x.avg <= 3.1991841793060303) {
-                              if (x.avg <= 1.5088128447532654) {
-                                return {4, 64, 32, 1, 0};  // SP
-                              } else {
-                                return {2, 64, 32, 2, 0};  // SP
-                              }
-                            } else {
-                              return {4, 64, 32, 1, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 11.164067268371582) {
-                              return {4, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 64, 32, 1, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 7.575648784637451) {
-                      if (x.avg <= 3.8088961839675903) {
-                        if (x.log2_S <= 13.015078067779541) {
-                          if (x.avg <= 1.3312110304832458) {
-                            return {4, 64, 32, 1, 0};  // SP
-                          } else {
-                            if (x.avg <= 1.5288915634155273) {
-                              if (x.log2_S <= 12.160779476165771) {
-                                return {2, 64, 32, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 2, 0};  // SP
-                              }
-                            } else {
-                              if (x.avg <= 3.5466997623443604) {
-                                return {2, 64, 32, 2, 0};  // SP
-                              } else {
-                                return {4, 64, 32, 1, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 1.3873337507247925) {
-                            return {4, 32, 32, 4, 0};  // SP
-                          } else {
-                            if (x.avg <= 2.6842408180236816) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 13.550775051116943) {
-                                return {4, 32, 32, 4, 0};  // SP
-                              } else {
-                                return {4, 16, 64, 8, 0};  // SP
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.47779893875122) {
-                          if (x.avg <= 7.255892753601074) {
-                            return {4, 32, 32, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 13.827429294586182) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.avg <= 5.9119298458099365) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 32, 32, 4, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.avg <= 10.728568077087402) {
-                  if (x.log2_S <= 14.694140911102295) {
-                    if (x.avg <= 1.7767279148101807) {
-                      if (x.log2_S <= 14.36599588394165) {
-                        return {4, 32, 64, 2, 0};  // SP
+                if (x.avg <= 1.4593562483787537) {
+                  if (x.skew_lo <= -0.3864816874265671) {
+                    return {4, 64, 32, 1, 0};  // SP
+                  } else {
+                    return {4, 64, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -1.494157314300537) {
+                    if (x.log2_S <= 10.68075704574585) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {2, 64, 32, 2, 0};  // SP
+                    }
+                  } else {
+                    return {2, 64, 32, 2, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 7.153419017791748) {
+                if (x.skew_lo <= -0.805095762014389) {
+                  if (x.log2_S <= 14.187709331512451) {
+                    if (x.skew_hi <= 4.5494794845581055) {
+                      if (x.skew_hi <= 3.4019075632095337) {
+                        if (x.log2_S <= 13.712107181549072) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 13.133793830871582) {
+                        if (x.skew_lo <= -1.3663228750228882) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {2, 64, 32, 2, 0};  // SP
+                        }
                       } else {
                         return {4, 16, 64, 8, 0};  // SP
                       }
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 16.22990894317627) {
+                    if (x.log2_S <= 14.23565149307251) {
+                      if (x.avg <= 1.336170494556427) {
+                        if (x.log2_S <= 13.675713062286377) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
                     } else {
-                      if (x.log2_S <= 14.085039138793945) {
-                        return {4, 16, 64, 8, 0};  // SP
+                      if (x.avg <= 1.521480917930603) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
                       }
@@ -3250,155 +3180,123 @@ inline Config plain_config(const Features& f) {
                   } else {
                     return {4, 8, 64, 32, 0};  // SP
                   }
-                } else {
-                  if (x.log2_S <= 17.642504692077637) {
-                    if (x.log2_S <= 14.60747766494751) {
-                      if (x.avg <= 12.299643993377686) {
-                        return {4, 32, 64, 4, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 13.41398572921753) {
+                  if (x.skew_hi <= 2.349865674972534) {
+                    if (x.avg <= 46.42819404602051) {
+                      if (x.log2_S <= 12.861875534057617) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.avg <= 29.611318588256836) {
-                          if (x.avg <= 24.24155902862549) {
-                            if (x.avg <= 16.26158905029297) {
-                              if (x.log2_S <= 14.57883358001709) {
-                                return {4, 32, 32, 4, 0};  // SP
-                              } else {
-                                return {4, 16, 64, 8, 0};  // SP
-                              }
-                            } else {
-                              return {4, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
+                        return {4, 16, 64, 8, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 45.33672904968262) {
-                        if (x.log2_S <= 17.57191562652588) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 15.76351022720337) {
-                          return {4, 32, 32, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 15.943211078643799) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 8, 0};  // SP
-                          }
-                        }
-                      }
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   } else {
-                    return {4, 8, 64, 32, 0};  // SP
+                    return {4, 32, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -3.247716546058655) {
+                    if (x.skew_hi <= 0.16346298158168793) {
+                      if (x.log2_S <= 14.377243518829346) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 16.278833389282227) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
                   }
                 }
               }
-            } else {
-              if (x.avg <= 15.06316614151001) {
-                if (x.log2_S <= 12.606175422668457) {
-                  if (x.avg <= 2.494552254676819) {
-                    if (x.long_level <= 1.5) {
-                      return {2, 32, 8, 8, 1};  // SR
-                    } else {
-                      return {1, 32, 8, 4, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 7.345539808273315) {
+            }
+          } else {
+            return {4, 8, 64, 32, 0};  // SP
+          }
+        } else {
+          if (x.log2_S <= 18.491867065429688) {
+            if (x.skew_hi <= 13.722668170928955) {
+              if (x.long_level <= 2.5) {
+                if (x.avg <= 12.69877576828003) {
+                  if (x.log2_S <= 12.54037857055664) {
+                    if (x.avg <= 3.9743590354919434) {
                       if (x.long_level <= 1.5) {
-                        if (x.avg <= 4.923502683639526) {
-                          if (x.log2_S <= 11.094958782196045) {
-                            return {2, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.649643898010254) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 4.788912773132324) {
-                                return {1, 32, 8, 4, 1};  // SR
+                        if (x.skew_lo <= 4.681220531463623) {
+                          if (x.log2_S <= 11.649643898010254) {
+                            if (x.skew_hi <= 8.434287071228027) {
+                              if (x.skew_hi <= 8.023357391357422) {
+                                return {2, 32, 8, 4, 1};  // SR
                               } else {
-                                return {4, 8, 8, 32, 1};  // SR
+                                return {2, 32, 8, 8, 1};  // SR
                               }
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
                             }
-                          }
-                        } else {
-                          if (x.log2_S <= 12.30455732345581) {
-                            return {1, 32, 8, 4, 1};  // SR
                           } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.94681453704834) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.avg <= 2.902390718460083) {
                             return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 11.919232845306396) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 7.826397180557251) {
-                          if (x.log2_S <= 11.262087345123291) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
                           }
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.630622863769531) {
-                    if (x.avg <= 3.1076208353042603) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 13.1639723777771) {
-                          if (x.avg <= 2.304856300354004) {
+                          if (x.log2_S <= 12.40991497039795) {
                             return {2, 32, 8, 8, 1};  // SR
                           } else {
                             return {1, 32, 8, 4, 1};  // SR
                           }
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 13.120527744293213) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
+                        return {1, 32, 8, 4, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 3.806581139564514) {
-                        if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 12.029170989990234) {
+                        if (x.avg <= 4.552163600921631) {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 11.293093204498291) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 9.331053256988525) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 6.35041880607605) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 8.987226486206055) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 11.632415771484375) {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {4, 8, 8, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 6.263376474380493) {
                           return {1, 32, 8, 4, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
                         }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 18.250730514526367) {
-                      if (x.log2_S <= 13.96051836013794) {
-                        if (x.avg <= 2.456259846687317) {
+                    if (x.skew_hi <= 12.997371673583984) {
+                      if (x.log2_S <= 13.341942310333252) {
+                        if (x.avg <= 4.551932096481323) {
                           if (x.long_level <= 1.5) {
-                            return {4, 16, 8, 8, 1};  // SR
+                            return {1, 32, 8, 4, 1};  // SR
                           } else {
                             return {4, 8, 8, 32, 1};  // SR
                           }
@@ -3406,79 +3304,179 @@ inline Config plain_config(const Features& f) {
                           return {4, 8, 8, 32, 1};  // SR
                         }
                       } else {
+                        if (x.log2_S <= 18.05215549468994) {
+                          if (x.log2_S <= 13.975056171417236) {
+                            if (x.avg <= 2.456259846687317) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 7.430419445037842) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.398201942443848) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.068919658660889) {
+                    if (x.avg <= 15.932979106903076) {
+                      if (x.skew_hi <= 6.315954685211182) {
+                        if (x.log2_S <= 11.678390502929688) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
                         return {4, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 71.43579864501953) {
+                      if (x.avg <= 55.946319580078125) {
                         return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.avg <= 5.211309432983398) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
+                        if (x.long_level <= 1.5) {
                           return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.597017765045166) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.583872318267822) {
+                        if (x.skew_lo <= -0.9641391038894653) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 80.55245590209961) {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 15.788215160369873) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
                         }
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 14.068919658660889) {
-                  if (x.log2_S <= 13.45595121383667) {
-                    if (x.avg <= 15.841246128082275) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 11.741315841674805) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
+                if (x.avg <= 60.708412170410156) {
+                  if (x.avg <= 10.010107517242432) {
+                    if (x.skew_hi <= 12.131180763244629) {
+                      if (x.avg <= 8.091735601425171) {
+                        return {4, 32, 8, 4, 8};  // PR
                       } else {
-                        return {4, 8, 8, 32, 1};  // SR
+                        if (x.skew_lo <= 10.890476703643799) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
                       }
                     } else {
-                      return {4, 8, 8, 32, 1};  // SR
+                      return {2, 16, 64, 2, 1};  // SR
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 75.3587532043457) {
-                        return {4, 8, 8, 32, 1};  // SR
+                    if (x.skew_hi <= 13.434815883636475) {
+                      if (x.skew_lo <= 8.226755142211914) {
+                        if (x.log2_S <= 10.264876365661621) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
                       } else {
                         return {4, 8, 16, 32, 1};  // SR
                       }
+                    } else {
+                      return {2, 16, 64, 2, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.avg <= 64.5151138305664) {
-                    if (x.avg <= 45.96565628051758) {
+                  if (x.log2_S <= 11.669495582580566) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 15.414133548736572) {
+                if (x.log2_S <= 14.825735569000244) {
+                  if (x.long_level <= 2.5) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {2, 16, 64, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 24.977962493896484) {
+                    if (x.avg <= 1.1494945883750916) {
                       return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.long_level <= 1.5) {
-                        return {4, 8, 8, 32, 1};  // SR
+                      return {2, 16, 64, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 14.706716537475586) {
+                  return {4, 8, 16, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 7.893581390380859) {
+                    if (x.skew_hi <= 16.373483657836914) {
+                      return {2, 16, 64, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 18.39534854888916) {
+                        return {4, 8, 64, 32, 1};  // SR
                       } else {
-                        return {4, 8, 16, 32, 1};  // SR
+                        if (x.avg <= 3.5538418292999268) {
+                          return {2, 16, 64, 2, 1};  // SR
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
                       }
                     }
                   } else {
-                    if (x.avg <= 89.78156661987305) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 18.23430061340332) {
-                          return {4, 8, 8, 32, 1};  // SR
+                    if (x.log2_S <= 18.33414363861084) {
+                      if (x.skew_hi <= 17.83782386779785) {
+                        return {4, 8, 64, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 78.6357307434082) {
+                          return {4, 8, 64, 32, 1};  // SR
                         } else {
                           return {4, 8, 16, 32, 1};  // SR
                         }
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 14.405463695526123) {
-                        if (x.log2_S <= 14.270281791687012) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
+                      if (x.skew_lo <= 10.456718921661377) {
                         return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 64, 32, 1};  // SR
                       }
                     }
                   }
@@ -3486,280 +3484,272 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 13.552119731903076) {
-              if (x.avg <= 10.00124740600586) {
-                if (x.log2_S <= 12.131180763244629) {
-                  if (x.avg <= 8.763992309570312) {
-                    return {4, 32, 8, 4, 8};  // PR
-                  } else {
-                    if (x.avg <= 8.931065559387207) {
+            if (x.skew_lo <= 10.556324005126953) {
+              if (x.avg <= 2.281316876411438) {
+                if (x.skew_hi <= 11.398879528045654) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 1.1193724870681763) {
+                    if (x.log2_S <= 19.070960998535156) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
                       return {2, 16, 64, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 18.947949409484863) {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_hi <= 4.250207901000977) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 10.162868976593018) {
+                      if (x.skew_hi <= 8.607222557067871) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 9.641913890838623) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
                     } else {
                       return {4, 8, 16, 32, 1};  // SR
                     }
                   }
                 } else {
-                  return {2, 16, 64, 2, 1};  // SR
-                }
-              } else {
-                return {4, 8, 16, 32, 1};  // SR
-              }
-            } else {
-              if (x.log2_S <= 14.45630168914795) {
-                if (x.avg <= 57.56340789794922) {
-                  return {2, 16, 64, 2, 1};  // SR
-                } else {
-                  if (x.log2_S <= 13.972033023834229) {
-                    return {2, 16, 64, 2, 1};  // SR
+                  if (x.avg <= 28.52048397064209) {
+                    return {4, 8, 16, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 14.142991542816162) {
-                      if (x.avg <= 99.48139572143555) {
-                        return {2, 16, 64, 2, 1};  // SR
+                    if (x.avg <= 38.41360664367676) {
+                      if (x.skew_hi <= 9.08599042892456) {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 21.772141456604004) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 1.0044473111629486) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
                       } else {
-                        return {4, 8, 64, 32, 1};  // SR
+                        return {4, 8, 16, 32, 1};  // SR
                       }
                     } else {
-                      return {4, 8, 64, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 10.30390739440918) {
-                  if (x.log2_S <= 16.34829807281494) {
-                    return {2, 16, 64, 2, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 18.38963508605957) {
-                      return {4, 8, 64, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 3.6912423372268677) {
-                        return {2, 16, 64, 2, 1};  // SR
+                      if (x.avg <= 44.65397644042969) {
+                        if (x.skew_lo <= 0.6849323511123657) {
+                          if (x.log2_S <= 21.764144897460938) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
                       } else {
-                        return {4, 8, 64, 32, 1};  // SR
+                        return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   }
-                } else {
-                  if (x.log2_S <= 18.315946578979492) {
-                    return {4, 8, 64, 32, 1};  // SR
-                  } else {
-                    return {4, 8, 16, 32, 1};  // SR
-                  }
                 }
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            return {4, 8, 64, 32, 0};  // SP
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 19.06081485748291) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 55.04483985900879) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    return {4, 8, 16, 32, 1};  // SR
-                  }
-                } else {
-                  return {4, 8, 16, 32, 1};  // SR
-                }
-              } else {
-                return {4, 8, 16, 32, 1};  // SR
               }
             } else {
-              if (x.avg <= 10.648215293884277) {
-                if (x.avg <= 3.4814294576644897) {
-                  return {2, 16, 64, 2, 1};  // SR
-                } else {
-                  return {4, 8, 64, 32, 1};  // SR
-                }
+              if (x.skew_lo <= 12.230908870697021) {
+                return {4, 8, 64, 32, 1};  // SR
               } else {
-                return {4, 8, 16, 32, 1};  // SR
+                return {2, 16, 64, 2, 1};  // SR
               }
             }
           }
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 15.831733226776123) {
-                if (x.log2_S <= 14.119604587554932) {
-                  if (x.log2_S <= 10.518460750579834) {
-                    if (x.avg <= 2.957892060279846) {
-                      if (x.avg <= 2.369999051094055) {
-                        return {4, 64, 32, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 9.666056632995605) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 15.940374851226807) {
+              if (x.avg <= 3.312933325767517) {
+                if (x.log2_S <= 13.639555931091309) {
+                  if (x.skew_hi <= 4.503864526748657) {
+                    if (x.log2_S <= 12.752369403839111) {
+                      if (x.log2_S <= 9.550945281982422) {
+                        if (x.avg <= 3.0851844549179077) {
                           return {2, 64, 32, 2, 0};  // SP
                         } else {
-                          return {4, 64, 32, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 10.018449783325195) {
-                        if (x.avg <= 3.201190233230591) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 10.138396739959717) {
-                          if (x.avg <= 41.33473587036133) {
-                            if (x.avg <= 4.282949805259705) {
-                              return {2, 64, 32, 2, 0};  // SP
-                            } else {
-                              return {4, 8, 64, 32, 0};  // SP
-                            }
-                          } else {
-                            return {2, 64, 32, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 3.4396395683288574) {
-                            return {4, 64, 32, 2, 0};  // SP
-                          } else {
-                            return {2, 64, 32, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.830157279968262) {
-                      return {4, 64, 32, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 20.244531631469727) {
-                        if (x.avg <= 11.267562866210938) {
-                          return {4, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 8, 0};  // SP
+                          return {2, 32, 32, 2, 0};  // SP
                         }
                       } else {
                         return {4, 64, 32, 2, 0};  // SP
                       }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 4.410121440887451) {
-                    if (x.log2_S <= 14.95568323135376) {
-                      if (x.avg <= 3.9676769971847534) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
                     } else {
-                      if (x.avg <= 1.603792130947113) {
-                        if (x.log2_S <= 15.78631067276001) {
-                          return {4, 32, 32, 8, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 2.5783478021621704) {
-                          if (x.log2_S <= 15.453890800476074) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 8, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      }
+                      return {4, 32, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 58.02166938781738) {
-                      if (x.avg <= 5.794604301452637) {
-                        if (x.log2_S <= 15.085404396057129) {
-                          return {4, 32, 32, 8, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
+                    return {4, 64, 32, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -1.0443167090415955) {
+                    if (x.log2_S <= 14.340784072875977) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.4216608703136444) {
+                      if (x.avg <= 1.4922678470611572) {
+                        return {4, 16, 8, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 38.75444984436035) {
-                          return {4, 32, 32, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 14.67146635055542) {
-                            return {4, 64, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 8, 0};  // SP
-                          }
-                        }
+                        return {4, 32, 64, 2, 0};  // SP
                       }
                     } else {
-                      return {4, 64, 32, 2, 0};  // SP
+                      if (x.log2_S <= 14.068812847137451) {
+                        return {4, 64, 32, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 17.6735782623291) {
-                  if (x.avg <= 7.757605075836182) {
-                    return {4, 16, 64, 8, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.618179321289062) {
-                      if (x.avg <= 10.155561923980713) {
-                        if (x.log2_S <= 16.21493148803711) {
-                          return {4, 32, 32, 8, 0};  // SP
+                if (x.log2_S <= 12.573188304901123) {
+                  if (x.skew_hi <= 4.010756015777588) {
+                    if (x.log2_S <= 11.492909908294678) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -5.81027626991272) {
+                        if (x.log2_S <= 11.83963918685913) {
+                          return {2, 64, 32, 2, 0};  // SP
                         } else {
-                          return {4, 32, 64, 2, 0};  // SP
+                          return {4, 64, 32, 2, 0};  // SP
                         }
                       } else {
-                        return {4, 32, 32, 8, 0};  // SP
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.884385585784912) {
+                      if (x.avg <= 3.5430104732513428) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 14.983676433563232) {
-                        return {4, 32, 64, 2, 0};  // SP
+                      if (x.log2_S <= 11.023584365844727) {
+                        return {2, 64, 32, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 17.297666549682617) {
-                          if (x.avg <= 32.33057498931885) {
-                            return {4, 32, 32, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 8, 0};  // SP
-                          }
+                        if (x.skew_lo <= -1.8845279216766357) {
+                          return {2, 32, 32, 8, 0};  // SP
                         } else {
-                          if (x.log2_S <= 17.65103054046631) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 4, 0};  // SP
-                          }
+                          return {2, 32, 32, 2, 0};  // SP
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 21.76208209991455) {
-                    return {4, 16, 64, 8, 0};  // SP
+                  if (x.skew_hi <= 2.9905401468276978) {
+                    if (x.skew_hi <= 0.5775428414344788) {
+                      if (x.log2_S <= 14.3618745803833) {
+                        if (x.skew_hi <= 0.25987863540649414) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.261282444000244) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 13.270172119140625) {
+                        if (x.skew_lo <= -4.622649908065796) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -3.3066846132278442) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.59896993637085) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
+                        }
+                      }
+                    }
                   } else {
-                    return {4, 8, 64, 32, 0};  // SP
+                    if (x.skew_hi <= 4.17578911781311) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 14.314514636993408) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 13.6382474899292) {
-                if (x.avg <= 8.360917568206787) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 12.684362411499023) {
-                      if (x.log2_S <= 12.363484382629395) {
-                        return {2, 32, 8, 8, 1};  // SR
+              if (x.log2_S <= 17.6735782623291) {
+                if (x.skew_hi <= 2.613641858100891) {
+                  if (x.log2_S <= 16.43032169342041) {
+                    if (x.skew_lo <= -4.072962045669556) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.39007568359375) {
+                      if (x.skew_lo <= -5.923870801925659) {
+                        return {4, 32, 32, 8, 0};  // SP
                       } else {
-                        if (x.avg <= 5.297471046447754) {
-                          return {2, 32, 8, 8, 1};  // SR
+                        if (x.log2_S <= 16.454777717590332) {
+                          return {4, 32, 64, 2, 0};  // SP
                         } else {
-                          return {4, 16, 8, 8, 1};  // SR
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.avg <= 2.791156053543091) {
-                        if (x.avg <= 2.3097498416900635) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.318410873413086) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
-                        }
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {4, 16, 64, 8, 0};  // SP
+                }
+              } else {
+                return {4, 16, 64, 8, 0};  // SP
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 13.00123929977417) {
+                if (x.skew_lo <= 4.219881057739258) {
+                  if (x.avg <= 8.378696918487549) {
+                    if (x.log2_S <= 12.39775037765503) {
+                      return {2, 32, 8, 8, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 7.269437551498413) {
+                        return {4, 16, 8, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 4.462879657745361) {
-                          if (x.log2_S <= 13.088328838348389) {
+                        return {2, 32, 8, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.130656719207764) {
+                      if (x.skew_lo <= 3.9201459884643555) {
+                        if (x.avg <= 8.741332530975342) {
+                          if (x.log2_S <= 10.264580726623535) {
                             return {2, 32, 8, 8, 1};  // SR
                           } else {
                             return {4, 16, 8, 8, 1};  // SR
@@ -3767,555 +3757,19 @@ inline Config plain_config(const Features& f) {
                         } else {
                           return {4, 16, 8, 8, 1};  // SR
                         }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.815355777740479) {
-                      return {2, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.avg <= 3.695403218269348) {
-                        return {2, 32, 8, 4, 1};  // SR
                       } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    return {4, 16, 8, 8, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 11.883453369140625) {
-                      if (x.avg <= 57.60971450805664) {
-                        if (x.avg <= 11.779594421386719) {
-                          if (x.avg <= 11.168920516967773) {
-                            return {2, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 10.413942337036133) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 32, 16, 4, 1};  // SR
-                            }
-                          }
+                        if (x.skew_hi <= 8.030694961547852) {
+                          return {2, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.avg <= 48.149667739868164) {
-                            return {2, 32, 16, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 9.158419132232666) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 16, 4, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.496252059936523) {
                           return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.avg <= 91.87744903564453) {
-                            if (x.log2_S <= 11.767850399017334) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 16, 16, 8, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 42.52076721191406) {
-                  if (x.log2_S <= 18.78721809387207) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 18.10515594482422) {
-                        if (x.log2_S <= 16.594942092895508) {
-                          if (x.avg <= 3.620875120162964) {
-                            if (x.log2_S <= 14.599841594696045) {
-                              if (x.avg <= 2.3575156927108765) {
-                                if (x.log2_S <= 13.935571193695068) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {4, 8, 8, 32, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 14.52038288116455) {
-                              if (x.log2_S <= 13.960031032562256) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 14.225104808807373) {
-                                  if (x.avg <= 4.659404039382935) {
-                                    return {4, 16, 8, 8, 1};  // SR
-                                  } else {
-                                    return {4, 16, 16, 8, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              }
-                            } else {
-                              if (x.log2_S <= 15.960527420043945) {
-                                if (x.log2_S <= 15.377748489379883) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  if (x.avg <= 28.46240520477295) {
-                                    if (x.log2_S <= 15.469813823699951) {
-                                      return {4, 16, 16, 8, 1};  // SR
-                                    } else {
-                                      return {4, 16, 8, 8, 1};  // SR
-                                    }
-                                  } else {
-                                    return {4, 16, 16, 8, 1};  // SR
-                                  }
-                                }
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 17.965283393859863) {
-                            if (x.avg <= 41.75036811828613) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 18.904910564422607) {
-                              if (x.avg <= 2.882492423057556) {
-                                return {2, 32, 16, 4, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 3.7482964992523193) {
-                          return {2, 32, 16, 4, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 18.199752807617188) {
-                            if (x.avg <= 18.27829360961914) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 17.183205604553223) {
-                        if (x.avg <= 2.989126443862915) {
-                          if (x.log2_S <= 14.718835830688477) {
-                            if (x.log2_S <= 14.167411804199219) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 32, 16, 4, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 16.59939670562744) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 23.996185302734375) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 16.856846809387207) {
-                              if (x.log2_S <= 14.888795852661133) {
-                                if (x.log2_S <= 14.303179264068604) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 3.136874794960022) {
-                          return {2, 32, 16, 4, 1};  // SR
-                        } else {
-                          if (x.avg <= 21.206703186035156) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 17.73429012298584) {
-                              if (x.log2_S <= 17.56011390686035) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.avg <= 23.64233112335205) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {2, 32, 16, 4, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {2, 32, 16, 4, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 19.02080535888672) {
-                      if (x.avg <= 4.042494297027588) {
-                        return {2, 32, 16, 4, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 20.293896675109863) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 4, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 10.77149486541748) {
-                            if (x.avg <= 6.424839496612549) {
-                              return {2, 32, 16, 4, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {2, 32, 16, 4, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 7.525222063064575) {
-                        return {2, 32, 16, 4, 1};  // SR
-                      } else {
-                        if (x.avg <= 11.026266098022461) {
-                          if (x.long_level <= 1.5) {
-                            return {2, 32, 16, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 19.797473907470703) {
-                              if (x.log2_S <= 19.42455768585205) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 4, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 41.0926570892334) {
-                            return {2, 32, 16, 4, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 16, 4, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 14.059545516967773) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 74.00736236572266) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.685061931610107) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 16, 16, 8, 1};  // SR
-                    }
-                  } else {
-                    return {4, 16, 16, 8, 1};  // SR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 13.949666500091553) {
-              if (x.log2_S <= 13.740976333618164) {
-                return {2, 32, 64, 8, 1};  // SR
-              } else {
-                if (x.avg <= 39.66297721862793) {
-                  return {2, 32, 64, 8, 1};  // SR
-                } else {
-                  return {4, 16, 64, 2, 1};  // SR
-                }
-              }
-            } else {
-              if (x.avg <= 8.93343448638916) {
-                if (x.log2_S <= 17.704992294311523) {
-                  return {2, 32, 64, 8, 1};  // SR
-                } else {
-                  if (x.avg <= 2.4112108945846558) {
-                    if (x.log2_S <= 19.898466110229492) {
-                      if (x.log2_S <= 19.76333522796631) {
-                        if (x.log2_S <= 17.810636520385742) {
-                          return {2, 32, 64, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 64, 2, 1};  // SR
-                        }
-                      } else {
-                        return {2, 32, 64, 8, 1};  // SR
-                      }
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
-                  } else {
-                    return {4, 16, 64, 2, 1};  // SR
-                  }
-                }
-              } else {
-                return {4, 16, 64, 2, 1};  // SR
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 2.5) {
-            if (x.log2_S <= 16.68732452392578) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 14.194001197814941) {
-                  if (x.avg <= 1.7549363374710083) {
-                    if (x.log2_S <= 11.16075325012207) {
-                      if (x.avg <= 1.3475786447525024) {
-                        if (x.log2_S <= 10.586496829986572) {
-                          return {4, 64, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 32, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 10.09819507598877) {
-                          if (x.avg <= 1.3947659730911255) {
-                            return {4, 64, 32, 2, 0};  // SP
-                          } else {
-                            return {2, 32, 32, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 64, 32, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 1.4995692372322083) {
-                        return {2, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.103116035461426) {
-                          return {4, 64, 32, 2, 0};  // SP
-                        } else {
-                          if (x.avg <= 1.611082911491394) {
-                            return {2, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 64, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.047214031219482) {
-                      return {2, 32, 32, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 31.60355281829834) {
-                        if (x.avg <= 2.5214924812316895) {
-                          return {4, 64, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 32, 32, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 64, 32, 2, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 9.820308685302734) {
-                    if (x.log2_S <= 15.332789897918701) {
-                      if (x.avg <= 2.7513391971588135) {
-                        if (x.log2_S <= 14.568397045135498) {
-                          if (x.avg <= 1.3430454730987549) {
-                            return {4, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 14.390958786010742) {
-                              return {4, 64, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 1.9644639492034912) {
-                            return {4, 64, 32, 2, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 14.897346496582031) {
-                              return {4, 64, 32, 2, 0};  // SP
-                            } else {
-                              if (x.avg <= 2.207317590713501) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 32, 8, 0};  // SP
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 14.980438232421875) {
-                          if (x.log2_S <= 14.303531646728516) {
-                            return {2, 32, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 8.726686477661133) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 32, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 3.2849334478378296) {
-                        if (x.avg <= 1.8645123839378357) {
-                          if (x.log2_S <= 15.645303726196289) {
-                            return {4, 64, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 16.348946571350098) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 62.6904182434082) {
-                      return {4, 64, 32, 2, 0};  // SP
-                    } else {
-                      return {2, 64, 32, 2, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.218819618225098) {
-                  if (x.avg <= 12.763221263885498) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 3.571535348892212) {
-                        return {2, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.573538780212402) {
-                          if (x.avg <= 12.111403465270996) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 7.681773900985718) {
-                            return {2, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.89551067352295) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 10.53511381149292) {
-                        if (x.avg <= 3.05263614654541) {
-                          if (x.avg <= 2.19304883480072) {
-                            if (x.log2_S <= 11.479894161224365) {
-                              return {4, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 11.783223628997803) {
-                                return {2, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 4, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 11.779594421386719) {
-                          if (x.log2_S <= 10.693018436431885) {
-                            return {4, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.527197360992432) {
-                      if (x.avg <= 70.88823699951172) {
-                        if (x.avg <= 14.38322401046753) {
-                          if (x.long_level <= 1.5) {
-                            return {2, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 4, 1};  // SR
-                          }
-                        } else {
-                          return {2, 32, 16, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {2, 32, 16, 4, 1};  // SR
-                        } else {
-                          if (x.avg <= 85.0101203918457) {
-                            if (x.log2_S <= 9.251164436340332) {
-                              return {2, 32, 16, 4, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 9.862237930297852) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 10.707743644714355) {
-                                  return {2, 32, 16, 4, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
                         }
                       }
                     } else {
                       if (x.long_level <= 1.5) {
                         return {4, 16, 8, 8, 1};  // SR
                       } else {
-                        if (x.log2_S <= 11.66206407546997) {
-                          if (x.avg <= 55.75073051452637) {
-                            return {2, 32, 16, 4, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
+                        if (x.avg <= 81.57284545898438) {
+                          return {4, 16, 8, 8, 1};  // SR
                         } else {
                           return {4, 16, 16, 8, 1};  // SR
                         }
@@ -4324,119 +3778,103 @@ inline Config plain_config(const Features& f) {
                   }
                 } else {
                   if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 15.903653144836426) {
-                      if (x.log2_S <= 12.563054084777832) {
-                        if (x.avg <= 3.8529404401779175) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.avg <= 9.240915775299072) {
-                            return {4, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.avg <= 77.71833801269531) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 12.335392951965332) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 4, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 4, 1};  // SR
-                      }
+                    if (x.log2_S <= 12.461554527282715) {
+                      return {2, 32, 8, 8, 1};  // SR
                     } else {
-                      if (x.avg <= 12.186091899871826) {
-                        if (x.log2_S <= 16.431601524353027) {
-                          if (x.avg <= 7.891892910003662) {
-                            return {2, 32, 16, 4, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 3.7803186178207397) {
-                            return {2, 64, 16, 1, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 4, 1};  // SR
-                          }
-                        }
+                      if (x.skew_lo <= 4.961937665939331) {
+                        return {2, 32, 8, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 45.08548355102539) {
-                          if (x.log2_S <= 16.27695083618164) {
-                            return {4, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.avg <= 15.898218631744385) {
-                              return {2, 32, 16, 4, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 32, 8, 4, 1};  // SR
-                        }
+                        return {2, 32, 8, 4, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 52.4143009185791) {
-                      if (x.log2_S <= 14.401490211486816) {
-                        if (x.log2_S <= 13.88029670715332) {
-                          if (x.avg <= 7.6624085903167725) {
-                            if (x.log2_S <= 12.338109016418457) {
-                              return {4, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 13.657537460327148) {
-                                return {2, 64, 16, 1, 1};  // SR
+                    if (x.log2_S <= 12.909973621368408) {
+                      return {2, 32, 8, 4, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 10.358169078826904) {
+                        return {2, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 8.157503604888916) {
+                  if (x.log2_S <= 14.058083057403564) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 115.66576385498047) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.59877872467041) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 43.281564712524414) {
+                      if (x.skew_hi <= 5.719360589981079) {
+                        if (x.log2_S <= 18.08063316345215) {
+                          if (x.avg <= 37.04220962524414) {
+                            if (x.avg <= 20.965916633605957) {
+                              if (x.log2_S <= 15.31606388092041) {
+                                return {4, 16, 8, 8, 1};  // SR
                               } else {
-                                return {4, 32, 8, 4, 1};  // SR
+                                return {4, 16, 16, 8, 1};  // SR
                               }
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
                             }
                           } else {
-                            if (x.avg <= 21.732315063476562) {
-                              return {4, 16, 16, 8, 1};  // SR
+                            if (x.log2_S <= 15.332604885101318) {
+                              return {4, 16, 8, 8, 1};  // SR
                             } else {
-                              if (x.log2_S <= 12.468175888061523) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {2, 64, 16, 1, 1};  // SR
-                              }
+                              return {4, 16, 16, 8, 1};  // SR
                             }
                           }
                         } else {
-                          return {4, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 16.037148475646973) {
-                          return {2, 64, 16, 1, 1};  // SR
-                        } else {
-                          if (x.avg <= 3.1445847749710083) {
-                            return {2, 64, 16, 1, 1};  // SR
+                          if (x.log2_S <= 20.612529754638672) {
+                            return {4, 16, 16, 8, 1};  // SR
                           } else {
-                            if (x.avg <= 12.622581958770752) {
-                              if (x.log2_S <= 16.556405067443848) {
-                                if (x.avg <= 8.507564544677734) {
-                                  return {2, 32, 16, 4, 1};  // SR
-                                } else {
-                                  if (x.log2_S <= 16.318466186523438) {
-                                    return {2, 64, 16, 1, 1};  // SR
-                                  } else {
-                                    return {2, 32, 16, 4, 1};  // SR
-                                  }
-                                }
-                              } else {
-                                return {2, 64, 16, 1, 1};  // SR
-                              }
+                            if (x.skew_hi <= 4.954737663269043) {
+                              return {4, 16, 16, 8, 1};  // SR
                             } else {
-                              if (x.log2_S <= 16.545607566833496) {
-                                if (x.log2_S <= 16.497034072875977) {
-                                  return {2, 64, 16, 1, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 4, 1};  // SR
-                                }
+                              if (x.skew_lo <= 1.546222746372223) {
+                                return {2, 32, 16, 4, 1};  // SR
                               } else {
-                                return {4, 32, 8, 2, 0};  // SP
+                                return {4, 16, 16, 8, 1};  // SR
                               }
                             }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 4.767249822616577) {
+                          if (x.log2_S <= 19.10761070251465) {
+                            if (x.log2_S <= 15.138035774230957) {
+                              if (x.skew_hi <= 7.912158489227295) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 16, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 15.28398847579956) {
+                            if (x.skew_hi <= 6.203761339187622) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
                           }
                         }
                       }
@@ -4444,153 +3882,703 @@ inline Config plain_config(const Features& f) {
                       return {4, 16, 16, 8, 1};  // SR
                     }
                   }
+                } else {
+                  if (x.log2_S <= 17.66866683959961) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 14.781074523925781) {
+                        if (x.skew_lo <= 4.706109285354614) {
+                          if (x.log2_S <= 13.376496315002441) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 13.935571193695068) {
+                            if (x.log2_S <= 13.819033145904541) {
+                              if (x.skew_lo <= 5.043511867523193) {
+                                if (x.log2_S <= 13.097858905792236) {
+                                  return {2, 32, 8, 8, 1};  // SR
+                                } else {
+                                  return {2, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 9.382427215576172) {
+                        if (x.skew_lo <= 4.571221590042114) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.28506088256836) {
+                            if (x.log2_S <= 14.234041213989258) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 14.743345260620117) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                if (x.skew_hi <= 8.897376537322998) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  if (x.skew_lo <= 5.129159450531006) {
+                                    return {4, 16, 8, 8, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 8, 1};  // SR
+                                  }
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 17.26198387145996) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.avg <= 30.488502502441406) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 4, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.644990921020508) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 12.896785259246826) {
+                            if (x.avg <= 17.272425651550293) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 5.784559965133667) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {2, 32, 64, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 12.622984886169434) {
+                      if (x.avg <= 42.18610382080078) {
+                        if (x.log2_S <= 18.50138568878174) {
+                          if (x.skew_hi <= 10.058952331542969) {
+                            if (x.avg <= 37.012033462524414) {
+                              if (x.skew_hi <= 8.275523662567139) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 4, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 19.241918563842773) {
+                            if (x.skew_lo <= 6.259843587875366) {
+                              if (x.avg <= 35.33688163757324) {
+                                return {2, 32, 16, 4, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_lo <= 7.81561279296875) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 4, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {2, 32, 16, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {2, 32, 64, 8, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 14.926232814788818) {
+                if (x.skew_hi <= 9.172927379608154) {
+                  if (x.skew_lo <= 8.030758380889893) {
+                    return {2, 32, 16, 4, 1};  // SR
+                  } else {
+                    return {2, 32, 64, 8, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 14.545987129211426) {
+                    if (x.skew_lo <= 6.0398173332214355) {
+                      return {2, 32, 16, 4, 1};  // SR
+                    } else {
+                      return {2, 32, 64, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 70.92270278930664) {
+                      return {2, 32, 64, 8, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 11.102306365966797) {
+                  if (x.avg <= 8.93343448638916) {
+                    if (x.skew_hi <= 17.374459266662598) {
+                      return {2, 32, 64, 8, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 64, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 18.672222137451172) {
+                    if (x.log2_S <= 17.9271183013916) {
+                      return {2, 32, 64, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 3.1402419805526733) {
+                        return {2, 32, 64, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 3.7182286977767944) {
+                          return {4, 16, 64, 2, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 11.413382530212402) {
+                            return {4, 16, 64, 2, 1};  // SR
+                          } else {
+                            return {2, 32, 64, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 2.374433994293213) {
+                      if (x.log2_S <= 19.76333522796631) {
+                        return {2, 32, 64, 8, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 2.5) {
+            if (x.log2_S <= 17.322258949279785) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 12.477895259857178) {
+                  if (x.skew_hi <= 5.342982053756714) {
+                    if (x.log2_S <= 11.931487083435059) {
+                      return {2, 32, 32, 2, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 1.3666163682937622) {
+                        return {4, 64, 32, 2, 0};  // SP
+                      } else {
+                        return {2, 32, 32, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.526271343231201) {
+                      return {4, 64, 32, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 10.419370651245117) {
+                        if (x.skew_lo <= -0.4058002531528473) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 11.328224658966064) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -3.324832797050476) {
+                    if (x.log2_S <= 12.97921895980835) {
+                      return {4, 64, 32, 2, 0};  // SP
+                    } else {
+                      return {4, 64, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.587869793176651) {
+                      if (x.log2_S <= 15.446829795837402) {
+                        if (x.skew_lo <= -1.2500285506248474) {
+                          if (x.log2_S <= 13.399246215820312) {
+                            if (x.avg <= 3.728094696998596) {
+                              return {2, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.194904327392578) {
+                            if (x.log2_S <= 14.00418472290039) {
+                              return {2, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 8, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 32, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.103566884994507) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 16.24192523956299) {
+                            return {4, 32, 32, 4, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -1.0040133893489838) {
+                              if (x.skew_lo <= -1.611041247844696) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              return {4, 32, 32, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.433536529541016) {
+                        if (x.log2_S <= 13.636558055877686) {
+                          if (x.avg <= 1.3148513436317444) {
+                            if (x.log2_S <= 12.911195755004883) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.672097682952881) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 11.487493991851807) {
+                  if (x.skew_lo <= 0.9249177873134613) {
+                    if (x.log2_S <= 10.578408241271973) {
+                      if (x.skew_hi <= 3.01559841632843) {
+                        return {4, 32, 8, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.04202127456665) {
+                          if (x.skew_hi <= 4.022312164306641) {
+                            if (x.avg <= 106.17863082885742) {
+                              return {4, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 4, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 52.70236015319824) {
+                      if (x.log2_S <= 15.982637405395508) {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 12.774393081665039) {
+                            if (x.skew_lo <= 4.108649492263794) {
+                              if (x.skew_hi <= 6.393723011016846) {
+                                if (x.skew_hi <= 5.526899099349976) {
+                                  if (x.log2_S <= 11.918900489807129) {
+                                    return {4, 16, 8, 8, 1};  // SR
+                                  } else {
+                                    return {4, 32, 8, 4, 1};  // SR
+                                  }
+                                } else {
+                                  if (x.avg <= 14.089854717254639) {
+                                    if (x.log2_S <= 11.777206897735596) {
+                                      return {2, 32, 8, 4, 1};  // SR
+                                    } else {
+                                      return {4, 16, 8, 8, 1};  // SR
+                                    }
+                                  } else {
+                                    if (x.log2_S <= 11.587130069732666) {
+                                      if (x.avg <= 14.502683162689209) {
+                                        return {4, 16, 8, 8, 1};  // SR
+                                      } else {
+                                        return {2, 32, 16, 4, 1};  // SR
+                                      }
+                                    } else {
+                                      return {4, 16, 8, 8, 1};  // SR
+                                    }
+                                  }
+                                }
+                              } else {
+                                if (x.log2_S <= 12.415639400482178) {
+                                  return {2, 32, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 12.545436382293701) {
+                            if (x.avg <= 51.622989654541016) {
+                              if (x.log2_S <= 9.0681734085083) {
+                                if (x.skew_lo <= 7.147205114364624) {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                } else {
+                                  if (x.skew_hi <= 8.444077491760254) {
+                                    return {4, 32, 8, 4, 1};  // SR
+                                  } else {
+                                    if (x.skew_lo <= 8.589720249176025) {
+                                      return {2, 32, 8, 4, 1};  // SR
+                                    } else {
+                                      return {4, 32, 8, 4, 1};  // SR
+                                    }
+                                  }
+                                }
+                              } else {
+                                return {4, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 14.379509925842285) {
+                              if (x.avg <= 16.45630693435669) {
+                                if (x.log2_S <= 13.193247318267822) {
+                                  return {2, 64, 16, 1, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              } else {
+                                if (x.skew_lo <= 5.311002254486084) {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                } else {
+                                  if (x.avg <= 23.18646240234375) {
+                                    return {4, 32, 8, 4, 1};  // SR
+                                  } else {
+                                    return {2, 64, 16, 1, 1};  // SR
+                                  }
+                                }
+                              }
+                            } else {
+                              if (x.skew_hi <= 8.539412498474121) {
+                                return {4, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 64, 16, 1, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 7.98701286315918) {
+                          if (x.log2_S <= 16.571986198425293) {
+                            if (x.avg <= 20.7730770111084) {
+                              if (x.log2_S <= 16.41392230987549) {
+                                if (x.skew_lo <= 2.8207027912139893) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                if (x.skew_lo <= 2.236870050430298) {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {2, 32, 16, 4, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 32, 8, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 16.486924171447754) {
+                            if (x.long_level <= 1.5) {
+                              return {2, 32, 16, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 10.28034496307373) {
+                                if (x.skew_lo <= 4.521561145782471) {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {2, 64, 16, 1, 1};  // SR
+                                }
+                              } else {
+                                if (x.skew_hi <= 10.91313886642456) {
+                                  if (x.log2_S <= 16.406972885131836) {
+                                    return {4, 16, 16, 8, 1};  // SR
+                                  } else {
+                                    return {2, 64, 16, 1, 1};  // SR
+                                  }
+                                } else {
+                                  return {2, 64, 16, 1, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {2, 64, 16, 1, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.740308284759521) {
+                        if (x.avg <= 164.5856170654297) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 3.9457865953445435) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.638412475585938) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 16, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.361128807067871) {
+                    if (x.skew_lo <= 8.62044906616211) {
+                      return {4, 32, 8, 4, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.85695219039917) {
+                        if (x.avg <= 1.0679340958595276) {
+                          return {2, 64, 16, 1, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {2, 64, 16, 1, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.446013927459717) {
+                      return {2, 64, 16, 1, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 8.896785259246826) {
+                        return {2, 64, 16, 1, 1};  // SR
+                      } else {
+                        return {2, 64, 64, 1, 1};  // SR
+                      }
+                    }
+                  }
                 }
               }
             } else {
               if (x.long_level <= 0.5) {
-                if (x.log2_S <= 18.624378204345703) {
-                  if (x.avg <= 12.432046890258789) {
-                    if (x.avg <= 10.82989501953125) {
-                      return {4, 32, 64, 4, 0};  // SP
+                if (x.skew_lo <= -3.6689133644104004) {
+                  if (x.log2_S <= 17.702547073364258) {
+                    if (x.log2_S <= 17.56876564025879) {
+                      return {4, 64, 64, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 17.704411506652832) {
-                        if (x.log2_S <= 17.24327278137207) {
-                          return {4, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 64, 32, 1, 0};  // SP
-                        }
+                      return {2, 64, 32, 2, 0};  // SP
+                    }
+                  } else {
+                    return {4, 16, 64, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 20.125788688659668) {
+                    if (x.skew_hi <= 3.274673819541931) {
+                      if (x.log2_S <= 17.407862663269043) {
+                        return {4, 64, 64, 4, 0};  // SP
                       } else {
                         return {4, 32, 64, 4, 0};  // SP
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.702547073364258) {
-                      if (x.avg <= 54.178659439086914) {
-                        if (x.log2_S <= 17.632492065429688) {
-                          if (x.avg <= 12.837353229522705) {
-                            return {4, 64, 32, 1, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -0.4286085069179535) {
+                        if (x.skew_hi <= 4.247300386428833) {
+                          if (x.log2_S <= 18.826379776000977) {
+                            return {4, 32, 64, 4, 0};  // SP
                           } else {
-                            return {4, 64, 32, 2, 0};  // SP
+                            return {4, 32, 64, 2, 0};  // SP
                           }
                         } else {
-                          return {2, 64, 32, 2, 0};  // SP
+                          if (x.skew_hi <= 5.3841893672943115) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 19.014174461364746) {
+                              return {4, 32, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          }
                         }
                       } else {
-                        return {2, 64, 32, 2, 0};  // SP
+                        if (x.log2_S <= 18.44574546813965) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
                       }
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 20.418713569641113) {
-                    if (x.avg <= 14.68064546585083) {
-                      if (x.avg <= 6.730436325073242) {
-                        return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 20.520198822021484) {
+                      if (x.avg <= 3.5660935640335083) {
+                        if (x.skew_hi <= 5.306504011154175) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
                       } else {
-                        if (x.log2_S <= 19.06305980682373) {
+                        if (x.skew_lo <= -2.688959836959839) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
                           return {4, 32, 64, 2, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 19.564098358154297) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 19.999573707580566) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      }
+                      return {4, 16, 64, 8, 0};  // SP
                     }
-                  } else {
-                    return {4, 16, 64, 8, 0};  // SP
                   }
                 }
               } else {
-                if (x.avg <= 65.15093231201172) {
-                  if (x.avg <= 4.103878974914551) {
-                    if (x.log2_S <= 18.32063388824463) {
-                      if (x.avg <= 3.147588610649109) {
-                        return {2, 64, 16, 1, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 17.92510986328125) {
-                          return {2, 64, 16, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 0};  // SP
-                        }
-                      }
+                if (x.skew_lo <= 8.622984886169434) {
+                  if (x.avg <= 2.992003083229065) {
+                    if (x.log2_S <= 18.80081844329834) {
+                      return {2, 64, 16, 1, 1};  // SR
                     } else {
-                      return {4, 32, 8, 2, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 17.091779708862305) {
-                      if (x.avg <= 48.15195274353027) {
-                        if (x.avg <= 14.049970149993896) {
-                          if (x.avg <= 10.307250499725342) {
+                      if (x.avg <= 1.6121900081634521) {
+                        return {4, 32, 8, 2, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 9.100263595581055) {
+                          if (x.log2_S <= 19.368776321411133) {
                             return {4, 32, 8, 2, 0};  // SP
                           } else {
-                            if (x.long_level <= 1.5) {
-                              return {2, 32, 16, 4, 1};  // SR
+                            if (x.skew_hi <= 8.668488025665283) {
+                              return {4, 32, 8, 2, 0};  // SP
                             } else {
                               return {2, 64, 16, 1, 1};  // SR
                             }
                           }
                         } else {
-                          return {4, 32, 8, 2, 0};  // SP
+                          return {2, 64, 16, 1, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.49895477294922) {
+                      if (x.avg <= 91.00282287597656) {
+                        if (x.avg <= 4.010085344314575) {
+                          return {2, 64, 16, 1, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 17.611315727233887) {
+                            if (x.skew_hi <= 9.519201278686523) {
+                              return {4, 32, 8, 2, 0};  // SP
+                            } else {
+                              return {2, 64, 16, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
                         }
                       } else {
-                        return {4, 16, 16, 8, 1};  // SR
+                        if (x.skew_lo <= 0.7463460564613342) {
+                          if (x.log2_S <= 17.43592071533203) {
+                            return {4, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
                       }
                     } else {
                       return {4, 32, 8, 2, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 17.11217498779297) {
-                      return {4, 32, 8, 4, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 0};  // SP
-                    }
-                  } else {
-                    return {4, 16, 16, 8, 1};  // SR
-                  }
+                  return {2, 64, 64, 1, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.log2_S <= 16.082877159118652) {
-              return {2, 64, 64, 1, 1};  // SR
-            } else {
-              if (x.avg <= 2.7189451456069946) {
-                if (x.log2_S <= 19.147494316101074) {
-                  if (x.log2_S <= 17.950288772583008) {
-                    return {2, 64, 64, 1, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 18.68632411956787) {
-                      return {4, 32, 64, 4, 1};  // SR
-                    } else {
-                      if (x.avg <= 2.352630615234375) {
-                        return {2, 64, 64, 1, 1};  // SR
-                      } else {
-                        return {4, 32, 64, 4, 1};  // SR
-                      }
-                    }
-                  }
+            if (x.skew_hi <= 16.185253143310547) {
+              if (x.skew_hi <= 11.720356464385986) {
+                if (x.skew_lo <= 8.238399028778076) {
+                  return {2, 64, 16, 1, 1};  // SR
                 } else {
-                  if (x.avg <= 2.530413508415222) {
-                    return {4, 32, 64, 2, 0};  // SP
+                  if (x.log2_S <= 9.056065082550049) {
+                    if (x.avg <= 43.634544372558594) {
+                      return {2, 64, 64, 1, 1};  // SR
+                    } else {
+                      return {2, 64, 16, 1, 1};  // SR
+                    }
                   } else {
                     return {2, 64, 64, 1, 1};  // SR
                   }
                 }
               } else {
-                if (x.avg <= 7.3930981159210205) {
-                  if (x.log2_S <= 17.683517456054688) {
+                return {2, 64, 64, 1, 1};  // SR
+              }
+            } else {
+              if (x.avg <= 2.749440550804138) {
+                if (x.log2_S <= 18.68632411956787) {
+                  return {2, 64, 64, 1, 1};  // SR
+                } else {
+                  if (x.skew_lo <= 12.660627365112305) {
                     return {2, 64, 64, 1, 1};  // SR
+                  } else {
+                    return {4, 32, 64, 2, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.avg <= 7.3930981159210205) {
+                  if (x.log2_S <= 17.986424446105957) {
+                    if (x.skew_hi <= 17.566630363464355) {
+                      return {2, 64, 64, 1, 1};  // SR
+                    } else {
+                      if (x.avg <= 5.983151197433472) {
+                        return {2, 64, 64, 1, 1};  // SR
+                      } else {
+                        return {4, 32, 64, 4, 1};  // SR
+                      }
+                    }
                   } else {
                     return {4, 32, 64, 4, 1};  // SR
                   }
@@ -4606,75 +4594,65 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 18, 1146 leaves; training set: oracle/pick geomean 0.992, worst cell 0.858
+// gathered rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 17, 1144 leaves; training set: oracle/pick geomean 0.992, worst cell 0.790
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 14.900000095367432) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 9.45987606048584) {
-              if (x.avg <= 3.367232084274292) {
-                if (x.avg <= 1.7080881595611572) {
-                  if (x.avg <= 1.3507344126701355) {
-                    return {1, 16, 64, 4, 0};  // SP
+        if (x.log2_S <= 13.92041015625) {
+          if (x.skew_lo <= -0.2884819060564041) {
+            if (x.avg <= 72.09919738769531) {
+              if (x.log2_S <= 9.620311737060547) {
+                if (x.skew_lo <= -1.7860661149024963) {
+                  if (x.log2_S <= 9.364904880523682) {
+                    return {1, 2, 64, 128, 0};  // SP
                   } else {
-                    return {1, 16, 64, 8, 0};  // SP
-                  }
-                } else {
-                  return {1, 8, 64, 32, 0};  // SP
-                }
-              } else {
-                return {1, 2, 64, 128, 0};  // SP
-              }
-            } else {
-              if (x.log2_S <= 11.526771545410156) {
-                if (x.avg <= 1.8251003623008728) {
-                  if (x.log2_S <= 10.41780138015747) {
-                    return {1, 16, 64, 4, 0};  // SP
-                  } else {
-                    return {1, 16, 64, 8, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 2.752433180809021) {
-                    if (x.log2_S <= 10.483305931091309) {
-                      return {1, 8, 64, 32, 0};  // SP
+                    if (x.avg <= 26.10659122467041) {
+                      return {1, 2, 64, 128, 0};  // SP
                     } else {
-                      return {1, 32, 64, 4, 0};  // SP
+                      return {1, 8, 64, 32, 0};  // SP
                     }
+                  }
+                } else {
+                  if (x.avg <= 1.7136386036872864) {
+                    return {1, 16, 64, 8, 0};  // SP
                   } else {
                     return {1, 8, 64, 32, 0};  // SP
                   }
                 }
               } else {
-                if (x.log2_S <= 14.107607364654541) {
-                  if (x.log2_S <= 11.88956069946289) {
-                    return {1, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 14.681721687316895) {
-                      return {1, 16, 64, 8, 0};  // SP
-                    } else {
-                      if (x.avg <= 37.89113807678223) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  }
+                if (x.avg <= 1.820795476436615) {
+                  return {1, 16, 64, 8, 0};  // SP
                 } else {
-                  if (x.avg <= 5.256174087524414) {
-                    if (x.avg <= 1.5815677642822266) {
-                      return {1, 16, 64, 8, 0};  // SP
-                    } else {
+                  if (x.log2_S <= 12.639185905456543) {
+                    if (x.avg <= 60.056636810302734) {
                       return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 49.00860786437988) {
-                      if (x.log2_S <= 14.263044834136963) {
-                        return {1, 8, 64, 32, 0};  // SP
+                    if (x.skew_lo <= -1.7921738624572754) {
+                      if (x.skew_hi <= 0.5420742928981781) {
+                        if (x.log2_S <= 13.489844799041748) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
                       } else {
-                        return {1, 4, 32, 64, 0};  // SP
+                        if (x.skew_lo <= -2.2535120248794556) {
+                          if (x.log2_S <= 13.524826049804688) {
+                            return {1, 8, 64, 32, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -4.094987869262695) {
+                              return {1, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {1, 4, 32, 64, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
                       }
                     } else {
                       return {1, 16, 64, 4, 0};  // SP
@@ -4682,209 +4660,135 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               }
-            }
-          } else {
-            if (x.avg <= 31.829392433166504) {
-              if (x.long_level <= 1.5) {
-                if (x.avg <= 4.629976511001587) {
-                  if (x.log2_S <= 11.163846492767334) {
-                    if (x.avg <= 3.935884475708008) {
-                      return {2, 32, 8, 4, 1};  // SR
+            } else {
+              if (x.log2_S <= 12.377438068389893) {
+                if (x.skew_hi <= 3.365503191947937) {
+                  if (x.log2_S <= 9.221680641174316) {
+                    if (x.skew_hi <= 2.7530490159988403) {
+                      return {4, 32, 64, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 4.2826011180877686) {
-                        return {4, 32, 8, 1, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 4, 1};  // SR
-                      }
+                      return {1, 32, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 14.367855072021484) {
-                      if (x.log2_S <= 12.01723861694336) {
-                        return {4, 32, 64, 2, 0};  // SP
+                    return {1, 32, 64, 4, 0};  // SP
+                  }
+                } else {
+                  return {1, 2, 8, 128, 1};  // SR
+                }
+              } else {
+                return {1, 16, 64, 4, 0};  // SP
+              }
+            }
+          } else {
+            if (x.long_level <= 1.5) {
+              if (x.avg <= 16.048730850219727) {
+                if (x.avg <= 4.154972553253174) {
+                  if (x.log2_S <= 11.163846492767334) {
+                    if (x.skew_lo <= 4.023357391357422) {
+                      if (x.avg <= 1.1959146857261658) {
+                        return {1, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 13.699183940887451) {
-                          if (x.avg <= 3.401638984680176) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
+                        return {4, 32, 8, 1, 1};  // SR
+                      }
+                    } else {
+                      return {2, 32, 8, 4, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.267816066741943) {
+                      if (x.avg <= 2.7182013988494873) {
+                        if (x.skew_lo <= -0.08230382204055786) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 32, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 8.226425647735596) {
+                        if (x.avg <= 3.555650472640991) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.614082336425781) {
+                          return {1, 16, 64, 4, 0};  // SP
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
                       }
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.avg <= 17.15108871459961) {
-                    if (x.log2_S <= 11.6765718460083) {
-                      if (x.avg <= 4.887995958328247) {
-                        return {4, 32, 8, 1, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.072305679321289) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 9.062350749969482) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.632127285003662) {
-                        if (x.avg <= 13.053536415100098) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 6.0898661613464355) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
+                  if (x.log2_S <= 11.537012577056885) {
+                    return {1, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 14.279200077056885) {
-                      return {1, 2, 8, 128, 1};  // SR
+                    if (x.log2_S <= 12.300699234008789) {
+                      return {1, 4, 8, 64, 1};  // SR
                     } else {
-                      return {1, 1, 8, 256, 1};  // SR
+                      if (x.skew_lo <= 3.289514183998108) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 11.402143478393555) {
-                  if (x.avg <= 6.239012718200684) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.avg <= 16.757328987121582) {
-                      if (x.log2_S <= 9.125301361083984) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.long_level <= 2.5) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
-                  }
+                if (x.log2_S <= 12.619157314300537) {
+                  return {1, 2, 8, 128, 1};  // SR
                 } else {
-                  if (x.log2_S <= 13.362112998962402) {
-                    if (x.avg <= 11.70129108428955) {
-                      if (x.long_level <= 2.5) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 5.901059150695801) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 2.5) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.avg <= 17.8046293258667) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 12.982755661010742) {
-                            return {1, 1, 8, 256, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
-                    }
+                  if (x.skew_lo <= 0.9016996026039124) {
+                    return {1, 1, 8, 256, 1};  // SR
                   } else {
-                    if (x.long_level <= 2.5) {
-                      if (x.log2_S <= 14.321117877960205) {
-                        if (x.avg <= 25.989200592041016) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 13.721163749694824) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    }
+                    return {1, 2, 8, 128, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 12.194148540496826) {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 102.47958374023438) {
-                    if (x.log2_S <= 11.749300956726074) {
+              if (x.log2_S <= 12.420439720153809) {
+                if (x.skew_lo <= 10.815696239471436) {
+                  return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  if (x.skew_lo <= 11.388396739959717) {
+                    if (x.skew_hi <= 11.628490924835205) {
                       return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      return {1, 1, 8, 256, 1};  // SR
+                      return {1, 4, 8, 64, 1};  // SR
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 10.360472679138184) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    }
+                    return {1, 1, 8, 256, 1};  // SR
                   }
-                } else {
-                  return {1, 1, 8, 256, 1};  // SR
                 }
               } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 95.61231231689453) {
-                    if (x.log2_S <= 14.059561729431152) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.avg <= 51.94428634643555) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 12.963788032531738) {
-                        return {4, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 13.548237323760986) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
+                if (x.skew_hi <= 9.155152320861816) {
+                  return {1, 1, 8, 256, 1};  // SR
                 } else {
-                  if (x.log2_S <= 14.078006267547607) {
-                    if (x.log2_S <= 12.655781745910645) {
-                      if (x.avg <= 147.01809310913086) {
-                        return {1, 32, 8, 4, 32};  // PR
+                  if (x.long_level <= 2.5) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 13.694836616516113) {
+                      if (x.skew_lo <= 11.306745052337646) {
+                        if (x.log2_S <= 12.738335132598877) {
+                          if (x.skew_lo <= 6.8556296825408936) {
+                            return {1, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
                       } else {
-                        return {1, 32, 8, 2, 32};  // PR
+                        if (x.log2_S <= 13.517266273498535) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
                       }
                     } else {
-                      return {1, 32, 8, 2, 32};  // PR
+                      return {1, 32, 8, 4, 32};  // PR
                     }
-                  } else {
-                    return {1, 32, 8, 4, 32};  // PR
                   }
                 }
               }
@@ -4892,179 +4796,203 @@ inline Config gathered_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.avg <= 12.421981811523438) {
-              if (x.log2_S <= 18.2778902053833) {
-                if (x.avg <= 3.3166940212249756) {
-                  if (x.log2_S <= 15.563186645507812) {
-                    return {1, 4, 32, 64, 0};  // SP
-                  } else {
-                    return {1, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  if (x.avg <= 9.498672008514404) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.533140182495117) {
-                      return {1, 4, 32, 64, 0};  // SP
+            if (x.skew_hi <= 3.830507755279541) {
+              if (x.skew_hi <= 2.3069241046905518) {
+                if (x.log2_S <= 17.873269081115723) {
+                  if (x.skew_hi <= 0.3958304077386856) {
+                    if (x.log2_S <= 16.621987342834473) {
+                      return {1, 16, 64, 4, 0};  // SP
                     } else {
-                      return {1, 2, 64, 128, 0};  // SP
+                      return {1, 4, 32, 64, 0};  // SP
                     }
-                  }
-                }
-              } else {
-                if (x.avg <= 4.501446962356567) {
-                  return {1, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 20.27536106109619) {
-                    return {1, 32, 16, 4, 32};  // PR
                   } else {
-                    if (x.log2_S <= 24.181904792785645) {
-                      if (x.avg <= 11.706254482269287) {
-                        return {1, 1, 64, 256, 0};  // SP
+                    if (x.log2_S <= 15.725216388702393) {
+                      if (x.skew_lo <= -4.442033290863037) {
+                        if (x.log2_S <= 14.631370067596436) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 4, 32, 64, 0};  // SP
+                        }
                       } else {
-                        return {1, 32, 8, 2, 32};  // PR
+                        if (x.avg <= 15.137394905090332) {
+                          return {1, 4, 32, 64, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.698822021484375) {
+                            return {1, 4, 32, 64, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
                       }
                     } else {
-                      return {1, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 23.994446754455566) {
-                if (x.log2_S <= 17.751837730407715) {
-                  if (x.log2_S <= 16.14154815673828) {
-                    if (x.avg <= 47.72198295593262) {
-                      return {1, 4, 32, 64, 0};  // SP
-                    } else {
-                      return {1, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 48.64406967163086) {
-                      if (x.log2_S <= 17.696879386901855) {
+                      if (x.skew_hi <= 0.8731089234352112) {
+                        if (x.log2_S <= 17.014534950256348) {
+                          return {1, 4, 32, 64, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
                         return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 32, 16, 2, 16};  // PR
-                      }
-                    } else {
-                      return {1, 16, 64, 4, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 20.339211463928223) {
-                    if (x.avg <= 36.67998504638672) {
-                      if (x.log2_S <= 18.297348022460938) {
-                        return {4, 32, 16, 2, 16};  // PR
-                      } else {
-                        return {1, 32, 16, 4, 32};  // PR
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 14.513628959655762) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  }
-                }
-              } else {
-                return {1, 2, 64, 128, 0};  // SP
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 18.028593063354492) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 80.67438125610352) {
-                    if (x.log2_S <= 16.577820777893066) {
-                      if (x.avg <= 35.38368225097656) {
-                        if (x.avg <= 3.702532649040222) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          if (x.avg <= 17.18080711364746) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 15.436832427978516) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.log2_S <= 16.17301082611084) {
-                            return {1, 32, 8, 4, 32};  // PR
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 118.22181701660156) {
-                      if (x.log2_S <= 15.590813159942627) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 15.494242191314697) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 29.120247840881348) {
-                    if (x.log2_S <= 15.38281536102295) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.avg <= 2.7423617839813232) {
-                        if (x.log2_S <= 16.576745986938477) {
-                          return {1, 32, 8, 4, 32};  // PR
-                        } else {
-                          if (x.log2_S <= 17.28400230407715) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 32, 8, 4, 32};  // PR
-                          }
-                        }
-                      } else {
+                  if (x.log2_S <= 23.994446754455566) {
+                    if (x.skew_hi <= 1.3711100220680237) {
+                      if (x.skew_lo <= -5.228338956832886) {
                         return {1, 32, 8, 4, 32};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.739094734191895) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 21.09650230407715) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 18.647786140441895) {
-                      if (x.avg <= 34.30168533325195) {
-                        return {1, 1, 8, 256, 1};  // SR
                       } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    } else {
-                      if (x.avg <= 4.274245023727417) {
-                        if (x.log2_S <= 20.364530563354492) {
-                          if (x.log2_S <= 19.041010856628418) {
-                            return {1, 32, 8, 4, 32};  // PR
+                        if (x.log2_S <= 20.469460487365723) {
+                          if (x.log2_S <= 18.561087608337402) {
+                            return {4, 32, 16, 2, 16};  // PR
                           } else {
                             return {1, 32, 16, 4, 32};  // PR
                           }
                         } else {
                           return {1, 32, 8, 4, 32};  // PR
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.6390438079834) {
+                        return {4, 32, 16, 2, 16};  // PR
+                      } else {
+                        return {1, 32, 16, 4, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 15.257158279418945) {
+                  if (x.skew_hi <= 3.1830843687057495) {
+                    return {1, 4, 32, 64, 0};  // SP
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -2.9493215084075928) {
+                    return {1, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 18.458489418029785) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 23.986029624938965) {
+                        if (x.log2_S <= 20.428926467895508) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          if (x.skew_hi <= 3.1183855533599854) {
+                            return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 1, 64, 256, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 17.86143684387207) {
+                if (x.log2_S <= 14.767732620239258) {
+                  if (x.avg <= 1.5815677642822266) {
+                    return {1, 16, 64, 8, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 4.157552003860474) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 3.7139813899993896) {
+                    return {1, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                }
+              } else {
+                return {1, 1, 64, 256, 0};  // SP
+              }
+            }
+          } else {
+            if (x.skew_hi <= 17.92118740081787) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 21.140097618103027) {
+                  if (x.log2_S <= 18.656206130981445) {
+                    if (x.avg <= 41.12660217285156) {
+                      if (x.log2_S <= 15.389883041381836) {
+                        if (x.avg <= 21.818305015563965) {
+                          if (x.avg <= 4.501533508300781) {
+                            if (x.log2_S <= 14.28406286239624) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 14.639786720275879) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                if (x.skew_hi <= 8.311948776245117) {
+                                  return {1, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {1, 1, 8, 256, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.9686877727508545) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.080318450927734) {
+                        if (x.skew_lo <= -0.5480948090553284) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.376986980438232) {
+                            if (x.avg <= 71.24802017211914) {
+                              return {1, 1, 8, 256, 1};  // SR
+                            } else {
+                              return {1, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_hi <= 4.481717348098755) {
+                              return {1, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {1, 32, 8, 4, 32};  // PR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 74.18312454223633) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 3.945151686668396) {
+                      return {1, 32, 16, 4, 32};  // PR
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 21.617457389831543) {
+                    if (x.skew_hi <= 5.295849084854126) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      if (x.avg <= 4.113590717315674) {
+                        return {1, 32, 8, 4, 32};  // PR
                       } else {
                         return {1, 32, 16, 4, 32};  // PR
                       }
@@ -5072,44 +5000,100 @@ inline Config gathered_config(const Features& f) {
                   } else {
                     return {1, 32, 8, 4, 32};  // PR
                   }
+                }
+              } else {
+                if (x.log2_S <= 14.868042945861816) {
+                  if (x.skew_hi <= 13.859466075897217) {
+                    if (x.avg <= 120.8044319152832) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.182373523712158) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
                 } else {
-                  return {1, 32, 8, 4, 32};  // PR
+                  if (x.log2_S <= 18.20530891418457) {
+                    if (x.skew_hi <= 9.987951278686523) {
+                      if (x.log2_S <= 16.461710929870605) {
+                        if (x.avg <= 44.34958457946777) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.961297035217285) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 10.639150142669678) {
+                        if (x.log2_S <= 15.38792610168457) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.961240768432617) {
+                            return {1, 32, 8, 4, 32};  // PR
+                          } else {
+                            if (x.log2_S <= 17.505657196044922) {
+                              return {1, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {1, 32, 8, 4, 32};  // PR
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 17.768156051635742) {
-                return {1, 32, 8, 4, 32};  // PR
-              } else {
-                if (x.log2_S <= 21.875306129455566) {
-                  if (x.log2_S <= 18.30686092376709) {
-                    if (x.avg <= 9.364411354064941) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
+              if (x.skew_hi <= 22.98438549041748) {
+                if (x.log2_S <= 21.839908599853516) {
+                  if (x.log2_S <= 18.471923828125) {
+                    if (x.skew_lo <= 10.785989761352539) {
                       return {1, 32, 16, 4, 32};  // PR
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 21.48478889465332) {
-                      return {1, 32, 16, 4, 32};  // PR
-                    } else {
-                      if (x.avg <= 38.47061538696289) {
-                        if (x.avg <= 3.673321843147278) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {1, 32, 16, 4, 32};  // PR
-                      }
-                    }
+                    return {1, 32, 16, 4, 32};  // PR
                   }
                 } else {
-                  if (x.avg <= 5.169903516769409) {
-                    if (x.log2_S <= 22.86174201965332) {
-                      if (x.log2_S <= 22.267308235168457) {
+                  if (x.skew_lo <= 11.97702169418335) {
+                    if (x.skew_lo <= 8.863049030303955) {
+                      if (x.log2_S <= 22.170979499816895) {
                         return {1, 32, 16, 4, 32};  // PR
                       } else {
                         return {1, 32, 8, 2, 32};  // PR
                       }
+                    } else {
+                      return {1, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {1, 32, 16, 4, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.avg <= 13.169204235076904) {
+                  if (x.skew_hi <= 23.14439868927002) {
+                    return {1, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
+                } else {
+                  if (x.skew_lo <= 8.423391342163086) {
+                    if (x.skew_hi <= 23.119006156921387) {
+                      return {1, 32, 8, 2, 32};  // PR
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
                     }
@@ -5122,33 +5106,21 @@ inline Config gathered_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_S <= 17.57120990753174) {
-          if (x.log2_S <= 13.410547733306885) {
-            if (x.long_level <= 1.5) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 11.404552459716797) {
-                  if (x.log2_S <= 9.101911544799805) {
-                    if (x.avg <= 3.87617290019989) {
-                      if (x.avg <= 1.5635939836502075) {
-                        if (x.avg <= 1.2971502542495728) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+        if (x.log2_S <= 15.393261909484863) {
+          if (x.long_level <= 1.5) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 11.226024627685547) {
+                if (x.log2_S <= 9.12120771408081) {
+                  if (x.skew_lo <= -1.874160647392273) {
+                    if (x.skew_hi <= 0.07773469015955925) {
+                      return {2, 16, 64, 8, 0};  // SP
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 1.5719423294067383) {
-                      if (x.avg <= 1.316527545452118) {
-                        if (x.log2_S <= 9.336389064788818) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {2, 32, 64, 4, 0};  // SP
-                        }
+                    if (x.avg <= 1.6116144061088562) {
+                      if (x.avg <= 1.3507344126701355) {
+                        return {2, 32, 64, 4, 0};  // SP
                       } else {
                         return {2, 16, 64, 8, 0};  // SP
                       }
@@ -5157,354 +5129,282 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.avg <= 13.41438627243042) {
-                    return {2, 16, 64, 8, 0};  // SP
-                  } else {
-                    if (x.avg <= 28.03415584564209) {
-                      if (x.log2_S <= 12.324497699737549) {
-                        if (x.log2_S <= 11.528953075408936) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+                  if (x.skew_hi <= 5.32608437538147) {
+                    if (x.avg <= 37.67466926574707) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      return {2, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 17.762218475341797) {
-                  if (x.avg <= 6.716921806335449) {
-                    if (x.log2_S <= 11.212320804595947) {
-                      return {2, 16, 8, 4, 1};  // SR
-                    } else {
-                      if (x.avg <= 3.51900851726532) {
-                        if (x.log2_S <= 11.347658157348633) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 13.085361003875732) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {2, 16, 64, 8, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.23154878616333) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 11.70653772354126) {
-                      if (x.avg <= 7.727604389190674) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 10.975424766540527) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.065317153930664) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.94057846069336) {
-                    if (x.log2_S <= 11.631897926330566) {
-                      if (x.avg <= 20.723651885986328) {
-                        if (x.log2_S <= 9.141159534454346) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 98.65054702758789) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 99.79493713378906) {
-                      if (x.avg <= 36.81251335144043) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 13.067483901977539) {
-                        return {2, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 17.02134895324707) {
-                if (x.avg <= 3.174145460128784) {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 13.250622272491455) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {1, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {2, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 11.298336029052734) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 12.157604694366455) {
-                        if (x.log2_S <= 11.626793384552002) {
-                          if (x.avg <= 6.385673522949219) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.045775413513184) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 9.389613628387451) {
-                      if (x.avg <= 6.171873331069946) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.240775108337402) {
-                  return {1, 2, 8, 128, 1};  // SR
-                } else {
-                  if (x.avg <= 69.07108688354492) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.long_level <= 2.5) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 14.521416664123535) {
-                  if (x.log2_S <= 14.046096324920654) {
-                    if (x.avg <= 13.226512908935547) {
-                      return {2, 16, 64, 8, 0};  // SP
-                    } else {
-                      if (x.avg <= 36.595200538635254) {
+                      if (x.log2_S <= 10.73466157913208) {
                         return {4, 8, 64, 32, 0};  // SP
                       } else {
                         return {2, 16, 64, 8, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 1.5241897702217102) {
+                    if (x.skew_hi <= 5.603302955627441) {
                       return {2, 16, 64, 8, 0};  // SP
                     } else {
-                      if (x.avg <= 16.276894092559814) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 15.439095973968506) {
-                    if (x.avg <= 3.5330909490585327) {
-                      if (x.log2_S <= 15.563186645507812) {
-                        if (x.log2_S <= 15.119916915893555) {
-                          if (x.avg <= 1.5393492579460144) {
-                            return {2, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 2.1168649196624756) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 2, 64, 128, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 17.335588455200195) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 16.128195762634277) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        if (x.avg <= 9.94594430923462) {
-                          return {4, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {1, 4, 32, 64, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 16.670143127441406) {
-                      if (x.avg <= 52.73037910461426) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 35.78475570678711) {
-                        return {1, 4, 32, 64, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.33148956298828) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 32, 16, 2, 16};  // PR
-                        }
-                      }
+                      return {2, 32, 64, 4, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.avg <= 85.79358291625977) {
-                  if (x.avg <= 16.912691116333008) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 14.41757345199585) {
-                        if (x.avg <= 5.852997779846191) {
-                          if (x.avg <= 4.001412510871887) {
-                            if (x.log2_S <= 14.21584177017212) {
-                              return {2, 8, 8, 32, 1};  // SR
+                if (x.log2_S <= 13.790423393249512) {
+                  if (x.log2_S <= 12.517865180969238) {
+                    if (x.skew_lo <= -1.8708755373954773) {
+                      if (x.avg <= 11.929023742675781) {
+                        return {2, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 1.0074297189712524) {
+                          return {2, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.215840578079224) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.avg <= 1.3289330005645752) {
+                          return {2, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 10.309764385223389) {
+                      return {2, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 0.99277064204216) {
+                        return {2, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.91954517364502) {
+                          return {2, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 14.219397068023682) {
+                    if (x.skew_lo <= -1.477104902267456) {
+                      if (x.log2_S <= 14.519145488739014) {
+                        if (x.skew_hi <= 3.151863932609558) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 4.230822801589966) {
+                            return {4, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 14.58232069015503) {
+                        return {2, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 15.024969100952148) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -5.781473398208618) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= -0.21491451561450958) {
+                if (x.log2_S <= 12.85042142868042) {
+                  return {2, 32, 64, 4, 0};  // SP
+                } else {
+                  if (x.skew_lo <= -0.47015446424484253) {
+                    return {4, 16, 64, 4, 0};  // SP
+                  } else {
+                    return {2, 1, 8, 256, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.avg <= 16.188069343566895) {
+                  if (x.log2_S <= 13.674638748168945) {
+                    if (x.avg <= 8.126097679138184) {
+                      if (x.log2_S <= 11.157841682434082) {
+                        if (x.skew_hi <= 7.520624160766602) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 9.0271315574646) {
+                            if (x.skew_lo <= 3.868553400039673) {
+                              if (x.log2_S <= 11.021252155303955) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {2, 8, 8, 32, 1};  // SR
+                              }
                             } else {
-                              return {4, 4, 8, 64, 1};  // SR
+                              return {2, 16, 8, 4, 1};  // SR
                             }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 3.555650472640991) {
+                          if (x.log2_S <= 13.156009674072266) {
+                            if (x.log2_S <= 11.302924156188965) {
+                              return {2, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 13.501264572143555) {
+                            return {2, 8, 8, 32, 1};  // SR
                           } else {
                             return {4, 4, 8, 64, 1};  // SR
                           }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 14.502683162689209) {
+                        if (x.log2_S <= 12.645209789276123) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
-                          if (x.avg <= 9.723461151123047) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 14.082899570465088) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 2, 8, 128, 1};  // SR
-                            }
-                          }
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 11.103511810302734) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.33592700958252) {
+                      if (x.avg <= 6.420597076416016) {
+                        if (x.avg <= 2.5958136320114136) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
                         }
                       } else {
                         return {2, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 14.52577829360962) {
-                        if (x.avg <= 4.541602611541748) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.213709831237793) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 60.82968711853027) {
-                      return {2, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {2, 1, 8, 256, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.07480001449585) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      }
+                      return {2, 2, 8, 128, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 15.265278339385986) {
-                    if (x.long_level <= 1.5) {
-                      return {4, 16, 64, 4, 0};  // SP
+                  if (x.log2_S <= 12.92505931854248) {
+                    return {2, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 1.7169604897499084) {
+                      return {2, 1, 8, 256, 1};  // SR
                     } else {
-                      if (x.log2_S <= 14.263751029968262) {
-                        if (x.avg <= 140.72557067871094) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.513752460479736) {
+              if (x.avg <= 16.757328987121582) {
+                if (x.avg <= 3.4391897916793823) {
+                  if (x.log2_S <= 12.284476280212402) {
+                    if (x.skew_lo <= 8.68529224395752) {
+                      if (x.log2_S <= 9.681529998779297) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        return {2, 32, 8, 2, 32};  // PR
+                        if (x.log2_S <= 11.55210256576538) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
                       }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
                     }
                   } else {
-                    return {2, 32, 8, 2, 32};  // PR
+                    if (x.skew_lo <= 11.095802783966064) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 9.71637773513794) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 12.128938674926758) {
+                      if (x.avg <= 6.220197439193726) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 11.454679012298584) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 9.735353469848633) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.131425380706787) {
+                  return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 9.217247486114502) {
+                    if (x.avg <= 153.1075439453125) {
+                      return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {1, 2, 8, 128, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.avg <= 7.986022472381592) {
-                if (x.log2_S <= 17.26199436187744) {
-                  if (x.log2_S <= 16.438617706298828) {
-                    if (x.log2_S <= 13.517266273498535) {
-                      return {2, 2, 8, 128, 1};  // SR
+              if (x.long_level <= 2.5) {
+                if (x.skew_lo <= 5.681080341339111) {
+                  return {2, 1, 8, 256, 1};  // SR
+                } else {
+                  if (x.log2_S <= 14.329101085662842) {
+                    if (x.skew_lo <= 8.180901050567627) {
+                      return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      return {1, 32, 8, 2, 32};  // PR
+                      return {2, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 2.986255407333374) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.avg <= 5.248489618301392) {
-                        return {1, 32, 8, 4, 32};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
+                    return {2, 1, 8, 256, 1};  // SR
                   }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
-                if (x.log2_S <= 14.031294822692871) {
-                  if (x.avg <= 35.39408874511719) {
-                    return {1, 32, 8, 4, 32};  // PR
+                if (x.avg <= 8.30690050125122) {
+                  if (x.avg <= 6.281332015991211) {
+                    if (x.log2_S <= 13.721163749694824) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
                   } else {
-                    return {2, 32, 8, 2, 32};  // PR
+                    return {1, 32, 8, 2, 32};  // PR
                   }
                 } else {
                   return {2, 32, 8, 2, 32};  // PR
@@ -5514,54 +5414,138 @@ inline Config gathered_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.avg <= 7.749627590179443) {
-              if (x.log2_S <= 18.325522422790527) {
-                if (x.avg <= 3.4778143167495728) {
-                  return {1, 2, 64, 128, 0};  // SP
-                } else {
-                  return {4, 2, 64, 128, 0};  // SP
-                }
-              } else {
-                if (x.avg <= 4.619153738021851) {
-                  return {2, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 24.253867149353027) {
-                    return {2, 1, 64, 256, 0};  // SP
-                  } else {
-                    return {4, 2, 64, 128, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 24.146382331848145) {
-                if (x.log2_S <= 20.6114559173584) {
-                  if (x.avg <= 15.411954402923584) {
-                    if (x.log2_S <= 18.542311668395996) {
-                      if (x.log2_S <= 17.76660442352295) {
-                        return {1, 4, 32, 64, 0};  // SP
+            if (x.skew_hi <= 3.5108792781829834) {
+              if (x.log2_S <= 23.43048858642578) {
+                if (x.avg <= 21.57033348083496) {
+                  if (x.log2_S <= 19.93182945251465) {
+                    if (x.skew_lo <= -3.8928416967391968) {
+                      if (x.log2_S <= 16.44654083251953) {
+                        return {4, 4, 64, 64, 0};  // SP
                       } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 19.618711471557617) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {2, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.751837730407715) {
-                      return {4, 32, 16, 2, 16};  // PR
-                    } else {
-                      if (x.log2_S <= 19.897178649902344) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.avg <= 40.93646812438965) {
-                          if (x.avg <= 21.44327163696289) {
-                            return {2, 1, 64, 256, 0};  // SP
+                        if (x.log2_S <= 17.724079132080078) {
+                          return {1, 4, 32, 64, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 18.770686149597168) {
+                            return {1, 2, 64, 128, 0};  // SP
                           } else {
                             return {4, 32, 8, 2, 16};  // PR
                           }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 19.096898078918457) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 2.9833755493164062) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {2, 1, 64, 256, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 3.129064679145813) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.794200897216797) {
+                    if (x.log2_S <= 16.595149040222168) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -5.5024542808532715) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {1, 4, 32, 64, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 21.330103874206543) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.skew_hi <= 1.217194676399231) {
+                        if (x.skew_hi <= 0.24896419793367386) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.log2_S <= 23.184799194335938) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 2, 64, 128, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                return {4, 2, 64, 128, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 18.241905212402344) {
+                if (x.avg <= 3.3974318504333496) {
+                  if (x.log2_S <= 16.622013092041016) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.avg <= 1.2601079940795898) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.871849060058594) {
+                    return {4, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 3.698842167854309) {
+                      return {4, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                return {2, 1, 64, 256, 0};  // SP
+              }
+            }
+          } else {
+            if (x.log2_S <= 18.13770294189453) {
+              if (x.skew_hi <= 11.57252550125122) {
+                if (x.avg <= 64.39292907714844) {
+                  if (x.avg <= 5.621621131896973) {
+                    if (x.log2_S <= 17.516494750976562) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {2, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 11.636760711669922) {
+                      if (x.skew_hi <= 7.409778833389282) {
+                        if (x.log2_S <= 17.332557678222656) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.65823745727539) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 10.569431781768799) {
+                            return {2, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 43.37516975402832) {
+                        return {2, 1, 8, 256, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 2.269482135772705) {
+                          return {2, 1, 8, 256, 1};  // SR
                         } else {
                           return {2, 32, 8, 2, 32};  // PR
                         }
@@ -5569,60 +5553,60 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.avg <= 32.51380157470703) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 23.612799644470215) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                return {4, 2, 64, 128, 0};  // SP
-              }
-            }
-          } else {
-            if (x.log2_S <= 18.13770294189453) {
-              if (x.long_level <= 1.5) {
-                if (x.avg <= 89.13374710083008) {
-                  if (x.avg <= 6.7498321533203125) {
-                    if (x.log2_S <= 17.869998931884766) {
-                      return {2, 2, 8, 128, 1};  // SR
+                  if (x.skew_lo <= 0.999641583301127) {
+                    if (x.skew_lo <= -0.29241083562374115) {
+                      if (x.log2_S <= 16.024392127990723) {
+                        if (x.skew_hi <= 3.082878589630127) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
                     } else {
                       return {2, 1, 8, 256, 1};  // SR
                     }
                   } else {
-                    return {2, 1, 8, 256, 1};  // SR
+                    return {2, 32, 8, 2, 32};  // PR
                   }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
-                return {2, 32, 8, 2, 32};  // PR
+                if (x.skew_lo <= 11.244715213775635) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.skew_hi <= 16.812501907348633) {
+                    if (x.log2_S <= 16.05813217163086) {
+                      if (x.avg <= 2.6618558168411255) {
+                        return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.avg <= 4.921451568603516) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.473974227905273) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        return {1, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                }
               }
             } else {
-              if (x.avg <= 4.775793552398682) {
-                if (x.log2_S <= 23.150053024291992) {
-                  if (x.log2_S <= 18.548243522644043) {
-                    if (x.long_level <= 1.5) {
-                      return {2, 1, 8, 256, 1};  // SR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {1, 32, 16, 4, 32};  // PR
-                  }
-                }
-              } else {
+              if (x.skew_lo <= 11.64467191696167) {
                 return {2, 32, 8, 2, 32};  // PR
+              } else {
+                if (x.log2_S <= 23.234139442443848) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  return {1, 32, 16, 4, 32};  // PR
+                }
               }
             }
           }
@@ -5630,821 +5614,997 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.log2_S <= 18.678133010864258) {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 15.079876899719238) {
-                if (x.avg <= 11.814088344573975) {
-                  if (x.log2_S <= 12.315388202667236) {
-                    if (x.log2_S <= 11.17487907409668) {
-                      if (x.avg <= 1.5022622346878052) {
-                        if (x.avg <= 1.2923423647880554) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 9.076856136322021) {
-                          if (x.avg <= 3.87617290019989) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 2, 64, 128, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 2.957892060279846) {
-                            if (x.avg <= 1.898237943649292) {
-                              return {4, 32, 32, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 9.539712905883789) {
-                                return {4, 8, 64, 32, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 2, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 1.6394962668418884) {
-                        if (x.avg <= 1.3289330005645752) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.088531494140625) {
-                      if (x.avg <= 2.7076555490493774) {
-                        if (x.avg <= 1.338403046131134) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 3.179616689682007) {
-                        if (x.avg <= 1.336170494556427) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 9.71541452407837) {
+        if (x.skew_hi <= 13.969143867492676) {
+          if (x.log2_S <= 18.605070114135742) {
+            if (x.skew_lo <= -0.3167135566473007) {
+              if (x.log2_S <= 13.499040603637695) {
+                if (x.skew_lo <= -1.9986830353736877) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.skew_hi <= 5.342982053756714) {
+                    if (x.avg <= 82.59476852416992) {
+                      if (x.skew_lo <= -1.6928285360336304) {
+                        if (x.log2_S <= 12.408555507659912) {
                           return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          return {4, 4, 64, 64, 0};  // SP
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 9.343456745147705) {
+                          if (x.skew_hi <= 4.898067235946655) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
                         }
                       }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 9.065051555633545) {
-                    if (x.avg <= 47.75337219238281) {
-                      return {4, 2, 64, 128, 0};  // SP
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      return {4, 32, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 50.002586364746094) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 12.372175216674805) {
-                        return {4, 8, 64, 32, 0};  // SP
+                    if (x.log2_S <= 11.340165138244629) {
+                      if (x.avg <= 1.304824709892273) {
+                        return {4, 64, 64, 2, 0};  // SP
                       } else {
+                        if (x.skew_hi <= 5.397627592086792) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 1.3312110304832458) {
                         return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 17.393749237060547) {
-                  if (x.avg <= 13.763317584991455) {
-                    if (x.log2_S <= 15.86618709564209) {
-                      if (x.avg <= 2.9719825983047485) {
-                        if (x.log2_S <= 15.563186645507812) {
-                          return {2, 2, 8, 128, 1};  // SR
+                if (x.skew_lo <= -2.0654319524765015) {
+                  if (x.log2_S <= 15.978377342224121) {
+                    if (x.avg <= 11.457720756530762) {
+                      if (x.skew_lo <= -2.95525062084198) {
+                        if (x.log2_S <= 14.631730079650879) {
+                          return {4, 4, 64, 64, 0};  // SP
                         } else {
-                          return {4, 32, 8, 2, 32};  // PR
+                          return {4, 2, 64, 128, 0};  // SP
                         }
                       } else {
-                        if (x.avg <= 10.413139820098877) {
-                          return {4, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
+                        return {4, 2, 64, 128, 0};  // SP
                       }
                     } else {
-                      return {4, 2, 64, 128, 0};  // SP
+                      if (x.skew_lo <= -5.632473945617676) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
                     }
                   } else {
-                    if (x.avg <= 46.26120948791504) {
-                      if (x.log2_S <= 15.291314601898193) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.152398109436035) {
-                          return {4, 4, 32, 64, 0};  // SP
+                    if (x.skew_hi <= 1.0814722180366516) {
+                      if (x.log2_S <= 17.523666381835938) {
+                        if (x.skew_lo <= -5.888991117477417) {
+                          return {4, 16, 64, 4, 0};  // SP
                         } else {
-                          return {4, 2, 64, 128, 0};  // SP
+                          return {4, 4, 32, 64, 0};  // SP
                         }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 16.818452835083008) {
-                        if (x.log2_S <= 15.316551208496094) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
+                      if (x.skew_lo <= -2.69205904006958) {
+                        return {4, 2, 64, 128, 0};  // SP
                       } else {
-                        return {4, 4, 32, 64, 0};  // SP
+                        if (x.log2_S <= 17.930123329162598) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 1, 64, 256, 0};  // SP
+                        }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 6.462489604949951) {
-                    if (x.log2_S <= 17.58824348449707) {
-                      return {4, 2, 64, 128, 0};  // SP
+                  if (x.log2_S <= 16.54217529296875) {
+                    if (x.skew_hi <= 3.8255538940429688) {
+                      if (x.log2_S <= 15.203397750854492) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 3.610860824584961) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -0.9166925549507141) {
+                        if (x.log2_S <= 14.009155750274658) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 14.498308658599854) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 15.949246883392334) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= -0.6846548020839691) {
+                              return {4, 2, 64, 128, 0};  // SP
+                            } else {
+                              return {4, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 3.8076144456863403) {
+                      if (x.log2_S <= 17.52448081970215) {
+                        if (x.avg <= 97.48611068725586) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
                     } else {
                       return {4, 1, 64, 256, 0};  // SP
                     }
-                  } else {
-                    return {4, 2, 64, 128, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 13.515160083770752) {
-                if (x.avg <= 28.097198486328125) {
-                  if (x.avg <= 9.68510103225708) {
-                    if (x.log2_S <= 11.213533401489258) {
-                      if (x.avg <= 3.9035171270370483) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 2.260908007621765) {
-                            if (x.log2_S <= 9.10298204421997) {
-                              return {2, 16, 8, 4, 1};  // SR
+              if (x.skew_hi <= 12.592090606689453) {
+                if (x.avg <= 18.19338893890381) {
+                  if (x.log2_S <= 14.311420440673828) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 3.935884475708008) {
+                        if (x.log2_S <= 12.364060878753662) {
+                          if (x.log2_S <= 10.993116855621338) {
+                            if (x.skew_lo <= 2.009146759286523) {
+                              return {4, 64, 64, 2, 0};  // SP
                             } else {
-                              return {2, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {2, 16, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 7.168057918548584) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 12.4529709815979) {
-                          if (x.avg <= 4.395956039428711) {
-                            if (x.log2_S <= 11.987791538238525) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.avg <= 2.547478675842285) {
-                                return {4, 32, 32, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 4, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 11.91050672531128) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 6.158325672149658) {
+                              if (x.skew_hi <= 9.0271315574646) {
                                 return {2, 16, 8, 4, 1};  // SR
                               } else {
-                                return {2, 8, 8, 32, 1};  // SR
+                                if (x.avg <= 1.4347556233406067) {
+                                  if (x.skew_hi <= 9.27007007598877) {
+                                    return {4, 32, 64, 2, 0};  // SP
+                                  } else {
+                                    return {2, 16, 8, 4, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 32, 64, 2, 0};  // SP
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.long_level <= 0.5) {
+                              return {4, 16, 64, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 11.769513130187988) {
+                                if (x.skew_lo <= 4.6522839069366455) {
+                                  if (x.skew_hi <= 8.529170513153076) {
+                                    return {4, 32, 64, 2, 0};  // SP
+                                  } else {
+                                    return {4, 32, 64, 4, 0};  // SP
+                                  }
+                                } else {
+                                  return {4, 32, 64, 2, 0};  // SP
+                                }
+                              } else {
+                                if (x.avg <= 2.3431185483932495) {
+                                  return {4, 32, 32, 2, 0};  // SP
+                                } else {
+                                  if (x.skew_hi <= 8.333385944366455) {
+                                    return {4, 32, 64, 2, 0};  // SP
+                                  } else {
+                                    return {4, 32, 64, 4, 0};  // SP
+                                  }
+                                }
                               }
                             }
                           }
                         } else {
-                          if (x.avg <= 3.555650472640991) {
+                          if (x.log2_S <= 13.668460845947266) {
                             return {4, 16, 64, 8, 0};  // SP
                           } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.052889347076416) {
-                          if (x.avg <= 3.727777600288391) {
-                            if (x.log2_S <= 11.959304332733154) {
-                              if (x.log2_S <= 11.351573944091797) {
-                                return {2, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 32, 64, 2, 0};  // SP
-                              }
+                            if (x.skew_hi <= 6.954184293746948) {
+                              return {4, 16, 64, 8, 0};  // SP
                             } else {
                               return {2, 8, 8, 32, 1};  // SR
                             }
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
                           }
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 14.19669246673584) {
-                        if (x.log2_S <= 11.79062557220459) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 17.168731689453125) {
-                          if (x.log2_S <= 11.316070556640625) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.959058284759521) {
-                            if (x.avg <= 26.02741050720215) {
+                        if (x.log2_S <= 12.356048107147217) {
+                          if (x.skew_lo <= 2.217934250831604) {
+                            if (x.skew_lo <= 1.9956594109535217) {
                               return {1, 4, 8, 64, 1};  // SR
                             } else {
-                              if (x.log2_S <= 10.930959224700928) {
-                                return {2, 2, 8, 128, 1};  // SR
+                              if (x.log2_S <= 11.315741062164307) {
+                                return {1, 8, 8, 32, 1};  // SR
                               } else {
                                 return {1, 4, 8, 64, 1};  // SR
                               }
                             }
                           } else {
-                            return {2, 2, 8, 128, 1};  // SR
+                            if (x.log2_S <= 11.38129997253418) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 3.511582612991333) {
+                                return {2, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 6.578096389770508) {
+                            if (x.log2_S <= 12.708973407745361) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 13.441291332244873) {
+                              if (x.skew_hi <= 7.221178293228149) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {2, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 12.723138332366943) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 18.672337532043457) {
-                          return {1, 4, 8, 64, 1};  // SR
+                      if (x.skew_lo <= 7.138470888137817) {
+                        if (x.log2_S <= 13.440292835235596) {
+                          if (x.skew_hi <= 9.909826755523682) {
+                            if (x.skew_hi <= 9.16528606414795) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 9.600143432617188) {
+                                return {2, 2, 8, 128, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 12.0359787940979) {
+                                  if (x.avg <= 8.751264572143555) {
+                                    return {2, 2, 8, 128, 1};  // SR
+                                  } else {
+                                    return {1, 4, 8, 64, 1};  // SR
+                                  }
+                                } else {
+                                  return {2, 2, 8, 128, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
                         } else {
                           return {2, 2, 8, 128, 1};  // SR
                         }
+                      } else {
+                        if (x.skew_lo <= 10.78674030303955) {
+                          if (x.log2_S <= 11.626793384552002) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 8.28843641281128) {
+                              if (x.log2_S <= 13.548518180847168) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 11.923362255096436) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.08802537992596626) {
+                      if (x.log2_S <= 17.593989372253418) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 2.861016631126404) {
+                        if (x.skew_hi <= 9.007580280303955) {
+                          if (x.log2_S <= 16.42642116546631) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 17.772536277770996) {
+                              if (x.long_level <= 0.5) {
+                                return {2, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 106.43453598022461) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 10.8285551071167) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.51270341873169) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 32, 64, 2, 0};  // SP
+                  if (x.log2_S <= 15.125068187713623) {
+                    if (x.skew_hi <= 12.037118911743164) {
+                      if (x.avg <= 19.14773941040039) {
+                        if (x.log2_S <= 8.437910079956055) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 82.93392562866211) {
-                  if (x.log2_S <= 14.333286762237549) {
-                    if (x.avg <= 6.089827060699463) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 13.84503984451294) {
-                          if (x.avg <= 3.003079891204834) {
-                            return {4, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 4.376665115356445) {
-                            return {2, 8, 8, 32, 1};  // SR
+                          if (x.avg <= 19.117900848388672) {
+                            return {2, 2, 8, 128, 1};  // SR
                           } else {
                             return {1, 4, 8, 64, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 13.754864692687988) {
-                          return {1, 4, 8, 64, 1};  // SR
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 7.774042129516602) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 8.718777179718018) {
+                          return {4, 32, 8, 2, 32};  // PR
                         } else {
                           return {2, 2, 8, 128, 1};  // SR
                         }
                       }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 71.60736846923828) {
-                      return {2, 2, 8, 128, 1};  // SR
+                    if (x.avg <= 64.95581436157227) {
+                      if (x.log2_S <= 18.268278121948242) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 0.8372195661067963) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.avg <= 39.969852447509766) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      }
                     } else {
                       if (x.long_level <= 1.5) {
-                        return {2, 2, 8, 128, 1};  // SR
+                        if (x.log2_S <= 17.78895854949951) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
                       }
                     }
                   }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 15.265278339385986) {
-                      if (x.avg <= 103.08702850341797) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 18.018911361694336) {
-                        if (x.log2_S <= 16.12707805633545) {
-                          if (x.avg <= 102.15349960327148) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    }
+                }
+              } else {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 17.906047821044922) {
+                    return {2, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.log2_S <= 14.71064567565918) {
-                      if (x.log2_S <= 14.03382158279419) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.avg <= 129.4144515991211) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.373615741729736) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
+                    if (x.skew_lo <= 8.891444683074951) {
+                      return {2, 2, 8, 128, 1};  // SR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
                   }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 12.699873447418213) {
-              if (x.avg <= 26.163196563720703) {
-                if (x.log2_S <= 12.55684518814087) {
-                  return {1, 4, 8, 64, 1};  // SR
                 } else {
-                  return {2, 2, 8, 128, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 12.235578536987305) {
-                  return {2, 2, 8, 128, 1};  // SR
-                } else {
-                  if (x.avg <= 38.838340759277344) {
-                    return {2, 2, 8, 128, 1};  // SR
+                  if (x.log2_S <= 12.728822231292725) {
+                    if (x.avg <= 76.09802055358887) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
                   } else {
                     return {4, 32, 8, 2, 32};  // PR
                   }
                 }
               }
-            } else {
-              if (x.log2_S <= 13.443743228912354) {
-                if (x.avg <= 15.234327793121338) {
-                  if (x.avg <= 3.304536819458008) {
-                    return {2, 2, 8, 128, 1};  // SR
+            }
+          } else {
+            if (x.long_level <= 1.5) {
+              if (x.long_level <= 0.5) {
+                if (x.skew_lo <= -2.957256555557251) {
+                  if (x.skew_hi <= 2.5390686988830566) {
+                    return {4, 2, 64, 128, 0};  // SP
                   } else {
-                    return {1, 4, 8, 64, 1};  // SR
+                    if (x.log2_S <= 22.33463191986084) {
+                      if (x.log2_S <= 19.645331382751465) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
                   }
                 } else {
-                  return {4, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                return {4, 32, 8, 2, 32};  // PR
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.avg <= 15.383535385131836) {
-              if (x.log2_S <= 23.814355850219727) {
-                return {4, 1, 64, 256, 0};  // SP
-              } else {
-                if (x.avg <= 4.6078526973724365) {
-                  return {4, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 24.25306510925293) {
-                    if (x.avg <= 9.680702209472656) {
+                  if (x.skew_lo <= -2.189807891845703) {
+                    if (x.log2_S <= 23.519577026367188) {
                       return {4, 1, 64, 256, 0};  // SP
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
                     }
                   } else {
-                    return {4, 2, 64, 128, 0};  // SP
+                    return {4, 1, 64, 256, 0};  // SP
                   }
                 }
-              }
-            } else {
-              return {4, 2, 64, 128, 0};  // SP
-            }
-          } else {
-            if (x.long_level <= 1.5) {
-              return {4, 32, 8, 2, 32};  // PR
-            } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 20.72735023498535) {
-                  if (x.avg <= 13.664767742156982) {
-                    if (x.log2_S <= 18.784995079040527) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
+              } else {
+                if (x.skew_hi <= 9.712444305419922) {
+                  if (x.skew_hi <= 9.371482372283936) {
+                    return {4, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.avg <= 56.2081184387207) {
-                      if (x.avg <= 19.64414405822754) {
-                        if (x.log2_S <= 19.344179153442383) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
+                    if (x.log2_S <= 21.763626098632812) {
+                      if (x.skew_lo <= 5.489854335784912) {
+                        if (x.log2_S <= 19.29277229309082) {
                           return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
                         }
                       } else {
-                        return {2, 2, 8, 128, 1};  // SR
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     } else {
-                      return {4, 32, 8, 2, 16};  // PR
+                      return {4, 32, 8, 2, 32};  // PR
                     }
                   }
                 } else {
                   return {4, 32, 8, 2, 16};  // PR
                 }
-              } else {
-                if (x.log2_S <= 20.45448112487793) {
-                  if (x.avg <= 11.449735164642334) {
-                    return {4, 32, 8, 2, 32};  // PR
+              }
+            } else {
+              return {4, 32, 8, 2, 16};  // PR
+            }
+          }
+        } else {
+          if (x.skew_hi <= 20.700467109680176) {
+            if (x.log2_S <= 18.581408500671387) {
+              return {4, 32, 8, 2, 32};  // PR
+            } else {
+              if (x.skew_lo <= 10.550872802734375) {
+                if (x.skew_hi <= 20.363679885864258) {
+                  if (x.skew_hi <= 19.880038261413574) {
+                    return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.log2_S <= 19.16756820678711) {
-                      if (x.avg <= 42.748775482177734) {
+                    if (x.skew_lo <= 8.55782699584961) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 19.96036148071289) {
                         return {4, 32, 8, 2, 16};  // PR
                       } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 20.363679885864258) {
-                        if (x.log2_S <= 19.880038261413574) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.avg <= 52.86122131347656) {
-                            if (x.avg <= 21.227563858032227) {
-                              return {4, 32, 8, 2, 16};  // PR
-                            } else {
-                              return {4, 32, 16, 2, 16};  // PR
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 44.44043159484863) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
+                        return {4, 32, 16, 2, 16};  // PR
                       }
                     }
                   }
                 } else {
-                  return {4, 32, 8, 2, 32};  // PR
+                  if (x.skew_lo <= 8.793046951293945) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
                 }
+              } else {
+                return {4, 32, 8, 2, 32};  // PR
               }
             }
+          } else {
+            return {4, 32, 8, 2, 32};  // PR
           }
         }
       } else {
-        if (x.log2_S <= 16.01200771331787) {
+        if (x.log2_S <= 16.063425064086914) {
           if (x.long_level <= 2.5) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 13.409883499145508) {
-                if (x.log2_S <= 9.890964984893799) {
-                  if (x.avg <= 3.1313878297805786) {
-                    if (x.avg <= 1.7136386036872864) {
-                      return {1, 64, 16, 1, 0};  // SP
+              if (x.log2_S <= 13.304344177246094) {
+                if (x.skew_hi <= 4.389501571655273) {
+                  if (x.log2_S <= 9.334192276000977) {
+                    if (x.skew_hi <= 0.8743574619293213) {
+                      return {4, 32, 64, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 2.3429962396621704) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
+                      if (x.avg <= 3.367232084274292) {
                         return {4, 64, 8, 1, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 1, 0};  // SP
                       }
                     }
                   } else {
-                    return {4, 32, 64, 1, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 3.1991841793060303) {
-                    if (x.avg <= 1.6948540210723877) {
-                      if (x.log2_S <= 13.037227630615234) {
-                        return {1, 64, 16, 1, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 2, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 12.205172061920166) {
-                        if (x.log2_S <= 10.86759614944458) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          return {1, 64, 16, 1, 0};  // SP
-                        }
-                      } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.673970222473145) {
-                      if (x.avg <= 37.846914291381836) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 10.526806831359863) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.80158519744873) {
-                            return {4, 64, 8, 1, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 9.541358947753906) {
+                    if (x.skew_lo <= -3.337981104850769) {
+                      if (x.log2_S <= 12.576574802398682) {
                         return {4, 32, 64, 2, 0};  // SP
                       } else {
-                        if (x.avg <= 14.676735877990723) {
-                          return {4, 64, 8, 1, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.992671012878418) {
-                            return {4, 32, 64, 2, 0};  // SP
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.192355155944824) {
+                        if (x.log2_S <= 10.330265045166016) {
+                          if (x.skew_lo <= -2.1148650646209717) {
+                            return {4, 32, 64, 1, 0};  // SP
                           } else {
-                            if (x.avg <= 36.595200538635254) {
-                              return {1, 8, 64, 32, 0};  // SP
+                            return {4, 64, 8, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.639493942260742) {
+                            if (x.skew_hi <= 3.79965877532959) {
+                              return {4, 32, 64, 2, 0};  // SP
                             } else {
-                              return {1, 16, 64, 4, 0};  // SP
+                              return {4, 64, 8, 1, 0};  // SP
                             }
+                          } else {
+                            return {4, 64, 8, 1, 0};  // SP
                           }
                         }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
                       }
                     }
+                  }
+                } else {
+                  if (x.skew_lo <= -0.7611084878444672) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    return {1, 64, 16, 1, 0};  // SP
                   }
                 }
               } else {
-                if (x.avg <= 1.626270055770874) {
-                  if (x.log2_S <= 14.96180772781372) {
-                    if (x.log2_S <= 14.13602352142334) {
-                      return {1, 16, 8, 8, 1};  // SR
+                if (x.log2_S <= 14.883707523345947) {
+                  if (x.avg <= 11.69192361831665) {
+                    if (x.skew_lo <= -0.8670814633369446) {
+                      if (x.log2_S <= 13.545429706573486) {
+                        if (x.skew_lo <= -2.2527620792388916) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
                     } else {
                       return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    return {1, 8, 64, 32, 0};  // SP
+                    return {1, 16, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 13.545429706573486) {
-                    if (x.avg <= 6.286630153656006) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
+                  if (x.skew_hi <= 5.349964380264282) {
                     return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 15.306286334991455) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 12.631583213806152) {
+              if (x.log2_S <= 12.450681209564209) {
                 if (x.long_level <= 1.5) {
-                  if (x.avg <= 2.6180864572525024) {
-                    return {2, 32, 8, 2, 1};  // SR
-                  } else {
-                    if (x.avg <= 36.57448387145996) {
-                      if (x.avg <= 18.82272720336914) {
-                        if (x.avg <= 4.923502683639526) {
-                          if (x.log2_S <= 9.0484619140625) {
-                            if (x.avg <= 3.556846022605896) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 1, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 12.064382076263428) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          }
+                  if (x.skew_lo <= 3.8801711797714233) {
+                    if (x.avg <= 13.579983711242676) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 45.32086753845215) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.avg <= 129.60093688964844) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 11.467286586761475) {
-                            if (x.avg <= 9.765682697296143) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 15.841246128082275) {
-                                if (x.log2_S <= 9.65312385559082) {
-                                  return {1, 16, 8, 8, 1};  // SR
-                                } else {
-                                  if (x.avg <= 13.376770973205566) {
-                                    return {1, 8, 8, 32, 1};  // SR
-                                  } else {
-                                    return {1, 16, 8, 8, 1};  // SR
-                                  }
-                                }
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            }
+                          if (x.log2_S <= 9.331307411193848) {
+                            return {1, 16, 64, 4, 0};  // SP
                           } else {
-                            return {1, 8, 8, 32, 1};  // SR
+                            if (x.log2_S <= 11.982397079467773) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 16, 64, 8, 0};  // SP
+                            }
                           }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 4.597766876220703) {
+                      if (x.log2_S <= 11.293897151947021) {
+                        return {2, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 4.29531455039978) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.996654987335205) {
+                        return {2, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.447127342224121) {
+                    return {1, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 21.582873344421387) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 8.109723091125488) {
+                        if (x.log2_S <= 12.349264144897461) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
                         }
                       } else {
                         return {1, 4, 8, 64, 1};  // SR
                       }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.072062969207764) {
-                    return {1, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 18.136385917663574) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.avg <= 8.489726066589355) {
-                  if (x.log2_S <= 15.020602703094482) {
-                    if (x.avg <= 2.374190330505371) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.443510055541992) {
+                if (x.skew_lo <= -0.5480948090553284) {
+                  if (x.log2_S <= 15.969042778015137) {
+                    return {1, 16, 64, 8, 0};  // SP
+                  } else {
+                    return {1, 8, 16, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_hi <= 6.534626722335815) {
+                      if (x.log2_S <= 13.366759777069092) {
+                        if (x.skew_lo <= 0.7557452321052551) {
+                          if (x.log2_S <= 13.110220909118652) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 1.9973629117012024) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.878673315048218) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.48319387435913) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 4.737303256988525) {
+                        if (x.log2_S <= 15.772092819213867) {
+                          if (x.skew_lo <= 4.6293816566467285) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.320963382720947) {
                           return {1, 16, 8, 8, 1};  // SR
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
                       }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      return {1, 8, 8, 32, 1};  // SR
+                    if (x.log2_S <= 15.364098072052002) {
+                      if (x.skew_hi <= 11.932120323181152) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.355656623840332) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {1, 8, 16, 32, 1};  // SR
+                      if (x.skew_hi <= 9.536608695983887) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 14.701149940490723) {
+              return {1, 8, 16, 32, 1};  // SR
+            } else {
+              if (x.skew_lo <= 11.097617626190186) {
+                return {1, 8, 64, 32, 1};  // SR
+              } else {
+                if (x.skew_hi <= 15.3252534866333) {
+                  if (x.avg <= 2.9576228857040405) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {1, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.skew_hi <= 15.726978302001953) {
+                    if (x.skew_lo <= 12.556227207183838) {
+                      if (x.skew_lo <= 11.316806316375732) {
+                        return {1, 32, 16, 8, 8};  // PR
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
+                    } else {
+                      return {1, 32, 16, 8, 8};  // PR
+                    }
+                  } else {
+                    return {4, 32, 16, 2, 8};  // PR
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.skew_hi <= 4.52683424949646) {
+              if (x.skew_lo <= -2.245115041732788) {
+                return {1, 8, 64, 32, 0};  // SP
+              } else {
+                if (x.skew_hi <= 4.098521947860718) {
+                  if (x.log2_S <= 19.12907123565674) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                } else {
+                  return {1, 8, 64, 32, 0};  // SP
+                }
+              }
+            } else {
+              if (x.log2_S <= 18.90089511871338) {
+                if (x.skew_hi <= 5.744953870773315) {
+                  return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.log2_S <= 17.719118118286133) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 22.382929801940918) {
+                  if (x.log2_S <= 20.08845043182373) {
+                    if (x.skew_lo <= -1.1350667476654053) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {1, 32, 16, 8, 8};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 4.845017671585083) {
+                      return {1, 32, 16, 8, 8};  // PR
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
                     }
                   }
                 } else {
-                  if (x.avg <= 105.34669494628906) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 13.354133129119873) {
-                        if (x.avg <= 39.78850173950195) {
-                          if (x.avg <= 19.038917541503906) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 37.64004707336426) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 12.962185382843018) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 16.337419509887695) {
-                          if (x.log2_S <= 15.09270715713501) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
+                  return {1, 32, 16, 8, 8};  // PR
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 19.172396659851074) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 18.285162925720215) {
+                  if (x.skew_lo <= -0.8983625173568726) {
+                    if (x.log2_S <= 17.226370811462402) {
+                      return {1, 16, 64, 8, 0};  // SP
                     } else {
-                      if (x.log2_S <= 15.408583641052246) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 26.715917587280273) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
+                      return {4, 8, 32, 32, 1};  // SR
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 15.419445037841797) {
-                        if (x.log2_S <= 12.92675256729126) {
-                          return {1, 8, 16, 32, 1};  // SR
+                    if (x.avg <= 36.682533264160156) {
+                      if (x.log2_S <= 16.523770332336426) {
+                        if (x.avg <= 2.679248571395874) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          return {1, 16, 64, 8, 0};  // SP
+                          return {1, 8, 16, 32, 1};  // SR
                         }
                       } else {
                         return {1, 8, 16, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 15.37035322189331) {
+                      if (x.log2_S <= 17.484795570373535) {
                         return {1, 8, 16, 32, 1};  // SR
                       } else {
                         return {4, 8, 32, 32, 1};  // SR
                       }
                     }
                   }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 14.5665864944458) {
-              return {1, 8, 16, 32, 1};  // SR
-            } else {
-              if (x.avg <= 9.57368516921997) {
-                if (x.log2_S <= 15.296821117401123) {
-                  if (x.avg <= 3.55745530128479) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {1, 8, 16, 32, 1};  // SR
-                  }
                 } else {
-                  if (x.log2_S <= 15.706538677215576) {
-                    return {1, 32, 16, 8, 8};  // PR
-                  } else {
-                    return {4, 32, 16, 2, 8};  // PR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.896435737609863) {
-                  if (x.avg <= 60.60334587097168) {
-                    if (x.avg <= 26.558019638061523) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
+                  if (x.log2_S <= 21.73392105102539) {
+                    if (x.skew_hi <= 6.189101934432983) {
                       return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 20.322649002075195) {
+                        if (x.log2_S <= 18.827223777770996) {
+                          if (x.skew_hi <= 8.118348121643066) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 3.1877388954162598) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 64, 32, 1};  // SR
+                        }
+                      }
                     }
                   } else {
-                    return {1, 8, 64, 32, 1};  // SR
-                  }
-                } else {
-                  return {1, 8, 64, 32, 1};  // SR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.avg <= 6.092294931411743) {
-              if (x.log2_S <= 19.3688907623291) {
-                return {1, 8, 64, 32, 0};  // SP
-              } else {
-                if (x.log2_S <= 22.337081909179688) {
-                  if (x.log2_S <= 19.71683120727539) {
-                    return {4, 8, 32, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 2.8654226064682007) {
-                      if (x.log2_S <= 21.38089370727539) {
-                        return {1, 32, 16, 8, 8};  // PR
-                      } else {
-                        return {4, 32, 16, 2, 8};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 21.608943939208984) {
-                        if (x.log2_S <= 20.56782817840576) {
-                          if (x.avg <= 3.3453718423843384) {
-                            return {1, 8, 64, 32, 0};  // SP
+                    if (x.skew_lo <= 4.369999647140503) {
+                      if (x.avg <= 121.47941970825195) {
+                        if (x.log2_S <= 21.947511672973633) {
+                          if (x.avg <= 18.711400985717773) {
+                            return {1, 8, 64, 32, 1};  // SR
                           } else {
                             return {4, 8, 32, 32, 1};  // SR
                           }
                         } else {
-                          return {1, 8, 64, 32, 0};  // SP
+                          return {1, 8, 64, 32, 1};  // SR
                         }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 11.092055320739746) {
+                  if (x.log2_S <= 18.434264183044434) {
+                    if (x.skew_hi <= 12.541271209716797) {
+                      if (x.skew_lo <= 3.729718565940857) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 17.202733039855957) {
+                          if (x.avg <= 13.22345781326294) {
+                            if (x.log2_S <= 16.8553524017334) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 17.058223724365234) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 9.51540231704712) {
+                            return {1, 8, 64, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 18.094468116760254) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 2.6293634176254272) {
+                        if (x.log2_S <= 16.79954433441162) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 18.167850494384766) {
+                          return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.336720943450928) {
+                            return {1, 8, 64, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 18.362159729003906) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 7.47159218788147) {
+                      if (x.log2_S <= 20.39848232269287) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 18.510207176208496) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 1.5476452708244324) {
+                      return {1, 32, 16, 8, 8};  // PR
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 9.729634761810303) {
+                if (x.skew_hi <= 22.780259132385254) {
+                  if (x.skew_hi <= 19.455405235290527) {
+                    if (x.skew_lo <= 7.938579082489014) {
+                      return {1, 8, 64, 32, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  } else {
+                    return {4, 32, 16, 2, 8};  // PR
+                  }
+                } else {
+                  if (x.skew_lo <= 7.790510177612305) {
+                    return {4, 32, 16, 2, 8};  // PR
+                  } else {
+                    if (x.avg <= 30.414459228515625) {
+                      return {1, 32, 16, 8, 8};  // PR
+                    } else {
+                      if (x.avg <= 47.73569107055664) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        return {1, 32, 16, 8, 8};  // PR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 20.023046493530273) {
+                  if (x.avg <= 3.1402419805526733) {
+                    return {1, 32, 16, 8, 8};  // PR
+                  } else {
+                    if (x.avg <= 8.126955032348633) {
+                      return {4, 32, 16, 2, 8};  // PR
+                    } else {
+                      if (x.skew_lo <= 10.025668621063232) {
+                        return {4, 32, 16, 2, 8};  // PR
                       } else {
                         return {1, 32, 16, 8, 8};  // PR
                       }
@@ -6452,190 +6612,6 @@ inline Config gathered_config(const Features& f) {
                   }
                 } else {
                   return {1, 32, 16, 8, 8};  // PR
-                }
-              }
-            } else {
-              return {1, 8, 64, 32, 0};  // SP
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 20.584001541137695) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 18.126556396484375) {
-                    return {1, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 5.943684339523315) {
-                      if (x.log2_S <= 18.69116497039795) {
-                        if (x.avg <= 3.108010768890381) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 3.3743629455566406) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 19.352657318115234) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 20.218031883239746) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 14.636642932891846) {
-                          return {1, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.054851531982422) {
-                    if (x.avg <= 3.519150733947754) {
-                      if (x.log2_S <= 16.717961311340332) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 112.62649154663086) {
-                      if (x.avg <= 27.29727554321289) {
-                        if (x.avg <= 8.836115837097168) {
-                          if (x.log2_S <= 17.751635551452637) {
-                            if (x.avg <= 3.404288411140442) {
-                              return {1, 8, 64, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 19.313570022583008) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 19.38076114654541) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 3.1762079000473022) {
-                  if (x.long_level <= 1.5) {
-                    return {4, 8, 32, 32, 1};  // SR
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 21.412476539611816) {
-                    if (x.avg <= 131.11346435546875) {
-                      return {1, 8, 64, 32, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 19.172396659851074) {
-                if (x.avg <= 7.506442308425903) {
-                  if (x.log2_S <= 18.45268726348877) {
-                    if (x.log2_S <= 16.249953269958496) {
-                      return {4, 32, 16, 2, 8};  // PR
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 3.013632655143738) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.838818550109863) {
-                    return {1, 8, 64, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 18.442818641662598) {
-                      return {4, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 29.122931480407715) {
-                        if (x.log2_S <= 18.72108268737793) {
-                          if (x.avg <= 9.626883029937744) {
-                            return {1, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 64, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 23.659329414367676) {
-                  if (x.log2_S <= 20.742460250854492) {
-                    if (x.avg <= 3.31947124004364) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
-                      if (x.avg <= 8.5628342628479) {
-                        if (x.log2_S <= 20.139638900756836) {
-                          return {4, 32, 16, 2, 8};  // PR
-                        } else {
-                          if (x.avg <= 5.439450979232788) {
-                            return {1, 32, 16, 8, 8};  // PR
-                          } else {
-                            return {4, 32, 16, 2, 8};  // PR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 21.16451930999756) {
-                          return {1, 32, 16, 8, 8};  // PR
-                        } else {
-                          return {4, 32, 16, 2, 8};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    return {1, 32, 16, 8, 8};  // PR
-                  }
-                } else {
-                  if (x.log2_S <= 22.61117935180664) {
-                    if (x.log2_S <= 19.27608585357666) {
-                      return {1, 8, 64, 32, 1};  // SR
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
-                  } else {
-                    return {1, 32, 16, 8, 8};  // PR
-                  }
                 }
               }
             }
@@ -6646,504 +6622,508 @@ inline Config gathered_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 15.937378883361816) {
-            if (x.log2_S <= 12.518862247467041) {
-              if (x.avg <= 3.320533871650696) {
-                if (x.log2_S <= 11.226566314697266) {
-                  if (x.avg <= 1.8538132309913635) {
-                    if (x.avg <= 1.3149523735046387) {
-                      if (x.log2_S <= 9.407602310180664) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 10.53645372390747) {
-                          return {4, 32, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 32, 64, 8, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 9.96207571029663) {
-                      if (x.avg <= 3.0851844549179077) {
-                        if (x.log2_S <= 9.240036964416504) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.avg <= 2.3234312534332275) {
+        if (x.skew_hi <= 13.037328720092773) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 15.941681385040283) {
+              if (x.log2_S <= 13.589656829833984) {
+                if (x.avg <= 3.0535744428634644) {
+                  if (x.skew_lo <= -0.395584836602211) {
+                    if (x.avg <= 2.3234312534332275) {
+                      if (x.log2_S <= 9.288563251495361) {
+                        if (x.skew_lo <= -0.5021582245826721) {
+                          if (x.skew_lo <= -0.6376675963401794) {
                             return {4, 32, 64, 8, 0};  // SP
                           } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 32, 32, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 2.2974077463150024) {
-                        return {4, 32, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 8, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 1.3289330005645752) {
-                    if (x.log2_S <= 11.631438732147217) {
-                      return {4, 32, 64, 8, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 3.013787865638733) {
-                      return {4, 32, 64, 1, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 8, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 9.527805805206299) {
-                  return {4, 32, 32, 2, 0};  // SP
-                } else {
-                  if (x.log2_S <= 10.651805877685547) {
-                    if (x.log2_S <= 9.795863151550293) {
-                      if (x.avg <= 14.31729793548584) {
-                        return {4, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 11.590548038482666) {
-                      if (x.log2_S <= 10.768776893615723) {
-                        if (x.avg <= 33.34582805633545) {
-                          return {4, 32, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 3.8331186771392822) {
-                          return {4, 32, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 34.53519248962402) {
-                        if (x.avg <= 14.230464935302734) {
-                          if (x.log2_S <= 11.761157512664795) {
-                            return {4, 32, 64, 8, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.228453159332275) {
-                              if (x.avg <= 3.843787670135498) {
-                                return {4, 32, 64, 8, 0};  // SP
-                              } else {
-                                return {4, 32, 32, 2, 0};  // SP
-                              }
+                            if (x.avg <= 1.4409854412078857) {
+                              return {4, 32, 64, 8, 0};  // SP
                             } else {
-                              if (x.avg <= 5.262779951095581) {
-                                return {4, 32, 32, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 8, 0};  // SP
-                              }
+                              return {4, 32, 64, 1, 0};  // SP
                             }
                           }
                         } else {
-                          if (x.log2_S <= 12.13171911239624) {
+                          return {4, 32, 32, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 9.25150442123413) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.720988750457764) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 1, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 32, 64, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 12.089573860168457) {
+                    if (x.log2_S <= 9.651291847229004) {
+                      if (x.skew_hi <= 0.8501893877983093) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -1.7860661149024963) {
+                          return {4, 32, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -3.645685076713562) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 10.694705486297607) {
+                          if (x.log2_S <= 10.191215515136719) {
+                            if (x.skew_hi <= 4.14403510093689) {
+                              return {4, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 4.129124402999878) {
                             return {4, 32, 32, 2, 0};  // SP
                           } else {
                             return {4, 32, 64, 8, 0};  // SP
                           }
                         }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -2.784793972969055) {
+                      if (x.avg <= 56.78085708618164) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.483700275421143) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 4.129163026809692) {
+                        if (x.log2_S <= 12.38474988937378) {
+                          return {4, 32, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
                       } else {
                         return {4, 32, 64, 8, 0};  // SP
                       }
                     }
                   }
                 }
-              }
-            } else {
-              if (x.log2_S <= 14.174762725830078) {
-                if (x.avg <= 9.320580005645752) {
-                  if (x.avg <= 3.4665762186050415) {
-                    if (x.avg <= 1.413147747516632) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 14.042477130889893) {
-                        if (x.avg <= 3.313694477081299) {
-                          return {4, 32, 64, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
+              } else {
+                if (x.skew_hi <= 4.323229551315308) {
+                  if (x.skew_lo <= -2.728963851928711) {
+                    if (x.log2_S <= 13.687283992767334) {
+                      if (x.skew_hi <= 1.912416398525238) {
+                        return {4, 4, 64, 64, 0};  // SP
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
                       }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 14.059032917022705) {
-                      if (x.avg <= 4.810262441635132) {
-                        if (x.log2_S <= 13.581413269042969) {
-                          if (x.log2_S <= 12.924938678741455) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
+                    if (x.log2_S <= 14.786094665527344) {
+                      if (x.log2_S <= 13.958065509796143) {
+                        return {4, 32, 64, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.678586959838867) {
-                          return {4, 32, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
+                        return {4, 4, 64, 64, 0};  // SP
                       }
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      return {4, 2, 64, 128, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.avg <= 37.45267677307129) {
-                    if (x.avg <= 12.052757740020752) {
-                      if (x.log2_S <= 13.446455478668213) {
-                        return {4, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+                  if (x.log2_S <= 14.085627555847168) {
+                    if (x.skew_hi <= 5.55103874206543) {
+                      return {4, 32, 64, 1, 0};  // SP
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      return {4, 32, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 13.131824016571045) {
-                      return {4, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 3.6309810876846313) {
-                  if (x.log2_S <= 14.810671329498291) {
-                    if (x.avg <= 1.5393492579460144) {
-                      if (x.log2_S <= 14.452649593353271) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 2.0454638600349426) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 15.493778228759766) {
-                        return {4, 2, 8, 128, 1};  // SR
+                    if (x.skew_lo <= -1.174974799156189) {
+                      if (x.log2_S <= 15.109121322631836) {
+                        if (x.log2_S <= 14.46629285812378) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
                       } else {
                         return {4, 2, 64, 128, 0};  // SP
                       }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 14.882046699523926) {
+                if (x.log2_S <= 17.11028289794922) {
+                  if (x.avg <= 1.2601079940795898) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.avg <= 12.396367073059082) {
+                      if (x.skew_hi <= 5.318580627441406) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 16.438708305358887) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.533774852752686) {
-                    if (x.avg <= 13.586565971374512) {
-                      return {4, 2, 8, 128, 1};  // SR
+                  return {4, 2, 64, 128, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 18.8951997756958) {
+                  if (x.log2_S <= 17.58283805847168) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -4.795029401779175) {
+                      return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.avg <= 24.24155902862549) {
-                        return {4, 4, 32, 64, 0};  // SP
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 0.28206101059913635) {
+                    if (x.log2_S <= 20.138094902038574) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.avg <= 60.479570388793945) {
+                        return {4, 2, 64, 128, 0};  // SP
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 55.432504653930664) {
-                      return {4, 4, 32, 64, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
+                    return {4, 2, 64, 128, 0};  // SP
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 17.946840286254883) {
-              if (x.avg <= 14.445998191833496) {
-                return {4, 2, 64, 128, 0};  // SP
-              } else {
-                if (x.log2_S <= 16.292454719543457) {
-                  return {4, 4, 32, 64, 0};  // SP
-                } else {
-                  if (x.log2_S <= 17.70784282684326) {
-                    if (x.avg <= 62.99115562438965) {
-                      return {4, 4, 64, 64, 0};  // SP
+            if (x.log2_S <= 14.425888061523438) {
+              if (x.avg <= 14.398532390594482) {
+                if (x.skew_lo <= 6.060472249984741) {
+                  if (x.skew_hi <= 6.9774415493011475) {
+                    if (x.skew_lo <= 2.3159546852111816) {
+                      if (x.log2_S <= 11.599857330322266) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.118195533752441) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {4, 4, 32, 64, 0};  // SP
+                      if (x.log2_S <= 13.561148643493652) {
+                        if (x.skew_lo <= 2.393722891807556) {
+                          if (x.log2_S <= 13.045170307159424) {
+                            if (x.skew_lo <= 2.380584239959717) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.avg <= 23.27326774597168) {
-                      return {4, 2, 64, 128, 0};  // SP
+                    if (x.log2_S <= 11.133566856384277) {
+                      return {2, 16, 8, 4, 1};  // SR
                     } else {
-                      return {4, 4, 64, 64, 0};  // SP
+                      if (x.skew_lo <= 4.826205253601074) {
+                        if (x.log2_S <= 12.018422603607178) {
+                          if (x.skew_lo <= 4.214151620864868) {
+                            if (x.avg <= 4.122358798980713) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              if (x.avg <= 4.735121250152588) {
+                                return {2, 16, 8, 4, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 11.38341760635376) {
+                                  return {2, 16, 8, 4, 1};  // SR
+                                } else {
+                                  return {2, 8, 8, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {4, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 7.217730522155762) {
+                            if (x.log2_S <= 13.665555477142334) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 2.7448068857192993) {
+                              if (x.log2_S <= 12.771050930023193) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {2, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.44509744644165) {
+                          if (x.log2_S <= 12.183947086334229) {
+                            if (x.skew_hi <= 8.975285053253174) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 1, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 14.320963382720947) {
+                            if (x.skew_lo <= 5.94751763343811) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    if (x.log2_S <= 13.62163782119751) {
+                      if (x.log2_S <= 12.976816177368164) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 7.109137296676636) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 11.255070686340332) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 8.491445064544678) {
+                      if (x.log2_S <= 11.932098865509033) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 3.011510491371155) {
+                  if (x.log2_S <= 11.878203392028809) {
+                    if (x.log2_S <= 10.777597427368164) {
+                      if (x.avg <= 129.60093688964844) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.986785411834717) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 159.65776824951172) {
+                            return {4, 32, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 17.0601167678833) {
+                    if (x.log2_S <= 12.20974063873291) {
+                      if (x.skew_lo <= 2.149651527404785) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 10.230705261230469) {
+                          if (x.skew_hi <= 9.572247505187988) {
+                            if (x.skew_lo <= 5.977648973464966) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 12.93256425857544) {
+                      if (x.skew_lo <= -0.6587176620960236) {
+                        if (x.log2_S <= 13.694599151611328) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   }
                 }
               }
             } else {
-              if (x.avg <= 62.94377326965332) {
-                return {4, 2, 64, 128, 0};  // SP
+              if (x.skew_hi <= 12.568470001220703) {
+                return {4, 2, 8, 128, 1};  // SR
               } else {
-                return {4, 4, 64, 64, 0};  // SP
+                if (x.log2_S <= 21.919859886169434) {
+                  if (x.log2_S <= 15.970102787017822) {
+                    if (x.log2_S <= 14.662390232086182) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
               }
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.log2_S <= 13.925605297088623) {
-              if (x.avg <= 17.0601167678833) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 10.411512851715088) {
-                    if (x.log2_S <= 11.204511165618896) {
-                      if (x.avg <= 10.040417671203613) {
-                        return {2, 16, 8, 4, 1};  // SR
-                      } else {
-                        return {2, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 3.1485737562179565) {
-                        if (x.log2_S <= 12.575716495513916) {
-                          if (x.log2_S <= 12.23464059829712) {
-                            if (x.log2_S <= 11.511791706085205) {
-                              return {4, 32, 64, 1, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 12.183947086334229) {
-                                return {4, 32, 64, 8, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 1, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 2.2556591033935547) {
-                            return {2, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.88028621673584) {
-                          if (x.avg <= 6.763524293899536) {
-                            if (x.avg <= 4.122358798980713) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {2, 16, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.610557556152344) {
-                      if (x.avg <= 10.855484008789062) {
-                        if (x.log2_S <= 10.01472282409668) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 11.917231559753418) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
+          if (x.skew_hi <= 19.174614906311035) {
+            if (x.avg <= 116.19285202026367) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 13.851817607879639) {
+                  return {2, 8, 8, 32, 1};  // SR
                 } else {
-                  if (x.log2_S <= 12.77109432220459) {
-                    return {2, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 6.131775856018066) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.029330253601074) {
-                        if (x.avg <= 12.107452392578125) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
+                  if (x.log2_S <= 20.27999210357666) {
+                    if (x.log2_S <= 16.92351722717285) {
+                      if (x.avg <= 1.7690510749816895) {
+                        return {4, 32, 8, 2, 16};  // PR
                       } else {
+                        if (x.log2_S <= 14.850173950195312) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 13.69851303100586) {
                         return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 }
               } else {
-                if (x.avg <= 19.957067489624023) {
-                  if (x.log2_S <= 10.180758476257324) {
-                    if (x.long_level <= 1.5) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {2, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
+                if (x.log2_S <= 18.971543312072754) {
+                  return {4, 32, 8, 2, 16};  // PR
                 } else {
-                  if (x.log2_S <= 13.632943153381348) {
-                    return {4, 2, 8, 128, 1};  // SR
+                  if (x.avg <= 52.86122131347656) {
+                    return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.avg <= 123.12543106079102) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
+                    return {4, 2, 8, 128, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 14.8760986328125) {
-                if (x.avg <= 126.78404235839844) {
-                  if (x.avg <= 4.695518255233765) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 14.651470184326172) {
-                        if (x.avg <= 2.3390493392944336) {
-                          if (x.log2_S <= 14.523283958435059) {
-                            return {2, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
+              if (x.log2_S <= 17.065756797790527) {
+                if (x.log2_S <= 13.562670707702637) {
+                  return {4, 2, 8, 128, 1};  // SR
                 } else {
-                  if (x.long_level <= 1.5) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
+                  return {4, 32, 8, 2, 16};  // PR
                 }
               } else {
                 return {4, 2, 8, 128, 1};  // SR
               }
             }
           } else {
-            if (x.log2_S <= 18.789719581604004) {
-              if (x.log2_S <= 12.93256425857544) {
-                if (x.avg <= 10.212209224700928) {
-                  if (x.avg <= 9.016086101531982) {
-                    return {2, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 12.125426292419434) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  return {4, 2, 8, 128, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 16.517319679260254) {
-                  if (x.log2_S <= 13.03221845626831) {
-                    if (x.log2_S <= 12.962123394012451) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.avg <= 9.04670763015747) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.avg <= 15.116557598114014) {
-                    if (x.avg <= 7.86069130897522) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.log2_S <= 17.34720516204834) {
-                        if (x.log2_S <= 17.222187995910645) {
+            if (x.log2_S <= 22.878056526184082) {
+              if (x.avg <= 87.50569534301758) {
+                if (x.skew_hi <= 19.990177154541016) {
+                  if (x.avg <= 31.055480003356934) {
+                    if (x.log2_S <= 19.38805103302002) {
+                      if (x.skew_lo <= 11.739325523376465) {
+                        if (x.skew_lo <= 9.594319343566895) {
                           return {4, 32, 16, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 16, 2, 8};  // PR
-                        }
-                      } else {
-                        if (x.avg <= 8.931057453155518) {
-                          return {4, 32, 16, 2, 8};  // PR
                         } else {
                           return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.55858325958252) {
-                      if (x.log2_S <= 16.772951126098633) {
-                        if (x.avg <= 63.00836753845215) {
-                          return {4, 32, 16, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 16, 2, 8};  // PR
                         }
                       } else {
                         return {4, 32, 16, 2, 16};  // PR
                       }
                     } else {
-                      if (x.log2_S <= 18.596083641052246) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.avg <= 22.33307933807373) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 16, 2, 16};  // PR
-                        }
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 22.878056526184082) {
-                if (x.log2_S <= 19.02147102355957) {
-                  if (x.avg <= 19.674640655517578) {
-                    if (x.avg <= 4.239001154899597) {
                       return {4, 32, 16, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
                     }
                   } else {
-                    return {4, 32, 16, 2, 16};  // PR
+                    return {4, 2, 8, 128, 1};  // SR
                   }
                 } else {
                   return {4, 32, 16, 2, 16};  // PR
                 }
               } else {
-                if (x.avg <= 9.98119592666626) {
-                  return {4, 32, 8, 2, 32};  // PR
+                if (x.log2_S <= 20.801036834716797) {
+                  return {4, 2, 8, 128, 1};  // SR
+                } else {
+                  return {4, 32, 16, 2, 16};  // PR
+                }
+              }
+            } else {
+              if (x.avg <= 8.344465732574463) {
+                return {4, 32, 8, 2, 32};  // PR
+              } else {
+                if (x.avg <= 9.49974012374878) {
+                  if (x.skew_lo <= 10.845551013946533) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 16, 2, 16};  // PR
+                  }
                 } else {
                   return {4, 32, 16, 2, 16};  // PR
                 }
@@ -7152,384 +7132,246 @@ inline Config gathered_config(const Features& f) {
           }
         }
       } else {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 14.085039138793945) {
-            if (x.log2_S <= 12.53095006942749) {
-              if (x.avg <= 1.576828956604004) {
-                if (x.avg <= 1.3405367732048035) {
-                  if (x.log2_S <= 11.55898666381836) {
+        if (x.log2_S <= 15.594497203826904) {
+          if (x.avg <= 16.577009201049805) {
+            if (x.skew_lo <= -0.009343240410089493) {
+              if (x.log2_S <= 12.225578308105469) {
+                if (x.avg <= 1.783601999282837) {
+                  if (x.avg <= 1.3405367732048035) {
                     return {4, 64, 64, 1, 0};  // SP
                   } else {
-                    if (x.log2_S <= 11.714996814727783) {
-                      return {4, 64, 16, 1, 0};  // SP
-                    } else {
+                    if (x.log2_S <= 11.041591167449951) {
                       return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 32, 8, 8, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.367500305175781) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    return {4, 32, 8, 8, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 9.064320087432861) {
-                  if (x.avg <= 13.887704849243164) {
-                    return {4, 64, 8, 1, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 3.043467164039612) {
-                    if (x.log2_S <= 10.917013168334961) {
+                  if (x.log2_S <= 9.173116207122803) {
+                    if (x.avg <= 4.826604127883911) {
                       return {4, 64, 8, 1, 0};  // SP
                     } else {
-                      if (x.log2_S <= 11.944075584411621) {
-                        return {4, 32, 8, 8, 0};  // SP
-                      } else {
-                        if (x.avg <= 2.485966920852661) {
-                          return {4, 32, 64, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
+                      return {4, 8, 64, 32, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 11.909952640533447) {
-                      return {4, 64, 8, 1, 0};  // SP
-                    } else {
-                      if (x.avg <= 39.450937271118164) {
-                        if (x.avg <= 3.3996654748916626) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
+                    if (x.avg <= 2.811087489128113) {
+                      if (x.log2_S <= 10.707489490509033) {
+                        if (x.skew_lo <= -1.0284357070922852) {
                           return {4, 64, 8, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 8, 8, 0};  // SP
                         }
                       } else {
-                        return {4, 32, 64, 4, 0};  // SP
+                        if (x.avg <= 2.3292462825775146) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 8, 8, 0};  // SP
+                        }
                       }
+                    } else {
+                      return {4, 64, 8, 1, 0};  // SP
                     }
                   }
                 }
-              }
-            } else {
-              if (x.avg <= 14.268415927886963) {
-                if (x.avg <= 2.7344791889190674) {
-                  if (x.avg <= 1.3473660349845886) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 1.5474231839179993) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 13.580832958221436) {
-                        return {4, 32, 64, 1, 0};  // SP
+              } else {
+                if (x.skew_hi <= 4.149736404418945) {
+                  if (x.log2_S <= 14.651290893554688) {
+                    if (x.log2_S <= 12.817625045776367) {
+                      if (x.skew_hi <= 3.396428942680359) {
+                        return {4, 16, 64, 8, 0};  // SP
                       } else {
-                        return {4, 32, 64, 4, 0};  // SP
+                        if (x.skew_hi <= 3.7400838136672974) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -3.7827560901641846) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 14.715667724609375) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 13.547277927398682) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 3.817546844482422) {
+                  if (x.log2_S <= 13.863475799560547) {
+                    if (x.skew_hi <= 5.426796197891235) {
                       return {4, 32, 64, 4, 0};  // SP
                     } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.431142330169678) {
-                  if (x.log2_S <= 12.940898418426514) {
-                    if (x.avg <= 21.72236919403076) {
-                      return {4, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
+                      if (x.log2_S <= 13.459574699401855) {
+                        if (x.skew_lo <= -0.42013411223888397) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
                     }
                   } else {
-                    return {4, 16, 64, 8, 0};  // SP
+                    if (x.avg <= 3.114555239677429) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 15.183835506439209) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
                   }
-                } else {
-                  return {4, 8, 64, 32, 0};  // SP
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 15.128547668457031) {
-              if (x.avg <= 1.936340093612671) {
-                return {4, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.avg <= 54.15881156921387) {
-                  return {4, 4, 64, 64, 0};  // SP
-                } else {
-                  return {4, 8, 64, 32, 0};  // SP
                 }
               }
             } else {
-              return {4, 4, 64, 64, 0};  // SP
-            }
-          }
-        } else {
-          if (x.log2_S <= 16.922579765319824) {
-            if (x.avg <= 19.294544219970703) {
-              if (x.log2_S <= 13.719057083129883) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 8.200954914093018) {
-                    if (x.log2_S <= 11.24753189086914) {
+              if (x.log2_S <= 13.40500545501709) {
+                if (x.avg <= 4.084752559661865) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 11.197589874267578) {
                       return {2, 16, 8, 4, 1};  // SR
                     } else {
-                      if (x.avg <= 2.817898988723755) {
-                        if (x.log2_S <= 12.100574493408203) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
+                      if (x.log2_S <= 11.96052074432373) {
+                        if (x.skew_hi <= 8.41270637512207) {
                           return {2, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
                         }
                       } else {
-                        if (x.log2_S <= 11.921292304992676) {
-                          if (x.avg <= 5.612833738327026) {
-                            if (x.avg <= 3.110443115234375) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {2, 16, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
+                        if (x.avg <= 2.7822524309158325) {
+                          return {2, 16, 8, 4, 1};  // SR
                         } else {
                           return {2, 8, 8, 32, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.208386421203613) {
+                    if (x.skew_lo <= 10.999624729156494) {
                       return {2, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 10.686801433563232) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.avg <= 13.004709720611572) {
-                      if (x.log2_S <= 13.61562728881836) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 6.603652477264404) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.339355945587158) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 8.39582109451294) {
-                      if (x.log2_S <= 13.001677989959717) {
+                      if (x.log2_S <= 12.540998458862305) {
                         return {2, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
                       }
-                    } else {
-                      if (x.log2_S <= 12.953863143920898) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
                     }
                   }
-                }
-              } else {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 15.612407684326172) {
-                    if (x.log2_S <= 14.30394458770752) {
-                      if (x.avg <= 5.859280824661255) {
-                        if (x.avg <= 2.4923768043518066) {
-                          if (x.long_level <= 1.5) {
-                            return {2, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
+                } else {
+                  if (x.skew_lo <= 8.963399648666382) {
+                    if (x.log2_S <= 12.53664493560791) {
+                      if (x.avg <= 4.49434232711792) {
+                        if (x.log2_S <= 8.93646764755249) {
+                          return {2, 16, 8, 4, 1};  // SR
                         } else {
-                          if (x.long_level <= 1.5) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 14.011742115020752) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 4, 8, 64, 1};  // SR
-                            }
-                          }
+                          return {2, 8, 8, 32, 1};  // SR
                         }
+                      } else {
+                        return {2, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 12.23573350906372) {
+                        return {2, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 4, 8, 64, 1};  // SR
                       }
-                    } else {
-                      if (x.avg <= 1.1927924156188965) {
-                        if (x.long_level <= 1.5) {
+                    }
+                  } else {
+                    if (x.skew_hi <= 12.63281774520874) {
+                      if (x.skew_lo <= 10.78674030303955) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.924777507781982) {
                           return {2, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 3.0080841779708862) {
-                          if (x.log2_S <= 14.874219417572021) {
-                            if (x.long_level <= 1.5) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 4, 8, 64, 1};  // SR
-                            }
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.avg <= 2.46501362323761) {
-                        if (x.log2_S <= 16.414148330688477) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 15.69345474243164) {
-                          if (x.avg <= 7.545867443084717) {
+                          if (x.skew_lo <= 11.006389141082764) {
                             return {4, 4, 8, 64, 1};  // SR
                           } else {
-                            return {4, 4, 16, 64, 1};  // SR
+                            return {2, 8, 8, 32, 1};  // SR
                           }
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
                         }
                       }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 15.220081806182861) {
-                    if (x.avg <= 8.908611297607422) {
-                      return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 15.969480037689209) {
-                      return {4, 32, 16, 2, 8};  // PR
-                    } else {
-                      if (x.log2_S <= 16.29713535308838) {
-                        if (x.avg <= 5.722608804702759) {
-                          if (x.avg <= 2.1177180409431458) {
-                            return {4, 4, 32, 64, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 8};  // PR
-                          }
-                        } else {
-                          return {4, 4, 32, 64, 1};  // SR
-                        }
+                      if (x.avg <= 8.011312246322632) {
+                        return {4, 32, 8, 2, 16};  // PR
                       } else {
-                        return {4, 4, 32, 64, 1};  // SR
+                        return {4, 4, 16, 64, 1};  // SR
                       }
                     }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.93172550201416) {
-                if (x.log2_S <= 12.926538467407227) {
-                  if (x.avg <= 20.312020301818848) {
-                    if (x.log2_S <= 10.851964473724365) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 12.442258834838867) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.long_level <= 2.5) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 56.992645263671875) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    return {4, 4, 8, 64, 1};  // SR
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
                   }
                 }
               } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 63.98422622680664) {
-                    if (x.long_level <= 1.5) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 15.105504512786865) {
-                        return {4, 4, 8, 64, 1};  // SR
+                if (x.skew_lo <= 9.875850677490234) {
+                  if (x.avg <= 2.4519537687301636) {
+                    if (x.log2_S <= 14.281198024749756) {
+                      if (x.long_level <= 1.5) {
+                        return {2, 16, 8, 4, 1};  // SR
                       } else {
-                        return {4, 4, 16, 64, 1};  // SR
+                        return {4, 4, 8, 64, 1};  // SR
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.198320388793945) {
-                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      if (x.log2_S <= 14.939952850341797) {
-                        if (x.avg <= 98.16789245605469) {
+                      if (x.skew_lo <= 8.918020725250244) {
+                        if (x.log2_S <= 14.719168186187744) {
                           if (x.long_level <= 1.5) {
-                            return {4, 4, 8, 64, 1};  // SR
+                            return {2, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.log2_S <= 14.402811527252197) {
-                              return {4, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
+                            return {4, 4, 8, 64, 1};  // SR
                           }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.79741096496582) {
+                          return {4, 4, 8, 64, 1};  // SR
                         } else {
                           return {4, 4, 16, 64, 1};  // SR
                         }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.298154830932617) {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_lo <= 3.0885138511657715) {
+                          if (x.log2_S <= 13.666888236999512) {
+                            if (x.skew_hi <= 6.4058473110198975) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
                       } else {
-                        return {4, 4, 16, 64, 1};  // SR
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.427514553070068) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 6.758101940155029) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.481374740600586) {
-                    if (x.log2_S <= 14.328163623809814) {
+                  if (x.skew_hi <= 14.790228843688965) {
+                    if (x.skew_lo <= 10.962238311767578) {
                       return {4, 4, 16, 64, 1};  // SR
                     } else {
-                      if (x.avg <= 99.41684341430664) {
-                        return {4, 4, 32, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 14.992634296417236) {
-                      if (x.avg <= 112.95862197875977) {
-                        return {4, 4, 32, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
+                    if (x.avg <= 7.772276163101196) {
+                      return {4, 32, 16, 2, 8};  // PR
                     } else {
                       return {4, 4, 32, 64, 1};  // SR
                     }
@@ -7538,64 +7380,178 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 19.002296447753906) {
-                if (x.avg <= 6.914267063140869) {
-                  if (x.avg <= 2.447193145751953) {
-                    if (x.log2_S <= 17.72539710998535) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 4, 8, 64, 1};  // SR
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 13.161816596984863) {
+                if (x.log2_S <= 9.701081275939941) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.skew_hi <= 0.8293651938438416) {
+                    return {4, 16, 64, 8, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 11.774360179901123) {
+                      return {4, 64, 8, 1, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 12.841065406799316) {
+                        return {4, 16, 64, 8, 0};  // SP
                       } else {
-                        return {4, 4, 16, 64, 1};  // SR
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 15.274693489074707) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
+              }
+            } else {
+              if (x.skew_hi <= 12.642162799835205) {
+                if (x.log2_S <= 14.487749576568604) {
+                  if (x.log2_S <= 14.05521297454834) {
+                    if (x.avg <= 17.011478424072266) {
+                      if (x.log2_S <= 11.699478149414062) {
+                        if (x.skew_hi <= 9.310401439666748) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.long_level <= 2.5) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
                       }
                     } else {
                       return {4, 4, 8, 64, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 3.0765727758407593) {
+                    if (x.skew_hi <= 3.6896018981933594) {
                       return {4, 4, 16, 64, 1};  // SR
                     } else {
-                      if (x.log2_S <= 18.47642230987549) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 17.994131088256836) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 18.12771511077881) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
+                      return {4, 4, 8, 64, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.avg <= 30.704252243041992) {
-                    if (x.log2_S <= 17.90607738494873) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
+                  if (x.avg <= 73.80191802978516) {
+                    if (x.skew_hi <= 6.876668930053711) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
+                      if (x.skew_hi <= 9.025598526000977) {
+                        if (x.log2_S <= 14.659309387207031) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.0469331741333) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
                     }
                   } else {
                     return {4, 4, 16, 64, 1};  // SR
                   }
                 }
               } else {
-                if (x.avg <= 1.8420220613479614) {
-                  if (x.log2_S <= 20.19260883331299) {
+                if (x.log2_S <= 14.448861598968506) {
+                  if (x.skew_lo <= 6.934696197509766) {
+                    if (x.log2_S <= 13.38283920288086) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.322677612304688) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 7.377422332763672) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 4, 32, 64, 1};  // SR
+                }
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 16.071825981140137) {
+              if (x.skew_hi <= 4.940224647521973) {
+                return {4, 4, 64, 64, 0};  // SP
+              } else {
+                return {4, 4, 8, 64, 1};  // SR
+              }
+            } else {
+              return {4, 4, 64, 64, 0};  // SP
+            }
+          } else {
+            if (x.skew_lo <= 10.499497413635254) {
+              if (x.log2_S <= 18.03073215484619) {
+                if (x.long_level <= 2.5) {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_lo <= 0.44439831376075745) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 17.760103225708008) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 4.653592348098755) {
+                          if (x.skew_hi <= 5.564605474472046) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 16, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 10.083823204040527) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      if (x.avg <= 8.051810264587402) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 17.34287929534912) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 17.73976993560791) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 17.7969388961792) {
+                    if (x.avg <= 93.81672668457031) {
+                      return {4, 4, 32, 64, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 16.877471923828125) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.avg <= 2.444314479827881) {
+                  if (x.log2_S <= 20.329964637756348) {
                     if (x.long_level <= 1.5) {
                       return {4, 4, 8, 64, 1};  // SR
                     } else {
@@ -7605,53 +7561,81 @@ inline Config gathered_config(const Features& f) {
                     return {4, 4, 16, 64, 1};  // SR
                   }
                 } else {
-                  return {4, 4, 16, 64, 1};  // SR
+                  if (x.log2_S <= 18.93300724029541) {
+                    if (x.skew_hi <= 6.01416277885437) {
+                      if (x.avg <= 36.17612648010254) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 3.7379199266433716) {
+                        if (x.long_level <= 1.5) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.8667099475860596) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
                 }
               }
             } else {
-              if (x.avg <= 10.921869277954102) {
-                if (x.log2_S <= 20.205459594726562) {
-                  if (x.avg <= 2.4270275831222534) {
-                    return {4, 4, 32, 64, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 18.653587341308594) {
-                      return {4, 4, 32, 64, 1};  // SR
+              if (x.log2_S <= 21.288143157958984) {
+                if (x.skew_lo <= 12.720818042755127) {
+                  if (x.avg <= 5.319766283035278) {
+                    if (x.avg <= 2.8383941650390625) {
+                      if (x.skew_hi <= 19.24894905090332) {
+                        if (x.log2_S <= 16.251205444335938) {
+                          return {4, 32, 16, 2, 8};  // PR
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
                     } else {
-                      if (x.avg <= 5.677088975906372) {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 19.448220252990723) {
+                      if (x.log2_S <= 15.831569194793701) {
                         return {4, 32, 16, 2, 8};  // PR
                       } else {
-                        if (x.log2_S <= 19.79080867767334) {
-                          return {4, 4, 32, 64, 1};  // SR
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 10.980578899383545) {
+                        if (x.skew_lo <= 10.63155460357666) {
+                          return {4, 4, 16, 64, 1};  // SR
                         } else {
-                          if (x.avg <= 8.237751722335815) {
-                            return {4, 32, 16, 2, 8};  // PR
-                          } else {
-                            return {4, 4, 32, 64, 1};  // SR
-                          }
+                          return {4, 4, 32, 64, 1};  // SR
                         }
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 7.505641222000122) {
+                  if (x.log2_S <= 16.170339584350586) {
                     return {4, 32, 16, 2, 8};  // PR
                   } else {
                     return {4, 4, 32, 64, 1};  // SR
                   }
                 }
               } else {
-                if (x.log2_S <= 17.722867012023926) {
-                  return {4, 4, 32, 64, 1};  // SR
+                if (x.avg <= 8.041870832443237) {
+                  return {4, 32, 16, 2, 8};  // PR
                 } else {
-                  if (x.log2_S <= 17.821157455444336) {
-                    if (x.avg <= 25.777071952819824) {
-                      return {4, 4, 32, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
+                  return {4, 4, 32, 64, 1};  // SR
                 }
               }
             }
@@ -7660,190 +7644,370 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 13.50626516342163) {
-            if (x.log2_S <= 10.132889747619629) {
-              if (x.avg <= 3.1313878297805786) {
-                if (x.avg <= 1.4163593649864197) {
-                  if (x.avg <= 1.3024700284004211) {
-                    return {4, 64, 64, 1, 0};  // SP
+        if (x.skew_hi <= 16.29175090789795) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 13.6469144821167) {
+              if (x.log2_S <= 10.691917419433594) {
+                if (x.skew_hi <= 4.136353254318237) {
+                  if (x.log2_S <= 10.62130355834961) {
+                    return {4, 32, 64, 1, 0};  // SP
                   } else {
-                    if (x.log2_S <= 9.901521682739258) {
+                    if (x.skew_hi <= 2.159627139568329) {
+                      return {4, 32, 64, 1, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -3.0523847341537476) {
+                        return {4, 64, 16, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 1.4813077449798584) {
+                    if (x.skew_lo <= -0.38106657564640045) {
                       return {4, 64, 64, 2, 0};  // SP
                     } else {
                       return {4, 64, 64, 1, 0};  // SP
                     }
-                  }
-                } else {
-                  return {4, 64, 16, 1, 0};  // SP
-                }
-              } else {
-                if (x.avg <= 3.745703339576721) {
-                  if (x.log2_S <= 9.324662208557129) {
-                    return {4, 32, 64, 1, 0};  // SP
                   } else {
-                    return {4, 64, 16, 1, 0};  // SP
-                  }
-                } else {
-                  return {4, 32, 64, 1, 0};  // SP
-                }
-              }
-            } else {
-              if (x.avg <= 1.5448933839797974) {
-                if (x.log2_S <= 10.942008972167969) {
-                  if (x.avg <= 1.3537914156913757) {
-                    return {4, 64, 64, 1, 0};  // SP
-                  } else {
-                    if (x.avg <= 1.4750187397003174) {
-                      return {4, 64, 64, 2, 0};  // SP
+                    if (x.skew_lo <= -1.6784122586250305) {
+                      if (x.log2_S <= 9.441048622131348) {
+                        return {4, 32, 64, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 16, 1, 0};  // SP
+                      }
                     } else {
                       return {4, 64, 16, 1, 0};  // SP
                     }
                   }
-                } else {
-                  return {4, 64, 64, 2, 0};  // SP
                 }
               } else {
-                if (x.avg <= 40.66714668273926) {
-                  if (x.log2_S <= 13.235507488250732) {
-                    if (x.avg <= 25.61094093322754) {
+                if (x.log2_S <= 12.485442161560059) {
+                  if (x.skew_hi <= 4.129124402999878) {
+                    if (x.log2_S <= 11.891646385192871) {
+                      if (x.skew_hi <= 0.11797891557216644) {
+                        return {4, 32, 64, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 2.508602023124695) {
+                        return {4, 32, 64, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.410741806030273) {
                       return {4, 64, 16, 1, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.03581953048706) {
-                        if (x.log2_S <= 10.301252365112305) {
-                          return {4, 32, 64, 1, 0};  // SP
-                        } else {
-                          return {4, 64, 16, 1, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 12.60139513015747) {
+                      if (x.log2_S <= 11.07023572921753) {
+                        if (x.skew_hi <= 5.558547258377075) {
                           return {4, 64, 64, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 12.841065406799316) {
-                            return {4, 32, 64, 1, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
+                          return {4, 64, 64, 1, 0};  // SP
                         }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 12.92378568649292) {
-                      return {4, 64, 16, 1, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 13.470930099487305) {
-                        return {4, 32, 64, 2, 0};  // SP
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
+                        return {4, 64, 64, 2, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.649800777435303) {
-                    if (x.log2_S <= 10.278965950012207) {
-                      return {4, 32, 64, 1, 0};  // SP
-                    } else {
-                      return {4, 64, 16, 1, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 12.67176103591919) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 12.974174976348877) {
-                        return {4, 32, 64, 2, 0};  // SP
+                  if (x.skew_hi <= 3.7342722415924072) {
+                    if (x.log2_S <= 12.605225563049316) {
+                      if (x.avg <= 16.30005407333374) {
+                        return {4, 32, 64, 1, 0};  // SP
                       } else {
                         return {4, 16, 64, 8, 0};  // SP
                       }
+                    } else {
+                      return {4, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 13.266849040985107) {
+                      if (x.avg <= 1.6620938777923584) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 2.578213095664978) {
+                          return {4, 64, 16, 1, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -1.8896322846412659) {
+                            if (x.log2_S <= 12.701184749603271) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 12.826920509338379) {
+                                return {4, 32, 64, 1, 0};  // SP
+                              } else {
+                                return {4, 16, 64, 8, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 4.745104074478149) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 5.295656442642212) {
+                          return {4, 64, 16, 1, 0};  // SP
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
                     }
                   }
+                }
+              }
+            } else {
+              if (x.skew_lo <= -0.6008647382259369) {
+                if (x.log2_S <= 14.554728507995605) {
+                  if (x.avg <= 12.927435874938965) {
+                    if (x.skew_hi <= 5.077523231506348) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= -5.2622597217559814) {
+                      if (x.log2_S <= 14.437176704406738) {
+                        if (x.skew_lo <= -5.400304555892944) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 64, 8, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -0.7596511244773865) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 16.51694917678833) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.526341438293457) {
+                  if (x.skew_lo <= -0.587869793176651) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  return {4, 8, 16, 32, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.avg <= 1.6954187750816345) {
-              if (x.log2_S <= 15.203991889953613) {
-                if (x.log2_S <= 14.014068126678467) {
-                  if (x.avg <= 1.5241897702217102) {
-                    return {2, 16, 8, 4, 1};  // SR
-                  } else {
-                    return {4, 64, 16, 1, 0};  // SP
-                  }
-                } else {
-                  return {4, 8, 8, 32, 1};  // SR
-                }
-              } else {
-                return {4, 8, 64, 32, 0};  // SP
-              }
-            } else {
-              return {4, 8, 64, 32, 0};  // SP
-            }
-          }
-        } else {
-          if (x.long_level <= 2.5) {
-            if (x.log2_S <= 15.026832103729248) {
-              if (x.long_level <= 1.5) {
-                if (x.avg <= 68.72296142578125) {
-                  if (x.log2_S <= 11.637040138244629) {
-                    if (x.avg <= 4.2826011180877686) {
-                      if (x.avg <= 2.3693432807922363) {
-                        if (x.log2_S <= 11.582975387573242) {
+            if (x.log2_S <= 13.85423231124878) {
+              if (x.skew_hi <= 11.946943283081055) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 17.15108871459961) {
+                    if (x.avg <= 4.315748453140259) {
+                      if (x.log2_S <= 12.259861469268799) {
+                        if (x.avg <= 2.2292897701263428) {
                           return {2, 32, 8, 4, 1};  // SR
                         } else {
-                          return {2, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 2.960793137550354) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.541089534759521) {
-                            return {2, 32, 8, 4, 1};  // SR
-                          } else {
+                          if (x.avg <= 3.5348933935165405) {
                             return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 4, 1};  // SR
                           }
                         }
-                      }
-                    } else {
-                      return {2, 16, 8, 4, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 6.545461893081665) {
-                      if (x.log2_S <= 12.37410020828247) {
-                        if (x.avg <= 3.917403817176819) {
-                          return {2, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 4.826451778411865) {
+                          if (x.log2_S <= 12.81678056716919) {
+                            if (x.avg <= 3.4722065925598145) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 4.789446115493774) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          }
                         } else {
                           return {2, 16, 8, 4, 1};  // SR
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.793874740600586) {
+                        return {2, 16, 8, 4, 1};  // SR
                       } else {
-                        if (x.log2_S <= 14.65095043182373) {
-                          if (x.avg <= 2.9095579385757446) {
-                            if (x.avg <= 2.2556591033935547) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 12.91561222076416) {
-                                return {2, 32, 8, 2, 1};  // SR
+                        if (x.avg <= 5.888347387313843) {
+                          if (x.log2_S <= 13.248839855194092) {
+                            return {2, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 12.116180896759033) {
+                            if (x.avg <= 13.94588851928711) {
+                              if (x.avg <= 7.452218532562256) {
+                                return {2, 16, 8, 4, 1};  // SR
                               } else {
-                                if (x.avg <= 2.314732074737549) {
-                                  return {2, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {2, 16, 8, 4, 1};  // SR
-                                }
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.0575782656669617) {
+                      if (x.log2_S <= 12.522027969360352) {
+                        if (x.log2_S <= 9.658010959625244) {
+                          if (x.skew_lo <= -1.1575019359588623) {
+                            if (x.log2_S <= 9.304317951202393) {
+                              return {4, 16, 64, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 9.365042209625244) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 16, 64, 8, 0};  // SP
                               }
                             }
                           } else {
-                            if (x.log2_S <= 13.29601240158081) {
-                              if (x.avg <= 3.555650472640991) {
-                                if (x.log2_S <= 12.983980655670166) {
-                                  return {2, 32, 8, 2, 1};  // SR
-                                } else {
-                                  return {2, 16, 8, 4, 1};  // SR
-                                }
-                              } else {
-                                return {2, 16, 8, 4, 1};  // SR
-                              }
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 13.669143676757812) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= -0.28787684068083763) {
+                          if (x.skew_hi <= 3.4703365564346313) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 10.46705961227417) {
+                    if (x.skew_hi <= 11.038448810577393) {
+                      if (x.log2_S <= 13.702218055725098) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 8.807393074035645) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 14.116563320159912) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 37.854244232177734) {
+                          if (x.skew_lo <= 9.916897773742676) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 14.828890323638916) {
+                              return {4, 8, 16, 32, 1};  // SR
                             } else {
-                              if (x.avg <= 4.240164279937744) {
-                                if (x.log2_S <= 13.877101421356201) {
-                                  return {2, 16, 8, 4, 1};  // SR
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.748034954071045) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 7.626150369644165) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.042226791381836) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.long_level <= 2.5) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 13.636013984680176) {
+                    if (x.avg <= 96.69841766357422) {
+                      if (x.log2_S <= 13.526392936706543) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 12.025177001953125) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.490097999572754) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 18.4588680267334) {
+                  if (x.avg <= 15.07993221282959) {
+                    if (x.skew_lo <= 4.066834449768066) {
+                      if (x.log2_S <= 16.17686939239502) {
+                        if (x.log2_S <= 15.687228679656982) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 9.719089984893799) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 17.08126926422119) {
+                          if (x.skew_lo <= 3.075850009918213) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 4.388892889022827) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 16.61940097808838) {
+                                if (x.skew_hi <= 7.536816596984863) {
+                                  return {4, 8, 16, 32, 1};  // SR
                                 } else {
                                   return {4, 8, 8, 32, 1};  // SR
                                 }
@@ -7853,210 +8017,36 @@ inline Config gathered_config(const Features& f) {
                             }
                           }
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
+                          return {4, 8, 16, 32, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 14.115291118621826) {
-                        if (x.log2_S <= 12.073159217834473) {
-                          if (x.avg <= 13.94588851928711) {
-                            return {2, 16, 8, 4, 1};  // SR
+                      if (x.log2_S <= 14.566225528717041) {
+                        if (x.skew_hi <= 8.401733875274658) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 16, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.32282829284668) {
+                      if (x.skew_hi <= 3.076857089996338) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.013909816741943) {
+                          if (x.skew_hi <= 4.377881169319153) {
+                            return {4, 8, 16, 32, 1};  // SR
                           } else {
                             return {4, 8, 8, 32, 1};  // SR
                           }
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 18.792755126953125) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.505371570587158) {
-                    if (x.avg <= 76.82685089111328) {
-                      if (x.log2_S <= 10.032275676727295) {
-                        return {2, 16, 8, 4, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 121.3602409362793) {
-                      if (x.log2_S <= 13.66103219985962) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 69.58961486816406) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.728668212890625) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.96991777420044) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.458756923675537) {
-                  if (x.avg <= 4.348196744918823) {
-                    if (x.log2_S <= 10.663111209869385) {
-                      return {2, 16, 8, 4, 1};  // SR
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 17.620838165283203) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 14.28281307220459) {
-                      if (x.avg <= 57.81748580932617) {
-                        if (x.log2_S <= 14.073986053466797) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 28.734320640563965) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 24.976564407348633) {
-                if (x.log2_S <= 18.235548973083496) {
-                  if (x.avg <= 3.81892192363739) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 18.18995189666748) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 2.0090384483337402) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.521918296813965) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.26624870300293) {
-                      if (x.avg <= 7.52283501625061) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 15.231352806091309) {
+                          if (x.skew_hi <= 5.747652769088745) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
                             return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 22.98114013671875) {
-                        if (x.avg <= 15.576151847839355) {
-                          if (x.log2_S <= 15.74515676498413) {
-                            if (x.long_level <= 1.5) {
-                              if (x.avg <= 11.243399143218994) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 17.185797691345215) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 17.780863761901855) {
-                              if (x.long_level <= 1.5) {
-                                return {4, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {4, 8, 32, 32, 1};  // SR
-                              }
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    return {4, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 6.870847463607788) {
-                      if (x.avg <= 2.442241907119751) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 2.7157551050186157) {
-                          if (x.log2_S <= 19.971577644348145) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 3.2122737169265747) {
-                            if (x.avg <= 3.1506152153015137) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 20.60919189453125) {
-                              if (x.log2_S <= 19.87290859222412) {
-                                return {4, 8, 16, 32, 1};  // SR
-                              } else {
-                                if (x.avg <= 4.547896385192871) {
-                                  return {4, 8, 16, 32, 1};  // SR
-                                } else {
-                                  return {4, 8, 32, 32, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
-                            }
                           }
                         }
                       }
@@ -8064,1125 +8054,1115 @@ inline Config gathered_config(const Features& f) {
                       return {4, 8, 16, 32, 1};  // SR
                     }
                   }
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 19.592525482177734) {
-                    if (x.log2_S <= 17.483389854431152) {
-                      if (x.log2_S <= 17.330178260803223) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 126.74807357788086) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
+                } else {
+                  if (x.log2_S <= 18.687894821166992) {
+                    if (x.avg <= 3.0840988159179688) {
+                      return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 26.304953575134277) {
+                      if (x.log2_S <= 18.65624237060547) {
                         return {4, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 19.46415901184082) {
-                          if (x.avg <= 30.746603965759277) {
-                            if (x.log2_S <= 18.735098838806152) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 90.25223350524902) {
-                            if (x.log2_S <= 19.49146270751953) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        }
+                        return {4, 8, 32, 32, 1};  // SR
                       }
                     }
                   } else {
                     return {4, 8, 16, 32, 1};  // SR
                   }
-                } else {
-                  if (x.avg <= 53.3047981262207) {
-                    if (x.log2_S <= 18.545979499816895) {
-                      if (x.log2_S <= 17.18271827697754) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 34.22325897216797) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 64, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 25.817508697509766) {
+                }
+              } else {
+                if (x.avg <= 20.931288719177246) {
+                  if (x.skew_lo <= 8.777692794799805) {
+                    if (x.log2_S <= 15.331156730651855) {
+                      if (x.skew_lo <= 5.755189657211304) {
                         return {4, 8, 16, 32, 1};  // SR
                       } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 16.42940330505371) {
-              if (x.log2_S <= 13.36925458908081) {
-                return {4, 8, 16, 32, 1};  // SR
-              } else {
-                if (x.log2_S <= 14.020501613616943) {
-                  if (x.avg <= 15.587033748626709) {
-                    if (x.avg <= 6.315917491912842) {
-                      return {4, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.862082958221436) {
-                        if (x.avg <= 9.783474445343018) {
-                          if (x.log2_S <= 13.498673439025879) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
-                } else {
-                  return {4, 8, 32, 32, 1};  // SR
-                }
-              }
-            } else {
-              return {4, 8, 64, 32, 1};  // SR
-            }
-          }
-        }
-      } else {
-        if (x.F <= 90.50966799187809) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 13.729345321655273) {
-              if (x.log2_S <= 12.45627737045288) {
-                if (x.avg <= 2.816995859146118) {
-                  if (x.log2_S <= 10.565762996673584) {
-                    if (x.avg <= 2.009112536907196) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 9.70707654953003) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 1.5448933839797974) {
-                      return {2, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 10.717878341674805) {
-                        return {4, 64, 16, 1, 0};  // SP
-                      } else {
-                        if (x.avg <= 2.100609540939331) {
-                          if (x.avg <= 1.7702481746673584) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 16, 1, 0};  // SP
-                          }
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.963311195373535) {
-                    if (x.avg <= 58.345428466796875) {
-                      return {4, 64, 8, 1, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 9.595617771148682) {
-                        return {4, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {4, 64, 8, 1, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 25.178302764892578) {
-                      if (x.avg <= 3.7161455154418945) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 64, 8, 1, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 47.69175148010254) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 3.518362522125244) {
-                  if (x.avg <= 1.7096721529960632) {
-                    if (x.log2_S <= 13.482715129852295) {
-                      return {2, 32, 8, 4, 1};  // SR
-                    } else {
-                      return {4, 16, 8, 2, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 13.494453430175781) {
-                      if (x.avg <= 2.212350606918335) {
-                        return {4, 64, 16, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 2.1562123894691467) {
-                        return {4, 16, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 9.71541452407837) {
-                    if (x.log2_S <= 12.903941631317139) {
-                      if (x.log2_S <= 12.629912376403809) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        if (x.avg <= 5.0083067417144775) {
-                          return {4, 64, 8, 1, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    return {4, 32, 64, 2, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 28.760619163513184) {
-                if (x.log2_S <= 14.948103427886963) {
-                  if (x.avg <= 2.425156593322754) {
-                    if (x.log2_S <= 13.767390251159668) {
-                      return {4, 64, 16, 1, 0};  // SP
-                    } else {
-                      return {4, 16, 8, 2, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 21.736392974853516) {
-                      if (x.log2_S <= 13.88601303100586) {
-                        if (x.log2_S <= 13.767510414123535) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 1.0036484003067017) {
-                    return {4, 16, 8, 2, 1};  // SR
-                  } else {
-                    return {4, 16, 64, 4, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.170992851257324) {
-                  return {4, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.log2_S <= 17.774288177490234) {
-                    if (x.avg <= 41.361433029174805) {
-                      return {4, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    return {4, 16, 64, 4, 0};  // SP
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 13.618569374084473) {
-                if (x.avg <= 9.547335624694824) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 5.465083360671997) {
-                      if (x.avg <= 4.844399690628052) {
-                        if (x.log2_S <= 13.523822784423828) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 10.815463066101074) {
-                          if (x.log2_S <= 9.011863231658936) {
-                            if (x.avg <= 5.1772849559783936) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {2, 32, 8, 4, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.116376399993896) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.374371528625488) {
-                          if (x.avg <= 7.23082423210144) {
-                            if (x.avg <= 5.831981182098389) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 8, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.57504653930664) {
-                      if (x.log2_S <= 11.164698600769043) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 6.686902046203613) {
-                          if (x.avg <= 2.04919695854187) {
-                            if (x.log2_S <= 11.653641700744629) {
-                              return {4, 16, 8, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 12.176948547363281) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 8, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 5.026304244995117) {
-                        return {4, 16, 8, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.888544082641602) {
+                        if (x.log2_S <= 15.10209321975708) {
                           return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 13.168358325958252) {
-                            if (x.avg <= 6.636056423187256) {
-                              return {4, 16, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
+                          if (x.avg <= 5.998754501342773) {
+                            return {4, 8, 16, 32, 1};  // SR
                           } else {
-                            return {4, 16, 16, 8, 1};  // SR
+                            return {4, 8, 8, 32, 1};  // SR
                           }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.959773540496826) {
-                    return {4, 16, 8, 2, 1};  // SR
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 13.364226818084717) {
-                        return {4, 16, 8, 2, 1};  // SR
-                      } else {
-                        if (x.avg <= 70.12024688720703) {
-                          return {4, 16, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 12.019577503204346) {
-                        if (x.avg <= 59.683621406555176) {
-                          return {4, 16, 8, 2, 1};  // SR
+                      if (x.skew_lo <= 5.6976704597473145) {
+                        if (x.log2_S <= 17.29224967956543) {
+                          return {4, 8, 16, 32, 1};  // SR
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 26.942834854125977) {
-                  if (x.log2_S <= 15.561236381530762) {
-                    if (x.avg <= 3.833676815032959) {
-                      if (x.avg <= 3.6276530027389526) {
-                        return {4, 16, 8, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.412583351135254) {
-                          return {4, 16, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.007450103759766) {
-                        if (x.long_level <= 1.5) {
-                          return {4, 16, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 4.154278755187988) {
-                          if (x.long_level <= 1.5) {
-                            return {4, 16, 8, 2, 1};  // SR
+                          if (x.log2_S <= 19.384316444396973) {
+                            return {4, 8, 32, 32, 1};  // SR
                           } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.144125938415527) {
-                      if (x.avg <= 4.016063928604126) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 3.05191171169281) {
-                            return {4, 16, 8, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 16.246322631835938) {
-                              return {4, 16, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 24.740070343017578) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 18.309653282165527) {
-                            return {4, 16, 64, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 25.539243698120117) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 19.42571258544922) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 64, 2, 1};  // SR
-                              }
-                            }
+                            return {4, 8, 16, 32, 1};  // SR
                           }
                         }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 120.70291137695312) {
-                      if (x.log2_S <= 18.67826557159424) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 19.370722770690918) {
-                          if (x.avg <= 56.408809661865234) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 18.815385818481445) {
-                              if (x.log2_S <= 18.71786594390869) {
-                                return {4, 16, 64, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 64, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.300618171691895) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 19.373741149902344) {
-                          if (x.log2_S <= 17.30394744873047) {
-                            if (x.log2_S <= 15.443817615509033) {
-                              return {4, 16, 64, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 17.78421115875244) {
-                              return {4, 16, 64, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 18.592565536499023) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 64, 2, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.340361595153809) {
-                      if (x.log2_S <= 15.120314121246338) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        if (x.avg <= 81.67695999145508) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 64, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 18.86079692840576) {
-                        return {4, 16, 64, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 19.778841018676758) {
-                          if (x.avg <= 37.2972412109375) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 109.77840042114258) {
-                              if (x.avg <= 43.316328048706055) {
-                                if (x.log2_S <= 19.388587951660156) {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 64, 2, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 19.376264572143555) {
-                                return {4, 16, 64, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 16, 64, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.378623485565186) {
-                if (x.avg <= 8.074424743652344) {
-                  if (x.log2_S <= 13.083711624145508) {
-                    if (x.avg <= 6.422212362289429) {
-                      return {4, 16, 16, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.088660717010498) {
-                        return {4, 16, 16, 8, 1};  // SR
                       } else {
                         return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 3.9525845050811768) {
-                      return {4, 16, 64, 2, 1};  // SR
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.337355136871338) {
-                    return {4, 16, 16, 8, 1};  // SR
-                  } else {
-                    if (x.avg <= 23.478310585021973) {
-                      return {4, 16, 16, 8, 1};  // SR
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.828331470489502) {
-                  if (x.avg <= 39.74883842468262) {
-                    if (x.avg <= 4.185903906822205) {
-                      return {4, 16, 64, 2, 1};  // SR
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 13.49760913848877) {
-                      return {4, 8, 32, 32, 1};  // SR
-                    } else {
-                      return {4, 16, 64, 2, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 6.664328336715698) {
-                    if (x.avg <= 4.714979887008667) {
-                      return {4, 16, 64, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 18.358556747436523) {
-                        if (x.log2_S <= 16.210827827453613) {
-                          if (x.log2_S <= 14.24697494506836) {
-                            return {4, 8, 32, 32, 1};  // SR
+                    if (x.skew_hi <= 16.140947341918945) {
+                      if (x.log2_S <= 15.480699062347412) {
+                        if (x.long_level <= 2.5) {
+                          if (x.log2_S <= 14.527363300323486) {
+                            return {4, 8, 8, 32, 1};  // SR
                           } else {
-                            return {4, 16, 64, 2, 1};  // SR
+                            return {4, 8, 16, 32, 1};  // SR
                           }
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
                         }
                       } else {
-                        return {4, 16, 64, 2, 1};  // SR
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 3.885075569152832) {
+                        return {4, 8, 64, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
                       }
                     }
+                  }
+                } else {
+                  if (x.log2_S <= 14.277347087860107) {
+                    if (x.long_level <= 2.5) {
+                      if (x.avg <= 28.6790189743042) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
                   } else {
-                    return {4, 16, 64, 2, 1};  // SR
+                    return {4, 8, 32, 32, 1};  // SR
                   }
                 }
               }
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
+          if (x.skew_lo <= 6.602990627288818) {
+            if (x.log2_S <= 17.888272285461426) {
+              return {4, 8, 64, 32, 1};  // SR
+            } else {
+              return {4, 8, 32, 32, 1};  // SR
+            }
+          } else {
+            return {4, 8, 64, 32, 1};  // SR
+          }
+        }
+      } else {
+        if (x.F <= 90.50966799187809) {
+          if (x.skew_hi <= 13.750214576721191) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 12.40744400024414) {
-                if (x.log2_S <= 9.99833345413208) {
-                  if (x.avg <= 3.6350834369659424) {
-                    if (x.avg <= 1.5182554125785828) {
-                      return {2, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.avg <= 2.851300001144409) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 9.964460849761963) {
-                      return {4, 32, 32, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 12.904835939407349) {
-                        return {2, 16, 64, 8, 0};  // SP
-                      } else {
+              if (x.log2_S <= 14.061209201812744) {
+                if (x.log2_S <= 12.061286449432373) {
+                  if (x.skew_hi <= 4.508873701095581) {
+                    if (x.skew_lo <= -4.256517648696899) {
+                      if (x.log2_S <= 9.268718719482422) {
                         return {4, 32, 32, 2, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 2.0255402326583862) {
-                    if (x.avg <= 1.745762586593628) {
-                      return {2, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.3410325050354) {
-                        return {4, 64, 64, 2, 0};  // SP
                       } else {
-                        return {2, 32, 8, 4, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 3.8093936443328857) {
-                      if (x.log2_S <= 10.128556251525879) {
-                        return {2, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.193960189819336) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          return {2, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.846973896026611) {
-                        if (x.log2_S <= 11.406758785247803) {
-                          if (x.log2_S <= 10.065680503845215) {
-                            if (x.avg <= 12.677222490310669) {
-                              return {2, 16, 64, 8, 0};  // SP
+                        if (x.log2_S <= 10.689653396606445) {
+                          if (x.avg <= 28.58091926574707) {
+                            return {4, 64, 8, 1, 0};  // SP
+                          } else {
+                            if (x.avg <= 36.0213508605957) {
+                              if (x.log2_S <= 10.456650733947754) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 64, 8, 1, 0};  // SP
+                              }
                             } else {
-                              return {4, 32, 32, 2, 0};  // SP
-                            }
-                          } else {
-                            return {2, 16, 64, 8, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 22.221059799194336) {
-                            return {2, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 13.443614959716797) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          if (x.avg <= 36.595200538635254) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.121054649353027) {
-                              return {4, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
+                              return {4, 32, 64, 2, 0};  // SP
                             }
                           }
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 10.513665199279785) {
-                  if (x.log2_S <= 17.64444637298584) {
-                    if (x.avg <= 3.287479043006897) {
-                      if (x.log2_S <= 15.3613600730896) {
-                        if (x.log2_S <= 12.876171588897705) {
-                          if (x.avg <= 1.8324295282363892) {
-                            return {2, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 1, 1};  // SR
-                          }
                         } else {
-                          if (x.log2_S <= 14.98218059539795) {
-                            return {4, 32, 8, 1, 1};  // SR
-                          } else {
-                            if (x.avg <= 1.3385494351387024) {
-                              return {4, 32, 8, 1, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 15.65889596939087) {
-                          if (x.avg <= 1.8315042853355408) {
-                            return {4, 16, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 17.596341133117676) {
-                            return {4, 16, 64, 4, 0};  // SP
+                          if (x.log2_S <= 11.803601741790771) {
+                            return {4, 64, 64, 2, 0};  // SP
                           } else {
                             return {4, 32, 64, 2, 0};  // SP
                           }
                         }
                       }
                     } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 19.771907806396484) {
-                      if (x.avg <= 6.723429918289185) {
-                        return {4, 32, 64, 2, 0};  // SP
+                      if (x.log2_S <= 9.021876335144043) {
+                        if (x.skew_hi <= 2.5428500175476074) {
+                          return {4, 32, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 8, 1, 0};  // SP
+                        }
                       } else {
-                        if (x.log2_S <= 18.33407211303711) {
-                          if (x.avg <= 9.509021759033203) {
-                            if (x.log2_S <= 17.976123809814453) {
-                              return {4, 16, 64, 4, 0};  // SP
+                        if (x.log2_S <= 11.352250576019287) {
+                          return {4, 64, 8, 1, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 2.3701993227005005) {
+                            if (x.log2_S <= 11.882641315460205) {
+                              return {4, 64, 64, 2, 0};  // SP
                             } else {
-                              if (x.avg <= 8.60581111907959) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 16, 64, 4, 0};  // SP
-                              }
+                              return {4, 32, 64, 2, 0};  // SP
                             }
                           } else {
-                            return {4, 32, 64, 1, 0};  // SP
+                            if (x.skew_hi <= 4.336088180541992) {
+                              return {4, 64, 8, 1, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 2, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 1.4827027320861816) {
+                      if (x.log2_S <= 9.941690444946289) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 9.657583713531494) {
+                        if (x.skew_hi <= 4.77164626121521) {
+                          return {4, 64, 8, 1, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 10.786688327789307) {
+                          if (x.avg <= 2.1838549375534058) {
+                            if (x.skew_hi <= 5.296625852584839) {
+                              return {4, 64, 16, 1, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.37249755859375) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {2, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -2.635311722755432) {
+                    return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    if (x.avg <= 2.6606459617614746) {
+                      if (x.log2_S <= 12.808171272277832) {
+                        if (x.avg <= 1.4875312447547913) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -0.9332768023014069) {
+                          if (x.log2_S <= 13.539599895477295) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.1903977394104) {
+                        if (x.log2_S <= 12.421803951263428) {
+                          if (x.avg <= 3.7161455154418945) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 8, 1, 0};  // SP
                           }
                         } else {
                           return {4, 32, 64, 2, 0};  // SP
                         }
-                      }
-                    } else {
-                      if (x.log2_S <= 20.5606746673584) {
-                        if (x.avg <= 4.734246492385864) {
-                          return {4, 32, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
                       } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 16, 64, 4, 0};  // SP
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.434554100036621) {
-                if (x.avg <= 11.886850357055664) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 5.655821800231934) {
-                      if (x.log2_S <= 12.153048038482666) {
-                        if (x.avg <= 2.437351942062378) {
-                          return {2, 32, 8, 2, 1};  // SR
+                        if (x.log2_S <= 13.372014045715332) {
+                          if (x.avg <= 3.682986617088318) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
                         } else {
-                          return {2, 32, 8, 4, 1};  // SR
+                          return {4, 16, 64, 4, 0};  // SP
                         }
-                      } else {
-                        return {4, 32, 8, 1, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 10.324728012084961) {
-                        return {4, 32, 8, 1, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 10.82689619064331) {
-                          return {4, 32, 8, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 9.72760009765625) {
-                      return {4, 32, 8, 1, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 10.824706554412842) {
-                        if (x.avg <= 11.593483924865723) {
-                          return {4, 32, 8, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 13.274107933044434) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.938139915466309) {
-                    if (x.avg <= 13.62817907333374) {
-                      if (x.log2_S <= 8.690321445465088) {
-                        if (x.long_level <= 1.5) {
-                          return {4, 32, 8, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 16, 2, 1};  // SR
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 32, 16, 2, 1};  // SR
-                    } else {
-                      if (x.avg <= 70.47891235351562) {
-                        if (x.log2_S <= 13.28325080871582) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 7.114328384399414) {
-                  if (x.log2_S <= 14.130041122436523) {
-                    if (x.long_level <= 1.5) {
-                      return {4, 32, 8, 1, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.721014976501465) {
-                        if (x.avg <= 3.8515982627868652) {
-                          return {4, 32, 8, 1, 1};  // SR
+                if (x.skew_lo <= -0.45733457803726196) {
+                  if (x.avg <= 34.96872520446777) {
+                    if (x.skew_hi <= 5.116898059844971) {
+                      if (x.log2_S <= 14.208076477050781) {
+                        if (x.avg <= 15.472245693206787) {
+                          return {4, 16, 64, 4, 0};  // SP
                         } else {
-                          return {4, 32, 16, 2, 1};  // SR
+                          if (x.skew_hi <= 1.7810326218605042) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
                         }
                       } else {
-                        return {4, 32, 16, 2, 1};  // SR
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.879627227783203) {
+                        return {4, 16, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 3.819126605987549) {
-                      if (x.avg <= 3.352288246154785) {
-                        return {4, 32, 16, 2, 1};  // SR
+                    if (x.log2_S <= 17.85929012298584) {
+                      if (x.skew_hi <= 0.790450394153595) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.log2_S <= 20.34824275970459) {
-                          return {4, 32, 16, 2, 1};  // SR
+                        if (x.log2_S <= 17.317678451538086) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          return {4, 32, 32, 1, 1};  // SR
+                          return {4, 16, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 19.794291496276855) {
-                        if (x.log2_S <= 18.28542423248291) {
-                          if (x.long_level <= 1.5) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 16.39476490020752) {
-                              if (x.log2_S <= 14.629316806793213) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 32, 1, 1};  // SR
-                              }
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          }
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.32871150970459) {
+                    return {4, 16, 8, 2, 1};  // SR
+                  } else {
+                    if (x.avg <= 1.2443165183067322) {
+                      return {4, 16, 16, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 17.629647254943848) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 12.42435359954834) {
+                if (x.long_level <= 2.5) {
+                  if (x.avg <= 11.29053020477295) {
+                    if (x.avg <= 4.084752559661865) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 11.29216480255127) {
+                          return {2, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.long_level <= 1.5) {
-                            return {4, 32, 32, 1, 1};  // SR
+                          if (x.log2_S <= 11.756042957305908) {
+                            if (x.skew_hi <= 8.975285053253174) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
                           } else {
-                            return {4, 32, 16, 2, 1};  // SR
+                            return {2, 32, 8, 4, 1};  // SR
                           }
                         }
                       } else {
-                        return {4, 32, 32, 1, 1};  // SR
+                        if (x.avg <= 2.345516324043274) {
+                          return {4, 16, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.370662689208984) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 3.874281883239746) {
+                              return {4, 16, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 7.023588418960571) {
+                        return {4, 16, 8, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.858519554138184) {
+                          if (x.skew_hi <= 11.422507762908936) {
+                            if (x.avg <= 4.7493531703948975) {
+                              if (x.log2_S <= 11.197907447814941) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 8.651325225830078) {
+                            if (x.skew_hi <= 9.441062450408936) {
+                              if (x.skew_hi <= 7.45698881149292) {
+                                return {4, 16, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              if (x.avg <= 5.095355749130249) {
+                                return {4, 16, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.33607530593872) {
+                      return {4, 16, 8, 2, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 2.452334403991699) {
+                        return {4, 16, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 19.71140956878662) {
-                    if (x.avg <= 50.21673774719238) {
-                      if (x.log2_S <= 16.39519500732422) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 18.53303050994873) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 14.198525428771973) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 16.056232452392578) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            }
-                          }
+                  return {4, 16, 16, 8, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 32.74806213378906) {
+                  if (x.log2_S <= 13.939638614654541) {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_lo <= 3.5074352025985718) {
+                        if (x.skew_lo <= 1.032858669757843) {
+                          return {4, 16, 16, 8, 1};  // SR
                         } else {
-                          if (x.avg <= 8.6001296043396) {
-                            if (x.log2_S <= 14.106692790985107) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 29.594721794128418) {
-                              return {4, 32, 32, 1, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 15.429078102111816) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 15.96536636352539) {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              }
-                            }
-                          }
+                          return {4, 16, 8, 2, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 18.103384017944336) {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 17.872594833374023) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              if (x.avg <= 22.375849723815918) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 32, 1, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 17.296086311340332) {
-                              if (x.log2_S <= 16.707167625427246) {
-                                if (x.avg <= 35.32762145996094) {
-                                  if (x.avg <= 10.892071723937988) {
-                                    if (x.log2_S <= 16.54975986480713) {
-                                      return {4, 32, 32, 1, 1};  // SR
-                                    } else {
-                                      return {4, 32, 16, 2, 1};  // SR
-                                    }
-                                  } else {
-                                    return {4, 32, 32, 1, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                }
+                        if (x.log2_S <= 13.739402294158936) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 13.402970314025879) {
+                        if (x.avg <= 4.191345453262329) {
+                          if (x.skew_hi <= 12.68684434890747) {
+                            if (x.log2_S <= 13.64143991470337) {
+                              if (x.skew_lo <= 11.080173015594482) {
+                                return {4, 16, 8, 2, 1};  // SR
                               } else {
                                 return {4, 16, 16, 8, 1};  // SR
                               }
                             } else {
-                              if (x.log2_S <= 17.533838272094727) {
-                                if (x.avg <= 20.185054779052734) {
-                                  return {4, 32, 16, 2, 1};  // SR
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 13.010655879974365) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 6.134693145751953) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.avg <= 20.93588638305664) {
+                                if (x.avg <= 8.28798770904541) {
+                                  return {4, 8, 32, 32, 1};  // SR
                                 } else {
-                                  return {4, 32, 32, 1, 1};  // SR
+                                  return {4, 8, 16, 32, 1};  // SR
                                 }
                               } else {
-                                return {4, 32, 16, 2, 1};  // SR
+                                return {4, 16, 16, 8, 1};  // SR
                               }
                             }
                           }
+                        }
+                      } else {
+                        if (x.avg <= 3.1532418727874756) {
+                          return {4, 16, 16, 8, 1};  // SR
                         } else {
-                          if (x.long_level <= 1.5) {
-                            return {4, 32, 32, 1, 1};  // SR
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 3.09978711605072) {
+                      if (x.log2_S <= 17.654410362243652) {
+                        if (x.skew_lo <= 7.18438720703125) {
+                          return {4, 16, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 8.81352949142456) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 18.59499454498291) {
+                            return {4, 16, 16, 8, 1};  // SR
                           } else {
-                            return {4, 32, 16, 2, 1};  // SR
+                            return {4, 16, 64, 2, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.514305591583252) {
-                          if (x.avg <= 124.46413040161133) {
-                            if (x.log2_S <= 14.200060844421387) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              if (x.avg <= 93.33000564575195) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                return {4, 64, 64, 2, 0};  // SP
-                              }
-                            }
+                      if (x.log2_S <= 14.22018575668335) {
+                        if (x.skew_lo <= 4.525933265686035) {
+                          if (x.skew_lo <= 2.69575572013855) {
+                            return {4, 16, 16, 8, 1};  // SR
                           } else {
-                            if (x.log2_S <= 13.54078197479248) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
+                            return {4, 16, 8, 2, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 16.937155723571777) {
-                            if (x.log2_S <= 16.24625873565674) {
-                              if (x.avg <= 127.82648468017578) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 15.337646484375) {
-                                  return {4, 64, 64, 2, 0};  // SP
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              }
-                            } else {
-                              if (x.avg <= 129.91777801513672) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 16.668359756469727) {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                } else {
-                                  if (x.log2_S <= 16.771376609802246) {
-                                    return {4, 32, 16, 2, 1};  // SR
-                                  } else {
-                                    return {4, 32, 32, 1, 1};  // SR
-                                  }
-                                }
-                              }
-                            }
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 1.4729095697402954) {
+                    if (x.log2_S <= 13.759283542633057) {
+                      if (x.avg <= 118.57843399047852) {
+                        if (x.log2_S <= 13.640361785888672) {
+                          return {4, 16, 8, 2, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 3.417567253112793) {
+                            return {4, 32, 64, 4, 0};  // SP
                           } else {
-                            return {4, 32, 32, 1, 1};  // SR
+                            return {4, 16, 8, 2, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 15.123090267181396) {
-                          return {4, 32, 32, 1, 1};  // SR
+                        if (x.log2_S <= 12.602872848510742) {
+                          return {4, 16, 8, 2, 1};  // SR
                         } else {
-                          if (x.log2_S <= 17.2917423248291) {
-                            if (x.log2_S <= 15.32356595993042) {
-                              if (x.avg <= 119.50931167602539) {
-                                if (x.avg <= 75.40469741821289) {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                } else {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                }
-                              } else {
-                                return {4, 32, 32, 1, 1};  // SR
-                              }
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.109375953674316) {
+                        if (x.avg <= 92.38994598388672) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 3.1757850646972656) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 14.672393321990967) {
+                              return {4, 32, 64, 4, 0};  // SP
                             } else {
-                              if (x.avg <= 52.1611270904541) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 15.585333824157715) {
+                          if (x.skew_lo <= -0.6287604570388794) {
+                            if (x.log2_S <= 15.317397117614746) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 2.395661950111389) {
                                 return {4, 16, 16, 8, 1};  // SR
                               } else {
                                 return {4, 16, 64, 2, 1};  // SR
                               }
                             }
                           } else {
-                            if (x.log2_S <= 17.92583465576172) {
-                              return {4, 32, 32, 1, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 19.247401237487793) {
-                                if (x.log2_S <= 18.3950834274292) {
-                                  if (x.avg <= 104.46343612670898) {
-                                    return {4, 32, 16, 2, 1};  // SR
-                                  } else {
-                                    return {4, 32, 32, 1, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 32, 16, 2, 1};  // SR
-                                }
-                              } else {
-                                if (x.avg <= 69.76608276367188) {
-                                  return {4, 32, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              }
-                            }
+                            return {4, 16, 16, 8, 1};  // SR
                           }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    return {4, 32, 32, 1, 1};  // SR
+                    if (x.log2_S <= 15.120314121246338) {
+                      if (x.skew_hi <= 13.318171977996826) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 122.06507873535156) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 19.47721290588379) {
+                        if (x.log2_S <= 15.332351207733154) {
+                          if (x.skew_lo <= 4.10576319694519) {
+                            return {4, 16, 64, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 6.7650675773620605) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 19.848206520080566) {
+                            if (x.skew_lo <= 3.9312920570373535) {
+                              return {4, 16, 64, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 16.53847026824951) {
-              return {4, 32, 32, 1, 1};  // SR
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 18.591429710388184) {
+                return {4, 16, 16, 8, 1};  // SR
+              } else {
+                return {4, 16, 64, 2, 1};  // SR
+              }
             } else {
-              if (x.log2_S <= 17.70885181427002) {
-                if (x.avg <= 7.752986669540405) {
-                  return {4, 32, 32, 1, 1};  // SR
+              if (x.skew_lo <= 11.223884582519531) {
+                return {4, 16, 64, 2, 1};  // SR
+              } else {
+                if (x.skew_lo <= 12.09055471420288) {
+                  if (x.skew_hi <= 18.516427040100098) {
+                    if (x.log2_S <= 16.12070083618164) {
+                      if (x.log2_S <= 14.327755451202393) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 64, 2, 1};  // SR
+                  }
                 } else {
                   return {4, 16, 64, 2, 1};  // SR
                 }
+              }
+            }
+          }
+        } else {
+          if (x.skew_hi <= 12.592257022857666) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 13.802240371704102) {
+                if (x.skew_hi <= 5.188614368438721) {
+                  if (x.log2_S <= 10.382773876190186) {
+                    if (x.skew_lo <= -1.8636467456817627) {
+                      if (x.log2_S <= 9.999096870422363) {
+                        return {4, 32, 32, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 12.854568481445312) {
+                          return {2, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 2.853597402572632) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 8, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.153643131256104) {
+                      if (x.log2_S <= 10.907578945159912) {
+                        if (x.avg <= 3.4679330587387085) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -5.170634746551514) {
+                            if (x.log2_S <= 10.645376205444336) {
+                              return {4, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {2, 16, 64, 8, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= -3.878202795982361) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 3.6337921619415283) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.740848541259766) {
+                              if (x.log2_S <= 11.359068870544434) {
+                                if (x.log2_S <= 11.129738330841064) {
+                                  return {4, 64, 64, 2, 0};  // SP
+                                } else {
+                                  return {4, 32, 32, 2, 0};  // SP
+                                }
+                              } else {
+                                return {4, 64, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              if (x.skew_hi <= 2.411901593208313) {
+                                return {4, 64, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 32, 2, 0};  // SP
+                              }
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -4.323190212249756) {
+                        if (x.log2_S <= 13.290446758270264) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.140119791030884) {
+                          return {4, 32, 32, 2, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 4.628754615783691) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 1, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.744680404663086) {
+                    return {2, 32, 8, 4, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 1, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_lo <= -3.414800763130188) {
+                  return {4, 16, 64, 4, 0};  // SP
+                } else {
+                  if (x.log2_S <= 15.66612195968628) {
+                    if (x.skew_lo <= -1.729745864868164) {
+                      return {4, 32, 32, 2, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -1.0104818940162659) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 5.581554412841797) {
+                          if (x.log2_S <= 14.37866735458374) {
+                            return {4, 32, 8, 1, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 1, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.9193572402000427) {
+                      if (x.log2_S <= 19.979905128479004) {
+                        if (x.skew_hi <= 3.2008988857269287) {
+                          if (x.log2_S <= 17.896902084350586) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.avg <= 8.916529655456543) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 18.674458503723145) {
+                                return {4, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 16.055557250976562) {
+                            return {4, 32, 32, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.612431526184082) {
+                        if (x.avg <= 1.7804098725318909) {
+                          if (x.log2_S <= 18.12432861328125) {
+                            if (x.log2_S <= 16.24136447906494) {
+                              return {4, 16, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 19.898387908935547) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 20.10490131378174) {
+                          if (x.log2_S <= 16.745089530944824) {
+                            return {4, 32, 8, 1, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 14.127097606658936) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 12.032894134521484) {
+                    if (x.avg <= 5.7731404304504395) {
+                      if (x.skew_lo <= 6.73236083984375) {
+                        if (x.skew_lo <= 4.714717149734497) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 1, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 7.122709512710571) {
+                        if (x.skew_lo <= 1.3532752990722656) {
+                          if (x.skew_lo <= -1.1648508310317993) {
+                            if (x.log2_S <= 9.445098876953125) {
+                              return {4, 32, 8, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 8, 1, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 4.9609479904174805) {
+                              return {4, 32, 8, 1, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 10.793121814727783) {
+                                return {4, 32, 8, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 10.691353797912598) {
+                            return {4, 32, 8, 1, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 1, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 9.109503269195557) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 12.554163455963135) {
+                          if (x.avg <= 2.0636332035064697) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 3.5379257202148438) {
+                              return {4, 32, 8, 1, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 1, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 11.483020305633545) {
+                          if (x.log2_S <= 13.094430923461914) {
+                            return {4, 32, 8, 1, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 13.811702251434326) {
+                            return {4, 32, 8, 1, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 50.04317855834961) {
+                        if (x.log2_S <= 12.181607246398926) {
+                          if (x.avg <= 33.164740562438965) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 1, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 6.048685073852539) {
+                            if (x.avg <= 10.343286514282227) {
+                              return {4, 32, 8, 1, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 13.012138366699219) {
+                              return {4, 32, 16, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 13.503010272979736) {
+                                return {4, 32, 32, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 3.792817711830139) {
+                          if (x.log2_S <= 12.682534217834473) {
+                            if (x.log2_S <= 12.464473247528076) {
+                              return {4, 32, 8, 1, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= -0.6337115168571472) {
+                                return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 1, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.skew_lo <= -0.8783146440982819) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 13.677684307098389) {
+                                return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 64, 64, 2, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 7.705880641937256) {
+                            if (x.log2_S <= 12.30151891708374) {
+                              if (x.long_level <= 1.5) {
+                                return {4, 32, 8, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_hi <= 4.095283031463623) {
+                                if (x.log2_S <= 12.733294486999512) {
+                                  return {4, 32, 8, 1, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 13.503217220306396) {
+                                    return {4, 32, 16, 2, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 8, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                if (x.log2_S <= 14.014999389648438) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.880024909973145) {
+                    return {4, 32, 16, 2, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 7.680779218673706) {
+                      if (x.skew_hi <= 12.421168804168701) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 11.41867971420288) {
+                        return {4, 32, 32, 1, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 12.260555267333984) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 28.707637786865234) {
+                  if (x.skew_lo <= 4.213339567184448) {
+                    if (x.log2_S <= 18.050477027893066) {
+                      if (x.skew_lo <= 1.7599141597747803) {
+                        if (x.log2_S <= 15.584772109985352) {
+                          if (x.skew_hi <= 5.55855393409729) {
+                            return {4, 32, 32, 1, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 17.121763229370117) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 16.042973518371582) {
+                      if (x.avg <= 17.56044864654541) {
+                        if (x.log2_S <= 15.787744045257568) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 15.521504878997803) {
+                          if (x.log2_S <= 14.419618606567383) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 16, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.090703010559082) {
+                    if (x.skew_hi <= 3.394258499145508) {
+                      if (x.log2_S <= 15.629010677337646) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.552320957183838) {
+                        return {4, 32, 32, 1, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 16.049477577209473) {
+                          if (x.skew_lo <= 1.5102904736995697) {
+                            return {4, 32, 32, 1, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 7.314023017883301) {
+                            if (x.avg <= 37.95077705383301) {
+                              return {4, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 4.6404502391815186) {
+                      return {4, 32, 32, 1, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 18.942129135131836) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 5.077327013015747) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 15.358881950378418) {
+                if (x.log2_S <= 13.29443073272705) {
+                  if (x.skew_lo <= 9.33873701095581) {
+                    return {4, 32, 8, 1, 1};  // SR
+                  } else {
+                    return {4, 32, 16, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 14.752838134765625) {
+                    return {4, 32, 16, 2, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 9.382131576538086) {
+                      return {4, 32, 16, 2, 1};  // SR
+                    } else {
+                      return {4, 32, 32, 1, 1};  // SR
+                    }
+                  }
+                }
               } else {
                 return {4, 32, 32, 1, 1};  // SR
+              }
+            } else {
+              if (x.skew_hi <= 16.434250831604004) {
+                return {4, 32, 32, 1, 1};  // SR
+              } else {
+                if (x.skew_hi <= 17.960834503173828) {
+                  if (x.avg <= 7.752986669540405) {
+                    return {4, 32, 32, 1, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 7.267298221588135) {
+                      return {4, 32, 32, 1, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 10.743698596954346) {
+                        return {4, 16, 64, 2, 1};  // SR
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 32, 1, 1};  // SR
+                }
               }
             }
           }
