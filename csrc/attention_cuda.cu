@@ -92,7 +92,7 @@ void attention_aggregate_cuda(AttentionInputs in, at::Tensor& out) {
   AT_DISPATCH_INDEX_TYPES(in.dst_index.scalar_type(), "geot_attention_aggregate", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.x.scalar_type(), "geot_attention_aggregate", [&] {
       using in_t = typename cuda_type<scalar_t>::type;
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using acc_t = accumulate_t<scalar_t>;
       attention::Args<in_t, acc_t, index_t> a{};
       a.x = reinterpret_cast<const in_t*>(in.x.data_ptr<scalar_t>());
       a.score_src = data_or_null<acc_t>(in.score_src);

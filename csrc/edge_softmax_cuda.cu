@@ -69,7 +69,7 @@ void normalize_cuda(const at::Tensor& y, const at::Tensor& sum, const at::Tensor
   AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_normalize", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "geot_normalize", [&] {
       using out_t = typename cuda_type<scalar_t>::type;
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using acc_t = accumulate_t<scalar_t>;
       const softmax::NormalizeOp<acc_t, out_t> op{y.data_ptr<acc_t>(), reinterpret_cast<out_t*>(out.data_ptr<scalar_t>())};
       launch_per_edge<index_t, acc_t>(op, index, sum, y.size(0), y.size(1));
     });
@@ -82,7 +82,7 @@ void softmax_grad_cuda(const at::Tensor& y, const at::Tensor& grad, const at::Te
   AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_softmax_grad", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "geot_softmax_grad", [&] {
       using in_t = typename cuda_type<scalar_t>::type;
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using acc_t = accumulate_t<scalar_t>;
       const softmax::SoftmaxGradOp<in_t, acc_t> op{reinterpret_cast<const in_t*>(y.data_ptr<scalar_t>()),
                                                    reinterpret_cast<const in_t*>(grad.data_ptr<scalar_t>()),
                                                    reinterpret_cast<in_t*>(out.data_ptr<scalar_t>())};
@@ -97,7 +97,7 @@ void edge_softmax_cuda(const at::Tensor& score, const at::Tensor& dst_index, int
   AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_softmax", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, score.scalar_type(), "geot_edge_softmax", [&] {
       using in_t = typename cuda_type<scalar_t>::type;
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using acc_t = accumulate_t<scalar_t>;
       const softmax::ForwardOp<in_t, acc_t> op{reinterpret_cast<const in_t*>(score.data_ptr<scalar_t>()),
                                                reinterpret_cast<in_t*>(out.data_ptr<scalar_t>())};
       launch<softmax::ForwardOp<in_t, acc_t>, index_t>(op, dst_index, score.size(0), score.size(1), num_segments);
@@ -112,7 +112,7 @@ void edge_softmax_backward_cuda(const at::Tensor& y, const at::Tensor& grad, con
   AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_softmax_backward", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "geot_edge_softmax_backward", [&] {
       using in_t = typename cuda_type<scalar_t>::type;
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using acc_t = accumulate_t<scalar_t>;
       const softmax::BackwardOp<in_t, acc_t> op{reinterpret_cast<const in_t*>(y.data_ptr<scalar_t>()),
                                                 reinterpret_cast<const in_t*>(grad.data_ptr<scalar_t>()),
                                                 reinterpret_cast<in_t*>(out.data_ptr<scalar_t>())};

@@ -55,7 +55,7 @@ void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, con
   const int64_t heads = out.size(1), head_size = b.size(1) / heads;
   AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_dot", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "geot_edge_dot", [&] {
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using acc_t = accumulate_t<scalar_t>;
       constexpr int kVec = 16 / sizeof(scalar_t);
       if (edge_dot_vector<scalar_t>(a, b, head_size) == kVec) {
         launch_edge_dot<scalar_t, acc_t, index_t, kVec>(src_index, dst_index, a, b, out, heads, head_size, stream);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace geot {
 
@@ -14,6 +15,11 @@ namespace geot {
 template <typename T> struct cuda_type { using type = T; };
 template <> struct cuda_type<at::Half> { using type = __half; };
 template <> struct cuda_type<at::BFloat16> { using type = __nv_bfloat16; };
+
+// What a scalar type accumulates in: double for double, float otherwise
+// (fp16 and bf16 sum in fp32).
+template <typename scalar_t>
+using accumulate_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

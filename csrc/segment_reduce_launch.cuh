@@ -406,7 +406,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.src.scalar_type(), "geot_segment_reduce", [&] {
     using in_t = typename cuda_type<scalar_t>::type;
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using acc_t = accumulate_t<scalar_t>;
     AT_DISPATCH_INDEX_TYPES(r.index.scalar_type(), "geot_segment_reduce_index", [&] {
       SegmentArgs<in_t, acc_t, index_t> args{};
       args.index = r.index.data_ptr<index_t>();
