@@ -128,8 +128,9 @@ at::Tensor segment_arg_cpu(const at::Tensor& index, const at::Tensor& src, const
 // adjoint of a segment sum; index sorted, checked so its backward can take
 // the sum). Rows whose index lies outside [0, S) (validation off) get 0.
 at::Tensor segment_broadcast_op(const at::Tensor& values, const at::Tensor& index);
+at::Tensor gather_rows_op(const at::Tensor& values, const at::Tensor& index);  // any order
 #ifdef GEOT_WITH_CUDA
-void segment_broadcast_cuda(const at::Tensor& values_rows, const at::Tensor& index, at::Tensor& out_rows);
+void gather_rows_cuda(const at::Tensor& values_rows, const at::Tensor& index, at::Tensor& out_rows);
 #endif
 
 }  // namespace geot

@@ -358,13 +358,9 @@ at::Tensor segment_arg_cpu(const at::Tensor& index, const at::Tensor& src, const
   return arg;
 }
 
-at::Tensor segment_broadcast_op(const at::Tensor& values, const at::Tensor& index) {
-  check_index_tensor(index, "index");
-  TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()),
-                   "values must be a float32, float16, bfloat16 or float64 tensor, got ", values.scalar_type());
-  TORCH_CHECK_VALUE(values.dim() >= 1, "values must have at least one dimension (segments), got a 0-d tensor");
-  check_same_device(index, "index", values, "values");
-  validate_indices({{index, values.size(0), true, "index", "values.size(0)"}});
+// out[e] = values[index[e]] over the leading dimension, an index already
+// checked (with validation off, ids outside [0, values.size(0)) read 0 rows).
+static at::Tensor gather_checked_rows(const at::Tensor& values, const at::Tensor& index) {
   std::vector<int64_t> sizes = values.sizes().vec();
   sizes[0] = index.size(0);
 #ifdef GEOT_WITH_CUDA
@@ -372,22 +368,40 @@ at::Tensor segment_broadcast_op(const at::Tensor& values, const at::Tensor& inde
     at::Tensor out = at::empty(sizes, values.options());
     if (out.numel() == 0) return out;
     at::Tensor out_rows = out.view({index.size(0), out.numel() / index.size(0)});
-    segment_broadcast_cuda(as_rows(values), index.contiguous(), out_rows);
+    gather_rows_cuda(as_rows(values), index.contiguous(), out_rows);
     return out;
   }
 #endif
   if (validation_enabled()) return values.index_select(0, index);
-  // Validation off: ids outside [0, S) give 0 rows, as on CUDA.
   const at::Tensor invalid = (index < 0) | (index >= values.size(0));
   std::vector<int64_t> mask_shape(values.dim(), 1);
   mask_shape[0] = index.size(0);
   return values.index_select(0, index.masked_fill(invalid, 0)).masked_fill_(invalid.view(mask_shape), 0);
 }
 
+static at::Tensor gather_rows_of(const at::Tensor& values, const at::Tensor& index, bool sorted) {
+  check_index_tensor(index, "index");
+  TORCH_CHECK_TYPE(at::isFloatingType(values.scalar_type()),
+                   "values must be a float32, float16, bfloat16 or float64 tensor, got ", values.scalar_type());
+  TORCH_CHECK_VALUE(values.dim() >= 1, "values must have at least one dimension (rows), got a 0-d tensor");
+  check_same_device(index, "index", values, "values");
+  validate_indices({{index, values.size(0), sorted, "index", "values.size(0)"}});
+  return gather_checked_rows(values, index);
+}
+
+at::Tensor segment_broadcast_op(const at::Tensor& values, const at::Tensor& index) {
+  return gather_rows_of(values, index, true);
+}
+
+at::Tensor gather_rows_op(const at::Tensor& values, const at::Tensor& index) {
+  return gather_rows_of(values, index, false);
+}
+
 TORCH_LIBRARY_IMPL(geot, CPU, m) {
   m.impl("segment_reduce", &segment_reduce_op);
   m.impl("segment_arg", &segment_arg_cpu);
   m.impl("segment_broadcast", &segment_broadcast_op);
+  m.impl("gather_rows", &gather_rows_op);
 }
 
 }  // namespace geot

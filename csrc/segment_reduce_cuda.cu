@@ -60,15 +60,15 @@ at::Tensor segment_arg_cuda(const at::Tensor& index, const at::Tensor& src, cons
   return arg;
 }
 
-void segment_broadcast_cuda(const at::Tensor& values_rows, const at::Tensor& index, at::Tensor& out_rows) {
+void gather_rows_cuda(const at::Tensor& values_rows, const at::Tensor& index, at::Tensor& out_rows) {
   const c10::cuda::CUDAGuard guard(values_rows.device());
   const int64_t E = out_rows.size(0), F = out_rows.size(1);
   const int threads = 256;
   const unsigned blocks = grid_stride_blocks(E * F, threads);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values_rows.scalar_type(), "geot_segment_broadcast", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values_rows.scalar_type(), "geot_gather_rows", [&] {
     using in_t = typename cuda_type<scalar_t>::type;
-    AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_segment_broadcast_index", [&] {
-      segment_broadcast_kernel<in_t, index_t><<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "geot_gather_rows_index", [&] {
+      gather_rows_kernel<in_t, index_t><<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           reinterpret_cast<const in_t*>(values_rows.data_ptr<scalar_t>()), index.data_ptr<index_t>(),
           reinterpret_cast<in_t*>(out_rows.data_ptr<scalar_t>()), E, F, values_rows.size(0));
     });
@@ -80,6 +80,7 @@ TORCH_LIBRARY_IMPL(geot, CUDA, m) {
   m.impl("segment_reduce", &segment_reduce_op);
   m.impl("segment_arg", &segment_arg_cuda);
   m.impl("segment_broadcast", &segment_broadcast_op);
+  m.impl("gather_rows", &gather_rows_op);
 }
 
 }  // namespace geot

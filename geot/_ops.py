@@ -35,6 +35,25 @@ torch.library.register_autograd(
 )
 
 
+@torch.library.register_fake("geot::gather_rows")
+def _gather_rows_fake(values, index):
+    return values.new_empty((index.shape[0], *values.shape[1:]))
+
+
+def _gather_rows_setup(ctx, inputs, output):
+    values, index = inputs
+    ctx.values_shape = values.shape
+    ctx.save_for_backward(index)
+
+
+def _gather_rows_backward(ctx, grad):
+    index, = ctx.saved_tensors
+    return grad.new_zeros(ctx.values_shape).index_add_(0, index, grad), None
+
+
+torch.library.register_autograd("geot::gather_rows", _gather_rows_backward, setup_context=_gather_rows_setup)
+
+
 @torch.library.register_fake("geot::segment_arg")
 def _segment_arg_fake(index, src, out):
     features = 1
@@ -169,7 +188,7 @@ def _index_segment_reduce_backward(ctx, grad_out):
         if ctx.has_transposed:  # the fused kernel over edges grouped by source
             weight_t = ctx.weight_t
             if weight_t is None and weight is not None:
-                weight_t = weight.index_select(0, t_perm)
+                weight_t = torch.ops.geot.gather_rows(weight, t_perm)
             grad_x = _index_reduce(t_dst, t_src, grad, weight_t, ctx.num_src)
         else:  # no sort: atomics in edge order
             grad_x = torch.ops.geot.index_scatter_sum(dst_index, src_index, grad, weight, ctx.num_src)

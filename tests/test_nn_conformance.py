@@ -75,15 +75,18 @@ class Case:
     kwargs: dict = field(default_factory=dict)
 
 
-def gin_nn():
-    return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
+GIN_NNS = {  # narrowing ones are applied before the sum
+    "widening": lambda: torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5)),
+    "narrowing": lambda: torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.ReLU(), torch.nn.Linear(3, 5)),
+    "narrowing-linear": lambda: torch.nn.Linear(6, 4),
+}
 
 
 def _layer(name):
     return {
         "gcn": lambda cls, **kw: cls(6, 5, **kw),
         "sage": lambda cls, **kw: cls(kw.pop("channels", 6), 5, **kw),
-        "gin": lambda cls, **kw: cls(gin_nn(), **kw),
+        "gin": lambda cls, **kw: cls(GIN_NNS[kw.pop("nn", "widening")](), **kw),
         "gat": lambda cls, **kw: cls(kw.pop("channels", 6), 4, **kw),
         "rgcn": lambda cls, **kw: cls(kw.pop("channels", 6), kw.pop("out", 5), NUM_RELATIONS, **kw),
     }[name]
@@ -136,6 +139,11 @@ NATIVE = {
     "gin-static": case("gin", static=True, kwargs={"train_eps": True}),
     "gin-csr-weighted": case("gin", layout="csr", weighted=True),
     "gin-csc-bipartite": case("gin", layout="csc", bipartite=True),
+    "gin-narrowing": case("gin", kwargs={"nn": "narrowing", "eps": 0.3, "train_eps": True}),
+    "gin-narrowing-bipartite": case("gin", bipartite=True, kwargs={"nn": "narrowing", "eps": 0.2}),
+    "gin-narrowing-dst-none": case("gin", dst_none=True, kwargs={"nn": "narrowing-linear"}),
+    "gin-narrowing-static": case("gin", static=True, kwargs={"nn": "narrowing", "train_eps": True}),
+    "gin-narrowing-csr-weighted": case("gin", layout="csr", weighted=True, kwargs={"nn": "narrowing-linear"}),
     # GAT
     "gat": case("gat", kwargs={"heads": 3}),
     "gat-mean-no-loops": case("gat", kwargs={"heads": 2, "concat": False, "add_self_loops": False}),

@@ -1225,3 +1225,40 @@ def test_segment_broadcast_rejects_bad_input(device, bad, message):
     values, index = bad(device)
     with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
         geot.segment_broadcast(values, index)
+
+
+# gather_rows: out[e] = values[index[e]], ids in any order ---------------------------------------------------
+
+@pytest.mark.parametrize("rows,edges,shape", [(1, 0, (3,)), (5, 1, (1,)), (40, 3000, (7,)), (300, 20000, (8,)),
+                                              (20, 500, (2, 3)), (1, 400, (4,))],
+                         ids=["no_edges", "one_edge", "odd_width", "heads", "3d_rows", "one_row_hub"])
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_rows_matches_reference(device, dtype, index_dtype, rows, edges, shape):
+    gen = torch.Generator().manual_seed(rows + edges)
+    index = torch.randint(0, rows, (edges,), generator=gen)  # unsorted, duplicated ids
+    values = torch.randn(rows, *shape, generator=gen).to(device=device, dtype=dtype)
+    poison_allocator((edges, *shape), dtype, device)
+    got = torch.ops.geot.gather_rows(values, index.to(device=device, dtype=index_dtype))
+    want = values.double().cpu()[index]  # float64 reference: a plain row gather
+    assert got.dtype == dtype and got.shape == (edges, *shape)
+    assert torch.equal(got.double().cpu(), want)
+
+
+def test_gather_rows_gradcheck(device):
+    index = torch.randint(0, 30, (200,), generator=torch.Generator().manual_seed(3)).to(device)
+    values = torch.randn(30, 3, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: torch.ops.geot.gather_rows(v, index), (values,))
+    assert torch.autograd.gradgradcheck(lambda v: torch.ops.geot.gather_rows(v, index), (values,))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda d: (torch.randn(4, 2, device=d), torch.tensor([3, 4], device=d)), "index"),
+    (lambda d: (torch.randn(4, 2, device=d), torch.tensor([0, -1], device=d)), "index"),
+    (lambda d: (torch.randn(4, 2, device=d), torch.tensor([[0, 1]], device=d)), "1-D"),
+    (lambda d: (torch.tensor([1, 2], device=d), torch.tensor([0, 1], device=d)), "values"),
+], ids=["out_of_range", "negative", "2d_index", "int_values"])
+def test_gather_rows_rejects_bad_input(device, bad, message):
+    values, index = bad(device)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
+        torch.ops.geot.gather_rows(values, index)

@@ -101,7 +101,7 @@ class GATConv(GeotLayer, pyg_nn.GATConv):
     def _scores(self, graph: SortedGraph, h_src: Tensor, h_dst: Optional[Tensor],
                 score_edge: Optional[Tensor] = None) -> Tensor:
         """[E, H] leaky_relu(a_src . h_src[src] + a_dst . h_dst[dst] + edge term), in graph order."""
-        score = (h_src * self.att_src).sum(-1).index_select(0, graph.src)
+        score = torch.ops.geot.gather_rows((h_src * self.att_src).sum(-1), graph.src)
         if h_dst is not None:
             score = score + torch.ops.geot.segment_broadcast((h_dst * self.att_dst).sum(-1), graph.dst)
         if score_edge is not None:

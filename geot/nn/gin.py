@@ -1,5 +1,6 @@
 """GINConv on geot."""
 import torch
+import torch.nn.functional as F
 import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
@@ -26,7 +27,11 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
     sum: there the rounding would also move which of nn's ReLUs fire, and
     with them the gradients. Inference on one x takes the sum and ``(1 +
     eps) x`` as one op (geot::index_sum_plus_scaled: on CUDA one pass over
-    the output; compiled, a lower peak)."""
+    the output; compiled, a lower peak). Where ``nn`` is a Linear, or a
+    Sequential that begins with one, with fewer output than input features
+    (and no autocast cast), that Linear is applied before the sum (they
+    commute), so fewer features are gathered per edge; results then differ
+    from PyG's by rounding only."""
 
     def forward(self, x, edge_index, size=None) -> Tensor:
         nodes = node_inputs(x)
@@ -37,16 +42,48 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
         # Inference takes the sorted graph (its sum and (1 + eps) x are one op there).
         graph, num_nodes, weight = self._aggregation_graph(nodes, edge_index, size,
                                                            any_order=torch.is_grad_enabled())
+        linear = _narrowing_linear(self.nn, x_src)
+        if linear is not None:
+            # nn's first Linear commutes with the sum: sum its narrower
+            # projections (its bias after, so a node without edges gets it).
+            projected_src = F.linear(x_src, linear.weight)
+            projected_dst = projected_src if x_dst is x_src or x_dst is None else F.linear(x_dst, linear.weight)
+            out = self._sum(graph, projected_src, None if x_dst is None else projected_dst, weight, num_nodes)
+            out = out if linear.bias is None else out + linear.bias.to(out.dtype)
+            for module in ([] if self.nn is linear else list(self.nn)[1:]):
+                out = module(out)
+            return out
         if (not torch.is_grad_enabled() and _begins_with_linear(self.nn) and matmul_dtype(x_src) != x_src.dtype
                 and _cast_first_saves_memory(graph, x_src, num_nodes)):
             x_src, x_dst = cast_for_matmul(x_src, x_dst)
+        return self.nn(self._sum(graph, x_src, x_dst, weight, num_nodes))
+
+    def _sum(self, graph: SortedGraph, x_src: Tensor, x_dst, weight, num_nodes: int) -> Tensor:
+        """(1 + eps) x_dst + the sum of x_src over each node's edges (no self term where x_dst is None)."""
         if (graph.ordered and x_dst is x_src and x_src.dim() == 2 and weight is None and num_nodes == x_src.size(0)
                 and _ops.records_no_grad(x_src, self.eps)):
-            return self.nn(_sum_plus_scaled(checked(graph, x_src.size(0), num_nodes), x_src, 1 + self.eps))
+            return _sum_plus_scaled(checked(graph, x_src.size(0), num_nodes), x_src, 1 + self.eps)
         out = gather_reduce_nodes(graph, x_src, "sum", num_nodes, weight)
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)
-        return self.nn(out)
+        return out
+
+
+def _narrowing_linear(module: torch.nn.Module, x: Tensor):
+    """nn's first Linear where nn is that Linear or a Sequential beginning
+    with it, it has fewer output than input features, no hooks, and x is in
+    the dtype it multiplies in (no autocast cast); else None."""
+    if matmul_dtype(x) != x.dtype:
+        return None
+    first = module[0] if isinstance(module, torch.nn.Sequential) and len(module) else module
+    if not isinstance(first, (torch.nn.Linear, pyg_nn.Linear)):
+        return None
+    weight = first.weight
+    if isinstance(weight, torch.nn.parameter.UninitializedParameter) or weight.size(0) >= x.size(-1):
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (module, first)):
+        return None
+    return first
 
 
 def _sum_plus_scaled(graph: SortedGraph, x: Tensor, scale: Tensor) -> Tensor:
