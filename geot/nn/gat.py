@@ -14,7 +14,25 @@ from .inputs import Edges, edges_of
 from .layer import GeotLayer
 
 
-class GATConv(GeotLayer, pyg_nn.GATConv):
+class AttentionHeads:
+    """What GATConv and GATv2Conv share once the [E, H] scores are made (a
+    mixin listed before the PyG layer: it reads PyG's heads, out_channels,
+    concat, dropout, bias)."""
+
+    def _attention(self, score: Tensor, graph: SortedGraph, num_nodes: int) -> Tensor:
+        # Without gradients the scores are not needed again: the softmax overwrites them (one [E, H] less).
+        softmax = hetero.edge_softmax if torch.is_grad_enabled() and score.requires_grad else hetero.edge_softmax_
+        return F.dropout(softmax(score, graph.dst, num_nodes), p=self.dropout, training=self.training)
+
+    def _finish(self, out: Tensor, res: Optional[Tensor], num_nodes: int) -> Tensor:
+        """The heads' [N, H, C] sums concatenated or averaged, the residual and the bias added."""
+        out = out.reshape(num_nodes, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
+        if res is not None:
+            out = out + res
+        return out if self.bias is None else out + self.bias
+
+
+class GATConv(GeotLayer, AttentionHeads, pyg_nn.GATConv):
     """``torch_geometric.nn.GATConv`` on geot: ``geot.edge_softmax`` over
     each node's incoming edges and one multi-head
     ``index_weight_segment_reduce``; in inference (no gradient recorded, no
@@ -105,11 +123,6 @@ class GATConv(GeotLayer, pyg_nn.GATConv):
             score = score + score_edge
         return F.leaky_relu(score, self.negative_slope)
 
-    def _attention(self, score: Tensor, graph: SortedGraph, num_nodes: int) -> Tensor:
-        # Without gradients the scores are not needed again: the softmax overwrites them (one [E, H] less).
-        softmax = hetero.edge_softmax if torch.is_grad_enabled() and score.requires_grad else hetero.edge_softmax_
-        return F.dropout(softmax(score, graph.dst, num_nodes), p=self.dropout, training=self.training)
-
     def _with_edge_values(self, nodes: Nodes, edges: Edges, edge_index, h_src, h_dst, res, edge_attr, size,
                           attention):
         """Edge features or attention weights returned: over PyG's self-looped
@@ -137,10 +150,3 @@ class GATConv(GeotLayer, pyg_nn.GATConv):
             edge_attr = edge_attr.view(-1, 1)
         projected = self.lin_edge(edge_attr).view(-1, self.heads, self.out_channels)
         return (projected * self.att_edge).sum(-1)
-
-    def _finish(self, out: Tensor, res: Optional[Tensor], num_nodes: int) -> Tensor:
-        """The heads' [N, H, C] sums concatenated or averaged, the residual and the bias added."""
-        out = out.reshape(num_nodes, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
-        if res is not None:
-            out = out + res
-        return out if self.bias is None else out + self.bias
