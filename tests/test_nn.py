@@ -28,6 +28,9 @@ LAYERS = [
     ("gat-mean-noloops", gnn.GATConv, pyg_nn.GATConv, (12, 5),
      {"heads": 2, "concat": False, "add_self_loops": False, "negative_slope": 0.1}),
     ("gat-residual", gnn.GATConv, pyg_nn.GATConv, ((12, 12), 5), {"heads": 2, "residual": True}),
+    ("gatv2", gnn.GATv2Conv, pyg_nn.GATv2Conv, (12, 5), {"heads": 3}),
+    ("gatv2-shared-mean-residual", gnn.GATv2Conv, pyg_nn.GATv2Conv, (12, 5),
+     {"heads": 2, "share_weights": True, "concat": False, "residual": True}),
     ("rgcn-mean", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 8, NUM_RELATIONS), {}),
     ("rgcn-sum-bases", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 8, NUM_RELATIONS), {"aggr": "add", "num_bases": 2}),
     ("rgcn-noroot", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 8, NUM_RELATIONS), {"root_weight": False}),
@@ -714,8 +717,9 @@ def test_compiled_first_on_cuda_static_then_new_graphs(mode):
     lambda: gnn.SAGEConv(12, 16, aggr="max"),
     lambda: gnn.GINConv(torch.nn.Linear(12, 4)),
     lambda: gnn.GATConv(12, 4, heads=2),
+    lambda: gnn.GATv2Conv(12, 4, heads=2),
     lambda: gnn.RGCNConv(12, 4, 3),
-], ids=["sage-mean", "sage-max", "gin", "gat", "rgcn"])
+], ids=["sage-mean", "sage-max", "gin", "gat", "gatv2", "rgcn"])
 def test_compile_fullgraph_layers_match_eager(make_layer):
     """Every layer traces whole (e2e.py compiles them with fullgraph=True),
     compiled before any eager call without sorting per call; aot_eager keeps

@@ -1,7 +1,7 @@
 """PyTorch Geometric layers on geot's kernels (needs torch_geometric).
 
-* ``GCNConv``, ``SAGEConv``, ``GINConv``, ``GATConv``, ``RGCNConv``, ``RGATConv``, ``HGTConv``,
-  ``TransformerConv``: drop-in
+* ``GCNConv``, ``SAGEConv``, ``GINConv``, ``GATConv``, ``GATv2Conv``, ``RGCNConv``, ``RGATConv``,
+  ``HGTConv``, ``TransformerConv``: drop-in
   subclasses of PyG's layers, same constructor, parameters and forward; a
   call geot does not run natively runs PyG's forward
   (:class:`GeotFallbackWarning`).
@@ -17,6 +17,7 @@ except ImportError as error:  # geot itself does not need PyG; geot.nn does
 
 from .aggr import SegmentAggregation
 from .gat import GATConv
+from .gatv2 import GATv2Conv
 from .gcn import GCNConv
 from .generic import explain, geot_class
 from .gin import GINConv
@@ -29,6 +30,6 @@ from .rgcn import RGCNConv
 from .sage import SAGEConv
 from .transformer import TransformerConv
 
-__all__ = ["GATConv", "GCNConv", "GeotFallbackWarning", "GINConv", "HGTConv", "RGATConv", "RGCNConv", "SAGEConv",
-           "SegmentAggregation", "SortedGraph", "TransformerConv", "UncachedGraphWarning", "explain", "geot_class",
-           "patch", "sorted_graph", "sorted_index"]
+__all__ = ["GATConv", "GATv2Conv", "GCNConv", "GeotFallbackWarning", "GINConv", "HGTConv", "RGATConv", "RGCNConv",
+           "SAGEConv", "SegmentAggregation", "SortedGraph", "TransformerConv", "UncachedGraphWarning", "explain",
+           "geot_class", "patch", "sorted_graph", "sorted_index"]

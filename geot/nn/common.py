@@ -4,6 +4,8 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+from torch_geometric.utils import add_self_loops, remove_self_loops
 
 from .. import _C, index
 from ..hetero import segment_matmul
@@ -77,6 +79,28 @@ def num_targets(nodes: Nodes, edges: Edges, size, graph: Optional[SortedGraph]) 
     if graph is None or graph.dst.numel() == 0:
         return 0
     return int(graph.dst[-1] if graph.ordered else graph.dst.max()) + 1
+
+
+_looped = WeakTensorKeyDictionary()  # edge_index -> (version key, PyG's self-looped edge_index)
+
+
+def pyg_looped(edge_index: Tensor, loops: int) -> Tensor:
+    """PyG's self-looped edge_index (input loops removed, loops 0..loops-1
+    appended), kept with edge_index so the sorted graph is kept too."""
+    key = (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape), loops)
+    entry = None if torch.compiler.is_compiling() else _looped.get(edge_index)
+    if entry is not None and entry[0] == key:
+        return entry[1]
+    looped = add_self_loops(remove_self_loops(edge_index)[0], num_nodes=loops)[0]
+    if not torch.compiler.is_compiling():
+        _looped[edge_index] = (key, looped)
+    return looped
+
+
+def pyg_looped_attr(edge_index: Tensor, edge_attr: Tensor, fill_value, loops: int) -> Tensor:
+    """The edge features of :func:`pyg_looped`'s edges: the input loops' dropped, the
+    added loops' made from ``fill_value`` as PyG's ``add_self_loops`` makes them."""
+    return add_self_loops(*remove_self_loops(edge_index, edge_attr), fill_value=fill_value, num_nodes=loops)[1]
 
 
 def gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, weight: Optional[Tensor] = None,

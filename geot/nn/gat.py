@@ -5,19 +5,34 @@ import torch
 import torch.nn.functional as F
 import torch_geometric.nn as pyg_nn
 from torch import Tensor
-from torch.utils.weak import WeakTensorKeyDictionary
-from torch_geometric.utils import add_self_loops, remove_self_loops
 
 from .. import _ops, hetero
-from .common import Nodes, gather_reduce, node_inputs, nodes_reason, num_targets, sizes_reason
+from .common import (Nodes, gather_reduce, node_inputs, nodes_reason, num_targets, pyg_looped,
+                     pyg_looped_attr, sizes_reason)
 from .graph import SortedGraph, sorted_graph
 from .inputs import Edges, edges_of
 from .layer import GeotLayer
 
-_looped = WeakTensorKeyDictionary()  # edge_index -> (version key, loops, PyG's self-looped edge_index)
+
+class AttentionHeads:
+    """What GATConv and GATv2Conv share once the [E, H] scores are made (a
+    mixin listed before the PyG layer: it reads PyG's heads, out_channels,
+    concat, dropout, bias)."""
+
+    def _attention(self, score: Tensor, graph: SortedGraph, num_nodes: int) -> Tensor:
+        # Without gradients the scores are not needed again: the softmax overwrites them (one [E, H] less).
+        softmax = hetero.edge_softmax if torch.is_grad_enabled() and score.requires_grad else hetero.edge_softmax_
+        return F.dropout(softmax(score, graph.dst, num_nodes), p=self.dropout, training=self.training)
+
+    def _finish(self, out: Tensor, res: Optional[Tensor], num_nodes: int) -> Tensor:
+        """The heads' [N, H, C] sums concatenated or averaged, the residual and the bias added."""
+        out = out.reshape(num_nodes, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
+        if res is not None:
+            out = out + res
+        return out if self.bias is None else out + self.bias
 
 
-class GATConv(GeotLayer, pyg_nn.GATConv):
+class GATConv(GeotLayer, AttentionHeads, pyg_nn.GATConv):
     """``torch_geometric.nn.GATConv`` on geot: ``geot.edge_softmax`` over
     each node's incoming edges and one multi-head
     ``index_weight_segment_reduce``; in inference (no gradient recorded, no
@@ -108,11 +123,6 @@ class GATConv(GeotLayer, pyg_nn.GATConv):
             score = score + score_edge
         return F.leaky_relu(score, self.negative_slope)
 
-    def _attention(self, score: Tensor, graph: SortedGraph, num_nodes: int) -> Tensor:
-        # Without gradients the scores are not needed again: the softmax overwrites them (one [E, H] less).
-        softmax = hetero.edge_softmax if torch.is_grad_enabled() and score.requires_grad else hetero.edge_softmax_
-        return F.dropout(softmax(score, graph.dst, num_nodes), p=self.dropout, training=self.training)
-
     def _with_edge_values(self, nodes: Nodes, edges: Edges, edge_index, h_src, h_dst, res, edge_attr, size,
                           attention):
         """Edge features or attention weights returned: over PyG's self-looped
@@ -120,22 +130,19 @@ class GATConv(GeotLayer, pyg_nn.GATConv):
         features filled as ``fill_value`` says), kept per graph, so the
         weights come back in PyG's order."""
         loops = self._loops(nodes, edges, size)
-        looped = edge_index if loops is None else _pyg_looped(edge_index, loops)
+        looped = edge_index if loops is None else pyg_looped(edge_index, loops)
         graph = sorted_graph(self, looped, flipped=self._flipped(), keep_perm=True)
         num_nodes = num_targets(nodes, edges, size, graph)
         score_edge = None
         if edge_attr is not None:
             if loops is not None:
-                edge_attr = add_self_loops(*remove_self_loops(edge_index, edge_attr), fill_value=self.fill_value,
-                                           num_nodes=loops)[1]
+                edge_attr = pyg_looped_attr(edge_index, edge_attr, self.fill_value, loops)
             score_edge = self._edge_scores(graph.edge_values(edge_attr))
         alpha = self._attention(self._scores(graph, h_src, h_dst, score_edge), graph, num_nodes)
         out = self._finish(gather_reduce(graph, h_src, "sum", num_nodes, alpha), res, num_nodes)
         if not attention:
             return out
-        if graph.perm is not None:  # back to the input order
-            alpha = torch.empty_like(alpha).index_copy_(0, graph.perm.long(), alpha)
-        return out, (looped, alpha)
+        return out, (looped, graph.input_order(alpha))
 
     def _edge_scores(self, edge_attr: Tensor) -> Tensor:
         """[E, H] a_edge . lin_edge(edge_attr)."""
@@ -143,23 +150,3 @@ class GATConv(GeotLayer, pyg_nn.GATConv):
             edge_attr = edge_attr.view(-1, 1)
         projected = self.lin_edge(edge_attr).view(-1, self.heads, self.out_channels)
         return (projected * self.att_edge).sum(-1)
-
-    def _finish(self, out: Tensor, res: Optional[Tensor], num_nodes: int) -> Tensor:
-        """The heads' [N, H, C] sums concatenated or averaged, the residual and the bias added."""
-        out = out.reshape(num_nodes, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
-        if res is not None:
-            out = out + res
-        return out if self.bias is None else out + self.bias
-
-
-def _pyg_looped(edge_index: Tensor, loops: int) -> Tensor:
-    """PyG's self-looped edge_index (input loops removed, loops 0..loops-1
-    appended), kept with edge_index so the sorted graph is kept too."""
-    key = (edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape), loops)
-    entry = None if torch.compiler.is_compiling() else _looped.get(edge_index)
-    if entry is not None and entry[0] == key:
-        return entry[1]
-    looped = add_self_loops(remove_self_loops(edge_index)[0], num_nodes=loops)[0]
-    if not torch.compiler.is_compiling():
-        _looped[edge_index] = (key, looped)
-    return looped

@@ -179,6 +179,13 @@ class SortedGraph(NamedTuple):
             return values
         return values.index_select(0, self.perm)
 
+    def input_order(self, values: Tensor) -> Tensor:
+        """Per-edge values in this graph's order, put back in input order (with
+        ``keep_perm``, the added self loops last, as PyG appends them)."""
+        if self.perm is None:
+            return values
+        return torch.empty_like(values).index_copy_(0, self.perm.long(), values)
+
 
 _graphs = WeakTensorKeyDictionary()   # edge_index -> {variant: (version key, edge_type ref, SortedGraph)}
 _indices = WeakTensorKeyDictionary()  # base of an index view -> {view key: (perm, sorted index)}

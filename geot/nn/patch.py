@@ -3,6 +3,7 @@ import torch
 import torch_geometric.nn as pyg_nn
 
 from .gat import GATConv
+from .gatv2 import GATv2Conv
 from .gcn import GCNConv
 from .generic import geot_class, propagates_on_geot
 from .gin import GINConv
@@ -17,6 +18,7 @@ GEOT_LAYERS = {
     pyg_nn.SAGEConv: SAGEConv,
     pyg_nn.GINConv: GINConv,
     pyg_nn.GATConv: GATConv,
+    pyg_nn.GATv2Conv: GATv2Conv,
     pyg_nn.RGCNConv: RGCNConv,
     pyg_nn.TransformerConv: TransformerConv,
     pyg_nn.RGATConv: RGATConv,
@@ -25,8 +27,8 @@ GEOT_LAYERS = {
 
 
 def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
-    """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv, RGCNConv, RGATConv, HGTConv and
-    TransformerConv in
+    """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv, GATv2Conv, RGCNConv, RGATConv,
+    HGTConv and TransformerConv in
     ``model`` (the model itself included, and the per-edge-type copies that
     ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place,
     and gives every other ``MessagePassing`` layer whose message geot

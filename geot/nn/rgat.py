@@ -70,9 +70,7 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
         out = self._aggregate(graph, rel, projected, alpha, num_nodes)
         out = self._update(out, num_nodes)
         if isinstance(return_attention_weights, bool):
-            if graph.perm is not None:  # back to the input's edge order
-                alpha = torch.empty_like(alpha).index_copy_(0, graph.perm.long(), alpha)
-            return out, (edge_index, alpha)
+            return out, (edge_index, graph.input_order(alpha))
         return out
 
     def _call_reason(self, x, edge_index, edge_type, edge_attr, size) -> Optional[str]:

@@ -54,7 +54,7 @@ class TransformerConv(GeotLayer, pyg_nn.TransformerConv):
         out = out.reshape(num_nodes, heads * channels) if self.concat else out.mean(dim=1)
         out = self._with_root(out, x_dst)
         if isinstance(return_attention_weights, bool):
-            return out, (edge_index, _input_order(graph, alpha))
+            return out, (edge_index, graph.input_order(alpha))
         return out
 
     def _call_reason(self, x, edge_index, edge_attr) -> Optional[str]:
@@ -87,10 +87,3 @@ class TransformerConv(GeotLayer, pyg_nn.TransformerConv):
             return out + x_r
         beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1)).sigmoid()
         return beta * x_r + (1 - beta) * out
-
-
-def _input_order(graph: SortedGraph, values: Tensor) -> Tensor:
-    """Per-edge values of the graph's order, back in the input's edge order."""
-    if graph.perm is None:
-        return values
-    return torch.empty_like(values).index_copy_(0, graph.perm.long(), values)
