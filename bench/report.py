@@ -171,7 +171,7 @@ class E2E(Bench):
     PATHS = ("pyg", "pyg-csr", "pyg-compile", "geot", "geot-compile")
     GROUPS = {"GCN/GIN/SAGE": ("gcn", "gin", "sage"), "GAT": ("gat",), "RGCN": ("rgcn",)}
     about = (
-        "3-layer GCN, GIN and GraphSAGE, 2-layer GAT (8 heads of 8) and RGCN (8 relations), inference and a "
+        "3-layer GCN, GIN and GraphSAGE, 2-layer GAT (8 heads of hidden / 8) and RGCN (8 relations), inference and a "
         "full training step (forward, cross-entropy, backward, Adam), in fp32 and bf16 autocast. Paths: PyG's "
         "layers on `edge_index` (`pyg`), on a `torch.sparse_csr` adjacency (`pyg-csr`; GCN/GIN/SAGE only), "
         "`torch.compile` of the PyG model (`pyg-compile`), `geot.nn` eager (`geot`) and "
@@ -181,7 +181,9 @@ class E2E(Bench):
         "fastest PyG path's time / geot's. Peak memory: `max_memory_allocated` over a step that records the "
         "CUDA graph, against the fastest PyG path's. PyG's CSR path has no bf16 backward (cuSPARSE): `–` there. "
         "On the small real graphs (≤ 10^5 edges) a step is host-bound and cells move by up to ±30% "
-        "between runs."
+        "between runs. The 10M-edge power-law cells (hidden 128 and 256, fp32) run as users compile: "
+        "default mode, compiled before any eager call, one round; some of their peak-memory cells were not "
+        "kept (`–`)."
     )
     commands = (
         'E2E="python bench/e2e.py --compile-mode reduce-overhead --rounds 2 --max-time 0.3"',
@@ -194,6 +196,9 @@ class E2E(Bench):
         'U="--models gcn,gin,sage,gat --hidden 64 --graphs uniform:n=200000,d=16 --dtypes fp32,bf16"',
         "$E2E $U --paths pyg,pyg-csr,pyg-compile && $ADD",
         "$E2E $U --paths geot,geot-compile && $ADD",
+        'L="--graphs powerlaw:n=1000000,deg=10 --dtypes fp32 --rounds 1 --reps 10 --warmup 2"',
+        "python bench/e2e.py --models gcn,sage,gin --hidden 128,256 $L && $ADD",
+        "python bench/e2e.py --models gat --hidden 128 $L --paths pyg-csr,pyg-compile,geot,geot-compile && $ADD",
     )
 
     def merge(self, current, runs):
