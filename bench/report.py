@@ -624,6 +624,49 @@ class RelationalGNN(Bench):
         return rows
 
 
+class MultiGpu(Bench):
+    name = "multi_gpu"
+    title = "Several GPUs (`examples/multi_gpu.py`)"
+    keys = ("nodes", "batch", "processes", "hidden")
+    about = (
+        "GraphSAGE (2 layers, hidden 256) under `DistributedDataParallel` (NCCL, one process per GPU) on a "
+        "generated 1M-node graph (10 edges per node). Each step every process cuts the 2-hop subgraph of its "
+        "share of the seeds (`torch_geometric.utils.k_hop_subgraph`, a new `edge_index` every step), runs the "
+        "model on it and takes the loss at its seeds. Then one process trains a copy alone on the whole "
+        "batches. Efficiency: the one-process step time over (processes × the DDP step time), 1.0 for "
+        "perfect scaling; the parameter gap: the largest difference between the two models' parameters at the "
+        "end. The subgraph cut scans the whole edge list at each hop in every process, whatever its share, "
+        "and large batches' 2-hop neighbourhoods cover most of the graph: both cap the scaling."
+    )
+    commands = ("M=\"torchrun --nproc_per_node=2 examples/multi_gpu.py --check --csv bench/out/multi_gpu.csv\"",
+                "$M --steps 40 && $M --batch 16384 --steps 20 && $M --batch 65536 --steps 20",
+                "python bench/report.py --add multi_gpu bench/out/multi_gpu.csv --gpu h200")
+
+    def section(self, df, gpu, img_dir):
+        rows = [[str(r["processes"]), str(r["batch"]), str(r["steps"]), fmt(r["single_ms"], 2), fmt(r["ms"], 2),
+                 fmt(r["efficiency"], 2), f"{r['max_param_gap']:.1e}"] for _, r in df.iterrows()]
+        image = f"multi_gpu_{gpu}.png"
+        self.plot(df, os.path.join(img_dir, image))
+        return (markdown_table(["processes", "seeds per step", "steps", "1 process ms", "DDP ms", "efficiency",
+                                "parameter gap"], rows, "rrrrrrr")
+                + f"\n\n![scaling efficiency by batch size]({os.path.basename(img_dir)}/{image})\n")
+
+    def plot(self, df, path):
+        plt = plot_style()
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.bar([str(b) for b in df["batch"]], df["efficiency"])
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_ylim(0, 1.1)
+        ax.set_xlabel("seeds per step")
+        ax.set_ylabel(f"efficiency, {df['processes'].max()} GPUs")
+        save_figure(fig, path)
+
+    def headline(self, df):
+        low, high = df["efficiency"].min(), df["efficiency"].max()
+        return [[f"GraphSAGE under DDP on {df['processes'].max()} GPUs (`multi_gpu.py`, {cells(len(df))})",
+                 "one process on the whole batches", f"scaling efficiency {low:.2f}–{high:.2f}"]]
+
+
 def speedup_plot(df, column, ylabel, path):
     """Speedup against F, one line per graph."""
     plt = plot_style()
@@ -640,7 +683,7 @@ def speedup_plot(df, column, ylabel, path):
 
 
 BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), HeteroAttention(), GinSum(),
-                                                  MiniBatch(), RelationalGNN())}
+                                                  MiniBatch(), RelationalGNN(), MultiGpu())}
 
 
 # ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ copy of the initial model alone on the full batches and compares the
 parameters, and prints the scaling efficiency: the one-process step time
 over N times the N-process step time (1.0: perfect scaling).
 
-    torchrun --nproc_per_node=2 examples/multi_gpu.py [--check] [--steps 50] [--nodes 1000000]
+    torchrun --nproc_per_node=2 examples/multi_gpu.py [--check [--csv out.csv]] [--steps 50] [--nodes 1000000]
 
 NCCL on one GPU per process where there are enough GPUs; otherwise gloo on
 the CPU (slow, but it runs anywhere: the tests use it).
@@ -84,6 +84,17 @@ def train(model, data, batches, share, device) -> float:
     return (time.perf_counter() - start) * 1e3 / max(len(batches) - 2, 1)
 
 
+def append_row(path: str, row: dict) -> None:
+    """Appends row to the CSV at path (its header first where the file is new)."""
+    import csv
+    new_file = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if new_file:
+            writer.writeheader()
+        writer.writerow(row)
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -97,6 +108,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--check", action="store_true",
                         help="then train alone on the full batches: same parameters? scaling efficiency")
+    parser.add_argument("--csv", default=None, help="with --check: append the result as a row to this CSV "
+                        "(bench/report.py --add multi_gpu takes it)")
     args = parser.parse_args()
     device = set_up()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -119,6 +132,11 @@ def main() -> int:
             print(f"1 process: {single_ms:.2f} ms per step, {args.batch} seeds")
             print(f"scaling efficiency: {single_ms / (world * ms):.2f}")
             print(f"parameters {'match' if gap < 1e-3 else 'DIFFER'} after {args.steps} steps (max gap {gap:.1e})")
+            if args.csv:
+                append_row(args.csv, dict(gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                                          nodes=args.nodes, batch=args.batch, processes=world, hidden=args.hidden,
+                                          steps=args.steps, ms=ms, single_ms=single_ms,
+                                          efficiency=single_ms / (world * ms), max_param_gap=gap))
         dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -4,6 +4,7 @@ multi-GPU example (examples/multi_gpu.py) against one process."""
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -46,17 +47,23 @@ def test_gat_matches_plain_torch():
                        lambda: (gat.gat_reference(layer, x, edge_index) * g).sum())
 
 
-def test_multi_gpu_example_matches_one_process():
+def test_multi_gpu_example_matches_one_process(tmp_path):
     """examples/multi_gpu.py: DDP over 2 processes (NCCL where 2 GPUs are
-    visible, else gloo on the CPU) takes the steps one process takes alone."""
+    visible, else gloo on the CPU) takes the steps one process takes alone,
+    and --csv keeps the result as a row bench/report.py reads."""
     import subprocess
+    import pandas as pd
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "multi_gpu.py")
+    csv_path = tmp_path / "multi_gpu.csv"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
-         "--nodes", "20000", "--batch", "256", "--steps", "6", "--hidden", "64", "--check"],
+         "--nodes", "20000", "--batch", "256", "--steps", "6", "--hidden", "64", "--check", "--csv", str(csv_path)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "parameters match after 6 steps" in result.stdout, result.stdout
+    row = pd.read_csv(csv_path).iloc[0]
+    assert (row["processes"], row["batch"], row["steps"]) == (2, 256, 6)
+    assert row["efficiency"] == pytest.approx(row["single_ms"] / (2 * row["ms"])) and row["max_param_gap"] < 1e-3
 
 
 def test_hetero_rgat_example_learns():

@@ -44,19 +44,23 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
                                                            any_order=torch.is_grad_enabled())
         linear = _narrowing_linear(self.nn, x_src)
         if linear is not None:
-            # nn's first Linear commutes with the sum: sum its narrower
-            # projections (its bias after, so a node without edges gets it).
-            projected_src = F.linear(x_src, linear.weight)
-            projected_dst = projected_src if x_dst is x_src or x_dst is None else F.linear(x_dst, linear.weight)
-            out = self._sum(graph, projected_src, None if x_dst is None else projected_dst, weight, num_nodes)
-            out = out if linear.bias is None else out + linear.bias.to(out.dtype)
-            for module in ([] if self.nn is linear else list(self.nn)[1:]):
-                out = module(out)
-            return out
+            return self._project_first(linear, graph, x_src, x_dst, weight, num_nodes)
         if (not torch.is_grad_enabled() and _begins_with_linear(self.nn) and matmul_dtype(x_src) != x_src.dtype
                 and _cast_first_saves_memory(graph, x_src, num_nodes)):
             x_src, x_dst = cast_for_matmul(x_src, x_dst)
         return self.nn(self._sum(graph, x_src, x_dst, weight, num_nodes))
+
+    def _project_first(self, linear, graph: SortedGraph, x_src: Tensor, x_dst, weight, num_nodes: int) -> Tensor:
+        """nn's first Linear commutes with the sum: the sum of its narrower
+        projections, its bias after (a node without edges gets it too), then
+        the rest of nn."""
+        projected_src = F.linear(x_src, linear.weight)
+        projected_dst = projected_src if x_dst is x_src or x_dst is None else F.linear(x_dst, linear.weight)
+        out = self._sum(graph, projected_src, None if x_dst is None else projected_dst, weight, num_nodes)
+        out = out if linear.bias is None else out + linear.bias.to(out.dtype)
+        for module in ([] if self.nn is linear else list(self.nn)[1:]):
+            out = module(out)
+        return out
 
     def _sum(self, graph: SortedGraph, x_src: Tensor, x_dst, weight, num_nodes: int) -> Tensor:
         """(1 + eps) x_dst + the sum of x_src over each node's edges (no self term where x_dst is None)."""
