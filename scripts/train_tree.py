@@ -34,8 +34,10 @@ on F (geometric midpoints between swept widths) sits on top. The printed
 held-out figures are cross-validation (GroupKFold) leaving out graphs, base
 graphs (with their augmentations) and whole generator families (HOLDOUTS):
 no hyperparameter is chosen on them (the forest grows full trees; the
-distilled tree has a fixed leaf budget). The headers hold no held-out figure,
-so --no-eval writes them byte for byte the same.
+distilled tree has a fixed leaf budget); beside the strict figures it prints
+noise-aware ones, where a pick within the DB's repeat spread of the oracle on
+a cell under NOISY_EDGES edges counts as the oracle. The headers hold no
+held-out figure, so --no-eval writes them byte for byte the same.
 """
 import argparse
 import glob
@@ -141,6 +143,27 @@ FOREST_TREES = 64
 # (the forest's predictions on them are most of a fit).
 DISTILL_POINTS = 10000
 DISTILL_LEAVES = 128
+# The oracle is a min over noisy timings: on cells under NOISY_EDGES edges
+# (5-10 us a launch) one launch timed twice (the heuristic's row and the
+# sweep's of the same launch) differs at the median by 4.0% (plain rows) and
+# 2.6-2.7% (gathered) on the H100 and H200 DBs, under 0.2% on larger cells:
+# there the strict oracle / pick is partly the luckiest rep.
+# Beside the strict figures, the noise-aware ones count a pick within that
+# median spread (repeat_spread) of the oracle on such cells as the oracle.
+NOISY_EDGES = 10_000
+# Tried on the committed DBs and not kept (mean over the 4 GPU/family pairs,
+# held-out graphs / families; as committed 0.9395 / 0.8625, other forest
+# seeds 0.9393-0.9419 / 0.8542-0.8634): fitting gains with configs within
+# the repeat spread of the best tied at 0 (4% under NOISY_EDGES) 0.9393 /
+# 0.8612, and 1% above 0.9406 / 0.8614; gain floors -0.5, -2, -3 0.9395 /
+# 0.8007, 0.9369 / 0.8665, 0.9378 / 0.8636; cells weighted by log2 E
+# 0.9403 / 0.8593, by the stakes (minus the median floored gain) 0.9404 /
+# 0.8628, donated cells at half weight 0.9386 / 0.8591; 256 distilled leaves
+# 0.9397 / 0.8618; the other GPU's gains averaged into the targets of the
+# graphs both DBs have (half, 30%) 0.9362 / 0.8601, 0.9357 / 0.8605; a cost
+# model (ridge regression of the gains on degree-2 products of the forest's
+# inputs, avg logged) alone 0.885 / 0.827, 30% of it blended with the forest
+# 0.936 / 0.857.
 
 
 def long_level(max_deg: int) -> int:
@@ -200,6 +223,7 @@ class Family:
     configs: np.ndarray  # [C, 5] every config timed, sorted
     times: np.ndarray  # [cells, C] ms; NaN: no equivalent launch timed (the sweep pruned it for that F)
     X: np.ndarray  # [cells, len(FEATURES)]
+    noise: float = 0.0  # repeat_spread of this GPU's DB (log2)
     donated: Optional[np.ndarray] = None  # [cells] bool: a cell of another GPU's DB (with_donors); None: none
 
     @property
@@ -225,6 +249,12 @@ class Family:
     @property
     def heuristic_gain(self) -> np.ndarray:
         return np.log2(np.nanmin(self.times, axis=1) / self.cells.heuristic_ms.to_numpy())
+
+    def noise_aware(self, gains: np.ndarray) -> np.ndarray:
+        """Gains of the own cells with a loss within the repeat spread, on
+        cells under NOISY_EDGES edges, counted as none."""
+        noisy = self.cells.E.to_numpy()[self.own] < NOISY_EDGES
+        return np.where(noisy, np.minimum(gains + self.noise, 0.0), gains)
 
 
 def finished_cells(rows: pd.DataFrame) -> pd.DataFrame:
@@ -256,6 +286,18 @@ def time_table(timed: pd.DataFrame, cells: pd.DataFrame, configs: np.ndarray) ->
     return times
 
 
+def repeat_spread(rows: pd.DataFrame) -> float:
+    """Median |log2| of the heuristic's time over the sweep's for the same
+    launch, on cells under NOISY_EDGES edges; 0 if there is none."""
+    key_columns = [f"key_{c}" for c in CONFIG_COLUMNS]
+    small = rows[rows.E < NOISY_EDGES]
+    small = small.assign(**dict(zip(key_columns, launch_keys(small[CONFIG_COLUMNS].to_numpy(), small.F.to_numpy()).T)))
+    is_heuristic = small.schedule == "heuristic"
+    swept = small[~is_heuristic].groupby(["graph", "F", *key_columns]).time_ms.min().rename("swept_ms")
+    pairs = small[is_heuristic].merge(swept.reset_index(), on=["graph", "F", *key_columns])
+    return float(np.median(np.abs(np.log2(pairs.time_ms / pairs.swept_ms)))) if len(pairs) else 0.0
+
+
 def load_family(path: str) -> Family:
     rows = pd.read_csv(path)
     absent = [c for c in REQUIRED_COLUMNS + CONFIG_COLUMNS if c not in rows.columns]
@@ -271,7 +313,7 @@ def load_family(path: str) -> Family:
     configs = np.unique(timed[CONFIG_COLUMNS].to_numpy(dtype=np.int64), axis=0)
     X = np.array([rule_features(int(c.E), int(c.num_segments), int(c.F), long_level(int(c.max_deg)))
                   for c in cells.itertuples()])
-    return Family(cells, configs, time_table(timed, cells, configs), X)
+    return Family(cells, configs, time_table(timed, cells, configs), X, repeat_spread(rows))
 
 
 def with_donors(own: Family, donors: List[Family]) -> Family:
@@ -292,11 +334,11 @@ def with_donors(own: Family, donors: List[Family]) -> Family:
         for j, config in enumerate(own.configs.tolist()):
             if tuple(config) in column:
                 times[:, j] = donor.times[lacking, column[tuple(config)]]
-        parts.append(Family(donor.cells[lacking], own.configs, times, donor.X[lacking]))
+        parts.append(Family(donor.cells[lacking], own.configs, times, donor.X[lacking], donor.noise))
     donated = np.concatenate([np.full(len(part.X), part is not own) for part in parts])
     return Family(pd.concat([part.cells for part in parts], ignore_index=True), own.configs,
                   np.concatenate([part.times for part in parts]), np.concatenate([part.X for part in parts]),
-                  donated if donated.any() else None)
+                  own.noise, donated if donated.any() else None)
 
 
 @dataclass
@@ -515,6 +557,10 @@ def train_family(family: Family, evaluate: bool = True) -> Trained:
         scored.append(("heuristic", family.heuristic_gain[own]))
     for name, gains in scored:
         summary[f"{name}_geomean"], summary[f"{name}_worst"], summary[f"{name}_worst_graph"] = ratios(gains, graphs)
+        if name in dict(HOLDOUTS):
+            aware = ratios(family.noise_aware(gains), graphs)
+            summary[f"{name}_noise_aware_geomean"], summary[f"{name}_noise_aware_worst_graph"] = aware[0], aware[2]
+    summary["repeat_spread"] = float(2 ** family.noise - 1)
     return Trained(tree, family.configs, summary)
 
 
@@ -531,6 +577,10 @@ def describe(summary: dict) -> List[str]:
         lines.append("oracle/pick held out by " + ", ".join(figures) + "; hand heuristic "
                      f"{s['heuristic_geomean']:.3f} (worst cell {s['heuristic_worst']:.3f}, "
                      f"graph {s['heuristic_worst_graph']:.3f})")
+        aware = [f"{name} {s[name + '_noise_aware_geomean']:.3f} (worst graph "
+                 f"{s[name + '_noise_aware_worst_graph']:.3f})" for name, _ in HOLDOUTS if name + "_geomean" in s]
+        lines.append(f"noise-aware (a pick within the repeat spread, {100 * s['repeat_spread']:.1f}%, of the oracle "
+                     f"on cells under {NOISY_EDGES} edges counts as the oracle): " + ", ".join(aware))
     return lines
 
 
@@ -751,9 +801,11 @@ def print_summary(summary: pd.DataFrame) -> None:
     columns = ["gpu", "family", "cells", "graphs", "leaves", "train_geomean"]
     names = [name for name, _ in HOLDOUTS] + ["heuristic"]
     held_out = [f"{name}_{figure}" for name in names for figure in ("geomean", "worst", "worst_graph")]
-    columns += [c for c in held_out if c in summary.columns]
+    aware = [f"{name}_noise_aware_{figure}" for name, _ in HOLDOUTS for figure in ("geomean", "worst_graph")]
+    columns += [c for c in held_out + aware if c in summary.columns]
     print("\noracle/pick: geomean, worst cell, worst graph; held out by graph, base graph (with its "
-          "augmentations), generator family (GroupKFold); the hand heuristic's")
+          "augmentations), generator family (GroupKFold); the hand heuristic's; noise-aware (a pick within "
+          f"the DB's repeat spread of the oracle on cells under {NOISY_EDGES} edges counts as the oracle)")
     print(summary[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
 
 
