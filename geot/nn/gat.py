@@ -19,6 +19,17 @@ class AttentionHeads:
     mixin listed before the PyG layer: it reads PyG's heads, out_channels,
     concat, dropout, bias)."""
 
+    def _looped_edges(self, edge_index: Tensor, edge_attr: Optional[Tensor], loops: Optional[int]):
+        """(PyG's self-looped edge list: input loops removed, one loop per
+        node appended; its sorted graph, kept per graph with its permutation so
+        the weights go back to PyG's order; the edge features of those edges,
+        loops filled as ``fill_value`` says, in the graph's order, or None)."""
+        looped = edge_index if loops is None else pyg_looped(edge_index, loops)
+        graph = sorted_graph(self, looped, flipped=self._flipped(), keep_perm=True)
+        if edge_attr is not None and loops is not None:
+            edge_attr = pyg_looped_attr(edge_index, edge_attr, self.fill_value, loops)
+        return looped, graph, None if edge_attr is None else graph.edge_values(edge_attr)
+
     def _attention(self, score: Tensor, graph: SortedGraph, num_nodes: int) -> Tensor:
         # Without gradients the scores are not needed again: the softmax overwrites them (one [E, H] less).
         softmax = hetero.edge_softmax if torch.is_grad_enabled() and score.requires_grad else hetero.edge_softmax_
@@ -126,18 +137,10 @@ class GATConv(GeotLayer, AttentionHeads, pyg_nn.GATConv):
     def _with_edge_values(self, nodes: Nodes, edges: Edges, edge_index, h_src, h_dst, res, edge_attr, size,
                           attention):
         """Edge features or attention weights returned: over PyG's self-looped
-        edge list (input loops removed, one loop per node appended, edge
-        features filled as ``fill_value`` says), kept per graph, so the
-        weights come back in PyG's order."""
-        loops = self._loops(nodes, edges, size)
-        looped = edge_index if loops is None else pyg_looped(edge_index, loops)
-        graph = sorted_graph(self, looped, flipped=self._flipped(), keep_perm=True)
+        edge list (:meth:`_looped_edges`), the weights in PyG's order."""
+        looped, graph, edge_attr = self._looped_edges(edge_index, edge_attr, self._loops(nodes, edges, size))
         num_nodes = num_targets(nodes, edges, size, graph)
-        score_edge = None
-        if edge_attr is not None:
-            if loops is not None:
-                edge_attr = pyg_looped_attr(edge_index, edge_attr, self.fill_value, loops)
-            score_edge = self._edge_scores(graph.edge_values(edge_attr))
+        score_edge = None if edge_attr is None else self._edge_scores(edge_attr)
         alpha = self._attention(self._scores(graph, h_src, h_dst, score_edge), graph, num_nodes)
         out = self._finish(gather_reduce(graph, h_src, "sum", num_nodes, alpha), res, num_nodes)
         if not attention:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
-from .common import Nodes, gather_reduce, node_inputs, nodes_reason, pyg_looped, pyg_looped_attr, sizes_reason
+from .common import Nodes, gather_reduce, node_inputs, nodes_reason, sizes_reason
 from .gat import AttentionHeads
 from .graph import SortedGraph, checked, sorted_graph
 from .inputs import edges_of
@@ -84,17 +84,11 @@ class GATv2Conv(GeotLayer, AttentionHeads, pyg_nn.GATv2Conv):
     def _with_edge_values(self, edge_index, x_l: Tensor, x_r: Tensor, res: Optional[Tensor],
                           edge_attr: Optional[Tensor], loops: Optional[int], attention):
         """Edge features or attention weights returned: over PyG's self-looped
-        edge list (input loops removed, one loop per node appended, edge
-        features filled as ``fill_value`` says), kept per graph, so the
-        weights come back in PyG's order."""
-        looped = edge_index if loops is None else pyg_looped(edge_index, loops)
+        edge list (:meth:`_looped_edges`), the weights in PyG's order."""
+        looped, graph, edge_attr = self._looped_edges(edge_index, edge_attr, loops)
         num_nodes = x_r.size(0)
-        graph = checked(sorted_graph(self, looped, flipped=self._flipped(), keep_perm=True), x_l.size(0), num_nodes)
-        edge = None
-        if edge_attr is not None:
-            if loops is not None:
-                edge_attr = pyg_looped_attr(edge_index, edge_attr, self.fill_value, loops)
-            edge = self._projected_edges(graph.edge_values(edge_attr))
+        graph = checked(graph, x_l.size(0), num_nodes)
+        edge = None if edge_attr is None else self._projected_edges(edge_attr)
         alpha = self._attention(self._scores(graph, x_l, x_r, edge), graph, num_nodes)
         out = self._finish(gather_reduce(graph, x_l, "sum", num_nodes, alpha), res, num_nodes)
         return (out, (looped, graph.input_order(alpha))) if attention else out
