@@ -144,14 +144,17 @@ def fresh(batch: Batch) -> Batch:
     return batch._replace(blocks=[block._replace(edge_index=block.edge_index.clone()) for block in batch.blocks])
 
 
-def time_steps(steps: Dict[str, Callable], batches: List[Batch], warmup: int, device) -> Dict[str, Tuple[float, float]]:
+def time_steps(steps: Dict[str, Callable], batches: List, warmup: int, device,
+               renew: Callable = None) -> Dict[str, Tuple[float, float]]:
     """path -> (median ms per step over the batches after the first warmup,
     ms of the first step: compilation included). Every path steps every
-    batch once; the timed steps take turns across paths, batch by batch, so
-    drift of the host's speed (host-bound steps) reaches all paths alike."""
+    batch once, each path its own copy (renew, default fresh); the timed
+    steps take turns across paths, batch by batch, so drift of the host's
+    speed (host-bound steps) reaches all paths alike."""
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    own = {path: [fresh(batch) for batch in batches] for path in steps}
+    renew = renew or fresh
+    own = {path: [renew(batch) for batch in batches] for path in steps}
     first = {}
     for path, step in steps.items():
         sync()

@@ -566,6 +566,49 @@ class MiniBatch(Bench):
                  "fastest of PyG eager / compiled", f"{geomean(eager['speedup']):.2f}×"]]
 
 
+class ChangingGraph(Bench):
+    name = "changing_graph"
+    title = "Full-graph training on a graph that changes every step (`bench/changing_graph.py`)"
+    keys = ("model", "hidden", "graph", "dtype", "path")
+    about = (
+        "e2e's models (3-layer GCN, SAGE, GIN at hidden 128; 2-layer 8-head GAT) trained on the whole node set "
+        "while each step keeps only the edges into a random quarter of the nodes, as a new `edge_index` "
+        "tensor (edge dropout, node-subset sampling, a sliding window), with cross-entropy over that quarter, "
+        "backward and Adam. Nothing of one step's graph can be kept for the next. Median ms per step over "
+        "distinct graphs (CUDA events), the paths taking turns; building the subgraph is not timed. Paths: PyG "
+        "eager and `torch.compile(dynamic=True)`, geot eager and compiled the same way."
+    )
+    commands = ("python bench/changing_graph.py --paths pyg,geot,geot-compile --steps 12 --warmup 3",
+                "python bench/report.py --add changing_graph bench/out/changing_graph_nvidia-h100-80gb-hbm3.csv "
+                "--gpu h100")
+
+    def section(self, df, gpu, img_dir):
+        rows = [[r["graph"], r["model"], r["dtype"], r["path"], fmt(r["ms"], 2), fmt(r["speedup_vs_eager"], 2, "×"),
+                 fmt(r["speedup"], 2, "×")] for _, r in df.iterrows()]
+        image = f"changing_graph_{gpu}.png"
+        self.plot(df, os.path.join(img_dir, image))
+        return ("ms per training step; speedup over PyG eager and over the fastest PyG path run:\n\n"
+                + markdown_table(["graph", "model", "dtype", "path", "ms", "vs PyG eager", "vs fastest PyG"], rows,
+                                 "llllrrr")
+                + f"\n\n![ms per training step on a changing graph]({os.path.basename(img_dir)}/{image})\n")
+
+    def plot(self, df, path):
+        plt = plot_style()
+        fig, ax = plt.subplots(figsize=(6, 3))
+        table = df.pivot_table(index="model", columns="path", values="ms", sort=False)
+        table.plot.bar(ax=ax, rot=0)
+        ax.set_ylabel("ms per training step")
+        ax.set_xlabel("")
+        ax.legend(fontsize=8)
+        save_figure(fig, path)
+
+    def headline(self, df):
+        eager = df[df["path"] == "geot"]
+        return [[f"Full-graph training, a new graph every step (`changing_graph.py`, {cells(len(eager))})",
+                 "PyG eager", f"{geomean(eager['speedup_vs_eager']):.2f}× (worst "
+                 f"{eager['speedup_vs_eager'].min():.2f}×)"]]
+
+
 class RelationalGNN(Bench):
     name = "rgnn"
     title = "Relational GNNs on heterogeneous graphs (`bench/rgnn.py`)"
@@ -683,7 +726,7 @@ def speedup_plot(df, column, ylabel, path):
 
 
 BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), HeteroAttention(), GinSum(),
-                                                  MiniBatch(), RelationalGNN(), MultiGpu())}
+                                                  MiniBatch(), ChangingGraph(), RelationalGNN(), MultiGpu())}
 
 
 # ----------------------------------------------------------------------------

@@ -45,3 +45,18 @@ def test_e2e_summarizes_measured_rows():
     expected = f"GCN/GIN/SAGE  train     geot-compile {geomean:.2f}x"
     assert expected in result.stdout, (expected, result.stdout[-2000:])
     assert "GCN/GIN/SAGE geot-compile by graph:" in result.stdout
+
+
+def test_changing_graph_quick_times_each_step_on_a_new_graph(tmp_path):
+    """bench/changing_graph.py --quick: every path of each model timed on
+    graphs it never saw, speedups against PyG eager and the fastest PyG path."""
+    env = dict(os.environ, OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "changing_graph.py"), "--quick",
+                             "--models", "sage,gin", "--paths", "pyg,geot"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    df = pd.read_csv(tmp_path / "changing_graph_cpu_quick.csv")
+    assert len(df) == 4 and set(df["path"]) == {"pyg", "geot"} and set(df["model"]) == {"sage", "gin"}
+    assert (df["ms"] > 0).all() and (df["step_edges"] < df["edges"]).all(), df
+    pyg = df[df["path"] == "pyg"]
+    assert (pyg["speedup_vs_eager"] == 1).all() and (df["speedup"] <= df["speedup_vs_eager"] + 1e-12).all()

@@ -885,3 +885,22 @@ def test_mean_in_input_order_of_half_rows_counts_in_float32(device):
     graph = _unordered(edge_index, flipped=False)._replace(deferred=False)
     x = torch.ones(7, 4, dtype=torch.bfloat16, device=device)
     assert (gather_reduce(graph, x, "mean", 2, None)[0] == 1).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_graph_of_one_step_left_unsorted_only_when_small(large, monkeypatch):
+    """A SAGE layer's second graph (a new graph every step) on CUDA is summed
+    in input order up to UNORDERED_MAX_EDGES edges and sorted past it (hubs'
+    atomics cost more than the sort); both give PyG's result."""
+    from geot.nn import graph as graph_module
+    monkeypatch.setattr(graph_module, "UNORDERED_MAX_EDGES", 50)
+    torch.manual_seed(0)
+    conv = gnn.SAGEConv(8, 4).cuda()
+    reference = pyg_nn.SAGEConv(8, 4).cuda()
+    reference.load_state_dict(conv.state_dict())
+    x = torch.randn(30, 8, device="cuda")
+    conv(x, torch.randint(0, 30, (2, 40), device="cuda"))  # the layer's first graph
+    edge_index = torch.randint(0, 30, (2, 80 if large else 40), device="cuda")
+    torch.testing.assert_close(conv(x, edge_index), reference(x, edge_index))
+    assert graph_module._shared_lookup(edge_index, (None, 0, False, False, False), None).ordered == large

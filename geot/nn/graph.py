@@ -57,6 +57,12 @@ from ..index import TransposedIndex, transpose_index
 from ..validation import mark_static_index
 from .inputs import edges_of
 
+# A graph of one step with more edges than this is sorted even where its caller sums in any order: past
+# ~10^5 edges, atomics on a hub's row (and its count, for a mean) serialize and cost more than the sort
+# (H100, 2.5M edges into random nodes of a 10^6-node power-law graph, F=128: the atomic sums and counts
+# took 11.9 ms of a 28 ms SAGE training step).
+UNORDERED_MAX_EDGES = 1 << 17
+
 
 class UncachedGraphWarning(UserWarning):
     """Compiled code sorts a graph, or builds its transposed index, on every
@@ -207,10 +213,10 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, s
     transposed index (RGCN gathering projected rows has its own), so a call
     recording gradients does not add it. any_order: the caller sums or
     averages in any order (:func:`geot.nn.common.gather_reduce` takes
-    ``ordered=False`` graphs), so a graph of one step on CUDA is not sorted
-    at all: its sum scatters with atomics, forward and backward (for the
-    small graphs of sampled mini-batches the sort would cost more than the
-    layer).
+    ``ordered=False`` graphs), so a graph of one step on CUDA with at most
+    UNORDERED_MAX_EDGES edges is not sorted at all: its sum scatters with
+    atomics, forward and backward (for the small graphs of sampled
+    mini-batches the sort would cost more than the layer).
     """
     edges = edges_of(edge_index)
     tensor = _checked_edges(edges.index)
@@ -244,7 +250,7 @@ def _compiled_graph(layer, tensor: Tensor, edge_type, slot, known_sorted: bool, 
             _warn_at_compile_time(layer, "builds the transposed index (eager calls kept the graph without one)")
             return with_transposed(graph)
         return graph
-    if any_order and tensor.is_cuda:
+    if any_order and tensor.is_cuda and tensor.size(1) <= UNORDERED_MAX_EDGES:
         return _unordered(tensor, flipped=slot[2])
     _warn_at_compile_time(layer, "sorts edge_index (the layer's graph changed, or is computed inside the "
                                  "compiled code)")
@@ -303,7 +309,8 @@ def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, stat
         changing = last is not None and not again and tensor.is_cuda
         # Deterministic mode sorts it: its sum takes the segment schedules (an
         # any-order sum would sort it on every call, forward and backward).
-        if changing and any_order and not build[1] and not torch.are_deterministic_algorithms_enabled():
+        if (changing and any_order and not build[1] and tensor.size(1) <= UNORDERED_MAX_EDGES
+                and not torch.are_deterministic_algorithms_enabled()):
             graph = _unordered(tensor, flipped=build[2])
         else:
             graph = _build(*build, eager=True, transposed=False, survey=not changing)
