@@ -74,6 +74,54 @@ def _source_pairs(graph: SortedGraph, num_src: int, num_dst: int, relations: int
                         graph.dst.div(relations, rounding_mode="floor"))
 
 
+# Inference projecting more (source, relation) pairs than this takes them in PAIR_BLOCKS blocks of relations,
+# each block's projections reduced before the next block's are made: one block's [pairs, C] rows at a time,
+# not all pairs' gathered inputs and projections at once (peak memory; H100, wikikg2's shape, 1x64: the
+# whole table peaked at 1.44x PyG's per-relation loop).
+PAIR_BLOCK_MIN_PAIRS = 1 << 20
+PAIR_BLOCKS = 8
+
+
+class _PairBlock(NamedTuple):
+    """The edges of relations [first, last) over their own pairs' projections (pairs start:end)."""
+    rows: Tensor               # [E_b] the pair each edge reads, less start
+    dst: Tensor                # [E_b] destination node, sorted
+    inverse_counts: Optional[Tensor]  # [E_b] float64 1 / the edges of each edge's (node, relation) segment (mean)
+    first: int
+    last: int
+    start: int
+    end: int
+
+
+def _relation_ranges(bounds: list, blocks: int):
+    """[(first, last)] contiguous relation ranges of about 1 / blocks of the pairs each (a relation with more
+    stays whole), from the pairs' host offsets."""
+    relations, target = len(bounds) - 1, max(bounds[-1] // blocks, 1)
+    ranges, first = [], 0
+    while first < relations:
+        last = first + 1
+        while last < relations and bounds[last + 1] - bounds[first] <= target:
+            last += 1
+        ranges.append((first, last))
+        first = last
+    return ranges
+
+
+def _pair_blocks(graph: SortedGraph, pairs: _SourcePairs, relations: int, mean: bool):
+    """The graph's edges split by blocks of relations (a subsequence of dst-sorted edges stays sorted). One
+    device->host sync per block (its edge count), once per graph: eager only."""
+    relation = graph.dst.remainder(relations)
+    inverse = _inverse_segment_counts(graph.dst) if mean else None
+    bounds, blocks = pairs.sources.bounds, []
+    for first, last in _relation_ranges(bounds, PAIR_BLOCKS):
+        keep = ((relation >= first) & (relation < last)).nonzero().squeeze(1)
+        rows = pairs.sources.of_edge.index_select(0, keep) - bounds[first]
+        blocks.append(_PairBlock(rows, pairs.dst.index_select(0, keep),
+                                 None if inverse is None else inverse.index_select(0, keep),
+                                 first, last, bounds[first], bounds[last]))
+    return blocks
+
+
 def _inverse_segment_counts(segments: Tensor) -> Tensor:
     """[E] 1 / the edges of each edge's segment (sorted segment ids), in float64; no [segments] tensor."""
     _, inverse, counts = torch.unique_consecutive(segments, return_inverse=True, return_counts=True)
@@ -99,7 +147,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
     than x, a few relations at a time (peak memory). Where the (node,
     relation) segments outnumber the edges (many relations), x_j W_r once per
     distinct (source, relation) pair (one ``segment_matmul``), gathered over
-    the edges: no [N * R, C] table. ``num_bases`` as PyG;
+    the edges: no [N * R, C] table; in inference past PAIR_BLOCK_MIN_PAIRS
+    pairs, a block of relations at a time (peak memory). ``num_bases`` as PyG;
     ``num_blocks``: every relation's aggregate, then its blocks; featureless
     nodes (``x`` None or node indices, also in a pair): rows gathered
     straight from the weights. Takes an ``edge_index`` (either ``flow``) or
@@ -190,6 +239,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         checked(graph, x_src.size(0), num_nodes * relations)
         key = ("rgcn pairs", relations, x_src.size(0), num_nodes)
         pairs = graph.derived(key, lambda: _source_pairs(graph, x_src.size(0), num_nodes, relations))
+        if self._pairs_in_blocks(graph, pairs, x_src, weight, key):
+            return self._project_pairs_in_blocks(graph, pairs, x_src, weight, num_nodes, key)
         sources = pairs.sources
         table = typed_matmul(x_src.index_select(0, sources.node), sources.ptr, sources.bounds, weight)
         edge_weight = None
@@ -205,6 +256,36 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
                                          lambda: edge_weight.index_select(0, transposed.perm))
         return index._fused(sources.of_edge, pairs.dst, edge_weight, table, "sum", num_nodes, transposed,
                             None, None, weight_t)
+
+    def _pairs_in_blocks(self, graph: SortedGraph, pairs: _SourcePairs, x_src: Tensor, weight: Tensor,
+                         key) -> bool:
+        """Inference with more than PAIR_BLOCK_MIN_PAIRS pairs; compiled code takes the blocks an eager call
+        kept (their sizes are data-dependent), else the whole table."""
+        records_grad = torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
+        if records_grad or pairs.sources.bounds[-1] <= PAIR_BLOCK_MIN_PAIRS:
+            return False
+        return not torch.compiler.is_compiling() or key + ("blocks",) in graph.memo
+
+    def _project_pairs_in_blocks(self, graph: SortedGraph, pairs: _SourcePairs, x_src: Tensor, weight: Tensor,
+                                 num_nodes: int, key) -> Tensor:
+        """_project_pairs_then_reduce one block of relations at a time, summed."""
+        mean = self.aggr == "mean"
+        blocks = graph.derived(key + ("blocks",), lambda: _pair_blocks(graph, pairs, self.num_relations, mean))
+        sources, out = pairs.sources, None
+        for block in blocks:
+            bounds = [bound - block.start for bound in sources.bounds[block.first:block.last + 1]]
+            table = typed_matmul(x_src.index_select(0, sources.node[block.start:block.end]),
+                                 sources.ptr[block.first:block.last + 1] - block.start, bounds,
+                                 weight[block.first:block.last])
+            edge_weight = None if block.inverse_counts is None else block.inverse_counts.to(table.dtype)
+            part = index._fused(block.rows, block.dst, edge_weight, table, "sum", num_nodes, None, None)
+            if out is None:
+                out = part
+            elif torch.compiler.is_compiling():  # each part freed once added (see geot::accumulate_)
+                torch.ops.geot.accumulate_(out, part)
+            else:
+                out.add_(part)
+        return out
 
     def _reduce_then_blocks(self, edge_index, edge_type: Tensor, x_src: Tensor, weight: Tensor,
                             num_nodes: int) -> Tensor:
