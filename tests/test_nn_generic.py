@@ -203,6 +203,39 @@ def test_compiled_patched_layer_matches(name, device):
             torch.testing.assert_close(compiled(x, edge_index), reference(x, edge_index), **F64)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_compiled_propagations_of_one_graph_sort_it_once(grad, device):
+    """APPNP's K propagations of the graph its forward makes (gcn_norm) sort it
+    once in the compiled code (inference graphs get no common-subexpression
+    pass), its edge weights put in order once; results equal PyG's, gradients
+    too, and a second call runs the same compiled code."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    torch._dynamo.reset()
+    mine, reference = pair("appnp", device)
+    sorts, compilations = [], []
+
+    def backend(module, inputs):
+        def count(graph_module, _):
+            sorts.append(sum(node.target == torch.ops.aten.sort.stable for node in graph_module.graph.nodes))
+            return make_boxed_func(graph_module)
+        compilations.append(1)
+        return aot_module_simplified(module, inputs, fw_compiler=count)
+
+    edge_index = graph(13, 40, device, torch.Generator(device=device).manual_seed(8))
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, requires_grad=grad)
+    compiled = torch.compile(mine, fullgraph=True, backend=backend)
+    with warnings.catch_warnings(), torch.set_grad_enabled(grad):
+        warnings.simplefilter("ignore", gnn.UncachedGraphWarning)
+        for _ in range(2):
+            out, expect = compiled(x, edge_index), reference(x, edge_index)
+            torch.testing.assert_close(out, expect, **F64)
+            if grad:
+                torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0],
+                                           torch.autograd.grad(expect.sum(), x)[0], **F64)
+    assert len(compilations) == 1 and sorts[0] <= 1, (compilations, sorts)
+
+
 def test_torchscript_scripts_pyg_layer():
     mine, reference = pair("sg", "cpu")
     scripted = torch.jit.script(mine)

@@ -13,6 +13,7 @@ messages, an ``update`` or ``aggregate`` of the layer's own, sparse
 adjacencies, hooks, explain mode, decomposed layers) runs PyG's propagate.
 :func:`explain` says which a layer gets and why.
 """
+import functools
 import inspect
 import operator
 from typing import Dict, NamedTuple, Optional
@@ -52,10 +53,24 @@ class GeotPropagate(GeotLayer):
         size = _call_size(edge_index, size, self._flipped())
         x_src, x_dst = _sources_and_targets(kwargs[plan.source], self._flipped())
         weight = None if plan.weight is None else kwargs.get(plan.weight)
-        graph = sorted_graph(self, edge_index, flipped=self._flipped(),
-                             any_order=REDUCE[self.aggr] in ("sum", "mean"))
-        weight = None if weight is None else graph.edge_values(weight)
+        graph, weight = self._graph_and_weight(edge_index, weight)
         return gather_reduce(graph, x_src, REDUCE[self.aggr], _num_targets(x_src, x_dst, size), weight)
+
+    def _graph_and_weight(self, edge_index, weight: Optional[Tensor]):
+        """The sorted graph and the edge weights in its order. Compiled, a later propagate of the same
+        forward on the same tensors takes the first one's (compiled code keeps no graph made inside it,
+        and inference graphs get no common-subexpression pass: K propagations would sort K times)."""
+        any_order = REDUCE[self.aggr] in ("sum", "mean")
+        traced = self.__dict__.get("_geot_traced") if torch.compiler.is_compiling() else None
+        for seen_edges, seen_weight, flipped, seen_order, graph, ordered_weight in traced or ():
+            if seen_edges is edge_index and seen_weight is weight and flipped == self._flipped() \
+                    and seen_order == any_order:
+                return graph, ordered_weight
+        graph = sorted_graph(self, edge_index, flipped=self._flipped(), any_order=any_order)
+        ordered_weight = None if weight is None else graph.edge_values(weight)
+        if traced is not None:
+            traced.append((edge_index, weight, self._flipped(), any_order, graph, ordered_weight))
+        return graph, ordered_weight
 
     def _propagate_reason(self, edge_index, size, kwargs) -> Optional[str]:
         """Why this propagate call runs PyG's, or None."""
@@ -217,12 +232,31 @@ def propagates_on_geot(module: torch.nn.Module) -> bool:
 _classes: Dict[type, type] = {}
 
 
+def _forward_with_trace_memo(layer_class: type):
+    """layer_class's forward (its signature kept); inside torch.compile with the memo of the graphs its
+    propagate calls sort (GeotPropagate._graph_and_weight; APPNP, SGConv, TAGConv: one graph made inside
+    forward by gcn_norm, propagated K times)."""
+    base_forward = layer_class.forward
+
+    @functools.wraps(base_forward)
+    def forward(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return base_forward(self, *args, **kwargs)
+        self._geot_traced = []
+        try:
+            return base_forward(self, *args, **kwargs)
+        finally:
+            del self._geot_traced
+    return forward
+
+
 def geot_class(layer_class: type) -> type:
     """The geot version of a MessagePassing class: the class with geot's propagate."""
     made = _classes.get(layer_class)
     if made is None:
         made = type(layer_class.__name__, (GeotPropagate, layer_class),
-                    {"__module__": __name__, "__doc__": layer_class.__doc__, "_geot_base": layer_class})
+                    {"__module__": __name__, "__doc__": layer_class.__doc__, "_geot_base": layer_class,
+                     "forward": _forward_with_trace_memo(layer_class)})
         _classes[layer_class] = made
     return made
 
