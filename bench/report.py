@@ -551,14 +551,7 @@ class MiniBatch(Bench):
                 + f"\n\n![ms per sampled training step]({os.path.basename(img_dir)}/{image})\n")
 
     def plot(self, df, path):
-        plt = plot_style()
-        fig, ax = plt.subplots(figsize=(6, 3))
-        table = df.pivot_table(index="path", columns="dtype", values="ms", sort=False)
-        table.plot.bar(ax=ax, rot=0)
-        ax.set_ylabel("ms per training step")
-        ax.set_xlabel("")
-        ax.legend(fontsize=8)
-        save_figure(fig, path)
+        step_time_bars(df, "path", "dtype", path)
 
     def headline(self, df):
         eager = df[df["path"] == "geot"]
@@ -593,14 +586,7 @@ class ChangingGraph(Bench):
                 + f"\n\n![ms per training step on a changing graph]({os.path.basename(img_dir)}/{image})\n")
 
     def plot(self, df, path):
-        plt = plot_style()
-        fig, ax = plt.subplots(figsize=(6, 3))
-        table = df.pivot_table(index="model", columns="path", values="ms", sort=False)
-        table.plot.bar(ax=ax, rot=0)
-        ax.set_ylabel("ms per training step")
-        ax.set_xlabel("")
-        ax.legend(fontsize=8)
-        save_figure(fig, path)
+        step_time_bars(df, "model", "path", path)
 
     def headline(self, df):
         eager = df[df["path"] == "geot"]
@@ -708,6 +694,17 @@ class MultiGpu(Bench):
         low, high = df["efficiency"].min(), df["efficiency"].max()
         return [[f"GraphSAGE under DDP on {df['processes'].max()} GPUs (`multi_gpu.py`, {cells(len(df))})",
                  "one process on the whole batches", f"scaling efficiency {low:.2f}–{high:.2f}"]]
+
+
+def step_time_bars(df, groups: str, bars: str, path: str) -> None:
+    """ms per training step as bars, one group per value of `groups`, one bar per value of `bars`."""
+    plt = plot_style()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    df.pivot_table(index=groups, columns=bars, values="ms", sort=False).plot.bar(ax=ax, rot=0)
+    ax.set_ylabel("ms per training step")
+    ax.set_xlabel("")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 def speedup_plot(df, column, ylabel, path):

@@ -122,6 +122,16 @@ def _pair_blocks(graph: SortedGraph, pairs: _SourcePairs, relations: int, mean: 
     return blocks
 
 
+def _add_part(out: Optional[Tensor], part: Tensor) -> Tensor:
+    """out + part, in place on out (None: part); compiled, geot::accumulate_, so each part is freed once added."""
+    if out is None:
+        return part
+    if torch.compiler.is_compiling():
+        torch.ops.geot.accumulate_(out, part)
+        return out
+    return out.add_(part)
+
+
 def _inverse_segment_counts(segments: Tensor) -> Tensor:
     """[E] 1 / the edges of each edge's segment (sorted segment ids), in float64; no [segments] tensor."""
     _, inverse, counts = torch.unique_consecutive(segments, return_inverse=True, return_counts=True)
@@ -278,13 +288,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
                                  sources.ptr[block.first:block.last + 1] - block.start, bounds,
                                  weight[block.first:block.last])
             edge_weight = None if block.inverse_counts is None else block.inverse_counts.to(table.dtype)
-            part = index._fused(block.rows, block.dst, edge_weight, table, "sum", num_nodes, None, None)
-            if out is None:
-                out = part
-            elif torch.compiler.is_compiling():  # each part freed once added (see geot::accumulate_)
-                torch.ops.geot.accumulate_(out, part)
-            else:
-                out.add_(part)
+            out = _add_part(out, index._fused(block.rows, block.dst, edge_weight, table, "sum", num_nodes, None,
+                                              None))
         return out
 
     def _reduce_then_blocks(self, edge_index, edge_type: Tensor, x_src: Tensor, weight: Tensor,
@@ -393,11 +398,6 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         for block, edge_weight in zip(blocks, block_weights):
             block_weight = weight[block.first:block.first + block.width].transpose(0, 1).reshape(in_channels, -1)
             projected = (x_src @ block_weight).view(-1, self.out_channels)
-            part = index._fused(block.rows, block.dst, edge_weight, projected, "sum", num_nodes, None, None)
-            if out is None:
-                out = part
-            elif torch.compiler.is_compiling():  # each part freed once added (see geot::accumulate_)
-                torch.ops.geot.accumulate_(out, part)
-            else:
-                out.add_(part)
+            out = _add_part(out, index._fused(block.rows, block.dst, edge_weight, projected, "sum", num_nodes, None,
+                                              None))
         return out
