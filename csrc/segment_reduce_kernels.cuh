@@ -851,7 +851,7 @@ __global__ void segment_arg_kernel(const index_t* __restrict__ index, const scal
 // vectorized row gather stalled on one: 6 ms for a 10^6-edge hub, 4 features).
 template <typename scalar_t, typename index_t>
 __global__ void gather_rows_kernel(const scalar_t* __restrict__ values, const index_t* __restrict__ index,
-                                         scalar_t* __restrict__ out, int64_t E, int64_t F, int64_t S) {
+                                   scalar_t* __restrict__ out, int64_t E, int64_t F, int64_t S) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const scalar_t zero = from_acc<scalar_t>(acc_t(0));
   const int64_t total = E * F;

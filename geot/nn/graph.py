@@ -250,7 +250,7 @@ def _compiled_graph(layer, tensor: Tensor, edge_type, slot, known_sorted: bool, 
             _warn_at_compile_time(layer, "builds the transposed index (eager calls kept the graph without one)")
             return with_transposed(graph)
         return graph
-    if any_order and tensor.is_cuda and tensor.size(1) <= UNORDERED_MAX_EDGES:
+    if any_order and _may_stay_unordered(tensor):
         return _unordered(tensor, flipped=slot[2])
     _warn_at_compile_time(layer, "sorts edge_index (the layer's graph changed, or is computed inside the "
                                  "compiled code)")
@@ -309,7 +309,7 @@ def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, stat
         changing = last is not None and not again and tensor.is_cuda
         # Deterministic mode sorts it: its sum takes the segment schedules (an
         # any-order sum would sort it on every call, forward and backward).
-        if (changing and any_order and not build[1] and tensor.size(1) <= UNORDERED_MAX_EDGES
+        if (changing and any_order and not build[1] and _may_stay_unordered(tensor)
                 and not torch.are_deterministic_algorithms_enabled()):
             graph = _unordered(tensor, flipped=build[2])
         else:
@@ -440,6 +440,12 @@ def _shared_lookup(edge_index, variant, edge_type) -> Optional[SortedGraph]:
 def _shared_store(edge_index, variant, edge_type, graph) -> None:
     type_ref = None if edge_type is None else weakref.ref(edge_type)
     _graphs.setdefault(edge_index, {})[variant] = (_graph_key(edge_index, edge_type), type_ref, graph)
+
+
+def _may_stay_unordered(edges: Tensor) -> bool:
+    """Whether a graph of one step, for a caller summing in any order, is left in input order (CUDA, at most
+    UNORDERED_MAX_EDGES edges)."""
+    return edges.is_cuda and edges.size(1) <= UNORDERED_MAX_EDGES
 
 
 def _unordered(edges: Tensor, flipped: bool) -> SortedGraph:
