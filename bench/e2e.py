@@ -12,6 +12,14 @@ and for a full training step (forward, cross-entropy, backward, Adam step) as
                  before any eager call, as users do (--warm-eagerly: one eager
                  call of each grad mode first)
 
+and, named in --models, PyG models of other layers (GraphConv, TAGConv,
+APPNP, SGConv, ChebConv, LGConv, SimpleConv, ClusterGCNConv, GATv2Conv,
+TransformerConv) patched by geot.nn.patch; their geot-compile path compiles
+as PyG's does (fullgraph=False): the layers run PyG's forward, whose boolean
+masks (ChebConv's Laplacian) break graphs, and fullgraph=True leaves Inductor
+reductions over data-dependent sizes (one 30 ms kernel per ChebConv layer on
+a 10M-edge graph)
+
 on cora, citeseer, pubmed (the file's features, or random width-128 ones) and
 generated graphs of 2M, 3.2M and 10M edges, in fp32 and bf16 autocast. Reports the
 median ms per step (CUDA events, warm-up, L2 flush: bench/common.py), the
@@ -74,7 +82,10 @@ from geot.nn.graph import static_addresses  # noqa: E402
 NUM_RELATIONS = 8
 MODELS = {"gcn": (128, 256), "gin": (128, 256), "sage": (128, 256), "gat": (128,), "rgcn": (128,)}
 # PyG layers that propagate on geot once patched (geot.nn.generic); run when named in --models
-GENERIC_MODELS = {"graphconv": (128,), "tag": (128,), "appnp": (128,), "sg": (128,)}
+GENERIC_MODELS = {name: (128,) for name in ("graphconv", "tag", "appnp", "sg", "cheb", "lg", "simple",
+                                             "clustergcn", "gatv2", "transformer")}
+PROPAGATIONS = {"lg": "LGConv", "simple": "SimpleConv"}  # weightless layers, each after a Linear
+ATTENTION = {"gat": "GATConv", "gatv2": "GATv2Conv", "transformer": "TransformerConv"}  # 8 heads, then 1
 # 2.0M, 3.2M and 10M edges
 GRAPHS = ["cora", "citeseer", "pubmed", "powerlaw:n=200000,deg=10", "uniform:n=200000,d=16",
           "powerlaw:n=1000000,deg=10"]
@@ -87,22 +98,30 @@ class Net(torch.nn.Module):
 
     def __init__(self, lib, model: str, in_channels: int, hidden: int, num_classes: int):
         super().__init__()
-        if model == "gat":
-            self.convs = torch.nn.ModuleList([lib.GATConv(in_channels, hidden // 8, heads=8),
-                                              lib.GATConv(hidden, num_classes)])
+        relu_after = None  # every layer but the last
+        if model in ATTENTION:
+            conv = getattr(lib, ATTENTION[model])
+            self.convs = torch.nn.ModuleList([conv(in_channels, hidden // 8, heads=8), conv(hidden, num_classes)])
         elif model == "rgcn":
             self.convs = torch.nn.ModuleList([lib.RGCNConv(in_channels, hidden, NUM_RELATIONS),
                                               lib.RGCNConv(hidden, num_classes, NUM_RELATIONS)])
         elif model == "appnp":  # an MLP, then K = 10 propagation steps
             self.convs = torch.nn.ModuleList([_Dense(in_channels, hidden), _Dense(hidden, num_classes),
                                               lib.APPNP(K=10, alpha=0.1)])
+            relu_after = {0}
+        elif model in PROPAGATIONS:  # Linear, propagate, ReLU, Linear, propagate
+            propagation = getattr(lib, PROPAGATIONS[model])
+            kwargs = {"aggr": "mean"} if model == "simple" else {}
+            self.convs = torch.nn.ModuleList([_Dense(in_channels, hidden), propagation(**kwargs),
+                                              _Dense(hidden, num_classes), propagation(**kwargs)])
+            relu_after = {1}
         elif model == "sg":
             self.convs = torch.nn.ModuleList([lib.SGConv(in_channels, num_classes, K=2)])
         else:
             sizes = [in_channels, hidden, hidden, num_classes]
             self.convs = torch.nn.ModuleList([self._layer(lib, model, a, b) for a, b in zip(sizes, sizes[1:])])
         self.relational = model == "rgcn"
-        self.propagates_logits = model == "appnp"  # no ReLU between the MLP's logits and APPNP
+        self.relu_after = set(range(len(self.convs) - 1)) if relu_after is None else relu_after
 
     @staticmethod
     def _layer(lib, model, in_channels, out_channels):
@@ -114,6 +133,10 @@ class Net(torch.nn.Module):
             return lib.GraphConv(in_channels, out_channels)
         if model == "tag":
             return lib.TAGConv(in_channels, out_channels, K=2)
+        if model == "cheb":
+            return lib.ChebConv(in_channels, out_channels, K=2)
+        if model == "clustergcn":
+            return lib.ClusterGCNConv(in_channels, out_channels)
         mlp = torch.nn.Sequential(torch.nn.Linear(in_channels, out_channels), torch.nn.ReLU(),
                                   torch.nn.Linear(out_channels, out_channels))
         return lib.GINConv(mlp)
@@ -121,7 +144,7 @@ class Net(torch.nn.Module):
     def forward(self, x, adj, edge_type=None):
         for i, conv in enumerate(self.convs):
             x = conv(x, adj, edge_type) if self.relational else conv(x, adj)
-            if i < len(self.convs) - 1 and not (self.propagates_logits and i == len(self.convs) - 2):
+            if i in self.relu_after:
                 x = F.relu(x)
         return x
 
@@ -279,8 +302,8 @@ def bench_model(model_name, hidden, inputs, args, device):
         model = pyg_model if path.startswith("pyg") else geot_model
         runner = model
         if path.endswith("compile"):  # one compiled module per library, reused across dtypes and modes
-            runner = torch.compile(model, fullgraph=path.startswith("geot"), backend=args.backend,
-                                   mode=args.compile_mode)
+            runner = torch.compile(model, fullgraph=path.startswith("geot") and model_name not in GENERIC_MODELS,
+                                   backend=args.backend, mode=args.compile_mode)
         adj = inputs["adj_t"] if path == "pyg-csr" else inputs["edge_index"]
         for dtype_name in args.dtypes:
             infer, train = step_functions(model, runner, inputs, adj, DTYPES[dtype_name], device,
@@ -297,7 +320,7 @@ def bench_model(model_name, hidden, inputs, args, device):
                 row = {"model": model_name, "hidden": hidden, "graph": inputs["name"], "dtype": dtype_name,
                        "mode": mode, "path": path, "ms": float("nan"), "peak_mb": float("nan"),
                        "resident_mb": float("nan")}
-                if path == "pyg-csr" and model_name in ("gat", "rgcn"):
+                if path == "pyg-csr" and model_name in ("rgcn", *ATTENTION):
                     row["note"] = "n/a"
                 cells.append((row, steps[path, dtype_name][mode]))
     for _ in range(args.rounds):

@@ -1,6 +1,7 @@
 // Fused gather + segment reduce: argument checks, the operator entries (shared
 // by CPU and CUDA: they run on the row reduction of segment_reduce_cpu.cpp /
-// segment_reduce_cuda.cu with a gather and a weight), and edge_dot on CPU.
+// segment_reduce_cuda.cu with a gather and a weight), and the per-edge ops
+// (edge_dot, edge_additive_score) with their CPU kernels.
 #include "index_segment_reduce.h"
 
 #include <ATen/OpMathType.h>
@@ -122,14 +123,22 @@ at::Tensor index_sum_plus_scaled_op(const at::Tensor& src_index, const at::Tenso
   return shaped_like_rows_of(reduce_rows(r), x);
 }
 
-at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
-                       const at::Tensor& b, int64_t heads) {
+namespace {
+
+// The checks of the per-edge ops; returns E and the contiguous indices and rows.
+struct EdgeRows {
+  int64_t E;
+  at::Tensor src, dst, a_rows, b_rows;
+};
+
+EdgeRows edge_rows(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                   const at::Tensor& b, int64_t heads) {
   const int64_t E = check_edges(src_index, dst_index, b);
   check_features(a, "a");
   check_same_device(a, "a", b, "b");
   TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "a and b must have one dtype, got ", a.scalar_type(),
                    " and ", b.scalar_type());
-  const at::Tensor a_rows = as_rows(a), b_rows = as_rows(b);
+  at::Tensor a_rows = as_rows(a), b_rows = as_rows(b);
   const int64_t F = b_rows.size(1);
   TORCH_CHECK_VALUE(a_rows.size(1) == F, "a and b must have the same features per row, got shapes ",
                     shape_string(a.sizes()), " and ", shape_string(b.sizes()));
@@ -137,42 +146,93 @@ at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index,
                     ") must divide the features per row (", std::to_string(F), ")");
   validate_indices({{dst_index, a.size(0), false, "dst_index", "a.size(0)"},
                     {src_index, b.size(0), false, "src_index", "b.size(0)"}});
-  at::Tensor out = uninitialized({E, heads}, b.options());
-  if (E == 0) return out;
-  const at::Tensor dst = dst_index.contiguous(), src = src_index.to(dst.scalar_type()).contiguous();
+  at::Tensor dst = dst_index.contiguous(), src = src_index.to(dst.scalar_type()).contiguous();
+  return {E, std::move(src), std::move(dst), std::move(a_rows), std::move(b_rows)};
+}
+
+// out[e, h] = the sum over head h's features f of term(a[dst[e], f], b[src[e], f], f) (acc_t values).
+template <typename scalar_t, typename index_t, typename Term>
+void edge_term_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                   const at::Tensor& b, at::Tensor& out, Term term) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t E = out.size(0), heads = out.size(1), F = b.size(1), head_size = F / heads;
+  const int64_t a_rows = a.size(0), b_rows = b.size(0);
+  const index_t* src = src_index.data_ptr<index_t>();
+  const index_t* dst = dst_index.data_ptr<index_t>();
+  const scalar_t* pa = a.data_ptr<scalar_t>();
+  const scalar_t* pb = b.data_ptr<scalar_t>();
+  scalar_t* po = out.data_ptr<scalar_t>();
+  at::parallel_for(0, E, std::max<int64_t>(1, 8192 / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t s = src[e], d = dst[e];
+      const bool valid = s >= 0 && s < b_rows && d >= 0 && d < a_rows;
+      for (int64_t h = 0; h < heads; ++h) {
+        acc_t sum = 0;
+        for (int64_t f = h * head_size; valid && f < (h + 1) * head_size; ++f)
+          sum += term(acc_t(pa[d * F + f]), acc_t(pb[s * F + f]), f);
+        po[e * heads + h] = scalar_t(sum);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                       const at::Tensor& b, int64_t heads) {
+  const EdgeRows r = edge_rows(src_index, dst_index, a, b, heads);
+  at::Tensor out = uninitialized({r.E, heads}, b.options());
+  if (r.E == 0) return out;
 #ifdef GEOT_WITH_CUDA
   if (b.is_cuda()) {
-    edge_dot_cuda(src, dst, a_rows, b_rows, out);
+    edge_dot_cuda(r.src, r.dst, r.a_rows, r.b_rows, out);
     return out;
   }
 #endif
-  edge_dot_cpu(src, dst, a_rows, b_rows, out);
+  edge_dot_cpu(r.src, r.dst, r.a_rows, r.b_rows, out);
+  return out;
+}
+
+at::Tensor edge_additive_score_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                                  const at::Tensor& b, const at::Tensor& att, double negative_slope, int64_t heads) {
+  const EdgeRows r = edge_rows(src_index, dst_index, a, b, heads);
+  check_same_device(att, "att", b, "b");
+  TORCH_CHECK_TYPE(att.scalar_type() == b.scalar_type(), "att must have the dtype of a and b (", b.scalar_type(),
+                   "), got ", att.scalar_type());
+  TORCH_CHECK_VALUE(att.numel() == r.b_rows.size(1), "att must hold one value per feature (",
+                    std::to_string(r.b_rows.size(1)), "), got shape ", shape_string(att.sizes()));
+  at::Tensor out = uninitialized({r.E, heads}, b.options());
+  if (r.E == 0) return out;
+  const at::Tensor att_values = att.contiguous().view({-1});
+#ifdef GEOT_WITH_CUDA
+  if (b.is_cuda()) {
+    edge_additive_score_cuda(r.src, r.dst, r.a_rows, r.b_rows, att_values, negative_slope, out);
+    return out;
+  }
+#endif
+  edge_additive_score_cpu(r.src, r.dst, r.a_rows, r.b_rows, att_values, negative_slope, out);
   return out;
 }
 
 void edge_dot_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                   const at::Tensor& b, at::Tensor& out) {
-  const int64_t E = out.size(0), heads = out.size(1), F = b.size(1), head_size = F / heads;
-  const int64_t a_rows = a.size(0), b_rows = b.size(0);
   AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_dot_cpu", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "geot_edge_dot_cpu", [&] {
+      edge_term_cpu<scalar_t, index_t>(src_index, dst_index, a, b, out, [](auto x, auto y, int64_t) { return x * y; });
+    });
+  });
+}
+
+void edge_additive_score_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                             const at::Tensor& b, const at::Tensor& att, double negative_slope, at::Tensor& out) {
+  AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_additive_score_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "geot_edge_additive_score_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      const index_t* src = src_index.data_ptr<index_t>();
-      const index_t* dst = dst_index.data_ptr<index_t>();
-      const scalar_t* pa = a.data_ptr<scalar_t>();
-      const scalar_t* pb = b.data_ptr<scalar_t>();
-      scalar_t* po = out.data_ptr<scalar_t>();
-      at::parallel_for(0, E, std::max<int64_t>(1, 8192 / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
-        for (int64_t e = begin; e < end; ++e) {
-          const int64_t s = src[e], d = dst[e];
-          const bool valid = s >= 0 && s < b_rows && d >= 0 && d < a_rows;
-          for (int64_t h = 0; h < heads; ++h) {
-            acc_t sum = 0;
-            for (int64_t f = h * head_size; valid && f < (h + 1) * head_size; ++f)
-              sum += acc_t(pa[d * F + f]) * acc_t(pb[s * F + f]);
-            po[e * heads + h] = scalar_t(sum);
-          }
-        }
+      const scalar_t* att_values = att.data_ptr<scalar_t>();
+      const acc_t slope = static_cast<acc_t>(negative_slope);
+      edge_term_cpu<scalar_t, index_t>(src_index, dst_index, a, b, out, [=](acc_t x, acc_t y, int64_t f) {
+        const acc_t z = x + y;
+        return acc_t(att_values[f]) * (z > acc_t(0) ? z : z * slope);
       });
     });
   });
@@ -183,6 +243,7 @@ TORCH_LIBRARY_IMPL(geot, CPU, m) {
   m.impl("index_scatter_sum", &index_scatter_sum_op);
   m.impl("index_sum_plus_scaled", &index_sum_plus_scaled_op);
   m.impl("edge_dot", &edge_dot_op);
+  m.impl("edge_additive_score", &edge_additive_score_op);
 }
 
 }  // namespace geot

@@ -30,11 +30,20 @@ at::Tensor index_sum_plus_scaled_op(const at::Tensor& src_index, const at::Tenso
 at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                        const at::Tensor& b, int64_t heads);
 
-// Device kernels of edge_dot on contiguous [rows, heads * head_size] inputs,
-// indices of one dtype; out is [E, heads].
+// out[e, h] = att[h] . leaky_relu(a[dst_index[e], h] + b[src_index[e], h]):
+// GATv2's scores without the [E, H, C] sums.
+at::Tensor edge_additive_score_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                                  const at::Tensor& b, const at::Tensor& att, double negative_slope, int64_t heads);
+
+// Device kernels of the two on contiguous [rows, heads * head_size] inputs
+// (att: [heads * head_size]), indices of one dtype; out is [E, heads].
 void edge_dot_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                   const at::Tensor& b, at::Tensor& out);
 void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                    const at::Tensor& b, at::Tensor& out);
+void edge_additive_score_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                             const at::Tensor& b, const at::Tensor& att, double negative_slope, at::Tensor& out);
+void edge_additive_score_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                              const at::Tensor& b, const at::Tensor& att, double negative_slope, at::Tensor& out);
 
 }  // namespace geot

@@ -1,6 +1,7 @@
 // CUDA side of the fused family: the gathered / weighted instantiation of the
 // row reduction (segment_reduce_launch.cuh), which runs the fused forward and
-// its x-gradient, and the SDDMM launch of the weight gradient.
+// its x-gradient, and the per-edge kernels (the weight gradient's SDDMM,
+// GATv2's scores).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -9,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <initializer_list>
 
 #include "index_segment_reduce.h"
 #include "index_segment_reduce_kernels.cuh"
@@ -23,47 +25,70 @@ namespace {
 // 16-byte vector loads where every row offset allows them (head_size a
 // multiple of the vector, 16-byte aligned bases), else one value per lane.
 template <typename scalar_t>
-int edge_dot_vector(const at::Tensor& a, const at::Tensor& b, int64_t head_size) {
+int edge_term_vector(std::initializer_list<const at::Tensor*> rows, int64_t head_size) {
   constexpr int kVec = 16 / sizeof(scalar_t);
-  const bool aligned = reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0;
-  return aligned && head_size % kVec == 0 ? kVec : 1;
+  bool aligned = head_size % kVec == 0;
+  for (const at::Tensor* t : rows) aligned = aligned && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
+  return aligned ? kVec : 1;
 }
 
-template <typename scalar_t, typename acc_t, typename index_t, int VEC>
-void launch_edge_dot(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
-                     const at::Tensor& b, at::Tensor& out, int64_t heads, int64_t head_size, cudaStream_t stream) {
+template <typename scalar_t, typename acc_t, typename index_t, int VEC, typename Term>
+void launch_edge_term(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                      const at::Tensor& b, at::Tensor& out, int64_t head_size, Term term, cudaStream_t stream) {
   int group = 1;  // lanes per (edge, head): enough to cover the head's vectors, at most a warp
   while (group < 32 && group * VEC < head_size) group <<= 1;
   const int threads = 256;
-  const int64_t E = out.size(0);
+  const int64_t E = out.size(0), heads = out.size(1);
   const int64_t blocks = std::min<int64_t>(ceil_div(E * heads, threads / group), 1 << 20);
   using in_t = typename cuda_type<scalar_t>::type;
-  edge_dot_kernel<in_t, acc_t, index_t, VEC><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+  edge_term_kernel<in_t, acc_t, index_t, VEC><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
       src_index.data_ptr<index_t>(), dst_index.data_ptr<index_t>(),
       reinterpret_cast<const in_t*>(a.data_ptr<scalar_t>()), reinterpret_cast<const in_t*>(b.data_ptr<scalar_t>()),
-      reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), E, heads, head_size, a.size(0), b.size(0), group);
+      reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), E, heads, head_size, a.size(0), b.size(0), group, term);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One launch of edge_term_kernel for the indices' and rows' dtypes: the dot
+// product of the rows, or (att given) GATv2's additive score.
+void dispatch_edge_term(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                        const at::Tensor& b, const at::Tensor* att, double negative_slope, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(b.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t head_size = b.size(1) / out.size(1);
+  AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_term", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "geot_edge_term", [&] {
+      using acc_t = accumulate_t<scalar_t>;
+      using in_t = typename cuda_type<scalar_t>::type;
+      constexpr int kVec = 16 / sizeof(scalar_t);
+      const bool vector = att == nullptr ? edge_term_vector<scalar_t>({&a, &b}, head_size) == kVec
+                                         : edge_term_vector<scalar_t>({&a, &b, att}, head_size) == kVec;
+      auto launch = [&](auto term) {
+        if (vector) {
+          launch_edge_term<scalar_t, acc_t, index_t, kVec>(src_index, dst_index, a, b, out, head_size, term, stream);
+        } else {
+          launch_edge_term<scalar_t, acc_t, index_t, 1>(src_index, dst_index, a, b, out, head_size, term, stream);
+        }
+      };
+      if (att == nullptr) {
+        launch(geot::DotTerm<acc_t>{});
+      } else {
+        launch(geot::AdditiveTerm<in_t, acc_t>{reinterpret_cast<const in_t*>(att->data_ptr<scalar_t>()),
+                                               static_cast<acc_t>(negative_slope)});
+      }
+    });
+  });
 }
 
 }  // namespace
 
 void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                    const at::Tensor& b, at::Tensor& out) {
-  const c10::cuda::CUDAGuard guard(b.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t heads = out.size(1), head_size = b.size(1) / heads;
-  AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_edge_dot", [&] {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "geot_edge_dot", [&] {
-      using acc_t = accumulate_t<scalar_t>;
-      constexpr int kVec = 16 / sizeof(scalar_t);
-      if (edge_dot_vector<scalar_t>(a, b, head_size) == kVec) {
-        launch_edge_dot<scalar_t, acc_t, index_t, kVec>(src_index, dst_index, a, b, out, heads, head_size, stream);
-      } else {
-        launch_edge_dot<scalar_t, acc_t, index_t, 1>(src_index, dst_index, a, b, out, heads, head_size, stream);
-      }
-    });
-  });
+  dispatch_edge_term(src_index, dst_index, a, b, nullptr, 0.0, out);
+}
+
+void edge_additive_score_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                              const at::Tensor& b, const at::Tensor& att, double negative_slope, at::Tensor& out) {
+  dispatch_edge_term(src_index, dst_index, a, b, &att, negative_slope, out);
 }
 
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
@@ -71,6 +96,7 @@ TORCH_LIBRARY_IMPL(geot, CUDA, m) {
   m.impl("index_scatter_sum", &index_scatter_sum_op);
   m.impl("index_sum_plus_scaled", &index_sum_plus_scaled_op);
   m.impl("edge_dot", &edge_dot_op);
+  m.impl("edge_additive_score", &edge_additive_score_op);
 }
 
 }  // namespace geot

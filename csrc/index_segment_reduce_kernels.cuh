@@ -1,6 +1,7 @@
 // CUDA kernels of the fused family beyond the shared row reduction
-// (segment_reduce_kernels.cuh runs the fused forward itself): the SDDMM that
-// gives the gradient of the edge weights. Holds no torch types.
+// (segment_reduce_kernels.cuh runs the fused forward itself): the per-edge
+// kernels (the SDDMM of the weight gradient, GATv2's scores). Holds no torch
+// types.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,18 +12,35 @@
 
 namespace geot {
 
-// out[e, h] = <a[dst[e], h, :], b[src[e], h, :]> over head_size features.
+// The per-feature terms that the edge kernels sum over a head; f is the
+// feature's column in the [rows, heads * head_size] row.
+template <typename acc_t>
+struct DotTerm {  // <a, b>: the SDDMM of the weight gradient
+  __device__ acc_t operator()(acc_t a, acc_t b, int64_t) const { return a * b; }
+};
+
+template <typename scalar_t, typename acc_t>
+struct AdditiveTerm {  // att . leaky_relu(a + b): GATv2's score
+  const scalar_t* att;  // [heads * head_size]
+  acc_t negative_slope;
+  __device__ acc_t operator()(acc_t a, acc_t b, int64_t f) const {
+    const acc_t z = a + b;
+    return to_acc(att[f]) * (z > acc_t(0) ? z : z * negative_slope);
+  }
+};
+
+// out[e, h] = the sum over head h's features of term(a[dst[e], f], b[src[e], f]).
 // A tile of `group` lanes (a power of two <= 32) takes one (edge, head) item:
 // lanes stride over the features VEC at a time (one vector load each from a
 // and b: the caller checks alignment), then reduce with shuffles. A narrow
 // head (32 fp32 features: 8 lanes) leaves a warp four items per iteration,
 // so fewer dependent index -> row loads wait per value. Out-of-range rows
 // (possible with validation off) give 0.
-template <typename scalar_t, typename acc_t, typename index_t, int VEC>
-__global__ void edge_dot_kernel(const index_t* __restrict__ src_index, const index_t* __restrict__ dst_index,
-                                const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
-                                scalar_t* __restrict__ out, int64_t E, int64_t heads, int64_t head_size,
-                                int64_t a_rows, int64_t b_rows, int group) {
+template <typename scalar_t, typename acc_t, typename index_t, int VEC, typename Term>
+__global__ void edge_term_kernel(const index_t* __restrict__ src_index, const index_t* __restrict__ dst_index,
+                                 const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                                 scalar_t* __restrict__ out, int64_t E, int64_t heads, int64_t head_size,
+                                 int64_t a_rows, int64_t b_rows, int group, Term term) {
   using Vec = Pack<scalar_t, VEC>;  // VEC values in one 16-byte (or narrower) load
   const int lane = threadIdx.x & (group - 1);
   const unsigned tile_mask =
@@ -40,7 +58,7 @@ __global__ void edge_dot_kernel(const index_t* __restrict__ src_index, const ind
       for (int64_t f = int64_t(lane) * VEC; f < head_size; f += int64_t(group) * VEC) {
         const Vec va = *reinterpret_cast<const Vec*>(pa + f), vb = *reinterpret_cast<const Vec*>(pb + f);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) sum += to_acc(va.v[k]) * to_acc(vb.v[k]);
+        for (int k = 0; k < VEC; ++k) sum += term(to_acc(va.v[k]), to_acc(vb.v[k]), h * head_size + f + k);
       }
     }
     for (int offset = group >> 1; offset > 0; offset >>= 1) sum += __shfl_xor_sync(tile_mask, sum, offset, group);

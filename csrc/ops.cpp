@@ -45,6 +45,9 @@ TORCH_LIBRARY(geot, m) {
   m.def("index_scatter_sum(Tensor gather_index, Tensor scatter_index, Tensor x, Tensor? weight, SymInt num_out) -> Tensor");
   // out[e, h] = <a[dst_index[e], h], b[src_index[e], h]> (SDDMM).
   m.def("edge_dot(Tensor src_index, Tensor dst_index, Tensor a, Tensor b, int heads) -> Tensor");
+  // out[e, h] = att[h] . leaky_relu(a[dst_index[e], h] + b[src_index[e], h]) (GATv2's scores).
+  m.def("edge_additive_score(Tensor src_index, Tensor dst_index, Tensor a, Tensor b, Tensor att, "
+        "float negative_slope, int heads) -> Tensor");
   // Typed matmul (segment_matmul.cpp): rows ptr[t]:ptr[t+1] of x times
   // weight[t]; its gradients grad_t @ weight[t]^T and x_t^T @ grad_t.
   m.def("segment_matmul(Tensor x, Tensor ptr, Tensor weight) -> Tensor");

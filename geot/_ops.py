@@ -154,6 +154,41 @@ def _edge_dot_backward(ctx, grad):
 torch.library.register_autograd("geot::edge_dot", _edge_dot_backward, setup_context=_edge_dot_setup)
 
 
+@torch.library.register_fake("geot::edge_additive_score")
+def _edge_additive_score_fake(src_index, dst_index, a, b, att, negative_slope, heads):
+    return b.new_empty((src_index.shape[0], heads))
+
+
+def _edge_additive_score_setup(ctx, inputs, output):
+    src_index, dst_index, a, b, att, negative_slope, heads = inputs
+    ctx.save_for_backward(src_index, dst_index, a, b, att)
+    ctx.negative_slope, ctx.heads = negative_slope, heads
+
+
+def _edge_additive_score_backward(ctx, grad):
+    """out[e, h] = att[h] . leaky_relu(z), z = a[dst[e], h] + b[src[e], h]: the backward rebuilds the
+    [E, H, C] sums (the forward never held them) and scatters att * leaky_relu'(z) * grad to both sides."""
+    src_index, dst_index, a, b, att = ctx.saved_tensors
+    heads = ctx.heads
+    a_rows, b_rows = a.reshape(a.size(0), heads, -1), b.reshape(b.size(0), heads, -1)
+    z = a_rows.index_select(0, dst_index) + b_rows.index_select(0, src_index)
+    slope = torch.where(z > 0, z.new_ones(()), z.new_tensor(ctx.negative_slope))  # leaky_relu'(z)
+    edge_grad = grad.unsqueeze(-1)  # [E, H, 1]
+    grad_z = edge_grad * att.reshape(heads, -1) * slope
+    grad_a = grad_b = grad_att = None
+    if ctx.needs_input_grad[2]:
+        grad_a = torch.zeros_like(a_rows).index_add_(0, dst_index, grad_z).reshape(a.shape)
+    if ctx.needs_input_grad[3]:
+        grad_b = torch.zeros_like(b_rows).index_add_(0, src_index, grad_z).reshape(b.shape)
+    if ctx.needs_input_grad[4]:
+        grad_att = (edge_grad * z * slope).sum(0).reshape(att.shape)
+    return None, None, grad_a, grad_b, grad_att, None, None
+
+
+torch.library.register_autograd("geot::edge_additive_score", _edge_additive_score_backward,
+                                setup_context=_edge_additive_score_setup)
+
+
 def _index_segment_reduce_setup(ctx, inputs, output):
     src_index, dst_index, x, weight, num_segments, reduce, _config, t_perm, t_src, t_dst = inputs
     ctx.reduce, ctx.num_segments, ctx.num_src = reduce, num_segments, x.shape[0]

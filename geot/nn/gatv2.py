@@ -101,9 +101,17 @@ class GATv2Conv(GeotLayer, AttentionHeads, pyg_nn.GATv2Conv):
 
     def _scores(self, graph: SortedGraph, x_l: Tensor, x_r: Tensor, edge: Optional[Tensor] = None) -> Tensor:
         """[E', H] att . leaky_relu(x_l[src] + x_r[dst] + edge), in graph
-        order. The [E', H, C] sum is built in one buffer (no backward pass
-        reads its terms), which the activation overwrites where no gradient
-        is recorded."""
+        order. Without a gradient or edge features: one kernel per edge and
+        head, no [E', H, C] sums. Else (or where autocast left the rows in
+        another dtype than ``att``) the sums are built in one buffer (no
+        backward pass reads its terms), which the activation overwrites
+        where no gradient is recorded: the op's own backward would rebuild
+        them and add into both ends with atomics (a hub's row serializes),
+        where this path's reads of x_r need no atomics."""
+        grad = torch.is_grad_enabled() and (x_l.requires_grad or x_r.requires_grad or self.att.requires_grad)
+        if edge is None and not grad and x_l.dtype == x_r.dtype == self.att.dtype:
+            return torch.ops.geot.edge_additive_score(graph.src, graph.dst, x_r, x_l, self.att,
+                                                      self.negative_slope, self.heads)
         pair = x_l.index_select(0, graph.src).add_(torch.ops.geot.segment_broadcast(x_r, graph.dst))
         if edge is not None:
             pair.add_(edge)

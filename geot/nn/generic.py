@@ -235,7 +235,10 @@ _classes: Dict[type, type] = {}
 def _forward_with_trace_memo(layer_class: type):
     """layer_class's forward (its signature kept); inside torch.compile with the memo of the graphs its
     propagate calls sort (GeotPropagate._graph_and_weight; APPNP, SGConv, TAGConv: one graph made inside
-    forward by gcn_norm, propagated K times)."""
+    forward by gcn_norm, propagated K times). No try/finally: dynamo runs a frame whose try block breaks
+    the graph (gcn_norm's boolean masks, under fullgraph=False) eagerly, which would leave the frames
+    after the break without the memo (a sort per propagation). A call that raises leaves the list until
+    the next compiled call replaces it."""
     base_forward = layer_class.forward
 
     @functools.wraps(base_forward)
@@ -243,10 +246,9 @@ def _forward_with_trace_memo(layer_class: type):
         if not torch.compiler.is_compiling():
             return base_forward(self, *args, **kwargs)
         self._geot_traced = []
-        try:
-            return base_forward(self, *args, **kwargs)
-        finally:
-            del self._geot_traced
+        out = base_forward(self, *args, **kwargs)
+        del self._geot_traced
+        return out
     return forward
 
 
