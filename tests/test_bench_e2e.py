@@ -31,6 +31,23 @@ def test_e2e_quick_times_every_path(tmp_path, processes):
     assert "resident_mb" in df and not any((tmp_path / "snapshots").iterdir()), "memory figures are CUDA's only"
 
 
+def test_e2e_quick_runs_patched_pyg_layers(tmp_path):
+    """The PyG models that geot.nn.patch converts (a weightless propagation
+    between Linears, an attention layer PyG has no CSR path for) are timed on
+    both libraries; the CSR cell of the attention layer is marked n/a."""
+    env = dict(os.environ, OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--quick", "--models",
+                             "lg,gatv2", "--paths", "pyg,pyg-csr,geot,geot-compile"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    df = pd.read_csv(tmp_path / "e2e_cpu_quick.csv")
+    measured = df[df["ms"].notna()]
+    assert set(zip(measured["model"], measured["path"])) == {
+        (model, path) for model in ("lg", "gatv2") for path in ("pyg", "pyg-csr", "geot", "geot-compile")
+        if (model, path) != ("gatv2", "pyg-csr")}
+    assert len(measured) == 14 and (measured["ms"] > 0).all(), df
+
+
 def test_e2e_summarizes_measured_rows():
     """--summarize prints the summary of rows already measured, speedups
     recomputed over all the files given (the current H100 results here)."""
