@@ -33,7 +33,7 @@ sys.path.insert(0, BENCH_DIR)
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 import common  # noqa: E402
 from e2e import Net, fresh_state  # noqa: E402
-from minibatch import time_steps  # noqa: E402
+from minibatch import path_steps, time_steps  # noqa: E402
 
 import geot.nn as geot_nn  # noqa: E402
 
@@ -86,12 +86,7 @@ def run(args, device) -> pd.DataFrame:
             models = {"pyg": Net(pyg_nn, model_name, args.features, args.hidden, args.classes).to(device)}
             models["geot"] = Net(geot_nn, model_name, args.features, args.hidden, args.classes).to(device)
             models["geot"].load_state_dict(models["pyg"].state_dict())
-            steps = {}
-            for path in args.paths:
-                model = models[path.split("-")[0]]
-                runner = torch.compile(model, dynamic=True) if path.endswith("compile") else model
-                optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-                steps[path] = training_step(model, runner, optimizer, x, labels, DTYPES[dtype_name])
+            steps = path_steps(models, args.paths, training_step, x, labels, DTYPES[dtype_name])
             timed = time_steps(steps, pool, args.warmup, device, renew=renewed)
             for path, (ms, first_ms) in timed.items():
                 rows.append({"model": model_name, "hidden": args.hidden, "graph": graph.name,

@@ -144,6 +144,19 @@ def fresh(batch: Batch) -> Batch:
     return batch._replace(blocks=[block._replace(edge_index=block.edge_index.clone()) for block in batch.blocks])
 
 
+def path_steps(models: Dict[str, torch.nn.Module], paths: List[str], make_step: Callable, x, labels,
+               amp_dtype) -> Dict[str, Callable]:
+    """path -> its training step, make_step(model, runner, optimizer, x, labels, amp_dtype): a path "lib"
+    runs models["lib"], "lib-compile" its torch.compile(dynamic=True); each path has an Adam of its own."""
+    steps = {}
+    for path in paths:
+        model = models[path.split("-")[0]]
+        runner = torch.compile(model, dynamic=True) if path.endswith("compile") else model
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        steps[path] = make_step(model, runner, optimizer, x, labels, amp_dtype)
+    return steps
+
+
 def time_steps(steps: Dict[str, Callable], batches: List, warmup: int, device,
                renew: Callable = None) -> Dict[str, Tuple[float, float]]:
     """path -> (median ms per step over the batches after the first warmup,
@@ -207,12 +220,7 @@ def run(args, device) -> pd.DataFrame:
         models["geot"] = SAGE(geot_nn, args.features, args.hidden, args.classes, len(args.fanouts)).to(device)
         models["geot"].load_state_dict(models["pyg"].state_dict())
         models["no"] = SAGE(NO_MP, args.features, args.hidden, args.classes, len(args.fanouts)).to(device)
-        steps = {}
-        for path in args.paths:
-            model = models[path.split("-")[0]]
-            runner = torch.compile(model, dynamic=True) if path.endswith("compile") else model
-            optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-            steps[path] = training_step(model, runner, optimizer, features, labels, DTYPES[dtype_name])
+        steps = path_steps(models, args.paths, training_step, features, labels, DTYPES[dtype_name])
         for path, (ms, first_ms) in time_steps(steps, batches, args.warmup, device).items():
             rows.append({"graph": graph.name, "edges": graph.num_edges, "fanouts": "/".join(map(str, args.fanouts)),
                          "batch": args.batch, "hidden": args.hidden, "dtype": dtype_name, "path": path,

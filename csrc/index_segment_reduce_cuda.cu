@@ -10,7 +10,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <initializer_list>
 
 #include "index_segment_reduce.h"
 #include "index_segment_reduce_kernels.cuh"
@@ -22,14 +21,14 @@ at::Tensor reduce_rows_fused_cuda(const RowReduction& r) { return launch::reduce
 
 namespace {
 
-// 16-byte vector loads where every row offset allows them (head_size a
-// multiple of the vector, 16-byte aligned bases), else one value per lane.
+// 16-byte vector loads of a's and b's rows where every row offset allows them
+// (head_size a multiple of the vector, 16-byte aligned bases), else one value
+// per lane. (att, read one value per term, needs no alignment.)
 template <typename scalar_t>
-int edge_term_vector(std::initializer_list<const at::Tensor*> rows, int64_t head_size) {
+bool edge_term_vectors(const at::Tensor& a, const at::Tensor& b, int64_t head_size) {
   constexpr int kVec = 16 / sizeof(scalar_t);
-  bool aligned = head_size % kVec == 0;
-  for (const at::Tensor* t : rows) aligned = aligned && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
-  return aligned ? kVec : 1;
+  return head_size % kVec == 0 && reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0;
 }
 
 template <typename scalar_t, typename acc_t, typename index_t, int VEC, typename Term>
@@ -60,8 +59,7 @@ void dispatch_edge_term(const at::Tensor& src_index, const at::Tensor& dst_index
       using acc_t = accumulate_t<scalar_t>;
       using in_t = typename cuda_type<scalar_t>::type;
       constexpr int kVec = 16 / sizeof(scalar_t);
-      const bool vector = att == nullptr ? edge_term_vector<scalar_t>({&a, &b}, head_size) == kVec
-                                         : edge_term_vector<scalar_t>({&a, &b, att}, head_size) == kVec;
+      const bool vector = edge_term_vectors<scalar_t>(a, b, head_size);
       auto launch = [&](auto term) {
         if (vector) {
           launch_edge_term<scalar_t, acc_t, index_t, kVec>(src_index, dst_index, a, b, out, head_size, term, stream);
