@@ -132,6 +132,13 @@ struct SegmentArgs {
   // slot order, level by level, and stores the result.
   acc_t* partial;                     // [2 * chunks, F]
   int64_t* partial_code;              // [2 * chunks]
+  // The one-pass combine (owners set; where validation bounds every segment
+  // to a few hundred chunks): a chunk whose tail slot starts a segment that
+  // runs on lists itself in owners (owner_count counts them, in any order),
+  // and combine_owned_slots_kernel adds each listed segment's slots at once
+  // instead of the combine levels.
+  int64_t* owners;                    // [chunks]
+  unsigned long long* owner_count;
 };
 
 // A partial slot's segment and whether it holds a value, as one sortable
@@ -329,7 +336,11 @@ __device__ __forceinline__ int emit_run(const SegmentArgs<scalar_t, acc_t, index
                                         int64_t seg, int64_t col0, acc_t (&acc)[N_T], bool valid) {
   if (!valid || seg < 0 || seg >= a.S) return 0;
   if (c.head && seg == c.first) return write_slot<N_T>(a, 2 * c.chunk, col0, acc), 1;
-  if (c.tail && seg == c.last) return write_slot<N_T>(a, 2 * c.chunk + 1, col0, acc), 2;
+  if (c.tail && seg == c.last) {
+    write_slot<N_T>(a, 2 * c.chunk + 1, col0, acc);
+    if (a.owners && col0 == 0) a.owners[atomicAdd(a.owner_count, 1ull)] = c.chunk;
+    return 2;
+  }
   store<N_T, true>(a, seg, col0, acc);
   return 0;
 }
@@ -757,6 +768,62 @@ __global__ void combine_partials_kernel(SegmentArgs<scalar_t, acc_t, index_t> a,
   if (a.partial_code && col0 == 0) {  // the next level's codes (all columns write the same slots)
     a.partial_code[2 * chunk] = slot_code(ends.first, written & 1);
     a.partial_code[2 * chunk + 1] = slot_code(ends.last, (written & 2) != 0);
+  }
+}
+
+// The one-pass deterministic combine. A segment that runs over chunks
+// c0 < c1 left its parts in slot 2 c0 + 1 (c0's tail) and the head slots
+// 2 c of chunks c0 + 1 .. c1, consecutive and the only slots of its code.
+// A tile of `lanes` threads (neighbours in a warp, sharing N_t features)
+// per listed segment: lane l adds parts l, l + lanes, ... in order, then a
+// shuffle tree in a fixed order adds the lanes (so the sum's order depends
+// only on the index and the tile shape), and lane 0 stores the segment.
+// Block (column tiles * lanes, T_M): y strides over the owners.
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+__global__ void combine_owned_slots_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int64_t chunks, int lanes) {
+  const int lane = threadIdx.x & (lanes - 1);
+  const int64_t col0 = (int64_t(blockIdx.y) * (blockDim.x / lanes) + threadIdx.x / lanes) * N_T;
+  if (col0 >= a.F) return;  // the whole tile: its lanes share col0
+  const unsigned tile_mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (threadIdx.x & 31 & ~(lanes - 1));
+  const int64_t owners = static_cast<int64_t>(*a.owner_count);
+  constexpr int BATCH = 8;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; i < owners; i += int64_t(gridDim.x) * blockDim.y) {
+    const int64_t c0 = a.owners[i];
+    const int64_t seg = code_segment(a.partial_code[2 * c0 + 1]);
+    acc_t acc[N_T];
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
+    bool more = true;
+    for (int64_t t0 = lane; more; t0 += int64_t(lanes) * BATCH) {
+      int64_t slot[BATCH];
+      bool written[BATCH];
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b) {  // part t: the tail slot of c0, then the head slots after it
+        const int64_t t = t0 + int64_t(b) * lanes, c = c0 + t;
+        slot[b] = t == 0 ? 2 * c0 + 1 : 2 * c;
+        const int64_t code = t == 0 ? slot_code(seg, true) : c < chunks ? a.partial_code[slot[b]] : slot_code(a.S, false);
+        written[b] = code_segment(code) == seg && (code & 1);
+        more = code_segment(code) == seg;  // the parts are consecutive: one past them ends the walk
+      }
+      acc_t v[BATCH][N_T];
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b) {
+        if (written[b]) {
+          load_columns<N_T>(a.partial + slot[b] * a.F + col0, col0, a.F, a.F % N_T == 0, Op::identity(), v[b]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < N_T; ++j) v[b][j] = Op::identity();
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b)
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], v[b][j]);
+    }
+    for (int d = lanes >> 1; d > 0; d >>= 1)
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], __shfl_xor_sync(tile_mask, acc[j], d, lanes));
+    if (lane == 0) store<N_T, true>(a, seg, col0, acc);
   }
 }
 

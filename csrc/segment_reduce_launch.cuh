@@ -79,13 +79,23 @@ inline int sp_lanes(int64_t F, int n_t, const Config& c) {
 // The deterministic schedules (docs/design.md, "Determinism"): rows per
 // thread of a combine level, and at least that many rows per thread for
 // SR's chunks and SP's overflow pass (fewer slots to combine; the tile
-// shapes are kept otherwise).
+// shapes are kept otherwise). The one-pass combine adds a segment's slots
+// in one launch, so its chunks can be shorter: more threads for the chunk
+// pass (H100, a 10^5-edge graph with a 4.6k-edge hub: 12.7 us at 32 rows,
+// where the default SR took 5).
 constexpr int kCombineRows = 32;
 constexpr int kDeterministicMinRows = 32;
+constexpr int kOnePassMinRows = 16;
 
-inline int deterministic_chunk_rows(const Config& c) {
-  return c.is_pr() ? c.G_t * c.M_t : std::max(c.M_t, kDeterministicMinRows);
+inline int deterministic_chunk_rows(const Config& c, bool one_pass) {
+  return c.is_pr() ? c.G_t * c.M_t : std::max(c.M_t, one_pass ? kOnePassMinRows : kDeterministicMinRows);
 }
+
+// Whether the one-pass combine serves: validation bounds every segment to
+// kLongSegmentRows[2] rows (a tile's lanes walk at most ~2^10 slots). A
+// hub past that (or an unknown level) takes the combine levels, which
+// spread its slots over many threads.
+inline bool one_pass_combine(int long_segments) { return long_segments >= 0 && long_segments <= 2; }
 
 // Rows of each combine level, from the chunks of the deterministic pass:
 // level k reads the 2 * chunks slots of level k - 1 in chunks of
@@ -100,11 +110,31 @@ inline std::vector<int64_t> combine_levels(int64_t chunks) {
   return levels;
 }
 
-// The deterministic combine: one launch per level, in order (a.partial,
-// a.partial_code: level 0's slots, the levels' after them in one buffer).
+// The one-pass combine (a.owners set): 256-thread blocks of tiles of
+// `lanes` threads, a tile's threads sharing N_t features; column tiles up
+// to a warp's worth of features per block, lanes as many as 256 threads
+// leave (8-32). The blocks stride over the owners, so their number is capped.
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+void launch_owned_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks, cudaStream_t stream) {
+  constexpr int64_t kMaxBlocks = 1024;
+  const int64_t columns = ceil_div(a.F, N_T);
+  int column_tiles = 1;
+  while (column_tiles < columns && column_tiles < 32) column_tiles *= 2;
+  const int lanes = std::min(32, 256 / column_tiles);
+  const dim3 block(column_tiles * lanes, 256 / (column_tiles * lanes));
+  const dim3 grid(static_cast<unsigned>(std::min(ceil_div(chunks, int64_t(block.y)), kMaxBlocks)),
+                  static_cast<unsigned>(ceil_div(columns, column_tiles)));
+  combine_owned_slots_kernel<scalar_t, acc_t, index_t, N_T, Op><<<grid, block, 0, stream>>>(a, chunks, lanes);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The deterministic combine: the one-pass kernel where a.owners is set, else
+// one launch per level, in order (a.partial, a.partial_code: level 0's
+// slots, the levels' after them in one buffer).
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
 void launch_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks, bool overflow_only,
                     cudaStream_t stream) {
+  if (a.owners) return launch_owned_combine<scalar_t, acc_t, index_t, N_T, Op>(a, chunks, stream);
   const int64_t columns = ceil_div(a.F, N_T);
   int x = 1;
   while (x < 32 && x < columns) x *= 2;
@@ -143,7 +173,7 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   if (!a.partial) return launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, c, stream);
   // Deterministic: SP left each long segment whole to chunks of the overflow pass.
   Config chunked = c;
-  chunked.M_t = deterministic_chunk_rows(c);
+  chunked.M_t = deterministic_chunk_rows(c, a.owners != nullptr);
   launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, chunked, stream);
   launch_combine<scalar_t, acc_t, index_t, N_T, Op>(a, ceil_div(a.E, chunked.M_t), true, stream);
 }
@@ -210,11 +240,12 @@ void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& 
     return launch_pr<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
   }
   // Deterministic: the same tiles, chunks of fixed rows, then the combine.
+  const int chunk_rows = deterministic_chunk_rows(c, a.owners != nullptr);
   Config chunked = c;
-  if (c.is_sr()) chunked.M_t = deterministic_chunk_rows(c);
+  if (c.is_sr()) chunked.M_t = chunk_rows;
   if (c.is_sr()) launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, false>(a, chunked, stream);
   else launch_pr<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
-  launch_combine<scalar_t, acc_t, index_t, N_T, Op>(a, ceil_div(a.E, deterministic_chunk_rows(c)), false, stream);
+  launch_combine<scalar_t, acc_t, index_t, N_T, Op>(a, ceil_div(a.E, chunk_rows), false, stream);
 }
 
 // A thread's N_t features must share one weight head.
@@ -287,9 +318,11 @@ inline int device_rules(int device) {
 // 10^4-10^5 edges (3-4x the reduction itself); a segment walked whole costs
 // rounds of loads only for the longest one. Lanes split the rows: as many
 // as a 256-thread block row holds, fewer where S segments would need more
-// than ~4 waves of threads.
-inline Config deterministic_short_segment_config(const Config& c, int64_t S, int64_t F, int64_t heads) {
-  const int n_t = with_head_aligned_n_t(c, F, heads).N_t;
+// than ~4 waves of threads. Features go 4 to a thread where the head size
+// allows (the learned config's N_t may be 1: on cora at F = 64 that left 2
+// lanes per segment, 32 us where 4 features a thread take 22, H100).
+inline Config deterministic_short_segment_config(int64_t S, int64_t F, int64_t heads) {
+  const int n_t = with_head_aligned_n_t(Config{4, 0, 0, 0, 0}, F, heads).N_t;
   const int64_t columns = ceil_div(F, n_t);
   int column_threads = 1;
   while (column_threads < columns && column_threads < 256) column_threads *= 2;
@@ -324,7 +357,7 @@ inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F, bool
   const Config cfg =
       resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments, rules));
   if (det && !r.config && !cfg.is_sp() && r.long_segments >= 0 && r.long_segments <= 1)
-    return deterministic_short_segment_config(cfg, r.num_segments, F, r.heads);
+    return deterministic_short_segment_config(r.num_segments, F, r.heads);
   if (!r.any_order || cfg.is_sr()) return cfg;
   const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
   const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(F, n_t), 8, 64));
@@ -437,17 +470,24 @@ at::Tensor reduce_rows(const RowReduction& r) {
         args.may_overflow = overflow;
       }
       if (self_in_kernel) args.self_scale = self_scale.data_ptr<acc_t>();
-      // Deterministic: slots of the chunks' partial results and of the combine levels.
-      const int64_t det_chunks =
-          det && E > 0 && (!cfg.is_sp() || overflow) ? ceil_div(E, deterministic_chunk_rows(cfg)) : 0;
+      // Deterministic: slots of the chunks' partial results, then those of
+      // the combine levels, or the one-pass combine's owner list and count.
+      const bool one_pass = one_pass_combine(r.long_segments);
+      const int64_t det_chunks = det && E > 0 && (!cfg.is_sp() || overflow)
+                                     ? ceil_div(E, deterministic_chunk_rows(cfg, one_pass)) : 0;
       at::Tensor partial, partial_code;  // held until the launches are queued
       if (det_chunks > 0) {
-        int64_t rows = 0;
-        for (int64_t n : combine_levels(det_chunks)) rows += n;
+        int64_t rows = 0;  // level 0's 2 * det_chunks slots, and the levels' after them
+        for (int64_t n : one_pass ? std::vector<int64_t>{2 * det_chunks} : combine_levels(det_chunks)) rows += n;
         partial = uninitialized({rows, F}, r.src.options().dtype(acc_type));
-        partial_code = uninitialized({rows}, r.index.options().dtype(at::kLong));
+        partial_code = uninitialized({rows + (one_pass ? det_chunks + 1 : 0)}, r.index.options().dtype(at::kLong));
         args.partial = partial.data_ptr<acc_t>();
         args.partial_code = partial_code.data_ptr<int64_t>();
+        if (one_pass) {
+          args.owners = args.partial_code + rows;
+          args.owner_count = reinterpret_cast<unsigned long long*>(args.owners + det_chunks);
+          C10_CUDA_CHECK(cudaMemsetAsync(args.owner_count, 0, sizeof(unsigned long long), stream));
+        }
       }
       at::Tensor slot_table, slot_segments;  // held until the launches are queued
       if (long_slots) {

@@ -111,12 +111,20 @@ def test_cpu_results_unchanged_by_the_mode():
 CONFIGS = [None, (2, 32, 8, 4, 1), (1, 32, 4, 8, 16), (1, 64, 8, 4, 0), (4, 16, 16, 8, 0)]
 
 
+# Hub sizes and the combine they take: past 16384 rows the combine levels;
+# up to it (validation's long-segment level 2) the one-pass combine, at its
+# largest; a hub of 1000 rows (level 1) SP walking every segment whole.
+HUBS = [pytest.param(HUB_ROWS, id="levels"), pytest.param(16_384, id="one-pass"),
+        pytest.param(1000, id="whole-segments")]
+
+
 @requires_cuda
+@pytest.mark.parametrize("hub", HUBS)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "auto" if c is None else ",".join(map(str, c)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduce", REDUCES)
-def test_segment_reduce(reduce, dtype, config):
-    _, dst, S = hub_graph("cuda")
+def test_segment_reduce(reduce, dtype, config, hub):
+    _, dst, S = hub_graph("cuda", hub=hub)
     src = torch.randn(dst.numel(), 16, device="cuda").to(dtype)
     kw = {} if config is None else {"config": config}
     out = assert_repeatable(lambda: geot.segment_reduce(dst, src, reduce, S, **kw))
@@ -124,11 +132,12 @@ def test_segment_reduce(reduce, dtype, config):
 
 
 @requires_cuda
+@pytest.mark.parametrize("hub", HUBS)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "auto" if c is None else ",".join(map(str, c)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduce", REDUCES)
-def test_weighted_reduce(reduce, dtype, config):
-    src, dst, S = hub_graph("cuda", index_dtype=torch.int32)
+def test_weighted_reduce(reduce, dtype, config, hub):
+    src, dst, S = hub_graph("cuda", hub=hub, index_dtype=torch.int32)
     x = torch.randn(S, 32, device="cuda").to(dtype)
     w = torch.rand(src.numel(), device="cuda").to(dtype)
     kw = {} if config is None else {"config": config}
@@ -143,9 +152,26 @@ def test_weighted_reduce(reduce, dtype, config):
 
 
 @requires_cuda
+@pytest.mark.parametrize("hub", [pytest.param(16_384, id="one-pass"), pytest.param(1000, id="whole-segments")])
+@pytest.mark.parametrize("features", [1, 3, 30, 64, 67, 256])
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+def test_feature_widths(reduce, features, hub):
+    """The schedules without combine levels at every vector width (4, 2 and
+    1 features a thread, and rows wider than a column block)."""
+    src, dst, S = hub_graph("cuda", hub=hub, small=3000)
+    x = torch.randn(S, features, device="cuda")
+    w = torch.rand(src.numel(), device="cuda")
+    out = assert_repeatable(lambda: geot.index_weight_segment_reduce(src, dst, w, x, reduce, S))
+    rows = w.cpu().double()[:, None] * x.cpu().double().index_select(0, src.cpu())
+    ref = segment_reduce_ref(dst.cpu(), rows, reduce, S)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-4, atol=1e-3)
+
+
+@requires_cuda
+@pytest.mark.parametrize("hub", HUBS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gin_sum_plus_self_term(dtype):
-    src, dst, S = hub_graph("cuda")
+def test_gin_sum_plus_self_term(dtype, hub):
+    src, dst, S = hub_graph("cuda", hub=hub)
     x = torch.randn(S, 32, device="cuda").to(dtype)
     scale = torch.tensor([1.5], device="cuda")
     out = assert_repeatable(lambda: torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale, None))
@@ -164,10 +190,11 @@ def fused_grads(src, dst, x, w, reduce, S, transposed):
 @pytest.mark.parametrize("transposed", [False, True], ids=["no_transposed", "transposed"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduce", REDUCES)
-def test_fused_gradients(reduce, dtype, transposed):
+@pytest.mark.parametrize("hub", [pytest.param(100_000, id="levels"), pytest.param(10_000, id="one-pass")])
+def test_fused_gradients(reduce, dtype, transposed, hub):
     """The gradient of x (atomics in edge order by default; sorted in this
     mode) and of the weight: repeatable, and equal to float64's."""
-    src, dst, S = hub_graph("cuda", hub=100_000, small=5000)
+    src, dst, S = hub_graph("cuda", hub=hub, small=5000)
     x = torch.randn(S, 16, device="cuda").to(dtype)
     w = torch.rand(src.numel(), device="cuda").to(dtype)
     t = geot.transpose_index(src, dst) if transposed else None
@@ -296,9 +323,9 @@ import geot
 from test_determinism import hub_graph, fused_grads
 torch.use_deterministic_algorithms(True)
 torch.manual_seed(0)
-src, dst, S = hub_graph("cuda")
 digest = hashlib.sha256()
-for dtype in (torch.float32, torch.bfloat16):
+for (src, dst, S), dtype in [(hub_graph("cuda", hub=hub), dtype) for hub in (200_000, 16_384)
+                             for dtype in (torch.float32, torch.bfloat16)]:
     x = torch.randn(S, 32, device="cuda").to(dtype)
     w = torch.rand(src.numel(), device="cuda").to(dtype)
     for reduce in ("sum", "mean", "max"):
