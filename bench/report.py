@@ -89,6 +89,29 @@ def worst_cell(df: pd.DataFrame, column: str, keys: Sequence[str]) -> str:
     return f"{row[column]:.2f}× ({where})"
 
 
+def deterministic_block(df: pd.DataFrame, vs_native: str) -> List[str]:
+    """Markdown lines on the deterministic columns of a --deterministic run
+    (det_ratio: geot's deterministic / default time; vs_native: the fastest
+    torch-native peer in deterministic mode / geot's deterministic time),
+    or none where the run had no such columns."""
+    if "det_ratio" not in df or df["det_ratio"].notna().sum() == 0:
+        return []
+    sel = df.dropna(subset=["det_ratio"])
+    bitwise = sel["det_bitwise"].astype(str).str.lower().eq("true").sum() if "det_bitwise" in sel else 0
+    below = int((sel[vs_native] < 1).sum())
+    most = sel.loc[sel["det_ratio"].idxmax()]
+    out = [f"\nDeterministic mode (`--deterministic`: `torch.use_deterministic_algorithms(True)`, {cells(len(sel))}): "
+           f"geot's time is {geomean(sel['det_ratio']):.2f}× its default mode's at the geomean "
+           f"(most {most['det_ratio']:.2f}×: {most['graph']}, F={most['F']}); two deterministic "
+           f"calls agree bitwise in {bitwise} of {len(sel)} cells. Against the fastest torch-native peer, itself "
+           f"in deterministic mode: {geomean(sel[vs_native]):.2f}× at the geomean, worst "
+           f"{worst_cell(sel, vs_native, ('graph', 'F'))}, {below} of {len(sel)} cells below 1. "
+           "Deterministic / default time by graph:\n"]
+    table = sel.groupby("graph", sort=False)["det_ratio"].apply(geomean)
+    out.append(markdown_table(["graph"] + list(table.index), [["det / default"] + [fmt(v, 2, "×") for v in table]]))
+    return out
+
+
 def graph_kind(spec: str) -> str:
     """'powerlaw:n=200000,deg=10' -> 'powerlaw'."""
     return spec.split(":")[0]
@@ -338,7 +361,7 @@ class SegmentReduce(Bench):
         "before each rep, median of up to 50 reps. Graphs: cora, citeseer, pubmed and generated ones "
         "(power-law, uniform, hub-heavy; `bench/common.py`)."
     )
-    commands = ("python bench/segment_reduce.py --max-time 0.2",
+    commands = ("python bench/segment_reduce.py --max-time 0.2 --deterministic",
                 "python bench/report.py --add segment_reduce bench/out/segment_reduce_nvidia-h100-80gb-hbm3.csv "
                 "--gpu h100")
 
@@ -350,6 +373,7 @@ class SegmentReduce(Bench):
                     f"{int((df[c] < 1).sum())} of {int(df[c].notna().sum())}"] for c, label in peers if c in df]
         out = [f"{cells(len(df))}, fp32 sum. geot's speedup (peer time / geot time):\n",
                markdown_table(["against", "geomean", "worst cell", "cells below 1"], summary, "lrll")]
+        out += deterministic_block(df, "x_det_vs_best_native")
         image = f"segment_reduce_{gpu}.png"
         speedup_plot(df, "speedup_vs_best_native", "speedup over the fastest torch peer",
                      os.path.join(img_dir, image))
@@ -379,7 +403,7 @@ class Spmm(Bench):
         "PyG's `spmm`, the composite `zeros(S, F).index_add_(0, dst, x.index_select(0, src) * w[:, None])`, "
         "and geot with the hand heuristic's configs. GPU time, measured as for `segment_reduce`."
     )
-    commands = ("python bench/spmm.py --sections fwd",
+    commands = ("python bench/spmm.py --sections fwd --deterministic",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv --gpu h100")
 
     def section(self, df, gpu, img_dir):
@@ -389,6 +413,7 @@ class Spmm(Bench):
                     f"{int((df[c] < 1).sum())} of {int(df[c].notna().sum())}"] for c, label in peers if c in df]
         out = [f"{cells(len(df))}, fp32. geot's speedup (peer time / geot time):\n",
                markdown_table(["against", "geomean", "worst cell", "cells below 1"], summary, "lrll")]
+        out += deterministic_block(df.dropna(subset=["det_ratio"]) if "det_ratio" in df else df, "x_det_vs_native")
         image = f"spmm_{gpu}.png"
         speedup_plot(df, "x_vs_cusparse", "speedup over cuSPARSE", os.path.join(img_dir, image))
         out.append(f"\n![spmm: speedup over cuSPARSE]({os.path.basename(img_dir)}/{image})\n")

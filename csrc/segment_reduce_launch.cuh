@@ -112,15 +112,18 @@ inline std::vector<int64_t> combine_levels(int64_t chunks) {
 
 // The one-pass combine (a.owners set): 256-thread blocks of tiles of
 // `lanes` threads, a tile's threads sharing N_t features; column tiles up
-// to a warp's worth of features per block, lanes as many as 256 threads
-// leave (8-32). The blocks stride over the owners, so their number is capped.
+// to a warp's worth of features per segment, lanes as many as 128 threads
+// leave (4-32). Most segments it adds have two or three parts, so more
+// segments at once beat more lanes for the few long ones (H100, 10^5-edge
+// graph, F = 64: 16 lanes took 22 us, the chunk pass 11). The blocks stride
+// over the owners, so their number is capped.
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
 void launch_owned_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks, cudaStream_t stream) {
-  constexpr int64_t kMaxBlocks = 1024;
+  constexpr int64_t kMaxBlocks = 2048;
   const int64_t columns = ceil_div(a.F, N_T);
   int column_tiles = 1;
   while (column_tiles < columns && column_tiles < 32) column_tiles *= 2;
-  const int lanes = std::min(32, 256 / column_tiles);
+  const int lanes = std::clamp(128 / column_tiles, 4, 32);
   const dim3 block(column_tiles * lanes, 256 / (column_tiles * lanes));
   const dim3 grid(static_cast<unsigned>(std::min(ceil_div(chunks, int64_t(block.y)), kMaxBlocks)),
                   static_cast<unsigned>(ceil_div(columns, column_tiles)));
@@ -312,15 +315,21 @@ inline int device_rules(int device) {
 }
 
 // Deterministic mode where validation measured no segment over
-// kLongSegmentRows[1] rows: SP with its cap above every segment, so each
-// segment is reduced whole by its thread group (a fixed shuffle order) and
-// no chunk slots or combine levels run. Those cost 30-40 us on graphs of
-// 10^4-10^5 edges (3-4x the reduction itself); a segment walked whole costs
-// rounds of loads only for the longest one. Lanes split the rows: as many
-// as a 256-thread block row holds, fewer where S segments would need more
-// than ~4 waves of threads. Features go 4 to a thread where the head size
-// allows (the learned config's N_t may be 1: on cora at F = 64 that left 2
-// lanes per segment, 32 us where 4 features a thread take 22, H100).
+// kLongSegmentRows[1] rows, on rows of up to kShortSegmentMaxFeatures
+// features: SP with its cap above every segment, so each segment is reduced
+// whole by its thread group (a fixed shuffle order) and no chunk slots or
+// combine run (launches that cost more than the reduction itself on graphs
+// of 10^4-10^5 edges); a segment walked whole costs rounds of loads only for
+// the longest one. Lanes split the rows: as many as a 256-thread block row
+// holds, fewer where S segments would need more than ~4 waves of threads.
+// Features go 4 to a thread where the head size allows. Wider rows keep the
+// learned tiles with 16-row chunks and the one-pass combine: there a
+// segment's lanes, fewer as F grows, wait on the longest segment (H100,
+// spmm.py on cora, citeseer and pubmed, F = 1-128: deterministic / default
+// time 1.40 at the geomean with this split, 1.45 walking every width whole,
+// 1.70 walking none).
+constexpr int64_t kShortSegmentMaxFeatures = 16;
+
 inline Config deterministic_short_segment_config(int64_t S, int64_t F, int64_t heads) {
   const int n_t = with_head_aligned_n_t(Config{4, 0, 0, 0, 0}, F, heads).N_t;
   const int64_t columns = ceil_div(F, n_t);
@@ -356,7 +365,8 @@ inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F, bool
   const int rules = r.any_order ? -2 : device_rules(r.src.get_device());
   const Config cfg =
       resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments, rules));
-  if (det && !r.config && !cfg.is_sp() && r.long_segments >= 0 && r.long_segments <= 1)
+  if (det && !r.config && !cfg.is_sp() && r.long_segments >= 0 && r.long_segments <= 1 &&
+      F <= kShortSegmentMaxFeatures)
     return deterministic_short_segment_config(r.num_segments, F, r.heads);
   if (!r.any_order || cfg.is_sr()) return cfg;
   const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);

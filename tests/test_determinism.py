@@ -113,9 +113,10 @@ CONFIGS = [None, (2, 32, 8, 4, 1), (1, 32, 4, 8, 16), (1, 64, 8, 4, 0), (4, 16, 
 
 # Hub sizes and the combine they take: past 16384 rows the combine levels;
 # up to it (validation's long-segment level 2) the one-pass combine, at its
-# largest; a hub of 1000 rows (level 1) SP walking every segment whole.
+# largest; a hub of 1000 rows (level 1): SP walking every segment whole for
+# up to 16 features, the one-pass combine for more.
 HUBS = [pytest.param(HUB_ROWS, id="levels"), pytest.param(16_384, id="one-pass"),
-        pytest.param(1000, id="whole-segments")]
+        pytest.param(1000, id="short-segments")]
 
 
 @requires_cuda
@@ -152,12 +153,13 @@ def test_weighted_reduce(reduce, dtype, config, hub):
 
 
 @requires_cuda
-@pytest.mark.parametrize("hub", [pytest.param(16_384, id="one-pass"), pytest.param(1000, id="whole-segments")])
-@pytest.mark.parametrize("features", [1, 3, 30, 64, 67, 256])
+@pytest.mark.parametrize("hub", [pytest.param(16_384, id="one-pass"), pytest.param(1000, id="short-segments")])
+@pytest.mark.parametrize("features", [1, 3, 16, 17, 30, 64, 67, 256])
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
 def test_feature_widths(reduce, features, hub):
     """The schedules without combine levels at every vector width (4, 2 and
-    1 features a thread, and rows wider than a column block)."""
+    1 features a thread, and rows wider than a column block), on both sides
+    of the width where short segments stop being walked whole."""
     src, dst, S = hub_graph("cuda", hub=hub, small=3000)
     x = torch.randn(S, features, device="cuda")
     w = torch.rand(src.numel(), device="cuda")
