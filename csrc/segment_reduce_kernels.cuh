@@ -133,10 +133,10 @@ struct SegmentArgs {
   acc_t* partial;                     // [2 * chunks, F]
   int64_t* partial_code;              // [2 * chunks]
   // The one-pass combine (owners set; where validation bounds every segment
-  // to a few hundred chunks): a chunk whose tail slot starts a segment that
-  // runs on lists itself in owners (owner_count counts them, in any order),
-  // and combine_owned_slots_kernel adds each listed segment's slots at once
-  // instead of the combine levels.
+  // to ~10^3 chunks): a chunk that writes its tail slot (a segment begun in
+  // it runs on) lists itself in owners (owner_count counts them, in any
+  // order), and combine_owned_slots_kernel adds each listed segment's slots
+  // at once instead of the combine levels.
   int64_t* owners;                    // [chunks]
   unsigned long long* owner_count;
 };
