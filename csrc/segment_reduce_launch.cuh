@@ -487,8 +487,11 @@ at::Tensor reduce_rows(const RowReduction& r) {
                                      ? ceil_div(E, deterministic_chunk_rows(cfg, one_pass)) : 0;
       at::Tensor partial, partial_code;  // held until the launches are queued
       if (det_chunks > 0) {
-        int64_t rows = 0;  // level 0's 2 * det_chunks slots, and the levels' after them
-        for (int64_t n : one_pass ? std::vector<int64_t>{2 * det_chunks} : combine_levels(det_chunks)) rows += n;
+        int64_t rows = 2 * det_chunks;  // level 0's slots: the one-pass combine's only ones
+        if (!one_pass) {
+          rows = 0;  // level 0's, then the combine levels'
+          for (int64_t n : combine_levels(det_chunks)) rows += n;
+        }
         partial = uninitialized({rows, F}, r.src.options().dtype(acc_type));
         partial_code = uninitialized({rows + (one_pass ? det_chunks + 1 : 0)}, r.index.options().dtype(at::kLong));
         args.partial = partial.data_ptr<acc_t>();

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
+from .. import _ops
 from .common import Nodes, gather_reduce, node_inputs, nodes_reason, sizes_reason
 from .gat import AttentionHeads
 from .graph import SortedGraph, checked, sorted_graph
@@ -108,8 +109,7 @@ class GATv2Conv(GeotLayer, AttentionHeads, pyg_nn.GATv2Conv):
         where no gradient is recorded: the op's own backward would rebuild
         them and add into both ends with atomics (a hub's row serializes),
         where this path's reads of x_r need no atomics."""
-        grad = torch.is_grad_enabled() and (x_l.requires_grad or x_r.requires_grad or self.att.requires_grad)
-        if edge is None and not grad and x_l.dtype == x_r.dtype == self.att.dtype:
+        if edge is None and _ops.records_no_grad(x_l, x_r, self.att) and x_l.dtype == x_r.dtype == self.att.dtype:
             return torch.ops.geot.edge_additive_score(graph.src, graph.dst, x_r, x_l, self.att,
                                                       self.negative_slope, self.heads)
         pair = x_l.index_select(0, graph.src).add_(torch.ops.geot.segment_broadcast(x_r, graph.dst))
