@@ -35,8 +35,10 @@ the geomean speedups last. Each model starts from a fresh state (fresh_state).
 Each model's cells are timed in --rounds rounds (fastest round kept), the
 paths of a (dtype, mode) back to back; --compile-mode picks torch.compile's
 mode for both compiled paths (reduce-overhead: CUDA graphs); on CUDA, when
-both libraries' compiled paths run, each library's paths run in a process
-of their own (run_libraries_apart; --processes). On CUDA the
+both libraries' compiled paths run with CUDA graphs, each library's paths run
+in a process of their own (run_libraries_apart; --processes); otherwise all
+paths share one process, so their rounds take turns under the same host
+conditions (small graphs are host-bound). On CUDA the
 inputs (features, labels, edge_index, edge types) are marked as static
 inputs, as a full-batch model's are: CUDA graphs of both libraries read them
 in place rather than copying them on every replay (x alone is 100 MB on the
@@ -435,7 +437,8 @@ def parse_args():
     parser.add_argument("--max-time", type=float, default=2.0, help="seconds of timed work per cell at most")
     parser.add_argument("--processes", choices=["one", "per-library"], default=None,
                         help="run each library's paths in a process of its own (run_libraries_apart) or all in "
-                             "one; default: per library on CUDA when both libraries' compiled paths run")
+                             "one; default: per library on CUDA when both libraries' compiled paths run with CUDA "
+                             "graphs (--compile-mode reduce-overhead or max-autotune)")
     parser.add_argument("--memory-snapshot", default=None, metavar="DIR",
                         help="CUDA: write torch's memory snapshot of each cell's peak-memory calls to DIR")
     parser.add_argument("--summarize", nargs="+", default=None, metavar="CSV",
@@ -584,8 +587,9 @@ def main():
     torch._dynamo.config.cache_size_limit = 64  # modes x dtypes x layers recompile the same code
     args.name = f"e2e_{common.device_slug(device)}{'_quick' if args.quick else ''}"
     both_compiled = len({library_of(p) for p in args.paths if p.endswith("compile")}) > 1
-    apart = not args.rows_csv and (args.processes == "per-library"
-                                   or (args.processes is None and device.type == "cuda" and both_compiled))
+    cuda_graphs = args.compile_mode in ("reduce-overhead", "max-autotune")
+    apart = not args.rows_csv and (args.processes == "per-library" or (
+        args.processes is None and device.type == "cuda" and both_compiled and cuda_graphs))
     if args.rows_csv:  # a child of run_libraries_apart: time, write the rows, leave the summary to the parent
         time_in_process(args, device)
         return

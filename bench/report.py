@@ -204,9 +204,10 @@ class E2E(Bench):
         "fastest PyG path's time / geot's. Peak memory: `max_memory_allocated` over a step that records the "
         "CUDA graph, against the fastest PyG path's. PyG's CSR path has no bf16 backward (cuSPARSE): `–` there. "
         "On the small real graphs (≤ 10^5 edges) a step is host-bound and cells move by up to ±30% "
-        "between runs. The 10M-edge power-law cells (hidden 128 and 256, fp32) and the cora and pubmed GIN and "
-        "SAGE cells at hidden 128 run as users compile: default mode, compiled before any eager call, one "
-        "round; some of the large graphs' peak-memory cells were not kept (`–`)."
+        "between runs. The 10M-edge power-law cells (hidden 128 and 256, fp32) and the cora, citeseer and pubmed "
+        "GIN and SAGE cells at hidden 128 run as users compile: default mode, compiled before any eager call "
+        "(the large graph: one round; the small ones: three rounds, every path of both libraries in one process, "
+        "taking turns); some of the large graphs' peak-memory cells were not kept (`–`)."
     )
     commands = (
         'E2E="python bench/e2e.py --compile-mode reduce-overhead --rounds 2 --max-time 0.3"',
@@ -222,8 +223,8 @@ class E2E(Bench):
         'L="--graphs powerlaw:n=1000000,deg=10 --dtypes fp32 --rounds 1 --reps 10 --warmup 2"',
         "python bench/e2e.py --models gcn,sage,gin --hidden 128,256 $L && $ADD",
         "python bench/e2e.py --models gat --hidden 128 $L --paths pyg-csr,pyg-compile,geot,geot-compile && $ADD",
-        "python bench/e2e.py --models gin,sage --hidden 128 --graphs cora,pubmed --dtypes fp32 --rounds 1 --reps 10 "
-        "--warmup 2 --paths pyg-csr,pyg-compile,geot,geot-compile && $ADD",
+        "python bench/e2e.py --models gin,sage --hidden 128 --graphs cora,citeseer,pubmed --dtypes fp32 --rounds 3 "
+        "&& $ADD",
     )
 
     def merge(self, current, runs):
