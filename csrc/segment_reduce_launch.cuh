@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -315,29 +316,33 @@ inline int device_rules(int device) {
 }
 
 // Deterministic mode where validation measured no segment over
-// kLongSegmentRows[1] rows, on rows of up to kShortSegmentMaxFeatures
-// features: SP with its cap above every segment, so each segment is reduced
-// whole by its thread group (a fixed shuffle order) and no chunk slots or
-// combine run (launches that cost more than the reduction itself on graphs
-// of 10^4-10^5 edges); a segment walked whole costs rounds of loads only for
-// the longest one. Lanes split the rows: as many as a 256-thread block row
-// holds, fewer where S segments would need more than ~4 waves of threads.
+// kLongSegmentRows[1] rows, on rows of up to short_segment_max_features:
+// SP with its cap above every segment, so each segment is reduced whole by
+// its thread group (a fixed shuffle order) and no chunk slots or combine run
+// (launches that cost more than the reduction itself on graphs of 10^4-10^5
+// edges). A segment walked whole costs rounds of loads for the longest one,
+// so lanes split the rows: as many as keep a segment's group within 64
+// threads and all groups within 2^18 * sqrt(column threads) threads (more
+// lanes for the longest segment, fewer threads in all; wider rows take more).
 // Features go 4 to a thread where the head size allows. Wider rows keep the
-// learned tiles with 16-row chunks and the one-pass combine: there a
-// segment's lanes, fewer as F grows, wait on the longest segment (H100,
-// spmm.py on cora, citeseer and pubmed, F = 1-128: deterministic / default
-// time 1.40 at the geomean with this split, 1.45 walking every width whole,
-// 1.70 walking none).
-constexpr int64_t kShortSegmentMaxFeatures = 16;
+// learned tiles with 16-row chunks and the one-pass combine. Chosen
+// on an H100 from every SP tiling of cora, citeseer and pubmed at F = 1-128,
+// both ops; deterministic / default time per graph at the geomean then went
+// from 1.25, 1.25, 1.30 to 1.12, 1.05, 1.12 (plain rows) and from 1.25,
+// 1.25, 1.80 to 1.24, 1.12, 1.61 (gathered).
+inline int64_t short_segment_max_features(bool gathered) { return gathered ? 32 : 128; }
 
 inline Config deterministic_short_segment_config(int64_t S, int64_t F, int64_t heads) {
   const int n_t = with_head_aligned_n_t(Config{4, 0, 0, 0, 0}, F, heads).N_t;
   const int64_t columns = ceil_div(F, n_t);
   int column_threads = 1;
   while (column_threads < columns && column_threads < 256) column_threads *= 2;
-  constexpr int64_t kThreadBudget = int64_t(1) << 20;
+  constexpr int kGroupThreads = 64;
+  const double thread_budget = double(int64_t(1) << 18) * std::sqrt(double(column_threads));
   int lanes = 1;
-  while (lanes < 32 && 2 * lanes * column_threads <= 256 && S * 2 * lanes * column_threads <= kThreadBudget) lanes *= 2;
+  while (lanes < 32 && 2 * lanes * column_threads <= kGroupThreads &&
+         double(S) * 2 * lanes * column_threads <= thread_budget)
+    lanes *= 2;
   const int t_n = column_threads * lanes;
   return {n_t, t_n, static_cast<int>(ceil_div(kLongSegmentRows[1], lanes)), std::max(1, 256 / t_n), 0};
 }
@@ -366,7 +371,7 @@ inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F, bool
   const Config cfg =
       resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments, rules));
   if (det && !r.config && !cfg.is_sp() && r.long_segments >= 0 && r.long_segments <= 1 &&
-      F <= kShortSegmentMaxFeatures)
+      F <= short_segment_max_features(r.gather.has_value()))
     return deterministic_short_segment_config(r.num_segments, F, r.heads);
   if (!r.any_order || cfg.is_sr()) return cfg;
   const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
