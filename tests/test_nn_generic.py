@@ -85,7 +85,7 @@ def test_patched_layer_matches_pyg(name, edges, weighted, device, geot_calls):
     if weighted and not LAYERS[name][1]:
         pytest.skip("the layer takes no edge weights")
     mine, reference = pair(name, device)
-    assert type(mine).__module__ == generic.__name__
+    assert isinstance(mine, generic.GeotPropagate)
     generator = torch.Generator(device=device).manual_seed(1)
     edge_index = graph(13, edges, device, generator)
     x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
@@ -95,6 +95,41 @@ def test_patched_layer_matches_pyg(name, edges, weighted, device, geot_calls):
         warnings.simplefilter("error", gnn.GeotFallbackWarning)
         assert_same(mine, reference, x, edge_index, *weight)
     assert geot_calls, "no propagation ran on geot"
+
+
+# name -> (the PyG layer, the width its propagations gather: narrowed to out_channels or not)
+NARROWING = {
+    "sg": (lambda: pyg_nn.SGConv(6, 4, K=3), 4),
+    "sg-cached": (lambda: pyg_nn.SGConv(6, 4, K=3, cached=True), 6),  # PyG's order: Â^K x is what it keeps
+    "sg-widening": (lambda: pyg_nn.SGConv(6, 9, K=2), 6),
+    "tag": (lambda: pyg_nn.TAGConv(6, 4, K=3), 4),
+    "tag-unnormalized": (lambda: pyg_nn.TAGConv(6, 4, K=2, normalize=False, bias=False), 4),
+    "tag-widening": (lambda: pyg_nn.TAGConv(6, 9, K=2), 6),
+}
+
+
+@pytest.mark.parametrize("name", list(NARROWING))
+def test_projections_first_where_they_narrow(name, device, monkeypatch):
+    """SGConv and TAGConv whose Linears narrow the rows propagate the projected rows (the K propagations
+    gather out_channels features); elsewhere x. PyG's outputs and gradients either way."""
+    make, width = NARROWING[name]
+    widths = []
+    run = generic.gather_reduce
+    monkeypatch.setattr(generic, "gather_reduce", lambda graph, x, *a, **k: widths.append(x.size(-1)) or
+                        run(graph, x, *a, **k))
+    torch.manual_seed(0)
+    reference = make().to(device).double()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_()
+    mine = gnn.patch(copy.deepcopy(reference))
+    assert isinstance(mine, (gnn.SGConv, gnn.TAGConv))
+    generator = torch.Generator(device=device).manual_seed(3)
+    edge_index = graph(13, 40, device, generator)
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    weight = torch.rand(edge_index.size(1), dtype=torch.float64, device=device, generator=generator)
+    assert_same(mine, reference, x, edge_index, weight)
+    assert widths and set(widths) == {width}
 
 
 @pytest.mark.parametrize("dst_none", [False, True], ids=["x_dst", "x_dst-None"])
@@ -321,3 +356,52 @@ def test_transformer_falls_back_for_raw_edge_features(device):
     with pytest.warns(gnn.GeotFallbackWarning, match="edge_attr without edge_dim"):
         out = mine(x, edge_index, edge_attr)
     torch.testing.assert_close(out, reference(x, edge_index, edge_attr), **F64)
+
+
+def test_narrowing_layers_keep_the_normalized_graph(device):
+    """SGConv and TAGConv normalize a graph once (kept with edge_index, which the kept entry does not hold
+    alive); a new edge_weight, or an in-place change of edge_index, normalizes again."""
+    import gc
+    import weakref
+    from geot.nn import narrowing
+    generator = torch.Generator(device=device).manual_seed(4)
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    for make in (lambda: pyg_nn.SGConv(6, 4, K=2), lambda: pyg_nn.TAGConv(6, 4, K=2)):
+        torch.manual_seed(0)
+        reference = make().to(device).double()
+        mine = gnn.patch(copy.deepcopy(reference))
+        edge_index = graph(13, 40, device, generator)
+        first = narrowing.kept_gcn_norm(edge_index, None, 13, True, "source_to_target", torch.float64)
+        assert narrowing.kept_gcn_norm(edge_index, None, 13, True, "source_to_target", torch.float64)[0] is first[0]
+        weight = torch.rand(edge_index.size(1), dtype=torch.float64, device=device, generator=generator)
+        for _ in range(2):
+            torch.testing.assert_close(mine(x, edge_index, weight), reference(x, edge_index, weight), **F64)
+        other = torch.rand_like(weight)
+        torch.testing.assert_close(mine(x, edge_index, other), reference(x, edge_index, other), **F64)
+        edge_index[0, :5] = edge_index[1, :5]  # in place: normalized again
+        torch.testing.assert_close(mine(x, edge_index, weight), reference(x, edge_index, weight), **F64)
+        gone = weakref.ref(edge_index)
+        del edge_index, first, mine  # a layer keeps the last graph it saw
+        gc.collect()
+        assert gone() is None, "the kept normalization holds its edge_index alive"
+
+
+@pytest.mark.parametrize("name", ["sg", "tag"])
+@pytest.mark.parametrize("kind", ["torch.sparse", "EdgeIndex"])
+def test_narrowing_layers_other_graph_inputs(name, kind, device):
+    """SGConv and TAGConv on a torch.sparse adjacency or an EdgeIndex (the generic layer's forward): PyG's
+    outputs and gradients."""
+    torch.manual_seed(0)
+    reference = NARROWING[name][0]().to(device).double()
+    mine = gnn.patch(copy.deepcopy(reference))
+    generator = torch.Generator(device=device).manual_seed(5)
+    edge_index = graph(13, 40, device, generator)
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    if kind == "EdgeIndex":
+        adj = EdgeIndex(edge_index, sparse_size=(13, 13))
+    else:
+        values = torch.ones(edge_index.size(1), dtype=torch.float64, device=device)
+        adj = torch.sparse_coo_tensor(edge_index.flip(0), values, (13, 13)).coalesce().to_sparse_csr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gnn.GeotFallbackWarning)
+        assert_same(mine, reference, x, adj)

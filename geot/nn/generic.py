@@ -44,6 +44,10 @@ class GeotPropagate(GeotLayer):
     _aggregations = tuple(REDUCE)
     _geot_base: type  # the layer class it extends
 
+    def _geot_init(self) -> None:
+        super()._geot_init()
+        message_plan(self._geot_base)  # read now: torch.compile cannot trace the reading (a first call compiled)
+
     def propagate(self, edge_index, size=None, **kwargs) -> Tensor:
         reason = self._propagate_reason(edge_index, size, kwargs)
         if reason is not None:
@@ -232,15 +236,13 @@ def propagates_on_geot(module: torch.nn.Module) -> bool:
 _classes: Dict[type, type] = {}
 
 
-def _forward_with_trace_memo(layer_class: type):
-    """layer_class's forward (its signature kept); inside torch.compile with the memo of the graphs its
+def with_trace_memo(base_forward):
+    """A layer's forward (its signature kept); inside torch.compile with the memo of the graphs its
     propagate calls sort (GeotPropagate._graph_and_weight; APPNP, SGConv, TAGConv: one graph made inside
     forward by gcn_norm, propagated K times). No try/finally: dynamo runs a frame whose try block breaks
     the graph (gcn_norm's boolean masks, under fullgraph=False) eagerly, which would leave the frames
     after the break without the memo (a sort per propagation). A call that raises leaves the list until
     the next compiled call replaces it."""
-    base_forward = layer_class.forward
-
     @functools.wraps(base_forward)
     def forward(self, *args, **kwargs):
         if not torch.compiler.is_compiling():
@@ -258,7 +260,7 @@ def geot_class(layer_class: type) -> type:
     if made is None:
         made = type(layer_class.__name__, (GeotPropagate, layer_class),
                     {"__module__": __name__, "__doc__": layer_class.__doc__, "_geot_base": layer_class,
-                     "forward": _forward_with_trace_memo(layer_class)})
+                     "forward": with_trace_memo(layer_class.forward)})
         _classes[layer_class] = made
     return made
 

@@ -8,6 +8,7 @@ from .gcn import GCNConv
 from .generic import geot_class, propagates_on_geot
 from .gin import GINConv
 from .hgt import HGTConv
+from .narrowing import SGConv, TAGConv
 from .rgat import RGATConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
@@ -23,12 +24,14 @@ GEOT_LAYERS = {
     pyg_nn.TransformerConv: TransformerConv,
     pyg_nn.RGATConv: RGATConv,
     pyg_nn.HGTConv: HGTConv,
+    pyg_nn.SGConv: SGConv,
+    pyg_nn.TAGConv: TAGConv,
 }
 
 
 def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
     """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv, GATv2Conv, RGCNConv, RGATConv,
-    HGTConv and TransformerConv in
+    HGTConv, SGConv, TAGConv and TransformerConv in
     ``model`` (the model itself included, and the per-edge-type copies that
     ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place,
     and gives every other ``MessagePassing`` layer whose message geot

@@ -1,0 +1,152 @@
+"""SGConv and TAGConv on geot: the generic propagation over a graph
+normalized once, with the projections first where they narrow the rows.
+
+PyG's forward of both normalizes the graph (gcn_norm) on every call, a new
+tensor that geot would sort on every call; these keep the normalized graph
+with the input edge_index (:func:`kept_gcn_norm`), so it is sorted once.
+Both layers apply Linears to propagated features, ``W Â^k x``. The
+propagation is linear in the features, so ``W Â^k x = Â^k (x W^T)``: where
+out_channels < in_channels, projecting first makes each propagation gather
+out_channels features per edge rather than in_channels (8 instead of 128 for
+a classifier on 128 features). Results then differ from PyG's by rounding
+only. Anything else (a cached SGConv, sparse adjacencies, hooks) runs the
+generic layer's forward, PyG's.
+"""
+import weakref
+
+import torch
+import torch.nn.functional as F
+import torch_geometric.nn as pyg_nn
+from torch import Tensor
+from torch.nn.parameter import UninitializedParameter
+from torch.utils.weak import WeakTensorKeyDictionary
+from torch_geometric.nn.conv.gcn_conv import gcn_norm
+
+from .generic import geot_class, with_trace_memo
+from .graph import _version_key, call_at_trace_time, prepare_for_compiled
+
+_kept_norms = WeakTensorKeyDictionary()  # edge_index -> (key, edge_weight ref, gcn_norm's result)
+
+
+def kept_gcn_norm(edge_index: Tensor, edge_weight, num_nodes: int, add_self_loops: bool, flow: str, dtype):
+    """gcn_norm(edge_index, edge_weight, ...), kept with edge_index eagerly:
+    the propagations then meet the same normalized graph tensor call after
+    call, so geot sorts it once (PyG normalizes on every call; so does
+    compiled code, and an edge_weight that requires grad). A new tensor, or
+    an in-place change of edge_index or edge_weight, normalizes again."""
+    if torch.compiler.is_compiling() or (edge_weight is not None and edge_weight.requires_grad):
+        return gcn_norm(edge_index, edge_weight, num_nodes, False, add_self_loops, flow, dtype)
+    key = (_version_key(edge_index), None if edge_weight is None else _version_key(edge_weight), num_nodes,
+           add_self_loops, flow, dtype)
+    entry = _kept_norms.get(edge_index)
+    if entry is not None and entry[0] == key and (entry[1] is None) == (edge_weight is None) and (
+            edge_weight is None or entry[1]() is edge_weight):
+        normalized_index, normalized_weight = entry[2]
+        return (edge_index if normalized_index is None else normalized_index), normalized_weight
+    normalized_index, normalized_weight = gcn_norm(edge_index, edge_weight, num_nodes, False, add_self_loops, flow,
+                                                   dtype)
+    # The entry must not hold edge_index (its key) alive: edge_index itself is stored as None; a view of it
+    # is not kept at all.
+    if normalized_index.untyped_storage().data_ptr() == edge_index.untyped_storage().data_ptr():
+        if normalized_index is not edge_index:
+            return normalized_index, normalized_weight
+        normalized_index = None
+    _kept_norms[edge_index] = (key, None if edge_weight is None else weakref.ref(edge_weight),
+                               (normalized_index, normalized_weight))
+    return (edge_index if normalized_index is None else normalized_index), normalized_weight
+
+
+def _normalized(layer, edge_index: Tensor, edge_weight, num_nodes: int, add_self_loops: bool, dtype):
+    """The call's normalized graph: kept_gcn_norm's; inside torch.compile,
+    the one kept while dynamo traced the layer's first graph (normalized and
+    sorted then, eagerly: see geot.nn.graph.call_at_trace_time), else
+    normalized in the compiled code on every call (a graph that changes)."""
+    if not torch.compiler.is_compiling():
+        return kept_gcn_norm(edge_index, edge_weight, num_nodes, add_self_loops, layer.flow, dtype)
+    options = (num_nodes, add_self_loops, dtype)
+    call_at_trace_time(_prepare_normalized, layer, edge_index, edge_weight, options, torch.is_grad_enabled())
+    kept = getattr(layer, "_geot_normalized", None)  # an attribute of its own, read after the trace-time call
+    if kept is not None and kept[0] is edge_index and kept[1] is edge_weight and kept[2] == options:
+        return kept[3]
+    return gcn_norm(edge_index, edge_weight, num_nodes, False, add_self_loops, layer.flow, dtype)
+
+
+def _prepare_normalized(layer, edge_index: Tensor, edge_weight, options: tuple, grad: bool) -> None:
+    """Run while dynamo traces, on the real graph: the layer's first graph normalized, and the normalized
+    graph sorted, kept for the compiled code to read (not an edge_weight that requires grad: its
+    normalization must be recorded on every call)."""
+    if edge_weight is not None and edge_weight.requires_grad:
+        return
+    num_nodes, add_self_loops, dtype = options
+    normalized = kept_gcn_norm(edge_index, edge_weight, num_nodes, add_self_loops, layer.flow, dtype)
+    if prepare_for_compiled(layer, normalized[0], layer._flipped(), grad):
+        layer.__dict__["_geot_normalized"] = (edge_index, edge_weight, options, normalized)
+
+
+def _runs_here(layer, x, edge_index) -> bool:
+    """Whether this module's forward takes the call: a [N, F] x, a plain dense edge_index tensor (not a
+    sparse adjacency, nor a subclass such as EdgeIndex, which keeps no storage of its own to key the kept
+    normalization by), and nothing that reads the propagated features (hooks, explain). Else the generic
+    layer's forward (PyG's, geot's propagate)."""
+    return (isinstance(x, Tensor) and x.dim() == 2 and type(edge_index) is Tensor
+            and edge_index.layout == torch.strided and layer._option_reason() is None)
+
+
+def _narrows(weight) -> bool:
+    """Whether a Linear's weight (materialized) has fewer output than input features."""
+    return not isinstance(weight, UninitializedParameter) and weight.size(0) < weight.size(1)
+
+
+class SGConv(geot_class(pyg_nn.SGConv)):
+    """``torch_geometric.nn.SGConv`` on geot: ``lin(Â^K x)``, each of the K
+    propagations one fused gather-reduce over the graph normalized once
+    (:func:`kept_gcn_norm`); ``Â^K (x W^T) + b`` where ``lin`` narrows the
+    rows. With ``cached=True``, PyG's forward (Â^K x is what it keeps)."""
+
+    def forward(self, x, edge_index, edge_weight=None) -> Tensor:
+        if self.cached or self._cached_x is not None or not _runs_here(self, x, edge_index):
+            return super().forward(x, edge_index, edge_weight)
+        return _sg_forward(self, x, edge_index, edge_weight)
+
+
+@with_trace_memo
+def _sg_forward(layer: SGConv, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
+    edge_index, edge_weight = _normalized(layer, edge_index, edge_weight, x.size(layer.node_dim),
+                                          layer.add_self_loops, x.dtype)
+    first = _narrows(layer.lin.weight)
+    h = F.linear(x, layer.lin.weight) if first else x  # the bias after the propagation, as lin adds it
+    for _ in range(layer.K):
+        h = layer.propagate(edge_index, x=h, edge_weight=edge_weight)
+    if not first:
+        return layer.lin(h)
+    return h if layer.lin.bias is None else h + layer.lin.bias
+
+
+class TAGConv(geot_class(pyg_nn.TAGConv)):
+    """``torch_geometric.nn.TAGConv`` on geot: ``sum_k lins[k](Â^k x)``, each
+    propagation one fused gather-reduce over the graph normalized once
+    (:func:`kept_gcn_norm`); where the Linears narrow the rows, in Horner's
+    form ``x W_0 + Â(x W_1 + Â(... + Â x W_K))``: the same K propagations,
+    of out_channels features."""
+
+    def forward(self, x, edge_index, edge_weight=None) -> Tensor:
+        if not _runs_here(self, x, edge_index):
+            return super().forward(x, edge_index, edge_weight)
+        return _tag_forward(self, x, edge_index, edge_weight)
+
+
+@with_trace_memo
+def _tag_forward(layer: TAGConv, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
+    if layer.normalize:
+        edge_index, edge_weight = _normalized(layer, edge_index, edge_weight, x.size(layer.node_dim), False,
+                                              x.dtype)
+    if layer.K > 0 and _narrows(layer.lins[0].weight):
+        out = F.linear(x, layer.lins[-1].weight)
+        for lin in reversed(layer.lins[:-1]):
+            out = F.linear(x, lin.weight) + layer.propagate(edge_index, x=out, edge_weight=edge_weight)
+    else:  # PyG's order
+        out = layer.lins[0](x)
+        for lin in layer.lins[1:]:
+            x = layer.propagate(edge_index, x=x, edge_weight=edge_weight)
+            out = out + lin(x)
+    return out if layer.bias is None else out + layer.bias
