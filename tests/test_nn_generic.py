@@ -19,10 +19,15 @@ class OwnGATv2(pyg_nn.GATv2Conv):
     """A subclass of a layer geot has its own version of: patch gives it geot's propagate only."""
 
 
+class OwnAPPNP(pyg_nn.APPNP):
+    """The same for APPNP: PyG's forward (gcn_norm on every call), geot's propagate."""
+
+
 # name -> (make the PyG layer, takes edge weights)
 LAYERS = {
     "appnp": (lambda: pyg_nn.APPNP(K=3, alpha=0.1), True),
     "appnp-cached": (lambda: pyg_nn.APPNP(K=2, alpha=0.2, cached=True), True),
+    "appnp-subclass": (lambda: OwnAPPNP(K=3, alpha=0.1), True),
     "sg": (lambda: pyg_nn.SGConv(6, 4, K=2), True),
     "tag": (lambda: pyg_nn.TAGConv(6, 4, K=2), True),
     "graph": (lambda: pyg_nn.GraphConv(6, 4), True),
@@ -105,6 +110,7 @@ NARROWING = {
     "tag": (lambda: pyg_nn.TAGConv(6, 4, K=3), 4),
     "tag-unnormalized": (lambda: pyg_nn.TAGConv(6, 4, K=2, normalize=False, bias=False), 4),
     "tag-widening": (lambda: pyg_nn.TAGConv(6, 9, K=2), 6),
+    "appnp": (lambda: pyg_nn.APPNP(K=3, alpha=0.1), 6),  # no Linear: a graph normalized once, x's width
 }
 
 
@@ -123,7 +129,7 @@ def test_projections_first_where_they_narrow(name, device, monkeypatch):
         for p in reference.parameters():
             p.normal_()
     mine = gnn.patch(copy.deepcopy(reference))
-    assert isinstance(mine, (gnn.SGConv, gnn.TAGConv))
+    assert isinstance(mine, (gnn.SGConv, gnn.TAGConv, gnn.APPNP))
     generator = torch.Generator(device=device).manual_seed(3)
     edge_index = graph(13, 40, device, generator)
     x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
@@ -241,7 +247,7 @@ def test_compiled_patched_layer_matches(name, device):
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_compiled_propagations_of_one_graph_sort_it_once(grad, fullgraph, device):
-    """APPNP's K propagations of the graph its forward makes (gcn_norm) sort it
+    """An APPNP subclass's K propagations of the graph its forward makes (gcn_norm) sort it
     once in the compiled code (inference graphs get no common-subexpression
     pass), its edge weights put in order once, also where gcn_norm's boolean
     masks break the graph (fullgraph=False, torch.compile's default); results
@@ -249,7 +255,7 @@ def test_compiled_propagations_of_one_graph_sort_it_once(grad, fullgraph, device
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
     torch._dynamo.reset()
-    mine, reference = pair("appnp", device)
+    mine, reference = pair("appnp-subclass", device)
     sorts, compilations = [], []
 
     def backend(module, inputs):
@@ -359,20 +365,20 @@ def test_transformer_falls_back_for_raw_edge_features(device):
 
 
 def test_narrowing_layers_keep_the_normalized_graph(device):
-    """SGConv and TAGConv normalize a graph once (kept with edge_index, which the kept entry does not hold
+    """SGConv, TAGConv and APPNP normalize a graph once (kept with edge_index, which the kept entry does not hold
     alive); a new edge_weight, or an in-place change of edge_index, normalizes again."""
     import gc
     import weakref
-    from geot.nn import narrowing
+    from geot.nn import propagations
     generator = torch.Generator(device=device).manual_seed(4)
     x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
-    for make in (lambda: pyg_nn.SGConv(6, 4, K=2), lambda: pyg_nn.TAGConv(6, 4, K=2)):
+    for make in (lambda: pyg_nn.SGConv(6, 4, K=2), lambda: pyg_nn.TAGConv(6, 4, K=2), lambda: pyg_nn.APPNP(2, 0.1)):
         torch.manual_seed(0)
         reference = make().to(device).double()
         mine = gnn.patch(copy.deepcopy(reference))
         edge_index = graph(13, 40, device, generator)
-        first = narrowing.kept_gcn_norm(edge_index, None, 13, True, "source_to_target", torch.float64)
-        assert narrowing.kept_gcn_norm(edge_index, None, 13, True, "source_to_target", torch.float64)[0] is first[0]
+        first = propagations.kept_gcn_norm(edge_index, None, 13, True, "source_to_target", torch.float64)
+        assert propagations.kept_gcn_norm(edge_index, None, 13, True, "source_to_target", torch.float64)[0] is first[0]
         weight = torch.rand(edge_index.size(1), dtype=torch.float64, device=device, generator=generator)
         for _ in range(2):
             torch.testing.assert_close(mine(x, edge_index, weight), reference(x, edge_index, weight), **F64)
@@ -386,11 +392,11 @@ def test_narrowing_layers_keep_the_normalized_graph(device):
         assert gone() is None, "the kept normalization holds its edge_index alive"
 
 
-@pytest.mark.parametrize("name", ["sg", "tag"])
+@pytest.mark.parametrize("name", ["sg", "tag", "appnp"])
 @pytest.mark.parametrize("kind", ["torch.sparse", "EdgeIndex"])
 def test_narrowing_layers_other_graph_inputs(name, kind, device):
-    """SGConv and TAGConv on a torch.sparse adjacency or an EdgeIndex (the generic layer's forward): PyG's
-    outputs and gradients."""
+    """SGConv, TAGConv and APPNP on a torch.sparse adjacency or an EdgeIndex (the generic layer's forward):
+    PyG's outputs and gradients."""
     torch.manual_seed(0)
     reference = NARROWING[name][0]().to(device).double()
     mine = gnn.patch(copy.deepcopy(reference))
@@ -405,3 +411,54 @@ def test_narrowing_layers_other_graph_inputs(name, kind, device):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", gnn.GeotFallbackWarning)
         assert_same(mine, reference, x, adj)
+
+
+def test_appnp_edge_dropout_as_pyg(device):
+    """APPNP in training with edge dropout: from the same random state, PyG's outputs and gradients (each step
+    drops from the last step's weights, as PyG's)."""
+    torch.manual_seed(0)
+    reference = pyg_nn.APPNP(K=3, alpha=0.1, dropout=0.5).to(device).double().train()
+    mine = gnn.patch(copy.deepcopy(reference))
+    generator = torch.Generator(device=device).manual_seed(6)
+    edge_index = graph(13, 40, device, generator)
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    torch.manual_seed(7)
+    out, grad_x, _ = outputs_and_grads(mine, x, edge_index)
+    torch.manual_seed(7)
+    want, want_x, _ = outputs_and_grads(reference, x, edge_index)
+    torch.testing.assert_close(out, want, **F64)
+    torch.testing.assert_close(grad_x, want_x, **F64)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("name", ["sg", "tag", "appnp"])
+def test_compiled_kept_normalization_sorts_nothing(name, grad, device):
+    """Compiled first (no eager call), SGConv, TAGConv and APPNP normalize and sort their graph while dynamo
+    traces: the compiled graphs hold no sort, and a second call reuses them; PyG's results and gradients."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = NARROWING[name][0]().to(device).double()
+    mine = gnn.patch(copy.deepcopy(reference))
+    sorts, compilations = [], []
+
+    def backend(module, inputs):
+        def count(graph_module, _):
+            sorts.append(sum(node.target == torch.ops.aten.sort.stable for node in graph_module.graph.nodes))
+            return make_boxed_func(graph_module)
+        compilations.append(1)
+        return aot_module_simplified(module, inputs, fw_compiler=count, bw_compiler=count)
+
+    edge_index = graph(13, 40, device, torch.Generator(device=device).manual_seed(9))
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, requires_grad=grad)
+    compiled = torch.compile(mine, backend=backend)
+    with torch.set_grad_enabled(grad):
+        for _ in range(2):
+            out, expect = compiled(x, edge_index), reference(x, edge_index)
+            torch.testing.assert_close(out, expect, **F64)
+            if grad:
+                torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0],
+                                           torch.autograd.grad(expect.sum(), x)[0], **F64)
+    assert sorts and max(sorts) == 0, sorts
+    assert len(compilations) == 1

@@ -8,7 +8,7 @@ from .gcn import GCNConv
 from .generic import geot_class, propagates_on_geot
 from .gin import GINConv
 from .hgt import HGTConv
-from .narrowing import SGConv, TAGConv
+from .propagations import APPNP, SGConv, TAGConv
 from .rgat import RGATConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
@@ -26,12 +26,13 @@ GEOT_LAYERS = {
     pyg_nn.HGTConv: HGTConv,
     pyg_nn.SGConv: SGConv,
     pyg_nn.TAGConv: TAGConv,
+    pyg_nn.APPNP: APPNP,
 }
 
 
 def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
     """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv, GATv2Conv, RGCNConv, RGATConv,
-    HGTConv, SGConv, TAGConv and TransformerConv in
+    HGTConv, SGConv, TAGConv, APPNP and TransformerConv in
     ``model`` (the model itself included, and the per-edge-type copies that
     ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place,
     and gives every other ``MessagePassing`` layer whose message geot

@@ -1,10 +1,12 @@
-"""SGConv and TAGConv on geot: the generic propagation over a graph
-normalized once, with the projections first where they narrow the rows.
+"""SGConv, TAGConv and APPNP on geot: the generic propagation over a graph
+normalized once; SGConv and TAGConv with the projections first where they
+narrow the rows.
 
-PyG's forward of both normalizes the graph (gcn_norm) on every call, a new
-tensor that geot would sort on every call; these keep the normalized graph
-with the input edge_index (:func:`kept_gcn_norm`), so it is sorted once.
-Both layers apply Linears to propagated features, ``W Â^k x``. The
+PyG's forward of these normalizes the graph (gcn_norm) on every call
+(APPNP: unless cached), a new tensor that geot would sort on every call;
+these keep the normalized graph with the input edge_index
+(:func:`kept_gcn_norm`), so it is sorted once.
+SGConv and TAGConv apply Linears to propagated features, ``W Â^k x``. The
 propagation is linear in the features, so ``W Â^k x = Â^k (x W^T)``: where
 out_channels < in_channels, projecting first makes each propagation gather
 out_channels features per edge rather than in_channels (8 instead of 128 for
@@ -150,3 +152,30 @@ def _tag_forward(layer: TAGConv, x: Tensor, edge_index: Tensor, edge_weight) -> 
             x = layer.propagate(edge_index, x=x, edge_weight=edge_weight)
             out = out + lin(x)
     return out if layer.bias is None else out + layer.bias
+
+
+class APPNP(geot_class(pyg_nn.APPNP)):
+    """``torch_geometric.nn.APPNP`` on geot: K steps of ``(1 - alpha) Â h +
+    alpha x``, each propagation one fused gather-reduce over the graph
+    normalized once (:func:`kept_gcn_norm`; PyG normalizes on every call
+    unless ``cached``). Edge dropout as PyG's (the weights of each step
+    dropped from the last step's), on the same graph."""
+
+    def forward(self, x, edge_index, edge_weight=None) -> Tensor:
+        if not self.normalize or self.cached or not _runs_here(self, x, edge_index):
+            return super().forward(x, edge_index, edge_weight)
+        return _appnp_forward(self, x, edge_index, edge_weight)
+
+
+@with_trace_memo
+def _appnp_forward(layer: APPNP, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
+    edge_index, edge_weight = _normalized(layer, edge_index, edge_weight, x.size(layer.node_dim),
+                                          layer.add_self_loops, x.dtype)
+    h = x
+    for _ in range(layer.K):
+        if layer.dropout > 0 and layer.training:  # as PyG's: each step drops from the last step's weights
+            edge_weight = F.dropout(edge_weight, p=layer.dropout)
+        x = layer.propagate(edge_index, x=x, edge_weight=edge_weight)
+        x = x * (1 - layer.alpha)
+        x = x + layer.alpha * h
+    return x
