@@ -1,7 +1,8 @@
 """PyTorch Geometric layers on geot's kernels (needs torch_geometric).
 
 * ``GCNConv``, ``SAGEConv``, ``GINConv``, ``GATConv``, ``GATv2Conv``, ``RGCNConv``, ``RGATConv``,
-  ``HGTConv``, ``SGConv``, ``TAGConv``, ``APPNP``, ``TransformerConv``: drop-in
+  ``HGTConv``, ``SGConv``, ``TAGConv``, ``APPNP``, ``ChebConv``, ``ClusterGCNConv``,
+  ``TransformerConv``: drop-in
   subclasses of PyG's layers, same constructor, parameters and forward; a
   call geot does not run natively runs PyG's forward
   (:class:`GeotFallbackWarning`).
@@ -24,13 +25,14 @@ from .gin import GINConv
 from .graph import SortedGraph, UncachedGraphWarning, sorted_graph, sorted_index
 from .hgt import HGTConv
 from .layer import GeotFallbackWarning
-from .propagations import APPNP, SGConv, TAGConv
+from .propagations import APPNP, ChebConv, ClusterGCNConv, SGConv, TAGConv
 from .patch import patch
 from .rgat import RGATConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
 from .transformer import TransformerConv
 
-__all__ = ["APPNP", "GATConv", "GATv2Conv", "GCNConv", "GeotFallbackWarning", "GINConv", "HGTConv", "RGATConv", "RGCNConv",
-           "SAGEConv", "SGConv", "SegmentAggregation", "SortedGraph", "TAGConv", "TransformerConv",
-           "UncachedGraphWarning", "explain", "geot_class", "patch", "sorted_graph", "sorted_index"]
+__all__ = ["APPNP", "ChebConv", "ClusterGCNConv", "GATConv", "GATv2Conv", "GCNConv", "GeotFallbackWarning", "GINConv",
+           "HGTConv", "RGATConv", "RGCNConv", "SAGEConv", "SGConv", "SegmentAggregation", "SortedGraph", "TAGConv",
+           "TransformerConv", "UncachedGraphWarning", "explain", "geot_class", "patch", "sorted_graph",
+           "sorted_index"]

@@ -8,7 +8,7 @@ from .gcn import GCNConv
 from .generic import geot_class, propagates_on_geot
 from .gin import GINConv
 from .hgt import HGTConv
-from .propagations import APPNP, SGConv, TAGConv
+from .propagations import APPNP, ChebConv, ClusterGCNConv, SGConv, TAGConv
 from .rgat import RGATConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
@@ -27,12 +27,15 @@ GEOT_LAYERS = {
     pyg_nn.SGConv: SGConv,
     pyg_nn.TAGConv: TAGConv,
     pyg_nn.APPNP: APPNP,
+    pyg_nn.ChebConv: ChebConv,
+    pyg_nn.ClusterGCNConv: ClusterGCNConv,
 }
 
 
 def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
     """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv, GATv2Conv, RGCNConv, RGATConv,
-    HGTConv, SGConv, TAGConv, APPNP and TransformerConv in
+    HGTConv, SGConv, TAGConv, APPNP, ChebConv, ClusterGCNConv and
+    TransformerConv in
     ``model`` (the model itself included, and the per-edge-type copies that
     ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place,
     and gives every other ``MessagePassing`` layer whose message geot

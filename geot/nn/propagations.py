@@ -1,12 +1,12 @@
-"""SGConv, TAGConv and APPNP on geot: the generic propagation over a graph
-normalized once; SGConv and TAGConv with the projections first where they
-narrow the rows.
+"""SGConv, TAGConv, APPNP, ChebConv and ClusterGCNConv on geot: the generic
+propagation over a graph normalized once; SGConv, TAGConv and ClusterGCNConv
+with the projections first where they narrow the rows.
 
-PyG's forward of these normalizes the graph (gcn_norm) on every call
-(APPNP: unless cached), a new tensor that geot would sort on every call;
-these keep the normalized graph with the input edge_index
-(:func:`kept_gcn_norm`), so it is sorted once.
-SGConv and TAGConv apply Linears to propagated features, ``W Â^k x``. The
+PyG's forward of these normalizes the graph on every call (APPNP: unless
+cached), a new tensor that geot would sort on every call; these keep the
+normalized graph with the input edge_index (:func:`kept_normalization`), so
+it is sorted once.
+SGConv, TAGConv and ClusterGCNConv apply Linears to propagated features, ``W Â^k x``. The
 propagation is linear in the features, so ``W Â^k x = Â^k (x W^T)``: where
 out_channels < in_channels, projecting first makes each propagation gather
 out_channels features per edge rather than in_channels (8 instead of 128 for
@@ -23,66 +23,95 @@ from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 from torch.utils.weak import WeakTensorKeyDictionary
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
+from torch_geometric.utils import add_self_loops as add_self_loops_to
+from torch_geometric.utils import degree, remove_self_loops
 
 from .generic import geot_class, with_trace_memo
 from .graph import _version_key, call_at_trace_time, prepare_for_compiled
 
-_kept_norms = WeakTensorKeyDictionary()  # edge_index -> (key, edge_weight ref, gcn_norm's result)
+_kept_norms = WeakTensorKeyDictionary()  # edge_index -> (key, edge_weight ref, normalized graph)
 
 
-def kept_gcn_norm(edge_index: Tensor, edge_weight, num_nodes: int, add_self_loops: bool, flow: str, dtype):
-    """gcn_norm(edge_index, edge_weight, ...), kept with edge_index eagerly:
-    the propagations then meet the same normalized graph tensor call after
-    call, so geot sorts it once (PyG normalizes on every call; so does
-    compiled code, and an edge_weight that requires grad). A new tensor, or
-    an in-place change of edge_index or edge_weight, normalizes again."""
+def _gcn_normalization(layer, edge_index: Tensor, edge_weight, options: tuple):
+    num_nodes, add_self_loops, flow, dtype = options
+    return gcn_norm(edge_index, edge_weight, num_nodes, False, add_self_loops, flow, dtype)
+
+
+def _cheb_normalization(layer, edge_index: Tensor, edge_weight, options: tuple):
+    num_nodes, normalization, dtype = options
+    return pyg_nn.ChebConv.__norm__(layer, edge_index, num_nodes, edge_weight, normalization, None, dtype=dtype)
+
+
+def _cluster_gcn_normalization(layer, edge_index: Tensor, edge_weight, options: tuple):
+    """ClusterGCNConv's weights of a plain edge_index: 1 / in-degree (of the self-looped graph), plus
+    diag_lambda / in-degree on the self loops."""
+    num_nodes, add_self_loops, diag_lambda = options
+    if add_self_loops:
+        edge_index = add_self_loops_to(remove_self_loops(edge_index)[0], num_nodes=num_nodes)[0]
+    source, target = edge_index[0], edge_index[1]
+    inverse_degree = 1.0 / degree(target, num_nodes=num_nodes).clamp_(1.0)
+    weight = inverse_degree[target]
+    weight[source == target] += diag_lambda * inverse_degree
+    return edge_index, weight
+
+
+# kind -> the layer's normalization (edge_index, edge_weight, options) -> (edge index, per-edge weights); it
+# reads nothing of the layer but what options hold (PyG's own methods take it as self).
+NORMALIZATIONS = {"gcn": _gcn_normalization, "cheb": _cheb_normalization, "cluster_gcn": _cluster_gcn_normalization}
+
+
+def kept_normalization(layer, kind: str, edge_index: Tensor, edge_weight, options: tuple):
+    """NORMALIZATIONS[kind](layer, edge_index, edge_weight, options), kept
+    with edge_index eagerly: the propagations then meet the same normalized
+    graph tensor call after call, so geot sorts it once (PyG normalizes on
+    every call; so does compiled code, and an edge_weight that requires
+    grad). A new tensor, or an in-place change of edge_index or edge_weight,
+    normalizes again."""
+    normalize = NORMALIZATIONS[kind]
     if torch.compiler.is_compiling() or (edge_weight is not None and edge_weight.requires_grad):
-        return gcn_norm(edge_index, edge_weight, num_nodes, False, add_self_loops, flow, dtype)
-    key = (_version_key(edge_index), None if edge_weight is None else _version_key(edge_weight), num_nodes,
-           add_self_loops, flow, dtype)
-    entry = _kept_norms.get(edge_index)
+        return normalize(layer, edge_index, edge_weight, options)
+    key = (kind, options, _version_key(edge_index), None if edge_weight is None else _version_key(edge_weight))
+    entry = _kept_norms.get(edge_index, {}).get(kind)
     if entry is not None and entry[0] == key and (entry[1] is None) == (edge_weight is None) and (
             edge_weight is None or entry[1]() is edge_weight):
         normalized_index, normalized_weight = entry[2]
         return (edge_index if normalized_index is None else normalized_index), normalized_weight
-    normalized_index, normalized_weight = gcn_norm(edge_index, edge_weight, num_nodes, False, add_self_loops, flow,
-                                                   dtype)
+    normalized_index, normalized_weight = normalize(layer, edge_index, edge_weight, options)
     # The entry must not hold edge_index (its key) alive: edge_index itself is stored as None; a view of it
     # is not kept at all.
     if normalized_index.untyped_storage().data_ptr() == edge_index.untyped_storage().data_ptr():
         if normalized_index is not edge_index:
             return normalized_index, normalized_weight
         normalized_index = None
-    _kept_norms[edge_index] = (key, None if edge_weight is None else weakref.ref(edge_weight),
-                               (normalized_index, normalized_weight))
+    _kept_norms.setdefault(edge_index, {})[kind] = (
+        key, None if edge_weight is None else weakref.ref(edge_weight), (normalized_index, normalized_weight))
     return (edge_index if normalized_index is None else normalized_index), normalized_weight
 
 
-def _normalized(layer, edge_index: Tensor, edge_weight, num_nodes: int, add_self_loops: bool, dtype):
-    """The call's normalized graph: kept_gcn_norm's; inside torch.compile,
-    the one kept while dynamo traced the layer's first graph (normalized and
-    sorted then, eagerly: see geot.nn.graph.call_at_trace_time), else
-    normalized in the compiled code on every call (a graph that changes)."""
+def _normalized(layer, kind: str, edge_index: Tensor, edge_weight, options: tuple):
+    """The call's normalized graph: kept_normalization's; inside
+    torch.compile, the one kept while dynamo traced the layer's first graph
+    (normalized and sorted then, eagerly: see
+    geot.nn.graph.call_at_trace_time), else normalized in the compiled code
+    on every call (a graph that changes)."""
     if not torch.compiler.is_compiling():
-        return kept_gcn_norm(edge_index, edge_weight, num_nodes, add_self_loops, layer.flow, dtype)
-    options = (num_nodes, add_self_loops, dtype)
-    call_at_trace_time(_prepare_normalized, layer, edge_index, edge_weight, options, torch.is_grad_enabled())
+        return kept_normalization(layer, kind, edge_index, edge_weight, options)
+    call_at_trace_time(_prepare_normalized, layer, kind, edge_index, edge_weight, options, torch.is_grad_enabled())
     kept = getattr(layer, "_geot_normalized", None)  # an attribute of its own, read after the trace-time call
-    if kept is not None and kept[0] is edge_index and kept[1] is edge_weight and kept[2] == options:
+    if kept is not None and kept[0] is edge_index and kept[1] is edge_weight and kept[2] == (kind, options):
         return kept[3]
-    return gcn_norm(edge_index, edge_weight, num_nodes, False, add_self_loops, layer.flow, dtype)
+    return NORMALIZATIONS[kind](layer, edge_index, edge_weight, options)
 
 
-def _prepare_normalized(layer, edge_index: Tensor, edge_weight, options: tuple, grad: bool) -> None:
+def _prepare_normalized(layer, kind: str, edge_index: Tensor, edge_weight, options: tuple, grad: bool) -> None:
     """Run while dynamo traces, on the real graph: the layer's first graph normalized, and the normalized
     graph sorted, kept for the compiled code to read (not an edge_weight that requires grad: its
     normalization must be recorded on every call)."""
     if edge_weight is not None and edge_weight.requires_grad:
         return
-    num_nodes, add_self_loops, dtype = options
-    normalized = kept_gcn_norm(edge_index, edge_weight, num_nodes, add_self_loops, layer.flow, dtype)
+    normalized = kept_normalization(layer, kind, edge_index, edge_weight, options)
     if prepare_for_compiled(layer, normalized[0], layer._flipped(), grad):
-        layer.__dict__["_geot_normalized"] = (edge_index, edge_weight, options, normalized)
+        layer.__dict__["_geot_normalized"] = (edge_index, edge_weight, (kind, options), normalized)
 
 
 def _runs_here(layer, x, edge_index) -> bool:
@@ -102,7 +131,7 @@ def _narrows(weight) -> bool:
 class SGConv(geot_class(pyg_nn.SGConv)):
     """``torch_geometric.nn.SGConv`` on geot: ``lin(Â^K x)``, each of the K
     propagations one fused gather-reduce over the graph normalized once
-    (:func:`kept_gcn_norm`); ``Â^K (x W^T) + b`` where ``lin`` narrows the
+    (:func:`kept_normalization`); ``Â^K (x W^T) + b`` where ``lin`` narrows the
     rows. With ``cached=True``, PyG's forward (Â^K x is what it keeps)."""
 
     def forward(self, x, edge_index, edge_weight=None) -> Tensor:
@@ -113,8 +142,8 @@ class SGConv(geot_class(pyg_nn.SGConv)):
 
 @with_trace_memo
 def _sg_forward(layer: SGConv, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
-    edge_index, edge_weight = _normalized(layer, edge_index, edge_weight, x.size(layer.node_dim),
-                                          layer.add_self_loops, x.dtype)
+    edge_index, edge_weight = _normalized(layer, "gcn", edge_index, edge_weight,
+                                          (x.size(layer.node_dim), layer.add_self_loops, layer.flow, x.dtype))
     first = _narrows(layer.lin.weight)
     h = F.linear(x, layer.lin.weight) if first else x  # the bias after the propagation, as lin adds it
     for _ in range(layer.K):
@@ -127,7 +156,7 @@ def _sg_forward(layer: SGConv, x: Tensor, edge_index: Tensor, edge_weight) -> Te
 class TAGConv(geot_class(pyg_nn.TAGConv)):
     """``torch_geometric.nn.TAGConv`` on geot: ``sum_k lins[k](Â^k x)``, each
     propagation one fused gather-reduce over the graph normalized once
-    (:func:`kept_gcn_norm`); where the Linears narrow the rows, in Horner's
+    (:func:`kept_normalization`); where the Linears narrow the rows, in Horner's
     form ``x W_0 + Â(x W_1 + Â(... + Â x W_K))``: the same K propagations,
     of out_channels features."""
 
@@ -140,8 +169,8 @@ class TAGConv(geot_class(pyg_nn.TAGConv)):
 @with_trace_memo
 def _tag_forward(layer: TAGConv, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
     if layer.normalize:
-        edge_index, edge_weight = _normalized(layer, edge_index, edge_weight, x.size(layer.node_dim), False,
-                                              x.dtype)
+        edge_index, edge_weight = _normalized(layer, "gcn", edge_index, edge_weight,
+                                              (x.size(layer.node_dim), False, layer.flow, x.dtype))
     if layer.K > 0 and _narrows(layer.lins[0].weight):
         out = F.linear(x, layer.lins[-1].weight)
         for lin in reversed(layer.lins[:-1]):
@@ -157,7 +186,7 @@ def _tag_forward(layer: TAGConv, x: Tensor, edge_index: Tensor, edge_weight) -> 
 class APPNP(geot_class(pyg_nn.APPNP)):
     """``torch_geometric.nn.APPNP`` on geot: K steps of ``(1 - alpha) Â h +
     alpha x``, each propagation one fused gather-reduce over the graph
-    normalized once (:func:`kept_gcn_norm`; PyG normalizes on every call
+    normalized once (:func:`kept_normalization`; PyG normalizes on every call
     unless ``cached``). Edge dropout as PyG's (the weights of each step
     dropped from the last step's), on the same graph."""
 
@@ -169,8 +198,8 @@ class APPNP(geot_class(pyg_nn.APPNP)):
 
 @with_trace_memo
 def _appnp_forward(layer: APPNP, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
-    edge_index, edge_weight = _normalized(layer, edge_index, edge_weight, x.size(layer.node_dim),
-                                          layer.add_self_loops, x.dtype)
+    edge_index, edge_weight = _normalized(layer, "gcn", edge_index, edge_weight,
+                                          (x.size(layer.node_dim), layer.add_self_loops, layer.flow, x.dtype))
     h = x
     for _ in range(layer.K):
         if layer.dropout > 0 and layer.training:  # as PyG's: each step drops from the last step's weights
@@ -179,3 +208,56 @@ def _appnp_forward(layer: APPNP, x: Tensor, edge_index: Tensor, edge_weight) -> 
         x = x * (1 - layer.alpha)
         x = x + layer.alpha * h
     return x
+
+
+class ChebConv(geot_class(pyg_nn.ChebConv)):
+    """``torch_geometric.nn.ChebConv`` on geot: the Chebyshev recursion
+    ``T_k = 2 L T_{k-1} - T_{k-2}``, each propagation one fused
+    gather-reduce over the scaled Laplacian computed once
+    (:func:`kept_normalization`; PyG computes it on every call). With
+    ``batch`` or ``lambda_max``, PyG's forward."""
+
+    def forward(self, x, edge_index, edge_weight=None, batch=None, lambda_max=None) -> Tensor:
+        if batch is not None or lambda_max is not None or not _runs_here(self, x, edge_index):
+            return super().forward(x, edge_index, edge_weight, batch, lambda_max)
+        return _cheb_forward(self, x, edge_index, edge_weight)
+
+
+@with_trace_memo
+def _cheb_forward(layer: ChebConv, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
+    edge_index, norm = _normalized(layer, "cheb", edge_index, edge_weight,
+                                   (x.size(layer.node_dim), layer.normalization, x.dtype))
+    previous, out = x, layer.lins[0](x)
+    if len(layer.lins) > 1:
+        current = layer.propagate(edge_index, x=x, norm=norm)
+        out = out + layer.lins[1](current)
+        for lin in layer.lins[2:]:
+            following = 2.0 * layer.propagate(edge_index, x=current, norm=norm) - previous
+            out = out + lin(following)
+            previous, current = current, following
+    return out if layer.bias is None else out + layer.bias
+
+
+class ClusterGCNConv(geot_class(pyg_nn.ClusterGCNConv)):
+    """``torch_geometric.nn.ClusterGCNConv`` on geot: ``lin_out(Â x) +
+    lin_root(x)``, the propagation one fused gather-reduce over the weights
+    computed once (:func:`kept_normalization`; PyG computes them on every
+    call); ``Â (x W_out^T) + b`` where ``lin_out`` narrows the rows."""
+
+    def forward(self, x, edge_index) -> Tensor:
+        if not _runs_here(self, x, edge_index):
+            return super().forward(x, edge_index)
+        return _cluster_gcn_forward(self, x, edge_index)
+
+
+@with_trace_memo
+def _cluster_gcn_forward(layer: ClusterGCNConv, x: Tensor, edge_index: Tensor) -> Tensor:
+    edge_index, weight = _normalized(layer, "cluster_gcn", edge_index, None,
+                                     (x.size(layer.node_dim), layer.add_self_loops, layer.diag_lambda))
+    lin = layer.lin_out
+    if _narrows(lin.weight):
+        out = layer.propagate(edge_index, x=F.linear(x, lin.weight), edge_weight=weight)
+        out = out if lin.bias is None else out + lin.bias
+    else:
+        out = lin(layer.propagate(edge_index, x=x, edge_weight=weight))
+    return out + layer.lin_root(x)
