@@ -74,6 +74,25 @@ def assert_same(mine, reference, x, *args, **kwargs):
         torch.testing.assert_close(grads[name], want_grads[name], **F64, msg=f"gradient of {name}")
 
 
+def sort_counting_backend(backward: bool):
+    """A torch.compile backend (AOT autograd, graphs run as traced) that records the sorts of each compiled
+    graph (forward; with backward, backward graphs too) and each compilation: (backend, sorts,
+    compilations)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    sorts, compilations = [], []
+
+    def count(graph_module, _):
+        sorts.append(sum(node.target == torch.ops.aten.sort.stable for node in graph_module.graph.nodes))
+        return make_boxed_func(graph_module)
+
+    def backend(module, inputs):
+        compilations.append(1)
+        compilers = {"fw_compiler": count, **({"bw_compiler": count} if backward else {})}
+        return aot_module_simplified(module, inputs, **compilers)
+    return backend, sorts, compilations
+
+
 @pytest.fixture
 def geot_calls(monkeypatch):
     """How many propagations ran on geot's fused gather-reduce."""
@@ -257,18 +276,9 @@ def test_compiled_propagations_of_one_graph_sort_it_once(grad, fullgraph, device
     pass), its edge weights put in order once, also where gcn_norm's boolean
     masks break the graph (fullgraph=False, torch.compile's default); results
     equal PyG's, gradients too, and a second call runs the same compiled code."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
     torch._dynamo.reset()
     mine, reference = pair("appnp-subclass", device)
-    sorts, compilations = [], []
-
-    def backend(module, inputs):
-        def count(graph_module, _):
-            sorts.append(sum(node.target == torch.ops.aten.sort.stable for node in graph_module.graph.nodes))
-            return make_boxed_func(graph_module)
-        compilations.append(1)
-        return aot_module_simplified(module, inputs, fw_compiler=count)
+    backend, sorts, compilations = sort_counting_backend(backward=False)
 
     edge_index = graph(13, 40, device, torch.Generator(device=device).manual_seed(8))
     x = torch.randn(13, 6, dtype=torch.float64, device=device, requires_grad=grad)
@@ -444,20 +454,11 @@ def test_appnp_edge_dropout_as_pyg(device):
 def test_compiled_kept_normalization_sorts_nothing(name, grad, device):
     """Compiled first (no eager call), the layers of geot.nn.propagations normalize and sort their graph while dynamo
     traces: the compiled graphs hold no sort, and a second call reuses them; PyG's results and gradients."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
     torch._dynamo.reset()
     torch.manual_seed(0)
     reference = NARROWING[name][0]().to(device).double()
     mine = gnn.patch(copy.deepcopy(reference))
-    sorts, compilations = [], []
-
-    def backend(module, inputs):
-        def count(graph_module, _):
-            sorts.append(sum(node.target == torch.ops.aten.sort.stable for node in graph_module.graph.nodes))
-            return make_boxed_func(graph_module)
-        compilations.append(1)
-        return aot_module_simplified(module, inputs, fw_compiler=count, bw_compiler=count)
+    backend, sorts, compilations = sort_counting_backend(backward=True)
 
     edge_index = graph(13, 40, device, torch.Generator(device=device).manual_seed(9))
     x = torch.randn(13, 6, dtype=torch.float64, device=device, requires_grad=grad)

@@ -103,6 +103,12 @@ def _normalized(layer, kind: str, edge_index: Tensor, edge_weight, options: tupl
     return NORMALIZATIONS[kind](layer, edge_index, edge_weight, options)
 
 
+def _gcn_normalized(layer, x: Tensor, edge_index: Tensor, edge_weight, add_self_loops: bool):
+    """_normalized by gcn_norm (SGConv, TAGConv, APPNP), for x's nodes and dtype."""
+    return _normalized(layer, "gcn", edge_index, edge_weight,
+                       (x.size(layer.node_dim), add_self_loops, layer.flow, x.dtype))
+
+
 def _prepare_normalized(layer, kind: str, edge_index: Tensor, edge_weight, options: tuple, grad: bool) -> None:
     """Run while dynamo traces, on the real graph: the layer's first graph normalized, and the normalized
     graph sorted, kept for the compiled code to read (not an edge_weight that requires grad: its
@@ -142,8 +148,7 @@ class SGConv(geot_class(pyg_nn.SGConv)):
 
 @with_trace_memo
 def _sg_forward(layer: SGConv, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
-    edge_index, edge_weight = _normalized(layer, "gcn", edge_index, edge_weight,
-                                          (x.size(layer.node_dim), layer.add_self_loops, layer.flow, x.dtype))
+    edge_index, edge_weight = _gcn_normalized(layer, x, edge_index, edge_weight, layer.add_self_loops)
     first = _narrows(layer.lin.weight)
     h = F.linear(x, layer.lin.weight) if first else x  # the bias after the propagation, as lin adds it
     for _ in range(layer.K):
@@ -169,8 +174,7 @@ class TAGConv(geot_class(pyg_nn.TAGConv)):
 @with_trace_memo
 def _tag_forward(layer: TAGConv, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
     if layer.normalize:
-        edge_index, edge_weight = _normalized(layer, "gcn", edge_index, edge_weight,
-                                              (x.size(layer.node_dim), False, layer.flow, x.dtype))
+        edge_index, edge_weight = _gcn_normalized(layer, x, edge_index, edge_weight, False)
     if layer.K > 0 and _narrows(layer.lins[0].weight):
         out = F.linear(x, layer.lins[-1].weight)
         for lin in reversed(layer.lins[:-1]):
@@ -198,8 +202,7 @@ class APPNP(geot_class(pyg_nn.APPNP)):
 
 @with_trace_memo
 def _appnp_forward(layer: APPNP, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
-    edge_index, edge_weight = _normalized(layer, "gcn", edge_index, edge_weight,
-                                          (x.size(layer.node_dim), layer.add_self_loops, layer.flow, x.dtype))
+    edge_index, edge_weight = _gcn_normalized(layer, x, edge_index, edge_weight, layer.add_self_loops)
     h = x
     for _ in range(layer.K):
         if layer.dropout > 0 and layer.training:  # as PyG's: each step drops from the last step's weights
