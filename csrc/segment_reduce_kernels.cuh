@@ -451,8 +451,10 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 // and hands them round with shuffles, so each row load issues at once; SR's
 // lanes would each first wait on the ids of every row. Segments the group
 // sees whole are stored, the rest flushed (atomics), as in SR, chunk slots
-// included. Sums only, one weight head: a row out of range adds weight 0.
-template <typename scalar_t, typename acc_t, typename index_t, int N_T>
+// included; DET (a.partial set): a group's rows are its chunk, and its runs
+// end in emit_run, as SR's. Sums only, one weight head: a row out of range
+// adds weight 0.
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, bool DET>
 __global__ void segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int rows_per_thread) {
   using Op = SumOp<acc_t>;
   const int width = blockDim.x, lane = threadIdx.x;
@@ -463,7 +465,13 @@ __global__ void segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, in
   const bool columns_in_range = col0 < a.F;
   const int first_lane = (threadIdx.y * width) & 31;
   const unsigned group_mask = width == 32 ? 0xffffffffu : ((1u << width) - 1u) << first_lane;
-  constexpr bool CHUNKED = kHalfRows<scalar_t, acc_t>;
+  constexpr bool CHUNKED = kHalfRows<scalar_t, acc_t> && !DET;
+  ChunkEnds ends{};
+  if constexpr (DET) {
+    ends = chunk_ends([&](int64_t r) { return int64_t(a.index[r]); }, a.E, row_begin, row_end,
+                      row_begin / rows_per_thread);
+    if (col0 == 0) write_codes<false>(a, ends);
+  }
 
   acc_t acc[N_T];
 #pragma unroll
@@ -472,7 +480,8 @@ __global__ void segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, in
   bool began_here = row_begin == 0 || int64_t(a.index[row_begin - 1]) != seg;
   const auto finish_run = [&](bool whole) {
     if (!columns_in_range) return;
-    if (whole) store<N_T>(a, seg, col0, acc);
+    if constexpr (DET) emit_run<N_T>(a, ends, seg, col0, acc, true);
+    else if (whole) store<N_T>(a, seg, col0, acc);
     else flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
   };
   constexpr int BATCH = 4;

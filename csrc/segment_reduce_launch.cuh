@@ -47,7 +47,11 @@ void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 template <typename scalar_t, typename acc_t, typename index_t, int N_T>
 void launch_shared_ids(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
   const dim3 grid = feature_row_grid(ceil_div(a.E, c.M_t), c.T_M, a.F, N_T, c);
-  segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
+  if (a.partial) {
+    segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, true><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
+  } else {
+    segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, false><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -237,7 +241,12 @@ void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& 
   if (c.is_sp()) return launch_sp<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
   if (a.E == 0) return;  // the pre-filled output is the answer
   if constexpr (FUSED && std::is_same_v<Op, SumOp<acc_t>> && N_T == 4) {  // (shared_ids_config's N_t)
-    if (a.shared_ids) return launch_shared_ids<scalar_t, acc_t, index_t, N_T>(a, c, stream);
+    if (a.shared_ids) {
+      launch_shared_ids<scalar_t, acc_t, index_t, N_T>(a, c, stream);
+      // Deterministic: a group's M_t rows are its chunk.
+      if (a.partial) launch_combine<scalar_t, acc_t, index_t, N_T, Op>(a, ceil_div(a.E, c.M_t), false, stream);
+      return;
+    }
   }
   if (!a.partial) {
     if (c.is_sr()) return launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, false>(a, c, stream);
@@ -349,11 +358,12 @@ inline Config deterministic_short_segment_config(int64_t S, int64_t F, int64_t h
 
 // Gathered sums (and means) of rows of 64 features or more, on graphs of 2^20
 // edges or more with segments over kLongSegmentRows[1] rows: SR with shared
-// ids, groups of up to a warp covering 128 features, 256 edges each. A hand
-// rule until the perf DB sweeps the schedule: there the learned configs lost
-// to cuSPARSE's SpMM (bench/spmm.py), whose row loads this schedule matches.
-inline bool use_shared_ids(const RowReduction& r, int64_t E, int64_t F, bool det) {
-  return r.gather.has_value() && r.heads == 1 && (r.reduce == Reduce::Sum || r.reduce == Reduce::Mean) && !det &&
+// ids, groups of up to a warp covering 128 features, 256 edges each (in
+// deterministic mode, a group's edges are its chunk). A hand rule until the
+// perf DB sweeps the schedule: there the learned configs lost to cuSPARSE's
+// SpMM (bench/spmm.py), whose row loads this schedule matches.
+inline bool use_shared_ids(const RowReduction& r, int64_t E, int64_t F) {
+  return r.gather.has_value() && r.heads == 1 && (r.reduce == Reduce::Sum || r.reduce == Reduce::Mean) &&
          !r.any_order && !r.config && F >= 64 && F % 4 == 0 && E >= (int64_t(1) << 20) && r.long_segments >= 2;
 }
 
@@ -394,7 +404,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // its op), or on short segments SP walking each whole. Read per call: a
   // flag of the global context, no dispatch.
   const bool det = at::globalContext().deterministicAlgorithms() && !r.any_order;
-  const bool shared_ids = use_shared_ids(r, E, F, det);
+  const bool shared_ids = use_shared_ids(r, E, F);
   const Config cfg = shared_ids ? shared_ids_config(F) : reduction_config(r, E, F, det);
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
   // SP stores every output element itself (0 for empty segments); where no

@@ -170,6 +170,27 @@ def test_feature_widths(reduce, features, hub):
 
 
 @requires_cuda
+@pytest.mark.parametrize("hub", [pytest.param(300_000, id="levels"), pytest.param(10_000, id="one-pass")])
+@pytest.mark.parametrize("features", [64, 132])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_wide_rows_of_large_graphs(reduce, dtype, features, hub):
+    """Gathered sums of 64 features or more over 2^20 edges with a hub: SR
+    with shared ids, each group's 256 edges a chunk, then either combine."""
+    src, dst, S = hub_graph("cuda", hub=hub, small=280_000)
+    assert dst.numel() >= 2**20
+    x = torch.randn(S, features, device="cuda").to(dtype)
+    w = torch.rand(src.numel(), device="cuda").to(dtype)
+    out = assert_repeatable(lambda: geot.index_weight_segment_reduce(src, dst, w, x, reduce, S))
+    rows = w.double()[:, None] * x.double()[src]  # the float64 reference on the GPU (~1 GB)
+    ref = torch.zeros(S, features, dtype=torch.float64, device="cuda").index_add_(0, dst, rows)
+    if reduce == "mean":
+        ref /= torch.bincount(dst, minlength=S).clamp_min(1).double()[:, None]
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+                               atol=1e-1 if dtype == torch.bfloat16 else 1e-2)
+
+
+@requires_cuda
 @pytest.mark.parametrize("hub", HUBS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gin_sum_plus_self_term(dtype, hub):
