@@ -217,7 +217,7 @@ def softmax_row(g: common.Graph, heads: int, args, backward: bool):
 
     make = step_fn if backward else forward_fn
     ref = make(impls["composite"])()
-    row = {"graph": g.name, "E": g.num_edges, "H": heads}
+    row = {"graph": g.name, "E": g.num_edges, "H": heads, "pass": "fwdbwd" if backward else "fwd"}
     for name, impl in impls.items():
         fn = make(impl)
         try:

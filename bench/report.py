@@ -206,8 +206,9 @@ class E2E(Bench):
         "On the small real graphs (≤ 10^5 edges) a step is host-bound and cells move by up to ±30% "
         "between runs. The 10M-edge power-law cells (hidden 128 and 256, fp32) and the cora, citeseer and pubmed "
         "GIN and SAGE cells at hidden 128 run as users compile: default mode, compiled before any eager call "
-        "(the large graph: one round; the small ones: three rounds, every path of both libraries in one process, "
-        "taking turns); some of the large graphs' peak-memory cells were not kept (`–`)."
+        "(the large graph: one round; the small ones and GIN at hidden 128 on the 2M-edge power-law graph: three "
+        "rounds, every path of both libraries in one process, taking turns); some of the large graphs' "
+        "peak-memory cells were not kept (`–`)."
     )
     commands = (
         'E2E="python bench/e2e.py --compile-mode reduce-overhead --rounds 2 --max-time 0.3"',
@@ -433,6 +434,28 @@ class Spmm(Bench):
                  f"{geomean(df['x_vs_cusparse']):.2f}×"]]
 
 
+def panel_plot(df: pd.DataFrame, panel: str, title: str, path: str) -> None:
+    """One panel per value of `panel` (title.format(value)): bars of x_vs_pyg
+    by graph, one per head count H."""
+    plt = plot_style()
+    values = list(dict.fromkeys(df[panel]))
+    fig, axes = plt.subplots(1, len(values), figsize=(5 * len(values), 3.4), sharey=True, squeeze=False)
+    for ax, value in zip(axes[0], values):
+        sel = df[df[panel] == value]
+        graphs = list(dict.fromkeys(sel["graph"]))
+        heads = sorted(set(sel["H"]))
+        width = 0.8 / len(heads)
+        for i, h in enumerate(heads):
+            speedups = [float(sel[(sel["graph"] == g) & (sel["H"] == h)]["x_vs_pyg"].iloc[0]) for g in graphs]
+            bars_from_one(ax, [j + (i - (len(heads) - 1) / 2) * width for j in range(len(graphs))], speedups,
+                          width, label=f"H={h}", color=f"C{i}")
+        speedup_axis(ax, df["x_vs_pyg"].tolist())
+        ax.set_xticks(range(len(graphs)), graphs)
+        ax.set_title(title.format(value))
+    axes[0][0].legend(fontsize=8)
+    save_figure(fig, path)
+
+
 class HeteroAttention(Bench):
     name = "hetero_attention"
     title = "GAT inference aggregation (`bench/hetero.py --sections attention`)"
@@ -455,7 +478,7 @@ class HeteroAttention(Bench):
                 summary.append([dtype, label, f"{geomean(sel[column]):.2f}×", worst_cell(sel, column, ("graph", "H"))])
         out = [markdown_table(["dtype", "against", "geomean", "worst cell"], summary, "llrl")]
         image = f"hetero_attention_{gpu}.png"
-        self.plot(df, os.path.join(img_dir, image))
+        panel_plot(df, "dtype", "{}: speedup over PyG GATConv's steps", os.path.join(img_dir, image))
         out.append(f"\n![attention_aggregate: speedup]({os.path.basename(img_dir)}/{image})\n")
         rows = [[r["graph"], r["E"], r["H"], r["dtype"], us(r["geot"]), us(r["two_op"]), us(r["pyg"]),
                  fmt(r["x_vs_two_op"], 2, "×"), fmt(r["x_vs_pyg"], 2, "×")] for _, r in df.iterrows()]
@@ -464,28 +487,46 @@ class HeteroAttention(Bench):
                                   rows, "lrrlrrrrr"))
         return "\n".join(out)
 
-    def plot(self, df, path):
-        plt = plot_style()
-        dtypes = list(dict.fromkeys(df["dtype"]))
-        fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 3.4), sharey=True, squeeze=False)
-        for ax, dtype in zip(axes[0], dtypes):
-            sel = df[df["dtype"] == dtype]
-            graphs = list(dict.fromkeys(sel["graph"]))
-            heads = sorted(set(sel["H"]))
-            width = 0.8 / len(heads)
-            for i, h in enumerate(heads):
-                values = [float(sel[(sel["graph"] == g) & (sel["H"] == h)]["x_vs_pyg"].iloc[0]) for g in graphs]
-                bars_from_one(ax, [j + (i - (len(heads) - 1) / 2) * width for j in range(len(graphs))], values,
-                              width, label=f"H={h}", color=f"C{i}")
-            speedup_axis(ax, df["x_vs_pyg"].tolist())
-            ax.set_xticks(range(len(graphs)), graphs)
-            ax.set_title(f"{dtype}: speedup over PyG GATConv's steps")
-        axes[0][0].legend(fontsize=8)
-        save_figure(fig, path)
-
     def headline(self, df):
         return [[f"GAT inference aggregation (`hetero.py`, {cells(len(df))})", "PyG GATConv's steps",
                  f"{geomean(df['x_vs_pyg']):.2f}×"]]
+
+
+class HeteroSoftmax(Bench):
+    name = "hetero_softmax"
+    title = "Edge softmax (`bench/hetero.py --sections softmax`)"
+    keys = ("graph", "H", "pass")
+    about = (
+        "`geot.edge_softmax(score [E, H], dst, S)`, forward and forward + backward (`fwdbwd`: the gradient of the "
+        "scores), fp32, against `torch_geometric.utils.softmax` and the composite a user writes (`scatter_reduce` "
+        "amax, `exp`, `index_add_`, divide). GPU time, medians; graphs: cora, citeseer, pubmed, a 3.0M-edge "
+        "power-law graph (a hub of 5 · 10^4 edges) and two hub-heavy ones (hubs of 5 · 10^4 to 5.6 · 10^5 edges)."
+    )
+    commands = ("python bench/hetero.py --sections softmax --graphs cora citeseer pubmed powerlaw hubs_small hubs",
+                "python bench/report.py --add hetero_softmax bench/out/hetero_softmax_fwd_nvidia-h100-80gb-hbm3.csv "
+                "bench/out/hetero_softmax_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100")
+
+    def section(self, df, gpu, img_dir):
+        summary = []
+        for step, sel in df.groupby("pass", sort=False):
+            for column, label in (("x_vs_pyg", "PyG `softmax`"), ("x_vs_composite", "composite")):
+                summary.append([step, label, f"{geomean(sel[column]):.2f}×", worst_cell(sel, column, ("graph", "H")),
+                                f"{int((sel[column] < 1).sum())} of {int(sel[column].notna().sum())}"])
+        out = [markdown_table(["pass", "against", "geomean", "worst cell", "cells below 1"], summary, "llrll")]
+        image = f"hetero_softmax_{gpu}.png"
+        panel_plot(df, "pass", "{}: speedup over PyG's softmax", os.path.join(img_dir, image))
+        out.append(f"\n![edge_softmax: speedup over PyG]({os.path.basename(img_dir)}/{image})\n")
+        rows = [[r["graph"], r["E"], r["H"], r["pass"], us(r["geot"]), us(r["pyg"]), us(r["composite"]),
+                 fmt(r["x_vs_pyg"], 2, "×")] for _, r in df.iterrows()]
+        out.append("\nEvery cell (µs):\n")
+        out.append(markdown_table(["graph", "E", "H", "pass", "geot", "PyG", "composite", "× PyG"], rows,
+                                  "lrrlrrrr"))
+        return "\n".join(out)
+
+    def headline(self, df):
+        step = df[df["pass"] == "fwdbwd"]
+        return [[f"Edge softmax, forward + backward (`hetero.py`, {cells(len(step))})", "PyG `softmax`",
+                 f"{geomean(step['x_vs_pyg']):.2f}×"]]
 
 
 class GinSum(Bench):
@@ -750,7 +791,7 @@ def speedup_plot(df, column, ylabel, path):
     save_figure(fig, path)
 
 
-BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), HeteroAttention(), GinSum(),
+BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), HeteroAttention(), HeteroSoftmax(), GinSum(),
                                                   MiniBatch(), ChangingGraph(), RelationalGNN(), MultiGpu())}
 
 
