@@ -408,9 +408,30 @@ class Spmm(Bench):
         "and geot with the hand heuristic's configs. GPU time, measured as for `segment_reduce`."
     )
     commands = ("python bench/spmm.py --sections fwd --deterministic",
-                "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv --gpu h100")
+                "python bench/spmm.py --sections dtypes --graphs powerlaw hubs uniform powerlaw:n=840000,deg=10 "
+                "--F 64 96 128 256 512",
+                "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv "
+                "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100")
 
     def section(self, df, gpu, img_dir):
+        half = df[df["dtype"] != "float32"]
+        df = df[df["dtype"] == "float32"]
+        return "\n".join([self.fp32_section(df, gpu, img_dir)] + ([self.half_section(half)] if len(half) else []))
+
+    @staticmethod
+    def half_section(df):
+        summary = [[dtype, f"{geomean(sel['x_vs_cusparse']):.2f}×", worst_cell(sel, "x_vs_cusparse", ("graph", "F")),
+                    f"{int((sel['x_vs_cusparse'] < 1).sum())} of {int(sel['x_vs_cusparse'].notna().sum())}"]
+                   for dtype, sel in df.groupby("dtype", sort=False)]
+        out = [f"\nHalf types (`--sections dtypes`, {cells(len(df))}; fp32 accumulation), against cuSPARSE in the "
+               "same dtype:\n", markdown_table(["dtype", "geomean", "worst cell", "cells below 1"], summary, "lrll")]
+        rows = [[r["graph"], r["E"], r["F"], r["dtype"], us(r["geot"]), us(r["cusparse"]), fmt(r["x_vs_cusparse"], 2, "×")]
+                for _, r in df.iterrows()]
+        out.append("\nEvery half-type cell (µs):\n")
+        out.append(markdown_table(["graph", "E", "F", "dtype", "geot", "cuSPARSE", "× cuSPARSE"], rows, "lrrlrrr"))
+        return "\n".join(out)
+
+    def fp32_section(self, df, gpu, img_dir):
         peers = [("x_vs_cusparse", "cuSPARSE"), ("x_vs_pyg_spmm", "PyG `spmm`"),
                  ("x_vs_composite", "`index_select` + `index_add_`"), ("x_vs_geot_heuristic", "hand heuristic")]
         summary = [[label, f"{geomean(df[c]):.2f}×", worst_cell(df, c, ("graph", "F")),
@@ -430,8 +451,12 @@ class Spmm(Bench):
         return "\n".join(out)
 
     def headline(self, df):
-        return [[f"SpMM forward, fp32 (`spmm.py`, {cells(len(df))})", "cuSPARSE (`torch.sparse.mm`, CSR)",
-                 f"{geomean(df['x_vs_cusparse']):.2f}×"]]
+        rows = []
+        for label, sel in (("fp32", df[df["dtype"] == "float32"]), ("fp16 / bf16", df[df["dtype"] != "float32"])):
+            if len(sel):
+                rows.append([f"SpMM forward, {label} (`spmm.py`, {cells(len(sel))})", "cuSPARSE (`torch.sparse.mm`, CSR)",
+                             f"{geomean(sel['x_vs_cusparse']):.2f}×"])
+        return rows
 
 
 def panel_plot(df: pd.DataFrame, panel: str, title: str, path: str) -> None:

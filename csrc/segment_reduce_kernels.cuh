@@ -884,24 +884,42 @@ __global__ void finalize_long_segments_kernel(const acc_t* __restrict__ acc, out
 // chunk they begin in), divided for a mean and rounded to out_t; and 0 for
 // empty segments. With self_scale (sums), *self_scale * self_src[seg] is
 // added to both before rounding. The SR pass wrote every other segment
-// itself. 2-D blocks: y strides over the segments, x over their features.
-template <typename acc_t, typename out_t>
+// itself. 2-D blocks: y strides over the segments, x over their features, V
+// at a time (V > 1: F % V == 0 and every row aligned to V elements; most
+// segments need no store, so a block covers many of them: their offsets
+// are the pass's latency).
+template <typename acc_t, typename out_t, int V>
 __global__ void finalize_straddling_segments_kernel(const acc_t* __restrict__ slots, out_t* __restrict__ out,
                                                     const int64_t* __restrict__ ptr, int64_t S, int64_t F,
                                                     int64_t chunk_rows, int64_t chunk_slots, bool mean,
                                                     const out_t* __restrict__ self_src,
                                                     const acc_t* __restrict__ self_scale) {
+  constexpr bool vector = V > 1;
   for (int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; seg < S; seg += int64_t(gridDim.x) * blockDim.y) {
     const int64_t begin = ptr[seg], end = max(ptr[seg + 1], begin);  // max: offsets of an unsorted index (validation off)
     if (begin < end && begin / chunk_rows == (end - 1) / chunk_rows) continue;  // one thread saw it whole
     const acc_t* slot = slots + min(begin / chunk_rows, chunk_slots - 1) * F;
-    if (!self_scale) {
-      for (int64_t f = threadIdx.x; f < F; f += blockDim.x) out[seg * F + f] = finished<out_t>(slot[f], end - begin, mean);
-      continue;
+    for (int64_t f = int64_t(threadIdx.x) * V; f < F; f += int64_t(blockDim.x) * V) {
+      acc_t v[V];
+      load_columns<V>(slot + f, f, F, vector, acc_t(0), v);
+      Pack<out_t, V> pack;
+      if (self_scale) {
+        acc_t own[V];
+        load_columns<V>(self_src + seg * F + f, f, F, vector, acc_t(0), own);
+#pragma unroll
+        for (int j = 0; j < V; ++j) pack.v[j] = from_acc<out_t>((begin < end ? v[j] : acc_t(0)) + *self_scale * own[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) pack.v[j] = finished<out_t>(v[j], end - begin, mean);
+      }
+      if (vector) {
+        *reinterpret_cast<Pack<out_t, V>*>(out + seg * F + f) = pack;
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+          if (f + j < F) out[seg * F + f + j] = pack.v[j];
+      }
     }
-    const acc_t scale = *self_scale;
-    for (int64_t f = threadIdx.x; f < F; f += blockDim.x)
-      out[seg * F + f] = from_acc<out_t>((begin < end ? slot[f] : acc_t(0)) + scale * to_acc(self_src[seg * F + f]));
   }
 }
 

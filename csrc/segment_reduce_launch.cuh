@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "launch_utils.cuh"
@@ -45,7 +46,7 @@ void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 }
 
 template <typename scalar_t, typename acc_t, typename index_t, int N_T>
-void launch_shared_ids(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
+void launch_shared_ids_kernel(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
   const dim3 grid = feature_row_grid(ceil_div(a.E, c.M_t), c.T_M, a.F, N_T, c);
   if (a.partial) {
     segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, true><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
@@ -53,6 +54,23 @@ void launch_shared_ids(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Con
     segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, false><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// SR with shared ids (c: shared_ids_config's, 4 features a lane). Half rows
+// take 8 features a lane (16-byte loads) and half the lanes where F and the
+// pointers allow: the kernel is bound by its instructions per row (the id
+// shuffles, the loads), not by bytes, so with 4 bf16 features a lane it
+// ran at a quarter of the fp32 kernel's DRAM throughput (H100, 3M-edge
+// power-law graph, F = 128: 877 us against 527; 8 a lane: 720 us in all).
+template <typename scalar_t, typename acc_t, typename index_t>
+void launch_shared_ids(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
+  const auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+  const bool eight = sizeof(scalar_t) == 2 && c.T_N >= 2 && a.F % 8 == 0 && aligned(a.src, 16) &&
+                     aligned(a.out, 8 * sizeof(acc_t)) && aligned(a.final_out, 16);
+  if (!eight) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 4>(a, c, stream);
+  c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
+  a.vector_loads = a.vector_out = true;
+  launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8>(a, c, stream);
 }
 
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED>
@@ -242,7 +260,7 @@ void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& 
   if (a.E == 0) return;  // the pre-filled output is the answer
   if constexpr (FUSED && std::is_same_v<Op, SumOp<acc_t>> && N_T == 4) {  // (shared_ids_config's N_t)
     if (a.shared_ids) {
-      launch_shared_ids<scalar_t, acc_t, index_t, N_T>(a, c, stream);
+      launch_shared_ids<scalar_t, acc_t, index_t>(a, c, stream);
       // Deterministic: a group's M_t rows are its chunk.
       if (a.partial) launch_combine<scalar_t, acc_t, index_t, N_T, Op>(a, ceil_div(a.E, c.M_t), false, stream);
       return;
@@ -305,6 +323,29 @@ inline dim3 segment_row_block(int64_t F) {
   unsigned x = 32;
   while (x < 256 && x < F) x *= 2;
   return dim3(x, 256 / x);
+}
+
+// finalize_straddling_segments_kernel over out (args.final_out): 8 features
+// a thread where rows allow (16-byte stores), as many threads across a row
+// as its packs of 8 (up to 256), the rest of the block across segments
+// (H100, bf16, F = 128, 8.4M edges, 840k segments: a thread per feature and
+// two segments a block took 329 us, 13% of the call); else segment_row_block's.
+template <typename scalar_t, typename acc_t, typename index_t>
+void launch_finalize_straddling(const acc_t* slots, const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks,
+                                cudaStream_t stream) {
+  const auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+  const bool eight = a.F % 8 == 0 && aligned(a.final_out, 16) && aligned(a.src, 16) && aligned(slots, 32);
+  const auto launch = [&](auto packed) {
+    constexpr int V = decltype(packed)::value;
+    unsigned x = 1;
+    while (x < 256 && x * V < a.F) x *= 2;
+    const dim3 block = V == 1 ? segment_row_block(a.F) : dim3(x, 256 / x);
+    finalize_straddling_segments_kernel<acc_t, scalar_t, V><<<grid_stride_blocks(a.S, block.y, kFinalizeBlocks), block, 0, stream>>>(
+        slots, a.final_out, a.ptr, a.S, a.F, a.chunk_rows, chunks, a.mean, a.src, a.self_scale);
+  };
+  if (eight) launch(std::integral_constant<int, 8>{});
+  else launch(std::integral_constant<int, 1>{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The learned rule set of a device (choose_rules: its model's, else its
@@ -542,13 +583,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
             acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), ptr, S, F, r.reduce);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
-      if (chunk_slots) {
-        const dim3 block = segment_row_block(F);
-        finalize_straddling_segments_kernel<acc_t, in_t><<<grid_stride_blocks(S, block.y, kFinalizeBlocks), block, 0, stream>>>(
-            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), args.ptr, S, F,
-            args.chunk_rows, chunks, args.mean, args.src, args.self_scale);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      if (chunk_slots) launch_finalize_straddling(acc.data_ptr<acc_t>(), args, chunks, stream);
       if (long_slots && slots > 0) {
         const auto blocks = static_cast<unsigned>(std::min<int64_t>(slots, 1024));
         finalize_long_segments_kernel<acc_t, in_t><<<blocks, 128, 0, stream>>>(
