@@ -25,6 +25,9 @@
 namespace geot {
 namespace launch {
 
+// Whether p is aligned for vector accesses of `bytes` (null counts as aligned).
+inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
 inline dim3 feature_row_grid(int64_t rows, int64_t row_tile, int64_t F, int N_T, const Config& c) {
   const int64_t col_blocks = ceil_div(ceil_div(F, N_T), c.T_N);
   TORCH_CHECK_VALUE(col_blocks <= 65535, "src has too many features (", std::to_string(F), ") for config ", config_to_string(c),
@@ -64,9 +67,8 @@ void launch_shared_ids_kernel(const SegmentArgs<scalar_t, acc_t, index_t>& a, co
 // power-law graph, F = 128: 877 us against 527; 8 a lane: 720 us in all).
 template <typename scalar_t, typename acc_t, typename index_t>
 void launch_shared_ids(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
-  const auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-  const bool eight = sizeof(scalar_t) == 2 && c.T_N >= 2 && a.F % 8 == 0 && aligned(a.src, 16) &&
-                     aligned(a.out, 8 * sizeof(acc_t)) && aligned(a.final_out, 16);
+  const bool eight = sizeof(scalar_t) == 2 && c.T_N >= 2 && a.F % 8 == 0 && is_aligned(a.src, 16) &&
+                     is_aligned(a.out, 8 * sizeof(acc_t)) && is_aligned(a.final_out, 16);
   if (!eight) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 4>(a, c, stream);
   c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
   a.vector_loads = a.vector_out = true;
@@ -288,10 +290,9 @@ inline Config with_head_aligned_n_t(Config c, int64_t F, int64_t heads) {
 template <typename scalar_t, typename acc_t, typename index_t, class Op, bool FUSED>
 void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
   c = with_head_aligned_n_t(c, a.F, a.heads);
-  const auto aligned = [&](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-  a.vector_loads = a.F % c.N_t == 0 && aligned(a.src, sizeof(scalar_t) * c.N_t);
-  a.vector_out = a.F % c.N_t == 0 && aligned(a.out, sizeof(acc_t) * c.N_t) &&
-                 aligned(a.final_out, sizeof(scalar_t) * c.N_t);
+  a.vector_loads = a.F % c.N_t == 0 && is_aligned(a.src, sizeof(scalar_t) * c.N_t);
+  a.vector_out = a.F % c.N_t == 0 && is_aligned(a.out, sizeof(acc_t) * c.N_t) &&
+                 is_aligned(a.final_out, sizeof(scalar_t) * c.N_t);
   switch (c.N_t) {
     case 1: return launch_tiles<scalar_t, acc_t, index_t, 1, Op, FUSED>(a, c, stream);
     case 2: return launch_tiles<scalar_t, acc_t, index_t, 2, Op, FUSED>(a, c, stream);
@@ -333,8 +334,7 @@ inline dim3 segment_row_block(int64_t F) {
 template <typename scalar_t, typename acc_t, typename index_t>
 void launch_finalize_straddling(const acc_t* slots, const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks,
                                 cudaStream_t stream) {
-  const auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-  const bool eight = a.F % 8 == 0 && aligned(a.final_out, 16) && aligned(a.src, 16) && aligned(slots, 32);
+  const bool eight = a.F % 8 == 0 && is_aligned(a.final_out, 16) && is_aligned(a.src, 16) && is_aligned(slots, 32);
   const auto launch = [&](auto packed) {
     constexpr int V = decltype(packed)::value;
     unsigned x = 1;
