@@ -543,7 +543,7 @@ class HeteroSoftmax(Bench):
         out.append(f"\n![edge_softmax: speedup over PyG]({os.path.basename(img_dir)}/{image})\n")
         rows = [[r["graph"], r["E"], r["H"], r["pass"], us(r["geot"]), us(r["pyg"]), us(r["composite"]),
                  fmt(r["x_vs_pyg"], 2, "×")] for _, r in df.iterrows()]
-        out.append("\nEvery cell (µs):\n")
+        out.append("Every cell (µs):\n")
         out.append(markdown_table(["graph", "E", "H", "pass", "geot", "PyG", "composite", "× PyG"], rows,
                                   "lrrlrrrr"))
         return "\n".join(out)
