@@ -74,6 +74,14 @@ def assert_same(mine, reference, x, *args, **kwargs):
         torch.testing.assert_close(grads[name], want_grads[name], **F64, msg=f"gradient of {name}")
 
 
+def assert_same_call(mine, reference, x, edge_index, grad: bool):
+    """One call of each on the same inputs: equal outputs and, with grad, equal gradients of x."""
+    out, expect = mine(x, edge_index), reference(x, edge_index)
+    torch.testing.assert_close(out, expect, **F64)
+    if grad:
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(expect.sum(), x)[0], **F64)
+
+
 def sort_counting_backend(backward: bool):
     """A torch.compile backend (AOT autograd, graphs run as traced) that records the sorts of each compiled
     graph (forward; with backward, backward graphs too) and each compilation: (backend, sorts,
@@ -287,11 +295,7 @@ def test_compiled_propagations_of_one_graph_sort_it_once(grad, fullgraph, device
     with warnings.catch_warnings(), torch.set_grad_enabled(grad):
         warnings.simplefilter("ignore", gnn.UncachedGraphWarning)
         for _ in range(3):
-            out, expect = compiled(x, edge_index), reference(x, edge_index)
-            torch.testing.assert_close(out, expect, **F64)
-            if grad:
-                torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0],
-                                           torch.autograd.grad(expect.sum(), x)[0], **F64)
+            assert_same_call(compiled, reference, x, edge_index, grad)
             compiled_after.append(len(compilations))
     assert max(sorts) <= 1, sorts
     if fullgraph:
@@ -465,10 +469,6 @@ def test_compiled_kept_normalization_sorts_nothing(name, grad, device):
     compiled = torch.compile(mine, backend=backend)
     with torch.set_grad_enabled(grad):
         for _ in range(2):
-            out, expect = compiled(x, edge_index), reference(x, edge_index)
-            torch.testing.assert_close(out, expect, **F64)
-            if grad:
-                torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0],
-                                           torch.autograd.grad(expect.sum(), x)[0], **F64)
+            assert_same_call(compiled, reference, x, edge_index, grad)
     assert sorts and max(sorts) == 0, sorts
     assert len(compilations) == 1
