@@ -443,6 +443,15 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   else if (touched) flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
 }
 
+// Minimum blocks an SM of the shared-ids kernel below, whose blocks are
+// 256 threads (shared_ids_config). Its default variant for half
+// rows waits on its loads: with its registers capped for 4 blocks an SM
+// (64 a thread; it spills a few bytes) twice the rows are in flight, and
+// with 4 features a lane it ran 6-21% faster than with 8 uncapped (H100,
+// 3-8M-edge graphs, bf16, F = 64-256).
+template <typename scalar_t, typename acc_t, bool DET>
+constexpr int kSharedIdsMinBlocks = kHalfRows<scalar_t, acc_t> && !DET ? 4 : 1;
+
 // SR with shared ids, for gathered rows of wide F (the fused sums; the launch
 // layer picks it: see wide_rows_config). A group of blockDim.x lanes (a
 // power of two up to a warp) holds N_T features each of one column block and
@@ -455,7 +464,8 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 // end in emit_run, as SR's. Sums only, one weight head: a row out of range
 // adds weight 0.
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, bool DET>
-__global__ void segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int rows_per_thread) {
+__global__ void __launch_bounds__(256, (kSharedIdsMinBlocks<scalar_t, acc_t, DET>))
+    segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int rows_per_thread) {
   using Op = SumOp<acc_t>;
   const int width = blockDim.x, lane = threadIdx.x;
   const int64_t col0 = (int64_t(blockIdx.y) * width + lane) * N_T;
@@ -476,8 +486,10 @@ __global__ void segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, in
   acc_t acc[N_T];
 #pragma unroll
   for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
-  int64_t seg = a.index[row_begin];
-  bool began_here = row_begin == 0 || int64_t(a.index[row_begin - 1]) != seg;
+  // Ids travel between lanes in index_t: one shuffle each for 32-bit ids
+  // (the common case) where int64 takes two; fewer registers too.
+  index_t seg = a.index[row_begin];
+  bool began_here = row_begin == 0 || a.index[row_begin - 1] != seg;
   const auto finish_run = [&](bool whole) {
     if (!columns_in_range) return;
     if constexpr (DET) emit_run<N_T>(a, ends, seg, col0, acc, true);
@@ -486,25 +498,27 @@ __global__ void segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, in
   };
   constexpr int BATCH = 4;
   for (int64_t r0 = row_begin; r0 < row_end; r0 += width) {
-    // This lane's edge of the next `width`: its source row, weight and segment.
+    // This lane's edge of the next `width`: its source row (-1: out of
+    // range, adds nothing), weight and segment.
     const int n = static_cast<int>(min(int64_t(width), row_end - r0));
     const int64_t r = r0 + min(lane, n - 1);
-    const int64_t src_row = a.gather ? int64_t(a.gather[r]) : r;
+    const index_t src_row = a.gather ? a.gather[r] : static_cast<index_t>(r);
     const bool in_range = lane < n && static_cast<uint64_t>(src_row) < static_cast<uint64_t>(a.src_rows);
-    const int64_t lane_src = in_range ? src_row : 0;
-    const acc_t lane_weight = !in_range ? acc_t(0) : a.weight ? to_acc(a.weight[r]) : acc_t(1);
-    const int64_t lane_seg = a.index[r];  // past n: the last edge's segment, so padding never ends a run
+    const index_t lane_src = in_range ? src_row : index_t(-1);
+    const acc_t lane_weight = a.weight ? to_acc(a.weight[r]) : acc_t(1);
+    const index_t lane_seg = a.index[r];  // past n: the last edge's segment, so padding never ends a run
     for (int j0 = 0; j0 < n; j0 += BATCH) {
-      int64_t s[BATCH];
+      index_t s[BATCH];
       acc_t w[BATCH], v[BATCH][N_T];
 #pragma unroll
       for (int b = 0; b < BATCH; ++b) {
         const int j = min(j0 + b, n - 1);
-        const int64_t row = __shfl_sync(group_mask, lane_src, j, width);
-        const acc_t weight = __shfl_sync(group_mask, lane_weight, j, width);
-        w[b] = j0 + b < n ? weight : acc_t(0);
+        const index_t row = __shfl_sync(group_mask, lane_src, j, width);
+        const acc_t weight = a.weight ? __shfl_sync(group_mask, lane_weight, j, width) : acc_t(1);
+        w[b] = j0 + b < n && row >= 0 ? weight : acc_t(0);
         s[b] = __shfl_sync(group_mask, lane_seg, j, width);
-        load_columns<N_T>(a.src + row * a.F + col0, col0, a.F, a.vector_loads && columns_in_range, acc_t(0), v[b]);
+        load_columns<N_T>(a.src + int64_t(row < 0 ? 0 : row) * a.F + col0, col0, a.F,
+                          a.vector_loads && columns_in_range, acc_t(0), v[b]);
       }
 #pragma unroll
       for (int b = 0; b < BATCH; ++b) {
@@ -520,7 +534,7 @@ __global__ void segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, in
       }
     }
   }
-  finish_run(began_here && (row_end == a.E || int64_t(a.index[row_end]) != seg));
+  finish_run(began_here && (row_end == a.E || a.index[row_end] != seg));
 }
 
 // ptr[s] = first row of segment s, ptr[S] = E, from one pass over the index:

@@ -59,15 +59,13 @@ void launch_shared_ids_kernel(const SegmentArgs<scalar_t, acc_t, index_t>& a, co
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// SR with shared ids (c: shared_ids_config's, 4 features a lane). Half rows
-// take 8 features a lane (16-byte loads) and half the lanes where F and the
-// pointers allow: the kernel is bound by its instructions per row (the id
-// shuffles, the loads), not by bytes, so with 4 bf16 features a lane it
-// ran at a quarter of the fp32 kernel's DRAM throughput (H100, 3M-edge
-// power-law graph, F = 128: 877 us against 527; 8 a lane: 720 us in all).
+// SR with shared ids (c: shared_ids_config's, 4 features a lane). The
+// default kernel of half rows keeps 4 a lane, its registers capped
+// (kSharedIdsMinBlocks); the deterministic one, not capped, takes 8 a lane
+// (16-byte loads) and half the lanes where F and the pointers allow.
 template <typename scalar_t, typename acc_t, typename index_t>
 void launch_shared_ids(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
-  const bool eight = sizeof(scalar_t) == 2 && c.T_N >= 2 && a.F % 8 == 0 && is_aligned(a.src, 16) &&
+  const bool eight = a.partial && sizeof(scalar_t) == 2 && c.T_N >= 2 && a.F % 8 == 0 && is_aligned(a.src, 16) &&
                      is_aligned(a.out, 8 * sizeof(acc_t)) && is_aligned(a.final_out, 16);
   if (!eight) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 4>(a, c, stream);
   c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
