@@ -619,6 +619,51 @@ class GinSum(Bench):
                  "inductor's fused scatter (PyG compiled)", ", ".join(parts)]]
 
 
+class Sddmm(Bench):
+    name = "sddmm"
+    title = "SDDMM dot, a link-prediction decoder (`bench/sddmm.py`)"
+    keys = ("graph", "F", "dtype")
+    PEERS = ("torch", "torch-compile")
+    about = (
+        "`geot.sddmm(src, dst, z, z)` (the dot product of each edge's two end rows) forward and backward, against "
+        "what a user writes instead: torch's `(z[src] * z[dst]).sum(-1)`, eagerly and under "
+        "`torch.compile(fullgraph=True)`. The edges of a 10M-edge power-law graph, its destinations shuffled "
+        "(pairs in any order, as a decoder's positive and negative samples come). Median ms of forward + backward "
+        "(CUDA events, L2 flushed)."
+    )
+    commands = ("python bench/sddmm.py --widths 64,128 --dtype fp32   # then --dtype bf16",
+                "python bench/report.py --add sddmm bench/out/sddmm_nvidia-h100-80gb-hbm3.csv --gpu h100")
+
+    def section(self, df, gpu, img_dir):
+        rows = [[r["graph"], str(r["F"]), r["dtype"], fmt(r["geot"], 3), fmt(r["torch"], 3), fmt(r["torch-compile"], 3),
+                 fmt(r["x torch"], 2, "×"), fmt(r["x torch-compile"], 2, "×")] for _, r in df.iterrows()]
+        image = f"sddmm_{gpu}.png"
+        self.plot(df, os.path.join(img_dir, image))
+        return ("ms of forward + backward; speedup: the peer's time / geot's:\n\n"
+                + markdown_table(["graph", "F", "dtype", "geot", "torch", "torch.compile", "vs torch",
+                                  "vs torch.compile"], rows, "lllrrrrr")
+                + f"\n\n![SDDMM dot speedups]({os.path.basename(img_dir)}/{image})\n")
+
+    def plot(self, df, path):
+        plt = plot_style()
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        labels = [f"F={r['F']}\n{r['dtype']}" for _, r in df.iterrows()]
+        width = 0.8 / len(self.PEERS)
+        for i, peer in enumerate(self.PEERS):
+            xs = [j + (i - (len(self.PEERS) - 1) / 2) * width for j in range(len(df))]
+            bars_from_one(ax, xs, df[f"x {peer}"].tolist(), width, label=f"vs {peer}", color=f"C{i}")
+        speedup_axis(ax, df["x torch"].tolist() + df["x torch-compile"].tolist())
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_ylabel("peer time / geot time")
+        ax.legend(fontsize=8)
+        save_figure(fig, path)
+
+    def headline(self, df):
+        return [[f"SDDMM dot, forward + backward (`sddmm.py`, {cells(len(df))})", "torch composite / its "
+                 "`torch.compile`", f"{geomean(df['x torch']):.2f}× / {geomean(df['x torch-compile']):.2f}× (worst "
+                 f"{df['x torch-compile'].min():.2f}×)"]]
+
+
 class MiniBatch(Bench):
     name = "minibatch"
     title = "Sampled mini-batch training (`bench/minibatch.py`)"
@@ -817,7 +862,7 @@ def speedup_plot(df, column, ylabel, path):
 
 
 BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), HeteroAttention(), HeteroSoftmax(), GinSum(),
-                                                  MiniBatch(), ChangingGraph(), RelationalGNN(), MultiGpu())}
+                                                  MiniBatch(), ChangingGraph(), RelationalGNN(), MultiGpu(), Sddmm())}
 
 
 # ----------------------------------------------------------------------------
