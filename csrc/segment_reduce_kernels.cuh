@@ -447,8 +447,8 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 // 256 threads (shared_ids_config). Its default variant for half
 // rows waits on its loads: with its registers capped for 4 blocks an SM
 // (64 a thread; it spills a few bytes) twice the rows are in flight, and
-// with 4 features a lane it ran 6-21% faster than with 8 uncapped (H100,
-// 3-8M-edge graphs, bf16, F = 64-256).
+// with 4 features a lane it ran 1.06-1.32x as fast as with 8 uncapped
+// (H100, 3-8M-edge graphs, bf16, F = 64-256).
 template <typename scalar_t, typename acc_t, bool DET>
 constexpr int kSharedIdsMinBlocks = kHalfRows<scalar_t, acc_t> && !DET ? 4 : 1;
 
@@ -488,8 +488,9 @@ __global__ void __launch_bounds__(256, (kSharedIdsMinBlocks<scalar_t, acc_t, DET
   for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
   // Ids travel between lanes in index_t: one shuffle each for 32-bit ids
   // (the common case) where int64 takes two, and fewer registers, which the
-  // capped half-row kernel needs. (Against 64-bit ids and the weight always
-  // shuffled: half rows 4-29% faster with the cap, fp32 rows 1-4% slower; H100.)
+  // capped half-row kernel needs. (Against 64-bit ids, the weight always
+  // shuffled and no cap: half rows 1.04-1.29x as fast, fp32 rows 0.97-0.99x;
+  // H100, bench/spmm.py.)
   index_t seg = a.index[row_begin];
   bool began_here = row_begin == 0 || a.index[row_begin - 1] != seg;
   const auto finish_run = [&](bool whole) {
