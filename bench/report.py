@@ -22,7 +22,7 @@ import math
 import os
 import re
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 
@@ -110,6 +110,21 @@ def deterministic_block(df: pd.DataFrame, vs_native: str) -> List[str]:
     table = sel.groupby("graph", sort=False)["det_ratio"].apply(geomean)
     out.append(markdown_table(["graph"] + list(table.index), [["det / default"] + [fmt(v, 2, "×") for v in table]]))
     return out
+
+
+def peer_summary(df: pd.DataFrame, group: str, peers: Sequence[Tuple[str, str]], below_one: bool = False) -> str:
+    """A table per group value and peer: the geomean and worst cell of the
+    peer's speedup column (peers: (column, label)), over the cells keyed by
+    graph and H; below_one: also how many cells are below 1."""
+    header = [group, "against", "geomean", "worst cell"] + (["cells below 1"] if below_one else [])
+    rows = []
+    for value, sel in df.groupby(group, sort=False):
+        for column, label in peers:
+            row = [value, label, f"{geomean(sel[column]):.2f}×", worst_cell(sel, column, ("graph", "H"))]
+            if below_one:
+                row.append(f"{int((sel[column] < 1).sum())} of {int(sel[column].notna().sum())}")
+            rows.append(row)
+    return markdown_table(header, rows, "llrl" + ("l" if below_one else ""))
 
 
 def graph_kind(spec: str) -> str:
@@ -497,11 +512,8 @@ class HeteroAttention(Bench):
                 "hbm3.csv bench/out/hetero_attention_bfloat16_nvidia-h100-80gb-hbm3.csv --gpu h100")
 
     def section(self, df, gpu, img_dir):
-        summary = []
-        for dtype, sel in df.groupby("dtype", sort=False):
-            for column, label in (("x_vs_pyg", "PyG GATConv's steps"), ("x_vs_two_op", "geot's two ops")):
-                summary.append([dtype, label, f"{geomean(sel[column]):.2f}×", worst_cell(sel, column, ("graph", "H"))])
-        out = [markdown_table(["dtype", "against", "geomean", "worst cell"], summary, "llrl")]
+        peers = (("x_vs_pyg", "PyG GATConv's steps"), ("x_vs_two_op", "geot's two ops"))
+        out = [peer_summary(df, "dtype", peers)]
         image = f"hetero_attention_{gpu}.png"
         panel_plot(df, "dtype", "{}: speedup over PyG GATConv's steps", os.path.join(img_dir, image))
         out.append(f"\n![attention_aggregate: speedup]({os.path.basename(img_dir)}/{image})\n")
@@ -532,12 +544,8 @@ class HeteroSoftmax(Bench):
                 "bench/out/hetero_softmax_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100")
 
     def section(self, df, gpu, img_dir):
-        summary = []
-        for step, sel in df.groupby("pass", sort=False):
-            for column, label in (("x_vs_pyg", "PyG `softmax`"), ("x_vs_composite", "composite")):
-                summary.append([step, label, f"{geomean(sel[column]):.2f}×", worst_cell(sel, column, ("graph", "H")),
-                                f"{int((sel[column] < 1).sum())} of {int(sel[column].notna().sum())}"])
-        out = [markdown_table(["pass", "against", "geomean", "worst cell", "cells below 1"], summary, "llrll")]
+        peers = (("x_vs_pyg", "PyG `softmax`"), ("x_vs_composite", "composite"))
+        out = [peer_summary(df, "pass", peers, below_one=True)]
         image = f"hetero_softmax_{gpu}.png"
         panel_plot(df, "pass", "{}: speedup over PyG's softmax", os.path.join(img_dir, image))
         out.append(f"\n![edge_softmax: speedup over PyG]({os.path.basename(img_dir)}/{image})\n")
