@@ -48,14 +48,10 @@ void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t, typename acc_t, typename index_t, int N_T>
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, bool DET>
 void launch_shared_ids_kernel(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
   const dim3 grid = feature_row_grid(ceil_div(a.E, c.M_t), c.T_M, a.F, N_T, c);
-  if (a.partial) {
-    segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, true><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
-  } else {
-    segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, false><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
-  }
+  segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, DET><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -65,12 +61,16 @@ void launch_shared_ids_kernel(const SegmentArgs<scalar_t, acc_t, index_t>& a, co
 // (16-byte loads) and half the lanes where F and the pointers allow.
 template <typename scalar_t, typename acc_t, typename index_t>
 void launch_shared_ids(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
-  const bool eight = a.partial && sizeof(scalar_t) == 2 && c.T_N >= 2 && a.F % 8 == 0 && is_aligned(a.src, 16) &&
-                     is_aligned(a.out, 8 * sizeof(acc_t)) && is_aligned(a.final_out, 16);
-  if (!eight) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 4>(a, c, stream);
-  c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
-  a.vector_loads = a.vector_out = true;
-  launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8>(a, c, stream);
+  if constexpr (sizeof(scalar_t) == 2) {
+    if (a.partial && c.T_N >= 2 && a.F % 8 == 0 && is_aligned(a.src, 16) && is_aligned(a.out, 8 * sizeof(acc_t)) &&
+        is_aligned(a.final_out, 16)) {
+      c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
+      a.vector_loads = a.vector_out = true;
+      return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, true>(a, c, stream);
+    }
+  }
+  if (a.partial) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 4, true>(a, c, stream);
+  launch_shared_ids_kernel<scalar_t, acc_t, index_t, 4, false>(a, c, stream);
 }
 
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED>
