@@ -424,7 +424,7 @@ class Spmm(Bench):
     )
     commands = ("python bench/spmm.py --sections fwd --deterministic",
                 "python bench/spmm.py --sections dtypes --graphs powerlaw hubs uniform powerlaw:n=840000,deg=10 "
-                "--F 64 96 128 256 512",
+                "uniform:n=400000,d=32 --F 64 96 128 256 512",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv "
                 "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100")
 

@@ -128,7 +128,10 @@ def explain(
     heuristic. gpu: a GPU name or rule-set slug ("NVIDIA H200",
     "nvidia-h200"); arch: compute capability as major * 10 + minor (90 for
     sm_90); both None: the current GPU's (none without one). verbose prints
-    which rules chose and why (explain_source)."""
+    which rules chose and why (explain_source). The config is the rules'
+    for fp32 rows: fp16/bf16 gathered rows on the SP tile of 8 lanes a row
+    launch it with 16 lanes and 4 segments a block where F is a multiple of
+    64 (docs/tuning.md)."""
     config, source = _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu)
     if verbose:
         print(f"{config}: {source}")

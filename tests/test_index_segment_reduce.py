@@ -209,7 +209,23 @@ def _large_skewed_graph(S=40_000, E=1_100_000):
 @pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
 def test_wide_rows_on_large_skewed_graphs(op, dtype, F):
     dst, S, src = _large_skewed_graph()  # x: a row per destination too (sum_plus_scaled adds x[i] to out[i])
-    dst, src = dst.cuda(), src.cuda()
+    _check_wide_rows(op, dtype, F, dst.cuda(), S, src.cuda())
+
+
+@requires_cuda
+@pytest.mark.parametrize("F", [64, 192])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
+def test_half_rows_on_even_graphs(op, dtype, F):
+    """Every destination of even in-degree 16: the rules take SP, whose tile
+    the launch widens for half rows (half_row_sp_config) on the H100."""
+    S = 20_000
+    dst = torch.arange(S, device="cuda").repeat_interleave(16)
+    _check_wide_rows(op, dtype, F, dst, S, torch.randint(0, S, (dst.numel(),), device="cuda"))
+
+
+def _check_wide_rows(op, dtype, F, dst, S, src):
+    """The fused op on CUDA against a float64 reference (x has a row per destination too)."""
     x = random_src(S, (F,), dtype, "cuda")
     w = random_src(dst.numel(), (), dtype, "cuda") if op == "weighted_sum" else None
     scale = torch.tensor([1.25], device="cuda")
@@ -231,7 +247,7 @@ def test_wide_rows_on_large_skewed_graphs(op, dtype, F):
     if op == "sum_plus_scaled":
         ref = ref + 1.25 * x.double()
         magnitude = magnitude + 1.25 * x.double().abs()
-    rounding = 2.0 ** -7 if dtype == torch.bfloat16 else 0.0
+    rounding = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}.get(dtype, 0.0)  # of the output
     tol = 1e-5 * magnitude + rounding * ref.abs() + 1e-6
     bad = (out.double() - ref).abs() > tol
     assert out.dtype == dtype and not bad.any(), f"{int(bad.sum())} wrong of {bad.numel()}"
