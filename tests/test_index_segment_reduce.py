@@ -221,6 +221,9 @@ def test_half_rows_on_even_graphs(op, dtype, F):
     the launch widens for half rows (half_row_sp_config) on the H100."""
     S = 20_000
     dst = torch.arange(S, device="cuda").repeat_interleave(16)
+    if torch.cuda.get_device_name().startswith("NVIDIA H100"):  # the path under test is taken
+        rule = geot.explain(dst.numel(), S, F, gathered=True, long_segments=0)
+        assert (rule.N_t, rule.T_N, rule.G_t) == (4, 8, 0), rule
     _check_wide_rows(op, dtype, F, dst, S, torch.randint(0, S, (dst.numel(),), device="cuda"))
 
 
