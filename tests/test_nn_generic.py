@@ -69,6 +69,7 @@ def assert_same(mine, reference, x, *args, **kwargs):
     out, grad_x, grads = outputs_and_grads(mine, x, *args, **kwargs)
     want, want_x, want_grads = outputs_and_grads(reference, x, *args, **kwargs)
     torch.testing.assert_close(out, want, **F64)
+    assert out.is_contiguous() or not want.is_contiguous(), "output layout: PyG's is contiguous"  # users view it
     torch.testing.assert_close(grad_x, want_x, **F64)
     for name in want_grads:
         torch.testing.assert_close(grads[name], want_grads[name], **F64, msg=f"gradient of {name}")
@@ -105,22 +106,27 @@ def sort_counting_backend(backward: bool):
 def geot_calls(monkeypatch):
     """How many propagations ran on geot's fused gather-reduce."""
     calls = []
-    run = generic.gather_reduce
-    monkeypatch.setattr(generic, "gather_reduce", lambda *a, **k: calls.append(1) or run(*a, **k))
+    for name in ("gather_reduce", "gather_reduce_nodes"):  # (the second: static graphs' [B, N, F] rows)
+        run = getattr(generic, name)
+        monkeypatch.setattr(generic, name, lambda *a, run=run, **k: calls.append(1) or run(*a, **k))
     return calls
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["nodes", "static"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
 @pytest.mark.parametrize("edges", [40, 0], ids=["edges", "no-edges"])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_patched_layer_matches_pyg(name, edges, weighted, device, geot_calls):
+def test_patched_layer_matches_pyg(name, edges, weighted, static, device, geot_calls):
+    """static: x [B, N, F], one graph for every batch entry (PyG's static graphs)."""
     if weighted and not LAYERS[name][1]:
         pytest.skip("the layer takes no edge weights")
+    if static and name.startswith("gatv2"):
+        pytest.skip("PyG's GATv2Conv takes no static graphs")
     mine, reference = pair(name, device)
     assert isinstance(mine, generic.GeotPropagate)
     generator = torch.Generator(device=device).manual_seed(1)
     edge_index = graph(13, edges, device, generator)
-    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    x = torch.randn(*((3,) if static else ()), 13, 6, dtype=torch.float64, device=device, generator=generator)
     weight = () if not weighted else (torch.rand(edge_index.size(1), dtype=torch.float64, device=device,
                                                  generator=generator),)
     with warnings.catch_warnings():

@@ -177,7 +177,8 @@ def gather_reduce_nodes(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: i
     if x.dim() == 2:
         return gather_reduce(graph, x, reduce, num_nodes, weight, weight_t)
     rows = x.transpose(0, 1).contiguous()  # [N, B, F]: a node's rows side by side, one gather per edge
-    return gather_reduce(graph, rows, reduce, num_nodes, weight, weight_t).transpose(0, 1)
+    # Contiguous as PyG's: users reshape it with view.
+    return gather_reduce(graph, rows, reduce, num_nodes, weight, weight_t).transpose(0, 1).contiguous()
 
 
 def matmul_dtype(x: Tensor):

@@ -11,6 +11,9 @@ messages. The message is read with ``torch.fx`` (traced with and without
 its per-edge argument), once per layer class. Everything else (other
 messages, an ``update`` or ``aggregate`` of the layer's own, sparse
 adjacencies, hooks, explain mode, decomposed layers) runs PyG's propagate.
+Rows are [N, F], static graphs' [B, N, F] (PyG's default node_dim) or
+[N, H, C] with a weight per edge and head (node_dim 0); the output is
+laid out as PyG's (contiguous).
 :func:`explain` says which a layer gets and why.
 """
 import functools
@@ -22,7 +25,7 @@ import torch
 import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
-from .common import REDUCE, gather_reduce
+from .common import REDUCE, gather_reduce, gather_reduce_nodes
 from .graph import sorted_graph
 from .inputs import input_kind
 from .layer import GeotLayer, pyg_base
@@ -58,7 +61,9 @@ class GeotPropagate(GeotLayer):
         x_src, x_dst = _sources_and_targets(kwargs[plan.source], self._flipped())
         weight = None if plan.weight is None else kwargs.get(plan.weight)
         graph, weight = self._graph_and_weight(edge_index, weight)
-        return gather_reduce(graph, x_src, REDUCE[self.aggr], _num_targets(x_src, x_dst, size), weight)
+        static = _static(x_src, self)
+        reduce_rows = gather_reduce_nodes if static else gather_reduce
+        return reduce_rows(graph, x_src, REDUCE[self.aggr], _num_targets(x_src, x_dst, size, static), weight)
 
     def _graph_and_weight(self, edge_index, weight: Optional[Tensor]):
         """The sorted graph and the edge weights in its order. Compiled, a later propagate of the same
@@ -100,20 +105,29 @@ def _inputs_reason(x, weight, edge_index, size, layer) -> Optional[str]:
     x_src, x_dst = _sources_and_targets(x, layer._flipped())
     tensors = [x_src] + ([] if x_dst is None else [x_dst])
     if not all(isinstance(t, Tensor) and t.dim() in (2, 3) and t.is_floating_point() for t in tensors):
-        return "x of this kind (geot takes [N, F] or [N, H, C] float rows)"
-    if layer.node_dim not in (0, -x_src.dim()):
+        return "x of this kind (geot takes [N, F], [N, H, C] or static [B, N, F] float rows)"
+    static = _static(x_src, layer)
+    if layer.node_dim not in (0, -x_src.dim()) and not static:
         return f"node_dim={layer.node_dim}"
-    if weight is not None and _weight_shape(x_src, edge_index.size(-1)) != tuple(weight.shape):
+    if any(t.dim() != x_src.dim() for t in tensors):
+        return "x_src and x_dst of different ranks"
+    if weight is not None and _weight_shape(x_src, edge_index.size(-1), static) != tuple(weight.shape):
         return "a per-edge argument of this shape"
-    if size is not None and size[0] is not None and size[0] != x_src.size(0):
+    if size is not None and size[0] is not None and size[0] != x_src.size(-2 if static else 0):
         return "a size that disagrees with x"
     return None
 
 
-def _weight_shape(x: Tensor, num_edges: int) -> tuple:
-    """The per-edge weight's shape geot takes with x: [E] for [N, F] rows, [E, H] for [N, H, C] (a weight per
-    head, as the message's ``alpha.unsqueeze(-1) * x_j`` reads it)."""
-    return (num_edges,) if x.dim() == 2 else (num_edges, x.size(1))
+def _static(x: Tensor, layer) -> bool:
+    """Whether x is a static graph's [B, N, F] (node_dim -2 of 3-D rows: one graph for every batch entry)
+    rather than [N, H, C] rows (node_dim 0)."""
+    return x.dim() == 3 and layer.node_dim in (-2, 1)
+
+
+def _weight_shape(x: Tensor, num_edges: int, static: bool) -> tuple:
+    """The per-edge weight's shape geot takes with x: [E] for [N, F] and static [B, N, F] rows, [E, H] for
+    [N, H, C] (a weight per head, as the message's ``alpha.unsqueeze(-1) * x_j`` reads it)."""
+    return (num_edges,) if x.dim() == 2 or static else (num_edges, x.size(1))
 
 
 def _sources_and_targets(x, flipped: bool):
@@ -131,11 +145,11 @@ def _call_size(edge_index, size, flipped: bool):
     return None if size is None else (size[1], size[0]) if flipped else tuple(size)
 
 
-def _num_targets(x_src: Tensor, x_dst: Optional[Tensor], size) -> int:
+def _num_targets(x_src: Tensor, x_dst: Optional[Tensor], size, static: bool) -> int:
     """Output rows, as PyG's propagate counts them."""
     if size is not None and size[1] is not None:
         return int(size[1])
-    return (x_dst if x_dst is not None else x_src).size(0)
+    return (x_dst if x_dst is not None else x_src).size(-2 if static else 0)
 
 
 def _class_reason(layer_class: type) -> Optional[str]:
