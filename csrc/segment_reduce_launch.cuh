@@ -414,9 +414,7 @@ inline bool use_shared_ids(const RowReduction& r, int64_t E, int64_t F) {
 // 1.27-1.45x; slower at F <= 32 and for fp32 rows, and SR tiles did not
 // gain. (The H200's rules pick 16 lanes for such graphs already.) Not for a
 // config the caller gave, nor in deterministic mode (measured as it is).
-inline Config half_row_sp_config(Config c, const RowReduction& r, int64_t F, bool det) {
-  const auto type = r.src.scalar_type();
-  const bool half = type == at::kHalf || type == at::kBFloat16;
+inline Config half_row_sp_config(Config c, const RowReduction& r, int64_t F, bool half, bool det) {
   if (half && r.gather && !det && !r.config && c.is_sp() && c.N_t == 4 && c.T_N == 8 && F % 64 == 0) {
     c.T_N = 16;
     c.T_M = 4;
@@ -461,9 +459,10 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // its op), or on short segments SP walking each whole. Read per call: a
   // flag of the global context, no dispatch.
   const bool det = at::globalContext().deterministicAlgorithms() && !r.any_order;
-  const bool shared_ids = use_shared_ids(r, E, F);
-  const Config cfg = shared_ids ? shared_ids_config(F) : half_row_sp_config(reduction_config(r, E, F, det), r, F, det);
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
+  const bool shared_ids = use_shared_ids(r, E, F);
+  const Config cfg =
+      shared_ids ? shared_ids_config(F) : half_row_sp_config(reduction_config(r, E, F, det), r, F, half, det);
   // SP stores every output element itself (0 for empty segments); where no
   // segment can pass its cap (no overflow pass adds to it) it writes the
   // output directly (SegmentArgs::final_out). Where validation saw no
