@@ -128,8 +128,8 @@ struct SegmentArgs {
   // that began before it, it writes its part into slot 2c (head) of
   // partial, of one that goes on past it, into slot 2c + 1 (tail).
   // partial_code[slot] = slot_code(segment, written): unwritten slots hold
-  // no values. combine_partials_kernel then adds each segment's slots in
-  // slot order, level by level, and stores the result.
+  // no values. The combine levels (combine_partials_*_kernel) then add each
+  // segment's slots in slot order, level by level, and store the result.
   acc_t* partial;                     // [2 * chunks, F]
   int64_t* partial_code;              // [2 * chunks]
   // The one-pass combine (owners set; where validation bounds every segment
@@ -732,8 +732,9 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   if (lane == 0) finish(carry_seg, carry);
 }
 
-// One level of the deterministic combine. Its rows are the slots of the
-// level before (in: values, in_code: slot codes, n rows), in chunks of
+// One level of the deterministic combine, for levels of many slot elements
+// (combine_partials_warp_kernel for the others). Its rows are the slots of
+// the level before (in: values, in_code: slot codes, n rows), in chunks of
 // rows_per_thread, sorted by segment like any index: a thread adds, for N_t
 // features, the written rows of each run of one segment in its chunk in
 // order, and ends each run as the schedules end theirs (emit_run: the store
@@ -743,9 +744,9 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 // segment left. overflow_only: SP's overflow pass, which wrote nothing
 // where no segment passed the cap. Block (32, T_M): x spans features.
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
-__global__ void combine_partials_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, const acc_t* __restrict__ in,
-                                        const int64_t* __restrict__ in_code, int64_t n, int rows_per_thread,
-                                        bool overflow_only) {
+__global__ void combine_partials_rows_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, const acc_t* __restrict__ in,
+                                             const int64_t* __restrict__ in_code, int64_t n, int rows_per_thread,
+                                             bool overflow_only) {
   const int64_t col0 = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N_T;
   const int64_t chunk = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const int64_t begin = chunk * rows_per_thread;
@@ -792,6 +793,113 @@ __global__ void combine_partials_kernel(SegmentArgs<scalar_t, acc_t, index_t> a,
   }
   written |= emit_run<N_T>(a, ends, seg, col0, acc, valid);
   if (a.partial_code && col0 == 0) {  // the next level's codes (all columns write the same slots)
+    a.partial_code[2 * chunk] = slot_code(ends.first, written & 1);
+    a.partial_code[2 * chunk + 1] = slot_code(ends.last, (written & 2) != 0);
+  }
+}
+
+// One level of the deterministic combine, for levels of few slot elements.
+// Its rows are the slots of the level before (in: values, in_code: slot
+// codes, n rows), sorted by segment like any index, in chunks of
+// 32 * iterations slots, a warp's: as in PR's tiles, each iteration a lane
+// takes one slot (the identity where it holds no value), a shuffle tree
+// adds each run of one segment into its first lane, and the last run goes
+// on in lane 0's carry. A run ends as the schedules end theirs (emit_run:
+// the store of a segment the chunk saw whole, else the chunk's head / tail
+// slot of a.partial, the next level's rows), counting as written only runs
+// that held a written slot (a flag that travels with the values). The last
+// level is one chunk (a.partial null): it stores every segment left. Where
+// the rows kernel's threads are few, each walking its chunk alone is bound
+// by instruction latency (7-14 us a level on the H100 however few the
+// slots); where they are many, they beat this kernel's shuffles.
+// overflow_only: SP's overflow pass, which wrote nothing where no segment
+// passed the cap. 1-D blocks of whole warps; a warp's tile has the feature
+// column fastest, as PR's.
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
+__global__ void combine_partials_warp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, const acc_t* __restrict__ in,
+                                             const int64_t* __restrict__ in_code, int64_t n, int iterations,
+                                             bool overflow_only) {
+  constexpr unsigned FULL = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const int64_t tile = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t columns = (a.F + N_T - 1) / N_T;
+  const int64_t col0 = (tile % columns) * N_T;
+  const int64_t chunk = tile / columns;
+  const int64_t begin = chunk * 32 * iterations;
+  if (begin >= n) return;  // the whole warp
+  if (overflow_only && *a.longest <= a.cap) return;
+  const int64_t end = min(begin + int64_t(32) * iterations, n);
+  const ChunkEnds ends = chunk_ends([&](int64_t r) { return code_segment(in_code[r]); }, n, begin, end, chunk);
+  const int64_t past_end = std::numeric_limits<int64_t>::max();  // sorts after every segment
+
+  acc_t carry[N_T];
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) carry[j] = Op::identity();
+  int64_t carry_seg = past_end;
+  bool carry_valid = false;
+  int written = 0;  // 1: head slot written, 2: tail slot (this lane's emits)
+  auto finish = [&](int64_t seg, const acc_t (&part)[N_T], bool valid) {
+    acc_t copy[N_T];
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) copy[j] = part[j];
+    written |= emit_run<N_T>(a, ends, seg, col0, copy, valid);
+  };
+  auto fetch = [&](int it, int64_t& s, bool& valid, acc_t (&v)[N_T]) {
+    const int64_t r = begin + int64_t(it) * 32 + lane;
+    const int64_t code = it < iterations && r < end ? in_code[r] : 0;
+    s = it < iterations && r < end ? code_segment(code) : past_end;
+    valid = (code & 1) != 0;
+    if (valid) {
+      load_columns<N_T>(in + r * a.F + col0, col0, a.F, a.F % N_T == 0, Op::identity(), v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) v[j] = Op::identity();
+    }
+  };
+  int64_t s_next;
+  bool valid_next;
+  acc_t v_next[N_T];
+  fetch(0, s_next, valid_next, v_next);
+  for (int it = 0; it < iterations; ++it) {
+    const int64_t s = s_next;
+    bool valid = valid_next;
+    acc_t v[N_T];
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) v[j] = v_next[j];
+    fetch(it + 1, s_next, valid_next, v_next);
+    for (int d = 1; d < 32; d <<= 1) {  // sorted: s[lane] == s[lane + d] spans one segment
+      const int64_t s_other = __shfl_down_sync(FULL, s, d);
+      const bool valid_other = __shfl_down_sync(FULL, valid, d);
+      acc_t v_other[N_T];
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) v_other[j] = __shfl_down_sync(FULL, v[j], d);
+      if (lane + d < 32 && s_other == s) {
+        valid |= valid_other;
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) v[j] = Op::combine(v[j], v_other[j]);
+      }
+    }
+    const int64_t s_prev = __shfl_up_sync(FULL, s, 1);
+    const bool head = lane == 0 || s_prev != s;
+    const int last_head = 31 - __clz(__ballot_sync(FULL, head));
+    if (lane == 0) {  // the carried run goes on at lane 0 or has ended
+      if (s == carry_seg) {
+        valid |= carry_valid;
+#pragma unroll
+        for (int j = 0; j < N_T; ++j) v[j] = Op::combine(carry[j], v[j]);
+      } else if (carry_seg != past_end) {
+        finish(carry_seg, carry, carry_valid);
+      }
+    }
+    if (head && lane != last_head && s != past_end) finish(s, v, valid);
+    carry_seg = __shfl_sync(FULL, s, last_head);
+    carry_valid = __shfl_sync(FULL, valid, last_head);
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) carry[j] = __shfl_sync(FULL, v[j], last_head);
+  }
+  if (lane == 0 && carry_seg != past_end) finish(carry_seg, carry, carry_valid);
+  written = (__ballot_sync(FULL, written & 1) ? 1 : 0) | (__ballot_sync(FULL, written & 2) ? 2 : 0);
+  if (a.partial_code && col0 == 0 && lane == 0) {  // the next level's codes (all columns write the same slots)
     a.partial_code[2 * chunk] = slot_code(ends.first, written & 1);
     a.partial_code[2 * chunk + 1] = slot_code(ends.last, (written & 2) != 0);
   }

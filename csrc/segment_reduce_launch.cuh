@@ -99,14 +99,16 @@ inline int sp_lanes(int64_t F, int n_t, const Config& c) {
   return lanes;
 }
 
-// The deterministic schedules (docs/design.md, "Determinism"): rows per
-// thread of a combine level, and at least that many rows per thread for
-// SR's chunks and SP's overflow pass (fewer slots to combine; the tile
-// shapes are kept otherwise). The one-pass combine adds a segment's slots
-// in one launch, so its chunks can be shorter: more threads for the chunk
-// pass (H100, a 10^5-edge graph with a 4.6k-edge hub, F = 1: 12.7 us at
-// 32 rows, 7.9 at 16, where the default SR takes 5).
-constexpr int kCombineRows = 32;
+// The deterministic schedules (docs/design.md, "Determinism"): slots of a
+// combine level's chunk, and rows per thread at least for SR's chunks and
+// SP's overflow pass (fewer slots to combine; the tile shapes are kept
+// otherwise). The one-pass combine adds a segment's slots in one launch, so
+// its chunks can be shorter: more threads for the chunk pass (H100, a
+// 10^5-edge graph with a 4.6k-edge hub, F = 1: 12.7 us at 32 rows, 7.9 at
+// 16, where the default SR takes 5).
+constexpr int kCombineRows = 32;                           // a thread's (rows kernel)
+constexpr int kCombineIterations = 8;                      // a warp's 32 slots each (warp kernel)
+constexpr int64_t kWarpCombineMaxElements = int64_t(3) << 20;  // slots * F of a warp-kernel level
 constexpr int kDeterministicMinRows = 32;
 constexpr int kOnePassMinRows = 16;
 
@@ -120,15 +122,28 @@ inline int deterministic_chunk_rows(const Config& c, bool one_pass) {
 // spread its slots over many threads.
 inline bool one_pass_combine(int long_segments) { return long_segments >= 0 && long_segments <= 2; }
 
-// Rows of each combine level, from the chunks of the deterministic pass:
-// level k reads the 2 * chunks slots of level k - 1 in chunks of
-// kCombineRows; a level of at most 2 * kCombineRows rows is one chunk, the
-// last (it stores every segment left).
-inline std::vector<int64_t> combine_levels(int64_t chunks) {
-  std::vector<int64_t> levels;
-  for (int64_t n = 2 * chunks; n > 0; n = 2 * ceil_div(n, kCombineRows)) {
-    levels.push_back(n);
-    if (n <= 2 * kCombineRows) break;
+// The combine levels, from the chunks of the deterministic pass: level k
+// reads the 2 * chunks slots of level k - 1 (n) in chunks of its kernel's
+// (`slots`); a level of at most one chunk is the last (it stores every
+// segment left). A level of few slot elements (slots * F) runs the warp
+// kernel, whose chunks are 32 * kCombineIterations slots, else the rows
+// kernel, whose chunks are kCombineRows (H100, 3M-edge hub graphs, F =
+// 1-128: the levels took 0.4-0.85x the rows kernel's time on the warp
+// kernel where level 0 held up to 3.0M elements, 1.2-1.7x where it held
+// 3.35M or more).
+struct CombineLevel {
+  int64_t n;
+  bool warp;
+  int64_t slots;
+};
+inline std::vector<CombineLevel> combine_levels(int64_t chunks, int64_t F) {
+  std::vector<CombineLevel> levels;
+  for (int64_t n = 2 * chunks; n > 0;) {
+    const bool warp = n * F <= kWarpCombineMaxElements;
+    const int64_t slots = warp ? 32 * kCombineIterations : kCombineRows;
+    levels.push_back({n, warp, slots});
+    if (n <= (warp ? slots : 2 * slots)) break;
+    n = 2 * ceil_div(n, slots);
   }
   return levels;
 }
@@ -162,22 +177,33 @@ void launch_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chun
                     cudaStream_t stream) {
   if (a.owners) return launch_owned_combine<scalar_t, acc_t, index_t, N_T, Op>(a, chunks, stream);
   const int64_t columns = ceil_div(a.F, N_T);
-  int x = 1;
+  int x = 1;  // the rows kernel's block: x spans features
   while (x < 32 && x < columns) x *= 2;
-  const dim3 block(x, 256 / x);
+  const dim3 rows_block(x, 256 / x);
+  constexpr int kWarpBlock = 256;
   int64_t offset = 0;
-  const std::vector<int64_t> levels = combine_levels(chunks);
+  const std::vector<CombineLevel> levels = combine_levels(chunks, a.F);
   for (size_t k = 0; k < levels.size(); ++k) {
-    const int64_t n = levels[k];
+    const int64_t n = levels[k].n;
     const bool last = k + 1 == levels.size();
-    const int rows = last ? static_cast<int>(n) : kCombineRows;
     SegmentArgs<scalar_t, acc_t, index_t> b = a;  // its partial: the next level's slots
     b.partial = last ? nullptr : a.partial + (offset + n) * a.F;
     b.partial_code = last ? nullptr : a.partial_code + offset + n;
-    const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(n, rows), block.y)),
-                    static_cast<unsigned>(ceil_div(columns, block.x)));
-    combine_partials_kernel<scalar_t, acc_t, index_t, N_T, Op><<<grid, block, 0, stream>>>(
-        b, a.partial + offset * a.F, a.partial_code + offset, n, rows, overflow_only);
+    const acc_t* in = a.partial + offset * a.F;
+    const int64_t* in_code = a.partial_code + offset;
+    if (levels[k].warp) {
+      const int iterations = last ? static_cast<int>(ceil_div(n, int64_t(32))) : kCombineIterations;
+      const int64_t warps = ceil_div(n, int64_t(32) * iterations) * columns;
+      const auto blocks = static_cast<unsigned>(ceil_div(warps * 32, int64_t(kWarpBlock)));
+      combine_partials_warp_kernel<scalar_t, acc_t, index_t, N_T, Op><<<blocks, kWarpBlock, 0, stream>>>(
+          b, in, in_code, n, iterations, overflow_only);
+    } else {
+      const int rows = last ? static_cast<int>(n) : kCombineRows;
+      const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(n, rows), rows_block.y)),
+                      static_cast<unsigned>(ceil_div(columns, rows_block.x)));
+      combine_partials_rows_kernel<scalar_t, acc_t, index_t, N_T, Op><<<grid, rows_block, 0, stream>>>(
+          b, in, in_code, n, rows, overflow_only);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     offset += n;
   }
@@ -561,7 +587,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
         int64_t rows = 2 * det_chunks;  // level 0's slots: the one-pass combine's only ones
         if (!one_pass) {
           rows = 0;  // level 0's, then the combine levels'
-          for (int64_t n : combine_levels(det_chunks)) rows += n;
+          for (const CombineLevel& level : combine_levels(det_chunks, F)) rows += level.n;
         }
         partial = uninitialized({rows, F}, r.src.options().dtype(acc_type));
         partial_code = uninitialized({rows + (one_pass ? det_chunks + 1 : 0)}, r.index.options().dtype(at::kLong));
