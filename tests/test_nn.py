@@ -933,3 +933,59 @@ def test_graph_of_one_step_left_unsorted_only_when_small(large, monkeypatch):
     edge_index = torch.randint(0, 30, (2, 80 if large else 40), device="cuda")
     torch.testing.assert_close(conv(x, edge_index), reference(x, edge_index))
     assert graph_module._shared_lookup(edge_index, (None, 0, False, False, False), None).ordered == large
+
+
+INTROSPECTED = ["GCNConv", "SAGEConv", "GINConv", "GATConv", "GATv2Conv", "RGCNConv", "RGATConv", "HGTConv",
+                "TransformerConv", "APPNP", "SGConv", "GraphConv", "ChebConv", "SimpleConv"]
+
+
+@pytest.mark.parametrize("name", INTROSPECTED)
+def test_layer_class_introspects_as_pyg(name):
+    """What code reads of a layer class to tell what it supports (PyG's
+    cheatsheet: the paper in the docstring, the inputs in forward's
+    annotations, static graphs from __init__'s source) is PyG's; geot's
+    notes follow PyG's docstring."""
+    import inspect
+
+    from geot.nn.generic import geot_class
+
+    pyg_class = getattr(pyg_nn, name)
+    mine = getattr(gnn, name) if hasattr(gnn, name) else geot_class(pyg_class)
+    assert mine is not pyg_class and issubclass(mine, pyg_class)
+    assert inspect.getdoc(mine).startswith(inspect.cleandoc(pyg_class.__doc__))
+    assert str(inspect.signature(mine.forward)) == str(inspect.signature(pyg_class.forward))
+    assert inspect.signature(mine) == inspect.signature(pyg_class)
+    assert inspect.getsource(mine.__init__) == inspect.getsource(pyg_class.__init__)
+    layer = mine(*_introspection_args(name))  # the generated constructor still builds geot's layer
+    assert layer._geot_graph is None
+
+
+def _introspection_args(name):
+    if name == "GINConv":
+        return (torch.nn.Linear(4, 4),)
+    if name in ("APPNP",):
+        return (2, 0.1)
+    if name == "SimpleConv":
+        return ()
+    if name == "ChebConv":
+        return (4, 4, 2)
+    if name == "RGCNConv" or name == "RGATConv":
+        return (4, 4, 2)
+    if name == "HGTConv":
+        return (4, 4, (["a"], [("a", "to", "a")]))
+    return (4, 4)
+
+
+def test_user_subclass_keeps_its_own_docstring_and_signature():
+    import inspect
+
+    class MyConv(gnn.GCNConv):
+        """Mine."""
+
+        def forward(self, x, edge_index):  # noqa: D102
+            return super().forward(x, edge_index)
+
+    assert MyConv.__doc__ == "Mine."
+    assert list(inspect.signature(MyConv.forward).parameters) == ["self", "x", "edge_index"]
+    x, edge_index = torch.randn(5, 4), torch.tensor([[0, 1, 2], [1, 2, 3]])
+    assert MyConv(4, 3)(x, edge_index).shape == (5, 3)

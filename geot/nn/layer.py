@@ -12,6 +12,7 @@ apply, PyG's result otherwise. ``torch.jit.script`` scripts PyG's layer with
 the same parameters (geot's forward is not TorchScript).
 """
 import copy
+import inspect
 import warnings
 from typing import Optional
 
@@ -48,8 +49,45 @@ def pyg_base(layer_class: type) -> type:
     raise TypeError(f"{layer_class.__name__} derives from no torch_geometric layer")
 
 
+def _parameters(function) -> list:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+def _mirror_pyg_introspection(cls: type) -> None:
+    """Makes what introspection reads of geot's layer class ``cls`` PyG's:
+    the docstring starts with PyG's (the paper, the options; geot's notes
+    follow), ``forward``'s signature is PyG's annotated one where the
+    parameters are the same, and ``__init__`` unwraps to PyG's constructor
+    (its signature and source). PyG's cheatsheet
+    (``torch_geometric.nn.conv.utils``) and users' code read these to tell
+    what a layer supports."""
+    try:
+        base = pyg_base(cls)
+    except TypeError:
+        return  # a mixin of several layers
+    own_doc = cls.__dict__.get("__doc__")
+    if base.__doc__ and own_doc != base.__doc__:
+        notes = "" if not own_doc else "\n\ngeot: " + inspect.cleandoc(own_doc)
+        cls.__doc__ = inspect.cleandoc(base.__doc__) + notes
+    forward = cls.__dict__.get("forward")
+    if forward is not None and _parameters(forward) == _parameters(base.forward):
+        forward.__signature__ = inspect.signature(base.forward)
+    if "__init__" not in cls.__dict__:
+        def __init__(self, *args, **kwargs):
+            GeotLayer.__init__(self, *args, **kwargs)
+
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__wrapped__ = base.__init__
+        cls.__init__ = __init__
+
+
 class GeotLayer:
     """Mixin of the geot layers (listed first among the bases)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith("geot."):  # not users' subclasses
+            _mirror_pyg_introspection(cls)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # the PyG layer's constructor
