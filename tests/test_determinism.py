@@ -191,6 +191,21 @@ def test_wide_rows_of_large_graphs(reduce, dtype, features, hub):
 
 
 @requires_cuda
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+def test_combine_levels_of_many_slot_elements(reduce):
+    """A combine level of more than 3 * 2^20 slot elements (slots * F) runs
+    the rows kernel, the smaller levels after it the warp kernel: both in
+    one call (the other tests' levels are small enough for the warp kernel
+    alone)."""
+    _, dst, S = hub_graph("cuda", hub=300_000, small=280_000)
+    features, chunk_rows = 64, 32  # SR's deterministic chunks: max(M_t, 32) rows with the levels
+    assert 2 * -(-dst.numel() // chunk_rows) * features > 3 << 20
+    src = torch.randn(dst.numel(), features, device="cuda")
+    out = assert_repeatable(lambda: geot.segment_reduce(dst, src, reduce, S, config=(2, 32, 8, 4, 1)))
+    assert_matches_ref(out.cpu(), dst.cpu(), src.cpu(), reduce, S, "combine levels of many slot elements")
+
+
+@requires_cuda
 @pytest.mark.parametrize("hub", HUBS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gin_sum_plus_self_term(dtype, hub):
