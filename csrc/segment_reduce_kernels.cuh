@@ -634,6 +634,40 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     if (col0 + j < a.F) o[j] = begin == end && !self_term ? acc_t(0) : acc[j];
 }
 
+// Segmented reduction in a tile of `group` lanes (a power of two up to a
+// warp; the tile's lanes tile_shift.. of the warp, tile_bits its mask from
+// there) holding sorted segment ids s and values v: each run of one
+// segment is added into its first lane. Since ids are sorted, s[lane] ==
+// s[lane + d] means the whole span is one segment. FLAG: `flag` is ORed
+// over each run the same way. Returns whether this lane heads a run and
+// the tile's last head.
+struct RunHeads {
+  bool head;
+  int last;
+};
+template <bool FLAG, int N_T, class Op, typename acc_t>
+__device__ __forceinline__ RunHeads reduce_runs(int64_t s, acc_t (&v)[N_T], bool& flag, int lane, int group,
+                                                int tile_shift, unsigned tile_bits) {
+  constexpr unsigned FULL = 0xffffffffu;
+  for (int d = 1; d < group; d <<= 1) {
+    const int64_t s_other = __shfl_down_sync(FULL, s, d, group);
+    bool flag_other = false;
+    if constexpr (FLAG) flag_other = __shfl_down_sync(FULL, flag, d, group);
+    acc_t v_other[N_T];
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) v_other[j] = __shfl_down_sync(FULL, v[j], d, group);
+    if (lane + d < group && s_other == s) {
+      if constexpr (FLAG) flag |= flag_other;
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) v[j] = Op::combine(v[j], v_other[j]);
+    }
+  }
+  const int64_t s_prev = __shfl_up_sync(FULL, s, 1, group);
+  const bool head = lane == 0 || s_prev != s;
+  const unsigned heads = (__ballot_sync(FULL, head) >> tile_shift) & tile_bits;
+  return {head, 31 - __clz(heads)};
+}
+
 // PR. 1-D blocks whose size is a multiple of 32; consecutive `group` lanes
 // form a tile. Tiles are numbered with the feature column fastest, so the
 // tiles of one warp read neighbouring columns of the same rows.
@@ -696,22 +730,10 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     for (int j = 0; j < N_T; ++j) v[j] = v_next[j];
     fetch(it + 1, s_next, v_next);
 
-    // Segmented reduction toward each segment's first lane. Since ids are
-    // sorted, s[lane] == s[lane + d] means the whole span is one segment.
-    for (int d = 1; d < group; d <<= 1) {
-      const int64_t s_other = __shfl_down_sync(FULL, s, d, group);
-      acc_t v_other[N_T];
-#pragma unroll
-      for (int j = 0; j < N_T; ++j) v_other[j] = __shfl_down_sync(FULL, v[j], d, group);
-      if (lane + d < group && s_other == s) {
-#pragma unroll
-        for (int j = 0; j < N_T; ++j) v[j] = Op::combine(v[j], v_other[j]);
-      }
-    }
-    const int64_t s_prev = __shfl_up_sync(FULL, s, 1, group);
-    const bool head = lane == 0 || s_prev != s;
-    const unsigned heads = (__ballot_sync(FULL, head) >> tile_shift) & tile_bits;
-    const int last_head = 31 - __clz(heads);
+    bool no_flag = false;  // each run's values into its first lane
+    const RunHeads runs = reduce_runs<false, N_T, Op>(s, v, no_flag, lane, group, tile_shift, tile_bits);
+    const bool head = runs.head;
+    const int last_head = runs.last;
 
     // The carried segment either goes on at lane 0 or has ended.
     if (lane == 0) {
@@ -867,21 +889,9 @@ __global__ void combine_partials_warp_kernel(SegmentArgs<scalar_t, acc_t, index_
 #pragma unroll
     for (int j = 0; j < N_T; ++j) v[j] = v_next[j];
     fetch(it + 1, s_next, valid_next, v_next);
-    for (int d = 1; d < 32; d <<= 1) {  // sorted: s[lane] == s[lane + d] spans one segment
-      const int64_t s_other = __shfl_down_sync(FULL, s, d);
-      const bool valid_other = __shfl_down_sync(FULL, valid, d);
-      acc_t v_other[N_T];
-#pragma unroll
-      for (int j = 0; j < N_T; ++j) v_other[j] = __shfl_down_sync(FULL, v[j], d);
-      if (lane + d < 32 && s_other == s) {
-        valid |= valid_other;
-#pragma unroll
-        for (int j = 0; j < N_T; ++j) v[j] = Op::combine(v[j], v_other[j]);
-      }
-    }
-    const int64_t s_prev = __shfl_up_sync(FULL, s, 1);
-    const bool head = lane == 0 || s_prev != s;
-    const int last_head = 31 - __clz(__ballot_sync(FULL, head));
+    const RunHeads runs = reduce_runs<true, N_T, Op>(s, v, valid, lane, 32, 0, FULL);
+    const bool head = runs.head;
+    const int last_head = runs.last;
     if (lane == 0) {  // the carried run goes on at lane 0 or has ended
       if (s == carry_seg) {
         valid |= carry_valid;

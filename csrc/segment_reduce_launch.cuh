@@ -123,27 +123,25 @@ inline int deterministic_chunk_rows(const Config& c, bool one_pass) {
 inline bool one_pass_combine(int long_segments) { return long_segments >= 0 && long_segments <= 2; }
 
 // The combine levels, from the chunks of the deterministic pass: level k
-// reads the 2 * chunks slots of level k - 1 (n) in chunks of its kernel's
-// (`slots`); a level of at most one chunk is the last (it stores every
-// segment left). A level of few slot elements (slots * F) runs the warp
+// reads the 2 * chunks slots of level k - 1 (n) in chunks of its kernel's;
+// a level of at most one chunk is the last (it stores every segment left). A level of few slot elements (slots * F) runs the warp
 // kernel, whose chunks are 32 * kCombineIterations slots, else the rows
 // kernel, whose chunks are kCombineRows (H100, 3M-edge hub graphs, F =
 // 1-128: the levels took 0.4-0.85x the rows kernel's time on the warp
 // kernel where level 0 held up to 3.0M elements, 1.2-1.7x where it held
 // 3.35M or more).
 struct CombineLevel {
-  int64_t n;
-  bool warp;
-  int64_t slots;
+  int64_t n;  // slots
+  bool warp;  // its kernel
 };
 inline std::vector<CombineLevel> combine_levels(int64_t chunks, int64_t F) {
   std::vector<CombineLevel> levels;
   for (int64_t n = 2 * chunks; n > 0;) {
     const bool warp = n * F <= kWarpCombineMaxElements;
-    const int64_t slots = warp ? 32 * kCombineIterations : kCombineRows;
-    levels.push_back({n, warp, slots});
-    if (n <= (warp ? slots : 2 * slots)) break;
-    n = 2 * ceil_div(n, slots);
+    levels.push_back({n, warp});
+    const int64_t chunk = warp ? 32 * kCombineIterations : kCombineRows;
+    if (n <= (warp ? chunk : 2 * chunk)) break;  // (the rows kernel's last chunk may be twice its rows)
+    n = 2 * ceil_div(n, chunk);
   }
   return levels;
 }
