@@ -672,7 +672,8 @@ __device__ __forceinline__ RunHeads reduce_runs(int64_t s, acc_t (&v)[N_T], bool
 // form a tile. Tiles are numbered with the feature column fastest, so the
 // tiles of one warp read neighbouring columns of the same rows.
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED, bool DET>
-__global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int group, int iterations) {
+__device__ __forceinline__ void reduce_pr_tile(const SegmentArgs<scalar_t, acc_t, index_t>& a, int group,
+                                               int iterations) {
   constexpr unsigned FULL = 0xffffffffu;
   const int lane = threadIdx.x & (group - 1);
   const int tile_shift = threadIdx.x & 31 & ~(group - 1);  // tile's first lane in the warp
@@ -752,6 +753,24 @@ __global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
     carry_seg = s_last;
   }
   if (lane == 0) finish(carry_seg, carry);
+}
+
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op, bool FUSED, bool DET>
+__global__ void segment_reduce_pr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int group, int iterations) {
+  reduce_pr_tile<scalar_t, acc_t, index_t, N_T, Op, FUSED, DET>(a, group, iterations);
+}
+
+// Deterministic PR at N_t = 4 with its registers capped: uncapped it takes
+// 70 where the default kernel takes 52, and the schedule is bound by load
+// latency, so it wants the warps (H100, 3M-edge hub graphs, F = 4-8, both
+// ops: the chunk pass up to 11% faster at 64 registers in 7 of 8 cells, 1%
+// slower in one; 16 bytes spilled). At N_t = 1 and 2, caps that reach the
+// default's occupancy spill 40-170 bytes: mixed, and up to 34% slower.
+constexpr int kPrDetRegistersAt4 = 64;
+template <typename scalar_t, typename acc_t, typename index_t, class Op, bool FUSED>
+__global__ void __maxnreg__(kPrDetRegistersAt4)
+    segment_reduce_pr_det4_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int group, int iterations) {
+  reduce_pr_tile<scalar_t, acc_t, index_t, 4, Op, FUSED, true>(a, group, iterations);
 }
 
 // One level of the deterministic combine, for levels of many slot elements

@@ -80,12 +80,13 @@ void launch_pr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   const int64_t tiles = ceil_div(a.E, int64_t(c.G_t) * c.M_t) * ceil_div(a.F, N_T);
   const int64_t blocks = ceil_div(tiles, threads / c.G_t);
   TORCH_CHECK_VALUE(blocks < std::numeric_limits<int>::max(), "input too large for config ", config_to_string(c));
-  if (a.partial) {
-    segment_reduce_pr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>
-        <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a, c.G_t, c.M_t);
+  const unsigned grid = static_cast<unsigned>(blocks);
+  if (!a.partial) {
+    segment_reduce_pr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, false><<<grid, threads, 0, stream>>>(a, c.G_t, c.M_t);
+  } else if constexpr (N_T == 4) {
+    segment_reduce_pr_det4_kernel<scalar_t, acc_t, index_t, Op, FUSED><<<grid, threads, 0, stream>>>(a, c.G_t, c.M_t);
   } else {
-    segment_reduce_pr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, false>
-        <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a, c.G_t, c.M_t);
+    segment_reduce_pr_kernel<scalar_t, acc_t, index_t, N_T, Op, FUSED, true><<<grid, threads, 0, stream>>>(a, c.G_t, c.M_t);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -148,18 +149,21 @@ inline std::vector<CombineLevel> combine_levels(int64_t chunks, int64_t F) {
 
 // The one-pass combine (a.owners set): 256-thread blocks of tiles of
 // `lanes` threads, a tile's threads sharing N_t features; column tiles up
-// to a warp's worth of features per segment, lanes as many as 128 threads
-// leave (4-32). Most segments it adds have two or three parts, so more
+// to a warp's worth of features per segment, lanes as many as 64 threads
+// leave (2-32). Most segments it adds have two or three parts, so more
 // segments at once beat more lanes for the few long ones (H100, 10^5-edge
-// graph, F = 64: 16 lanes took 22 us, the chunk pass 11). The blocks stride
-// over the owners, so their number is capped.
+// graph, F = 64: 16 lanes took 22 us, the chunk pass 11; cora, citeseer,
+// pubmed and a 10^5-edge power-law graph at F = 16-128, both ops:
+// deterministic / default 1.35 -> 1.33 and 1.92 -> 1.84 at the geomean
+// against 128 threads and 4-32 lanes, pubmed's SpMM at F = 64 1.86 -> 1.61).
+// The blocks stride over the owners, so their number is capped.
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
 void launch_owned_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks, cudaStream_t stream) {
   constexpr int64_t kMaxBlocks = 2048;
   const int64_t columns = ceil_div(a.F, N_T);
   int column_tiles = 1;
   while (column_tiles < columns && column_tiles < 32) column_tiles *= 2;
-  const int lanes = std::clamp(128 / column_tiles, 4, 32);
+  const int lanes = std::clamp(64 / column_tiles, 2, 32);
   const dim3 block(column_tiles * lanes, 256 / (column_tiles * lanes));
   const dim3 grid(static_cast<unsigned>(std::min(ceil_div(chunks, int64_t(block.y)), kMaxBlocks)),
                   static_cast<unsigned>(ceil_div(columns, column_tiles)));
