@@ -107,8 +107,9 @@ def test_cpu_results_unchanged_by_the_mode():
 # CUDA: repeatable and right, every op
 # --------------------------------------------------------------------------- #
 # One config per schedule, forced, so that each deterministic counterpart
-# runs whatever the rules pick: SR, PR, SP with row lanes, SP without.
-CONFIGS = [None, (2, 32, 8, 4, 1), (1, 32, 4, 8, 16), (1, 64, 8, 4, 0), (4, 16, 16, 8, 0)]
+# runs whatever the rules pick: SR, PR (at N_t = 1, and at 4: a kernel of
+# its own, registers capped), SP with row lanes, SP without.
+CONFIGS = [None, (2, 32, 8, 4, 1), (1, 32, 4, 8, 16), (4, 32, 4, 8, 16), (1, 64, 8, 4, 0), (4, 16, 16, 8, 0)]
 
 
 # Hub sizes and the combine they take: past 16384 rows the combine levels;
