@@ -125,12 +125,12 @@ inline bool one_pass_combine(int long_segments) { return long_segments >= 0 && l
 
 // The combine levels, from the chunks of the deterministic pass: level k
 // reads the 2 * chunks slots of level k - 1 (n) in chunks of its kernel's;
-// a level of at most one chunk is the last (it stores every segment left). A level of few slot elements (slots * F) runs the warp
-// kernel, whose chunks are 32 * kCombineIterations slots, else the rows
-// kernel, whose chunks are kCombineRows (H100, 3M-edge hub graphs, F =
-// 1-128: the levels took 0.4-0.85x the rows kernel's time on the warp
-// kernel where level 0 held up to 3.0M elements, 1.2-1.7x where it held
-// 3.35M or more).
+// a level of at most one chunk is the last (it stores every segment left).
+// A level of few slot elements (slots * F) runs the warp kernel, whose
+// chunks are 32 * kCombineIterations slots, else the rows kernel, whose
+// chunks are kCombineRows (H100, 3M-edge hub graphs, F = 1-128: the levels
+// took 0.4-0.85x the rows kernel's time on the warp kernel where level 0
+// held up to 3.0M elements, 1.2-1.7x where it held 3.35M or more).
 struct CombineLevel {
   int64_t n;  // slots
   bool warp;  // its kernel

@@ -956,24 +956,14 @@ def test_layer_class_introspects_as_pyg(name):
     assert str(inspect.signature(mine.forward)) == str(inspect.signature(pyg_class.forward))
     assert inspect.signature(mine) == inspect.signature(pyg_class)
     assert inspect.getsource(mine.__init__) == inspect.getsource(pyg_class.__init__)
-    layer = mine(*_introspection_args(name))  # the generated constructor still builds geot's layer
+    layer = mine(*INTROSPECTION_ARGS.get(name, (4, 4)))  # the generated constructor still builds geot's layer
     assert layer._geot_graph is None
 
 
-def _introspection_args(name):
-    if name == "GINConv":
-        return (torch.nn.Linear(4, 4),)
-    if name in ("APPNP",):
-        return (2, 0.1)
-    if name == "SimpleConv":
-        return ()
-    if name == "ChebConv":
-        return (4, 4, 2)
-    if name == "RGCNConv" or name == "RGATConv":
-        return (4, 4, 2)
-    if name == "HGTConv":
-        return (4, 4, (["a"], [("a", "to", "a")]))
-    return (4, 4)
+# Constructor arguments of the layers whose signature is not (in_channels, out_channels).
+INTROSPECTION_ARGS = {"GINConv": (torch.nn.Linear(4, 4),), "APPNP": (2, 0.1), "SimpleConv": (),
+                      "ChebConv": (4, 4, 2), "RGCNConv": (4, 4, 2), "RGATConv": (4, 4, 2),
+                      "HGTConv": (4, 4, (["a"], [("a", "to", "a")]))}
 
 
 def test_user_subclass_keeps_its_own_docstring_and_signature():
