@@ -264,10 +264,25 @@ SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, bool with_longe
   if (with_longest) o.longest = uninitialized({1}, o.ptr.options());
   const int threads = 256;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(E + 1, threads), 65536));
+  EmptyRuns runs{nullptr, nullptr, 0};
+  at::Tensor run_list;  // [capacity] runs (3 int64 each), then the count
+  if (S >= kListedRunsMinSegments) {
+    runs.capacity = (S + 1) / kSerialEmptyRun + 1;
+    run_list = uninitialized({3 * runs.capacity + 1}, o.ptr.options());
+    runs.runs = reinterpret_cast<EmptyRun*>(run_list.data_ptr<int64_t>());
+    runs.count = reinterpret_cast<unsigned long long*>(run_list.data_ptr<int64_t>() + 3 * runs.capacity);
+    C10_CUDA_CHECK(cudaMemsetAsync(runs.count, 0, sizeof(unsigned long long), stream));
+  }
   segment_offsets_kernel<index_t><<<blocks, threads, 0, stream>>>(
       index.data_ptr<index_t>(), E, S, o.ptr.data_ptr<int64_t>(),
-      with_longest && !cache ? o.longest.data_ptr<int64_t>() : nullptr);
+      with_longest && !cache ? o.longest.data_ptr<int64_t>() : nullptr, runs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (runs.runs) {
+    constexpr int kFillBlock = 1024;
+    const auto fill_blocks = static_cast<unsigned>(std::min<int64_t>(runs.capacity, 256));
+    segment_offsets_fill_kernel<kFillBlock><<<fill_blocks, kFillBlock, 0, stream>>>(o.ptr.data_ptr<int64_t>(), runs);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   if (cache) {
     at::amax_out(o.longest, o.ptr.slice(0, 1) - o.ptr.slice(0, 0, S), 0, /*keepdim=*/true);
     remember_segment_offsets(index, S, o);

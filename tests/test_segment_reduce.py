@@ -737,6 +737,21 @@ def test_static_index_declaration_is_keyed_like_the_caches():
     assert not geot._C.is_static_index(index)
 
 
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_long_runs_of_empty_segments(device, index_dtype):
+    """Ids at both ends of 2^17 segments and one in the middle: runs of tens
+    of thousands of empty segments, whose offsets (SP's, and the sizes of a
+    mean) the CUDA launch fills in parallel past a few hundred. Unsorted-
+    looking gaps are not errors: every result matches the reference."""
+    S = 1 << 17
+    ids = torch.cat([torch.randint(0, 50, (300,)), torch.full((40,), 70_000), torch.randint(S - 30, S, (300,))])
+    index = ids.sort().values.to(device, index_dtype)
+    src = random_src(index.numel(), (5,), torch.float32, device)
+    for reduce, config in itertools.product(REDUCES, (None, SP)):
+        out = geot.segment_reduce(index, src, reduce, S, config=config)
+        assert_matches_ref(out, index, src, reduce, S, where=f"{reduce}, config {config}")
+
+
 @requires_cuda
 def test_sp_offsets_rebuilt_after_in_place_change():
     geot.clear_cache()
