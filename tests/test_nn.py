@@ -37,6 +37,8 @@ LAYERS = [
     # C_out < C_in above: RGCN projects before gathering; here it reduces first
     ("rgcn-widen", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 16, NUM_RELATIONS), {}),
     ("rgcn-widen-sum", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 16, NUM_RELATIONS), {"aggr": "add"}),
+    # C_out = C_in: reduces first in inference, projects first in training
+    ("rgcn-same-width", gnn.RGCNConv, pyg_nn.RGCNConv, (12, 12, NUM_RELATIONS), {}),
 ]
 LAYER_PARAMS = [pytest.param(*spec[1:], id=spec[0]) for spec in LAYERS]
 
@@ -167,6 +169,27 @@ def test_rgcn_inference_in_relation_blocks(aggr, in_channels, out_channels, rela
     assert sum(block.rows.numel() for block in blocks) == edge_index.size(1)
     torch.testing.assert_close(out, ref, **FLOAT64_TOL)
     torch.testing.assert_close(out, geot_layer(x, edge_index, edge_type).detach(), **FLOAT64_TOL)  # one table
+
+
+@pytest.mark.parametrize("aggr", ["mean", "add"])
+@pytest.mark.parametrize("x_requires_grad", [True, False], ids=["x-grad", "weights-only"])
+def test_rgcn_training_at_equal_widths_keeps_no_relation_aggregate(aggr, x_requires_grad, device):
+    """Training with C_out = C_in projects before gathering: what autograd
+    keeps for backward is x-, weight- or edge-sized, none of it an [N, R * C]
+    aggregate (reducing first would keep one per layer); same result as PyG."""
+    torch.manual_seed(3)
+    nodes, channels = 50, 12
+    pyg_layer = pyg_nn.RGCNConv(channels, channels, NUM_RELATIONS, aggr=aggr).to(device).double()
+    geot_layer = gnn.RGCNConv(channels, channels, NUM_RELATIONS, aggr=aggr).to(device).double()
+    geot_layer.load_state_dict(pyg_layer.state_dict())
+    edge_index = random_graph(nodes, 300, device)
+    edge_type = torch.randint(0, NUM_RELATIONS, (edge_index.size(1),), device=device)
+    x = torch.randn(nodes, channels, dtype=torch.float64, device=device, requires_grad=x_requires_grad)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = geot_layer(x, edge_index, edge_type)
+    assert saved and max(saved) < nodes * NUM_RELATIONS * channels, saved
+    torch.testing.assert_close(out, pyg_layer(x, edge_index, edge_type), **FLOAT64_TOL)
 
 
 @pytest.mark.parametrize("aggr", ["mean", "add"])
