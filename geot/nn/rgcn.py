@@ -132,6 +132,11 @@ def _add_part(out: Optional[Tensor], part: Tensor) -> Tensor:
     return out.add_(part)
 
 
+def _records_grad(x_src: Tensor, weight: Tensor) -> bool:
+    """Whether this call records gradients for x or the relation weights (training)."""
+    return torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
+
+
 def _inverse_segment_counts(segments: Tensor) -> Tensor:
     """[E] 1 / the edges of each edge's segment (sorted segment ids), in float64; no [segments] tensor."""
     _, inverse, counts = torch.unique_consecutive(segments, return_inverse=True, return_counts=True)
@@ -251,7 +256,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         in_channels = x_src.size(-1)
         if self.out_channels != in_channels:
             return self.out_channels < in_channels
-        return torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
+        return _records_grad(x_src, weight)
 
     def _project_pairs_then_reduce(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
                                    num_nodes: int) -> Tensor:
@@ -286,8 +291,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
                          key) -> bool:
         """Inference with more than PAIR_BLOCK_MIN_PAIRS pairs; compiled code takes the blocks an eager call
         kept (their sizes are data-dependent), else the whole table."""
-        records_grad = torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
-        if records_grad or pairs.sources.bounds[-1] <= PAIR_BLOCK_MIN_PAIRS:
+        if _records_grad(x_src, weight) or pairs.sources.bounds[-1] <= PAIR_BLOCK_MIN_PAIRS:
             return False
         return not torch.compiler.is_compiling() or key + ("blocks",) in graph.memo
 
@@ -379,8 +383,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         takes the blocks (and a mean's weights) an eager call made (their
         sizes are data-dependent, so it cannot split the edges itself), else
         the whole table."""
-        records_grad = torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
-        if records_grad or self.num_relations * self.out_channels <= x_src.size(-1):
+        if _records_grad(x_src, weight) or self.num_relations * self.out_channels <= x_src.size(-1):
             return False  # no wider than x: one table (the edges training keeps, no blocks kept besides)
         kept = [key in graph.memo for key in self._blocks_keys(x_src, num_nodes) if key is not None]
         return not torch.compiler.is_compiling() or all(kept)
