@@ -116,3 +116,14 @@ def test_add_rgnn_run_makes_its_section(tmp_path):
     text = (docs / "benchmarks.md").read_text()
     assert "Relational GNNs on heterogeneous graphs" in text and "pyg-compile: 4" in text
     assert "rgnn_h100.png" in os.listdir(docs / "img")
+
+
+def test_rgnn_headline_names_each_peer_with_the_graphs_it_ran_on():
+    """A peer that ran on some graphs only is named with them; one that never ran (all failed) is not named."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import report
+    nan = float("nan")
+    df = pd.DataFrame({"graph": ["a", "a", "a", "a", "b", "b", "b", "b"],
+                       "path": ["geot", "pyg", "pyg-compile", "pyg-fast-compile"] * 2,
+                       "ms": [1.0, 2.0, 3.0, nan, 1.0, 2.0, nan, nan]})
+    assert report.RelationalGNN.peers_that_ran(df) == ["pyg", "pyg-compile (a)"]
