@@ -214,6 +214,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("take_failed_check", &geot::take_failed_check,
         "The ticket of a failed deferred_index_check seen since the last call, 0 if none");
   m.def("any_order_counts", &geot::any_order_counts, "Rows per segment of an index in any order, at least 1, in float64 or float32 (a mean's divisor)");
+  m.def("any_order_reduce", &geot::any_order_reduce,
+        "Sum (or mean) of weight * x[src] into dst, edges in any order, with its autograd node",
+        pybind11::arg("src"), pybind11::arg("dst"), pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("num_out"), pybind11::arg("mean"));
 #ifdef GEOT_WITH_CUDA
   m.attr("cuda_built") = true;
 #else

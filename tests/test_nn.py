@@ -907,12 +907,18 @@ def test_cora_accuracy_matches_pyg():
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
 @pytest.mark.parametrize("num_edges", [0, 1, 150])
-def test_gather_reduce_of_a_graph_in_input_order(reduce, weighted, num_edges, device):
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_gather_reduce_of_a_graph_in_input_order(reduce, weighted, num_edges, traced, device, monkeypatch):
     """A graph of one step left unsorted (what a layer summing in any order
     gets on CUDA) reduces with atomics: the float64 reference's values, and
-    gradcheck's gradients for x and the edge weights."""
+    gradcheck's gradients for x and the edge weights, both in eager code (a
+    C++ autograd node, twice differentiable) and as tracers see it (an
+    autograd.Function)."""
+    from geot import _ops
     from geot.nn.common import gather_reduce
     from geot.nn.graph import _unordered
+    if traced:
+        monkeypatch.setattr(_ops, "eager_autograd", lambda *tensors: False)
     edge_index = torch.randint(0, 20, (2, num_edges), device=device)
     graph = _unordered(edge_index, flipped=False)._replace(deferred=False)  # ids known valid: no device check
     assert not graph.ordered
@@ -926,6 +932,25 @@ def test_gather_reduce_of_a_graph_in_input_order(reduce, weighted, num_edges, de
     torch.testing.assert_close(gather_reduce(graph, x, reduce, 25, weight), expect)
     inputs = (x,) if weight is None else (x, weight)
     assert torch.autograd.gradcheck(lambda *t: gather_reduce(graph, t[0], reduce, 25, *t[1:]), inputs)
+    if not traced:
+        assert torch.autograd.gradgradcheck(lambda *t: gather_reduce(graph, t[0], reduce, 25, *t[1:]), inputs)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_gather_reduce_in_input_order_with_a_weight_per_head(reduce, device):
+    """Weights [E, H] over rows [N, H, C]: each head's rows scaled by its own weight, both gradients checked."""
+    from geot.nn.common import gather_reduce
+    from geot.nn.graph import _unordered
+    edge_index = torch.randint(0, 9, (2, 40), device=device)
+    graph = _unordered(edge_index, flipped=False)._replace(deferred=False)
+    x = torch.randn(9, 2, 3, dtype=torch.float64, device=device, requires_grad=True)
+    weight = torch.rand(40, 2, dtype=torch.float64, device=device, requires_grad=True)
+    src, dst = edge_index
+    expect = torch.zeros(11, 2, 3, dtype=torch.float64, device=device).index_add(0, dst, x[src] * weight[..., None])
+    if reduce == "mean":
+        expect = expect / torch.bincount(dst, minlength=11).clamp(min=1)[:, None, None]
+    torch.testing.assert_close(gather_reduce(graph, x, reduce, 11, weight), expect)
+    assert torch.autograd.gradcheck(lambda x, w: gather_reduce(graph, x, reduce, 11, w), (x, weight))
 
 
 def test_mean_in_input_order_of_half_rows_counts_in_float32(device):

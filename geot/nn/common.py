@@ -7,7 +7,7 @@ from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 from torch_geometric.utils import add_self_loops, remove_self_loops
 
-from .. import _C, index
+from .. import _C, _ops, index
 from ..hetero import segment_matmul
 from .._ops import mean_counts
 from .graph import SortedGraph, checked
@@ -130,6 +130,8 @@ def _scatter_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, 
     if reduce not in ("sum", "mean"):
         raise ValueError(f"a graph in input order takes sum or mean, not {reduce!r}")
     weight = None if weight is None else weight.to(x.dtype)
+    if _ops.eager_autograd(x, weight):  # one C++ call with its own autograd node (mini-batch host time)
+        return _C.any_order_reduce(graph.src, graph.dst, x, weight, num_nodes, reduce == "mean")
     return _ScatterSum.apply(graph.src, graph.dst, x, weight, num_nodes, reduce == "mean")
 
 
@@ -143,7 +145,9 @@ def _any_order_counts(dst: Tensor, num_nodes: int, float64: bool) -> Tensor:
 
 class _ScatterSum(torch.autograd.Function):
     """out[dst[e]] += weight[e] * x[src[e]], edges in any order, divided by
-    each row's edge count for a mean; its backward scatters the other way."""
+    each row's edge count for a mean; its backward scatters the other way.
+    For tracers (torch.compile, torch.func); eager code takes
+    geot._C.any_order_reduce, the same in C++."""
 
     @staticmethod
     def forward(ctx, src, dst, x, weight, num_nodes, mean):

@@ -322,8 +322,8 @@ def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, stat
         # of one step, seen once by each layer, takes atomics and no sort).
         graph = with_transposed(graph)
     _shared_store(tensor, variant, edge_type, graph)
-    layer._geot_graph = (tensor, edge_type, variant, graph, key)
-    layer.__dict__[attr] = layer._geot_graph
+    # Straight into __dict__: Module.__setattr__ costs microseconds per call, and this runs per layer and step.
+    layer.__dict__["_geot_graph"] = layer.__dict__[attr] = (tensor, edge_type, variant, graph, key)
     return graph
 
 
