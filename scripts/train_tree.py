@@ -164,7 +164,11 @@ NOISY_EDGES = 10_000
 # graphs both DBs have (half, 30%) 0.9362 / 0.8601, 0.9357 / 0.8605; a cost
 # model (ridge regression of the gains on degree-2 products of the forest's
 # inputs, avg logged) alone 0.885 / 0.827, 30% of it blended with the forest
-# 0.936 / 0.857.
+# 0.936 / 0.857. The exact longest segment in place of the level's bounds
+# (log2 max / avg: what a validation pass could measure), H100 DB, held-out
+# graphs plain 0.948 -> 0.947 (worst 0.784 -> 0.745), gathered 0.950 ->
+# 0.926: the worst graphs (uniform degree 64-128) lack neighbours in the
+# corpus, not a feature.
 
 
 def long_level(max_deg: int) -> int:
