@@ -250,7 +250,8 @@ def _fused_extremum_backward(ctx, grad_out, src_index, dst_index, x, weight, ext
         grad_x = torch.zeros_like(x).index_add_(0, src_index, scaled)
     if weight is not None and ctx.needs_input_grad[3]:
         products = grad_messages * x.index_select(0, src_index)
-        grad_w = products.reshape(num_edges, ctx.heads, -1).sum(-1).reshape(weight.shape)
+        width = math.prod(products.shape[1:]) // ctx.heads  # not -1: there may be no edges
+        grad_w = products.reshape(num_edges, ctx.heads, width).sum(-1).reshape(weight.shape)
     return grad_x, grad_w
 
 

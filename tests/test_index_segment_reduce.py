@@ -175,6 +175,25 @@ def test_gradcheck(device, reduce, heads, transposed):
     assert torch.autograd.gradcheck(fn, (w, x), eps=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("heads", [0, 1, 3], ids=["unweighted", "w1", "w3"])
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_gradients_without_edges(device, reduce, heads):
+    """E = 0: zero rows out, and zero gradients of x and of the (empty) weights, of their shapes."""
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    x = torch.randn(4, *((heads, 2) if heads > 1 else (3,)), dtype=torch.float64, device=device, requires_grad=True)
+    if heads == 0:
+        out = geot.index_segment_reduce(empty, empty, x, reduce, 5)
+        inputs = (x,)
+    else:
+        w = torch.rand(0, *((heads,) if heads > 1 else ()), dtype=torch.float64, device=device, requires_grad=True)
+        out = geot.index_weight_segment_reduce(empty, empty, w, x, reduce, 5)
+        inputs = (w, x)
+    assert out.shape == (5, *x.shape[1:]) and not out.any()
+    grads = torch.autograd.grad(out.sum(), inputs)
+    for grad, tensor in zip(grads, inputs):
+        assert grad.shape == tensor.shape and not grad.any()
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["atomic", "transposed"])
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 def test_backward_matches_reference_large(device, reduce, transposed):

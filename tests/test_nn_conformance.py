@@ -321,6 +321,52 @@ def test_fallback_runs_pyg_with_one_warning(name, device):
     torch.testing.assert_close(got[0], want[0], **F64)
 
 
+@pytest.mark.parametrize("layer", ["sage", "gin", "gat", "rgcn"])
+@pytest.mark.parametrize("rows", [(9, 9), (9, 6), (6, 9), (9, None)], ids=["same", "fewer", "more", "dst-none"])
+def test_flow_target_to_source_with_a_pair(layer, rows, device):
+    """Under flow="target_to_source" PyG's generated collect gathers a pair's x[0] by edge_index[1] into
+    edge_index[0] and counts the output rows from x[0]: geot runs a pair of equal sizes natively (PyG's
+    result) and the others on PyG's forward, with a warning (PyG's result, or PyG's exception)."""
+    spec = case(layer, flow="target_to_source", relations=layer == "rgcn",
+                kwargs={"heads": 2} if layer == "gat" else {})
+    geot_layer, pyg_layer = build_pair(spec, torch.float64, device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = tuple(None if n is None else torch.randn(n, 6, dtype=torch.float64, device=device, generator=generator)
+              for n in rows)
+    targets = min(n for n in rows if n is not None)
+    edge_index = torch.stack([torch.randint(0, targets, (30,), device=device, generator=generator),
+                              torch.randint(0, rows[0], (30,), device=device, generator=generator)])
+    kwargs = {"edge_type": torch.randint(0, NUM_RELATIONS, (30,), device=device, generator=generator)} \
+        if layer == "rgcn" else {}
+    try:
+        want = run(pyg_layer, x, edge_index, kwargs)
+    except Exception as error:  # PyG raises for most pairs of different sizes: so does PyG's forward in geot's
+        with pytest.warns(gnn.GeotFallbackWarning), pytest.raises(type(error)):
+            run(geot_layer, x, edge_index, kwargs)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", gnn.GeotFallbackWarning)
+        got = run(geot_layer, x, edge_index, kwargs)
+    fell_back = any(issubclass(w.category, gnn.GeotFallbackWarning) for w in caught)
+    assert fell_back == (rows[0] != rows[1]), "native exactly where both sides have one size"
+    assert_close(got[0].detach(), want[0].detach(), F64, "output")
+    for g, w in zip(got[2], want[2]):
+        if w is not None and g is not None:
+            assert_close(g, w, F64, "gradient")
+
+
+@pytest.mark.parametrize("layer", [gnn.GATConv, gnn.GATv2Conv])
+def test_mean_filled_loop_features_have_exact_gradients_with_int32_ids(layer, device):
+    """The added loops' "mean" edge features (PyG's add_self_loops) are computed over int64 ids: torch's
+    scatter mean gets its gradient wrong for int32 ids (PyG's layer with them too)."""
+    torch.manual_seed(0)
+    conv = layer(4, 3, heads=2, edge_dim=2).to(device).double()
+    edge_index = torch.randint(0, 7, (2, 13), device=device, dtype=torch.int32)
+    x = torch.randn(7, 4, dtype=torch.float64, device=device)
+    attr = torch.randn(13, 2, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a: conv(x, edge_index, a), (attr,))
+
+
 def test_lstm_fallback():
     conv, ref = gnn.SAGEConv(6, 5, aggr="lstm"), None
     pyg = pyg_nn.SAGEConv(6, 5, aggr="lstm")
@@ -359,6 +405,27 @@ def test_duplicated_self_loops_match_pyg():
         conv.load_state_dict(pyg.state_dict())
         torch.testing.assert_close(conv(x, edge_index), pyg(x, edge_index), **F64)
         torch.testing.assert_close(conv(x, edge_index, weight), pyg(x, edge_index, weight), **F64)
+
+
+@pytest.mark.parametrize("improved", [False, True])
+def test_duplicated_self_loops_weight_gradients_match_pyg(improved, device):
+    """The gradient of a node's loop weight reaches each copy of its input self loop, the dropped ones
+    too (the gradient of PyG's indexed assignment), and the edge weights' gradients equal PyG's. A
+    loop's copies share a weight here: which copy PyG keeps on CUDA is not defined."""
+    edge_index = torch.tensor([[0, 0, 1, 2, 2, 2, 3, 3], [0, 0, 2, 1, 2, 2, 1, 3]], device=device)
+    weight = torch.tensor([0.5, 0.5, 1.0, 1.5, 3.0, 3.0, 1.0, 0.7], dtype=torch.float64, device=device)
+    x = torch.randn(5, 6, dtype=torch.float64, device=device)
+    pyg = pyg_nn.GCNConv(6, 5, improved=improved).to(device).double()
+    conv = gnn.GCNConv(6, 5, improved=improved).to(device).double()
+    conv.load_state_dict(pyg.state_dict())
+    grads = []
+    for layer in (conv, pyg):
+        w = weight.clone().requires_grad_()
+        out = layer(x, edge_index, w)
+        grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype,
+                                                                device=device).view_as(out)).sum(), w)[0])
+    torch.testing.assert_close(grads[0], grads[1], **F64)
+    assert grads[0][0] == grads[0][1] != 0 and grads[0][4] == grads[0][5] != 0
 
 
 def test_gcn_cached_reads_as_pyg_cache():

@@ -205,6 +205,23 @@ def test_flow_target_to_source(device, geot_calls):
     assert geot_calls
 
 
+@pytest.mark.parametrize("make", [lambda: pyg_nn.SimpleConv(aggr="sum", flow="target_to_source"),
+                                  lambda: pyg_nn.GraphConv(5, 3, flow="target_to_source")], ids=["simple", "graph"])
+def test_flow_target_to_source_with_a_pair_runs_pyg_propagate(make, device, geot_calls):
+    """A pair under flow="target_to_source": PyG's generated collect gathers x[0] there (its _collect
+    x[1]), so the pair takes PyG's propagate, with a warning; equal sizes too, where a pair read the other
+    way round would give another result without an error."""
+    torch.manual_seed(0)
+    reference = make().to(device).double()
+    mine = gnn.patch(copy.deepcopy(reference))
+    edge_index = graph(8, 30, device, torch.Generator(device=device).manual_seed(5))
+    x = (torch.randn(8, 5, dtype=torch.float64, device=device), torch.randn(8, 5, dtype=torch.float64, device=device))
+    with pytest.warns(gnn.GeotFallbackWarning, match="target_to_source"):
+        out = mine(x, edge_index)
+    torch.testing.assert_close(out, reference(x, edge_index), **F64)
+    assert not geot_calls
+
+
 def test_sparse_adjacency_runs_pyg_propagate(device, geot_calls):
     """A sparse adjacency takes PyG's propagate (its own spmm), with one warning per layer and reason."""
     mine, reference = pair("appnp", device)

@@ -66,6 +66,25 @@ def sizes_reason(nodes: Nodes, edges: Edges, size) -> Optional[str]:
     return None
 
 
+def flipped_pair_reason(nodes: Nodes, edges: Edges, size, flipped: bool) -> Optional[str]:
+    """Why a (x_src, x_dst) pair under flow="target_to_source" runs PyG's forward, or None. PyG's
+    generated collect then gathers x_src by edge_index[1] into edge_index[0] but counts the output rows
+    from x_src and size[0]: geot's result is the same where both sides have one row count (elsewhere
+    PyG's forward mostly raises, or sums into x_src's rows)."""
+    if not flipped or not nodes.paired:
+        return None
+    rows = _rows(nodes.src)
+    sizes = [tuple(s) for s in (size, edges.size) if s is not None]
+    if nodes.dst is None or _rows(nodes.dst) != rows or any(s != (rows, rows) for s in sizes):
+        return "flow='target_to_source' with x_src and x_dst of different sizes"
+    return None
+
+
+def _rows(x: Tensor) -> int:
+    """Node rows of features [N, F] or static [B, N, F], or of node indices [N] (RGCN)."""
+    return x.size(-2) if x.dim() >= 2 else x.size(0)
+
+
 def num_targets(nodes: Nodes, edges: Edges, size, graph: Optional[SortedGraph]) -> int:
     """Output rows, as PyG counts them: size[1], the adjacency's rows, x_dst's
     rows; for a pair (x_src, None) without either, the largest destination
@@ -99,7 +118,10 @@ def pyg_looped(edge_index: Tensor, loops: int) -> Tensor:
 
 def pyg_looped_attr(edge_index: Tensor, edge_attr: Tensor, fill_value, loops: int) -> Tensor:
     """The edge features of :func:`pyg_looped`'s edges: the input loops' dropped, the
-    added loops' made from ``fill_value`` as PyG's ``add_self_loops`` makes them."""
+    added loops' made from ``fill_value`` as PyG's ``add_self_loops`` makes them.
+    Over int64 ids: a "mean" fill is torch's scatter_reduce, whose gradient is
+    wrong for int32 ids (torch 2.14, CPU: it fails gradcheck)."""
+    edge_index = edge_index.long()
     return add_self_loops(*remove_self_loops(edge_index, edge_attr), fill_value=fill_value, num_nodes=loops)[1]
 
 

@@ -7,8 +7,8 @@ import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import _ops, hetero
-from .common import (Nodes, gather_reduce, node_inputs, nodes_reason, num_targets, pyg_looped,
-                     pyg_looped_attr, sizes_reason)
+from .common import (Nodes, flipped_pair_reason, gather_reduce, node_inputs, nodes_reason, num_targets,
+                     pyg_looped, pyg_looped_attr, sizes_reason)
 from .graph import SortedGraph, sorted_graph
 from .inputs import Edges, edges_of
 from .layer import GeotLayer
@@ -102,7 +102,7 @@ class GATConv(GeotLayer, AttentionHeads, pyg_nn.GATConv):
         edges = edges_of(edge_index)
         if edges.kind != "edge_index" and (edge_attr is not None or attention):
             return "edge features or attention weights over a sparse adjacency"
-        return sizes_reason(nodes, edges, size)
+        return sizes_reason(nodes, edges, size) or flipped_pair_reason(nodes, edges, size, self._flipped())
 
     def _loops(self, nodes: Nodes, edges: Edges, size) -> Optional[int]:
         """How many nodes get a self loop (PyG's count), None without loops."""

@@ -7,7 +7,7 @@ import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import _ops
-from .common import Nodes, gather_reduce, node_inputs, nodes_reason, sizes_reason
+from .common import Nodes, flipped_pair_reason, gather_reduce, node_inputs, nodes_reason, sizes_reason
 from .gat import AttentionHeads
 from .graph import SortedGraph, checked, sorted_graph
 from .inputs import edges_of
@@ -59,10 +59,10 @@ class GATv2Conv(GeotLayer, AttentionHeads, pyg_nn.GATv2Conv):
             return reason
         if nodes.dst is None:
             return "x_dst None (PyG raises)"
-        if self._flipped() and nodes.src.size(0) != nodes.dst.size(0):
-            # PyG then sums into as many rows as x_src has, at ids that index x_dst.
-            return "flow='target_to_source' with x_src and x_dst of different sizes"
         edges = edges_of(edge_index)
+        reason = flipped_pair_reason(nodes, edges, None, self._flipped())
+        if reason is not None:
+            return reason
         if edge_attr is not None:
             if self.lin_edge is None:
                 return "edge_attr without edge_dim (PyG raises)"

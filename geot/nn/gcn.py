@@ -180,11 +180,18 @@ def _prepare_for_compiled(layer: GCNConv, edge_index, edge_weight, num_nodes: in
 def _last_loop_weight(graph: SortedGraph, is_loop: Tensor, weight: Tensor, fill: Tensor) -> Tensor:
     """[N] the weight of each node's last input self loop (input order: the
     sort is stable), fill where it has none: what PyG's
-    add_remaining_self_loops keeps where a node has several."""
+    add_remaining_self_loops keeps where a node has several. Its gradient
+    goes to every input loop of the node, the dropped copies too, as the
+    gradient of PyG's indexed assignment does."""
     position = torch.arange(weight.numel(), device=weight.device)
     last = torch.full_like(fill, -1, dtype=torch.long).scatter_reduce_(
         0, graph.dst.long(), torch.where(is_loop, position, -1), "amax")
-    return torch.where(last >= 0, weight.index_select(0, last.clamp(min=0)), fill)
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return torch.where(last >= 0, weight.index_select(0, last.clamp(min=0)), fill)
+    kept = weight.detach().index_select(0, last.clamp(min=0))
+    # zero in value; the gradient of node v's loop weight reaches each of v's input loops
+    each_copy = segment_reduce(graph.dst, torch.where(is_loop, weight - weight.detach(), 0), "sum", fill.numel())
+    return torch.where(last >= 0, kept + each_copy, fill)
 
 
 def _as_pyg_cache(graph: SortedGraph, norm: _GCNNorm, flipped: bool):

@@ -58,7 +58,7 @@ class GeotPropagate(GeotLayer):
             return super().propagate(edge_index, size=size, **kwargs)
         plan = message_plan(self._geot_base)
         size = _call_size(edge_index, size, self._flipped())
-        x_src, x_dst = _sources_and_targets(kwargs[plan.source], self._flipped())
+        x_src, x_dst = _sources_and_targets(kwargs[plan.source])
         weight = None if plan.weight is None else kwargs.get(plan.weight)
         graph, weight = self._graph_and_weight(edge_index, weight)
         static = _static(x_src, self)
@@ -102,7 +102,10 @@ class GeotPropagate(GeotLayer):
 def _inputs_reason(x, weight, edge_index, size, layer) -> Optional[str]:
     if isinstance(x, (tuple, list)) and len(x) != 2:
         return "x of this kind"
-    x_src, x_dst = _sources_and_targets(x, layer._flipped())
+    if isinstance(x, (tuple, list)) and layer._flipped() and x[0] is not x[1]:
+        # PyG's generated collect gathers x[0] there (its own _collect x[1]) and sizes the output by it.
+        return "flow='target_to_source' with an (x_src, x_dst) pair"
+    x_src, x_dst = _sources_and_targets(x)
     tensors = [x_src] + ([] if x_dst is None else [x_dst])
     if not all(isinstance(t, Tensor) and t.dim() in (2, 3) and t.is_floating_point() for t in tensors):
         return "x of this kind (geot takes [N, F], [N, H, C] or static [B, N, F] float rows)"
@@ -130,11 +133,11 @@ def _weight_shape(x: Tensor, num_edges: int, static: bool) -> tuple:
     return (num_edges,) if x.dim() == 2 or static else (num_edges, x.size(1))
 
 
-def _sources_and_targets(x, flipped: bool):
-    """(x_src, x_dst or None) of a node input: with flow="target_to_source" a pair's second part is gathered."""
+def _sources_and_targets(x):
+    """(x_src, x_dst or None) of a node input (a pair's first part is gathered)."""
     if not isinstance(x, (tuple, list)):
         return x, None
-    return (x[1], x[0]) if flipped else (x[0], x[1])
+    return x[0], x[1]
 
 
 def _call_size(edge_index, size, flipped: bool):

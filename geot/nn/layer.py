@@ -20,7 +20,7 @@ import torch
 import torch_geometric.nn as pyg_nn
 from torch_geometric.inspector import Inspector
 
-from .common import nodes_reason, num_targets, sizes_reason
+from .common import flipped_pair_reason, nodes_reason, num_targets, sizes_reason
 from .graph import sorted_graph, warn_at_trace_time
 from .inputs import edges_of, input_kind
 
@@ -134,7 +134,8 @@ class GeotLayer:
     def _pair_call_reason(self, nodes, edge_index, size) -> Optional[str]:
         """Why a call of a layer taking x or (x_src, x_dst) with size runs PyG's forward, or None."""
         reason = self._option_reason() or self._input_reason(edge_index) or nodes_reason(nodes, self.node_dim)
-        return reason or sizes_reason(nodes, edges_of(edge_index), size)
+        edges = edges_of(edge_index)
+        return reason or sizes_reason(nodes, edges, size) or flipped_pair_reason(nodes, edges, size, self._flipped())
 
     def _aggregation_graph(self, nodes, edge_index, size, any_order: bool = False):
         """(sorted graph, output rows, per-edge weights in graph order or None)

@@ -7,7 +7,8 @@ from torch import Tensor
 
 from .. import index
 from .._ops import mean_counts
-from .common import REDUCE, Pairs, cast_for_matmul, distinct_pairs, gather_reduce, matmul_dtype, typed_matmul
+from .common import (REDUCE, Nodes, Pairs, cast_for_matmul, distinct_pairs, flipped_pair_reason, gather_reduce,
+                     matmul_dtype, typed_matmul)
 from .graph import SortedGraph, checked, sorted_graph, transpose_index_as
 from .inputs import edges_of
 from .layer import GeotLayer
@@ -218,9 +219,10 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             return "x of this shape"
         if self.num_blocks is not None and not (x_src.is_floating_point() and x_dst.is_floating_point()):
             return "num_blocks with node indices for x"
-        if edges_of(edge_index).kind == "torch.sparse":
+        edges = edges_of(edge_index)
+        if edges.kind == "torch.sparse":
             return "a torch.sparse adjacency (its values are not relations)"
-        return None
+        return flipped_pair_reason(Nodes(x_src, x_dst, x_dst is not x_src), edges, None, self._flipped())
 
     def _relations(self, edge_index, edge_type: Tensor, x_src: Tensor, x_dst: Tensor, weight: Tensor,
                    num_nodes: int, every_node: bool) -> Tensor:

@@ -10,9 +10,9 @@ from torch import Tensor
 from .. import hetero
 from ..sddmm import sddmm
 from ..segment import segment_reduce
-from .common import gather_reduce
+from .common import flipped_pair_reason, gather_reduce, node_inputs
 from .graph import SortedGraph, checked, sorted_graph
-from .inputs import input_kind
+from .inputs import edges_of, input_kind
 from .layer import GeotLayer
 
 
@@ -69,7 +69,7 @@ class TransformerConv(GeotLayer, pyg_nn.TransformerConv):
         if len(pair) != 2 or not all(isinstance(t, Tensor) and t.dim() == 2 and t.is_floating_point()
                                      for t in pair):
             return "x of this kind"
-        return None
+        return flipped_pair_reason(node_inputs(x), edges_of(edge_index), None, self._flipped())
 
     def _scores(self, graph: SortedGraph, query: Tensor, key: Tensor, edge: Optional[Tensor]) -> Tensor:
         """[E', H] query_i . (key_j + edge) / sqrt(C), in graph order."""
