@@ -20,9 +20,6 @@ TORCH_LIBRARY(geot, m) {
   // Output row counts are SymInt: compiled code with dynamic shapes (a new
   // graph every step) passes them symbolically instead of recompiling per size.
   m.def("segment_reduce(Tensor index, Tensor src, SymInt num_segments, str reduce=\"sum\", int[]? config=None) -> Tensor");
-  // For max/min backward: [S, F] int64, the smallest row of each segment that
-  // holds the extremum per feature, E where the segment is empty.
-  m.def("segment_arg(Tensor index, Tensor src, Tensor out) -> Tensor");
   // out[e] = values[index[e]], index sorted: a segment sum's adjoint.
   m.def("segment_broadcast(Tensor values, Tensor index) -> Tensor");
   // out[e] = values[index[e]], any order (torch's gather of short rows, e.g.

@@ -123,7 +123,6 @@ at::Tensor reduce_rows(const RowReduction& r);
 // Operator entries (the same function serves CPU and CUDA).
 at::Tensor segment_reduce_op(const at::Tensor& index, const at::Tensor& src, int64_t num_segments,
                              c10::string_view reduce, at::OptionalIntArrayRef config);
-at::Tensor segment_arg_cpu(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out);
 // out[e] = values[index[e]]: each segment's row repeated over its rows (the
 // adjoint of a segment sum; index sorted, checked so its backward can take
 // the sum). Rows whose index lies outside [0, S) (validation off) get 0.

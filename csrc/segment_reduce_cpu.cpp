@@ -336,28 +336,6 @@ at::Tensor segment_reduce_op(const at::Tensor& index, const at::Tensor& src, int
   return shaped_like_rows_of(reduce_rows(r), src);
 }
 
-at::Tensor segment_arg_cpu(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out) {
-  const int64_t S = out.size(0);
-  check_segment_inputs(index, src, S);
-  const at::Tensor rows = as_rows(src), idx = index.contiguous();
-  const at::Tensor out_rows = out.reshape({S, -1}).contiguous();
-  const int64_t E = rows.size(0), F = rows.size(1);
-  at::Tensor arg = at::full({S, F}, E, src.options().dtype(at::kLong));
-  int64_t* arg_data = arg.data_ptr<int64_t>();
-  AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_segment_arg_cpu", [&] {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "geot_segment_arg_cpu", [&] {
-      const scalar_t* src_data = rows.data_ptr<scalar_t>();
-      const scalar_t* out_data = out_rows.data_ptr<scalar_t>();
-      for_each_segment(idx.data_ptr<index_t>(), E, S, F, [&](int64_t s, int64_t begin, int64_t end) {
-        for (int64_t e = begin; e < end; ++e)
-          for (int64_t f = 0; f < F; ++f)
-            if (arg_data[s * F + f] == E && src_data[e * F + f] == out_data[s * F + f]) arg_data[s * F + f] = e;
-      });
-    });
-  });
-  return arg;
-}
-
 // out[e] = values[index[e]] over the leading dimension, an index already
 // checked (with validation off, ids outside [0, values.size(0)) read 0 rows).
 static at::Tensor gather_checked_rows(const at::Tensor& values, const at::Tensor& index) {
@@ -399,7 +377,6 @@ at::Tensor gather_rows_op(const at::Tensor& values, const at::Tensor& index) {
 
 TORCH_LIBRARY_IMPL(geot, CPU, m) {
   m.impl("segment_reduce", &segment_reduce_op);
-  m.impl("segment_arg", &segment_arg_cpu);
   m.impl("segment_broadcast", &segment_broadcast_op);
   m.impl("gather_rows", &gather_rows_op);
 }

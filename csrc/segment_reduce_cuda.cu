@@ -1,5 +1,5 @@
 // CUDA side of segment_reduce: the plain-row instantiation of the launch
-// layer (segment_reduce_launch.cuh), index validation and segment_arg.
+// layer (segment_reduce_launch.cuh), index validation and gather_rows.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -36,30 +36,6 @@ at::Tensor reduce_rows_cuda(const RowReduction& r) {
   return launch::reduce_rows<false>(r);
 }
 
-at::Tensor segment_arg_cuda(const at::Tensor& index, const at::Tensor& src, const at::Tensor& out) {
-  const int64_t S = out.size(0);
-  check_segment_inputs(index, src, S);
-  const c10::cuda::CUDAGuard guard(src.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor rows = as_rows(src), idx = index.contiguous();
-  const at::Tensor out_rows = out.reshape({S, -1}).contiguous();
-  const int64_t E = rows.size(0), F = rows.size(1);
-  at::Tensor arg = at::full({S, F}, E, src.options().dtype(at::kLong));
-  if (E == 0 || F == 0) return arg;
-  const int threads = 256;
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(E * F, threads), 65536));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "geot_segment_arg", [&] {
-    using in_t = typename cuda_type<scalar_t>::type;
-    AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "geot_segment_arg_index", [&] {
-      segment_arg_kernel<in_t, index_t><<<blocks, threads, 0, stream>>>(
-          idx.data_ptr<index_t>(), reinterpret_cast<const in_t*>(rows.data_ptr<scalar_t>()),
-          reinterpret_cast<const in_t*>(out_rows.data_ptr<scalar_t>()), arg.data_ptr<int64_t>(), E, F, S);
-    });
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return arg;
-}
-
 void gather_rows_cuda(const at::Tensor& values_rows, const at::Tensor& index, at::Tensor& out_rows) {
   const c10::cuda::CUDAGuard guard(values_rows.device());
   const int64_t E = out_rows.size(0), F = out_rows.size(1);
@@ -78,7 +54,6 @@ void gather_rows_cuda(const at::Tensor& values_rows, const at::Tensor& index, at
 
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
   m.impl("segment_reduce", &segment_reduce_op);
-  m.impl("segment_arg", &segment_arg_cuda);
   m.impl("segment_broadcast", &segment_broadcast_op);
   m.impl("gather_rows", &gather_rows_op);
 }

@@ -1124,23 +1124,6 @@ __global__ void finalize_straddling_segments_kernel(const acc_t* __restrict__ sl
   }
 }
 
-// For max/min backward: arg[s, f] = smallest e in segment s with
-// src[e, f] == out[s, f]; arg is pre-filled with E (no element).
-template <typename scalar_t, typename index_t>
-__global__ void segment_arg_kernel(const index_t* __restrict__ index, const scalar_t* __restrict__ src,
-                                   const scalar_t* __restrict__ out, int64_t* __restrict__ arg,
-                                   int64_t E, int64_t F, int64_t S) {
-  const int64_t total = E * F;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t e = i / F, f = i - e * F;
-    const int64_t s = index[e];
-    if (s < 0 || s >= S) continue;
-    if (to_acc(src[i]) == to_acc(out[s * F + f]))
-      atomicMin(reinterpret_cast<unsigned long long*>(arg + s * F + f), static_cast<unsigned long long>(e));
-  }
-}
-
 // out[e, f] = values[index[e], f] (0 for ids outside [0, S)). A hub's row is
 // read by many threads at once: read-only loads serve it from L1 (torch's
 // vectorized row gather stalled on one: 6 ms for a 10^6-edge hub, 4 features).

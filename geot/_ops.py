@@ -54,14 +54,6 @@ def _gather_rows_backward(ctx, grad):
 torch.library.register_autograd("geot::gather_rows", _gather_rows_backward, setup_context=_gather_rows_setup)
 
 
-@torch.library.register_fake("geot::segment_arg")
-def _segment_arg_fake(index, src, out):
-    features = 1
-    for size in src.shape[1:]:
-        features *= size
-    return out.new_empty((out.shape[0], features), dtype=torch.long)
-
-
 def segment_lengths(index, num_segments):
     """Rows per segment of a sorted index, without a device->host sync."""
     bounds = torch.arange(num_segments + 1, device=index.device, dtype=index.dtype)
@@ -76,7 +68,6 @@ def mean_counts(index, num_segments):
 def _segment_reduce_setup(ctx, inputs, output):
     index, src, num_segments, reduce, _config = inputs
     ctx.reduce, ctx.num_segments = reduce, num_segments
-    ctx.src_shape = src.shape
     if reduce in ("max", "min"):
         ctx.save_for_backward(index, src, output)
     else:
@@ -92,15 +83,21 @@ def _segment_reduce_backward(ctx, grad_out):
         scale = counts.to(grad_out.dtype).view(-1, *([1] * (grad_out.dim() - 1)))
         grad_src = torch.ops.geot.segment_broadcast(grad_out / scale, index)
     else:
-        # Route each (segment, feature) gradient to its arg row; empty segments
-        # point at row E, a scratch row dropped afterwards.
         _, src, out = ctx.saved_tensors
-        arg = torch.ops.geot.segment_arg(index, src, out)
-        rows = src.shape[0]
-        grad = grad_out.reshape(arg.shape)
-        grad_src = grad.new_zeros((rows + 1, grad.shape[1])).scatter(0, arg, grad)[:rows]
-        grad_src = grad_src.reshape(ctx.src_shape)
+        grad_src = tied_share(index, src, out, grad_out, ctx.num_segments)
     return None, grad_src, None, None, None
+
+
+def tied_share(index, rows, extremum, grad_out, num_segments):
+    """The gradient of a segment max or min with respect to its rows [E, ...]:
+    each (segment, feature) gradient split evenly among the rows that hold
+    the extremum, as torch's scatter_reduce amax/amin (PyG's max and min
+    aggregation) splits it; ties are common (rows of a ReLU's zeros)."""
+    at_extremum = rows == torch.ops.geot.segment_broadcast(extremum.contiguous(), index)
+    count_dtype = torch.promote_types(grad_out.dtype, torch.float32)  # half types round counts past 256
+    ties = torch.ops.geot.segment_reduce(index, at_extremum.to(count_dtype), num_segments, "sum", None)
+    share = (grad_out / ties.clamp(min=1)).to(grad_out.dtype).contiguous()
+    return torch.where(at_extremum, torch.ops.geot.segment_broadcast(share, index), 0)
 
 
 torch.library.register_autograd(
@@ -233,17 +230,13 @@ def _index_segment_reduce_backward(ctx, grad_out):
 
 
 def _fused_extremum_backward(ctx, grad_out, src_index, dst_index, x, weight, extremum):
-    """max/min: each (segment, feature) gradient goes to its arg edge. Unlike
-    the forward pass, this materializes the [E, F] messages."""
+    """max/min: each (segment, feature) gradient split among its edges that
+    hold the extremum (tied_share). Unlike the forward pass, this
+    materializes the [E, F] messages."""
     messages = x.index_select(0, src_index)
     if weight is not None:
         messages = messages * _per_edge(weight, messages)
-    arg = torch.ops.geot.segment_arg(dst_index, messages, extremum)
-    num_edges = messages.shape[0]
-    grad = grad_out.reshape(arg.shape)
-    # Empty segments point at edge E, a scratch row dropped afterwards.
-    grad_messages = grad.new_zeros((num_edges + 1, grad.shape[1])).scatter(0, arg, grad)[:num_edges]
-    grad_messages = grad_messages.reshape(messages.shape)
+    grad_messages = tied_share(dst_index, messages, extremum, grad_out, ctx.num_segments)
     grad_x = grad_w = None
     if ctx.needs_input_grad[2]:
         scaled = grad_messages if weight is None else grad_messages * _per_edge(weight, grad_messages)
@@ -251,7 +244,7 @@ def _fused_extremum_backward(ctx, grad_out, src_index, dst_index, x, weight, ext
     if weight is not None and ctx.needs_input_grad[3]:
         products = grad_messages * x.index_select(0, src_index)
         width = math.prod(products.shape[1:]) // ctx.heads  # not -1: there may be no edges
-        grad_w = products.reshape(num_edges, ctx.heads, width).sum(-1).reshape(weight.shape)
+        grad_w = products.reshape(products.shape[0], ctx.heads, width).sum(-1).reshape(weight.shape)
     return grad_x, grad_w
 
 

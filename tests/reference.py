@@ -62,8 +62,9 @@ def segment_reduce_ref_grad(index, src, reduce, num_segments, grad_out) -> torch
 
     sum:  grad[e] = g[index[e]]
     mean: grad[e] = g[index[e]] / count[index[e]]
-    max/min: for each (segment, feature) the gradient goes only to the
-             smallest e that attains the extremum; every other e gets 0.
+    max/min: for each (segment, feature) the gradient is split evenly among
+             the e that attain the extremum (ties share it, as torch's
+             scatter_reduce amax/amin splits it); every other e gets 0.
     """
     idx, x, S = _prep(index, src, num_segments)
     g = grad_out.detach().to("cpu", torch.float64)
@@ -79,12 +80,8 @@ def segment_reduce_ref_grad(index, src, reduce, num_segments, grad_out) -> torch
         return g_e / _bcast(cnt[idx], g_e)
     out = segment_reduce_ref(idx, x, reduce, S)
     hit = x == out[idx]
-    pos = _bcast(torch.arange(E), x).expand_as(x)
-    cand = torch.where(hit, pos, torch.full_like(pos, E))
-    first = torch.full(out.shape, E, dtype=torch.long)
-    first.scatter_reduce_(0, _bcast(idx, x).expand_as(x), cand, "amin", include_self=True)
-    chosen = pos == first[idx]
-    return torch.where(chosen, g_e, torch.zeros_like(g_e))
+    ties = torch.zeros(out.shape, dtype=torch.float64).index_add_(0, idx, hit.double())
+    return torch.where(hit, g_e / ties[idx], torch.zeros_like(g_e))
 
 
 def segment_reduce_loop(index, src, reduce="sum", num_segments=None) -> torch.Tensor:
@@ -127,8 +124,7 @@ def segment_reduce_loop_grad(index, src, reduce, num_segments, grad_out) -> torc
             else:
                 vals = [float(xf[k, f]) for k in members]
                 best = max(vals) if reduce == "max" else min(vals)
-                first = members[vals.index(best)]
-                grad[e, f] = gf[s, f] if e == first else 0.0
+                grad[e, f] = gf[s, f] / vals.count(best) if float(xf[e, f]) == best else 0.0
     return grad.reshape(x.shape)
 
 

@@ -175,6 +175,31 @@ def test_gradcheck(device, reduce, heads, transposed):
     assert torch.autograd.gradcheck(fn, (w, x), eps=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_extremum_ties_share_the_gradient(device, reduce, weighted):
+    """Messages tied at a destination's max (min), from a duplicated edge, sources of equal rows and equal
+    weights: each tied edge gets an even share of the gradient (for x and for the weights), as torch's
+    scatter_reduce amax (amin) gives it, started from -inf (inf)."""
+    src = torch.tensor([0, 1, 2, 0, 3, 4, 4], device=device)
+    dst = torch.tensor([0, 0, 0, 1, 1, 2, 2], device=device)
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.5, 0.0], [2.0, 2.0], [2.0, 2.0]], dtype=torch.float64,
+                     device=device, requires_grad=True)
+    w = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5], dtype=torch.float64, device=device,
+                     requires_grad=True) if weighted else None
+    g = torch.arange(1.0, 9.0, dtype=torch.float64, device=device).view(4, 2)
+    out = geot.index_weight_segment_reduce(src, dst, w, x, reduce, 4) if weighted \
+        else geot.index_segment_reduce(src, dst, x, reduce, 4)
+    inputs = (x, w) if weighted else (x,)
+    got = torch.autograd.grad(out, inputs, g)
+    messages = x[src] * (w[:, None] if weighted else 1)
+    start = torch.full((4, 2), -torch.inf if reduce == "max" else torch.inf, dtype=torch.float64, device=device)
+    expect = start.scatter_reduce(0, dst[:, None].expand(-1, 2), messages, "a" + reduce, include_self=False)
+    want = torch.autograd.grad(expect, inputs, g.masked_fill(expect.isinf(), 0))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("heads", [0, 1, 3], ids=["unweighted", "w1", "w3"])
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_gradients_without_edges(device, reduce, heads):

@@ -105,8 +105,8 @@ def draw_call(name, pick):
     else:
         static = static_ok and pick(False, False, True)
         x = torch.randn(3, num_src, width) if static else torch.randn(num_src, width)
-    if per_edge == "weight" and pick(False, True):
-        kwargs["edge_weight"] = torch.rand(num_edges) + 0.1
+    if per_edge == "weight" and pick(False, True):  # one weight per (source, destination): copies share it
+        kwargs["edge_weight"] = torch.rand(num_src)[edge_index[0]] + torch.rand(num_dst)[edge_index[1]] + 0.1
     edge_dim = getattr(layer, "edge_dim", None)
     if per_edge == "attr" and edge_dim is not None:
         vector = edge_dim == 1 and pick(False, True)  # a [E] vector for edge_dim 1

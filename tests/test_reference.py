@@ -94,12 +94,25 @@ def test_reference_grad_against_autograd(reduce):
     torch.testing.assert_close(segment_reduce_ref_grad(index, src, reduce, S, g), src.grad)
 
 
-def test_reference_max_grad_goes_to_first_tie():
+def test_reference_max_grad_is_shared_by_ties():
     index = torch.tensor([0, 0, 0, 2, 2])
     src = torch.tensor([[1.0, 5.0], [3.0, 5.0], [3.0, 4.0], [7.0, 7.0], [7.0, 6.0]], dtype=torch.float64)
     g = torch.tensor([[10.0, 20.0], [30.0, 40.0], [50.0, 60.0]], dtype=torch.float64)
-    expected = torch.tensor([[0.0, 20.0], [10.0, 0.0], [0.0, 0.0], [50.0, 60.0], [0.0, 0.0]], dtype=torch.float64)
+    expected = torch.tensor([[0.0, 10.0], [5.0, 10.0], [5.0, 0.0], [25.0, 60.0], [25.0, 0.0]], dtype=torch.float64)
     assert torch.equal(segment_reduce_ref_grad(index, src, "max", 3, g), expected)
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_reference_extremum_grad_is_torch_scatter_reduce(reduce):
+    """The reference's max/min gradient is torch's scatter_reduce amax/amin's, started from -inf/inf (so no
+    initial value ties; from zeros, as PyG starts, torch also counts a 0 output's start as a tie)."""
+    index, S = random_index(40, 9, lo=0, hi=8), 9
+    src = torch.randint(-2, 3, (40, 3)).double().requires_grad_()
+    g = torch.randn(S, 3, dtype=torch.float64)
+    start = torch.full((S, 3), -torch.inf if reduce == "max" else torch.inf, dtype=torch.float64)
+    out = start.scatter_reduce(0, index.view(-1, 1).expand(-1, 3), src, "a" + reduce[:3], include_self=False)
+    torch.testing.assert_close(segment_reduce_ref_grad(index, src, reduce, S, g),
+                               torch.autograd.grad(out, src, g)[0], rtol=1e-12, atol=1e-12)
 
 
 def test_generators():
