@@ -134,8 +134,10 @@ class GeotLayer:
     def _pair_call_reason(self, nodes, edge_index, size) -> Optional[str]:
         """Why a call of a layer taking x or (x_src, x_dst) with size runs PyG's forward, or None."""
         reason = self._option_reason() or self._input_reason(edge_index) or nodes_reason(nodes, self.node_dim)
+        if reason is not None:
+            return reason
         edges = edges_of(edge_index)
-        return reason or sizes_reason(nodes, edges, size) or flipped_pair_reason(nodes, edges, size, self._flipped())
+        return sizes_reason(nodes, edges, size) or flipped_pair_reason(nodes, edges, size, self._flipped())
 
     def _aggregation_graph(self, nodes, edge_index, size, any_order: bool = False):
         """(sorted graph, output rows, per-edge weights in graph order or None)
