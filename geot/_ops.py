@@ -97,7 +97,8 @@ def tied_share(index, rows, extremum, grad_out, num_segments):
     count_dtype = torch.promote_types(grad_out.dtype, torch.float32)  # half types round counts past 256
     ties = torch.ops.geot.segment_reduce(index, at_extremum.to(count_dtype), num_segments, "sum", None)
     share = (grad_out / ties.clamp(min=1)).to(grad_out.dtype).contiguous()
-    return torch.where(at_extremum, torch.ops.geot.segment_broadcast(share, index), 0)
+    # in place: one [E, ...] buffer beside the rows (the gradient of a sum of the rows kept as much)
+    return torch.ops.geot.segment_broadcast(share, index).mul_(at_extremum)
 
 
 torch.library.register_autograd(
