@@ -97,7 +97,7 @@ def tied_share(index, rows, extremum, grad_out, num_segments):
     count_dtype = torch.promote_types(grad_out.dtype, torch.float32)  # half types round counts past 256
     ties = torch.ops.geot.segment_reduce(index, at_extremum.to(count_dtype), num_segments, "sum", None)
     share = (grad_out / ties.clamp(min=1)).to(grad_out.dtype).contiguous()
-    # in place: one [E, ...] buffer beside the rows (the gradient of a sum of the rows kept as much)
+    # masked in place: the gradient takes a single [E, ...] buffer beside the saved rows
     return torch.ops.geot.segment_broadcast(share, index).mul_(at_extremum)
 
 
