@@ -256,10 +256,10 @@ _classes: Dict[type, type] = {}
 def with_trace_memo(base_forward):
     """A layer's forward (its signature kept); inside torch.compile with the memo of the graphs its
     propagate calls sort (GeotPropagate._graph_and_weight; e.g. a subclass of APPNP: one graph made inside
-    forward by gcn_norm, propagated K times; geot's own APPNP, SGConv, ... keep it, geot.nn.propagations). No try/finally: dynamo runs a frame whose try block breaks
-    the graph (gcn_norm's boolean masks, under fullgraph=False) eagerly, which would leave the frames
-    after the break without the memo (a sort per propagation). A call that raises leaves the list until
-    the next compiled call replaces it."""
+    forward by gcn_norm, propagated K times; geot's own APPNP, SGConv, ... keep it, geot.nn.propagations).
+    No try/finally: dynamo runs a frame whose try block breaks the graph (gcn_norm's boolean masks, under
+    fullgraph=False) eagerly, which would leave the frames after the break without the memo (a sort per
+    propagation). A call that raises leaves the list until the next compiled call replaces it."""
     @functools.wraps(base_forward)
     def forward(self, *args, **kwargs):
         if not torch.compiler.is_compiling():
