@@ -18,7 +18,7 @@ TransformerConv) patched by geot.nn.patch; their geot-compile path compiles
 as PyG's does (fullgraph=False): the layers run PyG's forward, whose boolean
 masks (ChebConv's Laplacian) break graphs, and fullgraph=True leaves Inductor
 reductions over data-dependent sizes (one 30 ms kernel per ChebConv layer on
-a 10M-edge graph)
+a 10M-edge graph); "sage-max" in --models adds SAGE with max aggregation
 
 on cora, citeseer, pubmed (the file's features, or random width-128 ones) and
 generated graphs of 2M, 3.2M and 10M edges, in fp32 and bf16 autocast. Reports the
@@ -86,6 +86,9 @@ MODELS = {"gcn": (128, 256), "gin": (128, 256), "sage": (128, 256), "gat": (128,
 # PyG layers that propagate on geot once patched (geot.nn.generic); run when named in --models
 GENERIC_MODELS = {name: (128,) for name in ("graphconv", "tag", "appnp", "sg", "cheb", "lg", "simple",
                                              "clustergcn", "gatv2", "transformer")}
+# Options of the layers above, run when named in --models: SAGE with max aggregation (its backward
+# gathers the [E, F] messages and splits each gradient among the tied ones)
+VARIANT_MODELS = {"sage-max": (128,)}
 PROPAGATIONS = {"lg": "LGConv", "simple": "SimpleConv"}  # weightless layers, each after a Linear
 ATTENTION = {"gat": "GATConv", "gatv2": "GATv2Conv", "transformer": "TransformerConv"}  # 8 heads, then 1
 # 2.0M, 3.2M and 10M edges
@@ -131,6 +134,8 @@ class Net(torch.nn.Module):
             return lib.GCNConv(in_channels, out_channels)
         if model == "sage":
             return lib.SAGEConv(in_channels, out_channels)
+        if model == "sage-max":
+            return lib.SAGEConv(in_channels, out_channels, aggr="max")
         if model == "graphconv":
             return lib.GraphConv(in_channels, out_channels)
         if model == "tag":
@@ -455,6 +460,7 @@ def parse_args():
     if args.memory_snapshot:
         os.makedirs(args.memory_snapshot, exist_ok=True)
     MODELS.update({name: GENERIC_MODELS[name] for name in args.models if name in GENERIC_MODELS})
+    MODELS.update({name: VARIANT_MODELS[name] for name in args.models if name in VARIANT_MODELS})
     unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; have {list(MODELS)}")
