@@ -406,8 +406,9 @@ inline int device_rules(int device) {
   return rules;
 }
 
-// Deterministic mode where validation measured no segment over
-// kLongSegmentRows[1] rows, on rows of up to short_segment_max_features:
+// The short-segment config. Deterministic mode where validation measured no
+// segment over kLongSegmentRows[1] rows, on rows of up to
+// short_segment_max_features:
 // SP with its cap above every segment, so each segment is reduced whole by
 // its thread group (a fixed shuffle order) and no chunk slots or combine run
 // (launches that cost more than the reduction itself on graphs of 10^4-10^5
@@ -423,7 +424,7 @@ inline int device_rules(int device) {
 // 1.25, 1.80 to 1.24, 1.12, 1.61 (gathered).
 inline int64_t short_segment_max_features(bool gathered) { return gathered ? 32 : 128; }
 
-inline Config deterministic_short_segment_config(int64_t S, int64_t F, int64_t heads) {
+inline Config short_segment_config(int64_t S, int64_t F, int64_t heads) {
   const int n_t = with_head_aligned_n_t(Config{4, 0, 0, 0, 0}, F, heads).N_t;
   const int64_t columns = ceil_div(F, n_t);
   int column_threads = 1;
@@ -436,6 +437,19 @@ inline Config deterministic_short_segment_config(int64_t S, int64_t F, int64_t h
     lanes *= 2;
   const int t_n = column_threads * lanes;
   return {n_t, t_n, static_cast<int>(ceil_div(kLongSegmentRows[1], lanes)), std::max(1, 256 / t_n), 0};
+}
+
+// Half rows on small graphs take that config outside deterministic mode too,
+// where it covers them: one launch storing the output directly, where SR's
+// half rows take a memset of chunk slots, an offsets pass, the reduction and
+// a finalize pass, launches that cost more host time than the reduction
+// takes. H100, cora and citeseer, bf16 and fp16, gathered F = 16-32 and plain
+// F = 16-64: eager calls from 31-47 to 11-14 us, CUDA-graph replays 0.89-1.72x
+// as fast; gathered F = 64 on cora (0.69x), plain F = 128 (0.55x) and pubmed's
+// 88k edges lost in replays.
+inline bool half_short_segments(const RowReduction& r, int64_t E, int64_t F) {
+  const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
+  return half && !r.any_order && E < (int64_t(1) << 16) && F <= (r.gather.has_value() ? 32 : 64);
 }
 
 // Gathered sums (and means) of rows of 64 features or more, on graphs of 2^20
@@ -478,9 +492,10 @@ inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F, bool
   const int rules = r.any_order ? -2 : device_rules(r.src.get_device());
   const Config cfg =
       resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments, rules));
-  if (det && !r.config && !cfg.is_sp() && r.long_segments >= 0 && r.long_segments <= 1 &&
-      F <= short_segment_max_features(r.gather.has_value()))
-    return deterministic_short_segment_config(r.num_segments, F, r.heads);
+  const bool short_config = det ? F <= short_segment_max_features(r.gather.has_value())
+                                 : half_short_segments(r, E, F);
+  if (short_config && !r.config && !cfg.is_sp() && r.long_segments >= 0 && r.long_segments <= 1)
+    return short_segment_config(r.num_segments, F, r.heads);
   if (!r.any_order || cfg.is_sr()) return cfg;
   const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
   const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(F, n_t), 8, 64));

@@ -129,9 +129,10 @@ def _sum_writes_half(graph: SortedGraph, num_features: int, num_nodes: int) -> b
     edges = graph.dst.numel()
     if not edges or not validation.validation_enabled():  # unvalidated SP: no level, the [S, F] buffer
         return False
-    longest = int(torch.bincount(graph.dst, minlength=num_nodes).max())
-    config = explain(edges, num_nodes, num_features, gathered=True, long_segments=long_segment_level(longest))
-    return config.schedule == "SP"
+    level = long_segment_level(int(torch.bincount(graph.dst, minlength=num_nodes).max()))
+    if edges < 2**16 and num_features <= 32 and level <= 1:  # half_short_segments: SP
+        return True
+    return explain(edges, num_nodes, num_features, gathered=True, long_segments=level).schedule == "SP"
 
 
 def _begins_with_linear(module: torch.nn.Module) -> bool:
