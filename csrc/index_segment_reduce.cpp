@@ -8,6 +8,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <utility>
+#include <vector>
+
 #include "segment_reduce.h"
 #include "uninitialized.h"
 
@@ -238,12 +241,69 @@ void edge_additive_score_cpu(const at::Tensor& src_index, const at::Tensor& dst_
   });
 }
 
+at::Tensor extremum_grad_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                            const at::Tensor& extremum, const at::Tensor& grad_out) {
+  check_edges(src_index, dst_index, x);
+  for (const auto& [t, name] : {std::pair{&extremum, "extremum"}, std::pair{&grad_out, "grad_out"}}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(), name, " must have the dtype of x (", x.scalar_type(),
+                     "), got ", t->scalar_type());
+    check_same_device(*t, name, x, "x");
+    TORCH_CHECK_VALUE(t->dim() == x.dim() && t->sizes().slice(1) == x.sizes().slice(1), name,
+                      " must have shape [num_segments, ...] with x's trailing dimensions ",
+                      shape_string(x.sizes().slice(1)), ", got ", shape_string(t->sizes()));
+  }
+  TORCH_CHECK_VALUE(grad_out.size(0) == extremum.size(0), "grad_out must have extremum's shape ",
+                    shape_string(extremum.sizes()), ", got ", shape_string(grad_out.sizes()));
+  const at::Tensor dst = dst_index.contiguous(), src = src_index.to(dst.scalar_type()).contiguous();
+  const at::Tensor rows = as_rows(x), ext = as_rows(extremum), grad = as_rows(grad_out);
+#ifdef GEOT_WITH_CUDA
+  if (x.is_cuda()) return extremum_grad_cuda(src, dst, rows, ext, grad).view(x.sizes());
+#endif
+  return extremum_grad_cpu(src, dst, rows, ext, grad).view(x.sizes());
+}
+
+// Features split among threads, every thread over all edges: no races.
+at::Tensor extremum_grad_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                             const at::Tensor& extremum, const at::Tensor& grad) {
+  const int64_t E = src_index.numel(), F = x.size(1), S = extremum.size(0), N = x.size(0);
+  at::Tensor grad_x = at::zeros_like(x);
+  AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_extremum_grad_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "geot_extremum_grad_cpu", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const index_t* src = src_index.data_ptr<index_t>();
+      const index_t* dst = dst_index.data_ptr<index_t>();
+      const scalar_t *px = x.data_ptr<scalar_t>(), *pe = extremum.data_ptr<scalar_t>(), *pg = grad.data_ptr<scalar_t>();
+      scalar_t* out = grad_x.data_ptr<scalar_t>();
+      at::parallel_for(0, F, 1, [&](int64_t begin, int64_t end) {
+        std::vector<int32_t> ties(S * (end - begin), 0);
+        std::vector<acc_t> sums(N * (end - begin), acc_t(0));
+        const auto tied = [&](int64_t e, int64_t f, int64_t& s, int64_t& d) {
+          s = src[e], d = dst[e];
+          return s >= 0 && s < N && d >= 0 && d < S && acc_t(px[s * F + f]) == acc_t(pe[d * F + f]);
+        };
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t f = begin, s, d; f < end; ++f)
+            if (tied(e, f, s, d)) ++ties[d * (end - begin) + f - begin];
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t f = begin, s, d; f < end; ++f)
+            if (tied(e, f, s, d))  // the share rounded to the gradient's dtype, as the composite's
+              sums[s * (end - begin) + f - begin] +=
+                  acc_t(scalar_t(acc_t(pg[d * F + f]) / acc_t(ties[d * (end - begin) + f - begin])));
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t f = begin; f < end; ++f) out[n * F + f] = scalar_t(sums[n * (end - begin) + f - begin]);
+      });
+    });
+  });
+  return grad_x;
+}
+
 TORCH_LIBRARY_IMPL(geot, CPU, m) {
   m.impl("index_segment_reduce", &index_segment_reduce_op);
   m.impl("index_scatter_sum", &index_scatter_sum_op);
   m.impl("index_sum_plus_scaled", &index_sum_plus_scaled_op);
   m.impl("edge_dot", &edge_dot_op);
   m.impl("edge_additive_score", &edge_additive_score_op);
+  m.impl("extremum_grad", &extremum_grad_op);
 }
 
 }  // namespace geot

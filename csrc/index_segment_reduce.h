@@ -35,6 +35,13 @@ at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index,
 at::Tensor edge_additive_score_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                                   const at::Tensor& b, const at::Tensor& att, double negative_slope, int64_t heads);
 
+// The gradient of index_segment_reduce's max or min (no weight) with respect
+// to x: grad_out[d] split evenly among the edges e into d whose row
+// x[src_index[e]] holds the extremum, per feature (torch's amax/amin rule).
+// extremum and grad_out: [num_segments, ...] as the op's output.
+at::Tensor extremum_grad_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                            const at::Tensor& extremum, const at::Tensor& grad_out);
+
 // Device kernels of the two on contiguous [rows, heads * head_size] inputs
 // (att: [heads * head_size]), indices of one dtype; out is [E, heads].
 void edge_dot_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
@@ -43,6 +50,11 @@ void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, con
                    const at::Tensor& b, at::Tensor& out);
 void edge_additive_score_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                              const at::Tensor& b, const at::Tensor& att, double negative_slope, at::Tensor& out);
+// The max/min gradient on contiguous [rows, F] x, extremum and grad, indices of one dtype.
+at::Tensor extremum_grad_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                             const at::Tensor& extremum, const at::Tensor& grad);
+at::Tensor extremum_grad_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                              const at::Tensor& extremum, const at::Tensor& grad);
 void edge_additive_score_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                               const at::Tensor& b, const at::Tensor& att, double negative_slope, at::Tensor& out);
 

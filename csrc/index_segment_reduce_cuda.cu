@@ -1,7 +1,7 @@
 // CUDA side of the fused family: the gathered / weighted instantiation of the
 // row reduction (segment_reduce_launch.cuh), which runs the fused forward and
-// its x-gradient, and the per-edge kernels (the weight gradient's SDDMM,
-// GATv2's scores).
+// its x-gradient, the per-edge kernels (the weight gradient's SDDMM,
+// GATv2's scores) and the max/min x-gradient.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "index_segment_reduce.h"
 #include "index_segment_reduce_kernels.cuh"
@@ -89,12 +90,44 @@ void edge_additive_score_cuda(const at::Tensor& src_index, const at::Tensor& dst
   dispatch_edge_term(src_index, dst_index, a, b, &att, negative_slope, out);
 }
 
+at::Tensor extremum_grad_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
+                              const at::Tensor& extremum, const at::Tensor& grad) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t E = src_index.numel(), F = x.size(1), S = extremum.size(0);
+  const at::ScalarType acc_type = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor grad_x = at::zeros({x.size(0), F}, x.options().dtype(acc_type));
+  if (E == 0 || F == 0) return grad_x.to(x.scalar_type());
+  at::Tensor ties = at::zeros({S, F}, x.options().dtype(at::kInt));
+  int lanes = 1;  // a warp's worth of features at most; the rest of the block takes more edges
+  while (lanes < 32 && lanes < F) lanes *= 2;
+  const dim3 block(lanes, 256 / lanes);
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(E, int64_t(block.y)), 1 << 16));
+  AT_DISPATCH_INDEX_TYPES(dst_index.scalar_type(), "geot_extremum_grad", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "geot_extremum_grad", [&] {
+      using acc_t = accumulate_t<scalar_t>;
+      using in_t = typename cuda_type<scalar_t>::type;
+      const auto rows = [](const at::Tensor& t) { return reinterpret_cast<const in_t*>(t.data_ptr<scalar_t>()); };
+      auto launch = [&](auto share) {
+        extremum_ties_kernel<in_t, acc_t, index_t, decltype(share)::value><<<blocks, block, 0, stream>>>(
+            src_index.data_ptr<index_t>(), dst_index.data_ptr<index_t>(), rows(x), rows(extremum), rows(grad),
+            ties.data_ptr<int>(), grad_x.data_ptr<acc_t>(), E, F, x.size(0), S);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      launch(std::false_type{});
+      launch(std::true_type{});
+    });
+  });
+  return grad_x.scalar_type() == x.scalar_type() ? grad_x : grad_x.to(x.scalar_type());
+}
+
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
   m.impl("index_segment_reduce", &index_segment_reduce_op);
   m.impl("index_scatter_sum", &index_scatter_sum_op);
   m.impl("index_sum_plus_scaled", &index_sum_plus_scaled_op);
   m.impl("edge_dot", &edge_dot_op);
   m.impl("edge_additive_score", &edge_additive_score_op);
+  m.impl("extremum_grad", &extremum_grad_op);
 }
 
 }  // namespace geot

@@ -1,7 +1,7 @@
 // CUDA kernels of the fused family beyond the shared row reduction
 // (segment_reduce_kernels.cuh runs the fused forward itself): the per-edge
-// kernels (the SDDMM of the weight gradient, GATv2's scores). Holds no torch
-// types.
+// kernels (the SDDMM of the weight gradient, GATv2's scores) and the max/min
+// gradient's. Holds no torch types.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -63,6 +63,36 @@ __global__ void edge_term_kernel(const index_t* __restrict__ src_index, const in
     }
     for (int offset = group >> 1; offset > 0; offset >>= 1) sum += __shfl_xor_sync(tile_mask, sum, offset, group);
     if (lane == 0) out[item] = from_acc<scalar_t>(sum);
+  }
+}
+
+// The gradient of a gathered max or min with respect to x, without the
+// [E, F] messages a composite materializes: each (segment, feature) gradient
+// splits evenly among the edges whose row holds the extremum (ties). Pass 1
+// (SHARE false) counts them per (segment, feature) in ties; pass 2 adds each
+// tied edge's share, rounded to the gradient's dtype as the composite's is,
+// into grad_x (acc_t rows). Edges are grid-strided, blockDim.y per block,
+// blockDim.x lanes striding over features (coalesced rows); atomics only
+// where a row ties. Out-of-range ids (validation off) add nothing.
+template <typename scalar_t, typename acc_t, typename index_t, bool SHARE>
+__global__ void extremum_ties_kernel(const index_t* __restrict__ src_index, const index_t* __restrict__ dst_index,
+                                     const scalar_t* __restrict__ x, const scalar_t* __restrict__ extremum,
+                                     const scalar_t* __restrict__ grad, int* __restrict__ ties,
+                                     acc_t* __restrict__ grad_x, int64_t E, int64_t F, int64_t x_rows,
+                                     int64_t segments) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.y;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; e < E; e += stride) {
+    const int64_t s = src_index[e], d = dst_index[e];
+    if (s < 0 || s >= x_rows || d < 0 || d >= segments) continue;
+    for (int64_t f = threadIdx.x; f < F; f += blockDim.x) {
+      if (!(to_acc(x[s * F + f]) == to_acc(extremum[d * F + f]))) continue;
+      if constexpr (SHARE) {
+        const scalar_t share = from_acc<scalar_t>(to_acc(grad[d * F + f]) / acc_t(ties[d * F + f]));
+        atomicAdd(grad_x + s * F + f, to_acc(share));
+      } else {
+        atomicAdd(ties + d * F + f, 1);
+      }
+    }
   }
 }
 

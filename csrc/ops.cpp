@@ -40,6 +40,8 @@ TORCH_LIBRARY(geot, m) {
       "SymInt num_segments, str reduce=\"sum\", int[]? config=None) -> Tensor");
   // out[scatter_index[e]] += weight[e] * x[gather_index[e]], any order.
   m.def("index_scatter_sum(Tensor gather_index, Tensor scatter_index, Tensor x, Tensor? weight, SymInt num_out) -> Tensor");
+  // The max/min gradient of index_segment_reduce (no weight) with respect to x.
+  m.def("extremum_grad(Tensor src_index, Tensor dst_index, Tensor x, Tensor extremum, Tensor grad_out) -> Tensor");
   // out[e, h] = <a[dst_index[e], h], b[src_index[e], h]> (SDDMM).
   m.def("edge_dot(Tensor src_index, Tensor dst_index, Tensor a, Tensor b, int heads) -> Tensor");
   // out[e, h] = att[h] . leaky_relu(a[dst_index[e], h] + b[src_index[e], h]) (GATv2's scores).

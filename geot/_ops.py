@@ -152,6 +152,11 @@ def _edge_dot_backward(ctx, grad):
 torch.library.register_autograd("geot::edge_dot", _edge_dot_backward, setup_context=_edge_dot_setup)
 
 
+@torch.library.register_fake("geot::extremum_grad")
+def _extremum_grad_fake(src_index, dst_index, x, extremum, grad_out):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("geot::edge_additive_score")
 def _edge_additive_score_fake(src_index, dst_index, a, b, att, negative_slope, heads):
     return b.new_empty((src_index.shape[0], heads))
@@ -232,8 +237,17 @@ def _index_segment_reduce_backward(ctx, grad_out):
 
 def _fused_extremum_backward(ctx, grad_out, src_index, dst_index, x, weight, extremum):
     """max/min: each (segment, feature) gradient split among its edges that
-    hold the extremum (tied_share). Unlike the forward pass, this
+    hold the extremum (tied_share). Without a weight, one op
+    (geot::extremum_grad: two passes over the gathered rows, no [E, F]
+    buffer), unless the gradient must be differentiable (create_graph) or
+    bitwise repeatable on CUDA (its float atomics); otherwise this
     materializes the [E, F] messages."""
+    if weight is None and not torch.is_grad_enabled() and not (
+            x.is_cuda and torch.are_deterministic_algorithms_enabled()):
+        grad_x = None
+        if ctx.needs_input_grad[2]:
+            grad_x = torch.ops.geot.extremum_grad(src_index, dst_index, x, extremum, grad_out.contiguous())
+        return grad_x, None
     messages = x.index_select(0, src_index)
     if weight is not None:
         messages = messages * _per_edge(weight, messages)

@@ -200,6 +200,53 @@ def test_extremum_ties_share_the_gradient(device, reduce, weighted):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f64", "f32", "bf16", "f16"])
+@pytest.mark.parametrize("shape", [(40, 15, 300, (1,)), (40, 15, 300, (33,)), (7, 30, 500, (130,)),
+                                   (25, 9, 120, (2, 3)), (6, 4, 0, (5,)), (50, 1, 400, (8,))],
+                         ids=["F1", "F33", "F130-hub", "F2x3", "E0", "one-segment"])
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_extremum_grad_op_matches_composite(device, reduce, shape, dtype, index_dtype):
+    """geot::extremum_grad (a max/min backward without [E, F] messages) against a float64 reference of
+    the rule (each tied edge's share rounded to the gradient's dtype, then added exactly) and, in float64,
+    against the composite that a differentiable backward (create_graph) takes. Rows of small integers:
+    most (segment, feature) extrema are ties, shared over duplicated edges, hubs and rows reached by
+    several segments."""
+    N, S, E, feat = shape
+    gen = torch.Generator().manual_seed(E + N)
+    src = torch.randint(0, N, (E,), generator=gen).to(device, index_dtype)
+    dst = torch.sort(torch.randint(0, S, (E,), generator=gen))[0].to(device, index_dtype)
+    x = torch.randint(-2, 3, (N, *feat), generator=gen).to(device, dtype).requires_grad_()
+    g = torch.randn(S, *feat, generator=gen).to(device, dtype)
+    out = geot.index_segment_reduce(src, dst, x, reduce, S)
+    got = torch.autograd.grad(out, x, g, retain_graph=True)[0]
+    s64, d64 = src.cpu().long(), dst.cpu().long()
+    tied = (x.detach().cpu().double()[s64] == out.detach().cpu().double()[d64]).double()
+    ties = torch.zeros(S, *feat, dtype=torch.float64).index_add_(0, d64, tied)
+    share = (g.cpu().double() / ties.clamp(min=1)).to(dtype).double()
+    want = torch.zeros(N, *feat, dtype=torch.float64).index_add_(0, s64, share[d64] * tied)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.cpu().double(), want, **tol)
+    assert E == 0 or got.abs().sum() > 0
+    if dtype == torch.float64:
+        composite = torch.autograd.grad(out, x, g, create_graph=True)[0]
+        torch.testing.assert_close(got, composite.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_extremum_grad_op_checks_its_arguments():
+    src, dst = torch.tensor([0, 1]), torch.tensor([0, 0])
+    x, out = torch.randn(2, 3), torch.randn(1, 3)
+    with pytest.raises(ValueError, match="extremum must have shape"):
+        torch.ops.geot.extremum_grad(src, dst, x, torch.randn(1, 4), out)
+    with pytest.raises(ValueError, match="grad_out must have extremum's shape"):
+        torch.ops.geot.extremum_grad(src, dst, x, out, torch.randn(2, 3))
+    with pytest.raises(TypeError, match="grad_out must have the dtype of x"):
+        torch.ops.geot.extremum_grad(src, dst, x, out, out.double())
+    with pytest.raises(ValueError, match="same length"):
+        torch.ops.geot.extremum_grad(src, dst[:1], x, out, out)
+
+
 @pytest.mark.parametrize("heads", [0, 1, 3], ids=["unweighted", "w1", "w3"])
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_gradients_without_edges(device, reduce, heads):
