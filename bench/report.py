@@ -685,7 +685,7 @@ class MiniBatch(Bench):
         "(about 19k sampled edges on the 12M-edge graph) and host-bound: their time is launches and Python, "
         "and moves by tens of percent between runs."
     )
-    commands = ("python bench/minibatch.py --dtypes fp32,bf16 --steps 40",
+    commands = ("python bench/minibatch.py --dtypes fp32,bf16",
                 "python bench/report.py --add minibatch bench/out/minibatch_nvidia-h100-80gb-hbm3.csv --gpu h100")
 
     def section(self, df, gpu, img_dir):
