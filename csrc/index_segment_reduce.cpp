@@ -275,22 +275,25 @@ at::Tensor extremum_grad_cpu(const at::Tensor& src_index, const at::Tensor& dst_
       const scalar_t *px = x.data_ptr<scalar_t>(), *pe = extremum.data_ptr<scalar_t>(), *pg = grad.data_ptr<scalar_t>();
       scalar_t* out = grad_x.data_ptr<scalar_t>();
       at::parallel_for(0, F, 1, [&](int64_t begin, int64_t end) {
-        std::vector<int32_t> ties(S * (end - begin), 0);
-        std::vector<acc_t> sums(N * (end - begin), acc_t(0));
-        const auto tied = [&](int64_t e, int64_t f, int64_t& s, int64_t& d) {
-          s = src[e], d = dst[e];
-          return s >= 0 && s < N && d >= 0 && d < S && acc_t(px[s * F + f]) == acc_t(pe[d * F + f]);
+        const int64_t width = end - begin;
+        std::vector<int32_t> ties(S * width, 0);
+        std::vector<acc_t> sums(N * width, acc_t(0));
+        // Visits each (edge, feature of this range) whose row holds its segment's extremum.
+        const auto for_each_tie = [&](const auto& visit) {
+          for (int64_t e = 0; e < E; ++e) {
+            const int64_t s = src[e], d = dst[e];
+            if (s < 0 || s >= N || d < 0 || d >= S) continue;
+            for (int64_t f = begin; f < end; ++f)
+              if (acc_t(px[s * F + f]) == acc_t(pe[d * F + f])) visit(s, d, f);
+          }
         };
-        for (int64_t e = 0; e < E; ++e)
-          for (int64_t f = begin, s, d; f < end; ++f)
-            if (tied(e, f, s, d)) ++ties[d * (end - begin) + f - begin];
-        for (int64_t e = 0; e < E; ++e)
-          for (int64_t f = begin, s, d; f < end; ++f)
-            if (tied(e, f, s, d))  // the share rounded to the gradient's dtype, as the composite's
-              sums[s * (end - begin) + f - begin] +=
-                  acc_t(scalar_t(acc_t(pg[d * F + f]) / acc_t(ties[d * (end - begin) + f - begin])));
+        for_each_tie([&](int64_t, int64_t d, int64_t f) { ++ties[d * width + f - begin]; });
+        // Each tie's share, rounded to the gradient's dtype as the composite's is.
+        for_each_tie([&](int64_t s, int64_t d, int64_t f) {
+          sums[s * width + f - begin] += acc_t(scalar_t(acc_t(pg[d * F + f]) / acc_t(ties[d * width + f - begin])));
+        });
         for (int64_t n = 0; n < N; ++n)
-          for (int64_t f = begin; f < end; ++f) out[n * F + f] = scalar_t(sums[n * (end - begin) + f - begin]);
+          for (int64_t f = begin; f < end; ++f) out[n * F + f] = scalar_t(sums[n * width + f - begin]);
       });
     });
   });
