@@ -241,6 +241,8 @@ class E2E(Bench):
         "python bench/e2e.py --models gat --hidden 128 $L --paths pyg-csr,pyg-compile,geot,geot-compile && $ADD",
         "python bench/e2e.py --models gin,sage --hidden 128 --graphs cora,citeseer,pubmed --dtypes fp32 --rounds 3 "
         "&& $ADD",
+        'python bench/e2e.py --models sage-max --hidden 128 --graphs "powerlaw:n=200000,deg=10" --dtypes fp32 '
+        "--rounds 1 --reps 10 --warmup 2 --max-time 0.3 --paths pyg,pyg-compile,geot,geot-compile && $ADD",
     )
 
     def merge(self, current, runs):
