@@ -243,6 +243,9 @@ class E2E(Bench):
         "&& $ADD",
         'python bench/e2e.py --models sage-max --hidden 128 --graphs "powerlaw:n=200000,deg=10" --dtypes fp32 '
         "--rounds 1 --reps 10 --warmup 2 --max-time 0.3 --paths pyg,pyg-compile,geot,geot-compile && $ADD",
+        "# H200 (e2e_h200.csv): the same at 10M edges, added with --gpu h200",
+        'python bench/e2e.py --models sage-max --hidden 128 --graphs "powerlaw:n=1000000,deg=10" --dtypes fp32 '
+        "--rounds 1 --reps 5 --warmup 1 --max-time 0.3 --paths geot,geot-compile,pyg,pyg-compile",
     )
 
     def merge(self, current, runs):
