@@ -50,12 +50,12 @@ void edge_dot_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, con
                    const at::Tensor& b, at::Tensor& out);
 void edge_additive_score_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
                              const at::Tensor& b, const at::Tensor& att, double negative_slope, at::Tensor& out);
+void edge_additive_score_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
+                              const at::Tensor& b, const at::Tensor& att, double negative_slope, at::Tensor& out);
 // The max/min gradient on contiguous [rows, F] x, extremum and grad, indices of one dtype.
 at::Tensor extremum_grad_cpu(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
                              const at::Tensor& extremum, const at::Tensor& grad);
 at::Tensor extremum_grad_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
                               const at::Tensor& extremum, const at::Tensor& grad);
-void edge_additive_score_cuda(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,
-                              const at::Tensor& b, const at::Tensor& att, double negative_slope, at::Tensor& out);
 
 }  // namespace geot

@@ -118,7 +118,7 @@ at::Tensor extremum_grad_cuda(const at::Tensor& src_index, const at::Tensor& dst
       launch(std::true_type{});
     });
   });
-  return grad_x.scalar_type() == x.scalar_type() ? grad_x : grad_x.to(x.scalar_type());
+  return grad_x.to(x.scalar_type());  // (itself where x is fp32 / fp64)
 }
 
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
