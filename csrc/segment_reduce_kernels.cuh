@@ -246,8 +246,10 @@ __device__ __forceinline__ bool has_slot(const SegmentArgs<scalar_t, acc_t, inde
 
 // Merges a partial result into out[seg] (with slots: out[long_slot[seg]];
 // CHUNKED, SR with chunk slots where set: the row of the chunk where the
-// segment begins) with atomics.
-template <int N_T, class Op, bool CHUNKED = false, typename scalar_t, typename acc_t, typename index_t>
+// segment begins) with atomics. VECTOR_OUT: a.vector_out known to be set
+// (the per-element fallback, and its registers, compiled out).
+template <int N_T, class Op, bool CHUNKED = false, bool VECTOR_OUT = false, typename scalar_t, typename acc_t,
+          typename index_t>
 __device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg,
                                       int64_t col0, const acc_t (&acc)[N_T]) {
   if (seg < 0 || seg >= a.S) return;
@@ -258,34 +260,42 @@ __device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t
   if (row < 0) return;
   acc_t* o = a.out + row * a.F + col0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // sm_90 has 2- and 4-wide float atomicAdd: one atomic per thread, not N_t.
-  if constexpr (std::is_same_v<Op, SumOp<float>> && N_T == 4) {
-    if (a.vector_out) return (void)atomicAdd(reinterpret_cast<float4*>(o), make_float4(acc[0], acc[1], acc[2], acc[3]));
-  } else if constexpr (std::is_same_v<Op, SumOp<float>> && N_T == 2) {
-    if (a.vector_out) return (void)atomicAdd(reinterpret_cast<float2*>(o), make_float2(acc[0], acc[1]));
-  }
+  // sm_90 has 2- and 4-wide float atomicAdd: one atomic per 4 (or 2) features, not one each.
+  constexpr bool kVectorAtomics = std::is_same_v<Op, SumOp<float>> && (N_T % 4 == 0 || N_T == 2);
+#else
+  constexpr bool kVectorAtomics = false;
 #endif
+  if (kVectorAtomics && (VECTOR_OUT || a.vector_out)) {
+    if constexpr (N_T == 2) {
+      atomicAdd(reinterpret_cast<float2*>(o), make_float2(acc[0], acc[1]));
+    } else {
 #pragma unroll
-  for (int j = 0; j < N_T; ++j)
-    if (col0 + j < a.F) Op::atomic(o + j, acc[j]);
+      for (int j = 0; j < N_T; j += 4)
+        atomicAdd(reinterpret_cast<float4*>(o + j), make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N_T; ++j)
+      if (col0 + j < a.F) Op::atomic(o + j, acc[j]);
+  }
 }
 
 // Writes a whole segment's output (as segment_finalize_kernel would make
 // it) into final_out[seg]: no other thread touches it.
-template <int N_T, typename scalar_t, typename acc_t, typename index_t>
+template <int N_T, bool VECTOR_OUT = false, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void store_finished(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg,
                                                int64_t col0, const acc_t (&acc)[N_T], int64_t rows) {
   scalar_t* o = a.final_out + seg * a.F + col0;
-  if (a.vector_out) {
+  if (VECTOR_OUT || a.vector_out) {
     Pack<scalar_t, N_T> pack;
 #pragma unroll
     for (int j = 0; j < N_T; ++j) pack.v[j] = finished<scalar_t>(acc[j], rows, a.mean);
     *reinterpret_cast<Pack<scalar_t, N_T>*>(o) = pack;
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int j = 0; j < N_T; ++j)
-    if (col0 + j < a.F) o[j] = finished<scalar_t>(acc[j], rows, a.mean);
+    for (int j = 0; j < N_T; ++j)
+      if (col0 + j < a.F) o[j] = finished<scalar_t>(acc[j], rows, a.mean);
+  }
 }
 
 // Writes a thread's N_T accumulators at o (features col0.. of a row of F):
@@ -308,15 +318,16 @@ __device__ __forceinline__ void write_row(acc_t* o, int64_t col0, int64_t F, boo
 // slots: its output into final_out[seg]): no other thread touches it.
 // DET: a deterministic schedule's store, where fp32 / fp64 rows may write
 // final_out too (SP's); the default kernels of those compile without it.
-template <int N_T, bool DET = false, typename scalar_t, typename acc_t, typename index_t>
+// VECTOR_OUT: as flush's.
+template <int N_T, bool DET = false, bool VECTOR_OUT = false, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg, int64_t col0,
                                       acc_t (&acc)[N_T]) {
   if (seg < 0 || seg >= a.S) return;
   add_self_term(a, seg, col0, acc);
   if constexpr (DET || kHalfRows<scalar_t, acc_t>) {
-    if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
+    if (a.final_out) return store_finished<N_T, VECTOR_OUT>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
   }
-  write_row<N_T>(a.out + seg * a.F + col0, col0, a.F, a.vector_out, acc);
+  write_row<N_T>(a.out + seg * a.F + col0, col0, a.F, VECTOR_OUT || a.vector_out, acc);
 }
 
 // Writes a partial result into slot `slot` of the deterministic schedules' partial rows.
@@ -444,13 +455,41 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
 }
 
 // Minimum blocks an SM of the shared-ids kernel below, whose blocks are
-// 256 threads (shared_ids_config). Its default variant for half
-// rows waits on its loads: with its registers capped for 4 blocks an SM
-// (64 a thread; it spills a few bytes) twice the rows are in flight, and
-// with 4 features a lane it ran 1.06-1.32x as fast as with 8 uncapped
-// (H100, 3-8M-edge graphs, bf16, F = 64-256).
-template <typename scalar_t, typename acc_t, bool DET>
-constexpr int kSharedIdsMinBlocks = kHalfRows<scalar_t, acc_t> && !DET ? 4 : 1;
+// 256 threads (shared_ids_config). Its default variant for half rows waits
+// on its loads: registers capped (80 a thread with 8 features a lane, 64
+// with 4) keep more rows in flight an SM.
+template <typename scalar_t, typename acc_t, bool DET, int N_T>
+constexpr int kSharedIdsMinBlocks = kHalfRows<scalar_t, acc_t> && !DET ? (N_T == 8 ? 3 : 4) : 1;
+
+// A batch's gathered row in registers: half rows as stored (they widen as
+// they are added, so a batch in flight takes half the registers), others in
+// acc_t.
+template <typename scalar_t, typename acc_t, int N_T>
+using BatchRow = Pack<std::conditional_t<kHalfRows<scalar_t, acc_t>, scalar_t, acc_t>, N_T>;
+
+// Features col0 .. col0 + N_T of `row` (a row of F) into v, 0 past F; a lane
+// past F (!in_range) loads values it never adds. VECTOR (F % N_T == 0 and
+// aligned, known): one load, from the row's start past F. Else one aligned
+// load where `vector` and in range, per element otherwise. (Half rows ran
+// faster with the unconditional load, fp32 rows with the branch: H100.)
+template <bool VECTOR, int N_T, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void load_batch_row(const scalar_t* row, int64_t col0, int64_t F, bool in_range,
+                                               bool vector, BatchRow<scalar_t, acc_t, N_T>& v) {
+  if constexpr (kHalfRows<scalar_t, acc_t> && VECTOR) {
+    v = *reinterpret_cast<const Pack<scalar_t, N_T>*>(row + (in_range ? col0 : 0));
+  } else if constexpr (kHalfRows<scalar_t, acc_t>) {
+    if (vector && in_range) {
+      v = *reinterpret_cast<const Pack<scalar_t, N_T>*>(row + col0);
+    } else {
+      v = {};  // zero bits: 0 in every float type
+#pragma unroll
+      for (int j = 0; j < N_T; ++j)
+        if (col0 + j < F) v.v[j] = row[col0 + j];
+    }
+  } else {
+    load_columns<N_T>(row + col0, col0, F, vector && in_range, acc_t(0), v.v);
+  }
+}
 
 // SR with shared ids, for gathered rows of wide F (the fused sums; the launch
 // layer picks it: see wide_rows_config). A group of blockDim.x lanes (a
@@ -461,10 +500,13 @@ constexpr int kSharedIdsMinBlocks = kHalfRows<scalar_t, acc_t> && !DET ? 4 : 1;
 // lanes would each first wait on the ids of every row. Segments the group
 // sees whole are stored, the rest flushed (atomics), as in SR, chunk slots
 // included; DET (a.partial set): a group's rows are its chunk, and its runs
-// end in emit_run, as SR's. Sums only, one weight head: a row out of range
-// adds weight 0.
-template <typename scalar_t, typename acc_t, typename index_t, int N_T, bool DET>
-__global__ void __launch_bounds__(256, (kSharedIdsMinBlocks<scalar_t, acc_t, DET>))
+// end in emit_run, as SR's. Sums only, one weight head, a.gather set: a row
+// out of range adds weight 0. VECTOR: a.vector_loads and a.vector_out set
+// (their per-element fallbacks compiled out: the registers they hold, with
+// the loads kept half, took the half-row kernel from spilling 156 bytes at
+// 8 features a lane to none).
+template <typename scalar_t, typename acc_t, typename index_t, int N_T, bool DET, bool VECTOR>
+__global__ void __launch_bounds__(256, (kSharedIdsMinBlocks<scalar_t, acc_t, DET, N_T>))
     segment_reduce_shared_ids_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int rows_per_thread) {
   using Op = SumOp<acc_t>;
   const int width = blockDim.x, lane = threadIdx.x;
@@ -473,6 +515,7 @@ __global__ void __launch_bounds__(256, (kSharedIdsMinBlocks<scalar_t, acc_t, DET
   if (row_begin >= a.E) return;  // the whole group: its lanes share row_begin
   const int64_t row_end = min(row_begin + int64_t(rows_per_thread), a.E);
   const bool columns_in_range = col0 < a.F;
+  const bool vector_loads = VECTOR || a.vector_loads;
   const int first_lane = (threadIdx.y * width) & 31;
   const unsigned group_mask = width == 32 ? 0xffffffffu : ((1u << width) - 1u) << first_lane;
   constexpr bool CHUNKED = kHalfRows<scalar_t, acc_t> && !DET;
@@ -496,8 +539,8 @@ __global__ void __launch_bounds__(256, (kSharedIdsMinBlocks<scalar_t, acc_t, DET
   const auto finish_run = [&](bool whole) {
     if (!columns_in_range) return;
     if constexpr (DET) emit_run<N_T>(a, ends, seg, col0, acc, true);
-    else if (whole) store<N_T>(a, seg, col0, acc);
-    else flush<N_T, Op, CHUNKED>(a, seg, col0, acc);
+    else if (whole) store<N_T, false, VECTOR>(a, seg, col0, acc);
+    else flush<N_T, Op, CHUNKED, VECTOR>(a, seg, col0, acc);
   };
   constexpr int BATCH = 4;
   for (int64_t r0 = row_begin; r0 < row_end; r0 += width) {
@@ -505,14 +548,15 @@ __global__ void __launch_bounds__(256, (kSharedIdsMinBlocks<scalar_t, acc_t, DET
     // range, adds nothing), weight and segment.
     const int n = static_cast<int>(min(int64_t(width), row_end - r0));
     const int64_t r = r0 + min(lane, n - 1);
-    const index_t src_row = a.gather ? a.gather[r] : static_cast<index_t>(r);
+    const index_t src_row = a.gather[r];
     const bool in_range = lane < n && static_cast<uint64_t>(src_row) < static_cast<uint64_t>(a.src_rows);
     const index_t lane_src = in_range ? src_row : index_t(-1);
     const acc_t lane_weight = a.weight ? to_acc(a.weight[r]) : acc_t(1);
     const index_t lane_seg = a.index[r];  // past n: the last edge's segment, so padding never ends a run
     for (int j0 = 0; j0 < n; j0 += BATCH) {
       index_t s[BATCH];
-      acc_t w[BATCH], v[BATCH][N_T];
+      acc_t w[BATCH];
+      BatchRow<scalar_t, acc_t, N_T> v[BATCH];
 #pragma unroll
       for (int b = 0; b < BATCH; ++b) {
         const int j = min(j0 + b, n - 1);
@@ -520,8 +564,8 @@ __global__ void __launch_bounds__(256, (kSharedIdsMinBlocks<scalar_t, acc_t, DET
         const acc_t weight = a.weight ? __shfl_sync(group_mask, lane_weight, j, width) : acc_t(1);
         w[b] = j0 + b < n && row >= 0 ? weight : acc_t(0);
         s[b] = __shfl_sync(group_mask, lane_seg, j, width);
-        load_columns<N_T>(a.src + int64_t(row < 0 ? 0 : row) * a.F + col0, col0, a.F,
-                          a.vector_loads && columns_in_range, acc_t(0), v[b]);
+        load_batch_row<VECTOR, N_T, scalar_t, acc_t>(a.src + int64_t(row < 0 ? 0 : row) * a.F, col0, a.F,
+                                                      columns_in_range, vector_loads, v[b]);
       }
 #pragma unroll
       for (int b = 0; b < BATCH; ++b) {
@@ -533,7 +577,7 @@ __global__ void __launch_bounds__(256, (kSharedIdsMinBlocks<scalar_t, acc_t, DET
           for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
         }
 #pragma unroll
-        for (int j = 0; j < N_T; ++j) acc[j] += w[b] * v[b][j];
+        for (int j = 0; j < N_T; ++j) acc[j] += w[b] * to_acc(v[b].v[j]);
       }
     }
   }

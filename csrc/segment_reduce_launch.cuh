@@ -48,25 +48,47 @@ void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The shared-ids schedule's tile for rows of F: groups of up to a warp,
+// n_t features a lane, covering F or a multiple of n_t * 32 of it; 256
+// edges a group, 256 threads a block.
+inline Config shared_ids_config(int64_t F, int n_t = 4) {
+  int width = 1;
+  while (width < 32 && int64_t(n_t) * width < F) width *= 2;
+  return {n_t, width, 256, 256 / width, 1};
+}
+
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, bool DET>
 void launch_shared_ids_kernel(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, cudaStream_t stream) {
   const dim3 grid = feature_row_grid(ceil_div(a.E, c.M_t), c.T_M, a.F, N_T, c);
-  segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, DET><<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
+  const dim3 block(c.T_N, c.T_M);
+  if (a.vector_loads && a.vector_out) {
+    segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, DET, true><<<grid, block, 0, stream>>>(a, c.M_t);
+  } else {
+    segment_reduce_shared_ids_kernel<scalar_t, acc_t, index_t, N_T, DET, false><<<grid, block, 0, stream>>>(a, c.M_t);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// SR with shared ids (c: shared_ids_config's, 4 features a lane). The
-// default kernel of half rows keeps 4 a lane, its registers capped
-// (kSharedIdsMinBlocks); the deterministic one, not capped, takes 8 a lane
-// (16-byte loads) and half the lanes where F and the pointers allow.
+// SR with shared ids (c: shared_ids_config's, 4 features a lane). Half rows
+// take 8 a lane (16-byte loads) where F and the pointers allow: the lanes a
+// row needs halve, so each load moves as many bytes as an fp32 row's. The
+// default kernel then takes groups of up to a warp over 8 features a lane
+// (bf16 SpMM, H100, 3-8M-edge power-law and hub graphs, F = 64-256: 1.1-1.8x
+// as fast as 4 a lane); the deterministic one keeps its measured tiles, half
+// the lanes of c.
 template <typename scalar_t, typename acc_t, typename index_t>
 void launch_shared_ids(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
   if constexpr (sizeof(scalar_t) == 2) {
-    if (a.partial && c.T_N >= 2 && a.F % 8 == 0 && is_aligned(a.src, 16) && is_aligned(a.out, 8 * sizeof(acc_t)) &&
+    if (c.T_N >= 2 && a.F % 8 == 0 && is_aligned(a.src, 16) && is_aligned(a.out, 8 * sizeof(acc_t)) &&
         is_aligned(a.final_out, 16)) {
-      c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
+      if (a.partial) {
+        c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
+      } else {
+        c = shared_ids_config(a.F, 8);
+      }
       a.vector_loads = a.vector_out = true;
-      return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, true>(a, c, stream);
+      if (a.partial) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, true>(a, c, stream);
+      return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, false>(a, c, stream);
     }
   }
   if (a.partial) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 4, true>(a, c, stream);
@@ -453,14 +475,20 @@ inline bool half_short_segments(const RowReduction& r, int64_t E, int64_t F) {
 }
 
 // Gathered sums (and means) of rows of 64 features or more, on graphs of 2^20
-// edges or more with segments over kLongSegmentRows[1] rows: SR with shared
-// ids, groups of up to a warp covering 128 features, 256 edges each (in
+// edges or more with segments over kLongSegmentRows[1] rows, and (outside
+// deterministic mode) half rows of a multiple of 8 features on any such
+// graph: SR with shared ids, groups of up to a warp, 256 edges each (in
 // deterministic mode, a group's edges are its chunk). A hand rule until the
 // perf DB sweeps the schedule: there the learned configs lost to cuSPARSE's
-// SpMM (bench/spmm.py), whose row loads this schedule matches.
-inline bool use_shared_ids(const RowReduction& r, int64_t E, int64_t F) {
+// SpMM (bench/spmm.py), whose row loads this schedule matches. Half rows
+// on uniform-degree graphs (the rules' SP tiles, learned on fp32 rows) took
+// 1.1-1.4x as long as this schedule's 8 features a lane (H100, fp16 and
+// bf16, 3.2M and 12.8M edges of degree 16 and 32, F = 64-512).
+inline bool use_shared_ids(const RowReduction& r, int64_t E, int64_t F, bool det) {
+  const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
   return r.gather.has_value() && r.heads == 1 && (r.reduce == Reduce::Sum || r.reduce == Reduce::Mean) &&
-         !r.any_order && !r.config && F >= 64 && F % 4 == 0 && E >= (int64_t(1) << 20) && r.long_segments >= 2;
+         !r.any_order && !r.config && F >= 64 && F % 4 == 0 && E >= (int64_t(1) << 20) &&
+         (r.long_segments >= 2 || (half && !det && F % 8 == 0));
 }
 
 // fp16/bf16 gathered rows on the rules' SP tile of 8 lanes a row take 16 and
@@ -477,12 +505,6 @@ inline Config half_row_sp_config(Config c, const RowReduction& r, int64_t F, boo
     c.T_M = 4;
   }
   return c;
-}
-
-inline Config shared_ids_config(int64_t F) {
-  int width = 1;
-  while (width < 32 && 4 * width < F) width *= 2;
-  return {4, width, 256, 256 / width, 1};
 }
 
 // Any-order input only works with SR (PR and SP assume sorted segments); it
@@ -518,7 +540,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // flag of the global context, no dispatch.
   const bool det = at::globalContext().deterministicAlgorithms() && !r.any_order;
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
-  const bool shared_ids = use_shared_ids(r, E, F);
+  const bool shared_ids = use_shared_ids(r, E, F, det);
   const Config cfg =
       shared_ids ? shared_ids_config(F) : half_row_sp_config(reduction_config(r, E, F, det), r, F, half, det);
   // SP stores every output element itself (0 for empty segments); where no

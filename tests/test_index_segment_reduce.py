@@ -318,9 +318,39 @@ def test_half_rows_on_even_graphs(op, dtype, F):
     _check_wide_rows(op, dtype, F, dst, S, torch.randint(0, S, (dst.numel(),), device="cuda"))
 
 
-def _check_wide_rows(op, dtype, F, dst, S, src):
-    """The fused op on CUDA against a float64 reference (x has a row per destination too)."""
-    x = random_src(S, (F,), dtype, "cuda")
+@requires_cuda
+@pytest.mark.parametrize("F", [64, 72, 100, 512])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
+def test_half_rows_on_large_even_graphs(op, index_dtype, F):
+    """Every destination of in-degree 32, over 2^20 edges: half rows of a
+    multiple of 8 features take SR with shared ids at 8 features a lane
+    (use_shared_ids), others (F = 100) the rules' config."""
+    S = 40_000
+    dst = torch.arange(S, device="cuda").repeat_interleave(32)
+    src = torch.randint(0, S, (dst.numel(),), device="cuda")
+    _check_wide_rows(op, torch.bfloat16, F, dst.to(index_dtype), S, src.to(index_dtype))
+
+
+@requires_cuda
+@pytest.mark.parametrize("graph", ["even", "skewed"])
+def test_half_rows_unaligned(graph):
+    """x whose rows start off a 16-byte boundary (a view 1 element in):
+    shared ids fall back to 4 features a lane and per-element loads."""
+    if graph == "even":
+        S = 40_000
+        dst = torch.arange(S, device="cuda").repeat_interleave(32)
+        src = torch.randint(0, S, (dst.numel(),), device="cuda")
+    else:
+        dst, S, src = _large_skewed_graph()
+        dst, src = dst.cuda(), src.cuda()
+    _check_wide_rows("weighted_sum", torch.bfloat16, 128, dst, S, src, offset=1)
+
+
+def _check_wide_rows(op, dtype, F, dst, S, src, offset=0):
+    """The fused op on CUDA against a float64 reference (x has a row per
+    destination too; offset: x a view that many elements into its storage)."""
+    x = random_src(S * F + offset, (), dtype, "cuda")[offset:].view(S, F)
     w = random_src(dst.numel(), (), dtype, "cuda") if op == "weighted_sum" else None
     scale = torch.tensor([1.25], device="cuda")
     if op == "weighted_sum":
@@ -330,13 +360,13 @@ def _check_wide_rows(op, dtype, F, dst, S, src):
     else:
         out = torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale)
     # float64 reference on the GPU (the messages take ~1 GB)
-    msg = x.double()[src]
+    msg = x.double()[src.long()]
     if w is not None:
         msg = msg * w.double()[:, None]
-    ref = torch.zeros(S, F, dtype=torch.float64, device="cuda").index_add_(0, dst, msg)
-    magnitude = torch.zeros_like(ref).index_add_(0, dst, msg.abs())
+    ref = torch.zeros(S, F, dtype=torch.float64, device="cuda").index_add_(0, dst.long(), msg)
+    magnitude = torch.zeros_like(ref).index_add_(0, dst.long(), msg.abs())
     if op == "mean":
-        counts = torch.bincount(dst, minlength=S).clamp_min(1).double()[:, None]
+        counts = torch.bincount(dst.long(), minlength=S).clamp_min(1).double()[:, None]
         ref, magnitude = ref / counts, magnitude / counts
     if op == "sum_plus_scaled":
         ref = ref + 1.25 * x.double()
