@@ -49,12 +49,27 @@ void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 }
 
 // The shared-ids schedule's tile for rows of F: groups of up to a warp,
-// n_t features a lane, covering F or a multiple of n_t * 32 of it; 256
+// n_t features a lane, covering F or a multiple of n_t * 32 of it; m_t
 // edges a group, 256 threads a block.
-inline Config shared_ids_config(int64_t F, int n_t = 4) {
+inline Config shared_ids_config(int64_t F, int n_t = 4, int m_t = 256) {
   int width = 1;
   while (width < 32 && int64_t(n_t) * width < F) width *= 2;
-  return {n_t, width, 256, 256 / width, 1};
+  return {n_t, width, m_t, 256 / width, 1};
+}
+
+// Edges a group of the half-row shared-ids tile (8 features a lane) walks:
+// 256 on graphs of 2^20 edges or more; on smaller ones 16-128, the power of
+// two nearest to what spreads the edges over 2^17 lanes. (H100, bf16: on
+// 88k-1M-edge graphs at F = 64-256 the kernel takes within 13% of the best
+// of 16-128 edges a group; the whole op on pubmed, against the rules' SR
+// tile, 1.07x as fast at F = 64 and 1.36x at F = 128.)
+inline int half_shared_ids_rows(int64_t E, int64_t F) {
+  if (E >= (int64_t(1) << 20)) return 256;
+  const Config tile = shared_ids_config(F, 8);
+  const int64_t lanes_per_edge = int64_t(tile.T_N) * ceil_div(F, int64_t(8) * tile.T_N);
+  int m_t = 16;
+  while (m_t < 128 && int64_t(3 * m_t) << 16 <= E * lanes_per_edge) m_t *= 2;
+  return m_t;
 }
 
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, bool DET>
@@ -69,26 +84,29 @@ void launch_shared_ids_kernel(const SegmentArgs<scalar_t, acc_t, index_t>& a, co
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// SR with shared ids (c: shared_ids_config's, 4 features a lane). Half rows
-// take 8 a lane (16-byte loads) where F and the pointers allow: the lanes a
-// row needs halve, so each load moves as many bytes as an fp32 row's. The
-// default kernel then takes groups of up to a warp over 8 features a lane
-// (bf16 SpMM, H100, 3-8M-edge power-law and hub graphs, F = 64-256: 1.1-1.8x
-// as fast as 4 a lane); the deterministic one keeps its measured tiles, half
-// the lanes of c.
+// SR with shared ids (c: shared_ids_config's). Half rows take 8 features a
+// lane (16-byte loads) where F and the pointers allow: the lanes a row
+// needs halve, so each load moves as many bytes as an fp32 row's. Outside
+// deterministic mode c has them already (groups of up to a warp over 8 a
+// lane; bf16 SpMM, H100, 3-8M-edge power-law and hub graphs, F = 64-256:
+// 1.1-1.8x as fast as 4 a lane), and unaligned rows take 4 a lane over the
+// same edges; the deterministic schedule keeps its measured tiles, 4 a lane
+// or half their lanes at 8.
 template <typename scalar_t, typename acc_t, typename index_t>
 void launch_shared_ids(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
   if constexpr (sizeof(scalar_t) == 2) {
-    if (c.T_N >= 2 && a.F % 8 == 0 && is_aligned(a.src, 16) && is_aligned(a.out, 8 * sizeof(acc_t)) &&
-        is_aligned(a.final_out, 16)) {
-      if (a.partial) {
-        c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
-      } else {
-        c = shared_ids_config(a.F, 8);
-      }
+    const bool wide = a.F % 8 == 0 && is_aligned(a.src, 16) && is_aligned(a.out, 8 * sizeof(acc_t)) &&
+                      is_aligned(a.final_out, 16);
+    if (a.partial && wide && c.T_N >= 2) {
+      c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
       a.vector_loads = a.vector_out = true;
-      if (a.partial) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, true>(a, c, stream);
-      return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, false>(a, c, stream);
+      return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, true>(a, c, stream);
+    }
+    if (!a.partial && c.N_t == 8) {
+      if (wide) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, false>(a, c, stream);
+      c = shared_ids_config(a.F, 4, c.M_t);  // (the chunk slots follow M_t)
+      a.vector_loads = a.F % 4 == 0 && is_aligned(a.src, 4 * sizeof(scalar_t));
+      a.vector_out = a.F % 4 == 0 && is_aligned(a.out, 4 * sizeof(acc_t)) && is_aligned(a.final_out, 4 * sizeof(scalar_t));
     }
   }
   if (a.partial) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 4, true>(a, c, stream);
@@ -476,9 +494,10 @@ inline bool half_short_segments(const RowReduction& r, int64_t E, int64_t F) {
 
 // Gathered sums (and means) of rows of 64 features or more, on graphs of 2^20
 // edges or more with segments over kLongSegmentRows[1] rows, and (outside
-// deterministic mode) half rows of a multiple of 8 features on any such
-// graph: SR with shared ids, groups of up to a warp, 256 edges each (in
-// deterministic mode, a group's edges are its chunk). A hand rule until the
+// deterministic mode) half rows of a multiple of 8 features on graphs of
+// 2^16 edges or more: SR with shared ids, groups of up to a warp, 256 edges
+// each (half rows: half_shared_ids_rows; in deterministic mode, a group's
+// edges are its chunk). A hand rule until the
 // perf DB sweeps the schedule: there the learned configs lost to cuSPARSE's
 // SpMM (bench/spmm.py), whose row loads this schedule matches. Half rows
 // on uniform-degree graphs (the rules' SP tiles, learned on fp32 rows) took
@@ -486,9 +505,10 @@ inline bool half_short_segments(const RowReduction& r, int64_t E, int64_t F) {
 // bf16, 3.2M and 12.8M edges of degree 16 and 32, F = 64-512).
 inline bool use_shared_ids(const RowReduction& r, int64_t E, int64_t F, bool det) {
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
-  return r.gather.has_value() && r.heads == 1 && (r.reduce == Reduce::Sum || r.reduce == Reduce::Mean) &&
-         !r.any_order && !r.config && F >= 64 && F % 4 == 0 && E >= (int64_t(1) << 20) &&
-         (r.long_segments >= 2 || (half && !det && F % 8 == 0));
+  const bool fits = r.gather.has_value() && r.heads == 1 && (r.reduce == Reduce::Sum || r.reduce == Reduce::Mean) &&
+                    !r.any_order && !r.config && F >= 64 && F % 4 == 0;
+  const bool skewed = E >= (int64_t(1) << 20) && r.long_segments >= 2;
+  return fits && (skewed || (half && !det && F % 8 == 0 && E >= (int64_t(1) << 16)));
 }
 
 // fp16/bf16 gathered rows on the rules' SP tile of 8 lanes a row take 16 and
@@ -541,8 +561,9 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const bool det = at::globalContext().deterministicAlgorithms() && !r.any_order;
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
   const bool shared_ids = use_shared_ids(r, E, F, det);
-  const Config cfg =
-      shared_ids ? shared_ids_config(F) : half_row_sp_config(reduction_config(r, E, F, det), r, F, half, det);
+  const Config cfg = !shared_ids             ? half_row_sp_config(reduction_config(r, E, F, det), r, F, half, det)
+                     : half && !det && F % 8 == 0 ? shared_ids_config(F, 8, half_shared_ids_rows(E, F))
+                                                   : shared_ids_config(F);
   // SP stores every output element itself (0 for empty segments); where no
   // segment can pass its cap (no overflow pass adds to it) it writes the
   // output directly (SegmentArgs::final_out). Where validation saw no

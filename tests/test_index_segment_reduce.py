@@ -304,13 +304,14 @@ def test_wide_rows_on_large_skewed_graphs(op, dtype, F):
 
 
 @requires_cuda
-@pytest.mark.parametrize("F", [64, 192])
+@pytest.mark.parametrize("F", [128, 192])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
 def test_half_rows_on_even_graphs(op, dtype, F):
-    """Every destination of even in-degree 16: the rules take SP, whose tile
-    the launch widens for half rows (half_row_sp_config) on the H100."""
-    S = 20_000
+    """Every destination of even in-degree 16, under 2^16 edges (larger
+    graphs take shared ids): the rules take SP, whose tile the launch widens
+    for half rows (half_row_sp_config) on the H100."""
+    S = 4_000
     dst = torch.arange(S, device="cuda").repeat_interleave(16)
     if torch.cuda.get_device_name().startswith("NVIDIA H100"):  # the path under test is taken
         rule = geot.explain(dst.numel(), S, F, gathered=True, long_segments=0)
@@ -333,13 +334,27 @@ def test_half_rows_on_large_even_graphs(op, index_dtype, F):
 
 
 @requires_cuda
-@pytest.mark.parametrize("graph", ["even", "skewed"])
+@pytest.mark.parametrize("F", [64, 200])
+@pytest.mark.parametrize("graph", ["many_segments", "few_segments"])
+@pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
+def test_half_rows_on_mid_size_graphs(op, graph, F):
+    """2^16-2^20 edges: half rows take SR with shared ids, groups of 16-128
+    edges (half_shared_ids_rows); with fewer segments than groups the
+    partial sums go to an [S, F] buffer instead of chunk rows."""
+    S = 20_000 if graph == "many_segments" else 300
+    dst = torch.sort(torch.randint(0, S, (150_000,), device="cuda")).values
+    src = torch.randint(0, S, (dst.numel(),), device="cuda")
+    _check_wide_rows(op, torch.float16, F, dst, S, src)
+
+
+@requires_cuda
+@pytest.mark.parametrize("graph", ["even", "mid_size", "skewed"])
 def test_half_rows_unaligned(graph):
     """x whose rows start off a 16-byte boundary (a view 1 element in):
     shared ids fall back to 4 features a lane and per-element loads."""
-    if graph == "even":
+    if graph in ("even", "mid_size"):
         S = 40_000
-        dst = torch.arange(S, device="cuda").repeat_interleave(32)
+        dst = torch.arange(S, device="cuda").repeat_interleave(32 if graph == "even" else 3)
         src = torch.randint(0, S, (dst.numel(),), device="cuda")
     else:
         dst, S, src = _large_skewed_graph()
