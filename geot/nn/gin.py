@@ -125,7 +125,11 @@ def _sum_writes_half(graph: SortedGraph, num_features: int, num_nodes: int) -> b
     csrc/segment_reduce_launch.cuh): SP with the long-segment level
     validation measures (here from the longest segment; segments past SP's
     cap take a few slots, counted as none). SR keeps its chunk rows (one per
-    M_t edges, or one per segment), PR one per segment."""
+    M_t edges, or one per segment), PR one per segment. (Rows of 64 or more
+    features, a multiple of 8, on graphs of 2^16 edges or more take SR with
+    shared ids whatever the rules say, keeping one chunk row per 16-256
+    edges; this still reports the rules' schedule, so casting first stays
+    where they pick SP: the half-row sum reads half the bytes.)"""
     edges = graph.dst.numel()
     if not edges or not validation.validation_enabled():  # unvalidated SP: no level, the [S, F] buffer
         return False
