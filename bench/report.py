@@ -431,7 +431,9 @@ class Spmm(Bench):
                 "python bench/spmm.py --sections dtypes --graphs powerlaw hubs uniform powerlaw:n=840000,deg=10 "
                 "uniform:n=400000,d=32 --F 64 96 128 256 512",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv "
-                "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100")
+                "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100",
+                "python bench/spmm.py --sections dtypes --graphs cora citeseer pubmed powerlaw_small --F 8 16 32 64 128",
+                "python bench/report.py --add spmm bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100")
 
     def section(self, df, gpu, img_dir):
         half = df[df["dtype"] != "float32"]
