@@ -28,6 +28,15 @@ namespace launch {
 // Whether p is aligned for vector accesses of `bytes` (null counts as aligned).
 inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// a's vector flags for n_t features a thread: F a multiple of n_t, the rows
+// read (vector_loads) and written (vector_out) aligned to n_t elements.
+template <typename scalar_t, typename acc_t, typename index_t>
+void set_vector_flags(SegmentArgs<scalar_t, acc_t, index_t>& a, int n_t) {
+  a.vector_loads = a.F % n_t == 0 && is_aligned(a.src, sizeof(scalar_t) * n_t);
+  a.vector_out = a.F % n_t == 0 && is_aligned(a.out, sizeof(acc_t) * n_t) &&
+                 is_aligned(a.final_out, sizeof(scalar_t) * n_t);
+}
+
 inline dim3 feature_row_grid(int64_t rows, int64_t row_tile, int64_t F, int N_T, const Config& c) {
   const int64_t col_blocks = ceil_div(ceil_div(F, N_T), c.T_N);
   TORCH_CHECK_VALUE(col_blocks <= 65535, "src has too many features (", std::to_string(F), ") for config ", config_to_string(c),
@@ -105,8 +114,7 @@ void launch_shared_ids(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaSt
     if (!a.partial && c.N_t == 8) {
       if (wide) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, false>(a, c, stream);
       c = shared_ids_config(a.F, 4, c.M_t);  // (the chunk slots follow M_t)
-      a.vector_loads = a.F % 4 == 0 && is_aligned(a.src, 4 * sizeof(scalar_t));
-      a.vector_out = a.F % 4 == 0 && is_aligned(a.out, 4 * sizeof(acc_t)) && is_aligned(a.final_out, 4 * sizeof(scalar_t));
+      set_vector_flags(a, 4);
     }
   }
   if (a.partial) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 4, true>(a, c, stream);
@@ -371,9 +379,7 @@ inline Config with_head_aligned_n_t(Config c, int64_t F, int64_t heads) {
 template <typename scalar_t, typename acc_t, typename index_t, class Op, bool FUSED>
 void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
   c = with_head_aligned_n_t(c, a.F, a.heads);
-  a.vector_loads = a.F % c.N_t == 0 && is_aligned(a.src, sizeof(scalar_t) * c.N_t);
-  a.vector_out = a.F % c.N_t == 0 && is_aligned(a.out, sizeof(acc_t) * c.N_t) &&
-                 is_aligned(a.final_out, sizeof(scalar_t) * c.N_t);
+  set_vector_flags(a, c.N_t);
   switch (c.N_t) {
     case 1: return launch_tiles<scalar_t, acc_t, index_t, 1, Op, FUSED>(a, c, stream);
     case 2: return launch_tiles<scalar_t, acc_t, index_t, 2, Op, FUSED>(a, c, stream);
