@@ -104,16 +104,14 @@ void launch_shared_ids_kernel(const SegmentArgs<scalar_t, acc_t, index_t>& a, co
 template <typename scalar_t, typename acc_t, typename index_t>
 void launch_shared_ids(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
   if constexpr (sizeof(scalar_t) == 2) {
-    const bool wide = a.F % 8 == 0 && is_aligned(a.src, 16) && is_aligned(a.out, 8 * sizeof(acc_t)) &&
-                      is_aligned(a.final_out, 16);
-    if (a.partial && wide && c.T_N >= 2) {
-      c.N_t = 8, c.T_N /= 2, c.T_M *= 2;
-      a.vector_loads = a.vector_out = true;
-      return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, true>(a, c, stream);
-    }
-    if (!a.partial && c.N_t == 8) {
-      if (wide) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, false>(a, c, stream);
-      c = shared_ids_config(a.F, 4, c.M_t);  // (the chunk slots follow M_t)
+    if (c.N_t == 8 || (a.partial && c.T_N >= 2)) {
+      set_vector_flags(a, 8);
+      if (a.vector_loads && a.vector_out) {
+        if (c.N_t != 8) c.N_t = 8, c.T_N /= 2, c.T_M *= 2;  // deterministic: half its tile's lanes
+        if (a.partial) return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, true>(a, c, stream);
+        return launch_shared_ids_kernel<scalar_t, acc_t, index_t, 8, false>(a, c, stream);
+      }
+      if (c.N_t == 8) c = shared_ids_config(a.F, 4, c.M_t);  // (the chunk slots follow M_t)
       set_vector_flags(a, 4);
     }
   }
