@@ -112,15 +112,16 @@ def deterministic_block(df: pd.DataFrame, vs_native: str) -> List[str]:
     return out
 
 
-def peer_summary(df: pd.DataFrame, group: str, peers: Sequence[Tuple[str, str]], below_one: bool = False) -> str:
+def peer_summary(df: pd.DataFrame, group: str, peers: Sequence[Tuple[str, str]], below_one: bool = False,
+                 keys: Sequence[str] = ("graph", "H")) -> str:
     """A table per group value and peer: the geomean and worst cell of the
     peer's speedup column (peers: (column, label)), over the cells keyed by
-    graph and H; below_one: also how many cells are below 1."""
+    `keys`; below_one: also how many cells are below 1."""
     header = [group, "against", "geomean", "worst cell"] + (["cells below 1"] if below_one else [])
     rows = []
     for value, sel in df.groupby(group, sort=False):
         for column, label in peers:
-            row = [value, label, f"{geomean(sel[column]):.2f}×", worst_cell(sel, column, ("graph", "H"))]
+            row = [value, label, f"{geomean(sel[column]):.2f}×", worst_cell(sel, column, keys)]
             if below_one:
                 row.append(f"{int((sel[column] < 1).sum())} of {int(sel[column].notna().sum())}")
             rows.append(row)
@@ -433,7 +434,11 @@ class Spmm(Bench):
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv "
                 "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100",
                 "python bench/spmm.py --sections dtypes --graphs cora citeseer pubmed powerlaw_small --F 8 16 32 64 128",
-                "python bench/report.py --add spmm bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100")
+                "python bench/report.py --add spmm bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100",
+                "python bench/spmm.py --sections fwd dtypes --deterministic --graphs cora citeseer pubmed "
+                "powerlaw_small --F 64 96 128 256 512",
+                "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv "
+                "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100")
 
     def section(self, df, gpu, img_dir):
         half = df[df["dtype"] != "float32"]
@@ -479,6 +484,58 @@ class Spmm(Bench):
                 rows.append([f"SpMM forward, {label} (`spmm.py`, {cells(len(sel))})", "cuSPARSE (`torch.sparse.mm`, CSR)",
                              f"{geomean(sel['x_vs_cusparse']):.2f}×"])
         return rows
+
+
+DTYPE_LABELS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+class SpmmFwdbwd(Bench):
+    name = "spmm_fwdbwd"
+    title = "SpMM forward + backward (`bench/spmm.py --sections fwdbwd`)"
+    keys = ("graph", "F", "dtype")
+    about = (
+        "A training step's SpMM: `geot.index_weight_segment_reduce(src, dst, w, x, \"sum\", S)` forward, then the "
+        "gradients of x and w, in fp32 and bf16. geot as a user calls it (the x-gradient reduces by source with "
+        "atomics), and with a `geot.TransposedIndex` cached beside the graph (its sorted reverse order); against "
+        "the composite `zeros(S, F).index_add_(0, dst, x.index_select(0, src) * w[:, None])` with autograd, and "
+        "cuSPARSE's `torch.sparse.mm` (x-gradient only: torch has no gradient for a CSR tensor's values, so it "
+        "does less work). GPU time per step, medians. On graphs of 10^5 edges or fewer a step is a few dozen "
+        "launches of a few microseconds each, issued from Python's autograd: host-bound, its cells move by up to 5× "
+        "between widths and runs. A peer whose bf16 result misses the float64 reference (the composite's bf16 "
+        "`index_add_`, in two cells) is left out (`–`)."
+    )
+    commands = ("python bench/spmm.py --sections fwdbwd --graphs cora citeseer pubmed powerlaw_small powerlaw hubs "
+                "uniform --F 64 96 128 256 512",
+                "python bench/report.py --add spmm_fwdbwd bench/out/spmm_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100")
+
+    @staticmethod
+    def speedups(df):
+        df = df.copy()
+        df["x_vs_composite"] = df["composite"] / df["geot"]
+        df["x_cached_vs_composite"] = df["composite"] / df["geot_transposed"]
+        return df
+
+    def section(self, df, gpu, img_dir):
+        df = self.speedups(df)
+        peers = (("x_vs_composite", "composite, geot as called"),
+                 ("x_cached_vs_composite", "composite, geot with a cached `TransposedIndex`"))
+        out = [peer_summary(df, "dtype", peers, below_one=True, keys=("graph", "F"))]
+        image = f"spmm_fwdbwd_{gpu}.png"
+        lines = df.assign(graph=df["graph"] + " " + df["dtype"].map(DTYPE_LABELS))
+        speedup_plot(lines, "x_vs_composite", "speedup over the composite", os.path.join(img_dir, image))
+        out.append(f"\n![SpMM forward + backward: speedup over the composite]({os.path.basename(img_dir)}/{image})\n")
+        rows = [[r["graph"], r["E"], r["F"], r["dtype"], us(r["geot"]), us(r["geot_transposed"]), us(r["composite"]),
+                 us(r["cusparse_xgrad"]), fmt(r["x_vs_composite"], 2, "×"), fmt(r["x_cached_vs_composite"], 2, "×")]
+                for _, r in df.iterrows()]
+        out.append("\nEvery cell (µs):\n")
+        out.append(markdown_table(["graph", "E", "F", "dtype", "geot", "geot, cached", "composite", "cuSPARSE (x-grad)",
+                                   "× composite", "× composite, cached"], rows, "lrrlrrrrrr"))
+        return "\n".join(out)
+
+    def headline(self, df):
+        df = self.speedups(df)
+        return [[f"SpMM forward + backward, fp32 and bf16 (`spmm.py --sections fwdbwd`, {cells(len(df))})",
+                 "`index_select` + `index_add_` with autograd", f"{geomean(df['x_vs_composite']):.2f}×"]]
 
 
 def panel_plot(df: pd.DataFrame, panel: str, title: str, path: str) -> None:
@@ -886,8 +943,9 @@ def speedup_plot(df, column, ylabel, path):
     save_figure(fig, path)
 
 
-BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), HeteroAttention(), HeteroSoftmax(), GinSum(),
-                                                  MiniBatch(), ChangingGraph(), RelationalGNN(), MultiGpu(), Sddmm())}
+BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), SpmmFwdbwd(), HeteroAttention(),
+                                                  HeteroSoftmax(), GinSum(), MiniBatch(), ChangingGraph(),
+                                                  RelationalGNN(), MultiGpu(), Sddmm())}
 
 
 # ----------------------------------------------------------------------------

@@ -10,9 +10,10 @@ Sections (each a table, a CSV under bench/out and $OUT, and geomeans):
               composite  zeros(S, F).index_add_(0, dst, x.index_select(0, src) * w[:, None])
   dtypes    the same for float16 / bfloat16 (geot, cusparse, composite)
   heads     multi-head weights [E, H], x [N, H, F/H] (geot vs composite)
-  fwdbwd    forward + backward wrt x and w: geot (atomic x-grad), geot with a
-            cached geot.TransposedIndex, the composite with autograd, and
-            cusparse (x-grad only: torch has no CSR value gradient here)
+  fwdbwd    forward + backward wrt x and w (fp32 and bf16: --fwdbwd-dtypes):
+            geot (atomic x-grad), geot with a cached geot.TransposedIndex,
+            the composite with autograd, and cusparse (x-grad only: torch
+            has no CSR value gradient here)
   overhead  host time per call on a small graph: many calls back to back,
             wall clock / count (validation on with its cache, and off)
 
@@ -203,10 +204,10 @@ def head_rows(p: Problem, heads: int, F: int, args):
     return row
 
 
-def fwdbwd_rows(p: Problem, F: int, args):
-    x0 = torch.randn(p.num_nodes, F, device=args.device)
-    w0 = p.w.clone()
-    grad = torch.randn(p.num_nodes, F, device=args.device)
+def fwdbwd_rows(p: Problem, F: int, dtype, args):
+    x0 = torch.randn(p.num_nodes, F, device=args.device, dtype=dtype)
+    w0 = p.w.to(dtype)
+    grad = torch.randn(p.num_nodes, F, device=args.device, dtype=dtype)
 
     def step(forward, with_w=True):
         x = x0.clone().requires_grad_()
@@ -219,18 +220,19 @@ def fwdbwd_rows(p: Problem, F: int, args):
         "geot_transposed": lambda: step(lambda w, x: p.geot(w, x, p.transposed)),
         "composite": lambda: step(p.composite),
     }
-    A = p.csr(torch.float32)
+    A = p.csr(dtype)
     fns["cusparse_xgrad"] = lambda: step(lambda w, x: torch.sparse.mm(A, x), with_w=False)
     # x-gradient reference: the transposed product in float64
-    ref = torch.zeros_like(x0, dtype=torch.float64).index_add_(
-        0, p.src, grad.double().index_select(0, p.dst) * w0.double()[:, None])
-    scale = torch.zeros_like(ref).index_add_(0, p.src, grad.double().abs().index_select(0, p.dst) * w0.double()[:, None])
-    row = {"graph": p.name, "E": p.E, "F": F}
+    w64, g64 = w0.double(), grad.double()
+    ref = torch.zeros_like(x0, dtype=torch.float64).index_add_(0, p.src, g64.index_select(0, p.dst) * w64[:, None])
+    scale = torch.zeros_like(ref).index_add_(0, p.src, g64.abs().index_select(0, p.dst) * w64.abs()[:, None])
+    rtol = 1e-4 if dtype == torch.float32 else 2e-2
+    row = {"graph": p.name, "E": p.E, "F": F, "dtype": str(dtype).replace("torch.", "")}
     for name, fn in fns.items():
         try:
-            row[name] = timed(fn, args, ref, scale)
+            row[name] = timed(fn, args, ref, scale, rtol)
         except Exception as err:
-            print(f"  {p.name} F={F} {name}: {type(err).__name__}: {str(err)[:100]}")
+            print(f"  {p.name} F={F} {row['dtype']} {name}: {type(err).__name__}: {str(err)[:100]}")
             row[name] = float("nan")
     return row
 
@@ -300,12 +302,15 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--deterministic", action="store_true",
                     help="fwd, dtypes: also time geot and the native peers in deterministic mode")
+    ap.add_argument("--fwdbwd-dtypes", nargs="+", default=["float32", "bfloat16"],
+                    choices=["float32", "float16", "bfloat16"], help="fwdbwd: the dtypes of x, w and the gradient")
     ap.add_argument("--rules", default=None,
                     help="geot's config rules: learned (each GPU's own, the default), heuristic, or a rule set's slug "
                          "(geot.rule_sets()); the CSV names get _rules-<mode> (GEOT_RULES sets the same)")
     args = ap.parse_args(argv)
     args.graphs = args.graphs or (QUICK_GRAPHS if args.quick else DEFAULT_GRAPHS)
     args.F = args.F or ([1, 32] if args.quick else DEFAULT_F)
+    args.fwdbwd_dtypes = [getattr(torch, name) for name in args.fwdbwd_dtypes]
     if args.quick:
         args.warmup, args.reps = 1, 3
     return args
@@ -337,7 +342,7 @@ def main(argv=None):
         report(pd.DataFrame(rows), "forward, multi-head [E, H] weights (ms)", ("composite",),
                f"spmm_heads_{slug}.csv")
     if "fwdbwd" in args.sections:
-        rows = [fwdbwd_rows(p, F, args) for p in problems for F in args.F]
+        rows = [fwdbwd_rows(p, F, dtype, args) for dtype in args.fwdbwd_dtypes for p in problems for F in args.F]
         df = pd.DataFrame(rows)
         df["geot_transposed_vs_geot"] = df["geot"] / df["geot_transposed"]
         report(df, "forward + backward wrt x and w (ms)", ("composite", "cusparse_xgrad"),

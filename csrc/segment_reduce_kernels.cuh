@@ -373,6 +373,38 @@ __device__ __forceinline__ void write_codes(const SegmentArgs<scalar_t, acc_t, i
   a.partial_code[2 * c.chunk + 1] = slot_code(last, c.tail && reduced_segment<OVERFLOW_ONLY>(a, c.last));
 }
 
+// SP's overflow rows among a thread's rows [begin, end), when the pass adds
+// in place (no slots, not deterministic) and end - begin <= cap: a segment
+// that starts after `begin` has fewer than cap rows by `end`, so only the
+// segment of row `begin` can have overflow rows here, and they are one run,
+// [ptr[s] + cap, ptr[s + 1]) clipped to the thread's rows. The run is
+// reduced with no per-row segment ids and flushed once: the per-row test
+// (two dependent id loads a row before the row's) kept this pass
+// latency-bound on hub-heavy graphs.
+template <bool FUSED, int N_T, class Op, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ void reduce_overflow_run(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t begin,
+                                                    int64_t end, int64_t col0, int64_t head) {
+  const int64_t seg = a.index[begin];
+  if (seg < 0 || seg >= a.S) return;
+  const int64_t first = max(begin, a.ptr[seg] + a.cap), last = min(end, a.ptr[seg + 1]);
+  if (first >= last) return;
+  acc_t acc[N_T];
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();
+  constexpr int BATCH = 8;  // no segment ids held: twice SR's batch of 4-feature rows in flight
+  for (int64_t r0 = first; r0 < last; r0 += BATCH) {
+    acc_t v[BATCH][N_T];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b)
+      load_or_identity<FUSED, N_T, Op>(a, min(r0 + b, last - 1), col0, head, r0 + b < last, v[b]);
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b)
+#pragma unroll
+      for (int j = 0; j < N_T; ++j) acc[j] = Op::combine(acc[j], v[b][j]);
+  }
+  flush<N_T, Op>(a, seg, col0, acc);
+}
+
 // SR. Block (T_N, T_M): x spans features (N_t each), y spans row chunks of
 // rows_per_thread (M_t). Grid (row chunks / T_M, feature columns / T_N).
 // OVERFLOW_ONLY: the SR pass after SP, which takes only the rows past the SP
@@ -387,6 +419,10 @@ __global__ void segment_reduce_sr_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   if (OVERFLOW_ONLY && *a.longest <= a.cap) return;  // (the combine levels return as well)
   const int64_t head = weight_head(a, col0);
   const int64_t row_end = min(row_begin + int64_t(rows_per_thread), a.E);
+  if constexpr (OVERFLOW_ONLY && !DET) {
+    if (!a.long_slot && rows_per_thread <= a.cap)
+      return reduce_overflow_run<FUSED, N_T, Op>(a, row_begin, row_end, col0, head);
+  }
   // Deterministic (DET: a.partial set): each run of a segment ends in
   // emit_run, not in an atomic. A template parameter: the default kernels
   // compile without its code (it took them from 64 to 96 registers).

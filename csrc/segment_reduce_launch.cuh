@@ -66,13 +66,13 @@ inline Config shared_ids_config(int64_t F, int n_t = 4, int m_t = 256) {
   return {n_t, width, m_t, 256 / width, 1};
 }
 
-// Edges a group of the half-row shared-ids tile (8 features a lane) walks:
+// Edges a group of the shared-ids tile walks outside deterministic mode:
 // 256 on graphs of 2^20 edges or more; on smaller ones 16-128, the power of
-// two nearest to what spreads the edges over 2^17 lanes. (H100, bf16: on
-// 88k-1M-edge graphs at F = 64-256 the kernel takes within 13% of the best
-// of 16-128 edges a group; the whole op on pubmed, against the rules' SR
-// tile, 1.07x as fast at F = 64 and 1.36x at F = 128.)
-inline int half_shared_ids_rows(int64_t E, int64_t F) {
+// two nearest to what spreads the edges over 2^17 lanes of 8 features.
+// (H100, bf16: on 88k-1M-edge graphs at F = 64-256 the kernel takes within
+// 13% of the best of 16-128 edges a group; on 9k-100k-edge graphs at
+// F = 64-512, bf16 and fp32, within 16%.)
+inline int shared_ids_rows(int64_t E, int64_t F) {
   if (E >= (int64_t(1) << 20)) return 256;
   const Config tile = shared_ids_config(F, 8);
   const int64_t lanes_per_edge = int64_t(tile.T_N) * ceil_div(F, int64_t(8) * tile.T_N);
@@ -496,23 +496,28 @@ inline bool half_short_segments(const RowReduction& r, int64_t E, int64_t F) {
   return half && !r.any_order && E < (int64_t(1) << 16) && F <= (r.gather.has_value() ? 32 : 64);
 }
 
-// Gathered sums (and means) of rows of 64 features or more, on graphs of 2^20
-// edges or more with segments over kLongSegmentRows[1] rows, and (outside
-// deterministic mode) half rows of a multiple of 8 features on graphs of
-// 2^16 edges or more: SR with shared ids, groups of up to a warp, 256 edges
-// each (half rows: half_shared_ids_rows; in deterministic mode, a group's
-// edges are its chunk). A hand rule until the
-// perf DB sweeps the schedule: there the learned configs lost to cuSPARSE's
-// SpMM (bench/spmm.py), whose row loads this schedule matches. Half rows
-// on uniform-degree graphs (the rules' SP tiles, learned on fp32 rows) took
-// 1.1-1.4x as long as this schedule's 8 features a lane (H100, fp16 and
-// bf16, 3.2M and 12.8M edges of degree 16 and 32, F = 64-512).
+// Gathered sums (and means) of rows of 64 features or more: SR with shared
+// ids, groups of up to a warp (shared_ids_rows edges each; in deterministic
+// mode, 256: a group's edges are its chunk), where
+//  * the graph has 2^20 edges or more and segments over kLongSegmentRows[1]
+//    rows: there the learned configs lost to cuSPARSE's SpMM
+//    (bench/spmm.py), whose row loads this schedule matches;
+//  * outside deterministic mode, rows are fp16/bf16 of a multiple of 8
+//    features: the rules' tiles, learned on fp32 rows, took 1.1-1.4x as long
+//    as this schedule's 8 features a lane on uniform graphs of 3.2M and
+//    12.8M edges (F = 64-512) and up to 2.4x on 9k-100k-edge graphs;
+//  * outside deterministic mode, fp32 rows of 128 features or more on graphs
+//    under 2^20 edges: the perf DB sweeps F <= 128, and past it the rules'
+//    SR tiles took up to 1.8x as long on 9k-100k-edge graphs (F = 192-512;
+//    at F = 128 0.96-1.5x, at F = 64-96 cora's won).
+// A hand rule until the perf DB sweeps the schedule (H100 figures).
 inline bool use_shared_ids(const RowReduction& r, int64_t E, int64_t F, bool det) {
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
   const bool fits = r.gather.has_value() && r.heads == 1 && (r.reduce == Reduce::Sum || r.reduce == Reduce::Mean) &&
                     !r.any_order && !r.config && F >= 64 && F % 4 == 0;
   const bool skewed = E >= (int64_t(1) << 20) && r.long_segments >= 2;
-  return fits && (skewed || (half && !det && F % 8 == 0 && E >= (int64_t(1) << 16)));
+  const bool wide_rows = half ? F % 8 == 0 : F >= 128 && E < (int64_t(1) << 20);
+  return fits && (skewed || (!det && wide_rows));
 }
 
 // fp16/bf16 gathered rows on the rules' SP tile of 8 lanes a row take 16 and
@@ -565,9 +570,8 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const bool det = at::globalContext().deterministicAlgorithms() && !r.any_order;
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
   const bool shared_ids = use_shared_ids(r, E, F, det);
-  const Config cfg = !shared_ids             ? half_row_sp_config(reduction_config(r, E, F, det), r, F, half, det)
-                     : half && !det && F % 8 == 0 ? shared_ids_config(F, 8, half_shared_ids_rows(E, F))
-                                                   : shared_ids_config(F);
+  const Config cfg = !shared_ids ? half_row_sp_config(reduction_config(r, E, F, det), r, F, half, det)
+                     : shared_ids_config(F, half && !det && F % 8 == 0 ? 8 : 4, det ? 256 : shared_ids_rows(E, F));
   // SP stores every output element itself (0 for empty segments); where no
   // segment can pass its cap (no overflow pass adds to it) it writes the
   // output directly (SegmentArgs::final_out). Where validation saw no

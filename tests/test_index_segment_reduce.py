@@ -306,17 +306,35 @@ def test_wide_rows_on_large_skewed_graphs(op, dtype, F):
 @requires_cuda
 @pytest.mark.parametrize("F", [128, 192])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-@pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
+@pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled", "two_heads"])
 def test_half_rows_on_even_graphs(op, dtype, F):
-    """Every destination of even in-degree 16, under 2^16 edges (larger
-    graphs take shared ids): the rules take SP, whose tile the launch widens
-    for half rows (half_row_sp_config) on the H100."""
+    """Every destination of even in-degree 16, under 2^16 edges: half rows of
+    a multiple of 8 features take SR with shared ids, 16-128 edges a group
+    (shared_ids_rows); with two weight heads they take the rules' SP tile,
+    which the launch widens for half rows (half_row_sp_config) on the H100."""
     S = 4_000
     dst = torch.arange(S, device="cuda").repeat_interleave(16)
-    if torch.cuda.get_device_name().startswith("NVIDIA H100"):  # the path under test is taken
+    if op == "two_heads" and torch.cuda.get_device_name().startswith("NVIDIA H100"):  # the path under test is taken
         rule = geot.explain(dst.numel(), S, F, gathered=True, long_segments=0)
         assert (rule.N_t, rule.T_N, rule.G_t) == (4, 8, 0), rule
     _check_wide_rows(op, dtype, F, dst, S, torch.randint(0, S, (dst.numel(),), device="cuda"))
+
+
+@requires_cuda
+@pytest.mark.parametrize("F", [128, 200, 512])
+@pytest.mark.parametrize("graph", ["cora_like", "skewed"])
+@pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
+def test_fp32_wide_rows_on_small_graphs(op, graph, F):
+    """fp32 rows of 128 features or more on graphs under 2^20 edges take SR
+    with shared ids, 16-128 edges a group (use_shared_ids, shared_ids_rows):
+    a 10k-edge graph of small degrees, and a 100k-edge one with a hub."""
+    S = 3_000
+    E = 10_000 if graph == "cora_like" else 100_000
+    dst = torch.sort(torch.randint(0, S, (E,), device="cuda")).values
+    if graph == "skewed":
+        dst[-40_000:] = S // 2
+        dst = torch.sort(dst).values
+    _check_wide_rows(op, torch.float32, F, dst, S, torch.randint(0, S, (E,), device="cuda"))
 
 
 @requires_cuda
@@ -339,7 +357,7 @@ def test_half_rows_on_large_even_graphs(op, index_dtype, F):
 @pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
 def test_half_rows_on_mid_size_graphs(op, graph, F):
     """2^16-2^20 edges: half rows take SR with shared ids, groups of 16-128
-    edges (half_shared_ids_rows); with fewer segments than groups the
+    edges (shared_ids_rows); with fewer segments than groups the
     partial sums go to an [S, F] buffer instead of chunk rows."""
     S = 20_000 if graph == "many_segments" else 300
     dst = torch.sort(torch.randint(0, S, (150_000,), device="cuda")).values
@@ -366,10 +384,13 @@ def _check_wide_rows(op, dtype, F, dst, S, src, offset=0):
     """The fused op on CUDA against a float64 reference (x has a row per
     destination too; offset: x a view that many elements into its storage)."""
     x = random_src(S * F + offset, (), dtype, "cuda")[offset:].view(S, F)
-    w = random_src(dst.numel(), (), dtype, "cuda") if op == "weighted_sum" else None
+    heads = 2 if op == "two_heads" else 1
+    w = random_src(dst.numel(), (heads,) if heads > 1 else (), dtype, "cuda") if "weighted" in op or heads > 1 else None
     scale = torch.tensor([1.25], device="cuda")
     if op == "weighted_sum":
         out = geot.index_weight_segment_reduce(src, dst, w, x, "sum", S)
+    elif op == "two_heads":
+        out = geot.index_weight_segment_reduce(src, dst, w, x.view(S, heads, F // heads), "sum", S).reshape(S, F)
     elif op == "mean":
         out = geot.index_segment_reduce(src, dst, x, "mean", S)
     else:
@@ -377,7 +398,7 @@ def _check_wide_rows(op, dtype, F, dst, S, src, offset=0):
     # float64 reference on the GPU (the messages take ~1 GB)
     msg = x.double()[src.long()]
     if w is not None:
-        msg = msg * w.double()[:, None]
+        msg = msg * (w.double().repeat_interleave(F // heads, dim=1) if heads > 1 else w.double()[:, None])
     ref = torch.zeros(S, F, dtype=torch.float64, device="cuda").index_add_(0, dst.long(), msg)
     magnitude = torch.zeros_like(ref).index_add_(0, dst.long(), msg.abs())
     if op == "mean":

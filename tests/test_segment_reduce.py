@@ -832,6 +832,33 @@ def test_sp_inference_tensors_not_cached(reduce):
 
 
 @requires_cuda
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("config", [SP, SP_CAP_64], ids=["SP", "SP_cap64"])
+@pytest.mark.parametrize("gathered", [False, True], ids=["plain", "weighted_gather"])
+def test_sp_overflow_rows_wherever_long_segments_lie(index_dtype, config, gathered):
+    """SP's overflow pass reduces the rows past a segment's cap as one run
+    per thread (only the segment a thread's rows begin in can have any
+    there): long segments first, last, and beginning part-way through a
+    thread's rows, beside segments one row over, at and under the cap and
+    empty ones; every reduce, plain rows and weighted gathered rows."""
+    deg = torch.tensor([700, 3, 0, 65, 64, 63, 1, 1018, 5, 129, 0, 2, 33, 900])
+    index = index_from_degrees(deg).to("cuda", index_dtype)
+    S, E, F = deg.numel(), int(deg.sum()), 8
+    gen = torch.Generator().manual_seed(5)
+    src = random_src(E, (F,), torch.float32, "cuda", generator=gen)
+    for reduce in REDUCES:
+        if gathered:
+            x = random_src(40, (F,), torch.float32, "cuda", generator=gen)
+            rows = torch.randint(0, 40, (E,), generator=gen).to("cuda", index_dtype)
+            weight = torch.rand(E, generator=gen).cuda() + 0.5
+            out = geot.index_weight_segment_reduce(rows, index, weight, x, reduce, S, config=config)
+            src = x[rows.long()] * weight[:, None]
+        else:
+            out = geot.segment_reduce(index, src, reduce, S, config=config)
+        assert_matches_ref(out, index, src, reduce, S, where=f"{reduce}, {config}")
+
+
+@requires_cuda
 @pytest.mark.parametrize("validation", [True, False])
 def test_sp_segments_of_exactly_the_cap(validation):
     """With validation on, an index without segments over 64 rows skips the

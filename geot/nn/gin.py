@@ -126,8 +126,8 @@ def _sum_writes_half(graph: SortedGraph, num_features: int, num_nodes: int) -> b
     validation measures (here from the longest segment; segments past SP's
     cap take a few slots, counted as none). SR keeps its chunk rows (one per
     M_t edges, or one per segment), PR one per segment. (Rows of 64 or more
-    features, a multiple of 8, on graphs of 2^16 edges or more take SR with
-    shared ids whatever the rules say, keeping one chunk row per 16-256
+    features, a multiple of 8, take SR with shared ids whatever the rules
+    say, keeping one chunk row per 16-256
     edges; this still reports the rules' schedule, so casting first stays
     where they pick SP: the half-row sum reads half the bytes.)"""
     edges = graph.dst.numel()
