@@ -437,6 +437,8 @@ class Spmm(Bench):
                 "python bench/report.py --add spmm bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100",
                 "python bench/spmm.py --sections fwd dtypes --deterministic --graphs cora citeseer pubmed "
                 "powerlaw_small --F 64 96 128 256 512",
+                "python bench/spmm.py --sections fwd --deterministic --graphs uniform:n=400000,d=32 "
+                "--F 64 96 128 256 512",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv "
                 "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100")
 
@@ -506,6 +508,9 @@ class SpmmFwdbwd(Bench):
     )
     commands = ("python bench/spmm.py --sections fwdbwd --graphs cora citeseer pubmed powerlaw_small powerlaw hubs "
                 "uniform --F 64 96 128 256 512",
+                "python bench/report.py --add spmm_fwdbwd bench/out/spmm_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100",
+                "python bench/spmm.py --sections fwdbwd --graphs powerlaw:n=840000,deg=10 uniform:n=400000,d=32 "
+                "--F 64 128   # the float64 reference of wider rows takes 26 GB and more",
                 "python bench/report.py --add spmm_fwdbwd bench/out/spmm_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100")
 
     @staticmethod
