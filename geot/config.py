@@ -129,9 +129,13 @@ def explain(
     "nvidia-h200"); arch: compute capability as major * 10 + minor (90 for
     sm_90); both None: the current GPU's (none without one). verbose prints
     which rules chose and why (explain_source). The config is the rules'
-    for fp32 rows: fp16/bf16 gathered rows on the SP tile of 8 lanes a row
-    launch it with 16 lanes and 4 segments a block where F is a multiple of
-    64 (docs/tuning.md)."""
+    for fp32 rows. Hand rules the sweep does not cover yet change some
+    launches (docs/tuning.md): gathered sums and means of 64 features or
+    more take SR with shared ids on graphs of 2^20 edges or more with long
+    segments, and outside deterministic mode for fp16/bf16 rows of a
+    multiple of 8 features and fp32 rows of 128 features or more under 2^20
+    edges; fp16/bf16 gathered rows on the SP tile of 8 lanes a row launch it
+    with 16 lanes and 4 segments a block where F is a multiple of 64."""
     config, source = _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu)
     if verbose:
         print(f"{config}: {source}")
