@@ -10,6 +10,8 @@ namespace geot {
 
 enum class Reduce : int { Sum = 0, Mean = 1, Max = 2, Min = 3 };
 
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // N_t: features per thread (1, 2 or 4; a register array, so a template
 //      parameter of the kernels).
 // T_N: threads along the feature dimension in a block (SR), or, with T_M,

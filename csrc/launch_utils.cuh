@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "config.h"  // ceil_div
+
 namespace geot {
 
 // at:: half types -> their CUDA builtin twins (same bit layout).
@@ -20,8 +22,6 @@ template <> struct cuda_type<at::BFloat16> { using type = __nv_bfloat16; };
 // (fp16 and bf16 sum in fp32).
 template <typename scalar_t>
 using accumulate_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Blocks of a grid-stride loop over `items`: one per `threads` items, at
 // least 1, at most `cap` (the loop covers the rest).

@@ -12,6 +12,7 @@
 #include "config.h"
 #include "index_cache.h"
 #include "index_segment_reduce.h"
+#include "launch_rules.h"
 #include "rules.h"
 #include "segment_reduce.h"
 #include "unordered_graph.h"
@@ -237,6 +238,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "(config, source) a sorted reduction picks for (E, num_segments, F, gathered, long_segments, arch, "
       "GPU name or slug, '' for none)");
+  m.def(
+      "launch_config",
+      [](int64_t E, int64_t S, int64_t F, bool gathered, int long_segments, int arch, const std::string& gpu,
+         bool half, int64_t heads, const std::string& reduce, bool det) {
+        const geot::RuleChoice choice = geot::choose_rules(gpu, arch);
+        const auto f = geot::make_features(E, S, F, gathered, long_segments, choice.index);
+        const geot::LaunchCase call{E, S, F, gathered, half, heads, geot::parse_reduce(reduce), false, false,
+                                    long_segments, det};
+        const geot::Config rules = geot::select_config(f);
+        std::string source = geot::config_source(f, choice);
+        if (const char* rule = geot::launch_rule(call, rules)) source += std::string("; then ") + rule;
+        return pybind11::make_tuple(config_tuple(geot::launch_config(call, rules)), source);
+      },
+      "(config, source) a sorted CUDA reduction launches for (E, num_segments, F, gathered, long_segments, arch, "
+      "GPU name or slug, half rows, weight heads, reduce, deterministic): the rules' config, then the hand rules");
   m.def(
       "nearest_arch",
       [](int arch, const std::vector<int>& known) {

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "launch_rules.h"
 #include "launch_utils.cuh"
 #include "segment_reduce.h"
 #include "segment_reduce_kernels.cuh"
@@ -55,30 +56,6 @@ void launch_sr(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
         <<<grid, dim3(c.T_N, c.T_M), 0, stream>>>(a, c.M_t);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// The shared-ids schedule's tile for rows of F: groups of up to a warp,
-// n_t features a lane, covering F or a multiple of n_t * 32 of it; m_t
-// edges a group, 256 threads a block.
-inline Config shared_ids_config(int64_t F, int n_t = 4, int m_t = 256) {
-  int width = 1;
-  while (width < 32 && int64_t(n_t) * width < F) width *= 2;
-  return {n_t, width, m_t, 256 / width, 1};
-}
-
-// Edges a group of the shared-ids tile walks outside deterministic mode:
-// 256 on graphs of 2^20 edges or more; on smaller ones 16-128, the power of
-// two nearest to what spreads the edges over 2^17 lanes of 8 features.
-// (H100, bf16: on 88k-1M-edge graphs at F = 64-256 the kernel takes within
-// 13% of the best of 16-128 edges a group; on 9k-100k-edge graphs at
-// F = 64-512, bf16 and fp32, within 16%.)
-inline int shared_ids_rows(int64_t E, int64_t F) {
-  if (E >= (int64_t(1) << 20)) return 256;
-  const Config tile = shared_ids_config(F, 8);
-  const int64_t lanes_per_edge = int64_t(tile.T_N) * ceil_div(F, int64_t(8) * tile.T_N);
-  int m_t = 16;
-  while (m_t < 128 && int64_t(3 * m_t) << 16 <= E * lanes_per_edge) m_t *= 2;
-  return m_t;
 }
 
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, bool DET>
@@ -368,12 +345,6 @@ void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& 
   launch_combine<scalar_t, acc_t, index_t, N_T, Op>(a, ceil_div(a.E, chunk_rows), false, stream);
 }
 
-// A thread's N_t features must share one weight head.
-inline Config with_head_aligned_n_t(Config c, int64_t F, int64_t heads) {
-  while ((F / heads) % c.N_t != 0) c.N_t /= 2;
-  return c;
-}
-
 template <typename scalar_t, typename acc_t, typename index_t, class Op, bool FUSED>
 void launch_reduce(SegmentArgs<scalar_t, acc_t, index_t> a, Config c, cudaStream_t stream) {
   c = with_head_aligned_n_t(c, a.F, a.heads);
@@ -450,109 +421,21 @@ inline int device_rules(int device) {
   return rules;
 }
 
-// The short-segment config. Deterministic mode where validation measured no
-// segment over kLongSegmentRows[1] rows, on rows of up to
-// short_segment_max_features:
-// SP with its cap above every segment, so each segment is reduced whole by
-// its thread group (a fixed shuffle order) and no chunk slots or combine run
-// (launches that cost more than the reduction itself on graphs of 10^4-10^5
-// edges). A segment walked whole costs rounds of loads for the longest one,
-// so lanes split the rows: as many as keep a segment's group within 64
-// threads and all groups within 2^18 * sqrt(column threads) threads (more
-// lanes for the longest segment, fewer threads in all; wider rows take more).
-// Features go 4 to a thread where the head size allows. Wider rows keep the
-// learned tiles with 16-row chunks and the one-pass combine. Chosen
-// on an H100 from every SP tiling of cora, citeseer and pubmed at F = 1-128,
-// both ops; deterministic / default time per graph at the geomean then went
-// from 1.25, 1.25, 1.30 to 1.12, 1.05, 1.12 (plain rows) and from 1.25,
-// 1.25, 1.80 to 1.24, 1.12, 1.61 (gathered).
-inline int64_t short_segment_max_features(bool gathered) { return gathered ? 32 : 128; }
-
-inline Config short_segment_config(int64_t S, int64_t F, int64_t heads) {
-  const int n_t = with_head_aligned_n_t(Config{4, 0, 0, 0, 0}, F, heads).N_t;
-  const int64_t columns = ceil_div(F, n_t);
-  int column_threads = 1;
-  while (column_threads < columns && column_threads < 256) column_threads *= 2;
-  constexpr int kGroupThreads = 64;
-  const double thread_budget = double(int64_t(1) << 18) * std::sqrt(double(column_threads));
-  int lanes = 1;
-  while (lanes < 32 && 2 * lanes * column_threads <= kGroupThreads &&
-         double(S) * 2 * lanes * column_threads <= thread_budget)
-    lanes *= 2;
-  const int t_n = column_threads * lanes;
-  return {n_t, t_n, static_cast<int>(ceil_div(kLongSegmentRows[1], lanes)), std::max(1, 256 / t_n), 0};
-}
-
-// Half rows on small graphs take that config outside deterministic mode too,
-// where it covers them: one launch storing the output directly, where SR's
-// half rows take a memset of chunk slots, an offsets pass, the reduction and
-// a finalize pass, launches that cost more host time than the reduction
-// takes. H100, cora and citeseer, bf16 and fp16, gathered F = 16-32 and plain
-// F = 16-64: eager calls from 31-47 to 11-14 us, CUDA-graph replays 0.89-1.72x
-// as fast; gathered F = 64 on cora (0.69x), plain F = 128 (0.55x) and pubmed's
-// 88k edges lost in replays.
-inline bool half_short_segments(const RowReduction& r, int64_t E, int64_t F) {
+// What the launch rules (launch_rules.h) see of a reduction.
+inline LaunchCase launch_case(const RowReduction& r, bool det) {
   const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
-  return half && !r.any_order && E < (int64_t(1) << 16) && F <= (r.gather.has_value() ? 32 : 64);
+  return {r.index.numel(), r.num_segments, r.src.size(1), r.gather.has_value(), half, r.heads, r.reduce,
+          r.any_order, r.config.has_value(), r.long_segments, det};
 }
 
-// Gathered sums (and means) of rows of 64 features or more: SR with shared
-// ids, groups of up to a warp (shared_ids_rows edges each; in deterministic
-// mode, 256: a group's edges are its chunk), where
-//  * the graph has 2^20 edges or more and segments over kLongSegmentRows[1]
-//    rows: there the learned configs lost to cuSPARSE's SpMM
-//    (bench/spmm.py), whose row loads this schedule matches;
-//  * outside deterministic mode, rows are fp16/bf16 of a multiple of 8
-//    features: the rules' tiles, learned on fp32 rows, took 1.1-1.4x as long
-//    as this schedule's 8 features a lane on uniform graphs of 3.2M and
-//    12.8M edges (F = 64-512) and up to 2.4x on 9k-100k-edge graphs;
-//  * outside deterministic mode, fp32 rows of 128 features or more on graphs
-//    under 2^20 edges: the perf DB sweeps F <= 128, and past it the rules'
-//    SR tiles took up to 1.8x as long on 9k-100k-edge graphs (F = 192-512;
-//    at F = 128 0.96-1.5x, at F = 64-96 cora's won).
-// A hand rule until the perf DB sweeps the schedule (H100 figures).
-inline bool use_shared_ids(const RowReduction& r, int64_t E, int64_t F, bool det) {
-  const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
-  const bool fits = r.gather.has_value() && r.heads == 1 && (r.reduce == Reduce::Sum || r.reduce == Reduce::Mean) &&
-                    !r.any_order && !r.config && F >= 64 && F % 4 == 0;
-  const bool skewed = E >= (int64_t(1) << 20) && r.long_segments >= 2;
-  const bool wide_rows = half ? F % 8 == 0 : F >= 128 && E < (int64_t(1) << 20);
-  return fits && (skewed || (!det && wide_rows));
-}
-
-// fp16/bf16 gathered rows on the rules' SP tile of 8 lanes a row take 16 and
-// 4 segments a block, where F fills the wider tile. The rules learn fp32
-// cells, and that tile leaves half rows half the bytes in flight per lane.
-// H100, bf16 SpMM, (4, 8, 64, 32, SP) -> (4, 16, 64, 4, SP): 3.2M-edge
-// uniform graph (degree 16) 1.17-1.19x at F = 64-256, 12.8M-edge (degree 32)
-// 1.27-1.45x; slower at F <= 32 and for fp32 rows, and SR tiles did not
-// gain. (The H200's rules pick 16 lanes for such graphs already.) Not for a
-// config the caller gave, nor in deterministic mode (measured as it is).
-inline Config half_row_sp_config(Config c, const RowReduction& r, int64_t F, bool half, bool det) {
-  if (half && r.gather && !det && !r.config && c.is_sp() && c.N_t == 4 && c.T_N == 8 && F % 64 == 0) {
-    c.T_N = 16;
-    c.T_M = 4;
-  }
-  return c;
-}
-
-// Any-order input only works with SR (PR and SP assume sorted segments); it
+// The learned rules' config of the device (or the caller's). Any-order input
 // keeps the hand heuristic (rules -2): the learned rules were trained on
 // sorted reductions.
-inline Config reduction_config(const RowReduction& r, int64_t E, int64_t F, bool det) {
+inline Config rules_config(const RowReduction& r) {
   const int rules = r.any_order ? -2 : device_rules(r.src.get_device());
-  const Config cfg =
-      resolve_config(r.config, make_features(E, r.num_segments, F, r.gather.has_value(), r.long_segments, rules));
-  const bool short_config = det ? F <= short_segment_max_features(r.gather.has_value())
-                                 : half_short_segments(r, E, F);
-  if (short_config && !r.config && !cfg.is_sp() && r.long_segments >= 0 && r.long_segments <= 1)
-    return short_segment_config(r.num_segments, F, r.heads);
-  if (!r.any_order || cfg.is_sr()) return cfg;
-  const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
-  const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(F, n_t), 8, 64));
-  return {n_t, t_n, 4, std::max(1, 256 / t_n), 1};
+  return resolve_config(r.config, make_features(r.index.numel(), r.num_segments, r.src.size(1), r.gather.has_value(),
+                                                r.long_segments, rules));
 }
-
 
 // The launch of every op of the family; FUSED instantiates the kernels for
 // gathered / weighted rows (index_segment_reduce_cuda.cu) or plain rows
@@ -568,10 +451,10 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // its op), or on short segments SP walking each whole. Read per call: a
   // flag of the global context, no dispatch.
   const bool det = at::globalContext().deterministicAlgorithms() && !r.any_order;
-  const bool half = r.src.scalar_type() == at::kHalf || r.src.scalar_type() == at::kBFloat16;
-  const bool shared_ids = use_shared_ids(r, E, F, det);
-  const Config cfg = !shared_ids ? half_row_sp_config(reduction_config(r, E, F, det), r, F, half, det)
-                     : shared_ids_config(F, half && !det && F % 8 == 0 ? 8 : 4, det ? 256 : shared_ids_rows(E, F));
+  const LaunchCase call = launch_case(r, det);
+  const bool half = call.half;
+  const bool shared_ids = use_shared_ids(call);
+  const Config cfg = launch_config(call, rules_config(r));
   // SP stores every output element itself (0 for empty segments); where no
   // segment can pass its cap (no overflow pass adds to it) it writes the
   // output directly (SegmentArgs::final_out). Where validation saw no

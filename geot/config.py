@@ -92,7 +92,9 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
 
 
-def _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu):
+def _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu, launch=None):
+    """(config, source) from the rules; launch: (dtype, reduce, heads,
+    deterministic) to apply the launch layer's hand rules after them."""
     hint = -1 if long_segments is None else int(long_segments)
     if not -1 <= hint <= 3 or (hint == -1 and long_segments is not None):
         raise ValueError(f"long_segments must be None, a bool or a level 0..3, got {long_segments!r}")
@@ -102,8 +104,28 @@ def _select(num_rows, num_segments, num_features, gathered, long_segments, arch,
         raise ValueError(f"arch must be None or major * 10 + minor (e.g. 90 for sm_90), got {arch!r}")
     if not isinstance(gpu, (str, type(None))):
         raise ValueError(f"gpu must be None or a GPU name or slug (e.g. 'NVIDIA H200'), got {gpu!r}")
-    config, source = _C.select_config(num_rows, num_segments, num_features, gathered, hint, arch or 0, gpu or "")
+    if launch is None:
+        config, source = _C.select_config(num_rows, num_segments, num_features, gathered, hint, arch or 0, gpu or "")
+    else:
+        config, source = _C.launch_config(num_rows, num_segments, num_features, gathered, hint, arch or 0, gpu or "",
+                                          *_launch_arguments(*launch))
     return Config(*config), source
+
+
+def _launch_arguments(dtype, reduce, heads, deterministic):
+    """explain's dtype, reduce, heads and deterministic as the launch rules take them."""
+    import torch
+
+    if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be None or a floating torch dtype (torch.float32, torch.bfloat16, ...), "
+                         f"got {dtype!r}")
+    if not isinstance(reduce, str) or reduce not in ("sum", "mean", "max", "min"):
+        raise ValueError(f"reduce must be one of 'sum', 'mean', 'max', 'min', got {reduce!r}")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads must be a positive int, got {heads!r}")
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    return dtype in (torch.float16, torch.bfloat16), heads, reduce, bool(deterministic)
 
 
 def explain(
@@ -115,6 +137,11 @@ def explain(
     arch: Optional[int] = None,
     verbose: bool = False,
     gpu: Optional[str] = None,
+    *,
+    dtype=None,
+    reduce: str = "sum",
+    heads: int = 1,
+    deterministic: Optional[bool] = None,
 ) -> Config:
     """The config a CUDA call with these sizes would use.
 
@@ -128,15 +155,18 @@ def explain(
     heuristic. gpu: a GPU name or rule-set slug ("NVIDIA H200",
     "nvidia-h200"); arch: compute capability as major * 10 + minor (90 for
     sm_90); both None: the current GPU's (none without one). verbose prints
-    which rules chose and why (explain_source). The config is the rules'
-    for fp32 rows. Hand rules the sweep does not cover yet change some
-    launches (docs/tuning.md): gathered sums and means of 64 features or
-    more take SR with shared ids on graphs of 2^20 edges or more with long
-    segments, and outside deterministic mode for fp16/bf16 rows of a
-    multiple of 8 features and fp32 rows of 128 features or more under 2^20
-    edges; fp16/bf16 gathered rows on the SP tile of 8 lanes a row launch it
-    with 16 lanes and 4 segments a block where F is a multiple of 64."""
-    config, source = _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu)
+    which rules chose and why (explain_source).
+
+    With dtype None the config is the rules' alone, as the perf DB's sweep
+    times it (fp32 rows). With dtype (torch.float32, torch.bfloat16, ...) it
+    is the config a sorted call of that dtype launches: the hand rules the
+    sweep does not cover yet apply after the rules (docs/tuning.md; the
+    shared-ids schedule for wide gathered sums, deterministic mode's
+    short-segment SP, ...), for that reduce ("sum", "mean", "max", "min"),
+    that many weight heads, and deterministic mode (None: as torch has it
+    now); explain_source then names the hand rule that applied."""
+    launch = None if dtype is None else (dtype, reduce, heads, deterministic)
+    config, source = _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu, launch)
     if verbose:
         print(f"{config}: {source}")
     return config
@@ -150,12 +180,19 @@ def explain_source(
     long_segments: Optional[int] = None,
     arch: Optional[int] = None,
     gpu: Optional[str] = None,
+    *,
+    dtype=None,
+    reduce: str = "sum",
+    heads: int = 1,
+    deterministic: Optional[bool] = None,
 ) -> str:
     """Which selector explain() (and a CUDA call) uses for these arguments,
     and why: "learned rules <slug> from perfdb/<gpu> (trained on this GPU
     model, ...)", "(... sm_90 fallback: no rules for this GPU model)",
-    "(forced by GEOT_RULES / geot.set_rules)" or "hand heuristic (why)"."""
-    return _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu)[1]
+    "(forced by GEOT_RULES / geot.set_rules)" or "hand heuristic (why)";
+    with dtype, followed by "; then <the hand rule>" where one applies."""
+    launch = None if dtype is None else (dtype, reduce, heads, deterministic)
+    return _select(num_rows, num_segments, num_features, gathered, long_segments, arch, gpu, launch)[1]
 
 
 def set_rules(mode: str) -> None:

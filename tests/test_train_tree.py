@@ -287,6 +287,47 @@ def test_explain_defaults_and_verbose(capsys):
         geot.explain(10, 2, 4, gpu=90)
 
 
+H100 = dict(arch=90, gpu="NVIDIA H100 80GB HBM3")
+
+
+def test_explain_with_dtype_reports_the_launch():
+    """With dtype, explain gives what the CUDA launch layer runs: the rules'
+    config, then the hand rules (csrc/launch_rules.h); without, the rules'."""
+    cora = (10556, 2708)
+    rules_512 = geot.explain(*cora, 512, True, 1, **H100)
+    assert geot.explain(*cora, 512, True, 1, dtype=None, **H100) == rules_512
+    # fp32 rows of 128 features or more under 2^20 edges: shared ids, 16 edges a group on so few edges
+    assert geot.explain(*cora, 512, True, 1, dtype=torch.float32, deterministic=False, **H100) == (4, 32, 16, 8, 1)
+    assert geot.explain_source(*cora, 512, True, 1, dtype=torch.float32, deterministic=False, **H100).endswith(
+        "; then SR with shared ids (use_shared_ids)")
+    # ... not in deterministic mode, nor for a max, nor at F = 96
+    assert geot.explain(*cora, 512, True, 1, dtype=torch.float32, deterministic=True, **H100) == rules_512
+    assert geot.explain(*cora, 512, True, 1, dtype=torch.float32, reduce="max", deterministic=False,
+                        **H100) == rules_512
+    rules_96 = geot.explain(*cora, 96, True, 1, **H100)
+    assert geot.explain(*cora, 96, True, 1, dtype=torch.float32, deterministic=False, **H100) == rules_96
+    # half rows of a multiple of 8 features: 8 features a lane, on any graph
+    assert geot.explain(*cora, 64, True, 1, dtype=torch.bfloat16, deterministic=False, **H100) == (8, 8, 16, 32, 1)
+    # several weight heads keep the rules' config, SP's 8-lane tile widened for half rows
+    even = (64_000, 4_000, 128, True, 0)
+    rules_even = geot.explain(*even, **H100)
+    widened = geot.explain(*even, dtype=torch.float16, heads=2, deterministic=False, **H100)
+    if (rules_even.N_t, rules_even.T_N, rules_even.G_t) == (4, 8, 0):
+        assert (widened.T_N, widened.T_M) == (16, 4)
+        assert "half_row_sp_config" in geot.explain_source(*even, dtype=torch.float16, heads=2, deterministic=False,
+                                                           **H100)
+    # deterministic mode on short segments: SP walking each whole, unless the rules' config is SP already
+    plain = geot.explain(*cora, 32, False, 1, **H100)  # SR in the committed rules
+    det = geot.explain(*cora, 32, False, 1, dtype=torch.float32, deterministic=True, **H100)
+    det_source = geot.explain_source(*cora, 32, False, 1, dtype=torch.float32, deterministic=True, **H100)
+    assert ("short_segment_config" in det_source) == (plain.schedule != "SP") and det.schedule == "SP"
+    assert geot.explain(*cora, 32, False, 1, dtype=torch.float32, deterministic=False, **H100) == plain
+    for bad, match in ((dict(dtype=torch.int64), "dtype"), (dict(dtype=torch.float32, reduce="prod"), "reduce"),
+                       (dict(dtype=torch.float32, heads=0), "heads")):
+        with pytest.raises(ValueError, match=match):
+            geot.explain(*cora, 64, True, 1, **bad, **H100)
+
+
 def test_rules_by_gpu_model_then_architecture():
     sets = geot.rule_sets()
     assert sets, "no learned rules compiled in"

@@ -1,0 +1,191 @@
+// The config a CUDA call of the segment_reduce family launches: the learned
+// rules' (or the caller's), then the hand rules for what the perf DB does not
+// sweep yet (deterministic mode, fp16/bf16 rows, widths past F = 128, the
+// shared-ids schedule). Plain C++, so that geot.explain(..., dtype=...)
+// reports the launch the CUDA layer (segment_reduce_launch.cuh) makes.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "config.h"
+#include "segment_reduce.h"
+
+namespace geot {
+
+// What the launch rules see of a call.
+struct LaunchCase {
+  int64_t E, S, F;
+  bool gathered;       // rows read through an index (the fused ops)
+  bool half;           // fp16 / bf16 rows
+  int64_t heads;       // weight heads of the fused ops (1: one weight an edge, or none)
+  Reduce reduce;
+  bool any_order;      // edges in any order: SR only
+  bool caller_config;  // the caller gave the config: no hand rule changes it
+  int long_segments;   // validation's long-segment level, -1 unknown
+  bool det;            // deterministic mode (sorted input)
+};
+
+// A thread's N_t features must share one weight head.
+inline Config with_head_aligned_n_t(Config c, int64_t F, int64_t heads) {
+  while ((F / heads) % c.N_t != 0) c.N_t /= 2;
+  return c;
+}
+
+// The shared-ids schedule's tile for rows of F: groups of up to a warp,
+// n_t features a lane, covering F or a multiple of n_t * 32 of it; m_t
+// edges a group, 256 threads a block.
+inline Config shared_ids_config(int64_t F, int n_t = 4, int m_t = 256) {
+  int width = 1;
+  while (width < 32 && int64_t(n_t) * width < F) width *= 2;
+  return {n_t, width, m_t, 256 / width, 1};
+}
+
+// Edges a group of the shared-ids tile walks outside deterministic mode:
+// 256 on graphs of 2^20 edges or more; on smaller ones 16-128, the power of
+// two nearest to what spreads the edges over 2^17 lanes of 8 features.
+// (H100, bf16: on 88k-1M-edge graphs at F = 64-256 the kernel takes within
+// 13% of the best of 16-128 edges a group; on 9k-100k-edge graphs at
+// F = 64-512, bf16 and fp32, within 16%.)
+inline int shared_ids_rows(int64_t E, int64_t F) {
+  if (E >= (int64_t(1) << 20)) return 256;
+  const Config tile = shared_ids_config(F, 8);
+  const int64_t lanes_per_edge = int64_t(tile.T_N) * ceil_div(F, int64_t(8) * tile.T_N);
+  int m_t = 16;
+  while (m_t < 128 && int64_t(3 * m_t) << 16 <= E * lanes_per_edge) m_t *= 2;
+  return m_t;
+}
+
+// The short-segment config. Deterministic mode where validation measured no
+// segment over kLongSegmentRows[1] rows, on rows of up to
+// short_segment_max_features:
+// SP with its cap above every segment, so each segment is reduced whole by
+// its thread group (a fixed shuffle order) and no chunk slots or combine run
+// (launches that cost more than the reduction itself on graphs of 10^4-10^5
+// edges). A segment walked whole costs rounds of loads for the longest one,
+// so lanes split the rows: as many as keep a segment's group within 64
+// threads and all groups within 2^18 * sqrt(column threads) threads (more
+// lanes for the longest segment, fewer threads in all; wider rows take more).
+// Features go 4 to a thread where the head size allows. Wider rows keep the
+// learned tiles with 16-row chunks and the one-pass combine. Chosen
+// on an H100 from every SP tiling of cora, citeseer and pubmed at F = 1-128,
+// both ops; deterministic / default time per graph at the geomean then went
+// from 1.25, 1.25, 1.30 to 1.12, 1.05, 1.12 (plain rows) and from 1.25,
+// 1.25, 1.80 to 1.24, 1.12, 1.61 (gathered).
+inline int64_t short_segment_max_features(bool gathered) { return gathered ? 32 : 128; }
+
+inline Config short_segment_config(int64_t S, int64_t F, int64_t heads) {
+  const int n_t = with_head_aligned_n_t(Config{4, 0, 0, 0, 0}, F, heads).N_t;
+  const int64_t columns = ceil_div(F, n_t);
+  int column_threads = 1;
+  while (column_threads < columns && column_threads < 256) column_threads *= 2;
+  constexpr int kGroupThreads = 64;
+  const double thread_budget = double(int64_t(1) << 18) * std::sqrt(double(column_threads));
+  int lanes = 1;
+  while (lanes < 32 && 2 * lanes * column_threads <= kGroupThreads &&
+         double(S) * 2 * lanes * column_threads <= thread_budget)
+    lanes *= 2;
+  const int t_n = column_threads * lanes;
+  return {n_t, t_n, static_cast<int>(ceil_div(kLongSegmentRows[1], lanes)), std::max(1, 256 / t_n), 0};
+}
+
+// Half rows on small graphs take that config outside deterministic mode too,
+// where it covers them: one launch storing the output directly, where SR's
+// half rows take a memset of chunk slots, an offsets pass, the reduction and
+// a finalize pass, launches that cost more host time than the reduction
+// takes. H100, cora and citeseer, bf16 and fp16, gathered F = 16-32 and plain
+// F = 16-64: eager calls from 31-47 to 11-14 us, CUDA-graph replays 0.89-1.72x
+// as fast; gathered F = 64 on cora (0.69x), plain F = 128 (0.55x) and pubmed's
+// 88k edges lost in replays.
+inline bool half_short_segments(const LaunchCase& k) {
+  return k.half && !k.any_order && k.E < (int64_t(1) << 16) && k.F <= (k.gathered ? 32 : 64);
+}
+
+// Gathered sums (and means) of rows of 64 features or more: SR with shared
+// ids, groups of up to a warp (shared_ids_rows edges each; in deterministic
+// mode, 256: a group's edges are its chunk), where
+//  * the graph has 2^20 edges or more and segments over kLongSegmentRows[1]
+//    rows: there the learned configs lost to cuSPARSE's SpMM
+//    (bench/spmm.py), whose row loads this schedule matches;
+//  * outside deterministic mode, rows are fp16/bf16 of a multiple of 8
+//    features: the rules' tiles, learned on fp32 rows, took 1.1-1.4x as long
+//    as this schedule's 8 features a lane on uniform graphs of 3.2M and
+//    12.8M edges (F = 64-512) and up to 2.4x on 9k-100k-edge graphs;
+//  * outside deterministic mode, fp32 rows of 128 features or more on graphs
+//    under 2^20 edges: the perf DB sweeps F <= 128, and past it the rules'
+//    SR tiles took up to 1.8x as long on 9k-100k-edge graphs (F = 192-512;
+//    at F = 128 0.96-1.5x, at F = 64-96 cora's won).
+// A hand rule until the perf DB sweeps the schedule (H100 figures).
+inline bool use_shared_ids(const LaunchCase& k) {
+  const bool fits = k.gathered && k.heads == 1 && (k.reduce == Reduce::Sum || k.reduce == Reduce::Mean) &&
+                    !k.any_order && !k.caller_config && k.F >= 64 && k.F % 4 == 0;
+  const bool skewed = k.E >= (int64_t(1) << 20) && k.long_segments >= 2;
+  const bool wide_rows = k.half ? k.F % 8 == 0 : k.F >= 128 && k.E < (int64_t(1) << 20);
+  return fits && (skewed || (!k.det && wide_rows));
+}
+
+// That schedule's tile: 8 features a lane for half rows outside
+// deterministic mode (the launch falls back to 4 where rows are unaligned).
+inline Config shared_ids_tile(const LaunchCase& k) {
+  return shared_ids_config(k.F, k.half && !k.det && k.F % 8 == 0 ? 8 : 4, k.det ? 256 : shared_ids_rows(k.E, k.F));
+}
+
+// fp16/bf16 gathered rows on the rules' SP tile of 8 lanes a row take 16 and
+// 4 segments a block, where F fills the wider tile. The rules learn fp32
+// cells, and that tile leaves half rows half the bytes in flight per lane.
+// H100, bf16 SpMM, (4, 8, 64, 32, SP) -> (4, 16, 64, 4, SP): 3.2M-edge
+// uniform graph (degree 16) 1.17-1.19x at F = 64-256, 12.8M-edge (degree 32)
+// 1.27-1.45x; slower at F <= 32 and for fp32 rows, and SR tiles did not
+// gain. (The H200's rules pick 16 lanes for such graphs already.) Not for a
+// config the caller gave, nor in deterministic mode (measured as it is).
+inline Config half_row_sp_config(Config c, const LaunchCase& k) {
+  if (k.half && k.gathered && !k.det && !k.caller_config && c.is_sp() && c.N_t == 4 && c.T_N == 8 &&
+      k.F % 64 == 0) {
+    c.T_N = 16;
+    c.T_M = 4;
+  }
+  return c;
+}
+
+// Whether a call that does not take shared ids launches the short-segment
+// config instead of the rules' config c.
+inline bool short_segments(const LaunchCase& k, const Config& c) {
+  const bool covered = k.det ? k.F <= short_segment_max_features(k.gathered) : half_short_segments(k);
+  return covered && !k.caller_config && !c.is_sp() && k.long_segments >= 0 && k.long_segments <= 1;
+}
+
+// The rules' config c (or the caller's) as a call that does not take shared
+// ids launches it: the short-segment config where it serves; for edges in
+// any order, which only SR takes, an SR tile of 4 rows a thread; then the
+// half-row SP tile.
+inline Config tiled_config(const LaunchCase& k, const Config& c) {
+  Config tile = c;
+  if (short_segments(k, c)) {
+    tile = short_segment_config(k.S, k.F, k.heads);
+  } else if (k.any_order && !c.is_sr()) {
+    const int n_t = k.F % 4 == 0 ? 4 : (k.F % 2 == 0 ? 2 : 1);
+    const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(k.F, n_t), 8, 64));
+    tile = {n_t, t_n, 4, std::max(1, 256 / t_n), 1};
+  }
+  return half_row_sp_config(tile, k);
+}
+
+// The config the call launches, from the rules' (or the caller's).
+inline Config launch_config(const LaunchCase& k, const Config& rules) {
+  return use_shared_ids(k) ? shared_ids_tile(k) : tiled_config(k, rules);
+}
+
+// Which hand rule launch_config applies to the rules' config, for
+// geot.explain; null: none.
+inline const char* launch_rule(const LaunchCase& k, const Config& rules) {
+  if (use_shared_ids(k)) return "SR with shared ids (use_shared_ids)";
+  if (short_segments(k, rules))
+    return k.det ? "deterministic short-segment SP (short_segment_config)"
+                 : "half rows on a small graph: short-segment SP (half_short_segments)";
+  if (k.any_order && !rules.is_sr()) return "edges in any order: an SR tile";
+  if (half_row_sp_config(rules, k).T_N != rules.T_N) return "half rows on SP's 8-lane tile: 16 lanes (half_row_sp_config)";
+  return nullptr;
+}
+
+}  // namespace geot
