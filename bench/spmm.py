@@ -342,7 +342,8 @@ def main(argv=None):
         report(pd.DataFrame(rows), "forward, multi-head [E, H] weights (ms)", ("composite",),
                f"spmm_heads_{slug}.csv")
     if "fwdbwd" in args.sections:
-        rows = [fwdbwd_rows(p, F, dtype, args) for dtype in args.fwdbwd_dtypes for p in problems for F in args.F]
+        rows = [fwdbwd_rows(p, F, dtype, args)
+                for dtype in args.fwdbwd_dtypes for p in problems for F in args.F]
         df = pd.DataFrame(rows)
         df["geot_transposed_vs_geot"] = df["geot"] / df["geot_transposed"]
         report(df, "forward + backward wrt x and w (ms)", ("composite", "cusparse_xgrad"),

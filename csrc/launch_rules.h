@@ -184,7 +184,8 @@ inline const char* launch_rule(const LaunchCase& k, const Config& rules) {
     return k.det ? "deterministic short-segment SP (short_segment_config)"
                  : "half rows on a small graph: short-segment SP (half_short_segments)";
   if (k.any_order && !rules.is_sr()) return "edges in any order: an SR tile";
-  if (half_row_sp_config(rules, k).T_N != rules.T_N) return "half rows on SP's 8-lane tile: 16 lanes (half_row_sp_config)";
+  if (half_row_sp_config(rules, k).T_N != rules.T_N)
+    return "half rows on SP's 8-lane tile: 16 lanes (half_row_sp_config)";
   return nullptr;
 }
 
