@@ -528,7 +528,7 @@ __device__ __forceinline__ void load_batch_row(const scalar_t* row, int64_t col0
 }
 
 // SR with shared ids, for gathered rows of wide F (the fused sums; the launch
-// layer picks it: see wide_rows_config). A group of blockDim.x lanes (a
+// layer picks it: use_shared_ids in launch_rules.h). A group of blockDim.x lanes (a
 // power of two up to a warp) holds N_T features each of one column block and
 // walks rows_per_thread consecutive edges, as an SR thread does. The group
 // loads the ids of blockDim.x edges at once, one edge per lane (coalesced),

@@ -454,7 +454,8 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const LaunchCase call = launch_case(r, det);
   const bool half = call.half;
   const bool shared_ids = use_shared_ids(call);
-  const Config cfg = launch_config(call, rules_config(r));
+  // launch_config (launch_rules.h), without the rules' selection where shared ids take the call
+  const Config cfg = shared_ids ? shared_ids_tile(call) : tiled_config(call, rules_config(r));
   // SP stores every output element itself (0 for empty segments); where no
   // segment can pass its cap (no overflow pass adds to it) it writes the
   // output directly (SegmentArgs::final_out). Where validation saw no

@@ -116,11 +116,13 @@ def _launch_arguments(dtype, reduce, heads, deterministic):
     """explain's dtype, reduce, heads and deterministic as the launch rules take them."""
     import torch
 
+    from .segment import REDUCTIONS
+
     if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be None or a floating torch dtype (torch.float32, torch.bfloat16, ...), "
                          f"got {dtype!r}")
-    if not isinstance(reduce, str) or reduce not in ("sum", "mean", "max", "min"):
-        raise ValueError(f"reduce must be one of 'sum', 'mean', 'max', 'min', got {reduce!r}")
+    if not isinstance(reduce, str) or reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
         raise ValueError(f"heads must be a positive int, got {heads!r}")
     if deterministic is None:
