@@ -89,11 +89,11 @@ def worst_cell(df: pd.DataFrame, column: str, keys: Sequence[str]) -> str:
     return f"{row[column]:.2f}× ({where})"
 
 
-def deterministic_block(df: pd.DataFrame, vs_native: str) -> List[str]:
+def deterministic_block(df: pd.DataFrame, vs_native: str, keys: Sequence[str] = ("graph", "F")) -> List[str]:
     """Markdown lines on the deterministic columns of a --deterministic run
     (det_ratio: geot's deterministic / default time; vs_native: the fastest
     torch-native peer in deterministic mode / geot's deterministic time),
-    or none where the run had no such columns."""
+    or none where the run had no such columns; keys name a cell."""
     if "det_ratio" not in df or df["det_ratio"].notna().sum() == 0:
         return []
     sel = df.dropna(subset=["det_ratio"])
@@ -102,10 +102,11 @@ def deterministic_block(df: pd.DataFrame, vs_native: str) -> List[str]:
     most = sel.loc[sel["det_ratio"].idxmax()]
     out = [f"\nDeterministic mode (`--deterministic`: `torch.use_deterministic_algorithms(True)`, {cells(len(sel))}): "
            f"geot's time is {geomean(sel['det_ratio']):.2f}× its default mode's at the geomean "
-           f"(most {most['det_ratio']:.2f}×: {most['graph']}, F={most['F']}); two deterministic "
+           f"(most {most['det_ratio']:.2f}×: {', '.join(str(most[k]) if k == 'graph' else f'{k}={most[k]}' for k in keys)}); "
+           "two deterministic "
            f"calls agree bitwise in {bitwise} of {len(sel)} cells. Against the fastest torch-native peer, itself "
            f"in deterministic mode: {geomean(sel[vs_native]):.2f}× at the geomean, worst "
-           f"{worst_cell(sel, vs_native, ('graph', 'F'))}, {below} of {len(sel)} cells below 1. "
+           f"{worst_cell(sel, vs_native, keys)}, {below} of {len(sel)} cells below 1. "
            "Deterministic / default time by graph:\n"]
     table = sel.groupby("graph", sort=False)["det_ratio"].apply(geomean)
     out.append(markdown_table(["graph"] + list(table.index), [["det / default"] + [fmt(v, 2, "×") for v in table]]))
@@ -456,6 +457,7 @@ class Spmm(Bench):
                "same dtype:\n", markdown_table(["dtype", "geomean", "worst cell", "cells below 1"], summary, "lrll")]
         rows = [[r["graph"], r["E"], r["F"], r["dtype"], us(r["geot"]), us(r["cusparse"]), fmt(r["x_vs_cusparse"], 2, "×")]
                 for _, r in df.iterrows()]
+        out += deterministic_block(df, "x_det_vs_native", ("graph", "F", "dtype"))
         out.append("\nEvery half-type cell (µs):\n")
         out.append(markdown_table(["graph", "E", "F", "dtype", "geot", "cuSPARSE", "× cuSPARSE"], rows, "lrrlrrr"))
         return "\n".join(out)

@@ -42,8 +42,8 @@ inline Config shared_ids_config(int64_t F, int n_t = 4, int m_t = 256) {
   return {n_t, width, m_t, 256 / width, 1};
 }
 
-// Edges a group of the shared-ids tile walks outside deterministic mode:
-// 256 on graphs of 2^20 edges or more; on smaller ones 16-128, the power of
+// Edges a group of the shared-ids tile walks (in deterministic mode, its
+// chunk): 256 on graphs of 2^20 edges or more; on smaller ones 16-128, the power of
 // two nearest to what spreads the edges over 2^17 lanes of 8 features.
 // (H100, bf16: on 88k-1M-edge graphs at F = 64-256 the kernel takes within
 // 13% of the best of 16-128 edges a group; on 9k-100k-edge graphs at
@@ -104,31 +104,38 @@ inline bool half_short_segments(const LaunchCase& k) {
 
 // Gathered sums (and means) of rows of 64 features or more: SR with shared
 // ids, groups of up to a warp (shared_ids_rows edges each; in deterministic
-// mode, 256: a group's edges are its chunk), where
+// mode a group's edges are its chunk), where
 //  * the graph has 2^20 edges or more and segments over kLongSegmentRows[1]
 //    rows: there the learned configs lost to cuSPARSE's SpMM
 //    (bench/spmm.py), whose row loads this schedule matches;
-//  * outside deterministic mode, rows are fp16/bf16 of a multiple of 8
-//    features: the rules' tiles, learned on fp32 rows, took 1.1-1.4x as long
-//    as this schedule's 8 features a lane on uniform graphs of 3.2M and
-//    12.8M edges (F = 64-512) and up to 2.4x on 9k-100k-edge graphs;
-//  * outside deterministic mode, fp32 rows of 128 features or more on graphs
-//    under 2^20 edges: the perf DB sweeps F <= 128, and past it the rules'
-//    SR tiles took up to 1.8x as long on 9k-100k-edge graphs (F = 192-512;
-//    at F = 128 0.96-1.5x, at F = 64-96 cora's won).
+//  * rows are fp16/bf16 of a multiple of 8 features: the rules' tiles,
+//    learned on fp32 rows, took 1.1-1.4x as long as this schedule's 8
+//    features a lane on uniform graphs of 3.2M and 12.8M edges
+//    (F = 64-512) and up to 2.4x on 9k-100k-edge graphs;
+//  * fp32 rows of 128 features or more on graphs under 2^20 edges: the perf
+//    DB sweeps F <= 128, and past it the rules' SR tiles took up to 1.8x as
+//    long on 9k-100k-edge graphs (F = 192-512; at F = 128 0.96-1.5x, at
+//    F = 64-96 cora's won).
+// In deterministic mode the last two only on graphs under 2^20 edges whose
+// segments validation bounds to kLongSegmentRows[1] rows: on cora, citeseer
+// and pubmed (fp32, F = 128-512) the deterministic time went from 1.7-3.0x
+// the default's to 1.3-1.9x; on a 100k-edge graph with a 5k-edge hub it
+// went from 1.99x to 2.49x at F = 128.
 // A hand rule until the perf DB sweeps the schedule (H100 figures).
 inline bool use_shared_ids(const LaunchCase& k) {
   const bool fits = k.gathered && k.heads == 1 && (k.reduce == Reduce::Sum || k.reduce == Reduce::Mean) &&
                     !k.any_order && !k.caller_config && k.F >= 64 && k.F % 4 == 0;
-  const bool skewed = k.E >= (int64_t(1) << 20) && k.long_segments >= 2;
-  const bool wide_rows = k.half ? k.F % 8 == 0 : k.F >= 128 && k.E < (int64_t(1) << 20);
-  return fits && (skewed || (!k.det && wide_rows));
+  const bool large = k.E >= (int64_t(1) << 20);
+  const bool skewed = large && k.long_segments >= 2;
+  const bool wide_rows = k.half ? k.F % 8 == 0 : k.F >= 128 && !large;
+  const bool short_segments = !large && k.long_segments >= 0 && k.long_segments <= 1;
+  return fits && (skewed || (wide_rows && (!k.det || short_segments)));
 }
 
 // That schedule's tile: 8 features a lane for half rows outside
 // deterministic mode (the launch falls back to 4 where rows are unaligned).
 inline Config shared_ids_tile(const LaunchCase& k) {
-  return shared_ids_config(k.F, k.half && !k.det && k.F % 8 == 0 ? 8 : 4, k.det ? 256 : shared_ids_rows(k.E, k.F));
+  return shared_ids_config(k.F, k.half && !k.det && k.F % 8 == 0 ? 8 : 4, shared_ids_rows(k.E, k.F));
 }
 
 // fp16/bf16 gathered rows on the rules' SP tile of 8 lanes a row take 16 and

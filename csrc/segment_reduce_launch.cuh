@@ -546,9 +546,10 @@ at::Tensor reduce_rows(const RowReduction& r) {
       if (self_in_kernel) args.self_scale = self_scale.data_ptr<acc_t>();
       // Deterministic: slots of the chunks' partial results, then those of
       // the combine levels, or the one-pass combine's owner list and count.
+      // (Shared ids: a group's M_t edges are its chunk, whichever combine follows.)
       const bool one_pass = one_pass_combine(r.long_segments);
-      const int64_t det_chunks = det && E > 0 && (!cfg.is_sp() || overflow)
-                                     ? ceil_div(E, deterministic_chunk_rows(cfg, one_pass)) : 0;
+      const int64_t det_chunk_rows = shared_ids ? cfg.M_t : deterministic_chunk_rows(cfg, one_pass);
+      const int64_t det_chunks = det && E > 0 && (!cfg.is_sp() || overflow) ? ceil_div(E, det_chunk_rows) : 0;
       at::Tensor partial, partial_code;  // held until the launches are queued
       if (det_chunks > 0) {
         int64_t rows = 2 * det_chunks;  // level 0's slots: the one-pass combine's only ones

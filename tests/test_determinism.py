@@ -192,6 +192,32 @@ def test_wide_rows_of_large_graphs(reduce, dtype, features, hub):
 
 
 @requires_cuda
+@pytest.mark.parametrize("hub", [600, 1_024])
+@pytest.mark.parametrize("small", [1_500, 20_000])
+@pytest.mark.parametrize("features", [128, 200])
+@pytest.mark.parametrize("dtype", DTYPES + [pytest.param(torch.float16, id="f16")])
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_wide_rows_of_small_graphs(reduce, dtype, features, small, hub):
+    """Gathered sums of wide rows under 2^20 edges, no segment over 1024
+    rows: SR with shared ids, each group's 16-128 edges a chunk
+    (shared_ids_rows), then the one-pass combine."""
+    src, dst, S = hub_graph("cuda", hub=hub, small=small)
+    assert dst.numel() < 2**20
+    x = torch.randn(S, features, device="cuda").to(dtype)
+    w = torch.rand(src.numel(), device="cuda").to(dtype)
+    launched = geot.explain(dst.numel(), S, features, True, geot.config.long_segment_level(hub), dtype=dtype,
+                            reduce=reduce, deterministic=True)
+    assert launched.schedule == "SR" and launched.M_t < 256, launched
+    out = assert_repeatable(lambda: geot.index_weight_segment_reduce(src, dst, w, x, reduce, S))
+    rows = w.double()[:, None] * x.double()[src]
+    ref = torch.zeros(S, features, dtype=torch.float64, device="cuda").index_add_(0, dst, rows)
+    if reduce == "mean":
+        ref /= torch.bincount(dst, minlength=S).clamp_min(1).double()[:, None]
+    low = dtype != torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2 if low else 1e-4, atol=2e-1 if low else 1e-2)
+
+
+@requires_cuda
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 def test_combine_levels_of_many_slot_elements(reduce):
     """A combine level of more than 3 * 2^20 slot elements (slots * F) runs

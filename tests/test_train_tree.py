@@ -300,8 +300,13 @@ def test_explain_with_dtype_reports_the_launch():
     assert geot.explain(*cora, 512, True, 1, dtype=torch.float32, deterministic=False, **H100) == (4, 32, 16, 8, 1)
     assert geot.explain_source(*cora, 512, True, 1, dtype=torch.float32, deterministic=False, **H100).endswith(
         "; then SR with shared ids (use_shared_ids)")
-    # ... not in deterministic mode, nor for a max, nor at F = 96
-    assert geot.explain(*cora, 512, True, 1, dtype=torch.float32, deterministic=True, **H100) == rules_512
+    # ... in deterministic mode too (a group's edges are its chunk), but not for a max, nor at F = 96
+    assert geot.explain(*cora, 512, True, 1, dtype=torch.float32, deterministic=True, **H100) == (4, 32, 16, 8, 1)
+    # ... where validation bounds segments to 1024 rows under 2^20 edges
+    for sizes in ((2_000_000, 100_000, 512, True, 1), (*cora, 512, True, 2)):
+        rules = geot.explain(*sizes, **H100)
+        assert geot.explain(*sizes, dtype=torch.bfloat16, deterministic=True, **H100) == rules
+        assert geot.explain(*sizes, dtype=torch.bfloat16, deterministic=False, **H100) != rules
     assert geot.explain(*cora, 512, True, 1, dtype=torch.float32, reduce="max", deterministic=False,
                         **H100) == rules_512
     rules_96 = geot.explain(*cora, 96, True, 1, **H100)
