@@ -117,10 +117,13 @@ inline bool half_short_segments(const LaunchCase& k) {
 //    long on 9k-100k-edge graphs (F = 192-512; at F = 128 0.96-1.5x, at
 //    F = 64-96 cora's won).
 // In deterministic mode the last two only on graphs under 2^20 edges whose
-// segments validation bounds to kLongSegmentRows[1] rows: on cora, citeseer
-// and pubmed (fp32, F = 128-512) the deterministic time went from 1.7-3.0x
-// the default's to 1.3-1.9x; on a 100k-edge graph with a 5k-edge hub it
-// went from 1.99x to 2.49x at F = 128.
+// segments validation bounds to kLongSegmentRows[2] rows (the one-pass
+// combine), with chunks of 32 edges or more past kLongSegmentRows[1] rows
+// (16 took 1.25x as long on a 100k-edge graph with a 5k-edge hub at
+// F = 128): on cora, citeseer and pubmed (fp32, F = 128-512) the
+// deterministic time went from 1.7-3.0x the default's to 1.35-1.9x; on that
+// hub graph, fp16/bf16 F = 64-512, from 1.4-2.7x to 1.3-2.0x, fp32
+// F = 256-512 from 1.8-1.9x to 1.5-1.8x (F = 128: 2.0x to 2.1x).
 // A hand rule until the perf DB sweeps the schedule (H100 figures).
 inline bool use_shared_ids(const LaunchCase& k) {
   const bool fits = k.gathered && k.heads == 1 && (k.reduce == Reduce::Sum || k.reduce == Reduce::Mean) &&
@@ -128,14 +131,16 @@ inline bool use_shared_ids(const LaunchCase& k) {
   const bool large = k.E >= (int64_t(1) << 20);
   const bool skewed = large && k.long_segments >= 2;
   const bool wide_rows = k.half ? k.F % 8 == 0 : k.F >= 128 && !large;
-  const bool short_segments = !large && k.long_segments >= 0 && k.long_segments <= 1;
-  return fits && (skewed || (wide_rows && (!k.det || short_segments)));
+  const bool bounded_segments = !large && k.long_segments >= 0 && k.long_segments <= 2;
+  return fits && (skewed || (wide_rows && (!k.det || bounded_segments)));
 }
 
 // That schedule's tile: 8 features a lane for half rows outside
 // deterministic mode (the launch falls back to 4 where rows are unaligned).
 inline Config shared_ids_tile(const LaunchCase& k) {
-  return shared_ids_config(k.F, k.half && !k.det && k.F % 8 == 0 ? 8 : 4, shared_ids_rows(k.E, k.F));
+  int m_t = shared_ids_rows(k.E, k.F);
+  if (k.det && k.long_segments >= 2) m_t = std::max(m_t, 32);  // fewer slots for a hub's combine
+  return shared_ids_config(k.F, k.half && !k.det && k.F % 8 == 0 ? 8 : 4, m_t);
 }
 
 // fp16/bf16 gathered rows on the rules' SP tile of 8 lanes a row take 16 and

@@ -302,8 +302,9 @@ def test_explain_with_dtype_reports_the_launch():
         "; then SR with shared ids (use_shared_ids)")
     # ... in deterministic mode too (a group's edges are its chunk), but not for a max, nor at F = 96
     assert geot.explain(*cora, 512, True, 1, dtype=torch.float32, deterministic=True, **H100) == (4, 32, 16, 8, 1)
-    # ... where validation bounds segments to 1024 rows under 2^20 edges
-    for sizes in ((2_000_000, 100_000, 512, True, 1), (*cora, 512, True, 2)):
+    # ... where validation bounds segments to 16384 rows under 2^20 edges, 32 edges a chunk past 1024
+    assert geot.explain(*cora, 512, True, 2, dtype=torch.float32, deterministic=True, **H100) == (4, 32, 32, 8, 1)
+    for sizes in ((2_000_000, 100_000, 512, True, 1), (*cora, 512, True, 3)):
         rules = geot.explain(*sizes, **H100)
         assert geot.explain(*sizes, dtype=torch.bfloat16, deterministic=True, **H100) == rules
         assert geot.explain(*sizes, dtype=torch.bfloat16, deterministic=False, **H100) != rules
