@@ -43,16 +43,23 @@ inline Config shared_ids_config(int64_t F, int n_t = 4, int m_t = 256) {
 }
 
 // Edges a group of the shared-ids tile walks (in deterministic mode, its
-// chunk): 256 on graphs of 2^20 edges or more; on smaller ones 16-128, the power of
-// two nearest to what spreads the edges over 2^17 lanes of 8 features.
-// (H100, bf16: on 88k-1M-edge graphs at F = 64-256 the kernel takes within
+// chunk): 256 on graphs of 2^20 edges or more; on smaller ones 16-128, the
+// power of two nearest to what spreads the edges over 2^17 lanes of 8
+// features, and down to 4 where groups are of 8 lanes (F <= 64) or the
+// graph is small (edges * lanes an edge <= 2^19): there 16 edges a group
+// left most SMs idle (cora, bf16 F = 64: 21 blocks).
+// (H100: on 88k-1M-edge graphs at F = 64-256, bf16, the kernel takes within
 // 13% of the best of 16-128 edges a group; on 9k-100k-edge graphs at
-// F = 64-512, bf16 and fp32, within 16%.)
+// F = 64-512, bf16 and fp32, within 16%. The lower floor made SpMM on cora
+// and citeseer at F = 64-256 1.03-1.45x as fast, on pubmed and a 100k-edge
+// power-law graph at F = 64 1.13-1.17x; on cora at F = 512 and pubmed at
+// F = 128 it lost 5-9%, so they keep 16.)
 inline int shared_ids_rows(int64_t E, int64_t F) {
   if (E >= (int64_t(1) << 20)) return 256;
   const Config tile = shared_ids_config(F, 8);
   const int64_t lanes_per_edge = int64_t(tile.T_N) * ceil_div(F, int64_t(8) * tile.T_N);
-  int m_t = 16;
+  const bool few_lanes = tile.T_N <= 8 || E * lanes_per_edge <= (int64_t(1) << 19);
+  int m_t = few_lanes ? 4 : 16;
   while (m_t < 128 && int64_t(3 * m_t) << 16 <= E * lanes_per_edge) m_t *= 2;
   return m_t;
 }
@@ -137,9 +144,12 @@ inline bool use_shared_ids(const LaunchCase& k) {
 
 // That schedule's tile: 8 features a lane for half rows outside
 // deterministic mode (the launch falls back to 4 where rows are unaligned).
+// In deterministic mode a group's edges are its chunk: at least 16 (32
+// past 1024-row segments), fewer slots to combine (as measured; smaller
+// chunks there are untried).
 inline Config shared_ids_tile(const LaunchCase& k) {
   int m_t = shared_ids_rows(k.E, k.F);
-  if (k.det && k.long_segments >= 2) m_t = std::max(m_t, 32);  // fewer slots for a hub's combine
+  if (k.det) m_t = std::max(m_t, k.long_segments >= 2 ? 32 : 16);
   return shared_ids_config(k.F, k.half && !k.det && k.F % 8 == 0 ? 8 : 4, m_t);
 }
 

@@ -309,7 +309,7 @@ def test_wide_rows_on_large_skewed_graphs(op, dtype, F):
 @pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled", "two_heads"])
 def test_half_rows_on_even_graphs(op, dtype, F):
     """Every destination of even in-degree 16, under 2^16 edges: half rows of
-    a multiple of 8 features take SR with shared ids, 16-128 edges a group
+    a multiple of 8 features take SR with shared ids, 4-128 edges a group
     (shared_ids_rows); with two weight heads they take the rules' SP tile,
     which the launch widens for half rows (half_row_sp_config) on the H100."""
     S = 4_000
@@ -326,7 +326,7 @@ def test_half_rows_on_even_graphs(op, dtype, F):
 @pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
 def test_fp32_wide_rows_on_small_graphs(op, graph, F):
     """fp32 rows of 128 features or more on graphs under 2^20 edges take SR
-    with shared ids, 16-128 edges a group (use_shared_ids, shared_ids_rows):
+    with shared ids, 4-128 edges a group (use_shared_ids, shared_ids_rows):
     a 10k-edge graph of small degrees, and a 100k-edge one with a hub."""
     S = 3_000
     E = 10_000 if graph == "cora_like" else 100_000
@@ -356,7 +356,7 @@ def test_half_rows_on_large_even_graphs(op, index_dtype, F):
 @pytest.mark.parametrize("graph", ["many_segments", "few_segments"])
 @pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
 def test_half_rows_on_mid_size_graphs(op, graph, F):
-    """2^16-2^20 edges: half rows take SR with shared ids, groups of 16-128
+    """2^16-2^20 edges: half rows take SR with shared ids, groups of 4-128
     edges (shared_ids_rows); with fewer segments than groups the
     partial sums go to an [S, F] buffer instead of chunk rows."""
     S = 20_000 if graph == "many_segments" else 300
