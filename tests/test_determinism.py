@@ -205,9 +205,10 @@ def test_wide_rows_of_small_graphs(reduce, dtype, features, small, hub):
     assert dst.numel() < 2**20
     x = torch.randn(S, features, device="cuda").to(dtype)
     w = torch.rand(src.numel(), device="cuda").to(dtype)
-    launched = geot.explain(dst.numel(), S, features, True, geot.config.long_segment_level(hub), dtype=dtype,
-                            reduce=reduce, deterministic=True)
-    assert launched.schedule == "SR" and launched.M_t < 256, launched
+    launch = dict(dtype=dtype, reduce=reduce, deterministic=True)
+    sizes = (dst.numel(), S, features, True, geot.config.long_segment_level(hub))
+    launched, source = geot.explain(*sizes, **launch), geot.explain_source(*sizes, **launch)
+    assert source.endswith("(use_shared_ids)") and 16 <= launched.M_t < 256, (launched, source)
     out = assert_repeatable(lambda: geot.index_weight_segment_reduce(src, dst, w, x, reduce, S))
     rows = w.double()[:, None] * x.double()[src]
     ref = torch.zeros(S, features, dtype=torch.float64, device="cuda").index_add_(0, dst, rows)
