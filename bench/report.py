@@ -76,17 +76,20 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: 
     return "\n".join(lines)
 
 
+def cell_label(row: pd.Series, keys: Sequence[str]) -> str:
+    """'gin/64 cora fp32' or 'pubmed, F=1': a cell named by its keys."""
+    if "model" in keys:
+        return f"{row['model']}/{row['hidden']} {graph_kind(row['graph'])} {row['dtype']}"
+    return ", ".join(f"{row[k]}" if k == "graph" else f"{k}={row[k]}" for k in keys)
+
+
 def worst_cell(df: pd.DataFrame, column: str, keys: Sequence[str]) -> str:
     """'0.48× (gin/64 cora fp32)' or '0.96× (pubmed, F=1)': the lowest value and its cell."""
     sel = df.dropna(subset=[column])
     if sel.empty:
         return "–"
     row = sel.loc[sel[column].idxmin()]
-    if "model" in keys:
-        where = f"{row['model']}/{row['hidden']} {graph_kind(row['graph'])} {row['dtype']}"
-    else:
-        where = ", ".join(f"{row[k]}" if k == "graph" else f"{k}={row[k]}" for k in keys)
-    return f"{row[column]:.2f}× ({where})"
+    return f"{row[column]:.2f}× ({cell_label(row, keys)})"
 
 
 def deterministic_block(df: pd.DataFrame, vs_native: str, keys: Sequence[str] = ("graph", "F")) -> List[str]:
@@ -102,8 +105,7 @@ def deterministic_block(df: pd.DataFrame, vs_native: str, keys: Sequence[str] = 
     most = sel.loc[sel["det_ratio"].idxmax()]
     out = [f"\nDeterministic mode (`--deterministic`: `torch.use_deterministic_algorithms(True)`, {cells(len(sel))}): "
            f"geot's time is {geomean(sel['det_ratio']):.2f}× its default mode's at the geomean "
-           f"(most {most['det_ratio']:.2f}×: {', '.join(str(most[k]) if k == 'graph' else f'{k}={most[k]}' for k in keys)}); "
-           "two deterministic "
+           f"(most {most['det_ratio']:.2f}×: {cell_label(most, keys)}); two deterministic "
            f"calls agree bitwise in {bitwise} of {len(sel)} cells. Against the fastest torch-native peer, itself "
            f"in deterministic mode: {geomean(sel[vs_native]):.2f}× at the geomean, worst "
            f"{worst_cell(sel, vs_native, keys)}, {below} of {len(sel)} cells below 1. "
