@@ -312,8 +312,12 @@ def test_explain_with_dtype_reports_the_launch():
                         **H100) == rules_512
     rules_96 = geot.explain(*cora, 96, True, 1, **H100)
     assert geot.explain(*cora, 96, True, 1, dtype=torch.float32, deterministic=False, **H100) == rules_96
-    # half rows of a multiple of 8 features: 8 features a lane, on any graph (4 edges a group of 8 lanes on cora)
+    # half rows of a multiple of 8 features: 8 features a lane, on any graph; 4 edges a group where groups are
+    # of 8 lanes (F = 64) or the graph is small, else 16 or more (shared_ids_rows)
     assert geot.explain(*cora, 64, True, 1, dtype=torch.bfloat16, deterministic=False, **H100) == (8, 8, 4, 32, 1)
+    pubmed = (88_648, 19_717)
+    assert geot.explain(*pubmed, 64, True, 1, dtype=torch.bfloat16, deterministic=False, **H100).M_t == 4
+    assert geot.explain(*pubmed, 128, True, 1, dtype=torch.bfloat16, deterministic=False, **H100).M_t == 16
     # several weight heads keep the rules' config, SP's 8-lane tile widened for half rows
     even = (64_000, 4_000, 128, True, 0)
     rules_even = geot.explain(*even, **H100)
