@@ -42,6 +42,19 @@ inline Config shared_ids_config(int64_t F, int n_t = 4, int m_t = 256) {
   return {n_t, width, m_t, 256 / width, 1};
 }
 
+// Lanes an edge's row takes in the shared-ids tile of n_t features a lane.
+inline int64_t shared_ids_lanes(int64_t F, int n_t) {
+  const Config tile = shared_ids_config(F, n_t);
+  return int64_t(tile.T_N) * ceil_div(F, int64_t(n_t) * tile.T_N);
+}
+
+// Whether a graph is small for the shared-ids schedule: edges * lanes an
+// edge (of n_t features a lane) <= 2^19, where groups of 16 edges leave
+// SMs idle.
+inline bool few_shared_ids_lanes(int64_t E, int64_t F, int n_t) {
+  return E * shared_ids_lanes(F, n_t) <= (int64_t(1) << 19);
+}
+
 // Edges a group of the shared-ids tile walks (in deterministic mode, its
 // chunk): 256 on graphs of 2^20 edges or more; on smaller ones 16-128, the
 // power of two nearest to what spreads the edges over 2^17 lanes of 8
@@ -56,9 +69,8 @@ inline Config shared_ids_config(int64_t F, int n_t = 4, int m_t = 256) {
 // F = 128 it lost 5-9%, so they keep 16.)
 inline int shared_ids_rows(int64_t E, int64_t F) {
   if (E >= (int64_t(1) << 20)) return 256;
-  const Config tile = shared_ids_config(F, 8);
-  const int64_t lanes_per_edge = int64_t(tile.T_N) * ceil_div(F, int64_t(8) * tile.T_N);
-  const bool few_lanes = tile.T_N <= 8 || E * lanes_per_edge <= (int64_t(1) << 19);
+  const int64_t lanes_per_edge = shared_ids_lanes(F, 8);
+  const bool few_lanes = shared_ids_config(F, 8).T_N <= 8 || few_shared_ids_lanes(E, F, 8);
   int m_t = few_lanes ? 4 : 16;
   while (m_t < 128 && int64_t(3 * m_t) << 16 <= E * lanes_per_edge) m_t *= 2;
   return m_t;
@@ -144,12 +156,17 @@ inline bool use_shared_ids(const LaunchCase& k) {
 
 // That schedule's tile: 8 features a lane for half rows outside
 // deterministic mode (the launch falls back to 4 where rows are unaligned).
-// In deterministic mode a group's edges are its chunk: at least 16 (32
-// past 1024-row segments), fewer slots to combine (as measured; smaller
-// chunks there are untried).
+// In deterministic mode a group's edges are its chunk: at least 16, fewer
+// slots to combine; 8 on small graphs (the launch's lanes: 8 features a
+// lane for half rows, 4 for others), 32 past 1024-row segments. (H100,
+// SpMM, deterministic / default time at 16 -> 8 edges: cora and citeseer,
+// bf16 F = 64-128, 1.23-1.36 -> 1.06-1.15, F = 256 1.08-1.19 -> 1.07, fp32
+// F = 128 1.81-1.88 -> 1.61-1.79; 8 edges lost 9-14% at fp32 F = 256 there
+// (so the lanes count), 4 edges 12-18% at bf16 F = 256, and 8 edges up to
+// 1.3x on pubmed and a 100k-edge power-law graph at F = 64.)
 inline Config shared_ids_tile(const LaunchCase& k) {
   int m_t = shared_ids_rows(k.E, k.F);
-  if (k.det) m_t = std::max(m_t, k.long_segments >= 2 ? 32 : 16);
+  if (k.det) m_t = std::max(m_t, k.long_segments >= 2 ? 32 : few_shared_ids_lanes(k.E, k.F, k.half ? 8 : 4) ? 8 : 16);
   return shared_ids_config(k.F, k.half && !k.det && k.F % 8 == 0 ? 8 : 4, m_t);
 }
 

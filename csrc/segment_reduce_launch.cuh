@@ -486,6 +486,11 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // (Deterministic SP writes the output directly for every dtype: its
   // overflow rows end in stores of whole segments, no additions.)
   const bool direct = (cfg.is_sp() && (!overflow || long_slots || det)) || chunk_slots;
+  // Deterministic SR (shared ids included) on half rows stores into the
+  // output too, pre-filled for the segments no pass stores (empty ones: 0,
+  // or the self term): the chunk pass and the combine store every other
+  // segment whole, rounded, so no fp32 [S, F] buffer or finalize pass.
+  const bool prefilled_out = det && half && cfg.is_sr();
   // The self term (r.self_scale) goes into the kernels' stores (SegmentArgs::
   // self_scale), unless SP's long segments go whole to slots (another pass
   // stores those): then it is added after the sum.
@@ -500,12 +505,16 @@ at::Tensor reduce_rows(const RowReduction& r) {
   // (SR and PR add to a pre-filled [S, F]: with a self term, filled with it.)
   at::Tensor acc = long_slots     ? identity_filled(slots, F, acc_type, r.reduce, r.src, stream)
                    : chunk_slots  ? identity_filled(chunks, F, acc_type, r.reduce, r.src, stream)
-                   : direct       ? at::Tensor()
+                   : direct || prefilled_out ? at::Tensor()
                    : cfg.is_sp()  ? uninitialized({S, F}, r.src.options().dtype(acc_type))
                    : r.self_scale ? at::mul(r.src, self_scale)
                                   : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
-  const bool finalize = !direct && (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
-  at::Tensor out = direct || half ? uninitialized({S, F}, r.src.options()) : acc;
+  const bool finalize = !direct && !prefilled_out &&
+                        (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
+  at::Tensor out = prefilled_out  ? (r.self_scale ? at::mul(r.src, self_scale).to(r.src.scalar_type())
+                                                  : identity_filled(S, F, r.src.scalar_type(), Reduce::Sum, r.src, stream))
+                   : direct || half ? uninitialized({S, F}, r.src.options())
+                                    : acc;
   if (S == 0 || F == 0) return out;
   // Nothing to read (every element is empty or out of range); the kernels
   // may read row 0 of src unconditionally, so they must not run.
@@ -519,7 +528,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.index = r.index.data_ptr<index_t>();
       args.src = reinterpret_cast<const in_t*>(r.src.data_ptr<scalar_t>());
       args.out = acc.defined() ? acc.data_ptr<acc_t>() : nullptr;
-      args.final_out = direct ? reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()) : nullptr;
+      args.final_out = direct || prefilled_out ? reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()) : nullptr;
       args.mean = r.reduce == Reduce::Mean;
       args.E = E, args.F = F, args.S = S;
       args.gather = r.gather ? r.gather->data_ptr<index_t>() : nullptr;
@@ -529,7 +538,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.whole_segment_stores = !r.any_order;
       args.shared_ids = shared_ids;
       SegmentOffsets offsets;  // SP, chunk slots, finalize of non-sums; held until the launches are queued
-      if (cfg.is_sp() || chunk_slots) {
+      if (cfg.is_sp() || chunk_slots || (prefilled_out && r.reduce == Reduce::Mean)) {  // (a mean's sizes)
         offsets = index_offsets<index_t>(r.index, S, cfg.is_sp(), stream);
         args.ptr = offsets.ptr.data_ptr<int64_t>();
       }

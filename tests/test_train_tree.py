@@ -318,6 +318,13 @@ def test_explain_with_dtype_reports_the_launch():
     pubmed = (88_648, 19_717)
     assert geot.explain(*pubmed, 64, True, 1, dtype=torch.bfloat16, deterministic=False, **H100).M_t == 4
     assert geot.explain(*pubmed, 128, True, 1, dtype=torch.bfloat16, deterministic=False, **H100).M_t == 16
+    # deterministic chunks: 8 edges where edges * lanes an edge (8 features a lane for half rows, 4 for fp32)
+    # stay within 2^19, else 16
+    det_rows = {(dtype, F): geot.explain(*cora, F, True, 1, dtype=dtype, deterministic=True, **H100).M_t
+                for dtype in (torch.float32, torch.bfloat16) for F in (128, 256, 512)}
+    assert det_rows == {(torch.float32, 128): 8, (torch.float32, 256): 16, (torch.float32, 512): 16,
+                        (torch.bfloat16, 128): 8, (torch.bfloat16, 256): 8, (torch.bfloat16, 512): 16}
+    assert geot.explain(*pubmed, 64, True, 1, dtype=torch.bfloat16, deterministic=True, **H100).M_t == 16
     # several weight heads keep the rules' config, SP's 8-lane tile widened for half rows
     even = (64_000, 4_000, 128, True, 0)
     rules_even = geot.explain(*even, **H100)
