@@ -166,7 +166,10 @@ inline bool use_shared_ids(const LaunchCase& k) {
 // 1.3x on pubmed and a 100k-edge power-law graph at F = 64.)
 inline Config shared_ids_tile(const LaunchCase& k) {
   int m_t = shared_ids_rows(k.E, k.F);
-  if (k.det) m_t = std::max(m_t, k.long_segments >= 2 ? 32 : few_shared_ids_lanes(k.E, k.F, k.half ? 8 : 4) ? 8 : 16);
+  if (k.det) {
+    const bool small = few_shared_ids_lanes(k.E, k.F, k.half ? 8 : 4);
+    m_t = std::max(m_t, k.long_segments >= 2 ? 32 : small ? 8 : 16);
+  }
   return shared_ids_config(k.F, k.half && !k.det && k.F % 8 == 0 ? 8 : 4, m_t);
 }
 

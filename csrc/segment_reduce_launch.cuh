@@ -511,10 +511,11 @@ at::Tensor reduce_rows(const RowReduction& r) {
                                   : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
   const bool finalize = !direct && !prefilled_out &&
                         (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
-  at::Tensor out = prefilled_out  ? (r.self_scale ? at::mul(r.src, self_scale).to(r.src.scalar_type())
-                                                  : identity_filled(S, F, r.src.scalar_type(), Reduce::Sum, r.src, stream))
-                   : direct || half ? uninitialized({S, F}, r.src.options())
-                                    : acc;
+  const auto prefilled = [&] {
+    if (r.self_scale) return at::mul(r.src, self_scale).to(r.src.scalar_type());
+    return identity_filled(S, F, r.src.scalar_type(), Reduce::Sum, r.src, stream);  // zeros
+  };
+  at::Tensor out = prefilled_out ? prefilled() : direct || half ? uninitialized({S, F}, r.src.options()) : acc;
   if (S == 0 || F == 0) return out;
   // Nothing to read (every element is empty or out of range); the kernels
   // may read row 0 of src unconditionally, so they must not run.
@@ -537,8 +538,10 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.heads = r.heads;
       args.whole_segment_stores = !r.any_order;
       args.shared_ids = shared_ids;
-      SegmentOffsets offsets;  // SP, chunk slots, finalize of non-sums; held until the launches are queued
-      if (cfg.is_sp() || chunk_slots || (prefilled_out && r.reduce == Reduce::Mean)) {  // (a mean's sizes)
+      // SP, chunk slots, a mean's sizes where no finalize divides, finalize of non-sums; held until the
+      // launches are queued
+      SegmentOffsets offsets;
+      if (cfg.is_sp() || chunk_slots || (prefilled_out && r.reduce == Reduce::Mean)) {
         offsets = index_offsets<index_t>(r.index, S, cfg.is_sp(), stream);
         args.ptr = offsets.ptr.data_ptr<int64_t>();
       }
