@@ -132,13 +132,11 @@ struct SegmentArgs {
   // segment's slots in slot order, level by level, and store the result.
   acc_t* partial;                     // [2 * chunks, F]
   int64_t* partial_code;              // [2 * chunks]
-  // The one-pass combine (owners set; where validation bounds every segment
-  // to ~10^3 chunks): a chunk that writes its tail slot (a segment begun in
-  // it runs on) lists itself in owners (owner_count counts them, in any
-  // order), and combine_owned_slots_kernel adds each listed segment's slots
-  // at once instead of the combine levels.
-  int64_t* owners;                    // [chunks]
-  unsigned long long* owner_count;
+  // The one-pass combine (one_pass; where validation bounds every segment
+  // to ~10^3 chunks): combine_owned_slots_kernel adds the slots of each
+  // segment that a chunk's written tail slot begins (its owner chunk) at
+  // once, instead of the combine levels.
+  bool one_pass;
 };
 
 // A partial slot's segment and whether it holds a value, as one sortable
@@ -347,11 +345,7 @@ __device__ __forceinline__ int emit_run(const SegmentArgs<scalar_t, acc_t, index
                                         int64_t seg, int64_t col0, acc_t (&acc)[N_T], bool valid) {
   if (!valid || seg < 0 || seg >= a.S) return 0;
   if (c.head && seg == c.first) return write_slot<N_T>(a, 2 * c.chunk, col0, acc), 1;
-  if (c.tail && seg == c.last) {
-    write_slot<N_T>(a, 2 * c.chunk + 1, col0, acc);
-    if (a.owners && col0 == 0) a.owners[atomicAdd(a.owner_count, 1ull)] = c.chunk;
-    return 2;
-  }
+  if (c.tail && seg == c.last) return write_slot<N_T>(a, 2 * c.chunk + 1, col0, acc), 2;
   store<N_T, true>(a, seg, col0, acc);
   return 0;
 }
@@ -1068,18 +1062,24 @@ __global__ void combine_partials_warp_kernel(SegmentArgs<scalar_t, acc_t, index_
 // per listed segment: lane l adds parts l, l + lanes, ... in order, then a
 // shuffle tree in a fixed order adds the lanes (so the sum's order depends
 // only on the index and the tile shape), and lane 0 stores the segment.
-// Block (column tiles * lanes, T_M): y strides over the owners.
+// Block (column tiles * lanes, T_M): y strides over the chunks, and a tile
+// takes those whose tail slot was written (their codes say so: no list of
+// owners to count, so no counter to clear before the chunk pass).
+// overflow_only: after SP's overflow pass, which writes no codes where no
+// segment overflowed.
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
-__global__ void combine_owned_slots_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int64_t chunks, int lanes) {
+__global__ void combine_owned_slots_kernel(SegmentArgs<scalar_t, acc_t, index_t> a, int64_t chunks, int lanes,
+                                           bool overflow_only) {
+  if (overflow_only && *a.longest <= a.cap) return;
   const int lane = threadIdx.x & (lanes - 1);
   const int64_t col0 = (int64_t(blockIdx.y) * (blockDim.x / lanes) + threadIdx.x / lanes) * N_T;
   if (col0 >= a.F) return;  // the whole tile: its lanes share col0
   const unsigned tile_mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (threadIdx.x & 31 & ~(lanes - 1));
-  const int64_t owners = static_cast<int64_t>(*a.owner_count);
   constexpr int BATCH = 8;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; i < owners; i += int64_t(gridDim.x) * blockDim.y) {
-    const int64_t c0 = a.owners[i];
-    const int64_t seg = code_segment(a.partial_code[2 * c0 + 1]);
+  for (int64_t c0 = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; c0 < chunks; c0 += int64_t(gridDim.x) * blockDim.y) {
+    const int64_t tail = a.partial_code[2 * c0 + 1];
+    if (!(tail & 1)) continue;  // no segment begun in chunk c0 runs on (the whole tile skips)
+    const int64_t seg = code_segment(tail);
     acc_t acc[N_T];
 #pragma unroll
     for (int j = 0; j < N_T; ++j) acc[j] = Op::identity();

@@ -170,7 +170,7 @@ inline std::vector<CombineLevel> combine_levels(int64_t chunks, int64_t F) {
   return levels;
 }
 
-// The one-pass combine (a.owners set): 256-thread blocks of tiles of
+// The one-pass combine (a.one_pass): 256-thread blocks of tiles of
 // `lanes` threads, a tile's threads sharing N_t features; column tiles up
 // to a warp's worth of features per segment, lanes as many as 64 threads
 // leave (2-32). Most segments it adds have two or three parts, so more
@@ -179,9 +179,10 @@ inline std::vector<CombineLevel> combine_levels(int64_t chunks, int64_t F) {
 // pubmed and a 10^5-edge power-law graph at F = 16-128, both ops:
 // deterministic / default 1.35 -> 1.33 and 1.92 -> 1.84 at the geomean
 // against 128 threads and 4-32 lanes, pubmed's SpMM at F = 64 1.86 -> 1.61).
-// The blocks stride over the owners, so their number is capped.
+// The blocks stride over the chunks, so their number is capped.
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
-void launch_owned_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks, cudaStream_t stream) {
+void launch_owned_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks, bool overflow_only,
+                          cudaStream_t stream) {
   constexpr int64_t kMaxBlocks = 2048;
   const int64_t columns = ceil_div(a.F, N_T);
   int column_tiles = 1;
@@ -190,17 +191,18 @@ void launch_owned_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_
   const dim3 block(column_tiles * lanes, 256 / (column_tiles * lanes));
   const dim3 grid(static_cast<unsigned>(std::min(ceil_div(chunks, int64_t(block.y)), kMaxBlocks)),
                   static_cast<unsigned>(ceil_div(columns, column_tiles)));
-  combine_owned_slots_kernel<scalar_t, acc_t, index_t, N_T, Op><<<grid, block, 0, stream>>>(a, chunks, lanes);
+  combine_owned_slots_kernel<scalar_t, acc_t, index_t, N_T, Op><<<grid, block, 0, stream>>>(a, chunks, lanes,
+                                                                                             overflow_only);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The deterministic combine: the one-pass kernel where a.owners is set, else
+// The deterministic combine: the one-pass kernel where a.one_pass is set, else
 // one launch per level, in order (a.partial, a.partial_code: level 0's
 // slots, the levels' after them in one buffer).
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
 void launch_combine(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t chunks, bool overflow_only,
                     cudaStream_t stream) {
-  if (a.owners) return launch_owned_combine<scalar_t, acc_t, index_t, N_T, Op>(a, chunks, stream);
+  if (a.one_pass) return launch_owned_combine<scalar_t, acc_t, index_t, N_T, Op>(a, chunks, overflow_only, stream);
   const int64_t columns = ceil_div(a.F, N_T);
   int x = 1;  // the rows kernel's block: x spans features
   while (x < 32 && x < columns) x *= 2;
@@ -250,7 +252,7 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
   if (!a.partial) return launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, c, stream);
   // Deterministic: SP left each long segment whole to chunks of the overflow pass.
   Config chunked = c;
-  chunked.M_t = deterministic_chunk_rows(c, a.owners != nullptr);
+  chunked.M_t = deterministic_chunk_rows(c, a.one_pass);
   launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, true>(a, chunked, stream);
   launch_combine<scalar_t, acc_t, index_t, N_T, Op>(a, ceil_div(a.E, chunked.M_t), true, stream);
 }
@@ -337,7 +339,7 @@ void launch_tiles(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& 
     return launch_pr<scalar_t, acc_t, index_t, N_T, Op, FUSED>(a, c, stream);
   }
   // Deterministic: the same tiles, chunks of fixed rows, then the combine.
-  const int chunk_rows = deterministic_chunk_rows(c, a.owners != nullptr);
+  const int chunk_rows = deterministic_chunk_rows(c, a.one_pass);
   Config chunked = c;
   if (c.is_sr()) chunked.M_t = chunk_rows;
   if (c.is_sr()) launch_sr<scalar_t, acc_t, index_t, N_T, Op, FUSED, false>(a, chunked, stream);
@@ -557,7 +559,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       }
       if (self_in_kernel) args.self_scale = self_scale.data_ptr<acc_t>();
       // Deterministic: slots of the chunks' partial results, then those of
-      // the combine levels, or the one-pass combine's owner list and count.
+      // the combine levels (the one-pass combine reads level 0's alone).
       // (Shared ids: a group's M_t edges are its chunk, whichever combine follows.)
       const bool one_pass = one_pass_combine(r.long_segments);
       const int64_t det_chunk_rows = shared_ids ? cfg.M_t : deterministic_chunk_rows(cfg, one_pass);
@@ -570,14 +572,10 @@ at::Tensor reduce_rows(const RowReduction& r) {
           for (const CombineLevel& level : combine_levels(det_chunks, F)) rows += level.n;
         }
         partial = uninitialized({rows, F}, r.src.options().dtype(acc_type));
-        partial_code = uninitialized({rows + (one_pass ? det_chunks + 1 : 0)}, r.index.options().dtype(at::kLong));
+        partial_code = uninitialized({rows}, r.index.options().dtype(at::kLong));
         args.partial = partial.data_ptr<acc_t>();
         args.partial_code = partial_code.data_ptr<int64_t>();
-        if (one_pass) {
-          args.owners = args.partial_code + rows;
-          args.owner_count = reinterpret_cast<unsigned long long*>(args.owners + det_chunks);
-          C10_CUDA_CHECK(cudaMemsetAsync(args.owner_count, 0, sizeof(unsigned long long), stream));
-        }
+        args.one_pass = one_pass;
       }
       at::Tensor slot_table, slot_segments;  // held until the launches are queued
       if (long_slots) {
