@@ -1059,12 +1059,12 @@ __global__ void combine_partials_warp_kernel(SegmentArgs<scalar_t, acc_t, index_
 // c0 < c1 left its parts in slot 2 c0 + 1 (c0's tail) and the head slots
 // 2 c of chunks c0 + 1 .. c1, consecutive and the only slots of its code.
 // A tile of `lanes` threads (neighbours in a warp, sharing N_t features)
-// per listed segment: lane l adds parts l, l + lanes, ... in order, then a
+// per such segment: lane l adds parts l, l + lanes, ... in order, then a
 // shuffle tree in a fixed order adds the lanes (so the sum's order depends
 // only on the index and the tile shape), and lane 0 stores the segment.
 // Block (column tiles * lanes, T_M): y strides over the chunks, and a tile
-// takes those whose tail slot was written (their codes say so: no list of
-// owners to count, so no counter to clear before the chunk pass).
+// takes those whose tail slot was written, c0 (their codes say so: no list
+// of them to count, so no counter to clear before the chunk pass).
 // overflow_only: after SP's overflow pass, which writes no codes where no
 // segment overflowed.
 template <typename scalar_t, typename acc_t, typename index_t, int N_T, class Op>
