@@ -540,8 +540,8 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.heads = r.heads;
       args.whole_segment_stores = !r.any_order;
       args.shared_ids = shared_ids;
-      // SP, chunk slots, a mean's sizes where no finalize divides, finalize of non-sums; held until the
-      // launches are queued
+      // Offsets for SP, chunk slots, a mean's sizes where no finalize divides
+      // and the finalize of non-sums; held until the launches are queued.
       SegmentOffsets offsets;
       if (cfg.is_sp() || chunk_slots || (prefilled_out && r.reduce == Reduce::Mean)) {
         offsets = index_offsets<index_t>(r.index, S, cfg.is_sp(), stream);
