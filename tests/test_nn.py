@@ -149,10 +149,11 @@ def test_gat_dropout_without_gradients_overwrites_its_scores(device, monkeypatch
 
 
 @pytest.mark.parametrize("aggr", ["mean", "add"])
-@pytest.mark.parametrize("in_channels,out_channels,relations", [(12, 8, 4), (12, 3, 5), (24, 8, 6)])
+@pytest.mark.parametrize("in_channels,out_channels,relations", [(12, 8, 4), (12, 3, 5), (24, 8, 6), (8, 8, 3)])
 def test_rgcn_inference_in_relation_blocks(aggr, in_channels, out_channels, relations, device):
-    """Eager inference where R * C_out > C_in projects a few relations at a
-    time (peak memory); same result as PyG, and as the one-table path."""
+    """Eager inference where C_out <= C_in < R * C_out projects a few
+    relations at a time (peak memory); same result as PyG, and as the
+    one-table path."""
     torch.manual_seed(1)
     pyg_layer = pyg_nn.RGCNConv(in_channels, out_channels, relations, aggr=aggr).to(device).double()
     geot_layer = gnn.RGCNConv(in_channels, out_channels, relations, aggr=aggr).to(device).double()
@@ -196,11 +197,11 @@ def test_rgcn_training_at_equal_widths_keeps_no_relation_aggregate(aggr, x_requi
 @pytest.mark.parametrize("in_channels,out_channels", [(12, 8), (5, 9)])
 def test_rgcn_inference_pairs_in_relation_blocks(aggr, in_channels, out_channels, device, monkeypatch):
     """Many relations ((node, relation) segments outnumber the edges), inference
-    past PAIR_BLOCK_MIN_PAIRS pairs: the pairs' projections a block of
-    relations at a time (peak memory); same result as PyG and as the
-    one-table path (training)."""
+    past PAIR_BLOCK_MIN_BYTES of table: the pairs' projections a range of pairs
+    at a time (peak memory), a relation's pairs split where it has more than
+    a range; same result as PyG and as the one-table path (training)."""
     from geot.nn import rgcn
-    monkeypatch.setattr(rgcn, "PAIR_BLOCK_MIN_PAIRS", 0)
+    monkeypatch.setattr(rgcn, "PAIR_BLOCK_MIN_BYTES", 0)
     monkeypatch.setattr(rgcn, "PAIR_BLOCKS", 3)
     torch.manual_seed(2)
     relations = 20
@@ -209,14 +210,17 @@ def test_rgcn_inference_pairs_in_relation_blocks(aggr, in_channels, out_channels
     geot_layer.load_state_dict(pyg_layer.state_dict())
     edge_index = random_graph(60, 400, device)
     edge_type = torch.randint(0, relations - 2, (edge_index.size(1),), device=device)  # the last two unused
+    edge_type[::2] = 3  # one relation with about half the pairs: split over blocks
     x = torch.randn(60, in_channels, dtype=torch.float64, device=device)
     with torch.no_grad():
         out, ref = geot_layer(x, edge_index, edge_type), pyg_layer(x, edge_index, edge_type)
-    blocks = [entry[2] for key, entry in geot_layer._geot_graph[3].memo.items() if key[-1] == "blocks"]
-    assert len(blocks) == 1 and 3 <= len(blocks[0]) <= 4
-    assert [(b.first, b.last) for b in blocks[0]] == list(zip([0] + [b.last for b in blocks[0][:-1]],
-                                                              [b.last for b in blocks[0]]))
-    assert blocks[0][-1].last == relations and sum(b.rows.numel() for b in blocks[0]) == edge_index.size(1)
+    memo = geot_layer._geot_graph[3].memo
+    assert [key[-1] for key in memo] == ["blocks"]  # kept in place of the pairs, not besides them
+    blocks = memo[next(iter(memo))][2]
+    parts = blocks.parts
+    assert len(parts) == 3 and [b.start for b in parts] == [0] + [b.end for b in parts[:-1]]
+    assert parts[-1].end == blocks.node.numel() and sum(b.rows.numel() for b in parts) == edge_index.size(1)
+    assert max(b.end - b.start for b in parts) <= -(-blocks.node.numel() // 3)  # however skewed the relations
     torch.testing.assert_close(out, ref, **FLOAT64_TOL)
     torch.testing.assert_close(out, geot_layer(x, edge_index, edge_type).detach(), **FLOAT64_TOL)  # one table
 

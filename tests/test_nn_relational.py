@@ -336,6 +336,31 @@ def test_hgt_sparse_adjacencies(device):
     check_hgt("heads-2", device, torch.float64, F64, adjacency=True)
 
 
+def test_hgt_keeps_no_node_keys_or_values(device):
+    """Node types of one width: each edge type's K and V transforms are composed with the K and V
+    linears, so what training keeps for backward holds no [N, 3F] K | Q | V rows (the queries are
+    their own tensor, not a view of them)."""
+    kwargs, widths = HGT["heads-2"]
+    geot_layer, pyg_layer = pair(gnn.HGTConv, pyg_nn.HGTConv, (), dict(kwargs, metadata=METADATA), device,
+                                 torch.float64)
+    x_dict, edge_index_dict = hetero_inputs(device, torch.float64, widths)
+    nodes = sum(x.size(0) for x in x_dict.values())
+    kqv_bytes = nodes * 3 * kwargs["out_channels"] * 8
+    saved = []
+    def pack(t):  # the storage behind each node-sized tensor kept
+        if t.dim() and t.size(0) == nodes:
+            saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = hgt_call(geot_layer, x_dict, edge_index_dict)
+    assert saved and max(saved) < kqv_bytes, (max(saved), kqv_bytes)
+    want = hgt_call(pyg_layer, x_dict, edge_index_dict)
+    for key in want[0]:
+        assert_close(got[0][key], want[0][key], F64, f"output {key}")
+    assert_grads(got[1], want[1], F64)
+
+
 def test_hgt_lazy_matches_pyg():
     x_dict, edge_index_dict = hetero_inputs("cpu", torch.float32, {t: 5 + i for i, t in enumerate(COUNTS)})
     geot_layer = gnn.HGTConv(-1, 8, METADATA, heads=2)

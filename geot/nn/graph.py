@@ -208,7 +208,8 @@ def sorted_graph(layer: torch.nn.Module, edge_index, *, flipped: bool = False, s
     ``drop`` (None where eager code saw none) and one loop per node 0..N-1
     is added (GAT); keep_perm keeps that graph's ``perm`` (input positions,
     the added loops at E..E+N-1). edge_type with num_relations=R: the
-    segment of an edge is ``dst * R + edge_type`` (RGCN's per-relation mean).
+    segment of an edge is ``dst * R + edge_type`` (RGCN's per-relation
+    mean); its ``perm`` too is kept only with keep_perm (per-edge inputs).
     transposed=False: the caller's backward pass does not read the graph's
     transposed index (RGCN gathering projected rows has its own), so a call
     recording gradients does not add it. any_order: the caller sums or
@@ -480,8 +481,8 @@ def _build(edges: Tensor, known_sorted: bool, flipped: bool, self_loops, edge_ty
         src, perm = src.index_select(0, perm), perm.to(index_dtype)
     # Without input self loops nothing is dropped: no mask to keep or apply.
     drop = None if self_loops is None or not has_loops else (src == dst) & (perm < num_edges)
-    if self_loops is not None and not keep_perm:
-        perm = None  # read by nothing else: not kept (E + N indices less for GAT's training graph)
+    if (self_loops is not None or edge_type is not None) and not keep_perm:
+        perm = None  # read by nothing else: not kept (E [+ N] indices less: GAT's training graph, RGCN's)
     graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {}, eager and not survey)
     # Only a backward pass reads the transposed index: without gradients it is added when first needed.
     return with_transposed(graph) if transposed else graph

@@ -29,14 +29,16 @@ def _input_key(value: Tensor):
 
 
 class HGTConv(GeotLayer, pyg_nn.HGTConv):
-    """``torch_geometric.nn.HGTConv`` on geot. The node types' K, Q, V
-    projections are one ``geot.segment_matmul`` over the concatenated node
-    features (where the types share a width; else PyG's per-type linears).
-    Each edge type's K and V transforms (its heads' matrices on a block
-    diagonal, the prior ``p_rel / sqrt(D)`` folded into K) are one
-    ``segment_matmul`` each, over the distinct (source node, edge type)
-    pairs only (compact materialization: not every node of every source
-    type, as PyG's, nor every edge). The scores are one ``geot.sddmm`` dot,
+    """``torch_geometric.nn.HGTConv`` on geot. Where the node types share a
+    width, the queries are one ``geot.segment_matmul`` over the
+    concatenated node features, and each edge type's K and V transforms
+    (its heads' matrices on a block diagonal, the prior ``p_rel / sqrt(D)``
+    folded into K), composed with its source type's K and V linears, one
+    ``segment_matmul`` each over the distinct (source node, edge type)
+    pairs' features only (compact materialization and linear-operator
+    reordering: no node's K or V, and not every node of every source type,
+    as PyG's, nor every edge). Else PyG's per-type linears, then the
+    transforms over the pairs. The scores are one ``geot.sddmm`` dot,
     their softmax one ``geot.edge_softmax`` per destination over all edge
     types, the sum one multi-head ``index_weight_segment_reduce``; the
     output projections one more ``segment_matmul``. Takes ``edge_index``
@@ -52,26 +54,79 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         bounds = [0]
         for t in types:
             bounds.append(bounds[-1] + x_dict[t].size(0))
-        kqv = self._kqv(x_dict, types, bounds)
         graph = self._typed_graph(edge_index_dict, types, bounds)
-        out = self._attend(graph, kqv, bounds[-1])
-        out = typed_matmul(F.gelu(out.view(-1, self.out_channels)), self._ptr(bounds, kqv.device), bounds,
+        if self._composes(x_dict, types):
+            key, query, value = self._composed_key_query_value(graph, x_dict, types, bounds)
+        else:
+            key, query, value = self._key_query_value(graph, self._kqv(x_dict, types))
+        out = self._attend(graph, key, query, value, bounds[-1])
+        out = typed_matmul(F.gelu(out.view(-1, self.out_channels)), self._ptr(bounds, out.device), bounds,
                            self._stacked(self.out_lin, types, out.dtype))
         return self._outputs(out, x_dict, types, bounds)
 
-    def _attend(self, graph: _TypedGraph, kqv: Tensor, num_nodes: int) -> Tensor:
-        """[N, H, D]: each node's attention-weighted sum of its sources' relation-transformed values."""
+    def _composes(self, x_dict, types) -> bool:
+        """Whether the node types share a width and kqv_lin is plain (materialized, with biases): then
+        _composed_key_query_value, else PyG's per-type linears (_kqv)."""
+        lins = [self.kqv_lin.lins[t] for t in types]
+        return (not hasattr(self.kqv_lin, "_hook") and len({x_dict[t].size(-1) for t in types}) == 1
+                and all(lin.bias is not None for lin in lins))
+
+    def _composed_key_query_value(self, graph: _TypedGraph, x_dict, types, bounds):
+        """_key_query_value with each edge type's K and V transforms composed with its source type's K and
+        V linears (linear-operator reordering): a pair's key is x_s (W_K[type(s)] W_rel[e]) plus that
+        bias, one ``segment_matmul`` over the pairs' gathered x, so no node's K or V exists, nor their
+        [N, 3F] rows (peak memory, what backward keeps). The biases ride on a column of ones appended
+        to x (8 columns, for aligned rows)."""
+        heads, channels = self.heads, self.out_channels
+        x = torch.cat([x_dict[t] for t in types])
+        x = torch.cat([x, F.pad(x.new_ones(x.size(0), 1), (0, 7))], dim=1)
+        query_weight, key_weight, value_weight = self._composed_weights(types, x.dtype)
+        query = typed_matmul(x, self._ptr(bounds, x.device), bounds, query_weight)
+        sources = graph.sources
+        rows = x.index_select(0, sources.node)
+        key = typed_matmul(rows, sources.ptr, sources.bounds, key_weight)
+        value = typed_matmul(rows, sources.ptr, sources.bounds, value_weight)
+        return tuple(t.view(-1, heads, channels // heads) for t in (key, query, value))
+
+    def _composed_weights(self, types, dtype):
+        """([T, C_in + 8, F], [ET, C_in + 8, F], [ET, C_in + 8, F]): the node types' Q linears and the edge
+        types' composed K and V transforms, each bias as the row after the weights (C_in), zeros after
+        it. Composed in the parameters' dtype, outside autocast; an edge type whose source type has no
+        features in this call has no pairs, and zeros."""
+        channels = self.out_channels
+        linears = [self.kqv_lin.lins[t] for t in types]
+        with torch.autocast(linears[0].weight.device.type, enabled=False):
+            stacked = torch.cat([torch.stack([lin.weight.t() for lin in linears]),
+                                 torch.stack([lin.bias for lin in linears]).unsqueeze(1)], dim=1)
+            stacked = F.pad(stacked, (0, 0, 0, 7))  # [T, C_in + 8, 3F]: K | Q | V
+            key_rel, value_rel = self._relation_weights(stacked.dtype)
+            position = {t: i for i, t in enumerate(types)}
+            source = [position.get(edge_type[0]) for edge_type in self.edge_types]
+            per_edge_type = torch.stack([stacked[i] if i is not None else torch.zeros_like(stacked[0])
+                                         for i in source])
+            key = per_edge_type[..., :channels] @ key_rel
+            value = per_edge_type[..., 2 * channels:] @ value_rel
+            query = stacked[..., channels:2 * channels]
+        return query.to(dtype), key.to(dtype), value.to(dtype)
+
+    def _key_query_value(self, graph: _TypedGraph, kqv: Tensor):
+        """([U, H, D], [N, H, D], [U, H, D]): each (source, edge type) pair's relation-transformed key, each
+        node's query (its own tensor: kqv can go) and each pair's transformed value."""
         channels, heads = self.out_channels, self.heads
         key_rel, value_rel = self._relation_weights(kqv.dtype)
         sources = graph.sources
 
-        def transformed(rows: Tensor, weight: Tensor) -> Tensor:  # each (source, edge type) pair's row
+        def transformed(rows: Tensor, weight: Tensor) -> Tensor:
             out = typed_matmul(rows.index_select(0, sources.node), sources.ptr, sources.bounds, weight)
             return out.view(-1, heads, channels // heads)
 
         key, value = transformed(kqv[:, :channels], key_rel), transformed(kqv[:, 2 * channels:], value_rel)
-        query = kqv[:, channels:2 * channels].reshape(-1, heads, channels // heads)
-        src, dst = sources.of_edge, graph.dst
+        query = kqv[:, channels:2 * channels].contiguous().view(-1, heads, channels // heads)
+        return key, query, value
+
+    def _attend(self, graph: _TypedGraph, key: Tensor, query: Tensor, value: Tensor, num_nodes: int) -> Tensor:
+        """[N, H, D]: each node's attention-weighted sum of its sources' relation-transformed values."""
+        src, dst = graph.sources.of_edge, graph.dst
         alpha = hetero.edge_softmax(sddmm(src, dst, key, query), dst, num_nodes)
         return index._fused(src, dst, alpha, value, "sum", num_nodes, self._transposed(graph, value), None)
 
@@ -111,18 +166,11 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         """[T, C_in, C_out] the per-type Linear weights, transposed and stacked in type order."""
         return torch.stack([linears.lins[t].weight for t in types]).transpose(1, 2).to(dtype)
 
-    def _kqv(self, x_dict, types, bounds) -> Tensor:
-        """[N, 3F] every node's K | Q | V (PyG's kqv_lin), node types concatenated in ``types`` order."""
-        lins = [self.kqv_lin.lins[t] for t in types]
-        widths = {x_dict[t].size(-1) for t in types}
-        if hasattr(self.kqv_lin, "_hook") or len(widths) != 1 or any(lin.bias is None for lin in lins):
-            projected = self.kqv_lin(x_dict)  # lazy or of several widths: PyG's per-type linears
-            return torch.cat([projected[t] for t in types])
-        x = torch.cat([x_dict[t] for t in types])
-        ptr = self._ptr(bounds, x.device)
-        out = typed_matmul(x, ptr, bounds, self._stacked(self.kqv_lin, types, x.dtype))
-        bias = torch.stack([lin.bias for lin in lins]).to(out.dtype)
-        return out + torch.repeat_interleave(bias, ptr.diff(), dim=0, output_size=out.size(0))
+    def _kqv(self, x_dict, types) -> Tensor:
+        """[N, 3F] every node's K | Q | V from PyG's per-type linears (lazy, of several widths or without
+        biases), node types concatenated in ``types`` order."""
+        projected = self.kqv_lin(x_dict)
+        return torch.cat([projected[t] for t in types])
 
     def _relation_weights(self, dtype):
         """([ET, F, F], [ET, F, F]): each edge type's K transform (times p_rel / sqrt(D)) and V

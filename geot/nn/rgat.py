@@ -62,7 +62,7 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
             return self._pyg_forward(reason, x, edge_index, edge_type, edge_attr, size, return_attention_weights)
         num_nodes, relations = x.size(0), self.num_relations
         graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
-                             num_relations=relations, transposed=False)
+                             num_relations=relations, transposed=False, keep_perm=True)
         checked(graph, num_nodes, num_nodes * relations)
         rel = graph.derived(("rgat pairs", relations, num_nodes),
                             lambda: _relation_graph(graph, num_nodes, relations))

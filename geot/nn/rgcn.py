@@ -1,4 +1,6 @@
 """RGCNConv on geot."""
+import bisect
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -6,6 +8,7 @@ import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import index
+from ..validation import validation
 from .._ops import mean_counts
 from .common import (REDUCE, Nodes, Pairs, cast_for_matmul, distinct_pairs, flipped_pair_reason, gather_reduce,
                      matmul_dtype, typed_matmul)
@@ -75,52 +78,67 @@ def _source_pairs(graph: SortedGraph, num_src: int, num_dst: int, relations: int
                         graph.dst.div(relations, rounding_mode="floor"))
 
 
-# Inference projecting more (source, relation) pairs than this takes them in PAIR_BLOCKS blocks of relations,
-# each block's projections reduced before the next block's are made: one block's [pairs, C] rows at a time,
-# not all pairs' gathered inputs and projections at once (peak memory; H100, wikikg2's shape, 1x64: the
-# whole table peaked at 1.44x PyG's per-relation loop).
-PAIR_BLOCK_MIN_PAIRS = 1 << 20
-PAIR_BLOCKS = 8
+# Inference whose table of pair projections [U, C_out] would pass PAIR_BLOCK_MIN_BYTES takes the pairs in
+# PAIR_BLOCKS ranges, each range's projections reduced before the next range's are made: one range's rows
+# at a time, not all pairs' gathered inputs and projections at once (peak memory), for a few host-bound
+# launches per range. H100, 1x64: the whole table peaked at 1.44x PyG's per-relation loop on wikikg2's
+# shape (2.5M pairs), 1.42x its compiled loop on biokg's (520k pairs, a 127 MiB table); in 16 ranges
+# 0.97x, at 3.8 ms a call against the whole table's 0.85. Smaller tables stay whole (fb15k's shape: 262k
+# pairs, 64 MiB).
+PAIR_BLOCK_MIN_BYTES = 96 << 20
+PAIR_BLOCKS = 16
 
 
 class _PairBlock(NamedTuple):
-    """The edges of relations [first, last) over their own pairs' projections (pairs start:end)."""
+    """The edges reading pairs start:end (of relations [first, last)) over those pairs' projections."""
     rows: Tensor               # [E_b] the pair each edge reads, less start
     dst: Tensor                # [E_b] destination node, sorted
-    inverse_counts: Optional[Tensor]  # [E_b] float64 1 / the edges of each edge's (node, relation) segment (mean)
+    counts: Optional[Tensor]   # [E_b] the edges of each edge's (node, relation) segment (mean), index dtype
+    ptr: Tensor                # [last - first + 1] int64 its pairs by relation, less start (kept, not sliced
+                               # per call)
+    bounds: list               # ptr on the host
     first: int
     last: int
     start: int
     end: int
 
 
-def _relation_ranges(bounds: list, blocks: int):
-    """[(first, last)] contiguous relation ranges of about 1 / blocks of the pairs each (a relation with more
-    stays whole), from the pairs' host offsets."""
-    relations, target = len(bounds) - 1, max(bounds[-1] // blocks, 1)
-    ranges, first = [], 0
-    while first < relations:
-        last = first + 1
-        while last < relations and bounds[last + 1] - bounds[first] <= target:
-            last += 1
-        ranges.append((first, last))
-        first = last
-    return ranges
+class _PairBlocks(NamedTuple):
+    """What blocked inference keeps in place of _SourcePairs (as many per-edge values, none of them also
+    kept whole)."""
+    node: Tensor               # [U] each pair's source node, pairs grouped by relation
+    parts: list                # [_PairBlock]
 
 
-def _pair_blocks(graph: SortedGraph, pairs: _SourcePairs, relations: int, mean: bool):
-    """The graph's edges split by blocks of relations (a subsequence of dst-sorted edges stays sorted). One
-    device->host sync per block (its edge count), once per graph: eager only."""
-    relation = graph.dst.remainder(relations)
-    inverse = _inverse_segment_counts(graph.dst) if mean else None
-    bounds, blocks = pairs.sources.bounds, []
-    for first, last in _relation_ranges(bounds, PAIR_BLOCKS):
-        keep = ((relation >= first) & (relation < last)).nonzero().squeeze(1)
-        rows = pairs.sources.of_edge.index_select(0, keep) - bounds[first]
-        blocks.append(_PairBlock(rows, pairs.dst.index_select(0, keep),
-                                 None if inverse is None else inverse.index_select(0, keep),
-                                 first, last, bounds[first], bounds[last]))
-    return blocks
+def _pair_ranges(bounds: list, blocks: int):
+    """[(start, end, first, last)]: blocks ranges of about as many pairs (grouped by relation, from their
+    host offsets), each with the relations [first, last) whose pairs it holds (a relation's pairs may
+    span ranges: no block is larger than its share however skewed the relations are)."""
+    total = bounds[-1]
+    size = max(-(-total // blocks), 1)
+    return [(start, min(start + size, total), bisect.bisect_right(bounds, start) - 1,
+             bisect.bisect_left(bounds, min(start + size, total))) for start in range(0, total, size)]
+
+
+def _pair_blocks(graph: SortedGraph, pairs: _SourcePairs, mean: bool) -> _PairBlocks:
+    """The graph's edges split by ranges of the pairs they read (a subsequence of dst-sorted edges stays
+    sorted). One device->host sync per block (its edge count), once per graph: eager only."""
+    counts = _segment_counts(graph.dst) if mean else None
+    sources, parts = pairs.sources, []
+    for start, end, first, last in _pair_ranges(sources.bounds, PAIR_BLOCKS):
+        keep = ((sources.of_edge >= start) & (sources.of_edge < end)).nonzero().squeeze(1)
+        ptr = sources.ptr[first:last + 1].clamp(start, end) - start
+        bounds = [min(max(bound, start), end) - start for bound in sources.bounds[first:last + 1]]
+        parts.append(_PairBlock(sources.of_edge.index_select(0, keep) - start, pairs.dst.index_select(0, keep),
+                                None if counts is None else counts.index_select(0, keep),
+                                ptr, bounds, first, last, start, end))
+    return _PairBlocks(sources.node, parts)
+
+
+def _derived_indices():
+    """Validation off, for the per-block indices geot.nn derives from a graph it has checked: more of them
+    than validation's cache holds, each would be checked again, with a device->host sync, on every call."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else validation(False)
 
 
 def _add_part(out: Optional[Tensor], part: Tensor) -> Tensor:
@@ -133,15 +151,29 @@ def _add_part(out: Optional[Tensor], part: Tensor) -> Tensor:
     return out.add_(part)
 
 
+def _plus(out: Tensor, term: Tensor) -> Tensor:
+    """out + term: in place on out (the layer's own) in eager inference where the sum keeps out's dtype
+    and shape (peak memory: the root and bias terms; compiled code fuses them)."""
+    if (torch.compiler.is_compiling() or torch.is_grad_enabled() or torch.result_type(out, term) != out.dtype
+            or torch.broadcast_shapes(out.shape, term.shape) != out.shape):
+        return out + term
+    return out.add_(term)
+
+
 def _records_grad(x_src: Tensor, weight: Tensor) -> bool:
     """Whether this call records gradients for x or the relation weights (training)."""
     return torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
 
 
-def _inverse_segment_counts(segments: Tensor) -> Tensor:
-    """[E] 1 / the edges of each edge's segment (sorted segment ids), in float64; no [segments] tensor."""
+def _segment_counts(segments: Tensor) -> Tensor:
+    """[E] the edges of each edge's segment (sorted segment ids), in their dtype; no [segments] tensor."""
     _, inverse, counts = torch.unique_consecutive(segments, return_inverse=True, return_counts=True)
-    return counts.to(torch.float64).reciprocal().index_select(0, inverse)
+    return counts.to(segments.dtype).index_select(0, inverse)
+
+
+def _inverse(counts: Tensor, dtype) -> Tensor:
+    """1 / counts in dtype, divided in float64 (autocast leaves it alone)."""
+    return counts.to(torch.float64).reciprocal().to(dtype)
 
 
 def _embedding_edges(graph: SortedGraph, relations: int, in_channels: int, x_src: Tensor) -> _RelationEdges:
@@ -153,20 +185,19 @@ def _embedding_edges(graph: SortedGraph, relations: int, in_channels: int, x_src
 
 
 class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
-    """``torch_geometric.nn.RGCNConv`` on geot. Where C_out > C_in (and in
-    inference where they are equal), one ``index_segment_reduce`` into
-    (node, relation) segments gives every relation's mean (or sum) at once,
-    [N, R * C_in], then one matmul with the stacked relation weights. Where
-    C_out < C_in it projects first (every x_j W_r, [N_src * R, C_out]) and
-    gathers those narrower rows, weighted by 1 / the edges of their (node,
-    relation) segment for a mean: less to gather and a smaller table; so
-    does training where C_out = C_in, which then keeps no [N, R * C_in]
-    aggregate for backward (peak memory); in eager inference, where that
-    table is wider than x, a few relations at a time (peak memory). Where
+    """``torch_geometric.nn.RGCNConv`` on geot. Where C_out > C_in, one
+    ``index_segment_reduce`` into (node, relation) segments gives every
+    relation's mean (or sum) at once, [N, R * C_in], then one matmul with
+    the stacked relation weights. Where C_out <= C_in it projects first
+    (every x_j W_r, [N_src * R, C_out]) and gathers those rows, weighted by
+    1 / the edges of their (node, relation) segment for a mean: no wider
+    rows to gather, a table no larger, and no [N, R * C_in] aggregate kept
+    for backward (peak memory); in eager inference, where that table is
+    wider than x, a few relations at a time (peak memory). Where
     the (node, relation) segments outnumber the edges (many relations),
     x_j W_r once per distinct (source, relation) pair (one
     ``segment_matmul``), gathered over the edges: no [N * R, C] table; in
-    inference past PAIR_BLOCK_MIN_PAIRS pairs, a block of relations at a
+    inference past PAIR_BLOCK_MIN_BYTES of table, a range of pairs at a
     time (peak memory). ``num_bases`` as PyG; ``num_blocks``: every
     relation's aggregate, then its blocks; featureless nodes (``x`` None or
     node indices, also in a pair): rows gathered straight from the weights.
@@ -206,8 +237,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             out = self._relations(edge_index, edge_type, x_src, x_dst,
                                   weight.view(self.num_relations, -1, self.out_channels), num_nodes, every_node)
         if self.root is not None:
-            out = out + (x_dst @ self.root if x_dst.is_floating_point() else self.root.index_select(0, x_dst))
-        return out if self.bias is None else out + self.bias
+            out = _plus(out, x_dst @ self.root if x_dst.is_floating_point() else self.root.index_select(0, x_dst))
+        return out if self.bias is None else _plus(out, self.bias)
 
     def _call_reason(self, x_src, x_dst, edge_index) -> Optional[str]:
         reason = self._option_reason() or self._input_reason(edge_index)
@@ -236,7 +267,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                                  num_relations=relations, transposed=False)
             return self._project_pairs_then_reduce(graph, x_src, weight, num_nodes)
-        projects = self._projects_first(x_src, weight)
+        projects = self._projects_first(x_src.size(-1))
         # Gathering projected rows, the backward pass reads their own transposed edges, not the graph's.
         graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                              num_relations=relations, transposed=not projects)
@@ -248,17 +279,16 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         per_relation = gather_reduce(graph, x_src, REDUCE[self.aggr], num_nodes * relations)
         return per_relation.view(num_nodes, -1) @ weight.reshape(-1, self.out_channels)
 
-    def _projects_first(self, x_src: Tensor, weight: Tensor) -> bool:
-        """Whether the rows gathered are x_j W_r (C_out features) rather than x_j (C_in): where that is fewer
-        features, and in training where it is as many. Reducing first, training keeps the [N, R * C_in]
-        aggregate for the weights' gradient; projecting first, it keeps nothing of [N * R, C] size (the
-        table's gradient needs only the edges, the weights' x). H100, bench/rgnn.py's mag (21M edges, 4
-        relations), two layers 64 -> 64, a training step: reducing first 24.1 ms and 1.10x PyG's peak memory,
-        projecting first 21.7 ms and 0.67x; one layer 11.7 and 12.0 ms, 0.93x and 0.82x."""
-        in_channels = x_src.size(-1)
-        if self.out_channels != in_channels:
-            return self.out_channels < in_channels
-        return _records_grad(x_src, weight)
+    def _projects_first(self, in_channels: int) -> bool:
+        """Whether the rows gathered are x_j W_r (C_out features) rather than x_j (C_in): where that is no
+        more features. At equal widths: reducing first, training keeps the [N, R * C_in] aggregate for the
+        weights' gradient, and inference makes it whole; projecting first, training keeps nothing of
+        [N * R, C] size (the table's gradient needs only the edges, the weights' x), and inference makes a
+        block of relations at a time (_in_blocks). H100, bench/rgnn.py's mag (21M edges, 4 relations), two
+        layers 64 -> 64, a training step: reducing first 24.1 ms and 1.10x PyG's peak memory, projecting
+        first 21.7 ms and 0.67x; one layer 11.7 and 12.0 ms, 0.93x and 0.82x. One layer's inference,
+        reducing first: 1.03x the peak of PyG's compiled loop."""
+        return self.out_channels <= in_channels
 
     def _project_pairs_then_reduce(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
                                    num_nodes: int) -> Tensor:
@@ -270,15 +300,16 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         relations = self.num_relations
         checked(graph, x_src.size(0), num_nodes * relations)
         key = ("rgcn pairs", relations, x_src.size(0), num_nodes)
+        blocks = None if _records_grad(x_src, weight) else self._pair_blocks(graph, x_src, num_nodes, key)
+        if blocks is not None:
+            return self._project_pairs_in_blocks(blocks, x_src, weight, num_nodes)
         pairs = graph.derived(key, lambda: _source_pairs(graph, x_src.size(0), num_nodes, relations))
-        if self._pairs_in_blocks(graph, pairs, x_src, weight, key):
-            return self._project_pairs_in_blocks(graph, pairs, x_src, weight, num_nodes, key)
         sources = pairs.sources
         table = typed_matmul(x_src.index_select(0, sources.node), sources.ptr, sources.bounds, weight)
         edge_weight = None
         if self.aggr == "mean":
             edge_weight = graph.derived(("rgcn pair weights", relations, table.dtype),
-                                        lambda: _inverse_segment_counts(graph.dst).to(table.dtype))
+                                        lambda: _inverse(_segment_counts(graph.dst), table.dtype))
         transposed = weight_t = None
         if table.requires_grad and torch.is_grad_enabled():
             transposed = graph.derived(key + ("transposed",), lambda: transpose_index_as(
@@ -289,28 +320,37 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         return index._fused(sources.of_edge, pairs.dst, edge_weight, table, "sum", num_nodes, transposed,
                             None, None, weight_t)
 
-    def _pairs_in_blocks(self, graph: SortedGraph, pairs: _SourcePairs, x_src: Tensor, weight: Tensor,
-                         key) -> bool:
-        """Inference with more than PAIR_BLOCK_MIN_PAIRS pairs; compiled code takes the blocks an eager call
-        kept (their sizes are data-dependent), else the whole table."""
-        if _records_grad(x_src, weight) or pairs.sources.bounds[-1] <= PAIR_BLOCK_MIN_PAIRS:
-            return False
-        return not torch.compiler.is_compiling() or key + ("blocks",) in graph.memo
+    def _pair_blocks(self, graph: SortedGraph, x_src: Tensor, num_nodes: int, key) -> Optional[_PairBlocks]:
+        """Inference's ranges of pairs, where their table would pass PAIR_BLOCK_MIN_BYTES (None: the whole
+        table). Kept in place of the pairs, which an eager call makes once and keeps only where it
+        takes the whole table. Compiled code takes the blocks an eager call kept (their sizes are
+        data-dependent), else the whole table."""
+        blocks_key = key + ("blocks",)
+        if blocks_key in graph.memo:
+            return graph.memo[blocks_key][2]
+        if torch.compiler.is_compiling():
+            return None
+        kept = graph.memo.get(key)
+        pairs = kept[2] if kept is not None else _source_pairs(graph, x_src.size(0), num_nodes, self.num_relations)
+        if pairs.sources.bounds[-1] * self.out_channels * matmul_dtype(x_src).itemsize <= PAIR_BLOCK_MIN_BYTES:
+            graph.derived(key, lambda: pairs)
+            return None
+        return graph.derived(blocks_key, lambda: _pair_blocks(graph, pairs, self.aggr == "mean"))
 
-    def _project_pairs_in_blocks(self, graph: SortedGraph, pairs: _SourcePairs, x_src: Tensor, weight: Tensor,
-                                 num_nodes: int, key) -> Tensor:
-        """_project_pairs_then_reduce one block of relations at a time, summed."""
-        mean = self.aggr == "mean"
-        blocks = graph.derived(key + ("blocks",), lambda: _pair_blocks(graph, pairs, self.num_relations, mean))
-        sources, out = pairs.sources, None
-        for block in blocks:
-            bounds = [bound - block.start for bound in sources.bounds[block.first:block.last + 1]]
-            table = typed_matmul(x_src.index_select(0, sources.node[block.start:block.end]),
-                                 sources.ptr[block.first:block.last + 1] - block.start, bounds,
-                                 weight[block.first:block.last])
-            edge_weight = None if block.inverse_counts is None else block.inverse_counts.to(table.dtype)
-            out = _add_part(out, index._fused(block.rows, block.dst, edge_weight, table, "sum", num_nodes, None,
-                                              None))
+    def _project_pairs_in_blocks(self, blocks: _PairBlocks, x_src: Tensor, weight: Tensor,
+                                 num_nodes: int) -> Tensor:
+        """_project_pairs_then_reduce one block of relations at a time, summed; each block's rows are let go
+        before the next block's are made."""
+        out = None
+        with _derived_indices():
+            for block in blocks.parts:
+                table = typed_matmul(x_src.index_select(0, blocks.node[block.start:block.end]), block.ptr,
+                                     block.bounds, weight[block.first:block.last])
+                edge_weight = None if block.counts is None else _inverse(block.counts, table.dtype)
+                part = index._fused(block.rows, block.dst, edge_weight, table, "sum", num_nodes, None, None)
+                del table, edge_weight
+                out = _add_part(out, part)
+                del part
         return out
 
     def _reduce_then_blocks(self, edge_index, edge_type: Tensor, x_src: Tensor, weight: Tensor,
@@ -418,6 +458,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         for block, edge_weight in zip(blocks, block_weights):
             block_weight = weight[block.first:block.first + block.width].transpose(0, 1).reshape(in_channels, -1)
             projected = (x_src @ block_weight).view(-1, self.out_channels)
-            out = _add_part(out, index._fused(block.rows, block.dst, edge_weight, projected, "sum", num_nodes, None,
-                                              None))
+            part = index._fused(block.rows, block.dst, edge_weight, projected, "sum", num_nodes, None, None)
+            del projected  # each block's rows let go before the next block's are made
+            out = _add_part(out, part)
+            del part
         return out
