@@ -202,7 +202,6 @@ def test_rgcn_inference_pairs_in_relation_blocks(aggr, in_channels, out_channels
     a range; same result as PyG and as the one-table path (training)."""
     from geot.nn import rgcn
     monkeypatch.setattr(rgcn, "PAIR_BLOCK_MIN_BYTES", 0)
-    monkeypatch.setattr(rgcn, "PAIR_BLOCKS", 3)
     torch.manual_seed(2)
     relations = 20
     pyg_layer = pyg_nn.RGCNConv(in_channels, out_channels, relations, aggr=aggr).to(device).double()
@@ -217,10 +216,11 @@ def test_rgcn_inference_pairs_in_relation_blocks(aggr, in_channels, out_channels
     memo = geot_layer._geot_graph[3].memo
     assert [key[-1] for key in memo] == ["blocks"]  # kept in place of the pairs, not besides them
     blocks = memo[next(iter(memo))][2]
-    parts = blocks.parts
-    assert len(parts) == 3 and [b.start for b in parts] == [0] + [b.end for b in parts[:-1]]
-    assert parts[-1].end == blocks.node.numel() and sum(b.rows.numel() for b in parts) == edge_index.size(1)
-    assert max(b.end - b.start for b in parts) <= -(-blocks.node.numel() // 3)  # however skewed the relations
+    parts, pairs = blocks.parts, blocks.node.numel()
+    assert len(parts) == rgcn._pair_range_count(pairs, 60) > 2
+    assert [b.start for b in parts] == [0] + [b.end for b in parts[:-1]]
+    assert parts[-1].end == pairs and sum(b.rows.numel() for b in parts) == edge_index.size(1)
+    assert max(b.end - b.start for b in parts) <= -(-pairs // len(parts))  # however skewed the relations
     torch.testing.assert_close(out, ref, **FLOAT64_TOL)
     torch.testing.assert_close(out, geot_layer(x, edge_index, edge_type).detach(), **FLOAT64_TOL)  # one table
 

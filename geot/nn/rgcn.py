@@ -79,14 +79,20 @@ def _source_pairs(graph: SortedGraph, num_src: int, num_dst: int, relations: int
 
 
 # Inference whose table of pair projections [U, C_out] would pass PAIR_BLOCK_MIN_BYTES takes the pairs in
-# PAIR_BLOCKS ranges, each range's projections reduced before the next range's are made: one range's rows
-# at a time, not all pairs' gathered inputs and projections at once (peak memory), for a few host-bound
-# launches per range. H100, 1x64: the whole table peaked at 1.44x PyG's per-relation loop on wikikg2's
-# shape (2.5M pairs), 1.42x its compiled loop on biokg's (520k pairs, a 127 MiB table); in 16 ranges
-# 0.97x, at 3.8 ms a call against the whole table's 0.85. Smaller tables stay whole (fb15k's shape: 262k
-# pairs, 64 MiB).
+# ranges, each range's projections reduced before the next range's are made: one range's rows at a time,
+# not all pairs' gathered inputs and projections at once (peak memory). Each range adds a few host-bound
+# launches and a pass over an [N, C_out] partial sum, which with the output is the floor of the peak: a
+# range holds about N / PAIR_RANGE_SHARE pairs (2 to 32 ranges). H100, 1x64: the whole table
+# peaked at 1.44x PyG's per-relation loop on wikikg2's shape (2.5M pairs), 1.42x its compiled loop on
+# biokg's (520k pairs over 94k nodes, a 127 MiB table); in this rule's 16 ranges 0.97x, at 3.8 ms a call
+# against the whole table's 0.85. Smaller tables stay whole (fb15k's shape: 262k pairs, 64 MiB).
 PAIR_BLOCK_MIN_BYTES = 96 << 20
-PAIR_BLOCKS = 16
+PAIR_RANGE_SHARE = 3
+
+
+def _pair_range_count(pairs: int, num_nodes: int) -> int:
+    """How many ranges blocked inference takes the pairs in (see PAIR_RANGE_SHARE)."""
+    return min(32, max(2, PAIR_RANGE_SHARE * pairs // max(num_nodes, 1)))
 
 
 class _PairBlock(NamedTuple):
@@ -120,12 +126,13 @@ def _pair_ranges(bounds: list, blocks: int):
              bisect.bisect_left(bounds, min(start + size, total))) for start in range(0, total, size)]
 
 
-def _pair_blocks(graph: SortedGraph, pairs: _SourcePairs, mean: bool) -> _PairBlocks:
+def _pair_blocks(graph: SortedGraph, pairs: _SourcePairs, num_nodes: int, mean: bool) -> _PairBlocks:
     """The graph's edges split by ranges of the pairs they read (a subsequence of dst-sorted edges stays
     sorted). One device->host sync per block (its edge count), once per graph: eager only."""
     counts = _segment_counts(graph.dst) if mean else None
     sources, parts = pairs.sources, []
-    for start, end, first, last in _pair_ranges(sources.bounds, PAIR_BLOCKS):
+    ranges = _pair_ranges(sources.bounds, _pair_range_count(sources.bounds[-1], num_nodes))
+    for start, end, first, last in ranges:
         keep = ((sources.of_edge >= start) & (sources.of_edge < end)).nonzero().squeeze(1)
         ptr = sources.ptr[first:last + 1].clamp(start, end) - start
         bounds = [min(max(bound, start), end) - start for bound in sources.bounds[first:last + 1]]
@@ -335,7 +342,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         if pairs.sources.bounds[-1] * self.out_channels * matmul_dtype(x_src).itemsize <= PAIR_BLOCK_MIN_BYTES:
             graph.derived(key, lambda: pairs)
             return None
-        return graph.derived(blocks_key, lambda: _pair_blocks(graph, pairs, self.aggr == "mean"))
+        return graph.derived(blocks_key, lambda: _pair_blocks(graph, pairs, num_nodes, self.aggr == "mean"))
 
     def _project_pairs_in_blocks(self, blocks: _PairBlocks, x_src: Tensor, weight: Tensor,
                                  num_nodes: int) -> Tensor:
