@@ -74,8 +74,11 @@ struct ValidIndex {
   bool offsets = false;  // a ptr checked against exactly `bound` rows, not an index
   int flags = 0;         // kLongSegment bits if sorted and found
 };
-Cache<ValidIndex, 16>& valid_indices() {
-  static Cache<ValidIndex, 16> cache;
+// Room for a heterogeneous model's graphs: every edge type's index pair,
+// transposed index and segment_matmul offsets. Forgotten entries cost a
+// device->host sync per call each, a scan of the entries far less.
+Cache<ValidIndex, 64>& valid_indices() {
+  static Cache<ValidIndex, 64> cache;
   return cache;
 }
 

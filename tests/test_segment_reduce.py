@@ -545,6 +545,23 @@ def test_validation_off_valid_input_still_right(device):
         assert_matches_ref(geot.segment_reduce(index, src, reduce, S), index, src, reduce, S, where="validation off")
 
 
+def test_validation_remembers_a_hetero_models_indices(device):
+    """An index checked once is not checked again while it is unchanged, even
+    after 40 other indices were checked (a heterogeneous model's graphs and
+    their transposes): a change behind its version counter (``.data``) goes
+    unnoticed, as a remembered check does (the kernels skip the id it puts
+    out of range)."""
+    src = random_src(4, (3,), torch.float32, device)
+    first = torch.tensor([0, 0, 1, 3], device=device)
+    geot.segment_reduce(first, src, "sum", 4)
+    others = [torch.tensor([0, 1, 2, 3], device=device) for _ in range(40)]
+    for index in others:
+        geot.segment_reduce(index, src, "sum", 4)
+    first.data[3] = 100
+    out = geot.segment_reduce(first, src, "sum", 4)  # checked again, it would raise
+    assert_matches_ref(out, first[:3], src[:3], "sum", 4, where="a remembered index")
+
+
 def test_validation_off_keeps_type_and_shape_errors(device):
     geot.set_validation(False)
     index, src, S = _ok_inputs(device)
