@@ -143,8 +143,9 @@ def _pair_blocks(graph: SortedGraph, pairs: _SourcePairs, num_nodes: int, mean: 
 
 
 def _derived_indices():
-    """Validation off, for the per-block indices geot.nn derives from a graph it has checked: more of them
-    than validation's cache holds, each would be checked again, with a device->host sync, on every call."""
+    """Validation off, for the per-range indices geot.nn derives from a graph it has checked: three a range,
+    up to 96, more than validation's cache holds, each would be checked again, with a device->host sync,
+    on every call."""
     return contextlib.nullcontext() if torch.compiler.is_compiling() else validation(False)
 
 
@@ -307,7 +308,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         relations = self.num_relations
         checked(graph, x_src.size(0), num_nodes * relations)
         key = ("rgcn pairs", relations, x_src.size(0), num_nodes)
-        blocks = None if _records_grad(x_src, weight) else self._pair_blocks(graph, x_src, num_nodes, key)
+        blocks = None if _records_grad(x_src, weight) else self._kept_pair_blocks(graph, x_src, num_nodes, key)
         if blocks is not None:
             return self._project_pairs_in_blocks(blocks, x_src, weight, num_nodes)
         pairs = graph.derived(key, lambda: _source_pairs(graph, x_src.size(0), num_nodes, relations))
@@ -327,7 +328,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         return index._fused(sources.of_edge, pairs.dst, edge_weight, table, "sum", num_nodes, transposed,
                             None, None, weight_t)
 
-    def _pair_blocks(self, graph: SortedGraph, x_src: Tensor, num_nodes: int, key) -> Optional[_PairBlocks]:
+    def _kept_pair_blocks(self, graph: SortedGraph, x_src: Tensor, num_nodes: int,
+                          key) -> Optional[_PairBlocks]:
         """Inference's ranges of pairs, where their table would pass PAIR_BLOCK_MIN_BYTES (None: the whole
         table). Kept in place of the pairs, which an eager call makes once and keeps only where it
         takes the whole table. Compiled code takes the blocks an eager call kept (their sizes are
@@ -346,8 +348,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
 
     def _project_pairs_in_blocks(self, blocks: _PairBlocks, x_src: Tensor, weight: Tensor,
                                  num_nodes: int) -> Tensor:
-        """_project_pairs_then_reduce one block of relations at a time, summed; each block's rows are let go
-        before the next block's are made."""
+        """_project_pairs_then_reduce one range of pairs at a time, summed; each range's rows are let go
+        before the next range's are made."""
         out = None
         with _derived_indices():
             for block in blocks.parts:
