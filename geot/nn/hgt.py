@@ -37,7 +37,9 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
     ``segment_matmul`` each over the distinct (source node, edge type)
     pairs' features only (compact materialization and linear-operator
     reordering: no node's K or V, and not every node of every source type,
-    as PyG's, nor every edge). Else PyG's per-type linears, then the
+    as PyG's, nor every edge). Where a pair's features are wider than its
+    K and V together, or the types' widths differ, every node's K, Q and V
+    (one ``segment_matmul``, or PyG's per-type linears), then the
     transforms over the pairs. The scores are one ``geot.sddmm`` dot,
     their softmax one ``geot.edge_softmax`` per destination over all edge
     types, the sum one multi-head ``index_weight_segment_reduce``; the
@@ -55,50 +57,59 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         for t in types:
             bounds.append(bounds[-1] + x_dict[t].size(0))
         graph = self._typed_graph(edge_index_dict, types, bounds)
-        if self._composes(x_dict, types):
-            key, query, value = self._composed_key_query_value(graph, x_dict, types, bounds)
-        else:
-            key, query, value = self._key_query_value(graph, self._kqv(x_dict, types))
+        key, query, value = self._key_query_value(graph, x_dict, types, bounds)
         out = self._attend(graph, key, query, value, bounds[-1])
         out = typed_matmul(F.gelu(out.view(-1, self.out_channels)), self._ptr(bounds, out.device), bounds,
                            self._stacked(self.out_lin, types, out.dtype))
         return self._outputs(out, x_dict, types, bounds)
 
-    def _composes(self, x_dict, types) -> bool:
-        """Whether the node types share a width and kqv_lin is plain (materialized, with biases): then
-        _composed_key_query_value, else PyG's per-type linears (_kqv)."""
+    def _key_query_value(self, graph: _TypedGraph, x_dict, types, bounds):
+        """([U, H, D], [N, H, D], [U, H, D]): each (source, edge type) pair's relation-transformed key, each
+        node's query and each pair's transformed value. Where the node types share a width and kqv_lin
+        is plain (materialized, with biases), its linears are ``segment_matmul`` s over x with a column of
+        ones appended (their biases; 8 columns, for aligned rows); and where a pair's x is no wider than
+        its K and V together, each edge type's K and V transforms are composed with them (linear-operator
+        reordering: one gather of x per pair, no node's K or V rows). Else PyG's per-type linears."""
         lins = [self.kqv_lin.lins[t] for t in types]
-        return (not hasattr(self.kqv_lin, "_hook") and len({x_dict[t].size(-1) for t in types}) == 1
-                and all(lin.bias is not None for lin in lins))
-
-    def _composed_key_query_value(self, graph: _TypedGraph, x_dict, types, bounds):
-        """_key_query_value with each edge type's K and V transforms composed with its source type's K and
-        V linears (linear-operator reordering): a pair's key is x_s (W_K[type(s)] W_rel[e]) plus that
-        bias, one ``segment_matmul`` over the pairs' gathered x, so no node's K or V exists, nor their
-        [N, 3F] rows (peak memory, what backward keeps). The biases ride on a column of ones appended
-        to x (8 columns, for aligned rows)."""
-        heads, channels = self.heads, self.out_channels
+        if (hasattr(self.kqv_lin, "_hook") or len({x_dict[t].size(-1) for t in types}) != 1
+                or any(lin.bias is None for lin in lins)):
+            projected = self.kqv_lin(x_dict)
+            return self._transformed(graph, torch.cat([projected[t] for t in types]))
         x = torch.cat([x_dict[t] for t in types])
         x = torch.cat([x, F.pad(x.new_ones(x.size(0), 1), (0, 7))], dim=1)
+        if x.size(1) > 2 * self.out_channels:
+            kqv = typed_matmul(x, self._ptr(bounds, x.device), bounds, self._kqv_weights(types).to(x.dtype))
+            return self._transformed(graph, kqv)
+        return self._composed(graph, x, types, bounds)
+
+    def _composed(self, graph: _TypedGraph, x: Tensor, types, bounds):
+        """_key_query_value's composed transforms, from x with its ones columns."""
+        heads, channels = self.heads, self.out_channels
+        ptr = self._ptr(bounds, x.device)
         query_weight, key_weight, value_weight = self._composed_weights(types, x.dtype)
-        query = typed_matmul(x, self._ptr(bounds, x.device), bounds, query_weight)
+        query = typed_matmul(x, ptr, bounds, query_weight)
         sources = graph.sources
         rows = x.index_select(0, sources.node)
         key = typed_matmul(rows, sources.ptr, sources.bounds, key_weight)
         value = typed_matmul(rows, sources.ptr, sources.bounds, value_weight)
         return tuple(t.view(-1, heads, channels // heads) for t in (key, query, value))
 
+    def _kqv_weights(self, types) -> Tensor:
+        """[T, C_in + 8, 3F] kqv_lin's weights (K | Q | V columns) in type order, each bias as the row after
+        them, zeros after it."""
+        linears = [self.kqv_lin.lins[t] for t in types]
+        stacked = torch.cat([torch.stack([lin.weight.t() for lin in linears]),
+                             torch.stack([lin.bias for lin in linears]).unsqueeze(1)], dim=1)
+        return F.pad(stacked, (0, 0, 0, 7))
+
     def _composed_weights(self, types, dtype):
         """([T, C_in + 8, F], [ET, C_in + 8, F], [ET, C_in + 8, F]): the node types' Q linears and the edge
-        types' composed K and V transforms, each bias as the row after the weights (C_in), zeros after
-        it. Composed in the parameters' dtype, outside autocast; an edge type whose source type has no
+        types' K and V transforms composed with their source types' K and V linears (_kqv_weights'
+        rows). Composed in the parameters' dtype, outside autocast; an edge type whose source type has no
         features in this call has no pairs, and zeros."""
         channels = self.out_channels
-        linears = [self.kqv_lin.lins[t] for t in types]
-        with torch.autocast(linears[0].weight.device.type, enabled=False):
-            stacked = torch.cat([torch.stack([lin.weight.t() for lin in linears]),
-                                 torch.stack([lin.bias for lin in linears]).unsqueeze(1)], dim=1)
-            stacked = F.pad(stacked, (0, 0, 0, 7))  # [T, C_in + 8, 3F]: K | Q | V
+        with torch.autocast(self.k_rel.weight.device.type, enabled=False):
+            stacked = self._kqv_weights(types)
             key_rel, value_rel = self._relation_weights(stacked.dtype)
             position = {t: i for i, t in enumerate(types)}
             source = [position.get(edge_type[0]) for edge_type in self.edge_types]
@@ -109,9 +120,9 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
             query = stacked[..., channels:2 * channels]
         return query.to(dtype), key.to(dtype), value.to(dtype)
 
-    def _key_query_value(self, graph: _TypedGraph, kqv: Tensor):
-        """([U, H, D], [N, H, D], [U, H, D]): each (source, edge type) pair's relation-transformed key, each
-        node's query (its own tensor: kqv can go) and each pair's transformed value."""
+    def _transformed(self, graph: _TypedGraph, kqv: Tensor):
+        """_key_query_value from every node's K | Q | V, [N, 3F]: the query its own tensor, so that kqv
+        can go."""
         channels, heads = self.out_channels, self.heads
         key_rel, value_rel = self._relation_weights(kqv.dtype)
         sources = graph.sources
@@ -165,12 +176,6 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
     def _stacked(self, linears, types, dtype) -> Tensor:
         """[T, C_in, C_out] the per-type Linear weights, transposed and stacked in type order."""
         return torch.stack([linears.lins[t].weight for t in types]).transpose(1, 2).to(dtype)
-
-    def _kqv(self, x_dict, types) -> Tensor:
-        """[N, 3F] every node's K | Q | V from PyG's per-type linears (lazy, of several widths or without
-        biases), node types concatenated in ``types`` order."""
-        projected = self.kqv_lin(x_dict)
-        return torch.cat([projected[t] for t in types])
 
     def _relation_weights(self, dtype):
         """([ET, F, F], [ET, F, F]): each edge type's K transform (times p_rel / sqrt(D)) and V
