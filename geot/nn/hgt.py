@@ -97,10 +97,8 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
     def _kqv_weights(self, types) -> Tensor:
         """[T, C_in + 8, 3F] kqv_lin's weights (K | Q | V columns) in type order, each bias as the row after
         them, zeros after it."""
-        linears = [self.kqv_lin.lins[t] for t in types]
-        stacked = torch.cat([torch.stack([lin.weight.t() for lin in linears]),
-                             torch.stack([lin.bias for lin in linears]).unsqueeze(1)], dim=1)
-        return F.pad(stacked, (0, 0, 0, 7))
+        biases = torch.stack([self.kqv_lin.lins[t].bias for t in types]).unsqueeze(1)
+        return F.pad(torch.cat([self._stacked(self.kqv_lin, types, biases.dtype), biases], dim=1), (0, 0, 0, 7))
 
     def _composed_weights(self, types, dtype):
         """([T, C_in + 8, F], [ET, C_in + 8, F], [ET, C_in + 8, F]): the node types' Q linears and the edge

@@ -30,10 +30,8 @@ def _relation_edges(graph: SortedGraph, relations: int) -> _RelationEdges:
 
 
 def _inverse_counts(graph: SortedGraph, num_segments: int, dtype) -> Tensor:
-    """[S] 1 / the edge count of each segment (1 where empty), in dtype. The
-    reciprocal is taken in float64, which autocast leaves alone (CUDA
-    autocast runs a half-precision reciprocal in float32)."""
-    return mean_counts(graph.dst, num_segments).to(torch.float64).reciprocal().to(dtype)
+    """[S] 1 / the edge count of each segment (1 where empty), in dtype (_inverse)."""
+    return _inverse(mean_counts(graph.dst, num_segments), dtype)
 
 
 class _RelationBlock(NamedTuple):
@@ -180,7 +178,8 @@ def _segment_counts(segments: Tensor) -> Tensor:
 
 
 def _inverse(counts: Tensor, dtype) -> Tensor:
-    """1 / counts in dtype, divided in float64 (autocast leaves it alone)."""
+    """1 / counts in dtype, divided in float64, which autocast leaves alone (CUDA autocast runs a
+    half-precision reciprocal in float32)."""
     return counts.to(torch.float64).reciprocal().to(dtype)
 
 
