@@ -20,13 +20,18 @@ destinations drawn with power-law degrees, hubs at random ids; 64 random
 features per node. RGCN and RGAT take the homogeneous view (ids offset by
 node type, one relation per edge type, edges in random order); HGT the
 dicts. A cell reports the median ms per step (CUDA events, L2 flush, host
-time included, as bench/e2e.py; a step slower than --max-time is timed
-once), the peak memory of a step and, where a path runs out of memory,
-"OOM" (counted in the summary); speedups are against the fastest PyG path
-of the cell. float32 matmuls run as TF32 on every path (``--precision
-high``; geot's typed matmuls need it on CUDA, else they loop over types;
-``--precision highest`` gives every path IEEE float32). No cell starts
-after --budget seconds (those left are noted "skipped").
+time included, as bench/e2e.py; the median of 3 to 10 reps, a step slower
+than --max-time timed once), the peak memory of a step and, where a path
+runs out of memory, "OOM" (counted in the summary); speedups are against
+the fastest PyG path of the cell. A compiled path whose first (compiling)
+call of a mode takes longer than --compile-limit seconds is noted, not
+timed: PyG's HGTConv traces every relation's ops into its graph, which
+can take minutes (fb15k's 474 relations, one layer: over 120 s on an
+H100). float32 matmuls run
+as TF32 on every path (``--precision high``; geot's typed matmuls need it
+on CUDA, else they loop over types; ``--precision highest`` gives every
+path IEEE float32). No cell starts after --budget seconds (those left are
+noted "skipped").
 
     python bench/rgnn.py                            # every graph, model, variant, eager path (H100: under 6 min)
     python bench/rgnn.py --compile --budget 3600    # with PyG's compiled paths
@@ -34,7 +39,9 @@ after --budget seconds (those left are noted "skipped").
     python bench/rgnn.py --quick                    # tiny CPU check that everything runs
 """
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -237,10 +244,17 @@ def run_path(cells: list, model_name: str, variant: str, graph: dict, args, devi
         model = build(model_name, cells[0]["path"], variant, graph).to(device)
         runner = torch.compile(model, backend=args.backend) if cells[0]["path"].endswith("compile") else model
         steps = dict(zip(("inference", "train"), step_functions(model, runner, graph)))
-        for row in cells:
+        limit = args.compile_limit if runner is not model else 0
+        for i, row in enumerate(cells):
             try:
-                row["ms"], row["peak_mb"], row["resident_mb"] = measure(steps[row["mode"]], device, args.max_time)
+                row["ms"], row["peak_mb"], row["resident_mb"] = measure(steps[row["mode"]], device, args.max_time,
+                                                                        limit)
             except Exception as error:  # noqa: BLE001  (PyG running out of memory is a result)
+                if compile_timed_out(error):  # the next mode would compile as long: not tried
+                    for late in cells[i:]:
+                        late["note"] = f"n/a: compilation over {limit:g} s"
+                    torch._dynamo.reset()
+                    break
                 row["note"] = failure_note(error, row["path"])
             if row["note"]:  # the failed step's tensors are unreferenced once its traceback is gone
                 fresh_state(device)
@@ -256,15 +270,49 @@ def failure_note(error: Exception, path: str) -> str:
         return "OOM"
     if path == "geot":  # geot failing otherwise is a bug: show where
         traceback.print_exception(error)
-    return f"n/a: {type(error).__name__}: {str(error)[:100]}"
+    return f"n/a: {type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}"
 
 
-def measure(step, device, max_time: float):
-    """(median ms, peak MB, resident MB) of a step: one untimed call (compilation, caches), then one
-    whose peak memory is read (max_memory_allocated, from what is resident before it) and time kept;
-    more reps while the timed work stays under max_time. CUDA events, host time included (as
+class CompileTimeout(Exception):
+    pass
+
+
+def compile_timed_out(error: BaseException) -> bool:
+    """Whether CompileTimeout caused error (inductor wraps what its compilation raises)."""
+    while error is not None:
+        if isinstance(error, CompileTimeout):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raises CompileTimeout in the main thread after seconds (0: no limit)."""
+    if seconds <= 0:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CompileTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def measure(step, device, max_time: float, compile_limit: float = 0):
+    """(median ms, peak MB, resident MB) of a step: one untimed call (compilation, caches; at most
+    compile_limit seconds, else CompileTimeout), then one whose peak memory is read
+    (max_memory_allocated, from what is resident before it) and time kept, alone if it took over
+    max_time; else 3 to 10 reps, as many as fit in max_time. CUDA events, host time included (as
     bench/e2e.py)."""
-    step()
+    with time_limit(compile_limit):
+        step()
     cuda = device.type == "cuda"
     peak = resident = float("nan")
     if cuda:
@@ -278,10 +326,10 @@ def measure(step, device, max_time: float):
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     once_ms = (time.perf_counter() - start) * 1e3
-    reps = int(min(10, max_time * 1e3 / max(once_ms, 1e-3)))
-    if reps < 2:
+    if once_ms > max_time * 1e3:
         return once_ms, peak, resident
-    timing = common.time_stats(step, warmup=0, reps=reps, device=device, max_time_s=max_time, min_reps=1,
+    reps = int(min(10, max(3, max_time * 1e3 / max(once_ms, 1e-3))))  # a median of 3 at least
+    timing = common.time_stats(step, warmup=0, reps=reps, device=device, max_time_s=max_time, min_reps=3,
                                gate=False)
     return timing.median_ms, peak, resident
 
@@ -320,6 +368,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-types", type=int, default=0, help="at most this many node and edge types")
     parser.add_argument("--precision", default="high", help="torch.set_float32_matmul_precision, every path")
     parser.add_argument("--max-time", type=float, default=1.0, help="seconds of timed work per cell at most")
+    parser.add_argument("--compile-limit", type=float, default=120.0,
+                        help="seconds a compiled path's first call (compilation) may take; 0: no limit")
     parser.add_argument("--budget", type=float, default=300.0, help="seconds after which no cell starts")
     parser.add_argument("--quick", action="store_true",
                         help="tiny CPU check: aifb at 1/500 scale, at most 6 types, eager paths, 1 rep")
@@ -327,7 +377,7 @@ def parse_args(argv=None):
     if args.quick:
         args.graphs, args.scale, args.max_types, args.max_time = "aifb", 0.002, 6, 0.05
     args.graphs, args.models, args.variants = (s.split(",") for s in (args.graphs, args.models, args.variants))
-    args.paths = args.paths.split(",") + (list(COMPILED) if args.compile else [])
+    args.paths = list(dict.fromkeys(args.paths.split(",") + (list(COMPILED) if args.compile else [])))
     return args
 
 
@@ -336,6 +386,8 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_float32_matmul_precision(args.precision)
     torch._dynamo.config.cache_size_limit = 64
+    if args.compile:  # inductor's one-off start (workers, imports) is no model's compilation time
+        torch.compile(lambda t: t.sin() + 1)(torch.ones(4, device=device))
     deadline = time.time() + args.budget
     print(f"rgnn on {common.device_name(device)}: graphs {args.graphs}, models {args.models}, "
           f"paths {args.paths}, matmul precision {args.precision}", flush=True)

@@ -32,3 +32,22 @@ def test_generated_graph_has_the_requested_shape():
     assert len(graph["metadata"][0]) == 27 and graph["num_relations"] == 122
     assert abs(graph["num_edges"] - 6730) < 200 and graph["edge_type"].max() < 122
     assert sum(x.size(0) for x in graph["x_dict"].values()) == graph["num_nodes"]
+
+
+def test_a_compilation_over_the_limit_is_noted_not_timed():
+    """A compiled path whose first call outlasts --compile-limit: both of its cells say so, and the
+    bench goes on (the eager path on the same graph is timed)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rgnn
+    args = rgnn.parse_args(["--graphs", "aifb", "--models", "rgcn", "--variants", "1x64", "--paths", "pyg",
+                            "--compile", "--scale", "0.002", "--max-types", "4", "--max-time", "0.01",
+                            "--compile-limit", "1e-3"])
+    assert args.paths == ["pyg", "pyg-compile", "pyg-fast-compile"]
+    graph = rgnn.hetero_graph("aifb", args.scale, max_types=args.max_types)
+    rows = rgnn.bench_cells("rgcn", "1x64", graph, args, rgnn.torch.device("cpu"), deadline=float("inf"))
+    notes = {(row["path"], row["mode"]): row["note"] for row in rows}
+    for path in ("pyg-compile", "pyg-fast-compile"):
+        for mode in ("inference", "train"):
+            assert notes[path, mode] == "n/a: compilation over 0.001 s"
+    timed = [row for row in rows if row["path"] == "pyg"]
+    assert all(row["ms"] > 0 and not row["note"] for row in timed), timed
