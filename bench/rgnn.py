@@ -9,9 +9,10 @@ backward, Adam step). Paths:
     geot              geot.nn.RGCNConv / RGATConv / HGTConv (eager)
     pyg               PyG's RGCNConv / RGATConv / HGTConv
     pyg-fast          PyG's FastRGCNConv (RGCN only)
-    pyg-compile, pyg-fast-compile   torch.compile of those (--compile: one
-                      compilation per graph, model, variant and path, so
-                      the run takes much longer)
+    pyg-compile, pyg-fast-compile, geot-compile   torch.compile of those
+                      (--compile: one compilation per graph, model, variant
+                      and path, with no eager call first, so the run takes
+                      much longer)
 
 Graphs are generated with the shapes (node types, edge types, nodes, edges)
 of Pigeon's datasets (GRAPHS): node-type sizes and relation frequencies
@@ -74,7 +75,7 @@ GRAPHS = {
 MODELS = ("rgcn", "rgat", "hgt")
 VARIANTS = {"1x64": (1, 1), "2x64h4": (2, 4)}  # (layers, heads)
 PATHS = ("geot", "pyg", "pyg-fast")
-COMPILED = ("pyg-compile", "pyg-fast-compile")
+COMPILED = ("pyg-compile", "pyg-fast-compile", "geot-compile")
 CHANNELS = 64
 
 
@@ -179,7 +180,7 @@ class Hetero(torch.nn.Module):
 
 def build(model: str, path: str, variant: str, graph: dict) -> torch.nn.Module:
     layers, heads = VARIANTS[variant]
-    lib = geot_nn if path == "geot" else pyg_nn
+    lib = geot_nn if path.startswith("geot") else pyg_nn
     if model == "hgt":
         return Hetero(lib.HGTConv, layers, heads, graph["metadata"])
     layer_class = pyg_nn.FastRGCNConv if path.startswith("pyg-fast") else getattr(lib, model.upper() + "Conv")
@@ -268,7 +269,7 @@ def run_path(cells: list, model_name: str, variant: str, graph: dict, args, devi
 def failure_note(error: Exception, path: str) -> str:
     if is_oom(error):
         return "OOM"
-    if path == "geot":  # geot failing otherwise is a bug: show where
+    if path.startswith("geot"):  # geot failing otherwise is a bug: show where
         traceback.print_exception(error)
     return f"n/a: {type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}"
 

@@ -411,28 +411,121 @@ def test_per_type_matmul_matches_segment_matmul():
     assert per_type_matmul(x[:0], [0] * 5, weight).shape == (0, 6)
 
 
-def test_compiled_rgat_runs_pyg_forward():
-    """torch.compile(fullgraph=True) traces PyG's forward (geot's graph tables are built eagerly)."""
+def _geot_ops_of(graphs):
+    return {str(node.target) for gm in graphs for node in gm.graph.nodes
+            if node.op == "call_function" and str(node.target).startswith("geot.")}
+
+
+@pytest.mark.parametrize("kwargs", [{"heads": 2}, {"heads": 2, "edge_dim": 3, "mod": "scaled"}])
+def test_compiled_rgat_runs_geot_on_its_graph(kwargs):
+    """torch.compile(fullgraph=True) with no eager call first: the graph and its pairs are built while
+    dynamo traces, the compiled code runs geot's ops (no fallback), and inference and training give
+    PyG's results and gradients, the attention weights in input order too."""
     torch._dynamo.reset()
-    geot_rgat, pyg_rgat = rgat_pair({"heads": 2}, "cpu", torch.float32)
+    geot_rgat, pyg_rgat = rgat_pair(kwargs, "cpu", torch.float64)
     edge_index, edge_type = relational_edges("cpu")
-    x = torch.randn(NODES, 6)
-    with pytest.warns(gnn.GeotFallbackWarning, match="torch.compile"):
-        got = torch.compile(geot_rgat, backend="aot_eager", fullgraph=True)(x, edge_index, edge_type)
-    torch.testing.assert_close(got, pyg_rgat(x, edge_index, edge_type))
+    x = torch.randn(NODES, 6, dtype=torch.float64)
+    edge_attr = torch.randn(edge_type.numel(), 3, dtype=torch.float64) if "edge_dim" in kwargs else None
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        with torch.no_grad():
+            got = torch.compile(geot_rgat, fullgraph=True, backend=recorder)(x, edge_index, edge_type, edge_attr)
+        compiled = torch.compile(geot_rgat, fullgraph=True, backend="aot_eager")
+        trained = rgat_call(compiled, x, edge_index, edge_type, edge_attr, True)
+    assert {"geot.segment_matmul", "geot.edge_softmax"} <= _geot_ops_of(graphs)
+    want = rgat_call(pyg_rgat, x, edge_index, edge_type, edge_attr, True)
+    assert_close(got, want[0], F64, "inference")
+    assert_close(trained[0], want[0], F64, "training")
+    assert_close(trained[1][1], want[1][1], F64, "attention weights")
+    assert_grads(trained[2], want[2], F64)
 
 
-def test_hgt_under_compile_runs_pyg_forward(monkeypatch):
-    geot_hgt, pyg_hgt = pair(gnn.HGTConv, pyg_nn.HGTConv, (8, 8, METADATA), {"heads": 2}, "cpu", torch.float32)
-    x_dict, edge_index_dict = hetero_inputs("cpu", torch.float32, {t: 8 for t in COUNTS})
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setattr(gnn.layer, "warn_at_trace_time", lambda message, category: warnings.warn(message, category))
-    with pytest.warns(gnn.GeotFallbackWarning, match="torch.compile"):
-        got = geot_hgt(x_dict, edge_index_dict)
-    monkeypatch.undo()
-    want = pyg_hgt(x_dict, edge_index_dict)
+def test_compiled_rgat_on_a_changing_graph_runs_pyg_forward():
+    """A compiled layer given another graph than the one it kept runs PyG's forward for it, with PyG's
+    results, and geot's again for its own graph."""
+    torch._dynamo.reset()
+    geot_rgat, pyg_rgat = rgat_pair({"heads": 2}, "cpu", torch.float64)
+    (edge_index, edge_type), (other, other_type) = relational_edges("cpu"), relational_edges("cpu")
+    x = torch.randn(NODES, 6, dtype=torch.float64)
+    compiled = torch.compile(geot_rgat, backend="aot_eager")
+    with torch.no_grad():
+        compiled(x, edge_index, edge_type)
+        with pytest.warns(gnn.GeotFallbackWarning, match="torch.compile where the graph"):
+            got = compiled(x, other, other_type)
+        again = compiled(x, edge_index, edge_type)
+        torch.testing.assert_close(got, pyg_rgat(x, other, other_type))
+        torch.testing.assert_close(again, pyg_rgat(x, edge_index, edge_type))
+
+
+@pytest.mark.parametrize("name", ["heads-2", "wide-in"])
+def test_compiled_hgt_runs_geot_on_its_graph(name):
+    """torch.compile(fullgraph=True) with no eager call first: the graph is built while dynamo traces,
+    the compiled code runs geot's ops (no fallback), and inference and training give PyG's results and
+    gradients; the training graph keeps its transposed index."""
+    torch._dynamo.reset()
+    kwargs, widths = HGT[name]
+    geot_hgt, pyg_hgt = pair(gnn.HGTConv, pyg_nn.HGTConv, (), dict(kwargs, metadata=METADATA), "cpu",
+                             torch.float64)
+    x_dict, edge_index_dict = hetero_inputs("cpu", torch.float64, widths)
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        with torch.no_grad():
+            got = torch.compile(geot_hgt, fullgraph=True, backend=recorder)(x_dict, edge_index_dict)
+        trained = hgt_call(torch.compile(geot_hgt, fullgraph=True, backend="aot_eager"), x_dict, edge_index_dict)
+    assert {"geot.segment_matmul", "geot.edge_dot", "geot.edge_softmax"} <= _geot_ops_of(graphs)
+    want = hgt_call(pyg_hgt, x_dict, edge_index_dict)
+    for key in want[0]:
+        assert_close(got[key], want[0][key], F64, f"inference {key}")
+        assert_close(trained[0][key], want[0][key], F64, f"training {key}")
+    assert_grads(trained[1][:len(x_dict)], want[1][:len(x_dict)], F64)
+    assert_grads(trained[1][len(x_dict):], want[1][len(x_dict):], F64)
+    assert "transposed" in geot_hgt._geot_typed_graph.memo
+
+
+def test_compiled_hgt_on_a_changing_graph_runs_pyg_forward():
+    """A compiled layer given another graph than the one it kept runs PyG's forward for it (its pairs have
+    data-dependent sizes), with PyG's results, and geot's again for its own graph."""
+    torch._dynamo.reset()
+    geot_hgt, pyg_hgt = pair(gnn.HGTConv, pyg_nn.HGTConv, (8, 8, METADATA), {"heads": 2}, "cpu", torch.float64)
+    x_dict, edge_index_dict = hetero_inputs("cpu", torch.float64, {t: 8 for t in COUNTS})
+    _, other_edges = hetero_inputs("cpu", torch.float64, {t: 8 for t in COUNTS})
+    compiled = torch.compile(geot_hgt, backend="aot_eager")
+    with torch.no_grad():
+        compiled(x_dict, edge_index_dict)
+        with pytest.warns(gnn.GeotFallbackWarning, match="torch.compile where the graph"):
+            got = compiled(x_dict, other_edges)
+        again = compiled(x_dict, edge_index_dict)
+        want, want_again = pyg_hgt(x_dict, other_edges), pyg_hgt(x_dict, edge_index_dict)
     for key in want:
-        torch.testing.assert_close(got[key], want[key])
+        assert_close(got[key], want[key], F64, f"output {key}")
+        assert_close(again[key], want_again[key], F64, f"output {key}")
+
+
+def test_compiled_hgt_with_sparse_adjacencies():
+    """Sparse adjacencies, compiled: PyG's results (dynamo gives up on sparse inputs: the layer runs
+    eagerly, its conversion of them too)."""
+    torch._dynamo.reset()
+    geot_hgt, pyg_hgt = pair(gnn.HGTConv, pyg_nn.HGTConv, (8, 8, METADATA), {"heads": 2}, "cpu", torch.float64)
+    x_dict, edge_index_dict = hetero_inputs("cpu", torch.float64, {t: 8 for t in COUNTS})
+    adjacency = {key: to_torch_csr_tensor(edges.flip(0), size=(COUNTS[key[-1]], COUNTS[key[0]]))
+                 for key, edges in edge_index_dict.items()}
+    with torch.no_grad():
+        got = torch.compile(geot_hgt, backend="aot_eager")(x_dict, adjacency)
+        want = pyg_hgt(x_dict, adjacency)
+    for key in want:
+        assert_close(got[key], want[key], F64, f"output {key}")
 
 
 # patch ----------------------------------------------------------------------------------------

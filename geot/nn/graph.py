@@ -278,14 +278,28 @@ def _prepare_for_compiled(layer, tensor: Tensor, edge_type, self_loops, num_rela
     return True
 
 
-def prepare_for_compiled(layer, edge_index, flipped: bool, grad: bool) -> bool:
-    """For code run by call_at_trace_time: the layer's first graph (a plain
-    edge_index) built as compiled code will read it (see sorted_graph);
-    True where the layer keeps it, so that values derived from it may be
-    computed eagerly too."""
+def prepare_for_compiled(layer, edge_index, flipped: bool, grad: bool, edge_type: Optional[Tensor] = None,
+                         num_relations: int = 0, keep_perm: bool = False) -> bool:
+    """For code run by call_at_trace_time: the layer's first graph (an
+    edge_index; with edge_type, sorted_graph's relational variant) built as
+    compiled code will read it (see sorted_graph); True where the layer
+    keeps it, so that values derived from it may be computed eagerly too."""
     edges = edges_of(edge_index)
     return edges.kind == "edge_index" and _prepare_for_compiled(
-        layer, _checked_edges(edges.index), None, None, 0, flipped, False, edges.sorted and not flipped, grad)
+        layer, _checked_edges(edges.index), edge_type, None, num_relations, flipped, keep_perm,
+        edges.sorted and not flipped, grad)
+
+
+def kept_graph(layer, edge_index, *, flipped: bool = False, edge_type: Optional[Tensor] = None,
+               num_relations: int = 0, keep_perm: bool = False) -> Optional[SortedGraph]:
+    """Inside torch.compile: the graph the layer keeps for this edge_index
+    (and edge_type) object, or None, for layers whose tables of a graph have
+    data-dependent sizes and so cannot be made in compiled code."""
+    last = getattr(layer, _slot_attr((None, num_relations, flipped, keep_perm)), None)
+    tensor = edges_of(edge_index).index
+    if last is None or last[0] is not tensor or last[1] is not edge_type:
+        return None
+    return last[3]
 
 
 def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, static: bool = False,

@@ -10,7 +10,7 @@ from torch import Tensor
 from .. import hetero, index
 from ..sddmm import sddmm
 from .common import Pairs, distinct_pairs, typed_matmul
-from .graph import static_addresses, transpose_index_as
+from .graph import call_at_trace_time, static_addresses, transpose_index_as
 from .inputs import edges_of, input_kind
 from .layer import GeotLayer
 
@@ -46,7 +46,11 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
     output projections one more ``segment_matmul``. Takes ``edge_index``
     tensors and sparse adjacencies in ``edge_index_dict``; calls PyG's
     forward would reject (edge types outside ``metadata``, node types
-    without features) run it, as do calls inside ``torch.compile``."""
+    without features) run it. Inside ``torch.compile`` the graph is built
+    while dynamo traces, from the compiled model's ``edge_index`` inputs
+    (no eager warm-up), and kept; a layer whose graph changes between
+    calls, or whose graph is computed inside the compiled code, runs PyG's
+    forward there (the pairs have data-dependent sizes)."""
 
     def forward(self, x_dict: Dict[str, Tensor], edge_index_dict) -> Dict[str, Optional[Tensor]]:
         reason = self._call_reason(x_dict, edge_index_dict)
@@ -56,7 +60,13 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         bounds = [0]
         for t in types:
             bounds.append(bounds[-1] + x_dict[t].size(0))
-        graph = self._typed_graph(edge_index_dict, types, bounds)
+        if torch.compiler.is_compiling():
+            graph = self._compiled_typed_graph(edge_index_dict, types, bounds)
+            if graph is None:
+                return self._pyg_forward("torch.compile where the graph is not the one the layer was compiled "
+                                         "on (its pairs have data-dependent sizes)", x_dict, edge_index_dict)
+        else:
+            graph = self._typed_graph(edge_index_dict, types, bounds)
         key, query, value = self._key_query_value(graph, x_dict, types, bounds)
         out = self._attend(graph, key, query, value, bounds[-1])
         out = typed_matmul(F.gelu(out.view(-1, self.out_channels)), self._ptr(bounds, out.device), bounds,
@@ -143,8 +153,6 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         reason = self._option_reason()
         if reason is not None:
             return reason
-        if torch.compiler.is_compiling():  # its graph tables have data-dependent sizes (eager only)
-            return "torch.compile"
         if self.flow != "source_to_target":
             return f"flow={self.flow!r}"
         if not isinstance(x_dict, dict) or not isinstance(edge_index_dict, dict) or not edge_index_dict:
@@ -163,9 +171,13 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         return None
 
     def _ptr(self, bounds, device) -> Tensor:
-        """bounds as a device tensor, kept per value (segment_matmul validates a ptr once per tensor)."""
-        cache = self.__dict__.setdefault("_geot_ptrs", {})
+        """bounds as a device tensor, kept per value (segment_matmul validates a ptr once per tensor); compiled
+        code reads the one kept while dynamo traced."""
         key = (tuple(bounds), device)
+        if torch.compiler.is_compiling():
+            kept = getattr(self, "_geot_ptrs", {}).get(key)
+            return kept if kept is not None else torch.tensor(bounds, device=device)
+        cache = self.__dict__.setdefault("_geot_ptrs", {})
         if key not in cache:
             cache.clear()
             cache[key] = static_addresses(torch.tensor(bounds, device=device))
@@ -200,6 +212,18 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         self.__dict__["_geot_typed_graph"] = graph
         return graph
 
+    def _compiled_typed_graph(self, edge_index_dict, types, bounds) -> Optional[_TypedGraph]:
+        """Inside torch.compile: the graph kept for these edge tensors (guarded by identity), built while
+        dynamo traces where the layer has none (see geot.nn.graph.call_at_trace_time); None where the
+        layer's graph is another one, or where the graph is computed inside the compiled code."""
+        keys, inputs = tuple(edge_index_dict), tuple(edge_index_dict.values())
+        call_at_trace_time(_prepare_for_compiled, self, keys, tuple(types), tuple(bounds), torch.is_grad_enabled(),
+                           *inputs)
+        kept = getattr(self, "_geot_typed_graph", None)
+        if kept is None or not _built_from(kept, keys, bounds, inputs):
+            return None
+        return kept
+
     def _build_typed_graph(self, edge_index_dict, types, bounds, key, inputs) -> _TypedGraph:
         offset = dict(zip(types, bounds))
         sources, targets, relations = [], [], []
@@ -223,10 +247,9 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         """The graph's transposed index for the backward pass, made once where gradients are recorded."""
         if not (torch.is_grad_enabled() and value.requires_grad):
             return None
-        if "transposed" not in graph.memo:
-            graph.memo["transposed"] = static_addresses(transpose_index_as(graph.sources.of_edge, graph.dst,
-                                                                           graph.dst.dtype))
-        return graph.memo["transposed"]
+        if not torch.compiler.is_compiling():
+            _keep_transposed(graph)
+        return graph.memo.get("transposed")  # compiled code without it: the backward pass takes atomics
 
     def _outputs(self, out: Tensor, x_dict, types, bounds) -> Dict[str, Tensor]:
         """Each destination type's rows, its out_lin bias added, gated with its input where widths agree."""
@@ -242,3 +265,29 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
                 rows = gate * rows + (1 - gate) * x_dict[t]
             out_dict[t] = rows
         return out_dict
+
+
+def _built_from(graph: _TypedGraph, keys, bounds, inputs) -> bool:
+    """Whether graph was built from these edge types, node counts and edge tensors (the tensor objects)."""
+    return (graph.key[:2] == (keys, tuple(bounds)) and len(graph.inputs) == len(inputs)
+            and all(kept is given for kept, given in zip(graph.inputs, inputs)))
+
+
+def _prepare_for_compiled(layer: HGTConv, keys, types, bounds, grad: bool, *inputs) -> None:
+    """Run while dynamo traces, on the real edge tensors: the layer's first graph (and its transposed index,
+    where the call records gradients) built and kept before the compiled code reads it. A layer that kept
+    another graph is left as it is: its graph changes, and compiled code runs PyG's forward for it."""
+    kept = layer.__dict__.get("_geot_typed_graph")
+    if kept is not None and not _built_from(kept, keys, bounds, inputs):
+        return
+    graph = layer._typed_graph(dict(zip(keys, inputs)), list(types), list(bounds))
+    layer._ptr(list(bounds), inputs[0].device)
+    if grad:
+        _keep_transposed(graph)
+
+
+def _keep_transposed(graph: _TypedGraph) -> None:
+    """The graph's transposed index for the backward pass, made once."""
+    if "transposed" not in graph.memo:
+        graph.memo["transposed"] = static_addresses(transpose_index_as(graph.sources.of_edge, graph.dst,
+                                                                       graph.dst.dtype))

@@ -117,6 +117,7 @@ def _input_version(edge_index, kind: str):
     return tuple((t.data_ptr(), t._version, tuple(t.shape), t.device) for t in tensors)
 
 
+@torch.compiler.disable  # a sync (and dynamo fails on frames holding a sparse adjacency's values)
 def _weights(values: Optional[Tensor]) -> Optional[Tensor]:
     """An adjacency's floating-point values, or None where they are all one
     (the unweighted kernels then run): one device->host sync per adjacency."""

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from .. import hetero, index
 from .common import Nodes, Pairs, distinct_pairs, sizes_reason, typed_matmul
-from .graph import SortedGraph, checked, sorted_graph, transpose_index_as
+from .graph import (SortedGraph, call_at_trace_time, checked, kept_graph, prepare_for_compiled, sorted_graph,
+                    transpose_index_as)
 from .inputs import edges_of, input_kind
 from .layer import GeotLayer
 
@@ -52,8 +53,12 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
     attention modes and mechanisms, ``heads``, ``dim``, ``concat``, every
     ``mod``, ``dropout``, ``edge_dim`` with ``edge_attr`` and
     ``return_attention_weights`` (the weights in the input's edge order)
-    over an ``edge_index``; a sparse adjacency, and calls inside
-    ``torch.compile``, run PyG's forward."""
+    over an ``edge_index``; a sparse adjacency runs PyG's forward. Inside
+    ``torch.compile`` the graph and its pairs are built while dynamo
+    traces, from the compiled model's ``edge_index`` and ``edge_type``
+    inputs (no eager warm-up), and kept; a layer whose graph changes
+    between calls, or is computed inside the compiled code, runs PyG's
+    forward there (the pairs have data-dependent sizes)."""
 
     def forward(self, x, edge_index, edge_type: Optional[Tensor] = None, edge_attr: Optional[Tensor] = None,
                 size=None, return_attention_weights=None):
@@ -61,9 +66,14 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
         if reason is not None:
             return self._pyg_forward(reason, x, edge_index, edge_type, edge_attr, size, return_attention_weights)
         num_nodes, relations = x.size(0), self.num_relations
-        graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
-                             num_relations=relations, transposed=False, keep_perm=True)
-        checked(graph, num_nodes, num_nodes * relations)
+        if torch.compiler.is_compiling():
+            graph = self._compiled_graph(edge_index, edge_type, num_nodes)
+            if graph is None:
+                return self._pyg_forward("torch.compile where the graph is not the one the layer was compiled "
+                                         "on (its pairs have data-dependent sizes)", x, edge_index, edge_type,
+                                         edge_attr, size, return_attention_weights)
+        else:
+            graph = self._graph(edge_index, edge_type, num_nodes)
         rel = graph.derived(("rgat pairs", relations, num_nodes),
                             lambda: _relation_graph(graph, num_nodes, relations))
         projected, alpha = self._attention(rel, x, graph.edge_values(edge_attr), num_nodes)
@@ -77,8 +87,6 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
         reason = self._option_reason() or self._input_reason(edge_index)
         if reason is not None:
             return reason
-        if torch.compiler.is_compiling():  # its graph tables have data-dependent sizes (eager only)
-            return "torch.compile"
         if input_kind(edge_index) != "edge_index":
             return "a sparse adjacency"
         if not isinstance(x, Tensor) or x.dim() != 2 or not x.is_floating_point():
@@ -90,6 +98,21 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
                                       or edge_attr.size(0) != edge_type.numel()):
             return "edge_attr without edge_dim, or not one row per edge"
         return sizes_reason(Nodes(x, x, False), edges, size)
+
+    def _graph(self, edge_index, edge_type: Tensor, num_nodes: int) -> SortedGraph:
+        graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
+                             num_relations=self.num_relations, transposed=False, keep_perm=True)
+        return checked(graph, num_nodes, num_nodes * self.num_relations)
+
+    def _compiled_graph(self, edge_index, edge_type: Tensor, num_nodes: int) -> Optional[SortedGraph]:
+        """Inside torch.compile: the layer's graph with its pairs, built while dynamo traces where the layer
+        has none (guarded by identity); None where its graph is another one, or computed in compiled code."""
+        call_at_trace_time(_prepare_for_compiled, self, edge_index, edge_type, num_nodes, torch.is_grad_enabled())
+        graph = kept_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
+                           num_relations=self.num_relations, keep_perm=True)
+        if graph is None or ("rgat pairs", self.num_relations, num_nodes) not in graph.memo:
+            return None
+        return graph
 
     def _attention(self, rel: _RelationGraph, x: Tensor, edge_attr: Optional[Tensor], num_nodes: int):
         """(each source pair's x_j W_r [U, H * C], the attention [E, H * dim] in graph order)."""
@@ -166,3 +189,17 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
         """The heads concatenated or averaged (PyG's ``update``), the bias added."""
         out = out.reshape(num_nodes, -1) if self.concat else out.mean(dim=1).reshape(num_nodes, -1)
         return out if self.bias is None else out + self.bias
+
+
+def _prepare_for_compiled(layer: RGATConv, edge_index, edge_type: Tensor, num_nodes: int, grad: bool) -> None:
+    """Run while dynamo traces (see geot.nn.graph.call_at_trace_time): the layer's first graph, its pairs
+    and, where the call records gradients, its transposed pairs, built eagerly and kept."""
+    relations = layer.num_relations
+    if not prepare_for_compiled(layer, edge_index, layer._flipped(), False, edge_type=edge_type,
+                                num_relations=relations, keep_perm=True):
+        return
+    graph = layer._graph(edge_index, edge_type, num_nodes)
+    rel = graph.derived(("rgat pairs", relations, num_nodes), lambda: _relation_graph(graph, num_nodes, relations))
+    if grad:
+        graph.derived(("rgat transposed", relations, num_nodes),
+                      lambda: transpose_index_as(rel.sources.of_edge, rel.dst, rel.sources.of_edge.dtype))
