@@ -411,9 +411,23 @@ def test_per_type_matmul_matches_segment_matmul():
     assert per_type_matmul(x[:0], [0] * 5, weight).shape == (0, 6)
 
 
-def _geot_ops_of(graphs):
-    return {str(node.target) for gm in graphs for node in gm.graph.nodes
-            if node.op == "call_function" and str(node.target).startswith("geot.")}
+def compiled_without_fallback(layer, train_call, *args):
+    """(inference output, train_call's result, the geot ops of the inference graph) of
+    torch.compile(layer, fullgraph=True) with no eager call first; PyG's forward running raises."""
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        with torch.no_grad():
+            out = torch.compile(layer, fullgraph=True, backend=recorder)(*args)
+        trained = train_call(torch.compile(layer, fullgraph=True, backend="aot_eager"), *args)
+    ops = {str(node.target) for gm in graphs for node in gm.graph.nodes
+           if node.op == "call_function" and str(node.target).startswith("geot.")}
+    return out, trained, ops
 
 
 @pytest.mark.parametrize("kwargs", [{"heads": 2}, {"heads": 2, "edge_dim": 3, "mod": "scaled"}])
@@ -426,19 +440,9 @@ def test_compiled_rgat_runs_geot_on_its_graph(kwargs):
     edge_index, edge_type = relational_edges("cpu")
     x = torch.randn(NODES, 6, dtype=torch.float64)
     edge_attr = torch.randn(edge_type.numel(), 3, dtype=torch.float64) if "edge_dim" in kwargs else None
-    graphs = []
-
-    def recorder(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", gnn.GeotFallbackWarning)
-        with torch.no_grad():
-            got = torch.compile(geot_rgat, fullgraph=True, backend=recorder)(x, edge_index, edge_type, edge_attr)
-        compiled = torch.compile(geot_rgat, fullgraph=True, backend="aot_eager")
-        trained = rgat_call(compiled, x, edge_index, edge_type, edge_attr, True)
-    assert {"geot.segment_matmul", "geot.edge_softmax"} <= _geot_ops_of(graphs)
+    got, trained, ops = compiled_without_fallback(geot_rgat, lambda layer, *args: rgat_call(layer, *args, True),
+                                                  x, edge_index, edge_type, edge_attr)
+    assert {"geot.segment_matmul", "geot.edge_softmax"} <= ops
     want = rgat_call(pyg_rgat, x, edge_index, edge_type, edge_attr, True)
     assert_close(got, want[0], F64, "inference")
     assert_close(trained[0], want[0], F64, "training")
@@ -473,18 +477,8 @@ def test_compiled_hgt_runs_geot_on_its_graph(name):
     geot_hgt, pyg_hgt = pair(gnn.HGTConv, pyg_nn.HGTConv, (), dict(kwargs, metadata=METADATA), "cpu",
                              torch.float64)
     x_dict, edge_index_dict = hetero_inputs("cpu", torch.float64, widths)
-    graphs = []
-
-    def recorder(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", gnn.GeotFallbackWarning)
-        with torch.no_grad():
-            got = torch.compile(geot_hgt, fullgraph=True, backend=recorder)(x_dict, edge_index_dict)
-        trained = hgt_call(torch.compile(geot_hgt, fullgraph=True, backend="aot_eager"), x_dict, edge_index_dict)
-    assert {"geot.segment_matmul", "geot.edge_dot", "geot.edge_softmax"} <= _geot_ops_of(graphs)
+    got, trained, ops = compiled_without_fallback(geot_hgt, hgt_call, x_dict, edge_index_dict)
+    assert {"geot.segment_matmul", "geot.edge_dot", "geot.edge_softmax"} <= ops
     want = hgt_call(pyg_hgt, x_dict, edge_index_dict)
     for key in want[0]:
         assert_close(got[key], want[0][key], F64, f"inference {key}")
