@@ -22,17 +22,17 @@ features per node. RGCN and RGAT take the homogeneous view (ids offset by
 node type, one relation per edge type, edges in random order); HGT the
 dicts. A cell reports the median ms per step (CUDA events, L2 flush, host
 time included, as bench/e2e.py; the median of 3 to 10 reps, a step slower
-than --max-time timed once), the peak memory of a step and, where a path
-runs out of memory, "OOM" (counted in the summary); speedups are against
-the fastest PyG path of the cell. A compiled path whose first (compiling)
-call of a mode takes longer than --compile-limit seconds is noted, not
-timed: PyG's HGTConv traces every relation's ops into its graph, which
-can take minutes (fb15k's 474 relations, one layer: over 120 s on an
-H100). float32 matmuls run
-as TF32 on every path (``--precision high``; geot's typed matmuls need it
-on CUDA, else they loop over types; ``--precision highest`` gives every
-path IEEE float32). No cell starts after --budget seconds (those left are
-noted "skipped").
+than --max-time timed once), the peak memory of a step, the seconds of a
+mode's first call (``first_s``: compilation, for the compiled paths) and,
+where a path runs out of memory, "OOM" (counted in the summary); speedups
+are against the fastest PyG path of the cell. A compiled path whose first
+(compiling) call of a mode takes longer than --compile-limit seconds is
+noted, not timed: PyG's HGTConv traces every relation's ops into its
+graph, which can take minutes (fb15k's 474 relations, one layer: over two
+minutes on an H100). float32 matmuls run as TF32 on every path (``--precision
+high``; geot's typed matmuls need it on CUDA, else they loop over types;
+``--precision highest`` gives every path IEEE float32). No cell starts
+after --budget seconds (those left are noted "skipped").
 
     python bench/rgnn.py                            # every graph, model, variant, eager path (H100: under 6 min)
     python bench/rgnn.py --compile --budget 3600    # with PyG's compiled paths
@@ -222,6 +222,7 @@ def bench_cells(model_name: str, variant: str, graph: dict, args, device, deadli
     for path in paths_of(model_name, args.paths):
         cells = [{"model": model_name, "hidden": variant, "graph": graph["name"], "dtype": "fp32", "mode": mode,
                   "path": path, "ms": float("nan"), "peak_mb": float("nan"), "resident_mb": float("nan"),
+                  "first_s": float("nan"),
                   "note": ""} for mode in ("inference", "train")]
         rows += cells
         if time.time() > deadline:
@@ -248,8 +249,8 @@ def run_path(cells: list, model_name: str, variant: str, graph: dict, args, devi
         limit = args.compile_limit if runner is not model else 0
         for i, row in enumerate(cells):
             try:
-                row["ms"], row["peak_mb"], row["resident_mb"] = measure(steps[row["mode"]], device, args.max_time,
-                                                                        limit)
+                row["ms"], row["peak_mb"], row["resident_mb"], row["first_s"] = measure(
+                    steps[row["mode"]], device, args.max_time, limit)
             except Exception as error:  # noqa: BLE001  (PyG running out of memory is a result)
                 if compile_timed_out(error):  # the next mode would compile as long: not tried
                     for late in cells[i:]:
@@ -307,14 +308,19 @@ def time_limit(seconds: float):
 
 
 def measure(step, device, max_time: float, compile_limit: float = 0):
-    """(median ms, peak MB, resident MB) of a step: one untimed call (compilation, caches; at most
-    compile_limit seconds, else CompileTimeout), then one whose peak memory is read
+    """(median ms, peak MB, resident MB, seconds of the first call) of a step: one call not in the
+    median (compilation, caches; at most compile_limit seconds, else CompileTimeout), then one whose
+    peak memory is read
     (max_memory_allocated, from what is resident before it) and time kept, alone if it took over
     max_time; else 3 to 10 reps, as many as fit in max_time. CUDA events, host time included (as
     bench/e2e.py)."""
+    cuda = device.type == "cuda"
+    start = time.perf_counter()
     with time_limit(compile_limit):
         step()
-    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    first_s = time.perf_counter() - start
     peak = resident = float("nan")
     if cuda:
         common.release_flush_buffer(device)
@@ -328,17 +334,21 @@ def measure(step, device, max_time: float, compile_limit: float = 0):
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     once_ms = (time.perf_counter() - start) * 1e3
     if once_ms > max_time * 1e3:
-        return once_ms, peak, resident
+        return once_ms, peak, resident, first_s
     reps = int(min(10, max(3, max_time * 1e3 / max(once_ms, 1e-3))))  # a median of 3 at least
     timing = common.time_stats(step, warmup=0, reps=reps, device=device, max_time_s=max_time, min_reps=3,
                                gate=False)
-    return timing.median_ms, peak, resident
+    return timing.median_ms, peak, resident, first_s
 
 
 def summarize(df: pd.DataFrame) -> None:
     keys = ["model", "hidden", "graph", "mode"]
     wide = df.pivot_table(index=keys, columns="path", values="ms", sort=False).reset_index()
     common.print_table(wide, "ms per step (NaN: OOM, failed or skipped)")
+    compiled = df[df["path"].str.endswith("compile") & df["first_s"].notna()]
+    if len(compiled):
+        first = compiled.pivot_table(index=keys, columns="path", values="first_s", sort=False).reset_index()
+        common.print_table(first, "seconds of the first call of the compiled paths (compilation)")
     print("\ngeot's geomean speedup over the fastest PyG path of each cell; OOM cells per path")
     for model in df["model"].unique():
         for mode in ("inference", "train"):
