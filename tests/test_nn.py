@@ -225,6 +225,46 @@ def test_rgcn_inference_pairs_in_relation_blocks(aggr, in_channels, out_channels
     torch.testing.assert_close(out, geot_layer(x, edge_index, edge_type).detach(), **FLOAT64_TOL)  # one table
 
 
+@pytest.mark.parametrize("aggr", ["mean", "add"])
+@pytest.mark.parametrize("ranges", [False, True], ids=["whole-table", "pair-ranges"])
+def test_compiled_rgcn_pairs_in_one_graph(aggr, ranges, monkeypatch):
+    """Many relations, torch.compile(fullgraph=True) with no eager call first: the pair tables (in
+    inference the pair ranges, past PAIR_BLOCK_MIN_BYTES) are made while dynamo traces, so inference
+    and training compile to one graph each with no table of data-dependent size (PyG's compiled
+    RGCNConv fails under fullgraph); PyG's results and gradients."""
+    from geot.nn import rgcn
+    if ranges:
+        monkeypatch.setattr(rgcn, "PAIR_BLOCK_MIN_BYTES", 0)
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    relations = 20
+    pyg_layer = pyg_nn.RGCNConv(8, 6, relations, aggr=aggr).double()
+    geot_layer = gnn.RGCNConv(8, 6, relations, aggr=aggr).double()
+    geot_layer.load_state_dict(pyg_layer.state_dict())
+    edge_index = random_graph(60, 400, "cpu")
+    edge_type = torch.randint(0, relations, (edge_index.size(1),))
+    x = torch.randn(60, 8, dtype=torch.float64, requires_grad=True)
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        out = torch.compile(geot_layer, fullgraph=True, backend=recorder)(x, edge_index, edge_type)
+    trained = torch.compile(geot_layer, fullgraph=True, backend="aot_eager")(x, edge_index, edge_type)
+    (trained * torch.linspace(-1, 1, trained.numel(), dtype=torch.float64).view_as(trained)).sum().backward()
+    want = pyg_layer(x.detach().requires_grad_(), edge_index, edge_type)
+    torch.testing.assert_close(out, want.detach(), **FLOAT64_TOL)
+    torch.testing.assert_close(trained, want, **FLOAT64_TOL)
+    (want * torch.linspace(-1, 1, want.numel(), dtype=torch.float64).view_as(want)).sum().backward()
+    for name, parameter in geot_layer.named_parameters():
+        torch.testing.assert_close(parameter.grad, dict(pyg_layer.named_parameters())[name].grad, **FLOAT64_TOL)
+    assert len(graphs) == 1
+    memo = geot_layer._geot_graph[3].memo
+    assert any(key[-1] == "blocks" for key in memo) == ranges
+
+
 @requires_cuda
 def test_kept_graph_is_a_static_input_for_cuda_graphs():
     """What a layer keeps with its graph (the sorted edges, the transposed

@@ -296,7 +296,7 @@ def kept_graph(layer, edge_index, *, flipped: bool = False, edge_type: Optional[
     (and edge_type) object, or None, for layers whose tables of a graph have
     data-dependent sizes and so cannot be made in compiled code."""
     last = getattr(layer, _slot_attr((None, num_relations, flipped, keep_perm)), None)
-    tensor = edges_of(edge_index).index
+    tensor = _checked_edges(edges_of(edge_index).index)
     if last is None or last[0] is not tensor or last[1] is not edge_type:
         return None
     return last[3]

@@ -12,7 +12,7 @@ from ..validation import validation
 from .._ops import mean_counts
 from .common import (REDUCE, Nodes, Pairs, cast_for_matmul, distinct_pairs, flipped_pair_reason, gather_reduce,
                      matmul_dtype, typed_matmul)
-from .graph import SortedGraph, checked, sorted_graph, transpose_index_as
+from .graph import SortedGraph, call_at_trace_time, checked, kept_graph, sorted_graph, transpose_index_as
 from .inputs import edges_of
 from .layer import GeotLayer
 
@@ -273,6 +273,9 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         if num_nodes * relations > edges_of(edge_index).index.size(1):
             graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                                  num_relations=relations, transposed=False)
+            if torch.compiler.is_compiling():  # the pair tables, made while dynamo traces (data-dependent sizes)
+                call_at_trace_time(_prepare_pairs_for_compiled, self, edge_index, edge_type, x_src.size(0),
+                                   num_nodes, _records_grad(x_src, weight), matmul_dtype(x_src))
             return self._project_pairs_then_reduce(graph, x_src, weight, num_nodes)
         projects = self._projects_first(x_src.size(-1))
         # Gathering projected rows, the backward pass reads their own transposed edges, not the graph's.
@@ -307,40 +310,48 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         relations = self.num_relations
         checked(graph, x_src.size(0), num_nodes * relations)
         key = ("rgcn pairs", relations, x_src.size(0), num_nodes)
-        blocks = None if _records_grad(x_src, weight) else self._kept_pair_blocks(graph, x_src, num_nodes, key)
+        grad, dtype = _records_grad(x_src, weight), matmul_dtype(x_src)
+        blocks = None if grad else self._kept_pair_blocks(graph, x_src.size(0), dtype, num_nodes, key)
         if blocks is not None:
             return self._project_pairs_in_blocks(blocks, x_src, weight, num_nodes)
-        pairs = graph.derived(key, lambda: _source_pairs(graph, x_src.size(0), num_nodes, relations))
+        pairs, edge_weight, transposed, weight_t = self._pair_tables(graph, key, dtype, grad)
         sources = pairs.sources
         table = typed_matmul(x_src.index_select(0, sources.node), sources.ptr, sources.bounds, weight)
-        edge_weight = None
-        if self.aggr == "mean":
-            edge_weight = graph.derived(("rgcn pair weights", relations, table.dtype),
-                                        lambda: _inverse(_segment_counts(graph.dst), table.dtype))
-        transposed = weight_t = None
-        if table.requires_grad and torch.is_grad_enabled():
-            transposed = graph.derived(key + ("transposed",), lambda: transpose_index_as(
-                sources.of_edge, pairs.dst, sources.of_edge.dtype))
-            if edge_weight is not None:
-                weight_t = graph.derived(key + ("transposed weights", table.dtype),
-                                         lambda: edge_weight.index_select(0, transposed.perm))
         return index._fused(sources.of_edge, pairs.dst, edge_weight, table, "sum", num_nodes, transposed,
                             None, None, weight_t)
 
-    def _kept_pair_blocks(self, graph: SortedGraph, x_src: Tensor, num_nodes: int,
+    def _pair_tables(self, graph: SortedGraph, key, dtype: torch.dtype, grad: bool):
+        """(the pairs, a mean's edge weights, and where the call records gradients the transposed edges
+        and weights of the backward pass; None where not needed), kept with the graph. key: the pairs'
+        ("rgcn pairs", relations, source count, node count)."""
+        relations, num_src, num_nodes = key[1:]
+        pairs = graph.derived(key, lambda: _source_pairs(graph, num_src, num_nodes, relations))
+        edge_weight = transposed = weight_t = None
+        if self.aggr == "mean":
+            edge_weight = graph.derived(("rgcn pair weights", relations, dtype),
+                                        lambda: _inverse(_segment_counts(graph.dst), dtype))
+        if grad:
+            transposed = graph.derived(key + ("transposed",), lambda: transpose_index_as(
+                pairs.sources.of_edge, pairs.dst, pairs.sources.of_edge.dtype))
+            if edge_weight is not None:
+                weight_t = graph.derived(key + ("transposed weights", dtype),
+                                         lambda: edge_weight.index_select(0, transposed.perm))
+        return pairs, edge_weight, transposed, weight_t
+
+    def _kept_pair_blocks(self, graph: SortedGraph, num_src: int, dtype: torch.dtype, num_nodes: int,
                           key) -> Optional[_PairBlocks]:
-        """Inference's ranges of pairs, where their table would pass PAIR_BLOCK_MIN_BYTES (None: the whole
-        table). Kept in place of the pairs, which an eager call makes once and keeps only where it
-        takes the whole table. Compiled code takes the blocks an eager call kept (their sizes are
-        data-dependent), else the whole table."""
+        """Inference's ranges of pairs, where their table (of dtype) would pass PAIR_BLOCK_MIN_BYTES (None:
+        the whole table). Kept in place of the pairs, which an eager call makes once and keeps only where
+        it takes the whole table. Compiled code takes the blocks made eagerly (their sizes are
+        data-dependent: see _prepare_pairs_for_compiled), else the whole table."""
         blocks_key = key + ("blocks",)
         if blocks_key in graph.memo:
             return graph.memo[blocks_key][2]
         if torch.compiler.is_compiling():
             return None
         kept = graph.memo.get(key)
-        pairs = kept[2] if kept is not None else _source_pairs(graph, x_src.size(0), num_nodes, self.num_relations)
-        if pairs.sources.bounds[-1] * self.out_channels * matmul_dtype(x_src).itemsize <= PAIR_BLOCK_MIN_BYTES:
+        pairs = kept[2] if kept is not None else _source_pairs(graph, num_src, num_nodes, self.num_relations)
+        if pairs.sources.bounds[-1] * self.out_channels * dtype.itemsize <= PAIR_BLOCK_MIN_BYTES:
             graph.derived(key, lambda: pairs)
             return None
         return graph.derived(blocks_key, lambda: _pair_blocks(graph, pairs, num_nodes, self.aggr == "mean"))
@@ -471,3 +482,18 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             out = _add_part(out, part)
             del part
         return out
+
+
+def _prepare_pairs_for_compiled(layer: RGCNConv, edge_index, edge_type: Tensor, num_src: int, num_nodes: int,
+                                grad: bool, dtype: torch.dtype) -> None:
+    """Run while dynamo traces (see geot.nn.graph.call_at_trace_time), on the graph the layer keeps for
+    the compiled model's edge_index: what _project_pairs_then_reduce reads (in inference the pair ranges
+    or the pairs; in training the pairs and their transposed edges; a mean's weights), made eagerly and
+    kept, so that the compiled code makes no table of data-dependent size (one graph, fullgraph=True)."""
+    relations = layer.num_relations
+    graph = kept_graph(layer, edge_index, flipped=layer._flipped(), edge_type=edge_type, num_relations=relations)
+    if graph is None:
+        return
+    key = ("rgcn pairs", relations, num_src, num_nodes)
+    if grad or layer._kept_pair_blocks(graph, num_src, dtype, num_nodes, key) is None:
+        layer._pair_tables(graph, key, dtype, grad)
