@@ -85,8 +85,8 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
                 or any(lin.bias is None for lin in lins)):
             projected = self.kqv_lin(x_dict)
             return self._transformed(graph, torch.cat([projected[t] for t in types]))
-        x = torch.cat([x_dict[t] for t in types])
-        x = torch.cat([x, F.pad(x.new_ones(x.size(0), 1), (0, 7))], dim=1)
+        x = F.pad(torch.cat([x_dict[t] for t in types]), (0, 8))  # one copy of x, its ones column set in place
+        x[:, -8] = 1
         if x.size(1) > 2 * self.out_channels:
             kqv = typed_matmul(x, self._ptr(bounds, x.device), bounds, self._kqv_weights(types).to(x.dtype))
             return self._transformed(graph, kqv)
