@@ -1,6 +1,6 @@
 """HGTConv on geot."""
 import math
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +24,36 @@ class _TypedGraph(NamedTuple):
     memo: dict         # the transposed index, made when a call first records gradients
 
 
-def _input_key(value: Tensor):
-    return (id(value), value.data_ptr(), value._version, tuple(value.shape), value.device)
+@torch.library.custom_op("geot::cat_parameters", mutates_args=())
+def cat_parameters(tensors: List[Tensor]) -> Tensor:
+    """torch.cat(tensors) as one opaque op in compiled code: inductor would make the cat of hundreds of
+    per-edge-type parameters (HGT's p_rel) one generated kernel with as many inputs, minutes of
+    compilation on a knowledge graph."""
+    return torch.cat(tensors)
+
+
+@cat_parameters.register_fake
+def _cat_parameters_fake(tensors):
+    return torch.cat(tensors)
+
+
+def _cat_parameters_setup(ctx, inputs, output):
+    ctx.sizes = [t.size(0) for t in inputs[0]]
+
+
+def _cat_parameters_backward(ctx, grad):
+    return list(grad.split(ctx.sizes))
+
+
+cat_parameters.register_autograd(_cat_parameters_backward, setup_context=_cat_parameters_setup)
+
+
+def _input_key(adj) -> tuple:
+    """What says an edge input is unchanged: the object (kept with the graph, so that its id stays its own)
+    and its (converted) index tensor's storage, version and shape. A plain edge_index is read directly:
+    hundreds of edge types are checked on every call."""
+    index = adj if isinstance(adj, Tensor) and adj.layout == torch.strided else edges_of(adj).index
+    return (id(adj), index.data_ptr(), index._version, index.shape, index.device)
 
 
 class HGTConv(GeotLayer, pyg_nn.HGTConv):
@@ -119,14 +147,25 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
         with torch.autocast(self.k_rel.weight.device.type, enabled=False):
             stacked = self._kqv_weights(types)
             key_rel, value_rel = self._relation_weights(stacked.dtype)
-            position = {t: i for i, t in enumerate(types)}
-            source = [position.get(edge_type[0]) for edge_type in self.edge_types]
-            per_edge_type = torch.stack([stacked[i] if i is not None else torch.zeros_like(stacked[0])
-                                         for i in source])
+            with_zeros = F.pad(stacked, (0, 0, 0, 0, 0, 1))  # row T: an absent source type's zeros
+            per_edge_type = with_zeros.index_select(0, self._source_rows(types, stacked.device))
             key = per_edge_type[..., :channels] @ key_rel
             value = per_edge_type[..., 2 * channels:] @ value_rel
             query = stacked[..., channels:2 * channels]
         return query.to(dtype), key.to(dtype), value.to(dtype)
+
+    def _source_rows(self, types, device) -> Tensor:
+        """[ET] each edge type's source type's position in types (len(types) where it has no features in
+        this call), kept per types: one gather makes the per-edge-type weights, however many edge types."""
+        key = (tuple(types), device)
+        kept = self.__dict__.get("_geot_source_rows")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        position = {t: i for i, t in enumerate(types)}
+        rows = torch.tensor([position.get(edge_type[0], len(types)) for edge_type in self.edge_types], device=device)
+        if not torch.compiler.is_compiling():
+            self.__dict__["_geot_source_rows"] = (key, rows)
+        return rows
 
     def _transformed(self, graph: _TypedGraph, kqv: Tensor):
         """_key_query_value from every node's K | Q | V, [N, 3F]: the query its own tensor, so that kqv
@@ -197,14 +236,25 @@ class HGTConv(GeotLayer, pyg_nn.HGTConv):
             per_type = weight.view(heads, count, width, width).transpose(0, 1).to(dtype)
             return torch.einsum("ehij,hg->ehigj", per_type, diagonal).reshape(count, heads * width, -1)
 
-        prior = torch.stack([self.p_rel["__".join(t)].view(heads) for t in self.edge_types]).to(dtype)
+        priors = self._priors()
+        prior = (cat_parameters(priors) if torch.compiler.is_compiling() else torch.cat(priors)).to(dtype)
         scale = (prior / math.sqrt(width)).repeat_interleave(width, dim=1).unsqueeze(1)
         return blocks(self.k_rel.weight) * scale, blocks(self.v_rel.weight)
+
+    def _priors(self):
+        """p_rel's [1, H] parameters in edge-type order, read from the module's own table (PyG's
+        ParameterDict maps every key on each lookup: milliseconds over hundreds of edge types)."""
+        names = self.__dict__.get("_geot_prior_names")
+        if names is None:
+            names = [self.p_rel.to_internal_key("__".join(t)) for t in self.edge_types]
+            self.__dict__["_geot_prior_names"] = names
+        table = self.p_rel._parameters
+        return [table[name] for name in names]
 
     def _typed_graph(self, edge_index_dict, types, bounds) -> _TypedGraph:
         """The concatenated graph, kept for the next call with the same edge tensors and node counts."""
         inputs = tuple(edge_index_dict.values())
-        key = (tuple(edge_index_dict), tuple(bounds), tuple(_input_key(edges_of(a).index) for a in inputs))
+        key = (tuple(edge_index_dict), tuple(bounds), tuple(map(_input_key, inputs)))
         kept = self.__dict__.get("_geot_typed_graph")
         if kept is not None and kept.key == key and not torch.compiler.is_compiling():
             return kept
