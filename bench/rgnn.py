@@ -9,7 +9,11 @@ backward, Adam step). Paths:
     geot              geot.nn.RGCNConv / RGATConv / HGTConv (eager)
     pyg               PyG's RGCNConv / RGATConv / HGTConv
     pyg-fast          PyG's FastRGCNConv (RGCN only)
-    pyg-compile, pyg-fast-compile, geot-compile   torch.compile of those
+    pyg-hetero        RGCN as PyG's heterogeneous models write it (RGCN only):
+                      HeteroConv over the edge types, a SAGEConv (mean, root
+                      weight) per edge type, summed; on the dicts
+    pyg-compile, pyg-fast-compile, pyg-hetero-compile, geot-compile
+                      torch.compile of those
                       (--compile: one compilation per graph, model, variant
                       and path, with no eager call first, so the run takes
                       much longer)
@@ -19,8 +23,8 @@ of Pigeon's datasets (GRAPHS): node-type sizes and relation frequencies
 Zipf-skewed, each relation between two node types, sources and
 destinations drawn with power-law degrees, hubs at random ids; 64 random
 features per node. RGCN and RGAT take the homogeneous view (ids offset by
-node type, one relation per edge type, edges in random order); HGT the
-dicts. A cell reports the median ms per step (CUDA events, L2 flush, host
+node type, one relation per edge type, edges in random order); HGT and
+pyg-hetero the dicts. A cell reports the median ms per step (CUDA events, L2 flush, host
 time included, as bench/e2e.py; the median of 3 to 10 reps, a step slower
 than --max-time timed once), the peak memory of a step, the seconds of a
 mode's first call (``first_s``: compilation, for the compiled paths) and,
@@ -74,8 +78,9 @@ GRAPHS = {
 }
 MODELS = ("rgcn", "rgat", "hgt")
 VARIANTS = {"1x64": (1, 1), "2x64h4": (2, 4)}  # (layers, heads)
-PATHS = ("geot", "pyg", "pyg-fast")
-COMPILED = ("pyg-compile", "pyg-fast-compile", "geot-compile")
+PATHS = ("geot", "pyg", "pyg-fast", "pyg-hetero")
+COMPILED = ("pyg-compile", "pyg-fast-compile", "pyg-hetero-compile", "geot-compile")
+RGCN_ONLY = ("pyg-fast", "pyg-hetero")
 CHANNELS = 64
 
 
@@ -161,12 +166,12 @@ class Relational(torch.nn.Module):
 
 
 class Hetero(torch.nn.Module):
-    """HGT layers on the dicts; the output: every destination type's rows, concatenated in node order."""
+    """Layers on the dicts (HGT, or HeteroConv's RGCN) made by make_layer; the output: every node type's
+    rows, concatenated in node order."""
 
-    def __init__(self, layer_class, layers: int, heads: int, metadata):
+    def __init__(self, make_layer, layers: int):
         super().__init__()
-        self.convs = torch.nn.ModuleList([layer_class(CHANNELS, CHANNELS, metadata, heads=heads)
-                                          for _ in range(layers)])
+        self.convs = torch.nn.ModuleList([make_layer() for _ in range(layers)])
 
     def forward(self, inputs):
         x_dict = inputs["x_dict"]
@@ -182,13 +187,16 @@ def build(model: str, path: str, variant: str, graph: dict) -> torch.nn.Module:
     layers, heads = VARIANTS[variant]
     lib = geot_nn if path.startswith("geot") else pyg_nn
     if model == "hgt":
-        return Hetero(lib.HGTConv, layers, heads, graph["metadata"])
+        return Hetero(lambda: lib.HGTConv(CHANNELS, CHANNELS, graph["metadata"], heads=heads), layers)
+    if path.startswith("pyg-hetero"):  # one SAGEConv (mean, root weight) per edge type, summed: RGCN's shape
+        return Hetero(lambda: pyg_nn.HeteroConv({edge_type: pyg_nn.SAGEConv(CHANNELS, CHANNELS)
+                                                 for edge_type in graph["metadata"][1]}, aggr="sum"), layers)
     layer_class = pyg_nn.FastRGCNConv if path.startswith("pyg-fast") else getattr(lib, model.upper() + "Conv")
     return Relational(layer_class, model, layers, heads, graph["num_relations"])
 
 
 def paths_of(model: str, paths) -> list:
-    return [p for p in paths if not p.startswith("pyg-fast") or model == "rgcn"]
+    return [p for p in paths if model == "rgcn" or not p.startswith(RGCN_ONLY)]
 
 
 def step_functions(model: torch.nn.Module, runner, graph: dict):

@@ -171,6 +171,14 @@ NOISY_EDGES = 10_000
 # corpus, not a feature.
 
 
+def stable(values):
+    """values rounded to 1e-9: numpy's log2 and exp2 take CPU-specific SIMD
+    kernels (AVX-512 or not) that differ in the last bit, and the trees'
+    near-tie splits would follow that bit; rounded, the rules come out the
+    same bytes on any machine."""
+    return np.round(values, 9)
+
+
 def long_level(max_deg: int) -> int:
     """What index validation reports (Features.long_segments): how many of
     LONG_SEGMENT_ROWS the longest segment exceeds."""
@@ -244,7 +252,7 @@ class Family:
     def gain(self) -> np.ndarray:
         """log2(oracle / time) per cell and config; an untimed config counts as the cell's slowest."""
         times = np.where(self.timed, self.times, np.nanmax(self.times, axis=1, keepdims=True))
-        return np.log2(times.min(axis=1, keepdims=True) / times)
+        return stable(np.log2(times.min(axis=1, keepdims=True) / times))
 
     @property
     def target(self) -> np.ndarray:
@@ -387,12 +395,12 @@ def sample_shapes(X: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray
     cells X, keeping only shapes an index can have: a long level L needs the
     longest segment, so E and avg, between its thresholds."""
     log2_S = rng.uniform(X[:, 1].min() - 1, X[:, 1].max() + 1, n)
-    log2_avg = rng.uniform(0, np.log2(X[:, 2].max()) + 1, n)
+    log2_avg = rng.uniform(0, stable(np.log2(X[:, 2].max())) + 1, n)
     level = rng.integers(0, len(LONG_SEGMENT_ROWS) + 1, n)
-    thresholds = np.log2((1,) + LONG_SEGMENT_ROWS + (np.inf,))
+    thresholds = stable(np.log2((1,) + LONG_SEGMENT_ROWS + (np.inf,)))
     possible = (log2_avg <= thresholds[level + 1]) & (log2_S + log2_avg >= thresholds[level])
     log2_E = log2_S + log2_avg
-    rows = np.stack([log2_E, log2_S, 2 ** log2_avg, np.zeros(n), level.astype(float),
+    rows = np.stack([log2_E, log2_S, stable(2 ** log2_avg), np.zeros(n), level.astype(float),
                      *skew_bounds(log2_E, log2_S, level)], axis=1)
     return rows[possible]
 
@@ -414,7 +422,7 @@ def forest_inputs(X: np.ndarray) -> np.ndarray:
     """What the forest splits on: the shape features and log2 F (its random
     cut points are uniform over a node's range, and the swept widths are
     powers of two but for 7)."""
-    return np.column_stack([X[:, SHAPE_FEATURES], np.log2(X[:, F_FEATURE])])
+    return np.column_stack([X[:, SHAPE_FEATURES], stable(np.log2(X[:, F_FEATURE]))])
 
 
 def distill(forest: ExtraTreesRegressor, X: np.ndarray, F: float, outputs: np.ndarray, configs: np.ndarray) -> Node:

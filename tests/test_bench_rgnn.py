@@ -20,9 +20,9 @@ def test_rgnn_quick_times_every_cell(tmp_path):
     assert "geot's geomean speedup" in result.stdout
     df = pd.read_csv(tmp_path / "rgnn_cpu_quick.csv")
     assert set(df["model"]) == {"rgcn", "rgat", "hgt"} and set(df["hidden"]) == {"1x64", "2x64h4"}
-    assert set(df["path"]) == {"geot", "pyg", "pyg-fast"} and set(df["mode"]) == {"inference", "train"}
+    assert set(df["path"]) == {"geot", "pyg", "pyg-fast", "pyg-hetero"} and set(df["mode"]) == {"inference", "train"}
     assert df["ms"].notna().all() and (df["ms"] > 0).all(), df
-    assert set(df[df["path"] == "pyg-fast"]["model"]) == {"rgcn"}
+    assert set(df[df["path"].isin(["pyg-fast", "pyg-hetero"])]["model"]) == {"rgcn"}
 
 
 def test_generated_graph_has_the_requested_shape():
@@ -42,11 +42,12 @@ def test_a_compilation_over_the_limit_is_noted_not_timed():
     args = rgnn.parse_args(["--graphs", "aifb", "--models", "rgcn", "--variants", "1x64", "--paths", "pyg",
                             "--compile", "--scale", "0.002", "--max-types", "4", "--max-time", "0.01",
                             "--compile-limit", "1e-3"])
-    assert args.paths == ["pyg", "pyg-compile", "pyg-fast-compile", "geot-compile"]
+    compiled = ["pyg-compile", "pyg-fast-compile", "pyg-hetero-compile", "geot-compile"]
+    assert args.paths == ["pyg"] + compiled
     graph = rgnn.hetero_graph("aifb", args.scale, max_types=args.max_types)
     rows = rgnn.bench_cells("rgcn", "1x64", graph, args, rgnn.torch.device("cpu"), deadline=float("inf"))
     notes = {(row["path"], row["mode"]): row["note"] for row in rows}
-    for path in ("pyg-compile", "pyg-fast-compile", "geot-compile"):
+    for path in compiled:
         for mode in ("inference", "train"):
             assert notes[path, mode] == "n/a: compilation over 0.001 s"
     timed = [row for row in rows if row["path"] == "pyg"]

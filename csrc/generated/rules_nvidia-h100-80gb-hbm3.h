@@ -9,36 +9,24 @@ namespace geot {
 namespace generated {
 namespace gpu_nvidia_h100_80gb_hbm3 {
 
-// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 16, 1151 leaves; training set: oracle/pick geomean 0.993, worst cell 0.909
+// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 17, 1147 leaves; training set: oracle/pick geomean 0.993, worst cell 0.905
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
         if (x.long_level <= 0.5) {
-          if (x.skew_hi <= 2.1781442165374756) {
-            if (x.log2_S <= 20.472838401794434) {
-              if (x.log2_S <= 12.063205242156982) {
-                if (x.skew_hi <= 0.8541579842567444) {
+          if (x.skew_hi <= 2.325608730316162) {
+            if (x.log2_S <= 21.380563735961914) {
+              if (x.log2_S <= 11.212485313415527) {
+                if (x.skew_lo <= -5.720543146133423) {
                   return {1, 8, 64, 32, 0};  // SP
                 } else {
-                  if (x.log2_S <= 11.334497928619385) {
-                    if (x.skew_hi <= 1.4195609092712402) {
-                      if (x.log2_S <= 10.613656044006348) {
-                        return {1, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
+                  if (x.log2_S <= 10.83803653717041) {
+                    return {1, 1, 64, 256, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 1.6404488682746887) {
-                      if (x.avg <= 30.488290786743164) {
-                        return {1, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
+                    if (x.skew_lo <= -5.046359539031982) {
+                      return {1, 8, 64, 32, 0};  // SP
                     } else {
                       return {1, 1, 64, 256, 0};  // SP
                     }
@@ -47,173 +35,177 @@ inline Config plain_config(const Features& f) {
               } else {
                 if (x.skew_hi <= 0.4724041372537613) {
                   if (x.log2_S <= 17.107696533203125) {
-                    if (x.log2_S <= 16.250947952270508) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -5.8948073387146) {
+                    if (x.log2_S <= 16.29433536529541) {
+                      if (x.skew_lo <= -5.549015522003174) {
                         return {1, 8, 64, 32, 0};  // SP
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 55.98431205749512) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
                       }
                     }
                   } else {
                     return {1, 2, 64, 128, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 19.78224277496338) {
-                    if (x.avg <= 40.81889724731445) {
-                      if (x.log2_S <= 19.23796844482422) {
+                  if (x.log2_S <= 19.456523895263672) {
+                    if (x.log2_S <= 11.866736888885498) {
+                      if (x.skew_hi <= 1.604796826839447) {
                         return {1, 2, 64, 128, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 1.4070987105369568) {
+                        return {1, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -5.113213300704956) {
+                      if (x.log2_S <= 20.849783897399902) {
+                        return {1, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -5.446051359176636) {
                           return {1, 2, 64, 128, 0};  // SP
                         } else {
                           return {1, 1, 64, 256, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 14.64294719696045) {
-                        return {1, 8, 64, 32, 0};  // SP
+                      if (x.log2_S <= 19.742087364196777) {
+                        if (x.skew_lo <= -4.81622576713562) {
+                          return {1, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
                       } else {
-                        return {1, 2, 64, 128, 0};  // SP
+                        return {1, 1, 64, 256, 0};  // SP
                       }
-                    }
-                  } else {
-                    if (x.skew_lo <= -5.113213300704956) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 21.380563735961914) {
-                if (x.avg <= 44.797218322753906) {
-                  return {1, 1, 64, 256, 0};  // SP
-                } else {
-                  return {1, 2, 64, 128, 0};  // SP
-                }
-              } else {
+              if (x.avg <= 60.135210037231445) {
                 return {1, 1, 64, 256, 0};  // SP
+              } else {
+                if (x.log2_S <= 22.87745475769043) {
+                  return {1, 2, 64, 128, 0};  // SP
+                } else {
+                  return {1, 1, 64, 256, 0};  // SP
+                }
               }
             }
           } else {
             if (x.log2_S <= 13.932078838348389) {
-              if (x.avg <= 2.8831676244735718) {
-                if (x.skew_hi <= 5.4314844608306885) {
-                  if (x.log2_S <= 12.549245357513428) {
-                    if (x.log2_S <= 11.52269983291626) {
-                      if (x.skew_lo <= -1.2162179350852966) {
-                        if (x.log2_S <= 10.317090034484863) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {1, 32, 16, 8, 0};  // SP
-                        }
-                      } else {
-                        return {1, 32, 16, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_lo <= -0.815306156873703) {
-                        if (x.skew_hi <= 4.491831302642822) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {1, 32, 16, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 1.6948540210723877) {
-                      if (x.skew_hi <= 5.362015008926392) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        return {1, 8, 8, 32, 0};  // SP
-                      }
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                } else {
+              if (x.avg <= 2.548966646194458) {
+                if (x.avg <= 1.4972354173660278) {
                   if (x.log2_S <= 13.89547872543335) {
                     return {1, 8, 8, 32, 0};  // SP
                   } else {
                     return {1, 16, 64, 4, 0};  // SP
                   }
+                } else {
+                  if (x.log2_S <= 11.52269983291626) {
+                    return {1, 32, 16, 8, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 12.960212230682373) {
+                      if (x.skew_lo <= -0.8220908939838409) {
+                        if (x.skew_hi <= 4.782251834869385) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.624024391174316) {
+                            return {1, 32, 16, 8, 0};  // SP
+                          } else {
+                            return {1, 1, 64, 256, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 1.5647429823875427) {
+                        return {1, 8, 8, 32, 0};  // SP
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  }
                 }
               } else {
-                if (x.log2_S <= 13.866522789001465) {
+                if (x.log2_S <= 13.907900333404541) {
                   return {1, 1, 64, 256, 0};  // SP
                 } else {
                   return {1, 2, 64, 128, 0};  // SP
                 }
               }
             } else {
-              if (x.skew_lo <= -3.5063300132751465) {
-                if (x.log2_S <= 16.9946928024292) {
+              if (x.avg <= 11.363472938537598) {
+                return {1, 1, 64, 256, 0};  // SP
+              } else {
+                if (x.log2_S <= 17.4473237991333) {
                   return {1, 2, 64, 128, 0};  // SP
                 } else {
                   return {1, 1, 64, 256, 0};  // SP
                 }
-              } else {
-                return {1, 1, 64, 256, 0};  // SP
               }
             }
           }
         } else {
-          if (x.log2_S <= 17.710415840148926) {
+          if (x.log2_S <= 17.80611228942871) {
             if (x.long_level <= 2.5) {
               if (x.long_level <= 1.5) {
                 if (x.log2_S <= 14.524491786956787) {
                   if (x.log2_S <= 12.075485229492188) {
                     if (x.avg <= 15.841246128082275) {
-                      if (x.skew_hi <= 8.200836181640625) {
+                      if (x.skew_hi <= 8.301920890808105) {
                         if (x.log2_S <= 11.6765718460083) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= 3.063973903656006) {
-                            if (x.log2_S <= 11.7957444190979) {
-                              if (x.skew_lo <= 2.6394219398498535) {
-                                return {1, 32, 64, 2, 0};  // SP
+                          if (x.log2_S <= 11.358343601226807) {
+                            return {1, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.avg <= 6.373813629150391) {
+                              if (x.skew_hi <= 7.413535118103027) {
+                                return {1, 16, 64, 4, 0};  // SP
                               } else {
-                                return {1, 32, 32, 4, 0};  // SP
+                                return {2, 32, 64, 4, 0};  // SP
                               }
                             } else {
                               return {1, 32, 64, 2, 0};  // SP
                             }
+                          }
+                        } else {
+                          if (x.avg <= 8.629483699798584) {
+                            if (x.avg <= 3.4321783781051636) {
+                              return {1, 16, 64, 8, 0};  // SP
+                            } else {
+                              return {1, 16, 64, 4, 0};  // SP
+                            }
                           } else {
-                            return {1, 16, 64, 4, 0};  // SP
+                            if (x.avg <= 11.565748691558838) {
+                              return {1, 32, 32, 4, 0};  // SP
+                            } else {
+                              return {1, 32, 64, 2, 0};  // SP
+                            }
                           }
                         }
                       } else {
                         if (x.log2_S <= 11.074554920196533) {
-                          if (x.log2_S <= 8.290163516998291) {
-                            return {1, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {1, 32, 32, 4, 0};  // SP
-                          }
+                          return {1, 32, 32, 4, 0};  // SP
                         } else {
-                          if (x.log2_S <= 11.302924156188965) {
-                            if (x.avg <= 2.781383752822876) {
-                              return {2, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 11.86020278930664) {
-                              if (x.skew_hi <= 8.56401014328003) {
-                                if (x.skew_lo <= 4.444075345993042) {
-                                  return {1, 16, 64, 8, 0};  // SP
-                                } else {
-                                  return {1, 16, 64, 4, 0};  // SP
-                                }
+                          if (x.log2_S <= 11.799590110778809) {
+                            if (x.log2_S <= 11.302924156188965) {
+                              if (x.skew_hi <= 8.646873474121094) {
+                                return {1, 32, 64, 2, 0};  // SP
                               } else {
-                                return {1, 16, 64, 8, 0};  // SP
+                                return {2, 32, 64, 4, 0};  // SP
                               }
                             } else {
-                              return {1, 16, 64, 4, 0};  // SP
+                              return {1, 16, 64, 8, 0};  // SP
                             }
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
                           }
                         }
                       }
@@ -222,36 +214,40 @@ inline Config plain_config(const Features& f) {
                     }
                   } else {
                     if (x.skew_lo <= -0.47015446424484253) {
-                      if (x.log2_S <= 12.85042142868042) {
+                      if (x.log2_S <= 12.568283557891846) {
                         return {1, 16, 64, 4, 0};  // SP
                       } else {
                         return {1, 16, 64, 8, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 12.40873098373413) {
+                      if (x.log2_S <= 12.218013763427734) {
                         if (x.avg <= 10.583966255187988) {
                           return {1, 16, 64, 4, 0};  // SP
                         } else {
                           if (x.skew_hi <= 5.671029329299927) {
-                            if (x.skew_lo <= -0.039045631885528564) {
-                              return {1, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 32, 32, 4, 0};  // SP
-                            }
+                            return {1, 32, 32, 4, 0};  // SP
                           } else {
                             return {1, 32, 64, 2, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.log2_S <= 13.988627910614014) {
+                        if (x.log2_S <= 14.11377477645874) {
                           return {1, 16, 64, 4, 0};  // SP
                         } else {
-                          if (x.avg <= 68.09061813354492) {
-                            if (x.skew_lo <= 1.944123923778534) {
-                              if (x.skew_hi <= 5.031390190124512) {
+                          if (x.avg <= 74.5609359741211) {
+                            if (x.skew_lo <= 2.790197730064392) {
+                              if (x.skew_hi <= 5.306462049484253) {
                                 return {1, 16, 64, 4, 0};  // SP
                               } else {
-                                return {1, 2, 8, 128, 1};  // SR
+                                if (x.skew_lo <= 1.8573746085166931) {
+                                  return {1, 2, 8, 128, 1};  // SR
+                                } else {
+                                  if (x.skew_lo <= 2.4410330057144165) {
+                                    return {1, 16, 64, 4, 0};  // SP
+                                  } else {
+                                    return {1, 2, 8, 128, 1};  // SR
+                                  }
+                                }
                               }
                             } else {
                               return {1, 16, 64, 4, 0};  // SP
@@ -264,34 +260,38 @@ inline Config plain_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 3.8137691020965576) {
-                    if (x.log2_S <= 16.343181610107422) {
-                      if (x.skew_lo <= -0.19548935443162918) {
-                        return {1, 16, 64, 8, 0};  // SP
+                  if (x.avg <= 74.56194686889648) {
+                    if (x.skew_hi <= 4.518438100814819) {
+                      if (x.log2_S <= 15.540732383728027) {
+                        if (x.log2_S <= 15.249848365783691) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 4.097279787063599) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
                       } else {
-                        return {1, 16, 64, 4, 0};  // SP
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.skew_hi <= 2.9072855710983276) {
-                        return {4, 4, 64, 64, 0};  // SP
+                      if (x.log2_S <= 14.880763053894043) {
+                        if (x.skew_hi <= 8.786177158355713) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
                       } else {
                         return {1, 2, 8, 128, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 4.518438100814819) {
-                      if (x.log2_S <= 15.540732383728027) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
+                    if (x.log2_S <= 16.343181610107422) {
+                      return {1, 16, 64, 8, 0};  // SP
                     } else {
-                      if (x.log2_S <= 14.587109565734863) {
-                        if (x.avg <= 6.161457180976868) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
+                      if (x.skew_hi <= 3.0527446269989014) {
+                        return {4, 4, 64, 64, 0};  // SP
                       } else {
                         return {1, 2, 8, 128, 1};  // SR
                       }
@@ -299,60 +299,12 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 14.782461166381836) {
-                  if (x.avg <= 16.493858337402344) {
-                    if (x.skew_hi <= 10.981453895568848) {
-                      if (x.log2_S <= 9.474853515625) {
-                        if (x.skew_lo <= 7.172151565551758) {
-                          if (x.log2_S <= 9.125301361083984) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 6.176414251327515) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 13.440292835235596) {
-                          if (x.skew_hi <= 10.153746604919434) {
-                            if (x.log2_S <= 11.239523887634277) {
-                              if (x.avg <= 2.8953335285186768) {
-                                if (x.log2_S <= 9.989088535308838) {
-                                  return {1, 2, 8, 128, 1};  // SR
-                                } else {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                }
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 12.9094557762146) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 13.188586235046387) {
-                                return {1, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 6.944040536880493) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.743582248687744) {
-                          if (x.log2_S <= 11.442117691040039) {
+                if (x.log2_S <= 15.27399206161499) {
+                  if (x.avg <= 21.732952117919922) {
+                    if (x.log2_S <= 11.101003646850586) {
+                      if (x.log2_S <= 8.33691692352295) {
+                        if (x.avg <= 14.758908748626709) {
+                          if (x.avg <= 4.199912905693054) {
                             return {1, 2, 8, 128, 1};  // SR
                           } else {
                             return {1, 4, 8, 64, 1};  // SR
@@ -360,56 +312,60 @@ inline Config plain_config(const Features& f) {
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 9.740898132324219) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.039374828338623) {
+                      } else {
                         return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 11.081252574920654) {
-                    if (x.avg <= 74.73260498046875) {
-                      if (x.log2_S <= 17.368271827697754) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
                       }
                     } else {
-                      if (x.log2_S <= 15.039266109466553) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 2.0773351192474365) {
-                          if (x.log2_S <= 16.136510848999023) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            if (x.log2_S <= 17.072388648986816) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 2, 32};  // PR
-                            }
-                          }
+                      if (x.skew_lo <= 7.383619546890259) {
+                        if (x.skew_lo <= 6.29903769493103) {
+                          return {1, 2, 8, 128, 1};  // SR
                         } else {
-                          return {1, 32, 8, 2, 32};  // PR
+                          if (x.log2_S <= 13.604310989379883) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 14.781612396240234) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.058191537857056) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 32};  // PR
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 7.236771821975708) {
-                      if (x.log2_S <= 15.41500186920166) {
-                        return {1, 2, 8, 128, 1};  // SR
+                    return {1, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 11.062217712402344) {
+                    if (x.skew_lo <= 4.2131030559539795) {
+                      if (x.avg <= 73.88343811035156) {
+                        if (x.log2_S <= 17.03684902191162) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 32};  // PR
+                        }
                       } else {
                         return {1, 32, 8, 2, 32};  // PR
                       }
                     } else {
-                      return {1, 32, 8, 2, 32};  // PR
+                      if (x.log2_S <= 17.75235366821289) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 17.77129077911377) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
                     }
+                  } else {
+                    return {1, 32, 8, 2, 32};  // PR
                   }
                 }
               }
@@ -419,76 +375,88 @@ inline Config plain_config(const Features& f) {
           } else {
             if (x.skew_hi <= 18.312137603759766) {
               if (x.long_level <= 1.5) {
-                if (x.log2_S <= 21.025843620300293) {
-                  if (x.log2_S <= 18.423686981201172) {
-                    if (x.skew_lo <= -1.3745193481445312) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 18.37041187286377) {
+                if (x.log2_S <= 21.173742294311523) {
+                  if (x.log2_S <= 18.656206130981445) {
+                    if (x.avg <= 128.7370376586914) {
+                      if (x.log2_S <= 18.37534236907959) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 6.014342784881592) {
+                        if (x.skew_hi <= 8.23149299621582) {
+                          if (x.skew_hi <= 6.20841646194458) {
+                            if (x.skew_lo <= -0.5497554838657379) {
+                              return {1, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 18.42439842224121) {
+                              if (x.avg <= 6.547801494598389) {
+                                return {1, 32, 8, 2, 32};  // PR
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {1, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        } else {
                           return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.319395065307617) {
+                        if (x.log2_S <= 17.977970123291016) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -1.8621442317962646) {
+                          return {4, 4, 64, 64, 0};  // SP
                         } else {
                           return {1, 32, 8, 2, 32};  // PR
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 18.989389419555664) {
-                      if (x.skew_hi <= 5.749659061431885) {
-                        if (x.avg <= 69.53941345214844) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= -1.6285601258277893) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
+                    if (x.log2_S <= 21.03684711456299) {
+                      if (x.log2_S <= 18.81060028076172) {
+                        if (x.log2_S <= 18.785862922668457) {
+                          if (x.skew_hi <= 9.882897853851318) {
                             return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
                           }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
                         }
                       } else {
                         return {1, 32, 8, 2, 32};  // PR
                       }
                     } else {
-                      return {1, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 3.6289743185043335) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 21.33197784423828) {
-                      if (x.avg <= 18.787602424621582) {
-                        if (x.skew_lo <= 3.7460415363311768) {
+                      if (x.skew_lo <= 0.8186398446559906) {
+                        if (x.log2_S <= 21.159914016723633) {
                           return {2, 32, 8, 2, 16};  // PR
                         } else {
                           return {1, 32, 8, 2, 32};  // PR
                         }
                       } else {
-                        if (x.avg <= 39.54206657409668) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.avg <= 134.46252059936523) {
-                            if (x.log2_S <= 21.05418109893799) {
-                              return {1, 32, 8, 2, 32};  // PR
-                            } else {
-                              return {2, 32, 8, 2, 16};  // PR
-                            }
-                          } else {
-                            return {1, 32, 8, 2, 32};  // PR
-                          }
-                        }
+                        return {1, 32, 8, 2, 32};  // PR
                       }
-                    } else {
-                      return {2, 32, 8, 2, 16};  // PR
                     }
+                  }
+                } else {
+                  if (x.skew_lo <= 4.081278085708618) {
+                    return {2, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {1, 32, 8, 2, 32};  // PR
                   }
                 }
               } else {
-                if (x.skew_hi <= 18.165557861328125) {
+                if (x.skew_hi <= 18.076294898986816) {
                   return {1, 32, 8, 2, 32};  // PR
                 } else {
-                  if (x.avg <= 38.3198881149292) {
+                  if (x.avg <= 40.58457088470459) {
                     return {1, 32, 8, 2, 32};  // PR
                   } else {
                     return {1, 32, 16, 2, 16};  // PR
@@ -496,25 +464,53 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.avg <= 8.85367488861084) {
-                return {1, 32, 8, 2, 32};  // PR
-              } else {
-                if (x.log2_S <= 19.931623458862305) {
-                  if (x.skew_lo <= 9.61311960220337) {
-                    if (x.skew_hi <= 19.880038261413574) {
-                      return {1, 32, 16, 2, 16};  // PR
+              if (x.avg <= 9.188629627227783) {
+                if (x.skew_lo <= 11.344191074371338) {
+                  if (x.log2_S <= 22.07857608795166) {
+                    if (x.skew_hi <= 20.74142074584961) {
+                      return {1, 32, 8, 2, 32};  // PR
                     } else {
-                      return {4, 32, 8, 2, 8};  // PR
+                      return {1, 32, 16, 2, 16};  // PR
                     }
                   } else {
-                    if (x.skew_lo <= 10.425639152526855) {
-                      if (x.skew_hi <= 19.110140800476074) {
-                        return {1, 32, 8, 2, 32};  // PR
+                    return {1, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  return {1, 32, 8, 2, 32};  // PR
+                }
+              } else {
+                if (x.log2_S <= 20.262758255004883) {
+                  if (x.avg <= 22.112733840942383) {
+                    if (x.skew_lo <= 10.42823314666748) {
+                      if (x.log2_S <= 18.901790618896484) {
+                        if (x.avg <= 20.915817260742188) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 32, 16, 2, 16};  // PR
+                        }
                       } else {
                         return {2, 32, 8, 2, 16};  // PR
                       }
                     } else {
                       return {1, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.avg <= 32.346282958984375) {
+                      if (x.skew_lo <= 9.114246368408203) {
+                        if (x.skew_hi <= 19.546924591064453) {
+                          return {1, 32, 16, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        if (x.skew_hi <= 18.41364097595215) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 32, 16, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      return {1, 32, 16, 2, 16};  // PR
                     }
                   }
                 } else {
@@ -526,19 +522,35 @@ inline Config plain_config(const Features& f) {
         }
       } else {
         if (x.long_level <= 0.5) {
-          if (x.skew_hi <= 3.1014515161514282) {
-            if (x.log2_S <= 18.801544189453125) {
-              if (x.log2_S <= 13.925555229187012) {
-                if (x.log2_S <= 9.620311737060547) {
-                  if (x.skew_lo <= -4.563696384429932) {
-                    if (x.avg <= 58.79162406921387) {
-                      return {2, 1, 64, 256, 0};  // SP
+          if (x.skew_hi <= 2.981218695640564) {
+            if (x.log2_S <= 19.41072654724121) {
+              if (x.log2_S <= 14.082151889801025) {
+                if (x.skew_lo <= -3.823124408721924) {
+                  if (x.log2_S <= 9.644031047821045) {
+                    if (x.skew_hi <= 1.436303436756134) {
+                      if (x.skew_lo <= -5.935958623886108) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 1, 64, 256, 0};  // SP
+                      }
                     } else {
-                      return {1, 16, 64, 4, 0};  // SP
+                      return {1, 2, 64, 128, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -3.703117609024048) {
-                      if (x.log2_S <= 9.308388710021973) {
+                    if (x.skew_hi <= 1.3521767258644104) {
+                      if (x.log2_S <= 10.899369716644287) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.706637859344482) {
+                    if (x.log2_S <= 9.021255016326904) {
+                      if (x.skew_hi <= 2.5737922191619873) {
                         return {1, 2, 64, 128, 0};  // SP
                       } else {
                         return {2, 1, 64, 256, 0};  // SP
@@ -546,229 +558,173 @@ inline Config plain_config(const Features& f) {
                     } else {
                       return {2, 1, 64, 256, 0};  // SP
                     }
-                  }
-                } else {
-                  if (x.skew_hi <= 1.3521767258644104) {
-                    if (x.log2_S <= 10.75642728805542) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -4.919469833374023) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.74740982055664) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    }
                   } else {
-                    if (x.avg <= 12.863486766815186) {
-                      if (x.log2_S <= 12.635624408721924) {
-                        if (x.log2_S <= 11.028144836425781) {
-                          if (x.log2_S <= 10.148950576782227) {
-                            return {2, 1, 64, 256, 0};  // SP
-                          } else {
-                            return {1, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          return {2, 1, 64, 256, 0};  // SP
-                        }
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_lo <= -3.8569668531417847) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.269871234893799) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {2, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    }
+                    return {1, 2, 64, 128, 0};  // SP
                   }
                 }
               } else {
-                if (x.skew_lo <= -3.526270627975464) {
+                if (x.avg <= 11.634969711303711) {
+                  return {1, 2, 64, 128, 0};  // SP
+                } else {
                   if (x.avg <= 16.450838088989258) {
-                    return {2, 2, 64, 128, 0};  // SP
+                    if (x.log2_S <= 18.813952445983887) {
+                      return {2, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
                   } else {
-                    if (x.skew_hi <= 0.4724041372537613) {
-                      if (x.log2_S <= 16.0306978225708) {
-                        if (x.log2_S <= 14.857841491699219) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 8, 32, 32, 0};  // SP
-                        }
+                    if (x.skew_hi <= 0.41102534532546997) {
+                      if (x.log2_S <= 15.821279525756836) {
+                        return {4, 8, 32, 32, 0};  // SP
                       } else {
-                        if (x.log2_S <= 17.29872989654541) {
+                        if (x.log2_S <= 17.572518348693848) {
                           return {2, 8, 8, 32, 0};  // SP
                         } else {
-                          return {4, 4, 64, 64, 0};  // SP
+                          if (x.skew_lo <= -5.919011831283569) {
+                            return {2, 8, 8, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
                         }
                       }
                     } else {
                       if (x.log2_S <= 17.649524688720703) {
-                        if (x.avg <= 30.36298656463623) {
-                          if (x.log2_S <= 17.152398109436035) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
-                            return {2, 2, 64, 128, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 16.16993522644043) {
+                        if (x.skew_hi <= 0.9737988710403442) {
+                          if (x.log2_S <= 15.79112195968628) {
                             if (x.log2_S <= 14.696603298187256) {
                               return {4, 8, 64, 32, 0};  // SP
                             } else {
                               return {4, 8, 32, 32, 0};  // SP
                             }
                           } else {
-                            return {4, 4, 64, 64, 0};  // SP
+                            if (x.log2_S <= 17.28400230407715) {
+                              return {2, 8, 8, 32, 0};  // SP
+                            } else {
+                              return {4, 4, 64, 64, 0};  // SP
+                            }
                           }
-                        }
-                      } else {
-                        if (x.avg <= 30.829862594604492) {
-                          return {2, 2, 64, 128, 0};  // SP
                         } else {
                           return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -4.7280144691467285) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {2, 2, 64, 128, 0};  // SP
                         }
                       }
                     }
                   }
-                } else {
-                  if (x.log2_S <= 14.941314220428467) {
-                    if (x.skew_lo <= -3.1135144233703613) {
-                      return {2, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {1, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
-                  }
                 }
               }
             } else {
-              if (x.skew_lo <= -5.390852451324463) {
-                if (x.log2_S <= 20.075020790100098) {
-                  return {1, 2, 64, 128, 0};  // SP
-                } else {
-                  return {2, 1, 64, 256, 0};  // SP
-                }
-              } else {
+              if (x.avg <= 32.80683898925781) {
                 if (x.avg <= 10.513665199279785) {
-                  if (x.log2_S <= 21.298029899597168) {
+                  if (x.log2_S <= 21.34159755706787) {
                     return {1, 2, 64, 128, 0};  // SP
                   } else {
                     return {2, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 19.976219177246094) {
-                    if (x.avg <= 14.82154369354248) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -4.840571165084839) {
-                        if (x.log2_S <= 19.335508346557617) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        return {2, 2, 64, 128, 0};  // SP
-                      }
-                    }
+                  return {1, 2, 64, 128, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 21.082693099975586) {
+                  if (x.skew_lo <= -5.602894306182861) {
+                    return {2, 1, 64, 256, 0};  // SP
                   } else {
-                    if (x.skew_lo <= -5.223226547241211) {
-                      if (x.log2_S <= 21.598878860473633) {
-                        return {1, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {2, 1, 64, 256, 0};  // SP
-                      }
-                    } else {
-                      return {1, 2, 64, 128, 0};  // SP
-                    }
+                    return {1, 2, 64, 128, 0};  // SP
                   }
+                } else {
+                  return {2, 1, 64, 256, 0};  // SP
                 }
               }
             }
           } else {
             if (x.log2_S <= 13.905562400817871) {
-              if (x.avg <= 3.307711601257324) {
-                if (x.skew_hi <= 5.202425479888916) {
-                  if (x.log2_S <= 11.90050983428955) {
+              if (x.skew_lo <= -0.7975746393203735) {
+                if (x.skew_hi <= 4.274166822433472) {
+                  if (x.log2_S <= 10.11906909942627) {
+                    return {2, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 11.38825511932373) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.761157035827637) {
                     return {1, 8, 64, 32, 0};  // SP
                   } else {
-                    if (x.skew_lo <= -1.0810423493385315) {
-                      if (x.log2_S <= 12.686378002166748) {
-                        return {2, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 1, 64, 256, 0};  // SP
-                      }
+                    if (x.skew_lo <= -1.0809928178787231) {
+                      return {2, 1, 64, 256, 0};  // SP
                     } else {
                       return {1, 8, 64, 32, 0};  // SP
                     }
                   }
-                } else {
-                  if (x.skew_lo <= -0.42273056507110596) {
-                    if (x.skew_hi <= 5.310153007507324) {
-                      return {2, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {1, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 11.998075008392334) {
-                      return {1, 32, 8, 2, 0};  // SP
-                    } else {
-                      return {2, 8, 8, 32, 0};  // SP
-                    }
-                  }
                 }
               } else {
-                return {2, 1, 64, 256, 0};  // SP
+                if (x.avg <= 1.3405367732048035) {
+                  if (x.log2_S <= 11.998075008392334) {
+                    return {1, 32, 8, 2, 0};  // SP
+                  } else {
+                    return {2, 8, 8, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 1.6131125092506409) {
+                    return {1, 16, 64, 4, 0};  // SP
+                  } else {
+                    return {2, 16, 64, 4, 0};  // SP
+                  }
+                }
               }
             } else {
-              return {2, 1, 64, 256, 0};  // SP
+              if (x.avg <= 6.092294931411743) {
+                return {2, 1, 64, 256, 0};  // SP
+              } else {
+                if (x.log2_S <= 18.906441688537598) {
+                  if (x.log2_S <= 16.386207580566406) {
+                    return {2, 1, 64, 256, 0};  // SP
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                } else {
+                  return {2, 1, 64, 256, 0};  // SP
+                }
+              }
             }
           }
         } else {
           if (x.long_level <= 2.5) {
-            if (x.log2_S <= 18.350489616394043) {
+            if (x.log2_S <= 18.377495765686035) {
               if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.519169807434082) {
-                  if (x.skew_hi <= 8.285018920898438) {
-                    if (x.log2_S <= 11.815287590026855) {
-                      return {2, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 7.661916494369507) {
-                        if (x.log2_S <= 12.170436382293701) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 4, 0};  // SP
-                        }
+                if (x.log2_S <= 12.50861406326294) {
+                  if (x.skew_hi <= 8.111244201660156) {
+                    if (x.skew_hi <= 2.3102859258651733) {
+                      if (x.log2_S <= 9.650800704956055) {
+                        return {4, 32, 64, 2, 0};  // SP
                       } else {
                         return {2, 32, 64, 4, 0};  // SP
                       }
+                    } else {
+                      return {2, 32, 64, 4, 0};  // SP
                     }
                   } else {
                     if (x.log2_S <= 11.248560428619385) {
-                      if (x.avg <= 2.442422389984131) {
+                      if (x.avg <= 2.6431912183761597) {
                         return {2, 32, 64, 4, 0};  // SP
                       } else {
-                        return {4, 32, 64, 2, 0};  // SP
+                        if (x.skew_hi <= 8.321589469909668) {
+                          return {2, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
                       }
                     } else {
-                      if (x.log2_S <= 12.062703132629395) {
+                      if (x.log2_S <= 12.01723861694336) {
                         if (x.log2_S <= 11.649765491485596) {
-                          if (x.skew_lo <= 4.991560459136963) {
-                            return {2, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 11.460689544677734) {
-                              return {2, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 4, 0};  // SP
-                            }
-                          }
+                          return {2, 16, 64, 4, 0};  // SP
                         } else {
                           return {1, 32, 64, 2, 0};  // SP
                         }
@@ -779,15 +735,25 @@ inline Config plain_config(const Features& f) {
                   }
                 } else {
                   if (x.log2_S <= 14.53263807296753) {
-                    if (x.skew_lo <= 0.8583090007305145) {
-                      if (x.log2_S <= 12.568283557891846) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
+                    if (x.skew_hi <= 4.899681329727173) {
+                      return {2, 16, 64, 4, 0};  // SP
                     } else {
-                      if (x.skew_lo <= 2.307080388069153) {
-                        if (x.log2_S <= 13.092877388000488) {
+                      if (x.avg <= 10.524052143096924) {
+                        if (x.log2_S <= 14.081056118011475) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 3.1929664611816406) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 3.5720828771591187) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.511383056640625) {
                           if (x.log2_S <= 12.803494453430176) {
                             return {2, 32, 64, 4, 0};  // SP
                           } else {
@@ -796,66 +762,52 @@ inline Config plain_config(const Features& f) {
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
-                      } else {
-                        if (x.log2_S <= 14.002820491790771) {
-                          return {2, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= 4.334706783294678) {
-                            if (x.avg <= 7.044752597808838) {
-                              return {2, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        }
                       }
                     }
                   } else {
                     if (x.avg <= 76.59214401245117) {
-                      if (x.log2_S <= 17.88579750061035) {
-                        if (x.skew_lo <= 4.544644355773926) {
+                      if (x.skew_lo <= 4.451376914978027) {
+                        if (x.log2_S <= 18.27402973175049) {
                           if (x.avg <= 44.68050765991211) {
                             return {1, 2, 8, 128, 1};  // SR
                           } else {
-                            if (x.log2_S <= 14.984293460845947) {
+                            if (x.log2_S <= 15.198206424713135) {
                               return {2, 16, 64, 4, 0};  // SP
                             } else {
                               return {1, 2, 8, 128, 1};  // SR
                             }
                           }
                         } else {
-                          if (x.log2_S <= 16.22248077392578) {
-                            if (x.log2_S <= 14.639786720275879) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 16.977211952209473) {
-                              return {4, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          }
+                          return {2, 32, 8, 2, 32};  // PR
                         }
                       } else {
-                        if (x.skew_hi <= 6.716888904571533) {
-                          return {1, 2, 8, 128, 1};  // SR
+                        if (x.log2_S <= 16.283947944641113) {
+                          if (x.log2_S <= 14.880763053894043) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
                         } else {
-                          return {2, 32, 8, 2, 32};  // PR
+                          if (x.log2_S <= 17.148054122924805) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 18.01247215270996) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 32};  // PR
+                            }
+                          }
                         }
                       }
                     } else {
                       if (x.log2_S <= 16.343181610107422) {
                         return {2, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 17.2599458694458) {
-                          if (x.skew_hi <= 2.9716166257858276) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
+                        if (x.log2_S <= 17.195921897888184) {
+                          if (x.avg <= 131.32599258422852) {
                             return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
                           }
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
@@ -865,101 +817,117 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.skew_hi <= 11.237985134124756) {
-                  return {1, 2, 8, 128, 1};  // SR
+                if (x.skew_hi <= 11.356698989868164) {
+                  if (x.skew_lo <= 6.283431768417358) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 10.866064548492432) {
+                      if (x.avg <= 6.591256141662598) {
+                        if (x.log2_S <= 10.572210788726807) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 6.480038642883301) {
+                          if (x.log2_S <= 9.95737600326538) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.68545150756836) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 6.803994417190552) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
                 } else {
                   if (x.log2_S <= 14.781612396240234) {
                     return {1, 2, 8, 128, 1};  // SR
                   } else {
-                    return {2, 32, 8, 2, 32};  // PR
+                    if (x.log2_S <= 18.048309326171875) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 16};  // PR
+                    }
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 11.072438716888428) {
-                if (x.log2_S <= 21.6547794342041) {
-                  if (x.avg <= 22.61717700958252) {
-                    if (x.log2_S <= 20.95791244506836) {
-                      return {2, 32, 8, 2, 32};  // PR
+              if (x.skew_hi <= 11.02499008178711) {
+                if (x.skew_lo <= 0.08441836386919022) {
+                  if (x.log2_S <= 21.52322483062744) {
+                    if (x.log2_S <= 18.82933807373047) {
+                      return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 3.799013137817383) {
-                        if (x.avg <= 19.337800979614258) {
-                          if (x.log2_S <= 21.07627773284912) {
-                            return {2, 32, 8, 2, 32};  // PR
+                      if (x.avg <= 220.64134979248047) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {1, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 21.712462425231934) {
+                    if (x.log2_S <= 18.975265502929688) {
+                      if (x.avg <= 23.457798957824707) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.skew_lo <= 3.7044018507003784) {
+                          if (x.log2_S <= 18.776387214660645) {
+                            return {1, 2, 8, 128, 1};  // SR
                           } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 21.212437629699707) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.skew_lo <= 3.7478381395339966) {
+                          if (x.avg <= 19.81742000579834) {
                             return {2, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
                           }
                         } else {
                           return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 7.992397308349609) {
+                      if (x.avg <= 92.39087677001953) {
+                        if (x.skew_lo <= 3.8591320514678955) {
+                          return {2, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.avg <= 34.90349078178406) {
+                            return {2, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
                         }
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
                       }
-                    }
-                  } else {
-                    if (x.skew_hi <= 8.51948070526123) {
-                      if (x.log2_S <= 18.727377891540527) {
-                        if (x.avg <= 33.575246810913086) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 4.036559820175171) {
-                          if (x.log2_S <= 20.803458213806152) {
-                            if (x.skew_hi <= 2.1193777322769165) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 32};  // PR
-                            }
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      }
                     } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 4.1251380443573) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 3.992397427558899) {
-                      if (x.avg <= 95.7961311340332) {
-                        return {2, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.avg <= 167.73336029052734) {
-                          if (x.skew_hi <= 6.790257692337036) {
-                            return {2, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 10.25629997253418) {
-                        if (x.avg <= 22.546817779541016) {
-                          if (x.skew_lo <= 4.173246383666992) {
-                            return {2, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          if (x.avg <= 41.44947624206543) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 4.282392263412476) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        }
+                      if (x.skew_hi <= 10.63474988937378) {
+                        return {2, 32, 8, 2, 32};  // PR
                       } else {
                         return {2, 32, 8, 2, 16};  // PR
                       }
@@ -967,62 +935,90 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 19.16704273223877) {
-                  if (x.skew_lo <= 8.074620246887207) {
+                if (x.log2_S <= 19.92537021636963) {
+                  if (x.skew_lo <= 8.08370304107666) {
                     return {2, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.log2_S <= 18.502418518066406) {
+                    if (x.skew_lo <= 9.574502944946289) {
+                      return {2, 32, 8, 2, 16};  // PR
+                    } else {
                       return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 9.767693519592285) {
+                    return {2, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.skew_hi <= 13.913207054138184) {
+                      if (x.log2_S <= 21.792868614196777) {
+                        return {2, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
                     } else {
                       return {2, 32, 8, 2, 16};  // PR
                     }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.131777286529541) {
+              if (x.log2_S <= 20.36480140686035) {
+                if (x.skew_hi <= 16.26284885406494) {
+                  if (x.skew_lo <= 7.3343894481658936) {
+                    if (x.log2_S <= 10.966179370880127) {
+                      if (x.skew_hi <= 8.944114208221436) {
+                        if (x.avg <= 152.30189514160156) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
                   }
                 } else {
                   return {2, 32, 8, 2, 16};  // PR
                 }
-              }
-            }
-          } else {
-            if (x.log2_S <= 20.363679885864258) {
-              if (x.log2_S <= 16.441146850585938) {
-                if (x.avg <= 133.61936950683594) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.skew_hi <= 11.00481128692627) {
-                    if (x.skew_hi <= 10.344332218170166) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                }
               } else {
-                if (x.avg <= 13.284884929656982) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.skew_lo <= 9.636746883392334) {
+                if (x.avg <= 17.80644416809082) {
+                  if (x.skew_hi <= 22.19900131225586) {
                     return {2, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.log2_S <= 18.196834564208984) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
+                    return {4, 32, 32, 4, 16};  // PR
+                  }
+                } else {
+                  if (x.skew_hi <= 20.67472267150879) {
+                    if (x.avg <= 31.22120761871338) {
                       return {2, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 146.9180908203125) {
+                        return {4, 32, 32, 4, 16};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 16};  // PR
+                      }
                     }
+                  } else {
+                    return {4, 32, 32, 4, 16};  // PR
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= 10.61926794052124) {
-                if (x.skew_hi <= 20.958361625671387) {
-                  if (x.skew_lo <= 9.340277194976807) {
-                    return {4, 32, 32, 4, 16};  // PR
-                  } else {
-                    return {2, 32, 8, 2, 16};  // PR
-                  }
+              if (x.skew_lo <= 10.497297286987305) {
+                if (x.log2_S <= 18.348894119262695) {
+                  return {2, 32, 8, 2, 32};  // PR
                 } else {
-                  return {4, 32, 32, 4, 16};  // PR
+                  if (x.skew_hi <= 21.619190216064453) {
+                    return {2, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
                 }
               } else {
                 return {2, 32, 8, 2, 32};  // PR
@@ -1033,722 +1029,694 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 13.790423393249512) {
-            if (x.avg <= 1.642390787601471) {
-              if (x.log2_S <= 11.38987398147583) {
-                return {1, 32, 8, 2, 0};  // SP
-              } else {
-                if (x.avg <= 1.16612708568573) {
-                  return {4, 16, 64, 4, 0};  // SP
-                } else {
-                  if (x.avg <= 1.4691807627677917) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 8, 32, 32, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 12.59223461151123) {
-                if (x.avg <= 15.067322254180908) {
-                  if (x.log2_S <= 10.314457416534424) {
-                    if (x.avg <= 3.5430104732513428) {
-                      if (x.avg <= 2.1777782440185547) {
-                        return {1, 32, 8, 2, 0};  // SP
+        if (x.skew_hi <= 8.116558074951172) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 13.998279571533203) {
+              if (x.skew_hi <= 5.082028388977051) {
+                if (x.log2_S <= 12.59223461151123) {
+                  if (x.log2_S <= 9.02785873413086) {
+                    if (x.avg <= 21.801369667053223) {
+                      if (x.skew_lo <= -1.7813069820404053) {
+                        return {1, 1, 64, 256, 0};  // SP
                       } else {
                         return {4, 8, 32, 32, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 9.188828945159912) {
-                        return {1, 1, 64, 256, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 9.078298568725586) {
-                          return {1, 1, 64, 256, 0};  // SP
+                      return {4, 8, 32, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.319646120071411) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 10.814740180969238) {
+                        if (x.skew_hi <= 4.138123989105225) {
+                          if (x.avg <= 7.584935903549194) {
+                            return {1, 1, 64, 256, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.148950576782227) {
+                              return {1, 1, 64, 256, 0};  // SP
+                            } else {
+                              return {4, 8, 32, 32, 0};  // SP
+                            }
+                          }
                         } else {
                           return {4, 8, 32, 32, 0};  // SP
                         }
+                      } else {
+                        if (x.avg <= 8.685983180999756) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.874173164367676) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 5.139225244522095) {
+                    if (x.skew_lo <= -1.6673373579978943) {
+                      return {2, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {4, 8, 32, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -5.007229328155518) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 11.38987398147583) {
+                  return {1, 32, 8, 2, 0};  // SP
+                } else {
+                  if (x.skew_lo <= -0.572814404964447) {
+                    return {4, 8, 32, 32, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -0.09200192987918854) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 7.4453654289245605) {
+                if (x.log2_S <= 15.938501834869385) {
+                  if (x.skew_hi <= 5.392273426055908) {
+                    if (x.log2_S <= 14.516505241394043) {
+                      return {2, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -1.010205090045929) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
                       }
                     }
                   } else {
-                    return {4, 8, 32, 32, 0};  // SP
+                    return {4, 8, 64, 32, 0};  // SP
                   }
                 } else {
-                  return {4, 8, 32, 32, 0};  // SP
+                  if (x.skew_lo <= -2.3423911333084106) {
+                    if (x.log2_S <= 19.145145416259766) {
+                      return {4, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {4, 1, 64, 256, 0};  // SP
+                    }
+                  } else {
+                    return {4, 1, 64, 256, 0};  // SP
+                  }
                 }
               } else {
-                if (x.skew_lo <= -1.6673373579978943) {
-                  if (x.avg <= 29.505433082580566) {
-                    if (x.avg <= 4.961884498596191) {
-                      if (x.log2_S <= 13.511151790618896) {
-                        return {2, 2, 64, 128, 0};  // SP
-                      } else {
+                if (x.log2_S <= 18.801544189453125) {
+                  if (x.avg <= 44.58321189880371) {
+                    if (x.skew_lo <= -3.247716546058655) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 16.093472480773926) {
                         return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.107696533203125) {
+                      if (x.log2_S <= 15.015531063079834) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
                       return {4, 4, 64, 64, 0};  // SP
                     }
-                  } else {
-                    return {4, 8, 32, 32, 0};  // SP
                   }
                 } else {
-                  return {4, 8, 32, 32, 0};  // SP
+                  if (x.log2_S <= 19.335508346557617) {
+                    if (x.skew_lo <= -4.419195890426636) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {4, 2, 64, 128, 0};  // SP
+                  }
                 }
               }
             }
           } else {
-            if (x.skew_lo <= -3.112394094467163) {
-              if (x.log2_S <= 18.801544189453125) {
-                if (x.skew_lo <= -5.604169607162476) {
-                  if (x.log2_S <= 16.818452835083008) {
-                    if (x.log2_S <= 15.821279525756836) {
-                      return {4, 16, 64, 4, 0};  // SP
+            if (x.log2_S <= 16.28879165649414) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 11.471267223358154) {
+                  if (x.avg <= 66.79462432861328) {
+                    if (x.skew_lo <= 3.3789275884628296) {
+                      if (x.log2_S <= 11.175257205963135) {
+                        return {2, 64, 32, 1, 0};  // SP
+                      } else {
+                        if (x.avg <= 12.748720645904541) {
+                          return {2, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 64, 32, 1, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      if (x.avg <= 3.900191307067871) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.109578609466553) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {2, 32, 64, 4, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    return {4, 4, 64, 64, 0};  // SP
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  return {4, 4, 64, 64, 0};  // SP
+                  if (x.log2_S <= 12.753080368041992) {
+                    if (x.avg <= 8.470567226409912) {
+                      if (x.log2_S <= 12.060301303863525) {
+                        return {2, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {2, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 36.28439903259277) {
+                      if (x.log2_S <= 14.08318042755127) {
+                        if (x.skew_hi <= 6.686767578125) {
+                          if (x.avg <= 28.734561920166016) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.101150512695312) {
+                        if (x.skew_hi <= 3.7036010026931763) {
+                          return {2, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.095283031463623) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 15.249848365783691) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
                 }
               } else {
-                return {4, 2, 64, 128, 0};  // SP
+                if (x.log2_S <= 14.337345123291016) {
+                  return {1, 4, 8, 64, 1};  // SR
+                } else {
+                  if (x.log2_S <= 15.06557559967041) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 15.509625434875488) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 1, 16};  // PR
+                    }
+                  }
+                }
               }
             } else {
-              if (x.log2_S <= 17.004050254821777) {
-                if (x.skew_lo <= -0.6341549158096313) {
-                  if (x.skew_lo <= -2.825284481048584) {
-                    return {4, 4, 64, 64, 0};  // SP
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 20.87291145324707) {
+                  if (x.log2_S <= 18.078091621398926) {
+                    if (x.skew_hi <= 3.0527446269989014) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
                   } else {
-                    if (x.skew_lo <= -1.315629243850708) {
-                      if (x.log2_S <= 15.079487323760986) {
-                        if (x.skew_lo <= -2.3036712408065796) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
+                    if (x.skew_hi <= 4.923851013183594) {
+                      if (x.skew_hi <= 2.972973108291626) {
+                        return {4, 32, 8, 1, 16};  // PR
                       } else {
-                        return {4, 2, 64, 128, 0};  // SP
+                        if (x.log2_S <= 19.728689193725586) {
+                          if (x.log2_S <= 18.42064666748047) {
+                            if (x.skew_lo <= -0.5934315323829651) {
+                              return {4, 32, 8, 1, 16};  // PR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 1, 16};  // PR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.log2_S <= 16.164201736450195) {
-                        if (x.log2_S <= 15.434017181396484) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
+                      if (x.skew_hi <= 7.844520330429077) {
+                        return {4, 32, 8, 1, 16};  // PR
                       } else {
-                        return {4, 1, 64, 256, 0};  // SP
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.057374477386475) {
-                    return {4, 8, 64, 32, 0};  // SP
+                  if (x.avg <= 7.7716898918151855) {
+                    return {4, 32, 8, 2, 32};  // PR
                   } else {
-                    return {4, 1, 64, 256, 0};  // SP
+                    if (x.log2_S <= 21.778682708740234) {
+                      if (x.skew_hi <= 5.9376301765441895) {
+                        if (x.avg <= 152.12244415283203) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
                   }
                 }
               } else {
-                if (x.skew_lo <= -2.4474858045578003) {
-                  if (x.log2_S <= 19.32595729827881) {
-                    return {4, 2, 64, 128, 0};  // SP
+                if (x.skew_lo <= 4.015641212463379) {
+                  if (x.skew_lo <= 2.0355355739593506) {
+                    return {4, 2, 8, 128, 1};  // SR
                   } else {
-                    return {4, 1, 64, 256, 0};  // SP
+                    return {4, 32, 8, 1, 16};  // PR
                   }
                 } else {
-                  return {4, 1, 64, 256, 0};  // SP
+                  return {4, 32, 8, 1, 16};  // PR
                 }
               }
             }
           }
         } else {
-          if (x.log2_S <= 16.19315528869629) {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 11.430864334106445) {
-                  if (x.skew_lo <= 0.18450484424829483) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 5.972075700759888) {
-                      if (x.skew_lo <= 4.036455154418945) {
-                        if (x.log2_S <= 11.116058349609375) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {2, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 8.891178131103516) {
-                          if (x.log2_S <= 11.125251293182373) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 11.169829845428467) {
-                            return {2, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
+          if (x.avg <= 18.121212005615234) {
+            if (x.log2_S <= 14.542791843414307) {
+              if (x.long_level <= 2.5) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 11.163846492767334) {
+                    if (x.skew_hi <= 8.94004487991333) {
+                      return {4, 32, 64, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 11.175257205963135) {
-                        return {2, 64, 32, 1, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= 2.332974672317505) {
-                          return {2, 64, 32, 1, 0};  // SP
-                        } else {
-                          return {2, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 14.39049243927002) {
-                    if (x.avg <= 8.542380809783936) {
-                      if (x.log2_S <= 14.002820491790771) {
-                        if (x.log2_S <= 12.129897594451904) {
-                          if (x.skew_hi <= 7.849370718002319) {
-                            return {2, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 3.1929664611816406) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.176342964172363) {
-                        if (x.log2_S <= 12.479954242706299) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.avg <= 33.8540096282959) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {2, 32, 64, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 0.9455837905406952) {
-                          if (x.avg <= 102.70466613769531) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 14.101150512695312) {
-                              return {2, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
+                      return {2, 32, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= 0.15807777643203735) {
+                    if (x.log2_S <= 13.962390422821045) {
                       return {4, 16, 64, 4, 0};  // SP
                     } else {
-                      if (x.skew_hi <= 4.518438100814819) {
-                        if (x.log2_S <= 15.169477462768555) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.523999214172363) {
-                  if (x.log2_S <= 14.34483528137207) {
-                    return {1, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 9.08238410949707) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
                       return {1, 4, 8, 64, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 6.998092174530029) {
-                    if (x.avg <= 18.978447914123535) {
-                      if (x.log2_S <= 15.839593887329102) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 15.575364112854004) {
-                        if (x.log2_S <= 15.250962257385254) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.skew_lo <= 4.799355506896973) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 1, 16};  // PR
-                      }
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 32};  // PR
-                  }
+                  return {1, 4, 8, 64, 1};  // SR
                 }
-              }
-            } else {
-              if (x.skew_hi <= 13.409550666809082) {
-                if (x.avg <= 29.04540729522705) {
-                  if (x.avg <= 4.027647495269775) {
-                    return {4, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {2, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.skew_hi <= 11.337507724761963) {
-                    if (x.avg <= 133.61936950683594) {
-                      return {4, 32, 8, 2, 32};  // PR
+              } else {
+                if (x.skew_hi <= 13.563179969787598) {
+                  if (x.avg <= 9.735353469848633) {
+                    if (x.skew_lo <= 11.821611404418945) {
+                      return {2, 32, 8, 2, 16};  // PR
                     } else {
-                      if (x.skew_hi <= 9.935163021087646) {
-                        return {4, 32, 8, 2, 32};  // PR
-                      } else {
+                      if (x.skew_hi <= 12.44778299331665) {
                         return {2, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 13.29061508178711) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              } else {
-                return {4, 32, 8, 2, 32};  // PR
-              }
-            }
-          } else {
-            if (x.avg <= 8.217686653137207) {
-              if (x.skew_lo <= 4.055507659912109) {
-                if (x.log2_S <= 20.93727207183838) {
-                  if (x.log2_S <= 17.759325981140137) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 7.844520330429077) {
-                      return {4, 32, 8, 1, 16};  // PR
+                    if (x.log2_S <= 11.429471969604492) {
+                      if (x.skew_hi <= 10.993939399719238) {
+                        return {2, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
-                  }
-                } else {
-                  if (x.skew_lo <= 3.3397951126098633) {
-                    if (x.log2_S <= 21.877243995666504) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 32};  // PR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.57120990753174) {
-                  if (x.long_level <= 1.5) {
-                    if (x.skew_hi <= 8.493460655212402) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {1, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 32};  // PR
                   }
                 } else {
                   return {4, 32, 8, 2, 32};  // PR
                 }
               }
             } else {
-              if (x.skew_lo <= 4.015641212463379) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 20.769164085388184) {
-                    if (x.log2_S <= 18.043313026428223) {
-                      if (x.skew_lo <= -0.6071246564388275) {
-                        if (x.skew_hi <= 3.0527446269989014) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
+              if (x.log2_S <= 19.33218479156494) {
+                if (x.skew_hi <= 11.236772060394287) {
+                  if (x.log2_S <= 17.780653953552246) {
+                    if (x.log2_S <= 16.384799003601074) {
+                      if (x.avg <= 6.987187147140503) {
+                        return {1, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.log2_S <= 16.30646514892578) {
+                        if (x.log2_S <= 15.236354351043701) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 2.780811309814453) {
+                        if (x.skew_hi <= 9.364702701568604) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {4, 2, 8, 128, 1};  // SR
                         }
-                      }
-                    } else {
-                      if (x.skew_hi <= 3.1676549911499023) {
-                        if (x.avg <= 193.63626098632812) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.log2_S <= 18.569645881652832) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 1, 16};  // PR
-                          }
-                        }
                       } else {
-                        return {4, 32, 8, 1, 16};  // PR
+                        if (x.skew_lo <= 6.895770788192749) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= -1.2798917293548584) {
-                      return {4, 32, 8, 2, 16};  // PR
+                    if (x.avg <= 7.044263124465942) {
+                      return {4, 32, 8, 2, 32};  // PR
                     } else {
-                      if (x.skew_lo <= 0.6791182458400726) {
-                        if (x.skew_lo <= -0.17217402905225754) {
-                          if (x.log2_S <= 22.139196395874023) {
-                            return {4, 32, 8, 2, 32};  // PR
-                          } else {
-                            if (x.skew_lo <= -1.201099455356598) {
-                              return {4, 32, 8, 2, 32};  // PR
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 21.24180793762207) {
-                            return {4, 32, 8, 1, 16};  // PR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 21.517050743103027) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
+                      return {4, 32, 8, 1, 16};  // PR
                     }
                   }
                 } else {
-                  return {4, 32, 8, 1, 16};  // PR
-                }
-              } else {
-                if (x.log2_S <= 19.585710525512695) {
-                  if (x.skew_hi <= 16.905508041381836) {
-                    if (x.avg <= 18.353601455688477) {
-                      if (x.log2_S <= 18.592949867248535) {
-                        if (x.skew_lo <= 6.876420974731445) {
-                          if (x.log2_S <= 18.068553924560547) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 1, 16};  // PR
-                          }
-                        } else {
-                          if (x.log2_S <= 16.730329513549805) {
-                            return {4, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {4, 32, 8, 1, 16};  // PR
-                          }
-                        }
+                  if (x.avg <= 8.353042602539062) {
+                    if (x.skew_lo <= 7.870635271072388) {
+                      if (x.log2_S <= 16.57890510559082) {
+                        return {4, 32, 8, 2, 32};  // PR
                       } else {
-                        if (x.skew_lo <= 6.291305780410767) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.log2_S <= 19.13302993774414) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 9.68797779083252) {
-                        if (x.log2_S <= 18.385282516479492) {
+                        if (x.log2_S <= 18.730438232421875) {
                           return {4, 32, 8, 1, 16};  // PR
                         } else {
-                          return {4, 32, 8, 2, 16};  // PR
+                          return {4, 32, 8, 2, 32};  // PR
                         }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
                       }
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
                     }
                   } else {
-                    return {4, 32, 8, 1, 16};  // PR
+                    if (x.skew_hi <= 16.741408348083496) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 1, 16};  // PR
+                    }
                   }
+                }
+              } else {
+                if (x.avg <= 11.334929466247559) {
+                  return {4, 32, 8, 2, 32};  // PR
                 } else {
-                  if (x.skew_hi <= 22.555697441101074) {
-                    if (x.avg <= 9.9150710105896) {
-                      if (x.skew_lo <= 8.831307172775269) {
-                        return {4, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
+                  if (x.skew_lo <= 9.828295230865479) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 22.59103298187256) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      if (x.log2_S <= 22.116496086120605) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.skew_lo <= 5.468769311904907) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.skew_hi <= 9.637560844421387) {
-                            return {4, 32, 8, 2, 32};  // PR
-                          } else {
-                            if (x.avg <= 44.63017463684082) {
-                              return {4, 32, 8, 2, 16};  // PR
-                            } else {
-                              if (x.skew_lo <= 7.14899206161499) {
-                                return {4, 32, 8, 2, 16};  // PR
-                              } else {
-                                return {4, 32, 32, 4, 16};  // PR
-                              }
-                            }
-                          }
-                        }
-                      }
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 22.978424072265625) {
+              if (x.skew_lo <= 6.006253242492676) {
+                if (x.log2_S <= 14.439965724945068) {
+                  return {1, 4, 8, 64, 1};  // SR
+                } else {
+                  if (x.log2_S <= 18.833459854125977) {
+                    if (x.log2_S <= 16.35486125946045) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 1, 16};  // PR
                     }
                   } else {
-                    if (x.avg <= 26.940720558166504) {
-                      if (x.skew_lo <= 9.766664028167725) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
+                    if (x.skew_lo <= 5.405763626098633) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      if (x.log2_S <= 23.03147792816162) {
-                        if (x.skew_lo <= 6.9893598556518555) {
+                      if (x.log2_S <= 21.121594429016113) {
+                        if (x.skew_hi <= 9.767166137695312) {
                           return {4, 32, 8, 2, 16};  // PR
                         } else {
-                          return {4, 32, 32, 4, 16};  // PR
+                          return {4, 32, 8, 2, 32};  // PR
                         }
                       } else {
-                        return {4, 32, 32, 4, 16};  // PR
+                        return {4, 32, 8, 2, 32};  // PR
                       }
                     }
                   }
                 }
+              } else {
+                if (x.log2_S <= 16.669726371765137) {
+                  if (x.skew_hi <= 13.945276260375977) {
+                    if (x.avg <= 27.185279846191406) {
+                      if (x.log2_S <= 11.426674365997314) {
+                        return {4, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 14.643877983093262) {
+                      if (x.log2_S <= 14.101180076599121) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.skew_lo <= 9.292897701263428) {
+                        if (x.avg <= 110.33059692382812) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.log2_S <= 15.456499099731445) {
+                            return {4, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 19.27139663696289) {
+                    return {4, 32, 8, 1, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 26.2868070602417) {
+                if (x.skew_lo <= 9.411820411682129) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  return {4, 32, 8, 2, 32};  // PR
+                }
+              } else {
+                return {4, 32, 32, 4, 16};  // PR
               }
             }
           }
         }
       } else {
         if (x.skew_lo <= -1.9986830353736877) {
-          if (x.log2_S <= 17.905272483825684) {
-            if (x.skew_hi <= 2.473729372024536) {
-              if (x.skew_lo <= -4.647010326385498) {
-                return {1, 16, 64, 4, 0};  // SP
-              } else {
-                if (x.log2_S <= 16.781115531921387) {
-                  if (x.log2_S <= 12.057273864746094) {
-                    if (x.log2_S <= 10.101576328277588) {
-                      if (x.log2_S <= 9.505867004394531) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 14.720118999481201) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
+          if (x.skew_hi <= 1.401841402053833) {
+            if (x.log2_S <= 18.19165802001953) {
+              if (x.log2_S <= 12.271832942962646) {
+                if (x.log2_S <= 9.69862174987793) {
+                  return {1, 16, 64, 4, 0};  // SP
+                } else {
+                  if (x.skew_hi <= 0.33553847670555115) {
+                    return {1, 16, 64, 4, 0};  // SP
                   } else {
-                    if (x.skew_lo <= -3.7827560901641846) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 15.267704963684082) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    }
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.79898452758789) {
+                  return {1, 16, 64, 4, 0};  // SP
+                } else {
+                  if (x.skew_lo <= -5.138148069381714) {
+                    return {1, 16, 64, 4, 0};  // SP
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              return {1, 8, 64, 32, 0};  // SP
+            }
+          } else {
+            if (x.log2_S <= 10.804922580718994) {
+              if (x.skew_hi <= 2.861492156982422) {
+                return {1, 8, 64, 32, 0};  // SP
+              } else {
+                return {1, 1, 64, 256, 0};  // SP
+              }
+            } else {
+              if (x.skew_lo <= -4.080122470855713) {
+                if (x.log2_S <= 16.74599552154541) {
+                  if (x.log2_S <= 14.04065227508545) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {1, 16, 64, 4, 0};  // SP
                   }
                 } else {
                   return {1, 8, 64, 32, 0};  // SP
                 }
-              }
-            } else {
-              if (x.log2_S <= 10.821366310119629) {
-                if (x.skew_hi <= 2.861492156982422) {
+              } else {
+                if (x.log2_S <= 22.100065231323242) {
                   return {1, 8, 64, 32, 0};  // SP
                 } else {
-                  return {1, 1, 64, 256, 0};  // SP
+                  if (x.skew_hi <= 3.5646209716796875) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {1, 8, 16, 32, 1};  // SR
+                  }
                 }
-              } else {
-                return {1, 8, 64, 32, 0};  // SP
-              }
-            }
-          } else {
-            if (x.skew_hi <= 3.6311529874801636) {
-              if (x.avg <= 62.94377326965332) {
-                return {1, 8, 64, 32, 0};  // SP
-              } else {
-                return {1, 16, 64, 4, 0};  // SP
-              }
-            } else {
-              if (x.log2_S <= 22.025521278381348) {
-                return {1, 8, 64, 32, 0};  // SP
-              } else {
-                return {1, 8, 16, 32, 1};  // SR
               }
             }
           }
         } else {
-          if (x.log2_S <= 14.833633422851562) {
+          if (x.log2_S <= 15.345346450805664) {
             if (x.long_level <= 2.5) {
               if (x.long_level <= 0.5) {
-                if (x.skew_lo <= -1.5276547074317932) {
-                  if (x.log2_S <= 11.259920120239258) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 13.373738288879395) {
-                    if (x.avg <= 1.3154987692832947) {
+                if (x.avg <= 2.8187867403030396) {
+                  if (x.log2_S <= 14.274586200714111) {
+                    if (x.skew_hi <= 5.592879056930542) {
+                      if (x.skew_hi <= 4.8163018226623535) {
+                        if (x.log2_S <= 12.116133689880371) {
+                          if (x.log2_S <= 9.56899118423462) {
+                            return {1, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {1, 32, 16, 8, 0};  // SP
+                          }
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 13.826919078826904) {
+                          return {1, 32, 16, 8, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -0.826616644859314) {
+                            return {1, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {1, 32, 16, 8, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
                       if (x.log2_S <= 10.53645372390747) {
                         return {1, 32, 16, 8, 0};  // SP
                       } else {
                         return {2, 32, 16, 4, 0};  // SP
                       }
-                    } else {
-                      return {1, 32, 16, 8, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 1.6312129497528076) {
-                      if (x.log2_S <= 14.452649593353271) {
-                        if (x.skew_lo <= -0.27073605358600616) {
-                          if (x.avg <= 1.3873337507247925) {
-                            return {2, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {2, 32, 16, 4, 0};  // SP
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
+                    if (x.avg <= 1.6160258054733276) {
+                      return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.log2_S <= 14.174213886260986) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 10.682673931121826) {
+                    return {1, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 10.984395980834961) {
+                      return {1, 32, 16, 8, 0};  // SP
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
                     }
                   }
                 }
               } else {
                 if (x.avg <= 4.084752559661865) {
-                  if (x.skew_lo <= 5.981133699417114) {
-                    if (x.log2_S <= 11.95967149734497) {
+                  if (x.skew_lo <= 5.968912601470947) {
+                    if (x.log2_S <= 11.871826171875) {
                       if (x.log2_S <= 11.511791706085205) {
                         return {2, 32, 8, 8, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 8.875223636627197) {
-                          if (x.skew_hi <= 8.26815128326416) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
-                          }
+                        if (x.skew_hi <= 8.62644338607788) {
+                          return {1, 16, 8, 8, 1};  // SR
                         } else {
                           return {2, 32, 8, 8, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 8.543296337127686) {
-                        if (x.log2_S <= 12.122973918914795) {
-                          return {1, 16, 8, 8, 1};  // SR
+                      if (x.log2_S <= 14.412445545196533) {
+                        if (x.skew_lo <= 4.625424146652222) {
+                          if (x.log2_S <= 12.388833999633789) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
                         } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.343902587890625) {
-                          if (x.log2_S <= 12.034567832946777) {
+                          if (x.log2_S <= 11.94486951828003) {
                             return {2, 32, 8, 8, 1};  // SR
                           } else {
                             return {1, 16, 8, 8, 1};  // SR
                           }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
                         }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
                       }
                     }
                   } else {
                     if (x.log2_S <= 14.557104110717773) {
                       return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      return {1, 8, 16, 32, 1};  // SR
+                      if (x.skew_lo <= 9.569094181060791) {
+                        if (x.skew_lo <= 8.360104084014893) {
+                          if (x.log2_S <= 15.145487785339355) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 13.817885398864746) {
-                    if (x.skew_lo <= 2.195694327354431) {
-                      if (x.avg <= 43.83485794067383) {
-                        if (x.log2_S <= 11.401317596435547) {
-                          if (x.log2_S <= 9.369839191436768) {
-                            if (x.avg <= 17.27747917175293) {
-                              if (x.skew_lo <= 2.1313387155532837) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 10.967200756072998) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 30.5545072555542) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 16, 8, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
+                  if (x.log2_S <= 13.864050388336182) {
+                    if (x.skew_lo <= -0.5799248814582825) {
+                      if (x.log2_S <= 12.559546947479248) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 12.567128658294678) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 3.4339606761932373) {
-                            return {1, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        }
+                        return {1, 16, 64, 8, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 5.118771314620972) {
+                      if (x.avg <= 5.146695137023926) {
                         if (x.skew_lo <= 3.9186737537384033) {
                           if (x.log2_S <= 11.004760265350342) {
-                            if (x.log2_S <= 9.437681674957275) {
-                              if (x.skew_hi <= 7.8375163078308105) {
+                            if (x.skew_hi <= 7.825425624847412) {
+                              if (x.log2_S <= 9.437681674957275) {
                                 return {1, 8, 8, 32, 1};  // SR
                               } else {
-                                return {2, 32, 8, 8, 1};  // SR
+                                return {1, 16, 8, 4, 1};  // SR
                               }
                             } else {
-                              if (x.skew_lo <= 3.7918747663497925) {
-                                return {1, 16, 8, 4, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 8, 1};  // SR
-                              }
+                              return {2, 32, 8, 8, 1};  // SR
                             }
                           } else {
                             return {1, 8, 8, 32, 1};  // SR
@@ -1761,14 +1729,14 @@ inline Config plain_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.avg <= 40.372968673706055) {
-                      if (x.avg <= 29.37785243988037) {
+                    if (x.avg <= 29.37785243988037) {
+                      if (x.avg <= 17.708847045898438) {
                         return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 8.721513271331787) {
+                        if (x.skew_lo <= 5.159943580627441) {
                           return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 14.1625337600708) {
+                          if (x.log2_S <= 14.630943298339844) {
                             return {1, 8, 8, 32, 1};  // SR
                           } else {
                             return {1, 8, 16, 32, 1};  // SR
@@ -1776,17 +1744,41 @@ inline Config plain_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.skew_lo <= -0.4064928740262985) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.973602771759033) {
-                          if (x.avg <= 67.52959442138672) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
+                      if (x.skew_hi <= 3.368451237678528) {
+                        if (x.log2_S <= 15.142957210540771) {
+                          return {1, 16, 64, 8, 0};  // SP
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.800803661346436) {
+                          if (x.log2_S <= 14.202014923095703) {
+                            if (x.avg <= 61.90046501159668) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 31.16266918182373) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 7.901326894760132) {
+                              return {1, 8, 32, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 15.014995574951172) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 32, 32, 1};  // SR
+                              }
+                            }
+                          }
                         }
                       }
                     }
@@ -1794,138 +1786,130 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 12.174875736236572) {
-                if (x.avg <= 12.317352771759033) {
-                  if (x.avg <= 8.091735601425171) {
-                    if (x.avg <= 6.200436592102051) {
-                      return {1, 8, 32, 32, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
-                  } else {
-                    return {1, 8, 32, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_lo <= 9.569382190704346) {
-                    return {1, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 11.615915298461914) {
+              if (x.log2_S <= 11.77305793762207) {
+                if (x.skew_lo <= 8.768912315368652) {
+                  if (x.skew_hi <= 8.854588508605957) {
+                    if (x.skew_lo <= 7.345837831497192) {
                       return {1, 8, 16, 32, 1};  // SR
                     } else {
                       return {1, 8, 32, 32, 1};  // SR
                     }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 6.444573163986206) {
-                  if (x.log2_S <= 12.520967960357666) {
-                    return {1, 8, 16, 32, 1};  // SR
                   } else {
-                    return {1, 8, 32, 32, 1};  // SR
+                    if (x.skew_lo <= 6.815129041671753) {
+                      if (x.skew_hi <= 10.530096054077148) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.576772212982178) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
                   }
                 } else {
                   return {1, 8, 32, 32, 1};  // SR
                 }
-              }
-            }
-          } else {
-            if (x.skew_lo <= 10.705038070678711) {
-              if (x.skew_lo <= 1.0016723275184631) {
-                if (x.skew_lo <= -1.360817313194275) {
-                  if (x.skew_hi <= 3.326654553413391) {
-                    if (x.log2_S <= 19.862238883972168) {
-                      if (x.log2_S <= 15.335684776306152) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
+              } else {
+                if (x.skew_hi <= 14.71810245513916) {
+                  if (x.avg <= 166.01044464111328) {
+                    return {1, 8, 32, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 12.447915077209473) {
+                      return {1, 8, 16, 32, 1};  // SR
                     } else {
                       return {1, 8, 32, 32, 1};  // SR
                     }
+                  }
+                } else {
+                  if (x.skew_lo <= 10.540144920349121) {
+                    return {1, 8, 32, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 20.85583209991455) {
-                      if (x.avg <= 2.940181255340576) {
-                        if (x.log2_S <= 18.25290012359619) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
+                    return {1, 8, 64, 32, 1};  // SR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.58247709274292) {
+              if (x.skew_lo <= 1.7239528894424438) {
+                if (x.skew_lo <= -1.5891729593276978) {
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 20.995288848876953) {
+                      return {1, 8, 64, 32, 0};  // SP
                     } else {
                       return {1, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 19.143256187438965) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.245943069458008) {
-                    if (x.long_level <= 0.5) {
-                      if (x.skew_hi <= 5.256640911102295) {
-                        return {1, 8, 64, 32, 0};  // SP
+                  if (x.skew_lo <= 0.8379770815372467) {
+                    if (x.log2_S <= 16.65908908843994) {
+                      if (x.long_level <= 0.5) {
+                        if (x.skew_hi <= 5.299464464187622) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        return {1, 8, 16, 32, 1};  // SR
                       }
                     } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 0.8379770815372467) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 19.961151123046875) {
+                      if (x.avg <= 178.91719818115234) {
                         return {1, 8, 16, 32, 1};  // SR
                       } else {
+                        if (x.log2_S <= 21.511229515075684) {
+                          if (x.log2_S <= 18.84801483154297) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 20.0386905670166) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 34.75590705871582) {
                         return {1, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 23.87022304534912) {
-                  if (x.log2_S <= 19.134048461914062) {
-                    if (x.skew_lo <= 8.966558933258057) {
-                      if (x.log2_S <= 15.924930572509766) {
+                if (x.avg <= 20.752120971679688) {
+                  if (x.skew_lo <= 8.791860580444336) {
+                    if (x.log2_S <= 19.260436058044434) {
+                      if (x.log2_S <= 16.42014980316162) {
                         if (x.long_level <= 1.5) {
-                          if (x.skew_lo <= 2.7642024755477905) {
-                            if (x.log2_S <= 15.531929969787598) {
-                              if (x.avg <= 22.117429733276367) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
+                          if (x.log2_S <= 16.096723556518555) {
                             return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 4.468101739883423) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
                           }
                         } else {
-                          if (x.log2_S <= 15.048692226409912) {
-                            if (x.avg <= 6.696844100952148) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 10.04551362991333) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 5.999596834182739) {
-                              if (x.log2_S <= 15.432573795318604) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 32, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
+                          return {1, 8, 16, 32, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 2.563836693763733) {
-                          if (x.log2_S <= 17.09161949157715) {
-                            if (x.skew_hi <= 9.875565528869629) {
+                        if (x.log2_S <= 16.865660667419434) {
+                          if (x.avg <= 2.747734785079956) {
+                            if (x.skew_lo <= 7.216538429260254) {
                               return {1, 8, 8, 32, 1};  // SR
                             } else {
                               return {1, 8, 16, 32, 1};  // SR
@@ -1938,116 +1922,120 @@ inline Config plain_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 15.319475650787354) {
-                        if (x.log2_S <= 17.99662971496582) {
-                          return {1, 8, 32, 32, 1};  // SR
+                      if (x.skew_hi <= 10.599657535552979) {
+                        if (x.log2_S <= 21.274566650390625) {
+                          if (x.skew_hi <= 8.211027145385742) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 3.1038336753845215) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 20.458199501037598) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                if (x.skew_lo <= 6.480993032455444) {
+                                  return {1, 8, 32, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          }
                         } else {
-                          return {1, 8, 16, 32, 1};  // SR
+                          return {1, 8, 32, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 17.31040096282959) {
-                          return {1, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
+                        return {1, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 4.197065353393555) {
-                      return {1, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 11.357619762420654) {
-                        if (x.skew_hi <= 9.713147640228271) {
-                          if (x.log2_S <= 21.55931282043457) {
-                            if (x.avg <= 21.959583282470703) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 1.1666061878204346) {
-                            if (x.log2_S <= 21.834157943725586) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
+                    if (x.log2_S <= 17.260008811950684) {
+                      if (x.avg <= 6.54065465927124) {
+                        return {1, 8, 32, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 20.145197868347168) {
-                          if (x.skew_lo <= 9.107635974884033) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 9.490049839019775) {
+                        if (x.log2_S <= 19.83246421813965) {
+                          if (x.log2_S <= 17.81578826904297) {
                             return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
                           }
                         } else {
                           return {1, 8, 32, 32, 1};  // SR
                         }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
                   if (x.log2_S <= 17.125216484069824) {
-                    if (x.skew_hi <= 15.459256649017334) {
-                      if (x.avg <= 31.478483200073242) {
-                        if (x.skew_lo <= 7.219313621520996) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 7.352478981018066) {
-                        if (x.log2_S <= 16.087830543518066) {
-                          return {1, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 16.692259788513184) {
-                            return {1, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 5.3730998039245605) {
-                      if (x.log2_S <= 18.921317100524902) {
+                    if (x.skew_lo <= 7.352478981018066) {
+                      if (x.avg <= 25.09544086456299) {
                         return {1, 8, 16, 32, 1};  // SR
                       } else {
                         return {1, 8, 32, 32, 1};  // SR
                       }
                     } else {
-                      return {1, 8, 32, 32, 1};  // SR
+                      if (x.skew_hi <= 15.938848495483398) {
+                        if (x.avg <= 36.73955154418945) {
+                          if (x.skew_hi <= 15.409162998199463) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.787793159484863) {
+                          return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.722327709197998) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        }
+                      }
                     }
+                  } else {
+                    return {1, 8, 32, 32, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 17.76834487915039) {
-                if (x.skew_hi <= 16.14905834197998) {
+              if (x.skew_hi <= 17.723947525024414) {
+                if (x.log2_S <= 16.050868034362793) {
                   return {1, 8, 64, 32, 1};  // SR
                 } else {
-                  if (x.avg <= 6.309079885482788) {
-                    if (x.skew_hi <= 17.662273406982422) {
+                  if (x.skew_lo <= 11.39052963256836) {
+                    return {1, 8, 64, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 17.339458465576172) {
                       return {1, 8, 32, 32, 1};  // SR
                     } else {
-                      return {1, 8, 64, 32, 1};  // SR
+                      if (x.avg <= 4.318765163421631) {
+                        return {1, 8, 64, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
                     }
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
                   }
                 }
               } else {
-                return {1, 8, 64, 32, 1};  // SR
+                if (x.skew_lo <= 10.779329299926758) {
+                  if (x.skew_hi <= 21.496214866638184) {
+                    return {1, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {1, 8, 64, 32, 1};  // SR
+                  }
+                } else {
+                  return {1, 8, 64, 32, 1};  // SR
+                }
               }
             }
           }
@@ -2059,176 +2047,168 @@ inline Config plain_config(const Features& f) {
       if (x.F <= 11.313708498984761) {
         if (x.long_level <= 2.5) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 16.242196083068848) {
-              if (x.log2_S <= 11.185493469238281) {
-                if (x.log2_S <= 10.440947532653809) {
-                  if (x.skew_lo <= -4.842312574386597) {
-                    if (x.log2_S <= 9.940858840942383) {
-                      return {4, 32, 64, 2, 0};  // SP
+            if (x.log2_S <= 17.03978729248047) {
+              if (x.log2_S <= 10.715291023254395) {
+                if (x.skew_lo <= -0.566794753074646) {
+                  if (x.skew_hi <= 1.166306972503662) {
+                    if (x.log2_S <= 10.034335613250732) {
+                      if (x.skew_hi <= 0.8501893877983093) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.083568096160889) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      }
                     } else {
                       return {2, 16, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 2.3429962396621704) {
-                      if (x.skew_hi <= 5.4332053661346436) {
+                    if (x.log2_S <= 10.440947532653809) {
+                      if (x.avg <= 2.3429962396621704) {
                         if (x.skew_lo <= -0.7680982947349548) {
                           return {4, 8, 32, 32, 0};  // SP
                         } else {
                           return {2, 16, 64, 4, 0};  // SP
                         }
                       } else {
-                        return {4, 32, 8, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 2.9567500352859497) {
-                        if (x.log2_S <= 9.3320894241333) {
+                        if (x.log2_S <= 10.330825328826904) {
                           return {1, 8, 64, 32, 0};  // SP
                         } else {
-                          return {1, 32, 32, 4, 0};  // SP
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 4.21928334236145) {
-                    if (x.avg <= 21.347065925598145) {
-                      if (x.log2_S <= 10.871870517730713) {
-                        return {2, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -3.006098985671997) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 4, 0};  // SP
+                          if (x.skew_lo <= -2.5917431116104126) {
+                            return {1, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {1, 32, 32, 4, 0};  // SP
+                          }
                         }
                       }
                     } else {
                       return {2, 16, 64, 4, 0};  // SP
                     }
-                  } else {
-                    if (x.skew_hi <= 5.401110887527466) {
-                      if (x.skew_hi <= 5.225195646286011) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 1.605715274810791) {
-                  if (x.avg <= 1.3378913402557373) {
-                    if (x.log2_S <= 14.775699615478516) {
-                      if (x.log2_S <= 12.386398792266846) {
-                        if (x.skew_hi <= 5.950984477996826) {
-                          return {4, 32, 8, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_lo <= -0.12089939042925835) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.923518180847168) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.800961017608643) {
-                      if (x.avg <= 1.5019402503967285) {
-                        return {1, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
                   }
                 } else {
-                  if (x.log2_S <= 15.43868637084961) {
-                    if (x.skew_hi <= 1.0454831719398499) {
-                      if (x.log2_S <= 12.003714561462402) {
+                  return {4, 32, 8, 2, 0};  // SP
+                }
+              } else {
+                if (x.skew_lo <= -2.7433273792266846) {
+                  if (x.log2_S <= 10.906164169311523) {
+                    return {2, 16, 64, 4, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -5.4820168018341064) {
+                      if (x.log2_S <= 13.333126068115234) {
                         return {2, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.91096544265747) {
-                          if (x.avg <= 46.0100212097168) {
+                        if (x.skew_hi <= 0.07551317662000656) {
+                          if (x.log2_S <= 14.219532012939453) {
                             return {4, 8, 32, 32, 0};  // SP
                           } else {
-                            return {4, 32, 64, 2, 0};  // SP
+                            return {4, 32, 64, 4, 0};  // SP
                           }
                         } else {
                           return {4, 8, 32, 32, 0};  // SP
                         }
                       }
                     } else {
-                      return {4, 8, 32, 32, 0};  // SP
+                      if (x.log2_S <= 15.93970537185669) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -3.3846609592437744) {
+                          if (x.skew_hi <= 2.01254940032959) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 16.531444549560547) {
+                              return {4, 8, 32, 32, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.545472621917725) {
+                    if (x.skew_lo <= -0.7258777022361755) {
+                      if (x.skew_hi <= 4.312478542327881) {
+                        if (x.log2_S <= 12.388980388641357) {
+                          if (x.log2_S <= 11.393731117248535) {
+                            if (x.log2_S <= 11.077781677246094) {
+                              return {2, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 8, 64, 32, 0};  // SP
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 0};  // SP
+                          }
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.695414543151855) {
+                        if (x.skew_hi <= 5.410741806030273) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 8, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 1.336170494556427) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    if (x.skew_lo <= -3.279009222984314) {
-                      return {4, 8, 32, 32, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -2.290510058403015) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -0.7834217548370361) {
-                          return {4, 2, 64, 128, 0};  // SP
+                    if (x.avg <= 2.06876540184021) {
+                      if (x.log2_S <= 15.886265277862549) {
+                        if (x.avg <= 1.611082911491394) {
+                          if (x.skew_lo <= -0.41525888442993164) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 15.53180980682373) {
+                              return {4, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          }
                         } else {
                           return {4, 8, 32, 32, 0};  // SP
                         }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
                       }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 19.99747371673584) {
-                if (x.avg <= 6.290591239929199) {
+              if (x.log2_S <= 20.345006942749023) {
+                if (x.avg <= 7.757605075836182) {
                   return {4, 2, 64, 128, 0};  // SP
                 } else {
-                  if (x.log2_S <= 17.79440975189209) {
-                    if (x.skew_hi <= 2.6579352617263794) {
-                      if (x.avg <= 43.69802665710449) {
-                        if (x.log2_S <= 17.392173767089844) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 1.289709448814392) {
-                            return {4, 8, 32, 32, 0};  // SP
-                          } else {
-                            if (x.avg <= 13.98262882232666) {
-                              return {4, 4, 64, 64, 0};  // SP
-                            } else {
-                              return {4, 8, 64, 32, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= -3.116906523704529) {
-                      if (x.log2_S <= 19.66216468811035) {
+                  if (x.log2_S <= 17.789913177490234) {
+                    if (x.avg <= 25.157556533813477) {
+                      if (x.avg <= 12.109853267669678) {
                         return {4, 4, 64, 64, 0};  // SP
                       } else {
-                        if (x.avg <= 25.465219497680664) {
-                          return {4, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 18.53677272796631) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -3.356200933456421) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.668027877807617) {
                         return {4, 4, 64, 64, 0};  // SP
                       } else {
                         return {4, 2, 64, 128, 0};  // SP
@@ -2241,250 +2221,226 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 13.8414306640625) {
+            if (x.log2_S <= 13.514679908752441) {
               if (x.long_level <= 1.5) {
-                if (x.skew_hi <= 4.773589134216309) {
-                  if (x.log2_S <= 12.516499996185303) {
-                    if (x.log2_S <= 9.286050796508789) {
-                      if (x.skew_hi <= 4.545811891555786) {
+                if (x.skew_lo <= 1.2727949023246765) {
+                  if (x.log2_S <= 12.362844944000244) {
+                    if (x.skew_lo <= 0.9065233767032623) {
+                      if (x.log2_S <= 9.948737144470215) {
                         return {4, 64, 64, 2, 0};  // SP
                       } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 11.166923522949219) {
-                        if (x.log2_S <= 9.480947017669678) {
-                          if (x.skew_lo <= 0.3163032606244087) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_lo <= -0.5176978558301926) {
+                        if (x.log2_S <= 11.0428147315979) {
+                          if (x.avg <= 52.27199172973633) {
                             return {4, 64, 64, 1, 0};  // SP
                           } else {
-                            if (x.avg <= 54.47784996032715) {
-                              return {4, 64, 64, 1, 0};  // SP
+                            if (x.avg <= 104.68291854858398) {
+                              return {4, 64, 64, 2, 0};  // SP
                             } else {
-                              if (x.log2_S <= 10.79450798034668) {
+                              if (x.log2_S <= 10.013247013092041) {
                                 return {4, 64, 64, 2, 0};  // SP
                               } else {
-                                return {4, 64, 64, 1, 0};  // SP
+                                if (x.skew_lo <= -1.7351705431938171) {
+                                  if (x.log2_S <= 10.777597427368164) {
+                                    return {4, 64, 64, 2, 0};  // SP
+                                  } else {
+                                    return {4, 64, 64, 1, 0};  // SP
+                                  }
+                                } else {
+                                  return {4, 64, 64, 1, 0};  // SP
+                                }
                               }
                             }
                           }
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.129051208496094) {
+                        return {4, 64, 64, 1, 0};  // SP
                       } else {
                         return {4, 64, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 0.5303160846233368) {
-                      if (x.log2_S <= 12.785534858703613) {
-                        if (x.avg <= 107.14628601074219) {
-                          return {4, 32, 64, 4, 0};  // SP
+                    if (x.skew_hi <= 4.9653000831604) {
+                      if (x.log2_S <= 12.624600410461426) {
+                        if (x.skew_hi <= 3.478466272354126) {
+                          return {4, 64, 64, 2, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 2.4557323455810547) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 32, 1, 0};  // SP
-                          }
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       } else {
                         return {4, 32, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 12.848607063293457) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.avg <= 3.5550092458724976) {
-                    if (x.log2_S <= 12.386205196380615) {
-                      if (x.log2_S <= 11.002127647399902) {
-                        if (x.skew_hi <= 9.018826961517334) {
-                          if (x.skew_lo <= 4.3723719120025635) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 8.265812873840332) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 64, 64, 1, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 12.766387462615967) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.07714319229126) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.avg <= 2.824374556541443) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 13.19967794418335) {
-                      if (x.log2_S <= 12.247830867767334) {
-                        if (x.avg <= 6.959023475646973) {
-                          if (x.skew_lo <= 3.686766266822815) {
-                            if (x.log2_S <= 11.046267986297607) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 64, 32, 1, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 11.26716947555542) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
+                  if (x.skew_lo <= 4.340517997741699) {
+                    if (x.avg <= 13.257912158966064) {
+                      if (x.log2_S <= 11.999427318572998) {
+                        if (x.skew_hi <= 7.246160268783569) {
                           if (x.log2_S <= 11.226109981536865) {
                             return {1, 16, 8, 4, 1};  // SR
                           } else {
-                            if (x.log2_S <= 11.76405382156372) {
+                            if (x.log2_S <= 11.799546241760254) {
                               return {4, 64, 32, 1, 0};  // SP
                             } else {
                               return {1, 16, 8, 4, 1};  // SR
                             }
                           }
+                        } else {
+                          if (x.avg <= 4.970059871673584) {
+                            if (x.log2_S <= 11.26716947555542) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 7.958668231964111) {
+                                return {1, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 11.046267986297607) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
+                            }
+                          }
                         }
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 12.849555492401123) {
-                        if (x.log2_S <= 11.272795677185059) {
+                        if (x.skew_lo <= 4.169888496398926) {
                           return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 11.953460693359375) {
-                            if (x.skew_lo <= 2.0106465220451355) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 1, 0};  // SP
-                            }
+                          if (x.avg <= 3.251151442527771) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.258746147155762) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.952041625976562) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 5.366000652313232) {
+                            return {4, 2, 8, 128, 1};  // SR
                           } else {
                             return {1, 8, 8, 32, 1};  // SR
                           }
                         }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.499524593353271) {
+                      if (x.log2_S <= 8.08843469619751) {
+                        return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        return {4, 2, 8, 128, 1};  // SR
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 13.01244068145752) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 16, 8, 4, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 11.45974588394165) {
-                  if (x.skew_lo <= 2.662160277366638) {
-                    if (x.skew_hi <= 6.462399244308472) {
-                      if (x.log2_S <= 10.984214305877686) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    return {1, 8, 8, 32, 1};  // SR
-                  }
+                if (x.log2_S <= 12.047924041748047) {
+                  return {1, 8, 8, 32, 1};  // SR
                 } else {
-                  if (x.avg <= 21.582873344421387) {
-                    if (x.log2_S <= 13.487247943878174) {
-                      if (x.skew_lo <= 5.774625539779663) {
-                        if (x.log2_S <= 12.687489986419678) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 6.358169078826904) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 7.790949583053589) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
+                  if (x.skew_lo <= 5.155152320861816) {
+                    return {4, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.skew_hi <= 9.23564338684082) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.209488868713379) {
-                        return {1, 8, 8, 32, 1};  // SR
+                    if (x.skew_hi <= 12.902125835418701) {
+                      if (x.skew_lo <= 5.9866557121276855) {
+                        if (x.log2_S <= 12.763105869293213) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
                       } else {
-                        return {4, 2, 8, 128, 1};  // SR
+                        return {1, 8, 8, 32, 1};  // SR
                       }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= 9.659589290618896) {
-                if (x.log2_S <= 15.097556591033936) {
-                  if (x.skew_hi <= 4.364800214767456) {
-                    if (x.avg <= 127.61883163452148) {
+              if (x.log2_S <= 15.309468746185303) {
+                if (x.skew_lo <= 0.5391969680786133) {
+                  if (x.avg <= 127.61883163452148) {
+                    if (x.log2_S <= 15.271247863769531) {
                       return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 14.714298725128174) {
-                        if (x.log2_S <= 14.222186088562012) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 64, 32, 1, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.skew_hi <= 7.766230583190918) {
-                        if (x.log2_S <= 14.176233768463135) {
-                          if (x.avg <= 11.804002285003662) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
                     } else {
                       return {4, 2, 8, 128, 1};  // SR
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 15.632423400878906) {
-                    if (x.skew_lo <= -0.4303569346666336) {
-                      if (x.log2_S <= 15.363061428070068) {
+                  } else {
+                    if (x.log2_S <= 14.628735065460205) {
+                      if (x.log2_S <= 13.996219635009766) {
                         return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
+                        return {4, 64, 32, 1, 0};  // SP
                       }
                     } else {
-                      if (x.skew_lo <= 8.96536111831665) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 8.520307540893555) {
+                    if (x.skew_hi <= 10.953051567077637) {
+                      if (x.log2_S <= 15.13805103302002) {
+                        if (x.log2_S <= 13.933247566223145) {
+                          if (x.avg <= 2.5935075283050537) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 2.497053623199463) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.72461223602295) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 8.220975399017334) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.020602703094482) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 1, 16};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 13.603482723236084) {
+                  if (x.log2_S <= 15.632423400878906) {
+                    if (x.skew_lo <= -0.8351597189903259) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= 8.584079265594482) {
                         return {4, 2, 8, 128, 1};  // SR
                       } else {
                         return {4, 32, 8, 1, 16};  // PR
@@ -2493,28 +2449,44 @@ inline Config plain_config(const Features& f) {
                   } else {
                     return {4, 2, 8, 128, 1};  // SR
                   }
-                }
-              } else {
-                if (x.log2_S <= 14.616971492767334) {
-                  return {4, 2, 8, 128, 1};  // SR
                 } else {
-                  return {4, 32, 8, 1, 16};  // PR
+                  if (x.log2_S <= 17.85706615447998) {
+                    return {4, 32, 8, 1, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 23.471405029296875) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 1, 16};  // PR
+                    }
+                  }
                 }
               }
             }
           }
         } else {
-          if (x.skew_hi <= 13.96462631225586) {
-            return {4, 32, 8, 1, 16};  // PR
+          if (x.skew_hi <= 13.923442840576172) {
+            if (x.skew_hi <= 13.867218971252441) {
+              return {4, 32, 8, 1, 16};  // PR
+            } else {
+              if (x.skew_lo <= 6.962533473968506) {
+                return {4, 32, 8, 2, 16};  // PR
+              } else {
+                return {4, 32, 8, 1, 16};  // PR
+              }
+            }
           } else {
-            if (x.avg <= 10.952086925506592) {
-              if (x.skew_hi <= 19.020401000976562) {
-                if (x.log2_S <= 15.612551212310791) {
-                  if (x.avg <= 6.519734144210815) {
-                    if (x.log2_S <= 15.130458354949951) {
-                      return {4, 32, 8, 2, 16};  // PR
+            if (x.avg <= 10.44196367263794) {
+              if (x.skew_hi <= 19.276488304138184) {
+                if (x.skew_hi <= 15.675090789794922) {
+                  if (x.log2_S <= 14.86252212524414) {
+                    if (x.skew_lo <= 11.270080089569092) {
+                      if (x.avg <= 8.699029445648193) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
                     } else {
-                      return {4, 32, 8, 1, 16};  // PR
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   } else {
                     return {4, 32, 8, 1, 16};  // PR
@@ -2523,37 +2495,45 @@ inline Config plain_config(const Features& f) {
                   return {4, 32, 8, 2, 16};  // PR
                 }
               } else {
-                if (x.skew_lo <= 11.26105546951294) {
-                  return {4, 32, 8, 2, 16};  // PR
+                if (x.avg <= 3.255990147590637) {
+                  return {4, 32, 32, 4, 16};  // PR
                 } else {
-                  if (x.avg <= 3.292808413505554) {
-                    return {4, 32, 32, 4, 16};  // PR
+                  if (x.log2_S <= 20.95394515991211) {
+                    return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.skew_hi <= 20.95394515991211) {
+                    if (x.skew_lo <= 11.028222560882568) {
                       return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      if (x.avg <= 3.4084463119506836) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
+                      if (x.skew_lo <= 12.152200698852539) {
                         return {4, 32, 32, 4, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 16.30463695526123) {
-                if (x.log2_S <= 15.132559299468994) {
+              if (x.log2_S <= 16.358607292175293) {
+                if (x.skew_hi <= 15.140283107757568) {
                   return {4, 32, 8, 2, 16};  // PR
                 } else {
-                  if (x.log2_S <= 15.998434066772461) {
-                    if (x.avg <= 149.29874420166016) {
-                      return {4, 32, 8, 1, 16};  // PR
-                    } else {
+                  if (x.skew_hi <= 15.941756248474121) {
+                    if (x.log2_S <= 15.459256649017334) {
                       return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.skew_hi <= 15.844622611999512) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        if (x.skew_lo <= 6.679435968399048) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
+                      }
                     }
                   } else {
-                    if (x.skew_lo <= 6.43060564994812) {
+                    if (x.skew_lo <= 6.440654516220093) {
                       return {4, 32, 8, 2, 8};  // PR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
@@ -2561,7 +2541,15 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                return {4, 32, 8, 2, 8};  // PR
+                if (x.skew_lo <= 10.408517360687256) {
+                  return {4, 32, 8, 2, 8};  // PR
+                } else {
+                  if (x.skew_hi <= 18.168170928955078) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                }
               }
             }
           }
@@ -2569,444 +2557,432 @@ inline Config plain_config(const Features& f) {
       } else {
         if (x.long_level <= 0.5) {
           if (x.log2_S <= 17.32059955596924) {
-            if (x.skew_hi <= 4.534024715423584) {
-              if (x.log2_S <= 9.407397747039795) {
-                if (x.avg <= 35.502145767211914) {
-                  if (x.skew_lo <= -2.9239728450775146) {
-                    return {4, 4, 64, 64, 0};  // SP
+            if (x.skew_lo <= -0.7364398539066315) {
+              if (x.log2_S <= 9.234297275543213) {
+                if (x.skew_hi <= 3.0760271549224854) {
+                  if (x.skew_hi <= 0.8119527995586395) {
+                    return {4, 8, 64, 32, 0};  // SP
                   } else {
-                    if (x.skew_lo <= -1.7199156284332275) {
-                      if (x.log2_S <= 9.0826997756958) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
+                    return {4, 4, 64, 64, 0};  // SP
                   }
                 } else {
-                  return {4, 8, 64, 32, 0};  // SP
+                  if (x.avg <= 3.294419765472412) {
+                    if (x.avg <= 1.9364899396896362) {
+                      return {2, 32, 16, 4, 0};  // SP
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    return {4, 2, 64, 128, 0};  // SP
+                  }
                 }
               } else {
-                if (x.log2_S <= 15.394137382507324) {
-                  return {4, 8, 64, 32, 0};  // SP
+                if (x.log2_S <= 15.17905330657959) {
+                  if (x.avg <= 2.16356098651886) {
+                    if (x.log2_S <= 11.795814037322998) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
                 } else {
-                  if (x.skew_lo <= -2.3725167512893677) {
-                    if (x.skew_lo <= -2.8935742378234863) {
+                  if (x.skew_hi <= 3.266900897026062) {
+                    if (x.log2_S <= 17.174185752868652) {
                       return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 16.703701972961426) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
+                      if (x.avg <= 8.447786331176758) {
                         return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     }
                   } else {
-                    return {4, 4, 64, 64, 0};  // SP
+                    if (x.skew_lo <= -0.7790341377258301) {
+                      if (x.avg <= 5.1786417961120605) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 16.305932998657227) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 16.096096992492676) {
-                if (x.log2_S <= 13.964668273925781) {
-                  if (x.avg <= 1.61955988407135) {
-                    if (x.log2_S <= 11.65045166015625) {
-                      if (x.skew_lo <= -0.3949818015098572) {
-                        if (x.avg <= 1.4644647240638733) {
-                          if (x.avg <= 1.3475786447525024) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 9.918860912322998) {
-                            return {2, 32, 16, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 10.82836627960205) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.234606742858887) {
-                          return {4, 64, 64, 1, 0};  // SP
+              if (x.log2_S <= 15.003275394439697) {
+                if (x.log2_S <= 11.604647636413574) {
+                  if (x.avg <= 1.3149523735046387) {
+                    if (x.log2_S <= 11.234606742858887) {
+                      return {4, 64, 64, 1, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.5681662261486053) {
+                      if (x.log2_S <= 11.096900463104248) {
+                        if (x.log2_S <= 9.025577545166016) {
+                          return {2, 32, 16, 4, 0};  // SP
                         } else {
                           return {4, 32, 64, 2, 0};  // SP
                         }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
                       }
+                    } else {
+                      if (x.avg <= 1.3475786447525024) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.640599727630615) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -0.48900534212589264) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
                       return {4, 32, 64, 4, 0};  // SP
                     }
-                  } else {
-                    if (x.skew_hi <= 5.045818567276001) {
-                      if (x.log2_S <= 10.066079139709473) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.60038137435913) {
-                          if (x.skew_lo <= -1.1894144415855408) {
-                            return {2, 32, 16, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= -0.7611084878444672) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {2, 32, 16, 4, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -1.2290164828300476) {
-                    if (x.log2_S <= 15.03609848022461) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
                   }
                 }
               } else {
-                return {4, 4, 64, 64, 0};  // SP
+                if (x.log2_S <= 16.627960205078125) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
               }
             }
           } else {
-            if (x.log2_S <= 18.007125854492188) {
-              if (x.skew_hi <= 2.6971486806869507) {
-                if (x.avg <= 39.74620246887207) {
-                  if (x.skew_lo <= -3.52169406414032) {
-                    return {4, 8, 32, 32, 0};  // SP
-                  } else {
+            if (x.log2_S <= 18.15993022918701) {
+              if (x.avg <= 9.427751541137695) {
+                return {4, 4, 64, 64, 0};  // SP
+              } else {
+                if (x.skew_lo <= -5.2362072467803955) {
+                  if (x.log2_S <= 17.92243003845215) {
                     return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 32, 32, 0};  // SP
                   }
                 } else {
-                  return {4, 8, 64, 32, 0};  // SP
+                  return {4, 8, 32, 32, 0};  // SP
                 }
-              } else {
-                return {4, 4, 64, 64, 0};  // SP
               }
             } else {
               return {4, 4, 64, 64, 0};  // SP
             }
           }
         } else {
-          if (x.log2_S <= 14.313986778259277) {
-            if (x.long_level <= 2.5) {
-              if (x.skew_lo <= 5.932619094848633) {
-                if (x.log2_S <= 11.689267635345459) {
-                  if (x.avg <= 6.391940116882324) {
-                    if (x.skew_hi <= 8.597766399383545) {
-                      if (x.skew_lo <= 4.010854721069336) {
-                        if (x.log2_S <= 11.010749816894531) {
+          if (x.long_level <= 2.5) {
+            if (x.log2_S <= 12.997127056121826) {
+              if (x.long_level <= 1.5) {
+                if (x.skew_lo <= 4.081918239593506) {
+                  if (x.skew_hi <= 3.3268526792526245) {
+                    if (x.log2_S <= 10.785032272338867) {
+                      return {4, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.4468355178833) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 175.22154998779297) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.903008460998535) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 6.391940116882324) {
+                      if (x.log2_S <= 11.010749816894531) {
+                        if (x.skew_lo <= 4.023357391357422) {
                           return {1, 32, 8, 2, 1};  // SR
                         } else {
                           return {1, 16, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 4.867513418197632) {
-                          if (x.log2_S <= 10.987788200378418) {
-                            if (x.avg <= 3.7792434692382812) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
+                        if (x.log2_S <= 12.513467788696289) {
+                          return {1, 16, 8, 8, 1};  // SR
                         } else {
-                          if (x.log2_S <= 8.411987781524658) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
+                          return {1, 16, 8, 4, 1};  // SR
                         }
                       }
                     } else {
-                      return {4, 64, 64, 1, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 8.335735321044922) {
-                      if (x.skew_lo <= -0.8095003664493561) {
-                        if (x.skew_hi <= 2.5669777393341064) {
-                          if (x.log2_S <= 9.675298690795898) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 10.785032272338867) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              return {1, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 10.746562004089355) {
+                      if (x.log2_S <= 11.689267635345459) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 4.919397592544556) {
+                          if (x.log2_S <= 12.868504524230957) {
                             return {4, 64, 64, 2, 0};  // SP
                           } else {
-                            if (x.log2_S <= 11.437491416931152) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 156.90554809570312) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.avg <= 182.2589111328125) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.065798282623291) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 5.015769958496094) {
-                        if (x.skew_lo <= 4.7164247035980225) {
-                          if (x.log2_S <= 10.952588558197021) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
+                            return {4, 64, 64, 1, 0};  // SP
                           }
                         } else {
-                          return {1, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 10.827071189880371) {
-                          if (x.skew_hi <= 8.526156425476074) {
-                            return {1, 16, 8, 8, 1};  // SR
+                          if (x.log2_S <= 12.753027439117432) {
+                            if (x.log2_S <= 11.911681652069092) {
+                              if (x.skew_lo <= 2.230031907558441) {
+                                return {1, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
                           } else {
-                            if (x.skew_hi <= 9.80031442642212) {
+                            if (x.skew_hi <= 5.832914352416992) {
+                              return {2, 8, 16, 32, 1};  // SR
+                            } else {
                               return {1, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
                             }
                           }
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 0.2722434550523758) {
-                    return {4, 64, 64, 1, 0};  // SP
-                  } else {
-                    if (x.avg <= 10.556314468383789) {
-                      if (x.log2_S <= 12.04900074005127) {
-                        if (x.avg <= 3.917403817176819) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.896036148071289) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 14.150693893432617) {
-                          if (x.log2_S <= 12.533526420593262) {
-                            if (x.avg <= 2.2870062589645386) {
-                              return {1, 16, 8, 4, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 4.1941609382629395) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 13.840921401977539) {
-                              return {1, 16, 8, 4, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 8.032063722610474) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 16, 8, 4, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 8.525464057922363) {
+                  if (x.log2_S <= 12.04900074005127) {
+                    if (x.skew_hi <= 8.574888706207275) {
+                      if (x.log2_S <= 11.248549938201904) {
+                        if (x.avg <= 1.9677194952964783) {
+                          if (x.skew_hi <= 8.411987781524658) {
                             return {1, 16, 8, 4, 1};  // SR
                           } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 64, 64, 1, 0};  // SP
+                      }
+                    } else {
+                      return {4, 64, 64, 1, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 2.507004499435425) {
+                      return {1, 16, 8, 4, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.725981712341309) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 16, 8, 4, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 6.100805759429932) {
+                  if (x.avg <= 33.50184440612793) {
+                    if (x.log2_S <= 11.391162872314453) {
+                      if (x.skew_hi <= 9.87434196472168) {
+                        if (x.skew_hi <= 8.162562370300293) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 16, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 11.975110054016113) {
+                      if (x.skew_hi <= 7.475510835647583) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 8.200332164764404) {
+                          if (x.log2_S <= 11.658947944641113) {
+                            if (x.avg <= 88.43603134155273) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 9.965391635894775) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 38.113162994384766) {
                             return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 12.727096557617188) {
-                        if (x.long_level <= 1.5) {
-                          if (x.skew_hi <= 4.858309030532837) {
-                            if (x.log2_S <= 12.091609954833984) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 43.32797622680664) {
-                                return {4, 64, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 64, 64, 1, 0};  // SP
-                              }
-                            }
+                      if (x.avg <= 98.82776641845703) {
+                        if (x.log2_S <= 12.668418884277344) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 8.198745250701904) {
+                    if (x.avg <= 6.740251064300537) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {1, 16, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 16.83054828643799) {
+                if (x.long_level <= 1.5) {
+                  if (x.skew_hi <= 7.11919093132019) {
+                    if (x.skew_lo <= 0.17420373111963272) {
+                      if (x.log2_S <= 15.304824829101562) {
+                        if (x.avg <= 125.80038070678711) {
+                          if (x.log2_S <= 14.798149108886719) {
+                            return {4, 64, 64, 2, 0};  // SP
                           } else {
-                            if (x.avg <= 11.837374687194824) {
-                              return {1, 4, 8, 64, 1};  // SR
+                            if (x.avg <= 76.65319442749023) {
+                              return {2, 8, 16, 32, 1};  // SR
                             } else {
-                              return {1, 16, 8, 8, 1};  // SR
+                              return {4, 64, 64, 2, 0};  // SP
                             }
                           }
                         } else {
-                          if (x.avg <= 45.509700775146484) {
-                            return {4, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 15.238311767578125) {
+                            return {4, 64, 64, 1, 0};  // SP
                           } else {
-                            if (x.log2_S <= 11.900303840637207) {
-                              return {4, 8, 8, 32, 1};  // SR
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 6.585735321044922) {
+                        return {2, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.736924171447754) {
+                          return {1, 16, 8, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.24943256378174) {
+                            return {2, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.68710422515869) {
+                              return {4, 32, 8, 2, 8};  // PR
                             } else {
                               return {2, 8, 16, 32, 1};  // SR
                             }
                           }
                         }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.912269592285156) {
+                      if (x.log2_S <= 13.840921401977539) {
+                        return {1, 16, 8, 4, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 9.13753604888916) {
-                          return {2, 8, 16, 32, 1};  // SR
+                        if (x.skew_hi <= 8.36048173904419) {
+                          if (x.avg <= 4.871744632720947) {
+                            if (x.log2_S <= 15.153569221496582) {
+                              if (x.skew_lo <= 4.157105922698975) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 15.432501792907715) {
+                                return {2, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 8};  // PR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 14.299414157867432) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 8, 16, 32, 1};  // SR
+                            }
+                          }
                         } else {
-                          if (x.log2_S <= 13.395864009857178) {
+                          if (x.log2_S <= 14.150693893432617) {
+                            if (x.skew_lo <= 4.7481689453125) {
+                              return {1, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.007093906402588) {
+                    if (x.avg <= 22.613999366760254) {
+                      if (x.skew_hi <= 11.21681022644043) {
+                        if (x.avg <= 16.61665916442871) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.521912574768066) {
                             return {4, 8, 8, 32, 1};  // SR
                           } else {
                             return {2, 8, 16, 32, 1};  // SR
                           }
                         }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 8.4649338722229) {
-                  if (x.avg <= 6.232567310333252) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    return {1, 16, 8, 8, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 13.922935485839844) {
-                    if (x.long_level <= 1.5) {
-                      return {4, 64, 64, 1, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 9.000670433044434) {
-                        if (x.skew_lo <= 6.389184236526489) {
-                          return {1, 16, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 8.45723819732666) {
-                      if (x.avg <= 10.306371688842773) {
-                        return {4, 8, 8, 32, 1};  // SR
                       } else {
                         return {2, 8, 16, 32, 1};  // SR
                       }
                     } else {
                       return {2, 8, 16, 32, 1};  // SR
                     }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_lo <= 10.676614761352539) {
-                if (x.avg <= 106.38959884643555) {
-                  return {4, 32, 8, 2, 8};  // PR
-                } else {
-                  if (x.skew_hi <= 12.875802040100098) {
-                    return {2, 8, 16, 32, 1};  // SR
-                  } else {
-                    return {4, 32, 8, 2, 8};  // PR
-                  }
-                }
-              } else {
-                if (x.avg <= 8.980925559997559) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.skew_hi <= 12.919600486755371) {
-                    return {4, 32, 8, 2, 8};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 17.072802543640137) {
-                if (x.avg <= 5.621621131896973) {
-                  if (x.skew_hi <= 10.753445625305176) {
-                    if (x.log2_S <= 15.936191082000732) {
-                      if (x.skew_hi <= 8.649303913116455) {
-                        if (x.log2_S <= 15.355119705200195) {
-                          return {2, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 8};  // PR
-                        }
-                      } else {
-                        return {1, 16, 8, 8, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
                   } else {
                     return {2, 8, 16, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_lo <= -0.8340027332305908) {
-                    if (x.log2_S <= 15.17770004272461) {
-                      return {4, 64, 64, 1, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 15.365223407745361) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 3.745318651199341) {
-                      if (x.log2_S <= 14.817301273345947) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {2, 8, 16, 32, 1};  // SR
-                    }
                   }
                 }
               } else {
                 return {2, 8, 16, 32, 1};  // SR
               }
-            } else {
-              if (x.log2_S <= 16.21174716949463) {
-                if (x.log2_S <= 14.597776889801025) {
-                  if (x.skew_lo <= 10.68705129623413) {
-                    return {4, 32, 8, 2, 8};  // PR
-                  } else {
+            }
+          } else {
+            if (x.log2_S <= 16.024290084838867) {
+              if (x.log2_S <= 14.048911094665527) {
+                if (x.skew_lo <= 10.582868576049805) {
+                  return {4, 32, 8, 2, 8};  // PR
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
+              } else {
+                if (x.avg <= 9.687428951263428) {
+                  if (x.log2_S <= 15.192919731140137) {
                     return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 16, 4, 8};  // PR
                   }
                 } else {
-                  if (x.skew_hi <= 15.186830997467041) {
-                    if (x.avg <= 14.240176677703857) {
-                      return {4, 32, 8, 2, 16};  // PR
+                  if (x.avg <= 16.855477333068848) {
+                    if (x.skew_hi <= 14.899844646453857) {
+                      return {4, 32, 8, 2, 8};  // PR
                     } else {
                       return {4, 32, 16, 4, 8};  // PR
                     }
@@ -3014,62 +2990,74 @@ inline Config plain_config(const Features& f) {
                     return {4, 32, 16, 4, 8};  // PR
                   }
                 }
-              } else {
-                if (x.skew_lo <= 6.814468145370483) {
-                  if (x.skew_hi <= 18.315678596496582) {
-                    return {2, 8, 64, 32, 1};  // SR
-                  } else {
-                    return {2, 8, 16, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_hi <= 21.644861221313477) {
-                    if (x.log2_S <= 19.019404411315918) {
-                      if (x.skew_lo <= 11.160276889801025) {
-                        if (x.skew_hi <= 18.839040756225586) {
-                          return {2, 8, 64, 32, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 8.707077503204346) {
-                            return {2, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {2, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 17.220580101013184) {
-                          return {4, 32, 16, 4, 8};  // PR
-                        } else {
-                          return {2, 8, 64, 32, 1};  // SR
-                        }
-                      }
+              }
+            } else {
+              if (x.skew_hi <= 20.716909408569336) {
+                if (x.log2_S <= 19.20633888244629) {
+                  if (x.skew_lo <= 11.160276889801025) {
+                    if (x.log2_S <= 16.0468692779541) {
+                      return {4, 32, 16, 4, 8};  // PR
                     } else {
-                      if (x.avg <= 11.334929466247559) {
-                        if (x.skew_lo <= 12.510136604309082) {
-                          if (x.avg <= 4.210978984832764) {
-                            if (x.log2_S <= 19.5254545211792) {
-                              return {2, 8, 64, 32, 1};  // SR
-                            } else {
-                              return {4, 4, 64, 64, 0};  // SP
-                            }
-                          } else {
+                      return {2, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 16.64594841003418) {
+                      return {4, 32, 16, 4, 8};  // PR
+                    } else {
+                      if (x.avg <= 3.2841203212738037) {
+                        return {2, 8, 64, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 17.639522552490234) {
+                          if (x.skew_lo <= 11.328389167785645) {
                             return {2, 8, 64, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 4, 8};  // PR
                           }
                         } else {
-                          return {2, 8, 64, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 21.042287826538086) {
-                          return {2, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 8.58676815032959) {
-                            return {2, 8, 16, 32, 1};  // SR
+                          if (x.avg <= 3.587977170944214) {
+                            return {4, 4, 64, 64, 0};  // SP
                           } else {
                             return {2, 8, 64, 32, 1};  // SR
                           }
                         }
                       }
                     }
+                  }
+                } else {
+                  if (x.skew_lo <= 10.439666748046875) {
+                    return {2, 8, 16, 32, 1};  // SR
                   } else {
+                    if (x.avg <= 4.27021336555481) {
+                      if (x.skew_lo <= 12.605609893798828) {
+                        if (x.log2_S <= 19.656999588012695) {
+                          return {2, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        return {2, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      return {2, 8, 64, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 12.016073226928711) {
+                  return {2, 8, 64, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 3.124648332595825) {
                     return {2, 8, 64, 32, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 12.194586753845215) {
+                      if (x.log2_S <= 22.010167121887207) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {2, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
                   }
                 }
               }
@@ -3080,43 +3068,91 @@ inline Config plain_config(const Features& f) {
     } else {
       if (x.F <= 45.254833995939045) {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 17.651883125305176) {
-            if (x.avg <= 2.1547518968582153) {
-              if (x.log2_S <= 14.485750675201416) {
-                if (x.skew_hi <= 5.5049896240234375) {
-                  if (x.log2_S <= 10.762811183929443) {
-                    if (x.skew_lo <= -0.8573288917541504) {
-                      return {2, 64, 32, 1, 0};  // SP
-                    } else {
-                      if (x.avg <= 1.4409854412078857) {
-                        return {4, 64, 64, 2, 0};  // SP
+          if (x.log2_S <= 17.66928768157959) {
+            if (x.skew_hi <= 4.892547845840454) {
+              if (x.log2_S <= 16.94840717315674) {
+                if (x.skew_lo <= -2.4063585996627808) {
+                  if (x.log2_S <= 12.922861576080322) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 1.3494125604629517) {
+                      if (x.log2_S <= 15.872301578521729) {
+                        if (x.log2_S <= 14.045721530914307) {
+                          if (x.skew_hi <= 0.9879963994026184) {
+                            if (x.log2_S <= 13.774219512939453) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 13.821141719818115) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 15.713291645050049) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.avg <= 36.13427734375) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
                       } else {
-                        return {4, 32, 64, 4, 0};  // SP
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 15.15596055984497) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.89936351776123) {
+                          if (x.log2_S <= 14.070294380187988) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
                       }
                     }
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 13.850412845611572) {
-                    return {4, 64, 64, 2, 0};  // SP
+                  if (x.log2_S <= 10.921221733093262) {
+                    if (x.avg <= 2.8216567039489746) {
+                      return {2, 64, 32, 1, 0};  // SP
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
                   } else {
-                    return {4, 32, 64, 4, 0};  // SP
+                    if (x.skew_lo <= -1.4789681434631348) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 13.167820930480957) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 15.203991889953613) {
-                  if (x.log2_S <= 14.823530673980713) {
-                    if (x.skew_lo <= -0.8012281656265259) {
+                if (x.skew_lo <= -3.2007522583007812) {
+                  if (x.skew_hi <= 2.0190703868865967) {
+                    if (x.skew_lo <= -5.867105722427368) {
                       return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      return {4, 16, 64, 4, 0};  // SP
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.skew_hi <= 5.415039777755737) {
-                      return {4, 8, 64, 32, 0};  // SP
+                    if (x.avg <= 10.955201148986816) {
+                      return {4, 16, 64, 4, 0};  // SP
                     } else {
-                      return {4, 8, 8, 32, 1};  // SR
+                      return {1, 32, 64, 2, 0};  // SP
                     }
                   }
                 } else {
@@ -3124,109 +3160,49 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 13.854274272918701) {
-                if (x.skew_hi <= 3.5936414003372192) {
-                  if (x.log2_S <= 13.015089988708496) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 24.638728141784668) {
-                      if (x.log2_S <= 13.830170631408691) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
+              if (x.log2_S <= 14.485750675201416) {
+                if (x.skew_lo <= -0.40540558099746704) {
+                  if (x.log2_S <= 10.491722583770752) {
+                    if (x.skew_hi <= 5.171187877655029) {
+                      return {2, 64, 32, 1, 0};  // SP
                     } else {
-                      return {4, 32, 64, 2, 0};  // SP
+                      if (x.skew_lo <= -0.5269793272018433) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
                     }
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 11.668237209320068) {
-                    if (x.skew_hi <= 4.539674758911133) {
-                      if (x.log2_S <= 11.131266593933105) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -2.1062222719192505) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.280910015106201) {
-                        return {2, 64, 32, 1, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
+                  if (x.log2_S <= 14.055456161499023) {
+                    return {4, 64, 64, 2, 0};  // SP
                   } else {
-                    if (x.skew_lo <= -1.5081687569618225) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 4.521031856536865) {
-                        return {2, 64, 32, 1, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 }
               } else {
-                if (x.skew_lo <= -3.4768444299697876) {
-                  if (x.log2_S <= 15.230403423309326) {
-                    if (x.skew_lo <= -3.518216609954834) {
-                      if (x.log2_S <= 13.862724304199219) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
+                if (x.log2_S <= 15.203991889953613) {
+                  if (x.skew_lo <= -0.8012281656265259) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 14.614699363708496) {
+                      return {4, 32, 64, 4, 0};  // SP
                     } else {
                       return {4, 16, 64, 4, 0};  // SP
                     }
-                  } else {
-                    if (x.avg <= 15.79679250717163) {
-                      if (x.log2_S <= 16.716612815856934) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.279834747314453) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 16.655794143676758) {
-                        if (x.log2_S <= 16.470966339111328) {
-                          if (x.skew_hi <= 1.2247734069824219) {
-                            if (x.log2_S <= 16.34634780883789) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 16.180424690246582) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 27.303648948669434) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= -5.69305682182312) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
                   }
                 } else {
-                  return {4, 8, 64, 32, 0};  // SP
+                  if (x.log2_S <= 16.22990894317627) {
+                    if (x.skew_lo <= -0.5120396018028259) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
                 }
               }
             }
@@ -3235,186 +3211,140 @@ inline Config plain_config(const Features& f) {
           }
         } else {
           if (x.log2_S <= 18.282529830932617) {
-            if (x.skew_hi <= 13.2936429977417) {
-              if (x.skew_lo <= 5.9920878410339355) {
-                if (x.log2_S <= 12.53681468963623) {
-                  if (x.long_level <= 1.5) {
-                    if (x.skew_lo <= 0.8306675553321838) {
-                      if (x.log2_S <= 10.785032272338867) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.706357479095459) {
-                          if (x.skew_hi <= 3.201560139656067) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.590933799743652) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          }
+            if (x.skew_lo <= 5.9973790645599365) {
+              if (x.log2_S <= 12.53868055343628) {
+                if (x.avg <= 27.093236923217773) {
+                  if (x.skew_lo <= 4.843417406082153) {
+                    if (x.skew_lo <= 2.0143983364105225) {
+                      if (x.skew_hi <= 5.499906301498413) {
+                        if (x.skew_hi <= 5.288355112075806) {
+                          return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 11.512891292572021) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.474636554718018) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.932084560394287) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
                         }
                       }
                     } else {
-                      if (x.skew_lo <= 4.843417406082153) {
-                        if (x.skew_lo <= 2.0143983364105225) {
-                          if (x.log2_S <= 11.886125087738037) {
-                            if (x.skew_lo <= 0.8482800126075745) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
+                      if (x.skew_hi <= 7.236102819442749) {
+                        return {1, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.avg <= 3.8474977016448975) {
+                          return {1, 32, 8, 2, 1};  // SR
                         } else {
-                          if (x.skew_lo <= 3.0500118732452393) {
-                            return {1, 32, 8, 2, 1};  // SR
+                          if (x.log2_S <= 11.397796154022217) {
+                            return {1, 32, 8, 4, 1};  // SR
                           } else {
-                            if (x.avg <= 3.8474977016448975) {
-                              if (x.log2_S <= 11.986904621124268) {
-                                return {1, 32, 8, 2, 1};  // SR
-                              } else {
-                                if (x.skew_hi <= 8.589158535003662) {
-                                  return {1, 32, 8, 2, 1};  // SR
-                                } else {
-                                  return {2, 32, 8, 8, 1};  // SR
-                                }
-                              }
+                            if (x.avg <= 4.585625171661377) {
+                              return {1, 32, 8, 4, 1};  // SR
                             } else {
-                              if (x.log2_S <= 11.397796154022217) {
-                                return {1, 32, 8, 4, 1};  // SR
-                              } else {
-                                if (x.avg <= 4.585625171661377) {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {1, 32, 8, 2, 1};  // SR
-                                }
-                              }
+                              return {1, 32, 8, 2, 1};  // SR
                             }
                           }
                         }
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
                       }
                     }
                   } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_hi <= 8.814385890960693) {
-                    if (x.avg <= 6.723180770874023) {
-                      if (x.log2_S <= 13.682723045349121) {
-                        if (x.skew_hi <= 8.439746379852295) {
+                    if (x.avg <= 19.8883638381958) {
+                      if (x.log2_S <= 11.582975387573242) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.80153512954712) {
                           return {1, 32, 8, 2, 1};  // SR
                         } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.482944965362549) {
-                          if (x.avg <= 3.0311344861984253) {
+                          if (x.avg <= 2.0210273265838623) {
                             return {1, 32, 8, 4, 1};  // SR
                           } else {
-                            if (x.log2_S <= 14.167506694793701) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {2, 16, 16, 8, 1};  // SR
-                            }
+                            return {4, 8, 8, 32, 1};  // SR
                           }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 9.196974754333496) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 1.6058717370033264) {
+                    if (x.log2_S <= 11.112940788269043) {
+                      if (x.skew_hi <= 3.041440963745117) {
+                        if (x.log2_S <= 9.14919662475586) {
+                          return {4, 16, 8, 8, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.0590314865112305) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
                         }
                       }
                     } else {
                       return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 14.81768274307251) {
-                      if (x.avg <= 2.2556591033935547) {
+                    if (x.avg <= 62.712005615234375) {
+                      if (x.skew_hi <= 8.151764392852783) {
                         return {1, 32, 8, 4, 1};  // SR
                       } else {
-                        if (x.log2_S <= 14.365408897399902) {
-                          if (x.avg <= 9.228682160377502) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_lo <= 5.288806676864624) {
-                            return {2, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
+                        return {4, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 9.25964081287384) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 16.368270874023438) {
-                          if (x.avg <= 33.035648345947266) {
-                            return {2, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 19.86315155029297) {
-                            return {2, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
+                      return {4, 8, 8, 32, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 14.593690872192383) {
-                    if (x.log2_S <= 12.119677543640137) {
-                      if (x.skew_lo <= 6.777960538864136) {
-                        if (x.skew_hi <= 8.125800609588623) {
-                          return {1, 32, 8, 4, 1};  // SR
+                if (x.skew_hi <= 8.814385890960693) {
+                  if (x.avg <= 4.703684329986572) {
+                    if (x.log2_S <= 14.151349544525146) {
+                      if (x.avg <= 3.2335565090179443) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.674398422241211) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.482944965362549) {
+                        if (x.skew_lo <= 3.8557459115982056) {
+                          return {2, 16, 16, 8, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        if (x.skew_hi <= 11.818067073822021) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 8.746042728424072) {
-                            if (x.skew_lo <= 8.195634365081787) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        }
+                        return {4, 8, 8, 32, 1};  // SR
                       }
+                    }
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 14.657259941101074) {
+                    if (x.avg <= 2.2556591033935547) {
+                      return {1, 32, 8, 4, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 12.843295574188232) {
-                        if (x.avg <= 4.711933135986328) {
-                          if (x.skew_hi <= 12.134295463562012) {
-                            if (x.log2_S <= 12.808622360229492) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 13.467416763305664) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 12.45728349685669) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {2, 16, 16, 8, 1};  // SR
-                              }
-                            }
-                          }
+                      if (x.log2_S <= 14.365408897399902) {
+                        if (x.skew_lo <= 4.82916784286499) {
+                          return {2, 32, 8, 8, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
                         }
@@ -3423,70 +3353,144 @@ inline Config plain_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.812646389007568) {
-                      if (x.skew_hi <= 11.646973609924316) {
-                        if (x.skew_hi <= 11.16484785079956) {
-                          if (x.skew_lo <= 6.166747808456421) {
-                            return {1, 32, 8, 4, 1};  // SR
+                    if (x.long_level <= 1.5) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 16.368270874023438) {
+                        if (x.avg <= 33.035648345947266) {
+                          return {2, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 5.6879777908325195) {
+                          if (x.log2_S <= 17.780938148498535) {
+                            return {4, 8, 8, 32, 1};  // SR
                           } else {
                             return {2, 16, 16, 8, 1};  // SR
                           }
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
+                          return {2, 16, 16, 8, 1};  // SR
                         }
-                      } else {
-                        return {2, 16, 16, 8, 1};  // SR
                       }
-                    } else {
-                      return {2, 16, 16, 8, 1};  // SR
                     }
-                  }
-                } else {
-                  if (x.avg <= 8.23463249206543) {
-                    if (x.skew_hi <= 12.876102447509766) {
-                      if (x.avg <= 7.389716863632202) {
-                        return {2, 16, 16, 8, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 8};  // PR
-                      }
-                    } else {
-                      return {2, 16, 64, 2, 1};  // SR
-                    }
-                  } else {
-                    return {2, 16, 16, 8, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 15.398201942443848) {
-                  return {2, 16, 16, 8, 1};  // SR
-                } else {
-                  if (x.log2_S <= 16.414148330688477) {
-                    return {2, 16, 64, 2, 1};  // SR
-                  } else {
-                    return {2, 16, 16, 8, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 18.022116661071777) {
-                  if (x.skew_hi <= 13.388811111450195) {
-                    if (x.log2_S <= 13.337034702301025) {
-                      return {2, 16, 64, 2, 1};  // SR
+              if (x.skew_hi <= 14.048911094665527) {
+                if (x.avg <= 15.904970645904541) {
+                  if (x.log2_S <= 12.526609897613525) {
+                    if (x.skew_lo <= 10.012699604034424) {
+                      if (x.log2_S <= 11.59504222869873) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 11.121997356414795) {
+                          if (x.log2_S <= 11.899284362792969) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.91212797164917) {
+                            if (x.skew_lo <= 8.698665142059326) {
+                              return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
                     } else {
-                      if (x.avg <= 33.1909065246582) {
-                        if (x.avg <= 9.776506662368774) {
+                      if (x.avg <= 7.690192937850952) {
+                        if (x.log2_S <= 11.704996109008789) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
+                          if (x.skew_lo <= 11.461276054382324) {
+                            return {2, 16, 64, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.308547019958496) {
+                              return {2, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {2, 16, 64, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.591023445129395) {
+                      if (x.skew_lo <= 10.678019046783447) {
+                        if (x.skew_hi <= 12.734373092651367) {
+                          if (x.skew_lo <= 10.203910827636719) {
+                            if (x.skew_hi <= 11.741946697235107) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 14.258676052093506) {
+                                if (x.log2_S <= 12.86238431930542) {
+                                  if (x.avg <= 2.9151488542556763) {
+                                    return {4, 8, 8, 32, 1};  // SR
+                                  } else {
+                                    return {1, 32, 8, 4, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 8, 8, 32, 1};  // SR
+                                }
+                              } else {
+                                if (x.avg <= 3.37984836101532) {
+                                  return {4, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {2, 16, 16, 8, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 13.011967182159424) {
+                            if (x.avg <= 2.3612427711486816) {
+                              if (x.log2_S <= 14.250603675842285) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {2, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {2, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.636590480804443) {
+                          return {2, 16, 16, 8, 1};  // SR
+                        } else {
                           return {2, 16, 64, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.228774070739746) {
+                        if (x.skew_hi <= 11.121155738830566) {
+                          return {4, 8, 8, 32, 1};  // SR
                         } else {
                           return {2, 16, 16, 8, 1};  // SR
                         }
                       } else {
-                        return {2, 16, 64, 2, 1};  // SR
+                        return {2, 16, 16, 8, 1};  // SR
                       }
                     }
-                  } else {
-                    return {2, 16, 64, 2, 1};  // SR
                   }
+                } else {
+                  return {2, 16, 16, 8, 1};  // SR
+                }
+              } else {
+                if (x.skew_hi <= 18.022116661071777) {
+                  return {2, 16, 64, 2, 1};  // SR
                 } else {
                   if (x.skew_lo <= 10.487829208374023) {
                     return {2, 16, 16, 8, 1};  // SR
@@ -3497,70 +3501,20 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.skew_lo <= 10.556324005126953) {
-              if (x.avg <= 77.41104507446289) {
-                if (x.log2_S <= 18.609248161315918) {
+            if (x.skew_lo <= 10.634258270263672) {
+              if (x.avg <= 69.82763290405273) {
+                if (x.log2_S <= 18.615612030029297) {
                   if (x.skew_lo <= 3.720238447189331) {
-                    if (x.avg <= 42.71600914001465) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
+                    if (x.skew_hi <= 4.484638690948486) {
                       return {2, 16, 16, 8, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
                     if (x.avg <= 30.47575092315674) {
-                      if (x.avg <= 1.5265434980392456) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 18.492216110229492) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {2, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        return {2, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 6.351171970367432) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {2, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 1.2451367378234863) {
-                    if (x.long_level <= 1.5) {
                       return {2, 16, 16, 8, 1};  // SR
                     } else {
-                      if (x.log2_S <= 19.98098373413086) {
-                        return {2, 16, 16, 8, 1};  // SR
-                      } else {
-                        return {2, 16, 64, 2, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {2, 16, 16, 8, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 13.004798889160156) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 18.88361167907715) {
-                      if (x.skew_lo <= -0.8948931992053986) {
-                        return {2, 16, 16, 8, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {2, 16, 16, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 7.678157567977905) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 20.393832206726074) {
+                      if (x.long_level <= 2.5) {
                         return {4, 8, 8, 32, 1};  // SR
                       } else {
                         return {2, 16, 16, 8, 1};  // SR
@@ -3570,20 +3524,50 @@ inline Config plain_config(const Features& f) {
                 } else {
                   return {2, 16, 16, 8, 1};  // SR
                 }
+              } else {
+                if (x.skew_hi <= 13.078551292419434) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 20.333820343017578) {
+                      if (x.skew_hi <= 3.2207319736480713) {
+                        return {2, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= -0.6534841358661652) {
+                          if (x.log2_S <= 19.03976535797119) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.25083909928798676) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {2, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  return {2, 16, 16, 8, 1};  // SR
+                }
               }
             } else {
-              if (x.skew_lo <= 12.214227199554443) {
-                return {2, 16, 64, 2, 1};  // SR
-              } else {
-                if (x.avg <= 2.7189451456069946) {
-                  return {2, 16, 64, 2, 1};  // SR
-                } else {
-                  if (x.skew_hi <= 19.716012954711914) {
+              if (x.skew_lo <= 12.556979179382324) {
+                if (x.avg <= 3.6610625982284546) {
+                  if (x.skew_hi <= 19.501858711242676) {
                     return {2, 16, 64, 2, 1};  // SR
                   } else {
                     return {4, 8, 64, 32, 0};  // SP
                   }
+                } else {
+                  return {2, 16, 64, 2, 1};  // SR
                 }
+              } else {
+                return {2, 16, 64, 2, 1};  // SR
               }
             }
           }
@@ -3591,83 +3575,65 @@ inline Config plain_config(const Features& f) {
       } else {
         if (x.F <= 90.50966799187809) {
           if (x.long_level <= 2.5) {
-            if (x.log2_S <= 12.787996768951416) {
+            if (x.log2_S <= 12.723645687103271) {
               if (x.long_level <= 0.5) {
-                if (x.avg <= 2.728902220726013) {
-                  if (x.log2_S <= 11.659410953521729) {
-                    return {4, 64, 16, 2, 0};  // SP
-                  } else {
-                    if (x.avg <= 1.3312110304832458) {
+                if (x.avg <= 2.2388030290603638) {
+                  if (x.log2_S <= 12.31150197982788) {
+                    if (x.avg <= 1.3405367732048035) {
                       return {4, 64, 16, 2, 0};  // SP
                     } else {
-                      if (x.skew_hi <= 5.316797494888306) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
+                      if (x.avg <= 1.4391498565673828) {
                         return {4, 64, 32, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 16, 2, 0};  // SP
                       }
+                    }
+                  } else {
+                    if (x.avg <= 1.4875312447547913) {
+                      return {4, 64, 16, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.352250576019287) {
-                    if (x.skew_hi <= 1.601353645324707) {
-                      if (x.log2_S <= 10.660529136657715) {
-                        if (x.log2_S <= 10.22763729095459) {
+                  if (x.log2_S <= 10.551402568817139) {
+                    if (x.skew_lo <= -5.118013858795166) {
+                      if (x.log2_S <= 9.137726306915283) {
+                        if (x.skew_hi <= 0.04061774257570505) {
                           return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          if (x.avg <= 40.02932929992676) {
-                            return {1, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
+                          return {1, 32, 64, 2, 0};  // SP
                         }
                       } else {
-                        return {2, 64, 32, 1, 0};  // SP
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      if (x.skew_lo <= -2.7040454149246216) {
-                        if (x.skew_lo <= -3.178852915763855) {
-                          if (x.log2_S <= 10.700424194335938) {
-                            if (x.skew_lo <= -4.295090198516846) {
-                              if (x.log2_S <= 9.389292240142822) {
-                                return {4, 8, 64, 32, 0};  // SP
-                              } else {
-                                return {1, 32, 64, 2, 0};  // SP
-                              }
-                            } else {
-                              return {1, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            if (x.skew_hi <= 2.423711895942688) {
-                              return {2, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 2, 0};  // SP
-                            }
-                          }
+                      if (x.avg <= 2.6694308519363403) {
+                        if (x.log2_S <= 9.340443134307861) {
+                          return {1, 32, 64, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 10.394469261169434) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {1, 32, 64, 2, 0};  // SP
-                          }
+                          return {4, 64, 16, 2, 0};  // SP
                         }
                       } else {
                         return {1, 32, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 2.899291157722473) {
-                      return {2, 64, 32, 1, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.853971481323242) {
-                        if (x.skew_lo <= -1.6503247022628784) {
+                    if (x.avg <= 8.953883171081543) {
+                      if (x.log2_S <= 11.174493789672852) {
+                        if (x.skew_lo <= -1.9379327893257141) {
                           return {1, 32, 64, 2, 0};  // SP
                         } else {
                           return {4, 32, 64, 4, 0};  // SP
                         }
                       } else {
-                        if (x.skew_hi <= 4.332662582397461) {
-                          if (x.skew_lo <= -2.8896069526672363) {
-                            return {4, 32, 64, 4, 0};  // SP
+                        if (x.skew_hi <= 4.274166822433472) {
+                          if (x.skew_hi <= 3.4584248065948486) {
+                            if (x.log2_S <= 11.657062530517578) {
+                              return {1, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
                           } else {
                             return {4, 8, 64, 32, 0};  // SP
                           }
@@ -3675,34 +3641,74 @@ inline Config plain_config(const Features& f) {
                           return {4, 32, 64, 4, 0};  // SP
                         }
                       }
+                    } else {
+                      if (x.log2_S <= 11.963311195373535) {
+                        return {2, 64, 32, 1, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -4.850416421890259) {
+                          return {4, 64, 32, 1, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -3.8023922443389893) {
+                            return {2, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 155.0761947631836) {
-                  if (x.avg <= 2.066923499107361) {
-                    if (x.skew_lo <= 5.875864505767822) {
-                      if (x.log2_S <= 11.422025680541992) {
-                        if (x.log2_S <= 8.863797187805176) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
+                if (x.avg <= 158.99461364746094) {
+                  if (x.avg <= 1.9740963578224182) {
+                    if (x.log2_S <= 11.416492938995361) {
+                      if (x.skew_hi <= 8.223482131958008) {
                         return {2, 32, 8, 8, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 4, 1};  // SR
                       }
                     } else {
                       return {2, 32, 8, 8, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 12.295418739318848) {
-                      if (x.log2_S <= 11.982985496520996) {
+                    if (x.log2_S <= 11.966440677642822) {
+                      if (x.skew_lo <= -0.9641850292682648) {
+                        if (x.log2_S <= 9.211440086364746) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
                         if (x.skew_lo <= 4.039096117019653) {
-                          if (x.skew_lo <= 3.8286125659942627) {
-                            return {2, 32, 8, 8, 1};  // SR
+                          if (x.skew_lo <= 3.8963816165924072) {
+                            if (x.avg <= 19.133957862854004) {
+                              if (x.skew_hi <= 6.1248939037323) {
+                                if (x.avg <= 17.762218475341797) {
+                                  if (x.log2_S <= 11.483650207519531) {
+                                    return {1, 32, 8, 4, 1};  // SR
+                                  } else {
+                                    return {2, 32, 8, 8, 1};  // SR
+                                  }
+                                } else {
+                                  if (x.log2_S <= 9.123920917510986) {
+                                    return {2, 32, 8, 8, 1};  // SR
+                                  } else {
+                                    return {4, 32, 8, 8, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
                           } else {
-                            if (x.long_level <= 1.5) {
-                              return {1, 32, 8, 4, 1};  // SR
+                            if (x.avg <= 63.44000816345215) {
+                              if (x.skew_lo <= 4.014867782592773) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
                             } else {
                               return {2, 32, 8, 2, 1};  // SR
                             }
@@ -3710,155 +3716,137 @@ inline Config plain_config(const Features& f) {
                         } else {
                           return {2, 32, 8, 8, 1};  // SR
                         }
-                      } else {
-                        if (x.avg <= 87.12605667114258) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
                       }
                     } else {
-                      if (x.avg <= 10.686801433563232) {
+                      if (x.avg <= 8.659587383270264) {
                         return {2, 32, 8, 8, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 2.367174744606018) {
-                          if (x.skew_hi <= 3.25450336933136) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.626964092254639) {
-                              return {2, 32, 8, 8, 1};  // SR
+                        if (x.long_level <= 1.5) {
+                          if (x.skew_lo <= 1.2266747951507568) {
+                            if (x.log2_S <= 12.28647518157959) {
+                              if (x.skew_lo <= -0.6316394358873367) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                if (x.skew_hi <= 4.915029525756836) {
+                                  return {2, 32, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                }
+                              }
                             } else {
                               return {4, 16, 8, 8, 1};  // SR
                             }
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
                           }
                         } else {
-                          if (x.avg <= 23.960001945495605) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 7.171568393707275) {
-                              return {4, 16, 16, 8, 1};  // SR
+                          if (x.log2_S <= 12.276018142700195) {
+                            if (x.skew_lo <= 5.2403740882873535) {
+                              if (x.avg <= 60.68193817138672) {
+                                if (x.avg <= 46.16059684753418) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {2, 32, 8, 8, 1};  // SR
+                                }
+                              } else {
+                                if (x.skew_hi <= 7.232082843780518) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {2, 32, 8, 2, 1};  // SR
+                                }
+                              }
                             } else {
-                              return {4, 16, 8, 8, 1};  // SR
+                              return {4, 16, 16, 8, 1};  // SR
                             }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
                           }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 11.882030487060547) {
+                  if (x.skew_hi <= 4.347023367881775) {
+                    if (x.log2_S <= 9.136642456054688) {
                       return {2, 32, 8, 8, 1};  // SR
                     } else {
                       return {4, 16, 8, 8, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 12.136205196380615) {
-                      return {2, 16, 16, 8, 1};  // SR
+                    if (x.log2_S <= 11.941831111907959) {
+                      if (x.avg <= 162.73976135253906) {
+                        return {2, 32, 8, 8, 1};  // SR
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
                     } else {
-                      return {4, 16, 16, 8, 1};  // SR
+                      if (x.skew_hi <= 6.189897060394287) {
+                        return {2, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
                     }
                   }
                 }
               }
             } else {
               if (x.long_level <= 0.5) {
-                if (x.log2_S <= 15.834867000579834) {
-                  if (x.avg <= 8.136140823364258) {
-                    if (x.log2_S <= 14.237521648406982) {
-                      if (x.skew_hi <= 4.338534832000732) {
-                        if (x.skew_hi <= 3.678761839866638) {
+                if (x.log2_S <= 15.900978565216064) {
+                  if (x.avg <= 6.658489465713501) {
+                    if (x.skew_hi <= 4.955683469772339) {
+                      if (x.log2_S <= 14.266431331634521) {
+                        if (x.skew_hi <= 3.6409579515457153) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          if (x.log2_S <= 13.952503681182861) {
+                          if (x.skew_hi <= 4.522895097732544) {
                             return {4, 8, 64, 32, 0};  // SP
                           } else {
-                            return {4, 16, 64, 4, 0};  // SP
+                            return {4, 32, 64, 4, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.log2_S <= 13.21320104598999) {
-                          if (x.skew_lo <= -0.6071412563323975) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.skew_hi <= 5.678582668304443) {
-                              return {4, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 64, 16, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
+                        return {4, 16, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.skew_hi <= 5.1496500968933105) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 15.032904624938965) {
+                      if (x.log2_S <= 13.669008255004883) {
+                        if (x.skew_hi <= 5.476331949234009) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 5.716670751571655) {
-                            return {4, 16, 64, 4, 0};  // SP
+                          if (x.skew_hi <= 5.643954753875732) {
+                            return {4, 64, 32, 1, 0};  // SP
                           } else {
-                            return {2, 32, 16, 2, 1};  // SR
+                            return {4, 64, 16, 2, 0};  // SP
                           }
                         }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.861974239349365) {
-                      return {2, 64, 32, 1, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 15.047180652618408) {
-                        return {4, 32, 64, 4, 0};  // SP
+                    if (x.log2_S <= 12.888649463653564) {
+                      if (x.skew_hi <= 2.238941192626953) {
+                        return {2, 64, 32, 1, 0};  // SP
                       } else {
-                        if (x.avg <= 18.00749111175537) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -4.607672929763794) {
-                            if (x.log2_S <= 15.52911901473999) {
-                              if (x.log2_S <= 15.405539512634277) {
-                                if (x.log2_S <= 15.244655132293701) {
-                                  return {4, 32, 64, 4, 0};  // SP
-                                } else {
-                                  return {4, 16, 64, 4, 0};  // SP
-                                }
-                              } else {
-                                return {2, 64, 32, 1, 0};  // SP
-                              }
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {2, 64, 32, 1, 0};  // SP
-                          }
-                        }
+                        return {4, 32, 64, 4, 0};  // SP
                       }
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 17.6735782623291) {
-                    if (x.skew_hi <= 2.7025856971740723) {
-                      if (x.avg <= 17.720565795898438) {
-                        if (x.log2_S <= 16.569207191467285) {
-                          if (x.avg <= 15.914440155029297) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
+                  if (x.log2_S <= 17.970938682556152) {
+                    if (x.skew_lo <= -3.2126119136810303) {
+                      if (x.avg <= 15.79127311706543) {
+                        if (x.log2_S <= 16.714415550231934) {
+                          return {4, 32, 64, 4, 0};  // SP
                         } else {
                           return {4, 32, 64, 2, 0};  // SP
                         }
                       } else {
-                        if (x.log2_S <= 15.975536346435547) {
-                          if (x.skew_hi <= 1.3281666040420532) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {2, 64, 32, 1, 0};  // SP
-                          }
-                        } else {
+                        if (x.log2_S <= 17.873201370239258) {
                           return {2, 64, 32, 1, 0};  // SP
+                        } else {
+                          return {2, 32, 64, 4, 0};  // SP
                         }
                       }
                     } else {
@@ -3869,163 +3857,179 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 17.443655967712402) {
-                  if (x.avg <= 18.948180198669434) {
-                    if (x.avg <= 3.3971177339553833) {
-                      if (x.skew_lo <= 7.11630654335022) {
+                if (x.log2_S <= 17.80193519592285) {
+                  if (x.avg <= 19.435786247253418) {
+                    if (x.avg <= 3.5634260177612305) {
+                      if (x.skew_hi <= 12.189279079437256) {
                         if (x.log2_S <= 13.392413139343262) {
                           return {2, 32, 8, 8, 1};  // SR
                         } else {
                           return {4, 16, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.skew_hi <= 13.611756324768066) {
-                          if (x.log2_S <= 16.809309005737305) {
-                            if (x.log2_S <= 12.969447612762451) {
-                              return {2, 32, 16, 2, 1};  // SR
+                        if (x.skew_hi <= 13.067429065704346) {
+                          if (x.log2_S <= 15.048052310943604) {
+                            if (x.log2_S <= 13.731716632843018) {
+                              if (x.log2_S <= 12.860965728759766) {
+                                return {2, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
                             } else {
-                              return {4, 16, 16, 8, 1};  // SR
+                              if (x.skew_lo <= 8.696855068206787) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 2, 1};  // SR
+                              }
                             }
                           } else {
-                            if (x.skew_lo <= 9.078007698059082) {
-                              return {2, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
+                            return {4, 16, 16, 8, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 15.371006488800049) {
-                            return {4, 16, 16, 8, 1};  // SR
+                          if (x.log2_S <= 15.16963243484497) {
+                            if (x.log2_S <= 13.637512683868408) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 14.167411804199219) {
+                                return {2, 32, 16, 2, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 14.69147253036499) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {2, 32, 16, 2, 1};  // SR
+                                }
+                              }
+                            }
                           } else {
                             return {2, 32, 64, 2, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 12.998356819152832) {
-                        if (x.long_level <= 1.5) {
-                          if (x.skew_lo <= 2.830450177192688) {
-                            return {4, 16, 8, 8, 1};  // SR
+                      if (x.log2_S <= 13.9454026222229) {
+                        if (x.skew_hi <= 8.94214916229248) {
+                          if (x.skew_hi <= 6.933532476425171) {
+                            if (x.log2_S <= 12.985815048217773) {
+                              return {2, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.avg <= 15.772484302520752) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            }
                           } else {
-                            return {2, 32, 8, 8, 1};  // SR
+                            if (x.log2_S <= 13.030426502227783) {
+                              if (x.skew_hi <= 7.217730522155762) {
+                                return {2, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
                           }
                         } else {
                           return {4, 16, 16, 8, 1};  // SR
                         }
                       } else {
-                        if (x.skew_hi <= 5.917867422103882) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
+                        if (x.avg <= 18.27249526977539) {
                           return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.61093521118164) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 16, 2, 1};  // SR
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 2.0694915056228638) {
-                      if (x.skew_lo <= -1.5901487469673157) {
-                        if (x.log2_S <= 14.55845594406128) {
+                    if (x.skew_lo <= 2.0803290605545044) {
+                      if (x.log2_S <= 17.447508811950684) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 39.76072692871094) {
                           return {4, 16, 8, 8, 1};  // SR
                         } else {
                           return {2, 32, 16, 2, 1};  // SR
                         }
-                      } else {
-                        if (x.log2_S <= 17.179363250732422) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.avg <= 95.74996566772461) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 2, 1};  // SR
-                          }
-                        }
                       }
                     } else {
-                      if (x.log2_S <= 14.193954467773438) {
+                      if (x.log2_S <= 14.13544225692749) {
                         return {4, 16, 16, 8, 1};  // SR
                       } else {
-                        if (x.log2_S <= 16.137388229370117) {
-                          if (x.skew_hi <= 9.38350772857666) {
+                        if (x.skew_hi <= 9.18845796585083) {
+                          if (x.log2_S <= 17.3450870513916) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            return {4, 16, 16, 8, 1};  // SR
+                            if (x.skew_lo <= 3.505678176879883) {
+                              return {2, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
                           }
                         } else {
-                          if (x.skew_lo <= 3.748647451400757) {
-                            return {2, 32, 16, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 24.116641998291016) {
-                              return {4, 16, 16, 8, 1};  // SR
+                          if (x.log2_S <= 15.904533386230469) {
+                            if (x.skew_lo <= 5.260372877120972) {
+                              return {2, 32, 16, 2, 1};  // SR
                             } else {
-                              if (x.skew_hi <= 9.182462692260742) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 2, 1};  // SR
-                              }
+                              return {4, 16, 16, 8, 1};  // SR
                             }
+                          } else {
+                            return {2, 32, 16, 2, 1};  // SR
                           }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 13.265326499938965) {
-                    if (x.avg <= 21.792856216430664) {
-                      if (x.log2_S <= 19.158004760742188) {
+                  if (x.skew_hi <= 12.80525541305542) {
+                    if (x.avg <= 19.39913558959961) {
+                      if (x.log2_S <= 19.140159606933594) {
                         if (x.avg <= 4.148052930831909) {
-                          if (x.log2_S <= 18.06422710418701) {
-                            if (x.skew_lo <= 8.047753810882568) {
-                              if (x.avg <= 3.004545569419861) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.avg <= 3.306795358657837) {
-                                  return {2, 32, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              }
+                          if (x.log2_S <= 18.348750114440918) {
+                            if (x.avg <= 2.62640118598938) {
+                              return {4, 16, 8, 8, 1};  // SR
                             } else {
-                              return {2, 32, 16, 2, 1};  // SR
+                              if (x.skew_lo <= 4.275523900985718) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 2, 1};  // SR
+                              }
                             }
                           } else {
                             return {2, 32, 16, 2, 1};  // SR
                           }
                         } else {
-                          if (x.skew_hi <= 5.798078298568726) {
-                            return {2, 32, 16, 2, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 7.612382650375366) {
-                              if (x.log2_S <= 18.866636276245117) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                if (x.skew_hi <= 7.716658115386963) {
-                                  return {2, 32, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              }
+                          if (x.skew_hi <= 10.775164604187012) {
+                            if (x.log2_S <= 19.092565536499023) {
+                              return {4, 16, 16, 8, 1};  // SR
                             } else {
-                              if (x.log2_S <= 17.77537250518799) {
+                              if (x.long_level <= 1.5) {
+                                return {2, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 5.856895446777344) {
+                              if (x.skew_lo <= 7.80621337890625) {
                                 return {4, 16, 16, 8, 1};  // SR
                               } else {
                                 return {2, 32, 16, 2, 1};  // SR
                               }
+                            } else {
+                              return {2, 32, 16, 2, 1};  // SR
                             }
                           }
                         }
                       } else {
-                        if (x.skew_lo <= 5.915038585662842) {
+                        if (x.avg <= 9.46740436553955) {
                           return {2, 32, 16, 2, 1};  // SR
                         } else {
-                          if (x.avg <= 8.608386993408203) {
-                            if (x.log2_S <= 19.436452865600586) {
-                              if (x.skew_hi <= 11.829612255096436) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 2, 1};  // SR
-                              }
-                            } else {
-                              return {2, 32, 16, 2, 1};  // SR
-                            }
+                          if (x.skew_hi <= 9.878738403320312) {
+                            return {2, 32, 16, 2, 1};  // SR
                           } else {
                             return {4, 16, 16, 8, 1};  // SR
                           }
@@ -4041,58 +4045,38 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.skew_hi <= 19.046567916870117) {
-              if (x.log2_S <= 9.172927379608154) {
-                if (x.skew_lo <= 7.76245903968811) {
-                  if (x.skew_lo <= 7.027806520462036) {
-                    if (x.log2_S <= 8.461994647979736) {
-                      return {2, 16, 16, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 210.453369140625) {
-                        return {2, 32, 64, 2, 1};  // SR
-                      } else {
-                        return {2, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {2, 16, 16, 8, 1};  // SR
-                  }
-                } else {
-                  return {2, 32, 64, 2, 1};  // SR
-                }
+            if (x.skew_hi <= 18.02680778503418) {
+              if (x.log2_S <= 17.930871963500977) {
+                return {2, 32, 64, 2, 1};  // SR
               } else {
-                if (x.skew_hi <= 17.963976860046387) {
-                  return {2, 32, 64, 2, 1};  // SR
+                if (x.skew_lo <= 10.760333061218262) {
+                  return {4, 16, 64, 4, 0};  // SP
                 } else {
-                  if (x.avg <= 30.435521125793457) {
-                    if (x.avg <= 8.5628342628479) {
-                      return {2, 32, 64, 2, 1};  // SR
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {2, 32, 64, 2, 1};  // SR
-                  }
+                  return {2, 32, 64, 2, 1};  // SR
                 }
               }
             } else {
-              if (x.avg <= 8.110016822814941) {
-                if (x.avg <= 6.035123109817505) {
-                  if (x.log2_S <= 19.869064331054688) {
-                    if (x.skew_lo <= 12.657847881317139) {
-                      if (x.skew_lo <= 11.719985961914062) {
+              if (x.avg <= 8.180042266845703) {
+                if (x.log2_S <= 19.869064331054688) {
+                  if (x.skew_lo <= 12.625013828277588) {
+                    if (x.avg <= 3.60599148273468) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.68709945678711) {
                         return {2, 32, 64, 2, 1};  // SR
                       } else {
                         return {4, 16, 64, 4, 0};  // SP
                       }
-                    } else {
-                      return {2, 32, 64, 2, 1};  // SR
                     }
+                  } else {
+                    return {2, 32, 64, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_lo <= 11.371635437011719) {
+                    return {2, 32, 64, 2, 1};  // SR
                   } else {
                     return {4, 16, 64, 4, 0};  // SP
                   }
-                } else {
-                  return {2, 32, 64, 2, 1};  // SR
                 }
               } else {
                 return {4, 16, 64, 4, 0};  // SP
@@ -4101,166 +4085,254 @@ inline Config plain_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 2.5) {
-            if (x.log2_S <= 14.886064052581787) {
+            if (x.log2_S <= 15.164843559265137) {
               if (x.long_level <= 0.5) {
-                if (x.skew_lo <= -2.7126721143722534) {
-                  if (x.log2_S <= 12.887650966644287) {
-                    return {4, 64, 64, 1, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 2.018560826778412) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 14.10640811920166) {
+                if (x.log2_S <= 13.350948333740234) {
+                  if (x.avg <= 3.221040964126587) {
+                    if (x.avg <= 1.3260369300842285) {
+                      if (x.log2_S <= 10.419370651245117) {
                         return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        if (x.avg <= 12.396367073059082) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
+                        return {2, 32, 8, 2, 1};  // SR
                       }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 1.764732539653778) {
-                    if (x.skew_hi <= 5.592879056930542) {
-                      if (x.skew_lo <= -0.6701032519340515) {
-                        if (x.log2_S <= 10.666164875030518) {
+                    } else {
+                      if (x.skew_hi <= 5.339968919754028) {
+                        if (x.log2_S <= 11.883907794952393) {
                           return {1, 32, 64, 2, 0};  // SP
                         } else {
-                          return {4, 64, 64, 2, 0};  // SP
+                          if (x.skew_lo <= -1.544428825378418) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
                         }
                       } else {
                         return {4, 64, 64, 2, 0};  // SP
                       }
-                    } else {
-                      if (x.log2_S <= 10.586496829986572) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.988696098327637) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      }
                     }
                   } else {
-                    if (x.log2_S <= 11.905869007110596) {
-                      return {1, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 14.016761779785156) {
-                        if (x.avg <= 3.085703492164612) {
-                          if (x.log2_S <= 12.679869651794434) {
+                    if (x.log2_S <= 10.759151458740234) {
+                      if (x.skew_lo <= -4.688968181610107) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 2.3706376552581787) {
+                          if (x.log2_S <= 9.155470371246338) {
                             return {1, 32, 64, 2, 0};  // SP
                           } else {
-                            return {4, 64, 64, 2, 0};  // SP
+                            if (x.log2_S <= 9.96774959564209) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 10.504613876342773) {
+                                return {4, 64, 32, 1, 0};  // SP
+                              } else {
+                                return {4, 64, 64, 1, 0};  // SP
+                              }
+                            }
                           }
                         } else {
-                          return {4, 64, 64, 1, 0};  // SP
+                          return {1, 32, 64, 2, 0};  // SP
                         }
+                      }
+                    } else {
+                      return {4, 64, 64, 1, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 2.741581082344055) {
+                    return {4, 64, 64, 2, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -1.1651320457458496) {
+                      if (x.log2_S <= 13.99833631515503) {
+                        return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        if (x.avg <= 2.788839101791382) {
-                          if (x.log2_S <= 14.618268966674805) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
+                        if (x.skew_hi <= 3.42411208152771) {
+                          return {4, 64, 64, 1, 0};  // SP
                         } else {
                           return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.601369380950928) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.902410507202148) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
                         }
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 10.519248008728027) {
+                if (x.avg <= 9.547335624694824) {
                   if (x.avg <= 3.536437153816223) {
-                    if (x.skew_hi <= 11.965449333190918) {
-                      if (x.skew_lo <= 5.968912601470947) {
-                        if (x.log2_S <= 12.326184749603271) {
-                          if (x.log2_S <= 11.6353440284729) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.73527193069458) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {2, 32, 8, 2, 1};  // SR
-                        }
+                    if (x.log2_S <= 11.622847557067871) {
+                      if (x.long_level <= 1.5) {
+                        return {1, 32, 8, 4, 1};  // SR
                       } else {
-                        if (x.avg <= 3.3947556018829346) {
+                        if (x.avg <= 3.315812826156616) {
                           return {2, 32, 8, 2, 1};  // SR
                         } else {
                           return {4, 16, 8, 8, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.skew_lo <= 9.2940092086792) {
-                        if (x.log2_S <= 13.02604627609253) {
-                          if (x.skew_lo <= 9.18965768814087) {
-                            return {4, 32, 8, 8, 1};  // SR
+                      if (x.skew_hi <= 12.416249752044678) {
+                        if (x.log2_S <= 12.453629970550537) {
+                          if (x.skew_lo <= 8.505434036254883) {
+                            if (x.skew_lo <= 7.089430570602417) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
                           } else {
                             return {2, 32, 8, 2, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 13.99953317642212) {
-                            return {4, 16, 16, 8, 1};  // SR
+                          if (x.skew_lo <= 7.086298227310181) {
+                            return {2, 32, 8, 2, 1};  // SR
                           } else {
-                            if (x.avg <= 2.869402766227722) {
-                              if (x.avg <= 1.9159064888954163) {
-                                return {2, 64, 16, 2, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 2, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 14.586772441864014) {
-                                return {2, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {2, 64, 16, 2, 1};  // SR
-                              }
-                            }
+                            return {4, 16, 16, 8, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 14.580707550048828) {
-                          return {2, 64, 16, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 1.2981155514717102) {
-                            return {2, 64, 64, 1, 1};  // SR
+                        if (x.skew_lo <= 9.008996486663818) {
+                          if (x.log2_S <= 13.73013973236084) {
+                            if (x.log2_S <= 13.002667903900146) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
                           } else {
-                            return {2, 64, 16, 2, 1};  // SR
+                            if (x.log2_S <= 14.749813556671143) {
+                              return {2, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {2, 64, 16, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 13.606532096862793) {
+                            if (x.log2_S <= 12.758326053619385) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 64, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 14.255213260650635) {
+                              return {2, 64, 16, 2, 1};  // SR
+                            } else {
+                              return {2, 64, 64, 1, 1};  // SR
+                            }
                           }
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.470442295074463) {
-                      if (x.skew_lo <= 4.023357391357422) {
-                        if (x.skew_hi <= 7.306141138076782) {
+                    if (x.log2_S <= 12.626338958740234) {
+                      if (x.skew_lo <= 4.163461446762085) {
+                        if (x.skew_hi <= 7.12198281288147) {
                           return {4, 16, 8, 8, 1};  // SR
                         } else {
-                          if (x.log2_S <= 11.761662006378174) {
+                          if (x.log2_S <= 11.951541423797607) {
                             return {1, 32, 8, 4, 1};  // SR
                           } else {
                             return {4, 16, 8, 8, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 12.096350193023682) {
-                          if (x.avg <= 8.418862342834473) {
+                        if (x.log2_S <= 12.255817890167236) {
+                          if (x.avg <= 9.076099872589111) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 9.436066627502441) {
+                            if (x.skew_hi <= 10.124108791351318) {
                               return {4, 16, 8, 8, 1};  // SR
                             } else {
-                              if (x.log2_S <= 10.781646251678467) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.846677780151367) {
+                        if (x.skew_hi <= 9.411473274230957) {
+                          if (x.avg <= 6.190472364425659) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 12.900208473205566) {
+                            return {4, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 3.851918339729309) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 8, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.57596206665039) {
+                    if (x.skew_hi <= 6.147569179534912) {
+                      if (x.log2_S <= 11.54841136932373) {
+                        if (x.avg <= 124.83268737792969) {
+                          if (x.skew_lo <= 0.7608624398708344) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 10.813493251800537) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 12.016315937042236) {
+                          if (x.skew_lo <= 0.35703665018081665) {
+                            if (x.skew_hi <= 3.3865060806274414) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 85.97138595581055) {
+                        if (x.avg <= 56.392799377441406) {
+                          if (x.avg <= 10.481618404388428) {
+                            if (x.long_level <= 1.5) {
+                              if (x.log2_S <= 12.764677047729492) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 10.005788326263428) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 12.68785810470581) {
                                 return {4, 32, 8, 8, 1};  // SR
                               } else {
-                                if (x.log2_S <= 11.521959781646729) {
-                                  return {4, 16, 8, 8, 1};  // SR
+                                if (x.log2_S <= 13.792134284973145) {
+                                  return {4, 16, 16, 8, 1};  // SR
                                 } else {
                                   return {4, 32, 8, 8, 1};  // SR
                                 }
@@ -4268,124 +4340,40 @@ inline Config plain_config(const Features& f) {
                             }
                           }
                         } else {
-                          return {4, 32, 8, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.88615608215332) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 6.339315414428711) {
-                            if (x.log2_S <= 12.601739406585693) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 13.011162757873535) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 6.933532476425171) {
+                          if (x.log2_S <= 12.115021705627441) {
+                            if (x.skew_hi <= 7.727661371231079) {
+                              if (x.log2_S <= 9.217182159423828) {
                                 return {4, 32, 8, 8, 1};  // SR
                               } else {
-                                return {2, 32, 8, 2, 1};  // SR
+                                return {4, 16, 8, 8, 1};  // SR
                               }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 12.98331356048584) {
-                            return {4, 32, 8, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 9.610167980194092) {
-                              return {4, 16, 16, 8, 1};  // SR
                             } else {
-                              return {2, 32, 64, 2, 1};  // SR
+                              return {4, 16, 8, 8, 1};  // SR
                             }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
                           }
                         }
                       } else {
                         return {4, 32, 8, 8, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 5.933797836303711) {
-                    if (x.log2_S <= 11.62867021560669) {
-                      return {2, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.481394290924072) {
-                        if (x.log2_S <= 12.708593845367432) {
-                          if (x.skew_hi <= 3.2314839363098145) {
-                            return {4, 32, 8, 8, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 4.283995866775513) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 11.81201696395874) {
-                                return {2, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 32, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 52.31706619262695) {
-                          return {2, 64, 16, 2, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 3.086564064025879) {
-                            return {2, 64, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.574887752532959) {
-                      if (x.skew_hi <= 10.005788326263428) {
-                        if (x.log2_S <= 8.223634243011475) {
-                          if (x.skew_hi <= 8.002562522888184) {
-                            if (x.skew_lo <= 2.1997207403182983) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 10.635436058044434) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.629575729370117) {
-                          return {4, 32, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.036737442016602) {
-                            if (x.skew_lo <= 6.452747821807861) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 64, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 6.96349835395813) {
+                    if (x.avg <= 18.71152687072754) {
+                      if (x.log2_S <= 15.004615306854248) {
                         return {4, 32, 8, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 13.677602291107178) {
-                          return {4, 32, 8, 8, 1};  // SR
-                        } else {
+                        return {2, 64, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 4.286904811859131) {
+                        if (x.skew_lo <= -1.047250509262085) {
                           return {2, 64, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 8, 1};  // SR
                         }
+                      } else {
+                        return {2, 64, 16, 2, 1};  // SR
                       }
                     }
                   }
@@ -4393,41 +4381,19 @@ inline Config plain_config(const Features& f) {
               }
             } else {
               if (x.long_level <= 0.5) {
-                if (x.log2_S <= 17.967687606811523) {
-                  if (x.avg <= 8.972308158874512) {
-                    if (x.skew_hi <= 5.550941467285156) {
-                      if (x.avg <= 2.07196843624115) {
-                        if (x.skew_hi <= 5.118786334991455) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 15.961599349975586) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
+                if (x.log2_S <= 18.03830623626709) {
+                  if (x.skew_hi <= 3.044405937194824) {
                     if (x.log2_S <= 17.066946983337402) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -4.076172351837158) {
-                        if (x.log2_S <= 17.671486854553223) {
-                          return {4, 64, 32, 1, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -5.106217384338379) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 64, 32, 1, 0};  // SP
-                          }
-                        }
+                      if (x.avg <= 8.972308158874512) {
+                        return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 2.364054560661316) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 1.2166463136672974) {
+                        return {4, 64, 32, 1, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 2.2581573724746704) {
                           return {4, 64, 64, 2, 0};  // SP
                         } else {
                           if (x.avg <= 10.82989501953125) {
@@ -4438,125 +4404,147 @@ inline Config plain_config(const Features& f) {
                         }
                       }
                     }
+                  } else {
+                    if (x.skew_lo <= -0.6015538573265076) {
+                      if (x.avg <= 6.67038631439209) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 17.16291046142578) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.773977279663086) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
                   }
                 } else {
-                  if (x.skew_hi <= 4.693076133728027) {
-                    if (x.log2_S <= 20.58686637878418) {
-                      if (x.log2_S <= 20.128976821899414) {
-                        return {4, 32, 64, 4, 0};  // SP
+                  if (x.skew_lo <= -0.84873366355896) {
+                    if (x.log2_S <= 20.349987983703613) {
+                      if (x.log2_S <= 18.16885471343994) {
+                        if (x.skew_hi <= 3.690261721611023) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
                       } else {
-                        if (x.skew_hi <= 0.7142350375652313) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 6.82152247428894) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 1.1066396832466125) {
                           return {4, 16, 64, 4, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 4.553174018859863) {
+                          if (x.log2_S <= 20.743216514587402) {
                             return {4, 32, 64, 4, 0};  // SP
                           } else {
                             return {4, 16, 64, 4, 0};  // SP
                           }
                         }
                       }
-                    } else {
-                      if (x.skew_lo <= -2.875351667404175) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 3.9732617139816284) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      }
                     }
                   } else {
-                    if (x.log2_S <= 19.995068550109863) {
-                      if (x.avg <= 1.5885968208312988) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 18.890201568603516) {
-                          if (x.skew_hi <= 5.142270565032959) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      }
+                    if (x.log2_S <= 20.717775344848633) {
+                      return {4, 32, 64, 2, 0};  // SP
                     } else {
                       return {4, 16, 64, 4, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 18.001378059387207) {
-                  if (x.skew_hi <= 7.96807074546814) {
-                    if (x.avg <= 50.77001953125) {
-                      if (x.log2_S <= 15.543773651123047) {
-                        if (x.skew_lo <= 2.2170205116271973) {
-                          return {2, 64, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 8, 1};  // SR
-                        }
+                if (x.avg <= 3.901033401489258) {
+                  if (x.skew_hi <= 13.072341918945312) {
+                    if (x.log2_S <= 15.493375301361084) {
+                      if (x.skew_lo <= 4.357412338256836) {
+                        return {4, 32, 8, 8, 1};  // SR
                       } else {
-                        return {4, 32, 8, 2, 0};  // SP
+                        if (x.skew_hi <= 10.989898681640625) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {2, 64, 16, 2, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.log2_S <= 16.39990997314453) {
-                        return {2, 64, 16, 2, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= -0.25083909928798676) {
-                          if (x.log2_S <= 17.69662570953369) {
-                            return {2, 64, 16, 2, 1};  // SR
+                      if (x.log2_S <= 18.902584075927734) {
+                        if (x.log2_S <= 15.757532119750977) {
+                          if (x.skew_hi <= 11.063581943511963) {
+                            return {2, 32, 16, 2, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 3.1599587202072144) {
-                              return {2, 64, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 0};  // SP
-                            }
+                            return {2, 64, 16, 2, 1};  // SR
                           }
                         } else {
-                          return {4, 32, 8, 2, 0};  // SP
+                          return {2, 64, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 2.4705296754837036) {
+                          return {2, 64, 16, 2, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 4.3229660987854) {
+                            return {2, 64, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 9.406586647033691) {
-                      if (x.log2_S <= 15.337297439575195) {
-                        if (x.long_level <= 1.5) {
-                          if (x.avg <= 3.7083916664123535) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {2, 64, 16, 2, 1};  // SR
-                        }
-                      } else {
+                    if (x.skew_hi <= 13.484101295471191) {
+                      if (x.log2_S <= 18.725353240966797) {
                         return {2, 64, 16, 2, 1};  // SR
+                      } else {
+                        return {2, 64, 64, 1, 1};  // SR
                       }
                     } else {
                       return {2, 64, 64, 1, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.avg <= 2.471590042114258) {
-                    if (x.skew_hi <= 13.225239753723145) {
-                      return {2, 64, 16, 2, 1};  // SR
-                    } else {
-                      return {2, 64, 64, 1, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= -1.1730450987815857) {
-                      return {2, 64, 16, 2, 1};  // SR
-                    } else {
-                      if (x.avg <= 4.005141019821167) {
-                        if (x.skew_lo <= 4.340427875518799) {
-                          return {2, 64, 16, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 18.892334938049316) {
+                  if (x.log2_S <= 17.714122772216797) {
+                    if (x.skew_lo <= 4.021882772445679) {
+                      if (x.skew_hi <= 3.2552605867385864) {
+                        return {2, 64, 16, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.730714797973633) {
+                          if (x.avg <= 16.610304832458496) {
+                            if (x.log2_S <= 15.5556321144104) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 0};  // SP
+                            }
+                          } else {
                             return {2, 64, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.20709339529275894) {
+                            if (x.log2_S <= 16.69856834411621) {
+                              return {2, 64, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 0};  // SP
+                            }
                           } else {
                             return {4, 32, 8, 2, 0};  // SP
                           }
+                        }
+                      }
+                    } else {
+                      return {2, 64, 16, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.9971600770950317) {
+                      return {2, 64, 16, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 18.295848846435547) {
+                        if (x.skew_lo <= 6.259843587875366) {
+                          return {4, 32, 8, 2, 0};  // SP
+                        } else {
+                          return {2, 64, 16, 2, 1};  // SR
                         }
                       } else {
                         return {4, 32, 8, 2, 0};  // SP
@@ -4567,46 +4555,42 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.skew_hi <= 17.201333045959473) {
-              if (x.log2_S <= 10.794875144958496) {
-                if (x.avg <= 29.985858917236328) {
-                  return {2, 64, 64, 1, 1};  // SR
-                } else {
-                  return {2, 64, 16, 2, 1};  // SR
-                }
+            if (x.skew_hi <= 17.342191696166992) {
+              if (x.log2_S <= 10.293467998504639) {
+                return {2, 64, 16, 2, 1};  // SR
               } else {
-                if (x.log2_S <= 16.43150806427002) {
-                  return {2, 64, 64, 1, 1};  // SR
+                if (x.log2_S <= 16.57252311706543) {
+                  if (x.log2_S <= 16.43150806427002) {
+                    return {2, 64, 64, 1, 1};  // SR
+                  } else {
+                    if (x.avg <= 3.6912423372268677) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {2, 64, 64, 1, 1};  // SR
+                    }
+                  }
                 } else {
-                  if (x.avg <= 4.715724945068359) {
+                  if (x.avg <= 4.609552621841431) {
                     return {4, 32, 64, 2, 0};  // SP
                   } else {
-                    if (x.skew_lo <= 8.38907766342163) {
-                      return {2, 64, 64, 1, 1};  // SR
+                    if (x.avg <= 48.94609832763672) {
+                      if (x.skew_lo <= 11.04732370376587) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 64, 64, 1, 1};  // SR
+                      }
                     } else {
-                      if (x.avg <= 7.687680959701538) {
+                      if (x.log2_S <= 17.194652557373047) {
                         return {2, 64, 64, 1, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 16.47219944000244) {
-                          return {2, 64, 64, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 17.62453556060791) {
-                if (x.avg <= 86.93960952758789) {
-                  return {4, 32, 64, 2, 0};  // SP
-                } else {
-                  return {2, 64, 64, 1, 1};  // SR
-                }
-              } else {
-                return {4, 32, 64, 2, 0};  // SP
-              }
+              return {4, 32, 64, 2, 0};  // SP
             }
           }
         }
@@ -4615,189 +4599,193 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 18, 1145 leaves; training set: oracle/pick geomean 0.993, worst cell 0.844
+// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 20, 1140 leaves; training set: oracle/pick geomean 0.993, worst cell 0.864
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 17.57672119140625) {
-          if (x.skew_hi <= 13.081966400146484) {
+        if (x.log2_S <= 17.57593059539795) {
+          if (x.skew_hi <= 13.252506256103516) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 10.377434253692627) {
-                if (x.skew_hi <= 4.374707937240601) {
-                  if (x.skew_lo <= -5.240541696548462) {
-                    if (x.log2_S <= 9.304690837860107) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
+              if (x.log2_S <= 13.790423393249512) {
+                if (x.log2_S <= 9.620311737060547) {
+                  if (x.skew_hi <= 4.394675016403198) {
+                    if (x.skew_hi <= 0.7074148654937744) {
                       return {2, 16, 64, 2, 0};  // SP
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
                     }
                   } else {
-                    return {1, 1, 64, 256, 0};  // SP
+                    if (x.avg <= 1.4979559779167175) {
+                      if (x.skew_hi <= 5.624946355819702) {
+                        return {1, 16, 16, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 16, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 2.4238157272338867) {
+                        return {2, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    }
                   }
                 } else {
-                  if (x.skew_lo <= -0.566794753074646) {
-                    if (x.skew_lo <= -1.240206003189087) {
-                      return {1, 8, 64, 32, 0};  // SP
+                  if (x.avg <= 5.179469585418701) {
+                    if (x.skew_lo <= -0.5685154497623444) {
+                      if (x.skew_hi <= 4.302456617355347) {
+                        if (x.log2_S <= 12.747971534729004) {
+                          if (x.log2_S <= 10.654659271240234) {
+                            return {1, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
                     } else {
-                      return {2, 16, 64, 2, 0};  // SP
+                      if (x.log2_S <= 12.970697402954102) {
+                        if (x.log2_S <= 11.102605819702148) {
+                          return {4, 32, 16, 8, 0};  // SP
+                        } else {
+                          if (x.avg <= 1.3306646347045898) {
+                            return {1, 16, 16, 8, 0};  // SP
+                          } else {
+                            return {1, 16, 64, 8, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {2, 16, 64, 2, 0};  // SP
+                      }
                     }
                   } else {
-                    if (x.avg <= 1.3024700284004211) {
-                      return {4, 32, 16, 8, 0};  // SP
+                    if (x.avg <= 31.91652774810791) {
+                      if (x.log2_S <= 12.063135147094727) {
+                        if (x.avg <= 7.55456018447876) {
+                          if (x.log2_S <= 10.340964794158936) {
+                            return {1, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.017037868499756) {
+                            return {1, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {1, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 3.3148335218429565) {
+                          return {1, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {1, 16, 16, 8, 0};  // SP
+                      return {2, 16, 64, 2, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.avg <= 5.111857175827026) {
-                  if (x.log2_S <= 13.924198150634766) {
-                    if (x.skew_hi <= 5.387559175491333) {
+                if (x.skew_hi <= 2.566335439682007) {
+                  if (x.skew_lo <= -5.516932964324951) {
+                    if (x.log2_S <= 16.20049285888672) {
                       return {2, 16, 64, 2, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.745180606842041) {
-                        return {1, 16, 16, 8, 0};  // SP
-                      } else {
-                        if (x.avg <= 1.338403046131134) {
-                          return {2, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 8, 0};  // SP
-                        }
-                      }
+                      return {2, 32, 8, 2, 32};  // PR
                     }
                   } else {
-                    if (x.avg <= 1.8240204453468323) {
-                      if (x.log2_S <= 16.219942092895508) {
+                    return {1, 4, 64, 64, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 4.596886873245239) {
+                    if (x.avg <= 1.7144595980644226) {
+                      if (x.log2_S <= 15.949246883392334) {
                         return {1, 1, 8, 256, 1};  // SR
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
                       }
                     } else {
-                      if (x.skew_lo <= -2.273242712020874) {
-                        return {4, 2, 32, 128, 0};  // SP
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.797655582427979) {
-                    if (x.avg <= 23.63006591796875) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {2, 16, 64, 2, 0};  // SP
+                      return {1, 1, 64, 256, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 44.69426345825195) {
-                      if (x.skew_hi <= 2.665569543838501) {
-                        if (x.log2_S <= 12.415793418884277) {
-                          if (x.skew_lo <= -4.007902264595032) {
-                            return {1, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {1, 4, 64, 64, 0};  // SP
-                          }
-                        } else {
-                          return {1, 4, 64, 64, 0};  // SP
-                        }
+                    if (x.log2_S <= 16.01652240753174) {
+                      if (x.log2_S <= 13.988407611846924) {
+                        return {1, 4, 64, 64, 0};  // SP
                       } else {
-                        if (x.log2_S <= 13.99854040145874) {
-                          return {1, 4, 64, 64, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 17.0502347946167) {
-                            if (x.log2_S <= 14.320421695709229) {
-                              return {1, 2, 64, 128, 0};  // SP
-                            } else {
-                              return {4, 2, 32, 128, 0};  // SP
-                            }
-                          } else {
-                            return {1, 2, 64, 128, 0};  // SP
-                          }
-                        }
+                        return {4, 2, 32, 128, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 16.0306978225708) {
-                        return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
+                      return {1, 2, 64, 128, 0};  // SP
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 13.131425380706787) {
+              if (x.log2_S <= 12.219113826751709) {
                 if (x.long_level <= 1.5) {
-                  if (x.skew_hi <= 4.546103239059448) {
-                    if (x.avg <= 99.35427856445312) {
-                      if (x.log2_S <= 11.169533729553223) {
-                        if (x.avg <= 51.09304237365723) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {1, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 12.30838918685913) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 1, 0};  // SP
-                      }
-                    }
+                  if (x.skew_lo <= -0.31524328887462616) {
+                    return {1, 1, 8, 256, 1};  // SR
                   } else {
-                    if (x.avg <= 18.143513679504395) {
-                      if (x.avg <= 3.935884475708008) {
-                        if (x.log2_S <= 11.163846492767334) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 12.01723861694336) {
-                            return {1, 32, 64, 4, 0};  // SP
+                    if (x.skew_lo <= 4.6114888191223145) {
+                      if (x.log2_S <= 11.27460527420044) {
+                        if (x.avg <= 13.142067432403564) {
+                          if (x.skew_hi <= 7.12198281288147) {
+                            return {1, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.log2_S <= 12.827985763549805) {
-                              return {2, 16, 64, 2, 0};  // SP
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.720049381256104) {
-                          if (x.avg <= 6.643059015274048) {
-                            if (x.skew_lo <= 3.848517417907715) {
+                            if (x.skew_lo <= 3.888476610183716) {
                               return {1, 16, 8, 8, 1};  // SR
                             } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 6.3877716064453125) {
-                              if (x.skew_hi <= 5.967337369918823) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
+                              if (x.avg <= 3.3746527433395386) {
                                 return {1, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_lo <= 3.1692858934402466) {
-                                return {1, 8, 8, 32, 1};  // SR
                               } else {
-                                return {1, 16, 8, 8, 1};  // SR
+                                if (x.avg <= 3.935884475708008) {
+                                  return {1, 32, 8, 2, 1};  // SR
+                                } else {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                }
                               }
                             }
                           }
                         } else {
-                          if (x.skew_hi <= 7.146996974945068) {
-                            return {1, 2, 8, 128, 1};  // SR
+                          if (x.skew_hi <= 5.368608713150024) {
+                            return {1, 16, 8, 8, 1};  // SR
                           } else {
-                            return {1, 4, 8, 64, 1};  // SR
+                            if (x.skew_hi <= 5.799562692642212) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 6.010646343231201) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 3.863913893699646) {
+                            if (x.log2_S <= 11.91050672531128) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {1, 32, 64, 4, 0};  // SP
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 12.191666603088379) {
-                        return {1, 2, 8, 128, 1};  // SR
+                      if (x.log2_S <= 11.155867576599121) {
+                        return {1, 32, 8, 2, 1};  // SR
                       } else {
-                        return {1, 1, 8, 256, 1};  // SR
+                        if (x.log2_S <= 12.062703132629395) {
+                          return {1, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 2, 0};  // SP
+                        }
                       }
                     }
                   }
@@ -4807,96 +4795,80 @@ inline Config gathered_config(const Features& f) {
                       if (x.skew_hi <= 10.137766361236572) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 7.3082685470581055) {
+                        if (x.skew_lo <= 7.039520502090454) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.skew_lo <= 3.7854808568954468) {
-                        return {1, 1, 8, 256, 1};  // SR
+                      if (x.avg <= 36.822794914245605) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 11.14665937423706) {
-                          if (x.avg <= 11.39882755279541) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
+                        return {1, 1, 8, 256, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.306009769439697) {
-                      if (x.avg <= 108.0191879272461) {
-                        if (x.log2_S <= 11.823748588562012) {
-                          if (x.log2_S <= 9.61814546585083) {
-                            if (x.skew_lo <= 8.004675149917603) {
-                              return {1, 1, 8, 256, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 8.629977703094482) {
-                                return {1, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {1, 1, 8, 256, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 9.424142837524414) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
+                    if (x.avg <= 41.417043685913086) {
+                      if (x.skew_lo <= 10.737462043762207) {
                         return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 10.924642086029053) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.skew_lo <= 11.485171794891357) {
-                        if (x.skew_lo <= 6.773636341094971) {
+                      if (x.skew_hi <= 9.83051347732544) {
+                        if (x.avg <= 151.27530670166016) {
                           return {1, 1, 8, 256, 1};  // SR
                         } else {
-                          return {2, 32, 8, 2, 32};  // PR
+                          return {1, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        return {1, 1, 8, 256, 1};  // SR
+                        if (x.skew_hi <= 11.686737537384033) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
                       }
                     }
                   }
                 }
               } else {
                 if (x.long_level <= 1.5) {
-                  if (x.skew_hi <= 3.3438154458999634) {
-                    if (x.log2_S <= 15.725464344024658) {
-                      if (x.log2_S <= 13.9004225730896) {
+                  if (x.skew_hi <= 3.4325344562530518) {
+                    if (x.log2_S <= 16.12707805633545) {
+                      if (x.log2_S <= 13.652753353118896) {
                         return {4, 32, 32, 1, 0};  // SP
                       } else {
                         return {1, 16, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 17.446142196655273) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
+                      return {1, 32, 8, 4, 32};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 14.618791580200195) {
-                      if (x.avg <= 6.7621026039123535) {
-                        if (x.log2_S <= 13.815955638885498) {
-                          return {1, 4, 8, 64, 1};  // SR
+                    if (x.log2_S <= 14.427204132080078) {
+                      if (x.avg <= 15.223529815673828) {
+                        if (x.skew_lo <= 3.3520857095718384) {
+                          return {1, 2, 8, 128, 1};  // SR
                         } else {
-                          if (x.skew_lo <= 3.73693585395813) {
-                            return {1, 2, 8, 128, 1};  // SR
+                          if (x.log2_S <= 12.871164798736572) {
+                            if (x.avg <= 3.2787922620773315) {
+                              return {2, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
                           } else {
-                            if (x.skew_lo <= 4.794276714324951) {
+                            if (x.log2_S <= 13.731354236602783) {
                               return {1, 4, 8, 64, 1};  // SR
                             } else {
-                              return {1, 8, 8, 32, 1};  // SR
+                              if (x.skew_hi <= 8.830820560455322) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
                             }
                           }
                         }
@@ -4909,38 +4881,46 @@ inline Config gathered_config(const Features& f) {
                   }
                 } else {
                   if (x.log2_S <= 15.353855609893799) {
-                    if (x.skew_lo <= 4.649469375610352) {
-                      if (x.log2_S <= 14.105756282806396) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 13.820188522338867) {
-                        if (x.skew_hi <= 10.063422679901123) {
-                          return {1, 1, 8, 256, 1};  // SR
+                    if (x.avg <= 15.27543020248413) {
+                      if (x.log2_S <= 13.83074426651001) {
+                        if (x.long_level <= 2.5) {
+                          if (x.avg <= 8.938267230987549) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 10.467406272888184) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
                         } else {
-                          return {1, 2, 8, 128, 1};  // SR
+                          if (x.skew_lo <= 11.53578519821167) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 1, 8, 256, 1};  // SR
+                          }
                         }
                       } else {
                         return {1, 1, 8, 256, 1};  // SR
                       }
-                    }
-                  } else {
-                    if (x.skew_hi <= 11.57252550125122) {
-                      if (x.skew_hi <= 9.832743644714355) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 16.62131690979004) {
-                          if (x.skew_lo <= 6.937772750854492) {
+                    } else {
+                      if (x.skew_hi <= 12.853831768035889) {
+                        if (x.log2_S <= 14.475779056549072) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.avg <= 40.43856239318848) {
                             return {1, 1, 8, 256, 1};  // SR
                           } else {
                             return {2, 32, 8, 2, 32};  // PR
                           }
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
                         }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
                       }
+                    }
+                  } else {
+                    if (x.skew_lo <= 7.572525501251221) {
+                      return {2, 32, 8, 2, 32};  // PR
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
                     }
@@ -4949,13 +4929,9 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 13.617762565612793) {
-              if (x.avg <= 6.798721551895142) {
-                if (x.long_level <= 2.5) {
-                  return {1, 2, 8, 128, 1};  // SR
-                } else {
-                  return {1, 32, 8, 4, 32};  // PR
-                }
+            if (x.log2_S <= 13.664606094360352) {
+              if (x.avg <= 7.3323259353637695) {
+                return {1, 32, 8, 4, 32};  // PR
               } else {
                 return {2, 32, 8, 2, 32};  // PR
               }
@@ -4963,14 +4939,14 @@ inline Config gathered_config(const Features& f) {
               if (x.skew_hi <= 16.26284885406494) {
                 return {1, 32, 8, 4, 32};  // PR
               } else {
-                if (x.avg <= 11.57152509689331) {
-                  return {1, 32, 8, 4, 32};  // PR
-                } else {
-                  if (x.log2_S <= 17.064334869384766) {
+                if (x.skew_lo <= 9.28190565109253) {
+                  if (x.skew_hi <= 17.064334869384766) {
                     return {2, 32, 8, 2, 32};  // PR
                   } else {
                     return {1, 32, 8, 4, 32};  // PR
                   }
+                } else {
+                  return {1, 32, 8, 4, 32};  // PR
                 }
               }
             }
@@ -4978,9 +4954,9 @@ inline Config gathered_config(const Features& f) {
         } else {
           if (x.long_level <= 0.5) {
             if (x.avg <= 7.749627590179443) {
-              if (x.skew_hi <= 3.810192108154297) {
-                if (x.log2_S <= 23.519577026367188) {
-                  if (x.log2_S <= 18.276705741882324) {
+              if (x.skew_lo <= -2.189807891845703) {
+                if (x.log2_S <= 23.986029624938965) {
+                  if (x.log2_S <= 18.03539276123047) {
                     return {1, 2, 64, 128, 0};  // SP
                   } else {
                     return {1, 1, 64, 256, 0};  // SP
@@ -4989,12 +4965,16 @@ inline Config gathered_config(const Features& f) {
                   return {1, 2, 64, 128, 0};  // SP
                 }
               } else {
-                return {1, 1, 64, 256, 0};  // SP
+                if (x.log2_S <= 17.86143684387207) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  return {1, 1, 64, 256, 0};  // SP
+                }
               }
             } else {
               if (x.avg <= 22.972240447998047) {
-                if (x.skew_hi <= 2.081400156021118) {
-                  if (x.log2_S <= 23.589611053466797) {
+                if (x.skew_hi <= 2.0002771615982056) {
+                  if (x.log2_S <= 23.302178382873535) {
                     if (x.log2_S <= 17.803194999694824) {
                       return {1, 4, 64, 64, 0};  // SP
                     } else {
@@ -5007,10 +4987,10 @@ inline Config gathered_config(const Features& f) {
                   return {1, 2, 64, 128, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 24.23595905303955) {
+                if (x.log2_S <= 24.22067642211914) {
                   if (x.log2_S <= 18.505183219909668) {
-                    if (x.avg <= 42.621437072753906) {
-                      if (x.log2_S <= 17.98537826538086) {
+                    if (x.avg <= 41.65530776977539) {
+                      if (x.log2_S <= 17.912983894348145) {
                         return {1, 4, 64, 64, 0};  // SP
                       } else {
                         return {1, 32, 16, 4, 32};  // PR
@@ -5022,51 +5002,47 @@ inline Config gathered_config(const Features& f) {
                     return {1, 32, 8, 4, 32};  // PR
                   }
                 } else {
-                  if (x.skew_lo <= -4.875367879867554) {
-                    return {1, 4, 64, 64, 0};  // SP
-                  } else {
+                  if (x.avg <= 39.031742095947266) {
                     return {4, 2, 32, 128, 0};  // SP
+                  } else {
+                    return {1, 4, 64, 64, 0};  // SP
                   }
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 17.8093900680542) {
-              if (x.log2_S <= 21.09650230407715) {
+            if (x.skew_hi <= 17.81416130065918) {
+              if (x.log2_S <= 21.5726261138916) {
                 if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 18.511820793151855) {
-                    if (x.skew_lo <= 1.3356022834777832) {
+                  if (x.log2_S <= 18.6427001953125) {
+                    if (x.skew_lo <= 0.26851998269557953) {
                       return {1, 32, 8, 4, 32};  // PR
                     } else {
                       return {1, 1, 8, 256, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 4.0122857093811035) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      if (x.skew_hi <= 3.5673686265945435) {
-                        if (x.log2_S <= 19.500503540039062) {
-                          return {1, 32, 16, 4, 32};  // PR
+                    if (x.skew_lo <= 3.945151686668396) {
+                      if (x.skew_lo <= -0.3387530744075775) {
+                        if (x.log2_S <= 19.91261577606201) {
+                          if (x.log2_S <= 18.83590316772461) {
+                            return {1, 32, 8, 4, 32};  // PR
+                          } else {
+                            return {1, 32, 16, 4, 32};  // PR
+                          }
                         } else {
                           return {1, 32, 8, 4, 32};  // PR
                         }
                       } else {
                         return {1, 32, 16, 4, 32};  // PR
                       }
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 4.83573055267334) {
+                  if (x.skew_lo <= 3.9966801404953003) {
                     if (x.log2_S <= 19.51582908630371) {
-                      if (x.log2_S <= 18.65975284576416) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.skew_hi <= 7.655891418457031) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      }
+                      return {2, 32, 8, 2, 32};  // PR
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
                     }
@@ -5078,23 +5054,27 @@ inline Config gathered_config(const Features& f) {
                 return {1, 32, 8, 4, 32};  // PR
               }
             } else {
-              if (x.skew_hi <= 23.101354598999023) {
-                if (x.skew_hi <= 21.380760192871094) {
-                  if (x.log2_S <= 19.56563091278076) {
-                    return {1, 32, 16, 4, 32};  // PR
-                  } else {
-                    if (x.avg <= 12.731667518615723) {
+              if (x.skew_hi <= 22.96383762359619) {
+                if (x.skew_hi <= 21.628267288208008) {
+                  if (x.skew_hi <= 17.947205543518066) {
+                    if (x.skew_lo <= 10.780471324920654) {
                       return {1, 32, 16, 4, 32};  // PR
                     } else {
-                      if (x.log2_S <= 20.515117645263672) {
-                        if (x.avg <= 24.226298332214355) {
-                          if (x.log2_S <= 19.82534694671631) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 19.8482027053833) {
+                      return {1, 32, 16, 4, 32};  // PR
+                    } else {
+                      if (x.skew_hi <= 20.081937789916992) {
+                        if (x.skew_lo <= 9.745723724365234) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.avg <= 9.02162790298462) {
                             return {1, 32, 16, 4, 32};  // PR
                           } else {
                             return {1, 32, 8, 4, 32};  // PR
                           }
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
                         }
                       } else {
                         return {1, 32, 16, 4, 32};  // PR
@@ -5102,170 +5082,158 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 11.608623504638672) {
+                  if (x.skew_lo <= 11.719985961914062) {
                     return {2, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.log2_S <= 22.822887420654297) {
-                      return {1, 32, 16, 4, 32};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
+                    return {1, 32, 16, 4, 32};  // PR
                   }
                 }
               } else {
-                if (x.skew_lo <= 9.582521915435791) {
-                  if (x.skew_lo <= 7.717213153839111) {
-                    return {1, 32, 8, 4, 32};  // PR
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
+                if (x.avg <= 21.37605094909668) {
                   return {1, 32, 8, 4, 32};  // PR
+                } else {
+                  if (x.avg <= 60.84713554382324) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
                 }
               }
             }
           }
         }
       } else {
-        if (x.log2_S <= 16.711947441101074) {
+        if (x.log2_S <= 16.18247127532959) {
           if (x.long_level <= 1.5) {
-            if (x.skew_lo <= -0.2884819060564041) {
-              if (x.avg <= 53.10122108459473) {
-                if (x.log2_S <= 12.596920013427734) {
-                  if (x.log2_S <= 10.057703971862793) {
+            if (x.skew_lo <= -0.12325873598456383) {
+              if (x.avg <= 60.677162170410156) {
+                if (x.log2_S <= 12.664171695709229) {
+                  if (x.log2_S <= 9.654581546783447) {
                     if (x.skew_hi <= 4.213933944702148) {
                       return {1, 2, 64, 128, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -0.6376675963401794) {
+                      if (x.skew_lo <= -0.8573288917541504) {
                         return {1, 32, 64, 4, 0};  // SP
                       } else {
-                        if (x.avg <= 1.3024700284004211) {
+                        if (x.avg <= 1.2971502542495728) {
                           return {2, 32, 32, 2, 0};  // SP
                         } else {
-                          return {2, 16, 64, 2, 0};  // SP
+                          if (x.avg <= 1.5560316443443298) {
+                            return {2, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= -2.254725694656372) {
-                      if (x.log2_S <= 11.75963020324707) {
-                        if (x.skew_lo <= -4.272649765014648) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 10.49014139175415) {
-                            return {1, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 11.088330268859863) {
-                              return {1, 16, 64, 4, 0};  // SP
+                    if (x.skew_lo <= -0.6275026500225067) {
+                      if (x.log2_S <= 11.969523429870605) {
+                        if (x.avg <= 38.745439529418945) {
+                          if (x.log2_S <= 11.33836555480957) {
+                            if (x.log2_S <= 10.60100507736206) {
+                              if (x.avg <= 1.8177459239959717) {
+                                return {1, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {1, 32, 64, 4, 0};  // SP
+                              }
                             } else {
-                              if (x.avg <= 7.811324596405029) {
-                                if (x.log2_S <= 11.485505104064941) {
+                              if (x.avg <= 12.854568481445312) {
+                                if (x.skew_hi <= 3.947342872619629) {
                                   return {1, 16, 64, 4, 0};  // SP
                                 } else {
                                   return {1, 32, 64, 4, 0};  // SP
                                 }
                               } else {
-                                return {1, 8, 64, 32, 0};  // SP
+                                return {1, 32, 64, 4, 0};  // SP
                               }
                             }
+                          } else {
+                            return {1, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.432404518127441) {
+                            return {1, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.log2_S <= 11.961219310760498) {
-                          return {1, 2, 64, 128, 0};  // SP
+                        if (x.avg <= 8.403712034225464) {
+                          return {1, 32, 64, 4, 0};  // SP
                         } else {
                           return {1, 8, 64, 32, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.avg <= 1.5639634132385254) {
-                        return {2, 16, 64, 2, 0};  // SP
+                      if (x.log2_S <= 11.248444080352783) {
+                        if (x.skew_hi <= 5.603302955627441) {
+                          return {2, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {2, 32, 32, 2, 0};  // SP
+                        }
                       } else {
-                        return {1, 32, 64, 4, 0};  // SP
+                        return {2, 16, 64, 2, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 7.236366033554077) {
-                    if (x.skew_hi <= 4.888122081756592) {
-                      if (x.log2_S <= 13.518976211547852) {
-                        if (x.avg <= 3.6833754777908325) {
-                          return {1, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
+                  if (x.avg <= 10.287272453308105) {
+                    if (x.avg <= 1.8240204453468323) {
+                      if (x.log2_S <= 14.025221347808838) {
+                        return {2, 16, 64, 2, 0};  // SP
                       } else {
-                        return {1, 2, 64, 128, 0};  // SP
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 14.13325309753418) {
-                        if (x.skew_hi <= 5.2388916015625) {
-                          if (x.log2_S <= 13.613194465637207) {
+                      if (x.avg <= 7.04668664932251) {
+                        if (x.avg <= 3.0888947248458862) {
+                          if (x.log2_S <= 13.823988437652588) {
                             return {1, 32, 64, 4, 0};  // SP
                           } else {
-                            return {4, 8, 64, 32, 0};  // SP
+                            if (x.log2_S <= 14.678096294403076) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 2, 64, 128, 0};  // SP
+                            }
                           }
-                        } else {
-                          return {2, 16, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 16.273303031921387) {
-                          return {1, 2, 8, 128, 1};  // SR
                         } else {
                           return {1, 2, 64, 128, 0};  // SP
                         }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 44.69426345825195) {
-                      if (x.skew_hi <= 2.8581801652908325) {
-                        return {1, 4, 64, 64, 0};  // SP
                       } else {
-                        if (x.log2_S <= 14.06746244430542) {
-                          return {1, 4, 64, 64, 0};  // SP
+                        if (x.log2_S <= 13.671759605407715) {
+                          return {1, 2, 64, 128, 0};  // SP
                         } else {
-                          if (x.log2_S <= 14.631730079650879) {
-                            return {1, 2, 64, 128, 0};  // SP
+                          if (x.log2_S <= 14.281573295593262) {
+                            return {1, 4, 64, 64, 0};  // SP
                           } else {
                             return {4, 2, 64, 128, 0};  // SP
                           }
                         }
                       }
-                    } else {
-                      if (x.log2_S <= 15.314564228057861) {
+                    }
+                  } else {
+                    if (x.skew_hi <= 0.5179832577705383) {
+                      if (x.log2_S <= 15.316551208496094) {
                         return {2, 16, 64, 2, 0};  // SP
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
                       }
+                    } else {
+                      return {1, 4, 64, 64, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 12.377438068389893) {
-                  if (x.avg <= 86.69975280761719) {
-                    if (x.log2_S <= 9.195461750030518) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.532572269439697) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 2, 0};  // SP
-                      }
-                    }
+                if (x.log2_S <= 12.32127571105957) {
+                  if (x.long_level <= 0.5) {
+                    return {1, 2, 64, 128, 0};  // SP
                   } else {
                     return {1, 2, 8, 128, 1};  // SR
                   }
                 } else {
                   if (x.skew_lo <= -0.5480948090553284) {
-                    if (x.log2_S <= 16.173319816589355) {
-                      return {2, 16, 64, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 138.88931274414062) {
-                        return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
+                    return {2, 16, 64, 2, 0};  // SP
                   } else {
                     return {2, 1, 8, 256, 1};  // SR
                   }
@@ -5273,60 +5241,72 @@ inline Config gathered_config(const Features& f) {
               }
             } else {
               if (x.log2_S <= 13.14193344116211) {
-                if (x.avg <= 2.4881324768066406) {
-                  if (x.log2_S <= 11.155867576599121) {
-                    if (x.long_level <= 0.5) {
-                      return {2, 32, 32, 2, 0};  // SP
+                if (x.avg <= 5.293792963027954) {
+                  if (x.log2_S <= 11.212320804595947) {
+                    if (x.avg <= 4.252789258956909) {
+                      if (x.skew_lo <= 4.662614107131958) {
+                        if (x.skew_lo <= 4.366283655166626) {
+                          if (x.long_level <= 0.5) {
+                            return {2, 32, 32, 2, 0};  // SP
+                          } else {
+                            return {1, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {1, 32, 8, 8, 1};  // SR
+                      }
                     } else {
-                      return {1, 32, 8, 8, 1};  // SR
+                      return {1, 16, 8, 8, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 12.42387056350708) {
-                      return {2, 16, 64, 2, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= 2.4787216437980533) {
+                    if (x.log2_S <= 12.558715343475342) {
+                      if (x.avg <= 2.3593838214874268) {
                         return {2, 16, 64, 2, 0};  // SP
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
+                        if (x.log2_S <= 11.993383407592773) {
+                          if (x.skew_hi <= 8.527854442596436) {
+                            return {2, 32, 32, 2, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
                       }
+                    } else {
+                      return {1, 4, 8, 64, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.863314628601074) {
-                    if (x.avg <= 5.1201331615448) {
-                      if (x.skew_hi <= 8.21618366241455) {
-                        if (x.avg <= 4.470245122909546) {
-                          if (x.skew_hi <= 8.023357391357422) {
-                            return {1, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
+                  if (x.log2_S <= 11.930304527282715) {
+                    if (x.skew_lo <= 3.113540530204773) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.036684513092041) {
+                        if (x.log2_S <= 9.363085746765137) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {1, 16, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 11.194541454315186) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 32, 64, 4, 0};  // SP
-                        }
+                        return {1, 4, 8, 64, 1};  // SR
                       }
-                    } else {
-                      return {1, 4, 8, 64, 1};  // SR
                     }
                   } else {
-                    if (x.skew_hi <= 6.435297012329102) {
+                    if (x.skew_lo <= 2.4352970123291016) {
                       if (x.log2_S <= 12.439984798431396) {
-                        if (x.avg <= 21.435673713684082) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
+                        if (x.skew_hi <= 5.816057443618774) {
                           return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 46.50650405883789) {
-                          return {2, 2, 8, 128, 1};  // SR
+                        if (x.skew_hi <= 4.838351488113403) {
+                          return {2, 1, 8, 256, 1};  // SR
                         } else {
-                          return {1, 2, 8, 128, 1};  // SR
+                          return {2, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
@@ -5335,159 +5315,127 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.avg <= 11.243145942687988) {
-                  if (x.log2_S <= 15.21618366241455) {
-                    if (x.log2_S <= 14.4266037940979) {
-                      if (x.skew_lo <= 3.599838376045227) {
-                        if (x.skew_hi <= 6.271507024765015) {
-                          return {2, 16, 64, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 13.586043357849121) {
-                            return {1, 4, 8, 64, 1};  // SR
+                if (x.avg <= 19.44492816925049) {
+                  if (x.log2_S <= 14.957752227783203) {
+                    if (x.avg <= 9.166633605957031) {
+                      if (x.log2_S <= 14.445833206176758) {
+                        if (x.skew_hi <= 7.47041654586792) {
+                          if (x.log2_S <= 13.513487339019775) {
+                            return {2, 16, 64, 2, 0};  // SP
                           } else {
-                            if (x.avg <= 8.349202156066895) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 2, 8, 128, 1};  // SR
-                            }
+                            return {1, 2, 8, 128, 1};  // SR
                           }
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
                         }
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
+                        if (x.skew_hi <= 7.3168418407440186) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
                       }
-                    } else {
-                      if (x.avg <= 7.34598708152771) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 1.2604288319125772) {
-                      return {1, 2, 8, 128, 1};  // SR
                     } else {
                       return {2, 2, 8, 128, 1};  // SR
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 14.356806755065918) {
-                    if (x.skew_lo <= 1.6910494565963745) {
-                      if (x.log2_S <= 13.321950435638428) {
-                        if (x.avg <= 38.8392391204834) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
+                  } else {
+                    if (x.skew_hi <= 6.4787633419036865) {
+                      if (x.skew_lo <= 0.9330601552501321) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
                         return {2, 1, 8, 256, 1};  // SR
                       }
                     } else {
                       return {2, 2, 8, 128, 1};  // SR
                     }
-                  } else {
-                    return {2, 1, 8, 256, 1};  // SR
                   }
+                } else {
+                  return {2, 1, 8, 256, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.log2_S <= 13.499518394470215) {
-              if (x.skew_hi <= 13.313043117523193) {
-                if (x.avg <= 14.920403480529785) {
-                  if (x.skew_lo <= 7.076925039291382) {
-                    if (x.log2_S <= 10.094637393951416) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.529109954833984) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.930367946624756) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 11.223108768463135) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  return {1, 2, 8, 128, 1};  // SR
-                }
+            if (x.log2_S <= 13.30801248550415) {
+              if (x.log2_S <= 12.983900547027588) {
+                return {1, 2, 8, 128, 1};  // SR
               } else {
-                if (x.avg <= 6.3147337436676025) {
+                if (x.avg <= 22.77950382232666) {
                   return {1, 2, 8, 128, 1};  // SR
                 } else {
-                  return {1, 32, 8, 4, 32};  // PR
+                  return {2, 1, 8, 256, 1};  // SR
                 }
               }
             } else {
               if (x.skew_hi <= 13.508289337158203) {
-                if (x.skew_hi <= 7.856139183044434) {
-                  if (x.log2_S <= 14.71064567565918) {
-                    return {2, 1, 8, 256, 1};  // SR
+                if (x.avg <= 7.017711639404297) {
+                  if (x.log2_S <= 15.331495761871338) {
+                    return {1, 2, 8, 128, 1};  // SR
                   } else {
-                    return {2, 32, 8, 2, 32};  // PR
+                    if (x.skew_lo <= 8.15245008468628) {
+                      return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 15.530968189239502) {
+                        return {2, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
                   }
                 } else {
-                  if (x.skew_hi <= 11.548466205596924) {
-                    if (x.log2_S <= 14.19655704498291) {
-                      if (x.avg <= 16.38417148590088) {
+                  if (x.skew_hi <= 7.996427774429321) {
+                    if (x.log2_S <= 14.840030193328857) {
+                      return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.42781114578247) {
+                      if (x.avg <= 16.46875762939453) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        return {2, 1, 8, 256, 1};  // SR
+                        if (x.skew_hi <= 13.370813846588135) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
                       }
                     } else {
                       return {2, 1, 8, 256, 1};  // SR
                     }
-                  } else {
-                    if (x.log2_S <= 15.154624938964844) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 12.608969688415527) {
-                        return {2, 1, 8, 256, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.586459159851074) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
                   }
                 }
               } else {
-                if (x.skew_lo <= 9.997557163238525) {
-                  if (x.log2_S <= 14.879444599151611) {
-                    if (x.skew_lo <= 7.6078643798828125) {
-                      if (x.skew_hi <= 13.847062587738037) {
-                        return {1, 32, 8, 4, 32};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.avg <= 8.918736040592194) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  if (x.skew_lo <= 10.59289264678955) {
-                    if (x.skew_hi <= 15.19126844406128) {
+                if (x.skew_lo <= 8.521581172943115) {
+                  if (x.avg <= 60.881526947021484) {
+                    if (x.skew_hi <= 14.929106712341309) {
                       return {1, 32, 8, 4, 32};  // PR
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
                     }
                   } else {
-                    return {1, 32, 8, 4, 32};  // PR
+                    if (x.log2_S <= 13.620950698852539) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    if (x.log2_S <= 15.15678882598877) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 15.407970905303955) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      if (x.avg <= 9.57368516921997) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
                   }
                 }
               }
@@ -5495,51 +5443,55 @@ inline Config gathered_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 1.4996468424797058) {
-              if (x.log2_S <= 22.066903114318848) {
-                if (x.log2_S <= 18.11234188079834) {
-                  return {1, 4, 64, 64, 0};  // SP
-                } else {
-                  if (x.avg <= 48.23280334472656) {
-                    if (x.log2_S <= 21.79282283782959) {
-                      return {4, 32, 8, 2, 16};  // PR
+            if (x.skew_hi <= 0.9928787350654602) {
+              if (x.log2_S <= 23.502238273620605) {
+                if (x.log2_S <= 21.140100479125977) {
+                  if (x.log2_S <= 18.094820022583008) {
+                    if (x.skew_lo <= -5.903638124465942) {
+                      return {2, 16, 64, 2, 0};  // SP
                     } else {
-                      return {2, 32, 8, 2, 32};  // PR
+                      return {1, 4, 64, 64, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 20.075020790100098) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
+                    return {4, 32, 8, 2, 16};  // PR
                   }
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
-                if (x.skew_hi <= 1.2565159797668457) {
-                  return {4, 2, 32, 128, 0};  // SP
-                } else {
-                  return {4, 2, 64, 128, 0};  // SP
-                }
+                return {4, 2, 32, 128, 0};  // SP
               }
             } else {
               if (x.skew_hi <= 4.241162300109863) {
-                if (x.log2_S <= 23.70883083343506) {
-                  if (x.log2_S <= 18.05796241760254) {
-                    if (x.skew_lo <= -3.2510050535202026) {
-                      return {1, 4, 64, 64, 0};  // SP
+                if (x.log2_S <= 23.723459243774414) {
+                  if (x.log2_S <= 18.11829948425293) {
+                    if (x.avg <= 10.602699756622314) {
+                      if (x.skew_hi <= 2.7489949464797974) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
                     } else {
-                      return {1, 2, 64, 128, 0};  // SP
+                      return {1, 4, 64, 64, 0};  // SP
                     }
                   } else {
-                    return {1, 2, 64, 128, 0};  // SP
+                    if (x.avg <= 27.073433876037598) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.420964241027832) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    }
                   }
                 } else {
-                  if (x.skew_hi <= 3.742794156074524) {
-                    if (x.log2_S <= 24.38962459564209) {
-                      if (x.avg <= 9.671848773956299) {
-                        return {1, 2, 64, 128, 0};  // SP
-                      } else {
+                  if (x.skew_lo <= -2.2040785551071167) {
+                    if (x.log2_S <= 24.243857383728027) {
+                      if (x.skew_lo <= -3.2700787782669067) {
                         return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
                       }
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
@@ -5549,13 +5501,9 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 23.105271339416504) {
-                  if (x.log2_S <= 17.878799438476562) {
-                    if (x.skew_lo <= -0.17630689591169357) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
+                if (x.log2_S <= 23.49972152709961) {
+                  if (x.log2_S <= 18.180142402648926) {
+                    return {1, 2, 64, 128, 0};  // SP
                   } else {
                     return {4, 1, 64, 256, 0};  // SP
                   }
@@ -5565,21 +5513,45 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 17.80611228942871) {
-              if (x.skew_hi <= 12.185752868652344) {
+            if (x.log2_S <= 18.01180362701416) {
+              if (x.skew_hi <= 12.091501235961914) {
                 if (x.avg <= 73.08162307739258) {
-                  if (x.avg <= 2.8413214683532715) {
-                    if (x.log2_S <= 17.63008975982666) {
+                  if (x.avg <= 3.585667133331299) {
+                    if (x.log2_S <= 17.79841899871826) {
                       return {2, 2, 8, 128, 1};  // SR
                     } else {
                       return {2, 1, 8, 256, 1};  // SR
                     }
                   } else {
                     if (x.log2_S <= 17.73051643371582) {
-                      return {2, 1, 8, 256, 1};  // SR
+                      if (x.avg <= 8.529674530029297) {
+                        if (x.log2_S <= 17.19791316986084) {
+                          if (x.skew_hi <= 9.500123977661133) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {2, 1, 8, 256, 1};  // SR
+                          }
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 64.39292907714844) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 5.898084282875061) {
+                            return {2, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        return {2, 1, 8, 256, 1};  // SR
+                      if (x.skew_lo <= 6.309919595718384) {
+                        if (x.avg <= 37.47330856323242) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
                       }
@@ -5592,7 +5564,7 @@ inline Config gathered_config(const Features& f) {
                 if (x.skew_lo <= 11.17040491104126) {
                   return {2, 32, 8, 2, 32};  // PR
                 } else {
-                  if (x.skew_hi <= 17.082122802734375) {
+                  if (x.log2_S <= 17.25166416168213) {
                     return {1, 32, 8, 4, 32};  // PR
                   } else {
                     return {2, 32, 8, 2, 32};  // PR
@@ -5600,20 +5572,20 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.skew_lo <= 11.502870082855225) {
+              if (x.skew_hi <= 23.273757934570312) {
                 if (x.log2_S <= 18.534323692321777) {
                   if (x.long_level <= 1.5) {
-                    if (x.avg <= 5.207035541534424) {
+                    if (x.avg <= 4.155214548110962) {
                       return {2, 1, 8, 256, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 1.4835167527198792) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 18.176682472229004) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
+                      if (x.log2_S <= 18.147055625915527) {
+                        if (x.skew_lo <= 0.7199843227863312) {
                           return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
                         }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
                       }
                     }
                   } else {
@@ -5623,10 +5595,10 @@ inline Config gathered_config(const Features& f) {
                   return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
-                if (x.log2_S <= 23.204774856567383) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
+                if (x.avg <= 7.350416898727417) {
                   return {1, 32, 16, 4, 32};  // PR
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
                 }
               }
             }
@@ -5636,174 +5608,158 @@ inline Config gathered_config(const Features& f) {
     } else {
       if (x.F <= 5.291502622129181) {
         if (x.skew_hi <= 13.973933696746826) {
-          if (x.log2_S <= 18.052714347839355) {
-            if (x.skew_lo <= -0.4504854381084442) {
-              if (x.log2_S <= 13.81788682937622) {
-                if (x.skew_hi <= 4.487332820892334) {
-                  if (x.avg <= 75.68093872070312) {
-                    if (x.log2_S <= 9.654581546783447) {
-                      if (x.avg <= 26.738778114318848) {
-                        if (x.avg <= 3.4488359689712524) {
-                          return {4, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {1, 16, 16, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 2, 0};  // SP
-                      }
+          if (x.log2_S <= 18.7590970993042) {
+            if (x.skew_lo <= -0.4832109957933426) {
+              if (x.log2_S <= 16.091504096984863) {
+                if (x.avg <= 2.8831676244735718) {
+                  if (x.log2_S <= 12.960212230682373) {
+                    return {4, 32, 32, 1, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 13.850301265716553) {
+                      return {4, 16, 64, 2, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.534178256988525) {
-                        if (x.avg <= 2.9480042457580566) {
-                          return {4, 32, 32, 1, 0};  // SP
+                      if (x.skew_lo <= -1.0450066924095154) {
+                        if (x.log2_S <= 14.555240154266357) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          return {4, 16, 64, 2, 0};  // SP
+                          return {4, 1, 64, 256, 0};  // SP
                         }
                       } else {
-                        if (x.skew_hi <= 1.4626503586769104) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 104.17815399169922) {
+                    if (x.log2_S <= 13.259917736053467) {
+                      if (x.log2_S <= 9.612300395965576) {
+                        if (x.skew_lo <= -4.318212032318115) {
                           return {4, 16, 64, 2, 0};  // SP
                         } else {
-                          if (x.avg <= 7.017145156860352) {
-                            if (x.log2_S <= 13.31705904006958) {
+                          if (x.skew_lo <= -1.7860661149024963) {
+                            return {1, 16, 16, 8, 0};  // SP
+                          } else {
+                            if (x.avg <= 46.57072627544403) {
                               return {4, 16, 64, 2, 0};  // SP
                             } else {
-                              if (x.skew_hi <= 4.1103675365448) {
-                                return {4, 2, 32, 128, 0};  // SP
-                              } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= -1.716833770275116) {
+                          if (x.log2_S <= 12.16455364227295) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 3.053019165992737) {
+                              if (x.skew_lo <= -4.338401556015015) {
                                 return {4, 16, 64, 2, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 12.706637859344482) {
+                                  return {4, 8, 64, 32, 0};  // SP
+                                } else {
+                                  return {4, 4, 64, 64, 0};  // SP
+                                }
                               }
+                            } else {
+                              return {4, 16, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.6833797991275787) {
+                            if (x.log2_S <= 12.082648754119873) {
+                              return {4, 32, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 2, 0};  // SP
                             }
                           } else {
-                            return {4, 4, 64, 64, 0};  // SP
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 7.47161078453064) {
+                        if (x.avg <= 3.8018566370010376) {
+                          if (x.log2_S <= 14.694193363189697) {
+                            return {4, 2, 32, 128, 0};  // SP
+                          } else {
+                            return {4, 1, 64, 256, 0};  // SP
+                          }
+                        } else {
+                          return {4, 2, 32, 128, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 39.511125564575195) {
+                          if (x.log2_S <= 15.583030700683594) {
+                            if (x.avg <= 10.471921443939209) {
+                              if (x.log2_S <= 14.631730079650879) {
+                                return {4, 4, 64, 64, 0};  // SP
+                              } else {
+                                return {4, 2, 64, 128, 0};  // SP
+                              }
+                            } else {
+                              return {4, 4, 64, 64, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_hi <= 1.4542182683944702) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              if (x.avg <= 15.472245693206787) {
+                                return {4, 2, 64, 128, 0};  // SP
+                              } else {
+                                if (x.skew_hi <= 1.7231467962265015) {
+                                  return {4, 2, 64, 128, 0};  // SP
+                                } else {
+                                  return {1, 4, 64, 64, 0};  // SP
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.5480948090553284) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
                           }
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.46139669418335) {
-                      if (x.avg <= 112.1706314086914) {
-                        if (x.log2_S <= 11.56402587890625) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.08905029296875) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 32, 1, 0};  // SP
-                        }
-                      }
+                    if (x.log2_S <= 12.30838918685913) {
+                      return {4, 2, 8, 128, 1};  // SR
                     } else {
                       return {4, 16, 64, 2, 0};  // SP
                     }
                   }
-                } else {
-                  if (x.log2_S <= 13.465463161468506) {
-                    return {4, 32, 32, 1, 0};  // SP
-                  } else {
-                    return {4, 16, 64, 2, 0};  // SP
-                  }
                 }
               } else {
-                if (x.avg <= 43.158735275268555) {
-                  if (x.avg <= 11.521617889404297) {
-                    if (x.skew_hi <= 3.892439603805542) {
-                      if (x.log2_S <= 15.237764835357666) {
-                        if (x.avg <= 6.329772472381592) {
+                if (x.avg <= 6.648827075958252) {
+                  return {4, 1, 64, 256, 0};  // SP
+                } else {
+                  if (x.long_level <= 0.5) {
+                    if (x.skew_hi <= 2.4818490743637085) {
+                      if (x.skew_hi <= 0.5244281589984894) {
+                        if (x.log2_S <= 16.913009643554688) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
                           return {4, 2, 32, 128, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 14.299855709075928) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
-                            return {4, 2, 64, 128, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 3.266900897026062) {
-                          return {4, 2, 32, 128, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 17.04369068145752) {
-                            if (x.avg <= 4.812289476394653) {
-                              return {4, 1, 64, 256, 0};  // SP
-                            } else {
-                              return {4, 2, 32, 128, 0};  // SP
-                            }
-                          } else {
-                            return {4, 1, 64, 256, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 2.0625098943710327) {
-                        if (x.log2_S <= 16.622013092041016) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 1, 64, 256, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 14.53435230255127) {
-                          return {4, 2, 32, 128, 0};  // SP
-                        } else {
-                          return {4, 1, 64, 256, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.520483016967773) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 16.8742094039917) {
-                        if (x.avg <= 26.124094009399414) {
-                          if (x.avg <= 13.237852573394775) {
-                            return {4, 2, 32, 128, 0};  // SP
-                          } else {
-                            return {1, 4, 64, 64, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 16.16477108001709) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
-                            return {4, 2, 32, 128, 0};  // SP
-                          }
                         }
                       } else {
                         return {1, 4, 64, 64, 0};  // SP
                       }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 16.679296493530273) {
-                    if (x.log2_S <= 15.123009204864502) {
-                      return {4, 16, 64, 2, 0};  // SP
                     } else {
-                      if (x.skew_hi <= 2.3048391342163086) {
-                        return {4, 16, 64, 2, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 3.393578886985779) {
-                          if (x.log2_S <= 15.615918636322021) {
-                            if (x.skew_hi <= 3.1105849742889404) {
-                              return {4, 16, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
+                      return {4, 2, 32, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 16.896159172058105) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.skew_lo <= -1.6666593551635742) {
+                        if (x.log2_S <= 17.892925262451172) {
+                          return {4, 32, 8, 2, 16};  // PR
                         } else {
                           return {4, 32, 8, 2, 32};  // PR
                         }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 2.4423173666000366) {
-                      if (x.skew_hi <= 0.5244281589984894) {
-                        return {4, 2, 32, 128, 0};  // SP
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 16.878015518188477) {
-                        return {4, 32, 8, 2, 16};  // PR
                       } else {
                         return {4, 32, 8, 2, 32};  // PR
                       }
@@ -5812,65 +5768,81 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 13.515160083770752) {
-                if (x.skew_lo <= 4.851093053817749) {
+              if (x.log2_S <= 13.965034484863281) {
+                if (x.skew_lo <= 4.893671274185181) {
                   if (x.long_level <= 1.5) {
-                    if (x.avg <= 11.956568717956543) {
-                      if (x.avg <= 4.923502683639526) {
-                        if (x.log2_S <= 11.163846492767334) {
-                          if (x.skew_hi <= 7.793792724609375) {
-                            if (x.avg <= 1.304824709892273) {
-                              return {4, 32, 64, 2, 0};  // SP
+                    if (x.avg <= 12.226673603057861) {
+                      if (x.avg <= 6.579191207885742) {
+                        if (x.skew_hi <= 5.988796234130859) {
+                          if (x.log2_S <= 11.007530212402344) {
+                            if (x.skew_lo <= -0.3929577022790909) {
+                              return {4, 32, 32, 1, 0};  // SP
                             } else {
-                              if (x.skew_lo <= 1.658822014927864) {
-                                return {4, 32, 32, 1, 0};  // SP
-                              } else {
-                                return {1, 16, 8, 8, 1};  // SR
-                              }
+                              return {4, 32, 64, 2, 0};  // SP
                             }
                           } else {
-                            return {1, 32, 8, 2, 1};  // SR
+                            if (x.log2_S <= 13.776787281036377) {
+                              return {4, 32, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 2, 0};  // SP
+                            }
                           }
                         } else {
-                          if (x.skew_lo <= 1.8574670357629657) {
-                            return {4, 32, 32, 1, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.30483865737915) {
-                              if (x.avg <= 3.345725893974304) {
-                                return {4, 32, 32, 2, 0};  // SP
+                          if (x.log2_S <= 12.30308485031128) {
+                            if (x.skew_lo <= 3.8272757530212402) {
+                              if (x.log2_S <= 11.116058349609375) {
+                                if (x.skew_hi <= 7.49242639541626) {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                } else {
+                                  return {1, 16, 8, 8, 1};  // SR
+                                }
                               } else {
                                 return {1, 8, 8, 32, 1};  // SR
                               }
                             } else {
-                              return {1, 4, 8, 64, 1};  // SR
+                              if (x.log2_S <= 11.125251293182373) {
+                                if (x.skew_hi <= 8.711856842041016) {
+                                  return {1, 32, 8, 2, 1};  // SR
+                                } else {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                }
+                              } else {
+                                if (x.skew_lo <= 4.214151620864868) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 2, 0};  // SP
+                                }
+                              }
                             }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 8.5960693359375) {
-                          if (x.log2_S <= 11.15194845199585) {
-                            return {1, 4, 8, 64, 1};  // SR
                           } else {
-                            if (x.log2_S <= 11.783159732818604) {
-                              return {1, 8, 8, 32, 1};  // SR
+                            if (x.avg <= 2.263228416442871) {
+                              return {4, 16, 64, 2, 0};  // SP
                             } else {
                               return {1, 4, 8, 64, 1};  // SR
                             }
                           }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.91050672531128) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 11.865334510803223) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
+                          if (x.log2_S <= 13.586043357849121) {
                             return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.avg <= 7.660876512527466) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 11.901639938354492) {
+                      if (x.log2_S <= 12.191666603088379) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.log2_S <= 12.380430221557617) {
-                          if (x.skew_hi <= 5.183028936386108) {
+                        if (x.log2_S <= 12.650341033935547) {
+                          if (x.skew_hi <= 5.379155397415161) {
                             return {4, 2, 8, 128, 1};  // SR
                           } else {
                             return {2, 2, 8, 128, 1};  // SR
@@ -5881,41 +5853,25 @@ inline Config gathered_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 7.661959886550903) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 10.888236999511719) {
-                        if (x.log2_S <= 8.756918907165527) {
-                          if (x.skew_hi <= 8.059128284454346) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    }
+                    return {2, 2, 8, 128, 1};  // SR
                   }
                 } else {
-                  if (x.skew_hi <= 12.377142429351807) {
+                  if (x.skew_hi <= 12.329061031341553) {
                     if (x.long_level <= 1.5) {
                       if (x.log2_S <= 12.294692039489746) {
-                        if (x.log2_S <= 11.169829845428467) {
-                          if (x.skew_hi <= 8.964980125427246) {
-                            if (x.skew_hi <= 8.388453483581543) {
-                              return {1, 32, 8, 8, 1};  // SR
+                        if (x.log2_S <= 11.252625942230225) {
+                          if (x.skew_hi <= 9.706835746765137) {
+                            if (x.skew_hi <= 8.964980125427246) {
+                              if (x.skew_hi <= 8.29071855545044) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
                             } else {
-                              return {1, 4, 8, 64, 1};  // SR
+                              return {1, 8, 8, 32, 1};  // SR
                             }
                           } else {
-                            if (x.skew_hi <= 9.706835746765137) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
+                            return {1, 4, 8, 64, 1};  // SR
                           }
                         } else {
                           return {4, 32, 32, 2, 0};  // SP
@@ -5924,43 +5880,47 @@ inline Config gathered_config(const Features& f) {
                         return {1, 4, 8, 64, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 11.867709636688232) {
+                      if (x.log2_S <= 12.726063251495361) {
                         return {1, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.avg <= 18.047707557678223) {
-                          return {1, 4, 8, 64, 1};  // SR
+                        if (x.skew_hi <= 10.063422679901123) {
+                          return {2, 2, 8, 128, 1};  // SR
                         } else {
-                          if (x.avg <= 85.28585815429688) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
+                          if (x.log2_S <= 13.777663230895996) {
                             return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
                           }
                         }
                       }
                     }
                   } else {
                     if (x.long_level <= 2.5) {
-                      return {1, 4, 8, 64, 1};  // SR
+                      if (x.log2_S <= 13.812146186828613) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
                     } else {
-                      if (x.log2_S <= 12.60013484954834) {
-                        if (x.avg <= 18.099891662597656) {
-                          return {1, 4, 8, 64, 1};  // SR
+                      if (x.avg <= 176.7860107421875) {
+                        return {4, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 12.708584785461426) {
+                          return {2, 2, 8, 128, 1};  // SR
                         } else {
                           return {4, 32, 8, 2, 32};  // PR
                         }
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
                       }
                     }
                   }
                 }
               } else {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 79.97072219848633) {
-                    if (x.avg <= 2.8306580781936646) {
+                if (x.avg <= 69.07285690307617) {
+                  if (x.skew_hi <= 13.017609119415283) {
+                    if (x.avg <= 2.9230862855911255) {
                       if (x.log2_S <= 15.243192195892334) {
-                        if (x.skew_hi <= 11.257688999176025) {
-                          if (x.skew_lo <= 2.2422797912731767) {
+                        if (x.skew_lo <= 7.212468385696411) {
+                          if (x.long_level <= 0.5) {
                             return {2, 2, 8, 128, 1};  // SR
                           } else {
                             return {1, 4, 8, 64, 1};  // SR
@@ -5969,61 +5929,45 @@ inline Config gathered_config(const Features& f) {
                           return {2, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 9.04138994216919) {
-                          if (x.skew_hi <= 5.9119744300842285) {
-                            if (x.log2_S <= 16.791882514953613) {
+                        if (x.skew_hi <= 8.777471542358398) {
+                          if (x.log2_S <= 17.38103675842285) {
+                            if (x.skew_lo <= 4.49089503288269) {
                               return {2, 2, 8, 128, 1};  // SR
                             } else {
-                              return {4, 1, 64, 256, 0};  // SP
-                            }
-                          } else {
-                            if (x.skew_lo <= 4.803479909896851) {
-                              if (x.log2_S <= 16.184213638305664) {
+                              if (x.log2_S <= 15.845982074737549) {
                                 return {2, 2, 8, 128, 1};  // SR
                               } else {
-                                if (x.skew_hi <= 8.580076217651367) {
-                                  return {2, 2, 8, 128, 1};  // SR
-                                } else {
-                                  return {4, 2, 8, 128, 1};  // SR
-                                }
+                                return {4, 2, 8, 128, 1};  // SR
                               }
+                            }
+                          } else {
+                            if (x.skew_lo <= -0.058098772540688515) {
+                              return {4, 1, 64, 256, 0};  // SP
                             } else {
                               return {2, 2, 8, 128, 1};  // SR
                             }
-                          }
-                        } else {
-                          if (x.log2_S <= 15.567190170288086) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 64.76790237426758) {
-                        if (x.log2_S <= 14.311420440673828) {
-                          if (x.avg <= 9.720853328704834) {
-                            if (x.skew_lo <= 7.0272908210754395) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {2, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
                           }
                         } else {
                           return {2, 2, 8, 128, 1};  // SR
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.122599601745605) {
+                        return {2, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 7.723413944244385) {
-                          if (x.log2_S <= 17.663552284240723) {
-                            return {2, 2, 8, 128, 1};  // SR
+                        if (x.avg <= 47.45465278625488) {
+                          if (x.skew_hi <= 5.229352712631226) {
+                            if (x.log2_S <= 18.30988597869873) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 32};  // PR
+                            }
                           } else {
-                            return {4, 32, 8, 2, 32};  // PR
+                            return {2, 2, 8, 128, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 15.291053295135498) {
-                            return {2, 2, 8, 128, 1};  // SR
+                          if (x.skew_hi <= 6.169828176498413) {
+                            return {4, 32, 8, 2, 32};  // PR
                           } else {
                             return {4, 32, 8, 2, 16};  // PR
                           }
@@ -6031,47 +5975,67 @@ inline Config gathered_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.713881015777588) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 16, 64, 2, 0};  // SP
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
+                    if (x.log2_S <= 15.352972984313965) {
+                      return {2, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 4.832641005516052) {
-                        return {2, 2, 8, 128, 1};  // SR
+                      if (x.log2_S <= 17.33930015563965) {
+                        if (x.log2_S <= 16.446292877197266) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.log2_S <= 17.151121139526367) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
                       }
                     }
                   }
                 } else {
-                  return {4, 32, 8, 2, 32};  // PR
+                  if (x.log2_S <= 14.713881015777588) {
+                    if (x.long_level <= 1.5) {
+                      return {4, 16, 64, 2, 0};  // SP
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
                 }
               }
             }
           } else {
             if (x.long_level <= 1.5) {
               if (x.long_level <= 0.5) {
-                if (x.skew_hi <= 2.709903597831726) {
-                  if (x.avg <= 43.351051330566406) {
-                    if (x.skew_lo <= -3.597637176513672) {
-                      return {1, 4, 64, 64, 0};  // SP
-                    } else {
+                if (x.skew_hi <= 2.520084261894226) {
+                  if (x.skew_hi <= 0.5225005447864532) {
+                    if (x.skew_hi <= 0.3990974724292755) {
                       return {4, 2, 32, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 23.129664421081543) {
+                        return {4, 2, 32, 128, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
                     }
                   } else {
-                    return {4, 2, 32, 128, 0};  // SP
+                    if (x.avg <= 11.862467765808105) {
+                      return {4, 2, 32, 128, 0};  // SP
+                    } else {
+                      return {1, 4, 64, 64, 0};  // SP
+                    }
                   }
                 } else {
                   if (x.log2_S <= 23.8043794631958) {
-                    if (x.skew_hi <= 3.0870555639266968) {
-                      if (x.log2_S <= 22.987391471862793) {
-                        if (x.log2_S <= 18.439151763916016) {
-                          return {4, 2, 32, 128, 0};  // SP
-                        } else {
-                          return {4, 1, 64, 256, 0};  // SP
-                        }
+                    if (x.skew_hi <= 2.709903597831726) {
+                      if (x.log2_S <= 22.555347442626953) {
+                        return {4, 1, 64, 256, 0};  // SP
                       } else {
                         return {4, 2, 32, 128, 0};  // SP
                       }
@@ -6079,58 +6043,54 @@ inline Config gathered_config(const Features& f) {
                       return {4, 1, 64, 256, 0};  // SP
                     }
                   } else {
-                    if (x.skew_hi <= 4.241528272628784) {
+                    if (x.skew_hi <= 4.267884731292725) {
                       return {4, 2, 32, 128, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -0.06639287248253822) {
-                        return {4, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
+                      return {4, 1, 64, 256, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 18.52858066558838) {
-                  if (x.skew_lo <= 1.8672621250152588) {
-                    return {4, 32, 8, 2, 32};  // PR
+                if (x.avg <= 1.550064504146576) {
+                  if (x.log2_S <= 23.655369758605957) {
+                    return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    return {2, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_hi <= 9.712444305419922) {
-                    return {4, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 19.357807159423828) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
+                    if (x.skew_lo <= 5.58306622505188) {
                       return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   }
+                } else {
+                  return {4, 32, 8, 2, 32};  // PR
                 }
               }
             } else {
-              if (x.log2_S <= 19.68743133544922) {
-                if (x.skew_hi <= 8.554005146026611) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.avg <= 8.049493789672852) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 19.234291076660156) {
-                      if (x.skew_lo <= 4.701800584793091) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
+              if (x.log2_S <= 20.07927703857422) {
+                if (x.skew_lo <= 7.686136484146118) {
+                  if (x.avg <= 26.872775077819824) {
+                    if (x.skew_lo <= 6.991107940673828) {
+                      return {2, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 5.889671325683594) {
+                      if (x.log2_S <= 19.1054105758667) {
                         return {2, 2, 8, 128, 1};  // SR
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
                       }
                     }
+                  } else {
+                    if (x.log2_S <= 18.912641525268555) {
+                      if (x.avg <= 50.30292320251465) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
                   }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
                 }
               } else {
                 return {4, 32, 8, 2, 16};  // PR
@@ -6146,89 +6106,79 @@ inline Config gathered_config(const Features& f) {
         }
       } else {
         if (x.skew_lo <= -1.9814181327819824) {
-          if (x.log2_S <= 11.074113368988037) {
-            if (x.log2_S <= 10.476536273956299) {
-              if (x.skew_lo <= -2.075648784637451) {
+          if (x.log2_S <= 12.07932424545288) {
+            if (x.log2_S <= 9.831262111663818) {
+              if (x.skew_lo <= -2.0721802711486816) {
                 return {1, 8, 64, 32, 0};  // SP
               } else {
                 return {1, 2, 64, 128, 0};  // SP
               }
             } else {
-              if (x.avg <= 34.83084678649902) {
-                return {4, 32, 32, 1, 0};  // SP
+              if (x.avg <= 16.31726837158203) {
+                if (x.log2_S <= 11.790939331054688) {
+                  return {4, 32, 32, 1, 0};  // SP
+                } else {
+                  if (x.log2_S <= 11.87433671951294) {
+                    return {2, 32, 32, 2, 0};  // SP
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                }
               } else {
-                return {1, 8, 64, 32, 0};  // SP
+                if (x.log2_S <= 10.215348243713379) {
+                  return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  return {2, 32, 32, 2, 0};  // SP
+                }
               }
             }
           } else {
             return {1, 8, 64, 32, 0};  // SP
           }
         } else {
-          if (x.log2_S <= 17.76265525817871) {
+          if (x.log2_S <= 17.744179725646973) {
             if (x.log2_S <= 11.89873218536377) {
               if (x.long_level <= 2.5) {
-                if (x.avg <= 6.6743550300598145) {
-                  if (x.skew_lo <= 6.617401123046875) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 6.152311086654663) {
                     if (x.skew_lo <= 4.023357391357422) {
-                      if (x.skew_hi <= 7.463452339172363) {
-                        if (x.skew_hi <= 4.993552923202515) {
-                          if (x.skew_lo <= -1.5127038955688477) {
-                            if (x.log2_S <= 11.605136394500732) {
-                              return {4, 32, 32, 1, 0};  // SP
+                      if (x.avg <= 4.160262584686279) {
+                        if (x.avg <= 1.7049997448921204) {
+                          if (x.log2_S <= 10.783048629760742) {
+                            if (x.avg <= 1.3131216764450073) {
+                              return {1, 64, 16, 4, 0};  // SP
                             } else {
-                              return {2, 32, 32, 2, 0};  // SP
-                            }
-                          } else {
-                            return {2, 32, 32, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 1.7049997448921204) {
-                            if (x.log2_S <= 10.783048629760742) {
-                              if (x.skew_hi <= 5.607042074203491) {
-                                if (x.skew_hi <= 5.4332053661346436) {
-                                  return {1, 64, 16, 4, 0};  // SP
-                                } else {
-                                  return {4, 64, 8, 1, 0};  // SP
-                                }
-                              } else {
+                              if (x.skew_hi <= 5.4332053661346436) {
                                 return {1, 64, 16, 4, 0};  // SP
-                              }
-                            } else {
-                              if (x.skew_hi <= 5.407093048095703) {
-                                return {1, 32, 64, 2, 0};  // SP
                               } else {
                                 return {4, 64, 8, 1, 0};  // SP
                               }
                             }
                           } else {
-                            if (x.skew_lo <= 1.2293630838394165) {
-                              return {4, 32, 16, 8, 0};  // SP
+                            if (x.skew_hi <= 5.407093048095703) {
+                              return {1, 32, 64, 2, 0};  // SP
                             } else {
-                              if (x.log2_S <= 10.920509338378906) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
+                              return {4, 64, 8, 1, 0};  // SP
                             }
                           }
-                        }
-                      } else {
-                        if (x.skew_lo <= 3.9833879470825195) {
-                          return {1, 16, 8, 8, 1};  // SR
                         } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.809849262237549) {
-                        if (x.avg <= 2.437351942062378) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 8.434287071228027) {
-                            return {1, 32, 8, 4, 1};  // SR
+                          if (x.avg <= 3.0535744428634644) {
+                            if (x.skew_hi <= 4.873505115509033) {
+                              return {2, 32, 32, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 9.755941390991211) {
+                                return {2, 32, 32, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 16, 8, 0};  // SP
+                              }
+                            }
                           } else {
-                            if (x.avg <= 2.5271899700164795) {
-                              return {1, 32, 8, 4, 1};  // SR
+                            if (x.skew_lo <= 1.1793146133422852) {
+                              if (x.log2_S <= 11.405325412750244) {
+                                return {4, 32, 32, 1, 0};  // SP
+                              } else {
+                                return {2, 32, 32, 2, 0};  // SP
+                              }
                             } else {
                               return {1, 32, 8, 2, 1};  // SR
                             }
@@ -6237,79 +6187,91 @@ inline Config gathered_config(const Features& f) {
                       } else {
                         return {1, 16, 8, 8, 1};  // SR
                       }
+                    } else {
+                      if (x.skew_lo <= 4.714717149734497) {
+                        if (x.skew_hi <= 8.433621883392334) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 11.813716411590576) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
                     }
                   } else {
-                    return {1, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 11.125124454498291) {
-                    if (x.skew_lo <= 6.660284757614136) {
-                      if (x.skew_hi <= 10.093291282653809) {
-                        return {1, 4, 8, 64, 1};  // SR
+                    if (x.log2_S <= 11.46946907043457) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 6.388047933578491) {
+                        if (x.skew_hi <= 3.5058252811431885) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
                     }
-                  } else {
-                    if (x.skew_lo <= 2.388047933578491) {
-                      if (x.avg <= 99.36303329467773) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.5170259475708) {
+                  }
+                } else {
+                  if (x.skew_lo <= 6.701653718948364) {
+                    if (x.avg <= 32.54137897491455) {
+                      if (x.skew_hi <= 9.658461093902588) {
+                        if (x.log2_S <= 10.811661720275879) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 11.802520751953125) {
-                        if (x.avg <= 159.47264099121094) {
-                          return {1, 8, 8, 32, 1};  // SR
+                      if (x.avg <= 204.87804412841797) {
+                        if (x.avg <= 79.35034942626953) {
+                          if (x.skew_lo <= 4.012687921524048) {
+                            if (x.log2_S <= 10.747335433959961) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
                         } else {
-                          return {1, 8, 16, 32, 1};  // SR
+                          if (x.log2_S <= 11.824258804321289) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
                         }
                       } else {
-                        if (x.avg <= 16.84505558013916) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
+                        return {1, 4, 8, 64, 1};  // SR
                       }
                     }
+                  } else {
+                    return {1, 8, 8, 32, 1};  // SR
                   }
                 }
               } else {
                 return {1, 8, 16, 32, 1};  // SR
               }
             } else {
-              if (x.skew_hi <= 16.02108860015869) {
-                if (x.skew_lo <= -0.711529552936554) {
-                  if (x.skew_hi <= 3.6575316190719604) {
-                    if (x.log2_S <= 16.387453079223633) {
-                      if (x.log2_S <= 12.42608642578125) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= -0.8042900860309601) {
-                          return {1, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 4.9115869998931885) {
-                      if (x.log2_S <= 12.27133846282959) {
+              if (x.skew_hi <= 16.169615745544434) {
+                if (x.skew_lo <= -0.46364468336105347) {
+                  if (x.avg <= 88.6565933227539) {
+                    if (x.skew_lo <= -1.044330656528473) {
+                      if (x.log2_S <= 12.88444709777832) {
                         return {2, 32, 32, 2, 0};  // SP
                       } else {
                         return {1, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 16.338358879089355) {
-                        if (x.log2_S <= 13.189251899719238) {
+                      if (x.log2_S <= 15.649670600891113) {
+                        if (x.log2_S <= 12.732907772064209) {
                           return {1, 32, 64, 2, 0};  // SP
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
@@ -6322,133 +6284,147 @@ inline Config gathered_config(const Features& f) {
                         }
                       }
                     }
+                  } else {
+                    if (x.log2_S <= 16.225769996643066) {
+                      if (x.log2_S <= 12.588595390319824) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 133.54988861083984) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
                   }
                 } else {
                   if (x.skew_hi <= 14.803028583526611) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 3.6249449253082275) {
-                        if (x.log2_S <= 16.65530490875244) {
-                          if (x.log2_S <= 12.346445560455322) {
-                            if (x.skew_lo <= 5.019117593765259) {
-                              if (x.skew_hi <= 7.093050479888916) {
-                                return {4, 64, 8, 1, 0};  // SP
-                              } else {
-                                return {1, 16, 8, 8, 1};  // SR
-                              }
+                    if (x.avg <= 2.6579588651657104) {
+                      if (x.skew_hi <= 12.343862533569336) {
+                        if (x.log2_S <= 16.642608642578125) {
+                          if (x.log2_S <= 13.298542022705078) {
+                            if (x.skew_hi <= 7.311216831207275) {
+                              return {4, 64, 8, 1, 0};  // SP
                             } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 13.298542022705078) {
-                              if (x.long_level <= 0.5) {
-                                if (x.skew_hi <= 5.553163766860962) {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {4, 64, 8, 1, 0};  // SP
-                                }
+                              if (x.skew_lo <= 4.867682933807373) {
+                                return {1, 16, 8, 8, 1};  // SR
                               } else {
-                                if (x.skew_hi <= 8.859492301940918) {
-                                  if (x.skew_hi <= 8.440454959869385) {
-                                    return {1, 8, 8, 32, 1};  // SR
+                                if (x.log2_S <= 12.312254428863525) {
+                                  if (x.skew_hi <= 10.91635274887085) {
+                                    return {1, 4, 8, 64, 1};  // SR
                                   } else {
-                                    return {1, 16, 8, 8, 1};  // SR
+                                    return {1, 8, 8, 32, 1};  // SR
                                   }
                                 } else {
                                   return {1, 8, 8, 32, 1};  // SR
                                 }
                               }
-                            } else {
-                              if (x.avg <= 2.9150004386901855) {
-                                if (x.avg <= 1.0039384961128235) {
-                                  return {1, 8, 16, 32, 1};  // SR
-                                } else {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                }
-                              } else {
-                                if (x.log2_S <= 15.225967407226562) {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {1, 8, 16, 32, 1};  // SR
-                                }
-                              }
                             }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
                           }
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 13.528007984161377) {
-                          if (x.avg <= 12.411478996276855) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 36.06966972351074) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 12.967360973358154) {
-                                if (x.skew_hi <= 3.6616885662078857) {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                }
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
+                        if (x.log2_S <= 16.46159267425537) {
                           return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 14.587793350219727) {
-                        if (x.skew_hi <= 14.10840129852295) {
-                          if (x.avg <= 5.1303558349609375) {
-                            if (x.log2_S <= 12.31397819519043) {
-                              if (x.long_level <= 2.5) {
+                      if (x.avg <= 64.5151138305664) {
+                        if (x.skew_hi <= 9.112735748291016) {
+                          if (x.log2_S <= 13.55126142501831) {
+                            if (x.avg <= 12.23573350906372) {
+                              if (x.skew_lo <= 4.262602090835571) {
                                 return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_lo <= 3.199915051460266) {
+                                if (x.log2_S <= 12.91987133026123) {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                } else {
+                                  if (x.avg <= 29.100361824035645) {
+                                    return {1, 4, 8, 64, 1};  // SR
+                                  } else {
+                                    return {1, 8, 16, 32, 1};  // SR
+                                  }
+                                }
                               } else {
                                 return {1, 8, 16, 32, 1};  // SR
                               }
+                            }
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              if (x.skew_hi <= 8.158730506896973) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 15.605233669281006) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 15.665643692016602) {
+                                if (x.log2_S <= 14.582605838775635) {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                } else {
+                                  return {4, 8, 32, 32, 1};  // SR
+                                }
+                              } else {
+                                if (x.skew_lo <= 4.897376298904419) {
+                                  return {1, 8, 64, 32, 1};  // SR
+                                } else {
+                                  return {4, 8, 32, 32, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 14.142586708068848) {
+                            if (x.log2_S <= 17.628725051879883) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 9.613135814666748) {
+                              return {4, 8, 32, 32, 1};  // SR
                             } else {
                               return {1, 8, 16, 32, 1};  // SR
                             }
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 27.249591827392578) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.avg <= 28.47165870666504) {
-                          if (x.log2_S <= 17.157057762145996) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 11.533989906311035) {
-                              if (x.log2_S <= 17.562861442565918) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {4, 8, 32, 32, 1};  // SR
-                              }
+                        if (x.log2_S <= 14.04901647567749) {
+                          if (x.skew_hi <= 3.975945830345154) {
+                            if (x.log2_S <= 12.900873184204102) {
+                              return {1, 8, 8, 32, 1};  // SR
                             } else {
-                              return {4, 8, 32, 32, 1};  // SR
+                              return {1, 8, 16, 32, 1};  // SR
                             }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 15.59449577331543) {
-                            if (x.avg <= 31.82772922515869) {
+                          if (x.log2_S <= 15.387661933898926) {
+                            if (x.skew_lo <= 0.998031566850841) {
                               return {1, 8, 16, 32, 1};  // SR
                             } else {
                               return {4, 8, 32, 32, 1};  // SR
                             }
                           } else {
-                            if (x.skew_lo <= 4.897376298904419) {
-                              return {1, 8, 64, 32, 1};  // SR
+                            if (x.long_level <= 1.5) {
+                              return {1, 8, 16, 32, 1};  // SR
                             } else {
-                              return {4, 8, 32, 32, 1};  // SR
+                              return {1, 8, 64, 32, 1};  // SR
                             }
                           }
                         }
@@ -6466,11 +6442,7 @@ inline Config gathered_config(const Features& f) {
                         return {4, 32, 16, 2, 8};  // PR
                       }
                     } else {
-                      if (x.skew_hi <= 14.849913120269775) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
+                      return {1, 8, 64, 32, 1};  // SR
                     }
                   }
                 }
@@ -6479,22 +6451,24 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.skew_hi <= 19.172396659851074) {
+            if (x.skew_hi <= 19.174614906311035) {
               if (x.long_level <= 0.5) {
-                if (x.avg <= 2.7763203382492065) {
+                if (x.skew_lo <= -1.482796847820282) {
+                  return {1, 8, 64, 32, 0};  // SP
+                } else {
                   if (x.log2_S <= 22.382929801940918) {
-                    if (x.log2_S <= 20.122072219848633) {
-                      if (x.skew_hi <= 4.970521688461304) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 18.603035926818848) {
-                          return {1, 8, 16, 32, 1};  // SR
+                    if (x.log2_S <= 19.78693199157715) {
+                      if (x.log2_S <= 18.662240028381348) {
+                        if (x.skew_hi <= 4.98911452293396) {
+                          return {1, 8, 64, 32, 0};  // SP
                         } else {
-                          return {1, 32, 16, 8, 8};  // PR
+                          return {1, 8, 16, 32, 1};  // SR
                         }
+                      } else {
+                        return {1, 32, 16, 8, 8};  // PR
                       }
                     } else {
-                      if (x.skew_lo <= -1.1549822688102722) {
+                      if (x.skew_hi <= 4.776621103286743) {
                         return {1, 32, 16, 8, 8};  // PR
                       } else {
                         return {4, 32, 16, 2, 8};  // PR
@@ -6503,77 +6477,67 @@ inline Config gathered_config(const Features& f) {
                   } else {
                     return {1, 32, 16, 8, 8};  // PR
                   }
-                } else {
-                  return {1, 8, 64, 32, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 21.042434692382812) {
+                if (x.log2_S <= 21.668743133544922) {
                   if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 18.285162925720215) {
-                      if (x.avg <= 13.012417793273926) {
+                    if (x.log2_S <= 18.318973541259766) {
+                      if (x.avg <= 44.78643608093262) {
                         return {1, 8, 16, 32, 1};  // SR
                       } else {
                         return {4, 8, 32, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 20.53372287750244) {
-                        if (x.skew_lo <= 3.9043593406677246) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 18.644131660461426) {
-                            if (x.skew_hi <= 8.533389568328857) {
-                              return {1, 8, 64, 32, 1};  // SR
+                      if (x.avg <= 14.03443956375122) {
+                        if (x.log2_S <= 20.622453689575195) {
+                          if (x.log2_S <= 18.680234909057617) {
+                            if (x.skew_hi <= 8.364235877990723) {
+                              return {4, 8, 32, 32, 1};  // SR
                             } else {
                               return {1, 8, 16, 32, 1};  // SR
                             }
                           } else {
-                            if (x.skew_hi <= 8.283982753753662) {
-                              return {1, 8, 64, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 8.472551345825195) {
+                            return {1, 8, 64, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.skew_hi <= 8.299682140350342) {
-                          if (x.skew_hi <= 5.8697662353515625) {
-                            if (x.log2_S <= 20.873842239379883) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 64, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
+                        return {4, 8, 32, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 34.42828559875488) {
-                      if (x.skew_lo <= 7.686136484146118) {
-                        return {4, 8, 32, 32, 1};  // SR
+                    if (x.avg <= 33.67378807067871) {
+                      if (x.skew_hi <= 11.504505634307861) {
+                        if (x.log2_S <= 17.874720573425293) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
                       } else {
-                        if (x.skew_lo <= 10.943037033081055) {
-                          if (x.log2_S <= 17.91024684906006) {
-                            if (x.skew_lo <= 8.723196029663086) {
-                              return {1, 8, 64, 32, 1};  // SR
-                            } else {
+                        if (x.log2_S <= 18.690574645996094) {
+                          if (x.avg <= 9.265907287597656) {
+                            if (x.skew_hi <= 18.599818229675293) {
                               return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 32, 16, 8, 8};  // PR
                             }
                           } else {
                             return {1, 8, 64, 32, 1};  // SR
                           }
                         } else {
-                          if (x.skew_hi <= 18.289647102355957) {
-                            return {4, 8, 32, 32, 1};  // SR
+                          if (x.skew_lo <= 10.779043197631836) {
+                            return {1, 8, 64, 32, 1};  // SR
                           } else {
-                            if (x.skew_lo <= 11.827385425567627) {
-                              if (x.skew_lo <= 11.267265796661377) {
-                                return {4, 8, 32, 32, 1};  // SR
-                              } else {
+                            if (x.skew_lo <= 12.33063793182373) {
+                              if (x.avg <= 6.665365695953369) {
                                 return {4, 32, 16, 2, 8};  // PR
+                              } else {
+                                return {4, 8, 32, 32, 1};  // SR
                               }
                             } else {
                               return {1, 32, 16, 8, 8};  // PR
@@ -6582,62 +6546,62 @@ inline Config gathered_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.log2_S <= 17.791434288024902) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
+                      return {1, 8, 64, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 8.834103107452393) {
-                    return {1, 8, 64, 32, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 11.40222454071045) {
-                      if (x.avg <= 32.293256759643555) {
-                        return {4, 8, 32, 32, 1};  // SR
+                  if (x.skew_hi <= 8.990900993347168) {
+                    if (x.skew_hi <= 4.5173118114471436) {
+                      if (x.avg <= 71.68101119995117) {
+                        if (x.skew_lo <= 0.2582017332315445) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 64, 32, 1};  // SR
+                        }
                       } else {
                         return {1, 8, 64, 32, 1};  // SR
                       }
                     } else {
                       return {1, 8, 64, 32, 1};  // SR
                     }
+                  } else {
+                    if (x.avg <= 8.608386993408203) {
+                      return {1, 8, 64, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 21.042624473571777) {
-                if (x.avg <= 10.489766120910645) {
-                  return {1, 32, 16, 8, 8};  // PR
+              if (x.skew_lo <= 7.248620271682739) {
+                if (x.skew_hi <= 21.807745933532715) {
+                  return {1, 8, 64, 32, 1};  // SR
                 } else {
-                  if (x.skew_lo <= 7.141445875167847) {
-                    return {1, 8, 64, 32, 1};  // SR
+                  return {1, 32, 16, 8, 8};  // PR
+                }
+              } else {
+                if (x.skew_hi <= 20.42863941192627) {
+                  if (x.avg <= 5.201553821563721) {
+                    return {1, 32, 16, 8, 8};  // PR
                   } else {
-                    if (x.log2_S <= 19.829548835754395) {
-                      if (x.avg <= 24.071277618408203) {
-                        if (x.log2_S <= 19.305806159973145) {
-                          return {1, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {1, 32, 16, 8, 8};  // PR
-                        }
+                    if (x.avg <= 39.93743133544922) {
+                      if (x.log2_S <= 19.639233589172363) {
+                        return {1, 32, 16, 8, 8};  // PR
                       } else {
-                        return {1, 8, 64, 32, 1};  // SR
+                        return {4, 32, 16, 2, 8};  // PR
                       }
                     } else {
-                      if (x.log2_S <= 20.92323589324951) {
-                        return {4, 32, 16, 2, 8};  // PR
+                      if (x.skew_hi <= 20.130414962768555) {
+                        return {1, 8, 64, 32, 1};  // SR
                       } else {
-                        if (x.avg <= 27.489596366882324) {
-                          return {4, 32, 16, 2, 8};  // PR
-                        } else {
-                          return {1, 32, 16, 8, 8};  // PR
-                        }
+                        return {1, 32, 16, 8, 8};  // PR
                       }
                     }
                   }
+                } else {
+                  return {1, 32, 16, 8, 8};  // PR
                 }
-              } else {
-                return {1, 32, 16, 8, 8};  // PR
               }
             }
           }
@@ -6647,141 +6611,129 @@ inline Config gathered_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.skew_hi <= 13.722850322723389) {
+        if (x.skew_hi <= 13.983959197998047) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 17.077159881591797) {
-              if (x.log2_S <= 12.47629690170288) {
-                if (x.log2_S <= 10.59128999710083) {
+            if (x.log2_S <= 17.03978729248047) {
+              if (x.log2_S <= 12.685475826263428) {
+                if (x.log2_S <= 10.440947532653809) {
                   if (x.skew_lo <= -1.6252922415733337) {
-                    if (x.log2_S <= 10.298814296722412) {
-                      if (x.skew_hi <= 0.23644836246967316) {
-                        if (x.log2_S <= 9.951744079589844) {
-                          return {1, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
+                    if (x.log2_S <= 9.795863151550293) {
+                      return {1, 1, 64, 256, 0};  // SP
                     } else {
-                      if (x.avg <= 35.49409294128418) {
-                        if (x.skew_hi <= 1.9492242932319641) {
+                      if (x.skew_lo <= -5.061263084411621) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 1.1754517555236816) {
                           return {4, 32, 32, 1, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 4.110576152801514) {
+                          if (x.skew_lo <= -1.8732708096504211) {
                             return {1, 1, 64, 256, 0};  // SP
                           } else {
-                            return {4, 32, 32, 1, 0};  // SP
+                            if (x.skew_lo <= -1.8110749125480652) {
+                              return {4, 32, 32, 1, 0};  // SP
+                            } else {
+                              return {1, 1, 64, 256, 0};  // SP
+                            }
                           }
                         }
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 1.3024700284004211) {
-                      return {4, 32, 16, 8, 0};  // SP
-                    } else {
+                    if (x.skew_lo <= -0.4301912486553192) {
                       return {4, 32, 32, 1, 0};  // SP
+                    } else {
+                      return {4, 32, 16, 8, 0};  // SP
                     }
                   }
                 } else {
                   if (x.skew_lo <= -5.170634746551514) {
                     return {4, 32, 64, 2, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 5.588088035583496) {
-                      if (x.log2_S <= 12.006475925445557) {
+                    if (x.log2_S <= 12.08647108078003) {
+                      if (x.skew_lo <= -0.41191211342811584) {
                         return {4, 32, 32, 1, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 3.4356666803359985) {
-                          return {4, 32, 64, 2, 0};  // SP
+                        if (x.log2_S <= 11.631438732147217) {
+                          return {4, 32, 16, 8, 0};  // SP
                         } else {
-                          if (x.log2_S <= 12.456518650054932) {
-                            return {4, 32, 32, 1, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
+                          return {4, 32, 32, 1, 0};  // SP
                         }
                       }
                     } else {
-                      return {4, 32, 16, 8, 0};  // SP
+                      if (x.skew_hi <= 3.4618566036224365) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.666584014892578) {
+                          return {4, 32, 32, 1, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -0.2917458638548851) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 1, 0};  // SP
+                          }
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 3.161367893218994) {
-                  if (x.avg <= 11.744064331054688) {
-                    if (x.log2_S <= 15.890002727508545) {
-                      if (x.log2_S <= 12.605915546417236) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
+                if (x.skew_hi <= 3.910651206970215) {
+                  if (x.skew_hi <= 2.446140766143799) {
                     return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 14.313165664672852) {
-                    if (x.avg <= 3.0888947248458862) {
-                      if (x.skew_lo <= -0.34581810235977173) {
-                        if (x.log2_S <= 14.007922172546387) {
-                          if (x.log2_S <= 12.699873924255371) {
-                            if (x.skew_lo <= -1.2937099933624268) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.skew_hi <= 5.467989206314087) {
-                                return {4, 32, 32, 1, 0};  // SP
-                              } else {
-                                return {4, 32, 16, 8, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
+                  } else {
+                    if (x.log2_S <= 15.290812969207764) {
+                      if (x.log2_S <= 12.963372707366943) {
+                        if (x.avg <= 10.177894115447998) {
+                          return {4, 32, 64, 2, 0};  // SP
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          return {4, 4, 64, 64, 0};  // SP
                         }
-                      } else {
-                        if (x.avg <= 1.0603683590888977) {
-                          if (x.log2_S <= 13.03155517578125) {
-                            return {4, 32, 32, 1, 0};  // SP
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 16, 8, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.162653923034668) {
-                        return {4, 32, 64, 2, 0};  // SP
                       } else {
                         return {4, 4, 64, 64, 0};  // SP
                       }
-                    }
-                  } else {
-                    if (x.avg <= 2.06876540184021) {
-                      return {4, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.log2_S <= 14.791338920593262) {
-                        if (x.avg <= 3.4723938703536987) {
-                          return {4, 2, 8, 128, 1};  // SR
+                      if (x.log2_S <= 15.872190952301025) {
+                        if (x.skew_hi <= 3.2149720191955566) {
+                          return {4, 4, 64, 64, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 3.5779284238815308) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 14.58150053024292) {
-                              return {4, 4, 64, 64, 0};  // SP
-                            } else {
-                              return {4, 2, 64, 128, 0};  // SP
-                            }
-                          }
+                          return {4, 2, 64, 128, 0};  // SP
                         }
                       } else {
                         return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.888391971588135) {
+                    if (x.log2_S <= 13.55548906326294) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 4.7032530307769775) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.1358630657196045) {
+                      if (x.log2_S <= 14.726301670074463) {
+                        if (x.skew_lo <= -1.477104902267456) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 14.007922172546387) {
+                        if (x.skew_lo <= -0.34479542076587677) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
@@ -6789,297 +6741,309 @@ inline Config gathered_config(const Features& f) {
               }
             } else {
               if (x.log2_S <= 17.954333305358887) {
-                if (x.skew_hi <= 1.780643343925476) {
-                  return {4, 4, 64, 64, 0};  // SP
-                } else {
-                  if (x.avg <= 1.2697203755378723) {
+                if (x.avg <= 18.716106414794922) {
+                  if (x.skew_lo <= -0.3434143662452698) {
+                    return {4, 2, 64, 128, 0};  // SP
+                  } else {
                     return {4, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
+              } else {
+                if (x.skew_hi <= 0.04759296961128712) {
+                  if (x.log2_S <= 20.82107639312744) {
+                    return {4, 4, 64, 64, 0};  // SP
                   } else {
                     return {4, 2, 64, 128, 0};  // SP
                   }
-                }
-              } else {
-                if (x.avg <= 52.63484764099121) {
-                  return {4, 2, 64, 128, 0};  // SP
                 } else {
-                  if (x.log2_S <= 20.594465255737305) {
-                    return {4, 4, 64, 64, 0};  // SP
-                  } else {
-                    if (x.avg <= 60.479570388793945) {
-                      return {4, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 0.03456092346459627) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
+                  if (x.skew_hi <= 0.6764976382255554) {
+                    if (x.log2_S <= 19.25912094116211) {
+                      if (x.skew_lo <= -5.499918460845947) {
                         return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 18.554545402526855) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
                       }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
                     }
+                  } else {
+                    return {4, 2, 64, 128, 0};  // SP
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 13.755954265594482) {
-              if (x.avg <= 15.065533638000488) {
-                if (x.skew_hi <= 7.8522961139678955) {
-                  if (x.log2_S <= 11.84527063369751) {
-                    return {1, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 7.269437551498413) {
-                      if (x.log2_S <= 12.250295162200928) {
-                        if (x.avg <= 12.015153408050537) {
-                          return {1, 8, 8, 32, 1};  // SR
+            if (x.log2_S <= 13.980747699737549) {
+              if (x.long_level <= 1.5) {
+                if (x.skew_hi <= 7.828612565994263) {
+                  if (x.log2_S <= 11.845020771026611) {
+                    if (x.skew_lo <= -0.6731473505496979) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 88.71280670166016) {
+                        if (x.skew_lo <= 3.8167911767959595) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
-                          if (x.log2_S <= 12.104113578796387) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 9.554391860961914) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 2.686767578125) {
+                      if (x.log2_S <= 13.631854057312012) {
+                        if (x.log2_S <= 12.22722053527832) {
+                          if (x.avg <= 20.018455505371094) {
                             return {1, 4, 8, 64, 1};  // SR
                           } else {
                             return {4, 2, 8, 128, 1};  // SR
                           }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 2.93845796585083) {
-                          return {4, 2, 8, 128, 1};  // SR
+                        if (x.skew_hi <= 3.3662885427474976) {
+                          return {4, 4, 64, 64, 0};  // SP
                         } else {
-                          if (x.log2_S <= 13.391565322875977) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
+                          return {4, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 13.51680612564087) {
-                        return {1, 8, 8, 32, 1};  // SR
+                      if (x.log2_S <= 13.60350227355957) {
+                        if (x.log2_S <= 12.130040645599365) {
+                          if (x.avg <= 8.669517517089844) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 6.030872821807861) {
-                    if (x.log2_S <= 11.781925678253174) {
-                      if (x.skew_hi <= 8.27921438217163) {
-                        if (x.avg <= 1.8624401092529297) {
-                          if (x.skew_hi <= 8.05891466140747) {
-                            return {1, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.496376037597656) {
-                            return {1, 32, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.72655439376831) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {1, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        }
+                  if (x.log2_S <= 11.781925678253174) {
+                    if (x.avg <= 3.132639765739441) {
+                      if (x.log2_S <= 11.262754917144775) {
+                        return {1, 32, 8, 4, 1};  // SR
                       } else {
-                        if (x.log2_S <= 11.262754917144775) {
-                          return {1, 32, 8, 4, 1};  // SR
+                        if (x.log2_S <= 11.329957008361816) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 11.329957008361816) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 8.62644338607788) {
-                              if (x.log2_S <= 11.578258037567139) {
+                          if (x.skew_hi <= 9.414256572723389) {
+                            if (x.avg <= 2.0591264367103577) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 11.61376142501831) {
                                 return {1, 32, 8, 4, 1};  // SR
                               } else {
                                 return {1, 32, 8, 2, 1};  // SR
                               }
-                            } else {
-                              if (x.log2_S <= 11.515602588653564) {
-                                if (x.skew_hi <= 8.960423946380615) {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {4, 32, 64, 2, 0};  // SP
-                                }
-                              } else {
-                                return {1, 32, 8, 4, 1};  // SR
-                              }
                             }
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      return {1, 8, 8, 32, 1};  // SR
+                      if (x.log2_S <= 11.42385721206665) {
+                        return {1, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 4.137311220169067) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      }
                     }
                   } else {
-                    if (x.skew_hi <= 10.108325004577637) {
-                      if (x.log2_S <= 9.418127536773682) {
-                        return {4, 2, 8, 128, 1};  // SR
+                    if (x.avg <= 4.280646562576294) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 4.431992769241333) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 7.296395778656006) {
-                          if (x.avg <= 14.35481071472168) {
-                            return {4, 4, 8, 64, 1};  // SR
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 12.718151092529297) {
+                  if (x.avg <= 20.312020301818848) {
+                    if (x.skew_lo <= 7.59980583190918) {
+                      if (x.log2_S <= 13.029330253601074) {
+                        if (x.log2_S <= 9.37290906906128) {
+                          if (x.avg <= 12.595885753631592) {
+                            if (x.skew_lo <= 7.244878530502319) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
                           } else {
                             return {4, 2, 8, 128, 1};  // SR
                           }
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 8.215731143951416) {
-                        if (x.log2_S <= 13.304110050201416) {
-                          if (x.skew_lo <= 7.7909979820251465) {
-                            if (x.log2_S <= 10.196291446685791) {
-                              if (x.skew_hi <= 10.170125961303711) {
+                          if (x.log2_S <= 12.301921844482422) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.avg <= 13.875621795654297) {
+                              if (x.skew_lo <= 7.547698020935059) {
                                 return {4, 4, 8, 64, 1};  // SR
                               } else {
                                 return {4, 2, 8, 128, 1};  // SR
                               }
                             } else {
-                              return {4, 4, 8, 64, 1};  // SR
+                              return {4, 2, 8, 128, 1};  // SR
                             }
+                          }
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 10.773379802703857) {
+                        if (x.avg <= 1.4014025330543518) {
+                          if (x.skew_hi <= 11.807186603546143) {
+                            return {1, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.log2_S <= 11.796058177947998) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
+                            if (x.skew_hi <= 12.001455783843994) {
                               return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
                             }
                           }
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 10.060919284820557) {
-                          if (x.log2_S <= 13.231896877288818) {
-                            if (x.log2_S <= 10.259703636169434) {
+                          if (x.log2_S <= 11.943689823150635) {
+                            if (x.log2_S <= 10.625262260437012) {
                               return {4, 2, 8, 128, 1};  // SR
                             } else {
-                              if (x.skew_lo <= 8.577563285827637) {
-                                if (x.skew_hi <= 11.833048343658447) {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                } else {
-                                  if (x.skew_hi <= 12.334261417388916) {
-                                    return {4, 4, 8, 64, 1};  // SR
-                                  } else {
+                              if (x.long_level <= 2.5) {
+                                if (x.skew_hi <= 11.149813652038574) {
+                                  if (x.skew_hi <= 10.682104110717773) {
                                     return {1, 8, 8, 32, 1};  // SR
+                                  } else {
+                                    return {4, 4, 8, 64, 1};  // SR
                                   }
-                                }
-                              } else {
-                                if (x.skew_hi <= 10.567084312438965) {
-                                  if (x.avg <= 1.886364221572876) {
-                                    if (x.avg <= 1.2372859120368958) {
-                                      return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  if (x.avg <= 3.2331215143203735) {
+                                    if (x.skew_hi <= 11.78983211517334) {
+                                      if (x.skew_hi <= 11.209002494812012) {
+                                        if (x.skew_lo <= 8.876015663146973) {
+                                          return {1, 8, 8, 32, 1};  // SR
+                                        } else {
+                                          return {4, 2, 8, 128, 1};  // SR
+                                        }
+                                      } else {
+                                        return {1, 8, 8, 32, 1};  // SR
+                                      }
                                     } else {
                                       return {4, 2, 8, 128, 1};  // SR
                                     }
                                   } else {
-                                    return {1, 8, 8, 32, 1};  // SR
+                                    if (x.skew_hi <= 11.884265422821045) {
+                                      return {4, 4, 8, 64, 1};  // SR
+                                    } else {
+                                      return {4, 2, 8, 128, 1};  // SR
+                                    }
                                   }
-                                } else {
-                                  return {1, 8, 8, 32, 1};  // SR
                                 }
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
                               }
                             }
                           } else {
                             return {4, 2, 8, 128, 1};  // SR
                           }
+                        }
+                      } else {
+                        if (x.skew_hi <= 11.874286651611328) {
+                          return {1, 8, 16, 32, 1};  // SR
                         } else {
-                          if (x.skew_hi <= 12.358872413635254) {
-                            if (x.skew_lo <= 10.694926738739014) {
-                              return {4, 2, 8, 128, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 11.864548206329346) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 11.765652656555176) {
-                              return {4, 32, 8, 2, 16};  // PR
-                            } else {
-                              if (x.log2_S <= 12.889681339263916) {
-                                return {4, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 2, 16};  // PR
-                              }
-                            }
-                          }
+                          return {4, 32, 8, 2, 16};  // PR
                         }
                       }
                     }
-                  }
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 11.798743724822998) {
-                    if (x.avg <= 104.64596939086914) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
                   } else {
-                    if (x.log2_S <= 13.698739528656006) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.avg <= 106.93212890625) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 12.890888214111328) {
-                    if (x.avg <= 19.34062099456787) {
-                      if (x.skew_lo <= 6.077021360397339) {
-                        if (x.log2_S <= 12.19644546508789) {
-                          if (x.log2_S <= 9.356715679168701) {
+                    if (x.avg <= 24.055315017700195) {
+                      if (x.skew_lo <= 5.455892562866211) {
+                        if (x.avg <= 23.83607578277588) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 24.030834197998047) {
                             return {4, 2, 8, 128, 1};  // SR
                           } else {
                             return {4, 4, 8, 64, 1};  // SR
                           }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        return {4, 2, 8, 128, 1};  // SR
+                        if (x.skew_hi <= 12.52339792251587) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
                       }
                     } else {
                       return {4, 2, 8, 128, 1};  // SR
                     }
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    return {4, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.skew_lo <= 7.027694225311279) {
-                      if (x.skew_hi <= 13.492066860198975) {
-                        return {4, 2, 8, 128, 1};  // SR
+                    if (x.avg <= 133.98792266845703) {
+                      if (x.skew_hi <= 12.982317447662354) {
+                        if (x.skew_lo <= 8.211283445358276) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
                       }
                     } else {
-                      return {4, 32, 8, 2, 16};  // PR
+                      if (x.skew_hi <= 13.30999755859375) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 14.716282367706299) {
-                if (x.skew_hi <= 3.1124712228775024) {
+              if (x.log2_S <= 14.860941886901855) {
+                if (x.skew_lo <= -0.631548672914505) {
                   return {4, 4, 64, 64, 0};  // SP
                 } else {
-                  if (x.avg <= 2.9349929094314575) {
-                    if (x.long_level <= 1.5) {
-                      return {1, 8, 8, 32, 1};  // SR
+                  if (x.avg <= 2.9095579385757446) {
+                    if (x.skew_lo <= 7.273969888687134) {
+                      if (x.log2_S <= 14.817962646484375) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
                     } else {
                       return {4, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 4.501533508300781) {
-                      if (x.skew_hi <= 8.311948776245117) {
-                        if (x.skew_lo <= 4.0618836879730225) {
-                          if (x.log2_S <= 14.050897121429443) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
+                    if (x.avg <= 4.695518255233765) {
+                      if (x.skew_lo <= 4.311948776245117) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
                       }
@@ -7089,221 +7053,159 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                return {4, 2, 8, 128, 1};  // SR
+                if (x.skew_hi <= 2.7294869422912598) {
+                  if (x.log2_S <= 15.56678056716919) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
               }
             }
           }
         } else {
-          if (x.skew_hi <= 22.124611854553223) {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 21.644563674926758) {
-                if (x.log2_S <= 15.866610527038574) {
-                  if (x.log2_S <= 15.371944904327393) {
+          if (x.log2_S <= 22.15873146057129) {
+            if (x.avg <= 1.0028491020202637) {
+              return {4, 2, 8, 128, 1};  // SR
+            } else {
+              if (x.skew_hi <= 21.5632266998291) {
+                if (x.avg <= 153.0254135131836) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.log2_S <= 19.208847045898438) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 20.129589080810547) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 11.103943347930908) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.avg <= 3.5341933965682983) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 32};  // PR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 8.719868659973145) {
+              if (x.skew_hi <= 22.426283836364746) {
+                if (x.avg <= 2.6876503229141235) {
+                  if (x.avg <= 1.1719698309898376) {
                     return {4, 2, 8, 128, 1};  // SR
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
                   }
                 } else {
-                  return {4, 2, 8, 128, 1};  // SR
+                  if (x.skew_hi <= 22.399165153503418) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
                 }
               } else {
-                if (x.log2_S <= 22.830137252807617) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  return {4, 2, 8, 128, 1};  // SR
-                }
+                return {4, 32, 8, 2, 32};  // PR
               }
             } else {
-              if (x.avg <= 137.57437133789062) {
-                if (x.log2_S <= 21.5632266998291) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.avg <= 7.4474687576293945) {
-                    if (x.skew_lo <= 12.378745079040527) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 18.797475814819336) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.log2_S <= 20.63718318939209) {
-                    if (x.skew_hi <= 20.476479530334473) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 6.5131542682647705) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_lo <= 10.957372188568115) {
               return {4, 32, 8, 2, 16};  // PR
-            } else {
-              return {4, 32, 8, 2, 32};  // PR
             }
           }
         }
       } else {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 14.490121841430664) {
-            if (x.log2_S <= 11.909353733062744) {
-              if (x.skew_lo <= -1.5645516514778137) {
-                if (x.avg <= 3.3078094720840454) {
-                  if (x.log2_S <= 10.103400230407715) {
-                    return {1, 16, 64, 8, 0};  // SP
-                  } else {
-                    return {4, 32, 32, 1, 0};  // SP
-                  }
+        if (x.log2_S <= 16.972469329833984) {
+          if (x.skew_lo <= -1.9986830353736877) {
+            if (x.log2_S <= 12.485442161560059) {
+              if (x.log2_S <= 11.909952640533447) {
+                return {1, 16, 64, 8, 0};  // SP
+              } else {
+                if (x.skew_lo <= -3.9572583436965942) {
+                  return {4, 8, 64, 32, 0};  // SP
                 } else {
                   return {1, 16, 64, 8, 0};  // SP
                 }
-              } else {
-                if (x.skew_lo <= -0.7688237428665161) {
-                  return {4, 32, 16, 8, 0};  // SP
-                } else {
-                  return {4, 64, 8, 1, 0};  // SP
-                }
               }
             } else {
-              if (x.skew_lo <= -1.7284398674964905) {
-                if (x.log2_S <= 12.387146472930908) {
-                  if (x.skew_lo <= -3.822662353515625) {
-                    return {4, 8, 64, 32, 0};  // SP
+              if (x.log2_S <= 14.60747766494751) {
+                if (x.avg <= 6.236813545227051) {
+                  if (x.log2_S <= 14.071924209594727) {
+                    if (x.log2_S <= 12.607512474060059) {
+                      return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
                   } else {
-                    return {1, 16, 64, 8, 0};  // SP
+                    return {4, 4, 8, 64, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 14.080714702606201) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 2.6407631635665894) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.avg <= 4.158162832260132) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  }
+                  return {4, 8, 64, 32, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 13.765561580657959) {
-                  if (x.skew_hi <= 5.316797494888306) {
-                    if (x.log2_S <= 13.576834678649902) {
-                      return {4, 32, 16, 8, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.42013411223888397) {
-                      if (x.avg <= 1.5111615061759949) {
-                        return {1, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 64, 8, 1, 0};  // SP
-                      }
-                    } else {
-                      return {4, 64, 8, 1, 0};  // SP
-                    }
-                  }
-                } else {
-                  return {4, 4, 8, 64, 1};  // SR
-                }
+                return {4, 4, 64, 64, 0};  // SP
               }
             }
           } else {
-            if (x.skew_lo <= -0.5700016915798187) {
-              if (x.skew_lo <= -1.1468234658241272) {
-                return {4, 4, 64, 64, 0};  // SP
-              } else {
-                if (x.log2_S <= 15.986321449279785) {
-                  return {4, 4, 8, 64, 1};  // SR
-                } else {
-                  if (x.log2_S <= 17.289958000183105) {
-                    if (x.avg <= 1.8778390884399414) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 18.575525283813477) {
-                return {4, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.skew_hi <= 5.766508340835571) {
-                  return {4, 4, 64, 64, 0};  // SP
-                } else {
-                  return {4, 4, 8, 64, 1};  // SR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 16.88751983642578) {
             if (x.skew_hi <= 13.290201663970947) {
               if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.537336349487305) {
-                  if (x.skew_lo <= -0.6833797991275787) {
-                    return {4, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 3.888476610183716) {
-                      if (x.log2_S <= 11.761505603790283) {
-                        return {1, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 6.464319229125977) {
-                          return {4, 4, 8, 64, 1};  // SR
+                if (x.log2_S <= 12.651316165924072) {
+                  if (x.avg <= 4.2826011180877686) {
+                    if (x.long_level <= 0.5) {
+                      if (x.avg <= 1.672531545162201) {
+                        if (x.log2_S <= 12.601933002471924) {
+                          return {4, 64, 8, 1, 0};  // SP
                         } else {
-                          return {1, 16, 8, 8, 1};  // SR
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 3.320533871650696) {
+                          if (x.log2_S <= 9.721531867980957) {
+                            if (x.skew_hi <= 4.584384918212891) {
+                              return {1, 16, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 16, 8, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 16, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 11.194811344146729) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 1, 0};  // SP
+                          }
                         }
                       }
                     } else {
                       if (x.skew_hi <= 9.00553035736084) {
-                        if (x.log2_S <= 11.140497207641602) {
-                          if (x.avg <= 2.7939672470092773) {
-                            if (x.skew_hi <= 8.765060901641846) {
-                              return {1, 32, 8, 8, 1};  // SR
+                        if (x.log2_S <= 11.045845985412598) {
+                          if (x.avg <= 2.859246253967285) {
+                            if (x.skew_hi <= 8.086010456085205) {
+                              return {1, 32, 8, 2, 1};  // SR
                             } else {
-                              if (x.skew_hi <= 8.864493370056152) {
-                                return {1, 2, 8, 128, 1};  // SR
-                              } else {
-                                if (x.skew_lo <= 5.452632427215576) {
-                                  return {1, 32, 8, 8, 1};  // SR
-                                } else {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            if (x.skew_lo <= 4.023357391357422) {
-                              if (x.skew_lo <= 3.911600351333618) {
-                                return {1, 32, 8, 2, 1};  // SR
+                              if (x.avg <= 1.0734189748764038) {
+                                return {1, 4, 8, 64, 1};  // SR
                               } else {
                                 return {1, 32, 8, 8, 1};  // SR
                               }
-                            } else {
+                            }
+                          } else {
+                            if (x.avg <= 3.935884475708008) {
                               return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 8, 1};  // SR
                             }
                           }
                         } else {
                           if (x.log2_S <= 11.81263780593872) {
-                            if (x.skew_lo <= 4.766389608383179) {
+                            if (x.skew_lo <= 4.7525341510772705) {
                               return {1, 32, 8, 4, 1};  // SR
                             } else {
                               return {1, 2, 8, 128, 1};  // SR
@@ -7313,355 +7215,417 @@ inline Config gathered_config(const Features& f) {
                           }
                         }
                       } else {
-                        if (x.log2_S <= 11.680256843566895) {
+                        if (x.log2_S <= 11.789132118225098) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
-                          if (x.log2_S <= 12.298835277557373) {
-                            return {1, 2, 8, 128, 1};  // SR
+                          if (x.log2_S <= 12.100574493408203) {
+                            if (x.skew_lo <= 5.567090272903442) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
                           } else {
                             return {1, 16, 8, 8, 1};  // SR
                           }
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.avg <= 111.30787658691406) {
-                    if (x.skew_hi <= 7.77744197845459) {
+                  } else {
+                    if (x.skew_hi <= 3.1904996633529663) {
                       return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      if (x.log2_S <= 13.815299987792969) {
-                        if (x.log2_S <= 13.598106861114502) {
-                          return {1, 16, 8, 8, 1};  // SR
+                      if (x.log2_S <= 11.73764181137085) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 6.4984540939331055) {
+                          return {4, 4, 8, 64, 1};  // SR
                         } else {
-                          if (x.skew_lo <= 4.980166435241699) {
-                            if (x.avg <= 4.08085560798645) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -0.6657804846763611) {
+                    if (x.avg <= 52.78850257396698) {
+                      if (x.log2_S <= 15.253729343414307) {
+                        if (x.log2_S <= 14.012328147888184) {
+                          if (x.log2_S <= 13.367981433868408) {
+                            return {4, 32, 16, 8, 0};  // SP
                           } else {
-                            return {1, 8, 8, 32, 1};  // SR
+                            if (x.skew_lo <= -1.309719204902649) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {4, 32, 16, 8, 0};  // SP
+                            }
                           }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 14.498021125793457) {
-                          if (x.avg <= 2.3390493392944336) {
-                            if (x.log2_S <= 14.058713436126709) {
-                              return {1, 8, 8, 32, 1};  // SR
+                        if (x.skew_lo <= -0.8503498733043671) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.098527431488037) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.280948638916016) {
+                      if (x.avg <= 5.510276556015015) {
+                        if (x.long_level <= 0.5) {
+                          if (x.log2_S <= 13.631875991821289) {
+                            if (x.avg <= 1.3383281230926514) {
+                              return {4, 64, 8, 1, 0};  // SP
                             } else {
-                              return {2, 16, 8, 8, 1};  // SR
+                              return {1, 32, 8, 2, 1};  // SR
                             }
                           } else {
                             return {4, 4, 8, 64, 1};  // SR
                           }
                         } else {
+                          if (x.log2_S <= 13.615814685821533) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 4.830820322036743) {
+                              if (x.log2_S <= 14.000447750091553) {
+                                if (x.skew_hi <= 8.266632556915283) {
+                                  return {4, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {1, 16, 8, 8, 1};  // SR
+                                }
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 14.058713436126709) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {2, 16, 8, 8, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 3.2694376707077026) {
                           return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.324434280395508) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
                         }
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.098527431488037) {
-                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
+                      if (x.skew_hi <= 3.3972904682159424) {
+                        if (x.log2_S <= 15.369404315948486) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
                     }
                   }
                 }
               } else {
                 if (x.log2_S <= 14.667158603668213) {
-                  if (x.skew_hi <= 12.989369869232178) {
+                  if (x.skew_hi <= 13.025469303131104) {
                     if (x.skew_lo <= 12.190035820007324) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    if (x.skew_lo <= 11.13137674331665) {
-                      if (x.avg <= 4.922600448131561) {
+                      if (x.log2_S <= 14.456908226013184) {
                         return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.avg <= 122.9137191772461) {
+                        if (x.skew_lo <= 4.293323993682861) {
                           return {4, 4, 16, 64, 1};  // SR
                         } else {
                           return {4, 4, 8, 64, 1};  // SR
                         }
                       }
                     } else {
-                      return {4, 32, 8, 2, 16};  // PR
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 10.475767612457275) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 10.870901584625244) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 9.383071422576904) {
-                    if (x.log2_S <= 14.897410869598389) {
-                      if (x.skew_lo <= 4.393235445022583) {
-                        return {4, 4, 16, 64, 1};  // SR
+                  if (x.skew_lo <= 6.180493593215942) {
+                    if (x.skew_lo <= 5.3272013664245605) {
+                      if (x.log2_S <= 14.897410869598389) {
+                        if (x.skew_lo <= 4.52658748626709) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
                       } else {
-                        return {4, 4, 8, 64, 1};  // SR
+                        return {4, 4, 16, 64, 1};  // SR
                       }
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
+                      if (x.log2_S <= 15.59886646270752) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.avg <= 4.025365829467773) {
-                      if (x.log2_S <= 15.586790561676025) {
-                        return {4, 4, 8, 64, 1};  // SR
+                    if (x.log2_S <= 15.586790561676025) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 12.683226585388184) {
+                        if (x.skew_hi <= 10.444714546203613) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
                       } else {
                         return {4, 4, 16, 64, 1};  // SR
                       }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 14.44312858581543) {
-                if (x.skew_lo <= 11.01571273803711) {
-                  if (x.skew_hi <= 14.106602191925049) {
-                    if (x.avg <= 1.5801547169685364) {
-                      if (x.log2_S <= 15.398201942443848) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
+              if (x.skew_hi <= 14.45630168914795) {
+                if (x.skew_lo <= 10.823770523071289) {
+                  if (x.avg <= 1.5801547169685364) {
+                    if (x.log2_S <= 15.398201942443848) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
                       return {4, 4, 16, 64, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 21.216113090515137) {
+                    if (x.skew_hi <= 14.274296283721924) {
                       return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 9.496308326721191) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 13.300422668457031) {
+                    return {4, 4, 16, 64, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              } else {
+                if (x.avg <= 16.63542652130127) {
+                  if (x.skew_hi <= 15.969480037689209) {
+                    if (x.log2_S <= 14.820669174194336) {
+                      if (x.skew_lo <= 10.86487340927124) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  } else {
+                    if (x.avg <= 4.759606599807739) {
+                      if (x.log2_S <= 16.29713535308838) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        if (x.skew_lo <= 12.4555082321167) {
+                          if (x.skew_lo <= 11.996757984161377) {
+                            return {4, 4, 32, 64, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 8};  // PR
+                          }
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      }
                     } else {
                       return {4, 4, 32, 64, 1};  // SR
                     }
                   }
                 } else {
-                  return {4, 32, 8, 2, 16};  // PR
+                  return {4, 4, 32, 64, 1};  // SR
                 }
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.skew_hi <= 5.557071208953857) {
+              if (x.skew_hi <= 5.358870029449463) {
+                return {4, 4, 64, 64, 0};  // SP
               } else {
-                if (x.skew_lo <= 10.565465450286865) {
-                  if (x.log2_S <= 15.750673294067383) {
-                    if (x.log2_S <= 15.381693840026855) {
-                      if (x.avg <= 14.98410415649414) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 32, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 98.8011474609375) {
-                        return {4, 32, 16, 2, 8};  // PR
-                      } else {
-                        return {4, 4, 32, 64, 1};  // SR
-                      }
-                    }
+                if (x.log2_S <= 18.29046630859375) {
+                  return {4, 4, 8, 64, 1};  // SR
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
+              }
+            } else {
+              if (x.log2_S <= 19.068148612976074) {
+                return {4, 4, 8, 64, 1};  // SR
+              } else {
+                if (x.log2_S <= 22.10131072998047) {
+                  if (x.avg <= 1.0029512643814087) {
+                    return {4, 4, 8, 64, 1};  // SR
                   } else {
-                    return {4, 4, 32, 64, 1};  // SR
+                    return {4, 4, 64, 64, 0};  // SP
                   }
                 } else {
-                  if (x.skew_hi <= 16.17778205871582) {
-                    if (x.log2_S <= 14.790228843688965) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.skew_hi <= 15.855706214904785) {
-                        return {4, 32, 16, 2, 8};  // PR
-                      } else {
-                        if (x.avg <= 5.9615888595581055) {
-                          return {4, 32, 16, 2, 8};  // PR
-                        } else {
-                          return {4, 4, 32, 64, 1};  // SR
-                        }
-                      }
-                    }
+                  if (x.skew_hi <= 5.602963209152222) {
+                    return {4, 4, 64, 64, 0};  // SP
                   } else {
-                    return {4, 4, 32, 64, 1};  // SR
+                    return {4, 4, 8, 64, 1};  // SR
                   }
                 }
               }
             }
           } else {
-            if (x.skew_lo <= 10.729274272918701) {
-              if (x.avg <= 15.682936668395996) {
-                if (x.skew_lo <= 8.60651445388794) {
-                  if (x.skew_lo <= 4.563284873962402) {
-                    if (x.log2_S <= 18.572882652282715) {
-                      if (x.skew_lo <= 4.453455209732056) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
+            if (x.skew_lo <= 10.61926794052124) {
+              if (x.log2_S <= 18.651782989501953) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 77.73585891723633) {
+                    if (x.log2_S <= 18.349977493286133) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 21.43312168121338) {
-                      if (x.skew_lo <= 7.573101997375488) {
-                        if (x.skew_hi <= 8.710571765899658) {
-                          if (x.avg <= 2.5796682834625244) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 17.899556159973145) {
-                          if (x.avg <= 5.066425085067749) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 21.213120460510254) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 21.322986602783203) {
-                              return {4, 4, 16, 64, 1};  // SR
-                            } else {
-                              return {4, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 2.192678213119507) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 6.389911890029907) {
-                          if (x.log2_S <= 21.853100776672363) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_hi <= 11.294631481170654) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.avg <= 4.547088861465454) {
-                              if (x.skew_lo <= 7.990414381027222) {
-                                return {4, 4, 8, 64, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 22.063406944274902) {
-                                  if (x.log2_S <= 21.62522315979004) {
-                                    return {4, 4, 16, 64, 1};  // SR
-                                  } else {
-                                    return {4, 4, 8, 64, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 4, 16, 64, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.56352996826172) {
-                    if (x.avg <= 6.235683560371399) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 32, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 8.969369411468506) {
-                      if (x.log2_S <= 19.218175888061523) {
-                        if (x.log2_S <= 17.837495803833008) {
+                      if (x.skew_hi <= 8.542616844177246) {
+                        if (x.avg <= 4.891732931137085) {
                           return {4, 4, 16, 64, 1};  // SR
                         } else {
-                          return {4, 4, 8, 64, 1};  // SR
+                          if (x.skew_hi <= 5.049874782562256) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
                         }
                       } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 6.111260414123535) {
+                    if (x.avg <= 2.1484068632125854) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 17.109004020690918) {
+                      if (x.long_level <= 2.5) {
                         return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
                       }
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
+                      if (x.skew_lo <= 10.263473510742188) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 17.3796329498291) {
+                          return {4, 4, 32, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 17.509653091430664) {
-                  if (x.skew_lo <= 7.228270053863525) {
-                    if (x.avg <= 76.54347229003906) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 4, 8, 64, 1};  // SR
+                if (x.avg <= 5.30288290977478) {
+                  if (x.log2_S <= 20.393266677856445) {
+                    if (x.skew_hi <= 12.830762386322021) {
+                      if (x.skew_lo <= 4.573233604431152) {
+                        return {4, 4, 16, 64, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 9.665283679962158) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
+                        return {4, 4, 8, 64, 1};  // SR
                       }
                     } else {
                       return {4, 4, 16, 64, 1};  // SR
                     }
                   } else {
-                    return {4, 4, 32, 64, 1};  // SR
+                    return {4, 4, 16, 64, 1};  // SR
                   }
                 } else {
-                  if (x.avg <= 20.54379653930664) {
-                    if (x.log2_S <= 18.605433464050293) {
-                      if (x.skew_hi <= 13.937420845031738) {
-                        if (x.avg <= 16.220526218414307) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
+                  if (x.skew_lo <= 10.513899326324463) {
+                    return {4, 4, 16, 64, 1};  // SR
                   } else {
-                    if (x.log2_S <= 18.42657470703125) {
-                      if (x.avg <= 40.81013298034668) {
-                        if (x.skew_lo <= 3.147639274597168) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
+                    if (x.skew_hi <= 21.508170127868652) {
                       return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 20.205459594726562) {
-                if (x.avg <= 2.4270275831222534) {
-                  return {4, 4, 32, 64, 1};  // SR
-                } else {
-                  if (x.skew_hi <= 18.733256340026855) {
-                    if (x.skew_lo <= 12.022380352020264) {
-                      if (x.skew_lo <= 10.788120746612549) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
+              if (x.log2_S <= 20.508841514587402) {
+                if (x.skew_lo <= 12.678778648376465) {
+                  if (x.avg <= 4.955794811248779) {
+                    if (x.log2_S <= 17.60361671447754) {
+                      if (x.avg <= 3.019856333732605) {
                         return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 11.962684631347656) {
+                          return {4, 4, 32, 64, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 8};  // PR
+                        }
                       }
                     } else {
-                      if (x.avg <= 3.045135974884033) {
-                        return {4, 4, 32, 64, 1};  // SR
-                      } else {
-                        return {4, 32, 16, 2, 8};  // PR
-                      }
+                      return {4, 32, 16, 2, 8};  // PR
                     }
                   } else {
-                    if (x.avg <= 7.328959226608276) {
-                      return {4, 32, 16, 2, 8};  // PR
+                    if (x.avg <= 9.188629627227783) {
+                      if (x.skew_hi <= 19.422401428222656) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        if (x.avg <= 7.04131007194519) {
+                          return {4, 32, 16, 2, 8};  // PR
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {4, 4, 32, 64, 1};  // SR
+                      if (x.skew_hi <= 17.834099769592285) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
                     }
                   }
+                } else {
+                  return {4, 4, 32, 64, 1};  // SR
                 }
               } else {
-                return {4, 32, 16, 2, 8};  // PR
+                if (x.skew_lo <= 11.059679508209229) {
+                  if (x.avg <= 9.288479328155518) {
+                    return {4, 4, 32, 64, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 21.57710075378418) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  }
+                } else {
+                  return {4, 32, 16, 2, 8};  // PR
+                }
               }
             }
           }
@@ -7669,160 +7633,220 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.log2_S <= 13.725813388824463) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 11.915379524230957) {
-              if (x.skew_hi <= 2.964322566986084) {
-                if (x.log2_S <= 9.49693250656128) {
-                  if (x.skew_lo <= -4.933482646942139) {
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 13.725879669189453) {
+            if (x.log2_S <= 12.42887020111084) {
+              if (x.log2_S <= 9.887000560760498) {
+                if (x.skew_lo <= -1.6252922415733337) {
+                  if (x.skew_hi <= 1.0665173530578613) {
                     return {4, 32, 64, 2, 0};  // SP
                   } else {
-                    if (x.log2_S <= 9.108899593353271) {
-                      return {1, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 1.9201382398605347) {
+                    if (x.log2_S <= 9.358150005340576) {
+                      if (x.avg <= 3.7164034843444824) {
                         return {4, 32, 64, 2, 0};  // SP
                       } else {
-                        return {1, 32, 64, 4, 0};  // SP
+                        if (x.skew_hi <= 1.6817880868911743) {
+                          if (x.log2_S <= 9.085619926452637) {
+                            return {1, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {1, 32, 64, 4, 0};  // SP
+                        }
                       }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
                     }
                   }
                 } else {
-                  return {4, 32, 64, 2, 0};  // SP
-                }
-              } else {
-                if (x.avg <= 1.5022622346878052) {
-                  if (x.skew_lo <= -0.3949818015098572) {
-                    if (x.skew_lo <= -0.5041747093200684) {
-                      if (x.log2_S <= 10.50888967514038) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        return {1, 32, 8, 8, 1};  // SR
-                      }
-                    } else {
-                      return {1, 32, 8, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.468509197235107) {
+                  if (x.avg <= 1.5182554125785828) {
+                    if (x.avg <= 1.2550816535949707) {
                       return {1, 16, 8, 8, 1};  // SR
                     } else {
-                      return {1, 32, 8, 8, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 4.374707937240601) {
-                    if (x.log2_S <= 10.533422946929932) {
-                      if (x.log2_S <= 9.467114925384521) {
-                        if (x.skew_lo <= -1.893839716911316) {
-                          return {1, 32, 64, 4, 0};  // SP
+                      if (x.avg <= 1.4049593210220337) {
+                        if (x.skew_hi <= 5.571523904800415) {
+                          return {1, 32, 8, 8, 1};  // SR
                         } else {
-                          return {4, 32, 64, 2, 0};  // SP
+                          return {4, 64, 8, 1, 0};  // SP
                         }
                       } else {
-                        if (x.avg <= 3.664383292198181) {
-                          return {4, 64, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.851044654846191) {
-                        return {4, 64, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
+                        return {4, 64, 8, 1, 0};  // SP
                       }
                     }
                   } else {
                     return {4, 64, 64, 4, 0};  // SP
                   }
                 }
-              }
-            } else {
-              if (x.skew_lo <= -1.9765599966049194) {
-                return {4, 16, 64, 2, 0};  // SP
               } else {
-                if (x.skew_lo <= -0.42013411223888397) {
-                  if (x.skew_lo <= -0.7133284211158752) {
-                    if (x.skew_hi <= 4.745104074478149) {
-                      if (x.log2_S <= 12.715059757232666) {
+                if (x.skew_lo <= -0.6711709201335907) {
+                  if (x.avg <= 37.846914291381836) {
+                    if (x.log2_S <= 12.005025386810303) {
+                      return {4, 64, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 4.044881582260132) {
                         return {4, 64, 64, 4, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 4.206552743911743) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
+                        if (x.skew_lo <= -4.323240280151367) {
                           return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
                         }
                       }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.056869983673096) {
+                      if (x.log2_S <= 10.476187705993652) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 4, 0};  // SP
+                      }
                     } else {
-                      return {4, 64, 64, 4, 0};  // SP
+                      if (x.log2_S <= 12.120498657226562) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.07023572921753) {
+                    if (x.skew_lo <= -0.39669710397720337) {
+                      if (x.avg <= 1.4750187397003174) {
+                        return {1, 32, 8, 8, 1};  // SR
+                      } else {
+                        return {4, 64, 8, 1, 0};  // SP
+                      }
+                    } else {
+                      return {1, 16, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 11.899999141693115) {
+                      return {1, 32, 8, 8, 1};  // SR
+                    } else {
+                      return {1, 32, 8, 2, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 4.332662582397461) {
+                if (x.skew_hi <= 3.7074921131134033) {
+                  return {4, 16, 64, 2, 0};  // SP
+                } else {
+                  if (x.avg <= 4.255572557449341) {
+                    return {4, 16, 64, 2, 0};  // SP
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.avg <= 1.6620938777923584) {
+                  if (x.avg <= 1.338403046131134) {
+                    if (x.log2_S <= 13.316951751708984) {
+                      return {1, 32, 8, 2, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
                     return {1, 32, 8, 4, 1};  // SR
                   }
                 } else {
-                  return {1, 32, 8, 2, 1};  // SR
+                  return {4, 64, 64, 4, 0};  // SP
                 }
               }
             }
           } else {
+            if (x.avg <= 1.4937711358070374) {
+              if (x.skew_lo <= -0.5126186013221741) {
+                if (x.log2_S <= 17.7050142288208) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              } else {
+                return {4, 8, 8, 32, 1};  // SR
+              }
+            } else {
+              if (x.avg <= 2.1264008283615112) {
+                if (x.log2_S <= 16.172873497009277) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              } else {
+                if (x.avg <= 60.92517852783203) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.log2_S <= 14.885627746582031) {
+                    return {4, 16, 64, 2, 0};  // SP
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.log2_S <= 13.715544700622559) {
             if (x.skew_hi <= 12.301841259002686) {
               if (x.long_level <= 1.5) {
-                if (x.skew_lo <= 2.736355423927307) {
-                  if (x.skew_lo <= 0.18994464725255966) {
-                    if (x.log2_S <= 12.631351947784424) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 3.1773558855056763) {
-                        return {4, 8, 16, 32, 1};  // SR
+                if (x.skew_hi <= 6.736355304718018) {
+                  if (x.log2_S <= 11.597054481506348) {
+                    if (x.skew_lo <= -0.23927098512649536) {
+                      if (x.log2_S <= 9.839982032775879) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 13.511512756347656) {
+                        if (x.skew_hi <= 2.8052942752838135) {
                           return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.604535579681396) {
-                      if (x.skew_hi <= 5.898320913314819) {
-                        if (x.avg <= 45.14276313781738) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 9.294118881225586) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
+                          if (x.log2_S <= 11.410640716552734) {
                             return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
                           }
                         }
+                      }
+                    } else {
+                      if (x.skew_lo <= 1.9238828420639038) {
+                        return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 2.462857723236084) {
+                        if (x.skew_lo <= 2.4507676362991333) {
                           return {2, 16, 8, 8, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
                         }
                       }
-                    } else {
+                    }
+                  } else {
+                    if (x.log2_S <= 13.519863605499268) {
                       return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 4.655059099197388) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
                     }
                   }
                 } else {
                   if (x.skew_lo <= 4.202178239822388) {
-                    if (x.log2_S <= 12.32254695892334) {
-                      if (x.avg <= 4.160262584686279) {
-                        if (x.avg <= 3.935884475708008) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 8, 1};  // SR
-                        }
-                      } else {
+                    if (x.log2_S <= 12.477630138397217) {
+                      if (x.skew_lo <= 3.911600351333618) {
                         if (x.log2_S <= 11.784589290618896) {
                           return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.skew_hi <= 7.113659143447876) {
+                          if (x.skew_lo <= 3.19195294380188) {
                             return {4, 8, 8, 32, 1};  // SR
                           } else {
                             return {1, 32, 8, 4, 1};  // SR
                           }
+                        }
+                      } else {
+                        if (x.avg <= 3.935884475708008) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 8, 1};  // SR
                         }
                       }
                     } else {
@@ -7835,7 +7859,7 @@ inline Config gathered_config(const Features& f) {
                       if (x.log2_S <= 12.484400749206543) {
                         return {1, 32, 8, 4, 1};  // SR
                       } else {
-                        if (x.avg <= 2.544790744781494) {
+                        if (x.avg <= 3.33444607257843) {
                           return {2, 16, 8, 8, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
@@ -7845,16 +7869,20 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.skew_hi <= 11.936568260192871) {
+                if (x.skew_hi <= 11.82640790939331) {
                   return {4, 8, 8, 32, 1};  // SR
                 } else {
                   if (x.avg <= 6.037110805511475) {
                     return {4, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.skew_lo <= 8.460333824157715) {
+                    if (x.skew_lo <= 7.343708276748657) {
                       return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      return {4, 8, 16, 32, 1};  // SR
+                      if (x.avg <= 8.145086288452148) {
+                        return {4, 16, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
                     }
                   }
                 }
@@ -7863,88 +7891,40 @@ inline Config gathered_config(const Features& f) {
               if (x.long_level <= 2.5) {
                 return {4, 8, 8, 32, 1};  // SR
               } else {
-                if (x.avg <= 4.3872857093811035) {
-                  if (x.log2_S <= 12.826947689056396) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    return {4, 8, 16, 32, 1};  // SR
-                  }
-                } else {
-                  return {4, 8, 16, 32, 1};  // SR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 5.238381385803223) {
-              if (x.log2_S <= 14.069079875946045) {
-                if (x.skew_lo <= -3.960118055343628) {
-                  return {4, 16, 64, 2, 0};  // SP
-                } else {
-                  if (x.skew_lo <= -1.309719204902649) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                }
-              } else {
-                return {4, 8, 64, 32, 0};  // SP
-              }
-            } else {
-              if (x.skew_hi <= 5.402904033660889) {
-                if (x.log2_S <= 17.78446865081787) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.log2_S <= 22.01781463623047) {
-                    return {4, 8, 16, 32, 1};  // SR
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
-              } else {
-                return {4, 8, 8, 32, 1};  // SR
+                return {4, 8, 16, 32, 1};  // SR
               }
             }
           } else {
-            if (x.skew_lo <= 10.532952308654785) {
-              if (x.log2_S <= 18.229785919189453) {
-                if (x.avg <= 15.399442195892334) {
-                  if (x.skew_lo <= 6.089298963546753) {
-                    if (x.skew_hi <= 6.983262062072754) {
-                      if (x.log2_S <= 16.011221885681152) {
-                        if (x.skew_lo <= 2.2822924852371216) {
-                          if (x.log2_S <= 14.595120429992676) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
+            if (x.skew_lo <= 10.540859699249268) {
+              if (x.log2_S <= 18.110919952392578) {
+                if (x.avg <= 16.346739768981934) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 8.83730411529541) {
+                      if (x.log2_S <= 14.539360523223877) {
+                        if (x.skew_lo <= 4.667265892028809) {
                           return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 16, 8, 8, 1};  // SR
                         }
                       } else {
-                        return {4, 8, 16, 32, 1};  // SR
+                        return {4, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 14.47246265411377) {
-                        if (x.avg <= 2.5202912092208862) {
-                          return {2, 16, 8, 8, 1};  // SR
-                        } else {
+                      if (x.log2_S <= 16.011221885681152) {
+                        if (x.avg <= 15.25004529953003) {
                           return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 17.406088829040527) {
-                          return {4, 8, 8, 32, 1};  // SR
+                        if (x.skew_lo <= 2.6582188606262207) {
+                          return {4, 8, 16, 32, 1};  // SR
                         } else {
-                          if (x.avg <= 3.5887447595596313) {
-                            return {4, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 16.46497917175293) {
+                            return {4, 8, 16, 32, 1};  // SR
                           } else {
-                            if (x.log2_S <= 17.776402473449707) {
-                              if (x.avg <= 6.459082365036011) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 8, 16, 32, 1};  // SR
-                              }
+                            if (x.skew_hi <= 6.839804649353027) {
+                              return {4, 8, 8, 32, 1};  // SR
                             } else {
                               return {4, 8, 16, 32, 1};  // SR
                             }
@@ -7953,12 +7933,12 @@ inline Config gathered_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.874359607696533) {
-                      if (x.skew_hi <= 12.424364566802979) {
+                    if (x.log2_S <= 14.799786567687988) {
+                      if (x.skew_hi <= 12.371324062347412) {
                         return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 14.150733947753906) {
-                          if (x.log2_S <= 14.136521339416504) {
+                        if (x.skew_lo <= 9.944400787353516) {
+                          if (x.log2_S <= 13.885054588317871) {
                             return {4, 8, 8, 32, 1};  // SR
                           } else {
                             return {4, 8, 16, 32, 1};  // SR
@@ -7968,38 +7948,30 @@ inline Config gathered_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 13.464623928070068) {
-                        if (x.skew_lo <= 8.50016975402832) {
-                          if (x.log2_S <= 15.088225364685059) {
-                            if (x.skew_lo <= 6.90065598487854) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
+                      if (x.skew_hi <= 12.346151351928711) {
+                        if (x.log2_S <= 15.331156730651855) {
+                          if (x.skew_lo <= 7.012067794799805) {
+                            if (x.skew_hi <= 10.160208225250244) {
                               return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
                             }
                           } else {
                             return {4, 8, 16, 32, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 16.538050651550293) {
-                            if (x.log2_S <= 15.574923515319824) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 16.39423370361328) {
+                          if (x.log2_S <= 17.028121948242188) {
+                            if (x.log2_S <= 15.518143653869629) {
                               return {4, 8, 16, 32, 1};  // SR
                             } else {
                               return {4, 8, 32, 32, 1};  // SR
                             }
                           } else {
                             return {4, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 16.320717811584473) {
-                          if (x.log2_S <= 15.514327049255371) {
-                            if (x.skew_hi <= 13.860406875610352) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
                           }
                         } else {
                           return {4, 8, 64, 32, 1};  // SR
@@ -8008,147 +7980,127 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 16.42940330505371) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 101.46673583984375) {
-                        if (x.skew_hi <= 3.678858757019043) {
-                          if (x.log2_S <= 16.877805709838867) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.950084686279297) {
-                            if (x.avg <= 42.09342575073242) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        }
+                  if (x.skew_hi <= 5.988354444503784) {
+                    if (x.skew_hi <= 3.3351385593414307) {
+                      if (x.log2_S <= 14.098527431488037) {
+                        return {4, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 14.212262630462646) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
+                        if (x.log2_S <= 17.822294235229492) {
                           return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 14.091105461120605) {
-                        if (x.avg <= 49.5095157623291) {
-                          if (x.skew_lo <= 8.705937385559082) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 16.42940330505371) {
+                      if (x.log2_S <= 13.937485218048096) {
+                        if (x.skew_hi <= 13.837679862976074) {
+                          if (x.avg <= 49.196359634399414) {
                             return {4, 8, 8, 32, 1};  // SR
                           } else {
-                            return {4, 8, 32, 32, 1};  // SR
+                            return {4, 8, 16, 32, 1};  // SR
                           }
                         } else {
-                          return {4, 8, 16, 32, 1};  // SR
+                          return {4, 8, 32, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 16.94757843017578) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 75.87837219238281) {
-                            if (x.avg <= 35.21362495422363) {
-                              return {4, 8, 32, 32, 1};  // SR
+                        if (x.avg <= 21.10101318359375) {
+                          if (x.skew_hi <= 11.942639827728271) {
+                            if (x.log2_S <= 16.45106315612793) {
+                              return {4, 8, 16, 32, 1};  // SR
                             } else {
-                              if (x.log2_S <= 17.57734966278076) {
-                                return {4, 8, 64, 32, 1};  // SR
-                              } else {
+                              if (x.skew_hi <= 9.806591510772705) {
                                 return {4, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 16, 32, 1};  // SR
                               }
                             }
                           } else {
                             return {4, 8, 32, 32, 1};  // SR
                           }
+                        } else {
+                          if (x.log2_S <= 16.888959884643555) {
+                            if (x.log2_S <= 14.208758354187012) {
+                              if (x.skew_hi <= 11.670269966125488) {
+                                if (x.skew_lo <= 4.914124965667725) {
+                                  if (x.log2_S <= 14.198320388793945) {
+                                    return {4, 8, 16, 32, 1};  // SR
+                                  } else {
+                                    return {4, 8, 32, 32, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 8, 8, 32, 1};  // SR
+                                }
+                              } else {
+                                return {4, 8, 32, 32, 1};  // SR
+                              }
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 63.79495429992676) {
+                              if (x.avg <= 35.21362495422363) {
+                                return {4, 8, 32, 32, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 17.91203022003174) {
+                                  return {4, 8, 64, 32, 1};  // SR
+                                } else {
+                                  return {4, 8, 32, 32, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          }
                         }
                       }
-                    }
-                  } else {
-                    if (x.skew_hi <= 17.805030822753906) {
-                      return {4, 8, 64, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 94.03686141967773) {
+                      if (x.skew_hi <= 17.619894981384277) {
                         return {4, 8, 64, 32, 1};  // SR
                       } else {
-                        return {4, 8, 32, 32, 1};  // SR
+                        if (x.skew_lo <= 8.033187866210938) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 24.576231002807617) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 64, 32, 1};  // SR
+                          }
+                        }
                       }
                     }
                   }
                 }
               } else {
                 if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 19.316003799438477) {
-                    if (x.skew_hi <= 3.3964091539382935) {
-                      return {4, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 9.44546890258789) {
-                        if (x.skew_hi <= 5.282775402069092) {
-                          if (x.log2_S <= 19.169032096862793) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 18.664012908935547) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
+                  if (x.skew_hi <= 8.595743179321289) {
                     return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 19.279255867004395) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
                   }
                 } else {
-                  if (x.skew_hi <= 9.57936954498291) {
+                  if (x.skew_lo <= 5.5578553676605225) {
                     return {4, 8, 32, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 2.824830651283264) {
-                      if (x.skew_lo <= 9.561843395233154) {
-                        if (x.log2_S <= 19.29305362701416) {
-                          if (x.skew_hi <= 13.031982421875) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
+                    if (x.avg <= 1.9681759476661682) {
+                      if (x.log2_S <= 19.70718479156494) {
+                        return {4, 8, 16, 32, 1};  // SR
                       } else {
-                        return {4, 8, 64, 32, 1};  // SR
+                        return {4, 8, 32, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 18.627127647399902) {
-                        if (x.avg <= 167.42237854003906) {
-                          if (x.avg <= 25.293546676635742) {
-                            if (x.log2_S <= 18.288275718688965) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 18.412516593933105) {
-                              if (x.avg <= 35.289411544799805) {
-                                return {4, 8, 64, 32, 1};  // SR
-                              } else {
-                                return {4, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 82.72065734863281) {
-                                return {4, 8, 64, 32, 1};  // SR
-                              } else {
-                                return {4, 8, 32, 32, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
+                      if (x.skew_hi <= 9.63278865814209) {
+                        if (x.log2_S <= 20.399727821350098) {
                           return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
                         }
                       } else {
                         return {4, 8, 16, 32, 1};  // SR
@@ -8158,197 +8110,233 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 16.14009952545166) {
-                if (x.skew_hi <= 14.183051109313965) {
+              if (x.log2_S <= 16.443775177001953) {
+                if (x.skew_hi <= 13.800961971282959) {
                   return {4, 8, 16, 32, 1};  // SR
                 } else {
-                  return {4, 8, 32, 32, 1};  // SR
+                  if (x.skew_hi <= 16.086215019226074) {
+                    if (x.skew_hi <= 14.001535415649414) {
+                      if (x.skew_lo <= 12.978493690490723) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 12.565616607666016) {
+                      return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 1};  // SR
+                    }
+                  }
                 }
               } else {
-                if (x.log2_S <= 16.443775177001953) {
-                  if (x.avg <= 2.9904500246047974) {
-                    return {4, 8, 64, 32, 1};  // SR
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
-                } else {
-                  return {4, 8, 64, 32, 1};  // SR
-                }
+                return {4, 8, 64, 32, 1};  // SR
               }
             }
           }
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.skew_hi <= 14.053166389465332) {
-            if (x.log2_S <= 12.526327133178711) {
+          if (x.skew_hi <= 13.969491481781006) {
+            if (x.log2_S <= 12.645625591278076) {
               if (x.long_level <= 0.5) {
-                if (x.avg <= 2.0216249227523804) {
-                  if (x.avg <= 1.4830583930015564) {
-                    if (x.log2_S <= 10.50807523727417) {
-                      if (x.skew_lo <= -0.37196342647075653) {
-                        if (x.skew_hi <= 5.474842071533203) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 5.605018138885498) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 32, 8, 2, 1};  // SR
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 5.202425479888916) {
-                      if (x.log2_S <= 10.497812271118164) {
-                        return {4, 64, 64, 4, 0};  // SP
-                      } else {
-                        return {1, 32, 8, 2, 1};  // SR
-                      }
-                    } else {
-                      return {1, 32, 8, 2, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.056597232818604) {
-                    if (x.avg <= 2.218665361404419) {
-                      if (x.log2_S <= 9.662658214569092) {
-                        return {1, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 4, 0};  // SP
-                      }
-                    } else {
+                if (x.skew_lo <= -1.1496570706367493) {
+                  if (x.log2_S <= 12.061286449432373) {
+                    if (x.skew_hi <= 4.433103799819946) {
                       return {1, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.008034229278564) {
+                        return {1, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 4, 0};  // SP
+                      }
                     }
                   } else {
-                    if (x.avg <= 4.077365279197693) {
-                      if (x.avg <= 2.578213095664978) {
-                        return {1, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {1, 64, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 12.123695850372314) {
-                        if (x.skew_lo <= -4.040098667144775) {
-                          return {4, 8, 64, 32, 0};  // SP
+                    if (x.avg <= 10.399878025054932) {
+                      if (x.log2_S <= 12.421803951263428) {
+                        if (x.skew_lo <= -1.6418384909629822) {
+                          if (x.avg <= 8.323928833007812) {
+                            return {1, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 1, 0};  // SP
+                          }
                         } else {
-                          return {4, 32, 32, 1, 0};  // SP
+                          return {4, 64, 64, 4, 0};  // SP
                         }
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
                       }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 5.489529609680176) {
+                    if (x.avg <= 1.7384081482887268) {
+                      return {1, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 9.500741958618164) {
+                        return {1, 64, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.854867458343506) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.620874881744385) {
+                      if (x.avg <= 1.2120521664619446) {
+                        if (x.log2_S <= 9.20206069946289) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 9.794993877410889) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 10.051004409790039) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 32, 8, 4, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 11.448231220245361) {
+                if (x.skew_hi <= 11.431621551513672) {
                   if (x.avg <= 4.4579057693481445) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 11.582618236541748) {
-                        if (x.skew_hi <= 9.00302267074585) {
-                          if (x.skew_lo <= 4.781358003616333) {
-                            if (x.skew_lo <= 4.023357391357422) {
-                              if (x.log2_S <= 11.101261615753174) {
-                                return {1, 32, 8, 8, 1};  // SR
-                              } else {
-                                return {1, 32, 8, 4, 1};  // SR
-                              }
+                    if (x.skew_lo <= 6.912053108215332) {
+                      if (x.log2_S <= 11.62608528137207) {
+                        if (x.skew_hi <= 9.054547309875488) {
+                          if (x.avg <= 3.935884475708008) {
+                            if (x.avg <= 2.494552254676819) {
+                              return {1, 32, 8, 4, 1};  // SR
                             } else {
-                              if (x.skew_lo <= 4.517702102661133) {
-                                return {1, 32, 8, 4, 1};  // SR
+                              if (x.avg <= 2.8102468252182007) {
+                                return {1, 32, 8, 2, 1};  // SR
                               } else {
-                                if (x.avg <= 2.6706855297088623) {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {1, 32, 8, 2, 1};  // SR
-                                }
+                                return {1, 32, 8, 4, 1};  // SR
                               }
                             }
                           } else {
-                            if (x.log2_S <= 11.136342525482178) {
-                              return {1, 64, 8, 2, 1};  // SR
-                            } else {
+                            if (x.skew_hi <= 7.880171298980713) {
                               return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 8, 1};  // SR
                             }
                           }
                         } else {
-                          if (x.log2_S <= 11.21495246887207) {
+                          if (x.log2_S <= 11.241950988769531) {
                             return {1, 32, 8, 8, 1};  // SR
                           } else {
                             return {1, 32, 8, 4, 1};  // SR
                           }
                         }
                       } else {
-                        return {1, 32, 8, 2, 1};  // SR
+                        if (x.skew_lo <= 4.262602090835571) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.488213062286377) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        }
                       }
                     } else {
-                      return {4, 16, 8, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.505352020263672) {
-                      if (x.skew_lo <= 10.46705961227417) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 10.778481483459473) {
+                      if (x.skew_hi <= 8.760213375091553) {
+                        if (x.skew_hi <= 8.383221626281738) {
                           return {4, 16, 8, 8, 1};  // SR
                         } else {
-                          if (x.avg <= 7.834501266479492) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 8, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 10.772115707397461) {
+                      if (x.log2_S <= 11.505352020263672) {
+                        if (x.skew_lo <= 10.356661796569824) {
+                          if (x.skew_lo <= 7.3144307136535645) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            return {4, 16, 16, 2, 1};  // SR
+                            if (x.log2_S <= 8.952281951904297) {
+                              if (x.long_level <= 2.5) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 8.19528865814209) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 2, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.431334018707275) {
+                          if (x.avg <= 6.08525276184082) {
+                            if (x.skew_lo <= 3.6833105087280273) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 12.192373752593994) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 6.07397985458374) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
                           }
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 9.248349666595459) {
-                        if (x.avg <= 6.72088098526001) {
-                          if (x.skew_hi <= 7.683310508728027) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.828629970550537) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 1};  // SR
-                            }
-                          }
+                      if (x.skew_lo <= 7.883586645126343) {
+                        if (x.log2_S <= 11.502190589904785) {
+                          return {4, 16, 8, 8, 1};  // SR
                         } else {
-                          if (x.skew_lo <= 4.478682518005371) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.931083679199219) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
+                          return {4, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 12.054738998413086) {
-                          return {4, 8, 8, 32, 1};  // SR
+                        if (x.skew_lo <= 10.925302982330322) {
+                          return {4, 16, 16, 2, 1};  // SR
                         } else {
-                          if (x.log2_S <= 12.129549026489258) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 19.27522850036621) {
-                              return {4, 16, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
+                          return {4, 16, 8, 8, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
                   if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 12.431204319000244) {
-                      return {4, 8, 8, 32, 1};  // SR
+                    if (x.log2_S <= 11.606340408325195) {
+                      return {4, 16, 8, 8, 1};  // SR
                     } else {
-                      return {4, 16, 16, 2, 1};  // SR
+                      if (x.log2_S <= 12.587292194366455) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 16, 8, 8, 1};  // SR
+                      }
                     }
                   } else {
                     return {4, 16, 16, 2, 1};  // SR
@@ -8357,66 +8345,28 @@ inline Config gathered_config(const Features& f) {
               }
             } else {
               if (x.long_level <= 0.5) {
-                if (x.skew_lo <= -3.8698577880859375) {
-                  if (x.log2_S <= 19.628833770751953) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 16, 64, 2, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 1.5896933674812317) {
-                    if (x.log2_S <= 18.323296546936035) {
-                      if (x.log2_S <= 13.044082641601562) {
-                        if (x.skew_lo <= -0.5732039213180542) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
+                if (x.avg <= 14.327474594116211) {
+                  if (x.skew_hi <= 4.969326496124268) {
+                    if (x.log2_S <= 13.22568416595459) {
+                      if (x.skew_lo <= -1.906217634677887) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.skew_lo <= -0.4503711760044098) {
-                          if (x.log2_S <= 16.879627227783203) {
-                            if (x.log2_S <= 13.24658489227295) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
-                          }
+                        if (x.skew_lo <= -1.4201689958572388) {
+                          return {4, 16, 64, 2, 0};  // SP
                         } else {
                           return {4, 16, 8, 8, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 1.4266400933265686) {
-                        return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 19.822568893432617) {
-                          return {4, 16, 16, 2, 1};  // SR
+                      if (x.avg <= 2.7513391971588135) {
+                        if (x.log2_S <= 15.523327827453613) {
+                          return {4, 16, 8, 8, 1};  // SR
                         } else {
                           return {4, 16, 64, 2, 0};  // SP
                         }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.750011920928955) {
-                      if (x.skew_lo <= -2.2527620792388916) {
-                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 4.8634350299835205) {
-                          if (x.skew_hi <= 4.442394971847534) {
-                            return {4, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 4.853176593780518) {
-                        if (x.skew_lo <= -3.7998783588409424) {
-                          if (x.log2_S <= 16.94406509399414) {
+                        if (x.skew_hi <= 2.2419066429138184) {
+                          if (x.log2_S <= 17.652220726013184) {
                             return {4, 8, 64, 32, 0};  // SP
                           } else {
                             return {4, 16, 64, 2, 0};  // SP
@@ -8424,48 +8374,84 @@ inline Config gathered_config(const Features& f) {
                         } else {
                           return {4, 16, 64, 2, 0};  // SP
                         }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.287288665771484) {
+                      if (x.skew_lo <= -0.6448502838611603) {
+                        if (x.log2_S <= 16.020974159240723) {
+                          if (x.log2_S <= 13.15524673461914) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
                       } else {
-                        if (x.log2_S <= 14.981606483459473) {
+                        if (x.log2_S <= 13.275209903717041) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
                           return {4, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 1.8011486530303955) {
+                        return {4, 16, 16, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 20.01608943939209) {
+                          return {4, 16, 16, 2, 1};  // SR
                         } else {
                           return {4, 16, 64, 2, 0};  // SP
                         }
                       }
                     }
                   }
+                } else {
+                  if (x.log2_S <= 19.249972343444824) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 19.56020164489746) {
+                      if (x.avg <= 24.257984161376953) {
+                        if (x.skew_lo <= -3.973752975463867) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 64, 2, 0};  // SP
+                    }
+                  }
                 }
               } else {
-                if (x.avg <= 34.291656494140625) {
-                  if (x.log2_S <= 15.213200092315674) {
+                if (x.avg <= 32.74806213378906) {
+                  if (x.log2_S <= 14.602295875549316) {
                     if (x.long_level <= 1.5) {
                       if (x.log2_S <= 13.965099811553955) {
-                        if (x.skew_lo <= 3.2694376707077026) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.192940711975098) {
-                            if (x.skew_hi <= 7.870234489440918) {
-                              if (x.log2_S <= 12.864826679229736) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 12.55830430984497) {
-                                return {1, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 2, 1};  // SR
-                              }
-                            }
+                        if (x.avg <= 4.340568780899048) {
+                          if (x.log2_S <= 13.335590362548828) {
+                            return {2, 32, 8, 2, 1};  // SR
                           } else {
                             return {4, 16, 8, 8, 1};  // SR
                           }
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 4.561938285827637) {
+                        if (x.avg <= 9.109503269195557) {
                           return {4, 16, 8, 8, 1};  // SR
                         } else {
-                          if (x.log2_S <= 14.06933879852295) {
-                            if (x.skew_hi <= 5.9694459438323975) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.756635665893555) {
+                        if (x.skew_hi <= 13.373971939086914) {
+                          if (x.avg <= 2.2137482166290283) {
+                            if (x.avg <= 1.868794023990631) {
                               return {4, 16, 16, 2, 1};  // SR
                             } else {
                               return {4, 16, 8, 8, 1};  // SR
@@ -8473,114 +8459,50 @@ inline Config gathered_config(const Features& f) {
                           } else {
                             return {4, 16, 16, 2, 1};  // SR
                           }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 4.50762414932251) {
-                        if (x.log2_S <= 13.949300765991211) {
-                          if (x.avg <= 2.2137482166290283) {
-                            if (x.skew_lo <= 9.778180122375488) {
-                              if (x.log2_S <= 12.833956718444824) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 13.377800941467285) {
-                                  if (x.log2_S <= 12.991273403167725) {
-                                    return {4, 16, 8, 8, 1};  // SR
-                                  } else {
-                                    return {4, 16, 16, 2, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                }
-                              }
-                            } else {
-                              if (x.log2_S <= 13.873509407043457) {
-                                if (x.avg <= 1.1258519887924194) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  if (x.skew_hi <= 12.790977001190186) {
-                                    return {4, 8, 8, 32, 1};  // SR
-                                  } else {
-                                    return {4, 16, 16, 2, 1};  // SR
-                                  }
-                                }
-                              } else {
-                                return {4, 16, 64, 2, 1};  // SR
-                              }
-                            }
+                        } else {
+                          if (x.avg <= 4.056241869926453) {
+                            return {4, 16, 16, 2, 1};  // SR
                           } else {
-                            if (x.log2_S <= 12.593817710876465) {
-                              return {4, 8, 8, 32, 1};  // SR
+                            if (x.avg <= 12.75423812866211) {
+                              if (x.skew_hi <= 13.646161079406738) {
+                                return {4, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 32, 32, 1};  // SR
+                              }
                             } else {
-                              if (x.skew_hi <= 13.866741180419922) {
+                              if (x.skew_hi <= 13.599160194396973) {
                                 return {4, 16, 16, 2, 1};  // SR
                               } else {
                                 return {4, 8, 32, 32, 1};  // SR
                               }
                             }
                           }
-                        } else {
-                          if (x.log2_S <= 15.16369104385376) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
-                          }
                         }
                       } else {
-                        if (x.skew_hi <= 13.793209075927734) {
-                          if (x.skew_hi <= 13.570959568023682) {
+                        if (x.skew_hi <= 11.82495641708374) {
+                          if (x.skew_lo <= 6.77332067489624) {
                             return {4, 16, 16, 2, 1};  // SR
                           } else {
-                            if (x.skew_lo <= 10.484211444854736) {
+                            if (x.log2_S <= 14.082584381103516) {
                               return {4, 16, 16, 2, 1};  // SR
                             } else {
-                              if (x.skew_lo <= 11.565292835235596) {
-                                return {4, 8, 16, 32, 1};  // SR
+                              if (x.log2_S <= 14.363834381103516) {
+                                return {4, 16, 8, 8, 1};  // SR
                               } else {
                                 return {4, 16, 16, 2, 1};  // SR
                               }
                             }
                           }
                         } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 3.1473681926727295) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 19.072978019714355) {
-                          if (x.avg <= 2.655930757522583) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 16.929039001464844) {
+                          if (x.long_level <= 2.5) {
+                            if (x.log2_S <= 13.874893188476562) {
+                              if (x.avg <= 1.5447784066200256) {
+                                return {4, 16, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
                               return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 30.737887382507324) {
-                        return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 2.9790032505989075) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 19.66217613220215) {
-                            if (x.log2_S <= 18.019362449645996) {
-                              if (x.skew_lo <= 4.990827322006226) {
-                                return {4, 16, 64, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 2, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
                             }
                           } else {
                             return {4, 16, 64, 2, 1};  // SR
@@ -8588,23 +8510,65 @@ inline Config gathered_config(const Features& f) {
                         }
                       }
                     }
+                  } else {
+                    if (x.avg <= 3.3971177339553833) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 18.511388778686523) {
+                          if (x.log2_S <= 17.03850555419922) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 8.808318614959717) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 16, 2, 1};  // SR
+                    }
                   }
                 } else {
-                  if (x.skew_hi <= 5.450010776519775) {
-                    if (x.log2_S <= 13.63648271560669) {
+                  if (x.skew_lo <= 1.4729095697402954) {
+                    if (x.log2_S <= 13.502184867858887) {
                       if (x.log2_S <= 13.360090255737305) {
                         return {4, 16, 8, 8, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 3.0473650693893433) {
+                        if (x.skew_lo <= -0.7441093623638153) {
                           return {4, 16, 16, 2, 1};  // SR
                         } else {
                           return {4, 16, 8, 8, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 105.44696807861328) {
-                        if (x.log2_S <= 13.832797050476074) {
-                          if (x.avg <= 62.89841651916504) {
+                      if (x.log2_S <= 15.109375953674316) {
+                        if (x.skew_lo <= -0.7483363449573517) {
+                          if (x.log2_S <= 14.092524528503418) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 13.596536636352539) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.120314121246338) {
+                      if (x.skew_hi <= 13.702403545379639) {
+                        if (x.log2_S <= 12.804090023040771) {
+                          if (x.skew_hi <= 8.164030075073242) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
                             return {4, 16, 16, 2, 1};  // SR
@@ -8613,12 +8577,26 @@ inline Config gathered_config(const Features& f) {
                           return {4, 16, 16, 2, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 19.834460258483887) {
-                          if (x.log2_S <= 15.585333824157715) {
-                            if (x.log2_S <= 14.24162483215332) {
+                        if (x.log2_S <= 13.852789878845215) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.62421417236328) {
+                        return {4, 16, 64, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 19.746445655822754) {
+                          if (x.log2_S <= 19.38561248779297) {
+                            if (x.skew_lo <= 2.470746397972107) {
                               return {4, 16, 16, 2, 1};  // SR
                             } else {
-                              return {4, 16, 64, 2, 1};  // SR
+                              if (x.avg <= 43.163259506225586) {
+                                return {4, 16, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 64, 2, 1};  // SR
+                              }
                             }
                           } else {
                             return {4, 16, 16, 2, 1};  // SR
@@ -8628,371 +8606,511 @@ inline Config gathered_config(const Features& f) {
                         }
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 15.131041049957275) {
-                      if (x.skew_hi <= 13.733239650726318) {
-                        if (x.log2_S <= 12.804090023040771) {
-                          if (x.skew_lo <= 5.346841096878052) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 15.514400005340576) {
-                        if (x.skew_lo <= 3.744504451751709) {
-                          return {4, 16, 64, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 64, 2, 1};  // SR
-                      }
-                    }
                   }
                 }
               }
             }
           } else {
-            if (x.skew_lo <= 11.30856704711914) {
-              return {4, 16, 64, 2, 1};  // SR
-            } else {
-              if (x.skew_hi <= 18.044994354248047) {
-                if (x.skew_hi <= 16.439183235168457) {
-                  return {4, 16, 64, 2, 1};  // SR
-                } else {
-                  if (x.log2_S <= 17.426620483398438) {
-                    return {4, 8, 32, 32, 1};  // SR
+            if (x.avg <= 6.459553241729736) {
+              if (x.skew_hi <= 18.19246482849121) {
+                if (x.skew_hi <= 16.45358371734619) {
+                  if (x.log2_S <= 16.22596549987793) {
+                    return {4, 16, 64, 2, 1};  // SR
                   } else {
-                    if (x.avg <= 3.854964256286621) {
+                    if (x.avg <= 3.928135633468628) {
                       return {4, 16, 64, 2, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 11.621097087860107) {
-                        if (x.skew_lo <= 11.43606424331665) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 17.61637020111084) {
+                    if (x.avg <= 4.282323837280273) {
+                      return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 5.772369146347046) {
+                        return {4, 16, 16, 2, 1};  // SR
                       } else {
                         return {4, 8, 32, 32, 1};  // SR
                       }
+                    }
+                  } else {
+                    if (x.skew_lo <= 12.012871742248535) {
+                      return {4, 16, 16, 2, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
                     }
                   }
                 }
               } else {
                 return {4, 16, 64, 2, 1};  // SR
               }
+            } else {
+              return {4, 16, 64, 2, 1};  // SR
             }
           }
         } else {
-          if (x.skew_hi <= 12.89159107208252) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 11.825974464416504) {
-                if (x.skew_hi <= 4.374707937240601) {
-                  if (x.skew_hi <= 4.136353254318237) {
-                    return {1, 16, 64, 4, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 9.7470064163208) {
+          if (x.log2_S <= 13.151341915130615) {
+            if (x.long_level <= 2.5) {
+              if (x.skew_lo <= 2.359331965446472) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 9.836711406707764) {
+                    if (x.skew_hi <= 4.374707937240601) {
                       return {1, 16, 64, 4, 0};  // SP
                     } else {
-                      return {1, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 5.016116142272949) {
-                    if (x.avg <= 2.218665361404419) {
-                      if (x.log2_S <= 9.451685428619385) {
+                      if (x.skew_lo <= -0.8288122117519379) {
                         return {1, 16, 64, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 10.859731197357178) {
-                          return {1, 32, 64, 2, 0};  // SP
+                        return {1, 32, 8, 4, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.825974464416504) {
+                      if (x.skew_lo <= -1.3681816458702087) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -1.047853946685791) {
+                          if (x.log2_S <= 10.829883098602295) {
+                            return {1, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
                         } else {
                           return {1, 32, 8, 4, 1};  // SR
                         }
                       }
                     } else {
-                      return {1, 16, 64, 8, 0};  // SP
+                      if (x.avg <= 2.8573094606399536) {
+                        if (x.log2_S <= 12.837467193603516) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 5.378316402435303) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.901071071624756) {
+                          if (x.log2_S <= 12.102736949920654) {
+                            if (x.skew_hi <= 3.264219641685486) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {1, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 11.739829063415527) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 84.05839538574219) {
+                    if (x.log2_S <= 12.190744876861572) {
+                      if (x.log2_S <= 11.336168766021729) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 25.586227416992188) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 1.3203522562980652) {
+                        if (x.log2_S <= 12.580352306365967) {
+                          if (x.skew_hi <= 3.9597673416137695) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 2.1839178800582886) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      }
                     }
                   } else {
-                    return {1, 32, 8, 4, 1};  // SR
+                    if (x.log2_S <= 11.803927898406982) {
+                      if (x.skew_hi <= 4.796020030975342) {
+                        if (x.log2_S <= 10.684558391571045) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.60161304473877) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 16, 2, 1};  // SR
+                    }
                   }
                 }
               } else {
-                if (x.skew_lo <= -3.8466169834136963) {
-                  if (x.log2_S <= 19.212284088134766) {
-                    if (x.log2_S <= 14.87282657623291) {
-                      if (x.log2_S <= 14.097443103790283) {
+                if (x.avg <= 2.700087547302246) {
+                  if (x.skew_lo <= 7.269079208374023) {
+                    if (x.log2_S <= 11.787290096282959) {
+                      if (x.avg <= 2.494552254676819) {
+                        if (x.log2_S <= 11.579538822174072) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {1, 32, 8, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 11.951172351837158) {
+                    if (x.avg <= 4.531606197357178) {
+                      if (x.skew_lo <= 4.375545263290405) {
+                        if (x.log2_S <= 11.715360164642334) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 11.279263496398926) {
+                            return {1, 64, 8, 2, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 167.0010528564453) {
+                        if (x.avg <= 130.67262268066406) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 10.806126117706299) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 12.753782272338867) {
+                      if (x.avg <= 9.592289924621582) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 8.519851684570312) {
+                          if (x.log2_S <= 12.077046394348145) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 16, 2, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 12.297235488891602) {
+                return {4, 32, 16, 2, 1};  // SR
+              } else {
+                if (x.avg <= 4.722185373306274) {
+                  if (x.log2_S <= 12.961314678192139) {
+                    return {4, 32, 16, 2, 1};  // SR
+                  } else {
+                    return {4, 32, 32, 1, 1};  // SR
+                  }
+                } else {
+                  return {4, 32, 32, 1, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 0.5) {
+              if (x.skew_hi <= 2.1301422119140625) {
+                if (x.log2_S <= 20.13247299194336) {
+                  if (x.log2_S <= 15.553189754486084) {
+                    if (x.skew_lo <= -4.5817999839782715) {
+                      if (x.log2_S <= 13.729313373565674) {
                         return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.skew_lo <= -4.727251291275024) {
+                        if (x.log2_S <= 15.291573524475098) {
                           return {4, 16, 64, 2, 0};  // SP
                         } else {
-                          return {4, 8, 64, 32, 0};  // SP
+                          if (x.log2_S <= 15.450390815734863) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
                         }
                       }
                     } else {
                       return {4, 8, 64, 32, 0};  // SP
                     }
                   } else {
-                    return {4, 16, 64, 2, 0};  // SP
+                    return {4, 8, 64, 32, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 2.139621138572693) {
-                    if (x.log2_S <= 16.94968891143799) {
-                      if (x.log2_S <= 12.837467193603516) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.593470573425293) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 5.557071208953857) {
-                            if (x.skew_hi <= 5.321941137313843) {
-                              return {4, 16, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      }
+                  return {4, 16, 64, 2, 0};  // SP
+                }
+              } else {
+                if (x.avg <= 2.214258551597595) {
+                  if (x.log2_S <= 16.94968891143799) {
+                    if (x.log2_S <= 15.54670000076294) {
+                      return {4, 32, 8, 2, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 5.4504265785217285) {
-                        if (x.log2_S <= 17.9181489944458) {
-                          return {4, 16, 64, 2, 0};  // SP
+                      if (x.avg <= 1.3490779399871826) {
+                        if (x.log2_S <= 15.643078327178955) {
+                          return {4, 16, 8, 8, 1};  // SR
                         } else {
-                          return {4, 32, 64, 2, 0};  // SP
+                          return {4, 32, 8, 2, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 17.73850440979004) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 1.3168453574180603) {
-                            if (x.log2_S <= 18.286771774291992) {
-                              return {4, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
+                        return {4, 16, 16, 2, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.602388381958008) {
-                      if (x.avg <= 3.1254740953445435) {
-                        return {1, 16, 64, 8, 0};  // SP
+                    if (x.log2_S <= 18.26505756378174) {
+                      if (x.avg <= 1.8701158165931702) {
+                        return {4, 16, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 1.7213645577430725) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -2.338998794555664) {
+                    if (x.log2_S <= 13.642830848693848) {
+                      if (x.avg <= 12.178705215454102) {
+                        return {4, 16, 64, 2, 0};  // SP
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 18.75577449798584) {
-                        if (x.skew_lo <= -1.3275709748268127) {
+                      return {4, 16, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 18.052526473999023) {
+                      if (x.log2_S <= 15.70016622543335) {
+                        if (x.skew_hi <= 4.323229551315308) {
                           return {4, 16, 64, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 15.192359447479248) {
+                          if (x.log2_S <= 15.448772430419922) {
                             return {4, 32, 8, 2, 1};  // SR
                           } else {
-                            return {4, 16, 64, 2, 0};  // SP
+                            return {4, 16, 16, 2, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.avg <= 5.059516429901123) {
-                          if (x.log2_S <= 20.09638214111328) {
-                            if (x.skew_lo <= -1.7381505370140076) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.skew_lo <= -1.5264063477516174) {
-                                return {4, 16, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 2, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {4, 16, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
+                        return {4, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 20.09638214111328) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 13.88517141342163) {
-                if (x.long_level <= 2.5) {
-                  if (x.skew_hi <= 6.443162202835083) {
-                    if (x.log2_S <= 12.082178592681885) {
-                      if (x.avg <= 82.59476852416992) {
-                        if (x.log2_S <= 11.653817176818848) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 0.2889416217803955) {
-                            return {4, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 5.456831216812134) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 10.684558391571045) {
-                            return {4, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.562288761138916) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 57.82223892211914) {
-                        if (x.skew_hi <= 6.248099327087402) {
-                          if (x.log2_S <= 13.058425903320312) {
-                            if (x.skew_hi <= 5.320352077484131) {
-                              if (x.skew_lo <= 0.49975141882896423) {
-                                return {4, 32, 8, 2, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 12.343865871429443) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {4, 32, 16, 2, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          } else {
+              if (x.long_level <= 2.5) {
+                if (x.skew_lo <= 4.137383460998535) {
+                  if (x.log2_S <= 17.595818519592285) {
+                    if (x.avg <= 18.524470329284668) {
+                      if (x.log2_S <= 15.113555908203125) {
+                        if (x.skew_hi <= 6.809266805648804) {
+                          if (x.skew_lo <= 2.1860979795455933) {
                             return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 13.723564624786377) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
                           }
                         } else {
                           return {4, 32, 8, 2, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 81.40053939819336) {
-                          if (x.log2_S <= 12.63388967514038) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 13.847628593444824) {
+                        if (x.avg <= 71.07086563110352) {
+                          if (x.skew_hi <= 4.677757978439331) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 24.939772605895996) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 13.495920181274414) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 0.9161128923296928) {
+                              if (x.skew_lo <= -1.0980936288833618) {
+                                return {4, 32, 32, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.9714601039886475) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.51356029510498) {
+                            if (x.log2_S <= 15.585538387298584) {
+                              if (x.log2_S <= 14.024011611938477) {
+                                if (x.avg <= 57.567108154296875) {
+                                  return {4, 16, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                }
+                              } else {
+                                return {4, 32, 32, 1, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 15.750607013702393) {
+                                return {4, 16, 16, 2, 1};  // SR
+                              } else {
+                                if (x.avg <= 180.87771606445312) {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 2, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 17.21297264099121) {
+                              if (x.avg <= 115.05582809448242) {
+                                return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                if (x.skew_lo <= 2.6272056102752686) {
+                                  return {4, 16, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 16.08717441558838) {
+                    if (x.avg <= 9.194836616516113) {
+                      if (x.log2_S <= 13.576111793518066) {
+                        if (x.avg <= 7.412130832672119) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.820573806762695) {
+                          if (x.log2_S <= 15.247462749481201) {
                             return {4, 32, 8, 2, 1};  // SR
                           } else {
                             return {4, 32, 16, 2, 1};  // SR
                           }
                         } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.145804405212402) {
-                      if (x.long_level <= 1.5) {
-                        if (x.skew_lo <= 3.7937928438186646) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 4.46155858039856) {
-                            if (x.log2_S <= 11.84878158569336) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
+                          if (x.skew_lo <= 5.80044960975647) {
+                            if (x.log2_S <= 14.197450160980225) {
                               return {4, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 2.3406578302383423) {
-                              if (x.log2_S <= 11.589231967926025) {
-                                if (x.skew_hi <= 8.04487133026123) {
-                                  return {1, 64, 8, 2, 1};  // SR
-                                } else {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                }
-                              } else {
-                                if (x.log2_S <= 11.787290096282959) {
-                                  return {1, 32, 8, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 2, 1};  // SR
-                                }
-                              }
                             } else {
-                              if (x.log2_S <= 10.798056602478027) {
-                                if (x.skew_hi <= 8.662614345550537) {
-                                  return {1, 64, 8, 2, 1};  // SR
-                                } else {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                }
-                              } else {
-                                return {1, 32, 8, 2, 1};  // SR
-                              }
+                              return {4, 32, 16, 2, 1};  // SR
                             }
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 6.759238958358765) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 12.04021167755127) {
-                            return {4, 32, 8, 2, 1};  // SR
                           } else {
-                            if (x.skew_lo <= 4.880635499954224) {
+                            if (x.avg <= 8.006810665130615) {
                               return {4, 32, 16, 2, 1};  // SR
                             } else {
-                              return {4, 32, 8, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 12.096901893615723) {
-                        if (x.skew_lo <= 6.234933376312256) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.284409523010254) {
-                            if (x.avg <= 7.0673606395721436) {
-                              return {4, 32, 8, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 13.190846920013428) {
+                              if (x.log2_S <= 14.814342021942139) {
                                 return {4, 32, 16, 2, 1};  // SR
                               } else {
                                 return {4, 32, 32, 1, 1};  // SR
                               }
                             }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.478321075439453) {
+                        if (x.skew_hi <= 9.49884033203125) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 48.6421012878418) {
+                      if (x.log2_S <= 17.737747192382812) {
+                        if (x.skew_lo <= 9.742565155029297) {
+                          if (x.avg <= 13.87562370300293) {
+                            return {4, 32, 16, 2, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 10.735496044158936) {
-                              return {4, 32, 32, 1, 1};  // SR
+                            if (x.log2_S <= 16.63963508605957) {
+                              if (x.skew_lo <= 5.307209491729736) {
+                                return {4, 16, 16, 2, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 16.19862937927246) {
+                                  return {4, 32, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                }
+                              }
                             } else {
                               return {4, 32, 16, 2, 1};  // SR
                             }
                           }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.624865531921387) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 3.673133611679077) {
-                            return {4, 32, 32, 1, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.891725063323975) {
-                    return {4, 32, 16, 2, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 12.074745655059814) {
-                      if (x.skew_lo <= 10.807754516601562) {
-                        if (x.skew_lo <= 8.341882944107056) {
-                          return {4, 32, 16, 2, 1};  // SR
                         } else {
                           return {4, 32, 32, 1, 1};  // SR
                         }
@@ -9000,194 +9118,40 @@ inline Config gathered_config(const Features& f) {
                         return {4, 32, 16, 2, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 3.3457165956497192) {
-                        return {4, 32, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
+                      return {4, 32, 16, 2, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.skew_lo <= 4.261453866958618) {
-                  if (x.avg <= 14.55513048171997) {
-                    if (x.log2_S <= 17.821585655212402) {
-                      if (x.log2_S <= 15.113555908203125) {
-                        if (x.skew_hi <= 6.907220125198364) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 12.044592380523682) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.931650638580322) {
-                            return {4, 32, 32, 1, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 17.285369873046875) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 18.21861171722412) {
-                        if (x.skew_lo <= 3.5517560243606567) {
-                          return {4, 32, 32, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.999358654022217) {
-                      if (x.log2_S <= 15.376075744628906) {
-                        if (x.avg <= 16.93734359741211) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.024011611938477) {
-                            if (x.avg <= 84.77407836914062) {
-                              return {4, 16, 16, 2, 1};  // SR
+                if (x.log2_S <= 17.413901329040527) {
+                  return {4, 32, 32, 1, 1};  // SR
+                } else {
+                  if (x.log2_S <= 18.78252410888672) {
+                    if (x.skew_lo <= 11.131560325622559) {
+                      if (x.skew_lo <= 7.306437730789185) {
+                        if (x.skew_hi <= 18.41682529449463) {
+                          if (x.log2_S <= 17.952930450439453) {
+                            if (x.avg <= 151.2909927368164) {
+                              return {4, 16, 64, 2, 1};  // SR
                             } else {
                               return {4, 32, 32, 1, 1};  // SR
                             }
                           } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 0.2813727930188179) {
-                          if (x.skew_hi <= 2.261658787727356) {
                             return {4, 16, 64, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
                           }
                         } else {
-                          if (x.skew_lo <= 3.574278712272644) {
-                            if (x.avg <= 25.10695457458496) {
-                              return {4, 32, 32, 1, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
+                          return {4, 32, 32, 1, 1};  // SR
                         }
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
                       }
                     } else {
-                      if (x.skew_lo <= 3.6958863735198975) {
-                        if (x.skew_lo <= 3.1697964668273926) {
-                          return {4, 32, 32, 1, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 17.664029121398926) {
-                            if (x.log2_S <= 16.638998985290527) {
-                              return {4, 32, 32, 1, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 18.688920974731445) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 15.723214626312256) {
-                    if (x.avg <= 14.348470211029053) {
-                      if (x.skew_hi <= 8.820573806762695) {
-                        if (x.log2_S <= 14.767229080200195) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.118631839752197) {
-                          if (x.long_level <= 1.5) {
-                            return {4, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.195907592773438) {
-                        if (x.log2_S <= 14.108307838439941) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 23.52535629272461) {
-                          return {4, 32, 32, 1, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 32, 16, 2, 1};  // SR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 17.21733570098877) {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 15.476575374603271) {
-                  if (x.log2_S <= 13.231396675109863) {
-                    return {4, 32, 8, 2, 1};  // SR
-                  } else {
-                    return {4, 32, 16, 2, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 17.48854923248291) {
-                    if (x.log2_S <= 16.935712814331055) {
                       return {4, 32, 32, 1, 1};  // SR
-                    } else {
-                      return {4, 32, 16, 2, 1};  // SR
                     }
                   } else {
                     return {4, 32, 32, 1, 1};  // SR
                   }
                 }
-              } else {
-                return {4, 32, 32, 1, 1};  // SR
-              }
-            } else {
-              if (x.skew_hi <= 18.967045783996582) {
-                if (x.skew_lo <= 10.935317516326904) {
-                  if (x.avg <= 89.58745574951172) {
-                    return {4, 16, 64, 2, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 17.86383628845215) {
-                      return {4, 32, 32, 1, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 18.76514720916748) {
-                        return {4, 16, 64, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 32, 32, 1, 1};  // SR
-                }
-              } else {
-                return {4, 32, 32, 1, 1};  // SR
               }
             }
           }

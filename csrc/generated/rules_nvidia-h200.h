@@ -9,100 +9,76 @@ namespace geot {
 namespace generated {
 namespace gpu_nvidia_h200 {
 
-// plain rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 19, 1146 leaves; training set: oracle/pick geomean 0.990, worst cell 0.892
+// plain rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 20, 1147 leaves; training set: oracle/pick geomean 0.990, worst cell 0.918
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 15.740380764007568) {
-            if (x.skew_lo <= -3.1583518981933594) {
-              if (x.log2_S <= 9.346044063568115) {
-                if (x.skew_lo <= -5.099253416061401) {
+          if (x.skew_hi <= 2.1781442165374756) {
+            if (x.log2_S <= 15.861802577972412) {
+              if (x.skew_hi <= 0.2693295031785965) {
+                if (x.log2_S <= 11.20395040512085) {
                   return {2, 2, 64, 128, 0};  // SP
                 } else {
-                  return {1, 1, 64, 256, 0};  // SP
+                  return {1, 8, 64, 32, 0};  // SP
                 }
               } else {
-                if (x.skew_hi <= 0.28545157611370087) {
-                  if (x.log2_S <= 10.590661525726318) {
+                if (x.log2_S <= 9.620311737060547) {
+                  if (x.skew_lo <= -4.841881036758423) {
                     return {2, 2, 64, 128, 0};  // SP
                   } else {
-                    return {1, 8, 64, 32, 0};  // SP
+                    return {1, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  if (x.skew_hi <= 2.3774163722991943) {
-                    return {2, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 14.059999942779541) {
-                      if (x.log2_S <= 9.76505184173584) {
-                        return {1, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {2, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
-                  }
+                  return {2, 2, 64, 128, 0};  // SP
                 }
               }
             } else {
-              if (x.log2_S <= 13.071845054626465) {
-                if (x.skew_hi <= 4.472345352172852) {
-                  if (x.log2_S <= 10.33573055267334) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.38825511932373) {
-                      return {2, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 12.535388469696045) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 1.1576340794563293) {
-                    if (x.log2_S <= 10.974133014678955) {
-                      return {1, 32, 32, 4, 0};  // SP
-                    } else {
-                      return {2, 16, 64, 8, 0};  // SP
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 1.7265616059303284) {
-                  if (x.log2_S <= 14.215263366699219) {
-                    if (x.log2_S <= 13.53748893737793) {
-                      return {2, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {1, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {1, 1, 64, 256, 0};  // SP
-                  }
-                } else {
-                  return {1, 1, 64, 256, 0};  // SP
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 2.1121445894241333) {
-              if (x.log2_S <= 19.598234176635742) {
+              if (x.log2_S <= 19.78224277496338) {
                 return {1, 2, 32, 128, 0};  // SP
               } else {
-                if (x.skew_hi <= 0.28206101059913635) {
-                  if (x.log2_S <= 20.7520809173584) {
+                if (x.avg <= 52.88938522338867) {
+                  return {1, 1, 64, 256, 0};  // SP
+                } else {
+                  if (x.log2_S <= 23.902490615844727) {
                     return {1, 2, 32, 128, 0};  // SP
                   } else {
                     return {1, 1, 64, 256, 0};  // SP
                   }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.932078838348389) {
+              if (x.skew_hi <= 4.274166822433472) {
+                return {1, 1, 64, 256, 0};  // SP
+              } else {
+                if (x.log2_S <= 13.02500295639038) {
+                  if (x.skew_lo <= -0.19701778143644333) {
+                    if (x.skew_lo <= -1.4950743317604065) {
+                      if (x.log2_S <= 10.88272476196289) {
+                        return {2, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 10.974133014678955) {
+                      return {1, 32, 32, 4, 0};  // SP
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
                 } else {
-                  return {1, 1, 64, 256, 0};  // SP
+                  if (x.avg <= 1.9744882583618164) {
+                    return {1, 16, 64, 4, 0};  // SP
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
                 }
               }
             } else {
@@ -110,86 +86,80 @@ inline Config plain_config(const Features& f) {
             }
           }
         } else {
-          if (x.skew_lo <= 4.185550689697266) {
-            if (x.log2_S <= 16.334495544433594) {
+          if (x.skew_hi <= 8.090023040771484) {
+            if (x.log2_S <= 16.233101844787598) {
               if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.116839408874512) {
-                  if (x.skew_hi <= 3.463640332221985) {
-                    if (x.log2_S <= 11.075305938720703) {
-                      if (x.skew_lo <= -1.0178929567337036) {
-                        return {2, 32, 32, 8, 0};  // SP
+                if (x.log2_S <= 12.218013763427734) {
+                  if (x.avg <= 74.6569938659668) {
+                    if (x.log2_S <= 11.077630043029785) {
+                      if (x.skew_hi <= 8.023488998413086) {
+                        return {1, 32, 32, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 9.10286569595337) {
-                          return {2, 32, 32, 8, 0};  // SP
-                        } else {
-                          return {1, 32, 64, 2, 0};  // SP
-                        }
+                        return {1, 32, 64, 2, 0};  // SP
                       }
                     } else {
-                      return {2, 32, 32, 2, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 11.01762580871582) {
-                      if (x.avg <= 3.935884475708008) {
+                      if (x.avg <= 8.414236068725586) {
                         return {1, 32, 64, 2, 0};  // SP
                       } else {
-                        if (x.avg <= 54.19438362121582) {
-                          return {1, 32, 32, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 10.045992851257324) {
+                        if (x.log2_S <= 11.55666446685791) {
+                          if (x.avg <= 12.748720645904541) {
                             return {1, 32, 32, 4, 0};  // SP
                           } else {
-                            return {1, 32, 64, 2, 0};  // SP
+                            return {2, 32, 32, 2, 0};  // SP
                           }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 6.276296377182007) {
-                        return {2, 32, 32, 2, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 6.9260241985321045) {
-                          if (x.skew_hi <= 6.4740471839904785) {
+                        } else {
+                          if (x.skew_lo <= 2.3630350828170776) {
                             return {1, 32, 32, 4, 0};  // SP
                           } else {
                             return {1, 32, 64, 4, 0};  // SP
                           }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.120826721191406) {
+                      return {2, 32, 32, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.559585571289062) {
+                        return {2, 32, 32, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.948868751525879) {
+                          return {1, 32, 32, 4, 0};  // SP
                         } else {
-                          return {1, 32, 64, 2, 0};  // SP
+                          return {1, 16, 64, 4, 0};  // SP
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 36.28439903259277) {
-                    if (x.log2_S <= 14.330172538757324) {
-                      if (x.log2_S <= 13.551421165466309) {
-                        if (x.avg <= 12.536880493164062) {
-                          if (x.log2_S <= 12.595366477966309) {
-                            if (x.skew_lo <= 3.1136590242385864) {
-                              return {1, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {2, 16, 64, 8, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_lo <= 2.108025312423706) {
-                            if (x.log2_S <= 12.597597122192383) {
-                              return {2, 32, 32, 2, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {1, 32, 32, 4, 0};  // SP
-                          }
-                        }
+                  if (x.skew_lo <= 0.8187299966812134) {
+                    if (x.log2_S <= 15.37361192703247) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 3.951950788497925) {
+                        return {1, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.skew_lo <= 2.315082550048828) {
-                          if (x.avg <= 24.381428718566895) {
-                            return {1, 2, 8, 128, 1};  // SR
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.330172538757324) {
+                      if (x.log2_S <= 13.597044944763184) {
+                        if (x.skew_hi <= 6.352124452590942) {
+                          if (x.avg <= 15.265105724334717) {
+                            return {1, 32, 32, 4, 0};  // SP
                           } else {
                             return {1, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {2, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= 2.4544126987457275) {
+                          if (x.skew_hi <= 5.39269757270813) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
                           }
                         } else {
                           return {1, 16, 64, 4, 0};  // SP
@@ -198,52 +168,234 @@ inline Config plain_config(const Features& f) {
                     } else {
                       return {1, 2, 8, 128, 1};  // SR
                     }
-                  } else {
-                    if (x.log2_S <= 15.436832427978516) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 4.033918380737305) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
                   }
                 }
               } else {
                 if (x.log2_S <= 14.387938499450684) {
-                  return {1, 2, 8, 128, 1};  // SR
+                  if (x.skew_lo <= 5.848612070083618) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {1, 4, 8, 64, 1};  // SR
+                  }
                 } else {
                   return {1, 1, 8, 256, 1};  // SR
                 }
               }
             } else {
-              if (x.skew_lo <= 2.090787887573242) {
-                if (x.log2_S <= 20.30703353881836) {
-                  if (x.log2_S <= 17.345301628112793) {
-                    if (x.skew_hi <= 3.29520583152771) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 64.04126930236816) {
+              if (x.log2_S <= 20.810982704162598) {
+                if (x.log2_S <= 18.21236228942871) {
+                  if (x.skew_lo <= -1.2336636185646057) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    if (x.avg <= 38.55270767211914) {
+                      if (x.log2_S <= 16.922462463378906) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        return {1, 1, 8, 256, 1};  // SR
+                        if (x.log2_S <= 17.992048263549805) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.avg <= 12.001828670501709) {
+                            return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 1, 8, 256, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 4.839269638061523) {
+                    return {1, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.avg <= 14.267263889312744) {
+                      return {1, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.skew_hi <= 6.7864906787872314) {
+                        if (x.log2_S <= 19.675569534301758) {
+                          if (x.avg <= 25.499537467956543) {
+                            return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 1, 8, 256, 1};  // SR
+                          }
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 7.417279958724976) {
+                          return {4, 32, 8, 4, 16};  // PR
+                        } else {
+                          if (x.log2_S <= 18.538601875305176) {
+                            return {1, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 6.3579113483428955) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 47.3853702545166) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= -0.14436621963977814) {
+                        if (x.avg <= 127.99493789672852) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 2.28582227230072) {
+                            return {1, 1, 8, 256, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 21.486695289611816) {
+                              return {1, 32, 8, 2, 32};  // PR
+                            } else {
+                              if (x.log2_S <= 23.358027458190918) {
+                                return {4, 32, 8, 2, 16};  // PR
+                              } else {
+                                if (x.avg <= 159.62264251708984) {
+                                  return {1, 1, 8, 256, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 2, 16};  // PR
+                                }
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 21.159914016723633) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
                       }
                     }
                   } else {
-                    if (x.avg <= 32.63934516906738) {
-                      if (x.log2_S <= 18.827698707580566) {
-                        return {1, 1, 8, 256, 1};  // SR
+                    return {4, 32, 8, 4, 16};  // PR
+                  }
+                } else {
+                  if (x.avg <= 94.68611145019531) {
+                    if (x.skew_hi <= 7.958315134048462) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {4, 32, 16, 2, 32};  // PR
                       } else {
                         return {1, 32, 8, 2, 32};  // PR
                       }
-                    } else {
-                      if (x.skew_lo <= -1.3503742218017578) {
-                        if (x.log2_S <= 19.266430854797363) {
-                          return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 8, 4, 16};  // PR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 18.53152370452881) {
+              if (x.log2_S <= 18.388235092163086) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 12.79557991027832) {
+                    if (x.skew_lo <= 5.9063451290130615) {
+                      if (x.avg <= 21.732952117919922) {
+                        if (x.avg <= 2.2292897701263428) {
+                          if (x.log2_S <= 11.68979024887085) {
+                            return {2, 32, 32, 8, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 12.526297569274902) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 8, 0};  // SP
+                            }
+                          }
                         } else {
-                          if (x.skew_lo <= -1.732395887374878) {
-                            return {1, 1, 8, 256, 1};  // SR
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 11.713530540466309) {
+                              return {1, 32, 32, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 9.419402122497559) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {2, 32, 32, 8, 0};  // SP
+                      } else {
+                        return {1, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.498295307159424) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 13.962390422821045) {
+                          return {2, 16, 64, 8, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.639786720275879) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.397127628326416) {
+                          if (x.skew_hi <= 10.347339630126953) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.avg <= 2.6028759479522705) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 15.115286350250244) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 8.936100482940674) {
+                              if (x.avg <= 33.04292964935303) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {1, 1, 8, 256, 1};  // SR
+                              }
+                            } else {
+                              return {1, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 15.620373249053955) {
+                        if (x.skew_hi <= 10.009480476379395) {
+                          if (x.log2_S <= 17.863414764404297) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 16.60856533050537) {
+                            if (x.skew_hi <= 11.081252574920654) {
+                              if (x.log2_S <= 16.34630298614502) {
+                                return {1, 1, 8, 256, 1};  // SR
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 15.57043170928955) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 2, 32};  // PR
+                              }
+                            }
                           } else {
                             return {1, 32, 8, 2, 32};  // PR
                           }
@@ -254,264 +406,112 @@ inline Config plain_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.avg <= 15.592236518859863) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {1, 1, 8, 256, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 20.824737548828125) {
-                  if (x.log2_S <= 18.376673698425293) {
-                    return {1, 1, 8, 256, 1};  // SR
-                  } else {
-                    if (x.avg <= 94.83548355102539) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.log2_S <= 20.32915687561035) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 8.00838851928711) {
-                    if (x.avg <= 212.66727447509766) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {1, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 30.637765407562256) {
-                      return {4, 32, 16, 2, 32};  // PR
-                    } else {
-                      return {1, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 19.03183364868164) {
-              if (x.log2_S <= 18.568880081176758) {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 15.250962257385254) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 11.713530540466309) {
-                        if (x.skew_hi <= 8.891178131103516) {
-                          return {1, 32, 32, 4, 0};  // SP
-                        } else {
-                          return {2, 32, 32, 8, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 14.639786720275879) {
-                          if (x.log2_S <= 13.962390422821045) {
-                            if (x.log2_S <= 12.663215160369873) {
-                              if (x.skew_hi <= 8.892740249633789) {
-                                return {2, 16, 64, 8, 0};  // SP
-                              } else {
-                                return {1, 16, 64, 4, 0};  // SP
-                              }
-                            } else {
-                              return {2, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.726063251495361) {
-                        if (x.skew_lo <= 5.721731901168823) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 9.107223510742188) {
-                            if (x.skew_hi <= 8.554316997528076) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 7.570272445678711) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {1, 2, 8, 128, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.skew_hi <= 12.338997840881348) {
-                              if (x.skew_lo <= 5.954439878463745) {
-                                if (x.log2_S <= 10.221640586853027) {
-                                  return {1, 2, 8, 128, 1};  // SR
-                                } else {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                }
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 8.45331335067749) {
-                      if (x.skew_hi <= 11.57252550125122) {
-                        if (x.log2_S <= 18.379863739013672) {
-                          if (x.avg <= 5.734102964401245) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.avg <= 6.424881219863892) {
-                              return {1, 32, 8, 2, 32};  // PR
-                            } else {
-                              if (x.log2_S <= 16.10942840576172) {
-                                return {1, 1, 8, 256, 1};  // SR
-                              } else {
-                                return {1, 2, 8, 128, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      return {1, 1, 8, 256, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 15.930318832397461) {
+                  if (x.log2_S <= 16.070469856262207) {
                     return {1, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.avg <= 8.191975593566895) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.skew_hi <= 16.247827529907227) {
-                        if (x.avg <= 14.600895881652832) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 16};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 18.258742332458496) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.skew_lo <= 8.963133811950684) {
-                            return {2, 32, 16, 4, 16};  // PR
+                    if (x.skew_lo <= 10.966231346130371) {
+                      if (x.skew_lo <= 8.671623229980469) {
+                        if (x.log2_S <= 17.466174125671387) {
+                          if (x.skew_hi <= 16.310457229614258) {
+                            return {4, 32, 8, 4, 16};  // PR
                           } else {
                             return {4, 32, 8, 2, 16};  // PR
                           }
+                        } else {
+                          if (x.skew_hi <= 18.08893585205078) {
+                            return {4, 32, 8, 4, 16};  // PR
+                          } else {
+                            return {2, 32, 16, 4, 16};  // PR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.200963020324707) {
+                          return {4, 32, 8, 4, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
                         }
                       }
+                    } else {
+                      return {1, 32, 8, 2, 32};  // PR
                     }
                   }
                 }
               } else {
-                if (x.avg <= 58.20646286010742) {
-                  if (x.skew_lo <= 7.812673807144165) {
+                if (x.skew_hi <= 11.782701015472412) {
+                  return {1, 32, 8, 2, 32};  // PR
+                } else {
+                  if (x.avg <= 3.114590883255005) {
                     return {1, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.avg <= 3.2122737169265747) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.log2_S <= 21.908698081970215) {
-                        if (x.avg <= 8.481935501098633) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 8};  // PR
-                        }
+                    if (x.log2_S <= 22.14701271057129) {
+                      if (x.avg <= 7.878862619400024) {
+                        return {1, 32, 8, 2, 32};  // PR
                       } else {
-                        return {4, 32, 8, 2, 16};  // PR
+                        return {2, 32, 16, 4, 16};  // PR
                       }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
                     }
-                  }
-                } else {
-                  if (x.avg <= 127.47693252563477) {
-                    return {2, 32, 16, 4, 16};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
                   }
                 }
               }
             } else {
               if (x.skew_lo <= 11.344191074371338) {
-                if (x.avg <= 70.43889999389648) {
-                  if (x.log2_S <= 22.190349578857422) {
-                    if (x.skew_lo <= 9.811015605926514) {
-                      if (x.skew_hi <= 20.07282543182373) {
-                        if (x.avg <= 41.626007080078125) {
-                          if (x.skew_hi <= 19.646096229553223) {
-                            return {4, 32, 8, 4, 8};  // PR
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
+                if (x.log2_S <= 23.042076110839844) {
+                  if (x.avg <= 26.74759864807129) {
+                    if (x.log2_S <= 20.089951515197754) {
+                      if (x.skew_lo <= 10.466334342956543) {
+                        if (x.skew_hi <= 19.593995094299316) {
+                          return {4, 32, 8, 4, 8};  // PR
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      if (x.avg <= 7.584916591644287) {
+                        return {1, 32, 16, 2, 16};  // PR
+                      } else {
+                        return {2, 32, 16, 4, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 19.931623458862305) {
+                      if (x.skew_lo <= 8.763309001922607) {
+                        return {2, 32, 16, 4, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 4, 8};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 22.58242130279541) {
+                        return {1, 32, 16, 2, 16};  // PR
+                      } else {
+                        if (x.skew_lo <= 7.306822061538696) {
+                          return {1, 32, 16, 2, 16};  // PR
                         } else {
                           return {2, 32, 16, 4, 16};  // PR
                         }
-                      } else {
-                        if (x.skew_lo <= 9.414465427398682) {
-                          return {1, 32, 16, 2, 16};  // PR
-                        } else {
-                          if (x.log2_S <= 20.950770378112793) {
-                            return {2, 32, 16, 4, 16};  // PR
-                          } else {
-                            return {1, 32, 16, 2, 16};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 19.987295150756836) {
-                        if (x.avg <= 11.912278175354004) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 8};  // PR
-                        }
-                      } else {
-                        return {2, 32, 16, 4, 16};  // PR
                       }
                     }
-                  } else {
-                    return {2, 32, 16, 4, 16};  // PR
                   }
                 } else {
-                  if (x.log2_S <= 19.82499122619629) {
-                    return {2, 32, 16, 4, 16};  // PR
-                  } else {
-                    if (x.skew_hi <= 23.05807590484619) {
-                      return {1, 32, 16, 2, 16};  // PR
-                    } else {
-                      if (x.avg <= 136.87427520751953) {
-                        return {2, 32, 16, 4, 16};  // PR
-                      } else {
-                        return {1, 32, 16, 2, 16};  // PR
-                      }
-                    }
-                  }
+                  return {2, 32, 16, 4, 16};  // PR
                 }
               } else {
-                if (x.log2_S <= 20.728453636169434) {
+                if (x.skew_hi <= 20.57557487487793) {
                   if (x.skew_hi <= 19.907992362976074) {
                     return {1, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.skew_lo <= 12.693006992340088) {
-                      if (x.skew_lo <= 11.883483409881592) {
-                        return {1, 32, 16, 2, 16};  // PR
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
+                    if (x.skew_lo <= 12.735221862792969) {
+                      return {1, 32, 8, 2, 32};  // PR
                     } else {
                       return {4, 32, 16, 2, 32};  // PR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 22.043381690979004) {
-                    if (x.skew_lo <= 12.452908039093018) {
+                  if (x.skew_hi <= 22.043381690979004) {
+                    if (x.skew_lo <= 12.538474082946777) {
                       return {1, 32, 16, 2, 16};  // PR
                     } else {
                       return {4, 32, 16, 2, 32};  // PR
@@ -527,57 +527,27 @@ inline Config plain_config(const Features& f) {
       } else {
         if (x.long_level <= 0.5) {
           if (x.log2_S <= 14.31894588470459) {
-            if (x.skew_lo <= -1.725833237171173) {
-              if (x.skew_lo <= -4.94102144241333) {
-                if (x.log2_S <= 10.75642728805542) {
-                  if (x.log2_S <= 9.759597301483154) {
-                    return {1, 16, 64, 4, 0};  // SP
+            if (x.avg <= 3.63949453830719) {
+              if (x.skew_hi <= 5.202425479888916) {
+                if (x.log2_S <= 13.823988437652588) {
+                  if (x.skew_lo <= -1.725833237171173) {
+                    if (x.log2_S <= 9.821745872497559) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
                   } else {
                     return {1, 8, 64, 32, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 36.0213508605957) {
-                    return {4, 4, 64, 64, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
+                  return {2, 1, 64, 256, 0};  // SP
                 }
               } else {
-                if (x.skew_lo <= -3.337981104850769) {
-                  if (x.log2_S <= 10.039071559906006) {
-                    return {2, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 12.349641799926758) {
-                      if (x.avg <= 14.485278606414795) {
-                        return {2, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 10.415273666381836) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 12.574416160583496) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_lo <= -0.7975746393203735) {
-                return {1, 8, 64, 32, 0};  // SP
-              } else {
-                if (x.skew_hi <= 5.577269554138184) {
-                  if (x.skew_lo <= -0.6499775350093842) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
+                if (x.skew_lo <= -0.42273056507110596) {
+                  if (x.avg <= 1.4159940481185913) {
                     return {1, 16, 64, 4, 0};  // SP
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
                   }
                 } else {
                   if (x.log2_S <= 11.829154014587402) {
@@ -587,62 +557,118 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               }
-            }
-          } else {
-            if (x.skew_lo <= -3.2195873260498047) {
-              if (x.log2_S <= 19.897178649902344) {
-                if (x.skew_lo <= -4.622653007507324) {
-                  if (x.avg <= 50.09137535095215) {
-                    if (x.log2_S <= 17.523666381835938) {
-                      return {4, 4, 64, 64, 0};  // SP
+            } else {
+              if (x.skew_lo <= -4.792272329330444) {
+                if (x.log2_S <= 10.75642728805542) {
+                  if (x.log2_S <= 9.759597301483154) {
+                    if (x.skew_hi <= 1.0351303219795227) {
+                      return {1, 16, 64, 4, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -5.143967390060425) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {2, 2, 64, 128, 0};  // SP
-                      }
+                      return {4, 4, 64, 64, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 15.135036945343018) {
-                      return {4, 8, 64, 32, 0};  // SP
+                    if (x.avg <= 53.42024040222168) {
+                      return {1, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 17.361820220947266) {
-                        return {4, 8, 8, 32, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
+                      return {1, 16, 64, 4, 0};  // SP
                     }
                   }
                 } else {
-                  return {2, 2, 64, 128, 0};  // SP
+                  if (x.avg <= 36.0213508605957) {
+                    if (x.log2_S <= 12.196278095245361) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
                 }
               } else {
-                if (x.log2_S <= 22.194165229797363) {
-                  if (x.avg <= 32.75253677368164) {
-                    if (x.skew_hi <= 2.261574387550354) {
+                if (x.avg <= 8.679479122161865) {
+                  if (x.log2_S <= 10.530710697174072) {
+                    return {1, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 12.502479076385498) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 1.8841068148612976) {
+                    if (x.log2_S <= 10.489648818969727) {
+                      return {2, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.826860427856445) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {2, 2, 64, 128, 0};  // SP
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 2.7804126739501953) {
+              if (x.log2_S <= 20.88593292236328) {
+                if (x.avg <= 24.38079071044922) {
+                  if (x.log2_S <= 19.41072654724121) {
+                    return {2, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 2.3243080377578735) {
                       return {2, 2, 64, 128, 0};  // SP
                     } else {
                       return {2, 1, 64, 256, 0};  // SP
                     }
-                  } else {
-                    return {2, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  return {2, 1, 64, 256, 0};  // SP
+                  if (x.log2_S <= 19.567180633544922) {
+                    if (x.avg <= 50.09137535095215) {
+                      if (x.log2_S <= 17.706507682800293) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.avg <= 30.829862594604492) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.135036945343018) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 8, 8, 32, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 0.7110909223556519) {
+                      return {2, 1, 64, 256, 0};  // SP
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  }
                 }
+              } else {
+                return {2, 1, 64, 256, 0};  // SP
               }
             } else {
               return {2, 1, 64, 256, 0};  // SP
             }
           }
         } else {
-          if (x.skew_hi <= 19.70960521697998) {
+          if (x.skew_hi <= 18.81809139251709) {
             if (x.long_level <= 2.5) {
-              if (x.log2_S <= 18.377495765686035) {
+              if (x.log2_S <= 18.179719924926758) {
                 if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 12.662387371063232) {
-                    if (x.skew_hi <= 8.403521537780762) {
-                      if (x.avg <= 5.05813193321228) {
+                  if (x.log2_S <= 12.527343273162842) {
+                    if (x.skew_hi <= 8.433621883392334) {
+                      if (x.skew_lo <= 3.6410648822784424) {
+                        return {2, 32, 32, 8, 0};  // SP
+                      } else {
                         if (x.avg <= 3.935884475708008) {
                           if (x.log2_S <= 11.424525737762451) {
                             return {2, 32, 32, 8, 0};  // SP
@@ -650,26 +676,8 @@ inline Config plain_config(const Features& f) {
                             return {1, 32, 64, 4, 0};  // SP
                           }
                         } else {
-                          if (x.avg <= 4.70356822013855) {
-                            if (x.log2_S <= 11.040176391601562) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {2, 32, 32, 8, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 32, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.899240016937256) {
-                          return {2, 32, 32, 8, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 4.3421478271484375) {
-                            if (x.log2_S <= 12.46139669418335) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 8, 0};  // SP
-                            }
+                          if (x.log2_S <= 11.035186290740967) {
+                            return {2, 8, 8, 32, 1};  // SR
                           } else {
                             return {2, 32, 32, 8, 0};  // SP
                           }
@@ -677,158 +685,142 @@ inline Config plain_config(const Features& f) {
                       }
                     } else {
                       if (x.log2_S <= 11.074554920196533) {
-                        if (x.avg <= 2.1743905544281006) {
-                          return {2, 32, 32, 2, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 8.711856842041016) {
-                            return {4, 32, 32, 4, 0};  // SP
-                          } else {
+                        if (x.avg <= 2.442422389984131) {
+                          if (x.skew_hi <= 8.855218410491943) {
                             return {2, 32, 32, 8, 0};  // SP
+                          } else {
+                            return {2, 32, 32, 2, 0};  // SP
                           }
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
                         }
                       } else {
                         return {1, 32, 64, 4, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.524491786956787) {
-                      if (x.skew_hi <= 4.9430718421936035) {
+                    if (x.log2_S <= 14.680280208587646) {
+                      if (x.skew_lo <= 1.1341760158538818) {
                         return {2, 16, 64, 8, 0};  // SP
                       } else {
-                        if (x.avg <= 7.8558573722839355) {
-                          if (x.log2_S <= 13.324427127838135) {
-                            if (x.skew_lo <= 3.927945137023926) {
-                              return {2, 16, 64, 8, 0};  // SP
+                        if (x.skew_hi <= 7.3942365646362305) {
+                          if (x.skew_hi <= 5.642899513244629) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.866211891174316) {
+                              return {2, 32, 32, 8, 0};  // SP
                             } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 13.445170402526855) {
+                            if (x.avg <= 3.555650472640991) {
                               return {1, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 8, 0};  // SP
                             }
                           } else {
                             if (x.log2_S <= 14.002820491790771) {
                               return {2, 16, 64, 8, 0};  // SP
                             } else {
-                              if (x.skew_hi <= 8.334706783294678) {
+                              if (x.skew_hi <= 8.3187837600708) {
                                 return {2, 16, 64, 8, 0};  // SP
                               } else {
                                 return {2, 8, 8, 32, 1};  // SR
                               }
                             }
                           }
-                        } else {
-                          if (x.skew_hi <= 5.749295711517334) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
                         }
                       }
                     } else {
-                      if (x.avg <= 79.43097686767578) {
-                        if (x.log2_S <= 17.632136344909668) {
-                          if (x.skew_lo <= 2.9368292093276978) {
-                            if (x.log2_S <= 14.953254222869873) {
-                              if (x.skew_lo <= 0.6502448618412018) {
-                                return {2, 16, 64, 8, 0};  // SP
-                              } else {
-                                if (x.avg <= 16.81966257095337) {
-                                  return {4, 2, 8, 128, 1};  // SR
-                                } else {
-                                  return {1, 2, 8, 128, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 16.977211952209473) {
-                              if (x.log2_S <= 16.04398536682129) {
-                                if (x.avg <= 4.192943811416626) {
-                                  return {1, 2, 8, 128, 1};  // SR
-                                } else {
-                                  if (x.log2_S <= 15.29853630065918) {
-                                    return {4, 2, 8, 128, 1};  // SR
-                                  } else {
-                                    return {1, 2, 8, 128, 1};  // SR
-                                  }
-                                }
-                              } else {
-                                if (x.skew_hi <= 8.207066535949707) {
-                                  return {1, 2, 8, 128, 1};  // SR
-                                } else {
-                                  return {4, 2, 8, 128, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 6.207646608352661) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 4.210685968399048) {
-                              return {2, 32, 8, 2, 32};  // PR
-                            } else {
-                              if (x.log2_S <= 18.084453582763672) {
-                                return {1, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 2, 32};  // PR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 16.896159172058105) {
+                      if (x.skew_hi <= 3.745318651199341) {
+                        if (x.log2_S <= 16.618596076965332) {
                           return {2, 16, 64, 8, 0};  // SP
                         } else {
-                          if (x.skew_lo <= -1.0611704587936401) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.207066535949707) {
+                          if (x.log2_S <= 17.632136344909668) {
                             return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 6.56745457649231) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 17.056199073791504) {
+                            if (x.log2_S <= 15.779298305511475) {
+                              if (x.skew_lo <= 4.896688938140869) {
+                                if (x.log2_S <= 15.112260818481445) {
+                                  return {1, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                }
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 17.832282066345215) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 32};  // PR
+                            }
                           }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 11.790804862976074) {
-                    if (x.skew_hi <= 10.299037456512451) {
+                  if (x.skew_hi <= 11.123104095458984) {
+                    if (x.skew_hi <= 10.190494537353516) {
                       return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.log2_S <= 12.720407485961914) {
-                        if (x.log2_S <= 11.106968879699707) {
-                          return {1, 2, 8, 128, 1};  // SR
+                      if (x.log2_S <= 17.41147518157959) {
+                        if (x.log2_S <= 12.25788164138794) {
+                          if (x.log2_S <= 11.140560150146484) {
+                            if (x.avg <= 7.451303243637085) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              if (x.avg <= 10.49588918685913) {
+                                return {2, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.skew_hi <= 10.648643970489502) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          }
                         } else {
-                          return {1, 4, 8, 64, 1};  // SR
+                          return {1, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        return {1, 2, 8, 128, 1};  // SR
+                        return {2, 32, 8, 2, 32};  // PR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 15.09206247329712) {
-                      if (x.log2_S <= 12.338997840881348) {
-                        if (x.avg <= 3.2067984342575073) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
+                    if (x.log2_S <= 12.520577430725098) {
+                      return {1, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 15.510478496551514) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.log2_S <= 14.701976299285889) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 8.65722131729126) {
+                        if (x.skew_hi <= 12.395535469055176) {
+                          if (x.log2_S <= 16.949936866760254) {
                             return {1, 2, 8, 128, 1};  // SR
                           } else {
-                            return {4, 32, 8, 4, 16};  // PR
+                            return {2, 32, 8, 2, 32};  // PR
                           }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.782321453094482) {
-                        return {4, 32, 8, 4, 16};  // PR
-                      } else {
-                        if (x.log2_S <= 17.42829704284668) {
-                          return {2, 32, 8, 2, 32};  // PR
                         } else {
                           return {4, 32, 8, 4, 16};  // PR
                         }
@@ -837,86 +829,98 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.skew_hi <= 10.752816200256348) {
+                if (x.skew_hi <= 10.224935054779053) {
                   if (x.skew_hi <= 8.072269439697266) {
-                    if (x.log2_S <= 21.173742294311523) {
-                      if (x.avg <= 74.80856323242188) {
-                        if (x.skew_lo <= 0.37949514389038086) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
+                    if (x.log2_S <= 20.71248722076416) {
+                      if (x.avg <= 80.05056762695312) {
+                        return {2, 32, 8, 2, 32};  // PR
                       } else {
-                        if (x.skew_lo <= 2.0543954372406006) {
-                          if (x.log2_S <= 19.145065307617188) {
-                            return {1, 2, 8, 128, 1};  // SR
+                        if (x.avg <= 202.03755950927734) {
+                          if (x.long_level <= 1.5) {
+                            return {4, 32, 8, 2, 16};  // PR
                           } else {
-                            if (x.skew_hi <= 2.2549679279327393) {
+                            if (x.skew_lo <= 2.976767063140869) {
                               return {1, 2, 8, 128, 1};  // SR
                             } else {
-                              if (x.avg <= 157.3209991455078) {
-                                if (x.log2_S <= 19.898022651672363) {
-                                  return {4, 32, 8, 2, 16};  // PR
-                                } else {
-                                  return {1, 2, 8, 128, 1};  // SR
-                                }
+                              if (x.log2_S <= 19.0047550201416) {
+                                return {1, 2, 8, 128, 1};  // SR
                               } else {
                                 return {4, 32, 8, 2, 16};  // PR
                               }
                             }
                           }
                         } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 0.8417908251285553) {
-                        if (x.skew_hi <= 3.6809747219085693) {
-                          if (x.skew_lo <= -1.7470483779907227) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        } else {
-                          if (x.log2_S <= 21.575078010559082) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 18.93610668182373) {
-                      if (x.avg <= 16.46642017364502) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.skew_hi <= 8.396597385406494) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 48.6421012878418) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 21.699503898620605) {
-                          return {2, 32, 8, 2, 32};  // PR
+                      if (x.avg <= 131.481689453125) {
+                        if (x.log2_S <= 21.092917442321777) {
+                          if (x.avg <= 25.77654266357422) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
                         } else {
                           return {4, 32, 8, 2, 16};  // PR
                         }
+                      } else {
+                        if (x.skew_lo <= 0.4806923270225525) {
+                          if (x.skew_lo <= -1.7643755674362183) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 39.42421340942383) {
+                      if (x.skew_lo <= 5.977807283401489) {
+                        if (x.log2_S <= 18.710659980773926) {
+                          if (x.avg <= 20.199963569641113) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 21.74143695831299) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 4, 16};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 21.721163749694824) {
+                        if (x.log2_S <= 19.068854331970215) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 5.031007766723633) {
-                    return {4, 32, 8, 4, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 21.121880531311035) {
+                  if (x.log2_S <= 18.666091918945312) {
+                    if (x.skew_hi <= 11.91671371459961) {
                       return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 4, 16};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 10.548360824584961) {
+                      if (x.log2_S <= 20.11313247680664) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {4, 32, 8, 4, 16};  // PR
+                      }
                     } else {
                       return {4, 32, 8, 4, 16};  // PR
                     }
@@ -924,67 +928,59 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.avg <= 9.36843204498291) {
-                if (x.skew_hi <= 13.849683284759521) {
-                  if (x.avg <= 5.935961484909058) {
-                    if (x.skew_lo <= 11.866671562194824) {
-                      return {4, 32, 8, 4, 16};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  if (x.avg <= 7.986022472381592) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.skew_hi <= 16.253843307495117) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
-                  }
-                }
+              if (x.avg <= 11.142186164855957) {
+                return {2, 32, 8, 2, 32};  // PR
               } else {
-                if (x.log2_S <= 18.820521354675293) {
-                  if (x.log2_S <= 13.981602668762207) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 17.008180618286133) {
-                      if (x.log2_S <= 16.431368827819824) {
-                        if (x.log2_S <= 14.470023155212402) {
-                          if (x.skew_lo <= 7.891218423843384) {
-                            return {4, 32, 8, 4, 16};  // PR
-                          } else {
+                if (x.skew_hi <= 16.067435264587402) {
+                  if (x.skew_hi <= 13.765788078308105) {
+                    if (x.log2_S <= 11.055502891540527) {
+                      if (x.skew_lo <= 7.24340558052063) {
+                        if (x.log2_S <= 9.166221141815186) {
+                          if (x.log2_S <= 8.48173475265503) {
                             return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
                           }
                         } else {
-                          if (x.avg <= 10.528355121612549) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.skew_lo <= 8.610996723175049) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.log2_S <= 8.950753688812256) {
                             return {2, 32, 8, 2, 32};  // PR
                           } else {
                             return {4, 32, 8, 2, 16};  // PR
                           }
                         }
-                      } else {
-                        return {4, 32, 8, 4, 16};  // PR
                       }
+                    } else {
+                      if (x.log2_S <= 13.488245964050293) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        if (x.skew_lo <= 8.302608489990234) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 15.722572803497314) {
+                      return {2, 32, 8, 2, 32};  // PR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 8.669973373413086) {
-                    if (x.skew_hi <= 19.303709983825684) {
+                  if (x.log2_S <= 17.450114250183105) {
+                    return {4, 32, 8, 4, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 18.66422939300537) {
                       return {4, 32, 8, 2, 16};  // PR
                     } else {
                       return {2, 32, 16, 4, 16};  // PR
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.41278600692749) {
-                      return {4, 32, 8, 4, 8};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
                     }
                   }
                 }
@@ -992,40 +988,44 @@ inline Config plain_config(const Features& f) {
             }
           } else {
             if (x.skew_lo <= 10.853745937347412) {
-              if (x.log2_S <= 20.12629795074463) {
-                if (x.avg <= 43.55963897705078) {
-                  return {4, 32, 8, 4, 8};  // PR
-                } else {
+              if (x.skew_hi <= 20.12629795074463) {
+                if (x.skew_lo <= 8.620821952819824) {
                   return {2, 32, 16, 4, 16};  // PR
+                } else {
+                  if (x.skew_lo <= 10.42134952545166) {
+                    return {4, 32, 8, 4, 8};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
                 }
               } else {
                 return {2, 32, 16, 4, 16};  // PR
               }
             } else {
-              if (x.log2_S <= 21.800289154052734) {
-                if (x.skew_lo <= 12.520133018493652) {
-                  if (x.avg <= 4.937519788742065) {
-                    return {4, 32, 16, 2, 32};  // PR
+              if (x.log2_S <= 21.93769073486328) {
+                if (x.avg <= 2.778497099876404) {
+                  if (x.skew_hi <= 21.76093101501465) {
+                    return {2, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.log2_S <= 20.285082817077637) {
+                    return {2, 32, 16, 4, 16};  // PR
+                  }
+                } else {
+                  if (x.avg <= 4.586228847503662) {
+                    if (x.skew_hi <= 19.515658378601074) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 16, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 20.500571250915527) {
                       return {2, 32, 8, 2, 32};  // PR
                     } else {
                       return {2, 32, 16, 4, 16};  // PR
                     }
                   }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
-                if (x.log2_S <= 22.792219161987305) {
-                  if (x.skew_lo <= 11.719985961914062) {
-                    return {2, 32, 16, 4, 16};  // PR
-                  } else {
-                    return {4, 32, 16, 2, 32};  // PR
-                  }
-                } else {
-                  return {4, 32, 16, 2, 32};  // PR
-                }
+                return {4, 32, 16, 2, 32};  // PR
               }
             }
           }
@@ -1033,65 +1033,41 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.log2_S <= 14.987605094909668) {
+        if (x.log2_S <= 14.046127319335938) {
           if (x.long_level <= 2.5) {
             if (x.long_level <= 1.5) {
               if (x.long_level <= 0.5) {
-                if (x.log2_S <= 10.506807327270508) {
-                  if (x.avg <= 28.92197036743164) {
-                    if (x.skew_hi <= 4.374707937240601) {
-                      return {2, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -0.566794753074646) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
+                if (x.log2_S <= 10.488165378570557) {
+                  if (x.skew_hi <= 4.374707937240601) {
+                    if (x.skew_lo <= -4.803839921951294) {
+                      if (x.log2_S <= 9.644031047821045) {
                         return {1, 32, 32, 4, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
                       }
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 9.60867166519165) {
-                      return {1, 32, 32, 4, 0};  // SP
-                    } else {
+                    if (x.skew_hi <= 5.473020792007446) {
                       return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {1, 32, 32, 4, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 13.790423393249512) {
-                    if (x.log2_S <= 11.833099365234375) {
-                      if (x.skew_lo <= -5.170634746551514) {
+                  if (x.log2_S <= 12.820991039276123) {
+                    if (x.avg <= 1.4061148166656494) {
+                      return {1, 32, 32, 4, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -3.0657728910446167) {
                         return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.avg <= 3.6612154245376587) {
-                          if (x.skew_lo <= -0.546425074338913) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
+                        if (x.skew_hi <= 4.127888917922974) {
+                          if (x.log2_S <= 11.869063377380371) {
                             return {1, 32, 32, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 10.669802188873291) {
+                          } else {
                             return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {1, 32, 32, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.895622730255127) {
-                        if (x.skew_lo <= -0.465437650680542) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 32, 32, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_lo <= -1.4751750230789185) {
-                          if (x.skew_hi <= 2.9461207389831543) {
-                            if (x.skew_lo <= -4.435059309005737) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {4, 4, 64, 64, 0};  // SP
-                            }
-                          } else {
-                            return {2, 2, 64, 128, 0};  // SP
                           }
                         } else {
                           return {4, 8, 64, 32, 0};  // SP
@@ -1099,26 +1075,18 @@ inline Config plain_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 3.144811987876892) {
-                      if (x.skew_lo <= -5.295705795288086) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
+                    if (x.skew_hi <= 3.0165047645568848) {
+                      if (x.avg <= 24.53377914428711) {
                         return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      if (x.skew_hi <= 5.338648080825806) {
-                        if (x.skew_hi <= 3.5688873529434204) {
-                          return {4, 2, 64, 128, 0};  // SP
+                      if (x.skew_hi <= 4.9609534740448) {
+                        if (x.skew_hi <= 4.417577505111694) {
+                          return {2, 2, 64, 128, 0};  // SP
                         } else {
-                          if (x.log2_S <= 14.1963210105896) {
-                            if (x.skew_hi <= 4.442394971847534) {
-                              return {2, 2, 64, 128, 0};  // SP
-                            } else {
-                              return {4, 2, 64, 128, 0};  // SP
-                            }
-                          } else {
-                            return {4, 1, 64, 256, 0};  // SP
-                          }
+                          return {4, 2, 64, 128, 0};  // SP
                         }
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
@@ -1127,161 +1095,113 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 11.611871242523193) {
+                if (x.log2_S <= 12.150222778320312) {
                   if (x.skew_lo <= 4.023357391357422) {
-                    if (x.skew_hi <= 4.184504985809326) {
-                      if (x.log2_S <= 11.075305938720703) {
+                    if (x.skew_lo <= 0.33670251071453094) {
+                      if (x.log2_S <= 9.627006530761719) {
                         return {4, 32, 32, 4, 0};  // SP
                       } else {
-                        return {4, 32, 32, 8, 0};  // SP
+                        if (x.log2_S <= 11.075305938720703) {
+                          if (x.skew_lo <= -0.5176978558301926) {
+                            if (x.log2_S <= 10.633113384246826) {
+                              return {4, 32, 32, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 32, 8, 0};  // SP
+                        }
                       }
                     } else {
-                      if (x.avg <= 11.127859115600586) {
-                        if (x.log2_S <= 10.960802555084229) {
-                          if (x.skew_hi <= 7.99092698097229) {
+                      if (x.skew_lo <= 2.1511868238449097) {
+                        if (x.log2_S <= 11.76628065109253) {
+                          return {2, 64, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 8, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 11.126892566680908) {
+                          if (x.skew_lo <= 3.7830835580825806) {
                             return {2, 8, 8, 32, 1};  // SR
                           } else {
                             return {1, 32, 8, 4, 1};  // SR
                           }
                         } else {
-                          if (x.avg <= 6.774462699890137) {
-                            return {4, 32, 32, 4, 0};  // SP
-                          } else {
+                          if (x.skew_lo <= 2.824309825897217) {
                             return {2, 64, 32, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 4, 0};  // SP
                           }
                         }
-                      } else {
-                        return {2, 64, 32, 2, 0};  // SP
                       }
                     }
                   } else {
                     return {4, 32, 32, 4, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 6.824262619018555) {
-                    if (x.log2_S <= 14.28406286239624) {
-                      if (x.log2_S <= 12.150222778320312) {
-                        return {4, 32, 32, 4, 0};  // SP
+                  if (x.avg <= 8.317625522613525) {
+                    return {4, 16, 64, 8, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= 1.0056113600730896) {
+                      if (x.log2_S <= 13.176711082458496) {
+                        if (x.log2_S <= 12.218013763427734) {
+                          return {4, 32, 32, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
                       } else {
-                        return {4, 16, 64, 8, 0};  // SP
+                        if (x.avg <= 84.60478591918945) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
                       }
                     } else {
-                      if (x.skew_lo <= 4.401733636856079) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.619157314300537) {
-                      if (x.skew_hi <= 6.511864185333252) {
-                        return {4, 32, 32, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.14013957977295) {
+                      if (x.log2_S <= 12.57308292388916) {
+                        if (x.skew_lo <= 2.4241864681243896) {
                           return {4, 32, 32, 8, 0};  // SP
                         } else {
                           return {4, 32, 64, 4, 0};  // SP
                         }
-                      }
-                    } else {
-                      if (x.skew_lo <= 0.8659245669841766) {
-                        if (x.log2_S <= 14.36591911315918) {
-                          if (x.avg <= 65.07742691040039) {
-                            if (x.log2_S <= 13.24490213394165) {
-                              return {4, 32, 32, 4, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 32, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_hi <= 3.169935703277588) {
-                            if (x.log2_S <= 14.824472904205322) {
-                              return {4, 32, 32, 4, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {4, 16, 64, 8, 0};  // SP
-                          }
-                        }
                       } else {
-                        if (x.log2_S <= 13.965312480926514) {
-                          if (x.avg <= 9.663872241973877) {
-                            return {4, 16, 64, 8, 0};  // SP
-                          } else {
-                            if (x.skew_lo <= 2.307080388069153) {
-                              if (x.avg <= 20.98974895477295) {
-                                if (x.log2_S <= 13.10844087600708) {
-                                  return {4, 32, 32, 8, 0};  // SP
-                                } else {
-                                  return {4, 2, 8, 128, 1};  // SR
-                                }
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 5.6182379722595215) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 6.403601408004761) {
-                              return {4, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        }
+                        return {1, 4, 8, 64, 1};  // SR
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 14.075133323669434) {
-                return {1, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.avg <= 64.48842239379883) {
-                  if (x.log2_S <= 14.782461166381836) {
-                    return {1, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.avg <= 2.3252521753311157) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.avg <= 5.2971251010894775) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              }
+              return {1, 4, 8, 64, 1};  // SR
             }
           } else {
-            return {4, 32, 8, 4, 16};  // PR
+            if (x.log2_S <= 13.725038051605225) {
+              return {4, 32, 8, 4, 16};  // PR
+            } else {
+              if (x.avg <= 5.913672208786011) {
+                return {4, 32, 8, 4, 16};  // PR
+              } else {
+                return {4, 32, 8, 2, 16};  // PR
+              }
+            }
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 2.883587598800659) {
-              if (x.log2_S <= 19.41072654724121) {
+            if (x.skew_hi <= 2.7583924531936646) {
+              if (x.log2_S <= 19.456523895263672) {
                 if (x.skew_lo <= -5.614574432373047) {
-                  if (x.log2_S <= 16.818452835083008) {
+                  if (x.log2_S <= 17.361820220947266) {
                     return {4, 8, 64, 32, 0};  // SP
                   } else {
                     return {4, 4, 64, 64, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 18.801544189453125) {
+                  if (x.log2_S <= 18.917847633361816) {
                     return {4, 4, 64, 64, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 1.8924278616905212) {
+                    if (x.skew_hi <= 1.015568494796753) {
                       return {4, 4, 64, 64, 0};  // SP
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
@@ -1289,402 +1209,466 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.skew_lo <= -4.204253435134888) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  if (x.skew_hi <= 2.163082480430603) {
-                    return {2, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.avg <= 10.513665199279785) {
-                      if (x.log2_S <= 21.469882011413574) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {4, 1, 64, 256, 0};  // SP
-                      }
-                    } else {
+                if (x.skew_hi <= 2.605810523033142) {
+                  if (x.avg <= 18.118684768676758) {
+                    if (x.avg <= 14.289838314056396) {
                       return {4, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
                     }
+                  } else {
+                    return {4, 2, 64, 128, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 21.605533599853516) {
+                    return {4, 2, 64, 128, 0};  // SP
+                  } else {
+                    return {4, 1, 64, 256, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 3.495729088783264) {
-                if (x.log2_S <= 19.026132583618164) {
-                  return {4, 2, 64, 128, 0};  // SP
+              if (x.avg <= 5.5266337394714355) {
+                if (x.log2_S <= 15.802067279815674) {
+                  if (x.avg <= 1.6312129497528076) {
+                    if (x.log2_S <= 15.280269145965576) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {4, 1, 64, 256, 0};  // SP
+                  }
                 } else {
                   return {4, 1, 64, 256, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 15.802067279815674) {
-                  if (x.skew_hi <= 5.402769327163696) {
-                    return {4, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 5.583557605743408) {
-                      return {2, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 15.511197090148926) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    }
-                  }
+                if (x.log2_S <= 19.096898078918457) {
+                  return {4, 2, 64, 128, 0};  // SP
                 } else {
                   return {4, 1, 64, 256, 0};  // SP
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 23.053274154663086) {
-              if (x.avg <= 4.719252109527588) {
-                if (x.skew_hi <= 18.17346477508545) {
-                  if (x.skew_hi <= 10.88043737411499) {
-                    if (x.log2_S <= 17.626307487487793) {
-                      if (x.skew_hi <= 8.818963050842285) {
-                        if (x.log2_S <= 17.368298530578613) {
+            if (x.skew_hi <= 22.761720657348633) {
+              if (x.avg <= 4.026093006134033) {
+                if (x.skew_hi <= 10.993034362792969) {
+                  if (x.log2_S <= 17.48235034942627) {
+                    if (x.log2_S <= 15.055497646331787) {
+                      if (x.log2_S <= 14.445833206176758) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= 4.401733636856079) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          return {1, 8, 8, 32, 1};  // SR
                         }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.skew_hi <= 8.302634239196777) {
+                      if (x.avg <= 2.267606496810913) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.685632228851318) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 8.290392875671387) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 4, 16};  // PR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 18.426115036010742) {
+                    if (x.skew_lo <= 12.013731479644775) {
+                      if (x.log2_S <= 14.894535064697266) {
+                        if (x.avg <= 1.3851644396781921) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 8.384808540344238) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.034587860107422) {
+                        return {4, 32, 8, 4, 16};  // PR
+                      } else {
+                        return {4, 32, 16, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 1.4020121693611145) {
+                      if (x.skew_hi <= 13.808338165283203) {
                         return {4, 32, 8, 2, 16};  // PR
                       } else {
-                        return {4, 32, 8, 4, 16};  // PR
+                        return {4, 32, 16, 2, 32};  // PR
                       }
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.879462242126465) {
-                      if (x.log2_S <= 22.195344924926758) {
-                        if (x.log2_S <= 18.502418518066406) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.skew_lo <= 8.878355979919434) {
-                            if (x.skew_lo <= 8.028833389282227) {
-                              return {4, 32, 8, 2, 16};  // PR
-                            } else {
-                              if (x.avg <= 2.329976797103882) {
-                                return {4, 32, 8, 2, 16};  // PR
-                              } else {
-                                return {4, 32, 16, 2, 32};  // PR
-                              }
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 13.669173240661621) {
-                          return {4, 32, 16, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 17.93095588684082) {
-                        return {4, 32, 8, 4, 16};  // PR
-                      } else {
-                        if (x.skew_lo <= 12.23411512374878) {
-                          return {4, 32, 8, 4, 16};  // PR
-                        } else {
-                          return {4, 32, 16, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 32, 16, 2, 32};  // PR
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 22.05627155303955) {
-                    if (x.log2_S <= 17.573309898376465) {
-                      if (x.skew_hi <= 4.72798228263855) {
-                        if (x.skew_lo <= -0.8340027332305908) {
-                          if (x.log2_S <= 16.265274047851562) {
-                            return {4, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 17.05298614501953) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.7119975388050079) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.skew_lo <= -0.2662033140659332) {
-                        if (x.log2_S <= 23.62621784210205) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 20.214131355285645) {
-                    if (x.skew_hi <= 18.322189331054688) {
-                      if (x.skew_hi <= 7.880028009414673) {
-                        if (x.log2_S <= 17.61344623565674) {
-                          return {4, 32, 8, 4, 8};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        if (x.skew_lo <= 9.08576250076294) {
-                          if (x.avg <= 19.545527458190918) {
-                            if (x.log2_S <= 17.58021354675293) {
-                              if (x.log2_S <= 16.435909271240234) {
-                                if (x.log2_S <= 15.326362133026123) {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                } else {
-                                  if (x.log2_S <= 15.572124481201172) {
-                                    return {4, 2, 8, 128, 1};  // SR
-                                  } else {
-                                    return {4, 32, 8, 2, 16};  // PR
-                                  }
-                                }
-                              } else {
-                                if (x.skew_hi <= 11.292657852172852) {
-                                  return {4, 2, 8, 128, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 2, 16};  // PR
-                                }
-                              }
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        } else {
-                          if (x.log2_S <= 17.101022720336914) {
-                            if (x.skew_lo <= 11.456108093261719) {
-                              if (x.avg <= 14.087387561798096) {
-                                if (x.skew_lo <= 11.015161991119385) {
-                                  if (x.skew_lo <= 10.721356868743896) {
-                                    return {4, 32, 8, 2, 16};  // PR
-                                  } else {
-                                    return {4, 32, 8, 4, 16};  // PR
-                                  }
-                                } else {
-                                  return {4, 32, 8, 2, 16};  // PR
-                                }
-                              } else {
-                                return {4, 32, 8, 2, 16};  // PR
-                              }
-                            } else {
-                              return {4, 32, 8, 4, 16};  // PR
-                            }
-                          } else {
-                            if (x.skew_lo <= 10.656527996063232) {
-                              return {4, 32, 8, 4, 8};  // PR
-                            } else {
-                              if (x.avg <= 6.025465250015259) {
-                                return {4, 32, 8, 4, 16};  // PR
-                              } else {
-                                return {4, 32, 8, 2, 16};  // PR
-                              }
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 8.344689130783081) {
-                        if (x.avg <= 5.742392063140869) {
-                          return {4, 32, 16, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 16};  // PR
-                        }
-                      } else {
-                        if (x.skew_hi <= 19.70960521697998) {
-                          return {4, 32, 8, 4, 8};  // PR
-                        } else {
-                          if (x.skew_lo <= 8.729327201843262) {
-                            return {4, 32, 16, 4, 8};  // PR
-                          } else {
-                            return {4, 32, 8, 4, 8};  // PR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 11.47153091430664) {
-                      return {4, 32, 8, 2, 16};  // PR
                     } else {
                       return {4, 32, 16, 2, 32};  // PR
                     }
                   }
                 }
+              } else {
+                if (x.log2_S <= 17.3203763961792) {
+                  if (x.long_level <= 2.5) {
+                    if (x.avg <= 36.65261650085449) {
+                      if (x.skew_hi <= 8.408019065856934) {
+                        if (x.log2_S <= 17.10232639312744) {
+                          if (x.log2_S <= 14.5613694190979) {
+                            if (x.skew_hi <= 6.637866497039795) {
+                              if (x.skew_hi <= 5.553988456726074) {
+                                return {1, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.52151107788086) {
+                          if (x.log2_S <= 15.305398941040039) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 7.368406534194946) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 20.022759437561035) {
+                            if (x.skew_lo <= 7.572525501251221) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 1.4100631773471832) {
+                        if (x.log2_S <= 15.465334415435791) {
+                          if (x.avg <= 95.54549789428711) {
+                            if (x.log2_S <= 14.976733684539795) {
+                              return {4, 16, 64, 8, 0};  // SP
+                            } else {
+                              if (x.skew_lo <= 0.12123920395970345) {
+                                return {4, 16, 64, 8, 0};  // SP
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 14.934885501861572) {
+                              return {4, 32, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 8, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 3.1485050916671753) {
+                            if (x.log2_S <= 16.5543155670166) {
+                              if (x.skew_hi <= 2.548246383666992) {
+                                return {4, 8, 64, 32, 0};  // SP
+                              } else {
+                                return {4, 16, 64, 8, 0};  // SP
+                              }
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          } else {
+                            if (x.avg <= 40.50446319580078) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 7.877926349639893) {
+                          if (x.log2_S <= 14.71064567565918) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 4, 8};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.239154815673828) {
+                      if (x.skew_lo <= 11.552489757537842) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 4, 16};  // PR
+                      }
+                    } else {
+                      if (x.skew_hi <= 17.14900302886963) {
+                        if (x.skew_lo <= 11.064295768737793) {
+                          return {4, 32, 8, 4, 16};  // PR
+                        } else {
+                          if (x.skew_lo <= 11.409072399139404) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 4, 16};  // PR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 17.329649925231934) {
+                    if (x.avg <= 26.41074848175049) {
+                      if (x.skew_hi <= 7.845721006393433) {
+                        if (x.log2_S <= 22.04503059387207) {
+                          if (x.log2_S <= 17.632136344909668) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.88270664215088) {
+                          if (x.avg <= 8.604611873626709) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 20.363679885864258) {
+                      if (x.skew_lo <= 10.788120746612549) {
+                        if (x.skew_hi <= 19.747692108154297) {
+                          if (x.skew_hi <= 17.81416130065918) {
+                            if (x.skew_lo <= 8.485342502593994) {
+                              return {4, 32, 8, 2, 16};  // PR
+                            } else {
+                              return {4, 32, 8, 4, 8};  // PR
+                            }
+                          } else {
+                            return {4, 32, 8, 4, 8};  // PR
+                          }
+                        } else {
+                          if (x.avg <= 32.96543884277344) {
+                            if (x.log2_S <= 20.301939964294434) {
+                              return {4, 32, 8, 4, 8};  // PR
+                            } else {
+                              return {4, 32, 16, 4, 8};  // PR
+                            }
+                          } else {
+                            return {4, 32, 16, 4, 8};  // PR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 6.532084703445435) {
+                          if (x.log2_S <= 18.83774185180664) {
+                            return {4, 32, 8, 4, 16};  // PR
+                          } else {
+                            return {4, 32, 16, 2, 32};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 18.951393127441406) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 4, 16};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 4.821281433105469) {
+                        return {4, 32, 16, 2, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 20.7216157913208) {
+                          if (x.skew_lo <= 8.793046951293945) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 16, 4, 8};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    }
+                  }
+                }
               }
             } else {
-              return {4, 32, 16, 2, 32};  // PR
+              if (x.log2_S <= 22.96383762359619) {
+                if (x.avg <= 8.583317756652832) {
+                  return {4, 32, 16, 2, 32};  // PR
+                } else {
+                  if (x.avg <= 48.59111022949219) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 16, 2, 32};  // PR
+                  }
+                }
+              } else {
+                return {4, 32, 16, 2, 32};  // PR
+              }
             }
           }
         }
       } else {
         if (x.skew_lo <= -1.9986830353736877) {
-          if (x.log2_S <= 11.24694538116455) {
-            if (x.skew_lo <= -4.818761587142944) {
-              if (x.log2_S <= 11.080199241638184) {
-                return {1, 8, 64, 32, 0};  // SP
+          if (x.log2_S <= 11.474832534790039) {
+            if (x.skew_hi <= 2.492390275001526) {
+              if (x.skew_lo <= -4.703598499298096) {
+                if (x.log2_S <= 10.950604915618896) {
+                  return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.avg <= 36.0213508605957) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {2, 32, 32, 2, 0};  // SP
+                  }
+                }
               } else {
-                return {2, 32, 32, 2, 0};  // SP
-              }
-            } else {
-              if (x.avg <= 7.987679958343506) {
-                return {4, 8, 8, 32, 0};  // SP
-              } else {
-                if (x.skew_hi <= 2.212077260017395) {
-                  if (x.log2_S <= 10.924695014953613) {
+                if (x.avg <= 13.81275987625122) {
+                  return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.log2_S <= 10.48066759109497) {
                     return {4, 8, 8, 32, 0};  // SP
                   } else {
                     return {1, 8, 64, 32, 0};  // SP
                   }
-                } else {
-                  if (x.skew_lo <= -3.138507843017578) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 10.432240962982178) {
-                      return {4, 8, 8, 32, 0};  // SP
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
                 }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 0.2706412076950073) {
-              if (x.log2_S <= 18.746203422546387) {
-                if (x.log2_S <= 13.771400928497314) {
-                  if (x.skew_lo <= -5.945799112319946) {
-                    return {2, 32, 32, 8, 0};  // SP
-                  } else {
-                    return {2, 32, 32, 2, 0};  // SP
-                  }
-                } else {
-                  return {1, 16, 64, 4, 0};  // SP
-                }
-              } else {
-                return {1, 8, 64, 32, 0};  // SP
               }
             } else {
-              if (x.skew_lo <= -4.911232233047485) {
-                if (x.log2_S <= 16.93492317199707) {
-                  if (x.log2_S <= 12.66161298751831) {
+              return {4, 8, 8, 32, 0};  // SP
+            }
+          } else {
+            if (x.skew_lo <= -5.142063856124878) {
+              if (x.log2_S <= 17.44322681427002) {
+                if (x.log2_S <= 13.002691745758057) {
+                  if (x.log2_S <= 12.681231498718262) {
                     return {2, 32, 32, 2, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 0.8832481801509857) {
-                      if (x.log2_S <= 13.358148097991943) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 16.78658676147461) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 8, 0};  // SP
-                        }
-                      }
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 14.003599166870117) {
+                    if (x.skew_lo <= -5.692010164260864) {
+                      return {2, 32, 32, 8, 0};  // SP
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
+                      return {1, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 0.7441878318786621) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 16.850555419921875) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
                     }
                   }
+                }
+              } else {
+                if (x.skew_lo <= -5.975954055786133) {
+                  return {1, 16, 64, 4, 0};  // SP
                 } else {
                   return {1, 8, 64, 32, 0};  // SP
                 }
+              }
+            } else {
+              if (x.skew_hi <= 3.3930176496505737) {
+                return {1, 8, 64, 32, 0};  // SP
               } else {
-                if (x.avg <= 5.220319747924805) {
-                  if (x.log2_S <= 21.608943939208984) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {1, 8, 16, 32, 1};  // SR
-                  }
-                } else {
+                if (x.log2_S <= 20.95107364654541) {
                   return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  return {1, 8, 16, 32, 1};  // SR
                 }
               }
             }
           }
         } else {
-          if (x.log2_S <= 15.962229251861572) {
+          if (x.log2_S <= 15.941378116607666) {
             if (x.long_level <= 2.5) {
               if (x.long_level <= 0.5) {
-                if (x.skew_lo <= -0.811385840177536) {
+                if (x.skew_hi <= 5.339968919754028) {
                   if (x.log2_S <= 12.810822486877441) {
-                    if (x.skew_lo <= -1.6104986071586609) {
+                    if (x.avg <= 3.0535744428634644) {
+                      return {2, 32, 32, 2, 0};  // SP
+                    } else {
                       if (x.log2_S <= 11.259920120239258) {
                         return {4, 8, 8, 32, 0};  // SP
                       } else {
-                        if (x.avg <= 3.759478211402893) {
-                          return {2, 32, 32, 2, 0};  // SP
-                        } else {
+                        if (x.skew_lo <= -1.910467803478241) {
                           return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {2, 32, 32, 2, 0};  // SP
                         }
                       }
-                    } else {
-                      return {2, 32, 32, 2, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 2.0220963954925537) {
-                      if (x.log2_S <= 13.844637870788574) {
-                        return {1, 32, 64, 4, 0};  // SP
+                    if (x.skew_lo <= -0.9722858965396881) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 13.895033836364746) {
+                        return {1, 32, 64, 2, 0};  // SP
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
                     }
                   }
                 } else {
                   if (x.log2_S <= 13.888391971588135) {
-                    if (x.avg <= 1.58011794090271) {
-                      return {1, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.358022212982178) {
-                        return {2, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {1, 32, 64, 2, 0};  // SP
-                      }
-                    }
+                    return {1, 32, 64, 2, 0};  // SP
                   } else {
                     return {1, 8, 8, 32, 1};  // SR
                   }
                 }
               } else {
-                if (x.log2_S <= 14.139066696166992) {
+                if (x.log2_S <= 13.784401416778564) {
                   if (x.avg <= 4.084752559661865) {
-                    if (x.skew_lo <= 6.983633279800415) {
-                      if (x.log2_S <= 12.701042175292969) {
-                        if (x.avg <= 3.935884475708008) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 12.418721675872803) {
+                        if (x.skew_lo <= 4.023357391357422) {
                           return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 13.321849822998047) {
-                          if (x.skew_lo <= 4.6857147216796875) {
-                            return {1, 8, 8, 32, 1};  // SR
+                        if (x.skew_lo <= 5.177090883255005) {
+                          if (x.avg <= 2.5759884119033813) {
+                            return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            if (x.avg <= 1.220934808254242) {
-                              return {1, 8, 8, 32, 1};  // SR
+                            if (x.log2_S <= 12.5873441696167) {
+                              return {1, 32, 8, 4, 1};  // SR
                             } else {
-                              return {4, 16, 8, 8, 1};  // SR
+                              return {1, 8, 8, 32, 1};  // SR
                             }
                           }
                         } else {
@@ -1697,19 +1681,11 @@ inline Config plain_config(const Features& f) {
                   } else {
                     if (x.avg <= 6.2565834522247314) {
                       if (x.skew_lo <= 3.9186737537384033) {
-                        if (x.log2_S <= 11.911324501037598) {
-                          if (x.skew_lo <= 3.8522961139678955) {
-                            if (x.log2_S <= 11.218242645263672) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 5.248976707458496) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
+                        if (x.log2_S <= 11.218242645263672) {
+                          if (x.avg <= 4.381709814071655) {
                             return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
                           }
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
@@ -1718,111 +1694,111 @@ inline Config plain_config(const Features& f) {
                         return {1, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 13.785659790039062) {
-                        if (x.skew_hi <= 3.152022361755371) {
-                          if (x.log2_S <= 12.820512294769287) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 2.761682868003845) {
-                              return {2, 16, 64, 8, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 13.488670349121094) {
-                                return {1, 32, 64, 4, 0};  // SP
-                              } else {
-                                return {2, 16, 64, 8, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
+                      if (x.skew_hi <= 3.152022361755371) {
+                        if (x.log2_S <= 12.625036239624023) {
                           return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.410454750061035) {
+                            if (x.avg <= 184.86302185058594) {
+                              return {1, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {2, 16, 64, 8, 0};  // SP
+                          }
                         }
                       } else {
-                        if (x.avg <= 83.9520263671875) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 3.3072433471679688) {
-                            return {2, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
+                        return {1, 8, 8, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 26.66039276123047) {
-                    if (x.skew_hi <= 11.293432235717773) {
-                      if (x.avg <= 14.11866283416748) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 7.744008302688599) {
+                  if (x.avg <= 31.524035453796387) {
+                    if (x.log2_S <= 15.424234867095947) {
+                      if (x.skew_lo <= 9.585839748382568) {
+                        if (x.avg <= 22.212356567382812) {
                           return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 15.03834581375122) {
+                          if (x.skew_hi <= 9.033460140228271) {
                             return {1, 8, 8, 32, 1};  // SR
                           } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.99956226348877) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 12.96536111831665) {
-                          if (x.log2_S <= 15.19554615020752) {
-                            if (x.skew_hi <= 12.513673305511475) {
+                            if (x.log2_S <= 14.29272747039795) {
                               return {1, 8, 8, 32, 1};  // SR
                             } else {
                               return {1, 8, 16, 32, 1};  // SR
                             }
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 15.198484420776367) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
                           }
                         }
+                      } else {
+                        if (x.log2_S <= 14.921980381011963) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
                       }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.skew_hi <= 3.337915301322937) {
-                        if (x.log2_S <= 15.142957210540771) {
-                          return {2, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= 7.480439186096191) {
+                        if (x.avg <= 23.270609855651855) {
+                          if (x.skew_lo <= 6.81728196144104) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 15.773416996002197) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 0.9010034501552582) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.761817455291748) {
-                            return {1, 8, 8, 32, 1};  // SR
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 1.5073541700839996) {
+                      if (x.skew_hi <= 3.4325344562530518) {
+                        if (x.log2_S <= 15.142957210540771) {
+                          if (x.skew_lo <= -0.6560114622116089) {
+                            return {2, 16, 64, 8, 0};  // SP
                           } else {
-                            return {1, 8, 16, 32, 1};  // SR
+                            if (x.log2_S <= 14.407846450805664) {
+                              return {2, 16, 64, 8, 0};  // SP
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
                           }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.231389999389648) {
+                          if (x.skew_hi <= 3.922791361808777) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
                         }
                       }
                     } else {
                       if (x.log2_S <= 14.83305025100708) {
-                        if (x.avg <= 72.9947624206543) {
+                        if (x.log2_S <= 14.623637676239014) {
                           return {1, 8, 16, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 14.410187721252441) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
+                          if (x.skew_hi <= 7.90390682220459) {
                             return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.avg <= 36.3773250579834) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
+                        if (x.skew_hi <= 8.93892240524292) {
                           return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
                         }
                       }
                     }
@@ -1830,48 +1806,38 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.skew_hi <= 11.557316780090332) {
-                if (x.avg <= 51.84014701843262) {
-                  if (x.skew_lo <= 10.493213653564453) {
-                    if (x.avg <= 30.769007682800293) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 10.778627395629883) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.826282978057861) {
-                      return {1, 8, 32, 32, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 4, 8};  // PR
-                    }
-                  }
-                } else {
+              if (x.skew_hi <= 12.684327602386475) {
+                if (x.skew_lo <= 10.522048950195312) {
                   return {1, 8, 16, 32, 1};  // SR
+                } else {
+                  if (x.skew_lo <= 10.868418216705322) {
+                    return {1, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 4, 8};  // PR
+                  }
                 }
               } else {
-                if (x.log2_S <= 14.429232597351074) {
-                  if (x.avg <= 8.869999885559082) {
-                    if (x.log2_S <= 12.797061443328857) {
-                      return {4, 32, 8, 4, 8};  // PR
+                if (x.skew_hi <= 14.803028583526611) {
+                  if (x.avg <= 7.850534439086914) {
+                    if (x.skew_hi <= 14.547176361083984) {
+                      if (x.skew_hi <= 12.932672500610352) {
+                        return {4, 32, 8, 4, 8};  // PR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
                     } else {
-                      return {1, 8, 32, 32, 1};  // SR
+                      return {1, 8, 64, 32, 1};  // SR
                     }
                   } else {
                     return {1, 8, 32, 32, 1};  // SR
                   }
                 } else {
-                  if (x.avg <= 9.115801334381104) {
-                    return {1, 8, 64, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 15.180777072906494) {
+                  if (x.skew_lo <= 10.81216812133789) {
+                    if (x.log2_S <= 15.437151908874512) {
                       return {1, 8, 32, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 62.636268615722656) {
-                        if (x.avg <= 14.087387561798096) {
+                      if (x.log2_S <= 15.789970874786377) {
+                        if (x.avg <= 20.196020126342773) {
                           return {1, 8, 32, 32, 1};  // SR
                         } else {
                           return {1, 8, 64, 32, 1};  // SR
@@ -1880,40 +1846,54 @@ inline Config plain_config(const Features& f) {
                         return {1, 8, 32, 32, 1};  // SR
                       }
                     }
+                  } else {
+                    return {1, 8, 64, 32, 1};  // SR
                   }
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 19.567548751831055) {
-              if (x.avg <= 23.960511207580566) {
+            if (x.skew_hi <= 19.84062385559082) {
+              if (x.avg <= 28.58458137512207) {
                 if (x.skew_hi <= 13.963460445404053) {
-                  if (x.log2_S <= 19.210012435913086) {
+                  if (x.log2_S <= 18.9511775970459) {
                     if (x.skew_lo <= -1.369693398475647) {
                       return {1, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 16.700730323791504) {
-                        if (x.long_level <= 1.5) {
-                          if (x.skew_lo <= 3.853566527366638) {
-                            if (x.log2_S <= 16.31849956512451) {
-                              if (x.avg <= 21.20670223236084) {
-                                return {1, 8, 8, 32, 1};  // SR
+                      if (x.log2_S <= 16.824044227600098) {
+                        if (x.skew_lo <= 6.803711414337158) {
+                          if (x.avg <= 4.438021183013916) {
+                            if (x.skew_lo <= -0.8503498733043671) {
+                              if (x.log2_S <= 16.64607810974121) {
+                                return {1, 8, 64, 32, 0};  // SP
                               } else {
                                 return {1, 8, 16, 32, 1};  // SR
                               }
                             } else {
-                              if (x.skew_lo <= -1.21522057056427) {
-                                return {1, 8, 64, 32, 0};  // SP
-                              } else {
-                                if (x.avg <= 1.286660373210907) {
-                                  return {1, 8, 8, 32, 1};  // SR
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 5.956662654876709) {
+                              if (x.skew_lo <= 3.204158067703247) {
+                                if (x.avg <= 20.897160530090332) {
+                                  if (x.log2_S <= 16.41646099090576) {
+                                    return {1, 8, 8, 32, 1};  // SR
+                                  } else {
+                                    if (x.avg <= 15.367266654968262) {
+                                      return {1, 8, 16, 32, 1};  // SR
+                                    } else {
+                                      return {1, 8, 8, 32, 1};  // SR
+                                    }
+                                  }
                                 } else {
                                   return {1, 8, 16, 32, 1};  // SR
                                 }
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
                               }
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
                             }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
                           }
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
@@ -1923,75 +1903,107 @@ inline Config plain_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 5.713147878646851) {
-                      if (x.long_level <= 0.5) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 4.197065353393555) {
-                          return {1, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 21.347128868103027) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      }
+                    if (x.skew_lo <= 0.5905797729501501) {
+                      return {1, 8, 16, 32, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 9.201644897460938) {
-                        if (x.skew_lo <= 6.023315906524658) {
-                          if (x.log2_S <= 22.107625007629395) {
+                      if (x.skew_lo <= 4.4314422607421875) {
+                        if (x.log2_S <= 19.02371120452881) {
+                          if (x.avg <= 10.03123426437378) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 4.197065353393555) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 20.47299861907959) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 8.69851016998291) {
+                          if (x.log2_S <= 22.16895294189453) {
+                            if (x.avg <= 22.40909767150879) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 20.662781715393066) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 32, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.skew_lo <= 5.915038585662842) {
+                              return {1, 8, 32, 32, 1};  // SR
+                            } else {
+                              if (x.avg <= 5.092131614685059) {
+                                if (x.skew_lo <= 7.93606162071228) {
+                                  return {1, 8, 32, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                }
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 20.507145881652832) {
                             return {1, 8, 16, 32, 1};  // SR
                           } else {
                             return {1, 8, 32, 32, 1};  // SR
                           }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 21.474170684814453) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 18.368440628051758) {
-                    if (x.log2_S <= 16.130864143371582) {
-                      return {1, 8, 64, 32, 1};  // SR
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
-                    }
+                  if (x.skew_lo <= 10.816142559051514) {
+                    return {1, 8, 32, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 9.151198387145996) {
-                      return {1, 8, 64, 32, 1};  // SR
+                    if (x.log2_S <= 17.63665199279785) {
+                      if (x.log2_S <= 16.304923057556152) {
+                        if (x.avg <= 5.6528379917144775) {
+                          if (x.skew_hi <= 16.040780067443848) {
+                            return {1, 8, 64, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 10.86668062210083) {
+                          return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {1, 8, 32, 32, 1};  // SR
+                      return {1, 8, 64, 32, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 5.396887302398682) {
-                  if (x.log2_S <= 20.297858238220215) {
-                    if (x.log2_S <= 19.86409854888916) {
+                if (x.log2_S <= 18.475059509277344) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 18.13857078552246) {
                       return {1, 8, 16, 32, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 4.263686656951904) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
+                      if (x.skew_hi <= 3.7628501653671265) {
                         return {1, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 20.58320426940918) {
-                      if (x.skew_hi <= 3.8277782201766968) {
-                        if (x.skew_hi <= 2.724032998085022) {
-                          return {1, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
+                    if (x.avg <= 29.90579605102539) {
+                      if (x.long_level <= 2.5) {
+                        return {1, 8, 16, 32, 1};  // SR
                       } else {
                         return {1, 8, 32, 32, 1};  // SR
                       }
@@ -2000,9 +2012,9 @@ inline Config plain_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.avg <= 28.468067169189453) {
-                    if (x.skew_lo <= 5.399672985076904) {
-                      if (x.log2_S <= 20.662781715393066) {
+                  if (x.log2_S <= 18.82778549194336) {
+                    if (x.avg <= 65.71660614013672) {
+                      if (x.long_level <= 1.5) {
                         return {1, 8, 16, 32, 1};  // SR
                       } else {
                         return {1, 8, 32, 32, 1};  // SR
@@ -2016,30 +2028,18 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 19.883020401000977) {
-                if (x.skew_lo <= 10.760333061218262) {
-                  return {1, 8, 32, 32, 1};  // SR
-                } else {
-                  return {1, 8, 64, 32, 1};  // SR
-                }
-              } else {
-                if (x.avg <= 19.740242958068848) {
-                  if (x.avg <= 11.334929466247559) {
-                    return {1, 8, 64, 32, 1};  // SR
+              if (x.log2_S <= 20.51626205444336) {
+                if (x.avg <= 17.266024589538574) {
+                  if (x.skew_lo <= 10.706035137176514) {
+                    return {1, 8, 32, 32, 1};  // SR
                   } else {
-                    if (x.skew_hi <= 21.4332857131958) {
-                      return {1, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 10.2543044090271) {
-                        return {1, 8, 64, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    }
+                    return {1, 8, 64, 32, 1};  // SR
                   }
                 } else {
                   return {1, 8, 64, 32, 1};  // SR
                 }
+              } else {
+                return {1, 8, 64, 32, 1};  // SR
               }
             }
           }
@@ -2051,216 +2051,206 @@ inline Config plain_config(const Features& f) {
       if (x.F <= 11.313708498984761) {
         if (x.long_level <= 2.5) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 16.11400318145752) {
-              if (x.log2_S <= 12.015172958374023) {
-                if (x.avg <= 3.232967495918274) {
-                  if (x.skew_hi <= 5.554593801498413) {
-                    if (x.skew_hi <= 4.389501571655273) {
-                      if (x.skew_hi <= 4.335729598999023) {
-                        return {2, 32, 8, 4, 0};  // SP
+            if (x.log2_S <= 15.324499130249023) {
+              if (x.log2_S <= 11.928009510040283) {
+                if (x.skew_lo <= -1.6928285360336304) {
+                  if (x.avg <= 30.558104515075684) {
+                    if (x.log2_S <= 11.075528144836426) {
+                      return {4, 8, 8, 32, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 2.5640294551849365) {
+                        return {1, 16, 64, 4, 0};  // SP
                       } else {
-                        return {4, 8, 8, 32, 0};  // SP
+                        if (x.skew_lo <= -1.928760290145874) {
+                          return {4, 8, 8, 32, 0};  // SP
+                        } else {
+                          return {2, 32, 8, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.66806697845459) {
+                      if (x.skew_lo <= -5.099253416061401) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.019322395324707) {
+                          return {4, 8, 8, 32, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
                       }
                     } else {
+                      if (x.skew_hi <= 0.8293651938438416) {
+                        return {2, 32, 32, 2, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -0.4454062581062317) {
+                    if (x.avg <= 2.8831676244735718) {
                       return {2, 32, 8, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 9.814491271972656) {
+                        return {4, 8, 8, 32, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 4, 0};  // SP
+                      }
                     }
                   } else {
                     if (x.log2_S <= 9.812121868133545) {
-                      return {2, 32, 32, 2, 0};  // SP
+                      if (x.skew_hi <= 5.928847312927246) {
+                        return {2, 32, 32, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
                     } else {
                       return {4, 32, 64, 4, 0};  // SP
                     }
                   }
-                } else {
-                  if (x.skew_hi <= 0.8253965973854065) {
-                    return {1, 16, 64, 4, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.718825340270996) {
-                      return {4, 8, 8, 32, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -3.5246028900146484) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 8, 8, 32, 0};  // SP
-                      }
-                    }
-                  }
                 }
               } else {
-                if (x.skew_hi <= 3.174715518951416) {
-                  if (x.skew_lo <= -5.7347142696380615) {
-                    if (x.log2_S <= 14.10468053817749) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 0.13219955191016197) {
-                        if (x.log2_S <= 14.506521701812744) {
-                          return {4, 32, 64, 2, 0};  // SP
+                if (x.avg <= 7.236366033554077) {
+                  if (x.log2_S <= 13.459672451019287) {
+                    if (x.skew_lo <= -0.42013411223888397) {
+                      if (x.log2_S <= 12.64556884765625) {
+                        if (x.skew_hi <= 4.135679721832275) {
+                          return {1, 16, 64, 4, 0};  // SP
                         } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 13.822840213775635) {
-                    if (x.skew_hi <= 5.2866716384887695) {
-                      if (x.skew_lo <= -1.725833237171173) {
-                        if (x.log2_S <= 13.09487009048462) {
-                          return {4, 8, 8, 32, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 12.810822486877441) {
                           return {2, 32, 8, 4, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -1.254896104335785) {
-                            return {4, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 2.3432600498199463) {
+                          if (x.avg <= 1.5647429823875427) {
+                            return {2, 32, 32, 8, 0};  // SP
                           } else {
                             return {2, 16, 64, 8, 0};  // SP
                           }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 1.338403046131134) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 32, 32, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 1.521480917930603) {
-                      if (x.log2_S <= 15.71963357925415) {
-                        if (x.log2_S <= 14.157946109771729) {
-                          return {4, 32, 64, 4, 0};  // SP
                         } else {
                           return {4, 8, 64, 32, 0};  // SP
                         }
+                      }
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 1.6312129497528076) {
+                      if (x.log2_S <= 15.121513843536377) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
                         return {4, 2, 64, 128, 0};  // SP
                       }
                     } else {
-                      if (x.skew_hi <= 3.7719948291778564) {
+                      if (x.log2_S <= 14.579533576965332) {
                         return {4, 4, 64, 64, 0};  // SP
                       } else {
-                        if (x.log2_S <= 14.552263259887695) {
-                          if (x.skew_lo <= -0.7775527238845825) {
-                            return {4, 4, 64, 64, 0};  // SP
+                        if (x.skew_hi <= 3.7399123907089233) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 0.3092823624610901) {
+                    if (x.log2_S <= 14.340465545654297) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 3.384088397026062) {
+                if (x.log2_S <= 20.17155933380127) {
+                  if (x.log2_S <= 16.11400318145752) {
+                    if (x.avg <= 10.241035461425781) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.avg <= 56.55827522277832) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.3322935104370117) {
+                      if (x.log2_S <= 16.686006546020508) {
+                        if (x.skew_lo <= -5.138209819793701) {
+                          if (x.skew_hi <= 0.14525961130857468) {
+                            return {4, 32, 64, 4, 0};  // SP
                           } else {
                             return {4, 8, 64, 32, 0};  // SP
                           }
                         } else {
-                          if (x.avg <= 1.915638506412506) {
-                            if (x.log2_S <= 15.269357204437256) {
-                              return {4, 4, 64, 64, 0};  // SP
-                            } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 18.8910551071167) {
+                        if (x.skew_hi <= 3.1675527095794678) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 17.707621574401855) {
+                            if (x.avg <= 6.290591239929199) {
                               return {4, 2, 64, 128, 0};  // SP
+                            } else {
+                              return {4, 4, 64, 64, 0};  // SP
                             }
                           } else {
                             return {4, 2, 64, 128, 0};  // SP
                           }
                         }
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_hi <= 2.316479444503784) {
-                if (x.log2_S <= 22.02510643005371) {
-                  if (x.log2_S <= 21.111828804016113) {
-                    if (x.log2_S <= 16.292454719543457) {
-                      if (x.avg <= 32.7841157913208) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 18.571022033691406) {
-                      return {4, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 35.696428298950195) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -5.631341218948364) {
-                      if (x.log2_S <= 22.52971076965332) {
-                        return {4, 4, 64, 64, 0};  // SP
                       } else {
                         return {4, 2, 64, 128, 0};  // SP
                       }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
                     }
+                  }
+                } else {
+                  if (x.skew_hi <= 1.4545171856880188) {
+                    if (x.log2_S <= 22.16714859008789) {
+                      if (x.log2_S <= 21.564108848571777) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 0.8735260963439941) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {4, 2, 64, 128, 0};  // SP
                   }
                 }
               } else {
-                if (x.avg <= 6.092294931411743) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  if (x.log2_S <= 18.767898559570312) {
-                    if (x.skew_hi <= 3.081532597541809) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 17.502680778503418) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 2, 64, 128, 0};  // SP
-                  }
-                }
+                return {4, 2, 64, 128, 0};  // SP
               }
             }
           } else {
-            if (x.log2_S <= 13.766603469848633) {
-              if (x.avg <= 35.53573417663574) {
-                if (x.avg <= 6.042818784713745) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 3.2446967363357544) {
-                      if (x.log2_S <= 13.209013938903809) {
-                        if (x.avg <= 2.494552254676819) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.352338314056396) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.821964263916016) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 8.965113639831543) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.26716947555542) {
+            if (x.log2_S <= 13.942155361175537) {
+              if (x.avg <= 27.81401252746582) {
+                if (x.skew_lo <= 7.138470888137817) {
+                  if (x.avg <= 6.814988851547241) {
+                    if (x.skew_lo <= 4.46155858039856) {
+                      if (x.log2_S <= 11.15805435180664) {
                         return {1, 32, 8, 4, 1};  // SR
                       } else {
                         if (x.log2_S <= 13.085724830627441) {
                           if (x.log2_S <= 11.75293254852295) {
-                            if (x.avg <= 4.216942548751831) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
+                            if (x.skew_hi <= 7.92793869972229) {
                               return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
                             }
                           } else {
                             return {4, 32, 64, 4, 0};  // SP
@@ -2269,73 +2259,81 @@ inline Config plain_config(const Features& f) {
                           return {1, 8, 8, 32, 1};  // SR
                         }
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.487247943878174) {
-                      if (x.skew_lo <= 7.598108291625977) {
-                        if (x.log2_S <= 10.641263008117676) {
-                          return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 13.196157455444336) {
+                        if (x.skew_hi <= 8.065134048461914) {
+                          return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.skew_hi <= 11.547698020935059) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 13.613242149353027) {
-                    if (x.log2_S <= 13.311499118804932) {
-                      if (x.avg <= 6.263376474380493) {
-                        if (x.skew_hi <= 9.323290348052979) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {2, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.skew_hi <= 9.404849529266357) {
-                      if (x.log2_S <= 13.007549285888672) {
-                        if (x.skew_hi <= 4.9609479904174805) {
-                          if (x.log2_S <= 10.369615077972412) {
-                            return {4, 64, 32, 1, 0};  // SP
+                    if (x.avg <= 13.91681957244873) {
+                      if (x.log2_S <= 13.400899410247803) {
+                        if (x.log2_S <= 9.417977333068848) {
+                          if (x.skew_lo <= 4.7047483921051025) {
+                            return {2, 8, 8, 32, 1};  // SR
                           } else {
                             return {1, 8, 8, 32, 1};  // SR
                           }
+                        } else {
+                          if (x.avg <= 6.979189395904541) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 2.519393801689148) {
+                          return {4, 2, 8, 128, 1};  // SR
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 12.675608158111572) {
-                        if (x.skew_lo <= 5.524402618408203) {
-                          if (x.skew_hi <= 9.478600025177002) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
+                      if (x.log2_S <= 11.878662109375) {
+                        if (x.skew_hi <= 9.934793472290039) {
+                          if (x.avg <= 26.678312301635742) {
                             return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
                           }
                         } else {
                           return {2, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 13.432292938232422) {
-                          if (x.avg <= 18.9717435836792) {
-                            return {2, 8, 8, 32, 1};  // SR
+                        if (x.log2_S <= 13.38231086730957) {
+                          if (x.avg <= 17.555800437927246) {
+                            if (x.log2_S <= 12.573978424072266) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
                           } else {
-                            return {1, 8, 8, 32, 1};  // SR
+                            if (x.skew_hi <= 5.799846887588501) {
+                              if (x.avg <= 24.830124855041504) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_hi <= 9.602513313293457) {
+                                return {4, 2, 8, 128, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 12.687489986419678) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                }
+                              }
+                            }
                           }
                         } else {
                           return {4, 2, 8, 128, 1};  // SR
@@ -2343,36 +2341,82 @@ inline Config plain_config(const Features& f) {
                       }
                     }
                   }
-                }
-              } else {
-                if (x.skew_hi <= 4.773589134216309) {
-                  if (x.log2_S <= 12.415882110595703) {
-                    if (x.log2_S <= 12.123918533325195) {
-                      return {4, 64, 32, 1, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -0.814549058675766) {
-                        return {4, 64, 32, 2, 0};  // SP
+                } else {
+                  if (x.log2_S <= 13.773425102233887) {
+                    if (x.skew_lo <= 7.551985025405884) {
+                      if (x.skew_hi <= 11.01326036453247) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
-                        return {4, 64, 32, 1, 0};  // SP
+                        if (x.log2_S <= 12.204981327056885) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
                       }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.skew_hi <= 3.2252609729766846) {
-                      if (x.log2_S <= 12.684507369995117) {
-                        return {4, 64, 32, 2, 0};  // SP
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 5.121718645095825) {
+                  if (x.log2_S <= 11.401954174041748) {
+                    if (x.avg <= 32.44863510131836) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 64, 32, 1, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 12.287408351898193) {
+                      if (x.avg <= 99.36303329467773) {
+                        if (x.skew_hi <= 4.052164912223816) {
+                          return {4, 64, 32, 1, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.053841590881348) {
+                            if (x.avg <= 35.8214225769043) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 64, 32, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 32, 1, 0};  // SP
+                          }
+                        }
                       } else {
-                        return {4, 32, 64, 2, 0};  // SP
+                        return {4, 64, 32, 2, 0};  // SP
                       }
                     } else {
-                      return {4, 32, 64, 4, 0};  // SP
+                      if (x.avg <= 50.177730560302734) {
+                        if (x.log2_S <= 12.985860824584961) {
+                          if (x.skew_hi <= 4.901699542999268) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 2.5988324880599976) {
+                          if (x.log2_S <= 12.67752456665039) {
+                            return {4, 64, 32, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
                     }
                   }
                 } else {
-                  if (x.avg <= 43.52692794799805) {
-                    if (x.log2_S <= 10.681148052215576) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
+                  if (x.skew_hi <= 5.603978157043457) {
+                    if (x.skew_lo <= 1.1673755645751953) {
                       return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
                     return {4, 2, 8, 128, 1};  // SR
@@ -2380,138 +2424,102 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 15.445452690124512) {
-                if (x.skew_lo <= 0.19802702963352203) {
-                  if (x.skew_hi <= 3.241155982017517) {
-                    if (x.log2_S <= 15.227967739105225) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
+              if (x.log2_S <= 15.152305603027344) {
+                if (x.skew_lo <= 0.15807777643203735) {
+                  if (x.avg <= 118.5784797668457) {
+                    return {4, 32, 64, 4, 0};  // SP
                   } else {
-                    if (x.log2_S <= 14.935914039611816) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
+                    return {4, 32, 64, 2, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 7.881335496902466) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 15.13805103302002) {
-                        return {1, 8, 8, 32, 1};  // SR
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_lo <= 3.743824005126953) {
+                      if (x.skew_hi <= 6.97584080696106) {
+                        return {4, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 8.696417808532715) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
+                        if (x.log2_S <= 14.565180778503418) {
                           return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 1.5667343139648438) {
-                        if (x.log2_S <= 15.020602703094482) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 4, 16};  // PR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
+                      return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
                     return {4, 2, 8, 128, 1};  // SR
                   }
                 }
               } else {
-                return {4, 2, 8, 128, 1};  // SR
+                if (x.skew_hi <= 13.951794624328613) {
+                  return {4, 2, 8, 128, 1};  // SR
+                } else {
+                  return {4, 32, 8, 4, 16};  // PR
+                }
               }
             }
           }
         } else {
-          if (x.skew_hi <= 19.516974449157715) {
-            if (x.skew_lo <= 10.577968120574951) {
-              if (x.avg <= 11.188536643981934) {
-                if (x.avg <= 11.06900691986084) {
-                  return {4, 32, 8, 4, 8};  // PR
-                } else {
-                  return {4, 32, 8, 4, 16};  // PR
-                }
-              } else {
-                return {4, 32, 8, 4, 8};  // PR
-              }
+          if (x.skew_hi <= 19.66549301147461) {
+            if (x.skew_lo <= 10.608649730682373) {
+              return {4, 32, 8, 4, 8};  // PR
             } else {
-              if (x.log2_S <= 16.050868034362793) {
-                if (x.skew_lo <= 10.77150011062622) {
-                  if (x.skew_hi <= 13.019486904144287) {
+              if (x.log2_S <= 15.973194599151611) {
+                if (x.avg <= 9.016086101531982) {
+                  return {4, 32, 8, 4, 16};  // PR
+                } else {
+                  if (x.log2_S <= 12.125426292419434) {
                     return {4, 32, 8, 4, 16};  // PR
                   } else {
-                    if (x.log2_S <= 14.060183048248291) {
+                    if (x.skew_hi <= 14.260404109954834) {
                       return {4, 32, 8, 2, 16};  // PR
                     } else {
                       return {4, 32, 8, 4, 16};  // PR
                     }
                   }
-                } else {
-                  return {4, 32, 8, 4, 16};  // PR
                 }
               } else {
-                if (x.avg <= 5.319766283035278) {
-                  if (x.log2_S <= 18.794727325439453) {
+                if (x.skew_lo <= 11.56074571609497) {
+                  if (x.skew_hi <= 18.557859420776367) {
+                    if (x.skew_hi <= 16.821280479431152) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 4, 8};  // PR
+                    }
+                  } else {
+                    if (x.avg <= 8.516112327575684) {
+                      return {4, 32, 16, 4, 8};  // PR
+                    } else {
+                      return {4, 32, 8, 4, 8};  // PR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.411953926086426) {
                     return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.skew_lo <= 12.664856910705566) {
-                      if (x.skew_lo <= 11.808160305023193) {
+                    if (x.skew_lo <= 11.973230361938477) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 2.5299137830734253) {
                         return {4, 32, 8, 2, 16};  // PR
                       } else {
                         return {4, 32, 8, 4, 16};  // PR
                       }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 18.557859420776367) {
-                    if (x.skew_hi <= 16.582619667053223) {
-                      if (x.avg <= 8.362713813781738) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 4, 8};  // PR
-                      }
-                    } else {
-                      if (x.avg <= 7.336065769195557) {
-                        return {4, 32, 8, 4, 8};  // PR
-                      } else {
-                        if (x.avg <= 8.999419689178467) {
-                          return {4, 32, 16, 4, 8};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 8};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.801629543304443) {
-                      return {4, 32, 8, 4, 8};  // PR
-                    } else {
-                      return {4, 32, 16, 4, 8};  // PR
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.avg <= 4.9557249546051025) {
-              if (x.log2_S <= 21.388239860534668) {
-                if (x.avg <= 2.3885759115219116) {
+            if (x.avg <= 4.904719829559326) {
+              if (x.avg <= 2.34884250164032) {
+                if (x.log2_S <= 22.041730880737305) {
                   return {2, 8, 64, 32, 1};  // SR
                 } else {
-                  if (x.avg <= 4.624663352966309) {
-                    return {4, 32, 8, 4, 16};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
+                  return {4, 32, 8, 4, 16};  // PR
                 }
               } else {
-                if (x.avg <= 4.4577319622039795) {
+                if (x.avg <= 4.643727540969849) {
                   return {4, 32, 8, 4, 16};  // PR
                 } else {
                   return {4, 32, 8, 2, 16};  // PR
@@ -2519,12 +2527,14 @@ inline Config plain_config(const Features& f) {
               }
             } else {
               if (x.skew_hi <= 21.012744903564453) {
-                if (x.skew_lo <= 10.439666748046875) {
-                  if (x.skew_lo <= 8.758261680603027) {
+                if (x.avg <= 11.835453033447266) {
+                  return {4, 32, 16, 4, 8};  // PR
+                } else {
+                  if (x.skew_lo <= 9.08412790298462) {
                     return {4, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.skew_hi <= 20.630330085754395) {
-                      if (x.skew_hi <= 19.72068214416504) {
+                    if (x.log2_S <= 20.630330085754395) {
+                      if (x.log2_S <= 19.8096342086792) {
                         return {4, 32, 16, 4, 8};  // PR
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
@@ -2533,25 +2543,15 @@ inline Config plain_config(const Features& f) {
                       return {4, 32, 16, 4, 8};  // PR
                     }
                   }
-                } else {
-                  return {4, 32, 16, 4, 8};  // PR
                 }
               } else {
-                if (x.log2_S <= 21.14188861846924) {
-                  if (x.avg <= 60.463375091552734) {
-                    return {4, 32, 16, 4, 8};  // PR
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
+                if (x.skew_lo <= 11.46982192993164) {
+                  return {4, 32, 16, 4, 8};  // PR
                 } else {
-                  if (x.skew_lo <= 11.518331050872803) {
+                  if (x.log2_S <= 23.13417625427246) {
                     return {4, 32, 16, 4, 8};  // PR
                   } else {
-                    if (x.skew_hi <= 23.13417625427246) {
-                      return {4, 32, 16, 4, 8};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 }
               }
@@ -2559,183 +2559,159 @@ inline Config plain_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_S <= 14.81153678894043) {
-          if (x.long_level <= 2.5) {
-            if (x.skew_lo <= 0.06960234045982361) {
-              if (x.avg <= 65.075439453125) {
-                if (x.log2_S <= 11.035250663757324) {
-                  if (x.skew_lo <= -1.6252922415733337) {
-                    if (x.log2_S <= 10.770453453063965) {
-                      if (x.skew_lo <= -1.9052343964576721) {
-                        return {2, 64, 32, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 9.324662208557129) {
-                          return {2, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {1, 2, 32, 128, 0};  // SP
-                        }
-                      }
+        if (x.log2_S <= 14.699364185333252) {
+          if (x.skew_lo <= -0.10272011160850525) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 10.790420532226562) {
+                if (x.skew_lo <= -1.6252922415733337) {
+                  if (x.avg <= 3.63949453830719) {
+                    if (x.log2_S <= 9.030417442321777) {
+                      return {2, 64, 32, 2, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -5.044519424438477) {
-                        return {2, 64, 32, 2, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 3.2373851537704468) {
-                          return {2, 32, 32, 8, 0};  // SP
-                        } else {
-                          return {2, 64, 32, 2, 0};  // SP
-                        }
-                      }
+                      return {1, 2, 32, 128, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -0.6880686283111572) {
-                      if (x.skew_hi <= 4.487296104431152) {
-                        if (x.log2_S <= 9.77795124053955) {
-                          return {1, 2, 32, 128, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_hi <= 5.605018138885498) {
-                        if (x.skew_lo <= -0.4301912486553192) {
-                          return {2, 32, 32, 8, 0};  // SP
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 32, 4, 0};  // SP
-                      }
-                    }
+                    return {2, 64, 32, 2, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 12.466436862945557) {
-                    if (x.avg <= 2.728902220726013) {
-                      if (x.skew_lo <= -0.8220908939838409) {
-                        return {4, 32, 64, 4, 0};  // SP
+                  if (x.skew_lo <= -0.6880686283111572) {
+                    if (x.skew_lo <= -1.5127038955688477) {
+                      if (x.log2_S <= 9.77795124053955) {
+                        return {1, 2, 32, 128, 0};  // SP
                       } else {
-                        if (x.skew_lo <= -0.49338553845882416) {
-                          return {2, 32, 32, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.00975513458252) {
-                            return {4, 32, 8, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 8, 0};  // SP
-                          }
-                        }
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     } else {
-                      return {2, 32, 32, 8, 0};  // SP
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -2.510385751724243) {
-                      if (x.log2_S <= 12.76016092300415) {
-                        if (x.skew_hi <= 1.3212130069732666) {
-                          return {2, 32, 32, 8, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 0.04906639643013477) {
-                          return {2, 32, 32, 8, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      }
+                    if (x.avg <= 1.3131216764450073) {
+                      return {4, 32, 32, 4, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -1.6269683241844177) {
-                        if (x.log2_S <= 13.3918137550354) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
+                      if (x.log2_S <= 9.946566104888916) {
+                        return {2, 32, 32, 8, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 4.229870080947876) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= -0.39690546691417694) {
-                            if (x.skew_lo <= -0.7878356873989105) {
-                              if (x.log2_S <= 14.422080516815186) {
-                                return {4, 8, 64, 32, 0};  // SP
-                              } else {
-                                return {4, 4, 64, 64, 0};  // SP
-                              }
-                            } else {
-                              if (x.log2_S <= 13.72749376296997) {
-                                return {2, 32, 32, 8, 0};  // SP
-                              } else {
-                                return {4, 8, 64, 32, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 13.316951751708984) {
-                              return {4, 32, 32, 8, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 14.055456161499023) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 8, 64, 32, 0};  // SP
-                              }
-                            }
-                          }
-                        }
+                        return {4, 32, 32, 8, 0};  // SP
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 95.66654205322266) {
-                  if (x.log2_S <= 11.358182907104492) {
-                    return {2, 8, 8, 32, 1};  // SR
+                if (x.log2_S <= 12.107719421386719) {
+                  if (x.skew_lo <= -1.544849693775177) {
+                    return {2, 32, 32, 8, 0};  // SP
                   } else {
-                    if (x.log2_S <= 13.906205654144287) {
-                      return {4, 64, 64, 4, 0};  // SP
+                    if (x.skew_lo <= -0.7841592729091644) {
+                      return {4, 32, 64, 4, 0};  // SP
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
+                      if (x.skew_hi <= 5.532513856887817) {
+                        return {2, 32, 32, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 8, 2, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  return {4, 64, 64, 4, 0};  // SP
+                  if (x.avg <= 5.811419486999512) {
+                    if (x.skew_hi <= 3.9009584188461304) {
+                      if (x.log2_S <= 13.18888521194458) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.2488696575164795) {
+                        if (x.log2_S <= 14.47562026977539) {
+                          if (x.log2_S <= 12.313509941101074) {
+                            return {2, 32, 32, 8, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= -1.224044680595398) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.888498783111572) {
+                          if (x.skew_hi <= 5.5798656940460205) {
+                            return {2, 32, 32, 8, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 12.911902904510498) {
+                              return {4, 32, 32, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
                 }
               }
             } else {
-              if (x.avg <= 5.268927812576294) {
+              if (x.avg <= 98.1186294555664) {
+                if (x.log2_S <= 11.648757934570312) {
+                  return {2, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.log2_S <= 14.197812557220459) {
+                    return {4, 64, 64, 4, 0};  // SP
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                }
+              } else {
+                return {4, 64, 64, 4, 0};  // SP
+              }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.avg <= 4.084752559661865) {
                 if (x.skew_lo <= 5.981133699417114) {
                   if (x.log2_S <= 12.546160697937012) {
                     if (x.skew_hi <= 8.433621883392334) {
-                      if (x.log2_S <= 11.248549938201904) {
-                        if (x.skew_lo <= 4.867513418197632) {
-                          return {1, 32, 8, 4, 1};  // SR
+                      if (x.log2_S <= 11.005977630615234) {
+                        if (x.avg <= 1.1645503044128418) {
+                          if (x.log2_S <= 8.708769798278809) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 4, 0};  // SP
+                          }
                         } else {
-                          return {1, 8, 8, 32, 1};  // SR
+                          return {1, 32, 8, 4, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 4.02301025390625) {
-                          if (x.log2_S <= 11.968071937561035) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
+                        if (x.skew_hi <= 8.02301025390625) {
+                          return {4, 32, 8, 2, 0};  // SP
                         } else {
                           return {4, 64, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 12.259861469268799) {
+                      if (x.log2_S <= 12.37410020828247) {
                         return {4, 64, 64, 4, 0};  // SP
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
                     }
                   } else {
-                    return {2, 8, 8, 32, 1};  // SR
+                    if (x.skew_lo <= 2.0208102269098163) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {2, 8, 8, 32, 1};  // SR
+                    }
                   }
                 } else {
-                  if (x.log2_S <= 14.554771900177002) {
+                  if (x.log2_S <= 14.01396369934082) {
                     return {2, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.skew_hi <= 12.78446626663208) {
+                    if (x.skew_hi <= 12.81867790222168) {
                       return {2, 8, 8, 32, 1};  // SR
                     } else {
                       return {2, 8, 16, 32, 1};  // SR
@@ -2743,23 +2719,11 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 14.015398025512695) {
-                  if (x.log2_S <= 13.210103034973145) {
-                    if (x.avg <= 12.200785636901855) {
-                      if (x.skew_lo <= 2.9332741498947144) {
-                        if (x.log2_S <= 11.161669254302979) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 12.001494407653809) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.636763095855713) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {2, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        }
+                if (x.log2_S <= 13.03418493270874) {
+                  if (x.avg <= 5.271250247955322) {
+                    if (x.skew_hi <= 7.918673753738403) {
+                      if (x.log2_S <= 11.833341121673584) {
+                        return {1, 32, 8, 4, 1};  // SR
                       } else {
                         return {2, 8, 8, 32, 1};  // SR
                       }
@@ -2767,98 +2731,122 @@ inline Config plain_config(const Features& f) {
                       return {2, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 65.12635040283203) {
+                    if (x.skew_hi <= 3.9682774543762207) {
+                      if (x.log2_S <= 11.897412300109863) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 64, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {2, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 30.413622856140137) {
+                    if (x.avg <= 17.8962459564209) {
                       return {2, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.log2_S <= 13.532591342926025) {
-                        return {2, 8, 16, 32, 1};  // SR
+                      if (x.log2_S <= 13.818273544311523) {
+                        return {2, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 7.4139604568481445) {
+                        if (x.avg <= 20.48560905456543) {
                           return {4, 4, 16, 64, 1};  // SR
                         } else {
                           return {2, 8, 16, 32, 1};  // SR
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.avg <= 15.098382472991943) {
-                    return {2, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 44.675466537475586) {
-                      if (x.log2_S <= 14.406601905822754) {
-                        if (x.skew_lo <= 1.8943271040916443) {
-                          return {4, 4, 16, 64, 1};  // SR
+                    if (x.avg <= 48.96783256530762) {
+                      if (x.log2_S <= 14.004881858825684) {
+                        if (x.long_level <= 1.5) {
+                          return {2, 8, 8, 32, 1};  // SR
                         } else {
                           return {2, 8, 16, 32, 1};  // SR
                         }
                       } else {
-                        return {2, 8, 16, 32, 1};  // SR
+                        if (x.skew_lo <= 4.67995810508728) {
+                          if (x.avg <= 30.695627212524414) {
+                            return {2, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 4, 16, 64, 1};  // SR
+                          }
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
                       }
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
+                      if (x.skew_lo <= 0.008766918443143368) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 13.329006671905518) {
+                          if (x.avg <= 84.3705062866211) {
+                            return {2, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 4, 16, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
                     }
                   }
                 }
               }
-            }
-          } else {
-            if (x.skew_lo <= 10.544727802276611) {
-              if (x.skew_hi <= 13.916800498962402) {
-                if (x.log2_S <= 11.841705799102783) {
-                  return {4, 32, 8, 4, 8};  // PR
-                } else {
-                  if (x.avg <= 61.99339294433594) {
-                    if (x.avg <= 24.091445922851562) {
-                      if (x.skew_lo <= 10.137216091156006) {
-                        return {4, 32, 8, 4, 8};  // PR
-                      } else {
-                        if (x.skew_hi <= 12.836977481842041) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 8};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 12.10623550415039) {
-                        if (x.avg <= 36.339073181152344) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 8};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
+            } else {
+              if (x.avg <= 37.56550979614258) {
+                if (x.skew_hi <= 11.486252307891846) {
+                  if (x.log2_S <= 10.711261749267578) {
+                    return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.skew_hi <= 11.92795467376709) {
+                    if (x.log2_S <= 11.425395965576172) {
+                      return {4, 32, 8, 4, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 9.304725646972656) {
+                    if (x.skew_hi <= 13.760385513305664) {
                       return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      return {4, 32, 8, 4, 8};  // PR
+                      return {4, 32, 16, 4, 8};  // PR
                     }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 }
               } else {
-                return {4, 32, 16, 4, 8};  // PR
+                if (x.skew_hi <= 13.359357833862305) {
+                  return {2, 8, 16, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 65.74280166625977) {
+                    if (x.skew_hi <= 13.732625484466553) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.log2_S <= 14.532966136932373) {
+                        return {4, 32, 16, 4, 8};  // PR
+                      } else {
+                        return {2, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {2, 8, 64, 32, 1};  // SR
+                  }
+                }
               }
-            } else {
-              return {4, 32, 8, 2, 16};  // PR
             }
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 18.707704544067383) {
-              if (x.avg <= 10.555309295654297) {
-                if (x.log2_S <= 16.160329818725586) {
-                  if (x.avg <= 5.575007677078247) {
-                    if (x.skew_hi <= 5.460830211639404) {
+            if (x.log2_S <= 18.029202461242676) {
+              if (x.avg <= 10.602699756622314) {
+                if (x.log2_S <= 15.13988447189331) {
+                  if (x.skew_hi <= 5.115051031112671) {
+                    if (x.avg <= 7.029299259185791) {
                       return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.log2_S <= 15.449418067932129) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
+                      return {4, 8, 64, 32, 0};  // SP
                     }
                   } else {
                     return {4, 8, 64, 32, 0};  // SP
@@ -2867,138 +2855,100 @@ inline Config plain_config(const Features& f) {
                   return {4, 4, 64, 64, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 18.383865356445312) {
-                  return {4, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.avg <= 14.251588821411133) {
-                    return {4, 4, 64, 64, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
+                return {4, 8, 64, 32, 0};  // SP
               }
             } else {
-              return {4, 4, 64, 64, 0};  // SP
+              if (x.log2_S <= 18.707704544067383) {
+                if (x.skew_hi <= 2.0520942211151123) {
+                  if (x.avg <= 35.817657470703125) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
+              } else {
+                return {4, 4, 64, 64, 0};  // SP
+              }
             }
           } else {
             if (x.skew_lo <= 10.727040767669678) {
               if (x.avg <= 42.33623695373535) {
-                if (x.skew_lo <= 7.588248252868652) {
-                  if (x.log2_S <= 19.47982692718506) {
+                if (x.skew_hi <= 11.02499008178711) {
+                  if (x.log2_S <= 18.486062049865723) {
                     if (x.long_level <= 1.5) {
                       if (x.log2_S <= 15.840733051300049) {
-                        if (x.skew_lo <= 2.102967619895935) {
-                          if (x.log2_S <= 15.421478271484375) {
-                            if (x.skew_hi <= 4.927713394165039) {
-                              return {4, 4, 16, 64, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 1.6748027801513672) {
-                                return {2, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {4, 4, 16, 64, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
+                        if (x.avg <= 14.900593757629395) {
+                          return {2, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 15.572718620300293) {
-                            return {2, 8, 8, 32, 1};  // SR
+                          if (x.avg <= 20.154086112976074) {
+                            return {4, 4, 16, 64, 1};  // SR
                           } else {
-                            if (x.avg <= 7.385625600814819) {
-                              return {2, 8, 8, 32, 1};  // SR
+                            if (x.log2_S <= 15.484371185302734) {
+                              return {2, 8, 16, 32, 1};  // SR
                             } else {
                               return {4, 4, 16, 64, 1};  // SR
                             }
                           }
                         }
                       } else {
-                        if (x.avg <= 2.5382449626922607) {
-                          if (x.log2_S <= 18.03338050842285) {
-                            if (x.log2_S <= 16.388205528259277) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
+                        if (x.log2_S <= 18.202470779418945) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 1.7427261471748352) {
+                            return {2, 8, 16, 32, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 8.74149227142334) {
+                            if (x.skew_hi <= 9.408464431762695) {
                               return {4, 4, 16, 64, 1};  // SR
                             } else {
                               return {2, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 18.202470779418945) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            if (x.avg <= 19.12797260284424) {
-                              return {4, 4, 16, 64, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 1.2486299872398376) {
-                                return {4, 4, 16, 64, 1};  // SR
-                              } else {
-                                return {2, 8, 16, 32, 1};  // SR
-                              }
                             }
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 17.047557830810547) {
-                        if (x.skew_hi <= 10.605324268341064) {
-                          return {2, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.81332540512085) {
-                            if (x.log2_S <= 15.01465368270874) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {2, 8, 16, 32, 1};  // SR
-                            }
+                      if (x.avg <= 26.715917587280273) {
+                        return {2, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 16.304384231567383) {
+                          if (x.log2_S <= 14.996531009674072) {
+                            return {2, 8, 16, 32, 1};  // SR
                           } else {
                             return {4, 4, 16, 64, 1};  // SR
                           }
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
                         }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 1.1336852312088013) {
-                      return {4, 4, 16, 64, 1};  // SR
+                    if (x.skew_lo <= 6.867088079452515) {
+                      if (x.log2_S <= 18.7878999710083) {
+                        if (x.log2_S <= 18.75402545928955) {
+                          return {2, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
                     } else {
-                      if (x.skew_lo <= 7.428552150726318) {
+                      if (x.log2_S <= 19.255070686340332) {
                         return {2, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 21.70355224609375) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
+                        return {4, 4, 16, 64, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 15.78471326828003) {
-                    if (x.long_level <= 2.5) {
-                      return {2, 8, 16, 32, 1};  // SR
-                    } else {
-                      return {4, 32, 16, 4, 8};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 17.18648338317871) {
-                      if (x.long_level <= 2.5) {
-                        return {4, 4, 16, 64, 1};  // SR
+                  if (x.log2_S <= 18.668468475341797) {
+                    if (x.skew_hi <= 13.977922439575195) {
+                      if (x.log2_S <= 15.991138458251953) {
+                        return {2, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 10.494566440582275) {
-                          return {2, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 4, 8};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 7.924776554107666) {
-                        if (x.log2_S <= 18.98370933532715) {
-                          if (x.log2_S <= 17.837434768676758) {
+                        if (x.skew_lo <= 8.868781089782715) {
+                          if (x.log2_S <= 17.107108116149902) {
                             return {4, 4, 16, 64, 1};  // SR
                           } else {
                             return {2, 8, 16, 32, 1};  // SR
@@ -3006,52 +2956,110 @@ inline Config plain_config(const Features& f) {
                         } else {
                           return {4, 4, 16, 64, 1};  // SR
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.487586975097656) {
+                        if (x.log2_S <= 15.78759241104126) {
+                          return {4, 32, 16, 4, 8};  // PR
+                        } else {
+                          return {2, 8, 64, 32, 1};  // SR
+                        }
                       } else {
                         return {4, 4, 16, 64, 1};  // SR
                       }
                     }
+                  } else {
+                    if (x.skew_hi <= 11.854788303375244) {
+                      if (x.log2_S <= 19.35918617248535) {
+                        return {2, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 11.512234210968018) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 22.509757041931152) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {2, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 16.76717185974121) {
-                  if (x.skew_hi <= 11.699392795562744) {
+                if (x.log2_S <= 17.042560577392578) {
+                  if (x.skew_lo <= 5.303263425827026) {
                     return {4, 4, 16, 64, 1};  // SR
                   } else {
-                    if (x.log2_S <= 15.462522983551025) {
-                      if (x.avg <= 71.86707305908203) {
+                    if (x.avg <= 62.51255798339844) {
+                      if (x.log2_S <= 15.762561321258545) {
                         return {4, 32, 16, 4, 8};  // PR
                       } else {
-                        if (x.skew_hi <= 14.846621990203857) {
+                        return {2, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 16.54996967315674) {
+                        return {2, 8, 64, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 7.21988582611084) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {2, 8, 64, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 55.96417808532715) {
+                    if (x.skew_lo <= 2.3970788419246674) {
+                      if (x.log2_S <= 20.475725173950195) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 17.366524696350098) {
+                        return {2, 8, 64, 32, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 17.216301918029785) {
+                if (x.skew_hi <= 15.238834857940674) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.avg <= 7.150556802749634) {
+                    if (x.log2_S <= 16.75062847137451) {
+                      return {4, 32, 16, 4, 8};  // PR
+                    } else {
+                      if (x.skew_lo <= 12.588839054107666) {
+                        if (x.skew_lo <= 11.34071969985962) {
+                          return {2, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 4, 8};  // PR
+                        }
+                      } else {
+                        if (x.skew_hi <= 16.793972969055176) {
                           return {4, 32, 16, 4, 8};  // PR
                         } else {
                           return {2, 8, 64, 32, 1};  // SR
                         }
                       }
-                    } else {
-                      return {2, 8, 64, 32, 1};  // SR
                     }
-                  }
-                } else {
-                  return {4, 4, 16, 64, 1};  // SR
-                }
-              }
-            } else {
-              if (x.log2_S <= 17.094667434692383) {
-                if (x.skew_hi <= 15.095932006835938) {
-                  if (x.skew_lo <= 10.924638271331787) {
-                    return {4, 32, 16, 4, 8};  // PR
                   } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.skew_lo <= 11.17040491104126) {
                     if (x.log2_S <= 16.09351921081543) {
                       return {4, 32, 16, 4, 8};  // PR
                     } else {
                       return {2, 8, 64, 32, 1};  // SR
                     }
-                  } else {
-                    return {4, 32, 16, 4, 8};  // PR
                   }
                 }
               } else {
@@ -3064,228 +3072,184 @@ inline Config plain_config(const Features& f) {
     } else {
       if (x.F <= 45.254833995939045) {
         if (x.long_level <= 0.5) {
-          if (x.log2_S <= 17.66928768157959) {
-            if (x.log2_S <= 12.596329689025879) {
-              if (x.skew_hi <= 4.389501571655273) {
-                if (x.log2_S <= 9.90608549118042) {
-                  return {1, 32, 64, 4, 0};  // SP
-                } else {
-                  if (x.skew_hi <= 2.215880513191223) {
-                    if (x.log2_S <= 11.022278308868408) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -5.220736026763916) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.049378871917725) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.457653999328613) {
-                      if (x.skew_hi <= 4.08410120010376) {
-                        return {1, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_lo <= -2.2357089519500732) {
-                        if (x.skew_lo <= -3.4369713068008423) {
-                          if (x.log2_S <= 12.111703872680664) {
-                            return {1, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 11.709840297698975) {
-                          return {2, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                }
+          if (x.log2_S <= 12.736406803131104) {
+            if (x.skew_hi <= 4.268598318099976) {
+              if (x.log2_S <= 11.909952640533447) {
+                return {1, 32, 64, 4, 0};  // SP
               } else {
-                if (x.avg <= 1.4593562483787537) {
-                  if (x.skew_lo <= -0.3864816874265671) {
-                    return {4, 64, 32, 1, 0};  // SP
+                if (x.skew_hi <= 1.9843927025794983) {
+                  if (x.avg <= 35.44094276428223) {
+                    return {4, 32, 32, 4, 0};  // SP
                   } else {
-                    return {4, 64, 64, 4, 0};  // SP
+                    if (x.avg <= 59.04803466796875) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 32, 32, 4, 0};  // SP
+                    }
                   }
                 } else {
-                  if (x.skew_lo <= -1.494157314300537) {
-                    if (x.log2_S <= 10.68075704574585) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {2, 64, 32, 2, 0};  // SP
-                    }
+                  if (x.skew_lo <= -2.3688931465148926) {
+                    return {1, 32, 64, 4, 0};  // SP
                   } else {
-                    return {2, 64, 32, 2, 0};  // SP
+                    if (x.log2_S <= 12.301555633544922) {
+                      return {1, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
                   }
                 }
               }
             } else {
-              if (x.avg <= 7.153419017791748) {
-                if (x.skew_lo <= -0.805095762014389) {
-                  if (x.log2_S <= 14.187709331512451) {
-                    if (x.skew_hi <= 4.5494794845581055) {
-                      if (x.skew_hi <= 3.4019075632095337) {
-                        if (x.log2_S <= 13.712107181549072) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 13.133793830871582) {
-                        if (x.skew_lo <= -1.3663228750228882) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {2, 64, 32, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    }
+              if (x.skew_lo <= -0.5453278720378876) {
+                if (x.avg <= 2.8831676244735718) {
+                  if (x.log2_S <= 12.320240497589111) {
+                    return {2, 64, 32, 2, 0};  // SP
                   } else {
-                    return {4, 8, 64, 32, 0};  // SP
+                    return {4, 32, 64, 2, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 16.22990894317627) {
-                    if (x.log2_S <= 14.23565149307251) {
-                      if (x.avg <= 1.336170494556427) {
-                        if (x.log2_S <= 13.675713062286377) {
-                          return {4, 64, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 1.521480917930603) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    }
+                  if (x.log2_S <= 10.610429286956787) {
+                    return {1, 8, 64, 32, 0};  // SP
                   } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.41398572921753) {
-                  if (x.skew_hi <= 2.349865674972534) {
-                    if (x.avg <= 46.42819404602051) {
-                      if (x.log2_S <= 12.861875534057617) {
-                        return {4, 8, 64, 32, 0};  // SP
+                    if (x.avg <= 3.1209728717803955) {
+                      if (x.log2_S <= 12.195892333984375) {
+                        return {2, 64, 32, 2, 0};  // SP
                       } else {
                         return {4, 16, 64, 8, 0};  // SP
                       }
                     } else {
                       return {4, 32, 64, 4, 0};  // SP
                     }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= -0.4058002531528473) {
+                  if (x.log2_S <= 11.328020572662354) {
+                    return {4, 64, 32, 1, 0};  // SP
                   } else {
-                    return {4, 32, 64, 4, 0};  // SP
+                    return {2, 64, 32, 2, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= -3.247716546058655) {
-                    if (x.skew_hi <= 0.16346298158168793) {
-                      if (x.log2_S <= 14.377243518829346) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
+                  if (x.log2_S <= 11.55898666381836) {
+                    return {4, 64, 64, 4, 0};  // SP
                   } else {
-                    if (x.log2_S <= 16.278833389282227) {
-                      return {4, 16, 64, 8, 0};  // SP
+                    if (x.avg <= 1.054844856262207) {
+                      return {4, 64, 64, 4, 0};  // SP
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      return {4, 64, 32, 1, 0};  // SP
                     }
                   }
                 }
               }
             }
           } else {
-            return {4, 8, 64, 32, 0};  // SP
-          }
-        } else {
-          if (x.log2_S <= 18.491867065429688) {
-            if (x.skew_hi <= 13.722668170928955) {
-              if (x.long_level <= 2.5) {
-                if (x.avg <= 12.69877576828003) {
-                  if (x.log2_S <= 12.54037857055664) {
-                    if (x.avg <= 3.9743590354919434) {
-                      if (x.long_level <= 1.5) {
-                        if (x.skew_lo <= 4.681220531463623) {
-                          if (x.log2_S <= 11.649643898010254) {
-                            if (x.skew_hi <= 8.434287071228027) {
-                              if (x.skew_hi <= 8.023357391357422) {
-                                return {2, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
+            if (x.log2_S <= 17.66928768157959) {
+              if (x.skew_hi <= 2.582237482070923) {
+                if (x.log2_S <= 13.782202243804932) {
+                  if (x.skew_lo <= -4.1577959060668945) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -3.7486565113067627) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 13.007211208343506) {
+                        return {1, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 0.27949535846710205) {
+                    if (x.log2_S <= 15.696645259857178) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 16.39111614227295) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 17.27769184112549) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          if (x.log2_S <= 12.40991497039795) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
+                          return {4, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 16, 64, 8, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.avg <= 1.7472667694091797) {
+                  if (x.log2_S <= 16.22990894317627) {
+                    if (x.avg <= 1.3614646792411804) {
+                      if (x.log2_S <= 14.806834697723389) {
+                        if (x.log2_S <= 13.017371654510498) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
                         }
                       } else {
-                        return {1, 32, 8, 4, 1};  // SR
+                        return {4, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 12.029170989990234) {
-                        if (x.avg <= 4.552163600921631) {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 11.293093204498291) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
+                      if (x.log2_S <= 14.98150634765625) {
+                        if (x.skew_hi <= 5.281200647354126) {
+                          if (x.log2_S <= 13.70090913772583) {
+                            return {4, 32, 64, 2, 0};  // SP
                           } else {
-                            return {1, 32, 8, 4, 1};  // SR
+                            return {4, 16, 64, 8, 0};  // SP
                           }
                         } else {
-                          if (x.avg <= 9.331053256988525) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 6.35041880607605) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 8.987226486206055) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 11.632415771484375) {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {4, 8, 8, 32, 1};  // SR
-                                }
-                              }
-                            }
-                          }
+                          return {4, 32, 64, 2, 0};  // SP
                         }
                       } else {
-                        if (x.avg <= 6.263376474380493) {
+                        if (x.avg <= 1.4273250102996826) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 13.367981433868408) {
+                    if (x.avg <= 3.1254740953445435) {
+                      if (x.skew_hi <= 4.8539228439331055) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 9.60804033279419) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              return {4, 8, 64, 32, 0};  // SP
+            }
+          }
+        } else {
+          if (x.log2_S <= 18.282529830932617) {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 12.53681468963623) {
+                if (x.avg <= 16.012688636779785) {
+                  if (x.skew_lo <= 3.8801711797714233) {
+                    if (x.log2_S <= 12.039994716644287) {
+                      return {1, 32, 8, 4, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 2.771819591522217) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.32254695892334) {
                           return {1, 32, 8, 4, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
@@ -3293,85 +3257,185 @@ inline Config plain_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 12.997371673583984) {
-                      if (x.log2_S <= 13.341942310333252) {
-                        if (x.avg <= 4.551932096481323) {
-                          if (x.long_level <= 1.5) {
-                            return {1, 32, 8, 4, 1};  // SR
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 2.494552254676819) {
+                        if (x.log2_S <= 12.356563091278076) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 11.541089534759521) {
+                          if (x.skew_hi <= 8.434287071228027) {
+                            if (x.skew_hi <= 8.023357391357422) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
                           } else {
-                            return {4, 8, 8, 32, 1};  // SR
+                            return {2, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 7.160083055496216) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.095388412475586) {
+                          if (x.log2_S <= 8.763112545013428) {
+                            if (x.avg <= 4.366088151931763) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 11.671359062194824) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 11.748175621032715) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 4, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 8, 8, 32, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 82.11750793457031) {
+                  if (x.skew_hi <= 12.590026378631592) {
+                    if (x.avg <= 64.65685272216797) {
+                      if (x.avg <= 2.5788092613220215) {
+                        if (x.log2_S <= 13.890836715698242) {
+                          if (x.log2_S <= 13.193139553070068) {
+                            if (x.long_level <= 1.5) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
                           }
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 18.05215549468994) {
-                          if (x.log2_S <= 13.975056171417236) {
-                            if (x.avg <= 2.456259846687317) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
+                        if (x.log2_S <= 17.540008544921875) {
+                          return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.skew_lo <= 7.430419445037842) {
-                            return {4, 8, 8, 32, 1};  // SR
+                          if (x.skew_hi <= 11.722440719604492) {
+                            if (x.skew_lo <= 6.530569076538086) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 17.979731559753418) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 16, 32, 1};  // SR
+                              }
+                            }
                           } else {
                             return {4, 8, 16, 32, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 15.398201942443848) {
+                      if (x.skew_lo <= 1.823402569629252) {
                         return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.270866870880127) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.398201942443848) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 12.971800804138184) {
+                        if (x.log2_S <= 16.83518886566162) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
                       } else {
                         return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.068919658660889) {
-                    if (x.avg <= 15.932979106903076) {
-                      if (x.skew_hi <= 6.315954685211182) {
-                        if (x.log2_S <= 11.678390502929688) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
+                  if (x.log2_S <= 13.827847003936768) {
+                    if (x.log2_S <= 13.504826545715332) {
                       return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 71.43579864501953) {
-                      if (x.avg <= 55.946319580078125) {
+                    } else {
+                      if (x.long_level <= 1.5) {
                         return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.long_level <= 1.5) {
+                        if (x.avg <= 103.5083999633789) {
                           return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.597017765045166) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.583872318267822) {
-                        if (x.skew_lo <= -0.9641391038894653) {
-                          return {4, 16, 64, 8, 0};  // SP
                         } else {
                           return {4, 8, 16, 32, 1};  // SR
                         }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.454062938690186) {
+                      if (x.skew_lo <= -0.9066746234893799) {
+                        return {4, 16, 64, 8, 0};  // SP
                       } else {
-                        if (x.avg <= 80.55245590209961) {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 15.788215160369873) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.778485298156738) {
+                if (x.avg <= 8.491445064544678) {
+                  if (x.skew_hi <= 12.523940086364746) {
+                    if (x.avg <= 8.091735601425171) {
+                      return {4, 32, 8, 4, 8};  // PR
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    return {2, 16, 64, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_lo <= 8.57535982131958) {
+                    if (x.log2_S <= 11.901159286499023) {
+                      if (x.avg <= 85.80728530883789) {
+                        if (x.log2_S <= 8.683702945709229) {
+                          if (x.skew_lo <= 8.143411636352539) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 6.68606424331665) {
+                          if (x.log2_S <= 8.507389068603516) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 103.86103820800781) {
+                            if (x.skew_hi <= 10.276934146881104) {
                               return {4, 8, 16, 32, 1};  // SR
                             } else {
                               return {4, 8, 8, 32, 1};  // SR
@@ -3379,192 +3443,132 @@ inline Config plain_config(const Features& f) {
                           } else {
                             return {4, 8, 16, 32, 1};  // SR
                           }
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 60.708412170410156) {
-                  if (x.avg <= 10.010107517242432) {
-                    if (x.skew_hi <= 12.131180763244629) {
-                      if (x.avg <= 8.091735601425171) {
-                        return {4, 32, 8, 4, 8};  // PR
-                      } else {
-                        if (x.skew_lo <= 10.890476703643799) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
                         }
                       }
                     } else {
-                      return {2, 16, 64, 2, 1};  // SR
+                      return {4, 8, 16, 32, 1};  // SR
                     }
                   } else {
-                    if (x.skew_hi <= 13.434815883636475) {
-                      if (x.skew_lo <= 8.226755142211914) {
-                        if (x.log2_S <= 10.264876365661621) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
+                    if (x.skew_hi <= 13.388811111450195) {
+                      if (x.skew_lo <= 10.677894115447998) {
                         return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.636590480804443) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {2, 16, 64, 2, 1};  // SR
+                        }
                       }
                     } else {
                       return {2, 16, 64, 2, 1};  // SR
                     }
                   }
-                } else {
-                  if (x.log2_S <= 11.669495582580566) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    return {4, 8, 16, 32, 1};  // SR
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 15.414133548736572) {
-                if (x.log2_S <= 14.825735569000244) {
-                  if (x.long_level <= 2.5) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    return {2, 16, 64, 2, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 24.977962493896484) {
-                    if (x.avg <= 1.1494945883750916) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {2, 16, 64, 2, 1};  // SR
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 1};  // SR
-                  }
                 }
               } else {
-                if (x.skew_hi <= 14.706716537475586) {
-                  return {4, 8, 16, 32, 1};  // SR
-                } else {
-                  if (x.avg <= 7.893581390380859) {
-                    if (x.skew_hi <= 16.373483657836914) {
+                if (x.log2_S <= 15.704187870025635) {
+                  if (x.avg <= 17.354454040527344) {
+                    return {2, 16, 64, 2, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 14.295462131500244) {
                       return {2, 16, 64, 2, 1};  // SR
                     } else {
-                      if (x.log2_S <= 18.39534854888916) {
+                      if (x.skew_lo <= 9.613135814666748) {
                         return {4, 8, 64, 32, 1};  // SR
                       } else {
-                        if (x.avg <= 3.5538418292999268) {
+                        if (x.log2_S <= 15.105437278747559) {
                           return {2, 16, 64, 2, 1};  // SR
                         } else {
                           return {4, 8, 64, 32, 1};  // SR
                         }
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 18.33414363861084) {
-                      if (x.skew_hi <= 17.83782386779785) {
-                        return {4, 8, 64, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 17.665532112121582) {
+                    if (x.log2_S <= 16.369718551635742) {
+                      if (x.avg <= 8.362713813781738) {
+                        return {2, 16, 64, 2, 1};  // SR
                       } else {
-                        if (x.avg <= 78.6357307434082) {
-                          return {4, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
+                        return {4, 8, 64, 32, 1};  // SR
                       }
                     } else {
-                      if (x.skew_lo <= 10.456718921661377) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 64, 32, 1};  // SR
-                      }
+                      return {4, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 10.180410861968994) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 1};  // SR
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.skew_lo <= 10.556324005126953) {
-              if (x.avg <= 2.281316876411438) {
-                if (x.skew_hi <= 11.398879528045654) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.avg <= 1.1193724870681763) {
-                    if (x.log2_S <= 19.070960998535156) {
-                      return {4, 8, 16, 32, 1};  // SR
+            if (x.skew_lo <= 10.513899326324463) {
+              if (x.skew_lo <= 5.994002342224121) {
+                if (x.skew_lo <= 4.5604565143585205) {
+                  if (x.avg <= 46.67930603027344) {
+                    if (x.log2_S <= 19.206083297729492) {
+                      return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      return {2, 16, 64, 2, 1};  // SR
+                      if (x.avg <= 19.111364364624023) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 0.9799717664718628) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 26.232796669006348) {
+                            if (x.avg <= 20.80443000793457) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 4.5177435874938965) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
                     }
                   } else {
                     return {4, 8, 16, 32, 1};  // SR
                   }
-                }
-              } else {
-                if (x.log2_S <= 18.947949409484863) {
-                  if (x.long_level <= 1.5) {
-                    if (x.skew_hi <= 4.250207901000977) {
-                      return {4, 8, 16, 32, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 9.667606353759766) {
+                    if (x.skew_lo <= 4.796501159667969) {
+                      if (x.avg <= 2.588716506958008) {
+                        if (x.log2_S <= 18.90341091156006) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
                     } else {
                       return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.skew_hi <= 10.162868976593018) {
-                      if (x.skew_hi <= 8.607222557067871) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 9.641913890838623) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
+                    if (x.long_level <= 1.5) {
+                      return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 28.52048397064209) {
-                    return {4, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 38.41360664367676) {
-                      if (x.skew_hi <= 9.08599042892456) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 21.772141456604004) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 1.0044473111629486) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 44.65397644042969) {
-                        if (x.skew_lo <= 0.6849323511123657) {
-                          if (x.log2_S <= 21.764144897460938) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
+                      if (x.log2_S <= 18.8520565032959) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   }
                 }
+              } else {
+                return {4, 8, 16, 32, 1};  // SR
               }
             } else {
-              if (x.skew_lo <= 12.230908870697021) {
+              if (x.skew_lo <= 12.240962028503418) {
                 return {4, 8, 64, 32, 1};  // SR
               } else {
                 return {2, 16, 64, 2, 1};  // SR
@@ -3574,193 +3578,225 @@ inline Config plain_config(const Features& f) {
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 15.940374851226807) {
-              if (x.avg <= 3.312933325767517) {
-                if (x.log2_S <= 13.639555931091309) {
-                  if (x.skew_hi <= 4.503864526748657) {
-                    if (x.log2_S <= 12.752369403839111) {
-                      if (x.log2_S <= 9.550945281982422) {
-                        if (x.avg <= 3.0851844549179077) {
-                          return {2, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {2, 32, 32, 2, 0};  // SP
-                        }
+          if (x.long_level <= 2.5) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 13.164899826049805) {
+                if (x.avg <= 3.313694477081299) {
+                  if (x.skew_lo <= -1.5276547074317932) {
+                    if (x.log2_S <= 10.279139995574951) {
+                      if (x.avg <= 2.9567500352859497) {
+                        return {2, 64, 32, 2, 0};  // SP
                       } else {
-                        return {4, 64, 32, 2, 0};  // SP
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      return {4, 32, 64, 2, 0};  // SP
+                      if (x.log2_S <= 12.752369403839111) {
+                        return {4, 64, 32, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
                     }
                   } else {
                     return {4, 64, 32, 2, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= -1.0443167090415955) {
-                    if (x.log2_S <= 14.340784072875977) {
-                      return {4, 32, 64, 2, 0};  // SP
+                  if (x.log2_S <= 10.486992359161377) {
+                    if (x.avg <= 3.63949453830719) {
+                      if (x.log2_S <= 8.816257953643799) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      return {4, 16, 64, 8, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -0.4216608703136444) {
-                      if (x.avg <= 1.4922678470611572) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 14.068812847137451) {
-                        return {4, 64, 32, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.573188304901123) {
-                  if (x.skew_hi <= 4.010756015777588) {
-                    if (x.log2_S <= 11.492909908294678) {
-                      return {4, 16, 64, 8, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -5.81027626991272) {
-                        if (x.log2_S <= 11.83963918685913) {
+                    if (x.log2_S <= 11.8957200050354) {
+                      if (x.skew_lo <= -5.222856283187866) {
+                        if (x.log2_S <= 10.5919771194458) {
                           return {2, 64, 32, 2, 0};  // SP
                         } else {
                           return {4, 64, 32, 2, 0};  // SP
                         }
                       } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 9.884385585784912) {
-                      if (x.avg <= 3.5430104732513428) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 11.023584365844727) {
-                        return {2, 64, 32, 2, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -1.8845279216766357) {
-                          return {2, 32, 32, 8, 0};  // SP
+                        if (x.log2_S <= 11.641013622283936) {
+                          return {2, 64, 32, 2, 0};  // SP
                         } else {
-                          return {2, 32, 32, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 2.9905401468276978) {
-                    if (x.skew_hi <= 0.5775428414344788) {
-                      if (x.log2_S <= 14.3618745803833) {
-                        if (x.skew_hi <= 0.25987863540649414) {
-                          return {4, 64, 32, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 13.261282444000244) {
-                            return {4, 16, 64, 8, 0};  // SP
+                          if (x.skew_lo <= -3.6298006772994995) {
+                            return {4, 32, 32, 8, 0};  // SP
                           } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 13.270172119140625) {
-                        if (x.skew_lo <= -4.622649908065796) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_lo <= -3.3066846132278442) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 14.59896993637085) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 8, 0};  // SP
+                            return {2, 64, 32, 2, 0};  // SP
                           }
                         }
                       }
-                    }
-                  } else {
-                    if (x.skew_hi <= 4.17578911781311) {
-                      return {4, 16, 64, 8, 0};  // SP
                     } else {
-                      if (x.log2_S <= 14.314514636993408) {
-                        return {4, 8, 64, 32, 0};  // SP
+                      if (x.avg <= 31.095918655395508) {
+                        if (x.avg <= 6.236813545227051) {
+                          if (x.log2_S <= 12.245525360107422) {
+                            return {2, 64, 32, 2, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -1.906217634677887) {
+                              if (x.log2_S <= 12.681402206420898) {
+                                if (x.skew_hi <= 3.8124998807907104) {
+                                  return {4, 32, 32, 8, 0};  // SP
+                                } else {
+                                  return {2, 32, 32, 8, 0};  // SP
+                                }
+                              } else {
+                                return {4, 16, 64, 8, 0};  // SP
+                              }
+                            } else {
+                              if (x.log2_S <= 12.852286338806152) {
+                                return {4, 64, 32, 2, 0};  // SP
+                              } else {
+                                return {4, 8, 64, 32, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.934990882873535) {
+                            if (x.log2_S <= 12.104679584503174) {
+                              if (x.skew_lo <= -4.015607237815857) {
+                                return {4, 64, 32, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 32, 8, 0};  // SP
+                              }
+                            } else {
+                              return {4, 32, 32, 8, 0};  // SP
+                            }
+                          } else {
+                            if (x.avg <= 13.946371078491211) {
+                              return {4, 16, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 8, 0};  // SP
+                            }
+                          }
+                        }
                       } else {
-                        return {4, 16, 64, 8, 0};  // SP
+                        return {4, 64, 32, 2, 0};  // SP
                       }
                     }
                   }
                 }
-              }
-            } else {
-              if (x.log2_S <= 17.6735782623291) {
-                if (x.skew_hi <= 2.613641858100891) {
-                  if (x.log2_S <= 16.43032169342041) {
-                    if (x.skew_lo <= -4.072962045669556) {
-                      return {4, 16, 64, 8, 0};  // SP
+              } else {
+                if (x.log2_S <= 17.6735782623291) {
+                  if (x.skew_hi <= 4.226779460906982) {
+                    if (x.log2_S <= 16.002765655517578) {
+                      if (x.skew_hi <= 0.7803942561149597) {
+                        if (x.skew_lo <= -5.45574164390564) {
+                          if (x.log2_S <= 13.795501232147217) {
+                            return {4, 64, 32, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
                     } else {
-                      return {4, 32, 64, 2, 0};  // SP
+                      if (x.skew_lo <= -3.4289963245391846) {
+                        if (x.skew_lo <= -3.7447229623794556) {
+                          if (x.log2_S <= 16.733887672424316) {
+                            if (x.avg <= 29.568572998046875) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 16.564515113830566) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 32, 8, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
                     }
                   } else {
-                    if (x.skew_hi <= 2.39007568359375) {
-                      if (x.skew_lo <= -5.923870801925659) {
-                        return {4, 32, 32, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 16.454777717590332) {
-                          return {4, 32, 64, 2, 0};  // SP
+                    if (x.log2_S <= 15.986030101776123) {
+                      if (x.skew_hi <= 4.955683469772339) {
+                        if (x.log2_S <= 13.664729118347168) {
+                          if (x.skew_hi <= 4.405754566192627) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
                         } else {
-                          return {4, 32, 64, 4, 0};  // SP
+                          if (x.skew_hi <= 4.2786455154418945) {
+                            if (x.avg <= 3.3974318504333496) {
+                              return {4, 16, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.564254760742188) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 15.931751728057861) {
+                            if (x.skew_hi <= 5.42262601852417) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 5.578339099884033) {
+                                if (x.avg <= 1.4446197152137756) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 32, 64, 2, 0};  // SP
+                                }
+                              } else {
+                                if (x.log2_S <= 14.068812847137451) {
+                                  return {4, 64, 32, 2, 0};  // SP
+                                } else {
+                                  return {4, 32, 64, 2, 0};  // SP
+                                }
+                              }
+                            }
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
                         }
                       }
                     } else {
-                      return {4, 32, 64, 2, 0};  // SP
+                      return {4, 16, 64, 8, 0};  // SP
                     }
                   }
                 } else {
                   return {4, 16, 64, 8, 0};  // SP
                 }
-              } else {
-                return {4, 16, 64, 8, 0};  // SP
               }
-            }
-          } else {
-            if (x.long_level <= 2.5) {
+            } else {
               if (x.log2_S <= 13.00123929977417) {
-                if (x.skew_lo <= 4.219881057739258) {
-                  if (x.avg <= 8.378696918487549) {
-                    if (x.log2_S <= 12.39775037765503) {
+                if (x.skew_lo <= 4.178684711456299) {
+                  if (x.avg <= 6.885687351226807) {
+                    if (x.log2_S <= 12.526169300079346) {
                       return {2, 32, 8, 8, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 7.269437551498413) {
+                      if (x.skew_lo <= 3.495081901550293) {
                         return {4, 16, 8, 8, 1};  // SR
                       } else {
                         return {2, 32, 8, 8, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.130656719207764) {
-                      if (x.skew_lo <= 3.9201459884643555) {
-                        if (x.avg <= 8.741332530975342) {
-                          if (x.log2_S <= 10.264580726623535) {
-                            return {2, 32, 8, 8, 1};  // SR
+                    if (x.log2_S <= 12.01014232635498) {
+                      if (x.skew_hi <= 7.94867467880249) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 8.012688159942627) {
+                          if (x.log2_S <= 11.174757480621338) {
+                            return {2, 32, 8, 4, 1};  // SR
                           } else {
                             return {4, 16, 8, 8, 1};  // SR
                           }
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 8.030694961547852) {
-                          return {2, 32, 8, 4, 1};  // SR
                         } else {
                           return {4, 16, 8, 8, 1};  // SR
                         }
@@ -3769,10 +3805,18 @@ inline Config plain_config(const Features& f) {
                       if (x.long_level <= 1.5) {
                         return {4, 16, 8, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 81.57284545898438) {
+                        if (x.avg <= 77.20186233520508) {
                           return {4, 16, 8, 8, 1};  // SR
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
+                          if (x.avg <= 113.67723846435547) {
+                            if (x.log2_S <= 12.427334308624268) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
                         }
                       }
                     }
@@ -3782,332 +3826,278 @@ inline Config plain_config(const Features& f) {
                     if (x.log2_S <= 12.461554527282715) {
                       return {2, 32, 8, 8, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 4.961937665939331) {
+                      if (x.skew_hi <= 9.206807613372803) {
                         return {2, 32, 8, 8, 1};  // SR
                       } else {
                         return {2, 32, 8, 4, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.909973621368408) {
-                      return {2, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 10.358169078826904) {
+                    if (x.log2_S <= 12.68576192855835) {
+                      if (x.avg <= 41.67719650268555) {
                         return {2, 32, 8, 4, 1};  // SR
                       } else {
-                        return {4, 16, 16, 8, 1};  // SR
+                        if (x.log2_S <= 11.972658157348633) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
                       }
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 8.157503604888916) {
-                  if (x.log2_S <= 14.058083057403564) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 115.66576385498047) {
-                        return {4, 16, 8, 8, 1};  // SR
+                if (x.avg <= 3.5632193088531494) {
+                  if (x.skew_hi <= 12.587814331054688) {
+                    if (x.log2_S <= 17.654664993286133) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 14.599841594696045) {
+                          if (x.log2_S <= 13.471234798431396) {
+                            if (x.skew_lo <= 4.853443622589111) {
+                              if (x.log2_S <= 13.229136943817139) {
+                                return {2, 32, 8, 8, 1};  // SR
+                              } else {
+                                if (x.avg <= 3.0141431093215942) {
+                                  return {2, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 14.0028977394104) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 8.717017650604248) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
                       } else {
-                        if (x.log2_S <= 13.59877872467041) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 4.235103130340576) {
+                        if (x.log2_S <= 18.504610061645508) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 16, 4, 1};  // SR
+                        }
+                      } else {
+                        return {2, 32, 16, 4, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.16963243484497) {
+                      return {4, 16, 16, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 16.638611793518066) {
+                        if (x.skew_lo <= 9.31007194519043) {
+                          if (x.log2_S <= 16.426090240478516) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 16.3695011138916) {
+                            return {2, 32, 64, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 32, 64, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 39.235952377319336) {
+                    if (x.log2_S <= 19.239846229553223) {
+                      if (x.skew_hi <= 5.788703203201294) {
+                        if (x.log2_S <= 18.26253890991211) {
                           return {4, 16, 8, 8, 1};  // SR
                         } else {
                           return {4, 16, 16, 8, 1};  // SR
                         }
-                      }
-                    } else {
-                      return {4, 16, 16, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 43.281564712524414) {
-                      if (x.skew_hi <= 5.719360589981079) {
-                        if (x.log2_S <= 18.08063316345215) {
-                          if (x.avg <= 37.04220962524414) {
-                            if (x.avg <= 20.965916633605957) {
-                              if (x.log2_S <= 15.31606388092041) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 15.332604885101318) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 20.612529754638672) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 4.954737663269043) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 1.546222746372223) {
-                                return {2, 32, 16, 4, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        }
                       } else {
-                        if (x.avg <= 4.767249822616577) {
-                          if (x.log2_S <= 19.10761070251465) {
-                            if (x.log2_S <= 15.138035774230957) {
-                              if (x.skew_hi <= 7.912158489227295) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
+                        if (x.avg <= 21.378262519836426) {
+                          if (x.log2_S <= 14.11946725845337) {
+                            if (x.long_level <= 1.5) {
+                              if (x.log2_S <= 14.091690063476562) {
                                 return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
                               }
                             } else {
                               return {4, 16, 16, 8, 1};  // SR
                             }
                           } else {
-                            return {2, 32, 16, 4, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 15.28398847579956) {
-                            if (x.skew_hi <= 6.203761339187622) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 16, 16, 8, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.66866683959961) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 14.781074523925781) {
-                        if (x.skew_lo <= 4.706109285354614) {
-                          if (x.log2_S <= 13.376496315002441) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.935571193695068) {
-                            if (x.log2_S <= 13.819033145904541) {
-                              if (x.skew_lo <= 5.043511867523193) {
-                                if (x.log2_S <= 13.097858905792236) {
-                                  return {2, 32, 8, 8, 1};  // SR
+                            if (x.skew_lo <= 2.3803099393844604) {
+                              if (x.log2_S <= 17.19370174407959) {
+                                if (x.log2_S <= 16.546027183532715) {
+                                  if (x.log2_S <= 15.368268013000488) {
+                                    if (x.log2_S <= 14.420943260192871) {
+                                      return {4, 16, 16, 8, 1};  // SR
+                                    } else {
+                                      return {4, 16, 8, 8, 1};  // SR
+                                    }
+                                  } else {
+                                    return {4, 16, 16, 8, 1};  // SR
+                                  }
                                 } else {
-                                  return {2, 32, 8, 4, 1};  // SR
+                                  return {4, 16, 8, 8, 1};  // SR
                                 }
                               } else {
-                                return {2, 32, 8, 4, 1};  // SR
+                                return {4, 16, 16, 8, 1};  // SR
                               }
                             } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 16, 8, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 9.382427215576172) {
-                        if (x.skew_lo <= 4.571221590042114) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.28506088256836) {
-                            if (x.log2_S <= 14.234041213989258) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 14.743345260620117) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.skew_hi <= 8.897376537322998) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  if (x.skew_lo <= 5.129159450531006) {
+                              if (x.avg <= 3.81892192363739) {
+                                if (x.skew_hi <= 8.157359600067139) {
+                                  if (x.log2_S <= 16.982311248779297) {
                                     return {4, 16, 8, 8, 1};  // SR
                                   } else {
                                     return {4, 16, 16, 8, 1};  // SR
                                   }
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
                                 }
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
                               }
                             }
-                          } else {
-                            if (x.log2_S <= 17.26198387145996) {
-                              return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 17.089457511901855) {
+                            if (x.log2_S <= 16.95731258392334) {
+                              return {4, 16, 16, 8, 1};  // SR
                             } else {
-                              if (x.avg <= 30.488502502441406) {
-                                return {4, 16, 8, 8, 1};  // SR
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 9.350540161132812) {
+                              return {2, 32, 16, 4, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 18.282259941101074) {
+                                return {4, 16, 16, 8, 1};  // SR
                               } else {
                                 return {2, 32, 16, 4, 1};  // SR
                               }
                             }
                           }
                         }
+                      }
+                    } else {
+                      if (x.skew_hi <= 7.185363054275513) {
+                        return {4, 16, 16, 8, 1};  // SR
                       } else {
-                        if (x.log2_S <= 16.644990921020508) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 12.896785259246826) {
-                            if (x.avg <= 17.272425651550293) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 5.784559965133667) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            }
+                        if (x.log2_S <= 19.602985382080078) {
+                          if (x.skew_hi <= 7.709401369094849) {
+                            return {4, 16, 16, 8, 1};  // SR
                           } else {
-                            return {2, 32, 64, 8, 1};  // SR
+                            return {2, 32, 16, 4, 1};  // SR
                           }
+                        } else {
+                          return {2, 32, 16, 4, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 12.622984886169434) {
-                      if (x.avg <= 42.18610382080078) {
-                        if (x.log2_S <= 18.50138568878174) {
-                          if (x.skew_hi <= 10.058952331542969) {
-                            if (x.avg <= 37.012033462524414) {
-                              if (x.skew_hi <= 8.275523662567139) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 4, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
+                    if (x.log2_S <= 14.059545516967773) {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 115.66576385498047) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.492811679840088) {
+                            return {4, 16, 8, 8, 1};  // SR
                           } else {
                             return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 19.241918563842773) {
-                            if (x.skew_lo <= 6.259843587875366) {
-                              if (x.avg <= 35.33688163757324) {
-                                return {2, 32, 16, 4, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_lo <= 7.81561279296875) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 4, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {2, 32, 16, 4, 1};  // SR
                           }
                         }
                       } else {
                         return {4, 16, 16, 8, 1};  // SR
                       }
                     } else {
-                      return {2, 32, 64, 8, 1};  // SR
+                      if (x.avg <= 43.508798599243164) {
+                        if (x.log2_S <= 17.695531845092773) {
+                          if (x.skew_lo <= 2.6328898668289185) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
                     }
                   }
                 }
               }
+            }
+          } else {
+            if (x.skew_hi <= 14.542152881622314) {
+              return {2, 32, 64, 8, 1};  // SR
             } else {
-              if (x.log2_S <= 14.926232814788818) {
-                if (x.skew_hi <= 9.172927379608154) {
-                  if (x.skew_lo <= 8.030758380889893) {
-                    return {2, 32, 16, 4, 1};  // SR
-                  } else {
+              if (x.avg <= 7.6330952644348145) {
+                if (x.log2_S <= 18.672222137451172) {
+                  if (x.log2_S <= 17.9271183013916) {
                     return {2, 32, 64, 8, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 11.413382530212402) {
+                      return {4, 16, 64, 2, 1};  // SR
+                    } else {
+                      return {2, 32, 64, 8, 1};  // SR
+                    }
                   }
                 } else {
-                  if (x.skew_hi <= 14.545987129211426) {
-                    if (x.skew_lo <= 6.0398173332214355) {
-                      return {2, 32, 16, 4, 1};  // SR
+                  if (x.avg <= 2.4112108945846558) {
+                    if (x.skew_hi <= 19.76333522796631) {
+                      if (x.skew_hi <= 18.99128532409668) {
+                        return {2, 32, 64, 8, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
+                      }
                     } else {
-                      return {2, 32, 64, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 70.92270278930664) {
-                      return {2, 32, 64, 8, 1};  // SR
-                    } else {
-                      return {4, 16, 64, 2, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 11.102306365966797) {
-                  if (x.avg <= 8.93343448638916) {
-                    if (x.skew_hi <= 17.374459266662598) {
-                      return {2, 32, 64, 8, 1};  // SR
-                    } else {
-                      return {4, 16, 64, 2, 1};  // SR
+                      return {4, 16, 64, 8, 0};  // SP
                     }
                   } else {
                     return {4, 16, 64, 2, 1};  // SR
                   }
-                } else {
-                  if (x.log2_S <= 18.672222137451172) {
-                    if (x.log2_S <= 17.9271183013916) {
-                      return {2, 32, 64, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 3.1402419805526733) {
-                        return {2, 32, 64, 8, 1};  // SR
-                      } else {
-                        if (x.avg <= 3.7182286977767944) {
-                          return {4, 16, 64, 2, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 11.413382530212402) {
-                            return {4, 16, 64, 2, 1};  // SR
-                          } else {
-                            return {2, 32, 64, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    }
+                }
+              } else {
+                if (x.avg <= 9.010524272918701) {
+                  if (x.skew_hi <= 17.13048267364502) {
+                    return {2, 32, 64, 8, 1};  // SR
                   } else {
-                    if (x.avg <= 2.374433994293213) {
-                      if (x.log2_S <= 19.76333522796631) {
-                        return {2, 32, 64, 8, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      return {4, 16, 64, 2, 1};  // SR
-                    }
+                    return {4, 16, 64, 2, 1};  // SR
                   }
+                } else {
+                  return {4, 16, 64, 2, 1};  // SR
                 }
               }
             }
           }
         } else {
           if (x.long_level <= 2.5) {
-            if (x.log2_S <= 17.322258949279785) {
+            if (x.log2_S <= 17.473319053649902) {
               if (x.long_level <= 0.5) {
-                if (x.log2_S <= 12.477895259857178) {
-                  if (x.skew_hi <= 5.342982053756714) {
-                    if (x.log2_S <= 11.931487083435059) {
-                      return {2, 32, 32, 2, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 1.3666163682937622) {
-                        return {4, 64, 32, 2, 0};  // SP
-                      } else {
-                        return {2, 32, 32, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 5.526271343231201) {
+                if (x.log2_S <= 13.036856651306152) {
+                  if (x.avg <= 1.58011794090271) {
+                    if (x.skew_hi <= 5.554593801498413) {
                       return {4, 64, 32, 2, 0};  // SP
                     } else {
                       if (x.log2_S <= 10.419370651245117) {
-                        if (x.skew_lo <= -0.4058002531528473) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 64, 64, 4, 0};  // SP
-                        }
+                        return {4, 64, 64, 4, 0};  // SP
                       } else {
                         if (x.log2_S <= 11.328224658966064) {
                           return {2, 32, 8, 8, 1};  // SR
@@ -4116,219 +4106,253 @@ inline Config plain_config(const Features& f) {
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.skew_lo <= -3.324832797050476) {
-                    if (x.log2_S <= 12.97921895980835) {
-                      return {4, 64, 32, 2, 0};  // SP
-                    } else {
-                      return {4, 64, 64, 4, 0};  // SP
-                    }
                   } else {
-                    if (x.skew_lo <= -0.587869793176651) {
-                      if (x.log2_S <= 15.446829795837402) {
-                        if (x.skew_lo <= -1.2500285506248474) {
-                          if (x.log2_S <= 13.399246215820312) {
-                            if (x.avg <= 3.728094696998596) {
-                              return {2, 32, 32, 2, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 4, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 32, 4, 0};  // SP
-                          }
+                    if (x.skew_lo <= -5.3372392654418945) {
+                      if (x.log2_S <= 10.75071668624878) {
+                        if (x.log2_S <= 9.538178443908691) {
+                          return {4, 32, 32, 4, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 5.194904327392578) {
-                            if (x.log2_S <= 14.00418472290039) {
-                              return {2, 32, 32, 2, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 8, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 32, 2, 0};  // SP
-                          }
+                          return {2, 32, 32, 2, 0};  // SP
                         }
                       } else {
-                        if (x.skew_hi <= 4.103566884994507) {
-                          return {4, 32, 64, 4, 0};  // SP
+                        return {4, 64, 32, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.442651271820068) {
+                        return {2, 32, 32, 2, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -4.30245041847229) {
+                          return {4, 64, 32, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 16.24192523956299) {
-                            return {4, 32, 32, 4, 0};  // SP
+                          return {2, 32, 32, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 2.5359827280044556) {
+                    if (x.log2_S <= 14.196015357971191) {
+                      if (x.log2_S <= 13.993807315826416) {
+                        return {4, 64, 32, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 44.38246536254883) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 16.57758617401123) {
+                        if (x.log2_S <= 16.158029556274414) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 64, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.543753147125244) {
+                      if (x.avg <= 1.465562343597412) {
+                        if (x.skew_hi <= 5.551403522491455) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= -1.1651320457458496) {
+                          if (x.skew_lo <= -3.2709474563598633) {
+                            return {4, 64, 32, 2, 0};  // SP
                           } else {
-                            if (x.skew_lo <= -1.0040133893489838) {
-                              if (x.skew_lo <= -1.611041247844696) {
-                                return {4, 32, 64, 4, 0};  // SP
+                            if (x.log2_S <= 13.399246215820312) {
+                              if (x.skew_lo <= -2.129668891429901) {
+                                return {4, 32, 32, 4, 0};  // SP
                               } else {
-                                return {4, 32, 64, 2, 0};  // SP
+                                return {2, 32, 32, 2, 0};  // SP
                               }
                             } else {
                               return {4, 32, 32, 4, 0};  // SP
                             }
                           }
+                        } else {
+                          if (x.log2_S <= 14.33927059173584) {
+                            return {2, 32, 32, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 16.433536529541016) {
-                        if (x.log2_S <= 13.636558055877686) {
-                          if (x.avg <= 1.3148513436317444) {
-                            if (x.log2_S <= 12.911195755004883) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
+                      if (x.avg <= 3.72293221950531) {
+                        if (x.skew_lo <= -0.7280948162078857) {
+                          return {4, 32, 64, 2, 0};  // SP
                         } else {
-                          return {4, 32, 8, 4, 1};  // SR
+                          if (x.skew_hi <= 5.568027019500732) {
+                            return {4, 32, 32, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 16.146477699279785) {
+                              return {4, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
                         }
                       } else {
-                        if (x.skew_hi <= 5.672097682952881) {
-                          return {4, 32, 32, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 11.487493991851807) {
-                  if (x.skew_lo <= 0.9249177873134613) {
-                    if (x.log2_S <= 10.578408241271973) {
-                      if (x.skew_hi <= 3.01559841632843) {
-                        return {4, 32, 8, 2, 0};  // SP
+                if (x.log2_S <= 12.483561515808105) {
+                  if (x.skew_hi <= 8.493003368377686) {
+                    if (x.avg <= 12.200785636901855) {
+                      if (x.skew_lo <= 4.130760431289673) {
+                        return {2, 32, 8, 8, 1};  // SR
                       } else {
-                        if (x.log2_S <= 9.04202127456665) {
-                          if (x.skew_hi <= 4.022312164306641) {
-                            if (x.avg <= 106.17863082885742) {
-                              return {4, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
+                        if (x.skew_lo <= 6.224160194396973) {
+                          return {2, 32, 8, 4, 1};  // SR
                         } else {
                           return {4, 32, 8, 4, 1};  // SR
                         }
                       }
                     } else {
-                      return {4, 32, 8, 4, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 52.70236015319824) {
-                      if (x.log2_S <= 15.982637405395508) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 12.774393081665039) {
-                            if (x.skew_lo <= 4.108649492263794) {
-                              if (x.skew_hi <= 6.393723011016846) {
-                                if (x.skew_hi <= 5.526899099349976) {
-                                  if (x.log2_S <= 11.918900489807129) {
-                                    return {4, 16, 8, 8, 1};  // SR
-                                  } else {
-                                    return {4, 32, 8, 4, 1};  // SR
-                                  }
-                                } else {
-                                  if (x.avg <= 14.089854717254639) {
-                                    if (x.log2_S <= 11.777206897735596) {
-                                      return {2, 32, 8, 4, 1};  // SR
-                                    } else {
-                                      return {4, 16, 8, 8, 1};  // SR
-                                    }
-                                  } else {
-                                    if (x.log2_S <= 11.587130069732666) {
-                                      if (x.avg <= 14.502683162689209) {
-                                        return {4, 16, 8, 8, 1};  // SR
-                                      } else {
-                                        return {2, 32, 16, 4, 1};  // SR
-                                      }
-                                    } else {
-                                      return {4, 16, 8, 8, 1};  // SR
-                                    }
-                                  }
-                                }
-                              } else {
-                                if (x.log2_S <= 12.415639400482178) {
-                                  return {2, 32, 8, 8, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 4, 1};  // SR
-                                }
-                              }
+                      if (x.avg <= 17.749412536621094) {
+                        if (x.avg <= 14.502683162689209) {
+                          if (x.skew_hi <= 6.371433734893799) {
+                            if (x.skew_hi <= 6.1725287437438965) {
+                              return {4, 16, 8, 8, 1};  // SR
                             } else {
                               return {2, 32, 8, 4, 1};  // SR
                             }
                           } else {
-                            return {4, 32, 8, 4, 1};  // SR
+                            return {4, 16, 8, 8, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 12.545436382293701) {
-                            if (x.avg <= 51.622989654541016) {
-                              if (x.log2_S <= 9.0681734085083) {
-                                if (x.skew_lo <= 7.147205114364624) {
-                                  return {4, 32, 8, 4, 1};  // SR
-                                } else {
-                                  if (x.skew_hi <= 8.444077491760254) {
-                                    return {4, 32, 8, 4, 1};  // SR
-                                  } else {
-                                    if (x.skew_lo <= 8.589720249176025) {
-                                      return {2, 32, 8, 4, 1};  // SR
+                          if (x.log2_S <= 11.941918849945068) {
+                            return {2, 32, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.913342952728271) {
+                          if (x.avg <= 171.980712890625) {
+                            if (x.skew_hi <= 4.786287546157837) {
+                              if (x.skew_lo <= -0.307341992855072) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 10.415245056152344) {
+                                  if (x.skew_hi <= 4.325163841247559) {
+                                    if (x.skew_hi <= 4.141963720321655) {
+                                      if (x.skew_lo <= -0.17577490210533142) {
+                                        return {4, 32, 8, 4, 1};  // SR
+                                      } else {
+                                        if (x.log2_S <= 9.962795734405518) {
+                                          return {4, 16, 8, 8, 1};  // SR
+                                        } else {
+                                          return {4, 32, 8, 4, 1};  // SR
+                                        }
+                                      }
                                     } else {
                                       return {4, 32, 8, 4, 1};  // SR
                                     }
+                                  } else {
+                                    return {4, 16, 8, 8, 1};  // SR
                                   }
+                                } else {
+                                  return {4, 32, 8, 4, 1};  // SR
                                 }
-                              } else {
-                                return {4, 32, 8, 4, 1};  // SR
                               }
                             } else {
                               return {4, 16, 8, 8, 1};  // SR
                             }
                           } else {
-                            if (x.log2_S <= 14.379509925842285) {
-                              if (x.avg <= 16.45630693435669) {
-                                if (x.log2_S <= 13.193247318267822) {
-                                  return {2, 64, 16, 1, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              } else {
-                                if (x.skew_lo <= 5.311002254486084) {
-                                  return {4, 32, 8, 4, 1};  // SR
-                                } else {
-                                  if (x.avg <= 23.18646240234375) {
-                                    return {4, 32, 8, 4, 1};  // SR
-                                  } else {
-                                    return {2, 64, 16, 1, 1};  // SR
-                                  }
-                                }
-                              }
+                            if (x.skew_hi <= 6.032411336898804) {
+                              return {4, 16, 8, 8, 1};  // SR
                             } else {
-                              if (x.skew_hi <= 8.539412498474121) {
-                                return {4, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {2, 64, 16, 1, 1};  // SR
-                              }
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.7300403118133545) {
+                            return {4, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.avg <= 91.75830841064453) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
                             }
                           }
                         }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      return {2, 32, 8, 4, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.6460862159729) {
+                        return {4, 32, 8, 4, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 7.98701286315918) {
+                        if (x.skew_lo <= 8.806304931640625) {
+                          if (x.avg <= 37.2091178894043) {
+                            return {4, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {2, 64, 16, 1, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 15.893625259399414) {
+                      if (x.skew_lo <= 2.0455538034439087) {
+                        if (x.skew_lo <= -0.7842204868793488) {
+                          if (x.log2_S <= 13.899248600006104) {
+                            return {4, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 14.669827938079834) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 7.727792263031006) {
+                          if (x.log2_S <= 13.32634162902832) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 15.221665382385254) {
+                              return {4, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 6.807242155075073) {
+                                return {4, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.59578275680542) {
+                            return {2, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 34.17957878112793) {
+                        if (x.skew_lo <= 3.045057773590088) {
                           if (x.log2_S <= 16.571986198425293) {
                             if (x.avg <= 20.7730770111084) {
-                              if (x.log2_S <= 16.41392230987549) {
-                                if (x.skew_lo <= 2.8207027912139893) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 4, 1};  // SR
-                                }
-                              } else {
-                                if (x.skew_lo <= 2.236870050430298) {
-                                  return {4, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {2, 32, 16, 4, 1};  // SR
-                                }
-                              }
+                              return {4, 32, 8, 4, 1};  // SR
                             } else {
                               return {4, 32, 8, 2, 0};  // SP
                             }
@@ -4336,76 +4360,116 @@ inline Config plain_config(const Features& f) {
                             return {4, 32, 8, 2, 0};  // SP
                           }
                         } else {
-                          if (x.log2_S <= 16.486924171447754) {
-                            if (x.long_level <= 1.5) {
-                              return {2, 32, 16, 4, 1};  // SR
+                          if (x.log2_S <= 16.431601524353027) {
+                            if (x.skew_lo <= 3.887826919555664) {
+                              if (x.log2_S <= 16.18541717529297) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 4, 1};  // SR
+                              }
                             } else {
-                              if (x.skew_hi <= 10.28034496307373) {
-                                if (x.skew_lo <= 4.521561145782471) {
+                              return {2, 32, 16, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 8.413006782531738) {
+                              if (x.log2_S <= 17.28062629699707) {
+                                return {2, 32, 16, 4, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 0};  // SP
+                              }
+                            } else {
+                              return {2, 64, 16, 1, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 4, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 8.656744956970215) {
+                      if (x.log2_S <= 12.741686820983887) {
+                        if (x.skew_lo <= 3.3227657079696655) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 7.741847038269043) {
+                        if (x.log2_S <= 15.983105182647705) {
+                          if (x.skew_hi <= 10.170626163482666) {
+                            if (x.avg <= 32.1793851852417) {
+                              if (x.avg <= 20.70943546295166) {
+                                if (x.log2_S <= 14.175243377685547) {
+                                  if (x.log2_S <= 12.88184118270874) {
+                                    return {2, 64, 16, 1, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 8, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                if (x.log2_S <= 12.82352876663208) {
                                   return {4, 32, 8, 4, 1};  // SR
                                 } else {
                                   return {2, 64, 16, 1, 1};  // SR
                                 }
-                              } else {
-                                if (x.skew_hi <= 10.91313886642456) {
-                                  if (x.log2_S <= 16.406972885131836) {
-                                    return {4, 16, 16, 8, 1};  // SR
-                                  } else {
+                              }
+                            } else {
+                              return {4, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 6.936102390289307) {
+                              if (x.log2_S <= 14.992235660552979) {
+                                if (x.avg <= 5.962179183959961) {
+                                  if (x.log2_S <= 13.909718990325928) {
                                     return {2, 64, 16, 1, 1};  // SR
+                                  } else {
+                                    return {4, 32, 8, 4, 1};  // SR
                                   }
                                 } else {
                                   return {2, 64, 16, 1, 1};  // SR
                                 }
+                              } else {
+                                if (x.log2_S <= 15.48866081237793) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {2, 32, 16, 4, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 12.683366775512695) {
+                                return {2, 64, 16, 1, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 14.311431884765625) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 14.86090087890625) {
+                                    return {2, 64, 16, 1, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 8, 1};  // SR
+                                  }
+                                }
                               }
                             }
+                          }
+                        } else {
+                          return {2, 64, 16, 1, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.825676918029785) {
+                          return {2, 64, 16, 1, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.221838355064392) {
+                            return {2, 64, 64, 1, 1};  // SR
                           } else {
                             return {2, 64, 16, 1, 1};  // SR
                           }
                         }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.740308284759521) {
-                        if (x.avg <= 164.5856170654297) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 3.9457865953445435) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.638412475585938) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 4, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.361128807067871) {
-                    if (x.skew_lo <= 8.62044906616211) {
-                      return {4, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.85695219039917) {
-                        if (x.avg <= 1.0679340958595276) {
-                          return {2, 64, 16, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        return {2, 64, 16, 1, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.446013927459717) {
-                      return {2, 64, 16, 1, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 8.896785259246826) {
-                        return {2, 64, 16, 1, 1};  // SR
-                      } else {
-                        return {2, 64, 64, 1, 1};  // SR
                       }
                     }
                   }
@@ -4413,124 +4477,80 @@ inline Config plain_config(const Features& f) {
               }
             } else {
               if (x.long_level <= 0.5) {
-                if (x.skew_lo <= -3.6689133644104004) {
-                  if (x.log2_S <= 17.702547073364258) {
+                if (x.skew_hi <= 2.348411798477173) {
+                  if (x.log2_S <= 17.671486854553223) {
                     if (x.log2_S <= 17.56876564025879) {
                       return {4, 64, 64, 4, 0};  // SP
                     } else {
-                      return {2, 64, 32, 2, 0};  // SP
+                      return {4, 64, 32, 2, 0};  // SP
                     }
                   } else {
                     return {4, 16, 64, 8, 0};  // SP
                   }
                 } else {
                   if (x.log2_S <= 20.125788688659668) {
-                    if (x.skew_hi <= 3.274673819541931) {
-                      if (x.log2_S <= 17.407862663269043) {
-                        return {4, 64, 64, 4, 0};  // SP
+                    if (x.avg <= 6.613098859786987) {
+                      if (x.skew_lo <= -0.41726863384246826) {
+                        if (x.skew_lo <= -0.6399441659450531) {
+                          if (x.skew_lo <= -2.2624619007110596) {
+                            if (x.log2_S <= 18.911235809326172) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
                       } else {
                         return {4, 32, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.skew_lo <= -0.4286085069179535) {
-                        if (x.skew_hi <= 4.247300386428833) {
-                          if (x.log2_S <= 18.826379776000977) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_hi <= 5.3841893672943115) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 19.014174461364746) {
-                              return {4, 32, 32, 4, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 18.44574546813965) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
-                      }
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 20.520198822021484) {
-                      if (x.avg <= 3.5660935640335083) {
-                        if (x.skew_hi <= 5.306504011154175) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_lo <= -2.688959836959839) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
+                    if (x.skew_hi <= 5.659632682800293) {
                       return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.skew_lo <= 8.622984886169434) {
-                  if (x.avg <= 2.992003083229065) {
-                    if (x.log2_S <= 18.80081844329834) {
-                      return {2, 64, 16, 1, 1};  // SR
-                    } else {
-                      if (x.avg <= 1.6121900081634521) {
-                        return {4, 32, 8, 2, 0};  // SP
+                if (x.skew_lo <= 8.60651445388794) {
+                  if (x.avg <= 86.78634262084961) {
+                    if (x.avg <= 4.12426233291626) {
+                      if (x.log2_S <= 18.713343620300293) {
+                        if (x.skew_hi <= 12.04240369796753) {
+                          return {2, 64, 16, 1, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 0};  // SP
+                        }
                       } else {
-                        if (x.skew_hi <= 9.100263595581055) {
-                          if (x.log2_S <= 19.368776321411133) {
-                            return {4, 32, 8, 2, 0};  // SP
+                        if (x.skew_lo <= 8.532051086425781) {
+                          if (x.skew_lo <= 4.140553951263428) {
+                            return {2, 64, 16, 1, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 8.668488025665283) {
-                              return {4, 32, 8, 2, 0};  // SP
-                            } else {
-                              return {2, 64, 16, 1, 1};  // SR
-                            }
+                            return {4, 32, 8, 2, 0};  // SP
                           }
                         } else {
                           return {2, 64, 16, 1, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 18.49895477294922) {
-                      if (x.avg <= 91.00282287597656) {
-                        if (x.avg <= 4.010085344314575) {
-                          return {2, 64, 16, 1, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 17.611315727233887) {
-                            if (x.skew_hi <= 9.519201278686523) {
-                              return {4, 32, 8, 2, 0};  // SP
-                            } else {
-                              return {2, 64, 16, 1, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 0.7463460564613342) {
-                          if (x.log2_S <= 17.43592071533203) {
-                            return {4, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
                         }
                       }
                     } else {
                       return {4, 32, 8, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= 0.7726368606090546) {
+                      if (x.log2_S <= 18.272385597229004) {
+                        return {4, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
                     }
                   }
                 } else {
@@ -4539,52 +4559,36 @@ inline Config plain_config(const Features& f) {
               }
             }
           } else {
-            if (x.skew_hi <= 16.185253143310547) {
-              if (x.skew_hi <= 11.720356464385986) {
-                if (x.skew_lo <= 8.238399028778076) {
-                  return {2, 64, 16, 1, 1};  // SR
+            if (x.skew_hi <= 16.11955165863037) {
+              if (x.log2_S <= 9.688227653503418) {
+                if (x.avg <= 108.12786483764648) {
+                  return {2, 64, 64, 1, 1};  // SR
                 } else {
-                  if (x.log2_S <= 9.056065082550049) {
-                    if (x.avg <= 43.634544372558594) {
-                      return {2, 64, 64, 1, 1};  // SR
-                    } else {
-                      return {2, 64, 16, 1, 1};  // SR
-                    }
-                  } else {
-                    return {2, 64, 64, 1, 1};  // SR
-                  }
+                  return {2, 64, 16, 1, 1};  // SR
                 }
               } else {
                 return {2, 64, 64, 1, 1};  // SR
               }
             } else {
-              if (x.avg <= 2.749440550804138) {
-                if (x.log2_S <= 18.68632411956787) {
-                  return {2, 64, 64, 1, 1};  // SR
-                } else {
-                  if (x.skew_lo <= 12.660627365112305) {
+              if (x.skew_lo <= 12.533315181732178) {
+                if (x.avg <= 7.509581565856934) {
+                  if (x.skew_hi <= 17.986424446105957) {
                     return {2, 64, 64, 1, 1};  // SR
-                  } else {
-                    return {4, 32, 64, 2, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 7.3930981159210205) {
-                  if (x.log2_S <= 17.986424446105957) {
-                    if (x.skew_hi <= 17.566630363464355) {
-                      return {2, 64, 64, 1, 1};  // SR
-                    } else {
-                      if (x.avg <= 5.983151197433472) {
-                        return {2, 64, 64, 1, 1};  // SR
-                      } else {
-                        return {4, 32, 64, 4, 1};  // SR
-                      }
-                    }
                   } else {
                     return {4, 32, 64, 4, 1};  // SR
                   }
                 } else {
                   return {4, 32, 64, 4, 1};  // SR
+                }
+              } else {
+                if (x.skew_hi <= 18.960423469543457) {
+                  return {2, 64, 64, 1, 1};  // SR
+                } else {
+                  if (x.avg <= 2.4785951375961304) {
+                    return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    return {2, 64, 64, 1, 1};  // SR
+                  }
                 }
               }
             }
@@ -4595,126 +4599,142 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 17, 1144 leaves; training set: oracle/pick geomean 0.992, worst cell 0.790
+// gathered rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 17, 1142 leaves; training set: oracle/pick geomean 0.993, worst cell 0.939
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 13.92041015625) {
-          if (x.skew_lo <= -0.2884819060564041) {
-            if (x.avg <= 72.09919738769531) {
-              if (x.log2_S <= 9.620311737060547) {
-                if (x.skew_lo <= -1.7860661149024963) {
-                  if (x.log2_S <= 9.364904880523682) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.avg <= 26.10659122467041) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
+        if (x.log2_S <= 14.323890209197998) {
+          if (x.skew_lo <= -0.6703516840934753) {
+            if (x.avg <= 102.77754974365234) {
+              if (x.log2_S <= 9.349776268005371) {
+                if (x.skew_hi <= 4.1258392333984375) {
+                  return {1, 2, 64, 128, 0};  // SP
                 } else {
-                  if (x.avg <= 1.7136386036872864) {
-                    return {1, 16, 64, 8, 0};  // SP
-                  } else {
+                  if (x.skew_lo <= -0.7708911299705505) {
                     return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {1, 16, 64, 4, 0};  // SP
                   }
                 }
               } else {
-                if (x.avg <= 1.820795476436615) {
-                  return {1, 16, 64, 8, 0};  // SP
-                } else {
-                  if (x.log2_S <= 12.639185905456543) {
-                    if (x.avg <= 60.056636810302734) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
+                if (x.log2_S <= 12.906672477722168) {
+                  if (x.skew_lo <= -0.8556219935417175) {
+                    if (x.skew_lo <= -5.917932033538818) {
                       return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -1.7921738624572754) {
-                      if (x.skew_hi <= 0.5420742928981781) {
-                        if (x.log2_S <= 13.489844799041748) {
-                          return {1, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
+                    return {1, 16, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -5.318283796310425) {
+                    if (x.log2_S <= 13.31232213973999) {
+                      return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 4.271560192108154) {
+                      if (x.skew_lo <= -3.6935083866119385) {
+                        return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.skew_lo <= -2.2535120248794556) {
-                          if (x.log2_S <= 13.524826049804688) {
+                        if (x.skew_hi <= 3.359209656715393) {
+                          return {1, 4, 32, 64, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.950483798980713) {
                             return {1, 8, 64, 32, 0};  // SP
                           } else {
-                            if (x.skew_lo <= -4.094987869262695) {
-                              return {1, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {1, 4, 32, 64, 0};  // SP
-                            }
+                            return {1, 2, 64, 128, 0};  // SP
                           }
-                        } else {
-                          return {1, 16, 64, 8, 0};  // SP
                         }
                       }
                     } else {
-                      return {1, 16, 64, 4, 0};  // SP
+                      if (x.avg <= 1.810234248638153) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 12.377438068389893) {
-                if (x.skew_hi <= 3.365503191947937) {
-                  if (x.log2_S <= 9.221680641174316) {
-                    if (x.skew_hi <= 2.7530490159988403) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {1, 32, 64, 4, 0};  // SP
-                    }
+              if (x.log2_S <= 12.147396564483643) {
+                if (x.log2_S <= 9.221680641174316) {
+                  if (x.skew_lo <= -1.4434955716133118) {
+                    return {4, 32, 64, 2, 0};  // SP
                   } else {
                     return {1, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  return {1, 2, 8, 128, 1};  // SR
+                  return {1, 32, 64, 4, 0};  // SP
                 }
               } else {
                 return {1, 16, 64, 4, 0};  // SP
               }
             }
           } else {
-            if (x.long_level <= 1.5) {
-              if (x.avg <= 16.048730850219727) {
-                if (x.avg <= 4.154972553253174) {
-                  if (x.log2_S <= 11.163846492767334) {
-                    if (x.skew_lo <= 4.023357391357422) {
-                      if (x.avg <= 1.1959146857261658) {
-                        return {1, 16, 64, 4, 0};  // SP
+            if (x.skew_hi <= 12.329061031341553) {
+              if (x.long_level <= 1.5) {
+                if (x.avg <= 15.932979106903076) {
+                  if (x.avg <= 4.114490270614624) {
+                    if (x.log2_S <= 11.163846492767334) {
+                      if (x.skew_lo <= 4.023357391357422) {
+                        if (x.avg <= 1.3149523735046387) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 1.545787513256073) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 1, 1};  // SR
+                          }
+                        }
                       } else {
-                        return {4, 32, 8, 1, 1};  // SR
+                        return {2, 32, 8, 4, 1};  // SR
                       }
                     } else {
-                      return {2, 32, 8, 4, 1};  // SR
+                      if (x.long_level <= 0.5) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.267816066741943) {
+                          if (x.skew_lo <= 4.557379961013794) {
+                            if (x.skew_lo <= 4.214151620864868) {
+                              return {1, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 13.731354236602783) {
+                            if (x.skew_lo <= 4.5239012241363525) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 12.267816066741943) {
-                      if (x.avg <= 2.7182013988494873) {
-                        if (x.skew_lo <= -0.08230382204055786) {
-                          return {1, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 32, 2, 0};  // SP
-                      }
+                    if (x.log2_S <= 11.45042610168457) {
+                      return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 8.226425647735596) {
-                        if (x.avg <= 3.555650472640991) {
-                          return {1, 16, 64, 8, 0};  // SP
+                      if (x.log2_S <= 12.629463195800781) {
+                        if (x.avg <= 13.053536415100098) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
-                          return {1, 8, 8, 32, 1};  // SR
+                          return {1, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 13.614082336425781) {
-                          return {1, 16, 64, 4, 0};  // SP
+                        if (x.skew_lo <= 3.5673439502716064) {
+                          return {1, 2, 8, 128, 1};  // SR
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
@@ -4722,167 +4742,109 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.537012577056885) {
-                    return {1, 8, 8, 32, 1};  // SR
+                  if (x.log2_S <= 12.715051174163818) {
+                    return {1, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.log2_S <= 12.300699234008789) {
-                      return {1, 4, 8, 64, 1};  // SR
+                    if (x.avg <= 33.29106140136719) {
+                      return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 3.289514183998108) {
-                        return {1, 2, 8, 128, 1};  // SR
+                      if (x.avg <= 78.0776481628418) {
+                        return {1, 1, 8, 256, 1};  // SR
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        return {1, 16, 64, 4, 0};  // SP
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 12.619157314300537) {
-                  return {1, 2, 8, 128, 1};  // SR
-                } else {
-                  if (x.skew_lo <= 0.9016996026039124) {
-                    return {1, 1, 8, 256, 1};  // SR
-                  } else {
+                if (x.log2_S <= 11.98634672164917) {
+                  if (x.skew_lo <= 11.258237361907959) {
                     return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {1, 1, 8, 256, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_lo <= 5.155152320861816) {
+                    if (x.log2_S <= 12.261647701263428) {
+                      if (x.skew_lo <= 3.310926675796509) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 11.377639770507812) {
+                        if (x.avg <= 91.1042709350586) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 12.420439720153809) {
-                if (x.skew_lo <= 10.815696239471436) {
+              if (x.skew_hi <= 13.721163749694824) {
+                if (x.long_level <= 2.5) {
                   return {1, 2, 8, 128, 1};  // SR
                 } else {
-                  if (x.skew_lo <= 11.388396739959717) {
-                    if (x.skew_hi <= 11.628490924835205) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {1, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {1, 1, 8, 256, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 9.155152320861816) {
-                  return {1, 1, 8, 256, 1};  // SR
-                } else {
-                  if (x.long_level <= 2.5) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 13.694836616516113) {
-                      if (x.skew_lo <= 11.306745052337646) {
-                        if (x.log2_S <= 12.738335132598877) {
-                          if (x.skew_lo <= 6.8556296825408936) {
-                            return {1, 1, 8, 256, 1};  // SR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 13.517266273498535) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      }
+                  if (x.skew_hi <= 12.60013484954834) {
+                    if (x.skew_lo <= 6.7850048542022705) {
+                      return {1, 32, 8, 2, 32};  // PR
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
                     }
+                  } else {
+                    return {1, 32, 8, 2, 32};  // PR
                   }
                 }
+              } else {
+                return {1, 32, 8, 4, 32};  // PR
               }
             }
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 3.830507755279541) {
-              if (x.skew_hi <= 2.3069241046905518) {
-                if (x.log2_S <= 17.873269081115723) {
-                  if (x.skew_hi <= 0.3958304077386856) {
-                    if (x.log2_S <= 16.621987342834473) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {1, 4, 32, 64, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 15.725216388702393) {
-                      if (x.skew_lo <= -4.442033290863037) {
-                        if (x.log2_S <= 14.631370067596436) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 4, 32, 64, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 15.137394905090332) {
-                          return {1, 4, 32, 64, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 14.698822021484375) {
-                            return {1, 4, 32, 64, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 0.8731089234352112) {
-                        if (x.log2_S <= 17.014534950256348) {
-                          return {1, 4, 32, 64, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 23.994446754455566) {
-                    if (x.skew_hi <= 1.3711100220680237) {
-                      if (x.skew_lo <= -5.228338956832886) {
-                        return {1, 32, 8, 4, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 20.469460487365723) {
-                          if (x.log2_S <= 18.561087608337402) {
-                            return {4, 32, 16, 2, 16};  // PR
-                          } else {
-                            return {1, 32, 16, 4, 32};  // PR
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 18.6390438079834) {
-                        return {4, 32, 16, 2, 16};  // PR
-                      } else {
-                        return {1, 32, 16, 4, 32};  // PR
-                      }
-                    }
-                  } else {
+            if (x.skew_hi <= 3.820711135864258) {
+              if (x.avg <= 14.513628959655762) {
+                if (x.log2_S <= 15.30789852142334) {
+                  if (x.avg <= 8.148539066314697) {
                     return {1, 2, 64, 128, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 15.257158279418945) {
-                  if (x.skew_hi <= 3.1830843687057495) {
+                  } else {
                     return {1, 4, 32, 64, 0};  // SP
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= -2.9493215084075928) {
-                    return {1, 2, 64, 128, 0};  // SP
+                  if (x.skew_hi <= 3.0506784915924072) {
+                    if (x.skew_lo <= -3.754519820213318) {
+                      if (x.log2_S <= 22.358619689941406) {
+                        if (x.log2_S <= 18.916851043701172) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {1, 32, 16, 4, 32};  // PR
+                        }
+                      } else {
+                        return {1, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
                   } else {
-                    if (x.log2_S <= 18.458489418029785) {
+                    if (x.log2_S <= 18.03539276123047) {
                       return {1, 2, 64, 128, 0};  // SP
                     } else {
-                      if (x.log2_S <= 23.986029624938965) {
-                        if (x.log2_S <= 20.428926467895508) {
+                      if (x.log2_S <= 23.519577026367188) {
+                        if (x.log2_S <= 20.244357109069824) {
                           return {1, 32, 16, 4, 32};  // PR
                         } else {
-                          if (x.skew_hi <= 3.1183855533599854) {
+                          if (x.skew_lo <= -2.8602185249328613) {
                             return {1, 32, 8, 2, 32};  // PR
                           } else {
                             return {1, 1, 64, 256, 0};  // SP
@@ -4894,24 +4856,74 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 }
-              }
-            } else {
-              if (x.log2_S <= 17.86143684387207) {
-                if (x.log2_S <= 14.767732620239258) {
-                  if (x.avg <= 1.5815677642822266) {
-                    return {1, 16, 64, 8, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 4.157552003860474) {
-                      return {1, 2, 64, 128, 0};  // SP
+              } else {
+                if (x.log2_S <= 17.838375091552734) {
+                  if (x.avg <= 46.26120948791504) {
+                    if (x.skew_lo <= -4.643782138824463) {
+                      if (x.log2_S <= 16.88615894317627) {
+                        return {1, 4, 32, 64, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
+                      if (x.log2_S <= 14.765410423278809) {
+                        return {1, 4, 32, 64, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.65217685699463) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {1, 4, 32, 64, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.avg <= 3.7139813899993896) {
-                    return {1, 32, 8, 2, 32};  // PR
+                  if (x.log2_S <= 23.718178749084473) {
+                    if (x.avg <= 30.097601890563965) {
+                      if (x.log2_S <= 18.62136745452881) {
+                        return {4, 32, 16, 2, 16};  // PR
+                      } else {
+                        if (x.avg <= 23.038891792297363) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          if (x.log2_S <= 20.515368461608887) {
+                            return {1, 32, 16, 4, 32};  // PR
+                          } else {
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
                   } else {
                     return {1, 2, 64, 128, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 18.01182460784912) {
+                if (x.log2_S <= 14.678096294403076) {
+                  return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.skew_hi <= 4.107039451599121) {
+                    return {1, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 16.94068717956543) {
+                      return {1, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.skew_hi <= 5.260069370269775) {
+                        if (x.skew_lo <= -1.6158770322799683) {
+                          return {1, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        return {1, 32, 8, 2, 32};  // PR
+                      }
+                    }
                   }
                 }
               } else {
@@ -4919,187 +4931,175 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.skew_hi <= 17.92118740081787) {
+            if (x.skew_hi <= 17.974077224731445) {
               if (x.long_level <= 1.5) {
-                if (x.log2_S <= 21.140097618103027) {
-                  if (x.log2_S <= 18.656206130981445) {
-                    if (x.avg <= 41.12660217285156) {
-                      if (x.log2_S <= 15.389883041381836) {
-                        if (x.avg <= 21.818305015563965) {
-                          if (x.avg <= 4.501533508300781) {
-                            if (x.log2_S <= 14.28406286239624) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 14.639786720275879) {
-                                return {1, 2, 8, 128, 1};  // SR
-                              } else {
-                                if (x.skew_hi <= 8.311948776245117) {
-                                  return {1, 2, 8, 128, 1};  // SR
-                                } else {
-                                  return {1, 1, 8, 256, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
+                if (x.log2_S <= 18.692435264587402) {
+                  if (x.skew_hi <= 4.468064546585083) {
+                    if (x.log2_S <= 16.080318450927734) {
+                      if (x.avg <= 99.15804290771484) {
+                        return {1, 32, 8, 2, 32};  // PR
                       } else {
-                        if (x.skew_hi <= 4.9686877727508545) {
-                          return {1, 32, 8, 4, 32};  // PR
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
+                        return {1, 16, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 16.080318450927734) {
-                        if (x.skew_lo <= -0.5480948090553284) {
-                          return {1, 16, 64, 4, 0};  // SP
+                      if (x.skew_lo <= -0.10902564600110054) {
+                        if (x.log2_S <= 18.448423385620117) {
+                          return {1, 32, 8, 2, 32};  // PR
                         } else {
-                          if (x.log2_S <= 14.376986980438232) {
-                            if (x.avg <= 71.24802017211914) {
-                              return {1, 1, 8, 256, 1};  // SR
-                            } else {
-                              return {1, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            if (x.skew_hi <= 4.481717348098755) {
-                              return {1, 32, 8, 2, 32};  // PR
-                            } else {
-                              return {1, 32, 8, 4, 32};  // PR
-                            }
-                          }
+                          return {1, 32, 16, 4, 32};  // PR
                         }
                       } else {
-                        if (x.avg <= 74.18312454223633) {
-                          return {1, 32, 8, 4, 32};  // PR
+                        if (x.log2_S <= 17.099596977233887) {
+                          return {1, 1, 8, 256, 1};  // SR
                         } else {
-                          return {1, 32, 8, 2, 32};  // PR
+                          return {1, 32, 8, 4, 32};  // PR
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 3.945151686668396) {
-                      return {1, 32, 16, 4, 32};  // PR
+                    if (x.log2_S <= 15.028156757354736) {
+                      if (x.avg <= 19.799973487854004) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
                     } else {
-                      return {1, 32, 8, 4, 32};  // PR
+                      if (x.skew_hi <= 5.238745450973511) {
+                        if (x.log2_S <= 18.08217144012451) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
                     }
                   }
                 } else {
                   if (x.log2_S <= 21.617457389831543) {
-                    if (x.skew_hi <= 5.295849084854126) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      if (x.avg <= 4.113590717315674) {
-                        return {1, 32, 8, 4, 32};  // PR
-                      } else {
+                    if (x.skew_lo <= 3.945151686668396) {
+                      if (x.log2_S <= 20.8469181060791) {
                         return {1, 32, 16, 4, 32};  // PR
+                      } else {
+                        if (x.avg <= 23.277488708496094) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          if (x.skew_lo <= -0.5924085080623627) {
+                            return {1, 32, 16, 4, 32};  // PR
+                          } else {
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
+                        }
                       }
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
                     }
                   } else {
                     return {1, 32, 8, 4, 32};  // PR
                   }
                 }
               } else {
-                if (x.log2_S <= 14.868042945861816) {
-                  if (x.skew_hi <= 13.859466075897217) {
-                    if (x.avg <= 120.8044319152832) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.182373523712158) {
+                if (x.log2_S <= 17.987648963928223) {
+                  if (x.skew_hi <= 10.782346725463867) {
+                    if (x.avg <= 48.346763610839844) {
+                      if (x.log2_S <= 15.237146854400635) {
                         return {1, 1, 8, 256, 1};  // SR
                       } else {
                         return {1, 32, 8, 2, 32};  // PR
                       }
-                    }
-                  } else {
-                    return {1, 32, 8, 4, 32};  // PR
-                  }
-                } else {
-                  if (x.log2_S <= 18.20530891418457) {
-                    if (x.skew_hi <= 9.987951278686523) {
-                      if (x.log2_S <= 16.461710929870605) {
-                        if (x.avg <= 44.34958457946777) {
-                          return {1, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 16.7801456451416) {
+                        if (x.log2_S <= 15.002628326416016) {
+                          if (x.skew_hi <= 7.598711967468262) {
+                            return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
                         } else {
                           return {1, 32, 8, 4, 32};  // PR
                         }
                       } else {
-                        if (x.log2_S <= 17.961297035217285) {
+                        if (x.log2_S <= 17.50303077697754) {
                           return {1, 32, 8, 2, 32};  // PR
                         } else {
                           return {1, 32, 8, 4, 32};  // PR
                         }
                       }
-                    } else {
-                      if (x.skew_hi <= 10.639150142669678) {
-                        if (x.log2_S <= 15.38792610168457) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.961240768432617) {
-                            return {1, 32, 8, 4, 32};  // PR
-                          } else {
-                            if (x.log2_S <= 17.505657196044922) {
-                              return {1, 32, 8, 2, 32};  // PR
-                            } else {
-                              return {1, 32, 8, 4, 32};  // PR
-                            }
-                          }
-                        }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.064810276031494) {
+                      if (x.long_level <= 2.5) {
+                        return {1, 1, 8, 256, 1};  // SR
                       } else {
                         return {1, 32, 8, 4, 32};  // PR
                       }
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
                     }
-                  } else {
-                    return {1, 32, 8, 4, 32};  // PR
                   }
+                } else {
+                  return {1, 32, 8, 4, 32};  // PR
                 }
               }
             } else {
-              if (x.skew_hi <= 22.98438549041748) {
-                if (x.log2_S <= 21.839908599853516) {
-                  if (x.log2_S <= 18.471923828125) {
-                    if (x.skew_lo <= 10.785989761352539) {
-                      return {1, 32, 16, 4, 32};  // PR
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
+              if (x.skew_hi <= 22.92175006866455) {
+                if (x.skew_lo <= 8.639609813690186) {
+                  if (x.log2_S <= 22.668851852416992) {
                     return {1, 32, 16, 4, 32};  // PR
-                  }
-                } else {
-                  if (x.skew_lo <= 11.97702169418335) {
-                    if (x.skew_lo <= 8.863049030303955) {
-                      if (x.log2_S <= 22.170979499816895) {
-                        return {1, 32, 16, 4, 32};  // PR
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
+                  } else {
+                    if (x.avg <= 129.97675704956055) {
+                      return {1, 32, 16, 4, 32};  // PR
                     } else {
                       return {1, 32, 8, 2, 32};  // PR
                     }
+                  }
+                } else {
+                  if (x.skew_hi <= 21.62924289703369) {
+                    if (x.skew_hi <= 18.97694206237793) {
+                      if (x.skew_lo <= 10.836688041687012) {
+                        return {1, 32, 16, 4, 32};  // PR
+                      } else {
+                        if (x.skew_lo <= 12.445394515991211) {
+                          if (x.avg <= 5.336920499801636) {
+                            return {1, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 9.707828044891357) {
+                        if (x.log2_S <= 20.478379249572754) {
+                          if (x.log2_S <= 19.86436939239502) {
+                            return {1, 32, 16, 4, 32};  // PR
+                          } else {
+                            return {1, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          return {1, 32, 16, 4, 32};  // PR
+                        }
+                      } else {
+                        return {1, 32, 16, 4, 32};  // PR
+                      }
+                    }
                   } else {
-                    return {1, 32, 16, 4, 32};  // PR
+                    if (x.avg <= 3.7699882984161377) {
+                      return {1, 32, 16, 4, 32};  // PR
+                    } else {
+                      return {1, 32, 8, 2, 32};  // PR
+                    }
                   }
                 }
               } else {
-                if (x.avg <= 13.169204235076904) {
-                  if (x.skew_hi <= 23.14439868927002) {
+                if (x.avg <= 9.76796579360962) {
+                  return {1, 32, 8, 4, 32};  // PR
+                } else {
+                  if (x.avg <= 60.84713554382324) {
                     return {1, 32, 8, 2, 32};  // PR
                   } else {
                     return {1, 32, 8, 4, 32};  // PR
-                  }
-                } else {
-                  if (x.skew_lo <= 8.423391342163086) {
-                    if (x.skew_hi <= 23.119006156921387) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    return {1, 32, 8, 2, 32};  // PR
                   }
                 }
               }
@@ -5107,65 +5107,19 @@ inline Config gathered_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_S <= 15.393261909484863) {
+        if (x.log2_S <= 16.18247127532959) {
           if (x.long_level <= 1.5) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 11.226024627685547) {
-                if (x.log2_S <= 9.12120771408081) {
-                  if (x.skew_lo <= -1.874160647392273) {
-                    if (x.skew_hi <= 0.07773469015955925) {
-                      return {2, 16, 64, 8, 0};  // SP
-                    } else {
+              if (x.log2_S <= 12.602295875549316) {
+                if (x.log2_S <= 9.078665733337402) {
+                  if (x.avg <= 36.259525299072266) {
+                    if (x.skew_hi <= 4.1258392333984375) {
                       return {4, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 1.6116144061088562) {
-                      if (x.avg <= 1.3507344126701355) {
-                        return {2, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 8, 0};  // SP
-                      }
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 5.32608437538147) {
-                    if (x.avg <= 37.67466926574707) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 10.73466157913208) {
+                      if (x.skew_lo <= -0.6884497404098511) {
                         return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        return {2, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 5.603302955627441) {
-                      return {2, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {2, 32, 64, 4, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.790423393249512) {
-                  if (x.log2_S <= 12.517865180969238) {
-                    if (x.skew_lo <= -1.8708755373954773) {
-                      if (x.avg <= 11.929023742675781) {
-                        return {2, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 1.0074297189712524) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 5.215840578079224) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 1.3289330005645752) {
+                        if (x.avg <= 1.3507344126701355) {
                           return {2, 32, 64, 4, 0};  // SP
                         } else {
                           return {2, 16, 64, 8, 0};  // SP
@@ -5173,209 +5127,271 @@ inline Config gathered_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.avg <= 10.309764385223389) {
-                      return {2, 16, 64, 8, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 0.99277064204216) {
-                        return {2, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.91954517364502) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      }
-                    }
+                    return {2, 16, 64, 8, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 14.219397068023682) {
-                    if (x.skew_lo <= -1.477104902267456) {
-                      if (x.log2_S <= 14.519145488739014) {
-                        if (x.skew_hi <= 3.151863932609558) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 4.230822801589966) {
-                            return {4, 2, 64, 128, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        }
+                  if (x.skew_lo <= -0.6739155650138855) {
+                    if (x.skew_lo <= -5.174603462219238) {
+                      if (x.log2_S <= 10.73466157913208) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        return {4, 2, 64, 128, 0};  // SP
+                        return {2, 16, 64, 8, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 14.58232069015503) {
-                        return {2, 16, 64, 8, 0};  // SP
+                      if (x.log2_S <= 11.68406343460083) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.log2_S <= 15.024969100952148) {
-                          return {1, 2, 8, 128, 1};  // SR
+                        if (x.avg <= 11.556857585906982) {
+                          if (x.skew_hi <= 3.7642910480499268) {
+                            return {2, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
                         } else {
-                          return {2, 32, 8, 2, 32};  // PR
+                          return {4, 8, 64, 32, 0};  // SP
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= -5.781473398208618) {
-                      return {4, 16, 64, 4, 0};  // SP
+                    if (x.skew_lo <= -0.42273056507110596) {
+                      return {2, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {2, 32, 64, 4, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 11.895668029785156) {
+                  if (x.log2_S <= 13.932078838348389) {
+                    if (x.skew_hi <= 3.359209656715393) {
+                      if (x.log2_S <= 12.982513427734375) {
+                        return {2, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {2, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.6254566311836243) {
+                      return {4, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 15.476070404052734) {
+                        if (x.log2_S <= 14.732582092285156) {
+                          return {2, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -5.549015522003174) {
+                    if (x.log2_S <= 14.493634223937988) {
+                      return {2, 16, 64, 8, 0};  // SP
                     } else {
                       return {4, 4, 64, 64, 0};  // SP
                     }
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= -0.21491451561450958) {
+              if (x.skew_lo <= -0.3209485560655594) {
                 if (x.log2_S <= 12.85042142868042) {
                   return {2, 32, 64, 4, 0};  // SP
                 } else {
-                  if (x.skew_lo <= -0.47015446424484253) {
+                  if (x.skew_lo <= -0.5480948090553284) {
                     return {4, 16, 64, 4, 0};  // SP
                   } else {
-                    return {2, 1, 8, 256, 1};  // SR
+                    if (x.log2_S <= 14.826955795288086) {
+                      return {2, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
                   }
                 }
               } else {
-                if (x.avg <= 16.188069343566895) {
-                  if (x.log2_S <= 13.674638748168945) {
-                    if (x.avg <= 8.126097679138184) {
-                      if (x.log2_S <= 11.157841682434082) {
-                        if (x.skew_hi <= 7.520624160766602) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 9.0271315574646) {
-                            if (x.skew_lo <= 3.868553400039673) {
-                              if (x.log2_S <= 11.021252155303955) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {2, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
+                if (x.skew_lo <= 2.0060564279556274) {
+                  if (x.log2_S <= 13.296623229980469) {
+                    return {2, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 1.7947510480880737) {
+                      return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.915501594543457) {
+                    if (x.avg <= 8.146905899047852) {
+                      if (x.avg <= 4.381923675537109) {
+                        if (x.log2_S <= 11.302924156188965) {
+                          if (x.skew_hi <= 8.94004487991333) {
+                            if (x.log2_S <= 11.163846492767334) {
                               return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 64, 4, 0};  // SP
                             }
                           } else {
-                            return {1, 8, 8, 32, 1};  // SR
+                            return {2, 32, 64, 4, 0};  // SP
                           }
-                        }
-                      } else {
-                        if (x.avg <= 3.555650472640991) {
-                          if (x.log2_S <= 13.156009674072266) {
-                            if (x.log2_S <= 11.302924156188965) {
-                              return {2, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.085361003875732) {
+                            if (x.skew_hi <= 8.420528411865234) {
+                              if (x.log2_S <= 12.241641521453857) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 16, 64, 4, 0};  // SP
+                              }
                             } else {
                               return {4, 16, 64, 4, 0};  // SP
                             }
                           } else {
                             return {2, 8, 8, 32, 1};  // SR
                           }
+                        }
+                      } else {
+                        if (x.avg <= 5.576671123504639) {
+                          if (x.log2_S <= 11.021252155303955) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
                         } else {
-                          if (x.log2_S <= 13.501264572143555) {
+                          if (x.log2_S <= 12.773449420928955) {
                             return {2, 8, 8, 32, 1};  // SR
                           } else {
-                            return {4, 4, 8, 64, 1};  // SR
+                            return {2, 2, 8, 128, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.avg <= 14.502683162689209) {
-                        if (x.log2_S <= 12.645209789276123) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 11.103511810302734) {
+                      if (x.log2_S <= 12.645209789276123) {
+                        if (x.skew_lo <= 2.1081076860427856) {
                           return {4, 4, 8, 64, 1};  // SR
                         } else {
                           return {1, 4, 8, 64, 1};  // SR
                         }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.33592700958252) {
-                      if (x.avg <= 6.420597076416016) {
-                        if (x.avg <= 2.5958136320114136) {
-                          return {2, 8, 8, 32, 1};  // SR
+                    if (x.skew_hi <= 6.586887836456299) {
+                      if (x.log2_S <= 14.640809059143066) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.500887393951416) {
+                        if (x.skew_hi <= 7.542352914810181) {
+                          return {2, 2, 8, 128, 1};  // SR
                         } else {
-                          return {4, 4, 8, 64, 1};  // SR
+                          if (x.skew_hi <= 9.198509216308594) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
                         }
                       } else {
                         return {2, 2, 8, 128, 1};  // SR
                       }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.92505931854248) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 1.7169604897499084) {
-                      return {2, 1, 8, 256, 1};  // SR
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 13.513752460479736) {
-              if (x.avg <= 16.757328987121582) {
-                if (x.avg <= 3.4391897916793823) {
-                  if (x.log2_S <= 12.284476280212402) {
-                    if (x.skew_lo <= 8.68529224395752) {
-                      if (x.log2_S <= 9.681529998779297) {
-                        return {1, 2, 8, 128, 1};  // SR
+            if (x.log2_S <= 13.391778945922852) {
+              if (x.avg <= 13.833584785461426) {
+                if (x.log2_S <= 12.522963047027588) {
+                  if (x.avg <= 8.226165294647217) {
+                    if (x.skew_hi <= 8.414888858795166) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.91091012954712) {
+                        return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.log2_S <= 11.55210256576538) {
+                        if (x.avg <= 3.2067984342575073) {
                           return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 6.0673911571502686) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.71637773513794) {
+                      if (x.log2_S <= 8.94788122177124) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 11.454679012298584) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.avg <= 9.365358829498291) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
                       }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 11.095802783966064) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 9.71637773513794) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 12.128938674926758) {
-                      if (x.avg <= 6.220197439193726) {
+                  if (x.skew_lo <= 11.702929019927979) {
+                    if (x.avg <= 2.680384039878845) {
+                      if (x.log2_S <= 12.826679229736328) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 11.454679012298584) {
-                          return {1, 4, 8, 64, 1};  // SR
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {2, 2, 8, 128, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.082746028900146) {
+                  if (x.skew_lo <= 4.826845169067383) {
+                    if (x.skew_lo <= 4.380809545516968) {
+                      if (x.log2_S <= 11.421895980834961) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 7.659041881561279) {
+                          return {1, 2, 8, 128, 1};  // SR
                         } else {
-                          if (x.avg <= 9.735353469848633) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
+                          return {2, 2, 8, 128, 1};  // SR
                         }
+                      }
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 16.501643180847168) {
+                      if (x.skew_lo <= 6.205411911010742) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     } else {
                       return {1, 2, 8, 128, 1};  // SR
                     }
                   }
-                }
-              } else {
-                if (x.log2_S <= 13.131425380706787) {
-                  return {1, 2, 8, 128, 1};  // SR
                 } else {
-                  if (x.skew_hi <= 9.217247486114502) {
-                    if (x.avg <= 153.1075439453125) {
-                      return {2, 1, 8, 256, 1};  // SR
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
+                  if (x.skew_lo <= 4.790809154510498) {
+                    return {2, 1, 8, 256, 1};  // SR
                   } else {
                     return {1, 2, 8, 128, 1};  // SR
                   }
@@ -5383,129 +5399,137 @@ inline Config gathered_config(const Features& f) {
               }
             } else {
               if (x.long_level <= 2.5) {
-                if (x.skew_lo <= 5.681080341339111) {
-                  return {2, 1, 8, 256, 1};  // SR
-                } else {
-                  if (x.log2_S <= 14.329101085662842) {
-                    if (x.skew_lo <= 8.180901050567627) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
+                if (x.log2_S <= 15.357140064239502) {
+                  if (x.skew_lo <= 5.436190843582153) {
                     return {2, 1, 8, 256, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 14.283806800842285) {
+                      if (x.skew_hi <= 11.954482555389404) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {2, 1, 8, 256, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 4.538649082183838) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.avg <= 3.9962698221206665) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 1, 8, 256, 1};  // SR
+                    }
                   }
                 }
               } else {
-                if (x.avg <= 8.30690050125122) {
-                  if (x.avg <= 6.281332015991211) {
-                    if (x.log2_S <= 13.721163749694824) {
-                      return {2, 2, 8, 128, 1};  // SR
+                if (x.skew_lo <= 11.000405311584473) {
+                  if (x.skew_hi <= 13.884937763214111) {
+                    if (x.avg <= 122.9137191772461) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.log2_S <= 14.854413986206055) {
+                    if (x.skew_lo <= 11.320043087005615) {
+                      return {1, 32, 8, 2, 32};  // PR
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
                     }
                   } else {
                     return {1, 32, 8, 2, 32};  // PR
                   }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
                 }
               }
             }
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 3.5108792781829834) {
-              if (x.log2_S <= 23.43048858642578) {
-                if (x.avg <= 21.57033348083496) {
-                  if (x.log2_S <= 19.93182945251465) {
-                    if (x.skew_lo <= -3.8928416967391968) {
-                      if (x.log2_S <= 16.44654083251953) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.724079132080078) {
-                          return {1, 4, 32, 64, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 18.770686149597168) {
-                            return {1, 2, 64, 128, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 19.096898078918457) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 2.9833755493164062) {
-                          return {4, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {2, 1, 64, 256, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 3.129064679145813) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {2, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.794200897216797) {
-                    if (x.log2_S <= 16.595149040222168) {
+            if (x.skew_hi <= 3.4321038722991943) {
+              if (x.log2_S <= 22.569686889648438) {
+                if (x.skew_lo <= -4.231201171875) {
+                  if (x.log2_S <= 17.765657424926758) {
+                    if (x.skew_lo <= -5.4537672996521) {
                       return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -5.5024542808532715) {
+                      if (x.log2_S <= 16.595149040222168) {
                         return {4, 4, 64, 64, 0};  // SP
                       } else {
                         return {1, 4, 32, 64, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 21.330103874206543) {
+                    if (x.log2_S <= 21.87474822998047) {
                       return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      if (x.skew_hi <= 1.217194676399231) {
-                        if (x.skew_hi <= 0.24896419793367386) {
-                          return {2, 32, 8, 2, 32};  // PR
+                      if (x.skew_lo <= -5.516016960144043) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.skew_hi <= 1.4333391189575195) {
+                          return {4, 32, 8, 2, 16};  // PR
                         } else {
-                          if (x.log2_S <= 23.184799194335938) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 2, 64, 128, 0};  // SP
-                          }
+                          return {1, 2, 64, 128, 0};  // SP
                         }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.777762413024902) {
+                    if (x.skew_lo <= -3.8245046138763428) {
+                      if (x.log2_S <= 17.80320930480957) {
+                        return {1, 4, 32, 64, 0};  // SP
                       } else {
                         return {1, 2, 64, 128, 0};  // SP
                       }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 3.0218260288238525) {
+                      return {1, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
                     }
                   }
                 }
               } else {
-                return {4, 2, 64, 128, 0};  // SP
+                if (x.log2_S <= 23.43048858642578) {
+                  if (x.skew_hi <= 1.6806718111038208) {
+                    return {4, 2, 64, 128, 0};  // SP
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
+                } else {
+                  return {4, 2, 64, 128, 0};  // SP
+                }
               }
             } else {
-              if (x.log2_S <= 18.241905212402344) {
-                if (x.avg <= 3.3974318504333496) {
-                  if (x.log2_S <= 16.622013092041016) {
-                    return {2, 32, 8, 2, 32};  // PR
+              if (x.log2_S <= 17.97137451171875) {
+                if (x.skew_lo <= -1.729745864868164) {
+                  if (x.skew_lo <= -2.091974973678589) {
+                    return {4, 2, 64, 128, 0};  // SP
                   } else {
-                    if (x.avg <= 1.2601079940795898) {
+                    if (x.log2_S <= 16.967509269714355) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 5.216578245162964) {
+                    if (x.log2_S <= 16.606473922729492) {
                       return {2, 32, 8, 2, 32};  // PR
                     } else {
                       return {1, 2, 64, 128, 0};  // SP
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 16.871849060058594) {
-                    return {4, 2, 64, 128, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 3.698842167854309) {
-                      return {4, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {2, 1, 64, 256, 0};  // SP
-                    }
+                    return {2, 32, 8, 2, 32};  // PR
                   }
                 }
               } else {
@@ -5514,84 +5538,52 @@ inline Config gathered_config(const Features& f) {
             }
           } else {
             if (x.log2_S <= 18.13770294189453) {
-              if (x.skew_hi <= 11.57252550125122) {
-                if (x.avg <= 64.39292907714844) {
-                  if (x.avg <= 5.621621131896973) {
-                    if (x.log2_S <= 17.516494750976562) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {2, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 11.636760711669922) {
-                      if (x.skew_hi <= 7.409778833389282) {
-                        if (x.log2_S <= 17.332557678222656) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
+              if (x.skew_hi <= 12.211597919464111) {
+                if (x.avg <= 73.08162307739258) {
+                  if (x.avg <= 11.610477924346924) {
+                    if (x.skew_lo <= 5.872208118438721) {
+                      if (x.log2_S <= 17.693087577819824) {
+                        return {2, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.log2_S <= 17.65823745727539) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 10.569431781768799) {
-                            return {2, 1, 8, 256, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        }
+                        return {2, 1, 8, 256, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 43.37516975402832) {
+                      if (x.log2_S <= 17.651172637939453) {
                         return {2, 1, 8, 256, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 2.269482135772705) {
+                        if (x.long_level <= 1.5) {
                           return {2, 1, 8, 256, 1};  // SR
                         } else {
                           return {2, 32, 8, 2, 32};  // PR
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.skew_lo <= 0.999641583301127) {
-                    if (x.skew_lo <= -0.29241083562374115) {
-                      if (x.log2_S <= 16.024392127990723) {
-                        if (x.skew_hi <= 3.082878589630127) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
+                  } else {
+                    if (x.avg <= 59.65994834899902) {
+                      return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 1.9799338802695274) {
+                        return {2, 1, 8, 256, 1};  // SR
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
                       }
-                    } else {
-                      return {2, 1, 8, 256, 1};  // SR
                     }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
                   }
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
-                if (x.skew_lo <= 11.244715213775635) {
+                if (x.skew_lo <= 11.329278945922852) {
                   return {2, 32, 8, 2, 32};  // PR
                 } else {
-                  if (x.skew_hi <= 16.812501907348633) {
-                    if (x.log2_S <= 16.05813217163086) {
-                      if (x.avg <= 2.6618558168411255) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.avg <= 4.921451568603516) {
-                          return {1, 32, 8, 4, 32};  // PR
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      }
+                  if (x.log2_S <= 17.082122802734375) {
+                    if (x.log2_S <= 16.473974227905273) {
+                      return {1, 32, 8, 4, 32};  // PR
                     } else {
-                      if (x.log2_S <= 16.473974227905273) {
-                        return {1, 32, 8, 4, 32};  // PR
-                      } else {
+                      if (x.avg <= 2.609444260597229) {
                         return {1, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
                       }
                     }
                   } else {
@@ -5600,10 +5592,22 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.skew_lo <= 11.64467191696167) {
-                return {2, 32, 8, 2, 32};  // PR
+              if (x.skew_lo <= 11.761528491973877) {
+                if (x.log2_S <= 18.790136337280273) {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_lo <= 3.9498131275177) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
+                }
               } else {
-                if (x.log2_S <= 23.234139442443848) {
+                if (x.skew_hi <= 23.234139442443848) {
                   return {2, 32, 8, 2, 32};  // PR
                 } else {
                   return {1, 32, 16, 4, 32};  // PR
@@ -5616,23 +5620,49 @@ inline Config gathered_config(const Features& f) {
     } else {
       if (x.F <= 5.291502622129181) {
         if (x.skew_hi <= 13.969143867492676) {
-          if (x.log2_S <= 18.605070114135742) {
-            if (x.skew_lo <= -0.3167135566473007) {
-              if (x.log2_S <= 13.499040603637695) {
-                if (x.skew_lo <= -1.9986830353736877) {
-                  return {4, 8, 64, 32, 0};  // SP
+          if (x.log2_S <= 18.658424377441406) {
+            if (x.skew_lo <= -0.5357304513454437) {
+              if (x.log2_S <= 13.376320362091064) {
+                if (x.skew_lo <= -2.0078452825546265) {
+                  if (x.log2_S <= 13.05609130859375) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.avg <= 38.874732971191406) {
+                      if (x.skew_hi <= 3.235630512237549) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 64, 8, 0};  // SP
+                    }
+                  }
                 } else {
-                  if (x.skew_hi <= 5.342982053756714) {
-                    if (x.avg <= 82.59476852416992) {
-                      if (x.skew_lo <= -1.6928285360336304) {
-                        if (x.log2_S <= 12.408555507659912) {
+                  if (x.avg <= 96.74610900878906) {
+                    if (x.skew_lo <= -1.6104986071586609) {
+                      if (x.log2_S <= 11.68448257446289) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -1.8263576030731201) {
                           return {4, 8, 64, 32, 0};  // SP
                         } else {
                           return {4, 32, 64, 2, 0};  // SP
                         }
+                      }
+                    } else {
+                      if (x.avg <= 1.576828956604004) {
+                        if (x.log2_S <= 10.96259355545044) {
+                          if (x.skew_hi <= 5.4332053661346436) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
                       } else {
-                        if (x.log2_S <= 9.343456745147705) {
-                          if (x.skew_hi <= 4.898067235946655) {
+                        if (x.log2_S <= 8.977357864379883) {
+                          if (x.skew_hi <= 4.8662261962890625) {
                             return {4, 8, 64, 32, 0};  // SP
                           } else {
                             return {4, 32, 64, 2, 0};  // SP
@@ -5641,306 +5671,264 @@ inline Config gathered_config(const Features& f) {
                           return {4, 32, 64, 2, 0};  // SP
                         }
                       }
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 11.340165138244629) {
-                      if (x.avg <= 1.304824709892273) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 5.397627592086792) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 1.3312110304832458) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    }
+                    return {4, 32, 64, 2, 0};  // SP
                   }
                 }
               } else {
-                if (x.skew_lo <= -2.0654319524765015) {
-                  if (x.log2_S <= 15.978377342224121) {
-                    if (x.avg <= 11.457720756530762) {
-                      if (x.skew_lo <= -2.95525062084198) {
-                        if (x.log2_S <= 14.631730079650879) {
-                          return {4, 4, 64, 64, 0};  // SP
+                if (x.avg <= 63.53296089172363) {
+                  if (x.log2_S <= 16.045194625854492) {
+                    if (x.skew_lo <= -3.3227767944335938) {
+                      if (x.avg <= 42.90444374084473) {
+                        if (x.log2_S <= 15.652556419372559) {
+                          if (x.log2_S <= 13.531174659729004) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= -3.89673388004303) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {4, 2, 64, 128, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 1.7767279148101807) {
+                        if (x.log2_S <= 14.56373119354248) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.998279571533203) {
+                          if (x.skew_hi <= 4.206552743911743) {
+                            if (x.avg <= 7.759883403778076) {
+                              return {4, 2, 64, 128, 0};  // SP
+                            } else {
+                              return {4, 4, 64, 64, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
                         } else {
                           return {4, 2, 64, 128, 0};  // SP
                         }
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_lo <= -5.632473945617676) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 1.0814722180366516) {
-                      if (x.log2_S <= 17.523666381835938) {
-                        if (x.skew_lo <= -5.888991117477417) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 4, 32, 64, 0};  // SP
-                        }
-                      } else {
+                    if (x.avg <= 6.648827075958252) {
+                      if (x.log2_S <= 16.53565216064453) {
                         return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.avg <= 4.282066345214844) {
+                          return {4, 1, 64, 256, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 17.631951332092285) {
+                            return {4, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {4, 1, 64, 256, 0};  // SP
+                          }
+                        }
                       }
                     } else {
-                      if (x.skew_lo <= -2.69205904006958) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.930123329162598) {
-                          return {4, 2, 64, 128, 0};  // SP
+                      if (x.log2_S <= 17.512222290039062) {
+                        if (x.skew_hi <= 1.60346919298172) {
+                          if (x.log2_S <= 16.41829013824463) {
+                            if (x.skew_lo <= -5.448837757110596) {
+                              return {4, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 4, 32, 64, 0};  // SP
+                            }
+                          } else {
+                            return {4, 4, 32, 64, 0};  // SP
+                          }
                         } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 7.078490257263184) {
                           return {4, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.54217529296875) {
-                    if (x.skew_hi <= 3.8255538940429688) {
-                      if (x.log2_S <= 15.203397750854492) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 3.610860824584961) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= -0.9166925549507141) {
-                        if (x.log2_S <= 14.009155750274658) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 14.498308658599854) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 15.949246883392334) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= -0.6846548020839691) {
-                              return {4, 2, 64, 128, 0};  // SP
-                            } else {
-                              return {4, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        }
-                      }
-                    }
+                  if (x.log2_S <= 15.400916576385498) {
+                    return {4, 32, 64, 2, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 3.8076144456863403) {
-                      if (x.log2_S <= 17.52448081970215) {
-                        if (x.avg <= 97.48611068725586) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
+                    if (x.log2_S <= 16.185625076293945) {
+                      return {4, 16, 64, 4, 0};  // SP
                     } else {
-                      return {4, 1, 64, 256, 0};  // SP
+                      return {4, 32, 8, 2, 32};  // PR
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 12.592090606689453) {
-                if (x.avg <= 18.19338893890381) {
-                  if (x.log2_S <= 14.311420440673828) {
-                    if (x.long_level <= 1.5) {
+              if (x.skew_hi <= 12.21895980834961) {
+                if (x.avg <= 16.24133586883545) {
+                  if (x.log2_S <= 13.674638748168945) {
+                    if (x.skew_lo <= 5.975290536880493) {
                       if (x.avg <= 3.935884475708008) {
                         if (x.log2_S <= 12.364060878753662) {
-                          if (x.log2_S <= 10.993116855621338) {
-                            if (x.skew_lo <= 2.009146759286523) {
-                              return {4, 64, 64, 2, 0};  // SP
+                          if (x.skew_hi <= 8.47550106048584) {
+                            if (x.long_level <= 0.5) {
+                              if (x.skew_lo <= -0.3819401264190674) {
+                                return {4, 16, 64, 8, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 10.645283222198486) {
+                                  return {4, 64, 64, 2, 0};  // SP
+                                } else {
+                                  if (x.log2_S <= 11.069111824035645) {
+                                    return {4, 32, 64, 8, 0};  // SP
+                                  } else {
+                                    return {4, 16, 64, 8, 0};  // SP
+                                  }
+                                }
+                              }
                             } else {
-                              if (x.skew_hi <= 9.0271315574646) {
+                              if (x.log2_S <= 11.266173362731934) {
                                 return {2, 16, 8, 4, 1};  // SR
                               } else {
-                                if (x.avg <= 1.4347556233406067) {
-                                  if (x.skew_hi <= 9.27007007598877) {
-                                    return {4, 32, 64, 2, 0};  // SP
-                                  } else {
-                                    return {2, 16, 8, 4, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 32, 64, 2, 0};  // SP
-                                }
+                                return {4, 32, 64, 2, 0};  // SP
                               }
                             }
                           } else {
-                            if (x.long_level <= 0.5) {
-                              return {4, 16, 64, 8, 0};  // SP
+                            if (x.log2_S <= 11.86020278930664) {
+                              return {4, 32, 64, 2, 0};  // SP
                             } else {
-                              if (x.log2_S <= 11.769513130187988) {
-                                if (x.skew_lo <= 4.6522839069366455) {
-                                  if (x.skew_hi <= 8.529170513153076) {
-                                    return {4, 32, 64, 2, 0};  // SP
-                                  } else {
-                                    return {4, 32, 64, 4, 0};  // SP
-                                  }
-                                } else {
-                                  return {4, 32, 64, 2, 0};  // SP
-                                }
-                              } else {
-                                if (x.avg <= 2.3431185483932495) {
-                                  return {4, 32, 32, 2, 0};  // SP
-                                } else {
-                                  if (x.skew_hi <= 8.333385944366455) {
-                                    return {4, 32, 64, 2, 0};  // SP
-                                  } else {
-                                    return {4, 32, 64, 4, 0};  // SP
-                                  }
-                                }
-                              }
+                              return {4, 32, 32, 2, 0};  // SP
                             }
                           }
                         } else {
-                          if (x.log2_S <= 13.668460845947266) {
-                            return {4, 16, 64, 8, 0};  // SP
-                          } else {
-                            if (x.skew_hi <= 6.954184293746948) {
-                              return {4, 16, 64, 8, 0};  // SP
+                          if (x.log2_S <= 13.614082336425781) {
+                            if (x.skew_hi <= 5.553163766860962) {
+                              return {4, 16, 64, 4, 0};  // SP
                             } else {
-                              return {2, 8, 8, 32, 1};  // SR
+                              return {4, 16, 64, 8, 0};  // SP
                             }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 12.356048107147217) {
-                          if (x.skew_lo <= 2.217934250831604) {
-                            if (x.skew_lo <= 1.9956594109535217) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 11.315741062164307) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            }
+                        if (x.avg <= 14.19669246673584) {
+                          if (x.log2_S <= 11.358343601226807) {
+                            return {2, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.log2_S <= 11.38129997253418) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 3.511582612991333) {
-                                return {2, 8, 8, 32, 1};  // SR
+                            if (x.log2_S <= 13.389148235321045) {
+                              if (x.skew_lo <= 2.711360812187195) {
+                                if (x.log2_S <= 11.921410083770752) {
+                                  return {2, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                }
                               } else {
-                                return {1, 8, 8, 32, 1};  // SR
+                                if (x.log2_S <= 11.751472473144531) {
+                                  return {1, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {2, 8, 8, 32, 1};  // SR
+                                }
                               }
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 6.578096389770508) {
-                            if (x.log2_S <= 12.708973407745361) {
-                              return {1, 4, 8, 64, 1};  // SR
                             } else {
                               return {2, 2, 8, 128, 1};  // SR
                             }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.326942443847656) {
+                            return {1, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.log2_S <= 13.441291332244873) {
-                              if (x.skew_hi <= 7.221178293228149) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {2, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
+                            return {1, 4, 8, 64, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.skew_lo <= 7.138470888137817) {
-                        if (x.log2_S <= 13.440292835235596) {
-                          if (x.skew_hi <= 9.909826755523682) {
-                            if (x.skew_hi <= 9.16528606414795) {
-                              return {1, 4, 8, 64, 1};  // SR
+                      if (x.avg <= 7.267872095108032) {
+                        if (x.log2_S <= 11.35431432723999) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 7.901347875595093) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.long_level <= 2.5) {
+                              if (x.skew_hi <= 11.870554447174072) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
                             } else {
-                              if (x.log2_S <= 9.600143432617188) {
+                              return {4, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 11.817929744720459) {
+                          if (x.skew_lo <= 6.911145448684692) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 10.779791831970215) {
+                              if (x.skew_hi <= 10.619019985198975) {
                                 return {2, 2, 8, 128, 1};  // SR
                               } else {
-                                if (x.log2_S <= 12.0359787940979) {
-                                  if (x.avg <= 8.751264572143555) {
-                                    return {2, 2, 8, 128, 1};  // SR
-                                  } else {
-                                    return {1, 4, 8, 64, 1};  // SR
-                                  }
-                                } else {
-                                  return {2, 2, 8, 128, 1};  // SR
-                                }
+                                return {2, 8, 8, 32, 1};  // SR
                               }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
                             }
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.020834499038755894) {
+                      if (x.log2_S <= 16.057374477386475) {
+                        if (x.log2_S <= 14.660508632659912) {
+                          if (x.avg <= 1.3473660349845886) {
+                            return {4, 16, 64, 8, 0};  // SP
                           } else {
-                            return {1, 4, 8, 64, 1};  // SR
+                            return {4, 16, 64, 4, 0};  // SP
                           }
                         } else {
                           return {2, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 10.78674030303955) {
-                          if (x.log2_S <= 11.626793384552002) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 8.28843641281128) {
-                              if (x.log2_S <= 13.548518180847168) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {2, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {2, 2, 8, 128, 1};  // SR
-                            }
-                          }
+                        if (x.log2_S <= 16.69844150543213) {
+                          return {4, 32, 8, 2, 32};  // PR
                         } else {
-                          if (x.skew_hi <= 11.923362255096436) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
+                          return {4, 1, 64, 256, 0};  // SP
                         }
                       }
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.08802537992596626) {
-                      if (x.log2_S <= 17.593989372253418) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {4, 1, 64, 256, 0};  // SP
-                      }
                     } else {
-                      if (x.avg <= 2.861016631126404) {
-                        if (x.skew_hi <= 9.007580280303955) {
-                          if (x.log2_S <= 16.42642116546631) {
+                      if (x.avg <= 2.8661080598831177) {
+                        if (x.log2_S <= 14.299692153930664) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.451775550842285) {
                             return {2, 2, 8, 128, 1};  // SR
                           } else {
-                            if (x.log2_S <= 17.772536277770996) {
-                              if (x.long_level <= 0.5) {
+                            if (x.log2_S <= 17.235883712768555) {
+                              if (x.log2_S <= 16.628557205200195) {
                                 return {2, 2, 8, 128, 1};  // SR
                               } else {
                                 return {4, 2, 8, 128, 1};  // SR
                               }
                             } else {
-                              return {2, 2, 8, 128, 1};  // SR
+                              if (x.skew_lo <= 4.730479955673218) {
+                                return {4, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
                             }
                           }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
                         }
                       } else {
                         return {2, 2, 8, 128, 1};  // SR
@@ -5948,41 +5936,45 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.log2_S <= 15.125068187713623) {
-                    if (x.skew_hi <= 12.037118911743164) {
-                      if (x.avg <= 19.14773941040039) {
-                        if (x.log2_S <= 8.437910079956055) {
-                          return {1, 4, 8, 64, 1};  // SR
+                  if (x.log2_S <= 15.25402021408081) {
+                    if (x.skew_hi <= 11.429840564727783) {
+                      if (x.skew_hi <= 3.671867609024048) {
+                        if (x.log2_S <= 11.98831844329834) {
+                          return {2, 2, 8, 128, 1};  // SR
                         } else {
-                          if (x.avg <= 19.117900848388672) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
+                          return {4, 32, 64, 2, 0};  // SP
                         }
                       } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 7.774042129516602) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 8.718777179718018) {
-                          return {4, 32, 8, 2, 32};  // PR
+                        if (x.avg <= 17.738386154174805) {
+                          if (x.skew_hi <= 5.933797836303711) {
+                            if (x.log2_S <= 12.653507232666016) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
                         } else {
                           return {2, 2, 8, 128, 1};  // SR
                         }
                       }
+                    } else {
+                      if (x.avg <= 73.3987922668457) {
+                        return {4, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.avg <= 64.95581436157227) {
-                      if (x.log2_S <= 18.268278121948242) {
+                    if (x.avg <= 73.80191802978516) {
+                      if (x.log2_S <= 18.36556911468506) {
                         return {2, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 0.8372195661067963) {
+                        if (x.skew_hi <= 4.837219476699829) {
                           return {4, 32, 8, 2, 32};  // PR
                         } else {
-                          if (x.avg <= 39.969852447509766) {
+                          if (x.avg <= 49.96183776855469) {
                             return {2, 2, 8, 128, 1};  // SR
                           } else {
                             return {4, 32, 8, 2, 16};  // PR
@@ -5990,9 +5982,13 @@ inline Config gathered_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 17.78895854949951) {
-                          return {2, 2, 8, 128, 1};  // SR
+                      if (x.skew_lo <= 0.8895753920078278) {
+                        if (x.log2_S <= 17.247246742248535) {
+                          if (x.avg <= 86.88107299804688) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
                         } else {
                           return {4, 32, 8, 2, 32};  // PR
                         }
@@ -6004,21 +6000,29 @@ inline Config gathered_config(const Features& f) {
                 }
               } else {
                 if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 17.906047821044922) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 8.891444683074951) {
-                      return {2, 2, 8, 128, 1};  // SR
+                  if (x.log2_S <= 17.925580978393555) {
+                    if (x.skew_hi <= 13.801073551177979) {
+                      if (x.skew_hi <= 13.53321647644043) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 17.294557571411133) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 } else {
-                  if (x.log2_S <= 12.728822231292725) {
-                    if (x.avg <= 76.09802055358887) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
+                  if (x.skew_lo <= 7.343708276748657) {
+                    if (x.skew_hi <= 12.647961139678955) {
                       return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
                     }
                   } else {
                     return {4, 32, 8, 2, 32};  // PR
@@ -6029,80 +6033,76 @@ inline Config gathered_config(const Features& f) {
           } else {
             if (x.long_level <= 1.5) {
               if (x.long_level <= 0.5) {
-                if (x.skew_lo <= -2.957256555557251) {
-                  if (x.skew_hi <= 2.5390686988830566) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 22.33463191986084) {
-                      if (x.log2_S <= 19.645331382751465) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {4, 1, 64, 256, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
+                if (x.skew_hi <= 2.6470946073532104) {
+                  return {4, 2, 64, 128, 0};  // SP
                 } else {
-                  if (x.skew_lo <= -2.189807891845703) {
-                    if (x.log2_S <= 23.519577026367188) {
+                  if (x.avg <= 4.619153738021851) {
+                    return {4, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 23.66498565673828) {
                       return {4, 1, 64, 256, 0};  // SP
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
                     }
-                  } else {
-                    return {4, 1, 64, 256, 0};  // SP
                   }
                 }
               } else {
-                if (x.skew_hi <= 9.712444305419922) {
-                  if (x.skew_hi <= 9.371482372283936) {
-                    return {4, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 21.763626098632812) {
-                      if (x.skew_lo <= 5.489854335784912) {
-                        if (x.log2_S <= 19.29277229309082) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
+                if (x.avg <= 1.2257365584373474) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  return {4, 32, 8, 2, 32};  // PR
+                }
+              }
+            } else {
+              if (x.skew_lo <= 2.4926934242248535) {
+                if (x.log2_S <= 22.569117546081543) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  return {4, 32, 8, 2, 32};  // PR
+                }
+              } else {
+                if (x.log2_S <= 19.11917495727539) {
+                  if (x.skew_hi <= 11.461843967437744) {
+                    if (x.avg <= 37.454111099243164) {
+                      return {2, 2, 8, 128, 1};  // SR
                     } else {
-                      return {4, 32, 8, 2, 32};  // PR
+                      return {4, 32, 8, 2, 16};  // PR
                     }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 } else {
                   return {4, 32, 8, 2, 16};  // PR
                 }
               }
-            } else {
-              return {4, 32, 8, 2, 16};  // PR
             }
           }
         } else {
-          if (x.skew_hi <= 20.700467109680176) {
+          if (x.skew_hi <= 20.509160041809082) {
             if (x.log2_S <= 18.581408500671387) {
               return {4, 32, 8, 2, 32};  // PR
             } else {
-              if (x.skew_lo <= 10.550872802734375) {
+              if (x.skew_lo <= 10.48366403579712) {
                 if (x.skew_hi <= 20.363679885864258) {
-                  if (x.skew_hi <= 19.880038261413574) {
+                  if (x.skew_hi <= 19.837960243225098) {
                     return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.skew_lo <= 8.55782699584961) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.avg <= 19.96036148071289) {
-                        return {4, 32, 8, 2, 16};  // PR
+                    if (x.avg <= 43.55963897705078) {
+                      if (x.skew_lo <= 9.639557838439941) {
+                        if (x.log2_S <= 20.162382125854492) {
+                          return {4, 32, 16, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
                       } else {
-                        return {4, 32, 16, 2, 16};  // PR
+                        return {4, 32, 8, 2, 16};  // PR
                       }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 8.793046951293945) {
+                  if (x.skew_lo <= 8.436485528945923) {
                     return {4, 32, 8, 2, 32};  // PR
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
@@ -6119,170 +6119,206 @@ inline Config gathered_config(const Features& f) {
       } else {
         if (x.log2_S <= 16.063425064086914) {
           if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 13.304344177246094) {
-                if (x.skew_hi <= 4.389501571655273) {
-                  if (x.log2_S <= 9.334192276000977) {
-                    if (x.skew_hi <= 0.8743574619293213) {
+            if (x.skew_lo <= -0.6699637770652771) {
+              if (x.log2_S <= 13.303216934204102) {
+                if (x.skew_lo <= -3.337981104850769) {
+                  if (x.log2_S <= 12.576574802398682) {
+                    if (x.skew_hi <= 2.3706376552581787) {
                       return {4, 32, 64, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 3.367232084274292) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
+                      if (x.log2_S <= 9.272289752960205) {
                         return {4, 32, 64, 1, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -3.337981104850769) {
-                      if (x.log2_S <= 12.576574802398682) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 12.192355155944824) {
-                        if (x.log2_S <= 10.330265045166016) {
-                          if (x.skew_lo <= -2.1148650646209717) {
-                            return {4, 32, 64, 1, 0};  // SP
-                          } else {
-                            return {4, 64, 8, 1, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 10.639493942260742) {
-                            if (x.skew_hi <= 3.79965877532959) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 64, 8, 1, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 8, 1, 0};  // SP
-                          }
-                        }
                       } else {
                         return {4, 32, 64, 2, 0};  // SP
                       }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -0.7611084878444672) {
-                    return {4, 64, 64, 1, 0};  // SP
-                  } else {
-                    return {1, 64, 16, 1, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.883707523345947) {
-                  if (x.avg <= 11.69192361831665) {
-                    if (x.skew_lo <= -0.8670814633369446) {
-                      if (x.log2_S <= 13.545429706573486) {
-                        if (x.skew_lo <= -2.2527620792388916) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
                     return {1, 16, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.skew_hi <= 5.349964380264282) {
-                    return {1, 8, 64, 32, 0};  // SP
+                  if (x.avg <= 3.0535744428634644) {
+                    if (x.skew_lo <= -0.7611084878444672) {
+                      return {4, 64, 64, 1, 0};  // SP
+                    } else {
+                      return {1, 64, 16, 1, 0};  // SP
+                    }
                   } else {
-                    if (x.log2_S <= 15.306286334991455) {
+                    if (x.avg <= 56.36790752410889) {
+                      if (x.log2_S <= 9.435656070709229) {
+                        if (x.avg <= 3.6309365034103394) {
+                          return {4, 64, 8, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 12.151007175445557) {
+                          if (x.log2_S <= 10.639493942260742) {
+                            if (x.avg <= 4.358010768890381) {
+                              return {4, 64, 8, 1, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 8, 1, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 9.824110507965088) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.982397079467773) {
+                          if (x.log2_S <= 10.635151863098145) {
+                            if (x.skew_lo <= -1.4342445135116577) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 82.61943626403809) {
+                  if (x.skew_lo <= -3.6034709215164185) {
+                    if (x.log2_S <= 15.252017498016357) {
+                      if (x.log2_S <= 14.086930751800537) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.689563274383545) {
+                          if (x.avg <= 46.85883331298828) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  return {1, 16, 64, 8, 0};  // SP
+                }
+              }
+            } else {
+              if (x.log2_S <= 12.659845352172852) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 4.2826011180877686) {
+                    if (x.skew_lo <= 1.9473901218734682) {
+                      return {1, 64, 16, 1, 0};  // SP
+                    } else {
+                      if (x.avg <= 2.6706855297088623) {
+                        if (x.log2_S <= 12.08920955657959) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 12.122973918914795) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 13.890612602233887) {
+                      if (x.avg <= 8.126097679138184) {
+                        if (x.log2_S <= 11.182010173797607) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 4.249256134033203) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.515923023223877) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.361817359924316) {
+                    return {1, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 9.421605110168457) {
                       return {1, 8, 8, 32, 1};  // SR
                     } else {
                       return {1, 8, 16, 32, 1};  // SR
                     }
                   }
                 }
-              }
-            } else {
-              if (x.log2_S <= 12.450681209564209) {
-                if (x.long_level <= 1.5) {
-                  if (x.skew_lo <= 3.8801711797714233) {
-                    if (x.avg <= 13.579983711242676) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 45.32086753845215) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 129.60093688964844) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 9.331307411193848) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 11.982397079467773) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 16, 64, 8, 0};  // SP
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 4.597766876220703) {
-                      if (x.log2_S <= 11.293897151947021) {
-                        return {2, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 4.29531455039978) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 4, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.996654987335205) {
-                        return {2, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {1, 16, 8, 8, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.447127342224121) {
-                    return {1, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 21.582873344421387) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 8.109723091125488) {
-                        if (x.log2_S <= 12.349264144897461) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
               } else {
-                if (x.skew_lo <= -0.5480948090553284) {
-                  if (x.log2_S <= 15.969042778015137) {
-                    return {1, 16, 64, 8, 0};  // SP
-                  } else {
-                    return {1, 8, 16, 32, 1};  // SR
-                  }
-                } else {
+                if (x.avg <= 9.485706329345703) {
                   if (x.long_level <= 1.5) {
-                    if (x.skew_hi <= 6.534626722335815) {
-                      if (x.log2_S <= 13.366759777069092) {
-                        if (x.skew_lo <= 0.7557452321052551) {
-                          if (x.log2_S <= 13.110220909118652) {
+                    if (x.avg <= 2.582995891571045) {
+                      if (x.log2_S <= 14.320963382720947) {
+                        if (x.long_level <= 0.5) {
+                          if (x.log2_S <= 13.373738288879395) {
+                            if (x.skew_lo <= -0.4468361735343933) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              return {1, 64, 16, 1, 0};  // SP
+                            }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.79797625541687) {
+                          if (x.log2_S <= 14.859670639038086) {
                             return {1, 8, 8, 32, 1};  // SR
                           } else {
                             return {1, 8, 16, 32, 1};  // SR
                           }
                         } else {
-                          if (x.skew_lo <= 1.9973629117012024) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 13.97081184387207) {
+                      if (x.avg <= 5.743772745132446) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.364269256591797) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 13.354133129119873) {
+                        if (x.skew_hi <= 4.8117687702178955) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 6.001252889633179) {
                             return {1, 4, 8, 64, 1};  // SR
                           } else {
                             return {1, 8, 8, 32, 1};  // SR
@@ -6290,9 +6326,13 @@ inline Config gathered_config(const Features& f) {
                         }
                       } else {
                         if (x.skew_hi <= 5.878673315048218) {
-                          return {1, 8, 16, 32, 1};  // SR
+                          if (x.skew_hi <= 3.451905131340027) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
                         } else {
-                          if (x.log2_S <= 14.48319387435913) {
+                          if (x.log2_S <= 14.91599178314209) {
                             return {1, 8, 8, 32, 1};  // SR
                           } else {
                             return {1, 8, 16, 32, 1};  // SR
@@ -6300,40 +6340,16 @@ inline Config gathered_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.skew_lo <= 4.737303256988525) {
-                        if (x.log2_S <= 15.772092819213867) {
-                          if (x.skew_lo <= 4.6293816566467285) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.320963382720947) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
+                      return {1, 8, 16, 32, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 15.364098072052002) {
-                      if (x.skew_hi <= 11.932120323181152) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.355656623840332) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
+                    if (x.avg <= 23.8585844039917) {
+                      return {1, 8, 16, 32, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 9.536608695983887) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
+                      if (x.long_level <= 1.5) {
                         return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
                       }
                     }
                   }
@@ -6341,28 +6357,40 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.skew_hi <= 14.701149940490723) {
-              return {1, 8, 16, 32, 1};  // SR
-            } else {
-              if (x.skew_lo <= 11.097617626190186) {
-                return {1, 8, 64, 32, 1};  // SR
+            if (x.skew_hi <= 14.434046745300293) {
+              if (x.skew_lo <= 13.325738906860352) {
+                return {1, 8, 16, 32, 1};  // SR
               } else {
-                if (x.skew_hi <= 15.3252534866333) {
-                  if (x.avg <= 2.9576228857040405) {
+                return {4, 32, 8, 2, 16};  // PR
+              }
+            } else {
+              if (x.skew_lo <= 11.013044357299805) {
+                if (x.log2_S <= 14.701149940490723) {
+                  if (x.avg <= 24.798925399780273) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                } else {
+                  return {1, 8, 64, 32, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 14.890362739562988) {
+                  if (x.avg <= 3.4693151712417603) {
                     return {4, 32, 8, 2, 16};  // PR
                   } else {
                     return {1, 32, 8, 2, 32};  // PR
                   }
                 } else {
-                  if (x.skew_hi <= 15.726978302001953) {
-                    if (x.skew_lo <= 12.556227207183838) {
-                      if (x.skew_lo <= 11.316806316375732) {
-                        return {1, 32, 16, 8, 8};  // PR
-                      } else {
-                        return {4, 32, 16, 2, 8};  // PR
-                      }
-                    } else {
+                  if (x.log2_S <= 15.738460063934326) {
+                    if (x.avg <= 2.6618558168411255) {
                       return {1, 32, 16, 8, 8};  // PR
+                    } else {
+                      if (x.avg <= 5.873541831970215) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        return {1, 32, 16, 8, 8};  // PR
+                      }
                     }
                   } else {
                     return {4, 32, 16, 2, 8};  // PR
@@ -6373,44 +6401,44 @@ inline Config gathered_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 4.52683424949646) {
-              if (x.skew_lo <= -2.245115041732788) {
+            if (x.skew_hi <= 4.517203092575073) {
+              if (x.skew_lo <= -2.5075676441192627) {
                 return {1, 8, 64, 32, 0};  // SP
               } else {
-                if (x.skew_hi <= 4.098521947860718) {
-                  if (x.log2_S <= 19.12907123565674) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
-                } else {
+                if (x.log2_S <= 19.187206268310547) {
                   return {1, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.skew_lo <= -1.8920279741287231) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 23.075345039367676) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {1, 32, 16, 8, 8};  // PR
+                    }
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 18.90089511871338) {
-                if (x.skew_hi <= 5.744953870773315) {
+              if (x.log2_S <= 18.503198623657227) {
+                if (x.skew_hi <= 5.846660614013672) {
                   return {1, 8, 64, 32, 0};  // SP
                 } else {
-                  if (x.log2_S <= 17.719118118286133) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
+                  return {1, 8, 16, 32, 1};  // SR
                 }
               } else {
                 if (x.log2_S <= 22.382929801940918) {
-                  if (x.log2_S <= 20.08845043182373) {
-                    if (x.skew_lo <= -1.1350667476654053) {
+                  if (x.log2_S <= 20.003324508666992) {
+                    if (x.skew_hi <= 4.945046663284302) {
                       return {1, 8, 64, 32, 0};  // SP
                     } else {
                       return {1, 32, 16, 8, 8};  // PR
                     }
                   } else {
-                    if (x.skew_hi <= 4.845017671585083) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
+                    if (x.avg <= 2.226906657218933) {
                       return {4, 32, 16, 2, 8};  // PR
+                    } else {
+                      return {1, 32, 16, 8, 8};  // PR
                     }
                   }
                 } else {
@@ -6420,135 +6448,137 @@ inline Config gathered_config(const Features& f) {
             }
           } else {
             if (x.skew_hi <= 19.172396659851074) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 18.285162925720215) {
-                  if (x.skew_lo <= -0.8983625173568726) {
-                    if (x.log2_S <= 17.226370811462402) {
-                      return {1, 16, 64, 8, 0};  // SP
+              if (x.skew_lo <= 2.269189238548279) {
+                if (x.log2_S <= 17.542165756225586) {
+                  if (x.avg <= 127.82648468017578) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 4.500400900840759) {
+                      if (x.log2_S <= 17.070228576660156) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
                     } else {
                       return {4, 8, 32, 32, 1};  // SR
                     }
+                  }
+                } else {
+                  if (x.avg <= 18.263379096984863) {
+                    if (x.log2_S <= 21.128482818603516) {
+                      if (x.log2_S <= 18.376262664794922) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
                   } else {
-                    if (x.avg <= 36.682533264160156) {
-                      if (x.log2_S <= 16.523770332336426) {
-                        if (x.avg <= 2.679248571395874) {
-                          return {1, 8, 8, 32, 1};  // SR
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 20.562501907348633) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 18.827223777770996) {
+                      if (x.log2_S <= 18.410277366638184) {
+                        if (x.log2_S <= 16.647050857543945) {
+                          if (x.skew_lo <= 4.580316066741943) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
                         }
                       } else {
-                        return {1, 8, 16, 32, 1};  // SR
+                        if (x.skew_hi <= 8.118348121643066) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.log2_S <= 17.484795570373535) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 21.73392105102539) {
-                    if (x.skew_hi <= 6.189101934432983) {
                       return {4, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 20.322649002075195) {
-                        if (x.log2_S <= 18.827223777770996) {
-                          if (x.skew_hi <= 8.118348121643066) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 3.1877388954162598) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 64, 32, 1};  // SR
-                        }
-                      }
                     }
                   } else {
-                    if (x.skew_lo <= 4.369999647140503) {
-                      if (x.avg <= 121.47941970825195) {
-                        if (x.log2_S <= 21.947511672973633) {
-                          if (x.avg <= 18.711400985717773) {
-                            return {1, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 64, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
+                    if (x.skew_lo <= 3.8422528505325317) {
                       return {4, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 11.092055320739746) {
-                  if (x.log2_S <= 18.434264183044434) {
-                    if (x.skew_hi <= 12.541271209716797) {
-                      if (x.skew_lo <= 3.729718565940857) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 17.202733039855957) {
-                          if (x.avg <= 13.22345781326294) {
-                            if (x.log2_S <= 16.8553524017334) {
+                    } else {
+                      if (x.skew_lo <= 11.221367359161377) {
+                        if (x.skew_hi <= 13.91339921951294) {
+                          if (x.log2_S <= 16.8429594039917) {
+                            if (x.avg <= 18.797250747680664) {
                               return {1, 8, 16, 32, 1};  // SR
                             } else {
                               return {4, 8, 32, 32, 1};  // SR
                             }
                           } else {
-                            if (x.log2_S <= 17.058223724365234) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
+                            if (x.skew_hi <= 9.777013301849365) {
                               return {1, 8, 64, 32, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 7.870285511016846) {
+                                if (x.log2_S <= 18.26015853881836) {
+                                  return {4, 8, 32, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 64, 32, 1};  // SR
+                                }
+                              } else {
+                                if (x.log2_S <= 19.481423377990723) {
+                                  return {1, 8, 64, 32, 1};  // SR
+                                } else {
+                                  if (x.skew_hi <= 12.116002082824707) {
+                                    return {1, 8, 64, 32, 1};  // SR
+                                  } else {
+                                    return {4, 8, 32, 32, 1};  // SR
+                                  }
+                                }
+                              }
                             }
                           }
                         } else {
-                          if (x.skew_hi <= 9.51540231704712) {
+                          if (x.log2_S <= 18.167850494384766) {
                             return {1, 8, 64, 32, 1};  // SR
                           } else {
-                            if (x.log2_S <= 18.094468116760254) {
+                            if (x.log2_S <= 18.422701835632324) {
                               return {4, 8, 32, 32, 1};  // SR
                             } else {
-                              return {1, 8, 64, 32, 1};  // SR
+                              if (x.skew_lo <= 11.12450647354126) {
+                                return {1, 8, 64, 32, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 8};  // PR
+                              }
                             }
                           }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 2.6293634176254272) {
-                        if (x.log2_S <= 16.79954433441162) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 64, 32, 1};  // SR
                         }
                       } else {
-                        if (x.skew_hi <= 18.167850494384766) {
-                          return {1, 8, 64, 32, 1};  // SR
+                        if (x.log2_S <= 18.45268726348877) {
+                          return {4, 8, 32, 32, 1};  // SR
                         } else {
-                          if (x.skew_lo <= 8.336720943450928) {
-                            return {1, 8, 64, 32, 1};  // SR
+                          if (x.avg <= 2.133502721786499) {
+                            return {1, 32, 16, 8, 8};  // PR
                           } else {
-                            if (x.skew_hi <= 18.362159729003906) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 64, 32, 1};  // SR
-                            }
+                            return {4, 32, 16, 2, 8};  // PR
                           }
                         }
                       }
                     }
+                  }
+                } else {
+                  if (x.avg <= 1.9917755722999573) {
+                    if (x.avg <= 1.702240765094757) {
+                      return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
                   } else {
-                    if (x.skew_hi <= 7.47159218788147) {
-                      if (x.log2_S <= 20.39848232269287) {
+                    if (x.avg <= 3.1403894424438477) {
+                      if (x.skew_hi <= 12.389426708221436) {
                         return {4, 8, 32, 32, 1};  // SR
                       } else {
                         return {1, 8, 64, 32, 1};  // SR
@@ -6557,58 +6587,28 @@ inline Config gathered_config(const Features& f) {
                       return {1, 8, 64, 32, 1};  // SR
                     }
                   }
-                } else {
-                  if (x.log2_S <= 18.510207176208496) {
-                    return {4, 8, 32, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 1.5476452708244324) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
-                  }
                 }
               }
             } else {
               if (x.skew_lo <= 9.729634761810303) {
-                if (x.skew_hi <= 22.780259132385254) {
-                  if (x.skew_hi <= 19.455405235290527) {
-                    if (x.skew_lo <= 7.938579082489014) {
-                      return {1, 8, 64, 32, 1};  // SR
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
+                if (x.log2_S <= 22.66779136657715) {
+                  if (x.skew_hi <= 19.559155464172363) {
+                    return {1, 8, 64, 32, 1};  // SR
                   } else {
                     return {4, 32, 16, 2, 8};  // PR
                   }
                 } else {
-                  if (x.skew_lo <= 7.790510177612305) {
-                    return {4, 32, 16, 2, 8};  // PR
-                  } else {
-                    if (x.avg <= 30.414459228515625) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
-                      if (x.avg <= 47.73569107055664) {
-                        return {4, 32, 16, 2, 8};  // PR
-                      } else {
-                        return {1, 32, 16, 8, 8};  // PR
-                      }
-                    }
-                  }
+                  return {1, 32, 16, 8, 8};  // PR
                 }
               } else {
-                if (x.log2_S <= 20.023046493530273) {
+                if (x.skew_hi <= 20.381957054138184) {
                   if (x.avg <= 3.1402419805526733) {
                     return {1, 32, 16, 8, 8};  // PR
                   } else {
-                    if (x.avg <= 8.126955032348633) {
-                      return {4, 32, 16, 2, 8};  // PR
+                    if (x.skew_lo <= 10.702870845794678) {
+                      return {1, 32, 16, 8, 8};  // PR
                     } else {
-                      if (x.skew_lo <= 10.025668621063232) {
-                        return {4, 32, 16, 2, 8};  // PR
-                      } else {
-                        return {1, 32, 16, 8, 8};  // PR
-                      }
+                      return {4, 32, 16, 2, 8};  // PR
                     }
                   }
                 } else {
@@ -6623,193 +6623,193 @@ inline Config gathered_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.skew_hi <= 13.037328720092773) {
+        if (x.skew_hi <= 13.131792068481445) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 15.941681385040283) {
-              if (x.log2_S <= 13.589656829833984) {
-                if (x.avg <= 3.0535744428634644) {
-                  if (x.skew_lo <= -0.395584836602211) {
-                    if (x.avg <= 2.3234312534332275) {
-                      if (x.log2_S <= 9.288563251495361) {
-                        if (x.skew_lo <= -0.5021582245826721) {
-                          if (x.skew_lo <= -0.6376675963401794) {
+            if (x.log2_S <= 16.11400318145752) {
+              if (x.log2_S <= 13.311975479125977) {
+                if (x.avg <= 3.3226442337036133) {
+                  if (x.avg <= 1.3154987692832947) {
+                    if (x.log2_S <= 11.300518035888672) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 12.59498643875122) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.2997116446495056) {
+                      if (x.log2_S <= 9.792421817779541) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 10.124125003814697) {
+                        if (x.avg <= 1.811869740486145) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 9.19876480102539) {
                             return {4, 32, 64, 8, 0};  // SP
                           } else {
-                            if (x.avg <= 1.4409854412078857) {
-                              return {4, 32, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 1, 0};  // SP
-                            }
+                            return {4, 32, 64, 1, 0};  // SP
                           }
-                        } else {
-                          return {4, 32, 32, 2, 0};  // SP
                         }
                       } else {
                         return {4, 32, 64, 1, 0};  // SP
                       }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 9.651291847229004) {
+                    if (x.skew_hi <= 0.900746613740921) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 9.25150442123413) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.720988750457764) {
-                          return {4, 32, 64, 8, 0};  // SP
+                      if (x.skew_lo <= -4.143479347229004) {
+                        if (x.log2_S <= 9.097294330596924) {
+                          if (x.avg <= 21.801369667053223) {
+                            if (x.skew_hi <= 1.6651595830917358) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 32, 2, 0};  // SP
+                          }
                         } else {
-                          return {4, 32, 64, 1, 0};  // SP
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 3.4488359689712524) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 9.586299896240234) {
+                            return {4, 32, 32, 2, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
                         }
                       }
                     }
                   } else {
-                    return {4, 32, 64, 2, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 12.089573860168457) {
-                    if (x.log2_S <= 9.651291847229004) {
-                      if (x.skew_hi <= 0.8501893877983093) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -1.7860661149024963) {
-                          return {4, 32, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= -3.645685076713562) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
+                    if (x.log2_S <= 11.875164031982422) {
+                      if (x.avg <= 12.516255855560303) {
                         if (x.log2_S <= 10.694705486297607) {
-                          if (x.log2_S <= 10.191215515136719) {
-                            if (x.skew_hi <= 4.14403510093689) {
-                              return {4, 32, 32, 2, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
+                          if (x.log2_S <= 9.762211322784424) {
+                            return {4, 32, 32, 2, 0};  // SP
                           } else {
                             return {4, 16, 64, 4, 0};  // SP
                           }
                         } else {
-                          if (x.skew_hi <= 4.129124402999878) {
+                          if (x.skew_hi <= 4.14770245552063) {
                             return {4, 32, 32, 2, 0};  // SP
                           } else {
                             return {4, 32, 64, 8, 0};  // SP
                           }
                         }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -2.784793972969055) {
-                      if (x.avg <= 56.78085708618164) {
-                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.483700275421143) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
+                        return {4, 16, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.skew_hi <= 4.129163026809692) {
-                        if (x.log2_S <= 12.38474988937378) {
-                          return {4, 32, 32, 2, 0};  // SP
+                      if (x.skew_hi <= 3.2718600034713745) {
+                        if (x.skew_hi <= 0.2361554130911827) {
+                          if (x.log2_S <= 12.516460418701172) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -5.8799216747283936) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          }
                         } else {
-                          return {4, 32, 64, 2, 0};  // SP
+                          return {4, 8, 64, 32, 0};  // SP
                         }
                       } else {
-                        return {4, 32, 64, 8, 0};  // SP
+                        if (x.log2_S <= 12.388980388641357) {
+                          if (x.avg <= 3.6937114000320435) {
+                            return {4, 32, 64, 8, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 3.4356666803359985) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 3.653735041618347) {
+                            return {4, 32, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
                       }
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 4.323229551315308) {
-                  if (x.skew_lo <= -2.728963851928711) {
-                    if (x.log2_S <= 13.687283992767334) {
-                      if (x.skew_hi <= 1.912416398525238) {
+                if (x.skew_hi <= 4.797149658203125) {
+                  if (x.skew_lo <= -2.825284481048584) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 14.924694061279297) {
+                      if (x.log2_S <= 14.644411087036133) {
                         return {4, 4, 64, 64, 0};  // SP
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 14.786094665527344) {
-                      if (x.log2_S <= 13.958065509796143) {
-                        return {4, 32, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 14.085627555847168) {
-                    if (x.skew_hi <= 5.55103874206543) {
-                      return {4, 32, 64, 1, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= -1.174974799156189) {
-                      if (x.log2_S <= 15.109121322631836) {
-                        if (x.log2_S <= 14.46629285812378) {
+                        if (x.skew_lo <= -2.172694206237793) {
                           return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 14.882046699523926) {
-                if (x.log2_S <= 17.11028289794922) {
-                  if (x.avg <= 1.2601079940795898) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.avg <= 12.396367073059082) {
-                      if (x.skew_hi <= 5.318580627441406) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 16.438708305358887) {
-                          return {4, 2, 8, 128, 1};  // SR
                         } else {
                           return {4, 2, 64, 128, 0};  // SP
                         }
                       }
                     } else {
-                      return {4, 4, 64, 64, 0};  // SP
+                      return {4, 2, 64, 128, 0};  // SP
                     }
                   }
                 } else {
+                  if (x.log2_S <= 14.20226764678955) {
+                    if (x.skew_hi <= 5.570044994354248) {
+                      return {4, 32, 64, 1, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 14.882046699523926) {
+                if (x.skew_hi <= 5.994746208190918) {
                   return {4, 2, 64, 128, 0};  // SP
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
                 }
               } else {
-                if (x.log2_S <= 18.8951997756958) {
-                  if (x.log2_S <= 17.58283805847168) {
-                    return {4, 4, 64, 64, 0};  // SP
+                if (x.log2_S <= 18.696282386779785) {
+                  if (x.skew_hi <= 1.7038004398345947) {
+                    if (x.skew_hi <= 0.004092161078006029) {
+                      return {4, 4, 32, 64, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
                   } else {
-                    if (x.skew_lo <= -4.795029401779175) {
+                    if (x.log2_S <= 17.555773735046387) {
                       return {4, 4, 64, 64, 0};  // SP
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 0.28206101059913635) {
+                  if (x.skew_lo <= -5.7179388999938965) {
                     if (x.log2_S <= 20.138094902038574) {
                       return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.avg <= 60.479570388793945) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
+                      if (x.skew_hi <= 0.03456092346459627) {
                         return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
                       }
                     }
                   } else {
@@ -6821,27 +6821,35 @@ inline Config gathered_config(const Features& f) {
           } else {
             if (x.log2_S <= 14.425888061523438) {
               if (x.avg <= 14.398532390594482) {
-                if (x.skew_lo <= 6.060472249984741) {
-                  if (x.skew_hi <= 6.9774415493011475) {
-                    if (x.skew_lo <= 2.3159546852111816) {
-                      if (x.log2_S <= 11.599857330322266) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.118195533752441) {
-                          return {2, 8, 8, 32, 1};  // SR
+                if (x.skew_lo <= 6.153746843338013) {
+                  if (x.log2_S <= 11.312371730804443) {
+                    if (x.skew_hi <= 6.904945373535156) {
+                      if (x.skew_lo <= 2.5597472190856934) {
+                        if (x.avg <= 13.025903224945068) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          return {1, 8, 8, 32, 1};  // SR
                         }
+                      } else {
+                        return {2, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 13.561148643493652) {
-                        if (x.skew_lo <= 2.393722891807556) {
-                          if (x.log2_S <= 13.045170307159424) {
-                            if (x.skew_lo <= 2.380584239959717) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
+                      if (x.log2_S <= 11.098398685455322) {
+                        return {2, 16, 8, 4, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 4.5900328159332275) {
+                          return {2, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 32, 64, 1, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 7.2164459228515625) {
+                      if (x.log2_S <= 13.164139747619629) {
+                        if (x.skew_lo <= 2.575021266937256) {
+                          if (x.log2_S <= 11.9378662109375) {
+                            return {1, 4, 8, 64, 1};  // SR
                           } else {
                             return {4, 2, 8, 128, 1};  // SR
                           }
@@ -6851,84 +6859,84 @@ inline Config gathered_config(const Features& f) {
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.133566856384277) {
-                      return {2, 16, 8, 4, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 4.826205253601074) {
-                        if (x.log2_S <= 12.018422603607178) {
-                          if (x.skew_lo <= 4.214151620864868) {
-                            if (x.avg <= 4.122358798980713) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              if (x.avg <= 4.735121250152588) {
-                                return {2, 16, 8, 4, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 11.38341760635376) {
-                                  return {2, 16, 8, 4, 1};  // SR
-                                } else {
-                                  return {2, 8, 8, 32, 1};  // SR
-                                }
-                              }
-                            }
+                      if (x.log2_S <= 12.258176803588867) {
+                        if (x.avg <= 3.259660005569458) {
+                          if (x.log2_S <= 11.511791706085205) {
+                            return {4, 32, 64, 1, 0};  // SP
                           } else {
-                            return {4, 32, 64, 8, 0};  // SP
+                            if (x.log2_S <= 12.183947086334229) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
                           }
                         } else {
-                          if (x.skew_hi <= 7.217730522155762) {
-                            if (x.log2_S <= 13.665555477142334) {
-                              return {2, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 11.930020809173584) {
+                            if (x.skew_hi <= 7.958668231964111) {
+                              return {2, 16, 8, 4, 1};  // SR
                             } else {
-                              return {4, 2, 8, 128, 1};  // SR
+                              if (x.log2_S <= 11.754477977752686) {
+                                return {4, 64, 64, 1, 0};  // SP
+                              } else {
+                                return {2, 16, 8, 4, 1};  // SR
+                              }
                             }
                           } else {
-                            if (x.avg <= 2.7448068857192993) {
-                              if (x.log2_S <= 12.771050930023193) {
-                                return {4, 32, 64, 4, 0};  // SP
-                              } else {
-                                return {2, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
+                            if (x.skew_hi <= 8.018696784973145) {
                               return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
                             }
                           }
                         }
                       } else {
-                        if (x.log2_S <= 12.44509744644165) {
-                          if (x.log2_S <= 12.183947086334229) {
-                            if (x.skew_hi <= 8.975285053253174) {
-                              return {4, 32, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 1, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 14.320963382720947) {
-                            if (x.skew_lo <= 5.94751763343811) {
-                              return {2, 16, 8, 4, 1};  // SR
+                        if (x.skew_lo <= 4.759039402008057) {
+                          if (x.avg <= 2.592955231666565) {
+                            if (x.skew_hi <= 8.657228946685791) {
+                              return {4, 32, 64, 4, 0};  // SP
                             } else {
                               return {2, 8, 8, 32, 1};  // SR
                             }
                           } else {
                             return {2, 8, 8, 32, 1};  // SR
                           }
+                        } else {
+                          if (x.log2_S <= 13.511980056762695) {
+                            if (x.log2_S <= 12.418721675872803) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              if (x.skew_lo <= 5.537147521972656) {
+                                if (x.log2_S <= 12.834901332855225) {
+                                  return {2, 16, 8, 4, 1};  // SR
+                                } else {
+                                  return {2, 8, 8, 32, 1};  // SR
+                                }
+                              } else {
+                                return {2, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 14.320963382720947) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 13.62163782119751) {
-                      if (x.log2_S <= 12.976816177368164) {
+                  if (x.skew_lo <= 10.081637382507324) {
+                    if (x.log2_S <= 13.729548931121826) {
+                      if (x.log2_S <= 12.516718864440918) {
                         return {2, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.avg <= 7.109137296676636) {
+                        if (x.avg <= 9.555513858795166) {
                           return {2, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.avg <= 11.255070686340332) {
+                          if (x.log2_S <= 13.134956359863281) {
                             return {4, 4, 8, 64, 1};  // SR
                           } else {
                             return {4, 2, 8, 128, 1};  // SR
@@ -6939,32 +6947,40 @@ inline Config gathered_config(const Features& f) {
                       return {4, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 8.491445064544678) {
-                      if (x.log2_S <= 11.932098865509033) {
-                        return {2, 8, 8, 32, 1};  // SR
+                    if (x.log2_S <= 11.68742322921753) {
+                      if (x.avg <= 8.794264793395996) {
+                        if (x.log2_S <= 11.458286762237549) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
                       } else {
-                        return {4, 32, 8, 2, 16};  // PR
+                        return {4, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      return {4, 2, 8, 128, 1};  // SR
+                      if (x.avg <= 11.200718879699707) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        if (x.log2_S <= 12.643718242645264) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 3.011510491371155) {
-                  if (x.log2_S <= 11.878203392028809) {
-                    if (x.log2_S <= 10.777597427368164) {
-                      if (x.avg <= 129.60093688964844) {
-                        return {4, 32, 64, 8, 0};  // SP
+                if (x.skew_hi <= 3.5261439085006714) {
+                  if (x.log2_S <= 12.046262264251709) {
+                    if (x.log2_S <= 10.777896404266357) {
+                      if (x.log2_S <= 9.986785411834717) {
+                        return {4, 32, 64, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 9.986785411834717) {
-                          return {4, 32, 64, 2, 0};  // SP
+                        if (x.avg <= 159.65776824951172) {
+                          return {4, 32, 64, 8, 0};  // SP
                         } else {
-                          if (x.avg <= 159.65776824951172) {
-                            return {4, 32, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
+                          return {4, 32, 64, 2, 0};  // SP
                         }
                       }
                     } else {
@@ -6974,358 +6990,374 @@ inline Config gathered_config(const Features& f) {
                     return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 17.0601167678833) {
-                    if (x.log2_S <= 12.20974063873291) {
-                      if (x.skew_lo <= 2.149651527404785) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 10.230705261230469) {
-                          if (x.skew_hi <= 9.572247505187988) {
-                            if (x.skew_lo <= 5.977648973464966) {
-                              return {4, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
+                  if (x.skew_hi <= 12.39632797241211) {
+                    if (x.avg <= 17.0601167678833) {
+                      if (x.log2_S <= 11.595164775848389) {
+                        if (x.skew_hi <= 7.226628541946411) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 10.230705261230469) {
                             return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
                           }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 12.93256425857544) {
-                      if (x.skew_lo <= -0.6587176620960236) {
-                        if (x.log2_S <= 13.694599151611328) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
                         }
                       } else {
                         return {4, 2, 8, 128, 1};  // SR
                       }
                     } else {
+                      if (x.skew_hi <= 12.13545560836792) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 8.116350650787354) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 9.212090969085693) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 82.93313980102539) {
                       return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 12.568470001220703) {
-                return {4, 2, 8, 128, 1};  // SR
-              } else {
-                if (x.log2_S <= 21.919859886169434) {
-                  if (x.log2_S <= 15.970102787017822) {
-                    if (x.log2_S <= 14.662390232086182) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
+              if (x.log2_S <= 14.860941886901855) {
+                if (x.skew_hi <= 3.368451237678528) {
+                  return {4, 32, 64, 4, 0};  // SP
                 } else {
-                  return {4, 32, 8, 2, 16};  // PR
+                  return {4, 2, 8, 128, 1};  // SR
                 }
+              } else {
+                return {4, 2, 8, 128, 1};  // SR
               }
             }
           }
         } else {
           if (x.skew_hi <= 19.174614906311035) {
-            if (x.avg <= 116.19285202026367) {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 13.851817607879639) {
-                  return {2, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.log2_S <= 20.27999210357666) {
-                    if (x.log2_S <= 16.92351722717285) {
-                      if (x.avg <= 1.7690510749816895) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.log2_S <= 14.850173950195312) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 22.076845169067383) {
+                if (x.log2_S <= 16.42715549468994) {
+                  if (x.log2_S <= 14.798428535461426) {
+                    if (x.log2_S <= 13.986210346221924) {
+                      return {2, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 13.69851303100586) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
                   }
+                } else {
+                  if (x.skew_hi <= 13.754582405090332) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 18.72577953338623) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
                 }
               } else {
-                if (x.log2_S <= 18.971543312072754) {
-                  return {4, 32, 8, 2, 16};  // PR
+                if (x.skew_lo <= 9.2126784324646) {
+                  return {4, 2, 8, 128, 1};  // SR
                 } else {
-                  if (x.avg <= 52.86122131347656) {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
+              }
+            } else {
+              if (x.avg <= 149.1396255493164) {
+                return {4, 32, 8, 2, 16};  // PR
+              } else {
+                if (x.skew_hi <= 18.32932949066162) {
+                  if (x.log2_S <= 13.30999755859375) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  if (x.avg <= 152.4335708618164) {
                     return {4, 32, 8, 2, 16};  // PR
                   } else {
                     return {4, 2, 8, 128, 1};  // SR
                   }
                 }
-              }
-            } else {
-              if (x.log2_S <= 17.065756797790527) {
-                if (x.log2_S <= 13.562670707702637) {
-                  return {4, 2, 8, 128, 1};  // SR
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                return {4, 2, 8, 128, 1};  // SR
               }
             }
           } else {
             if (x.log2_S <= 22.878056526184082) {
               if (x.avg <= 87.50569534301758) {
-                if (x.skew_hi <= 19.990177154541016) {
-                  if (x.avg <= 31.055480003356934) {
-                    if (x.log2_S <= 19.38805103302002) {
-                      if (x.skew_lo <= 11.739325523376465) {
-                        if (x.skew_lo <= 9.594319343566895) {
-                          return {4, 32, 16, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        return {4, 32, 16, 2, 16};  // PR
-                      }
+                if (x.log2_S <= 19.516974449157715) {
+                  if (x.avg <= 4.9763054847717285) {
+                    return {4, 32, 16, 2, 16};  // PR
+                  } else {
+                    if (x.avg <= 46.019822120666504) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
                       return {4, 32, 16, 2, 16};  // PR
                     }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
                   }
                 } else {
                   return {4, 32, 16, 2, 16};  // PR
                 }
               } else {
-                if (x.log2_S <= 20.801036834716797) {
-                  return {4, 2, 8, 128, 1};  // SR
+                if (x.skew_hi <= 21.03090000152588) {
+                  if (x.skew_lo <= 7.141445875167847) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 20.256608963012695) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 2, 16};  // PR
+                    }
+                  }
                 } else {
                   return {4, 32, 16, 2, 16};  // PR
                 }
               }
             } else {
-              if (x.avg <= 8.344465732574463) {
-                return {4, 32, 8, 2, 32};  // PR
+              if (x.skew_lo <= 11.038923740386963) {
+                return {4, 32, 16, 2, 16};  // PR
               } else {
-                if (x.avg <= 9.49974012374878) {
-                  if (x.skew_lo <= 10.845551013946533) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 16, 2, 16};  // PR
-                  }
-                } else {
-                  return {4, 32, 16, 2, 16};  // PR
-                }
+                return {4, 32, 8, 2, 32};  // PR
               }
             }
           }
         }
       } else {
-        if (x.log2_S <= 15.594497203826904) {
-          if (x.avg <= 16.577009201049805) {
-            if (x.skew_lo <= -0.009343240410089493) {
-              if (x.log2_S <= 12.225578308105469) {
-                if (x.avg <= 1.783601999282837) {
-                  if (x.avg <= 1.3405367732048035) {
-                    return {4, 64, 64, 1, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.041591167449951) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 32, 8, 8, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 9.173116207122803) {
-                    if (x.avg <= 4.826604127883911) {
+        if (x.log2_S <= 15.284040451049805) {
+          if (x.avg <= 17.011478424072266) {
+            if (x.skew_hi <= 5.419762134552002) {
+              if (x.log2_S <= 12.387146472930908) {
+                if (x.log2_S <= 9.238543033599854) {
+                  if (x.avg <= 4.826604127883911) {
+                    if (x.skew_hi <= 5.311550140380859) {
                       return {4, 64, 8, 1, 0};  // SP
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 2.811087489128113) {
-                      if (x.log2_S <= 10.707489490509033) {
-                        if (x.skew_lo <= -1.0284357070922852) {
-                          return {4, 64, 8, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 8, 8, 0};  // SP
-                        }
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -1.4911263585090637) {
+                    if (x.log2_S <= 9.669769763946533) {
+                      if (x.skew_hi <= 2.5500062704086304) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.avg <= 2.3292462825775146) {
+                        return {4, 64, 8, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.225578308105469) {
+                        return {4, 64, 8, 1, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.162116527557373) {
+                      if (x.skew_lo <= -1.062082588672638) {
+                        return {4, 64, 8, 1, 0};  // SP
+                      } else {
+                        if (x.avg <= 1.809759497642517) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
                           return {4, 32, 8, 8, 0};  // SP
                         }
                       }
                     } else {
-                      return {4, 64, 8, 1, 0};  // SP
+                      if (x.log2_S <= 12.253310203552246) {
+                        return {4, 32, 8, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 4.149736404418945) {
-                  if (x.log2_S <= 14.651290893554688) {
-                    if (x.log2_S <= 12.817625045776367) {
-                      if (x.skew_hi <= 3.396428942680359) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 3.7400838136672974) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
+                if (x.avg <= 3.0888947248458862) {
+                  if (x.log2_S <= 13.918215274810791) {
+                    return {4, 32, 64, 4, 0};  // SP
                   } else {
-                    if (x.skew_lo <= -3.7827560901641846) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 14.715667724609375) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
+                    return {4, 4, 8, 64, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 13.863475799560547) {
-                    if (x.skew_hi <= 5.426796197891235) {
-                      return {4, 32, 64, 4, 0};  // SP
+                  if (x.log2_S <= 14.620212078094482) {
+                    if (x.log2_S <= 12.45851469039917) {
+                      return {4, 16, 64, 8, 0};  // SP
                     } else {
-                      if (x.log2_S <= 13.459574699401855) {
-                        if (x.skew_lo <= -0.42013411223888397) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 1, 0};  // SP
-                        }
+                      if (x.skew_hi <= 4.073317766189575) {
+                        return {4, 8, 64, 32, 0};  // SP
                       } else {
-                        return {4, 4, 8, 64, 1};  // SR
+                        if (x.log2_S <= 13.552068710327148) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.482786655426025) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
                       }
                     }
                   } else {
-                    if (x.avg <= 3.114555239677429) {
-                      return {4, 4, 8, 64, 1};  // SR
+                    if (x.skew_lo <= -3.815472960472107) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 15.183835506439209) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
+                      return {4, 4, 64, 64, 0};  // SP
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 13.40500545501709) {
-                if (x.avg <= 4.084752559661865) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 11.197589874267578) {
-                      return {2, 16, 8, 4, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.96052074432373) {
-                        if (x.skew_hi <= 8.41270637512207) {
-                          return {2, 16, 8, 4, 1};  // SR
+              if (x.log2_S <= 13.480472087860107) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 5.293792963027954) {
+                    if (x.long_level <= 0.5) {
+                      if (x.skew_hi <= 5.577269554138184) {
+                        if (x.log2_S <= 11.025167465209961) {
+                          return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          return {4, 64, 64, 1, 0};  // SP
+                          if (x.log2_S <= 12.160779476165771) {
+                            return {4, 32, 8, 8, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
                         }
                       } else {
-                        if (x.avg <= 2.7822524309158325) {
-                          return {2, 16, 8, 4, 1};  // SR
+                        return {4, 64, 64, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 11.091004848480225) {
+                        return {2, 16, 8, 4, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 8.345388412475586) {
+                          if (x.log2_S <= 11.851667404174805) {
+                            if (x.avg <= 4.395956039428711) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
                         } else {
-                          return {2, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 11.931603908538818) {
+                            if (x.skew_lo <= 4.420528411865234) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 64, 64, 1, 0};  // SP
+                            }
+                          } else {
+                            return {2, 16, 8, 4, 1};  // SR
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 10.999624729156494) {
-                      return {2, 8, 8, 32, 1};  // SR
+                    if (x.skew_lo <= 1.983141303062439) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      if (x.log2_S <= 12.540998458862305) {
-                        return {2, 8, 8, 32, 1};  // SR
+                      if (x.log2_S <= 12.51524829864502) {
+                        if (x.avg <= 7.046525478363037) {
+                          if (x.log2_S <= 10.985382080078125) {
+                            if (x.avg <= 6.476997375488281) {
+                              if (x.avg <= 5.802084684371948) {
+                                return {2, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
                       } else {
-                        return {4, 32, 8, 2, 16};  // PR
+                        if (x.avg <= 8.349202156066895) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 8.963399648666382) {
-                    if (x.log2_S <= 12.53664493560791) {
-                      if (x.avg <= 4.49434232711792) {
-                        if (x.log2_S <= 8.93646764755249) {
-                          return {2, 16, 8, 4, 1};  // SR
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {2, 8, 8, 32, 1};  // SR
-                      }
+                  if (x.long_level <= 2.5) {
+                    if (x.avg <= 13.004709720611572) {
+                      return {2, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 12.23573350906372) {
+                      if (x.log2_S <= 11.927666664123535) {
                         return {2, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 4, 8, 64, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 12.63281774520874) {
-                      if (x.skew_lo <= 10.78674030303955) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.924777507781982) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 11.006389141082764) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
+                    if (x.skew_lo <= 10.930367946624756) {
+                      if (x.skew_hi <= 12.535394668579102) {
+                        if (x.avg <= 9.545675277709961) {
+                          if (x.log2_S <= 11.822383403778076) {
                             return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
                           }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
                         }
-                      }
-                    } else {
-                      if (x.avg <= 8.011312246322632) {
-                        return {4, 32, 8, 2, 16};  // PR
                       } else {
                         return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 12.308547019958496) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     }
                   }
                 }
               } else {
-                if (x.skew_lo <= 9.875850677490234) {
-                  if (x.avg <= 2.4519537687301636) {
-                    if (x.log2_S <= 14.281198024749756) {
-                      if (x.long_level <= 1.5) {
-                        return {2, 16, 8, 4, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 8.918020725250244) {
-                        if (x.log2_S <= 14.719168186187744) {
-                          if (x.long_level <= 1.5) {
+                if (x.skew_lo <= 9.889382362365723) {
+                  if (x.avg <= 4.528882026672363) {
+                    if (x.log2_S <= 14.646708488464355) {
+                      if (x.skew_hi <= 10.902562141418457) {
+                        if (x.skew_lo <= 1.9055081838741899) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 4.738710880279541) {
                             return {2, 8, 8, 32, 1};  // SR
                           } else {
-                            return {4, 4, 8, 64, 1};  // SR
+                            if (x.log2_S <= 14.31547737121582) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
                           }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.742896556854248) {
+                          return {2, 8, 8, 32, 1};  // SR
                         } else {
                           return {4, 4, 8, 64, 1};  // SR
                         }
+                      }
+                    } else {
+                      if (x.skew_lo <= 5.981455564498901) {
+                        return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.log2_S <= 14.79741096496582) {
+                        if (x.log2_S <= 14.881163597106934) {
                           return {4, 4, 8, 64, 1};  // SR
                         } else {
                           return {4, 4, 16, 64, 1};  // SR
@@ -7333,121 +7365,81 @@ inline Config gathered_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.298154830932617) {
-                      if (x.long_level <= 1.5) {
-                        if (x.skew_lo <= 3.0885138511657715) {
-                          if (x.log2_S <= 13.666888236999512) {
-                            if (x.skew_hi <= 6.4058473110198975) {
-                              return {4, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {2, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 15.427514553070068) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 6.758101940155029) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      }
-                    }
+                    return {4, 4, 8, 64, 1};  // SR
                   }
                 } else {
-                  if (x.skew_hi <= 14.790228843688965) {
-                    if (x.skew_lo <= 10.962238311767578) {
+                  if (x.log2_S <= 14.45963191986084) {
+                    if (x.skew_lo <= 10.77307415008545) {
                       return {4, 4, 16, 64, 1};  // SR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
                   } else {
-                    if (x.avg <= 7.772276163101196) {
-                      return {4, 32, 16, 2, 8};  // PR
-                    } else {
-                      return {4, 4, 32, 64, 1};  // SR
-                    }
+                    return {4, 32, 16, 2, 8};  // PR
                   }
                 }
               }
             }
           } else {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 13.161816596984863) {
+              if (x.log2_S <= 12.4630446434021) {
                 if (x.log2_S <= 9.701081275939941) {
                   return {4, 8, 64, 32, 0};  // SP
                 } else {
-                  if (x.skew_hi <= 0.8293651938438416) {
-                    return {4, 16, 64, 8, 0};  // SP
+                  if (x.skew_lo <= -5.170634746551514) {
+                    if (x.log2_S <= 10.674477577209473) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.26537561416626) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    }
                   } else {
                     if (x.log2_S <= 11.774360179901123) {
                       return {4, 64, 8, 1, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.841065406799316) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+                      return {4, 16, 64, 8, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 15.274693489074707) {
+                if (x.log2_S <= 14.847567081451416) {
                   return {4, 8, 64, 32, 0};  // SP
                 } else {
                   return {4, 4, 64, 64, 0};  // SP
                 }
               }
             } else {
-              if (x.skew_hi <= 12.642162799835205) {
-                if (x.log2_S <= 14.487749576568604) {
-                  if (x.log2_S <= 14.05521297454834) {
-                    if (x.avg <= 17.011478424072266) {
-                      if (x.log2_S <= 11.699478149414062) {
-                        if (x.skew_hi <= 9.310401439666748) {
-                          return {4, 4, 8, 64, 1};  // SR
+              if (x.skew_hi <= 12.563697338104248) {
+                if (x.log2_S <= 14.456750392913818) {
+                  if (x.log2_S <= 14.100881576538086) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 3.53867769241333) {
+                      if (x.skew_hi <= 3.09332537651062) {
+                        if (x.log2_S <= 14.345975875854492) {
+                          return {4, 16, 64, 8, 0};  // SP
                         } else {
-                          if (x.long_level <= 2.5) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
+                          return {4, 4, 16, 64, 1};  // SR
                         }
                       } else {
-                        return {4, 4, 8, 64, 1};  // SR
+                        return {4, 4, 16, 64, 1};  // SR
                       }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 3.6896018981933594) {
-                      return {4, 4, 16, 64, 1};  // SR
                     } else {
                       return {4, 4, 8, 64, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.avg <= 73.80191802978516) {
-                    if (x.skew_hi <= 6.876668930053711) {
+                  if (x.avg <= 93.58488845825195) {
+                    if (x.skew_hi <= 6.7070770263671875) {
                       return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 9.025598526000977) {
-                        if (x.log2_S <= 14.659309387207031) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
+                      if (x.log2_S <= 14.570892333984375) {
+                        return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.log2_S <= 15.0469331741333) {
+                        if (x.avg <= 20.70943546295166) {
                           return {4, 4, 8, 64, 1};  // SR
                         } else {
                           return {4, 4, 16, 64, 1};  // SR
@@ -7459,24 +7451,8 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.log2_S <= 14.448861598968506) {
-                  if (x.skew_lo <= 6.934696197509766) {
-                    if (x.log2_S <= 13.38283920288086) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 14.322677612304688) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 7.377422332763672) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 32, 64, 1};  // SR
-                      }
-                    }
-                  }
+                if (x.log2_S <= 14.104193687438965) {
+                  return {4, 4, 16, 64, 1};  // SR
                 } else {
                   return {4, 4, 32, 64, 1};  // SR
                 }
@@ -7485,117 +7461,171 @@ inline Config gathered_config(const Features& f) {
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 16.071825981140137) {
-              if (x.skew_hi <= 4.940224647521973) {
-                return {4, 4, 64, 64, 0};  // SP
-              } else {
-                return {4, 4, 8, 64, 1};  // SR
-              }
-            } else {
+            if (x.skew_hi <= 5.240575075149536) {
               return {4, 4, 64, 64, 0};  // SP
+            } else {
+              if (x.log2_S <= 16.479202270507812) {
+                return {4, 4, 8, 64, 1};  // SR
+              } else {
+                return {4, 4, 64, 64, 0};  // SP
+              }
             }
           } else {
             if (x.skew_lo <= 10.499497413635254) {
-              if (x.log2_S <= 18.03073215484619) {
-                if (x.long_level <= 2.5) {
-                  if (x.long_level <= 1.5) {
-                    if (x.skew_lo <= 0.44439831376075745) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 17.760103225708008) {
+              if (x.log2_S <= 19.009057998657227) {
+                if (x.long_level <= 1.5) {
+                  if (x.skew_hi <= 4.569082260131836) {
+                    if (x.avg <= 64.12905502319336) {
+                      if (x.log2_S <= 16.720373153686523) {
                         return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 4.653592348098755) {
-                          if (x.skew_hi <= 5.564605474472046) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
+                        return {4, 4, 16, 64, 1};  // SR
                       }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
                     }
                   } else {
-                    if (x.skew_hi <= 10.083823204040527) {
-                      return {4, 4, 16, 64, 1};  // SR
+                    if (x.log2_S <= 18.349977493286133) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      if (x.avg <= 8.051810264587402) {
+                      if (x.skew_hi <= 5.017272710800171) {
                         return {4, 4, 16, 64, 1};  // SR
                       } else {
-                        if (x.log2_S <= 17.34287929534912) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 17.73976993560791) {
-                            return {4, 4, 16, 64, 1};  // SR
+                        if (x.avg <= 10.467433452606201) {
+                          if (x.skew_lo <= 4.655750036239624) {
+                            if (x.skew_lo <= 3.6403690576553345) {
+                              if (x.avg <= 7.295509099960327) {
+                                return {4, 4, 8, 64, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 18.515417098999023) {
+                                  return {4, 4, 8, 64, 1};  // SR
+                                } else {
+                                  return {4, 4, 16, 64, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
                           } else {
                             return {4, 4, 8, 64, 1};  // SR
                           }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 17.7969388961792) {
-                    if (x.avg <= 93.81672668457031) {
+                  if (x.long_level <= 2.5) {
+                    if (x.log2_S <= 18.60717487335205) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 7.364030599594116) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 8.5753493309021) {
+                          if (x.log2_S <= 18.948408126831055) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 16, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.688342094421387) {
+                      if (x.log2_S <= 15.721144676208496) {
+                        if (x.avg <= 27.182748794555664) {
+                          return {4, 32, 16, 2, 8};  // PR
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 17.619894981384277) {
+                        if (x.skew_hi <= 17.19709300994873) {
+                          if (x.skew_lo <= 9.921281337738037) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 32, 64, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 17.446829795837402) {
+                            return {4, 4, 32, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 16, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 9.878345012664795) {
+                  if (x.log2_S <= 19.21054172515869) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 30.564882278442383) {
+                        if (x.skew_lo <= 2.2601022124290466) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 4.823093414306641) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 21.798575401306152) {
+                    if (x.avg <= 1.0257553458213806) {
                       return {4, 4, 32, 64, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 16.877471923828125) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 10.005192279815674) {
+                      if (x.skew_hi <= 17.930633068084717) {
                         return {4, 4, 32, 64, 1};  // SR
                       } else {
                         return {4, 4, 16, 64, 1};  // SR
                       }
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.avg <= 2.444314479827881) {
-                  if (x.log2_S <= 20.329964637756348) {
-                    if (x.long_level <= 1.5) {
-                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
+                      return {4, 32, 16, 2, 8};  // PR
                     }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 18.93300724029541) {
-                    if (x.skew_hi <= 6.01416277885437) {
-                      if (x.avg <= 36.17612648010254) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 3.7379199266433716) {
-                        if (x.long_level <= 1.5) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 2.8667099475860596) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 21.288143157958984) {
-                if (x.skew_lo <= 12.720818042755127) {
-                  if (x.avg <= 5.319766283035278) {
-                    if (x.avg <= 2.8383941650390625) {
-                      if (x.skew_hi <= 19.24894905090332) {
-                        if (x.log2_S <= 16.251205444335938) {
+              if (x.skew_lo <= 11.065245628356934) {
+                return {4, 4, 32, 64, 1};  // SR
+              } else {
+                if (x.skew_hi <= 21.57369899749756) {
+                  if (x.avg <= 2.4270275831222534) {
+                    if (x.log2_S <= 16.170339584350586) {
+                      return {4, 32, 16, 2, 8};  // PR
+                    } else {
+                      return {4, 4, 32, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 5.333750247955322) {
+                      return {4, 32, 16, 2, 8};  // PR
+                    } else {
+                      if (x.skew_hi <= 19.448220252990723) {
+                        if (x.log2_S <= 15.878843784332275) {
                           return {4, 32, 16, 2, 8};  // PR
                         } else {
                           return {4, 4, 32, 64, 1};  // SR
@@ -7603,40 +7633,10 @@ inline Config gathered_config(const Features& f) {
                       } else {
                         return {4, 32, 16, 2, 8};  // PR
                       }
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 19.448220252990723) {
-                      if (x.log2_S <= 15.831569194793701) {
-                        return {4, 32, 16, 2, 8};  // PR
-                      } else {
-                        return {4, 4, 32, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 10.980578899383545) {
-                        if (x.skew_lo <= 10.63155460357666) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 32, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 16, 2, 8};  // PR
-                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.170339584350586) {
-                    return {4, 32, 16, 2, 8};  // PR
-                  } else {
-                    return {4, 4, 32, 64, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.avg <= 8.041870832443237) {
                   return {4, 32, 16, 2, 8};  // PR
-                } else {
-                  return {4, 4, 32, 64, 1};  // SR
                 }
               }
             }
@@ -7645,34 +7645,20 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.skew_hi <= 16.29175090789795) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 13.6469144821167) {
-              if (x.log2_S <= 10.691917419433594) {
-                if (x.skew_hi <= 4.136353254318237) {
-                  if (x.log2_S <= 10.62130355834961) {
-                    return {4, 32, 64, 1, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 2.159627139568329) {
-                      return {4, 32, 64, 1, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -3.0523847341537476) {
-                        return {4, 64, 16, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
+        if (x.skew_hi <= 16.29248332977295) {
+          if (x.log2_S <= 13.725366115570068) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 10.418681144714355) {
+                if (x.avg <= 3.745703339576721) {
                   if (x.avg <= 1.4813077449798584) {
-                    if (x.skew_lo <= -0.38106657564640045) {
+                    if (x.skew_hi <= 5.569808721542358) {
                       return {4, 64, 64, 2, 0};  // SP
                     } else {
                       return {4, 64, 64, 1, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -1.6784122586250305) {
-                      if (x.log2_S <= 9.441048622131348) {
+                    if (x.skew_lo <= -1.7246302962303162) {
+                      if (x.log2_S <= 9.324662208557129) {
                         return {4, 32, 64, 1, 0};  // SP
                       } else {
                         return {4, 64, 16, 1, 0};  // SP
@@ -7681,29 +7667,55 @@ inline Config gathered_config(const Features& f) {
                       return {4, 64, 16, 1, 0};  // SP
                     }
                   }
+                } else {
+                  if (x.log2_S <= 10.132889747619629) {
+                    return {4, 32, 64, 1, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -3.5642539262771606) {
+                      return {4, 32, 64, 1, 0};  // SP
+                    } else {
+                      return {4, 64, 64, 2, 0};  // SP
+                    }
+                  }
                 }
               } else {
-                if (x.log2_S <= 12.485442161560059) {
-                  if (x.skew_hi <= 4.129124402999878) {
-                    if (x.log2_S <= 11.891646385192871) {
-                      if (x.skew_hi <= 0.11797891557216644) {
-                        return {4, 32, 64, 1, 0};  // SP
+                if (x.log2_S <= 12.254104614257812) {
+                  if (x.skew_lo <= -2.3293628692626953) {
+                    if (x.log2_S <= 12.144201278686523) {
+                      if (x.log2_S <= 10.668050765991211) {
+                        if (x.skew_hi <= 1.5281205773353577) {
+                          return {4, 32, 64, 1, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 3.4848233461380005) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 16, 1, 0};  // SP
+                          }
+                        }
                       } else {
-                        return {4, 64, 64, 2, 0};  // SP
+                        if (x.log2_S <= 11.909952640533447) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 0.9141378700733185) {
+                            return {4, 32, 64, 1, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        }
                       }
                     } else {
-                      if (x.skew_hi <= 2.508602023124695) {
+                      if (x.avg <= 41.233588218688965) {
                         return {4, 32, 64, 1, 0};  // SP
                       } else {
-                        return {4, 64, 64, 2, 0};  // SP
+                        return {4, 16, 64, 8, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 5.410741806030273) {
+                    if (x.skew_lo <= -0.5892582833766937) {
                       return {4, 64, 16, 1, 0};  // SP
                     } else {
                       if (x.log2_S <= 11.07023572921753) {
-                        if (x.skew_hi <= 5.558547258377075) {
+                        if (x.skew_hi <= 5.563869476318359) {
                           return {4, 64, 64, 2, 0};  // SP
                         } else {
                           return {4, 64, 64, 1, 0};  // SP
@@ -7714,243 +7726,159 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 3.7342722415924072) {
-                    if (x.log2_S <= 12.605225563049316) {
-                      if (x.avg <= 16.30005407333374) {
-                        return {4, 32, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
+                  if (x.skew_hi <= 4.023439884185791) {
+                    if (x.skew_hi <= 2.6143996715545654) {
                       return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 13.400909900665283) {
+                        if (x.log2_S <= 12.430272102355957) {
+                          return {4, 32, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -2.5377447605133057) {
+                          if (x.avg <= 8.657744407653809) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 13.266849040985107) {
-                      if (x.avg <= 1.6620938777923584) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 2.578213095664978) {
+                    if (x.avg <= 3.178948998451233) {
+                      if (x.log2_S <= 12.552725791931152) {
+                        if (x.skew_hi <= 5.521682262420654) {
                           return {4, 64, 16, 1, 0};  // SP
                         } else {
-                          if (x.skew_lo <= -1.8896322846412659) {
-                            if (x.log2_S <= 12.701184749603271) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -0.2859383821487427) {
+                          if (x.log2_S <= 13.291840553283691) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -0.7558218538761139) {
                               return {4, 64, 64, 2, 0};  // SP
                             } else {
-                              if (x.log2_S <= 12.826920509338379) {
-                                return {4, 32, 64, 1, 0};  // SP
-                              } else {
-                                return {4, 16, 64, 8, 0};  // SP
-                              }
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.915858745574951) {
+                            if (x.avg <= 1.0236304998397827) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 64, 64, 2, 0};  // SP
                             }
                           } else {
-                            return {4, 64, 64, 2, 0};  // SP
+                            if (x.avg <= 1.0379222631454468) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
                           }
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 4.745104074478149) {
-                        return {4, 8, 64, 32, 0};  // SP
+                      if (x.log2_S <= 12.70430040359497) {
+                        return {4, 64, 64, 2, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 5.295656442642212) {
-                          return {4, 64, 16, 1, 0};  // SP
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= -0.6008647382259369) {
-                if (x.log2_S <= 14.554728507995605) {
-                  if (x.avg <= 12.927435874938965) {
-                    if (x.skew_hi <= 5.077523231506348) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= -5.2622597217559814) {
-                      if (x.log2_S <= 14.437176704406738) {
-                        if (x.skew_lo <= -5.400304555892944) {
-                          return {4, 16, 64, 8, 0};  // SP
+              if (x.skew_hi <= 12.15879487991333) {
+                if (x.long_level <= 1.5) {
+                  if (x.skew_hi <= 5.983141183853149) {
+                    if (x.log2_S <= 12.424156665802002) {
+                      if (x.log2_S <= 9.253593444824219) {
+                        if (x.avg <= 51.809091567993164) {
+                          return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 8, 64, 32, 0};  // SP
+                          if (x.skew_lo <= -0.5388612747192383) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 16, 8, 4, 1};  // SR
+                          }
                         }
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
+                        return {4, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -0.7596511244773865) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.51694917678833) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.526341438293457) {
-                  if (x.skew_lo <= -0.587869793176651) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  return {4, 8, 16, 32, 1};  // SR
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 13.85423231124878) {
-              if (x.skew_hi <= 11.946943283081055) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 17.15108871459961) {
-                    if (x.avg <= 4.315748453140259) {
-                      if (x.log2_S <= 12.259861469268799) {
-                        if (x.avg <= 2.2292897701263428) {
-                          return {2, 32, 8, 4, 1};  // SR
+                      if (x.avg <= 113.21368789672852) {
+                        if (x.avg <= 92.33361053466797) {
+                          return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.avg <= 3.5348933935165405) {
+                          if (x.log2_S <= 13.40246868133545) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 99.36531066894531) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 8, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 4.2826011180877686) {
+                      if (x.log2_S <= 12.259861469268799) {
+                        if (x.skew_lo <= 4.843417406082153) {
+                          if (x.avg <= 3.637104868888855) {
                             return {2, 32, 8, 2, 1};  // SR
                           } else {
                             return {2, 32, 8, 4, 1};  // SR
                           }
+                        } else {
+                          return {2, 32, 8, 4, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 4.826451778411865) {
-                          if (x.log2_S <= 12.81678056716919) {
-                            if (x.avg <= 3.4722065925598145) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {2, 16, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_lo <= 4.789446115493774) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {2, 16, 8, 4, 1};  // SR
-                        }
+                        return {2, 16, 8, 4, 1};  // SR
                       }
                     } else {
                       if (x.log2_S <= 11.793874740600586) {
                         return {2, 16, 8, 4, 1};  // SR
                       } else {
-                        if (x.avg <= 5.888347387313843) {
-                          if (x.log2_S <= 13.248839855194092) {
+                        if (x.skew_lo <= 3.289514183998108) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.179248809814453) {
                             return {2, 16, 8, 4, 1};  // SR
                           } else {
                             return {4, 8, 8, 32, 1};  // SR
                           }
-                        } else {
-                          if (x.log2_S <= 12.116180896759033) {
-                            if (x.avg <= 13.94588851928711) {
-                              if (x.avg <= 7.452218532562256) {
-                                return {2, 16, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              return {2, 16, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -1.0575782656669617) {
-                      if (x.log2_S <= 12.522027969360352) {
-                        if (x.log2_S <= 9.658010959625244) {
-                          if (x.skew_lo <= -1.1575019359588623) {
-                            if (x.log2_S <= 9.304317951202393) {
-                              return {4, 16, 64, 8, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 9.365042209625244) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 16, 64, 8, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 13.669143676757812) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= -0.28787684068083763) {
-                          if (x.skew_hi <= 3.4703365564346313) {
-                            return {4, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 10.46705961227417) {
-                    if (x.skew_hi <= 11.038448810577393) {
-                      if (x.log2_S <= 13.702218055725098) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 8.807393074035645) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      }
+                  if (x.skew_lo <= 10.859207153320312) {
+                    if (x.skew_hi <= 12.112512588500977) {
+                      return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 14.116563320159912) {
+                      if (x.long_level <= 2.5) {
                         return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.avg <= 37.854244232177734) {
-                          if (x.skew_lo <= 9.916897773742676) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 14.828890323638916) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 11.748034954071045) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 7.626150369644165) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        }
+                        return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 11.042226791381836) {
-                      return {4, 8, 8, 32, 1};  // SR
+                    if (x.skew_hi <= 11.470132827758789) {
+                      if (x.skew_lo <= 11.072100162506104) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
                     } else {
                       return {4, 8, 16, 32, 1};  // SR
                     }
@@ -7960,175 +7888,227 @@ inline Config gathered_config(const Features& f) {
                 if (x.long_level <= 2.5) {
                   return {4, 8, 8, 32, 1};  // SR
                 } else {
-                  if (x.skew_hi <= 13.636013984680176) {
-                    if (x.avg <= 96.69841766357422) {
-                      if (x.log2_S <= 13.526392936706543) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 12.025177001953125) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.490097999572754) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    }
+                  if (x.avg <= 96.69841766357422) {
+                    return {4, 8, 16, 32, 1};  // SR
                   } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 18.4588680267334) {
-                  if (x.avg <= 15.07993221282959) {
-                    if (x.skew_lo <= 4.066834449768066) {
-                      if (x.log2_S <= 16.17686939239502) {
-                        if (x.log2_S <= 15.687228679656982) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 9.719089984893799) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 17.08126926422119) {
-                          if (x.skew_lo <= 3.075850009918213) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 4.388892889022827) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 16.61940097808838) {
-                                if (x.skew_hi <= 7.536816596984863) {
-                                  return {4, 8, 16, 32, 1};  // SR
-                                } else {
-                                  return {4, 8, 8, 32, 1};  // SR
-                                }
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.566225528717041) {
-                        if (x.skew_hi <= 8.401733875274658) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 16, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.32282829284668) {
-                      if (x.skew_hi <= 3.076857089996338) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 14.013909816741943) {
-                          if (x.skew_hi <= 4.377881169319153) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_hi <= 5.747652769088745) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
+                    if (x.log2_S <= 12.490097999572754) {
+                      return {4, 8, 8, 32, 1};  // SR
                     } else {
                       return {4, 8, 16, 32, 1};  // SR
                     }
                   }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 0.5) {
+              if (x.skew_lo <= -0.6928390562534332) {
+                if (x.log2_S <= 14.375511646270752) {
+                  if (x.skew_lo <= -3.883064866065979) {
+                    return {4, 16, 64, 8, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -0.8951594829559326) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  }
                 } else {
-                  if (x.log2_S <= 18.687894821166992) {
-                    if (x.avg <= 3.0840988159179688) {
+                  if (x.skew_lo <= -0.8786906599998474) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 15.67452335357666) {
                       return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.log2_S <= 18.65624237060547) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.526341438293457) {
+                  if (x.log2_S <= 16.859270095825195) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= -0.4368540197610855) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 16.89478302001953) {
                         return {4, 8, 16, 32, 1};  // SR
                       } else {
-                        return {4, 8, 32, 32, 1};  // SR
+                        return {4, 8, 8, 32, 1};  // SR
                       }
+                    }
+                  }
+                } else {
+                  return {4, 8, 16, 32, 1};  // SR
+                }
+              }
+            } else {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 18.229785919189453) {
+                  if (x.avg <= 12.014858722686768) {
+                    if (x.log2_S <= 14.64912462234497) {
+                      if (x.avg <= 2.9095579385757446) {
+                        return {2, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 8.093398571014404) {
+                        if (x.log2_S <= 17.81770420074463) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 8.181934595108032) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.17686939239502) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.8102661073207855) {
+                      if (x.log2_S <= 15.752577304840088) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 1.7652865052223206) {
+                        if (x.log2_S <= 13.768467903137207) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.61388635635376) {
+                          if (x.skew_lo <= 1.9391421675682068) {
+                            if (x.skew_hi <= 5.8526506423950195) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 18.4588680267334) {
+                    if (x.skew_lo <= 4.364235877990723) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
                     return {4, 8, 16, 32, 1};  // SR
                   }
                 }
               } else {
-                if (x.avg <= 20.931288719177246) {
-                  if (x.skew_lo <= 8.777692794799805) {
-                    if (x.log2_S <= 15.331156730651855) {
-                      if (x.skew_lo <= 5.755189657211304) {
-                        return {4, 8, 16, 32, 1};  // SR
+                if (x.avg <= 21.203510284423828) {
+                  if (x.skew_hi <= 13.606532096862793) {
+                    if (x.log2_S <= 15.47005558013916) {
+                      if (x.skew_hi <= 13.150988101959229) {
+                        if (x.skew_hi <= 9.755189895629883) {
+                          if (x.log2_S <= 14.735556602478027) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 15.12594985961914) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 12.05394697189331) {
+                              if (x.skew_lo <= 6.129997491836548) {
+                                return {4, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        }
                       } else {
-                        if (x.log2_S <= 15.10209321975708) {
+                        if (x.log2_S <= 14.3859543800354) {
                           return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.avg <= 5.998754501342773) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
+                          return {4, 8, 16, 32, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.skew_lo <= 5.6976704597473145) {
-                        if (x.log2_S <= 17.29224967956543) {
+                      if (x.avg <= 1.6353648900985718) {
+                        if (x.log2_S <= 19.27250099182129) {
+                          if (x.log2_S <= 16.08406639099121) {
+                            if (x.avg <= 1.5971496105194092) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 1.322344422340393) {
+                            return {4, 8, 64, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 20.156731605529785) {
                           return {4, 8, 16, 32, 1};  // SR
                         } else {
-                          if (x.log2_S <= 19.384316444396973) {
+                          if (x.log2_S <= 19.296669960021973) {
                             return {4, 8, 32, 32, 1};  // SR
                           } else {
                             return {4, 8, 16, 32, 1};  // SR
                           }
                         }
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 16.140947341918945) {
-                      if (x.log2_S <= 15.480699062347412) {
-                        if (x.long_level <= 2.5) {
-                          if (x.log2_S <= 14.527363300323486) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
+                    if (x.log2_S <= 19.242279052734375) {
+                      if (x.log2_S <= 13.846058368682861) {
+                        if (x.skew_lo <= 12.215713500976562) {
+                          return {4, 8, 16, 32, 1};  // SR
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
                         }
                       } else {
-                        return {4, 8, 32, 32, 1};  // SR
+                        if (x.long_level <= 2.5) {
+                          if (x.log2_S <= 15.51888656616211) {
+                            if (x.log2_S <= 14.485509872436523) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.avg <= 3.885075569152832) {
-                        return {4, 8, 64, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
+                      return {4, 8, 64, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.277347087860107) {
-                    if (x.long_level <= 2.5) {
-                      if (x.avg <= 28.6790189743042) {
+                  if (x.log2_S <= 14.202982902526855) {
+                    if (x.skew_hi <= 13.778485298156738) {
+                      if (x.avg <= 31.212449073791504) {
                         return {4, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 8, 16, 32, 1};  // SR
@@ -8144,11 +8124,23 @@ inline Config gathered_config(const Features& f) {
             }
           }
         } else {
-          if (x.skew_lo <= 6.602990627288818) {
-            if (x.log2_S <= 17.888272285461426) {
-              return {4, 8, 64, 32, 1};  // SR
+          if (x.skew_lo <= 7.293926239013672) {
+            if (x.log2_S <= 19.718560218811035) {
+              if (x.log2_S <= 18.583385467529297) {
+                if (x.skew_lo <= 6.1338465213775635) {
+                  if (x.log2_S <= 17.71337890625) {
+                    return {4, 8, 64, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                } else {
+                  return {4, 8, 64, 32, 1};  // SR
+                }
+              } else {
+                return {4, 8, 32, 32, 1};  // SR
+              }
             } else {
-              return {4, 8, 32, 32, 1};  // SR
+              return {4, 8, 64, 32, 1};  // SR
             }
           } else {
             return {4, 8, 64, 32, 1};  // SR
@@ -8156,56 +8148,64 @@ inline Config gathered_config(const Features& f) {
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.skew_hi <= 13.750214576721191) {
+          if (x.skew_hi <= 14.053166389465332) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 14.061209201812744) {
-                if (x.log2_S <= 12.061286449432373) {
-                  if (x.skew_hi <= 4.508873701095581) {
-                    if (x.skew_lo <= -4.256517648696899) {
-                      if (x.log2_S <= 9.268718719482422) {
-                        return {4, 32, 32, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 10.689653396606445) {
-                          if (x.avg <= 28.58091926574707) {
-                            return {4, 64, 8, 1, 0};  // SP
-                          } else {
-                            if (x.avg <= 36.0213508605957) {
-                              if (x.log2_S <= 10.456650733947754) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 64, 8, 1, 0};  // SP
-                              }
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 11.803601741790771) {
+              if (x.log2_S <= 14.62549877166748) {
+                if (x.log2_S <= 12.123695850372314) {
+                  if (x.avg <= 16.19829750061035) {
+                    if (x.avg <= 2.8831676244735718) {
+                      if (x.avg <= 1.642390787601471) {
+                        if (x.log2_S <= 10.569183349609375) {
+                          if (x.skew_hi <= 5.928847312927246) {
                             return {4, 64, 64, 2, 0};  // SP
                           } else {
-                            return {4, 32, 64, 2, 0};  // SP
+                            return {2, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.410741806030273) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {2, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 9.677490711212158) {
+                          if (x.avg <= 1.9364899396896362) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 8, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= -1.2675504088401794) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 9.802979469299316) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 64, 16, 1, 0};  // SP
+                            }
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 9.021876335144043) {
-                        if (x.skew_hi <= 2.5428500175476074) {
-                          return {4, 32, 32, 2, 0};  // SP
-                        } else {
+                      if (x.avg <= 10.377827167510986) {
+                        if (x.log2_S <= 11.84763240814209) {
                           return {4, 64, 8, 1, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -2.786182403564453) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 8, 1, 0};  // SP
+                          }
                         }
                       } else {
-                        if (x.log2_S <= 11.352250576019287) {
-                          return {4, 64, 8, 1, 0};  // SP
+                        if (x.log2_S <= 9.039640426635742) {
+                          return {4, 32, 32, 2, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 2.3701993227005005) {
-                            if (x.log2_S <= 11.882641315460205) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
+                          if (x.log2_S <= 10.655499935150146) {
+                            return {4, 64, 8, 1, 0};  // SP
                           } else {
-                            if (x.skew_hi <= 4.336088180541992) {
+                            if (x.avg <= 11.375703811645508) {
                               return {4, 64, 8, 1, 0};  // SP
                             } else {
                               return {4, 64, 64, 2, 0};  // SP
@@ -8215,120 +8215,80 @@ inline Config gathered_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.avg <= 1.4827027320861816) {
-                      if (x.log2_S <= 9.941690444946289) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 4, 1};  // SR
-                      }
+                    if (x.log2_S <= 9.091589450836182) {
+                      return {4, 32, 32, 2, 0};  // SP
                     } else {
-                      if (x.log2_S <= 9.657583713531494) {
-                        if (x.skew_hi <= 4.77164626121521) {
+                      if (x.log2_S <= 10.076245307922363) {
+                        if (x.avg <= 20.82033920288086) {
                           return {4, 64, 8, 1, 0};  // SP
                         } else {
-                          return {4, 64, 64, 2, 0};  // SP
+                          return {4, 32, 64, 2, 0};  // SP
                         }
                       } else {
-                        if (x.log2_S <= 10.786688327789307) {
-                          if (x.avg <= 2.1838549375534058) {
-                            if (x.skew_hi <= 5.296625852584839) {
-                              return {4, 64, 16, 1, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
+                        if (x.log2_S <= 11.803601741790771) {
+                          return {4, 64, 64, 2, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 5.37249755859375) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
+                          return {4, 32, 64, 2, 0};  // SP
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= -2.635311722755432) {
-                    return {4, 32, 64, 2, 0};  // SP
-                  } else {
-                    if (x.avg <= 2.6606459617614746) {
-                      if (x.log2_S <= 12.808171272277832) {
-                        if (x.avg <= 1.4875312447547913) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
+                  if (x.avg <= 2.784157395362854) {
+                    if (x.log2_S <= 12.808171272277832) {
+                      if (x.avg <= 1.4875312447547913) {
+                        return {2, 32, 8, 4, 1};  // SR
                       } else {
-                        if (x.skew_lo <= -0.9332768023014069) {
-                          if (x.log2_S <= 13.539599895477295) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 8, 2, 1};  // SR
-                        }
+                        return {4, 64, 64, 2, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 13.1903977394104) {
-                        if (x.log2_S <= 12.421803951263428) {
-                          if (x.avg <= 3.7161455154418945) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
+                      return {4, 16, 8, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 13.64960241317749) {
+                      if (x.skew_hi <= 3.910651206970215) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.598753929138184) {
+                          if (x.skew_lo <= -1.8896322846412659) {
                             return {4, 64, 8, 1, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
                           }
                         } else {
                           return {4, 32, 64, 2, 0};  // SP
                         }
+                      }
+                    } else {
+                      if (x.avg <= 13.158361434936523) {
+                        return {4, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 13.372014045715332) {
-                          if (x.avg <= 3.682986617088318) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
+                        if (x.log2_S <= 14.585018634796143) {
+                          return {4, 32, 64, 2, 0};  // SP
                         } else {
-                          return {4, 16, 64, 4, 0};  // SP
+                          return {4, 8, 64, 32, 0};  // SP
                         }
                       }
                     }
                   }
                 }
               } else {
-                if (x.skew_lo <= -0.45733457803726196) {
-                  if (x.avg <= 34.96872520446777) {
-                    if (x.skew_hi <= 5.116898059844971) {
-                      if (x.log2_S <= 14.208076477050781) {
-                        if (x.avg <= 15.472245693206787) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 1.7810326218605042) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
+                if (x.skew_hi <= 5.331826210021973) {
+                  if (x.skew_lo <= -5.062875032424927) {
+                    if (x.log2_S <= 17.525819778442383) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 16.879627227783203) {
-                        return {4, 16, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
+                      return {4, 16, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 17.85929012298584) {
-                      if (x.skew_hi <= 0.790450394153595) {
-                        return {4, 8, 64, 32, 0};  // SP
+                    if (x.log2_S <= 15.335010528564453) {
+                      if (x.skew_lo <= -1.7086069583892822) {
+                        return {4, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 17.317678451538086) {
-                          return {4, 8, 64, 32, 0};  // SP
+                        if (x.avg <= 2.149403929710388) {
+                          return {4, 16, 8, 2, 1};  // SR
                         } else {
-                          return {4, 16, 64, 4, 0};  // SP
+                          return {4, 16, 16, 8, 1};  // SR
                         }
                       }
                     } else {
@@ -8336,13 +8296,21 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.32871150970459) {
+                  if (x.log2_S <= 16.491881370544434) {
                     return {4, 16, 8, 2, 1};  // SR
                   } else {
-                    if (x.avg <= 1.2443165183067322) {
-                      return {4, 16, 16, 8, 1};  // SR
+                    if (x.log2_S <= 19.613015174865723) {
+                      if (x.skew_hi <= 5.383338212966919) {
+                        if (x.log2_S <= 17.834871292114258) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
                     } else {
-                      if (x.log2_S <= 17.629647254943848) {
+                      if (x.avg <= 1.1884053945541382) {
                         return {4, 16, 16, 8, 1};  // SR
                       } else {
                         return {4, 16, 64, 4, 0};  // SP
@@ -8352,116 +8320,140 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 12.42435359954834) {
+              if (x.log2_S <= 12.790401458740234) {
                 if (x.long_level <= 2.5) {
-                  if (x.avg <= 11.29053020477295) {
-                    if (x.avg <= 4.084752559661865) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 11.29216480255127) {
+                  if (x.avg <= 7.724366188049316) {
+                    if (x.skew_lo <= 7.076925039291382) {
+                      if (x.avg <= 4.2826011180877686) {
+                        if (x.log2_S <= 11.34945821762085) {
                           return {2, 32, 8, 4, 1};  // SR
                         } else {
-                          if (x.log2_S <= 11.756042957305908) {
-                            if (x.skew_hi <= 8.975285053253174) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
+                          if (x.log2_S <= 11.62608528137207) {
+                            if (x.avg <= 2.2613511085510254) {
                               return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
                             }
                           } else {
                             return {2, 32, 8, 4, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.avg <= 2.345516324043274) {
-                          return {4, 16, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.370662689208984) {
+                        if (x.log2_S <= 12.26316499710083) {
+                          if (x.log2_S <= 11.213047981262207) {
                             return {4, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.avg <= 3.874281883239746) {
-                              return {4, 16, 8, 2, 1};  // SR
-                            } else {
+                            if (x.skew_lo <= 3.6420105695724487) {
                               return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
                             }
                           }
+                        } else {
+                          return {4, 16, 8, 2, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 7.023588418960571) {
-                        return {4, 16, 8, 2, 1};  // SR
+                      if (x.log2_S <= 8.601204872131348) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 11.858519554138184) {
-                          if (x.skew_hi <= 11.422507762908936) {
-                            if (x.avg <= 4.7493531703948975) {
-                              if (x.log2_S <= 11.197907447814941) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 4, 1};  // SR
-                              }
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 8.651325225830078) {
-                            if (x.skew_hi <= 9.441062450408936) {
-                              if (x.skew_hi <= 7.45698881149292) {
-                                return {4, 16, 8, 2, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 4, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 5.095355749130249) {
-                                return {4, 16, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
+                        return {4, 16, 8, 2, 1};  // SR
                       }
                     }
                   } else {
                     if (x.log2_S <= 12.33607530593872) {
-                      return {4, 16, 8, 2, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 2.452334403991699) {
+                      if (x.skew_lo <= 6.508240461349487) {
                         return {4, 16, 8, 2, 1};  // SR
                       } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 16, 16, 8, 1};  // SR
-                }
-              } else {
-                if (x.avg <= 32.74806213378906) {
-                  if (x.log2_S <= 13.939638614654541) {
-                    if (x.long_level <= 1.5) {
-                      if (x.skew_lo <= 3.5074352025985718) {
-                        if (x.skew_lo <= 1.032858669757843) {
+                        if (x.log2_S <= 12.074791431427002) {
+                          if (x.log2_S <= 9.833205223083496) {
+                            if (x.log2_S <= 8.632475852966309) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 11.26580810546875) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 11.796233654022217) {
+                                return {4, 16, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
                           return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_lo <= -1.0082244873046875) {
+                          if (x.log2_S <= 12.571650505065918) {
+                            return {4, 16, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
                         } else {
                           return {4, 16, 8, 2, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 13.739402294158936) {
+                        if (x.skew_hi <= 6.713888883590698) {
+                          if (x.log2_S <= 12.576772689819336) {
+                            return {4, 16, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.7408447265625) {
+                    return {4, 16, 16, 8, 1};  // SR
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.avg <= 86.35689163208008) {
+                  if (x.log2_S <= 14.012234687805176) {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_lo <= 3.842095732688904) {
+                        if (x.log2_S <= 13.722833156585693) {
+                          return {4, 16, 8, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 16.763243198394775) {
+                            return {4, 16, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.588466167449951) {
                           return {2, 32, 8, 4, 1};  // SR
                         } else {
                           return {4, 16, 8, 2, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 13.402970314025879) {
-                        if (x.avg <= 4.191345453262329) {
-                          if (x.skew_hi <= 12.68684434890747) {
-                            if (x.log2_S <= 13.64143991470337) {
-                              if (x.skew_lo <= 11.080173015594482) {
-                                return {4, 16, 8, 2, 1};  // SR
+                      if (x.skew_lo <= 7.866681337356567) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.long_level <= 2.5) {
+                          if (x.skew_hi <= 13.23489761352539) {
+                            return {4, 16, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 13.44624662399292) {
+                            if (x.avg <= 16.759611129760742) {
+                              if (x.skew_lo <= 11.362128257751465) {
+                                return {4, 8, 16, 32, 1};  // SR
                               } else {
                                 return {4, 16, 16, 8, 1};  // SR
                               }
@@ -8469,48 +8461,56 @@ inline Config gathered_config(const Features& f) {
                               return {4, 16, 16, 8, 1};  // SR
                             }
                           } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_hi <= 13.010655879974365) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 6.134693145751953) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 20.93588638305664) {
-                                if (x.avg <= 8.28798770904541) {
+                            if (x.avg <= 4.210238695144653) {
+                              if (x.skew_hi <= 13.770071029663086) {
+                                if (x.skew_lo <= 12.34850025177002) {
                                   return {4, 8, 32, 32, 1};  // SR
                                 } else {
-                                  return {4, 8, 16, 32, 1};  // SR
+                                  return {4, 16, 16, 8, 1};  // SR
                                 }
                               } else {
-                                return {4, 16, 16, 8, 1};  // SR
+                                return {4, 16, 64, 2, 1};  // SR
                               }
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
                             }
                           }
-                        }
-                      } else {
-                        if (x.avg <= 3.1532418727874756) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
                         }
                       }
                     }
                   } else {
-                    if (x.avg <= 3.09978711605072) {
-                      if (x.log2_S <= 17.654410362243652) {
-                        if (x.skew_lo <= 7.18438720703125) {
-                          return {4, 16, 8, 2, 1};  // SR
+                    if (x.avg <= 3.8836333751678467) {
+                      if (x.log2_S <= 17.816083908081055) {
+                        if (x.skew_hi <= 12.044528007507324) {
+                          if (x.skew_hi <= 8.27268648147583) {
+                            if (x.log2_S <= 15.700948238372803) {
+                              return {4, 16, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
+                          if (x.log2_S <= 14.81913948059082) {
+                            if (x.skew_hi <= 13.465818881988525) {
+                              if (x.skew_hi <= 12.099736213684082) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 2, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
                         }
                       } else {
-                        if (x.skew_lo <= 8.81352949142456) {
+                        if (x.skew_lo <= 9.376765251159668) {
                           return {4, 16, 16, 8, 1};  // SR
                         } else {
-                          if (x.log2_S <= 18.59499454498291) {
+                          if (x.log2_S <= 19.69455623626709) {
                             return {4, 16, 16, 8, 1};  // SR
                           } else {
                             return {4, 16, 64, 2, 1};  // SR
@@ -8518,537 +8518,345 @@ inline Config gathered_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.log2_S <= 14.22018575668335) {
-                        if (x.skew_lo <= 4.525933265686035) {
-                          if (x.skew_lo <= 2.69575572013855) {
+                      if (x.avg <= 32.74806213378906) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 7.5773162841796875) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.349746704101562) {
                             return {4, 16, 16, 8, 1};  // SR
                           } else {
-                            return {4, 16, 8, 2, 1};  // SR
+                            if (x.log2_S <= 18.817014694213867) {
+                              return {4, 16, 64, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 19.869733810424805) {
+                                if (x.avg <= 72.44655990600586) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 64, 2, 1};  // SR
+                                }
+                              } else {
+                                return {4, 16, 64, 2, 1};  // SR
+                              }
+                            }
                           }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
                         }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 1.4729095697402954) {
-                    if (x.log2_S <= 13.759283542633057) {
-                      if (x.avg <= 118.57843399047852) {
-                        if (x.log2_S <= 13.640361785888672) {
-                          return {4, 16, 8, 2, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 3.417567253112793) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 8, 2, 1};  // SR
-                          }
-                        }
+                  if (x.log2_S <= 15.11536169052124) {
+                    if (x.skew_hi <= 4.773277759552002) {
+                      if (x.skew_hi <= 3.3366230726242065) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.602872848510742) {
+                        if (x.log2_S <= 13.489485263824463) {
                           return {4, 16, 8, 2, 1};  // SR
                         } else {
                           return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 15.109375953674316) {
-                        if (x.avg <= 92.38994598388672) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 3.1757850646972656) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 14.672393321990967) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        }
+                      if (x.skew_hi <= 13.7681245803833) {
+                        return {4, 16, 16, 8, 1};  // SR
                       } else {
-                        if (x.log2_S <= 15.585333824157715) {
-                          if (x.skew_lo <= -0.6287604570388794) {
-                            if (x.log2_S <= 15.317397117614746) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 2.395661950111389) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 64, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
+                        return {4, 8, 32, 32, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 15.120314121246338) {
-                      if (x.skew_hi <= 13.318171977996826) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 99.7515869140625) {
                         return {4, 16, 16, 8, 1};  // SR
                       } else {
-                        if (x.avg <= 122.06507873535156) {
-                          return {4, 8, 32, 32, 1};  // SR
+                        if (x.log2_S <= 15.98889970779419) {
+                          if (x.skew_hi <= 3.0745553970336914) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 15.540010452270508) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 2, 1};  // SR
+                            }
+                          }
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
+                          if (x.log2_S <= 19.405580520629883) {
+                            if (x.log2_S <= 17.155600547790527) {
+                              if (x.log2_S <= 16.70761203765869) {
+                                if (x.avg <= 213.56333923339844) {
+                                  return {4, 16, 64, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 64, 4, 0};  // SP
+                                }
+                              } else {
+                                if (x.skew_lo <= -0.8596466183662415) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 64, 2, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 16, 64, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 19.834460258483887) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 20.888047218322754) {
+                                return {4, 16, 64, 2, 1};  // SR
+                              } else {
+                                if (x.skew_hi <= 2.58260715007782) {
+                                  return {4, 16, 64, 2, 1};  // SR
+                                } else {
+                                  if (x.skew_lo <= -0.9731945395469666) {
+                                    return {4, 16, 16, 8, 1};  // SR
+                                  } else {
+                                    return {4, 16, 64, 2, 1};  // SR
+                                  }
+                                }
+                              }
+                            }
+                          }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 19.47721290588379) {
-                        if (x.log2_S <= 15.332351207733154) {
-                          if (x.skew_lo <= 4.10576319694519) {
-                            return {4, 16, 64, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 64, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 6.7650675773620605) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 19.848206520080566) {
-                            if (x.skew_lo <= 3.9312920570373535) {
-                              return {4, 16, 64, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        }
-                      }
+                      return {4, 16, 64, 2, 1};  // SR
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 18.591429710388184) {
-                return {4, 16, 16, 8, 1};  // SR
-              } else {
-                return {4, 16, 64, 2, 1};  // SR
-              }
+            if (x.skew_lo <= 11.30856704711914) {
+              return {4, 16, 64, 2, 1};  // SR
             } else {
-              if (x.skew_lo <= 11.223884582519531) {
-                return {4, 16, 64, 2, 1};  // SR
-              } else {
-                if (x.skew_lo <= 12.09055471420288) {
-                  if (x.skew_hi <= 18.516427040100098) {
-                    if (x.log2_S <= 16.12070083618164) {
-                      if (x.log2_S <= 14.327755451202393) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
+              if (x.skew_hi <= 18.19246482849121) {
+                if (x.skew_hi <= 16.45358371734619) {
+                  if (x.log2_S <= 16.22596549987793) {
                     return {4, 16, 64, 2, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 12.031714916229248) {
+                      return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
                   }
                 } else {
-                  return {4, 16, 64, 2, 1};  // SR
+                  if (x.skew_hi <= 17.576717376708984) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 12.012871742248535) {
+                      return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
+                  }
                 }
+              } else {
+                return {4, 16, 64, 2, 1};  // SR
               }
             }
           }
         } else {
-          if (x.skew_hi <= 12.592257022857666) {
+          if (x.skew_hi <= 13.050448417663574) {
             if (x.long_level <= 0.5) {
-              if (x.log2_S <= 13.802240371704102) {
-                if (x.skew_hi <= 5.188614368438721) {
-                  if (x.log2_S <= 10.382773876190186) {
-                    if (x.skew_lo <= -1.8636467456817627) {
-                      if (x.log2_S <= 9.999096870422363) {
-                        return {4, 32, 32, 2, 0};  // SP
+              if (x.log2_S <= 12.974609375) {
+                if (x.skew_hi <= 5.202425479888916) {
+                  if (x.log2_S <= 9.845469951629639) {
+                    if (x.avg <= 3.6309365034103394) {
+                      if (x.skew_hi <= 4.488470554351807) {
+                        return {2, 16, 64, 8, 0};  // SP
                       } else {
-                        if (x.avg <= 12.854568481445312) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 2, 0};  // SP
-                        }
+                        return {4, 64, 64, 2, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 2.853597402572632) {
-                        return {4, 64, 64, 2, 0};  // SP
+                      if (x.log2_S <= 9.801547050476074) {
+                        return {4, 32, 32, 2, 0};  // SP
                       } else {
                         return {2, 16, 64, 8, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 13.153643131256104) {
-                      if (x.log2_S <= 10.907578945159912) {
-                        if (x.avg <= 3.4679330587387085) {
-                          return {4, 64, 64, 2, 0};  // SP
+                    if (x.log2_S <= 10.698537349700928) {
+                      if (x.skew_lo <= -1.7634612321853638) {
+                        if (x.log2_S <= 10.4342360496521) {
+                          return {2, 16, 64, 8, 0};  // SP
                         } else {
-                          if (x.skew_lo <= -5.170634746551514) {
-                            if (x.log2_S <= 10.645376205444336) {
-                              return {4, 32, 32, 2, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
+                          if (x.skew_hi <= 0.8293651938438416) {
+                            return {4, 64, 64, 2, 0};  // SP
                           } else {
                             return {2, 16, 64, 8, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.skew_lo <= -3.878202795982361) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          if (x.avg <= 3.6337921619415283) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 11.740848541259766) {
-                              if (x.log2_S <= 11.359068870544434) {
-                                if (x.log2_S <= 11.129738330841064) {
-                                  return {4, 64, 64, 2, 0};  // SP
-                                } else {
-                                  return {4, 32, 32, 2, 0};  // SP
-                                }
-                              } else {
-                                return {4, 64, 64, 2, 0};  // SP
-                              }
-                            } else {
-                              if (x.skew_hi <= 2.411901593208313) {
-                                return {4, 64, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 32, 2, 0};  // SP
-                              }
-                            }
-                          }
-                        }
+                        return {4, 64, 64, 2, 0};  // SP
                       }
                     } else {
-                      if (x.skew_lo <= -4.323190212249756) {
-                        if (x.log2_S <= 13.290446758270264) {
+                      if (x.skew_lo <= -3.650134325027466) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.905869007110596) {
                           return {4, 64, 64, 2, 0};  // SP
                         } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 4.140119791030884) {
-                          return {4, 32, 32, 2, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 4.628754615783691) {
-                            return {4, 16, 64, 4, 0};  // SP
+                          if (x.skew_hi <= 4.157552003860474) {
+                            return {4, 32, 32, 2, 0};  // SP
                           } else {
-                            return {4, 32, 8, 1, 1};  // SR
+                            if (x.log2_S <= 12.64501142501831) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              if (x.avg <= 2.4735196828842163) {
+                                return {4, 64, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 16, 64, 4, 0};  // SP
+                              }
+                            }
                           }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 12.744680404663086) {
-                    return {2, 32, 8, 4, 1};  // SR
+                  if (x.log2_S <= 12.644858360290527) {
+                    if (x.skew_lo <= -0.6687824726104736) {
+                      if (x.log2_S <= 9.487381935119629) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      return {2, 32, 8, 4, 1};  // SR
+                    }
                   } else {
                     return {4, 32, 8, 1, 1};  // SR
                   }
                 }
               } else {
-                if (x.skew_lo <= -3.414800763130188) {
-                  return {4, 16, 64, 4, 0};  // SP
-                } else {
-                  if (x.log2_S <= 15.66612195968628) {
-                    if (x.skew_lo <= -1.729745864868164) {
-                      return {4, 32, 32, 2, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -1.0104818940162659) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 5.581554412841797) {
-                          if (x.log2_S <= 14.37866735458374) {
-                            return {4, 32, 8, 1, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 2, 1};  // SR
-                          }
-                        } else {
+                if (x.skew_lo <= -0.781317263841629) {
+                  if (x.avg <= 8.528421878814697) {
+                    if (x.avg <= 3.6085426807403564) {
+                      if (x.log2_S <= 13.884311199188232) {
+                        if (x.avg <= 2.588377594947815) {
                           return {4, 32, 8, 1, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 15.339231014251709) {
+                        return {4, 32, 32, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 16.90131378173828) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 19.979905128479004) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= -1.9193572402000427) {
-                      if (x.log2_S <= 19.979905128479004) {
-                        if (x.skew_hi <= 3.2008988857269287) {
-                          if (x.log2_S <= 17.896902084350586) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.avg <= 8.916529655456543) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 18.674458503723145) {
-                                return {4, 16, 64, 4, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 2, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 16.055557250976562) {
-                            return {4, 32, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 16.199756622314453) {
+                    if (x.log2_S <= 15.257615089416504) {
+                      if (x.avg <= 1.3182562589645386) {
+                        return {4, 32, 8, 1, 1};  // SR
                       } else {
-                        return {4, 16, 64, 4, 0};  // SP
+                        if (x.avg <= 1.3700464367866516) {
+                          return {4, 16, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 1, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.skew_hi <= 5.612431526184082) {
-                        if (x.avg <= 1.7804098725318909) {
-                          if (x.log2_S <= 18.12432861328125) {
-                            if (x.log2_S <= 16.24136447906494) {
-                              return {4, 16, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 19.898387908935547) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
+                      return {4, 16, 8, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 20.42634868621826) {
+                      if (x.skew_hi <= 5.769719123840332) {
+                        return {4, 32, 32, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 20.10490131378174) {
-                          if (x.log2_S <= 16.745089530944824) {
-                            return {4, 32, 8, 1, 1};  // SR
+                        if (x.log2_S <= 18.149333953857422) {
+                          if (x.log2_S <= 16.913119316101074) {
+                            return {4, 16, 16, 8, 1};  // SR
                           } else {
-                            return {4, 32, 32, 2, 0};  // SP
+                            return {4, 32, 16, 2, 1};  // SR
                           }
                         } else {
-                          return {4, 16, 64, 4, 0};  // SP
+                          return {4, 32, 32, 2, 0};  // SP
                         }
                       }
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 14.127097606658936) {
+              if (x.log2_S <= 13.88517141342163) {
                 if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 12.032894134521484) {
-                    if (x.avg <= 5.7731404304504395) {
-                      if (x.skew_lo <= 6.73236083984375) {
-                        if (x.skew_lo <= 4.714717149734497) {
-                          return {2, 32, 8, 4, 1};  // SR
+                  if (x.skew_hi <= 7.122709512710571) {
+                    if (x.skew_lo <= 1.3532752990722656) {
+                      if (x.log2_S <= 12.320702075958252) {
+                        if (x.skew_hi <= 3.0716389417648315) {
+                          if (x.log2_S <= 9.303937911987305) {
+                            return {4, 32, 8, 8, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 1, 1};  // SR
+                          }
                         } else {
-                          return {2, 32, 8, 2, 1};  // SR
+                          if (x.skew_hi <= 4.9609479904174805) {
+                            return {4, 32, 8, 1, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.14948558807373) {
+                              return {4, 32, 8, 1, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          }
                         }
                       } else {
-                        return {4, 32, 8, 1, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 7.122709512710571) {
-                        if (x.skew_lo <= 1.3532752990722656) {
-                          if (x.skew_lo <= -1.1648508310317993) {
-                            if (x.log2_S <= 9.445098876953125) {
-                              return {4, 32, 8, 8, 0};  // SP
+                        if (x.avg <= 101.79058837890625) {
+                          if (x.log2_S <= 12.759974002838135) {
+                            if (x.avg <= 47.444236755371094) {
+                              return {4, 32, 16, 2, 1};  // SR
                             } else {
-                              return {4, 32, 8, 1, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 4.9609479904174805) {
-                              return {4, 32, 8, 1, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 10.793121814727783) {
-                                return {4, 32, 8, 1, 1};  // SR
-                              } else {
+                              if (x.skew_hi <= 3.3662885427474976) {
                                 return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 1, 1};  // SR
                               }
                             }
-                          }
-                        } else {
-                          if (x.avg <= 10.691353797912598) {
-                            return {4, 32, 8, 1, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 1, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 9.109503269195557) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 12.554163455963135) {
-                          if (x.avg <= 2.0636332035064697) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 3.5379257202148438) {
-                              return {4, 32, 8, 1, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 32, 8, 1, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 11.483020305633545) {
-                          if (x.log2_S <= 13.094430923461914) {
-                            return {4, 32, 8, 1, 1};  // SR
                           } else {
                             return {4, 32, 16, 2, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 13.811702251434326) {
-                            return {4, 32, 8, 1, 1};  // SR
-                          } else {
+                          if (x.log2_S <= 12.572339534759521) {
                             return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
                           }
                         }
                       }
                     } else {
-                      if (x.avg <= 50.04317855834961) {
-                        if (x.log2_S <= 12.181607246398926) {
-                          if (x.avg <= 33.164740562438965) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 1, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_lo <= 6.048685073852539) {
-                            if (x.avg <= 10.343286514282227) {
+                      if (x.avg <= 9.867686748504639) {
+                        return {4, 32, 8, 1, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.311459064483643) {
+                          if (x.skew_hi <= 5.483692646026611) {
+                            if (x.log2_S <= 10.594342708587646) {
                               return {4, 32, 8, 1, 1};  // SR
                             } else {
                               return {4, 32, 16, 2, 1};  // SR
                             }
                           } else {
-                            if (x.log2_S <= 13.012138366699219) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 13.503010272979736) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 3.792817711830139) {
-                          if (x.log2_S <= 12.682534217834473) {
-                            if (x.log2_S <= 12.464473247528076) {
-                              return {4, 32, 8, 1, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= -0.6337115168571472) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 1, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.skew_lo <= -0.8783146440982819) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 13.677684307098389) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 64, 64, 2, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 7.705880641937256) {
-                            if (x.log2_S <= 12.30151891708374) {
-                              if (x.long_level <= 1.5) {
-                                return {4, 32, 8, 1, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_hi <= 4.095283031463623) {
-                                if (x.log2_S <= 12.733294486999512) {
-                                  return {4, 32, 8, 1, 1};  // SR
-                                } else {
-                                  if (x.log2_S <= 13.503217220306396) {
-                                    return {4, 32, 16, 2, 1};  // SR
-                                  } else {
-                                    return {4, 16, 16, 8, 1};  // SR
-                                  }
-                                }
-                              } else {
-                                if (x.log2_S <= 14.014999389648438) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
                             return {4, 32, 16, 2, 1};  // SR
                           }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.880024909973145) {
-                    return {4, 32, 16, 2, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 7.680779218673706) {
-                      if (x.skew_hi <= 12.421168804168701) {
-                        return {4, 32, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 11.41867971420288) {
-                        return {4, 32, 32, 1, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 12.260555267333984) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 28.707637786865234) {
-                  if (x.skew_lo <= 4.213339567184448) {
-                    if (x.log2_S <= 18.050477027893066) {
-                      if (x.skew_lo <= 1.7599141597747803) {
-                        if (x.log2_S <= 15.584772109985352) {
-                          if (x.skew_hi <= 5.55855393409729) {
-                            return {4, 32, 32, 1, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 17.121763229370117) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 32, 1, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 16.042973518371582) {
-                      if (x.avg <= 17.56044864654541) {
-                        if (x.log2_S <= 15.787744045257568) {
-                          return {4, 32, 16, 2, 1};  // SR
                         } else {
                           if (x.long_level <= 1.5) {
                             return {4, 32, 16, 2, 1};  // SR
@@ -9056,45 +8864,237 @@ inline Config gathered_config(const Features& f) {
                             return {4, 16, 16, 8, 1};  // SR
                           }
                         }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_lo <= 4.764347553253174) {
+                        if (x.avg <= 4.887995958328247) {
+                          if (x.log2_S <= 12.287005424499512) {
+                            if (x.log2_S <= 11.228460788726807) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.avg <= 4.487298488616943) {
+                                return {2, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 32, 8, 1, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 1, 1};  // SR
+                        }
                       } else {
-                        if (x.log2_S <= 15.521504878997803) {
-                          if (x.log2_S <= 14.419618606567383) {
+                        if (x.log2_S <= 12.326184749603271) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 1, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.263272762298584) {
+                        if (x.avg <= 93.17495727539062) {
+                          return {4, 32, 8, 1, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.010164737701416) {
+                            return {4, 32, 8, 1, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 7.1888508796691895) {
+                          if (x.skew_lo <= 3.7058807611465454) {
                             return {4, 16, 16, 8, 1};  // SR
                           } else {
+                            if (x.log2_S <= 13.240102291107178) {
+                              return {4, 32, 16, 2, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 6.177953481674194) {
+                                if (x.log2_S <= 13.763938426971436) {
+                                  return {4, 32, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                }
+                              } else {
+                                if (x.avg <= 8.977920532226562) {
+                                  return {4, 32, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 13.628089427947998) {
+                            if (x.avg <= 4.772120237350464) {
+                              if (x.avg <= 1.3851644396781921) {
+                                return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 1, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 12.893007278442383) {
+                                return {4, 32, 8, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.116939544677734) {
+                    return {4, 32, 16, 2, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 12.26121711730957) {
+                      if (x.avg <= 64.55905151367188) {
+                        return {4, 32, 32, 1, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 33.50350761413574) {
+                  if (x.skew_lo <= 4.213339567184448) {
+                    if (x.log2_S <= 18.30213165283203) {
+                      if (x.skew_lo <= 1.7980781197547913) {
+                        if (x.log2_S <= 15.994587898254395) {
+                          if (x.log2_S <= 14.87890100479126) {
+                            if (x.log2_S <= 14.195678234100342) {
+                              if (x.avg <= 26.246400833129883) {
+                                return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_hi <= 5.693914890289307) {
+                                return {4, 32, 32, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 17.444857597351074) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
                             return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 15.995015621185303) {
+                      if (x.avg <= 10.517184257507324) {
+                        if (x.log2_S <= 14.163183689117432) {
+                          if (x.skew_lo <= 6.304757356643677) {
+                            return {4, 32, 8, 1, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.466181755065918) {
+                          if (x.skew_hi <= 9.850240230560303) {
+                            if (x.log2_S <= 14.37259817123413) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 12.009498119354248) {
+                              return {4, 32, 32, 1, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
                           }
                         } else {
                           return {4, 16, 16, 8, 1};  // SR
                         }
                       }
                     } else {
-                      return {4, 32, 16, 2, 1};  // SR
+                      if (x.skew_lo <= 8.78111982345581) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 17.595770835876465) {
+                          if (x.log2_S <= 16.2666072845459) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 17.090703010559082) {
+                  if (x.log2_S <= 16.796360969543457) {
                     if (x.skew_hi <= 3.394258499145508) {
-                      if (x.log2_S <= 15.629010677337646) {
+                      if (x.log2_S <= 16.665727615356445) {
                         return {4, 64, 64, 2, 0};  // SP
                       } else {
-                        return {4, 32, 32, 1, 1};  // SR
+                        if (x.avg <= 202.37417602539062) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
                       }
                     } else {
-                      if (x.log2_S <= 15.552320957183838) {
-                        return {4, 32, 32, 1, 1};  // SR
+                      if (x.log2_S <= 15.329960823059082) {
+                        if (x.log2_S <= 14.204498767852783) {
+                          if (x.avg <= 168.29901123046875) {
+                            if (x.skew_hi <= 4.466062545776367) {
+                              return {4, 32, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
                       } else {
                         if (x.log2_S <= 16.049477577209473) {
-                          if (x.skew_lo <= 1.5102904736995697) {
+                          if (x.skew_lo <= 0.7431055903434753) {
                             return {4, 32, 32, 1, 1};  // SR
                           } else {
                             return {4, 16, 16, 8, 1};  // SR
                           }
                         } else {
-                          if (x.skew_hi <= 7.314023017883301) {
-                            if (x.avg <= 37.95077705383301) {
-                              return {4, 32, 16, 2, 1};  // SR
+                          if (x.skew_hi <= 7.900309324264526) {
+                            if (x.log2_S <= 16.595925331115723) {
+                              if (x.avg <= 42.71600914001465) {
+                                return {4, 32, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 32, 1, 1};  // SR
+                              }
                             } else {
-                              return {4, 32, 32, 1, 1};  // SR
+                              if (x.skew_hi <= 4.346804618835449) {
+                                return {4, 32, 32, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 2, 1};  // SR
+                              }
                             }
                           } else {
                             return {4, 32, 16, 2, 1};  // SR
@@ -9103,18 +9103,10 @@ inline Config gathered_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 4.6404502391815186) {
+                    if (x.skew_hi <= 8.365246295928955) {
                       return {4, 32, 32, 1, 1};  // SR
                     } else {
-                      if (x.log2_S <= 18.942129135131836) {
-                        return {4, 32, 16, 2, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 5.077327013015747) {
-                          return {4, 32, 32, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      }
+                      return {4, 32, 16, 2, 1};  // SR
                     }
                   }
                 }
@@ -9123,47 +9115,51 @@ inline Config gathered_config(const Features& f) {
           } else {
             if (x.long_level <= 2.5) {
               if (x.log2_S <= 15.358881950378418) {
-                if (x.log2_S <= 13.29443073272705) {
-                  if (x.skew_lo <= 9.33873701095581) {
-                    return {4, 32, 8, 1, 1};  // SR
-                  } else {
-                    return {4, 32, 16, 2, 1};  // SR
-                  }
+                if (x.skew_hi <= 13.705162048339844) {
+                  return {4, 32, 16, 2, 1};  // SR
                 } else {
-                  if (x.log2_S <= 14.752838134765625) {
+                  if (x.log2_S <= 14.560800552368164) {
                     return {4, 32, 16, 2, 1};  // SR
                   } else {
-                    if (x.skew_lo <= 9.382131576538086) {
-                      return {4, 32, 16, 2, 1};  // SR
-                    } else {
-                      return {4, 32, 32, 1, 1};  // SR
-                    }
+                    return {4, 32, 32, 1, 1};  // SR
                   }
                 }
               } else {
-                return {4, 32, 32, 1, 1};  // SR
-              }
-            } else {
-              if (x.skew_hi <= 16.434250831604004) {
-                return {4, 32, 32, 1, 1};  // SR
-              } else {
-                if (x.skew_hi <= 17.960834503173828) {
-                  if (x.avg <= 7.752986669540405) {
+                if (x.skew_lo <= 9.160375118255615) {
+                  if (x.log2_S <= 17.919167518615723) {
                     return {4, 32, 32, 1, 1};  // SR
                   } else {
-                    if (x.skew_lo <= 7.267298221588135) {
-                      return {4, 32, 32, 1, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 10.743698596954346) {
-                        return {4, 16, 64, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
-                    }
+                    return {4, 32, 16, 2, 1};  // SR
                   }
                 } else {
                   return {4, 32, 32, 1, 1};  // SR
                 }
+              }
+            } else {
+              if (x.log2_S <= 17.960834503173828) {
+                if (x.log2_S <= 16.516324043273926) {
+                  return {4, 32, 32, 1, 1};  // SR
+                } else {
+                  if (x.skew_lo <= 11.04591703414917) {
+                    if (x.skew_lo <= 7.6716742515563965) {
+                      return {4, 32, 32, 1, 1};  // SR
+                    } else {
+                      if (x.avg <= 9.448423862457275) {
+                        if (x.skew_hi <= 17.259102821350098) {
+                          return {4, 16, 64, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 1};  // SR
+                  }
+                }
+              } else {
+                return {4, 32, 32, 1, 1};  // SR
               }
             }
           }
