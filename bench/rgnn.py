@@ -20,20 +20,20 @@ backward, Adam step). Paths:
 
 Graphs are generated with the shapes (node types, edge types, nodes, edges)
 of Pigeon's datasets (GRAPHS): node-type sizes and relation frequencies
-Zipf-skewed, each relation between two node types, sources and
-destinations drawn with power-law degrees, hubs at random ids; 64 random
-features per node. RGCN and RGAT take the homogeneous view (ids offset by
-node type, one relation per edge type, edges in random order); HGT and
-pyg-hetero the dicts. A cell reports the median ms per step (CUDA events, L2 flush, host
+Zipf-skewed, each relation between two node types, sources and destinations
+drawn with power-law degrees, hubs at random ids; 64 random features per
+node. RGCN and RGAT take the homogeneous view (ids offset by node type, one
+relation per edge type, edges in random order); HGT and pyg-hetero the
+dicts. A cell reports the median ms per step (CUDA events, L2 flush, host
 time included, as bench/e2e.py; the median of 3 to 10 reps, a step slower
 than --max-time timed once), the peak memory of a step, the seconds of a
 mode's first call (``first_s``: compilation, for the compiled paths) and,
 where a path runs out of memory, "OOM" (counted in the summary); speedups
 are against the fastest PyG path of the cell. A compiled path whose first
 (compiling) call of a mode takes longer than --compile-limit seconds is
-noted, not timed: PyG's HGTConv traces every relation's ops into its
-graph, which can take minutes (fb15k's 474 relations, one layer: over two
-minutes on an H100). float32 matmuls run as TF32 on every path (``--precision
+noted, not timed: PyG's HGTConv traces every relation's ops into its graph,
+which can take minutes (fb15k's 474 relations, one layer: over two minutes
+on an H100). float32 matmuls run as TF32 on every path (``--precision
 high``; geot's typed matmuls need it on CUDA, else they loop over types;
 ``--precision highest`` gives every path IEEE float32). No cell starts
 after --budget seconds (those left are noted "skipped").

@@ -172,7 +172,7 @@ NOISY_EDGES = 10_000
 
 
 def stable(values):
-    """values rounded to 1e-9: numpy's log2 and exp2 take CPU-specific SIMD
+    """values rounded to 1e-9: numpy's log2 and power take CPU-specific SIMD
     kernels (AVX-512 or not) that differ in the last bit, and the trees'
     near-tie splits would follow that bit; rounded, the rules come out the
     same bytes on any machine."""
