@@ -9,9 +9,11 @@ backward, Adam step). Paths:
     geot              geot.nn.RGCNConv / RGATConv / HGTConv (eager)
     pyg               PyG's RGCNConv / RGATConv / HGTConv
     pyg-fast          PyG's FastRGCNConv (RGCN only)
-    pyg-hetero        RGCN as PyG's heterogeneous models write it (RGCN only):
-                      HeteroConv over the edge types, a SAGEConv (mean, root
-                      weight) per edge type, summed; on the dicts
+    pyg-hetero        RGCN as PyG's heterogeneous models write it (RGCN only),
+                      on the dicts: HeteroConv over the edge types, a SAGEConv
+                      per edge type (its mean and weight), summed, plus one root
+                      Linear with bias on every node type (HeteroRGCN: the
+                      function RGCNConv computes)
     pyg-compile, pyg-fast-compile, pyg-hetero-compile, geot-compile
                       torch.compile of those
                       (--compile: one compilation per graph, model, variant
@@ -183,14 +185,30 @@ class Hetero(torch.nn.Module):
         return torch.cat(list(x_dict.values()))
 
 
+class HeteroRGCN(torch.nn.Module):
+    """RGCNConv's function on the dicts, as a PyG user writes it: a HeteroConv of one SAGEConv per edge
+    type (the relation's mean times its weight; no root, no bias), summed per destination type, plus one
+    root Linear with RGCN's bias on every node type, those no edge reaches too."""
+
+    def __init__(self, edge_types):
+        super().__init__()
+        self.relations = pyg_nn.HeteroConv({edge_type: pyg_nn.SAGEConv(CHANNELS, CHANNELS, root_weight=False,
+                                                                       bias=False) for edge_type in edge_types},
+                                           aggr="sum")
+        self.root = torch.nn.Linear(CHANNELS, CHANNELS)
+
+    def forward(self, x_dict, edge_index_dict):
+        out = self.relations(x_dict, edge_index_dict)
+        return {t: self.root(x) + out[t] if t in out else self.root(x) for t, x in x_dict.items()}
+
+
 def build(model: str, path: str, variant: str, graph: dict) -> torch.nn.Module:
     layers, heads = VARIANTS[variant]
     lib = geot_nn if path.startswith("geot") else pyg_nn
     if model == "hgt":
         return Hetero(lambda: lib.HGTConv(CHANNELS, CHANNELS, graph["metadata"], heads=heads), layers)
-    if path.startswith("pyg-hetero"):  # one SAGEConv (mean, root weight) per edge type, summed: RGCN's shape
-        return Hetero(lambda: pyg_nn.HeteroConv({edge_type: pyg_nn.SAGEConv(CHANNELS, CHANNELS)
-                                                 for edge_type in graph["metadata"][1]}, aggr="sum"), layers)
+    if path.startswith("pyg-hetero"):
+        return Hetero(lambda: HeteroRGCN(graph["metadata"][1]), layers)
     layer_class = pyg_nn.FastRGCNConv if path.startswith("pyg-fast") else getattr(lib, model.upper() + "Conv")
     return Relational(layer_class, model, layers, heads, graph["num_relations"])
 

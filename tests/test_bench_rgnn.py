@@ -52,3 +52,22 @@ def test_a_compilation_over_the_limit_is_noted_not_timed():
             assert notes[path, mode] == "n/a: compilation over 0.001 s"
     timed = [row for row in rows if row["path"] == "pyg"]
     assert all(row["ms"] > 0 and row["first_s"] > 0 and not row["note"] for row in timed), timed
+
+
+def test_pyg_hetero_computes_rgcn():
+    """The pyg-hetero peer with RGCNConv's weights gives RGCNConv's output on the homogeneous view: every
+    node type's rows, those no edge reaches too (root and bias)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rgnn
+    graph = rgnn.hetero_graph("mag", scale=0.0005)
+    hetero = rgnn.build("rgcn", "pyg-hetero", "1x64", graph).double()
+    rgcn = rgnn.build("rgcn", "pyg", "1x64", graph).double()
+    layer, conv = hetero.convs[0], rgcn.convs[0]
+    assert len(graph["x_dict"]) > len({dst for _, _, dst in graph["metadata"][1]})  # a type no edge reaches
+    with rgnn.torch.no_grad():
+        for r, sage in enumerate(layer.relations.convs.values()):
+            conv.weight[r] = sage.lin_l.weight.t()
+        conv.root.copy_(layer.root.weight.t())
+        conv.bias.copy_(layer.root.bias)
+        inputs = dict(graph, x=graph["x"].double(), x_dict={t: x.double() for t, x in graph["x_dict"].items()})
+        rgnn.torch.testing.assert_close(hetero(inputs), rgcn(inputs))

@@ -240,10 +240,18 @@ def typed_matmul(x: Tensor, ptr: Tensor, bounds, weight: Tensor) -> Tensor:
     (bounds: ptr on the host)."""
     dtype = matmul_dtype(x)
     x, weight = x.to(dtype), weight.to(dtype)
-    if not x.is_cuda or dtype in (torch.float16, torch.bfloat16) or (
-            dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"):
+    if not x.is_cuda or dtype in (torch.float16, torch.bfloat16) or (dtype == torch.float32 and _tf32_matmuls()):
         return segment_matmul(x, ptr, weight)
     return per_type_matmul(x, bounds, weight)
+
+
+@torch.compiler.assume_constant_result
+def _tf32_matmuls() -> bool:
+    """Whether torch's float32 matmuls may round to TF32 (precision not "highest"). A constant to
+    torch.compile, read when it traces: some torch versions' dynamo break the graph at
+    get_float32_matmul_precision (torch 2.11: a graph per typed matmul, compiled RGCN 1.5-2.5x eager's
+    time on the H100), so compiled code keeps the precision it was compiled under."""
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 def per_type_matmul(x: Tensor, bounds, weight: Tensor) -> Tensor:
