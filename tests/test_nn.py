@@ -152,8 +152,9 @@ def test_gat_dropout_without_gradients_overwrites_its_scores(device, monkeypatch
 @pytest.mark.parametrize("in_channels,out_channels,relations", [(12, 8, 4), (12, 3, 5), (24, 8, 6), (8, 8, 3)])
 def test_rgcn_inference_in_relation_blocks(aggr, in_channels, out_channels, relations, device):
     """Eager inference where C_out <= C_in < R * C_out projects a few
-    relations at a time (peak memory); same result as PyG, and as the
-    one-table path."""
+    relations at a time (peak memory), at equal widths reduces one relation
+    at a time over the destinations it reaches; same result as PyG, and as
+    the one-table path."""
     torch.manual_seed(1)
     pyg_layer = pyg_nn.RGCNConv(in_channels, out_channels, relations, aggr=aggr).to(device).double()
     geot_layer = gnn.RGCNConv(in_channels, out_channels, relations, aggr=aggr).to(device).double()
@@ -164,12 +165,39 @@ def test_rgcn_inference_in_relation_blocks(aggr, in_channels, out_channels, rela
     with torch.no_grad():
         out, ref = geot_layer(x, edge_index, edge_type), pyg_layer(x, edge_index, edge_type)
     memo = geot_layer._geot_graph[3].memo
-    assert [key[0] for key in memo] == ["rgcn blocks"] + (["rgcn block weights"] if aggr == "mean" else [])
     blocks = memo[next(iter(memo))][2]
-    assert len(blocks) == -(-relations // max(1, in_channels // (2 * out_channels)))
-    assert sum(block.rows.numel() for block in blocks) == edge_index.size(1)
+    if in_channels == out_channels:
+        assert [key[0] for key in memo] == ["rgcn relation ranges"]
+        assert [part.relation for part in blocks] == sorted(set(edge_type.tolist()))
+        assert all(part.dst.min() == 0 and part.dst.max() == part.hi - part.lo for part in blocks)
+        assert sum(part.src.numel() for part in blocks) == edge_index.size(1)
+    else:
+        assert [key[0] for key in memo] == ["rgcn blocks"] + (["rgcn block weights"] if aggr == "mean" else [])
+        assert len(blocks) == -(-relations // max(1, in_channels // (2 * out_channels)))
+        assert sum(block.rows.numel() for block in blocks) == edge_index.size(1)
     torch.testing.assert_close(out, ref, **FLOAT64_TOL)
     torch.testing.assert_close(out, geot_layer(x, edge_index, edge_type).detach(), **FLOAT64_TOL)  # one table
+
+
+@pytest.mark.parametrize("aggr", ["mean", "add"])
+def test_rgcn_inference_in_typed_relation_ranges(aggr, device):
+    """Equal widths, a typed graph (relation r reaches nodes 12r..12r+11 alone, node 59 none): each
+    relation's aggregate covers its own destinations only; PyG's result, root and bias on every node."""
+    torch.manual_seed(4)
+    relations, channels = 4, 8
+    pyg_layer = pyg_nn.RGCNConv(channels, channels, relations, aggr=aggr).to(device).double()
+    geot_layer = gnn.RGCNConv(channels, channels, relations, aggr=aggr).to(device).double()
+    geot_layer.load_state_dict(pyg_layer.state_dict())
+    edge_type = torch.randint(0, relations, (300,), device=device)
+    dst = 12 * edge_type + torch.randint(0, 12, (300,), device=device)
+    edge_index = torch.stack([torch.randint(0, 60, (300,), device=device), dst])
+    x = torch.randn(60, channels, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        out = geot_layer(x, edge_index, edge_type)
+        torch.testing.assert_close(out, pyg_layer(x, edge_index, edge_type), **FLOAT64_TOL)
+    ranges = geot_layer._geot_graph[3].memo["rgcn relation ranges", relations][2]
+    assert [part.relation for part in ranges] == list(range(relations))
+    assert all(12 * part.relation <= part.lo <= part.hi <= 12 * part.relation + 11 for part in ranges)
 
 
 @pytest.mark.parametrize("aggr", ["mean", "add"])

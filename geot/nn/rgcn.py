@@ -61,6 +61,32 @@ def _relation_blocks(graph: SortedGraph, relations: int, per_block: int):
     return blocks
 
 
+class _RelationRange(NamedTuple):
+    """The edges of one relation, their destinations within the relation's own range [lo, hi]."""
+    src: Tensor                # [E_r] source node
+    dst: Tensor                # [E_r] destination node less lo, sorted
+    relation: int
+    lo: int
+    hi: int
+
+
+def _relation_ranges(graph: SortedGraph, relations: int) -> list:
+    """The graph's edges split by relation (a subsequence of dst-sorted edges stays sorted), each with the
+    range of destinations it reaches: in a typed graph one node type's ids. Relations without edges are
+    left out. Two device->host syncs per relation, once per graph: eager only."""
+    relation = graph.dst.remainder(relations)
+    dst = graph.dst.div(relations, rounding_mode="floor")
+    ranges = []
+    for r in range(relations):
+        keep = (relation == r).nonzero().squeeze(1)
+        if keep.numel() == 0:
+            continue
+        dst_r = dst.index_select(0, keep)
+        lo, hi = dst_r[[0, -1]].tolist()
+        ranges.append(_RelationRange(graph.src.index_select(0, keep), dst_r - lo, r, lo, hi))
+    return ranges
+
+
 class _SourcePairs(NamedTuple):
     """RGCN's edges over the projections of their distinct (source, relation) pairs."""
     sources: Pairs
@@ -166,6 +192,15 @@ def _plus(out: Tensor, term: Tensor) -> Tensor:
     return out.add_(term)
 
 
+def _plus_product(out: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+    """out + x @ weight: added in place by the matmul (no [N, C_out] product besides out) where _plus would
+    add in place and the product's dtype is out's (no autocast)."""
+    if (torch.compiler.is_compiling() or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)
+            or not out.dtype == x.dtype == weight.dtype or out.shape != (x.size(0), weight.size(-1))):
+        return out + x @ weight
+    return out.addmm_(x, weight)
+
+
 def _records_grad(x_src: Tensor, weight: Tensor) -> bool:
     """Whether this call records gradients for x or the relation weights (training)."""
     return torch.is_grad_enabled() and (x_src.requires_grad or weight.requires_grad)
@@ -200,7 +235,9 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
     1 / the edges of their (node, relation) segment for a mean: no wider
     rows to gather, a table no larger, and no [N, R * C_in] aggregate kept
     for backward (peak memory); in eager inference, where that table is
-    wider than x, a few relations at a time (peak memory). Where
+    wider than x, a few relations at a time, and at equal widths one
+    relation at a time reduced first, over the destinations it reaches
+    (peak memory). Where
     the (node, relation) segments outnumber the edges (many relations),
     x_j W_r once per distinct (source, relation) pair (one
     ``segment_matmul``), gathered over the edges: no [N * R, C] table; in
@@ -244,7 +281,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             out = self._relations(edge_index, edge_type, x_src, x_dst,
                                   weight.view(self.num_relations, -1, self.out_channels), num_nodes, every_node)
         if self.root is not None:
-            out = _plus(out, x_dst @ self.root if x_dst.is_floating_point() else self.root.index_select(0, x_dst))
+            out = (_plus_product(out, x_dst, self.root) if x_dst.is_floating_point()
+                   else _plus(out, self.root.index_select(0, x_dst)))
         return out if self.bias is None else _plus(out, self.bias)
 
     def _call_reason(self, x_src, x_dst, edge_index) -> Optional[str]:
@@ -283,6 +321,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
                              num_relations=relations, transposed=not projects)
         if projects and self._in_blocks(graph, x_src, weight, num_nodes):
             cast, _ = cast_for_matmul(x_src, None)  # once, not per block
+            if self._in_ranges(x_src):
+                return self._reduce_then_project_in_ranges(graph, cast, weight, num_nodes)
             return self._project_then_reduce_in_blocks(graph, cast, weight, num_nodes)
         if projects:
             return self._project_then_reduce(graph, x_src, weight, num_nodes)
@@ -451,7 +491,9 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
 
     def _blocks_keys(self, x_src: Tensor, num_nodes: int):
         """The memo keys (SortedGraph.derived) of this call's relation blocks
-        and, for a mean, their edge weights in the projected rows' dtype."""
+        and, for a mean, their edge weights in the projected rows' dtype (relation ranges: their key)."""
+        if self._in_ranges(x_src):
+            return ("rgcn relation ranges", self.num_relations), None
         blocks = ("rgcn blocks", self.num_relations, self._relations_per_block(x_src.size(-1)))
         if self.aggr != "mean":
             return blocks, None
@@ -481,6 +523,30 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             del projected  # each block's rows let go before the next block's are made
             out = _add_part(out, part)
             del part
+        return out
+
+    def _in_ranges(self, x_src: Tensor) -> bool:
+        """Whether blocked inference takes one relation at a time, its mean (or sum) of x first, over the
+        destinations it reaches alone, then its weight, added into the output's rows of that range
+        (_reduce_then_project_in_ranges): at equal widths, where the rows it gathers are no wider than
+        projected rows, and where the output may be written in place (the matmul's dtype is x's)."""
+        return x_src.size(-1) == self.out_channels and matmul_dtype(x_src) == x_src.dtype
+
+    def _reduce_then_project_in_ranges(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
+                                       num_nodes: int) -> Tensor:
+        """sum_r aggr over j in N_r(i) of x_j W_r, one relation at a time: its aggregate [hi - lo + 1, C]
+        over the destinations it reaches, times W_r, added in place into those rows of the output. The
+        peak is the output and one relation's aggregate (in a typed graph, one node type's rows), not a
+        projected table and a partial sum of every node; no edge weights are kept (the kernel's mean)."""
+        ranges = graph.derived(("rgcn relation ranges", self.num_relations),
+                               lambda: _relation_ranges(graph, self.num_relations))
+        out = x_src.new_zeros(num_nodes, self.out_channels)
+        with _derived_indices():
+            for part in ranges:
+                aggregate = index._fused(part.src, part.dst, None, x_src, REDUCE[self.aggr], part.hi - part.lo + 1,
+                                         None, None)
+                out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
+                del aggregate
         return out
 
 
