@@ -826,7 +826,9 @@ class RelationalGNN(Bench):
         "sizes, Zipf-skewed relation frequencies, power-law degrees), 64 features, TF32 matmuls on every path. "
         "Paths: `geot.nn` eager and compiled (`geot-compile`, in some cells); PyG's RGCNConv, FastRGCNConv "
         "(`pyg-fast`), RGATConv and HGTConv, eager and (`--compile`) compiled; RGCN as PyG's heterogeneous "
-        "models write it (`pyg-hetero`: `HeteroConv` of a `SAGEConv` per edge type, summed, plus one root `Linear` on every node type: the function RGCNConv computes), where timed; a compiled path whose compilation of a mode takes over 120 s (`--compile-limit`) "
+        "models write it (`pyg-hetero`: `HeteroConv` of a `SAGEConv` per edge type, summed, plus one root "
+        "`Linear` on every node type: the function RGCNConv computes), where timed; a compiled path whose "
+        "compilation of a mode takes over 120 s (`--compile-limit`) "
         "is noted, not timed. Speedup: the fastest PyG path's time / geot's; OOM: the path ran out of memory."
     )
     commands = ("python bench/rgnn.py --compile --budget 3600",

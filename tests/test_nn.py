@@ -181,7 +181,7 @@ def test_rgcn_inference_in_relation_blocks(aggr, in_channels, out_channels, rela
 
 @pytest.mark.parametrize("aggr", ["mean", "add"])
 def test_rgcn_inference_in_typed_relation_ranges(aggr, device):
-    """Equal widths, a typed graph (relation r reaches nodes 12r..12r+11 alone, node 59 none): each
+    """Equal widths, a typed graph (relation r reaches nodes 12r..12r+11 alone, nodes 48-59 none): each
     relation's aggregate covers its own destinations only; PyG's result, root and bias on every node."""
     torch.manual_seed(4)
     relations, channels = 4, 8

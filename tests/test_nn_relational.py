@@ -454,7 +454,7 @@ def test_compiled_float32_on_cuda_is_one_graph(precision):
         torch._dynamo.reset()
         edge_index, edge_type = relational_edges("cuda")
         x = torch.randn(NODES, 6, device="cuda")
-        rgcn = gnn.RGCNConv(6, 4, RELATIONS).cuda()  # 11 nodes x 4 relations > 34 edges: the pairs path
+        rgcn = gnn.RGCNConv(6, 4, RELATIONS).cuda()  # 11 nodes x 4 relations > 37 edges: the pairs path
         rgat, _ = rgat_pair({"heads": 2}, "cuda", torch.float32)
         kwargs, widths = HGT["heads-2"]
         hgt, _ = pair(gnn.HGTConv, pyg_nn.HGTConv, (), dict(kwargs, metadata=METADATA), "cuda", torch.float32)
