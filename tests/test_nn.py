@@ -863,25 +863,37 @@ def test_compile_fullgraph_layers_match_eager(make_layer):
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("eager_first", [True, False], ids=["eager-first", "compiled-first"])
+@pytest.mark.parametrize("channels,kept", [((12, 5), ["rgcn blocks", "rgcn block weights"]),
+                                           ((8, 8), ["rgcn relation ranges"])], ids=["blocks", "ranges"])
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
-def test_compiled_rgcn_inference_takes_eager_blocks(amp, monkeypatch):
-    """Compiled inference reads the relation blocks an eager call kept (it
-    cannot split the edges itself): same peak memory as eager, same result."""
+def test_compiled_rgcn_inference_takes_blocks(amp, channels, kept, eager_first, monkeypatch):
+    """Compiled inference reads the relation blocks (or, at equal widths, ranges) kept with the graph, made
+    by an eager call or, with none first, while dynamo traces (it cannot split the edges itself): same
+    peak memory as eager, same result. Autocast at equal widths takes blocks (the matmul's dtype is not
+    x's)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = gnn.RGCNConv(12, 5, 3)  # 3 relations * 5 > 12 channels: blocks of one relation
-    edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 12)
+    layer = gnn.RGCNConv(*channels, 3)  # 3 relations * C_out > C_in: blocks of one relation
+    edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, channels[0])
     edge_type = torch.randint(0, 3, (edge_index.size(1),))
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    if amp and channels[0] == channels[1]:
+        kept = ["rgcn blocks", "rgcn block weights"]
+
+    def one_table(*args):
+        raise AssertionError("compiled inference built the whole projected table")
+
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        eager = layer(x, edge_index, edge_type)
-        assert [key[0] for key in layer._geot_graph[3].memo] == ["rgcn blocks", "rgcn block weights"]
-
-        def one_table(*args):
-            raise AssertionError("compiled inference built the whole projected table")
-
+        if eager_first:
+            eager = layer(x, edge_index, edge_type)
         monkeypatch.setattr(gnn.RGCNConv, "_project_then_reduce", one_table)
-        torch.testing.assert_close(compiled(x, edge_index, edge_type), eager)
+        out = compiled(x, edge_index, edge_type)
+        assert [key[0] for key in layer._geot_graph[3].memo] == kept
+        monkeypatch.undo()
+        if not eager_first:
+            eager = layer(x, edge_index, edge_type)
+        torch.testing.assert_close(out, eager)
 
 
 def test_accumulate_op():

@@ -319,9 +319,12 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         # Gathering projected rows, the backward pass reads their own transposed edges, not the graph's.
         graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                              num_relations=relations, transposed=not projects)
+        if projects and torch.compiler.is_compiling() and not _records_grad(x_src, weight):
+            call_at_trace_time(_prepare_blocks_for_compiled, self, edge_index, edge_type, x_src.size(-1),
+                               num_nodes, matmul_dtype(x_src), x_src.dtype)
         if projects and self._in_blocks(graph, x_src, weight, num_nodes):
             cast, _ = cast_for_matmul(x_src, None)  # once, not per block
-            if self._in_ranges(x_src):
+            if self._in_ranges(x_src.size(-1), cast.dtype, x_src.dtype):
                 return self._reduce_then_project_in_ranges(graph, cast, weight, num_nodes)
             return self._project_then_reduce_in_blocks(graph, cast, weight, num_nodes)
         if projects:
@@ -481,23 +484,28 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         PyG's memory at 8.0x / 8.2x its speed; half as wide, 0.86x / 0.89x
         at 4.3x / 4.1x (each block re-reads x). Not in training (each
         block's table would be kept for backward anyway). Compiled code
-        takes the blocks (and a mean's weights) an eager call made (their
+        takes the blocks (and a mean's weights) made eagerly, by an eager
+        call or while dynamo traces (_prepare_blocks_for_compiled: their
         sizes are data-dependent, so it cannot split the edges itself), else
         the whole table."""
-        if _records_grad(x_src, weight) or self.num_relations * self.out_channels <= x_src.size(-1):
+        if _records_grad(x_src, weight) or not self._wider_than_x(x_src.size(-1)):
             return False  # no wider than x: one table (the edges training keeps, no blocks kept besides)
-        kept = [key in graph.memo for key in self._blocks_keys(x_src, num_nodes) if key is not None]
-        return not torch.compiler.is_compiling() or all(kept)
+        in_channels, dtype = x_src.size(-1), matmul_dtype(x_src)
+        keys = self._blocks_keys(in_channels, dtype, num_nodes, self._in_ranges(in_channels, dtype, x_src.dtype))
+        return not torch.compiler.is_compiling() or all(key in graph.memo for key in keys if key is not None)
 
-    def _blocks_keys(self, x_src: Tensor, num_nodes: int):
-        """The memo keys (SortedGraph.derived) of this call's relation blocks
-        and, for a mean, their edge weights in the projected rows' dtype (relation ranges: their key)."""
-        if self._in_ranges(x_src):
+    def _wider_than_x(self, in_channels: int) -> bool:
+        return self.num_relations * self.out_channels > in_channels
+
+    def _blocks_keys(self, in_channels: int, dtype: torch.dtype, num_nodes: int, ranges: bool):
+        """The memo keys (SortedGraph.derived) of this call's relation blocks and, for a mean, their edge
+        weights in the matmul's dtype; or of its relation ranges (_in_ranges) and None."""
+        if ranges:
             return ("rgcn relation ranges", self.num_relations), None
-        blocks = ("rgcn blocks", self.num_relations, self._relations_per_block(x_src.size(-1)))
+        blocks = ("rgcn blocks", self.num_relations, self._relations_per_block(in_channels))
         if self.aggr != "mean":
             return blocks, None
-        return blocks, ("rgcn block weights", *blocks[1:], num_nodes, matmul_dtype(x_src))
+        return blocks, ("rgcn block weights", *blocks[1:], num_nodes, dtype)
 
     def _relations_per_block(self, in_channels: int) -> int:
         return max(1, in_channels // (2 * self.out_channels))
@@ -505,16 +513,9 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
     def _project_then_reduce_in_blocks(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
                                        num_nodes: int) -> Tensor:
         """_project_then_reduce one block of relations at a time, summed."""
-        relations, in_channels = self.num_relations, x_src.size(-1)
-        per_block = self._relations_per_block(in_channels)
-        blocks_key, weights_key = self._blocks_keys(x_src, num_nodes)
-        blocks = graph.derived(blocks_key, lambda: _relation_blocks(graph, relations, per_block))
-        block_weights = [None] * len(blocks)
-        if weights_key is not None:
-            def mean_weights():
-                inverse = _inverse_counts(graph, num_nodes * relations, weights_key[-1])
-                return [inverse.index_select(0, block.segments(relations)) for block in blocks]
-            block_weights = graph.derived(weights_key, mean_weights)
+        in_channels = x_src.size(-1)
+        blocks, block_weights = self._kept_blocks(graph, in_channels, x_src.dtype, num_nodes, False)
+        block_weights = block_weights or [None] * len(blocks)
         out = None
         for block, edge_weight in zip(blocks, block_weights):
             block_weight = weight[block.first:block.first + block.width].transpose(0, 1).reshape(in_channels, -1)
@@ -525,12 +526,30 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             del part
         return out
 
-    def _in_ranges(self, x_src: Tensor) -> bool:
+    def _kept_blocks(self, graph: SortedGraph, in_channels: int, dtype: torch.dtype, num_nodes: int,
+                     ranges: bool):
+        """(blocked inference's relation blocks and a mean's block weights in dtype, the matmul's, or None;
+        or with ranges its relation ranges and None), made once per graph and kept with it."""
+        relations = self.num_relations
+        blocks_key, weights_key = self._blocks_keys(in_channels, dtype, num_nodes, ranges)
+        if ranges:
+            return graph.derived(blocks_key, lambda: _relation_ranges(graph, relations)), None
+        per_block = self._relations_per_block(in_channels)
+        blocks = graph.derived(blocks_key, lambda: _relation_blocks(graph, relations, per_block))
+        if weights_key is None:
+            return blocks, None
+
+        def mean_weights():
+            inverse = _inverse_counts(graph, num_nodes * relations, dtype)
+            return [inverse.index_select(0, block.segments(relations)) for block in blocks]
+        return blocks, graph.derived(weights_key, mean_weights)
+
+    def _in_ranges(self, in_channels: int, dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
         """Whether blocked inference takes one relation at a time, its mean (or sum) of x first, over the
         destinations it reaches alone, then its weight, added into the output's rows of that range
         (_reduce_then_project_in_ranges): at equal widths, where the rows it gathers are no wider than
         projected rows, and where the output may be written in place (the matmul's dtype is x's)."""
-        return x_src.size(-1) == self.out_channels and matmul_dtype(x_src) == x_src.dtype
+        return in_channels == self.out_channels and dtype == x_dtype
 
     def _reduce_then_project_in_ranges(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
                                        num_nodes: int) -> Tensor:
@@ -538,8 +557,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         over the destinations it reaches, times W_r, added in place into those rows of the output. The
         peak is the output and one relation's aggregate (in a typed graph, one node type's rows), not a
         projected table and a partial sum of every node; no edge weights are kept (the kernel's mean)."""
-        ranges = graph.derived(("rgcn relation ranges", self.num_relations),
-                               lambda: _relation_ranges(graph, self.num_relations))
+        ranges, _ = self._kept_blocks(graph, x_src.size(-1), x_src.dtype, num_nodes, True)
         out = x_src.new_zeros(num_nodes, self.out_channels)
         with _derived_indices():
             for part in ranges:
@@ -548,6 +566,17 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
                 out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
                 del aggregate
         return out
+
+
+def _prepare_blocks_for_compiled(layer: RGCNConv, edge_index, edge_type: Tensor, in_channels: int,
+                                 num_nodes: int, dtype: torch.dtype, x_dtype: torch.dtype) -> None:
+    """Run while dynamo traces (see geot.nn.graph.call_at_trace_time): blocked inference's relation blocks
+    or ranges (their sizes are data-dependent), made eagerly and kept with the graph the layer keeps, so
+    that a model compiled with no eager call first takes them too (not the whole projected table)."""
+    graph = kept_graph(layer, edge_index, flipped=layer._flipped(), edge_type=edge_type,
+                       num_relations=layer.num_relations)
+    if graph is not None and layer._wider_than_x(in_channels):
+        layer._kept_blocks(graph, in_channels, dtype, num_nodes, layer._in_ranges(in_channels, dtype, x_dtype))
 
 
 def _prepare_pairs_for_compiled(layer: RGCNConv, edge_index, edge_type: Tensor, num_src: int, num_nodes: int,
