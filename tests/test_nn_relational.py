@@ -4,6 +4,7 @@ on graphs with duplicated edges, self loops, isolated nodes, relations
 without edges and no edges at all; what geot does not run natively runs
 PyG's forward with one warning. Written from PyG's documented behaviour."""
 import copy
+import random
 import warnings
 
 import pytest
@@ -259,6 +260,61 @@ def test_rgcn_pairs_bipartite_matches_pyg():
     edge_type = torch.randint(0, 20, (25,))
     x = (torch.randn(9, 6, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64))
     torch.testing.assert_close(geot_layer(x, edge_index, edge_type), pyg_layer(x, edge_index, edge_type), **F64)
+
+
+def random_rgcn_draw(rng, device):
+    """(PyG RGCNConv, x or None, edge_index, edge_type, training) over every way geot computes RGCN: few or
+    many relations (the (node, relation) table, the pairs), equal, narrower and wider widths (projecting
+    first, blocks, relation ranges), bases, blocks, no root or bias, featureless nodes, typed graphs (each
+    relation reaching its own node range), int32 ids, no edges, inference and training."""
+    relations, in_channels = rng.choice([1, 2, 3, 7]), rng.choice([4, 8])
+    out_channels = rng.choice([in_channels, in_channels, 2, 6])
+    kwargs = {"aggr": rng.choice(["mean", "add", "sum"]), "root_weight": rng.choice([True, False]),
+              "bias": rng.choice([True, False])}
+    extra = rng.choice([None, "bases", "blocks"])
+    if extra == "bases":
+        kwargs["num_bases"] = rng.choice([1, 2])
+    elif extra == "blocks" and out_channels % 2 == 0:
+        kwargs["num_blocks"] = 2
+    nodes, count = rng.choice([5, 30]), rng.choice([0, 1, 20, 300])
+    edge_type = torch.randint(0, relations, (count,), device=device)
+    dst = torch.randint(0, nodes, (count,), device=device)
+    if rng.random() < 0.5:
+        width = max(1, nodes // relations)
+        dst = (edge_type * width + torch.randint(0, width, (count,), device=device)).clamp(max=nodes - 1)
+    edge_index = torch.stack([torch.randint(0, nodes, (count,), device=device), dst])
+    if rng.random() < 0.3:
+        edge_index, edge_type = edge_index.int(), edge_type.int()
+    featureless = "num_blocks" not in kwargs and rng.random() < 0.15
+    x = None if featureless else torch.randn(nodes, in_channels, device=device, dtype=torch.float64)
+    layer = pyg_nn.RGCNConv(nodes if featureless else in_channels, out_channels, relations, **kwargs)
+    return layer.to(device, torch.float64), x, edge_index, edge_type, rng.random() < 0.5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rgcn_random_options_match_pyg(seed, device):
+    """geot's RGCNConv (gnn.patch) against PyG's over random draws (random_rgcn_draw), float64: the output,
+    and in training the gradients of x and of every parameter; the second call reads what the first kept.
+    PyG is given the same ids as int64 (geot's int32 ids are what is under test)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for trial in range(40):
+        pyg_layer, x, edge_index, edge_type, training = random_rgcn_draw(rng, device)
+        geot_layer = gnn.patch(copy.deepcopy(pyg_layer))
+        what = f"seed {seed} trial {trial}: {pyg_layer} {pyg_layer.aggr} {edge_index.dtype} training={training}"
+
+        def call(layer, ids, types):
+            x_in = None if x is None else x.clone().requires_grad_(training)
+            with torch.set_grad_enabled(training):
+                out = layer(x_in, ids, types)
+                grads = grads_of(weighted_sum(out), [] if x is None else [x_in], layer) if training else ()
+            return out, grads
+
+        want = call(pyg_layer, edge_index.long(), edge_type.long())
+        for _ in range(2):
+            got = call(geot_layer, edge_index, edge_type)
+        assert_close(got[0], want[0], F64, what)
+        assert_grads(got[1], want[1], F64)
 
 
 # HGTConv --------------------------------------------------------------------------------------
