@@ -183,22 +183,27 @@ def _add_part(out: Optional[Tensor], part: Tensor) -> Tensor:
     return out.add_(part)
 
 
+def _eager_inference() -> bool:
+    """Whether this call may add into the layer's own output in place (compiled code fuses the adds)."""
+    return not (torch.compiler.is_compiling() or torch.is_grad_enabled())
+
+
 def _plus(out: Tensor, term: Tensor) -> Tensor:
     """out + term: in place on out (the layer's own) in eager inference where the sum keeps out's dtype
-    and shape (peak memory: the root and bias terms; compiled code fuses them)."""
-    if (torch.compiler.is_compiling() or torch.is_grad_enabled() or torch.result_type(out, term) != out.dtype
-            or torch.broadcast_shapes(out.shape, term.shape) != out.shape):
-        return out + term
-    return out.add_(term)
+    and shape (peak memory: the root and bias terms)."""
+    if (_eager_inference() and torch.result_type(out, term) == out.dtype
+            and torch.broadcast_shapes(out.shape, term.shape) == out.shape):
+        return out.add_(term)
+    return out + term
 
 
 def _plus_product(out: Tensor, x: Tensor, weight: Tensor) -> Tensor:
-    """out + x @ weight: added in place by the matmul (no [N, C_out] product besides out) where _plus would
-    add in place and the product's dtype is out's (no autocast)."""
-    if (torch.compiler.is_compiling() or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)
-            or not out.dtype == x.dtype == weight.dtype or out.shape != (x.size(0), weight.size(-1))):
-        return out + x @ weight
-    return out.addmm_(x, weight)
+    """out + x @ weight: in eager inference added in place by the matmul (no [N, C_out] product besides
+    out) where the product's dtype and shape are out's (no autocast)."""
+    if (_eager_inference() and not torch.is_autocast_enabled(x.device.type)
+            and out.dtype == x.dtype == weight.dtype and out.shape == (x.size(0), weight.size(-1))):
+        return out.addmm_(x, weight)
+    return out + x @ weight
 
 
 def _records_grad(x_src: Tensor, weight: Tensor) -> bool:
