@@ -200,25 +200,74 @@ def test_rgcn_inference_in_typed_relation_ranges(aggr, device):
     assert all(12 * part.relation <= part.lo <= part.hi <= 12 * part.relation + 11 for part in ranges)
 
 
+def typed_relation_graph(relations, per_relation, num_edges, device):
+    """(edge_index, edge_type) over 13 * relations nodes: relation r from nodes 13r+1..13r+12 (none from 13r)
+    into nodes per_relation * r onwards, per_relation of them (the last 13 nodes receive no edge)."""
+    edge_type = torch.randint(0, relations, (num_edges,), device=device)
+    src = 13 * edge_type + 1 + torch.randint(0, 12, (num_edges,), device=device)
+    dst = per_relation * edge_type + torch.randint(0, per_relation, (num_edges,), device=device)
+    return torch.stack([src, dst]), edge_type
+
+
 @pytest.mark.parametrize("aggr", ["mean", "add"])
 @pytest.mark.parametrize("x_requires_grad", [True, False], ids=["x-grad", "weights-only"])
-def test_rgcn_training_at_equal_widths_keeps_no_relation_aggregate(aggr, x_requires_grad, device):
-    """Training with C_out = C_in projects before gathering: what autograd
-    keeps for backward is x-, weight- or edge-sized, none of it an [N, R * C]
-    aggregate (reducing first would keep one per layer); same result as PyG."""
+@pytest.mark.parametrize("typed", [False, True], ids=["untyped", "typed"])
+def test_rgcn_training_in_relation_ranges(aggr, x_requires_grad, typed, device):
+    """Training at equal widths takes one relation at a time, over the sources and destinations it reaches
+    (_RangesProduct): PyG's output and gradients (x, weights, root, bias). What autograd keeps is x and
+    weight-sized, and where x takes no gradient each relation's aggregate over its own destinations:
+    nothing of [N * R, C]."""
     torch.manual_seed(3)
-    nodes, channels = 50, 12
-    pyg_layer = pyg_nn.RGCNConv(channels, channels, NUM_RELATIONS, aggr=aggr).to(device).double()
-    geot_layer = gnn.RGCNConv(channels, channels, NUM_RELATIONS, aggr=aggr).to(device).double()
+    relations, channels, nodes = NUM_RELATIONS, 12, 13 * NUM_RELATIONS
+    pyg_layer = pyg_nn.RGCNConv(channels, channels, relations, aggr=aggr).to(device).double()
+    geot_layer = gnn.RGCNConv(channels, channels, relations, aggr=aggr).to(device).double()
     geot_layer.load_state_dict(pyg_layer.state_dict())
-    edge_index = random_graph(nodes, 300, device)
-    edge_type = torch.randint(0, NUM_RELATIONS, (edge_index.size(1),), device=device)
+    if typed:
+        edge_index, edge_type = typed_relation_graph(relations, 9, 300, device)
+    else:
+        edge_index = random_graph(nodes, 300, device)
+        edge_type = torch.randint(0, relations, (edge_index.size(1),), device=device)
     x = torch.randn(nodes, channels, dtype=torch.float64, device=device, requires_grad=x_requires_grad)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = geot_layer(x, edge_index, edge_type)
-    assert saved and max(saved) < nodes * NUM_RELATIONS * channels, saved
-    torch.testing.assert_close(out, pyg_layer(x, edge_index, edge_type), **FLOAT64_TOL)
+    ranges = geot_layer._geot_graph[3].memo["rgcn relation ranges", relations][2]
+    inputs = {t.data_ptr() for t in [x, *geot_layer.parameters()]}
+    aggregates = [t for t in saved if t.dim() == 2 and t.size(1) == channels and t.data_ptr() not in inputs]
+    if x_requires_grad:
+        assert aggregates == []
+    else:
+        assert sorted(t.size(0) for t in aggregates) == sorted(part.hi - part.lo + 1 for part in ranges)
+    if typed:
+        assert all(part.src_hi - part.src_lo <= 11 and part.hi - part.lo <= 8 for part in ranges)
+    ref = pyg_layer(x, edge_index, edge_type)
+    torch.testing.assert_close(out, ref, **FLOAT64_TOL)
+    loss_weights = torch.randn_like(ref)
+    inputs = [x] if x_requires_grad else []
+    grads = torch.autograd.grad((out * loss_weights).sum(), inputs + list(geot_layer.parameters()))
+    want = torch.autograd.grad((ref * loss_weights).sum(), inputs + list(pyg_layer.parameters()))
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, **FLOAT64_TOL)
+
+
+@pytest.mark.parametrize("aggr", ["mean", "add"])
+def test_rgcn_training_in_relation_ranges_twice_differentiable(aggr, device):
+    """A gradient penalty through training's relation ranges (create_graph): PyG's second derivatives."""
+    torch.manual_seed(5)
+    pyg_layer = pyg_nn.RGCNConv(6, 6, 3, aggr=aggr, num_bases=2).to(device).double()
+    geot_layer = gnn.RGCNConv(6, 6, 3, aggr=aggr, num_bases=2).to(device).double()
+    geot_layer.load_state_dict(pyg_layer.state_dict())
+    edge_index = random_graph(30, 200, device)
+    edge_type = torch.randint(0, 3, (edge_index.size(1),), device=device)
+    x = torch.randn(30, 6, dtype=torch.float64, device=device, requires_grad=True)
+
+    def penalty_grads(layer):
+        out = layer(x, edge_index, edge_type)
+        grad_x, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+        return torch.autograd.grad(grad_x.square().sum(), [x, *layer.parameters()])
+    for got, want in zip(penalty_grads(geot_layer), penalty_grads(pyg_layer)):
+        torch.testing.assert_close(got, want, **FLOAT64_TOL)
+    assert ("rgcn relation ranges", 3) in geot_layer._geot_graph[3].memo
 
 
 @pytest.mark.parametrize("aggr", ["mean", "add"])
@@ -894,6 +943,55 @@ def test_compiled_rgcn_inference_takes_blocks(amp, channels, kept, eager_first, 
         if not eager_first:
             eager = layer(x, edge_index, edge_type)
         torch.testing.assert_close(out, eager)
+
+
+@pytest.mark.parametrize("x_requires_grad", [True, False], ids=["x-grad", "weights-only"])
+@pytest.mark.parametrize("eager_first", [False, True], ids=["compiled-first", "eager-first"])
+def test_compiled_rgcn_training_takes_relation_ranges(x_requires_grad, eager_first, monkeypatch):
+    """Compiled training at equal widths reads the relation ranges kept with the graph, made by an eager
+    call or while dynamo traces, as eager training does (one graph): same output and gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = gnn.RGCNConv(8, 8, 3, aggr="mean")
+    edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 8, requires_grad=x_requires_grad)
+    edge_type = torch.randint(0, 3, (edge_index.size(1),))
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+
+    def step(model):
+        out = model(x, edge_index, edge_type)
+        return out, torch.autograd.grad(out.square().sum(), ([x] if x_requires_grad else []) + [layer.weight])
+
+    def one_table(*args):
+        raise AssertionError("compiled training built the whole projected table")
+    if eager_first:
+        eager = step(layer)
+    monkeypatch.setattr(gnn.RGCNConv, "_project_then_reduce", one_table)
+    got = step(compiled)
+    # the edges by source too, whether x takes a gradient or not (a later layer's x may)
+    assert list(layer._geot_graph[3].memo) == [("rgcn relation ranges", 3), ("rgcn relation ranges", 3, "by source")]
+    monkeypatch.undo()
+    if not eager_first:
+        eager = step(layer)
+    torch.testing.assert_close(got, eager)
+
+
+def test_compiled_two_layer_rgcn_training():
+    """Two RGCN layers on one graph, compiled with no eager call first: the second layer's x takes a
+    gradient, the first's not; they share the graph's ranges (a single compilation, no failed guard) and
+    give eager's gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([gnn.RGCNConv(8, 8, 3), gnn.RGCNConv(8, 8, 3)])
+    edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 8)
+    edge_type = torch.randint(0, 3, (edge_index.size(1),))
+
+    def loss(x, edge_index, edge_type):
+        return layers[1](layers[0](x, edge_index, edge_type).relu(), edge_index, edge_type).square().sum()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    for _ in range(2):
+        got = torch.autograd.grad(compiled(x, edge_index, edge_type), list(layers.parameters()))
+    want = torch.autograd.grad(loss(x, edge_index, edge_type), list(layers.parameters()))
+    torch.testing.assert_close(got, want)
 
 
 def test_accumulate_op():

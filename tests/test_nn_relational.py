@@ -300,14 +300,16 @@ def test_rgcn_random_options_match_pyg(seed, device):
     torch.manual_seed(seed)
     for trial in range(40):
         pyg_layer, x, edge_index, edge_type, training = random_rgcn_draw(rng, device)
+        x_grad = training and x is not None and rng.random() < 0.7  # else the weights' gradients alone
         geot_layer = gnn.patch(copy.deepcopy(pyg_layer))
-        what = f"seed {seed} trial {trial}: {pyg_layer} {pyg_layer.aggr} {edge_index.dtype} training={training}"
+        what = (f"seed {seed} trial {trial}: {pyg_layer} {pyg_layer.aggr} {edge_index.dtype} "
+                f"training={training} x_grad={x_grad}")
 
         def call(layer, ids, types):
-            x_in = None if x is None else x.clone().requires_grad_(training)
+            x_in = None if x is None else x.clone().requires_grad_(x_grad)
             with torch.set_grad_enabled(training):
                 out = layer(x_in, ids, types)
-                grads = grads_of(weighted_sum(out), [] if x is None else [x_in], layer) if training else ()
+                grads = grads_of(weighted_sum(out), [x_in] if x_grad else [], layer) if training else ()
             return out, grads
 
         want = call(pyg_layer, edge_index.long(), edge_type.long())
@@ -531,7 +533,8 @@ def test_per_type_matmul_matches_segment_matmul():
     x, weight = torch.randn(10, 5, dtype=torch.float64), torch.randn(4, 5, 6, dtype=torch.float64)
     want = geot.segment_matmul(x, torch.tensor(bounds), weight)
     torch.testing.assert_close(per_type_matmul(x, bounds, weight), want, **F64)
-    assert per_type_matmul(x[:0], [0] * 5, weight).shape == (0, 6)
+    no_rows = per_type_matmul(x[:0], [0] * 5, weight.requires_grad_())
+    assert no_rows.shape == (0, 6) and no_rows.grad_fn is not None  # weight's gradient: zeros, as torch's
 
 
 def compiled_without_fallback(layer, train_call, *args):

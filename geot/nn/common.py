@@ -257,7 +257,9 @@ def _tf32_matmuls() -> bool:
 def per_type_matmul(x: Tensor, bounds, weight: Tensor) -> Tensor:
     """typed_matmul as one torch matmul per non-empty type."""
     parts = [x[start:end] @ weight[t] for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
-    return torch.cat(parts) if parts else x.new_zeros(0, weight.size(-1))
+    if not parts:  # no rows: still a product of x and weight, so that their gradients are zeros, not missing
+        return x[:0] @ weight[0] if weight.size(0) else x.new_zeros(0, weight.size(-1))
+    return torch.cat(parts)
 
 
 class Pairs(NamedTuple):

@@ -62,18 +62,21 @@ def _relation_blocks(graph: SortedGraph, relations: int, per_block: int):
 
 
 class _RelationRange(NamedTuple):
-    """The edges of one relation, their destinations within the relation's own range [lo, hi]."""
-    src: Tensor                # [E_r] source node
+    """The edges of one relation, within the range of destinations [lo, hi] and of sources [src_lo, src_hi]
+    it reaches (in a typed graph, one node type's ids each)."""
+    src: Tensor                # [E_r] source node less src_lo
     dst: Tensor                # [E_r] destination node less lo, sorted
     relation: int
     lo: int
     hi: int
+    src_lo: int
+    src_hi: int
 
 
 def _relation_ranges(graph: SortedGraph, relations: int) -> list:
     """The graph's edges split by relation (a subsequence of dst-sorted edges stays sorted), each with the
-    range of destinations it reaches: in a typed graph one node type's ids. Relations without edges are
-    left out. Two device->host syncs per relation, once per graph: eager only."""
+    ranges of nodes it reaches. Relations without edges are left out. One device->host sync per relation,
+    once per graph: eager only."""
     relation = graph.dst.remainder(relations)
     dst = graph.dst.div(relations, rounding_mode="floor")
     ranges = []
@@ -81,10 +84,73 @@ def _relation_ranges(graph: SortedGraph, relations: int) -> list:
         keep = (relation == r).nonzero().squeeze(1)
         if keep.numel() == 0:
             continue
-        dst_r = dst.index_select(0, keep)
-        lo, hi = dst_r[[0, -1]].tolist()
-        ranges.append(_RelationRange(graph.src.index_select(0, keep), dst_r - lo, r, lo, hi))
+        dst_r, src_r = dst.index_select(0, keep), graph.src.index_select(0, keep)
+        lo, hi, src_lo, src_hi = torch.stack([dst_r[0], dst_r[-1], src_r.min(), src_r.max()]).tolist()
+        ranges.append(_RelationRange(src_r - src_lo, dst_r - lo, r, lo, hi, src_lo, src_hi))
     return ranges
+
+
+def _range_aggregates(ranges: list, x_src: Tensor, reduce: str):
+    """Each relation's mean (or sum) of x over the destinations it reaches, [hi - lo + 1, C_in], one at a
+    time (the caller lets each go before the next is made, or keeps it)."""
+    with _derived_indices():
+        for part in ranges:
+            yield part, index._fused(part.src, part.dst, None, x_src[part.src_lo:part.src_hi + 1], reduce,
+                                     part.hi - part.lo + 1, None, None)
+
+
+class _RangeBySource(NamedTuple):
+    """A relation range's edges in source order: what x's gradient reduces over (sorted, no atomics)."""
+    src: Tensor                # [E_r] source node less src_lo, sorted
+    dst: Tensor                # [E_r] destination node less lo
+
+
+def _by_source(part: _RelationRange) -> _RangeBySource:
+    src, order = part.src.sort(stable=True)
+    return _RangeBySource(src, part.dst.index_select(0, order))
+
+
+class _RangesProduct(torch.autograd.Function):
+    """Training's sum_r aggr over j in N_r(i) of x_j W_r in relation ranges (_reduce_then_project_in_ranges).
+    Kept for backward: where x takes no gradient, each relation's aggregate (what W_r's gradient reads, as
+    PyG keeps it); else nothing but x and the weights: the gradient of each relation's aggregate, reduced
+    to its sources over the range's edges in source order (by_source), gives both W_r's gradient and x's.
+    Peak: the output and one relation's rows, not a [N * R, C] table and its gradient."""
+
+    @staticmethod
+    def forward(ctx, x_src, weight, ranges, by_source, reduce, num_nodes):
+        keep = ctx.needs_input_grad[1] and not ctx.needs_input_grad[0]
+        out = x_src.new_zeros(num_nodes, weight.size(-1))
+        kept = []
+        for part, aggregate in _range_aggregates(ranges, x_src, reduce):
+            out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
+            if keep:
+                kept.append(aggregate)
+            del aggregate
+        ctx.save_for_backward(x_src, weight, *kept)
+        ctx.ranges, ctx.by_source, ctx.mean = ranges, by_source, reduce == "mean"
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_src, weight, *aggregates = ctx.saved_tensors
+        grad_x = torch.zeros_like(x_src) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        with _derived_indices():
+            for i, part in enumerate(ctx.ranges):
+                grad_rows = grad_out[part.lo:part.hi + 1]
+                if aggregates:
+                    grad_w[part.relation] = aggregates[i].t() @ grad_rows
+                    continue
+                if ctx.mean:
+                    grad_rows = grad_rows / mean_counts(part.dst, grad_rows.size(0)).unsqueeze(1).to(grad_rows.dtype)
+                edges = ctx.by_source[i]
+                to_sources = index._fused(edges.dst, edges.src, None, grad_rows, "sum", part.src_hi - part.src_lo + 1,
+                                          None, None)
+                if grad_w is not None:
+                    grad_w[part.relation] = x_src[part.src_lo:part.src_hi + 1].t() @ to_sources
+                grad_x[part.src_lo:part.src_hi + 1].addmm_(to_sources, weight[part.relation].t())
+        return grad_x, grad_w, None, None, None, None
 
 
 class _SourcePairs(NamedTuple):
@@ -240,9 +306,9 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
     1 / the edges of their (node, relation) segment for a mean: no wider
     rows to gather, a table no larger, and no [N, R * C_in] aggregate kept
     for backward (peak memory); in eager inference, where that table is
-    wider than x, a few relations at a time, and at equal widths one
-    relation at a time reduced first, over the destinations it reaches
-    (peak memory). Where
+    wider than x, a few relations at a time, and at equal widths (training
+    too) one relation at a time reduced first, over the destinations it
+    reaches (peak memory). Where
     the (node, relation) segments outnumber the edges (many relations),
     x_j W_r once per distinct (source, relation) pair (one
     ``segment_matmul``), gathered over the edges: no [N * R, C] table; in
@@ -324,9 +390,11 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         # Gathering projected rows, the backward pass reads their own transposed edges, not the graph's.
         graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                              num_relations=relations, transposed=not projects)
-        if projects and torch.compiler.is_compiling() and not _records_grad(x_src, weight):
+        if projects and torch.compiler.is_compiling():
             call_at_trace_time(_prepare_blocks_for_compiled, self, edge_index, edge_type, x_src.size(-1),
-                               num_nodes, matmul_dtype(x_src), x_src.dtype)
+                               num_nodes, matmul_dtype(x_src), x_src.dtype, _records_grad(x_src, weight))
+        if projects and self._trains_in_ranges(graph, x_src, weight):
+            return self._reduce_then_project_in_ranges(graph, x_src, weight, num_nodes)
         if projects and self._in_blocks(graph, x_src, weight, num_nodes):
             cast, _ = cast_for_matmul(x_src, None)  # once, not per block
             if self._in_ranges(x_src.size(-1), cast.dtype, x_src.dtype):
@@ -499,6 +567,20 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         keys = self._blocks_keys(in_channels, dtype, num_nodes, self._in_ranges(in_channels, dtype, x_src.dtype))
         return not torch.compiler.is_compiling() or all(key in graph.memo for key in keys if key is not None)
 
+    def _trains_in_ranges(self, graph: SortedGraph, x_src: Tensor, weight: Tensor) -> bool:
+        """Training at equal widths where a projected table would be wider than x (_RangesProduct): its
+        peak is the output and one relation's rows, not a [N_src * R, C] table and its gradient. H100,
+        bench/rgnn.py's mag (21M edges, 4 relations, 64 channels), a training step against the projected
+        table in the same run: one layer 9.9 ms and 3386 MB peak against 11.7 ms and 4613 MB, two layers
+        20.0 and 4439 against 21.1 and 5561 (x's gradient over the edges by source; with atomics in edge
+        order, keeping no more edges, 27.7 ms). Compiled code takes the ranges made eagerly (see
+        _in_blocks)."""
+        in_channels = x_src.size(-1)
+        if not (_records_grad(x_src, weight) and self._wider_than_x(in_channels)
+                and self._in_ranges(in_channels, matmul_dtype(x_src), x_src.dtype)):
+            return False
+        return not torch.compiler.is_compiling() or self._ranges_key() in graph.memo
+
     def _wider_than_x(self, in_channels: int) -> bool:
         return self.num_relations * self.out_channels > in_channels
 
@@ -506,11 +588,14 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         """The memo keys (SortedGraph.derived) of this call's relation blocks and, for a mean, their edge
         weights in the matmul's dtype; or of its relation ranges (_in_ranges) and None."""
         if ranges:
-            return ("rgcn relation ranges", self.num_relations), None
+            return self._ranges_key(), None
         blocks = ("rgcn blocks", self.num_relations, self._relations_per_block(in_channels))
         if self.aggr != "mean":
             return blocks, None
         return blocks, ("rgcn block weights", *blocks[1:], num_nodes, dtype)
+
+    def _ranges_key(self):
+        return "rgcn relation ranges", self.num_relations
 
     def _relations_per_block(self, in_channels: int) -> int:
         return max(1, in_channels // (2 * self.out_channels))
@@ -561,27 +646,39 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         """sum_r aggr over j in N_r(i) of x_j W_r, one relation at a time: its aggregate [hi - lo + 1, C]
         over the destinations it reaches, times W_r, added in place into those rows of the output. The
         peak is the output and one relation's aggregate (in a typed graph, one node type's rows), not a
-        projected table and a partial sum of every node; no edge weights are kept (the kernel's mean)."""
+        projected table and a partial sum of every node; no edge weights are kept (the kernel's mean).
+        Training: _RangesProduct."""
         ranges, _ = self._kept_blocks(graph, x_src.size(-1), x_src.dtype, num_nodes, True)
+        if _records_grad(x_src, weight):
+            by_source = self._kept_by_source(graph, ranges) if x_src.requires_grad else None
+            return _RangesProduct.apply(x_src, weight, ranges, by_source, REDUCE[self.aggr], num_nodes)
         out = x_src.new_zeros(num_nodes, self.out_channels)
-        with _derived_indices():
-            for part in ranges:
-                aggregate = index._fused(part.src, part.dst, None, x_src, REDUCE[self.aggr], part.hi - part.lo + 1,
-                                         None, None)
-                out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
-                del aggregate
+        for part, aggregate in _range_aggregates(ranges, x_src, REDUCE[self.aggr]):
+            out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
+            del aggregate
         return out
 
+    def _kept_by_source(self, graph: SortedGraph, ranges: list) -> list:
+        """[_RangeBySource] of the relation ranges, made once where x takes a gradient."""
+        return graph.derived(self._ranges_key() + ("by source",), lambda: list(map(_by_source, ranges)))
 
-def _prepare_blocks_for_compiled(layer: RGCNConv, edge_index, edge_type: Tensor, in_channels: int,
-                                 num_nodes: int, dtype: torch.dtype, x_dtype: torch.dtype) -> None:
+
+def _prepare_blocks_for_compiled(layer: RGCNConv, edge_index, edge_type: Tensor, in_channels: int, num_nodes: int,
+                                 dtype: torch.dtype, x_dtype: torch.dtype, grad: bool) -> None:
     """Run while dynamo traces (see geot.nn.graph.call_at_trace_time): blocked inference's relation blocks
-    or ranges (their sizes are data-dependent), made eagerly and kept with the graph the layer keeps, so
-    that a model compiled with no eager call first takes them too (not the whole projected table)."""
+    or ranges, and training's ranges with their edges by source: their sizes are data-dependent. Made
+    eagerly and kept with the graph the layer keeps, so that a model compiled with no eager call first
+    takes them too (not the whole projected table). The edges by source are made with training's ranges
+    even where this layer's x takes no gradient: a later layer's may, and dynamo reads the graph's memo
+    as the first layer found it."""
     graph = kept_graph(layer, edge_index, flipped=layer._flipped(), edge_type=edge_type,
                        num_relations=layer.num_relations)
-    if graph is not None and layer._wider_than_x(in_channels):
-        layer._kept_blocks(graph, in_channels, dtype, num_nodes, layer._in_ranges(in_channels, dtype, x_dtype))
+    in_ranges = layer._in_ranges(in_channels, dtype, x_dtype)
+    if graph is None or not layer._wider_than_x(in_channels) or (grad and not in_ranges):
+        return
+    blocks, _ = layer._kept_blocks(graph, in_channels, dtype, num_nodes, in_ranges)
+    if grad:
+        layer._kept_by_source(graph, blocks)
 
 
 def _prepare_pairs_for_compiled(layer: RGCNConv, edge_index, edge_type: Tensor, num_src: int, num_nodes: int,
