@@ -434,10 +434,12 @@ def test_gin_inference_under_autocast_sums_cast_x(monkeypatch, device, cast):
 @pytest.mark.parametrize("num_edges", [6000, 30000, 120000])
 def test_gin_cast_first_follows_the_sum_schedule(num_edges):
     """GIN's choice to cast x first (inference under autocast) follows the
-    config the CUDA sum will use: SP (writes bf16 itself) casts; SR (fp32
+    rules' config for the CUDA sum: SP (writes bf16 itself) casts; SR (fp32
     rows, one per M_t edges where fewer than the nodes) and PR sum x in
-    float32; decided once per graph and width, kept with the graph; the
-    half-precision sum allocates no more than those rows."""
+    float32; decided once per graph and width, kept with the graph. The
+    half-precision sum allocates no more fp32 rows than the config it
+    launches keeps (explain with its dtype: the hand rules after the rules'
+    too, e.g. shared ids for rows of 64 features)."""
     nodes, width = 3000, 64
     layer = gnn.GINConv(torch.nn.Linear(width, 8)).cuda()
     edge_index = random_graph(nodes, num_edges, "cuda")
@@ -448,10 +450,15 @@ def test_gin_cast_first_follows_the_sum_schedule(num_edges):
     decided = graph.memo[("cast first", width, nodes)][2]
     edges = graph.dst.numel()  # random_graph's count, less repeated loops, plus one loop per tenth node
     longest = int(torch.bincount(graph.dst, minlength=nodes).max())
-    config = geot.explain(edges, nodes, width, gathered=True, long_segments=geot.config.long_segment_level(longest))
-    chunks = -(-edges // config.M_t)
-    rows = {"SP": 0, "SR": chunks if chunks < nodes else nodes}.get(config.schedule, nodes)
-    assert decided == (rows == 0), (config, rows)
+    level = geot.config.long_segment_level(longest)
+
+    def fp32_rows(config):
+        chunks = -(-edges // config.M_t)
+        return {"SP": 0, "SR": min(chunks, nodes)}.get(config.schedule, nodes)
+    config = geot.explain(edges, nodes, width, gathered=True, long_segments=level)
+    assert decided == (fp32_rows(config) == 0), config
+    config = geot.explain(edges, nodes, width, gathered=True, long_segments=level, dtype=torch.bfloat16)
+    rows = fp32_rows(config)
     x_half = x.bfloat16()
     geot.index_segment_reduce(graph.src, graph.dst, x_half, "sum", nodes)  # warm-up: validation (and SP's offsets) cached
     torch.cuda.synchronize()
