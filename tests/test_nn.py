@@ -232,8 +232,8 @@ def test_rgcn_training_in_relation_ranges(aggr, x_requires_grad, typed, device):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = geot_layer(x, edge_index, edge_type)
     ranges = geot_layer._geot_graph[3].memo["rgcn relation ranges", relations][2]
-    inputs = {t.data_ptr() for t in [x, *geot_layer.parameters()]}
-    aggregates = [t for t in saved if t.dim() == 2 and t.size(1) == channels and t.data_ptr() not in inputs]
+    input_addresses = {t.data_ptr() for t in [x, *geot_layer.parameters()]}
+    aggregates = [t for t in saved if t.dim() == 2 and t.size(1) == channels and t.data_ptr() not in input_addresses]
     if x_requires_grad:
         assert aggregates == []
     else:
