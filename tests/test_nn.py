@@ -952,6 +952,27 @@ def test_compiled_rgcn_inference_takes_blocks(amp, channels, kept, eager_first, 
         torch.testing.assert_close(out, eager)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_rgcn_inference_in_ranges_starts_from_the_root_term(bias):
+    """Compiled inference in relation ranges starts the output from x @ root (+ bias) and adds each
+    relation into its rows: nothing is added to the output after the last relation (a root product made
+    besides the output would raise the peak over eager's, which adds it in place)."""
+    from torch._dynamo.backends.common import aot_autograd
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = gnn.RGCNConv(8, 8, 3, bias=bias)
+    edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 8)
+    edge_type = torch.randint(0, 3, (edge_index.size(1),))
+    recorder = _CallRecorder()
+    compiled = torch.compile(layer, fullgraph=True, backend=aot_autograd(fw_compiler=recorder))
+    with torch.no_grad():
+        out = compiled(x, edge_index, edge_type)
+        torch.testing.assert_close(out, layer(x, edge_index, edge_type))
+    ops = recorder.graphs[-1]
+    assert ops[-1] == "aten.slice_scatter.default" and ops.count("aten.slice_scatter.default") == 3, ops
+    assert ops.index("aten.addmm.default" if bias else "aten.mm.default") < ops.index("aten.slice_scatter.default")
+
+
 @pytest.mark.parametrize("x_requires_grad", [True, False], ids=["x-grad", "weights-only"])
 @pytest.mark.parametrize("eager_first", [False, True], ids=["compiled-first", "eager-first"])
 def test_compiled_rgcn_training_takes_relation_ranges(x_requires_grad, eager_first, monkeypatch):

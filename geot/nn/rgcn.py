@@ -153,6 +153,11 @@ class _RangesProduct(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
+class _Finished(NamedTuple):
+    """A layer's output with its root and bias terms in it already (RGCNConv._reduce_then_project_in_ranges)."""
+    out: Tensor
+
+
 class _SourcePairs(NamedTuple):
     """RGCN's edges over the projections of their distinct (source, relation) pairs."""
     sources: Pairs
@@ -351,6 +356,8 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         else:
             out = self._relations(edge_index, edge_type, x_src, x_dst,
                                   weight.view(self.num_relations, -1, self.out_channels), num_nodes, every_node)
+            if isinstance(out, _Finished):
+                return out.out
         if self.root is not None:
             out = (_plus_product(out, x_dst, self.root) if x_dst.is_floating_point()
                    else _plus(out, self.root.index_select(0, x_dst)))
@@ -398,7 +405,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         if projects and self._in_blocks(graph, x_src, weight, num_nodes):
             cast, _ = cast_for_matmul(x_src, None)  # once, not per block
             if self._in_ranges(x_src.size(-1), cast.dtype, x_src.dtype):
-                return self._reduce_then_project_in_ranges(graph, cast, weight, num_nodes)
+                return self._reduce_then_project_in_ranges(graph, cast, weight, num_nodes, x_dst)
             return self._project_then_reduce_in_blocks(graph, cast, weight, num_nodes)
         if projects:
             return self._project_then_reduce(graph, x_src, weight, num_nodes)
@@ -642,21 +649,33 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         return in_channels == self.out_channels and dtype == x_dtype
 
     def _reduce_then_project_in_ranges(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
-                                       num_nodes: int) -> Tensor:
+                                       num_nodes: int, x_dst: Optional[Tensor] = None):
         """sum_r aggr over j in N_r(i) of x_j W_r, one relation at a time: its aggregate [hi - lo + 1, C]
         over the destinations it reaches, times W_r, added in place into those rows of the output. The
         peak is the output and one relation's aggregate (in a typed graph, one node type's rows), not a
         projected table and a partial sum of every node; no edge weights are kept (the kernel's mean).
-        Training: _RangesProduct."""
+        Training: _RangesProduct. Inference given x_dst starts the output from the root and bias terms
+        where it can (_root_and_bias), and returns it _Finished: compiled code then makes no root product
+        besides the output (it cannot add that in place), so its peak is eager's."""
         ranges, _ = self._kept_blocks(graph, x_src.size(-1), x_src.dtype, num_nodes, True)
         if _records_grad(x_src, weight):
             by_source = self._kept_by_source(graph, ranges) if x_src.requires_grad else None
             return _RangesProduct.apply(x_src, weight, ranges, by_source, REDUCE[self.aggr], num_nodes)
-        out = x_src.new_zeros(num_nodes, self.out_channels)
+        start = None if x_dst is None else self._root_and_bias(x_dst)
+        out = x_src.new_zeros(num_nodes, self.out_channels) if start is None else start
         for part, aggregate in _range_aggregates(ranges, x_src, REDUCE[self.aggr]):
             out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
             del aggregate
-        return out
+        return out if start is None else _Finished(out)
+
+    def _root_and_bias(self, x_dst: Tensor) -> Optional[Tensor]:
+        """x_dst @ root + bias as a new tensor, where the layer has a root weight and x_dst, root and bias
+        share a dtype; else None."""
+        if self.root is None or not x_dst.is_floating_point() or x_dst.dtype != self.root.dtype:
+            return None
+        if self.bias is None:
+            return x_dst @ self.root
+        return torch.addmm(self.bias, x_dst, self.root) if self.bias.dtype == x_dst.dtype else None
 
     def _kept_by_source(self, graph: SortedGraph, ranges: list) -> list:
         """[_RangeBySource] of the relation ranges, made once where x takes a gradient."""
