@@ -250,6 +250,23 @@ def test_rgcn_training_in_relation_ranges(aggr, x_requires_grad, typed, device):
         torch.testing.assert_close(got, expected, **FLOAT64_TOL)
 
 
+def test_rgcn_training_in_relation_ranges_from_a_plain_sum(device):
+    """out.sum().backward(): the output's gradient is an expanded tensor (stride 0), which the relation
+    ranges' backward slices and reduces over the edges by source; PyG's gradients."""
+    torch.manual_seed(6)
+    pyg_layer = pyg_nn.RGCNConv(8, 8, 3, aggr="add").to(device).double()
+    geot_layer = gnn.RGCNConv(8, 8, 3, aggr="add").to(device).double()
+    geot_layer.load_state_dict(pyg_layer.state_dict())
+    edge_index = random_graph(40, 300, device)
+    edge_type = torch.randint(0, 3, (edge_index.size(1),), device=device)
+    x = torch.randn(40, 8, dtype=torch.float64, device=device, requires_grad=True)
+    got = torch.autograd.grad(geot_layer(x, edge_index, edge_type).sum(), [x, geot_layer.weight])
+    want = torch.autograd.grad(pyg_layer(x, edge_index, edge_type).sum(), [x, pyg_layer.weight])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **FLOAT64_TOL)
+    assert ("rgcn relation ranges", 3, "by source") in geot_layer._geot_graph[3].memo
+
+
 @pytest.mark.parametrize("aggr", ["mean", "add"])
 def test_rgcn_training_in_relation_ranges_twice_differentiable(aggr, device):
     """A gradient penalty through training's relation ranges (create_graph): PyG's second derivatives."""
