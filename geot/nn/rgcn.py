@@ -90,13 +90,21 @@ def _relation_ranges(graph: SortedGraph, relations: int) -> list:
     return ranges
 
 
-def _range_aggregates(ranges: list, x_src: Tensor, reduce: str):
-    """Each relation's mean (or sum) of x over the destinations it reaches, [hi - lo + 1, C_in], one at a
-    time (the caller lets each go before the next is made, or keeps it)."""
+def _add_relation_products(out: Tensor, ranges: list, x_src: Tensor, weight: Tensor, reduce: str,
+                           keep: bool = False) -> list:
+    """out[lo:hi + 1] += (each relation's mean or sum of x over the destinations it reaches) @ W_r, in place,
+    one relation at a time; its aggregate [hi - lo + 1, C_in] is let go before the next is made unless
+    keep (returned, in the ranges' order)."""
+    kept = []
     with _derived_indices():
         for part in ranges:
-            yield part, index._fused(part.src, part.dst, None, x_src[part.src_lo:part.src_hi + 1], reduce,
+            aggregate = index._fused(part.src, part.dst, None, x_src[part.src_lo:part.src_hi + 1], reduce,
                                      part.hi - part.lo + 1, None, None)
+            out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
+            if keep:
+                kept.append(aggregate)
+            del aggregate
+    return kept
 
 
 class _RangeBySource(NamedTuple):
@@ -119,15 +127,9 @@ class _RangesProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_src, weight, ranges, by_source, reduce, num_nodes):
-        keep = ctx.needs_input_grad[1] and not ctx.needs_input_grad[0]
         out = x_src.new_zeros(num_nodes, weight.size(-1))
-        kept = []
-        for part, aggregate in _range_aggregates(ranges, x_src, reduce):
-            out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
-            if keep:
-                kept.append(aggregate)
-            del aggregate
-        ctx.save_for_backward(x_src, weight, *kept)
+        keep = ctx.needs_input_grad[1] and not ctx.needs_input_grad[0]
+        ctx.save_for_backward(x_src, weight, *_add_relation_products(out, ranges, x_src, weight, reduce, keep))
         ctx.ranges, ctx.by_source, ctx.mean = ranges, by_source, reduce == "mean"
         return out
 
@@ -642,10 +644,11 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         return blocks, graph.derived(weights_key, mean_weights)
 
     def _in_ranges(self, in_channels: int, dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
-        """Whether blocked inference takes one relation at a time, its mean (or sum) of x first, over the
-        destinations it reaches alone, then its weight, added into the output's rows of that range
-        (_reduce_then_project_in_ranges): at equal widths, where the rows it gathers are no wider than
-        projected rows, and where the output may be written in place (the matmul's dtype is x's)."""
+        """Whether blocked inference (and training, _trains_in_ranges) takes one relation at a time, its
+        mean (or sum) of x first, over the destinations it reaches alone, then its weight, added into the
+        output's rows of that range (_reduce_then_project_in_ranges): at equal widths, where the rows it
+        gathers are no wider than projected rows, and where the output may be written in place (the
+        matmul's dtype is x's)."""
         return in_channels == self.out_channels and dtype == x_dtype
 
     def _reduce_then_project_in_ranges(self, graph: SortedGraph, x_src: Tensor, weight: Tensor,
@@ -663,9 +666,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             return _RangesProduct.apply(x_src, weight, ranges, by_source, REDUCE[self.aggr], num_nodes)
         start = None if x_dst is None else self._root_and_bias(x_dst)
         out = x_src.new_zeros(num_nodes, self.out_channels) if start is None else start
-        for part, aggregate in _range_aggregates(ranges, x_src, REDUCE[self.aggr]):
-            out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
-            del aggregate
+        _add_relation_products(out, ranges, x_src, weight, REDUCE[self.aggr])
         return out if start is None else _Finished(out)
 
     def _root_and_bias(self, x_dst: Tensor) -> Optional[Tensor]:
