@@ -421,6 +421,100 @@ class SegmentReduce(Bench):
                  f"{geomean(df['speedup_vs_best_native']):.2f}×"]]
 
 
+HEURISTIC = "heuristic"  # compare_rules' name for the hand heuristic's picks
+
+
+def rule_set_summary(cells: pd.DataFrame) -> pd.DataFrame:
+    """Per bench and rule set of bench/compare_rules.py's cells: geomean and
+    worst cell of (the reference's time / its time) and of (the heuristic's
+    time / its time). The reference is the run's first rule set (the cells'
+    order)."""
+    rules = list(dict.fromkeys(cells["rules"]))
+    reference = rules[0]
+    rows = []
+    for bench, part in cells.groupby("bench", sort=False):
+        ms = part.pivot_table(index=["graph", "F"], columns="rules", values="ms")
+        for slug in rules:
+            vs_reference, vs_heuristic = ms[reference] / ms[slug], ms[HEURISTIC] / ms[slug]
+            rows.append({"bench": bench, "rules": slug, "cells": len(ms),
+                         f"vs {reference}": geomean(vs_reference), "worst cell": float(vs_reference.min()),
+                         "vs heuristic": geomean(vs_heuristic), "worst vs heuristic": float(vs_heuristic.min())})
+    return pd.DataFrame(rows)
+
+
+class CompareRules(Bench):
+    name = "compare_rules"
+    title = "Config rule sets on one GPU (`bench/compare_rules.py`)"
+    keys = ("bench", "graph", "F", "rules")
+    about = (
+        "The learned rule sets compiled in (`docs/tuning.md`) and the hand heuristic, on the cells of "
+        "`segment_reduce.py` (plain rows, fp32 sum) and `spmm.py`'s forward (gathered rows, weighted fp32 sum): "
+        "for each cell every rule set's pick is launched in turn, rep after rep, in one process (CUDA events, "
+        "an L2 flush and a GPU hold before each launch, median of 51), so drift between runs cannot pass for a "
+        "difference between rule sets; picks that agree share one timing. Speedup: the reference rule set's "
+        "(the first) or the heuristic's time / the rule set's."
+    )
+    commands = ("python bench/compare_rules.py --rules nvidia-h100-80gb-hbm3 nvidia-h200",
+                "python bench/report.py --add compare_rules bench/out/compare_rules_nvidia-h200.csv --gpu h200")
+
+    def section(self, df, gpu, img_dir):
+        table = rule_set_summary(df)
+        reference = table.columns[3]
+        rows = [[r["bench"], r["rules"], str(r["cells"]), fmt(r[reference], 3, "×"), fmt(r["worst cell"], 3, "×"),
+                 fmt(r["vs heuristic"], 3, "×"), fmt(r["worst vs heuristic"], 3, "×")]
+                for _, r in table.iterrows() if r["rules"] != HEURISTIC]
+        out = [markdown_table(["bench", "rules", "cells", f"{reference}: geomean", "worst cell",
+                               "vs heuristic: geomean", "worst cell"], rows, "llrrrrr")]
+        ms = df.pivot_table(index=["bench", "graph", "F"], columns="rules", values="ms", sort=False)
+        config = df.pivot_table(index=["bench", "graph", "F"], columns="rules", values="config", aggfunc="first",
+                                sort=False)
+        rules = [r for r in dict.fromkeys(df["rules"]) if r != HEURISTIC]
+        ratio = ms[rules[0]] / ms[rules[-1]]
+        image = f"compare_rules_{gpu}.png"
+        self.plot(ms, rules, os.path.join(img_dir, image))
+        out.append(f"\n![{rules[-1]}'s picks against {rules[0]}'s and the heuristic's]"
+                   f"({os.path.basename(img_dir)}/{image})\n")
+        apart = ratio[(ratio < 0.95) | (ratio > 1.05)].sort_values()
+        if len(apart):
+            out.append(f"\nCells where {rules[-1]}'s pick and {rules[0]}'s are 5% or more apart "
+                       "(µs; config N_t, T_N, M_t, T_M, G_t):\n")
+            cell_rows = [[b, g, str(f)] + [f"{fmt(ms.loc[(b, g, f), r] * 1e3, 1)} ({config.loc[(b, g, f), r]})"
+                                           for r in rules] + [fmt(v, 2, "×")] for (b, g, f), v in apart.items()]
+            out.append(markdown_table(["bench", "graph", "F", *rules, f"{rules[0]} / {rules[-1]}"], cell_rows,
+                                      "llr" + "r" * (len(rules) + 1)))
+        return "\n".join(out)
+
+    def plot(self, ms, rules, path):
+        """Per bench, the last rule set's speedup over the first and over the
+        heuristic in each cell, the cells sorted by the first."""
+        plt = plot_style()
+        benches = list(dict.fromkeys(ms.index.get_level_values("bench")))
+        fig, axes = plt.subplots(len(benches), 1, figsize=(7, 2.4 * len(benches)), squeeze=False)
+        own = rules[-1]
+        for ax, bench in zip(axes[:, 0], benches):
+            cell = ms.loc[bench]
+            vs_first = (cell[rules[0]] / cell[own]).sort_values()
+            vs_heuristic = (cell[HEURISTIC] / cell[own]).reindex(vs_first.index)
+            xs = range(len(vs_first))
+            bars_from_one(ax, [x - 0.2 for x in xs], vs_first.tolist(), 0.4, label=f"vs {rules[0]}", color="C0")
+            bars_from_one(ax, [x + 0.2 for x in xs], vs_heuristic.tolist(), 0.4, label="vs heuristic", color="C1")
+            speedup_axis(ax, vs_first.tolist() + vs_heuristic.tolist())
+            ax.set_xticks([])
+            ax.set_xlabel(f"{bench}: {cells(len(vs_first))}, sorted")
+            ax.set_ylabel(f"{own} speedup", fontsize=8)
+            ax.legend(fontsize=8)
+        save_figure(fig, path)
+
+    def headline(self, df):
+        table = rule_set_summary(df).set_index(["bench", "rules"])
+        rules = [r for r in dict.fromkeys(df["rules"]) if r != HEURISTIC]
+        own, other = rules[-1], rules[0]
+        parts = [f"{table.loc[(b, own), 'vs heuristic']:.2f}× / {table.loc[(b, own), 'vs ' + other]:.2f}× {b}"
+                 for b in dict.fromkeys(df["bench"])]
+        return [[f"{own}'s config rules (`compare_rules.py`, {cells(len(df[df['rules'] == own]))})",
+                 f"hand heuristic / {other}'s rules", ", ".join(parts)]]
+
+
 class Spmm(Bench):
     name = "spmm"
     title = "SpMM from the edge list (`bench/spmm.py`, forward)"
@@ -975,7 +1069,7 @@ def speedup_plot(df, column, ylabel, path):
 
 BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), SpmmFwdbwd(), HeteroAttention(),
                                                   HeteroSoftmax(), GinSum(), MiniBatch(), ChangingGraph(),
-                                                  RelationalGNN(), MultiGpu(), Sddmm())}
+                                                  RelationalGNN(), MultiGpu(), Sddmm(), CompareRules())}
 
 
 # ----------------------------------------------------------------------------

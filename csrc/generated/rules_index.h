@@ -18,7 +18,7 @@ inline constexpr std::array<RuleSet, 2> kRuleSets = {{
 
 // Per architecture, the largest perf DB's rules: for GPUs of no listed model.
 inline constexpr std::array<ArchFallback, 1> kArchFallbacks = {{
-    {90, 0},  // nvidia-h100-80gb-hbm3
+    {90, 1},  // nvidia-h200
 }};
 
 }  // namespace generated

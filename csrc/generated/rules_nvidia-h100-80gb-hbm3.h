@@ -9,899 +9,869 @@ namespace geot {
 namespace generated {
 namespace gpu_nvidia_h100_80gb_hbm3 {
 
-// plain rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 17, 1147 leaves; training set: oracle/pick geomean 0.993, worst cell 0.905
+// plain rows: 379 cells of 46 graphs (and 116 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 17, 1140 leaves; training set: oracle/pick geomean 0.991, worst cell 0.890
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.long_level <= 0.5) {
-          if (x.skew_hi <= 2.325608730316162) {
-            if (x.log2_S <= 21.380563735961914) {
-              if (x.log2_S <= 11.212485313415527) {
-                if (x.skew_lo <= -5.720543146133423) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.log2_S <= 10.83803653717041) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -5.046359539031982) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 0.4724041372537613) {
-                  if (x.log2_S <= 17.107696533203125) {
-                    if (x.log2_S <= 16.29433536529541) {
-                      if (x.skew_lo <= -5.549015522003174) {
-                        return {1, 8, 64, 32, 0};  // SP
+        if (x.skew_lo <= 0.02389752957969904) {
+          if (x.avg <= 61.832658767700195) {
+            if (x.log2_S <= 15.145880699157715) {
+              if (x.log2_S <= 10.824836254119873) {
+                if (x.log2_S <= 9.825218677520752) {
+                  if (x.avg <= 6.634576320648193) {
+                    if (x.avg <= 2.6061118841171265) {
+                      if (x.skew_hi <= 5.159388065338135) {
+                        return {1, 16, 64, 8, 0};  // SP
                       } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 55.98431205749512) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 19.456523895263672) {
-                    if (x.log2_S <= 11.866736888885498) {
-                      if (x.skew_hi <= 1.604796826839447) {
-                        return {1, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
-                    } else {
-                      return {1, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= -5.113213300704956) {
-                      if (x.log2_S <= 20.849783897399902) {
-                        return {1, 2, 64, 128, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -5.446051359176636) {
-                          return {1, 2, 64, 128, 0};  // SP
+                        if (x.skew_hi <= 5.661958694458008) {
+                          return {2, 2, 64, 128, 0};  // SP
                         } else {
-                          return {1, 1, 64, 256, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 19.742087364196777) {
-                        if (x.skew_lo <= -4.81622576713562) {
-                          return {1, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {1, 1, 64, 256, 0};  // SP
-                        }
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 60.135210037231445) {
-                return {1, 1, 64, 256, 0};  // SP
-              } else {
-                if (x.log2_S <= 22.87745475769043) {
-                  return {1, 2, 64, 128, 0};  // SP
-                } else {
-                  return {1, 1, 64, 256, 0};  // SP
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 13.932078838348389) {
-              if (x.avg <= 2.548966646194458) {
-                if (x.avg <= 1.4972354173660278) {
-                  if (x.log2_S <= 13.89547872543335) {
-                    return {1, 8, 8, 32, 0};  // SP
-                  } else {
-                    return {1, 16, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 11.52269983291626) {
-                    return {1, 32, 16, 8, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 12.960212230682373) {
-                      if (x.skew_lo <= -0.8220908939838409) {
-                        if (x.skew_hi <= 4.782251834869385) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.624024391174316) {
-                            return {1, 32, 16, 8, 0};  // SP
+                          if (x.log2_S <= 9.524621486663818) {
+                            return {4, 32, 32, 4, 0};  // SP
                           } else {
                             return {1, 1, 64, 256, 0};  // SP
                           }
                         }
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 1.5647429823875427) {
-                        return {1, 8, 8, 32, 0};  // SP
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  } else {
+                    return {1, 16, 64, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_hi <= 1.6955237984657288) {
+                    if (x.avg <= 40.16596031188965) {
+                      return {2, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.855539083480835) {
+                      return {1, 32, 16, 8, 0};  // SP
+                    } else {
+                      return {1, 32, 64, 8, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 13.907900333404541) {
-                  return {1, 1, 64, 256, 0};  // SP
-                } else {
-                  return {1, 2, 64, 128, 0};  // SP
-                }
-              }
-            } else {
-              if (x.avg <= 11.363472938537598) {
-                return {1, 1, 64, 256, 0};  // SP
-              } else {
-                if (x.log2_S <= 17.4473237991333) {
-                  return {1, 2, 64, 128, 0};  // SP
-                } else {
-                  return {1, 1, 64, 256, 0};  // SP
-                }
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 17.80611228942871) {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 14.524491786956787) {
-                  if (x.log2_S <= 12.075485229492188) {
-                    if (x.avg <= 15.841246128082275) {
-                      if (x.skew_hi <= 8.301920890808105) {
-                        if (x.log2_S <= 11.6765718460083) {
-                          if (x.log2_S <= 11.358343601226807) {
-                            return {1, 32, 64, 2, 0};  // SP
-                          } else {
-                            if (x.avg <= 6.373813629150391) {
-                              if (x.skew_hi <= 7.413535118103027) {
-                                return {1, 16, 64, 4, 0};  // SP
-                              } else {
-                                return {2, 32, 64, 4, 0};  // SP
-                              }
-                            } else {
-                              return {1, 32, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 8.629483699798584) {
-                            if (x.avg <= 3.4321783781051636) {
-                              return {1, 16, 64, 8, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            if (x.avg <= 11.565748691558838) {
-                              return {1, 32, 32, 4, 0};  // SP
-                            } else {
-                              return {1, 32, 64, 2, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.074554920196533) {
-                          return {1, 32, 32, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.799590110778809) {
-                            if (x.log2_S <= 11.302924156188965) {
-                              if (x.skew_hi <= 8.646873474121094) {
-                                return {1, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {2, 32, 64, 4, 0};  // SP
-                              }
-                            } else {
-                              return {1, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 32, 32, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.47015446424484253) {
-                      if (x.log2_S <= 12.568283557891846) {
-                        return {1, 16, 64, 4, 0};  // SP
+                if (x.log2_S <= 13.730077266693115) {
+                  if (x.log2_S <= 11.392211437225342) {
+                    if (x.skew_hi <= 1.3217536807060242) {
+                      if (x.avg <= 40.21467399597168) {
+                        return {2, 32, 64, 2, 0};  // SP
                       } else {
                         return {1, 16, 64, 8, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 12.218013763427734) {
-                        if (x.avg <= 10.583966255187988) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 5.671029329299927) {
-                            return {1, 32, 32, 4, 0};  // SP
-                          } else {
-                            return {1, 32, 64, 2, 0};  // SP
-                          }
-                        }
+                      return {1, 8, 8, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 13.499040603637695) {
+                      return {1, 8, 8, 32, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -2.4654417037963867) {
+                        return {2, 2, 64, 128, 0};  // SP
                       } else {
-                        if (x.log2_S <= 14.11377477645874) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.avg <= 74.5609359741211) {
-                            if (x.skew_lo <= 2.790197730064392) {
-                              if (x.skew_hi <= 5.306462049484253) {
-                                return {1, 16, 64, 4, 0};  // SP
-                              } else {
-                                if (x.skew_lo <= 1.8573746085166931) {
-                                  return {1, 2, 8, 128, 1};  // SR
-                                } else {
-                                  if (x.skew_lo <= 2.4410330057144165) {
-                                    return {1, 16, 64, 4, 0};  // SP
-                                  } else {
-                                    return {1, 2, 8, 128, 1};  // SR
-                                  }
-                                }
-                              }
-                            } else {
-                              return {1, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {1, 16, 64, 8, 0};  // SP
-                          }
-                        }
+                        return {1, 8, 8, 32, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 74.56194686889648) {
-                    if (x.skew_hi <= 4.518438100814819) {
-                      if (x.log2_S <= 15.540732383728027) {
-                        if (x.log2_S <= 15.249848365783691) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 4.097279787063599) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.880763053894043) {
-                        if (x.skew_hi <= 8.786177158355713) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 16.343181610107422) {
-                      return {1, 16, 64, 8, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 3.0527446269989014) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 15.27399206161499) {
-                  if (x.avg <= 21.732952117919922) {
-                    if (x.log2_S <= 11.101003646850586) {
-                      if (x.log2_S <= 8.33691692352295) {
-                        if (x.avg <= 14.758908748626709) {
-                          if (x.avg <= 4.199912905693054) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 7.383619546890259) {
-                        if (x.skew_lo <= 6.29903769493103) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.604310989379883) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 14.781612396240234) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 8.058191537857056) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    return {1, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_hi <= 11.062217712402344) {
-                    if (x.skew_lo <= 4.2131030559539795) {
-                      if (x.avg <= 73.88343811035156) {
-                        if (x.log2_S <= 17.03684902191162) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 17.75235366821289) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 17.77129077911377) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {1, 32, 8, 2, 32};  // PR
-                  }
-                }
-              }
-            } else {
-              return {1, 32, 8, 2, 32};  // PR
-            }
-          } else {
-            if (x.skew_hi <= 18.312137603759766) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 21.173742294311523) {
-                  if (x.log2_S <= 18.656206130981445) {
-                    if (x.avg <= 128.7370376586914) {
-                      if (x.log2_S <= 18.37534236907959) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 8.23149299621582) {
-                          if (x.skew_hi <= 6.20841646194458) {
-                            if (x.skew_lo <= -0.5497554838657379) {
-                              return {1, 32, 8, 2, 32};  // PR
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 18.42439842224121) {
-                              if (x.avg <= 6.547801494598389) {
-                                return {1, 32, 8, 2, 32};  // PR
-                              } else {
-                                return {1, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {1, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 18.319395065307617) {
-                        if (x.log2_S <= 17.977970123291016) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_lo <= -1.8621442317962646) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 21.03684711456299) {
-                      if (x.log2_S <= 18.81060028076172) {
-                        if (x.log2_S <= 18.785862922668457) {
-                          if (x.skew_hi <= 9.882897853851318) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.skew_lo <= 0.8186398446559906) {
-                        if (x.log2_S <= 21.159914016723633) {
-                          return {2, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {1, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 4.081278085708618) {
-                    return {2, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {1, 32, 8, 2, 32};  // PR
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 18.076294898986816) {
-                  return {1, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.avg <= 40.58457088470459) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {1, 32, 16, 2, 16};  // PR
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 9.188629627227783) {
-                if (x.skew_lo <= 11.344191074371338) {
-                  if (x.log2_S <= 22.07857608795166) {
-                    if (x.skew_hi <= 20.74142074584961) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {1, 32, 16, 2, 16};  // PR
-                    }
-                  } else {
-                    return {1, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  return {1, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.log2_S <= 20.262758255004883) {
-                  if (x.avg <= 22.112733840942383) {
-                    if (x.skew_lo <= 10.42823314666748) {
-                      if (x.log2_S <= 18.901790618896484) {
-                        if (x.avg <= 20.915817260742188) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 32, 16, 2, 16};  // PR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {1, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 32.346282958984375) {
-                      if (x.skew_lo <= 9.114246368408203) {
-                        if (x.skew_hi <= 19.546924591064453) {
-                          return {1, 32, 16, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 8};  // PR
-                        }
-                      } else {
-                        if (x.skew_hi <= 18.41364097595215) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 32, 16, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      return {1, 32, 16, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  return {1, 32, 16, 2, 16};  // PR
-                }
-              }
-            }
-          }
-        }
-      } else {
-        if (x.long_level <= 0.5) {
-          if (x.skew_hi <= 2.981218695640564) {
-            if (x.log2_S <= 19.41072654724121) {
-              if (x.log2_S <= 14.082151889801025) {
-                if (x.skew_lo <= -3.823124408721924) {
-                  if (x.log2_S <= 9.644031047821045) {
-                    if (x.skew_hi <= 1.436303436756134) {
-                      if (x.skew_lo <= -5.935958623886108) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 1, 64, 256, 0};  // SP
-                      }
-                    } else {
-                      return {1, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 1.3521767258644104) {
-                      if (x.log2_S <= 10.899369716644287) {
+                  if (x.skew_hi <= 3.7949646711349487) {
+                    if (x.skew_hi <= 1.2825452089309692) {
+                      if (x.skew_hi <= 0.7995187044143677) {
                         return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
+                        return {4, 4, 64, 64, 0};  // SP
                       }
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 1.9875503778457642) {
+                      return {1, 16, 64, 4, 0};  // SP
                     } else {
                       return {1, 8, 64, 32, 0};  // SP
                     }
                   }
+                }
+              }
+            } else {
+              if (x.avg <= 12.525609970092773) {
+                if (x.log2_S <= 15.608009338378906) {
+                  if (x.skew_lo <= -2.444280982017517) {
+                    return {2, 2, 64, 128, 0};  // SP
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
                 } else {
-                  if (x.log2_S <= 12.706637859344482) {
-                    if (x.log2_S <= 9.021255016326904) {
-                      if (x.skew_hi <= 2.5737922191619873) {
-                        return {1, 2, 64, 128, 0};  // SP
+                  return {1, 1, 64, 256, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 18.917847633361816) {
+                  if (x.skew_hi <= 1.0572422742843628) {
+                    if (x.log2_S <= 16.595149040222168) {
+                      if (x.skew_lo <= -5.6516313552856445) {
+                        return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        return {2, 1, 64, 256, 0};  // SP
+                        return {4, 4, 64, 64, 0};  // SP
                       }
                     } else {
-                      return {2, 1, 64, 256, 0};  // SP
+                      return {2, 2, 64, 128, 0};  // SP
                     }
                   } else {
-                    return {1, 2, 64, 128, 0};  // SP
+                    return {2, 2, 64, 128, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 20.973978996276855) {
+                    if (x.avg <= 35.959068298339844) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 20.448501586914062) {
+                        return {2, 2, 64, 128, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -5.642557621002197) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 161.44396209716797) {
+              if (x.avg <= 80.62481307983398) {
+                if (x.log2_S <= 21.24180793762207) {
+                  if (x.log2_S <= 14.507598876953125) {
+                    if (x.log2_S <= 10.95308542251587) {
+                      if (x.skew_hi <= 3.816660165786743) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {2, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 16.27417755126953) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.566280364990234) {
+                        if (x.skew_lo <= -0.11081554368138313) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
+              } else {
+                return {1, 16, 64, 8, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 14.387089252471924) {
+                if (x.log2_S <= 12.646289348602295) {
+                  if (x.skew_lo <= -1.6879705786705017) {
+                    return {1, 32, 64, 4, 0};  // SP
+                  } else {
+                    return {1, 16, 64, 8, 0};  // SP
+                  }
+                } else {
+                  return {1, 16, 64, 8, 0};  // SP
+                }
+              } else {
+                return {1, 16, 64, 4, 0};  // SP
+              }
+            }
+          }
+        } else {
+          if (x.skew_hi <= 20.700467109680176) {
+            if (x.log2_S <= 17.80611228942871) {
+              if (x.long_level <= 2.5) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 14.54587173461914) {
+                    if (x.log2_S <= 12.670939922332764) {
+                      if (x.skew_lo <= 3.510462760925293) {
+                        if (x.log2_S <= 11.765786170959473) {
+                          if (x.log2_S <= 9.049949645996094) {
+                            if (x.avg <= 8.376697063446045) {
+                              return {2, 64, 64, 4, 0};  // SP
+                            } else {
+                              if (x.avg <= 17.17564105987549) {
+                                return {2, 32, 64, 2, 0};  // SP
+                              } else {
+                                if (x.skew_hi <= 4.455854177474976) {
+                                  return {2, 32, 64, 2, 0};  // SP
+                                } else {
+                                  return {4, 32, 32, 4, 0};  // SP
+                                }
+                              }
+                            }
+                          } else {
+                            return {2, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= 2.106559634208679) {
+                            if (x.log2_S <= 12.18829870223999) {
+                              return {2, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 4.2898476123809814) {
+                                return {1, 16, 64, 8, 0};  // SP
+                              } else {
+                                return {1, 32, 64, 4, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {1, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.141571044921875) {
+                          if (x.log2_S <= 11.565033435821533) {
+                            return {2, 64, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 12.120032787322998) {
+                              return {1, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {1, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 5.063658237457275) {
+                            if (x.skew_lo <= 4.37553596496582) {
+                              return {1, 32, 64, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 11.58845043182373) {
+                                return {1, 32, 64, 4, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 11.998468399047852) {
+                                  return {1, 16, 64, 4, 0};  // SP
+                                } else {
+                                  return {1, 32, 64, 8, 0};  // SP
+                                }
+                              }
+                            }
+                          } else {
+                            return {1, 32, 64, 8, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 0.8484740555286407) {
+                        if (x.log2_S <= 14.154345989227295) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 14.123961925506592) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= 1.3032951354980469) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= 1.8492293953895569) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 14.062224864959717) {
+                                return {1, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 4.479036331176758) {
+                      if (x.log2_S <= 16.14250946044922) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.21618366241455) {
+                        if (x.avg <= 2.5996177196502686) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 35.972808837890625) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.250962257385254) {
+                    if (x.skew_hi <= 10.224698066711426) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.552197456359863) {
+                        if (x.avg <= 3.6370760202407837) {
+                          if (x.skew_hi <= 11.008425235748291) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.284476280212402) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 7.6846208572387695) {
+                          if (x.log2_S <= 13.548518180847168) {
+                            if (x.skew_hi <= 10.360553741455078) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 3.6328349113464355) {
+                      if (x.log2_S <= 15.58069658279419) {
+                        if (x.skew_lo <= 8.999218940734863) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.skew_hi <= 7.855980157852173) {
+                        if (x.avg <= 221.2750473022461) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.365934371948242) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 6.210770606994629) {
+                            if (x.skew_lo <= 4.706615686416626) {
+                              return {2, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    }
                   }
                 }
               } else {
-                if (x.avg <= 11.634969711303711) {
-                  return {1, 2, 64, 128, 0};  // SP
-                } else {
-                  if (x.avg <= 16.450838088989258) {
-                    if (x.log2_S <= 18.813952445983887) {
-                      return {2, 2, 64, 128, 0};  // SP
+                if (x.skew_hi <= 10.784071922302246) {
+                  if (x.skew_hi <= 10.591341018676758) {
+                    return {1, 32, 8, 4, 32};  // PR
+                  } else {
+                    if (x.skew_lo <= 7.051985740661621) {
+                      return {2, 32, 8, 2, 32};  // PR
                     } else {
-                      return {1, 2, 64, 128, 0};  // SP
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.453920364379883) {
+                    if (x.log2_S <= 10.918540954589844) {
+                      if (x.avg <= 51.110849380493164) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
                     }
                   } else {
-                    if (x.skew_hi <= 0.41102534532546997) {
-                      if (x.log2_S <= 15.821279525756836) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.572518348693848) {
-                          return {2, 8, 8, 32, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -5.919011831283569) {
-                            return {2, 8, 8, 32, 0};  // SP
+                    if (x.avg <= 5.752657771110535) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 18.295748710632324) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 21.20934772491455) {
+                    if (x.log2_S <= 18.73514175415039) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 18.990836143493652) {
+                        if (x.skew_hi <= 7.944514513015747) {
+                          if (x.skew_lo <= 1.139525767415762) {
+                            return {1, 2, 8, 128, 1};  // SR
                           } else {
-                            return {4, 4, 64, 64, 0};  // SP
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 8.00703477859497) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.skew_hi <= 8.166249752044678) {
+                        return {4, 32, 16, 2, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 11.71965217590332) {
+                    if (x.avg <= 6.621333360671997) {
+                      if (x.skew_hi <= 12.137412548065186) {
+                        if (x.log2_S <= 21.778522491455078) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.avg <= 12.671916961669922) {
+                  if (x.avg <= 8.427764415740967) {
+                    if (x.skew_hi <= 20.340937614440918) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      if (x.avg <= 4.877825021743774) {
+                        return {4, 32, 16, 2, 32};  // PR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.log2_S <= 18.54109001159668) {
+                    if (x.avg <= 39.47317314147949) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 21.440138816833496) {
+              if (x.skew_lo <= 10.119692325592041) {
+                if (x.avg <= 34.511982917785645) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  return {4, 32, 16, 2, 32};  // PR
+                }
+              } else {
+                return {4, 32, 16, 2, 32};  // PR
+              }
+            } else {
+              return {4, 32, 16, 2, 32};  // PR
+            }
+          }
+        }
+      } else {
+        if (x.skew_lo <= 0.002608166658319533) {
+          if (x.avg <= 72.12102127075195) {
+            if (x.log2_S <= 15.743930339813232) {
+              if (x.log2_S <= 10.888844966888428) {
+                if (x.log2_S <= 9.951555252075195) {
+                  if (x.skew_hi <= 0.5397084504365921) {
+                    return {2, 8, 8, 32, 0};  // SP
+                  } else {
+                    if (x.avg <= 6.065337657928467) {
+                      if (x.skew_lo <= -1.592566967010498) {
+                        return {2, 1, 64, 256, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -0.7658756971359253) {
+                          if (x.avg <= 2.406248092651367) {
+                            return {1, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {2, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 9.670270919799805) {
+                            return {2, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {2, 8, 8, 32, 0};  // SP
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 17.649524688720703) {
-                        if (x.skew_hi <= 0.9737988710403442) {
-                          if (x.log2_S <= 15.79112195968628) {
-                            if (x.log2_S <= 14.696603298187256) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {4, 8, 32, 32, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 17.28400230407715) {
-                              return {2, 8, 8, 32, 0};  // SP
-                            } else {
-                              return {4, 4, 64, 64, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
+                      return {2, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 26.897740364074707) {
+                    if (x.skew_lo <= -0.7500045299530029) {
+                      if (x.log2_S <= 10.746119499206543) {
+                        return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.skew_lo <= -4.7280144691467285) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      return {2, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -5.468010902404785) {
+                      return {2, 8, 8, 32, 0};  // SP
+                    } else {
+                      return {2, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 1.9810938239097595) {
+                  if (x.skew_hi <= 1.2162284851074219) {
+                    return {2, 8, 8, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 13.948111534118652) {
+                      if (x.skew_lo <= -4.742608308792114) {
+                        return {2, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 8, 8, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.598381996154785) {
+                    if (x.skew_lo <= -0.5645332038402557) {
+                      return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {2, 8, 8, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 3.8644200563430786) {
+                      if (x.skew_lo <= -3.13702392578125) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.03718376159668) {
                           return {4, 4, 64, 64, 0};  // SP
                         } else {
                           return {2, 2, 64, 128, 0};  // SP
                         }
                       }
+                    } else {
+                      if (x.skew_lo <= -1.1756325364112854) {
+                        if (x.log2_S <= 14.55470085144043) {
+                          if (x.log2_S <= 14.12581205368042) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 15.260128498077393) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 1, 64, 256, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 15.560156345367432) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 1, 64, 256, 0};  // SP
+                        }
+                      }
                     }
                   }
                 }
               }
             } else {
-              if (x.avg <= 32.80683898925781) {
-                if (x.avg <= 10.513665199279785) {
-                  if (x.log2_S <= 21.34159755706787) {
-                    return {1, 2, 64, 128, 0};  // SP
+              if (x.avg <= 9.972719192504883) {
+                if (x.avg <= 7.563706874847412) {
+                  return {2, 1, 64, 256, 0};  // SP
+                } else {
+                  if (x.log2_S <= 17.74819278717041) {
+                    return {2, 2, 64, 128, 0};  // SP
                   } else {
                     return {2, 1, 64, 256, 0};  // SP
                   }
-                } else {
-                  return {1, 2, 64, 128, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 21.082693099975586) {
-                  if (x.skew_lo <= -5.602894306182861) {
-                    return {2, 1, 64, 256, 0};  // SP
+                if (x.log2_S <= 20.422828674316406) {
+                  if (x.avg <= 24.383899688720703) {
+                    if (x.log2_S <= 17.226642608642578) {
+                      if (x.skew_lo <= -3.8462191820144653) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
                   } else {
-                    return {1, 2, 64, 128, 0};  // SP
+                    if (x.avg <= 60.247201919555664) {
+                      if (x.log2_S <= 19.78224277496338) {
+                        if (x.log2_S <= 16.595149040222168) {
+                          if (x.skew_lo <= -5.141367435455322) {
+                            return {2, 8, 8, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 1.9585864171385765) {
+                        return {2, 8, 8, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 19.125378608703613) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
                   }
                 } else {
-                  return {2, 1, 64, 256, 0};  // SP
+                  if (x.long_level <= 0.5) {
+                    if (x.skew_lo <= -4.434142827987671) {
+                      return {2, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.avg <= 15.042312145233154) {
+                        return {2, 1, 64, 256, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 23.96458339691162) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {2, 1, 64, 256, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 21.56552219390869) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 13.905562400817871) {
-              if (x.skew_lo <= -0.7975746393203735) {
-                if (x.skew_hi <= 4.274166822433472) {
-                  if (x.log2_S <= 10.11906909942627) {
-                    return {2, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.38825511932373) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {2, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.761157035827637) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -1.0809928178787231) {
-                      return {2, 1, 64, 256, 0};  // SP
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
+            if (x.log2_S <= 12.613390922546387) {
+              if (x.avg <= 222.04247283935547) {
+                return {2, 16, 64, 4, 0};  // SP
               } else {
-                if (x.avg <= 1.3405367732048035) {
-                  if (x.log2_S <= 11.998075008392334) {
-                    return {1, 32, 8, 2, 0};  // SP
-                  } else {
-                    return {2, 8, 8, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 1.6131125092506409) {
-                    return {1, 16, 64, 4, 0};  // SP
-                  } else {
-                    return {2, 16, 64, 4, 0};  // SP
-                  }
-                }
+                return {2, 32, 64, 8, 0};  // SP
               }
             } else {
-              if (x.avg <= 6.092294931411743) {
-                return {2, 1, 64, 256, 0};  // SP
+              if (x.skew_lo <= -0.5332405865192413) {
+                return {2, 16, 64, 4, 0};  // SP
               } else {
-                if (x.log2_S <= 18.906441688537598) {
-                  if (x.log2_S <= 16.386207580566406) {
-                    return {2, 1, 64, 256, 0};  // SP
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
-                  }
+                if (x.log2_S <= 19.08757209777832) {
+                  return {2, 16, 64, 4, 0};  // SP
                 } else {
-                  return {2, 1, 64, 256, 0};  // SP
+                  return {1, 2, 8, 128, 1};  // SR
                 }
               }
             }
           }
         } else {
           if (x.long_level <= 2.5) {
-            if (x.log2_S <= 18.377495765686035) {
+            if (x.log2_S <= 18.511820793151855) {
               if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.50861406326294) {
-                  if (x.skew_hi <= 8.111244201660156) {
-                    if (x.skew_hi <= 2.3102859258651733) {
-                      if (x.log2_S <= 9.650800704956055) {
-                        return {4, 32, 64, 2, 0};  // SP
+                if (x.log2_S <= 12.978363037109375) {
+                  if (x.skew_hi <= 4.951015472412109) {
+                    if (x.log2_S <= 12.500727653503418) {
+                      return {2, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {2, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 4.8188605308532715) {
+                      if (x.avg <= 3.260135054588318) {
+                        if (x.log2_S <= 11.460586547851562) {
+                          if (x.avg <= 2.952786445617676) {
+                            return {2, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.929186344146729) {
+                              return {2, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {2, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.526297569274902) {
+                            if (x.log2_S <= 12.196468830108643) {
+                              if (x.avg <= 2.2959715127944946) {
+                                return {2, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {1, 32, 64, 4, 0};  // SP
+                              }
+                            } else {
+                              return {4, 32, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
+                        }
                       } else {
-                        return {2, 32, 64, 4, 0};  // SP
+                        return {4, 32, 32, 4, 0};  // SP
                       }
                     } else {
                       return {2, 32, 64, 4, 0};  // SP
                     }
-                  } else {
-                    if (x.log2_S <= 11.248560428619385) {
-                      if (x.avg <= 2.6431912183761597) {
-                        return {2, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 8.321589469909668) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.01723861694336) {
-                        if (x.log2_S <= 11.649765491485596) {
-                          return {2, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
-                    }
                   }
                 } else {
-                  if (x.log2_S <= 14.53263807296753) {
-                    if (x.skew_hi <= 4.899681329727173) {
+                  if (x.log2_S <= 15.683810710906982) {
+                    if (x.skew_hi <= 5.029371976852417) {
                       return {2, 16, 64, 4, 0};  // SP
                     } else {
-                      if (x.avg <= 10.524052143096924) {
-                        if (x.log2_S <= 14.081056118011475) {
-                          return {2, 16, 64, 4, 0};  // SP
+                      if (x.skew_lo <= 3.6844496726989746) {
+                        if (x.skew_hi <= 6.998408555984497) {
+                          return {1, 2, 8, 128, 1};  // SR
                         } else {
-                          if (x.avg <= 3.1929664611816406) {
-                            return {1, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 13.92696762084961) {
+                            return {2, 16, 64, 4, 0};  // SP
                           } else {
-                            if (x.skew_lo <= 3.5720828771591187) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
+                            return {1, 2, 8, 128, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 13.511383056640625) {
-                          if (x.log2_S <= 12.803494453430176) {
-                            return {2, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {2, 16, 64, 4, 0};  // SP
-                          }
+                        if (x.log2_S <= 14.129250049591064) {
+                          return {2, 16, 64, 4, 0};  // SP
                         } else {
-                          return {1, 2, 8, 128, 1};  // SR
+                          if (x.log2_S <= 14.639786720275879) {
+                            if (x.skew_lo <= 4.482234001159668) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 15.37409257888794) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.avg <= 76.59214401245117) {
-                      if (x.skew_lo <= 4.451376914978027) {
-                        if (x.log2_S <= 18.27402973175049) {
-                          if (x.avg <= 44.68050765991211) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 15.198206424713135) {
-                              return {2, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 16.283947944641113) {
-                          if (x.log2_S <= 14.880763053894043) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 17.148054122924805) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 18.01247215270996) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        }
-                      }
+                    if (x.skew_lo <= 4.251123666763306) {
+                      return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.log2_S <= 16.343181610107422) {
-                        return {2, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.195921897888184) {
-                          if (x.avg <= 131.32599258422852) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
+                      if (x.skew_lo <= 4.806972980499268) {
+                        if (x.log2_S <= 17.096734046936035) {
+                          return {4, 2, 8, 128, 1};  // SR
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 11.356698989868164) {
-                  if (x.skew_lo <= 6.283431768417358) {
+                if (x.skew_hi <= 12.175552368164062) {
+                  if (x.skew_hi <= 11.353611469268799) {
                     return {1, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.log2_S <= 10.866064548492432) {
-                      if (x.avg <= 6.591256141662598) {
-                        if (x.log2_S <= 10.572210788726807) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 6.480038642883301) {
-                          if (x.log2_S <= 9.95737600326538) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
+                    if (x.log2_S <= 16.3201904296875) {
+                      return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.log2_S <= 17.68545150756836) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 6.803994417190552) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      }
+                      return {2, 32, 8, 2, 32};  // PR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.781612396240234) {
+                  if (x.log2_S <= 15.307734489440918) {
                     return {1, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.log2_S <= 18.048309326171875) {
-                      return {2, 32, 8, 2, 32};  // PR
+                    if (x.log2_S <= 16.621249198913574) {
+                      if (x.skew_hi <= 12.826950550079346) {
+                        if (x.log2_S <= 15.89773941040039) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
                     } else {
-                      return {2, 32, 8, 2, 16};  // PR
+                      if (x.avg <= 2.90217387676239) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 11.02499008178711) {
-                if (x.skew_lo <= 0.08441836386919022) {
-                  if (x.log2_S <= 21.52322483062744) {
-                    if (x.log2_S <= 18.82933807373047) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.avg <= 220.64134979248047) {
+              if (x.skew_hi <= 11.049900531768799) {
+                if (x.avg <= 154.3377914428711) {
+                  if (x.log2_S <= 21.649683952331543) {
+                    if (x.log2_S <= 18.869107246398926) {
+                      if (x.avg <= 14.45175552368164) {
                         return {2, 32, 8, 2, 32};  // PR
                       } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {1, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 21.712462425231934) {
-                    if (x.log2_S <= 18.975265502929688) {
-                      if (x.avg <= 23.457798957824707) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.skew_lo <= 3.7044018507003784) {
-                          if (x.log2_S <= 18.776387214660645) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
+                        if (x.avg <= 79.40709686279297) {
                           return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 21.212437629699707) {
+                      if (x.log2_S <= 20.993709564208984) {
                         return {2, 32, 8, 2, 32};  // PR
                       } else {
-                        if (x.skew_lo <= 3.7478381395339966) {
-                          if (x.avg <= 19.81742000579834) {
-                            return {2, 32, 8, 2, 16};  // PR
+                        if (x.skew_hi <= 7.476638317108154) {
+                          if (x.avg <= 20.970949172973633) {
+                            return {4, 32, 8, 2, 16};  // PR
                           } else {
                             return {2, 32, 8, 2, 32};  // PR
                           }
@@ -911,253 +881,347 @@ inline Config plain_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 7.992397308349609) {
-                      if (x.avg <= 92.39087677001953) {
-                        if (x.skew_lo <= 3.8591320514678955) {
-                          return {2, 32, 8, 2, 16};  // PR
+                    if (x.skew_lo <= 4.216127634048462) {
+                      if (x.avg <= 23.16709327697754) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        if (x.avg <= 77.88504791259766) {
+                          if (x.skew_hi <= 8.013826847076416) {
+                            if (x.skew_hi <= 4.679574012756348) {
+                              if (x.skew_hi <= 4.324079751968384) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
                         } else {
-                          if (x.avg <= 34.90349078178406) {
-                            return {2, 32, 8, 2, 16};  // PR
+                          if (x.skew_lo <= 3.1383883953094482) {
+                            return {4, 32, 8, 2, 16};  // PR
                           } else {
                             return {2, 32, 8, 2, 32};  // PR
                           }
                         }
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
                       }
                     } else {
-                      if (x.skew_hi <= 10.63474988937378) {
+                      if (x.avg <= 19.172804832458496) {
                         return {2, 32, 8, 2, 32};  // PR
                       } else {
-                        return {2, 32, 8, 2, 16};  // PR
+                        if (x.skew_lo <= 4.629717111587524) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.log2_S <= 21.928813934326172) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
                       }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 19.92537021636963) {
-                  if (x.skew_lo <= 8.08370304107666) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.skew_lo <= 9.574502944946289) {
-                      return {2, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 9.767693519592285) {
-                    return {2, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.skew_hi <= 13.913207054138184) {
-                      if (x.log2_S <= 21.792868614196777) {
-                        return {2, 32, 8, 2, 16};  // PR
+                  if (x.log2_S <= 21.137575149536133) {
+                    if (x.skew_hi <= 6.121759653091431) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 18.993371963500977) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
                       }
+                    }
+                  } else {
+                    return {1, 2, 8, 128, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 20.69551181793213) {
+                  if (x.skew_hi <= 11.844165802001953) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.skew_lo <= 9.151546478271484) {
+                      return {4, 32, 8, 2, 16};  // PR
                     } else {
-                      return {2, 32, 8, 2, 16};  // PR
+                      if (x.log2_S <= 19.23009204864502) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
                     }
                   }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
                 }
               }
             }
           } else {
-            if (x.skew_lo <= 10.131777286529541) {
-              if (x.log2_S <= 20.36480140686035) {
-                if (x.skew_hi <= 16.26284885406494) {
-                  if (x.skew_lo <= 7.3343894481658936) {
-                    if (x.log2_S <= 10.966179370880127) {
-                      if (x.skew_hi <= 8.944114208221436) {
-                        if (x.avg <= 152.30189514160156) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {2, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
+            if (x.skew_hi <= 22.638691902160645) {
+              if (x.avg <= 20.56495189666748) {
+                if (x.log2_S <= 21.11076831817627) {
+                  if (x.skew_lo <= 10.445213794708252) {
+                    if (x.log2_S <= 18.13677215576172) {
                       return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   } else {
                     return {2, 32, 8, 2, 32};  // PR
                   }
                 } else {
-                  return {2, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                if (x.avg <= 17.80644416809082) {
-                  if (x.skew_hi <= 22.19900131225586) {
-                    return {2, 32, 8, 2, 16};  // PR
+                  if (x.avg <= 5.443506479263306) {
+                    return {4, 32, 16, 2, 32};  // PR
                   } else {
-                    return {4, 32, 32, 4, 16};  // PR
-                  }
-                } else {
-                  if (x.skew_hi <= 20.67472267150879) {
-                    if (x.avg <= 31.22120761871338) {
-                      return {2, 32, 8, 2, 16};  // PR
+                    if (x.avg <= 9.630451202392578) {
+                      return {2, 32, 8, 2, 32};  // PR
                     } else {
-                      if (x.avg <= 146.9180908203125) {
-                        return {4, 32, 32, 4, 16};  // PR
+                      if (x.log2_S <= 22.411911964416504) {
+                        return {4, 32, 8, 2, 16};  // PR
                       } else {
-                        return {2, 32, 8, 2, 16};  // PR
+                        return {4, 32, 16, 2, 32};  // PR
                       }
                     }
-                  } else {
-                    return {4, 32, 32, 4, 16};  // PR
                   }
+                }
+              } else {
+                if (x.skew_hi <= 16.26284885406494) {
+                  if (x.log2_S <= 14.848798274993896) {
+                    if (x.avg <= 41.07970428466797) {
+                      if (x.log2_S <= 12.580008029937744) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 13.478131294250488) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 16.14627456665039) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
                 }
               }
             } else {
-              if (x.skew_lo <= 10.497297286987305) {
-                if (x.log2_S <= 18.348894119262695) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.skew_hi <= 21.619190216064453) {
-                    return {2, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                }
-              } else {
-                return {2, 32, 8, 2, 32};  // PR
-              }
+              return {4, 32, 16, 2, 32};  // PR
             }
           }
         }
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.skew_hi <= 8.116558074951172) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 13.998279571533203) {
-              if (x.skew_hi <= 5.082028388977051) {
-                if (x.log2_S <= 12.59223461151123) {
-                  if (x.log2_S <= 9.02785873413086) {
-                    if (x.avg <= 21.801369667053223) {
-                      if (x.skew_lo <= -1.7813069820404053) {
-                        return {1, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 2.319646120071411) {
-                      return {4, 8, 32, 32, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 10.814740180969238) {
-                        if (x.skew_hi <= 4.138123989105225) {
-                          if (x.avg <= 7.584935903549194) {
-                            return {1, 1, 64, 256, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 10.148950576782227) {
-                              return {1, 1, 64, 256, 0};  // SP
+        if (x.skew_hi <= 6.276873588562012) {
+          if (x.log2_S <= 16.105393409729004) {
+            if (x.skew_lo <= 1.0054593682289124) {
+              if (x.skew_lo <= -1.5001386404037476) {
+                if (x.avg <= 183.39420318603516) {
+                  if (x.log2_S <= 14.13945484161377) {
+                    if (x.log2_S <= 11.278758525848389) {
+                      if (x.skew_lo <= -3.221592664718628) {
+                        if (x.log2_S <= 10.506807327270508) {
+                          if (x.avg <= 16.855562210083008) {
+                            if (x.log2_S <= 9.729410648345947) {
+                              return {2, 64, 64, 1, 0};  // SP
                             } else {
-                              return {4, 8, 32, 32, 0};  // SP
+                              return {2, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= -4.557122707366943) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 9.8117036819458) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -2.336988925933838) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.38335657119751) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 4, 0};  // SP
                             }
                           }
-                        } else {
-                          return {4, 8, 32, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 8.685983180999756) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.874173164367676) {
-                            return {4, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
                         }
                       }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 5.139225244522095) {
-                    if (x.skew_lo <= -1.6673373579978943) {
-                      return {2, 2, 64, 128, 0};  // SP
                     } else {
-                      return {4, 8, 32, 32, 0};  // SP
+                      return {2, 16, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -5.007229328155518) {
-                      return {4, 8, 32, 32, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 11.38987398147583) {
-                  return {1, 32, 8, 2, 0};  // SP
-                } else {
-                  if (x.skew_lo <= -0.572814404964447) {
-                    return {4, 8, 32, 32, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -0.09200192987918854) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 7.4453654289245605) {
-                if (x.log2_S <= 15.938501834869385) {
-                  if (x.skew_hi <= 5.392273426055908) {
-                    if (x.log2_S <= 14.516505241394043) {
-                      return {2, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -1.010205090045929) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {2, 2, 64, 128, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_lo <= -2.3423911333084106) {
-                    if (x.log2_S <= 19.145145416259766) {
-                      return {4, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {4, 1, 64, 256, 0};  // SP
-                    }
-                  } else {
-                    return {4, 1, 64, 256, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 18.801544189453125) {
-                  if (x.avg <= 44.58321189880371) {
-                    if (x.skew_lo <= -3.247716546058655) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 16.093472480773926) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.107696533203125) {
-                      if (x.log2_S <= 15.015531063079834) {
+                    if (x.skew_lo <= -4.847656726837158) {
+                      if (x.log2_S <= 15.725216388702393) {
                         return {4, 16, 64, 4, 0};  // SP
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      return {4, 4, 64, 64, 0};  // SP
+                      if (x.skew_lo <= -2.2533215284347534) {
+                        if (x.skew_lo <= -4.573652029037476) {
+                          if (x.log2_S <= 15.658365726470947) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 5.683253526687622) {
+                            return {4, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 19.335508346557617) {
-                    if (x.skew_lo <= -4.419195890426636) {
+                  if (x.log2_S <= 9.057317733764648) {
+                    if (x.avg <= 242.54318237304688) {
+                      return {4, 32, 32, 4, 0};  // SP
+                    } else {
+                      return {2, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 10.96112871170044) {
+                      if (x.log2_S <= 10.439373970031738) {
+                        if (x.skew_lo <= -1.6963544487953186) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 32, 4, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 12.218013763427734) {
+                  if (x.avg <= 17.382046461105347) {
+                    if (x.log2_S <= 9.944804668426514) {
+                      if (x.skew_lo <= -0.5264788866043091) {
+                        if (x.avg <= 1.9838747382164001) {
+                          if (x.log2_S <= 9.560818195343018) {
+                            return {1, 64, 32, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 16, 8, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {1, 32, 16, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 11.275381565093994) {
+                        if (x.skew_lo <= -0.6306298077106476) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 10.645283222198486) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 16, 32, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.436975002288818) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 84.3652229309082) {
+                        if (x.log2_S <= 12.044782161712646) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -1.0497778058052063) {
+                    if (x.skew_hi <= 2.670454978942871) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      if (x.avg <= 2.789695143699646) {
+                        if (x.log2_S <= 14.531085014343262) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.825940132141113) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 45.332664489746094) {
+                        if (x.long_level <= 0.5) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 122.63341045379639) {
+                if (x.log2_S <= 11.870697498321533) {
+                  return {2, 64, 64, 1, 0};  // SP
+                } else {
+                  if (x.log2_S <= 12.237935543060303) {
+                    return {4, 32, 32, 4, 0};  // SP
+                  } else {
+                    return {1, 4, 8, 64, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.431312084197998) {
+                  return {1, 4, 8, 64, 1};  // SR
+                } else {
+                  if (x.log2_S <= 15.460844993591309) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 8.885932922363281) {
+              if (x.log2_S <= 18.092174530029297) {
+                if (x.skew_hi <= 4.593717813491821) {
+                  if (x.skew_hi <= 3.0570993423461914) {
+                    if (x.log2_S <= 17.552675247192383) {
                       return {4, 4, 64, 64, 0};  // SP
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
@@ -1165,708 +1229,736 @@ inline Config plain_config(const Features& f) {
                   } else {
                     return {4, 2, 64, 128, 0};  // SP
                   }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 16.28879165649414) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 11.471267223358154) {
-                  if (x.avg <= 66.79462432861328) {
-                    if (x.skew_lo <= 3.3789275884628296) {
-                      if (x.log2_S <= 11.175257205963135) {
-                        return {2, 64, 32, 1, 0};  // SP
-                      } else {
-                        if (x.avg <= 12.748720645904541) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 64, 32, 1, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 3.900191307067871) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.109578609466553) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {2, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
                 } else {
-                  if (x.log2_S <= 12.753080368041992) {
-                    if (x.avg <= 8.470567226409912) {
-                      if (x.log2_S <= 12.060301303863525) {
-                        return {2, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {2, 32, 64, 4, 0};  // SP
-                    }
+                  if (x.log2_S <= 16.387396812438965) {
+                    return {4, 2, 64, 128, 0};  // SP
                   } else {
-                    if (x.avg <= 36.28439903259277) {
-                      if (x.log2_S <= 14.08318042755127) {
-                        if (x.skew_hi <= 6.686767578125) {
-                          if (x.avg <= 28.734561920166016) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.101150512695312) {
-                        if (x.skew_hi <= 3.7036010026931763) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 4.095283031463623) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 15.249848365783691) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      }
-                    }
+                    return {4, 1, 64, 256, 0};  // SP
                   }
                 }
               } else {
-                if (x.log2_S <= 14.337345123291016) {
-                  return {1, 4, 8, 64, 1};  // SR
-                } else {
-                  if (x.log2_S <= 15.06557559967041) {
-                    return {4, 32, 8, 2, 32};  // PR
+                if (x.skew_hi <= 3.2142345905303955) {
+                  if (x.log2_S <= 19.69886875152588) {
+                    return {4, 2, 64, 128, 0};  // SP
                   } else {
-                    if (x.log2_S <= 15.509625434875488) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
+                    return {4, 1, 64, 256, 0};  // SP
                   }
+                } else {
+                  return {4, 1, 64, 256, 0};  // SP
                 }
               }
             } else {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 20.87291145324707) {
-                  if (x.log2_S <= 18.078091621398926) {
-                    if (x.skew_hi <= 3.0527446269989014) {
-                      return {4, 4, 64, 64, 0};  // SP
+              if (x.skew_hi <= 3.666826605796814) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 18.801544189453125) {
+                    if (x.skew_lo <= -5.767752647399902) {
+                      if (x.log2_S <= 17.167526245117188) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
                     } else {
-                      return {4, 2, 8, 128, 1};  // SR
+                      return {4, 4, 64, 64, 0};  // SP
                     }
                   } else {
-                    if (x.skew_hi <= 4.923851013183594) {
-                      if (x.skew_hi <= 2.972973108291626) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        if (x.log2_S <= 19.728689193725586) {
-                          if (x.log2_S <= 18.42064666748047) {
-                            if (x.skew_lo <= -0.5934315323829651) {
-                              return {4, 32, 8, 1, 16};  // PR
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 1, 16};  // PR
-                          }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 7.844520330429077) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
+                    return {4, 2, 64, 128, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 7.7716898918151855) {
-                    return {4, 32, 8, 2, 32};  // PR
+                  if (x.log2_S <= 17.345301628112793) {
+                    return {4, 16, 64, 4, 0};  // SP
                   } else {
-                    if (x.log2_S <= 21.778682708740234) {
-                      if (x.skew_hi <= 5.9376301765441895) {
-                        if (x.avg <= 152.12244415283203) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
+                    if (x.log2_S <= 17.670377731323242) {
+                      if (x.avg <= 230.32364654541016) {
+                        return {4, 4, 64, 64, 0};  // SP
                       } else {
-                        return {4, 32, 8, 2, 32};  // PR
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      return {4, 2, 8, 128, 1};  // SR
+                      return {4, 4, 64, 64, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.skew_lo <= 4.015641212463379) {
-                  if (x.skew_lo <= 2.0355355739593506) {
-                    return {4, 2, 8, 128, 1};  // SR
+                if (x.log2_S <= 20.598695755004883) {
+                  if (x.log2_S <= 19.214027404785156) {
+                    if (x.avg <= 76.88032150268555) {
+                      if (x.log2_S <= 16.843453407287598) {
+                        if (x.avg <= 33.528066635131836) {
+                          if (x.skew_lo <= 1.8180058598518372) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 17.410917282104492) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        if (x.avg <= 285.7118377685547) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
                   } else {
-                    return {4, 32, 8, 1, 16};  // PR
+                    if (x.avg <= 283.4655303955078) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
                   }
                 } else {
-                  return {4, 32, 8, 1, 16};  // PR
+                  return {4, 2, 8, 128, 1};  // SR
                 }
               }
             }
           }
         } else {
-          if (x.avg <= 18.121212005615234) {
-            if (x.log2_S <= 14.542791843414307) {
-              if (x.long_level <= 2.5) {
+          if (x.skew_hi <= 22.9072847366333) {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 16.192492485046387) {
                 if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 11.163846492767334) {
-                    if (x.skew_hi <= 8.94004487991333) {
-                      return {4, 32, 64, 4, 0};  // SP
+                  if (x.log2_S <= 14.129250049591064) {
+                    if (x.log2_S <= 11.18229341506958) {
+                      if (x.skew_lo <= 4.49544095993042) {
+                        if (x.skew_hi <= 7.43524169921875) {
+                          if (x.log2_S <= 11.021252155303955) {
+                            return {2, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {2, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 3.8728514909744263) {
+                            return {2, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.920539855957031) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {2, 32, 64, 4, 0};  // SP
+                      if (x.avg <= 7.414388418197632) {
+                        if (x.log2_S <= 12.46941328048706) {
+                          if (x.avg <= 2.2959715127944946) {
+                            if (x.log2_S <= 12.196468830108643) {
+                              return {4, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 12.060301303863525) {
+                              if (x.skew_lo <= 3.7249144315719604) {
+                                return {2, 32, 64, 4, 0};  // SP
+                              } else {
+                                if (x.skew_hi <= 8.473073959350586) {
+                                  return {2, 32, 64, 8, 0};  // SP
+                                } else {
+                                  return {4, 32, 64, 4, 0};  // SP
+                                }
+                              }
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 12.029373168945312) {
+                          return {2, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.690571308135986) {
+                            return {4, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 13.962390422821045) {
-                      return {4, 16, 64, 4, 0};  // SP
-                    } else {
+                    return {1, 4, 8, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 15.115286350250244) {
+                    if (x.log2_S <= 14.380149841308594) {
                       return {1, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                } else {
-                  return {1, 4, 8, 64, 1};  // SR
-                }
-              } else {
-                if (x.skew_hi <= 13.563179969787598) {
-                  if (x.avg <= 9.735353469848633) {
-                    if (x.skew_lo <= 11.821611404418945) {
-                      return {2, 32, 8, 2, 16};  // PR
                     } else {
-                      if (x.skew_hi <= 12.44778299331665) {
-                        return {2, 32, 8, 2, 16};  // PR
+                      if (x.skew_hi <= 8.513767719268799) {
+                        return {4, 32, 8, 2, 16};  // PR
                       } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.429471969604492) {
-                      if (x.skew_hi <= 10.993939399719238) {
-                        return {2, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 2, 32};  // PR
-                }
-              }
-            } else {
-              if (x.log2_S <= 19.33218479156494) {
-                if (x.skew_hi <= 11.236772060394287) {
-                  if (x.log2_S <= 17.780653953552246) {
-                    if (x.log2_S <= 16.384799003601074) {
-                      if (x.avg <= 6.987187147140503) {
                         return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.236354351043701) {
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 24.9337158203125) {
+                      if (x.skew_lo <= 8.76854944229126) {
+                        if (x.log2_S <= 15.530968189239502) {
                           return {1, 4, 8, 64, 1};  // SR
                         } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 2.780811309814453) {
-                        if (x.skew_hi <= 9.364702701568604) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          if (x.avg <= 16.524765014648438) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
                         }
                       } else {
-                        if (x.skew_lo <= 6.895770788192749) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 1, 16};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 7.044263124465942) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 8.353042602539062) {
-                    if (x.skew_lo <= 7.870635271072388) {
-                      if (x.log2_S <= 16.57890510559082) {
-                        return {4, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 18.730438232421875) {
-                          return {4, 32, 8, 1, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     } else {
-                      return {4, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    if (x.skew_hi <= 16.741408348083496) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 11.334929466247559) {
-                  return {4, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.skew_lo <= 9.828295230865479) {
-                    return {4, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 22.59103298187256) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 22.978424072265625) {
-              if (x.skew_lo <= 6.006253242492676) {
-                if (x.log2_S <= 14.439965724945068) {
-                  return {1, 4, 8, 64, 1};  // SR
-                } else {
-                  if (x.log2_S <= 18.833459854125977) {
-                    if (x.log2_S <= 16.35486125946045) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
-                  } else {
-                    if (x.skew_lo <= 5.405763626098633) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.log2_S <= 21.121594429016113) {
-                        if (x.skew_hi <= 9.767166137695312) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
+                      if (x.skew_lo <= 2.7949843406677246) {
+                        return {4, 32, 8, 2, 8};  // PR
                       } else {
-                        return {4, 32, 8, 2, 32};  // PR
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 16.669726371765137) {
-                  if (x.skew_hi <= 13.945276260375977) {
-                    if (x.avg <= 27.185279846191406) {
-                      if (x.log2_S <= 11.426674365997314) {
-                        return {4, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
+                if (x.skew_hi <= 12.065590381622314) {
+                  if (x.log2_S <= 18.094501495361328) {
+                    if (x.avg <= 2.8516770601272583) {
+                      return {1, 4, 8, 64, 1};  // SR
                     } else {
-                      return {4, 32, 8, 2, 16};  // PR
+                      if (x.avg <= 13.32384967803955) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 17.124320030212402) {
+                          if (x.skew_hi <= 7.837580680847168) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
                     }
                   } else {
-                    if (x.skew_hi <= 14.643877983093262) {
-                      if (x.log2_S <= 14.101180076599121) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.skew_lo <= 9.292897701263428) {
-                        if (x.avg <= 110.33059692382812) {
-                          return {4, 32, 8, 2, 16};  // PR
+                    if (x.skew_hi <= 6.676946401596069) {
+                      if (x.log2_S <= 21.642643928527832) {
+                        if (x.log2_S <= 18.870290756225586) {
+                          if (x.avg <= 87.52286195755005) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
                         } else {
-                          if (x.log2_S <= 15.456499099731445) {
-                            return {4, 32, 8, 2, 32};  // PR
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.avg <= 87.17629051208496) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 2.3742592334747314) {
+                            return {4, 2, 8, 128, 1};  // SR
                           } else {
                             return {4, 32, 8, 2, 16};  // PR
                           }
                         }
+                      }
+                    } else {
+                      if (x.skew_lo <= 3.882481813430786) {
+                        if (x.avg <= 6.998986005783081) {
+                          if (x.log2_S <= 22.156877517700195) {
+                            if (x.log2_S <= 18.35187339782715) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
                       } else {
-                        return {4, 32, 8, 2, 32};  // PR
+                        return {4, 32, 8, 2, 16};  // PR
                       }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 19.27139663696289) {
-                    return {4, 32, 8, 1, 16};  // PR
-                  } else {
+                  if (x.log2_S <= 18.581442832946777) {
                     return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    return {4, 32, 16, 2, 32};  // PR
                   }
                 }
               }
             } else {
-              if (x.avg <= 26.2868070602417) {
-                if (x.skew_lo <= 9.411820411682129) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  return {4, 32, 8, 2, 32};  // PR
-                }
+              if (x.skew_lo <= 10.889260292053223) {
+                return {4, 32, 8, 2, 16};  // PR
               } else {
-                return {4, 32, 32, 4, 16};  // PR
+                if (x.log2_S <= 18.449251174926758) {
+                  if (x.skew_hi <= 17.627614974975586) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.avg <= 3.827550768852234) {
+                      return {4, 32, 16, 2, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  return {4, 32, 16, 2, 32};  // PR
+                }
               }
             }
+          } else {
+            return {4, 32, 16, 2, 32};  // PR
           }
         }
       } else {
-        if (x.skew_lo <= -1.9986830353736877) {
-          if (x.skew_hi <= 1.401841402053833) {
-            if (x.log2_S <= 18.19165802001953) {
-              if (x.log2_S <= 12.271832942962646) {
-                if (x.log2_S <= 9.69862174987793) {
-                  return {1, 16, 64, 4, 0};  // SP
-                } else {
-                  if (x.skew_hi <= 0.33553847670555115) {
-                    return {1, 16, 64, 4, 0};  // SP
+        if (x.log2_S <= 14.833633422851562) {
+          if (x.long_level <= 2.5) {
+            if (x.skew_lo <= -0.24934352934360504) {
+              if (x.avg <= 79.82563781738281) {
+                if (x.log2_S <= 9.88343334197998) {
+                  if (x.skew_hi <= 3.27508807182312) {
+                    if (x.avg <= 42.35264205932617) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 4, 0};  // SP
+                    }
                   } else {
-                    return {1, 8, 64, 32, 0};  // SP
+                    if (x.skew_lo <= -1.592566967010498) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 9.56981372833252) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.avg <= 1.51668119430542) {
+                          return {1, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.064623832702637) {
+                    if (x.avg <= 54.43898963928223) {
+                      if (x.log2_S <= 12.376818656921387) {
+                        if (x.log2_S <= 10.118207454681396) {
+                          if (x.skew_lo <= -3.8376057147979736) {
+                            return {1, 32, 16, 8, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 4.283452749252319) {
+                              return {1, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {1, 32, 16, 8, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {1, 32, 16, 8, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 6.778253793716431) {
+                          return {1, 32, 16, 8, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 1.916474163532257) {
+                            if (x.skew_lo <= -5.318311452865601) {
+                              return {2, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {1, 32, 16, 8, 0};  // SP
+                            }
+                          } else {
+                            return {2, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 10.870938301086426) {
+                        return {1, 32, 16, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.592505931854248) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -3.2120864391326904) {
+                      if (x.skew_hi <= 0.940696656703949) {
+                        if (x.log2_S <= 13.939206600189209) {
+                          return {2, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 41.47708511352539) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.160473823547363) {
+                          return {2, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -1.4800828695297241) {
+                        if (x.log2_S <= 13.53583288192749) {
+                          return {2, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 13.960532665252686) {
+                          if (x.avg <= 1.9676424860954285) {
+                            return {1, 32, 16, 8, 0};  // SP
+                          } else {
+                            if (x.long_level <= 0.5) {
+                              return {2, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 17.79898452758789) {
-                  return {1, 16, 64, 4, 0};  // SP
+                if (x.skew_lo <= -1.001312255859375) {
+                  return {1, 32, 64, 8, 0};  // SP
                 } else {
-                  if (x.skew_lo <= -5.138148069381714) {
-                    return {1, 16, 64, 4, 0};  // SP
+                  if (x.log2_S <= 12.715071201324463) {
+                    return {1, 32, 64, 8, 0};  // SP
                   } else {
-                    return {1, 8, 64, 32, 0};  // SP
+                    if (x.log2_S <= 13.91639232635498) {
+                      return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -0.5721625089645386) {
+                        return {1, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    }
                   }
                 }
               }
             } else {
-              return {1, 8, 64, 32, 0};  // SP
+              if (x.avg <= 3.9941731691360474) {
+                if (x.skew_lo <= 5.9559948444366455) {
+                  if (x.log2_S <= 11.610414981842041) {
+                    if (x.long_level <= 0.5) {
+                      if (x.log2_S <= 9.557559967041016) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.978416442871094) {
+                          return {1, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 32, 16, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 9.798284530639648) {
+                        return {1, 32, 8, 8, 1};  // SR
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.163720607757568) {
+                      if (x.skew_hi <= 6.998702526092529) {
+                        return {1, 32, 16, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.23464059829712) {
+                          if (x.avg <= 1.9931039214134216) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 4.4128031730651855) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 1.1962745189666748) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 16, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.659668922424316) {
+                    if (x.skew_hi <= 13.471454620361328) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    return {1, 8, 16, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.868412017822266) {
+                  return {1, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 44.82525825500488) {
+                    if (x.avg <= 21.198098182678223) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 8.754077911376953) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.582605838775635) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 5.676872730255127) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
             }
           } else {
-            if (x.log2_S <= 10.804922580718994) {
-              if (x.skew_hi <= 2.861492156982422) {
-                return {1, 8, 64, 32, 0};  // SP
+            if (x.skew_lo <= 10.156796932220459) {
+              if (x.skew_hi <= 14.61034870147705) {
+                return {1, 8, 16, 32, 1};  // SR
               } else {
-                return {1, 1, 64, 256, 0};  // SP
+                return {1, 8, 32, 32, 1};  // SR
               }
             } else {
-              if (x.skew_lo <= -4.080122470855713) {
-                if (x.log2_S <= 16.74599552154541) {
-                  if (x.log2_S <= 14.04065227508545) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {1, 16, 64, 4, 0};  // SP
-                  }
+              if (x.log2_S <= 11.805013179779053) {
+                if (x.avg <= 9.815060138702393) {
+                  return {1, 8, 32, 32, 1};  // SR
                 } else {
-                  return {1, 8, 64, 32, 0};  // SP
+                  return {1, 8, 16, 32, 1};  // SR
                 }
               } else {
-                if (x.log2_S <= 22.100065231323242) {
+                return {1, 8, 32, 32, 1};  // SR
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.skew_lo <= -1.4966010451316833) {
+              if (x.log2_S <= 17.47454261779785) {
+                if (x.avg <= 15.344243049621582) {
                   return {1, 8, 64, 32, 0};  // SP
                 } else {
-                  if (x.skew_hi <= 3.5646209716796875) {
+                  if (x.skew_lo <= -5.632266044616699) {
+                    if (x.log2_S <= 16.05241060256958) {
+                      return {1, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 16.934088706970215) {
+                      return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.avg <= 22.315217971801758) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 16, 64, 8, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 3.423636317253113) {
+                  if (x.log2_S <= 18.075196266174316) {
+                    if (x.avg <= 28.541976928710938) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 16, 32, 4, 0};  // SP
+                    }
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 21.703845024108887) {
                     return {1, 8, 64, 32, 0};  // SP
                   } else {
                     return {1, 8, 16, 32, 1};  // SR
                   }
                 }
               }
-            }
-          }
-        } else {
-          if (x.log2_S <= 15.345346450805664) {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 0.5) {
-                if (x.avg <= 2.8187867403030396) {
-                  if (x.log2_S <= 14.274586200714111) {
-                    if (x.skew_hi <= 5.592879056930542) {
-                      if (x.skew_hi <= 4.8163018226623535) {
-                        if (x.log2_S <= 12.116133689880371) {
-                          if (x.log2_S <= 9.56899118423462) {
-                            return {1, 1, 64, 256, 0};  // SP
-                          } else {
-                            return {1, 32, 16, 8, 0};  // SP
-                          }
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 13.826919078826904) {
-                          return {1, 32, 16, 8, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -0.826616644859314) {
-                            return {1, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {1, 32, 16, 8, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 10.53645372390747) {
-                        return {1, 32, 16, 8, 0};  // SP
-                      } else {
-                        return {2, 32, 16, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 1.6160258054733276) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 10.682673931121826) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 10.984395980834961) {
-                      return {1, 32, 16, 8, 0};  // SP
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 4.084752559661865) {
-                  if (x.skew_lo <= 5.968912601470947) {
-                    if (x.log2_S <= 11.871826171875) {
-                      if (x.log2_S <= 11.511791706085205) {
-                        return {2, 32, 8, 8, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 8.62644338607788) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.412445545196533) {
-                        if (x.skew_lo <= 4.625424146652222) {
-                          if (x.log2_S <= 12.388833999633789) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.94486951828003) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.557104110717773) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 9.569094181060791) {
-                        if (x.skew_lo <= 8.360104084014893) {
-                          if (x.log2_S <= 15.145487785339355) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.864050388336182) {
-                    if (x.skew_lo <= -0.5799248814582825) {
-                      if (x.log2_S <= 12.559546947479248) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 5.146695137023926) {
-                        if (x.skew_lo <= 3.9186737537384033) {
-                          if (x.log2_S <= 11.004760265350342) {
-                            if (x.skew_hi <= 7.825425624847412) {
-                              if (x.log2_S <= 9.437681674957275) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 16, 8, 4, 1};  // SR
-                              }
-                            } else {
-                              return {2, 32, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 29.37785243988037) {
-                      if (x.avg <= 17.708847045898438) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 5.159943580627441) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.630943298339844) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 3.368451237678528) {
-                        if (x.log2_S <= 15.142957210540771) {
-                          return {1, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.800803661346436) {
-                          if (x.log2_S <= 14.202014923095703) {
-                            if (x.avg <= 61.90046501159668) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 31.16266918182373) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 7.901326894760132) {
-                              return {1, 8, 32, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 15.014995574951172) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 32, 32, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      }
-                    }
-                  }
-                }
-              }
             } else {
-              if (x.log2_S <= 11.77305793762207) {
-                if (x.skew_lo <= 8.768912315368652) {
-                  if (x.skew_hi <= 8.854588508605957) {
-                    if (x.skew_lo <= 7.345837831497192) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 6.815129041671753) {
-                      if (x.skew_hi <= 10.530096054077148) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.576772212982178) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
-                  }
+              if (x.log2_S <= 17.256159782409668) {
+                if (x.avg <= 2.319797396659851) {
+                  return {1, 8, 8, 32, 1};  // SR
                 } else {
-                  return {1, 8, 32, 32, 1};  // SR
+                  return {1, 8, 64, 32, 0};  // SP
                 }
               } else {
-                if (x.skew_hi <= 14.71810245513916) {
-                  if (x.avg <= 166.01044464111328) {
-                    return {1, 8, 32, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 12.447915077209473) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 10.540144920349121) {
-                    return {1, 8, 32, 32, 1};  // SR
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
-                  }
-                }
+                return {1, 8, 16, 32, 1};  // SR
               }
             }
           } else {
-            if (x.skew_lo <= 10.58247709274292) {
-              if (x.skew_lo <= 1.7239528894424438) {
-                if (x.skew_lo <= -1.5891729593276978) {
-                  if (x.long_level <= 0.5) {
-                    if (x.log2_S <= 20.995288848876953) {
-                      return {1, 8, 64, 32, 0};  // SP
+            if (x.skew_lo <= 10.463006496429443) {
+              if (x.skew_hi <= 13.958892822265625) {
+                if (x.log2_S <= 21.19206142425537) {
+                  if (x.avg <= 31.90721035003662) {
+                    if (x.log2_S <= 15.927996635437012) {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 20.98709487915039) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.935660362243652) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 7.506532669067383) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 10.24217414855957) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 15.740467071533203) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
                     } else {
-                      return {1, 8, 16, 32, 1};  // SR
+                      if (x.skew_hi <= 9.608321189880371) {
+                        if (x.log2_S <= 19.647265434265137) {
+                          if (x.long_level <= 1.5) {
+                            if (x.skew_lo <= 4.488192796707153) {
+                              if (x.log2_S <= 19.260436058044434) {
+                                if (x.log2_S <= 16.121127128601074) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                }
+                              } else {
+                                if (x.skew_lo <= 2.8019226789474487) {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                } else {
+                                  if (x.avg <= 3.5935652256011963) {
+                                    return {1, 8, 16, 32, 1};  // SR
+                                  } else {
+                                    return {1, 8, 32, 32, 1};  // SR
+                                  }
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 17.563899993896484) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 16.96316623687744) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 5.503506898880005) {
+                                return {1, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 3.4918835163116455) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 6.105300426483154) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 19.143256187438965) {
-                      return {1, 8, 16, 32, 1};  // SR
+                    if (x.skew_hi <= 5.003558874130249) {
+                      if (x.avg <= 155.97895050048828) {
+                        if (x.avg <= 98.05537796020508) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 17.205056190490723) {
+                            if (x.skew_hi <= 3.193754196166992) {
+                              return {1, 32, 64, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 15.907481670379639) {
+                                return {1, 32, 64, 8, 0};  // SP
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 18.60918617248535) {
+                          return {1, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
                     } else {
                       return {1, 8, 32, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 0.8379770815372467) {
-                    if (x.log2_S <= 16.65908908843994) {
-                      if (x.long_level <= 0.5) {
-                        if (x.skew_hi <= 5.299464464187622) {
-                          return {1, 8, 64, 32, 0};  // SP
+                  if (x.skew_lo <= 0.9120508432388306) {
+                    if (x.avg <= 153.81393432617188) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 1.9990759491920471) {
+                      if (x.skew_lo <= 9.101850986480713) {
+                        if (x.avg <= 1.8945268988609314) {
+                          return {1, 8, 16, 32, 1};  // SR
                         } else {
-                          return {1, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 21.9898681640625) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
                         }
                       } else {
-                        return {1, 8, 16, 32, 1};  // SR
+                        if (x.log2_S <= 21.474170684814453) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.avg <= 178.91719818115234) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 21.511229515075684) {
-                          if (x.log2_S <= 18.84801483154297) {
+                      if (x.log2_S <= 21.561863899230957) {
+                        if (x.skew_hi <= 10.489383697509766) {
+                          if (x.avg <= 2.437098741531372) {
                             return {1, 8, 16, 32, 1};  // SR
                           } else {
                             return {1, 8, 32, 32, 1};  // SR
@@ -1874,131 +1966,27 @@ inline Config plain_config(const Features& f) {
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
                         }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 20.0386905670166) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 34.75590705871582) {
-                        return {1, 8, 32, 32, 1};  // SR
                       } else {
-                        return {1, 8, 16, 32, 1};  // SR
+                        return {1, 8, 32, 32, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 20.752120971679688) {
-                  if (x.skew_lo <= 8.791860580444336) {
-                    if (x.log2_S <= 19.260436058044434) {
-                      if (x.log2_S <= 16.42014980316162) {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 16.096723556518555) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 4.468101739883423) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 16.865660667419434) {
-                          if (x.avg <= 2.747734785079956) {
-                            if (x.skew_lo <= 7.216538429260254) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 10.599657535552979) {
-                        if (x.log2_S <= 21.274566650390625) {
-                          if (x.skew_hi <= 8.211027145385742) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 3.1038336753845215) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 20.458199501037598) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                if (x.skew_lo <= 6.480993032455444) {
-                                  return {1, 8, 32, 32, 1};  // SR
-                                } else {
-                                  return {1, 8, 16, 32, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.260008811950684) {
-                      if (x.avg <= 6.54065465927124) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 9.490049839019775) {
-                        if (x.log2_S <= 19.83246421813965) {
-                          if (x.log2_S <= 17.81578826904297) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  }
+                if (x.skew_hi <= 21.759028434753418) {
+                  return {1, 8, 32, 32, 1};  // SR
                 } else {
-                  if (x.log2_S <= 17.125216484069824) {
-                    if (x.skew_lo <= 7.352478981018066) {
-                      if (x.avg <= 25.09544086456299) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
+                  if (x.avg <= 52.32968330383301) {
+                    if (x.skew_lo <= 9.084274291992188) {
+                      return {1, 8, 64, 32, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 15.938848495483398) {
-                        if (x.avg <= 36.73955154418945) {
-                          if (x.skew_hi <= 15.409162998199463) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
+                      if (x.log2_S <= 22.13467788696289) {
+                        return {1, 8, 64, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 16.787793159484863) {
-                          return {1, 8, 64, 32, 1};  // SR
+                        if (x.skew_lo <= 10.425168991088867) {
+                          return {1, 8, 32, 32, 1};  // SR
                         } else {
-                          if (x.skew_lo <= 8.722327709197998) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
+                          return {1, 8, 64, 32, 1};  // SR
                         }
                       }
                     }
@@ -2008,33 +1996,33 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.skew_hi <= 17.723947525024414) {
-                if (x.log2_S <= 16.050868034362793) {
-                  return {1, 8, 64, 32, 1};  // SR
-                } else {
-                  if (x.skew_lo <= 11.39052963256836) {
-                    return {1, 8, 64, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 17.339458465576172) {
-                      return {1, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 4.318765163421631) {
-                        return {1, 8, 64, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 10.779329299926758) {
-                  if (x.skew_hi <= 21.496214866638184) {
+              if (x.skew_hi <= 17.803479194641113) {
+                if (x.skew_lo <= 11.393226146697998) {
+                  if (x.log2_S <= 15.338644981384277) {
                     return {1, 8, 32, 32, 1};  // SR
                   } else {
                     return {1, 8, 64, 32, 1};  // SR
                   }
                 } else {
+                  if (x.skew_hi <= 16.062357902526855) {
+                    if (x.log2_S <= 15.239701271057129) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    return {1, 8, 32, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.avg <= 8.673772811889648) {
                   return {1, 8, 64, 32, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 21.559439659118652) {
+                    return {1, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {1, 8, 64, 32, 1};  // SR
+                  }
                 }
               }
             }
@@ -2046,1262 +2034,1320 @@ inline Config plain_config(const Features& f) {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
         if (x.long_level <= 2.5) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 17.03978729248047) {
-              if (x.log2_S <= 10.715291023254395) {
-                if (x.skew_lo <= -0.566794753074646) {
-                  if (x.skew_hi <= 1.166306972503662) {
-                    if (x.log2_S <= 10.034335613250732) {
-                      if (x.skew_hi <= 0.8501893877983093) {
-                        return {4, 32, 64, 2, 0};  // SP
+          if (x.log2_S <= 13.942230701446533) {
+            if (x.long_level <= 1.5) {
+              if (x.avg <= 74.99524307250977) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 10.0854172706604) {
+                    if (x.skew_lo <= -3.1428909301757812) {
+                      if (x.log2_S <= 9.153131484985352) {
+                        return {1, 32, 64, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 9.083568096160889) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {2, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 10.440947532653809) {
-                      if (x.avg <= 2.3429962396621704) {
-                        if (x.skew_lo <= -0.7680982947349548) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 10.330825328826904) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -2.5917431116104126) {
-                            return {1, 8, 64, 32, 0};  // SP
+                        if (x.log2_S <= 9.505867004394531) {
+                          if (x.skew_hi <= 1.0577605366706848) {
+                            return {1, 32, 64, 8, 0};  // SP
                           } else {
-                            return {1, 32, 32, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {2, 16, 64, 4, 0};  // SP
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 2, 0};  // SP
-                }
-              } else {
-                if (x.skew_lo <= -2.7433273792266846) {
-                  if (x.log2_S <= 10.906164169311523) {
-                    return {2, 16, 64, 4, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -5.4820168018341064) {
-                      if (x.log2_S <= 13.333126068115234) {
-                        return {2, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 0.07551317662000656) {
-                          if (x.log2_S <= 14.219532012939453) {
-                            return {4, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.93970537185669) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -3.3846609592437744) {
-                          if (x.skew_hi <= 2.01254940032959) {
-                            return {4, 8, 32, 32, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 16.531444549560547) {
-                              return {4, 8, 32, 32, 0};  // SP
+                            if (x.avg <= 16.202667236328125) {
+                              return {1, 32, 64, 8, 0};  // SP
                             } else {
-                              return {4, 8, 64, 32, 0};  // SP
+                              return {4, 16, 32, 4, 0};  // SP
                             }
                           }
                         } else {
-                          return {4, 4, 64, 64, 0};  // SP
+                          return {1, 32, 64, 8, 0};  // SP
                         }
                       }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 14.545472621917725) {
-                    if (x.skew_lo <= -0.7258777022361755) {
-                      if (x.skew_hi <= 4.312478542327881) {
-                        if (x.log2_S <= 12.388980388641357) {
-                          if (x.log2_S <= 11.393731117248535) {
-                            if (x.log2_S <= 11.077781677246094) {
+                    } else {
+                      if (x.skew_lo <= -1.828453779220581) {
+                        if (x.log2_S <= 9.699787616729736) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 32, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 9.56981372833252) {
+                          if (x.avg <= 1.878099262714386) {
+                            return {2, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 4.788719415664673) {
+                              return {2, 32, 64, 2, 0};  // SP
+                            } else {
                               return {2, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 8, 64, 32, 0};  // SP
                             }
-                          } else {
-                            return {4, 8, 32, 32, 0};  // SP
                           }
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 12.695414543151855) {
-                        if (x.skew_hi <= 5.410741806030273) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 8, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 1.336170494556427) {
-                          return {4, 16, 64, 4, 0};  // SP
                         } else {
                           return {4, 8, 64, 32, 0};  // SP
                         }
                       }
                     }
                   } else {
-                    if (x.avg <= 2.06876540184021) {
-                      if (x.log2_S <= 15.886265277862549) {
-                        if (x.avg <= 1.611082911491394) {
-                          if (x.skew_lo <= -0.41525888442993164) {
-                            return {4, 8, 64, 32, 0};  // SP
+                    if (x.log2_S <= 11.965399742126465) {
+                      if (x.skew_hi <= 1.291636347770691) {
+                        if (x.log2_S <= 10.555291652679443) {
+                          return {4, 16, 32, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.561541557312012) {
+                            return {2, 32, 64, 4, 0};  // SP
                           } else {
-                            if (x.log2_S <= 15.53180980682373) {
-                              return {4, 16, 64, 4, 0};  // SP
+                            return {4, 16, 32, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 1.4673165082931519) {
+                          if (x.log2_S <= 11.300518035888672) {
+                            return {2, 32, 16, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.131728172302246) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 32, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.039291858673096) {
+                        if (x.log2_S <= 13.314397811889648) {
+                          if (x.log2_S <= 12.688540935516357) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 2.129634380340576) {
+                              return {2, 16, 64, 4, 0};  // SP
                             } else {
-                              return {4, 8, 64, 32, 0};  // SP
+                              if (x.skew_lo <= -2.535201072692871) {
+                                return {4, 8, 64, 32, 0};  // SP
+                              } else {
+                                return {2, 16, 64, 4, 0};  // SP
+                              }
                             }
                           }
                         } else {
-                          return {4, 8, 32, 32, 0};  // SP
+                          if (x.skew_hi <= 1.5413427948951721) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -1.5976901054382324) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 4, 0};  // SP
+                            }
+                          }
                         }
                       } else {
+                        return {4, 16, 32, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 5.425522565841675) {
+                    if (x.log2_S <= 11.677905559539795) {
+                      return {4, 64, 32, 4, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 4.848474025726318) {
+                        if (x.skew_lo <= -0.18532171845436096) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 7.310424566268921) {
+                      if (x.skew_hi <= 6.218076705932617) {
+                        if (x.log2_S <= 11.226109981536865) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 17.431596755981445) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.11478042602539) {
+                          if (x.log2_S <= 11.485260486602783) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.929339408874512) {
+                              return {2, 64, 64, 1, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 6.989412546157837) {
+                                if (x.log2_S <= 12.518374919891357) {
+                                  return {1, 16, 8, 4, 1};  // SR
+                                } else {
+                                  return {2, 4, 8, 64, 1};  // SR
+                                }
+                              } else {
+                                return {2, 4, 8, 64, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 2.9354947805404663) {
+                        if (x.log2_S <= 11.052410125732422) {
+                          if (x.avg <= 2.192986488342285) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            if (x.avg <= 2.241494655609131) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 8.315273761749268) {
+                                return {1, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 32, 64, 8, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.932546615600586) {
+                            if (x.log2_S <= 12.26569414138794) {
+                              if (x.skew_hi <= 9.068584442138672) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 11.655910968780518) {
+                                  if (x.log2_S <= 11.1983323097229) {
+                                    return {4, 32, 64, 2, 0};  // SP
+                                  } else {
+                                    return {4, 32, 64, 4, 0};  // SP
+                                  }
+                                } else {
+                                  return {4, 32, 64, 8, 0};  // SP
+                                }
+                              }
+                            } else {
+                              if (x.avg <= 2.559224247932434) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {1, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.048723220825195) {
+                          if (x.log2_S <= 10.441653728485107) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 7.479134559631348) {
+                              return {1, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 13.29090929031372) {
+                            if (x.avg <= 3.905124306678772) {
+                              if (x.log2_S <= 12.128201007843018) {
+                                return {4, 32, 64, 8, 0};  // SP
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 11.930020809173584) {
+                                return {4, 64, 64, 1, 0};  // SP
+                              } else {
+                                return {2, 4, 8, 64, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 3.3283026218414307) {
+                  return {4, 32, 64, 8, 0};  // SP
+                } else {
+                  if (x.log2_S <= 11.003039360046387) {
+                    return {4, 64, 32, 4, 0};  // SP
+                  } else {
+                    return {4, 32, 64, 8, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 5.927288770675659) {
+                if (x.log2_S <= 13.133199214935303) {
+                  return {2, 4, 8, 64, 1};  // SR
+                } else {
+                  if (x.skew_lo <= 3.5944035053253174) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 13.775218486785889) {
+                      return {2, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 11.461073398590088) {
+                  if (x.skew_hi <= 10.308114528656006) {
+                    if (x.avg <= 5.631278991699219) {
+                      if (x.skew_hi <= 10.043126583099365) {
+                        if (x.log2_S <= 8.339456558227539) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.1528966426849365) {
+                            if (x.skew_lo <= 9.208261966705322) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {2, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 11.871906280517578) {
+                        if (x.skew_lo <= 6.06583046913147) {
+                          return {2, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.670740127563477) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {2, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.010707378387451) {
+                    if (x.avg <= 2.6125030517578125) {
+                      return {2, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 13.898377895355225) {
+                      return {2, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 17.576847076416016) {
+                if (x.skew_lo <= -3.0747365951538086) {
+                  if (x.skew_lo <= -5.400473117828369) {
+                    if (x.log2_S <= 16.05241060256958) {
+                      return {2, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -5.9127888679504395) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 15.755199909210205) {
+                    if (x.skew_hi <= 5.706550598144531) {
+                      if (x.log2_S <= 15.421410083770752) {
+                        if (x.skew_hi <= 5.20646071434021) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.611477851867676) {
+                            return {4, 16, 32, 4, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= -1.5624021887779236) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {2, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 3.5598175525665283) {
+                      if (x.log2_S <= 16.176621437072754) {
+                        if (x.avg <= 2.325893223285675) {
+                          if (x.log2_S <= 15.813984394073486) {
+                            return {2, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.791702747344971) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 20.000934600830078) {
+                  if (x.skew_hi <= 3.191767454147339) {
+                    if (x.log2_S <= 19.161688804626465) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.avg <= 22.4135103225708) {
                         return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {4, 2, 64, 128, 0};  // SP
+                  }
+                } else {
+                  return {4, 2, 64, 128, 0};  // SP
+                }
+              }
+            } else {
+              if (x.skew_lo <= -0.31402482092380524) {
+                if (x.log2_S <= 20.505489349365234) {
+                  if (x.log2_S <= 17.040056228637695) {
+                    if (x.skew_lo <= -1.8976541757583618) {
+                      return {4, 32, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 15.707522869110107) {
+                        if (x.skew_hi <= 3.010031819343567) {
+                          if (x.skew_hi <= 2.843237042427063) {
+                            if (x.skew_hi <= 2.3455629348754883) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {2, 64, 64, 1, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.665498733520508) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.000205039978027) {
+                        if (x.skew_hi <= 3.2996102571487427) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 15.401761531829834) {
+                  if (x.skew_lo <= 0.5407121181488037) {
+                    return {4, 32, 64, 8, 0};  // SP
+                  } else {
+                    if (x.avg <= 3.3221629858016968) {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_hi <= 8.544373035430908) {
+                          if (x.log2_S <= 14.208330154418945) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.00905704498291) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.avg <= 1.840224027633667) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 9.399190425872803) {
+                        if (x.skew_hi <= 11.313090324401855) {
+                          if (x.log2_S <= 14.522414207458496) {
+                            if (x.long_level <= 1.5) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 3.9663801193237305) {
+                              return {2, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
+              }
+            }
+          }
+        } else {
+          if (x.skew_lo <= 10.518569946289062) {
+            return {4, 32, 8, 2, 8};  // PR
+          } else {
+            return {4, 32, 8, 2, 16};  // PR
+          }
+        }
+      } else {
+        if (x.skew_lo <= -0.1949048563838005) {
+          if (x.log2_S <= 17.71615505218506) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 13.880732536315918) {
+                if (x.log2_S <= 9.86242389678955) {
+                  if (x.skew_hi <= 3.27508807182312) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.avg <= 3.5517632961273193) {
+                      if (x.skew_hi <= 5.424308776855469) {
+                        if (x.skew_hi <= 5.091084957122803) {
+                          if (x.skew_hi <= 4.407433032989502) {
+                            return {2, 32, 16, 2, 0};  // SP
+                          } else {
+                            return {2, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {1, 64, 32, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
                     }
                   }
-                }
-              }
-            } else {
-              if (x.log2_S <= 20.345006942749023) {
-                if (x.avg <= 7.757605075836182) {
-                  return {4, 2, 64, 128, 0};  // SP
                 } else {
-                  if (x.log2_S <= 17.789913177490234) {
-                    if (x.avg <= 25.157556533813477) {
-                      if (x.avg <= 12.109853267669678) {
+                  if (x.log2_S <= 12.027152061462402) {
+                    if (x.log2_S <= 10.748806953430176) {
+                      if (x.log2_S <= 10.147229671478271) {
+                        if (x.skew_hi <= 4.111397981643677) {
+                          if (x.skew_lo <= -4.081329822540283) {
+                            return {2, 32, 16, 2, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          return {2, 32, 16, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 10.603003025054932) {
+                          return {2, 32, 16, 2, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -4.188263177871704) {
+                            return {2, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -0.8885644674301147) {
+                              return {2, 32, 16, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -2.484233260154724) {
+                        if (x.log2_S <= 11.874287128448486) {
+                          return {2, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 16.953506469726562) {
+                            return {2, 32, 16, 2, 0};  // SP
+                          } else {
+                            return {2, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 2.056222915649414) {
+                          if (x.log2_S <= 11.041591167449951) {
+                            return {2, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {2, 32, 16, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 4.924835681915283) {
+                      if (x.log2_S <= 13.345165252685547) {
+                        return {2, 32, 16, 2, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -1.5976901054382324) {
+                          if (x.skew_hi <= 0.37423598766326904) {
+                            return {2, 32, 64, 8, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 2.3838459253311157) {
+                              return {2, 32, 16, 2, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 3.337601661682129) {
+                                return {4, 8, 64, 32, 0};  // SP
+                              } else {
+                                return {2, 32, 16, 2, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.606304168701172) {
+                        return {2, 32, 16, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 32, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 4.138275623321533) {
+                  if (x.skew_lo <= -5.400473117828369) {
+                    if (x.log2_S <= 15.40407943725586) {
+                      return {2, 32, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 16.102649688720703) {
+                        return {4, 32, 32, 4, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -5.892328500747681) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.35476303100586) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.avg <= 7.512482404708862) {
                         return {4, 4, 64, 64, 0};  // SP
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
                       }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.157508850097656) {
+                    if (x.log2_S <= 14.051503658294678) {
+                      return {4, 32, 32, 4, 0};  // SP
                     } else {
-                      return {4, 8, 32, 32, 0};  // SP
+                      return {4, 8, 64, 32, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -3.356200933456421) {
+                    if (x.skew_hi <= 5.791702747344971) {
                       return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.log2_S <= 19.668027877807617) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
+                      return {2, 8, 16, 32, 1};  // SR
                     }
                   }
                 }
+              }
+            } else {
+              if (x.log2_S <= 17.18046283721924) {
+                if (x.log2_S <= 16.430590629577637) {
+                  return {4, 64, 64, 1, 0};  // SP
+                } else {
+                  if (x.skew_hi <= 3.108291506767273) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    return {2, 8, 16, 32, 1};  // SR
+                  }
+                }
               } else {
-                return {4, 2, 64, 128, 0};  // SP
+                if (x.skew_lo <= -1.3684749007225037) {
+                  return {4, 16, 64, 4, 0};  // SP
+                } else {
+                  return {2, 8, 16, 32, 1};  // SR
+                }
               }
             }
           } else {
-            if (x.log2_S <= 13.514679908752441) {
-              if (x.long_level <= 1.5) {
-                if (x.skew_lo <= 1.2727949023246765) {
-                  if (x.log2_S <= 12.362844944000244) {
-                    if (x.skew_lo <= 0.9065233767032623) {
-                      if (x.log2_S <= 9.948737144470215) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.0428147315979) {
-                          if (x.avg <= 52.27199172973633) {
-                            return {4, 64, 64, 1, 0};  // SP
-                          } else {
-                            if (x.avg <= 104.68291854858398) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 10.013247013092041) {
-                                return {4, 64, 64, 2, 0};  // SP
-                              } else {
-                                if (x.skew_lo <= -1.7351705431938171) {
-                                  if (x.log2_S <= 10.777597427368164) {
-                                    return {4, 64, 64, 2, 0};  // SP
-                                  } else {
-                                    return {4, 64, 64, 1, 0};  // SP
-                                  }
-                                } else {
-                                  return {4, 64, 64, 1, 0};  // SP
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.129051208496094) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 4.9653000831604) {
-                      if (x.log2_S <= 12.624600410461426) {
-                        if (x.skew_hi <= 3.478466272354126) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 4.340517997741699) {
-                    if (x.avg <= 13.257912158966064) {
-                      if (x.log2_S <= 11.999427318572998) {
-                        if (x.skew_hi <= 7.246160268783569) {
-                          if (x.log2_S <= 11.226109981536865) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.799546241760254) {
-                              return {4, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {1, 16, 8, 4, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 4.970059871673584) {
-                            if (x.log2_S <= 11.26716947555542) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 7.958668231964111) {
-                                return {1, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 64, 4, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 11.046267986297607) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 64, 32, 1, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 4.169888496398926) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 3.251151442527771) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.258746147155762) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.952041625976562) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 5.366000652313232) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.499524593353271) {
-                      if (x.log2_S <= 8.08843469619751) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 13.01244068145752) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {1, 16, 8, 4, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.047924041748047) {
-                  return {1, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.skew_lo <= 5.155152320861816) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 12.902125835418701) {
-                      if (x.skew_lo <= 5.9866557121276855) {
-                        if (x.log2_S <= 12.763105869293213) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 15.309468746185303) {
-                if (x.skew_lo <= 0.5391969680786133) {
-                  if (x.avg <= 127.61883163452148) {
-                    if (x.log2_S <= 15.271247863769531) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 14.628735065460205) {
-                      if (x.log2_S <= 13.996219635009766) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 64, 32, 1, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 8.520307540893555) {
-                    if (x.skew_hi <= 10.953051567077637) {
-                      if (x.log2_S <= 15.13805103302002) {
-                        if (x.log2_S <= 13.933247566223145) {
-                          if (x.avg <= 2.5935075283050537) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 2.497053623199463) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.72461223602295) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 8.220975399017334) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.020602703094482) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 32, 8, 1, 16};  // PR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 13.603482723236084) {
-                  if (x.log2_S <= 15.632423400878906) {
-                    if (x.skew_lo <= -0.8351597189903259) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= 8.584079265594482) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 1, 16};  // PR
-                      }
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 17.85706615447998) {
-                    return {4, 32, 8, 1, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 23.471405029296875) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
-                    }
-                  }
-                }
-              }
-            }
-          }
-        } else {
-          if (x.skew_hi <= 13.923442840576172) {
-            if (x.skew_hi <= 13.867218971252441) {
-              return {4, 32, 8, 1, 16};  // PR
-            } else {
-              if (x.skew_lo <= 6.962533473968506) {
-                return {4, 32, 8, 2, 16};  // PR
-              } else {
-                return {4, 32, 8, 1, 16};  // PR
-              }
-            }
-          } else {
-            if (x.avg <= 10.44196367263794) {
-              if (x.skew_hi <= 19.276488304138184) {
-                if (x.skew_hi <= 15.675090789794922) {
-                  if (x.log2_S <= 14.86252212524414) {
-                    if (x.skew_lo <= 11.270080089569092) {
-                      if (x.avg <= 8.699029445648193) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 1, 16};  // PR
-                  }
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                if (x.avg <= 3.255990147590637) {
-                  return {4, 32, 32, 4, 16};  // PR
-                } else {
-                  if (x.log2_S <= 20.95394515991211) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.skew_lo <= 11.028222560882568) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.skew_lo <= 12.152200698852539) {
-                        return {4, 32, 32, 4, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 16.358607292175293) {
-                if (x.skew_hi <= 15.140283107757568) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.skew_hi <= 15.941756248474121) {
-                    if (x.log2_S <= 15.459256649017334) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.skew_hi <= 15.844622611999512) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        if (x.skew_lo <= 6.679435968399048) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 1, 16};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 6.440654516220093) {
-                      return {4, 32, 8, 2, 8};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 10.408517360687256) {
-                  return {4, 32, 8, 2, 8};  // PR
-                } else {
-                  if (x.skew_hi <= 18.168170928955078) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 8};  // PR
-                  }
-                }
-              }
-            }
-          }
-        }
-      } else {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 17.32059955596924) {
-            if (x.skew_lo <= -0.7364398539066315) {
-              if (x.log2_S <= 9.234297275543213) {
-                if (x.skew_hi <= 3.0760271549224854) {
-                  if (x.skew_hi <= 0.8119527995586395) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 3.294419765472412) {
-                    if (x.avg <= 1.9364899396896362) {
-                      return {2, 32, 16, 4, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    return {4, 2, 64, 128, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 15.17905330657959) {
-                  if (x.avg <= 2.16356098651886) {
-                    if (x.log2_S <= 11.795814037322998) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_hi <= 3.266900897026062) {
-                    if (x.log2_S <= 17.174185752868652) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.avg <= 8.447786331176758) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.7790341377258301) {
-                      if (x.avg <= 5.1786417961120605) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 16.305932998657227) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 15.003275394439697) {
-                if (x.log2_S <= 11.604647636413574) {
-                  if (x.avg <= 1.3149523735046387) {
-                    if (x.log2_S <= 11.234606742858887) {
-                      return {4, 64, 64, 1, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.5681662261486053) {
-                      if (x.log2_S <= 11.096900463104248) {
-                        if (x.log2_S <= 9.025577545166016) {
-                          return {2, 32, 16, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 1.3475786447525024) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 14.640599727630615) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -0.48900534212589264) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 16.627960205078125) {
+            if (x.avg <= 63.51138496398926) {
+              if (x.log2_S <= 18.61863613128662) {
+                if (x.skew_hi <= 1.3789812922477722) {
                   return {4, 8, 64, 32, 0};  // SP
                 } else {
                   return {4, 4, 64, 64, 0};  // SP
                 }
-              }
-            }
-          } else {
-            if (x.log2_S <= 18.15993022918701) {
-              if (x.avg <= 9.427751541137695) {
+              } else {
                 return {4, 4, 64, 64, 0};  // SP
-              } else {
-                if (x.skew_lo <= -5.2362072467803955) {
-                  if (x.log2_S <= 17.92243003845215) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 8, 32, 32, 0};  // SP
-                  }
-                } else {
-                  return {4, 8, 32, 32, 0};  // SP
-                }
               }
             } else {
-              return {4, 4, 64, 64, 0};  // SP
-            }
-          }
-        } else {
-          if (x.long_level <= 2.5) {
-            if (x.log2_S <= 12.997127056121826) {
-              if (x.long_level <= 1.5) {
-                if (x.skew_lo <= 4.081918239593506) {
-                  if (x.skew_hi <= 3.3268526792526245) {
-                    if (x.log2_S <= 10.785032272338867) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.4468355178833) {
-                        return {1, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.avg <= 175.22154998779297) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.903008460998535) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
-                        }
-                      }
-                    }
+              if (x.skew_lo <= -1.3593693375587463) {
+                if (x.log2_S <= 20.052063941955566) {
+                  if (x.log2_S <= 18.730772018432617) {
+                    return {4, 16, 64, 4, 0};  // SP
                   } else {
-                    if (x.avg <= 6.391940116882324) {
-                      if (x.log2_S <= 11.010749816894531) {
-                        if (x.skew_lo <= 4.023357391357422) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {1, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.513467788696289) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 16, 8, 4, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.689267635345459) {
-                        return {1, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 4.919397592544556) {
-                          if (x.log2_S <= 12.868504524230957) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 12.753027439117432) {
-                            if (x.log2_S <= 11.911681652069092) {
-                              if (x.skew_lo <= 2.230031907558441) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {1, 4, 8, 64, 1};  // SR
-                              }
-                            } else {
-                              return {1, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 5.832914352416992) {
-                              return {2, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 16, 8, 4, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.04900074005127) {
-                    if (x.skew_hi <= 8.574888706207275) {
-                      if (x.log2_S <= 11.248549938201904) {
-                        if (x.avg <= 1.9677194952964783) {
-                          if (x.skew_hi <= 8.411987781524658) {
-                            return {1, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    } else {
-                      return {4, 64, 64, 1, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 2.507004499435425) {
-                      return {1, 16, 8, 4, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.725981712341309) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {1, 16, 8, 4, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 6.100805759429932) {
-                  if (x.avg <= 33.50184440612793) {
-                    if (x.log2_S <= 11.391162872314453) {
-                      if (x.skew_hi <= 9.87434196472168) {
-                        if (x.skew_hi <= 8.162562370300293) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 16, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.975110054016113) {
-                      if (x.skew_hi <= 7.475510835647583) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 8.200332164764404) {
-                          if (x.log2_S <= 11.658947944641113) {
-                            if (x.avg <= 88.43603134155273) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 9.965391635894775) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 16, 8, 8, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 38.113162994384766) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 98.82776641845703) {
-                        if (x.log2_S <= 12.668418884277344) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 8.198745250701904) {
-                    if (x.avg <= 6.740251064300537) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {1, 16, 8, 8, 1};  // SR
-                    }
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 16.83054828643799) {
-                if (x.long_level <= 1.5) {
-                  if (x.skew_hi <= 7.11919093132019) {
-                    if (x.skew_lo <= 0.17420373111963272) {
-                      if (x.log2_S <= 15.304824829101562) {
-                        if (x.avg <= 125.80038070678711) {
-                          if (x.log2_S <= 14.798149108886719) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            if (x.avg <= 76.65319442749023) {
-                              return {2, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 15.238311767578125) {
-                            return {4, 64, 64, 1, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 6.585735321044922) {
-                        return {2, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.736924171447754) {
-                          return {1, 16, 8, 4, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.24943256378174) {
-                            return {2, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 16.68710422515869) {
-                              return {4, 32, 8, 2, 8};  // PR
-                            } else {
-                              return {2, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.912269592285156) {
-                      if (x.log2_S <= 13.840921401977539) {
-                        return {1, 16, 8, 4, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 8.36048173904419) {
-                          if (x.avg <= 4.871744632720947) {
-                            if (x.log2_S <= 15.153569221496582) {
-                              if (x.skew_lo <= 4.157105922698975) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 16, 8, 4, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 15.432501792907715) {
-                                return {2, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 2, 8};  // PR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 14.299414157867432) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {2, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 14.150693893432617) {
-                            if (x.skew_lo <= 4.7481689453125) {
-                              return {1, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 14.007093906402588) {
-                    if (x.avg <= 22.613999366760254) {
-                      if (x.skew_hi <= 11.21681022644043) {
-                        if (x.avg <= 16.61665916442871) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.521912574768066) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
+                    if (x.skew_hi <= 2.0866947174072266) {
                       return {2, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 19.022130966186523) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
                     }
-                  } else {
-                    return {2, 8, 16, 32, 1};  // SR
                   }
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
                 }
               } else {
                 return {2, 8, 16, 32, 1};  // SR
               }
             }
-          } else {
-            if (x.log2_S <= 16.024290084838867) {
-              if (x.log2_S <= 14.048911094665527) {
-                if (x.skew_lo <= 10.582868576049805) {
-                  return {4, 32, 8, 2, 8};  // PR
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                if (x.avg <= 9.687428951263428) {
-                  if (x.log2_S <= 15.192919731140137) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 32, 16, 4, 8};  // PR
-                  }
-                } else {
-                  if (x.avg <= 16.855477333068848) {
-                    if (x.skew_hi <= 14.899844646453857) {
-                      return {4, 32, 8, 2, 8};  // PR
+          }
+        } else {
+          if (x.skew_lo <= 10.48188066482544) {
+            if (x.log2_S <= 13.40500545501709) {
+              if (x.long_level <= 2.5) {
+                if (x.long_level <= 1.5) {
+                  if (x.skew_lo <= 3.4548981189727783) {
+                    if (x.skew_hi <= 4.353658199310303) {
+                      return {4, 64, 64, 1, 0};  // SP
                     } else {
-                      return {4, 32, 16, 4, 8};  // PR
+                      if (x.avg <= 12.742815494537354) {
+                        if (x.log2_S <= 11.542267799377441) {
+                          if (x.long_level <= 0.5) {
+                            return {4, 64, 16, 2, 0};  // SP
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 1.171452336013317) {
+                            if (x.log2_S <= 12.310685634613037) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 11.850999355316162) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 16, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 39.11649131774902) {
+                          return {1, 16, 8, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.47417688369751) {
+                            if (x.log2_S <= 9.921553134918213) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 0.5845485925674438) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 16, 8, 4, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {2, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      }
                     }
                   } else {
-                    return {4, 32, 16, 4, 8};  // PR
+                    if (x.log2_S <= 11.0570707321167) {
+                      if (x.skew_hi <= 8.642322540283203) {
+                        return {1, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 5.067041397094727) {
+                          if (x.skew_lo <= 4.790373802185059) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          return {1, 32, 8, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.90964651107788) {
+                        if (x.skew_hi <= 8.023427963256836) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 12.81678056716919) {
+                          if (x.skew_lo <= 4.808404207229614) {
+                            if (x.skew_hi <= 7.968430995941162) {
+                              return {1, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {1, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
                   }
+                } else {
+                  if (x.avg <= 54.88671684265137) {
+                    if (x.log2_S <= 11.127777099609375) {
+                      if (x.skew_hi <= 10.077036380767822) {
+                        return {1, 16, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 3.5097097158432007) {
+                          return {1, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 9.420174598693848) {
+                        if (x.log2_S <= 11.552907466888428) {
+                          return {1, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.837501049041748) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 3.9143564701080322) {
+                        return {2, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                return {2, 8, 16, 32, 1};  // SR
+              }
+            } else {
+              if (x.skew_lo <= 9.314778804779053) {
+                if (x.log2_S <= 17.07400894165039) {
+                  if (x.avg <= 3.983590602874756) {
+                    if (x.skew_lo <= 7.005844831466675) {
+                      if (x.log2_S <= 15.607526302337646) {
+                        return {1, 16, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 16.184595108032227) {
+                          if (x.skew_hi <= 8.79541015625) {
+                            return {4, 32, 8, 2, 8};  // PR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.long_level <= 0.5) {
+                            return {2, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.650760173797607) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 15.168845176696777) {
+                      if (x.avg <= 9.067064762115479) {
+                        if (x.skew_lo <= 6.892732858657837) {
+                          if (x.log2_S <= 15.945126056671143) {
+                            if (x.log2_S <= 14.36829137802124) {
+                              if (x.log2_S <= 13.82347583770752) {
+                                return {1, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {2, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 13.960113048553467) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 16.13981819152832) {
+                        return {4, 32, 8, 2, 8};  // PR
+                      } else {
+                        if (x.avg <= 51.59074020385742) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
+                          return {2, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 0.5) {
+                    return {4, 4, 64, 64, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 21.50547981262207) {
+                      return {2, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 54.84578323364258) {
+                        return {2, 8, 64, 32, 1};  // SR
+                      } else {
+                        return {2, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 21.30109977722168) {
+                  if (x.log2_S <= 17.45399761199951) {
+                    if (x.avg <= 6.57045590877533) {
+                      return {2, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 9.682739734649658) {
+                        if (x.log2_S <= 15.209100246429443) {
+                          return {2, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.605583190917969) {
+                          return {2, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 18.636054039001465) {
+                      if (x.skew_lo <= 9.936323642730713) {
+                        if (x.log2_S <= 19.642911911010742) {
+                          return {2, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {2, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      return {2, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {2, 8, 64, 32, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 16.14009952545166) {
+              if (x.avg <= 4.514596223831177) {
+                if (x.log2_S <= 14.331655502319336) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.skew_hi <= 14.960497856140137) {
+                    return {4, 32, 8, 2, 8};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              } else {
+                if (x.avg <= 10.717707633972168) {
+                  if (x.skew_lo <= 10.902724742889404) {
+                    return {4, 32, 8, 2, 8};  // PR
+                  } else {
+                    if (x.skew_hi <= 15.03012228012085) {
+                      if (x.log2_S <= 12.693206787109375) {
+                        if (x.skew_lo <= 11.159803867340088) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    } else {
+                      if (x.skew_hi <= 15.85703992843628) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  return {2, 8, 16, 32, 1};  // SR
                 }
               }
             } else {
-              if (x.skew_hi <= 20.716909408569336) {
-                if (x.log2_S <= 19.20633888244629) {
-                  if (x.skew_lo <= 11.160276889801025) {
-                    if (x.log2_S <= 16.0468692779541) {
-                      return {4, 32, 16, 4, 8};  // PR
-                    } else {
-                      return {2, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 16.64594841003418) {
-                      return {4, 32, 16, 4, 8};  // PR
-                    } else {
-                      if (x.avg <= 3.2841203212738037) {
-                        return {2, 8, 64, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 17.639522552490234) {
-                          if (x.skew_lo <= 11.328389167785645) {
-                            return {2, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 4, 8};  // PR
-                          }
-                        } else {
-                          if (x.avg <= 3.587977170944214) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
-                            return {2, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 10.439666748046875) {
-                    return {2, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 4.27021336555481) {
-                      if (x.skew_lo <= 12.605609893798828) {
-                        if (x.log2_S <= 19.656999588012695) {
-                          return {2, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        return {2, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      return {2, 8, 64, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 12.016073226928711) {
-                  return {2, 8, 64, 32, 1};  // SR
-                } else {
-                  if (x.avg <= 3.124648332595825) {
-                    return {2, 8, 64, 32, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 12.194586753845215) {
-                      if (x.log2_S <= 22.010167121887207) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {2, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                }
-              }
+              return {2, 8, 64, 32, 1};  // SR
             }
           }
         }
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 17.66928768157959) {
-            if (x.skew_hi <= 4.892547845840454) {
-              if (x.log2_S <= 16.94840717315674) {
-                if (x.skew_lo <= -2.4063585996627808) {
-                  if (x.log2_S <= 12.922861576080322) {
-                    return {4, 8, 64, 32, 0};  // SP
+        if (x.skew_hi <= 12.930835247039795) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 17.371651649475098) {
+              if (x.log2_S <= 10.032716751098633) {
+                if (x.skew_lo <= -5.460291385650635) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.avg <= 1.878099262714386) {
+                    if (x.log2_S <= 8.994222640991211) {
+                      if (x.avg <= 1.4793514609336853) {
+                        return {2, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.295047760009766) {
+                        if (x.log2_S <= 9.462388515472412) {
+                          return {2, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {2, 64, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 64, 64, 4, 0};  // SP
+                      }
+                    }
                   } else {
-                    if (x.skew_hi <= 1.3494125604629517) {
-                      if (x.log2_S <= 15.872301578521729) {
-                        if (x.log2_S <= 14.045721530914307) {
-                          if (x.skew_hi <= 0.9879963994026184) {
-                            if (x.log2_S <= 13.774219512939453) {
-                              return {4, 32, 64, 2, 0};  // SP
+                    if (x.skew_lo <= -1.266071379184723) {
+                      return {1, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 9.138691902160645) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {2, 64, 64, 1, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.421535968780518) {
+                  if (x.log2_S <= 11.769868850708008) {
+                    if (x.skew_lo <= -3.9691487550735474) {
+                      if (x.log2_S <= 10.754334926605225) {
+                        if (x.skew_lo <= -5.781584024429321) {
+                          return {2, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 54.43898963928223) {
+                          if (x.avg <= 41.26542091369629) {
+                            if (x.skew_lo <= -4.597973823547363) {
+                              return {2, 32, 16, 2, 0};  // SP
                             } else {
-                              return {4, 32, 64, 4, 0};  // SP
+                              if (x.log2_S <= 11.040686130523682) {
+                                return {2, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
                             }
                           } else {
-                            if (x.log2_S <= 13.821141719818115) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
+                            return {2, 32, 64, 4, 0};  // SP
                           }
                         } else {
-                          if (x.log2_S <= 15.713291645050049) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 1.4673165082931519) {
+                        if (x.log2_S <= 11.234606742858887) {
+                          return {2, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 10.256335735321045) {
+                          if (x.avg <= 6.494933605194092) {
                             return {4, 32, 64, 4, 0};  // SP
                           } else {
-                            if (x.avg <= 36.13427734375) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
+                            return {2, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 1.848556101322174) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 10.223997592926025) {
+                        if (x.log2_S <= 13.960490703582764) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -2.893301010131836) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 4, 0};  // SP
                           }
                         }
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 15.15596055984497) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 14.89936351776123) {
-                          if (x.log2_S <= 14.070294380187988) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
+                        if (x.log2_S <= 13.574198246002197) {
+                          if (x.log2_S <= 12.100109577178955) {
                             return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 0.8160412013530731) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 4, 0};  // SP
+                            }
                           }
                         } else {
-                          return {4, 8, 64, 32, 0};  // SP
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 10.921221733093262) {
-                    if (x.avg <= 2.8216567039489746) {
-                      return {2, 64, 32, 1, 0};  // SP
+                  if (x.skew_hi <= 2.494117498397827) {
+                    if (x.avg <= 47.85202980041504) {
+                      if (x.skew_lo <= -3.851306438446045) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 15.932932376861572) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 32, 4, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
+                      if (x.log2_S <= 16.244768142700195) {
+                        if (x.log2_S <= 15.605596542358398) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 0.17513589560985565) {
+                          if (x.log2_S <= 16.856247901916504) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {2, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {2, 32, 64, 8, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    if (x.skew_lo <= -1.4789681434631348) {
-                      return {4, 8, 64, 32, 0};  // SP
+                    if (x.log2_S <= 16.11617088317871) {
+                      if (x.skew_lo <= -0.6690805852413177) {
+                        if (x.skew_lo <= -2.777747631072998) {
+                          if (x.log2_S <= 15.600162982940674) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
                     } else {
-                      if (x.log2_S <= 13.167820930480957) {
-                        return {4, 32, 64, 4, 0};  // SP
+                      if (x.skew_hi <= 3.3764185905456543) {
+                        if (x.skew_lo <= -3.3313382863998413) {
+                          return {4, 16, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
                       }
                     }
                   }
                 }
-              } else {
-                if (x.skew_lo <= -3.2007522583007812) {
-                  if (x.skew_hi <= 2.0190703868865967) {
-                    if (x.skew_lo <= -5.867105722427368) {
-                      return {4, 8, 64, 32, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 18.15993022918701) {
+                if (x.skew_lo <= -3.0872644186019897) {
+                  if (x.log2_S <= 17.790029525756836) {
+                    if (x.skew_hi <= 2.101566195487976) {
+                      if (x.log2_S <= 17.503162384033203) {
+                        return {2, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 32, 64, 8, 0};  // SP
+                      }
                     } else {
-                      return {4, 32, 64, 4, 0};  // SP
+                      return {4, 16, 32, 4, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 10.955201148986816) {
+                    if (x.avg <= 10.405487537384033) {
                       return {4, 16, 64, 4, 0};  // SP
                     } else {
-                      return {1, 32, 64, 2, 0};  // SP
+                      if (x.skew_lo <= -5.575187683105469) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 16, 32, 4, 0};  // SP
+                      }
                     }
                   }
                 } else {
                   return {4, 8, 64, 32, 0};  // SP
                 }
-              }
-            } else {
-              if (x.log2_S <= 14.485750675201416) {
-                if (x.skew_lo <= -0.40540558099746704) {
-                  if (x.log2_S <= 10.491722583770752) {
-                    if (x.skew_hi <= 5.171187877655029) {
-                      return {2, 64, 32, 1, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -0.5269793272018433) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 14.055456161499023) {
-                    return {4, 64, 64, 2, 0};  // SP
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
-                }
               } else {
-                if (x.log2_S <= 15.203991889953613) {
-                  if (x.skew_lo <= -0.8012281656265259) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 14.614699363708496) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 16.22990894317627) {
-                    if (x.skew_lo <= -0.5120396018028259) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
+                return {4, 8, 64, 32, 0};  // SP
               }
             }
           } else {
-            return {4, 8, 64, 32, 0};  // SP
-          }
-        } else {
-          if (x.log2_S <= 18.282529830932617) {
-            if (x.skew_lo <= 5.9973790645599365) {
-              if (x.log2_S <= 12.53868055343628) {
-                if (x.avg <= 27.093236923217773) {
-                  if (x.skew_lo <= 4.843417406082153) {
-                    if (x.skew_lo <= 2.0143983364105225) {
-                      if (x.skew_hi <= 5.499906301498413) {
-                        if (x.skew_hi <= 5.288355112075806) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.512891292572021) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.474636554718018) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.932084560394287) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
+            if (x.skew_lo <= -1.0486649870872498) {
+              if (x.log2_S <= 15.884121894836426) {
+                if (x.log2_S <= 12.982149600982666) {
+                  if (x.skew_lo <= -1.9273067116737366) {
+                    return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 10.149079322814941) {
+                      return {4, 32, 64, 8, 0};  // SP
                     } else {
-                      if (x.skew_hi <= 7.236102819442749) {
-                        return {1, 32, 8, 2, 1};  // SR
+                      if (x.log2_S <= 11.781637191772461) {
+                        return {4, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.avg <= 3.8474977016448975) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.397796154022217) {
-                            return {1, 32, 8, 4, 1};  // SR
+                        return {4, 32, 64, 8, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 64, 8, 0};  // SP
+                }
+              } else {
+                return {4, 8, 16, 32, 1};  // SR
+              }
+            } else {
+              if (x.skew_lo <= 4.854337215423584) {
+                if (x.avg <= 26.68053913116455) {
+                  if (x.log2_S <= 18.218070030212402) {
+                    if (x.log2_S <= 12.95778226852417) {
+                      if (x.skew_lo <= 4.047456979751587) {
+                        if (x.log2_S <= 12.196525573730469) {
+                          if (x.skew_hi <= 5.31133508682251) {
+                            return {4, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.avg <= 4.585625171661377) {
-                              return {1, 32, 8, 4, 1};  // SR
+                            return {1, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 6.074986696243286) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 2.7639262676239014) {
+                          return {1, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.248549938201904) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 3.4314037561416626) {
+                              return {2, 32, 8, 8, 1};  // SR
                             } else {
-                              return {1, 32, 8, 2, 1};  // SR
+                              return {1, 32, 8, 8, 1};  // SR
                             }
                           }
                         }
                       }
-                    }
-                  } else {
-                    if (x.avg <= 19.8883638381958) {
-                      if (x.log2_S <= 11.582975387573242) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.80153512954712) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 2.0210273265838623) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
                     } else {
-                      if (x.skew_hi <= 9.196974754333496) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
+                      if (x.skew_hi <= 8.60119104385376) {
                         return {4, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 1.6058717370033264) {
-                    if (x.log2_S <= 11.112940788269043) {
-                      if (x.skew_hi <= 3.041440963745117) {
-                        if (x.log2_S <= 9.14919662475586) {
-                          return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.273941993713379) {
+                          return {1, 32, 8, 8, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
                         }
-                      } else {
-                        if (x.skew_hi <= 5.0590314865112305) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
                       }
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 62.712005615234375) {
-                      if (x.skew_hi <= 8.151764392852783) {
-                        return {1, 32, 8, 4, 1};  // SR
+                    if (x.log2_S <= 18.782440185546875) {
+                      if (x.skew_lo <= 2.7414186000823975) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {2, 16, 16, 8, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 55.996957778930664) {
+                    if (x.log2_S <= 18.77219581604004) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 49.87450408935547) {
+                        return {2, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 2.27822707593441) {
+                          return {2, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 3.0030514001846313) {
+                      if (x.log2_S <= 14.153045654296875) {
+                        return {4, 32, 64, 8, 0};  // SP
                       } else {
                         return {4, 8, 8, 32, 1};  // SR
                       }
@@ -3311,137 +3357,77 @@ inline Config plain_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.skew_hi <= 8.814385890960693) {
-                  if (x.avg <= 4.703684329986572) {
-                    if (x.log2_S <= 14.151349544525146) {
-                      if (x.avg <= 3.2335565090179443) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.674398422241211) {
-                          return {1, 32, 8, 2, 1};  // SR
+                if (x.log2_S <= 16.48534393310547) {
+                  if (x.long_level <= 2.5) {
+                    if (x.avg <= 6.484396934509277) {
+                      if (x.log2_S <= 11.876124382019043) {
+                        if (x.avg <= 5.225169897079468) {
+                          return {1, 32, 8, 8, 1};  // SR
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.482944965362549) {
-                        if (x.skew_lo <= 3.8557459115982056) {
-                          return {2, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 14.657259941101074) {
-                    if (x.avg <= 2.2556591033935547) {
-                      return {1, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.365408897399902) {
-                        if (x.skew_lo <= 4.82916784286499) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {2, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 16.368270874023438) {
-                        if (x.avg <= 33.035648345947266) {
-                          return {2, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 5.6879777908325195) {
-                          if (x.log2_S <= 17.780938148498535) {
+                          if (x.log2_S <= 10.162801265716553) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
                             return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 12.568655014038086) {
+                          if (x.skew_hi <= 9.960822105407715) {
+                            if (x.log2_S <= 14.47246265411377) {
+                              if (x.log2_S <= 13.168447494506836) {
+                                return {1, 32, 8, 8, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 14.291073322296143) {
+                                  return {2, 32, 8, 2, 1};  // SR
+                                } else {
+                                  return {2, 32, 16, 4, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 14.857324123382568) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 6.647065162658691) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {2, 16, 16, 8, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {2, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.80553674697876) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 9.884843349456787) {
+                          if (x.skew_lo <= 5.331520080566406) {
+                            if (x.avg <= 28.34230136871338) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 16, 16, 8, 1};  // SR
+                            }
                           } else {
                             return {2, 16, 16, 8, 1};  // SR
                           }
                         } else {
-                          return {2, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_hi <= 14.048911094665527) {
-                if (x.avg <= 15.904970645904541) {
-                  if (x.log2_S <= 12.526609897613525) {
-                    if (x.skew_lo <= 10.012699604034424) {
-                      if (x.log2_S <= 11.59504222869873) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 11.121997356414795) {
-                          if (x.log2_S <= 11.899284362792969) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.91212797164917) {
-                            if (x.skew_lo <= 8.698665142059326) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 7.690192937850952) {
-                        if (x.log2_S <= 11.704996109008789) {
-                          return {4, 32, 8, 2, 8};  // PR
-                        } else {
-                          if (x.skew_lo <= 11.461276054382324) {
-                            return {2, 16, 64, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.308547019958496) {
-                              return {2, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {2, 16, 64, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        return {2, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.591023445129395) {
-                      if (x.skew_lo <= 10.678019046783447) {
-                        if (x.skew_hi <= 12.734373092651367) {
-                          if (x.skew_lo <= 10.203910827636719) {
-                            if (x.skew_hi <= 11.741946697235107) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 14.258676052093506) {
-                                if (x.log2_S <= 12.86238431930542) {
-                                  if (x.avg <= 2.9151488542556763) {
-                                    return {4, 8, 8, 32, 1};  // SR
-                                  } else {
-                                    return {1, 32, 8, 4, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 8, 8, 32, 1};  // SR
-                                }
+                          if (x.skew_hi <= 10.986623287200928) {
+                            if (x.log2_S <= 15.58680009841919) {
+                              if (x.skew_lo <= 6.062679290771484) {
+                                return {2, 16, 16, 8, 1};  // SR
                               } else {
-                                if (x.avg <= 3.37984836101532) {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              if (x.avg <= 11.972814559936523) {
+                                return {2, 16, 16, 8, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 16.360918045043945) {
                                   return {4, 8, 8, 32, 1};  // SR
                                 } else {
                                   return {2, 16, 16, 8, 1};  // SR
@@ -3451,123 +3437,117 @@ inline Config plain_config(const Features& f) {
                           } else {
                             return {2, 16, 16, 8, 1};  // SR
                           }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 12.533835411071777) {
+                      return {2, 16, 16, 8, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 7.624186277389526) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {2, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 12.286463737487793) {
+                    if (x.log2_S <= 18.084753036499023) {
+                      if (x.avg <= 2.7566055059432983) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 9.3284912109375) {
+                          return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.skew_hi <= 13.011967182159424) {
-                            if (x.avg <= 2.3612427711486816) {
-                              if (x.log2_S <= 14.250603675842285) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {2, 16, 16, 8, 1};  // SR
-                              }
+                          return {2, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {2, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 18.28691577911377) {
+                      return {2, 16, 16, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 19.82394027709961) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 22.308242797851562) {
+                          if (x.skew_hi <= 12.745815753936768) {
+                            if (x.avg <= 3.0654149055480957) {
+                              return {4, 8, 16, 32, 1};  // SR
                             } else {
                               return {2, 16, 16, 8, 1};  // SR
                             }
                           } else {
                             return {2, 16, 16, 8, 1};  // SR
                           }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.636590480804443) {
-                          return {2, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {2, 16, 64, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.228774070739746) {
-                        if (x.skew_hi <= 11.121155738830566) {
-                          return {4, 8, 8, 32, 1};  // SR
                         } else {
                           return {2, 16, 16, 8, 1};  // SR
                         }
-                      } else {
-                        return {2, 16, 16, 8, 1};  // SR
                       }
                     }
-                  }
-                } else {
-                  return {2, 16, 16, 8, 1};  // SR
-                }
-              } else {
-                if (x.skew_hi <= 18.022116661071777) {
-                  return {2, 16, 64, 2, 1};  // SR
-                } else {
-                  if (x.skew_lo <= 10.487829208374023) {
-                    return {2, 16, 16, 8, 1};  // SR
-                  } else {
-                    return {2, 16, 64, 2, 1};  // SR
                   }
                 }
               }
             }
-          } else {
-            if (x.skew_lo <= 10.634258270263672) {
-              if (x.avg <= 69.82763290405273) {
-                if (x.log2_S <= 18.615612030029297) {
-                  if (x.skew_lo <= 3.720238447189331) {
-                    if (x.skew_hi <= 4.484638690948486) {
-                      return {2, 16, 16, 8, 1};  // SR
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 30.47575092315674) {
-                      return {2, 16, 16, 8, 1};  // SR
-                    } else {
-                      if (x.long_level <= 2.5) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {2, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
+          }
+        } else {
+          if (x.skew_lo <= 10.442224025726318) {
+            if (x.avg <= 13.75773286819458) {
+              if (x.log2_S <= 17.835445404052734) {
+                if (x.skew_hi <= 15.07143259048462) {
                   return {2, 16, 16, 8, 1};  // SR
-                }
-              } else {
-                if (x.skew_hi <= 13.078551292419434) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 20.333820343017578) {
-                      if (x.skew_hi <= 3.2207319736480713) {
-                        return {2, 16, 16, 8, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= -0.6534841358661652) {
-                          if (x.log2_S <= 19.03976535797119) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_lo <= -0.25083909928798676) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {2, 16, 16, 8, 1};  // SR
-                    }
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                } else {
-                  return {2, 16, 16, 8, 1};  // SR
-                }
-              }
-            } else {
-              if (x.skew_lo <= 12.556979179382324) {
-                if (x.avg <= 3.6610625982284546) {
-                  if (x.skew_hi <= 19.501858711242676) {
-                    return {2, 16, 64, 2, 1};  // SR
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
                 } else {
                   return {2, 16, 64, 2, 1};  // SR
                 }
               } else {
+                if (x.skew_lo <= 10.320433616638184) {
+                  return {4, 8, 16, 32, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 19.21294593811035) {
+                    return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    return {2, 16, 16, 8, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 16.46609401702881) {
+                if (x.skew_hi <= 15.311147212982178) {
+                  return {4, 8, 16, 32, 1};  // SR
+                } else {
+                  if (x.log2_S <= 16.40732192993164) {
+                    return {2, 16, 64, 2, 1};  // SR
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                }
+              } else {
+                return {4, 8, 16, 32, 1};  // SR
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.183900356292725) {
+              return {2, 16, 16, 8, 1};  // SR
+            } else {
+              if (x.log2_S <= 19.92140769958496) {
                 return {2, 16, 64, 2, 1};  // SR
+              } else {
+                if (x.skew_lo <= 12.075051307678223) {
+                  if (x.avg <= 11.030424118041992) {
+                    return {2, 16, 64, 2, 1};  // SR
+                  } else {
+                    return {2, 16, 16, 8, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 2.6104406118392944) {
+                    return {2, 16, 64, 2, 1};  // SR
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
               }
             }
           }
@@ -3575,188 +3555,342 @@ inline Config plain_config(const Features& f) {
       } else {
         if (x.F <= 90.50966799187809) {
           if (x.long_level <= 2.5) {
-            if (x.log2_S <= 12.723645687103271) {
-              if (x.long_level <= 0.5) {
-                if (x.avg <= 2.2388030290603638) {
-                  if (x.log2_S <= 12.31150197982788) {
-                    if (x.avg <= 1.3405367732048035) {
-                      return {4, 64, 16, 2, 0};  // SP
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 18.0947904586792) {
+                if (x.log2_S <= 10.27264404296875) {
+                  if (x.avg <= 2.4004119634628296) {
+                    if (x.log2_S <= 9.131789684295654) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.avg <= 1.4391498565673828) {
-                        return {4, 64, 32, 1, 0};  // SP
+                      if (x.avg <= 1.5107312202453613) {
+                        return {2, 64, 16, 4, 0};  // SP
                       } else {
-                        return {4, 64, 16, 2, 0};  // SP
+                        return {4, 64, 64, 8, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 1.4875312447547913) {
-                      return {4, 64, 16, 2, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
+                    return {4, 8, 64, 32, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 10.551402568817139) {
-                    if (x.skew_lo <= -5.118013858795166) {
-                      if (x.log2_S <= 9.137726306915283) {
-                        if (x.skew_hi <= 0.04061774257570505) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 2.6694308519363403) {
-                        if (x.log2_S <= 9.340443134307861) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 64, 16, 2, 0};  // SP
-                        }
-                      } else {
-                        return {1, 32, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 8.953883171081543) {
-                      if (x.log2_S <= 11.174493789672852) {
-                        if (x.skew_lo <= -1.9379327893257141) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 4.274166822433472) {
-                          if (x.skew_hi <= 3.4584248065948486) {
-                            if (x.log2_S <= 11.657062530517578) {
-                              return {1, 32, 64, 2, 0};  // SP
+                  if (x.avg <= 14.20675277709961) {
+                    if (x.log2_S <= 12.126660346984863) {
+                      if (x.log2_S <= 11.351305961608887) {
+                        if (x.avg <= 5.316313743591309) {
+                          if (x.avg <= 1.588496446609497) {
+                            if (x.log2_S <= 11.029730319976807) {
+                              return {4, 64, 16, 2, 0};  // SP
                             } else {
-                              return {4, 32, 64, 4, 0};  // SP
+                              return {4, 64, 64, 8, 0};  // SP
                             }
                           } else {
-                            return {4, 8, 64, 32, 0};  // SP
+                            return {4, 64, 32, 4, 0};  // SP
                           }
                         } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.963311195373535) {
-                        return {2, 64, 32, 1, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -4.850416421890259) {
-                          return {4, 64, 32, 1, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -3.8023922443389893) {
-                            return {2, 64, 32, 1, 0};  // SP
+                          if (x.log2_S <= 11.00242567062378) {
+                            return {4, 64, 16, 2, 0};  // SP
                           } else {
                             return {4, 32, 64, 4, 0};  // SP
                           }
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.602835178375244) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -1.8724150657653809) {
+                        if (x.log2_S <= 15.210620403289795) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 7.669600963592529) {
+                            if (x.log2_S <= 17.587512969970703) {
+                              if (x.skew_lo <= -2.186210036277771) {
+                                return {2, 32, 64, 2, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 16.043254375457764) {
+                                  return {2, 32, 64, 2, 0};  // SP
+                                } else {
+                                  return {4, 8, 64, 32, 0};  // SP
+                                }
+                              }
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 15.719711780548096) {
+                          if (x.log2_S <= 12.602796077728271) {
+                            return {2, 64, 8, 4, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 4.750972032546997) {
+                              if (x.log2_S <= 14.549874305725098) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {2, 32, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              if (x.log2_S <= 15.424633979797363) {
+                                return {2, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.552327871322632) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 15.983243465423584) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.781312465667725) {
+                      if (x.log2_S <= 11.281573295593262) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.371540069580078) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 17.661022186279297) {
+                          if (x.avg <= 40.8400936126709) {
+                            return {2, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {2, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {2, 32, 64, 4, 0};  // SP
                         }
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 158.99461364746094) {
-                  if (x.avg <= 1.9740963578224182) {
-                    if (x.log2_S <= 11.416492938995361) {
-                      if (x.skew_hi <= 8.223482131958008) {
-                        return {2, 32, 8, 8, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      return {2, 32, 8, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.966440677642822) {
-                      if (x.skew_lo <= -0.9641850292682648) {
-                        if (x.log2_S <= 9.211440086364746) {
-                          return {2, 32, 8, 8, 1};  // SR
+                return {4, 16, 64, 4, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 12.82255506515503) {
+                if (x.avg <= 71.94491577148438) {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_hi <= 4.951015472412109) {
+                      if (x.avg <= 44.34928894042969) {
+                        if (x.log2_S <= 9.766465663909912) {
+                          if (x.avg <= 37.02664375305176) {
+                            return {2, 32, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
                         } else {
-                          return {4, 16, 8, 8, 1};  // SR
+                          return {2, 32, 16, 4, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 4.039096117019653) {
-                          if (x.skew_lo <= 3.8963816165924072) {
-                            if (x.avg <= 19.133957862854004) {
-                              if (x.skew_hi <= 6.1248939037323) {
-                                if (x.avg <= 17.762218475341797) {
-                                  if (x.log2_S <= 11.483650207519531) {
-                                    return {1, 32, 8, 4, 1};  // SR
-                                  } else {
-                                    return {2, 32, 8, 8, 1};  // SR
-                                  }
-                                } else {
-                                  if (x.log2_S <= 9.123920917510986) {
-                                    return {2, 32, 8, 8, 1};  // SR
-                                  } else {
-                                    return {4, 32, 8, 8, 1};  // SR
-                                  }
-                                }
+                        if (x.log2_S <= 10.749176979064941) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 3.900272250175476) {
+                        if (x.skew_hi <= 8.45754098892212) {
+                          if (x.log2_S <= 11.79322862625122) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 4.807550668716431) {
+                            if (x.log2_S <= 11.612946033477783) {
+                              if (x.skew_lo <= 4.600456714630127) {
+                                return {2, 64, 8, 4, 1};  // SR
                               } else {
-                                return {2, 32, 8, 8, 1};  // SR
+                                return {1, 32, 8, 8, 1};  // SR
                               }
                             } else {
                               return {2, 32, 8, 8, 1};  // SR
                             }
                           } else {
-                            if (x.avg <= 63.44000816345215) {
-                              if (x.skew_lo <= 4.014867782592773) {
-                                return {1, 32, 8, 4, 1};  // SR
+                            if (x.log2_S <= 11.582618236541748) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 12.160100936889648) {
+                                return {2, 32, 8, 2, 1};  // SR
                               } else {
                                 return {2, 32, 8, 8, 1};  // SR
                               }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.659667015075684) {
+                          if (x.log2_S <= 11.109591484069824) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 18.25815486907959) {
+                              return {2, 32, 8, 8, 1};  // SR
                             } else {
-                              return {2, 32, 8, 2, 1};  // SR
+                              return {2, 32, 16, 4, 1};  // SR
                             }
                           }
                         } else {
-                          return {2, 32, 8, 8, 1};  // SR
+                          if (x.skew_hi <= 6.396449327468872) {
+                            return {2, 32, 16, 4, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
                         }
                       }
-                    } else {
-                      if (x.avg <= 8.659587383270264) {
-                        return {2, 32, 8, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 9.308903694152832) {
+                      if (x.skew_lo <= 6.171653985977173) {
+                        return {2, 32, 8, 2, 1};  // SR
                       } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.skew_lo <= 1.2266747951507568) {
-                            if (x.log2_S <= 12.28647518157959) {
-                              if (x.skew_lo <= -0.6316394358873367) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.skew_hi <= 4.915029525756836) {
-                                  return {2, 32, 8, 8, 1};  // SR
-                                } else {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
+                        if (x.avg <= 3.5388211011886597) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 8.663233280181885) {
+                            return {2, 32, 8, 2, 1};  // SR
                           } else {
                             return {2, 32, 8, 8, 1};  // SR
                           }
+                        }
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 5.217325448989868) {
+                    if (x.avg <= 96.15451049804688) {
+                      if (x.log2_S <= 10.570057392120361) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 11.679365634918213) {
+                      if (x.avg <= 92.0791015625) {
+                        if (x.log2_S <= 10.882012844085693) {
+                          return {2, 32, 8, 2, 1};  // SR
                         } else {
-                          if (x.log2_S <= 12.276018142700195) {
-                            if (x.skew_lo <= 5.2403740882873535) {
-                              if (x.avg <= 60.68193817138672) {
-                                if (x.avg <= 46.16059684753418) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {2, 32, 8, 8, 1};  // SR
-                                }
+                          return {2, 32, 16, 4, 1};  // SR
+                        }
+                      } else {
+                        return {2, 32, 16, 4, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.472622871398926) {
+                  if (x.avg <= 3.45148503780365) {
+                    if (x.skew_lo <= 8.221670627593994) {
+                      if (x.log2_S <= 16.388249397277832) {
+                        if (x.log2_S <= 15.215833187103271) {
+                          if (x.log2_S <= 13.375922679901123) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 4.6916422843933105) {
+                              if (x.log2_S <= 14.348001480102539) {
+                                return {4, 8, 8, 32, 1};  // SR
                               } else {
-                                if (x.skew_hi <= 7.232082843780518) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {2, 32, 8, 2, 1};  // SR
-                                }
+                                return {2, 32, 16, 4, 1};  // SR
                               }
                             } else {
-                              return {4, 16, 16, 8, 1};  // SR
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 32, 16, 4, 1};  // SR
+                        }
+                      } else {
+                        return {2, 64, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 13.557348251342773) {
+                        if (x.log2_S <= 16.058115005493164) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.859568119049072) {
+                            return {2, 32, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 14.740292072296143) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 64, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 20.26651382446289) {
+                      if (x.log2_S <= 17.015016555786133) {
+                        if (x.log2_S <= 13.40046501159668) {
+                          if (x.long_level <= 1.5) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 11.034534454345703) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 16, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.967777132987976) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.475528717041016) {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 12.989125728607178) {
+                              return {2, 32, 16, 4, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 14.273659229278564) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 4, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 145.65769958496094) {
+                            if (x.skew_hi <= 9.277862071990967) {
+                              return {2, 32, 16, 4, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 15.87624454498291) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 16, 4, 1};  // SR
+                              }
                             }
                           } else {
                             return {4, 16, 16, 8, 1};  // SR
@@ -3766,313 +3900,155 @@ inline Config plain_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 4.347023367881775) {
-                    if (x.log2_S <= 9.136642456054688) {
-                      return {2, 32, 8, 8, 1};  // SR
-                    } else {
-                      return {4, 16, 8, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.941831111907959) {
-                      if (x.avg <= 162.73976135253906) {
-                        return {2, 32, 8, 8, 1};  // SR
-                      } else {
-                        return {2, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 6.189897060394287) {
-                        return {2, 16, 16, 8, 1};  // SR
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 15.900978565216064) {
-                  if (x.avg <= 6.658489465713501) {
-                    if (x.skew_hi <= 4.955683469772339) {
-                      if (x.log2_S <= 14.266431331634521) {
-                        if (x.skew_hi <= 3.6409579515457153) {
-                          return {4, 32, 64, 4, 0};  // SP
+                  if (x.skew_hi <= 4.0205488204956055) {
+                    if (x.skew_lo <= -1.3480958938598633) {
+                      if (x.log2_S <= 18.53804111480713) {
+                        if (x.avg <= 413.1492614746094) {
+                          return {4, 16, 16, 8, 1};  // SR
                         } else {
-                          if (x.skew_hi <= 4.522895097732544) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
+                          return {4, 16, 64, 4, 0};  // SP
                         }
                       } else {
                         return {4, 16, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 13.669008255004883) {
-                        if (x.skew_hi <= 5.476331949234009) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 5.643954753875732) {
-                            return {4, 64, 32, 1, 0};  // SP
-                          } else {
-                            return {4, 64, 16, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.888649463653564) {
-                      if (x.skew_hi <= 2.238941192626953) {
-                        return {2, 64, 32, 1, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.970938682556152) {
-                    if (x.skew_lo <= -3.2126119136810303) {
-                      if (x.avg <= 15.79127311706543) {
-                        if (x.log2_S <= 16.714415550231934) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 17.873201370239258) {
-                          return {2, 64, 32, 1, 0};  // SP
-                        } else {
-                          return {2, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {4, 16, 64, 4, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.80193519592285) {
-                  if (x.avg <= 19.435786247253418) {
-                    if (x.avg <= 3.5634260177612305) {
-                      if (x.skew_hi <= 12.189279079437256) {
-                        if (x.log2_S <= 13.392413139343262) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 13.067429065704346) {
-                          if (x.log2_S <= 15.048052310943604) {
-                            if (x.log2_S <= 13.731716632843018) {
-                              if (x.log2_S <= 12.860965728759766) {
-                                return {2, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_lo <= 8.696855068206787) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 15.16963243484497) {
-                            if (x.log2_S <= 13.637512683868408) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 14.167411804199219) {
-                                return {2, 32, 16, 2, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 14.69147253036499) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {2, 32, 16, 2, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            return {2, 32, 64, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.9454026222229) {
-                        if (x.skew_hi <= 8.94214916229248) {
-                          if (x.skew_hi <= 6.933532476425171) {
-                            if (x.log2_S <= 12.985815048217773) {
-                              return {2, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 15.772484302520752) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 13.030426502227783) {
-                              if (x.skew_hi <= 7.217730522155762) {
-                                return {2, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {2, 32, 8, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 18.27249526977539) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.61093521118164) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 2.0803290605545044) {
-                      if (x.log2_S <= 17.447508811950684) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.avg <= 39.76072692871094) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {2, 32, 16, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.13544225692749) {
+                      if (x.log2_S <= 20.373899459838867) {
                         return {4, 16, 16, 8, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 9.18845796585083) {
-                          if (x.log2_S <= 17.3450870513916) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 3.505678176879883) {
-                              return {2, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
+                        if (x.avg <= 118.75420379638672) {
+                          return {4, 16, 32, 4, 0};  // SP
                         } else {
-                          if (x.log2_S <= 15.904533386230469) {
-                            if (x.skew_lo <= 5.260372877120972) {
-                              return {2, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {2, 32, 16, 2, 1};  // SR
-                          }
+                          return {4, 16, 16, 8, 1};  // SR
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.skew_hi <= 12.80525541305542) {
-                    if (x.avg <= 19.39913558959961) {
-                      if (x.log2_S <= 19.140159606933594) {
-                        if (x.avg <= 4.148052930831909) {
-                          if (x.log2_S <= 18.348750114440918) {
-                            if (x.avg <= 2.62640118598938) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 4.275523900985718) {
+                  } else {
+                    if (x.avg <= 147.69068908691406) {
+                      if (x.skew_hi <= 13.298860549926758) {
+                        if (x.log2_S <= 18.53274631500244) {
+                          if (x.avg <= 18.616037368774414) {
+                            if (x.avg <= 7.386260509490967) {
+                              if (x.skew_lo <= 4.044050216674805) {
                                 return {4, 16, 16, 8, 1};  // SR
                               } else {
-                                return {2, 32, 16, 2, 1};  // SR
+                                if (x.skew_lo <= 8.9339280128479) {
+                                  return {2, 32, 16, 4, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
                               }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
                             }
                           } else {
-                            return {2, 32, 16, 2, 1};  // SR
+                            return {2, 32, 16, 4, 1};  // SR
                           }
                         } else {
-                          if (x.skew_hi <= 10.775164604187012) {
-                            if (x.log2_S <= 19.092565536499023) {
-                              return {4, 16, 16, 8, 1};  // SR
+                          if (x.skew_lo <= 0.7357799410820007) {
+                            if (x.log2_S <= 19.7791748046875) {
+                              return {2, 32, 16, 4, 1};  // SR
                             } else {
-                              if (x.long_level <= 1.5) {
-                                return {2, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
+                              return {4, 16, 32, 4, 0};  // SP
                             }
                           } else {
-                            if (x.avg <= 5.856895446777344) {
-                              if (x.skew_lo <= 7.80621337890625) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 2, 1};  // SR
-                              }
+                            if (x.skew_lo <= 6.2615368366241455) {
+                              return {2, 32, 16, 4, 1};  // SR
                             } else {
-                              return {2, 32, 16, 2, 1};  // SR
+                              if (x.avg <= 9.684666633605957) {
+                                return {2, 32, 16, 4, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
                             }
                           }
                         }
                       } else {
-                        if (x.avg <= 9.46740436553955) {
-                          return {2, 32, 16, 2, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 9.878738403320312) {
-                            return {2, 32, 16, 2, 1};  // SR
+                        return {2, 32, 64, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 2.598868250846863) {
+                        if (x.skew_lo <= 2.152285099029541) {
+                          if (x.skew_hi <= 5.760398864746094) {
+                            if (x.avg <= 368.8417053222656) {
+                              return {2, 32, 16, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 5.099515914916992) {
+                                return {2, 32, 16, 4, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            }
                           } else {
                             return {4, 16, 16, 8, 1};  // SR
                           }
+                        } else {
+                          return {2, 32, 16, 4, 1};  // SR
                         }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
                       }
-                    } else {
-                      return {2, 32, 16, 2, 1};  // SR
                     }
-                  } else {
-                    return {2, 32, 64, 2, 1};  // SR
                   }
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 18.02680778503418) {
-              if (x.log2_S <= 17.930871963500977) {
-                return {2, 32, 64, 2, 1};  // SR
-              } else {
-                if (x.skew_lo <= 10.760333061218262) {
-                  return {4, 16, 64, 4, 0};  // SP
-                } else {
-                  return {2, 32, 64, 2, 1};  // SR
-                }
-              }
-            } else {
-              if (x.avg <= 8.180042266845703) {
-                if (x.log2_S <= 19.869064331054688) {
-                  if (x.skew_lo <= 12.625013828277588) {
-                    if (x.avg <= 3.60599148273468) {
-                      return {4, 16, 64, 4, 0};  // SP
+            if (x.skew_hi <= 18.426963806152344) {
+              if (x.skew_hi <= 12.739284992218018) {
+                if (x.skew_lo <= 9.901244640350342) {
+                  if (x.log2_S <= 11.524065017700195) {
+                    return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 11.871807098388672) {
+                      return {4, 16, 16, 8, 1};  // SR
                     } else {
-                      if (x.log2_S <= 19.68709945678711) {
+                      if (x.avg <= 311.41957092285156) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.619096279144287) {
+                    return {2, 16, 16, 8, 1};  // SR
+                  } else {
+                    return {2, 32, 64, 2, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.11940860748291) {
+                  return {2, 32, 64, 2, 1};  // SR
+                } else {
+                  if (x.skew_lo <= 10.741901397705078) {
+                    if (x.skew_lo <= 7.408435821533203) {
+                      if (x.log2_S <= 17.215176582336426) {
                         return {2, 32, 64, 2, 1};  // SR
                       } else {
+                        if (x.log2_S <= 18.244686126708984) {
+                          return {4, 16, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 9.87170124053955) {
                         return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 32, 4, 0};  // SP
                       }
                     }
                   } else {
                     return {2, 32, 64, 2, 1};  // SR
                   }
+                }
+              }
+            } else {
+              if (x.avg <= 8.3391432762146) {
+                if (x.skew_lo <= 11.825672149658203) {
+                  return {2, 32, 64, 2, 1};  // SR
                 } else {
-                  if (x.skew_lo <= 11.371635437011719) {
+                  if (x.skew_hi <= 19.474773406982422) {
                     return {2, 32, 64, 2, 1};  // SR
                   } else {
                     return {4, 16, 64, 4, 0};  // SP
@@ -4084,513 +4060,509 @@ inline Config plain_config(const Features& f) {
             }
           }
         } else {
-          if (x.long_level <= 2.5) {
-            if (x.log2_S <= 15.164843559265137) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 13.350948333740234) {
-                  if (x.avg <= 3.221040964126587) {
-                    if (x.avg <= 1.3260369300842285) {
-                      if (x.log2_S <= 10.419370651245117) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 2, 1};  // SR
-                      }
+          if (x.log2_S <= 14.60057258605957) {
+            if (x.skew_lo <= 4.970083475112915) {
+              if (x.skew_lo <= -0.514622300863266) {
+                if (x.log2_S <= 10.070872783660889) {
+                  if (x.avg <= 78.31851196289062) {
+                    if (x.skew_hi <= 4.240509271621704) {
+                      return {2, 32, 64, 8, 0};  // SP
                     } else {
-                      if (x.skew_hi <= 5.339968919754028) {
-                        if (x.log2_S <= 11.883907794952393) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -1.544428825378418) {
-                            return {4, 64, 64, 1, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
-                        }
+                      if (x.avg <= 1.5558911561965942) {
+                        return {2, 32, 64, 8, 0};  // SP
                       } else {
-                        return {4, 64, 64, 2, 0};  // SP
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 10.759151458740234) {
-                      if (x.skew_lo <= -4.688968181610107) {
-                        return {4, 64, 64, 1, 0};  // SP
+                    if (x.skew_hi <= 2.9338364601135254) {
+                      if (x.log2_S <= 9.673434734344482) {
+                        return {4, 64, 16, 2, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 2.3706376552581787) {
-                          if (x.log2_S <= 9.155470371246338) {
-                            return {1, 32, 64, 2, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 9.96774959564209) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 10.504613876342773) {
-                                return {4, 64, 32, 1, 0};  // SP
-                              } else {
-                                return {4, 64, 64, 1, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
-                          return {1, 32, 64, 2, 0};  // SP
-                        }
+                        return {4, 64, 32, 4, 0};  // SP
                       }
                     } else {
-                      return {4, 64, 64, 1, 0};  // SP
+                      return {4, 32, 8, 8, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 2.741581082344055) {
-                    return {4, 64, 64, 2, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -1.1651320457458496) {
-                      if (x.log2_S <= 13.99833631515503) {
-                        return {4, 64, 64, 1, 0};  // SP
+                  if (x.avg <= 111.34780502319336) {
+                    if (x.skew_lo <= -2.534980058670044) {
+                      if (x.skew_lo <= -4.398292064666748) {
+                        if (x.log2_S <= 13.178452014923096) {
+                          if (x.log2_S <= 10.699594020843506) {
+                            if (x.log2_S <= 10.21351671218872) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {4, 64, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {2, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 64, 32, 4, 0};  // SP
+                        }
                       } else {
-                        if (x.skew_hi <= 3.42411208152771) {
+                        if (x.log2_S <= 10.238961696624756) {
                           return {4, 64, 64, 1, 0};  // SP
                         } else {
-                          return {4, 32, 64, 2, 0};  // SP
+                          return {4, 64, 32, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 5.601369380950928) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 14.902410507202148) {
-                          return {2, 32, 8, 2, 1};  // SR
+                      if (x.skew_hi <= 4.926545858383179) {
+                        if (x.log2_S <= 12.024700164794922) {
+                          if (x.long_level <= 0.5) {
+                            if (x.log2_S <= 11.00623607635498) {
+                              if (x.avg <= 3.2909395694732666) {
+                                return {4, 64, 32, 4, 0};  // SP
+                              } else {
+                                return {4, 64, 64, 1, 0};  // SP
+                              }
+                            } else {
+                              return {4, 64, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
                         } else {
-                          return {4, 64, 64, 2, 0};  // SP
+                          if (x.skew_lo <= -2.0104730129241943) {
+                            if (x.log2_S <= 13.365886688232422) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 64, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
                         }
+                      } else {
+                        return {4, 64, 32, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.8122183084487915) {
+                      if (x.log2_S <= 10.711942195892334) {
+                        if (x.skew_lo <= -1.9704818725585938) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 64, 32, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.789989471435547) {
+                        if (x.log2_S <= 10.956720352172852) {
+                          return {4, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 8, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 9.547335624694824) {
-                  if (x.avg <= 3.536437153816223) {
-                    if (x.log2_S <= 11.622847557067871) {
-                      if (x.long_level <= 1.5) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.avg <= 3.315812826156616) {
-                          return {2, 32, 8, 2, 1};  // SR
+                if (x.avg <= 7.363048315048218) {
+                  if (x.log2_S <= 11.863387107849121) {
+                    if (x.avg <= 2.3127808570861816) {
+                      if (x.long_level <= 0.5) {
+                        if (x.log2_S <= 9.216984748840332) {
+                          return {2, 32, 64, 8, 0};  // SP
                         } else {
-                          return {4, 16, 8, 8, 1};  // SR
+                          if (x.log2_S <= 9.802521228790283) {
+                            return {2, 32, 16, 2, 0};  // SP
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
                         }
+                      } else {
+                        return {2, 32, 8, 8, 1};  // SR
                       }
                     } else {
-                      if (x.skew_hi <= 12.416249752044678) {
-                        if (x.log2_S <= 12.453629970550537) {
-                          if (x.skew_lo <= 8.505434036254883) {
-                            if (x.skew_lo <= 7.089430570602417) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {2, 32, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_lo <= 7.086298227310181) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 9.008996486663818) {
-                          if (x.log2_S <= 13.73013973236084) {
-                            if (x.log2_S <= 13.002667903900146) {
-                              return {4, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 14.749813556671143) {
-                              return {2, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {2, 64, 16, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 13.606532096862793) {
-                            if (x.log2_S <= 12.758326053619385) {
-                              return {4, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 64, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 14.255213260650635) {
-                              return {2, 64, 16, 2, 1};  // SR
-                            } else {
-                              return {2, 64, 64, 1, 1};  // SR
-                            }
-                          }
-                        }
-                      }
+                      return {2, 64, 8, 4, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 12.626338958740234) {
-                      if (x.skew_lo <= 4.163461446762085) {
-                        if (x.skew_hi <= 7.12198281288147) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.951541423797607) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        }
+                    if (x.avg <= 2.677181839942932) {
+                      if (x.skew_hi <= 5.5608909130096436) {
+                        return {4, 64, 32, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.255817890167236) {
-                          if (x.avg <= 9.076099872589111) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 10.124108791351318) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
-                          }
+                        if (x.avg <= 2.4867388010025024) {
+                          return {2, 32, 8, 2, 1};  // SR
                         } else {
-                          return {4, 32, 8, 8, 1};  // SR
+                          return {2, 32, 8, 8, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 13.846677780151367) {
-                        if (x.skew_hi <= 9.411473274230957) {
-                          if (x.avg <= 6.190472364425659) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 12.900208473205566) {
-                            return {4, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 3.851918339729309) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 8, 1};  // SR
-                        }
-                      }
+                      return {4, 32, 8, 8, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.57596206665039) {
-                    if (x.skew_hi <= 6.147569179534912) {
-                      if (x.log2_S <= 11.54841136932373) {
-                        if (x.avg <= 124.83268737792969) {
-                          if (x.skew_lo <= 0.7608624398708344) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 10.813493251800537) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 32, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.016315937042236) {
-                          if (x.skew_lo <= 0.35703665018081665) {
-                            if (x.skew_hi <= 3.3865060806274414) {
-                              return {4, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 8, 8, 1};  // SR
-                        }
-                      }
+                  if (x.log2_S <= 14.055407047271729) {
+                    if (x.skew_hi <= 8.562655925750732) {
+                      return {4, 32, 8, 8, 1};  // SR
                     } else {
-                      if (x.avg <= 85.97138595581055) {
-                        if (x.avg <= 56.392799377441406) {
-                          if (x.avg <= 10.481618404388428) {
-                            if (x.long_level <= 1.5) {
-                              if (x.log2_S <= 12.764677047729492) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 32, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 10.005788326263428) {
-                              return {4, 32, 8, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 12.68785810470581) {
-                                return {4, 32, 8, 8, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 13.792134284973145) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 8, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 12.115021705627441) {
-                            if (x.skew_hi <= 7.727661371231079) {
-                              if (x.log2_S <= 9.217182159423828) {
-                                return {4, 32, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 8, 8, 1};  // SR
-                          }
-                        }
+                      if (x.log2_S <= 11.092514991760254) {
+                        return {2, 32, 8, 2, 1};  // SR
                       } else {
                         return {4, 32, 8, 8, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 18.71152687072754) {
-                      if (x.log2_S <= 15.004615306854248) {
-                        return {4, 32, 8, 8, 1};  // SR
-                      } else {
-                        return {2, 64, 16, 2, 1};  // SR
-                      }
+                    if (x.long_level <= 1.5) {
+                      return {4, 32, 8, 8, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 4.286904811859131) {
-                        if (x.skew_lo <= -1.047250509262085) {
-                          return {2, 64, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        return {2, 64, 16, 2, 1};  // SR
-                      }
+                      return {2, 64, 16, 2, 1};  // SR
                     }
                   }
                 }
               }
             } else {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 18.03830623626709) {
-                  if (x.skew_hi <= 3.044405937194824) {
-                    if (x.log2_S <= 17.066946983337402) {
-                      if (x.avg <= 8.972308158874512) {
-                        return {4, 64, 64, 1, 0};  // SP
+              if (x.skew_hi <= 12.185678482055664) {
+                if (x.long_level <= 2.5) {
+                  if (x.avg <= 1.9276495575904846) {
+                    if (x.log2_S <= 12.913841247558594) {
+                      if (x.skew_hi <= 11.544807434082031) {
+                        return {2, 64, 8, 4, 1};  // SR
                       } else {
-                        return {4, 64, 64, 2, 0};  // SP
+                        return {4, 32, 8, 8, 1};  // SR
                       }
                     } else {
-                      if (x.skew_hi <= 1.2166463136672974) {
-                        return {4, 64, 32, 1, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 2.2581573724746704) {
-                          return {4, 64, 64, 2, 0};  // SP
+                      return {2, 32, 8, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.98331356048584) {
+                      if (x.avg <= 4.407347202301025) {
+                        if (x.skew_lo <= 5.0435309410095215) {
+                          return {2, 32, 8, 8, 1};  // SR
                         } else {
-                          if (x.avg <= 10.82989501953125) {
-                            return {4, 32, 64, 4, 0};  // SP
+                          if (x.skew_hi <= 11.624661922454834) {
+                            if (x.avg <= 2.2231388092041016) {
+                              return {2, 32, 16, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
                           } else {
-                            return {4, 64, 64, 1, 0};  // SP
+                            return {2, 32, 16, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 5.8337647914886475) {
+                          if (x.log2_S <= 11.888591766357422) {
+                            if (x.skew_hi <= 8.938707828521729) {
+                              return {4, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 16, 4, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 9.091522216796875) {
+                            if (x.avg <= 6.3099188804626465) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {2, 32, 16, 4, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 16, 4, 1};  // SR
                           }
                         }
                       }
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.6015538573265076) {
-                      if (x.avg <= 6.67038631439209) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.16291046142578) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
                     } else {
-                      if (x.log2_S <= 16.773977279663086) {
-                        return {4, 64, 64, 2, 0};  // SP
+                      if (x.avg <= 15.888877391815186) {
+                        if (x.avg <= 3.942750573158264) {
+                          return {2, 32, 16, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.492084980010986) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {2, 64, 16, 2, 1};  // SR
+                          }
+                        }
                       } else {
-                        return {4, 32, 64, 2, 0};  // SP
+                        return {4, 32, 8, 8, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= -0.84873366355896) {
-                    if (x.log2_S <= 20.349987983703613) {
-                      if (x.log2_S <= 18.16885471343994) {
-                        if (x.skew_hi <= 3.690261721611023) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
+                  if (x.avg <= 75.13478469848633) {
+                    if (x.skew_hi <= 10.833513736724854) {
+                      return {2, 64, 16, 2, 1};  // SR
                     } else {
-                      if (x.avg <= 6.82152247428894) {
-                        return {4, 16, 64, 4, 0};  // SP
+                      if (x.skew_lo <= 9.673147678375244) {
+                        return {4, 16, 16, 8, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 1.1066396832466125) {
-                          return {4, 16, 64, 4, 0};  // SP
+                        if (x.skew_hi <= 11.793447971343994) {
+                          return {2, 64, 16, 2, 1};  // SR
                         } else {
-                          if (x.log2_S <= 20.743216514587402) {
-                            return {4, 32, 64, 4, 0};  // SP
+                          if (x.skew_lo <= 11.016094207763672) {
+                            return {2, 64, 64, 1, 1};  // SR
                           } else {
-                            return {4, 16, 64, 4, 0};  // SP
+                            return {2, 64, 16, 2, 1};  // SR
                           }
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 20.717775344848633) {
-                      return {4, 32, 64, 2, 0};  // SP
+                    if (x.skew_hi <= 9.31768798828125) {
+                      if (x.avg <= 198.25208282470703) {
+                        return {2, 64, 16, 2, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 5.432211399078369) {
+                          return {2, 64, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {4, 16, 64, 4, 0};  // SP
+                      return {4, 16, 16, 8, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.avg <= 3.901033401489258) {
-                  if (x.skew_hi <= 13.072341918945312) {
-                    if (x.log2_S <= 15.493375301361084) {
-                      if (x.skew_lo <= 4.357412338256836) {
-                        return {4, 32, 8, 8, 1};  // SR
+                if (x.long_level <= 2.5) {
+                  if (x.skew_hi <= 12.533961772918701) {
+                    if (x.log2_S <= 13.67892074584961) {
+                      if (x.skew_lo <= 8.793173789978027) {
+                        return {2, 32, 16, 4, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 10.989898681640625) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {2, 64, 16, 2, 1};  // SR
-                        }
+                        return {4, 32, 8, 8, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 18.902584075927734) {
-                        if (x.log2_S <= 15.757532119750977) {
-                          if (x.skew_hi <= 11.063581943511963) {
-                            return {2, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {2, 64, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          return {2, 64, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 2.4705296754837036) {
-                          return {2, 64, 16, 2, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 4.3229660987854) {
-                            return {2, 64, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
-                        }
-                      }
+                      return {4, 16, 16, 8, 1};  // SR
                     }
                   } else {
-                    if (x.skew_hi <= 13.484101295471191) {
-                      if (x.log2_S <= 18.725353240966797) {
-                        return {2, 64, 16, 2, 1};  // SR
-                      } else {
-                        return {2, 64, 64, 1, 1};  // SR
-                      }
+                    if (x.log2_S <= 14.001636981964111) {
+                      return {2, 64, 16, 2, 1};  // SR
                     } else {
                       return {2, 64, 64, 1, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 17.714122772216797) {
-                    if (x.skew_lo <= 4.021882772445679) {
-                      if (x.skew_hi <= 3.2552605867385864) {
-                        return {2, 64, 16, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.730714797973633) {
-                          if (x.avg <= 16.610304832458496) {
-                            if (x.log2_S <= 15.5556321144104) {
-                              return {4, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 0};  // SP
-                            }
-                          } else {
-                            return {2, 64, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_lo <= -0.20709339529275894) {
-                            if (x.log2_S <= 16.69856834411621) {
-                              return {2, 64, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {2, 64, 16, 2, 1};  // SR
-                    }
+                  if (x.skew_hi <= 13.829983234405518) {
+                    return {2, 64, 64, 1, 1};  // SR
                   } else {
-                    if (x.skew_hi <= 2.9971600770950317) {
-                      return {2, 64, 16, 2, 1};  // SR
+                    if (x.skew_lo <= 9.971997261047363) {
+                      return {4, 32, 32, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 18.295848846435547) {
-                        if (x.skew_lo <= 6.259843587875366) {
-                          return {4, 32, 8, 2, 0};  // SP
-                        } else {
-                          return {2, 64, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 0};  // SP
-                      }
+                      return {2, 64, 64, 1, 1};  // SR
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 17.342191696166992) {
-              if (x.log2_S <= 10.293467998504639) {
-                return {2, 64, 16, 2, 1};  // SR
-              } else {
-                if (x.log2_S <= 16.57252311706543) {
-                  if (x.log2_S <= 16.43150806427002) {
-                    return {2, 64, 64, 1, 1};  // SR
-                  } else {
-                    if (x.avg <= 3.6912423372268677) {
-                      return {4, 32, 64, 2, 0};  // SP
+            if (x.skew_hi <= 13.201686382293701) {
+              if (x.skew_lo <= -0.31308116018772125) {
+                if (x.avg <= 72.07375717163086) {
+                  if (x.log2_S <= 16.97846508026123) {
+                    if (x.avg <= 7.669600963592529) {
+                      if (x.log2_S <= 16.03287982940674) {
+                        if (x.log2_S <= 15.421733856201172) {
+                          return {4, 64, 32, 4, 0};  // SP
+                        } else {
+                          return {2, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.1771559715271) {
+                          if (x.skew_hi <= 3.2823610305786133) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.3583245277404785) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
                     } else {
-                      return {2, 64, 64, 1, 1};  // SR
+                      if (x.avg <= 31.861876487731934) {
+                        return {4, 64, 32, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 15.276896476745605) {
+                          return {4, 64, 32, 4, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -5.7515869140625) {
+                            return {4, 64, 64, 8, 0};  // SP
+                          } else {
+                            return {2, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 3.4083011150360107) {
+                      if (x.skew_lo <= -0.5815106332302094) {
+                        if (x.log2_S <= 19.196188926696777) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 2.424576997756958) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 20.46345615386963) {
+                              if (x.log2_S <= 19.884230613708496) {
+                                return {4, 32, 64, 8, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 20.47492504119873) {
+                        if (x.log2_S <= 17.955856323242188) {
+                          if (x.skew_lo <= -3.2377376556396484) {
+                            if (x.skew_hi <= 2.04336678981781) {
+                              return {4, 64, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 1, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 19.926288604736328) {
+                            return {4, 32, 64, 8, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 3.1582674980163574) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  if (x.avg <= 4.609552621841431) {
-                    return {4, 32, 64, 2, 0};  // SP
+                  if (x.log2_S <= 17.41802215576172) {
+                    if (x.skew_hi <= 2.8186503648757935) {
+                      return {4, 16, 16, 8, 1};  // SR
+                    } else {
+                      return {2, 64, 16, 2, 1};  // SR
+                    }
                   } else {
-                    if (x.avg <= 48.94609832763672) {
-                      if (x.skew_lo <= 11.04732370376587) {
-                        return {4, 32, 64, 4, 0};  // SP
+                    if (x.skew_lo <= -1.1438637971878052) {
+                      return {4, 32, 32, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.279099464416504) {
+                        return {2, 64, 16, 2, 1};  // SR
                       } else {
-                        return {2, 64, 64, 1, 1};  // SR
+                        return {4, 32, 32, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 16.10201644897461) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 20.41355323791504) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.374919414520264) {
+                    if (x.avg <= 14.347620964050293) {
+                      if (x.skew_lo <= 4.497277736663818) {
+                        if (x.skew_lo <= 3.872859001159668) {
+                          if (x.log2_S <= 14.820390224456787) {
+                            return {4, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 64, 64, 1, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 2.437544107437134) {
+                          if (x.skew_hi <= 11.386465549468994) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 64, 64, 1, 1};  // SR
+                          }
+                        } else {
+                          return {2, 64, 16, 2, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.log2_S <= 17.194652557373047) {
-                        return {2, 64, 64, 1, 1};  // SR
+                      if (x.skew_hi <= 4.521733522415161) {
+                        return {4, 32, 8, 8, 1};  // SR
                       } else {
-                        return {4, 32, 64, 4, 0};  // SP
+                        return {2, 64, 16, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 12.811704158782959) {
+                      return {2, 64, 16, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 19.067163467407227) {
+                        if (x.log2_S <= 16.507481575012207) {
+                          return {2, 64, 64, 1, 1};  // SR
+                        } else {
+                          return {2, 64, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        return {2, 64, 64, 1, 1};  // SR
                       }
                     }
                   }
                 }
               }
             } else {
-              return {4, 32, 64, 2, 0};  // SP
+              if (x.skew_hi <= 18.580001831054688) {
+                if (x.avg <= 5.178583860397339) {
+                  if (x.skew_hi <= 16.6032133102417) {
+                    return {2, 64, 64, 1, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 11.810496807098389) {
+                      return {4, 32, 32, 4, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 16.11359405517578) {
+                    if (x.skew_lo <= 10.047882556915283) {
+                      if (x.log2_S <= 15.577991485595703) {
+                        return {4, 32, 32, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 93.47591400146484) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 15.982850074768066) {
+                            return {2, 64, 64, 1, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      return {2, 64, 64, 1, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 32, 4, 0};  // SP
+                  }
+                }
+              } else {
+                return {4, 32, 64, 2, 0};  // SP
+              }
             }
           }
         }
@@ -4599,383 +4571,381 @@ inline Config plain_config(const Features& f) {
   }
 }
 
-// gathered rows: 379 cells of 46 graphs, 564 configs; distilled tree of depth 20, 1140 leaves; training set: oracle/pick geomean 0.993, worst cell 0.864
+// gathered rows: 379 cells of 46 graphs (and 116 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 18, 1143 leaves; training set: oracle/pick geomean 0.988, worst cell 0.750
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 17.57593059539795) {
-          if (x.skew_hi <= 13.252506256103516) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 13.790423393249512) {
-                if (x.log2_S <= 9.620311737060547) {
-                  if (x.skew_hi <= 4.394675016403198) {
-                    if (x.skew_hi <= 0.7074148654937744) {
-                      return {2, 16, 64, 2, 0};  // SP
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 1.4979559779167175) {
-                      if (x.skew_hi <= 5.624946355819702) {
-                        return {1, 16, 16, 8, 0};  // SP
+        if (x.log2_S <= 17.513739585876465) {
+          if (x.skew_lo <= -0.01051114546135068) {
+            if (x.log2_S <= 13.914167404174805) {
+              if (x.avg <= 152.18585205078125) {
+                if (x.log2_S <= 11.392211437225342) {
+                  if (x.avg <= 9.771468162536621) {
+                    if (x.log2_S <= 10.00968313217163) {
+                      if (x.avg <= 3.5517632961273193) {
+                        if (x.skew_lo <= -0.42869989573955536) {
+                          return {4, 16, 8, 2, 0};  // SP
+                        } else {
+                          return {1, 32, 64, 1, 0};  // SP
+                        }
                       } else {
-                        return {4, 32, 16, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 2.4238157272338867) {
-                        return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 5.179469585418701) {
-                    if (x.skew_lo <= -0.5685154497623444) {
-                      if (x.skew_hi <= 4.302456617355347) {
-                        if (x.log2_S <= 12.747971534729004) {
-                          if (x.log2_S <= 10.654659271240234) {
-                            return {1, 1, 64, 256, 0};  // SP
-                          } else {
-                            return {2, 16, 64, 2, 0};  // SP
-                          }
+                        if (x.skew_hi <= 3.27508807182312) {
+                          return {4, 64, 64, 2, 0};  // SP
                         } else {
                           return {1, 1, 64, 256, 0};  // SP
                         }
-                      } else {
-                        return {2, 16, 64, 2, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 12.970697402954102) {
-                        if (x.log2_S <= 11.102605819702148) {
-                          return {4, 32, 16, 8, 0};  // SP
-                        } else {
-                          if (x.avg <= 1.3306646347045898) {
-                            return {1, 16, 16, 8, 0};  // SP
-                          } else {
-                            return {1, 16, 64, 8, 0};  // SP
-                          }
-                        }
+                      if (x.skew_lo <= -0.40797197818756104) {
+                        return {1, 16, 64, 2, 0};  // SP
                       } else {
-                        return {2, 16, 64, 2, 0};  // SP
+                        return {1, 32, 64, 1, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 31.91652774810791) {
-                      if (x.log2_S <= 12.063135147094727) {
-                        if (x.avg <= 7.55456018447876) {
-                          if (x.log2_S <= 10.340964794158936) {
-                            return {1, 1, 64, 256, 0};  // SP
-                          } else {
-                            return {2, 16, 64, 2, 0};  // SP
-                          }
+                    if (x.skew_lo <= -4.629690408706665) {
+                      return {2, 32, 32, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 9.713434219360352) {
+                        if (x.avg <= 44.60906410217285) {
+                          return {4, 64, 64, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 10.017037868499756) {
-                            return {1, 1, 64, 256, 0};  // SP
+                          if (x.avg <= 84.87186431884766) {
+                            return {1, 32, 64, 2, 0};  // SP
                           } else {
-                            return {1, 8, 64, 32, 0};  // SP
+                            return {2, 32, 32, 2, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.skew_hi <= 3.3148335218429565) {
-                          return {1, 4, 64, 64, 0};  // SP
+                        if (x.skew_lo <= -1.110414445400238) {
+                          return {2, 32, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 5.1437530517578125) {
+                    if (x.avg <= 4.967391490936279) {
+                      if (x.log2_S <= 12.128983974456787) {
+                        return {1, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -1.1394893527030945) {
+                        if (x.log2_S <= 13.84475326538086) {
+                          if (x.log2_S <= 11.782086372375488) {
+                            if (x.skew_lo <= -3.9842830896377563) {
+                              return {2, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {1, 16, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {1, 16, 64, 2, 0};  // SP
+                          }
                         } else {
                           return {1, 8, 64, 32, 0};  // SP
                         }
+                      } else {
+                        if (x.log2_S <= 12.5175142288208) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 2, 0};  // SP
+                        }
                       }
-                    } else {
-                      return {2, 16, 64, 2, 0};  // SP
                     }
+                  } else {
+                    return {4, 16, 64, 8, 0};  // SP
                   }
                 }
               } else {
-                if (x.skew_hi <= 2.566335439682007) {
-                  if (x.skew_lo <= -5.516932964324951) {
-                    if (x.log2_S <= 16.20049285888672) {
-                      return {2, 16, 64, 2, 0};  // SP
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    return {1, 4, 64, 64, 0};  // SP
-                  }
+                if (x.log2_S <= 12.754691123962402) {
+                  return {1, 32, 64, 2, 0};  // SP
                 } else {
-                  if (x.avg <= 4.596886873245239) {
-                    if (x.avg <= 1.7144595980644226) {
-                      if (x.log2_S <= 15.949246883392334) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
+                  if (x.log2_S <= 13.214526653289795) {
+                    return {4, 32, 64, 4, 0};  // SP
                   } else {
-                    if (x.log2_S <= 16.01652240753174) {
-                      if (x.log2_S <= 13.988407611846924) {
-                        return {1, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 2, 32, 128, 0};  // SP
-                      }
-                    } else {
-                      return {1, 2, 64, 128, 0};  // SP
-                    }
+                    return {1, 32, 64, 2, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 12.219113826751709) {
-                if (x.long_level <= 1.5) {
-                  if (x.skew_lo <= -0.31524328887462616) {
-                    return {1, 1, 8, 256, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 4.6114888191223145) {
-                      if (x.log2_S <= 11.27460527420044) {
-                        if (x.avg <= 13.142067432403564) {
-                          if (x.skew_hi <= 7.12198281288147) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 3.888476610183716) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 3.3746527433395386) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.avg <= 3.935884475708008) {
-                                  return {1, 32, 8, 2, 1};  // SR
-                                } else {
-                                  return {1, 32, 8, 4, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 5.368608713150024) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 5.799562692642212) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        }
+              if (x.avg <= 74.7232780456543) {
+                if (x.skew_hi <= 3.4083698987960815) {
+                  if (x.avg <= 40.26407051086426) {
+                    if (x.avg <= 10.246745586395264) {
+                      if (x.log2_S <= 15.866975784301758) {
+                        return {1, 4, 64, 64, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 6.010646343231201) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 3.863913893699646) {
-                            if (x.log2_S <= 11.91050672531128) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            return {1, 32, 64, 4, 0};  // SP
-                          }
-                        }
+                        return {1, 2, 64, 128, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 11.155867576599121) {
-                        return {1, 32, 8, 2, 1};  // SR
+                      if (x.log2_S <= 14.653909683227539) {
+                        return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.062703132629395) {
-                          return {1, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 2, 0};  // SP
-                        }
+                        return {1, 4, 64, 64, 0};  // SP
                       }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.16993522644043) {
+                      return {1, 16, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 16, 8, 2, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 11.771193504333496) {
-                      if (x.skew_hi <= 10.137766361236572) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 7.039520502090454) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 36.822794914245605) {
-                        return {1, 2, 8, 128, 1};  // SR
+                  if (x.log2_S <= 15.893577098846436) {
+                    if (x.log2_S <= 14.63211965560913) {
+                      if (x.skew_hi <= 5.0923240184783936) {
+                        return {2, 16, 64, 4, 0};  // SP
                       } else {
                         return {1, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      if (x.long_level <= 0.5) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
                       }
                     }
                   } else {
-                    if (x.avg <= 41.417043685913086) {
-                      if (x.skew_lo <= 10.737462043762207) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 10.924642086029053) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 9.83051347732544) {
-                        if (x.avg <= 151.27530670166016) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 11.686737537384033) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      }
-                    }
+                    return {1, 1, 64, 256, 0};  // SP
                   }
                 }
               } else {
-                if (x.long_level <= 1.5) {
-                  if (x.skew_hi <= 3.4325344562530518) {
-                    if (x.log2_S <= 16.12707805633545) {
-                      if (x.log2_S <= 13.652753353118896) {
-                        return {4, 32, 32, 1, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
+                if (x.log2_S <= 16.5543155670166) {
+                  return {2, 16, 64, 4, 0};  // SP
+                } else {
+                  if (x.skew_hi <= 2.775680422782898) {
+                    return {1, 4, 64, 64, 0};  // SP
                   } else {
-                    if (x.log2_S <= 14.427204132080078) {
-                      if (x.avg <= 15.223529815673828) {
-                        if (x.skew_lo <= 3.3520857095718384) {
-                          return {1, 2, 8, 128, 1};  // SR
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.973660469055176) {
+              if (x.long_level <= 2.5) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 16.531049728393555) {
+                    if (x.skew_lo <= 3.933893918991089) {
+                      if (x.log2_S <= 10.650274753570557) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.344058513641357) {
+                          if (x.avg <= 12.975325584411621) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
                         } else {
-                          if (x.log2_S <= 12.871164798736572) {
-                            if (x.avg <= 3.2787922620773315) {
-                              return {2, 16, 64, 2, 0};  // SP
+                          if (x.skew_hi <= 7.263262033462524) {
+                            if (x.log2_S <= 13.532678127288818) {
+                              return {2, 2, 8, 128, 1};  // SR
                             } else {
-                              return {1, 4, 8, 64, 1};  // SR
+                              return {1, 1, 8, 256, 1};  // SR
                             }
                           } else {
-                            if (x.log2_S <= 13.731354236602783) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 8.830820560455322) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            }
+                            return {1, 4, 8, 64, 1};  // SR
                           }
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.163846492767334) {
+                        if (x.skew_lo <= 4.7776899337768555) {
+                          if (x.avg <= 3.539260745048523) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
+                        }
                       } else {
-                        return {1, 1, 8, 256, 1};  // SR
+                        if (x.log2_S <= 12.324806690216064) {
+                          if (x.skew_lo <= 4.91886568069458) {
+                            if (x.avg <= 2.634163498878479) {
+                              return {2, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 13.3264741897583) {
+                            if (x.avg <= 2.087348222732544) {
+                              return {2, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.290584564208984) {
+                      if (x.skew_hi <= 4.073930978775024) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
                       }
                     } else {
                       return {1, 1, 8, 256, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 15.353855609893799) {
-                    if (x.avg <= 15.27543020248413) {
-                      if (x.log2_S <= 13.83074426651001) {
-                        if (x.long_level <= 2.5) {
-                          if (x.avg <= 8.938267230987549) {
-                            return {1, 2, 8, 128, 1};  // SR
+                  if (x.skew_lo <= 1.8166390657424927) {
+                    return {1, 1, 8, 256, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 12.332333087921143) {
+                      if (x.skew_lo <= 6.289360523223877) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 7.481621026992798) {
+                          if (x.skew_lo <= 6.579777956008911) {
+                            return {2, 2, 8, 128, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 10.467406272888184) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
+                            return {1, 4, 8, 64, 1};  // SR
                           }
                         } else {
-                          if (x.skew_lo <= 11.53578519821167) {
-                            return {2, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
+                          return {2, 2, 8, 128, 1};  // SR
                         }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
                       }
                     } else {
-                      if (x.skew_hi <= 12.853831768035889) {
-                        if (x.log2_S <= 14.475779056549072) {
-                          return {1, 1, 8, 256, 1};  // SR
+                      if (x.skew_lo <= 5.249337673187256) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 13.534735679626465) {
+                          return {2, 2, 8, 128, 1};  // SR
                         } else {
-                          if (x.avg <= 40.43856239318848) {
-                            return {1, 1, 8, 256, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
+                          return {1, 1, 8, 256, 1};  // SR
                         }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 10.753815650939941) {
+                  return {1, 1, 8, 256, 1};  // SR
+                } else {
+                  if (x.avg <= 6.470313549041748) {
+                    if (x.skew_hi <= 13.736949920654297) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 13.271619319915771) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 14.587109565734863) {
+                  if (x.skew_hi <= 7.062129259109497) {
+                    return {1, 1, 8, 256, 1};  // SR
+                  } else {
+                    return {1, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_lo <= 0.19291313737630844) {
+                    return {1, 32, 8, 4, 32};  // PR
+                  } else {
+                    return {1, 1, 8, 256, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.avg <= 7.783306360244751) {
+                  if (x.log2_S <= 15.59317922592163) {
+                    if (x.skew_hi <= 13.808008670806885) {
+                      if (x.log2_S <= 15.09206247329712) {
+                        return {1, 1, 8, 256, 1};  // SR
                       } else {
                         return {2, 32, 8, 2, 32};  // PR
                       }
+                    } else {
+                      if (x.skew_hi <= 15.128245830535889) {
+                        if (x.avg <= 6.09915018081665) {
+                          return {2, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
                     }
                   } else {
-                    if (x.skew_lo <= 7.572525501251221) {
+                    if (x.skew_hi <= 11.269091129302979) {
                       return {2, 32, 8, 2, 32};  // PR
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
                     }
                   }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 13.664606094360352) {
-              if (x.avg <= 7.3323259353637695) {
-                return {1, 32, 8, 4, 32};  // PR
-              } else {
-                return {2, 32, 8, 2, 32};  // PR
-              }
-            } else {
-              if (x.skew_hi <= 16.26284885406494) {
-                return {1, 32, 8, 4, 32};  // PR
-              } else {
-                if (x.skew_lo <= 9.28190565109253) {
-                  if (x.skew_hi <= 17.064334869384766) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {1, 32, 8, 4, 32};  // PR
-                  }
                 } else {
-                  return {1, 32, 8, 4, 32};  // PR
+                  if (x.avg <= 24.96692943572998) {
+                    if (x.skew_lo <= 7.0241522789001465) {
+                      if (x.log2_S <= 15.405632495880127) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.skew_hi <= 17.057514190673828) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.452235221862793) {
+                      if (x.long_level <= 2.5) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
                 }
               }
             }
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.avg <= 7.749627590179443) {
-              if (x.skew_lo <= -2.189807891845703) {
-                if (x.log2_S <= 23.986029624938965) {
-                  if (x.log2_S <= 18.03539276123047) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {1, 1, 64, 256, 0};  // SP
-                  }
-                } else {
-                  return {1, 2, 64, 128, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 17.86143684387207) {
+            if (x.skew_hi <= 3.2263712882995605) {
+              if (x.skew_hi <= 1.272024929523468) {
+                if (x.skew_lo <= -5.791802883148193) {
                   return {2, 32, 8, 2, 32};  // PR
                 } else {
-                  return {1, 1, 64, 256, 0};  // SP
+                  if (x.log2_S <= 18.097597122192383) {
+                    return {1, 4, 64, 64, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 23.777668952941895) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {1, 4, 64, 64, 0};  // SP
+                    }
+                  }
                 }
-              }
-            } else {
-              if (x.avg <= 22.972240447998047) {
-                if (x.skew_hi <= 2.0002771615982056) {
-                  if (x.log2_S <= 23.302178382873535) {
-                    if (x.log2_S <= 17.803194999694824) {
+              } else {
+                if (x.avg <= 15.79049301147461) {
+                  return {1, 2, 64, 128, 0};  // SP
+                } else {
+                  if (x.log2_S <= 22.10179901123047) {
+                    if (x.log2_S <= 17.79790496826172) {
                       return {1, 4, 64, 64, 0};  // SP
                     } else {
                       return {1, 32, 16, 4, 32};  // PR
@@ -4983,66 +4953,68 @@ inline Config gathered_config(const Features& f) {
                   } else {
                     return {1, 2, 64, 128, 0};  // SP
                   }
+                }
+              }
+            } else {
+              if (x.avg <= 3.8895316123962402) {
+                return {1, 1, 64, 256, 0};  // SP
+              } else {
+                if (x.log2_S <= 23.681161880493164) {
+                  return {1, 1, 64, 256, 0};  // SP
                 } else {
                   return {1, 2, 64, 128, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 24.22067642211914) {
-                  if (x.log2_S <= 18.505183219909668) {
-                    if (x.avg <= 41.65530776977539) {
-                      if (x.log2_S <= 17.912983894348145) {
-                        return {1, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {1, 32, 16, 4, 32};  // PR
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    return {1, 32, 8, 4, 32};  // PR
-                  }
-                } else {
-                  if (x.avg <= 39.031742095947266) {
-                    return {4, 2, 32, 128, 0};  // SP
-                  } else {
-                    return {1, 4, 64, 64, 0};  // SP
-                  }
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 17.81416130065918) {
-              if (x.log2_S <= 21.5726261138916) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 18.6427001953125) {
-                    if (x.skew_lo <= 0.26851998269557953) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
+            if (x.skew_hi <= 18.14356517791748) {
+              if (x.log2_S <= 20.627304077148438) {
+                if (x.skew_lo <= 4.171118974685669) {
+                  if (x.avg <= 33.17059898376465) {
+                    if (x.log2_S <= 18.149429321289062) {
                       return {1, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 3.945151686668396) {
-                      if (x.skew_lo <= -0.3387530744075775) {
-                        if (x.log2_S <= 19.91261577606201) {
-                          if (x.log2_S <= 18.83590316772461) {
-                            return {1, 32, 8, 4, 32};  // PR
-                          } else {
-                            return {1, 32, 16, 4, 32};  // PR
-                          }
+                    } else {
+                      if (x.skew_lo <= 1.6862144470214844) {
+                        if (x.log2_S <= 19.671321868896484) {
+                          return {1, 32, 16, 4, 32};  // PR
                         } else {
                           return {1, 32, 8, 4, 32};  // PR
                         }
                       } else {
-                        return {1, 32, 16, 4, 32};  // PR
+                        if (x.skew_lo <= 4.015668034553528) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 128.11433029174805) {
+                      if (x.log2_S <= 19.048951148986816) {
+                        if (x.skew_lo <= 0.047612424939870834) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        if (x.skew_hi <= 7.149427175521851) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
                       }
                     } else {
-                      return {1, 32, 8, 4, 32};  // PR
+                      return {2, 32, 8, 2, 32};  // PR
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 3.9966801404953003) {
-                    if (x.log2_S <= 19.51582908630371) {
-                      return {2, 32, 8, 2, 32};  // PR
+                  if (x.skew_hi <= 9.93220043182373) {
+                    if (x.log2_S <= 18.50163459777832) {
+                      if (x.long_level <= 1.5) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
                     }
@@ -5054,404 +5026,488 @@ inline Config gathered_config(const Features& f) {
                 return {1, 32, 8, 4, 32};  // PR
               }
             } else {
-              if (x.skew_hi <= 22.96383762359619) {
-                if (x.skew_hi <= 21.628267288208008) {
-                  if (x.skew_hi <= 17.947205543518066) {
-                    if (x.skew_lo <= 10.780471324920654) {
+              if (x.skew_hi <= 23.0170841217041) {
+                if (x.skew_hi <= 21.740513801574707) {
+                  if (x.skew_lo <= 9.821366786956787) {
+                    if (x.skew_hi <= 19.51092529296875) {
                       return {1, 32, 16, 4, 32};  // PR
                     } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 19.8482027053833) {
-                      return {1, 32, 16, 4, 32};  // PR
-                    } else {
-                      if (x.skew_hi <= 20.081937789916992) {
-                        if (x.skew_lo <= 9.745723724365234) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.avg <= 9.02162790298462) {
+                      if (x.log2_S <= 20.58735942840576) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.skew_lo <= 5.884916067123413) {
+                          if (x.skew_hi <= 21.514110565185547) {
                             return {1, 32, 16, 4, 32};  // PR
                           } else {
-                            return {1, 32, 8, 4, 32};  // PR
+                            return {2, 32, 8, 2, 32};  // PR
                           }
+                        } else {
+                          return {1, 32, 16, 4, 32};  // PR
                         }
-                      } else {
-                        return {1, 32, 16, 4, 32};  // PR
                       }
+                    }
+                  } else {
+                    if (x.skew_hi <= 18.449251174926758) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {1, 32, 16, 4, 32};  // PR
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 11.719985961914062) {
-                    return {2, 32, 8, 2, 32};  // PR
+                  if (x.skew_hi <= 22.28549289703369) {
+                    if (x.avg <= 5.048198699951172) {
+                      return {1, 32, 16, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
                   } else {
-                    return {1, 32, 16, 4, 32};  // PR
+                    return {2, 32, 8, 2, 32};  // PR
                   }
                 }
               } else {
-                if (x.avg <= 21.37605094909668) {
-                  return {1, 32, 8, 4, 32};  // PR
-                } else {
-                  if (x.avg <= 60.84713554382324) {
-                    return {2, 32, 8, 2, 32};  // PR
+                if (x.skew_lo <= 9.567477226257324) {
+                  if (x.avg <= 131.08208465576172) {
+                    if (x.skew_lo <= 8.023331642150879) {
+                      if (x.avg <= 77.39537811279297) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
                   } else {
                     return {1, 32, 8, 4, 32};  // PR
                   }
+                } else {
+                  return {1, 32, 8, 4, 32};  // PR
                 }
               }
             }
           }
         }
       } else {
-        if (x.log2_S <= 16.18247127532959) {
-          if (x.long_level <= 1.5) {
-            if (x.skew_lo <= -0.12325873598456383) {
-              if (x.avg <= 60.677162170410156) {
-                if (x.log2_S <= 12.664171695709229) {
-                  if (x.log2_S <= 9.654581546783447) {
-                    if (x.skew_hi <= 4.213933944702148) {
-                      return {1, 2, 64, 128, 0};  // SP
+        if (x.log2_S <= 17.77950954437256) {
+          if (x.skew_lo <= 0.13358601182699203) {
+            if (x.skew_lo <= -3.392714262008667) {
+              if (x.log2_S <= 11.747602462768555) {
+                if (x.skew_hi <= 1.8202266693115234) {
+                  return {2, 16, 64, 2, 0};  // SP
+                } else {
+                  if (x.log2_S <= 9.55467939376831) {
+                    return {2, 16, 64, 2, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 10.545238018035889) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -0.8573288917541504) {
-                        return {1, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 1.2971502542495728) {
-                          return {2, 32, 32, 2, 0};  // SP
-                        } else {
-                          if (x.avg <= 1.5560316443443298) {
-                            return {2, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
+                      return {2, 16, 64, 2, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 15.583030700683594) {
+                  if (x.log2_S <= 12.888395309448242) {
+                    if (x.log2_S <= 12.120866775512695) {
+                      return {4, 16, 8, 2, 0};  // SP
+                    } else {
+                      return {2, 16, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -0.6275026500225067) {
-                      if (x.log2_S <= 11.969523429870605) {
-                        if (x.avg <= 38.745439529418945) {
-                          if (x.log2_S <= 11.33836555480957) {
-                            if (x.log2_S <= 10.60100507736206) {
-                              if (x.avg <= 1.8177459239959717) {
-                                return {1, 16, 64, 4, 0};  // SP
-                              } else {
-                                return {1, 32, 64, 4, 0};  // SP
-                              }
-                            } else {
-                              if (x.avg <= 12.854568481445312) {
-                                if (x.skew_hi <= 3.947342872619629) {
-                                  return {1, 16, 64, 4, 0};  // SP
-                                } else {
-                                  return {1, 32, 64, 4, 0};  // SP
-                                }
-                              } else {
-                                return {1, 32, 64, 4, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {1, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 10.432404518127441) {
-                            return {1, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 8.403712034225464) {
-                          return {1, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.248444080352783) {
-                        if (x.skew_hi <= 5.603302955627441) {
-                          return {2, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {2, 32, 32, 2, 0};  // SP
-                        }
+                    if (x.skew_lo <= -5.525136232376099) {
+                      if (x.log2_S <= 13.754368305206299) {
+                        return {2, 16, 64, 4, 0};  // SP
                       } else {
                         return {2, 16, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -4.383846998214722) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.724335670471191) {
+                          if (x.avg <= 13.684576988220215) {
+                            if (x.log2_S <= 14.08548879623413) {
+                              return {2, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 10.287272453308105) {
-                    if (x.avg <= 1.8240204453468323) {
-                      if (x.log2_S <= 14.025221347808838) {
-                        return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 7.04668664932251) {
-                        if (x.avg <= 3.0888947248458862) {
-                          if (x.log2_S <= 13.823988437652588) {
-                            return {1, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 14.678096294403076) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 2, 64, 128, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 13.671759605407715) {
-                          return {1, 2, 64, 128, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 14.281573295593262) {
-                            return {1, 4, 64, 64, 0};  // SP
-                          } else {
-                            return {4, 2, 64, 128, 0};  // SP
-                          }
-                        }
-                      }
-                    }
+                  if (x.avg <= 54.05508995056152) {
+                    return {1, 4, 64, 64, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 0.5179832577705383) {
-                      if (x.log2_S <= 15.316551208496094) {
-                        return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
+                    if (x.log2_S <= 17.167526245117188) {
+                      return {2, 16, 64, 2, 0};  // SP
                     } else {
                       return {1, 4, 64, 64, 0};  // SP
                     }
                   }
                 }
-              } else {
-                if (x.log2_S <= 12.32127571105957) {
-                  if (x.long_level <= 0.5) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {1, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_lo <= -0.5480948090553284) {
-                    return {2, 16, 64, 2, 0};  // SP
-                  } else {
-                    return {2, 1, 8, 256, 1};  // SR
-                  }
-                }
               }
             } else {
-              if (x.log2_S <= 13.14193344116211) {
-                if (x.avg <= 5.293792963027954) {
-                  if (x.log2_S <= 11.212320804595947) {
-                    if (x.avg <= 4.252789258956909) {
-                      if (x.skew_lo <= 4.662614107131958) {
-                        if (x.skew_lo <= 4.366283655166626) {
-                          if (x.long_level <= 0.5) {
-                            return {2, 32, 32, 2, 0};  // SP
-                          } else {
-                            return {1, 32, 8, 8, 1};  // SR
-                          }
+              if (x.avg <= 212.9891586303711) {
+                if (x.log2_S <= 15.735571384429932) {
+                  if (x.log2_S <= 10.993841648101807) {
+                    if (x.avg <= 35.13216590881348) {
+                      if (x.log2_S <= 8.209092140197754) {
+                        if (x.avg <= 2.917795419692993) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          return {1, 4, 8, 64, 1};  // SR
+                          return {1, 2, 64, 128, 0};  // SP
                         }
                       } else {
-                        return {1, 32, 8, 8, 1};  // SR
+                        if (x.skew_lo <= -0.42869989573955536) {
+                          if (x.log2_S <= 8.986793518066406) {
+                            if (x.avg <= 3.027379870414734) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {1, 2, 64, 128, 0};  // SP
+                            }
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 9.336389064788818) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.45723009109497) {
+                              return {1, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {2, 32, 32, 2, 0};  // SP
+                            }
+                          }
+                        }
                       }
                     } else {
-                      return {1, 16, 8, 8, 1};  // SR
+                      if (x.avg <= 71.45730590820312) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -1.189532995223999) {
+                          if (x.log2_S <= 9.691736698150635) {
+                            if (x.skew_hi <= 2.6876140832901) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 81.32687759399414) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 12.558715343475342) {
-                      if (x.avg <= 2.3593838214874268) {
-                        return {2, 16, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.993383407592773) {
-                          if (x.skew_hi <= 8.527854442596436) {
-                            return {2, 32, 32, 2, 0};  // SP
+                    if (x.log2_S <= 14.641735076904297) {
+                      if (x.log2_S <= 12.28660249710083) {
+                        if (x.skew_lo <= -0.22203987836837769) {
+                          if (x.skew_hi <= 5.38855504989624) {
+                            if (x.avg <= 149.78323364257812) {
+                              if (x.skew_lo <= -2.8497869968414307) {
+                                return {4, 16, 8, 2, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 12.229760646820068) {
+                                  return {2, 16, 64, 4, 0};  // SP
+                                } else {
+                                  return {4, 16, 8, 2, 0};  // SP
+                                }
+                              }
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
                           } else {
-                            return {1, 32, 64, 4, 0};  // SP
+                            return {2, 16, 64, 2, 0};  // SP
                           }
                         } else {
-                          return {1, 4, 8, 64, 1};  // SR
+                          if (x.long_level <= 0.5) {
+                            return {2, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 8, 0};  // SP
+                          }
                         }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
                       }
                     } else {
-                      return {1, 4, 8, 64, 1};  // SR
+                      if (x.avg <= 69.11760711669922) {
+                        if (x.skew_hi <= 3.3886070251464844) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {2, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.930304527282715) {
-                    if (x.skew_lo <= 3.113540530204773) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.036684513092041) {
-                        if (x.log2_S <= 9.363085746765137) {
-                          return {1, 4, 8, 64, 1};  // SR
+                  if (x.avg <= 7.217748641967773) {
+                    if (x.log2_S <= 16.485180854797363) {
+                      if (x.skew_hi <= 5.018493175506592) {
+                        if (x.skew_hi <= 3.601378083229065) {
+                          return {4, 2, 64, 128, 0};  // SP
                         } else {
-                          return {1, 16, 8, 8, 1};  // SR
+                          return {1, 2, 64, 128, 0};  // SP
                         }
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
+                        return {2, 32, 8, 2, 32};  // PR
                       }
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= 2.4352970123291016) {
-                      if (x.log2_S <= 12.439984798431396) {
-                        if (x.skew_hi <= 5.816057443618774) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
+                    if (x.skew_lo <= -0.21853965520858765) {
+                      if (x.avg <= 8.906202793121338) {
+                        return {4, 2, 64, 128, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 4.838351488113403) {
-                          return {2, 1, 8, 256, 1};  // SR
+                        if (x.log2_S <= 17.238792419433594) {
+                          if (x.long_level <= 0.5) {
+                            return {1, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 2, 0};  // SP
+                          }
                         } else {
-                          return {2, 2, 8, 128, 1};  // SR
+                          if (x.skew_lo <= -1.3521909713745117) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
                         }
                       }
                     } else {
-                      return {1, 4, 8, 64, 1};  // SR
+                      return {2, 1, 8, 256, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.avg <= 19.44492816925049) {
-                  if (x.log2_S <= 14.957752227783203) {
-                    if (x.avg <= 9.166633605957031) {
-                      if (x.log2_S <= 14.445833206176758) {
-                        if (x.skew_hi <= 7.47041654586792) {
-                          if (x.log2_S <= 13.513487339019775) {
-                            return {2, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 7.3168418407440186) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
+                if (x.log2_S <= 13.81274938583374) {
+                  return {4, 32, 64, 4, 0};  // SP
+                } else {
+                  if (x.log2_S <= 15.615918636322021) {
+                    return {2, 16, 64, 4, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 6.4787633419036865) {
-                      if (x.skew_lo <= 0.9330601552501321) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
-                      }
+                    if (x.log2_S <= 17.46261215209961) {
+                      return {2, 16, 64, 2, 0};  // SP
                     } else {
-                      return {2, 2, 8, 128, 1};  // SR
+                      return {4, 32, 8, 2, 16};  // PR
                     }
                   }
-                } else {
-                  return {2, 1, 8, 256, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.log2_S <= 13.30801248550415) {
-              if (x.log2_S <= 12.983900547027588) {
-                return {1, 2, 8, 128, 1};  // SR
-              } else {
-                if (x.avg <= 22.77950382232666) {
-                  return {1, 2, 8, 128, 1};  // SR
-                } else {
-                  return {2, 1, 8, 256, 1};  // SR
-                }
-              }
-            } else {
-              if (x.skew_hi <= 13.508289337158203) {
-                if (x.avg <= 7.017711639404297) {
-                  if (x.log2_S <= 15.331495761871338) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 8.15245008468628) {
-                      return {2, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 15.530968189239502) {
-                        return {2, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 7.996427774429321) {
-                    if (x.log2_S <= 14.840030193328857) {
-                      return {2, 1, 8, 256, 1};  // SR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 14.42781114578247) {
-                      if (x.avg <= 16.46875762939453) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 13.370813846588135) {
-                          return {2, 1, 8, 256, 1};  // SR
+            if (x.skew_hi <= 14.615904331207275) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 13.489943027496338) {
+                  if (x.avg <= 26.65761661529541) {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_hi <= 7.023953914642334) {
+                        if (x.log2_S <= 12.356048107147217) {
+                          if (x.skew_hi <= 5.402637720108032) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.avg <= 9.349217891693115) {
+                              if (x.log2_S <= 9.307254314422607) {
+                                return {1, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
                         } else {
-                          return {1, 32, 8, 4, 32};  // PR
+                          if (x.avg <= 15.39047908782959) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.665477752685547) {
+                          if (x.skew_lo <= 3.8958224058151245) {
+                            if (x.log2_S <= 11.28010368347168) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 12.537553787231445) {
+                                if (x.log2_S <= 11.852010250091553) {
+                                  return {1, 4, 8, 64, 1};  // SR
+                                } else {
+                                  return {4, 8, 8, 32, 1};  // SR
+                                }
+                              } else {
+                                return {1, 4, 8, 64, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 12.40092420578003) {
+                              if (x.skew_hi <= 8.422487258911133) {
+                                if (x.log2_S <= 11.194541454315186) {
+                                  if (x.skew_hi <= 8.025947093963623) {
+                                    return {1, 32, 8, 8, 1};  // SR
+                                  } else {
+                                    return {1, 32, 8, 4, 1};  // SR
+                                  }
+                                } else {
+                                  if (x.log2_S <= 11.871450424194336) {
+                                    return {2, 32, 32, 2, 0};  // SP
+                                  } else {
+                                    return {1, 32, 8, 4, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                if (x.skew_lo <= 4.52416729927063) {
+                                  return {2, 16, 8, 4, 1};  // SR
+                                } else {
+                                  return {4, 32, 64, 2, 0};  // SP
+                                }
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.058709144592285) {
+                            if (x.skew_hi <= 8.21303939819336) {
+                              return {1, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 13.156009674072266) {
+                              if (x.avg <= 1.9276495575904846) {
+                                return {4, 16, 64, 8, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 11.58845043182373) {
+                                  return {2, 16, 64, 2, 0};  // SP
+                                } else {
+                                  return {4, 16, 64, 8, 0};  // SP
+                                }
+                              }
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          }
                         }
                       }
                     } else {
+                      if (x.avg <= 16.614925384521484) {
+                        return {1, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.045775413513184) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.187084197998047) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 5.8472747802734375) {
+                        return {2, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_hi <= 5.8953118324279785) {
                       return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 17.289133071899414) {
+                        if (x.log2_S <= 14.593778133392334) {
+                          if (x.skew_lo <= 2.9984086751937866) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 11.618351459503174) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.691575050354004) {
+                              if (x.skew_hi <= 6.006035804748535) {
+                                return {2, 1, 8, 256, 1};  // SR
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {2, 1, 8, 256, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {2, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.119815349578857) {
+                      return {2, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 8.215315818786621) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.skew_lo <= 7.643622398376465) {
+                          return {2, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.307734489440918) {
+                            return {2, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.skew_lo <= 8.521581172943115) {
-                  if (x.avg <= 60.881526947021484) {
-                    if (x.skew_hi <= 14.929106712341309) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 13.620950698852539) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
+                if (x.skew_hi <= 13.808592796325684) {
+                  return {2, 1, 8, 256, 1};  // SR
                 } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 15.15678882598877) {
-                      return {1, 2, 8, 128, 1};  // SR
+                  if (x.skew_lo <= 10.191428661346436) {
+                    return {2, 1, 8, 256, 1};  // SR
+                  } else {
+                    if (x.avg <= 11.193292617797852) {
+                      return {1, 32, 8, 4, 32};  // PR
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
                     }
-                  } else {
-                    if (x.log2_S <= 15.407970905303955) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      if (x.avg <= 9.57368516921997) {
-                        return {1, 32, 8, 4, 32};  // PR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
                   }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 10.87912368774414) {
+                return {2, 32, 8, 2, 32};  // PR
+              } else {
+                if (x.skew_hi <= 16.974295616149902) {
+                  return {1, 32, 8, 4, 32};  // PR
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
                 }
               }
             }
           }
         } else {
           if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 0.9928787350654602) {
-              if (x.log2_S <= 23.502238273620605) {
-                if (x.log2_S <= 21.140100479125977) {
-                  if (x.log2_S <= 18.094820022583008) {
-                    if (x.skew_lo <= -5.903638124465942) {
-                      return {2, 16, 64, 2, 0};  // SP
-                    } else {
-                      return {1, 4, 64, 64, 0};  // SP
-                    }
+            if (x.skew_hi <= 1.262781023979187) {
+              if (x.log2_S <= 23.477139472961426) {
+                if (x.log2_S <= 20.29730224609375) {
+                  if (x.log2_S <= 18.45589542388916) {
+                    return {1, 4, 64, 64, 0};  // SP
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
                   }
@@ -5459,147 +5515,71 @@ inline Config gathered_config(const Features& f) {
                   return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
-                return {4, 2, 32, 128, 0};  // SP
+                return {4, 2, 64, 128, 0};  // SP
               }
             } else {
-              if (x.skew_hi <= 4.241162300109863) {
-                if (x.log2_S <= 23.723459243774414) {
-                  if (x.log2_S <= 18.11829948425293) {
-                    if (x.avg <= 10.602699756622314) {
-                      if (x.skew_hi <= 2.7489949464797974) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
+              if (x.skew_lo <= -1.7690505385398865) {
+                if (x.log2_S <= 23.767565727233887) {
+                  if (x.log2_S <= 18.537839889526367) {
+                    if (x.skew_hi <= 2.753027558326721) {
                       return {1, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 27.073433876037598) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 19.420964241027832) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    }
+                    return {1, 2, 64, 128, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= -2.2040785551071167) {
-                    if (x.log2_S <= 24.243857383728027) {
-                      if (x.skew_lo <= -3.2700787782669067) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
+                  if (x.skew_lo <= -2.4795883893966675) {
+                    return {4, 2, 64, 128, 0};  // SP
                   } else {
                     return {1, 2, 64, 128, 0};  // SP
                   }
                 }
               } else {
-                if (x.log2_S <= 23.49972152709961) {
-                  if (x.log2_S <= 18.180142402648926) {
+                if (x.log2_S <= 23.051721572875977) {
+                  if (x.log2_S <= 18.47016143798828) {
                     return {1, 2, 64, 128, 0};  // SP
                   } else {
                     return {4, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  return {1, 2, 64, 128, 0};  // SP
+                  if (x.skew_hi <= 4.507418632507324) {
+                    if (x.log2_S <= 24.561306953430176) {
+                      return {4, 1, 64, 256, 0};  // SP
+                    } else {
+                      return {1, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {1, 2, 64, 128, 0};  // SP
+                  }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 18.01180362701416) {
-              if (x.skew_hi <= 12.091501235961914) {
-                if (x.avg <= 73.08162307739258) {
-                  if (x.avg <= 3.585667133331299) {
-                    if (x.log2_S <= 17.79841899871826) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
+            if (x.skew_lo <= 11.229979991912842) {
+              if (x.log2_S <= 18.389521598815918) {
+                if (x.skew_hi <= 2.4704076051712036) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.avg <= 4.445595026016235) {
+                    if (x.long_level <= 1.5) {
                       return {2, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 17.73051643371582) {
-                      if (x.avg <= 8.529674530029297) {
-                        if (x.log2_S <= 17.19791316986084) {
-                          if (x.skew_hi <= 9.500123977661133) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 1, 8, 256, 1};  // SR
-                          }
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 64.39292907714844) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 5.898084282875061) {
-                            return {2, 1, 8, 256, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
                     } else {
-                      if (x.skew_lo <= 6.309919595718384) {
-                        if (x.avg <= 37.47330856323242) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
+                      return {2, 32, 8, 2, 32};  // PR
                     }
-                  }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.skew_lo <= 11.17040491104126) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.log2_S <= 17.25166416168213) {
-                    return {1, 32, 8, 4, 32};  // PR
                   } else {
                     return {2, 32, 8, 2, 32};  // PR
                   }
                 }
+              } else {
+                return {2, 32, 8, 2, 32};  // PR
               }
             } else {
-              if (x.skew_hi <= 23.273757934570312) {
-                if (x.log2_S <= 18.534323692321777) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 4.155214548110962) {
-                      return {2, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 18.147055625915527) {
-                        if (x.skew_lo <= 0.7199843227863312) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {2, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
-                }
+              if (x.skew_hi <= 23.234139442443848) {
+                return {2, 32, 8, 2, 32};  // PR
               } else {
-                if (x.avg <= 7.350416898727417) {
-                  return {1, 32, 16, 4, 32};  // PR
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
-                }
+                return {1, 32, 16, 4, 32};  // PR
               }
             }
           }
@@ -5607,405 +5587,401 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.skew_hi <= 13.973933696746826) {
-          if (x.log2_S <= 18.7590970993042) {
-            if (x.skew_lo <= -0.4832109957933426) {
-              if (x.log2_S <= 16.091504096984863) {
-                if (x.avg <= 2.8831676244735718) {
-                  if (x.log2_S <= 12.960212230682373) {
-                    return {4, 32, 32, 1, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 13.850301265716553) {
-                      return {4, 16, 64, 2, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -1.0450066924095154) {
-                        if (x.log2_S <= 14.555240154266357) {
-                          return {4, 8, 64, 32, 0};  // SP
+        if (x.skew_hi <= 13.97157335281372) {
+          if (x.log2_S <= 18.04853057861328) {
+            if (x.skew_lo <= -0.0962648093700409) {
+              if (x.avg <= 212.9891586303711) {
+                if (x.log2_S <= 14.641735076904297) {
+                  if (x.skew_lo <= -1.7021309733390808) {
+                    if (x.skew_hi <= 3.496169686317444) {
+                      if (x.log2_S <= 14.082151889801025) {
+                        return {4, 16, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 26.344050407409668) {
+                          if (x.skew_hi <= 3.0732574462890625) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
                         } else {
-                          return {4, 1, 64, 256, 0};  // SP
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 9.959956169128418) {
+                        if (x.log2_S <= 9.131629467010498) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
                         }
                       } else {
-                        return {2, 2, 8, 128, 1};  // SR
+                        if (x.log2_S <= 14.53435230255127) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.91806411743164) {
+                      if (x.avg <= 36.12989807128906) {
+                        if (x.log2_S <= 10.24850082397461) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 16, 8, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -0.568457305431366) {
+                        if (x.avg <= 107.81655883789062) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.632416248321533) {
+                            if (x.log2_S <= 11.926673889160156) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 14.194090366363525) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 104.17815399169922) {
-                    if (x.log2_S <= 13.259917736053467) {
-                      if (x.log2_S <= 9.612300395965576) {
-                        if (x.skew_lo <= -4.318212032318115) {
-                          return {4, 16, 64, 2, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -1.7860661149024963) {
-                            return {1, 16, 16, 8, 0};  // SP
-                          } else {
-                            if (x.avg <= 46.57072627544403) {
-                              return {4, 16, 64, 2, 0};  // SP
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= -1.716833770275116) {
-                          if (x.log2_S <= 12.16455364227295) {
-                            return {4, 16, 64, 2, 0};  // SP
-                          } else {
-                            if (x.skew_hi <= 3.053019165992737) {
-                              if (x.skew_lo <= -4.338401556015015) {
-                                return {4, 16, 64, 2, 0};  // SP
-                              } else {
-                                if (x.log2_S <= 12.706637859344482) {
-                                  return {4, 8, 64, 32, 0};  // SP
-                                } else {
-                                  return {4, 4, 64, 64, 0};  // SP
-                                }
-                              }
-                            } else {
-                              return {4, 16, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.skew_lo <= -0.6833797991275787) {
-                            if (x.log2_S <= 12.082648754119873) {
-                              return {4, 32, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      }
+                  if (x.avg <= 7.067793607711792) {
+                    if (x.log2_S <= 15.957448959350586) {
+                      return {2, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.avg <= 7.47161078453064) {
-                        if (x.avg <= 3.8018566370010376) {
-                          if (x.log2_S <= 14.694193363189697) {
-                            return {4, 2, 32, 128, 0};  // SP
-                          } else {
-                            return {4, 1, 64, 256, 0};  // SP
-                          }
-                        } else {
-                          return {4, 2, 32, 128, 0};  // SP
-                        }
+                      if (x.skew_hi <= 3.670919418334961) {
+                        return {4, 2, 64, 128, 0};  // SP
                       } else {
-                        if (x.avg <= 39.511125564575195) {
-                          if (x.log2_S <= 15.583030700683594) {
-                            if (x.avg <= 10.471921443939209) {
-                              if (x.log2_S <= 14.631730079650879) {
-                                return {4, 4, 64, 64, 0};  // SP
-                              } else {
-                                return {4, 2, 64, 128, 0};  // SP
-                              }
-                            } else {
-                              return {4, 4, 64, 64, 0};  // SP
-                            }
-                          } else {
-                            if (x.skew_hi <= 1.4542182683944702) {
-                              return {4, 4, 64, 64, 0};  // SP
-                            } else {
-                              if (x.avg <= 15.472245693206787) {
-                                return {4, 2, 64, 128, 0};  // SP
-                              } else {
-                                if (x.skew_hi <= 1.7231467962265015) {
-                                  return {4, 2, 64, 128, 0};  // SP
-                                } else {
-                                  return {1, 4, 64, 64, 0};  // SP
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.skew_lo <= -0.5480948090553284) {
-                            return {4, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        }
+                        return {4, 1, 64, 256, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 12.30838918685913) {
-                      return {4, 2, 8, 128, 1};  // SR
+                    if (x.avg <= 37.382781982421875) {
+                      if (x.log2_S <= 16.13199806213379) {
+                        if (x.log2_S <= 14.749083518981934) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 1.002712607383728) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 11.76382064819336) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 4, 64, 64, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {4, 16, 64, 2, 0};  // SP
+                      if (x.log2_S <= 16.285615921020508) {
+                        if (x.skew_lo <= -0.20806805044412613) {
+                          return {4, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.skew_lo <= -0.9126391112804413) {
+                          if (x.skew_hi <= 1.49319726228714) {
+                            if (x.log2_S <= 17.521994590759277) {
+                              if (x.log2_S <= 16.8742094039917) {
+                                return {4, 16, 8, 2, 0};  // SP
+                              } else {
+                                return {4, 4, 64, 64, 0};  // SP
+                              }
+                            } else {
+                              if (x.avg <= 48.904245376586914) {
+                                return {1, 4, 64, 64, 0};  // SP
+                              } else {
+                                return {4, 2, 64, 128, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 17.59172821044922) {
+                              return {4, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 6.648827075958252) {
-                  return {4, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.long_level <= 0.5) {
-                    if (x.skew_hi <= 2.4818490743637085) {
-                      if (x.skew_hi <= 0.5244281589984894) {
-                        if (x.log2_S <= 16.913009643554688) {
-                          return {4, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 2, 32, 128, 0};  // SP
-                        }
-                      } else {
-                        return {1, 4, 64, 64, 0};  // SP
-                      }
+                if (x.log2_S <= 15.740543842315674) {
+                  if (x.log2_S <= 13.627936840057373) {
+                    if (x.skew_hi <= 2.0131386518478394) {
+                      return {4, 32, 32, 2, 0};  // SP
                     } else {
-                      return {4, 2, 32, 128, 0};  // SP
+                      if (x.log2_S <= 9.970551490783691) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 32, 2, 0};  // SP
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 16.896159172058105) {
-                      return {4, 32, 8, 2, 16};  // PR
+                    if (x.log2_S <= 14.824472904205322) {
+                      return {4, 32, 64, 2, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -1.6666593551635742) {
-                        if (x.log2_S <= 17.892925262451172) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
+                      return {4, 32, 32, 2, 0};  // SP
                     }
+                  }
+                } else {
+                  if (x.log2_S <= 17.621703147888184) {
+                    return {4, 16, 64, 2, 0};  // SP
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 13.965034484863281) {
-                if (x.skew_lo <= 4.893671274185181) {
+              if (x.avg <= 24.281678199768066) {
+                if (x.log2_S <= 13.674638748168945) {
                   if (x.long_level <= 1.5) {
-                    if (x.avg <= 12.226673603057861) {
-                      if (x.avg <= 6.579191207885742) {
-                        if (x.skew_hi <= 5.988796234130859) {
-                          if (x.log2_S <= 11.007530212402344) {
-                            if (x.skew_lo <= -0.3929577022790909) {
-                              return {4, 32, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 13.776787281036377) {
-                              return {4, 32, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 12.30308485031128) {
-                            if (x.skew_lo <= 3.8272757530212402) {
-                              if (x.log2_S <= 11.116058349609375) {
-                                if (x.skew_hi <= 7.49242639541626) {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                } else {
-                                  return {1, 16, 8, 8, 1};  // SR
-                                }
+                    if (x.avg <= 11.50556755065918) {
+                      if (x.avg <= 4.347807168960571) {
+                        if (x.log2_S <= 11.906217575073242) {
+                          if (x.avg <= 2.9846723079681396) {
+                            if (x.skew_hi <= 9.046792984008789) {
+                              if (x.skew_hi <= 8.49366283416748) {
+                                return {2, 16, 8, 4, 1};  // SR
                               } else {
-                                return {1, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 11.125251293182373) {
-                                if (x.skew_hi <= 8.711856842041016) {
-                                  return {1, 32, 8, 2, 1};  // SR
-                                } else {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                }
-                              } else {
-                                if (x.skew_lo <= 4.214151620864868) {
-                                  return {1, 8, 8, 32, 1};  // SR
+                                if (x.log2_S <= 9.990700721740723) {
+                                  if (x.avg <= 1.834733784198761) {
+                                    return {4, 32, 64, 8, 0};  // SP
+                                  } else {
+                                    if (x.skew_lo <= 4.600456714630127) {
+                                      return {4, 32, 32, 2, 0};  // SP
+                                    } else {
+                                      return {4, 32, 64, 4, 0};  // SP
+                                    }
+                                  }
                                 } else {
                                   return {4, 32, 32, 2, 0};  // SP
                                 }
                               }
+                            } else {
+                              if (x.log2_S <= 11.530340671539307) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 8, 0};  // SP
+                              }
                             }
                           } else {
-                            if (x.avg <= 2.263228416442871) {
-                              return {4, 16, 64, 2, 0};  // SP
+                            if (x.log2_S <= 11.125251293182373) {
+                              return {1, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 1.915233314037323) {
+                            if (x.log2_S <= 13.40120267868042) {
+                              return {4, 16, 64, 8, 0};  // SP
                             } else {
                               return {1, 4, 8, 64, 1};  // SR
                             }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.91050672531128) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.586043357849121) {
-                            return {1, 4, 8, 64, 1};  // SR
                           } else {
-                            if (x.avg <= 7.660876512527466) {
-                              return {1, 4, 8, 64, 1};  // SR
+                            if (x.log2_S <= 12.40092420578003) {
+                              if (x.skew_lo <= 4.494778156280518) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 32, 32, 2, 0};  // SP
+                              }
                             } else {
-                              return {2, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.191666603088379) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.650341033935547) {
-                          if (x.skew_hi <= 5.379155397415161) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {2, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_hi <= 12.329061031341553) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 12.294692039489746) {
-                        if (x.log2_S <= 11.252625942230225) {
-                          if (x.skew_hi <= 9.706835746765137) {
-                            if (x.skew_hi <= 8.964980125427246) {
-                              if (x.skew_hi <= 8.29071855545044) {
+                              if (x.log2_S <= 13.03284215927124) {
                                 return {1, 8, 8, 32, 1};  // SR
                               } else {
                                 return {1, 4, 8, 64, 1};  // SR
                               }
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
                             }
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
                           }
-                        } else {
-                          return {4, 32, 32, 2, 0};  // SP
                         }
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 12.726063251495361) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 10.063422679901123) {
-                          return {2, 2, 8, 128, 1};  // SR
+                        if (x.avg <= 7.94929051399231) {
+                          if (x.log2_S <= 11.116058349609375) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.485697746276855) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
                         } else {
-                          if (x.log2_S <= 13.777663230895996) {
-                            return {1, 4, 8, 64, 1};  // SR
+                          if (x.log2_S <= 12.276691436767578) {
+                            return {1, 8, 8, 32, 1};  // SR
                           } else {
                             return {2, 2, 8, 128, 1};  // SR
                           }
                         }
                       }
-                    }
-                  } else {
-                    if (x.long_level <= 2.5) {
-                      if (x.log2_S <= 13.812146186828613) {
+                    } else {
+                      if (x.log2_S <= 12.326284885406494) {
                         return {1, 4, 8, 64, 1};  // SR
                       } else {
                         return {2, 2, 8, 128, 1};  // SR
                       }
-                    } else {
-                      if (x.avg <= 176.7860107421875) {
-                        return {4, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 12.708584785461426) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      }
                     }
-                  }
-                }
-              } else {
-                if (x.avg <= 69.07285690307617) {
-                  if (x.skew_hi <= 13.017609119415283) {
-                    if (x.avg <= 2.9230862855911255) {
-                      if (x.log2_S <= 15.243192195892334) {
-                        if (x.skew_lo <= 7.212468385696411) {
-                          if (x.long_level <= 0.5) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
+                  } else {
+                    if (x.skew_hi <= 13.182924747467041) {
+                      if (x.skew_lo <= 9.190350532531738) {
+                        if (x.log2_S <= 13.534735679626465) {
+                          return {1, 4, 8, 64, 1};  // SR
                         } else {
                           return {2, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        if (x.skew_hi <= 8.777471542358398) {
-                          if (x.log2_S <= 17.38103675842285) {
-                            if (x.skew_lo <= 4.49089503288269) {
-                              return {2, 2, 8, 128, 1};  // SR
+                        if (x.avg <= 12.472742557525635) {
+                          if (x.skew_lo <= 10.446380138397217) {
+                            if (x.log2_S <= 11.440678119659424) {
+                              return {1, 4, 8, 64, 1};  // SR
                             } else {
-                              if (x.log2_S <= 15.845982074737549) {
+                              if (x.skew_hi <= 12.41000747680664) {
                                 return {2, 2, 8, 128, 1};  // SR
                               } else {
-                                return {4, 2, 8, 128, 1};  // SR
+                                return {1, 4, 8, 64, 1};  // SR
                               }
                             }
                           } else {
-                            if (x.skew_lo <= -0.058098772540688515) {
-                              return {4, 1, 64, 256, 0};  // SP
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 16.667787551879883) {
+                            if (x.log2_S <= 11.188230991363525) {
+                              return {1, 4, 8, 64, 1};  // SR
                             } else {
                               return {2, 2, 8, 128, 1};  // SR
                             }
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
                           }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 18.122599601745605) {
+                      if (x.skew_lo <= 10.113721370697021) {
                         return {2, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.avg <= 47.45465278625488) {
-                          if (x.skew_hi <= 5.229352712631226) {
-                            if (x.log2_S <= 18.30988597869873) {
-                              return {2, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 32};  // PR
-                            }
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_hi <= 6.169828176498413) {
-                            return {4, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.352972984313965) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 17.33930015563965) {
-                        if (x.log2_S <= 16.446292877197266) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.log2_S <= 17.151121139526367) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
+                        return {4, 32, 8, 2, 32};  // PR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.713881015777588) {
-                    if (x.long_level <= 1.5) {
-                      return {4, 16, 64, 2, 0};  // SP
+                  if (x.skew_hi <= 13.19712495803833) {
+                    if (x.avg <= 2.929801821708679) {
+                      if (x.log2_S <= 15.17058801651001) {
+                        if (x.skew_hi <= 11.217743873596191) {
+                          if (x.skew_hi <= 8.579466342926025) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.35938549041748) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 17.200514793395996) {
+                            if (x.skew_hi <= 9.900049686431885) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 8.69553518295288) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          }
+                        }
+                      }
                     } else {
                       return {2, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 32, 8, 2, 32};  // PR
+                    if (x.log2_S <= 15.117341041564941) {
+                      if (x.long_level <= 2.5) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.697305679321289) {
+                  if (x.skew_hi <= 13.500210285186768) {
+                    if (x.skew_lo <= 0.06540735997259617) {
+                      if (x.log2_S <= 12.643985271453857) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 36.46550941467285) {
+                        if (x.log2_S <= 12.152132034301758) {
+                          if (x.long_level <= 2.5) {
+                            if (x.skew_lo <= 4.8460471630096436) {
+                              if (x.log2_S <= 11.114396095275879) {
+                                if (x.skew_lo <= 0.870260626077652) {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {2, 2, 8, 128, 1};  // SR
+                                }
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.avg <= 68.1297607421875) {
+                    if (x.avg <= 57.832069396972656) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 6.030868768692017) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 }
               }
@@ -6013,74 +5989,88 @@ inline Config gathered_config(const Features& f) {
           } else {
             if (x.long_level <= 1.5) {
               if (x.long_level <= 0.5) {
-                if (x.skew_hi <= 2.520084261894226) {
-                  if (x.skew_hi <= 0.5225005447864532) {
-                    if (x.skew_hi <= 0.3990974724292755) {
-                      return {4, 2, 32, 128, 0};  // SP
+                if (x.skew_lo <= -3.4830597639083862) {
+                  if (x.skew_lo <= -5.534552812576294) {
+                    return {4, 2, 64, 128, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 2.411142587661743) {
+                      return {1, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.log2_S <= 23.129664421081543) {
-                        return {4, 2, 32, 128, 0};  // SP
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -2.858180046081543) {
+                    if (x.log2_S <= 22.588594436645508) {
+                      if (x.log2_S <= 18.906441688537598) {
+                        return {4, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 1, 64, 256, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 23.825692176818848) {
+                      return {4, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.avg <= 3.8091715574264526) {
+                        return {4, 1, 64, 256, 0};  // SP
                       } else {
                         return {4, 2, 64, 128, 0};  // SP
                       }
                     }
-                  } else {
-                    if (x.avg <= 11.862467765808105) {
-                      return {4, 2, 32, 128, 0};  // SP
-                    } else {
-                      return {1, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 23.8043794631958) {
-                    if (x.skew_hi <= 2.709903597831726) {
-                      if (x.log2_S <= 22.555347442626953) {
-                        return {4, 1, 64, 256, 0};  // SP
-                      } else {
-                        return {4, 2, 32, 128, 0};  // SP
-                      }
-                    } else {
-                      return {4, 1, 64, 256, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 4.267884731292725) {
-                      return {4, 2, 32, 128, 0};  // SP
-                    } else {
-                      return {4, 1, 64, 256, 0};  // SP
-                    }
                   }
                 }
               } else {
-                if (x.avg <= 1.550064504146576) {
-                  if (x.log2_S <= 23.655369758605957) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.skew_lo <= 5.58306622505188) {
+                if (x.skew_hi <= 2.9067174196243286) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.skew_hi <= 9.72067642211914) {
+                    if (x.log2_S <= 19.229151725769043) {
+                      if (x.skew_hi <= 3.706648588180542) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        if (x.avg <= 4.7209248542785645) {
+                          if (x.log2_S <= 18.706448554992676) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 18.304773330688477) {
+                            if (x.skew_hi <= 5.312307357788086) {
+                              return {4, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    } else {
                       return {4, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 18.840139389038086) {
+                      return {2, 2, 8, 128, 1};  // SR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
                     }
                   }
-                } else {
-                  return {4, 32, 8, 2, 32};  // PR
                 }
               }
             } else {
-              if (x.log2_S <= 20.07927703857422) {
-                if (x.skew_lo <= 7.686136484146118) {
-                  if (x.avg <= 26.872775077819824) {
-                    if (x.skew_lo <= 6.991107940673828) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 19.1054105758667) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
+              if (x.log2_S <= 20.339242935180664) {
+                if (x.skew_lo <= 4.795564413070679) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.skew_lo <= 6.943865776062012) {
+                    return {2, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.log2_S <= 18.912641525268555) {
-                      if (x.avg <= 50.30292320251465) {
+                    if (x.log2_S <= 18.52578353881836) {
+                      if (x.skew_hi <= 12.611165523529053) {
                         return {2, 2, 8, 128, 1};  // SR
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
@@ -6089,8 +6079,6 @@ inline Config gathered_config(const Features& f) {
                       return {4, 32, 8, 2, 16};  // PR
                     }
                   }
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
                 }
               } else {
                 return {4, 32, 8, 2, 16};  // PR
@@ -6105,153 +6093,157 @@ inline Config gathered_config(const Features& f) {
           }
         }
       } else {
-        if (x.skew_lo <= -1.9814181327819824) {
-          if (x.log2_S <= 12.07932424545288) {
-            if (x.log2_S <= 9.831262111663818) {
-              if (x.skew_lo <= -2.0721802711486816) {
-                return {1, 8, 64, 32, 0};  // SP
-              } else {
-                return {1, 2, 64, 128, 0};  // SP
-              }
-            } else {
-              if (x.avg <= 16.31726837158203) {
-                if (x.log2_S <= 11.790939331054688) {
-                  return {4, 32, 32, 1, 0};  // SP
-                } else {
-                  if (x.log2_S <= 11.87433671951294) {
+        if (x.log2_S <= 17.274287223815918) {
+          if (x.skew_lo <= -0.5046711564064026) {
+            if (x.avg <= 92.37773513793945) {
+              if (x.log2_S <= 14.022692680358887) {
+                if (x.log2_S <= 10.514514923095703) {
+                  if (x.skew_lo <= -0.9883208870887756) {
                     return {2, 32, 32, 2, 0};  // SP
                   } else {
-                    return {1, 8, 64, 32, 0};  // SP
+                    return {1, 64, 8, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 11.799638748168945) {
+                    if (x.log2_S <= 11.238745212554932) {
+                      return {4, 64, 16, 4, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -3.8793011903762817) {
+                        if (x.skew_hi <= 0.3057422786951065) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 11.4993314743042) {
+                          return {1, 64, 8, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 10.55963134765625) {
+                            return {1, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 26.974035263061523) {
+                      if (x.log2_S <= 12.456518650054932) {
+                        if (x.skew_hi <= 4.131536960601807) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 10.215348243713379) {
-                  return {1, 8, 64, 32, 0};  // SP
+                if (x.skew_lo <= -1.1748562455177307) {
+                  if (x.skew_hi <= 3.175816059112549) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 14.67823839187622) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 0};  // SP
+                    }
+                  }
                 } else {
-                  return {2, 32, 32, 2, 0};  // SP
+                  return {1, 8, 8, 32, 1};  // SR
+                }
+              }
+            } else {
+              if (x.avg <= 130.4632110595703) {
+                if (x.log2_S <= 12.20822286605835) {
+                  return {1, 32, 64, 8, 0};  // SP
+                } else {
+                  return {4, 16, 64, 8, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 16.688559532165527) {
+                  return {1, 32, 64, 8, 0};  // SP
+                } else {
+                  return {1, 8, 64, 32, 0};  // SP
                 }
               }
             }
           } else {
-            return {1, 8, 64, 32, 0};  // SP
-          }
-        } else {
-          if (x.log2_S <= 17.744179725646973) {
-            if (x.log2_S <= 11.89873218536377) {
+            if (x.log2_S <= 12.675536155700684) {
               if (x.long_level <= 2.5) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 6.152311086654663) {
-                    if (x.skew_lo <= 4.023357391357422) {
-                      if (x.avg <= 4.160262584686279) {
-                        if (x.avg <= 1.7049997448921204) {
-                          if (x.log2_S <= 10.783048629760742) {
-                            if (x.avg <= 1.3131216764450073) {
-                              return {1, 64, 16, 4, 0};  // SP
-                            } else {
-                              if (x.skew_hi <= 5.4332053661346436) {
-                                return {1, 64, 16, 4, 0};  // SP
-                              } else {
-                                return {4, 64, 8, 1, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.skew_hi <= 5.407093048095703) {
-                              return {1, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 64, 8, 1, 0};  // SP
-                            }
-                          }
+                if (x.skew_lo <= 5.82309365272522) {
+                  if (x.avg <= 7.293968915939331) {
+                    if (x.avg <= 2.7965123653411865) {
+                      if (x.skew_hi <= 6.9910924434661865) {
+                        if (x.log2_S <= 10.695110321044922) {
+                          return {1, 32, 64, 2, 0};  // SP
                         } else {
-                          if (x.avg <= 3.0535744428634644) {
-                            if (x.skew_hi <= 4.873505115509033) {
-                              return {2, 32, 32, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 9.755941390991211) {
-                                return {2, 32, 32, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 16, 8, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.skew_lo <= 1.1793146133422852) {
-                              if (x.log2_S <= 11.405325412750244) {
-                                return {4, 32, 32, 1, 0};  // SP
-                              } else {
-                                return {2, 32, 32, 2, 0};  // SP
-                              }
-                            } else {
-                              return {1, 32, 8, 2, 1};  // SR
-                            }
-                          }
+                          return {1, 32, 8, 8, 1};  // SR
                         }
                       } else {
-                        return {1, 16, 8, 8, 1};  // SR
+                        if (x.log2_S <= 12.08920955657959) {
+                          if (x.log2_S <= 8.611008167266846) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
+                        }
                       }
                     } else {
-                      if (x.skew_lo <= 4.714717149734497) {
-                        if (x.skew_hi <= 8.433621883392334) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 11.813716411590576) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
+                      return {1, 16, 8, 8, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 11.46946907043457) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 6.388047933578491) {
-                        if (x.skew_hi <= 3.5058252811431885) {
+                    if (x.log2_S <= 11.526552677154541) {
+                      if (x.avg <= 11.405900955200195) {
+                        if (x.skew_lo <= 2.7527331113815308) {
                           return {1, 8, 8, 32, 1};  // SR
                         } else {
                           return {1, 4, 8, 64, 1};  // SR
                         }
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        if (x.skew_hi <= 3.5559247732162476) {
+                          return {1, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 319.80665588378906) {
+                        if (x.skew_lo <= 2.3521264791488647) {
+                          if (x.skew_hi <= 3.7154918909072876) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {1, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 12.266589641571045) {
+                            if (x.skew_lo <= 3.6978648900985718) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 7.78462553024292) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 6.701653718948364) {
-                    if (x.avg <= 32.54137897491455) {
-                      if (x.skew_hi <= 9.658461093902588) {
-                        if (x.log2_S <= 10.811661720275879) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 204.87804412841797) {
-                        if (x.avg <= 79.35034942626953) {
-                          if (x.skew_lo <= 4.012687921524048) {
-                            if (x.log2_S <= 10.747335433959961) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.824258804321289) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    }
+                  if (x.long_level <= 1.5) {
+                    return {2, 32, 8, 2, 1};  // SR
                   } else {
                     return {1, 8, 8, 32, 1};  // SR
                   }
@@ -6260,189 +6252,141 @@ inline Config gathered_config(const Features& f) {
                 return {1, 8, 16, 32, 1};  // SR
               }
             } else {
-              if (x.skew_hi <= 16.169615745544434) {
-                if (x.skew_lo <= -0.46364468336105347) {
-                  if (x.avg <= 88.6565933227539) {
-                    if (x.skew_lo <= -1.044330656528473) {
-                      if (x.log2_S <= 12.88444709777832) {
-                        return {2, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 15.649670600891113) {
-                        if (x.log2_S <= 12.732907772064209) {
-                          return {1, 32, 64, 2, 0};  // SP
-                        } else {
+              if (x.skew_hi <= 16.350531578063965) {
+                if (x.avg <= 4.728689908981323) {
+                  if (x.skew_hi <= 11.772167682647705) {
+                    if (x.log2_S <= 16.30073833465576) {
+                      if (x.log2_S <= 13.321849822998047) {
+                        if (x.skew_lo <= 4.029600977897644) {
                           return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 16, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.skew_hi <= 5.082029581069946) {
-                          return {1, 8, 64, 32, 0};  // SP
+                        if (x.avg <= 3.9511661529541016) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 16.225769996643066) {
-                      if (x.log2_S <= 12.588595390319824) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 133.54988861083984) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 14.803028583526611) {
-                    if (x.avg <= 2.6579588651657104) {
-                      if (x.skew_hi <= 12.343862533569336) {
-                        if (x.log2_S <= 16.642608642578125) {
-                          if (x.log2_S <= 13.298542022705078) {
-                            if (x.skew_hi <= 7.311216831207275) {
-                              return {4, 64, 8, 1, 0};  // SP
-                            } else {
-                              if (x.skew_lo <= 4.867682933807373) {
-                                return {1, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 12.312254428863525) {
-                                  if (x.skew_hi <= 10.91635274887085) {
-                                    return {1, 4, 8, 64, 1};  // SR
-                                  } else {
-                                    return {1, 8, 8, 32, 1};  // SR
-                                  }
-                                } else {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 16.46159267425537) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.avg <= 64.5151138305664) {
-                        if (x.skew_hi <= 9.112735748291016) {
-                          if (x.log2_S <= 13.55126142501831) {
-                            if (x.avg <= 12.23573350906372) {
-                              if (x.skew_lo <= 4.262602090835571) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_lo <= 3.199915051460266) {
-                                if (x.log2_S <= 12.91987133026123) {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                } else {
-                                  if (x.avg <= 29.100361824035645) {
-                                    return {1, 4, 8, 64, 1};  // SR
-                                  } else {
-                                    return {1, 8, 16, 32, 1};  // SR
-                                  }
-                                }
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              if (x.skew_hi <= 8.158730506896973) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 15.605233669281006) {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {1, 8, 16, 32, 1};  // SR
-                                }
-                              }
-                            } else {
-                              if (x.log2_S <= 15.665643692016602) {
-                                if (x.log2_S <= 14.582605838775635) {
-                                  return {1, 8, 16, 32, 1};  // SR
-                                } else {
-                                  return {4, 8, 32, 32, 1};  // SR
-                                }
-                              } else {
-                                if (x.skew_lo <= 4.897376298904419) {
-                                  return {1, 8, 64, 32, 1};  // SR
-                                } else {
-                                  return {4, 8, 32, 32, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 14.142586708068848) {
-                            if (x.log2_S <= 17.628725051879883) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_lo <= 9.613135814666748) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 14.04901647567749) {
-                          if (x.skew_hi <= 3.975945830345154) {
-                            if (x.log2_S <= 12.900873184204102) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 15.387661933898926) {
-                            if (x.skew_lo <= 0.998031566850841) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 64, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
+                      return {1, 8, 16, 32, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 8.589147090911865) {
-                      if (x.skew_hi <= 15.738460063934326) {
-                        if (x.log2_S <= 14.890362739562988) {
-                          return {2, 32, 8, 2, 32};  // PR
+                    if (x.skew_hi <= 14.649826526641846) {
+                      if (x.log2_S <= 13.642948150634766) {
+                        if (x.skew_lo <= 9.502818584442139) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.760759353637695) {
+                        if (x.skew_lo <= 12.419575691223145) {
+                          return {4, 32, 16, 2, 8};  // PR
                         } else {
                           return {1, 32, 16, 8, 8};  // PR
                         }
                       } else {
                         return {4, 32, 16, 2, 8};  // PR
                       }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.802217483520508) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 13.623956680297852) {
+                        if (x.avg <= 12.102193832397461) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.00181770324707) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 1.522181212902069) {
+                              if (x.avg <= 71.2098617553711) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {4, 16, 64, 8, 0};  // SP
+                              }
+                            } else {
+                              return {1, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 3.7917075157165527) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {1, 8, 64, 32, 1};  // SR
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 74.18894958496094) {
+                      if (x.long_level <= 1.5) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 5.486445188522339) {
+                          if (x.log2_S <= 16.122511863708496) {
+                            if (x.skew_lo <= 5.0812578201293945) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 4.99329948425293) {
+                              return {1, 8, 64, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 9.82343053817749) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 16.11526870727539) {
+                              if (x.avg <= 7.863420724868774) {
+                                return {4, 32, 16, 2, 8};  // PR
+                              } else {
+                                return {1, 8, 64, 32, 1};  // SR
+                              }
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 6.131964445114136) {
+                        if (x.log2_S <= 15.477411270141602) {
+                          if (x.skew_hi <= 11.299270153045654) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 16.03942108154297) {
+                            if (x.skew_hi <= 5.617289304733276) {
+                              if (x.log2_S <= 16.458484649658203) {
+                                return {4, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 64, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
                     }
                   }
                 }
@@ -6450,157 +6394,201 @@ inline Config gathered_config(const Features& f) {
                 return {4, 8, 32, 32, 1};  // SR
               }
             }
+          }
+        } else {
+          if (x.skew_lo <= -1.4067258834838867) {
+            return {1, 8, 64, 32, 0};  // SP
           } else {
-            if (x.skew_hi <= 19.174614906311035) {
-              if (x.long_level <= 0.5) {
-                if (x.skew_lo <= -1.482796847820282) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.log2_S <= 22.382929801940918) {
-                    if (x.log2_S <= 19.78693199157715) {
-                      if (x.log2_S <= 18.662240028381348) {
-                        if (x.skew_hi <= 4.98911452293396) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
+            if (x.skew_hi <= 19.567548751831055) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 20.622453689575195) {
+                  if (x.log2_S <= 18.436744689941406) {
+                    if (x.skew_hi <= 5.3834452629089355) {
+                      if (x.avg <= 15.367141008377075) {
+                        return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        return {1, 32, 16, 8, 8};  // PR
-                      }
-                    } else {
-                      if (x.skew_hi <= 4.776621103286743) {
-                        return {1, 32, 16, 8, 8};  // PR
-                      } else {
-                        return {4, 32, 16, 2, 8};  // PR
-                      }
-                    }
-                  } else {
-                    return {1, 32, 16, 8, 8};  // PR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 21.668743133544922) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 18.318973541259766) {
-                      if (x.avg <= 44.78643608093262) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 14.03443956375122) {
-                        if (x.log2_S <= 20.622453689575195) {
-                          if (x.log2_S <= 18.680234909057617) {
-                            if (x.skew_hi <= 8.364235877990723) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_hi <= 8.472551345825195) {
-                            return {1, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 33.67378807067871) {
-                      if (x.skew_hi <= 11.504505634307861) {
-                        if (x.log2_S <= 17.874720573425293) {
-                          return {1, 8, 16, 32, 1};  // SR
+                        if (x.skew_hi <= 3.1773619651794434) {
+                          return {1, 8, 64, 32, 1};  // SR
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
                         }
-                      } else {
-                        if (x.log2_S <= 18.690574645996094) {
-                          if (x.avg <= 9.265907287597656) {
-                            if (x.skew_hi <= 18.599818229675293) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {1, 32, 16, 8, 8};  // PR
-                            }
-                          } else {
-                            return {1, 8, 64, 32, 1};  // SR
-                          }
+                      }
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.long_level <= 0.5) {
+                      if (x.log2_S <= 19.764230728149414) {
+                        if (x.avg <= 1.9543041586875916) {
+                          return {1, 8, 16, 32, 1};  // SR
                         } else {
-                          if (x.skew_lo <= 10.779043197631836) {
-                            return {1, 8, 64, 32, 1};  // SR
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.1136255264282227) {
+                        return {1, 8, 64, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 2.9917463064193726) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.190676689147949) {
+                            return {4, 8, 32, 32, 1};  // SR
                           } else {
-                            if (x.skew_lo <= 12.33063793182373) {
-                              if (x.avg <= 6.665365695953369) {
-                                return {4, 32, 16, 2, 8};  // PR
-                              } else {
+                            if (x.skew_lo <= 3.915708303451538) {
+                              if (x.log2_S <= 20.174362182617188) {
                                 return {4, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 64, 32, 1};  // SR
                               }
                             } else {
-                              return {1, 32, 16, 8, 8};  // PR
+                              return {1, 8, 64, 32, 1};  // SR
                             }
                           }
                         }
                       }
-                    } else {
-                      return {1, 8, 64, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 8.990900993347168) {
-                    if (x.skew_hi <= 4.5173118114471436) {
-                      if (x.avg <= 71.68101119995117) {
-                        if (x.skew_lo <= 0.2582017332315445) {
+                  if (x.skew_lo <= 1.5552002787590027) {
+                    if (x.long_level <= 0.5) {
+                      if (x.log2_S <= 22.45535182952881) {
+                        if (x.avg <= 2.3378396034240723) {
+                          return {4, 32, 16, 2, 8};  // PR
+                        } else {
+                          return {1, 32, 16, 8, 8};  // PR
+                        }
+                      } else {
+                        return {1, 32, 16, 8, 8};  // PR
+                      }
+                    } else {
+                      if (x.avg <= 117.92204284667969) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 21.28860569000244) {
+                      if (x.skew_lo <= 4.365536451339722) {
+                        if (x.skew_hi <= 5.939842224121094) {
                           return {4, 8, 32, 32, 1};  // SR
                         } else {
                           return {1, 8, 64, 32, 1};  // SR
                         }
                       } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 10.820780754089355) {
+                  if (x.log2_S <= 18.26015853881836) {
+                    if (x.skew_hi <= 8.954827785491943) {
+                      return {1, 8, 64, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 17.804365158081055) {
+                        if (x.avg <= 12.122867107391357) {
+                          if (x.log2_S <= 17.733059883117676) {
+                            if (x.skew_lo <= 9.745671272277832) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 15.942374229431152) {
+                      if (x.skew_hi <= 11.640443801879883) {
+                        if (x.avg <= 6.983513355255127) {
+                          if (x.log2_S <= 21.50715160369873) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 64, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 6.25191068649292) {
+                            if (x.log2_S <= 21.169103622436523) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
                         return {1, 8, 64, 32, 1};  // SR
                       }
                     } else {
                       return {1, 8, 64, 32, 1};  // SR
                     }
+                  }
+                } else {
+                  if (x.log2_S <= 18.599818229675293) {
+                    return {4, 8, 32, 32, 1};  // SR
                   } else {
-                    if (x.avg <= 8.608386993408203) {
-                      return {1, 8, 64, 32, 1};  // SR
+                    if (x.skew_lo <= 11.867761611938477) {
+                      if (x.skew_lo <= 11.117801189422607) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
                     } else {
-                      return {4, 8, 32, 32, 1};  // SR
+                      return {1, 32, 16, 8, 8};  // PR
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= 7.248620271682739) {
-                if (x.skew_hi <= 21.807745933532715) {
-                  return {1, 8, 64, 32, 1};  // SR
-                } else {
-                  return {1, 32, 16, 8, 8};  // PR
-                }
+              if (x.skew_lo <= 6.40469765663147) {
+                return {1, 8, 64, 32, 1};  // SR
               } else {
-                if (x.skew_hi <= 20.42863941192627) {
-                  if (x.avg <= 5.201553821563721) {
+                if (x.skew_hi <= 20.52163791656494) {
+                  if (x.avg <= 11.200984477996826) {
                     return {1, 32, 16, 8, 8};  // PR
                   } else {
-                    if (x.avg <= 39.93743133544922) {
-                      if (x.log2_S <= 19.639233589172363) {
-                        return {1, 32, 16, 8, 8};  // PR
+                    if (x.skew_lo <= 8.931199550628662) {
+                      if (x.skew_hi <= 20.076711654663086) {
+                        if (x.skew_hi <= 19.819479942321777) {
+                          return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 8};  // PR
+                        }
                       } else {
-                        return {4, 32, 16, 2, 8};  // PR
+                        if (x.skew_lo <= 7.301746129989624) {
+                          return {1, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {1, 32, 16, 8, 8};  // PR
+                        }
                       }
                     } else {
-                      if (x.skew_hi <= 20.130414962768555) {
-                        return {1, 8, 64, 32, 1};  // SR
-                      } else {
-                        return {1, 32, 16, 8, 8};  // PR
-                      }
+                      return {4, 32, 16, 2, 8};  // PR
                     }
                   }
                 } else {
-                  return {1, 32, 16, 8, 8};  // PR
+                  if (x.skew_lo <= 6.890794038772583) {
+                    if (x.skew_hi <= 21.472756385803223) {
+                      return {1, 8, 64, 32, 1};  // SR
+                    } else {
+                      return {1, 32, 16, 8, 8};  // PR
+                    }
+                  } else {
+                    return {1, 32, 16, 8, 8};  // PR
+                  }
                 }
               }
             }
@@ -6611,164 +6599,116 @@ inline Config gathered_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.skew_hi <= 13.983959197998047) {
+        if (x.skew_hi <= 13.796367168426514) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 17.03978729248047) {
-              if (x.log2_S <= 12.685475826263428) {
-                if (x.log2_S <= 10.440947532653809) {
-                  if (x.skew_lo <= -1.6252922415733337) {
-                    if (x.log2_S <= 9.795863151550293) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -5.061263084411621) {
-                        return {4, 32, 64, 2, 0};  // SP
+            if (x.log2_S <= 16.374028205871582) {
+              if (x.log2_S <= 13.841477394104004) {
+                if (x.log2_S <= 10.07439374923706) {
+                  if (x.avg <= 29.82489585876465) {
+                    if (x.log2_S <= 8.1908278465271) {
+                      if (x.skew_lo <= -3.2711352109909058) {
+                        return {4, 16, 8, 2, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 1.1754517555236816) {
-                          return {4, 32, 32, 1, 0};  // SP
+                        if (x.skew_lo <= -1.5055925846099854) {
+                          return {1, 1, 64, 256, 0};  // SP
                         } else {
-                          if (x.skew_lo <= -1.8732708096504211) {
-                            return {1, 1, 64, 256, 0};  // SP
-                          } else {
-                            if (x.skew_lo <= -1.8110749125480652) {
-                              return {4, 32, 32, 1, 0};  // SP
-                            } else {
-                              return {1, 1, 64, 256, 0};  // SP
-                            }
-                          }
+                          return {4, 16, 8, 2, 0};  // SP
                         }
                       }
+                    } else {
+                      return {4, 16, 8, 2, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -0.4301912486553192) {
-                      return {4, 32, 32, 1, 0};  // SP
-                    } else {
-                      return {4, 32, 16, 8, 0};  // SP
-                    }
+                    return {4, 32, 64, 2, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= -5.170634746551514) {
-                    return {4, 32, 64, 2, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 12.08647108078003) {
-                      if (x.skew_lo <= -0.41191211342811584) {
-                        return {4, 32, 32, 1, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.631438732147217) {
-                          return {4, 32, 16, 8, 0};  // SP
+                  if (x.avg <= 24.768802642822266) {
+                    if (x.log2_S <= 13.731261253356934) {
+                      if (x.log2_S <= 10.42711877822876) {
+                        if (x.skew_lo <= -1.4931466579437256) {
+                          return {4, 32, 64, 2, 0};  // SP
                         } else {
-                          return {4, 32, 32, 1, 0};  // SP
+                          if (x.log2_S <= 10.1396164894104) {
+                            return {4, 16, 8, 2, 0};  // SP
+                          } else {
+                            return {2, 32, 32, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 11.353918552398682) {
+                      if (x.log2_S <= 10.60062837600708) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 10.898037910461426) {
+                          if (x.avg <= 51.75724983215332) {
+                            if (x.log2_S <= 10.65004014968872) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 3.4618566036224365) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.666584014892578) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -0.2917458638548851) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 1, 0};  // SP
-                          }
-                        }
-                      }
+                      return {4, 32, 64, 2, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 3.910651206970215) {
-                  if (x.skew_hi <= 2.446140766143799) {
-                    return {4, 4, 64, 64, 0};  // SP
+                if (x.avg <= 46.20315933227539) {
+                  if (x.log2_S <= 15.897214412689209) {
+                    return {4, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.log2_S <= 15.290812969207764) {
-                      if (x.log2_S <= 12.963372707366943) {
-                        if (x.avg <= 10.177894115447998) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
+                    if (x.skew_hi <= 2.0970643758773804) {
+                      return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.log2_S <= 15.872190952301025) {
-                        if (x.skew_hi <= 3.2149720191955566) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 13.888391971588135) {
-                    if (x.log2_S <= 13.55548906326294) {
-                      return {4, 32, 64, 2, 0};  // SP
+                  if (x.log2_S <= 15.554062843322754) {
+                    if (x.log2_S <= 14.615446090698242) {
+                      return {4, 16, 64, 2, 0};  // SP
                     } else {
-                      if (x.skew_hi <= 4.7032530307769775) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
+                      return {4, 8, 64, 32, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -1.1358630657196045) {
-                      if (x.log2_S <= 14.726301670074463) {
-                        if (x.skew_lo <= -1.477104902267456) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 14.007922172546387) {
-                        if (x.skew_lo <= -0.34479542076587677) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
+                    return {4, 4, 64, 64, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 17.954333305358887) {
-                if (x.avg <= 18.716106414794922) {
-                  if (x.skew_lo <= -0.3434143662452698) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                } else {
+              if (x.skew_hi <= 0.8317233324050903) {
+                if (x.log2_S <= 19.619479179382324) {
                   return {4, 4, 64, 64, 0};  // SP
+                } else {
+                  return {4, 2, 64, 128, 0};  // SP
                 }
               } else {
-                if (x.skew_hi <= 0.04759296961128712) {
-                  if (x.log2_S <= 20.82107639312744) {
+                if (x.log2_S <= 17.261473655700684) {
+                  if (x.skew_lo <= -3.833766222000122) {
                     return {4, 4, 64, 64, 0};  // SP
                   } else {
-                    return {4, 2, 64, 128, 0};  // SP
+                    if (x.skew_lo <= -0.32232561707496643) {
+                      return {4, 2, 64, 128, 0};  // SP
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
                   }
                 } else {
-                  if (x.skew_hi <= 0.6764976382255554) {
-                    if (x.log2_S <= 19.25912094116211) {
-                      if (x.skew_lo <= -5.499918460845947) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 18.554545402526855) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      }
+                  if (x.log2_S <= 17.55235004425049) {
+                    if (x.skew_lo <= -4.081522345542908) {
+                      return {4, 4, 64, 64, 0};  // SP
                     } else {
                       return {4, 2, 64, 128, 0};  // SP
                     }
@@ -6779,80 +6719,54 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.log2_S <= 13.980747699737549) {
-              if (x.long_level <= 1.5) {
-                if (x.skew_hi <= 7.828612565994263) {
-                  if (x.log2_S <= 11.845020771026611) {
-                    if (x.skew_lo <= -0.6731473505496979) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.avg <= 88.71280670166016) {
-                        if (x.skew_lo <= 3.8167911767959595) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 9.554391860961914) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 2.686767578125) {
-                      if (x.log2_S <= 13.631854057312012) {
-                        if (x.log2_S <= 12.22722053527832) {
-                          if (x.avg <= 20.018455505371094) {
-                            return {1, 4, 8, 64, 1};  // SR
+            if (x.log2_S <= 14.425888061523438) {
+              if (x.avg <= 8.500288009643555) {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 12.317730903625488) {
+                    if (x.avg <= 5.136548757553101) {
+                      if (x.log2_S <= 11.311664581298828) {
+                        if (x.skew_lo <= 4.133082866668701) {
+                          if (x.skew_hi <= 7.8123509883880615) {
+                            return {1, 32, 8, 4, 1};  // SR
                           } else {
-                            return {4, 2, 8, 128, 1};  // SR
+                            return {1, 32, 8, 8, 1};  // SR
                           }
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 3.3662885427474976) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.60350227355957) {
-                        if (x.log2_S <= 12.130040645599365) {
-                          if (x.avg <= 8.669517517089844) {
-                            return {1, 4, 8, 64, 1};  // SR
+                          if (x.avg <= 2.5718488693237305) {
+                            return {1, 32, 8, 4, 1};  // SR
                           } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 11.781925678253174) {
-                    if (x.avg <= 3.132639765739441) {
-                      if (x.log2_S <= 11.262754917144775) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.329957008361816) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 9.414256572723389) {
-                            if (x.avg <= 2.0591264367103577) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 11.61376142501831) {
-                                return {1, 32, 8, 4, 1};  // SR
+                            if (x.skew_hi <= 8.545374393463135) {
+                              if (x.skew_hi <= 8.3709077835083) {
+                                if (x.skew_lo <= 4.273481369018555) {
+                                  return {1, 32, 8, 4, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 8.419052124023438) {
+                                    return {1, 32, 8, 4, 1};  // SR
+                                  } else {
+                                    return {2, 16, 8, 4, 1};  // SR
+                                  }
+                                }
                               } else {
-                                return {1, 32, 8, 2, 1};  // SR
+                                return {1, 32, 8, 4, 1};  // SR
                               }
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 2.600067973136902) {
+                          if (x.log2_S <= 11.655910968780518) {
+                            return {4, 32, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 8.125059604644775) {
+                            if (x.skew_hi <= 7.9507668018341064) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 8, 1};  // SR
                             }
                           } else {
                             return {1, 32, 8, 4, 1};  // SR
@@ -6860,224 +6774,96 @@ inline Config gathered_config(const Features& f) {
                         }
                       }
                     } else {
-                      if (x.log2_S <= 11.42385721206665) {
-                        return {1, 32, 8, 8, 1};  // SR
+                      if (x.skew_hi <= 7.2387471199035645) {
+                        if (x.log2_S <= 11.26892614364624) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
                       } else {
-                        if (x.skew_lo <= 4.137311220169067) {
+                        if (x.log2_S <= 11.360183715820312) {
                           return {1, 16, 8, 8, 1};  // SR
                         } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 4.280646562576294) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 4.431992769241333) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {1, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 12.718151092529297) {
-                  if (x.avg <= 20.312020301818848) {
-                    if (x.skew_lo <= 7.59980583190918) {
-                      if (x.log2_S <= 13.029330253601074) {
-                        if (x.log2_S <= 9.37290906906128) {
-                          if (x.avg <= 12.595885753631592) {
-                            if (x.skew_lo <= 7.244878530502319) {
-                              return {4, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 12.301921844482422) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.avg <= 13.875621795654297) {
-                              if (x.skew_lo <= 7.547698020935059) {
-                                return {4, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 10.773379802703857) {
-                        if (x.avg <= 1.4014025330543518) {
-                          if (x.skew_hi <= 11.807186603546143) {
+                          if (x.log2_S <= 11.80817985534668) {
                             return {1, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 12.001455783843994) {
-                              return {4, 4, 8, 64, 1};  // SR
+                            return {2, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 7.841742515563965) {
+                      if (x.log2_S <= 13.47947072982788) {
+                        if (x.log2_S <= 12.675323009490967) {
+                          return {2, 16, 8, 4, 1};  // SR
+                        } else {
+                          if (x.avg <= 8.101000785827637) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 7.617381811141968) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.412445545196533) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.411860942840576) {
+                    if (x.skew_lo <= 11.046078205108643) {
+                      if (x.avg <= 3.684251308441162) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 10.817389488220215) {
+                          if (x.log2_S <= 8.38117504119873) {
+                            if (x.skew_lo <= 7.2951624393463135) {
+                              return {1, 4, 8, 64, 1};  // SR
                             } else {
-                              return {4, 2, 8, 128, 1};  // SR
+                              return {1, 8, 8, 32, 1};  // SR
                             }
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 11.943689823150635) {
-                            if (x.log2_S <= 10.625262260437012) {
-                              return {4, 2, 8, 128, 1};  // SR
-                            } else {
-                              if (x.long_level <= 2.5) {
-                                if (x.skew_hi <= 11.149813652038574) {
-                                  if (x.skew_hi <= 10.682104110717773) {
-                                    return {1, 8, 8, 32, 1};  // SR
-                                  } else {
-                                    return {4, 4, 8, 64, 1};  // SR
-                                  }
-                                } else {
-                                  if (x.avg <= 3.2331215143203735) {
-                                    if (x.skew_hi <= 11.78983211517334) {
-                                      if (x.skew_hi <= 11.209002494812012) {
-                                        if (x.skew_lo <= 8.876015663146973) {
-                                          return {1, 8, 8, 32, 1};  // SR
-                                        } else {
-                                          return {4, 2, 8, 128, 1};  // SR
-                                        }
-                                      } else {
-                                        return {1, 8, 8, 32, 1};  // SR
-                                      }
-                                    } else {
-                                      return {4, 2, 8, 128, 1};  // SR
-                                    }
-                                  } else {
-                                    if (x.skew_hi <= 11.884265422821045) {
-                                      return {4, 4, 8, 64, 1};  // SR
-                                    } else {
-                                      return {4, 2, 8, 128, 1};  // SR
-                                    }
-                                  }
-                                }
+                          if (x.skew_hi <= 11.755713939666748) {
+                            if (x.log2_S <= 11.885197639465332) {
+                              if (x.skew_lo <= 7.253286838531494) {
+                                return {1, 8, 8, 32, 1};  // SR
                               } else {
-                                return {4, 2, 8, 128, 1};  // SR
+                                return {4, 4, 8, 64, 1};  // SR
                               }
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
                             }
                           } else {
-                            return {4, 2, 8, 128, 1};  // SR
+                            if (x.skew_hi <= 11.993458271026611) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
                           }
-                        }
-                      } else {
-                        if (x.skew_hi <= 11.874286651611328) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 24.055315017700195) {
-                      if (x.skew_lo <= 5.455892562866211) {
-                        if (x.avg <= 23.83607578277588) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 24.030834197998047) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 12.52339792251587) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
                         }
                       }
                     } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.avg <= 133.98792266845703) {
-                      if (x.skew_hi <= 12.982317447662354) {
-                        if (x.skew_lo <= 8.211283445358276) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      if (x.skew_hi <= 13.30999755859375) {
-                        return {4, 2, 8, 128, 1};  // SR
+                      if (x.skew_hi <= 12.316152095794678) {
+                        return {1, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 32, 8, 2, 16};  // PR
                       }
                     }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 14.860941886901855) {
-                if (x.skew_lo <= -0.631548672914505) {
-                  return {4, 4, 64, 64, 0};  // SP
-                } else {
-                  if (x.avg <= 2.9095579385757446) {
-                    if (x.skew_lo <= 7.273969888687134) {
-                      if (x.log2_S <= 14.817962646484375) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
                   } else {
-                    if (x.avg <= 4.695518255233765) {
-                      if (x.skew_lo <= 4.311948776245117) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 2.7294869422912598) {
-                  if (x.log2_S <= 15.56678056716919) {
-                    return {4, 4, 64, 64, 0};  // SP
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  return {4, 2, 8, 128, 1};  // SR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 22.15873146057129) {
-            if (x.avg <= 1.0028491020202637) {
-              return {4, 2, 8, 128, 1};  // SR
-            } else {
-              if (x.skew_hi <= 21.5632266998291) {
-                if (x.avg <= 153.0254135131836) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.log2_S <= 19.208847045898438) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 20.129589080810547) {
+                    if (x.skew_lo <= 10.345406532287598) {
                       return {4, 2, 8, 128, 1};  // SR
                     } else {
                       return {4, 32, 8, 2, 16};  // PR
@@ -7085,370 +6871,680 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                if (x.skew_lo <= 11.103943347930908) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.avg <= 3.5341933965682983) {
-                    return {4, 32, 8, 2, 16};  // PR
+                if (x.skew_lo <= -0.11350713297724724) {
+                  if (x.log2_S <= 10.182703971862793) {
+                    if (x.avg <= 241.5274429321289) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 9.955214977264404) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.986785411834717) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
                   } else {
-                    return {4, 32, 8, 2, 32};  // PR
+                    if (x.log2_S <= 13.88547134399414) {
+                      if (x.skew_lo <= -1.9876948595046997) {
+                        if (x.log2_S <= 12.020504474639893) {
+                          if (x.log2_S <= 10.484883785247803) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 2.454363226890564) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 3.4824060201644897) {
+                          if (x.log2_S <= 14.047818183898926) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.avg <= 135.60061645507812) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 21.14247417449951) {
+                    if (x.skew_hi <= 6.907604694366455) {
+                      if (x.log2_S <= 12.122145175933838) {
+                        if (x.log2_S <= 11.559669017791748) {
+                          return {1, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 6.51391863822937) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.561104774475098) {
+                          if (x.skew_hi <= 6.043690204620361) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 2.3682972192764282) {
+                              return {1, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 6.854758977890015) {
+                        if (x.skew_lo <= 5.858739137649536) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.768529891967773) {
+                            if (x.skew_lo <= 6.780779600143433) {
+                              if (x.skew_lo <= 5.945592164993286) {
+                                if (x.log2_S <= 11.792385578155518) {
+                                  return {4, 4, 8, 64, 1};  // SR
+                                } else {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                }
+                              } else {
+                                return {4, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 10.82016372680664) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 4, 8, 64, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 13.511404991149902) {
+                          if (x.log2_S <= 8.945611476898193) {
+                            return {1, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 10.138760089874268) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 3.0404902696609497) {
+                if (x.log2_S <= 16.225769996643066) {
+                  if (x.avg <= 205.30464935302734) {
+                    if (x.log2_S <= 16.043784141540527) {
+                      if (x.log2_S <= 14.582417011260986) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
+                  }
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
+              } else {
+                if (x.skew_hi <= 13.712903499603271) {
+                  return {4, 2, 8, 128, 1};  // SR
+                } else {
+                  if (x.log2_S <= 18.770540237426758) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
                   }
                 }
               }
             }
+          }
+        } else {
+          if (x.skew_lo <= 7.14845871925354) {
+            if (x.skew_hi <= 21.421064376831055) {
+              if (x.log2_S <= 18.31734848022461) {
+                if (x.skew_lo <= 6.5775697231292725) {
+                  if (x.skew_hi <= 15.83223581314087) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 16.13380718231201) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 213.495361328125) {
+                        if (x.skew_hi <= 17.70452117919922) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.431902885437012) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              } else {
+                return {4, 2, 8, 128, 1};  // SR
+              }
+            } else {
+              return {4, 32, 8, 2, 16};  // PR
+            }
           } else {
-            if (x.avg <= 8.719868659973145) {
-              if (x.skew_hi <= 22.426283836364746) {
-                if (x.avg <= 2.6876503229141235) {
-                  if (x.avg <= 1.1719698309898376) {
+            if (x.skew_hi <= 21.55677032470703) {
+              if (x.avg <= 62.34291076660156) {
+                if (x.skew_hi <= 21.22655487060547) {
+                  return {4, 32, 8, 2, 16};  // PR
+                } else {
+                  if (x.skew_lo <= 11.48310375213623) {
+                    return {4, 32, 8, 2, 16};  // PR
+                  } else {
+                    if (x.avg <= 3.053368926048279) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 19.2099552154541) {
+                  if (x.skew_hi <= 14.55662727355957) {
                     return {4, 2, 8, 128, 1};  // SR
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
                   }
                 } else {
-                  if (x.skew_hi <= 22.399165153503418) {
-                    return {4, 32, 8, 2, 32};  // PR
+                  if (x.skew_hi <= 20.807586669921875) {
+                    return {4, 2, 8, 128, 1};  // SR
                   } else {
                     return {4, 32, 8, 2, 16};  // PR
                   }
                 }
+              }
+            } else {
+              if (x.skew_lo <= 10.762456893920898) {
+                return {4, 32, 8, 2, 16};  // PR
               } else {
                 return {4, 32, 8, 2, 32};  // PR
               }
-            } else {
-              return {4, 32, 8, 2, 16};  // PR
             }
           }
         }
       } else {
-        if (x.log2_S <= 16.972469329833984) {
-          if (x.skew_lo <= -1.9986830353736877) {
-            if (x.log2_S <= 12.485442161560059) {
-              if (x.log2_S <= 11.909952640533447) {
-                return {1, 16, 64, 8, 0};  // SP
-              } else {
-                if (x.skew_lo <= -3.9572583436965942) {
-                  return {4, 8, 64, 32, 0};  // SP
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 14.68395471572876) {
+            if (x.log2_S <= 13.72768259048462) {
+              if (x.skew_hi <= 5.484755992889404) {
+                if (x.log2_S <= 11.280783653259277) {
+                  if (x.log2_S <= 9.834032535552979) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 1.9675543308258057) {
+                      if (x.log2_S <= 10.110062599182129) {
+                        return {4, 64, 32, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.11715316772461) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          if (x.avg <= 27.090575218200684) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 8, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 10.156333446502686) {
+                        if (x.skew_lo <= -1.8886019587516785) {
+                          return {4, 64, 32, 4, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -1.3952123522758484) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.12185525894165) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 3.7160515785217285) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
                 } else {
-                  return {1, 16, 64, 8, 0};  // SP
+                  if (x.skew_hi <= 5.187070369720459) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 11.948862552642822) {
+                      return {4, 64, 64, 1, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 9.68085241317749) {
+                  return {4, 64, 32, 4, 0};  // SP
+                } else {
+                  if (x.log2_S <= 10.66824197769165) {
+                    return {4, 64, 64, 2, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 12.299025058746338) {
+                      if (x.log2_S <= 11.680791854858398) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        return {1, 32, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.780781507492065) {
+                        if (x.log2_S <= 13.02881669998169) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.315736293792725) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    }
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 14.60747766494751) {
-                if (x.avg <= 6.236813545227051) {
-                  if (x.log2_S <= 14.071924209594727) {
-                    if (x.log2_S <= 12.607512474060059) {
-                      return {1, 16, 64, 8, 0};  // SP
+              if (x.skew_hi <= 0.84946009516716) {
+                if (x.log2_S <= 14.083051681518555) {
+                  return {4, 32, 64, 4, 0};  // SP
+                } else {
+                  return {4, 16, 64, 2, 0};  // SP
+                }
+              } else {
+                return {4, 4, 8, 64, 1};  // SR
+              }
+            }
+          } else {
+            if (x.skew_lo <= -0.3244246542453766) {
+              if (x.log2_S <= 15.929361343383789) {
+                if (x.avg <= 8.422536373138428) {
+                  return {4, 4, 8, 64, 1};  // SR
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
+              } else {
+                if (x.skew_lo <= -0.5051908791065216) {
+                  return {4, 4, 64, 64, 0};  // SP
+                } else {
+                  if (x.log2_S <= 17.574630737304688) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 1.1582391262054443) {
+                return {4, 4, 8, 64, 1};  // SR
+              } else {
+                if (x.log2_S <= 18.61020851135254) {
+                  return {4, 4, 8, 64, 1};  // SR
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
+              }
+            }
+          }
+        } else {
+          if (x.skew_hi <= 13.88115406036377) {
+            if (x.log2_S <= 15.215986728668213) {
+              if (x.long_level <= 1.5) {
+                if (x.skew_hi <= 2.998687744140625) {
+                  if (x.log2_S <= 12.576199531555176) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    if (x.avg <= 234.60081481933594) {
+                      if (x.skew_hi <= 2.770608067512512) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 13.832567691802979) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      if (x.log2_S <= 14.313820362091064) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.83071517944336) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 5.686100244522095) {
+                    if (x.skew_lo <= -0.45296773314476013) {
+                      if (x.log2_S <= 10.699467182159424) {
+                        if (x.log2_S <= 9.965545654296875) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 10.056483268737793) {
+                            return {4, 32, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.3441743850708) {
+                          if (x.log2_S <= 12.583320617675781) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.981103897094727) {
+                      if (x.avg <= 3.9073166847229004) {
+                        if (x.log2_S <= 12.259861469268799) {
+                          if (x.skew_hi <= 8.219555854797363) {
+                            if (x.log2_S <= 11.248549938201904) {
+                              if (x.avg <= 2.0078397393226624) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 11.031961441040039) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.avg <= 1.9276495575904846) {
+                                return {4, 64, 64, 1, 0};  // SP
+                              } else {
+                                return {1, 32, 8, 4, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.484400749206543) {
+                            if (x.skew_lo <= 5.122607231140137) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.194109916687012) {
+                          if (x.skew_hi <= 7.854064226150513) {
+                            if (x.skew_hi <= 5.885788440704346) {
+                              if (x.log2_S <= 9.352334022521973) {
+                                return {1, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 11.241948127746582) {
+                              return {1, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 8.526846647262573) {
+                            if (x.skew_hi <= 7.980071783065796) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 4.978011846542358) {
+                        if (x.log2_S <= 14.285027027130127) {
+                          if (x.log2_S <= 13.890836715698242) {
+                            if (x.skew_lo <= 4.430585145950317) {
+                              if (x.log2_S <= 13.460590362548828) {
+                                return {1, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {1, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 2.369441270828247) {
+                              if (x.log2_S <= 14.058713436126709) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {2, 16, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 11.830745220184326) {
+                  if (x.log2_S <= 15.07374620437622) {
+                    if (x.skew_lo <= 11.247013092041016) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 13.144153594970703) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 4.914709568023682) {
+                      return {4, 4, 32, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 12.540998458862305) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 1.5) {
+                if (x.skew_lo <= -1.4094585180282593) {
+                  if (x.skew_hi <= 2.0677815675735474) {
+                    if (x.log2_S <= 15.468400955200195) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 16.563427925109863) {
+                      if (x.skew_hi <= 2.542644500732422) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= -1.4603866934776306) {
+                        if (x.avg <= 237.83588409423828) {
+                          return {4, 4, 32, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 19.25407886505127) {
+                            return {4, 4, 32, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 17.77613925933838) {
+                          return {4, 4, 32, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 4, 8, 64, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 26.39399242401123) {
+                  if (x.avg <= 1.9277654886245728) {
+                    if (x.skew_lo <= 9.353188514709473) {
+                      if (x.log2_S <= 18.439617156982422) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 32, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 9.34182596206665) {
+                      if (x.log2_S <= 20.534229278564453) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 4, 32, 64, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 11.095921516418457) {
+              if (x.skew_hi <= 18.87564468383789) {
+                if (x.log2_S <= 14.124422073364258) {
+                  if (x.skew_lo <= 8.210832595825195) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    return {4, 4, 32, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 18.613322257995605) {
+                    return {4, 4, 32, 64, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 7.371126174926758) {
+                      if (x.skew_lo <= 5.863653659820557) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 32, 64, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 20.6327486038208) {
+                  if (x.avg <= 63.661590576171875) {
+                    if (x.skew_hi <= 19.27110195159912) {
+                      return {4, 4, 32, 64, 1};  // SR
+                    } else {
+                      if (x.avg <= 11.200984477996826) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 20.175904273986816) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.622591018676758) {
+                            return {4, 4, 32, 64, 1};  // SR
+                          } else {
+                            if (x.avg <= 32.82952404022217) {
+                              return {4, 32, 16, 2, 8};  // PR
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      }
                     }
                   } else {
                     return {4, 4, 8, 64, 1};  // SR
                   }
                 } else {
-                  return {4, 8, 64, 32, 0};  // SP
-                }
-              } else {
-                return {4, 4, 64, 64, 0};  // SP
-              }
-            }
-          } else {
-            if (x.skew_hi <= 13.290201663970947) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.651316165924072) {
-                  if (x.avg <= 4.2826011180877686) {
-                    if (x.long_level <= 0.5) {
-                      if (x.avg <= 1.672531545162201) {
-                        if (x.log2_S <= 12.601933002471924) {
-                          return {4, 64, 8, 1, 0};  // SP
-                        } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 3.320533871650696) {
-                          if (x.log2_S <= 9.721531867980957) {
-                            if (x.skew_hi <= 4.584384918212891) {
-                              return {1, 16, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 32, 16, 8, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 16, 8, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 11.194811344146729) {
-                            return {1, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 1, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 9.00553035736084) {
-                        if (x.log2_S <= 11.045845985412598) {
-                          if (x.avg <= 2.859246253967285) {
-                            if (x.skew_hi <= 8.086010456085205) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              if (x.avg <= 1.0734189748764038) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {1, 32, 8, 8, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 3.935884475708008) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 11.81263780593872) {
-                            if (x.skew_lo <= 4.7525341510772705) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.789132118225098) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 12.100574493408203) {
-                            if (x.skew_lo <= 5.567090272903442) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {1, 16, 8, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 3.1904996633529663) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.73764181137085) {
-                        return {1, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 6.4984540939331055) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 16, 8, 8, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -0.6657804846763611) {
-                    if (x.avg <= 52.78850257396698) {
-                      if (x.log2_S <= 15.253729343414307) {
-                        if (x.log2_S <= 14.012328147888184) {
-                          if (x.log2_S <= 13.367981433868408) {
-                            return {4, 32, 16, 8, 0};  // SP
-                          } else {
-                            if (x.skew_lo <= -1.309719204902649) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {4, 32, 16, 8, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= -0.8503498733043671) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.098527431488037) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.280948638916016) {
-                      if (x.avg <= 5.510276556015015) {
-                        if (x.long_level <= 0.5) {
-                          if (x.log2_S <= 13.631875991821289) {
-                            if (x.avg <= 1.3383281230926514) {
-                              return {4, 64, 8, 1, 0};  // SP
-                            } else {
-                              return {1, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.615814685821533) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 4.830820322036743) {
-                              if (x.log2_S <= 14.000447750091553) {
-                                if (x.skew_hi <= 8.266632556915283) {
-                                  return {4, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {1, 16, 8, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 14.058713436126709) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {2, 16, 8, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 3.2694376707077026) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.324434280395508) {
-                            return {1, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 3.3972904682159424) {
-                        if (x.log2_S <= 15.369404315948486) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.667158603668213) {
-                  if (x.skew_hi <= 13.025469303131104) {
-                    if (x.skew_lo <= 12.190035820007324) {
-                      if (x.log2_S <= 14.456908226013184) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 4.293323993682861) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.475767612457275) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 10.870901584625244) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 6.180493593215942) {
-                    if (x.skew_lo <= 5.3272013664245605) {
-                      if (x.log2_S <= 14.897410869598389) {
-                        if (x.skew_lo <= 4.52658748626709) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 15.59886646270752) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.586790561676025) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 12.683226585388184) {
-                        if (x.skew_hi <= 10.444714546203613) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_hi <= 14.45630168914795) {
-                if (x.skew_lo <= 10.823770523071289) {
-                  if (x.avg <= 1.5801547169685364) {
-                    if (x.log2_S <= 15.398201942443848) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 14.274296283721924) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 9.496308326721191) {
+                  if (x.skew_lo <= 8.702008247375488) {
+                    if (x.log2_S <= 21.465656280517578) {
+                      if (x.avg <= 92.62665939331055) {
                         return {4, 4, 32, 64, 1};  // SR
                       } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 13.300422668457031) {
-                    return {4, 4, 16, 64, 1};  // SR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              } else {
-                if (x.avg <= 16.63542652130127) {
-                  if (x.skew_hi <= 15.969480037689209) {
-                    if (x.log2_S <= 14.820669174194336) {
-                      if (x.skew_lo <= 10.86487340927124) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 4.759606599807739) {
-                      if (x.log2_S <= 16.29713535308838) {
-                        return {4, 32, 16, 2, 8};  // PR
-                      } else {
-                        if (x.skew_lo <= 12.4555082321167) {
-                          if (x.skew_lo <= 11.996757984161377) {
-                            return {4, 4, 32, 64, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 8};  // PR
-                          }
+                        if (x.avg <= 290.6529541015625) {
+                          return {4, 4, 8, 64, 1};  // SR
                         } else {
                           return {4, 4, 32, 64, 1};  // SR
                         }
@@ -7456,176 +7552,64 @@ inline Config gathered_config(const Features& f) {
                     } else {
                       return {4, 4, 32, 64, 1};  // SR
                     }
-                  }
-                } else {
-                  return {4, 4, 32, 64, 1};  // SR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 5.557071208953857) {
-              if (x.skew_hi <= 5.358870029449463) {
-                return {4, 4, 64, 64, 0};  // SP
-              } else {
-                if (x.log2_S <= 18.29046630859375) {
-                  return {4, 4, 8, 64, 1};  // SR
-                } else {
-                  return {4, 4, 64, 64, 0};  // SP
-                }
-              }
-            } else {
-              if (x.log2_S <= 19.068148612976074) {
-                return {4, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.log2_S <= 22.10131072998047) {
-                  if (x.avg <= 1.0029512643814087) {
-                    return {4, 4, 8, 64, 1};  // SR
                   } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_hi <= 5.602963209152222) {
-                    return {4, 4, 64, 64, 0};  // SP
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_lo <= 10.61926794052124) {
-              if (x.log2_S <= 18.651782989501953) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 77.73585891723633) {
-                    if (x.log2_S <= 18.349977493286133) {
-                      return {4, 4, 8, 64, 1};  // SR
+                    if (x.avg <= 11.030424118041992) {
+                      if (x.skew_lo <= 11.043089866638184) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
                     } else {
-                      if (x.skew_hi <= 8.542616844177246) {
-                        if (x.avg <= 4.891732931137085) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 5.049874782562256) {
-                            return {4, 4, 16, 64, 1};  // SR
+                      if (x.skew_hi <= 21.614569664001465) {
+                        if (x.skew_lo <= 10.106604099273682) {
+                          if (x.skew_lo <= 9.412181854248047) {
+                            if (x.avg <= 35.69095420837402) {
+                              return {4, 32, 16, 2, 8};  // PR
+                            } else {
+                              return {4, 4, 32, 64, 1};  // SR
+                            }
                           } else {
-                            return {4, 4, 8, 64, 1};  // SR
+                            return {4, 4, 32, 64, 1};  // SR
                           }
-                        }
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 6.111260414123535) {
-                    if (x.avg <= 2.1484068632125854) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 17.109004020690918) {
-                      if (x.long_level <= 2.5) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 32, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 10.263473510742188) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 17.3796329498291) {
-                          return {4, 4, 32, 64, 1};  // SR
                         } else {
-                          return {4, 4, 16, 64, 1};  // SR
+                          return {4, 32, 16, 2, 8};  // PR
                         }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 5.30288290977478) {
-                  if (x.log2_S <= 20.393266677856445) {
-                    if (x.skew_hi <= 12.830762386322021) {
-                      if (x.skew_lo <= 4.573233604431152) {
-                        return {4, 4, 16, 64, 1};  // SR
                       } else {
-                        return {4, 4, 8, 64, 1};  // SR
+                        return {4, 32, 16, 2, 8};  // PR
                       }
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_lo <= 10.513899326324463) {
-                    return {4, 4, 16, 64, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 21.508170127868652) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 20.508841514587402) {
-                if (x.skew_lo <= 12.678778648376465) {
-                  if (x.avg <= 4.955794811248779) {
-                    if (x.log2_S <= 17.60361671447754) {
-                      if (x.avg <= 3.019856333732605) {
-                        return {4, 4, 32, 64, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 11.962684631347656) {
-                          return {4, 4, 32, 64, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 8};  // PR
-                        }
-                      }
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
+              if (x.skew_hi <= 20.073989868164062) {
+                if (x.log2_S <= 16.164567947387695) {
+                  if (x.log2_S <= 14.331655502319336) {
+                    return {4, 32, 8, 2, 16};  // PR
                   } else {
-                    if (x.avg <= 9.188629627227783) {
-                      if (x.skew_hi <= 19.422401428222656) {
-                        return {4, 4, 32, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 7.04131007194519) {
-                          return {4, 32, 16, 2, 8};  // PR
-                        } else {
-                          return {4, 4, 32, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 17.834099769592285) {
-                        return {4, 4, 32, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
+                    return {4, 32, 16, 2, 8};  // PR
                   }
                 } else {
-                  return {4, 4, 32, 64, 1};  // SR
+                  if (x.skew_lo <= 12.577011585235596) {
+                    if (x.skew_hi <= 18.507431983947754) {
+                      if (x.skew_lo <= 11.96112060546875) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
+                    } else {
+                      if (x.skew_lo <= 11.181718349456787) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 8};  // PR
+                      }
+                    }
+                  } else {
+                    return {4, 4, 32, 64, 1};  // SR
+                  }
                 }
               } else {
-                if (x.skew_lo <= 11.059679508209229) {
-                  if (x.avg <= 9.288479328155518) {
-                    return {4, 4, 32, 64, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 21.57710075378418) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
-                  }
-                } else {
-                  return {4, 32, 16, 2, 8};  // PR
-                }
+                return {4, 32, 16, 2, 8};  // PR
               }
             }
           }
@@ -7633,1247 +7617,903 @@ inline Config gathered_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 13.725879669189453) {
-            if (x.log2_S <= 12.42887020111084) {
-              if (x.log2_S <= 9.887000560760498) {
-                if (x.skew_lo <= -1.6252922415733337) {
-                  if (x.skew_hi <= 1.0665173530578613) {
-                    return {4, 32, 64, 2, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 9.358150005340576) {
-                      if (x.avg <= 3.7164034843444824) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 1.6817880868911743) {
-                          if (x.log2_S <= 9.085619926452637) {
-                            return {1, 32, 64, 4, 0};  // SP
+        if (x.log2_S <= 14.408064842224121) {
+          if (x.long_level <= 1.5) {
+            if (x.avg <= 84.9749526977539) {
+              if (x.log2_S <= 12.666682243347168) {
+                if (x.skew_lo <= 1.9923787713050842) {
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 10.01060962677002) {
+                      if (x.skew_hi <= 4.563333749771118) {
+                        if (x.avg <= 27.857794761657715) {
+                          if (x.log2_S <= 9.307145595550537) {
+                            return {1, 16, 64, 2, 0};  // SP
                           } else {
-                            return {4, 32, 64, 2, 0};  // SP
+                            if (x.skew_lo <= -2.933323383331299) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 9.639387130737305) {
+                                return {1, 16, 64, 2, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 9.904272556304932) {
+                                  return {4, 32, 64, 2, 0};  // SP
+                                } else {
+                                  return {4, 64, 64, 4, 0};  // SP
+                                }
+                              }
+                            }
                           }
                         } else {
-                          return {1, 32, 64, 4, 0};  // SP
+                          if (x.log2_S <= 9.701081275939941) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 9.538110256195068) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 64, 32, 4, 0};  // SP
                         }
                       }
                     } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 1.5182554125785828) {
-                    if (x.avg <= 1.2550816535949707) {
-                      return {1, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 1.4049593210220337) {
-                        if (x.skew_hi <= 5.571523904800415) {
-                          return {1, 32, 8, 8, 1};  // SR
+                      if (x.log2_S <= 11.778900623321533) {
+                        if (x.skew_hi <= 3.290704607963562) {
+                          return {4, 64, 16, 4, 0};  // SP
                         } else {
-                          return {4, 64, 8, 1, 0};  // SP
+                          if (x.log2_S <= 10.57942247390747) {
+                            if (x.avg <= 2.839081048965454) {
+                              return {4, 64, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 11.406925678253174) {
+                              return {4, 64, 16, 4, 0};  // SP
+                            } else {
+                              if (x.avg <= 2.4738640785217285) {
+                                return {1, 32, 8, 8, 1};  // SR
+                              } else {
+                                if (x.avg <= 4.676218032836914) {
+                                  return {4, 64, 64, 4, 0};  // SP
+                                } else {
+                                  return {4, 64, 16, 4, 0};  // SP
+                                }
+                              }
+                            }
+                          }
                         }
                       } else {
-                        return {4, 64, 8, 1, 0};  // SP
+                        if (x.avg <= 3.467751622200012) {
+                          if (x.avg <= 1.3173770308494568) {
+                            return {1, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 12.088910579681396) {
+                            if (x.avg <= 10.044848442077637) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 64, 16, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.avg <= 15.863585472106934) {
+                              if (x.skew_lo <= -3.1646405458450317) {
+                                if (x.log2_S <= 12.264080047607422) {
+                                  return {4, 32, 64, 2, 0};  // SP
+                                } else {
+                                  return {4, 4, 8, 64, 1};  // SR
+                                }
+                              } else {
+                                return {4, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        }
                       }
                     }
                   } else {
-                    return {4, 64, 64, 4, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.skew_lo <= -0.6711709201335907) {
-                  if (x.avg <= 37.846914291381836) {
-                    if (x.log2_S <= 12.005025386810303) {
-                      return {4, 64, 64, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 4.044881582260132) {
-                        return {4, 64, 64, 4, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -4.323240280151367) {
-                          return {4, 16, 64, 2, 0};  // SP
+                    if (x.log2_S <= 11.64036750793457) {
+                      if (x.skew_hi <= 3.8101985454559326) {
+                        if (x.log2_S <= 10.4602632522583) {
+                          return {4, 32, 64, 8, 0};  // SP
                         } else {
-                          return {4, 32, 64, 2, 0};  // SP
+                          return {4, 4, 8, 64, 1};  // SR
                         }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.056869983673096) {
-                      if (x.log2_S <= 10.476187705993652) {
-                        return {4, 32, 64, 2, 0};  // SP
                       } else {
-                        return {4, 64, 64, 4, 0};  // SP
+                        return {4, 4, 8, 64, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 12.120498657226562) {
-                        return {4, 32, 64, 2, 0};  // SP
+                      if (x.avg <= 77.95762634277344) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        return {4, 16, 64, 2, 0};  // SP
+                        return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.07023572921753) {
-                    if (x.skew_lo <= -0.39669710397720337) {
-                      if (x.avg <= 1.4750187397003174) {
+                  if (x.skew_hi <= 6.989229202270508) {
+                    if (x.log2_S <= 12.26693344116211) {
+                      return {2, 16, 8, 4, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 2.1158504486083984) {
+                      if (x.log2_S <= 11.538379192352295) {
                         return {1, 32, 8, 8, 1};  // SR
                       } else {
-                        return {4, 64, 8, 1, 0};  // SP
-                      }
-                    } else {
-                      return {1, 16, 8, 8, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.899999141693115) {
-                      return {1, 32, 8, 8, 1};  // SR
-                    } else {
-                      return {1, 32, 8, 2, 1};  // SR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_hi <= 4.332662582397461) {
-                if (x.skew_hi <= 3.7074921131134033) {
-                  return {4, 16, 64, 2, 0};  // SP
-                } else {
-                  if (x.avg <= 4.255572557449341) {
-                    return {4, 16, 64, 2, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 1.6620938777923584) {
-                  if (x.avg <= 1.338403046131134) {
-                    if (x.log2_S <= 13.316951751708984) {
-                      return {1, 32, 8, 2, 1};  // SR
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    return {1, 32, 8, 4, 1};  // SR
-                  }
-                } else {
-                  return {4, 64, 64, 4, 0};  // SP
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 1.4937711358070374) {
-              if (x.skew_lo <= -0.5126186013221741) {
-                if (x.log2_S <= 17.7050142288208) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  return {4, 8, 64, 32, 0};  // SP
-                }
-              } else {
-                return {4, 8, 8, 32, 1};  // SR
-              }
-            } else {
-              if (x.avg <= 2.1264008283615112) {
-                if (x.log2_S <= 16.172873497009277) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  return {4, 8, 64, 32, 0};  // SP
-                }
-              } else {
-                if (x.avg <= 60.92517852783203) {
-                  return {4, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.log2_S <= 14.885627746582031) {
-                    return {4, 16, 64, 2, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 13.715544700622559) {
-            if (x.skew_hi <= 12.301841259002686) {
-              if (x.long_level <= 1.5) {
-                if (x.skew_hi <= 6.736355304718018) {
-                  if (x.log2_S <= 11.597054481506348) {
-                    if (x.skew_lo <= -0.23927098512649536) {
-                      if (x.log2_S <= 9.839982032775879) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 2.8052942752838135) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.410640716552734) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 1.9238828420639038) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 2.4507676362991333) {
-                          return {2, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.519863605499268) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 4.655059099197388) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 4.202178239822388) {
-                    if (x.log2_S <= 12.477630138397217) {
-                      if (x.skew_lo <= 3.911600351333618) {
-                        if (x.log2_S <= 11.784589290618896) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 3.19195294380188) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 3.935884475708008) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
+                        if (x.skew_hi <= 9.047823429107666) {
                           return {1, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 16, 8, 4, 1};  // SR
                         }
                       }
                     } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 12.100574493408203) {
-                      return {1, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.484400749206543) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.avg <= 3.33444607257843) {
-                          return {2, 16, 8, 8, 1};  // SR
+                      if (x.log2_S <= 11.759606838226318) {
+                        if (x.skew_lo <= 3.812351107597351) {
+                          return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 11.82640790939331) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.avg <= 6.037110805511475) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 7.343708276748657) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 8.145086288452148) {
-                        return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 2.5) {
-                return {4, 8, 8, 32, 1};  // SR
-              } else {
-                return {4, 8, 16, 32, 1};  // SR
-              }
-            }
-          } else {
-            if (x.skew_lo <= 10.540859699249268) {
-              if (x.log2_S <= 18.110919952392578) {
-                if (x.avg <= 16.346739768981934) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 8.83730411529541) {
-                      if (x.log2_S <= 14.539360523223877) {
-                        if (x.skew_lo <= 4.667265892028809) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 16.011221885681152) {
-                        if (x.avg <= 15.25004529953003) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 2.6582188606262207) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.46497917175293) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 6.839804649353027) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.799786567687988) {
-                      if (x.skew_hi <= 12.371324062347412) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 9.944400787353516) {
-                          if (x.log2_S <= 13.885054588317871) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 12.346151351928711) {
-                        if (x.log2_S <= 15.331156730651855) {
-                          if (x.skew_lo <= 7.012067794799805) {
-                            if (x.skew_hi <= 10.160208225250244) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 16.39423370361328) {
-                          if (x.log2_S <= 17.028121948242188) {
-                            if (x.log2_S <= 15.518143653869629) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 5.988354444503784) {
-                    if (x.skew_hi <= 3.3351385593414307) {
-                      if (x.log2_S <= 14.098527431488037) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 17.822294235229492) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 16.42940330505371) {
-                      if (x.log2_S <= 13.937485218048096) {
-                        if (x.skew_hi <= 13.837679862976074) {
-                          if (x.avg <= 49.196359634399414) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 21.10101318359375) {
-                          if (x.skew_hi <= 11.942639827728271) {
-                            if (x.log2_S <= 16.45106315612793) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 9.806591510772705) {
-                                return {4, 8, 32, 32, 1};  // SR
+                          if (x.skew_lo <= 4.5702667236328125) {
+                            if (x.avg <= 3.391138434410095) {
+                              if (x.skew_hi <= 8.3709077835083) {
+                                return {2, 32, 8, 4, 1};  // SR
                               } else {
-                                return {4, 8, 16, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 16.888959884643555) {
-                            if (x.log2_S <= 14.208758354187012) {
-                              if (x.skew_hi <= 11.670269966125488) {
-                                if (x.skew_lo <= 4.914124965667725) {
-                                  if (x.log2_S <= 14.198320388793945) {
-                                    return {4, 8, 16, 32, 1};  // SR
-                                  } else {
-                                    return {4, 8, 32, 32, 1};  // SR
-                                  }
+                                if (x.skew_hi <= 8.555961608886719) {
+                                  return {1, 32, 8, 8, 1};  // SR
                                 } else {
-                                  return {4, 8, 8, 32, 1};  // SR
-                                }
-                              } else {
-                                return {4, 8, 32, 32, 1};  // SR
-                              }
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 63.79495429992676) {
-                              if (x.avg <= 35.21362495422363) {
-                                return {4, 8, 32, 32, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 17.91203022003174) {
-                                  return {4, 8, 64, 32, 1};  // SR
-                                } else {
-                                  return {4, 8, 32, 32, 1};  // SR
+                                  return {2, 16, 8, 4, 1};  // SR
                                 }
                               }
                             } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 17.619894981384277) {
-                        return {4, 8, 64, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 8.033187866210938) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 24.576231002807617) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 64, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.skew_hi <= 8.595743179321289) {
-                    return {4, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 19.279255867004395) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 5.5578553676605225) {
-                    return {4, 8, 32, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 1.9681759476661682) {
-                      if (x.log2_S <= 19.70718479156494) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 9.63278865814209) {
-                        if (x.log2_S <= 20.399727821350098) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 16.443775177001953) {
-                if (x.skew_hi <= 13.800961971282959) {
-                  return {4, 8, 16, 32, 1};  // SR
-                } else {
-                  if (x.skew_hi <= 16.086215019226074) {
-                    if (x.skew_hi <= 14.001535415649414) {
-                      if (x.skew_lo <= 12.978493690490723) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 12.565616607666016) {
-                      return {4, 8, 32, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 64, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                return {4, 8, 64, 32, 1};  // SR
-              }
-            }
-          }
-        }
-      } else {
-        if (x.F <= 90.50966799187809) {
-          if (x.skew_hi <= 13.969491481781006) {
-            if (x.log2_S <= 12.645625591278076) {
-              if (x.long_level <= 0.5) {
-                if (x.skew_lo <= -1.1496570706367493) {
-                  if (x.log2_S <= 12.061286449432373) {
-                    if (x.skew_hi <= 4.433103799819946) {
-                      return {1, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.008034229278564) {
-                        return {1, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 10.399878025054932) {
-                      if (x.log2_S <= 12.421803951263428) {
-                        if (x.skew_lo <= -1.6418384909629822) {
-                          if (x.avg <= 8.323928833007812) {
-                            return {1, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 1, 0};  // SP
-                          }
-                        } else {
-                          return {4, 64, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 5.489529609680176) {
-                    if (x.avg <= 1.7384081482887268) {
-                      return {1, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 9.500741958618164) {
-                        return {1, 64, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.854867458343506) {
-                          return {4, 64, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 10.620874881744385) {
-                      if (x.avg <= 1.2120521664619446) {
-                        if (x.log2_S <= 9.20206069946289) {
-                          return {1, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 9.794993877410889) {
-                            return {1, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 10.051004409790039) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 11.431621551513672) {
-                  if (x.avg <= 4.4579057693481445) {
-                    if (x.skew_lo <= 6.912053108215332) {
-                      if (x.log2_S <= 11.62608528137207) {
-                        if (x.skew_hi <= 9.054547309875488) {
-                          if (x.avg <= 3.935884475708008) {
-                            if (x.avg <= 2.494552254676819) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.avg <= 2.8102468252182007) {
-                                return {1, 32, 8, 2, 1};  // SR
+                              if (x.skew_lo <= 4.025947332382202) {
+                                return {1, 32, 8, 8, 1};  // SR
                               } else {
                                 return {1, 32, 8, 4, 1};  // SR
                               }
                             }
                           } else {
-                            if (x.skew_hi <= 7.880171298980713) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 11.241950988769531) {
-                            return {1, 32, 8, 8, 1};  // SR
-                          } else {
                             return {1, 32, 8, 4, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.skew_lo <= 4.262602090835571) {
-                          return {1, 32, 8, 4, 1};  // SR
+                        if (x.skew_hi <= 7.9579973220825195) {
+                          return {2, 16, 8, 4, 1};  // SR
                         } else {
-                          if (x.log2_S <= 12.488213062286377) {
-                            return {1, 32, 8, 2, 1};  // SR
+                          if (x.log2_S <= 12.402288913726807) {
+                            return {1, 32, 8, 8, 1};  // SR
                           } else {
-                            return {2, 32, 8, 2, 1};  // SR
+                            return {2, 16, 8, 4, 1};  // SR
                           }
                         }
                       }
-                    } else {
-                      if (x.skew_hi <= 8.760213375091553) {
-                        if (x.skew_hi <= 8.383221626281738) {
-                          return {4, 16, 8, 8, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 8.4734787940979) {
+                  if (x.avg <= 38.143798828125) {
+                    if (x.log2_S <= 13.199635982513428) {
+                      if (x.long_level <= 0.5) {
+                        if (x.skew_hi <= 5.176028251647949) {
+                          if (x.skew_lo <= -3.933426022529602) {
+                            if (x.skew_lo <= -4.163615465164185) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
+                          return {1, 32, 8, 4, 1};  // SR
                         }
                       } else {
-                        return {4, 16, 8, 8, 1};  // SR
+                        if (x.skew_lo <= 3.830585241317749) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 17.765869140625) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 5.819708347320557) {
+                          if (x.log2_S <= 13.32927417755127) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 14.358424663543701) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 10.772115707397461) {
-                      if (x.log2_S <= 11.505352020263672) {
-                        if (x.skew_lo <= 10.356661796569824) {
-                          if (x.skew_lo <= 7.3144307136535645) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 8.952281951904297) {
-                              if (x.long_level <= 2.5) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 8.19528865814209) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 2, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
+                    if (x.skew_hi <= 0.6901174485683441) {
+                      if (x.log2_S <= 14.085608005523682) {
+                        return {4, 32, 64, 2, 0};  // SP
                       } else {
-                        if (x.skew_lo <= 4.431334018707275) {
-                          if (x.avg <= 6.08525276184082) {
-                            if (x.skew_lo <= 3.6833105087280273) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 12.192373752593994) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 6.07397985458374) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 2, 1};  // SR
-                            }
-                          }
-                        }
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      if (x.skew_lo <= 7.883586645126343) {
-                        if (x.log2_S <= 11.502190589904785) {
-                          return {4, 16, 8, 8, 1};  // SR
+                      if (x.log2_S <= 13.451281547546387) {
+                        if (x.skew_lo <= -0.0754338763654232) {
+                          return {4, 8, 16, 32, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 10.925302982330322) {
-                          return {4, 16, 16, 2, 1};  // SR
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {2, 16, 8, 4, 1};  // SR
+                }
+              }
+            } else {
+              if (x.log2_S <= 12.690272331237793) {
+                return {4, 32, 64, 8, 0};  // SP
+              } else {
+                if (x.avg <= 142.74105834960938) {
+                  if (x.log2_S <= 12.782419204711914) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 14.143479347229004) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 171.30250549316406) {
+                    if (x.log2_S <= 13.315483093261719) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.828698635101318) {
+                      return {4, 32, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 12.342411994934082) {
+              if (x.avg <= 1.803646445274353) {
+                if (x.log2_S <= 10.8538236618042) {
+                  return {2, 16, 8, 4, 1};  // SR
+                } else {
+                  if (x.log2_S <= 11.85544204711914) {
+                    if (x.log2_S <= 11.544338703155518) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {2, 16, 8, 4, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.702218055725098) {
+                  if (x.skew_lo <= 10.840675830841064) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 5.996923446655273) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 78.6690559387207) {
+                    if (x.skew_hi <= 8.513767719268799) {
+                      if (x.log2_S <= 14.132598400115967) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 2.5) {
+                return {4, 8, 8, 32, 1};  // SR
+              } else {
+                if (x.skew_hi <= 14.156986236572266) {
+                  if (x.log2_S <= 12.482881546020508) {
+                    if (x.avg <= 123.77373504638672) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 10.589165687561035) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.skew_hi <= 5.328267335891724) {
+              if (x.log2_S <= 15.620798110961914) {
+                if (x.avg <= 11.279162406921387) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
+                }
+              } else {
+                return {4, 8, 64, 32, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 19.398624420166016) {
+                if (x.log2_S <= 18.901984214782715) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 1.0808868408203125) {
+                    return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 5.473294258117676) {
+                  if (x.log2_S <= 21.950303077697754) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                } else {
+                  return {4, 8, 16, 32, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.613495349884033) {
+              if (x.skew_hi <= 9.427697658538818) {
+                if (x.avg <= 28.828618049621582) {
+                  if (x.log2_S <= 18.344746589660645) {
+                    if (x.avg <= 5.398059606552124) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 16.1279296875) {
+                        if (x.avg <= 15.171564102172852) {
+                          return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 16, 8, 8, 1};  // SR
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.380764722824097) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_lo <= -0.2644970118999481) {
+                      if (x.log2_S <= 15.468247890472412) {
+                        if (x.skew_hi <= 2.472493886947632) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 98.04894638061523) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 18.297592163085938) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 4.049794673919678) {
+                          if (x.skew_lo <= -0.1080307625234127) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 20.59906578063965) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 1.0568116903305054) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 18.664012908935547) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_lo <= 9.916343688964844) {
+                    if (x.log2_S <= 14.797900199890137) {
+                      if (x.skew_hi <= 12.113057136535645) {
+                        if (x.skew_lo <= 5.712935447692871) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.937608242034912) {
+                        if (x.skew_hi <= 15.597911357879639) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 9.58853816986084) {
+                          if (x.log2_S <= 19.327959060668945) {
+                            if (x.log2_S <= 16.94086456298828) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.754064559936523) {
+                      if (x.skew_hi <= 14.496186256408691) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              return {4, 8, 32, 32, 1};  // SR
+            }
+          }
+        }
+      } else {
+        if (x.F <= 90.50966799187809) {
+          if (x.log2_S <= 13.571232795715332) {
+            if (x.long_level <= 2.5) {
+              if (x.skew_lo <= 0.0006869202479720116) {
+                if (x.skew_lo <= -1.8343334197998047) {
+                  if (x.log2_S <= 10.582496166229248) {
+                    if (x.avg <= 146.12253952026367) {
+                      if (x.avg <= 13.13158893585205) {
+                        if (x.log2_S <= 9.058585166931152) {
+                          return {1, 16, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 0.17223567515611649) {
+                          if (x.log2_S <= 9.884541034698486) {
+                            return {4, 64, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 64, 16, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 64, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 12.264930248260498) {
+                      if (x.skew_lo <= -5.410116672515869) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.long_level <= 0.5) {
+                        if (x.skew_hi <= 1.6370218992233276) {
+                          if (x.log2_S <= 12.924750328063965) {
+                            if (x.log2_S <= 12.603041648864746) {
+                              return {4, 64, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 1, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 12.672404289245605) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 11.606340408325195) {
-                      return {4, 16, 8, 8, 1};  // SR
+                  if (x.skew_hi <= 3.540480136871338) {
+                    if (x.log2_S <= 12.51768159866333) {
+                      return {4, 64, 64, 2, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.587292194366455) {
-                        return {4, 8, 8, 32, 1};  // SR
+                      if (x.avg <= 141.07703399658203) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        return {4, 16, 8, 8, 1};  // SR
+                        return {4, 64, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    return {4, 16, 16, 2, 1};  // SR
+                    if (x.log2_S <= 10.604913234710693) {
+                      if (x.skew_lo <= -0.4443545341491699) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.54891300201416) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 5.618886947631836) {
+                            return {4, 16, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 64, 32, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 1.7270679473876953) {
+                        if (x.log2_S <= 13.256412506103516) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 65.64070510864258) {
+                          if (x.log2_S <= 12.611785888671875) {
+                            if (x.log2_S <= 11.985562324523926) {
+                              if (x.avg <= 2.589445471763611) {
+                                return {1, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 64, 64, 4, 0};  // SP
+                              }
+                            } else {
+                              if (x.avg <= 2.0893672704696655) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 4.457342863082886) {
+                  if (x.skew_lo <= 7.849522829055786) {
+                    if (x.log2_S <= 12.210729598999023) {
+                      if (x.skew_hi <= 9.067041397094727) {
+                        if (x.skew_lo <= 4.77031946182251) {
+                          if (x.skew_hi <= 8.227301597595215) {
+                            if (x.skew_lo <= 3.9365429878234863) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 11.753815650939941) {
+                                return {1, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 11.483187198638916) {
+                              if (x.skew_hi <= 8.722554683685303) {
+                                return {2, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {1, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 11.362880229949951) {
+                          if (x.skew_hi <= 9.766985416412354) {
+                            return {1, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          return {2, 32, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.91246223449707) {
+                      return {4, 16, 8, 2, 1};  // SR
+                    } else {
+                      return {4, 16, 16, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.59910535812378) {
+                    if (x.avg <= 314.9156494140625) {
+                      return {4, 16, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.795130252838135) {
+                        return {4, 16, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 52.5540885925293) {
+                        if (x.skew_hi <= 7.572357892990112) {
+                          return {4, 16, 8, 2, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 16, 2, 1};  // SR
+                    }
                   }
                 }
               }
             } else {
-              if (x.long_level <= 0.5) {
-                if (x.avg <= 14.327474594116211) {
-                  if (x.skew_hi <= 4.969326496124268) {
-                    if (x.log2_S <= 13.22568416595459) {
-                      if (x.skew_lo <= -1.906217634677887) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -1.4201689958572388) {
-                          return {4, 16, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      }
+              if (x.log2_S <= 13.160972595214844) {
+                return {4, 16, 16, 2, 1};  // SR
+              } else {
+                if (x.avg <= 20.169079780578613) {
+                  if (x.log2_S <= 13.404227256774902) {
+                    return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 12.28366470336914) {
+                      return {4, 16, 32, 2, 1};  // SR
                     } else {
-                      if (x.avg <= 2.7513391971588135) {
-                        if (x.log2_S <= 15.523327827453613) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 2.2419066429138184) {
-                          if (x.log2_S <= 17.652220726013184) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 16, 16, 2, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 30.759618759155273) {
+              if (x.long_level <= 2.5) {
+                if (x.skew_lo <= -0.8377586901187897) {
+                  if (x.avg <= 14.108264446258545) {
+                    if (x.log2_S <= 14.792337417602539) {
+                      return {4, 16, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 16.475247383117676) {
+                        if (x.skew_hi <= 4.202654600143433) {
+                          if (x.skew_lo <= -3.555420994758606) {
                             return {4, 8, 64, 32, 0};  // SP
                           } else {
                             return {4, 16, 64, 2, 0};  // SP
                           }
                         } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 18.287288665771484) {
-                      if (x.skew_lo <= -0.6448502838611603) {
-                        if (x.log2_S <= 16.020974159240723) {
-                          if (x.log2_S <= 13.15524673461914) {
-                            return {1, 32, 8, 2, 1};  // SR
+                          if (x.log2_S <= 15.986030101776123) {
+                            return {4, 16, 8, 2, 1};  // SR
                           } else {
-                            return {4, 16, 8, 8, 1};  // SR
+                            if (x.skew_lo <= -1.229511797428131) {
+                              return {4, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
                           }
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 13.275209903717041) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 1.8011486530303955) {
-                        return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 20.01608943939209) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 19.249972343444824) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 19.56020164489746) {
-                      if (x.avg <= 24.257984161376953) {
-                        if (x.skew_lo <= -3.973752975463867) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 2, 0};  // SP
                         }
                       } else {
                         return {4, 16, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 19.237767219543457) {
+                      if (x.log2_S <= 13.767510414123535) {
+                        return {4, 16, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
                       return {4, 16, 64, 2, 0};  // SP
                     }
                   }
-                }
-              } else {
-                if (x.avg <= 32.74806213378906) {
-                  if (x.log2_S <= 14.602295875549316) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 13.965099811553955) {
-                        if (x.avg <= 4.340568780899048) {
-                          if (x.log2_S <= 13.335590362548828) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 9.109503269195557) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.756635665893555) {
-                        if (x.skew_hi <= 13.373971939086914) {
-                          if (x.avg <= 2.2137482166290283) {
-                            if (x.avg <= 1.868794023990631) {
-                              return {4, 16, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 4.056241869926453) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 12.75423812866211) {
-                              if (x.skew_hi <= 13.646161079406738) {
-                                return {4, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {4, 8, 32, 32, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_hi <= 13.599160194396973) {
-                                return {4, 16, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 8, 32, 32, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 11.82495641708374) {
-                          if (x.skew_lo <= 6.77332067489624) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 14.082584381103516) {
-                              return {4, 16, 16, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 14.363834381103516) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 2, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.long_level <= 2.5) {
-                            if (x.log2_S <= 13.874893188476562) {
-                              if (x.avg <= 1.5447784066200256) {
-                                return {4, 16, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 3.3971177339553833) {
+                } else {
+                  if (x.avg <= 2.997236728668213) {
+                    if (x.log2_S <= 17.22528076171875) {
                       if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 18.511388778686523) {
-                          if (x.log2_S <= 17.03850555419922) {
-                            return {4, 16, 8, 8, 1};  // SR
+                        return {4, 16, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 8.450858116149902) {
+                        if (x.log2_S <= 17.624167442321777) {
+                          if (x.skew_lo <= 2.2415508031845093) {
+                            return {4, 16, 16, 2, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 8.808318614959717) {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.459587812423706) {
+                            if (x.log2_S <= 19.781558990478516) {
                               return {4, 16, 16, 2, 1};  // SR
                             } else {
-                              return {4, 16, 8, 8, 1};  // SR
+                              return {4, 16, 64, 2, 0};  // SP
                             }
-                          }
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 16, 16, 2, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 1.4729095697402954) {
-                    if (x.log2_S <= 13.502184867858887) {
-                      if (x.log2_S <= 13.360090255737305) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= -0.7441093623638153) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.109375953674316) {
-                        if (x.skew_lo <= -0.7483363449573517) {
-                          if (x.log2_S <= 14.092524528503418) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.596536636352539) {
-                            return {4, 16, 8, 8, 1};  // SR
                           } else {
                             return {4, 16, 16, 2, 1};  // SR
                           }
                         }
                       } else {
-                        return {4, 16, 16, 2, 1};  // SR
+                        if (x.log2_S <= 19.63038730621338) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 32, 2, 1};  // SR
+                        }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 15.120314121246338) {
-                      if (x.skew_hi <= 13.702403545379639) {
-                        if (x.log2_S <= 12.804090023040771) {
-                          if (x.skew_hi <= 8.164030075073242) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
+                    if (x.avg <= 26.25903606414795) {
+                      if (x.log2_S <= 14.268356800079346) {
+                        if (x.skew_hi <= 8.822864532470703) {
+                          if (x.skew_lo <= 2.083365797996521) {
                             return {4, 16, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 13.852789878845215) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {4, 16, 64, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 18.62421417236328) {
-                        return {4, 16, 64, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 19.746445655822754) {
-                          if (x.log2_S <= 19.38561248779297) {
-                            if (x.skew_lo <= 2.470746397972107) {
+                          } else {
+                            if (x.log2_S <= 14.128314018249512) {
+                              return {4, 16, 8, 2, 1};  // SR
+                            } else {
                               return {4, 16, 16, 2, 1};  // SR
-                            } else {
-                              if (x.avg <= 43.163259506225586) {
-                                return {4, 16, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 64, 2, 1};  // SR
-                              }
                             }
-                          } else {
-                            return {4, 16, 16, 2, 1};  // SR
                           }
                         } else {
-                          return {4, 16, 64, 2, 1};  // SR
+                          return {4, 16, 16, 2, 1};  // SR
                         }
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 6.459553241729736) {
-              if (x.skew_hi <= 18.19246482849121) {
-                if (x.skew_hi <= 16.45358371734619) {
-                  if (x.log2_S <= 16.22596549987793) {
-                    return {4, 16, 64, 2, 1};  // SR
-                  } else {
-                    if (x.avg <= 3.928135633468628) {
-                      return {4, 16, 64, 2, 1};  // SR
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 17.61637020111084) {
-                    if (x.avg <= 4.282323837280273) {
-                      return {4, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 5.772369146347046) {
+                      } else {
                         return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 12.012871742248535) {
-                      return {4, 16, 16, 2, 1};  // SR
-                    } else {
-                      return {4, 16, 64, 2, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                return {4, 16, 64, 2, 1};  // SR
-              }
-            } else {
-              return {4, 16, 64, 2, 1};  // SR
-            }
-          }
-        } else {
-          if (x.log2_S <= 13.151341915130615) {
-            if (x.long_level <= 2.5) {
-              if (x.skew_lo <= 2.359331965446472) {
-                if (x.long_level <= 0.5) {
-                  if (x.log2_S <= 9.836711406707764) {
-                    if (x.skew_hi <= 4.374707937240601) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -0.8288122117519379) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {1, 32, 8, 4, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.825974464416504) {
-                      if (x.skew_lo <= -1.3681816458702087) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -1.047853946685791) {
-                          if (x.log2_S <= 10.829883098602295) {
-                            return {1, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
                       }
                     } else {
-                      if (x.avg <= 2.8573094606399536) {
-                        if (x.log2_S <= 12.837467193603516) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 5.378316402435303) {
-                            return {4, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.901071071624756) {
-                          if (x.log2_S <= 12.102736949920654) {
-                            if (x.skew_hi <= 3.264219641685486) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          if (x.avg <= 11.739829063415527) {
-                            return {4, 16, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 84.05839538574219) {
-                    if (x.log2_S <= 12.190744876861572) {
-                      if (x.log2_S <= 11.336168766021729) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.avg <= 25.586227416992188) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 1.3203522562980652) {
-                        if (x.log2_S <= 12.580352306365967) {
-                          if (x.skew_hi <= 3.9597673416137695) {
-                            return {4, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 2.1839178800582886) {
-                          return {4, 16, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.803927898406982) {
-                      if (x.skew_hi <= 4.796020030975342) {
-                        if (x.log2_S <= 10.684558391571045) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.60161304473877) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 16, 2, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 2.700087547302246) {
-                  if (x.skew_lo <= 7.269079208374023) {
-                    if (x.log2_S <= 11.787290096282959) {
-                      if (x.avg <= 2.494552254676819) {
-                        if (x.log2_S <= 11.579538822174072) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        return {1, 32, 8, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 1};  // SR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 11.951172351837158) {
-                    if (x.avg <= 4.531606197357178) {
-                      if (x.skew_lo <= 4.375545263290405) {
-                        if (x.log2_S <= 11.715360164642334) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 1};  // SR
-                        }
+                      if (x.log2_S <= 16.939204216003418) {
+                        return {4, 16, 16, 2, 1};  // SR
                       } else {
                         if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 11.279263496398926) {
-                            return {1, 64, 8, 2, 1};  // SR
+                          if (x.log2_S <= 19.067922592163086) {
+                            return {4, 16, 16, 2, 1};  // SR
                           } else {
-                            return {1, 32, 8, 2, 1};  // SR
+                            return {4, 16, 32, 2, 1};  // SR
                           }
                         } else {
-                          return {4, 32, 8, 2, 1};  // SR
+                          return {4, 16, 32, 2, 1};  // SR
                         }
                       }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 19.334428787231445) {
+                  if (x.log2_S <= 16.22328472137451) {
+                    if (x.skew_hi <= 14.05860948562622) {
+                      return {4, 16, 32, 2, 1};  // SR
                     } else {
-                      if (x.avg <= 167.0010528564453) {
-                        if (x.avg <= 130.67262268066406) {
-                          return {4, 32, 8, 2, 1};  // SR
+                      if (x.skew_lo <= 10.463006496429443) {
+                        if (x.skew_hi <= 14.715233325958252) {
+                          return {4, 16, 32, 2, 1};  // SR
                         } else {
-                          if (x.log2_S <= 10.806126117706299) {
-                            return {4, 32, 8, 2, 1};  // SR
+                          if (x.log2_S <= 15.291075706481934) {
+                            return {4, 8, 32, 32, 1};  // SR
                           } else {
-                            return {4, 32, 16, 2, 1};  // SR
+                            if (x.avg <= 17.391677856445312) {
+                              return {4, 16, 64, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 32, 2, 1};  // SR
+                            }
                           }
                         }
                       } else {
-                        return {4, 32, 16, 2, 1};  // SR
+                        return {4, 16, 64, 2, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.avg <= 12.753782272338867) {
-                      if (x.avg <= 9.592289924621582) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 8.519851684570312) {
-                          if (x.log2_S <= 12.077046394348145) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      }
+                    if (x.log2_S <= 18.214512825012207) {
+                      return {4, 16, 32, 2, 1};  // SR
                     } else {
-                      return {4, 32, 16, 2, 1};  // SR
+                      if (x.skew_lo <= 12.096660137176514) {
+                        if (x.skew_lo <= 10.874733924865723) {
+                          return {4, 16, 32, 2, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 18.899888038635254) {
+                            return {4, 16, 32, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
+                      }
                     }
+                  }
+                } else {
+                  if (x.log2_S <= 19.52241611480713) {
+                    if (x.skew_lo <= 9.914521217346191) {
+                      return {4, 16, 32, 2, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 64, 2, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 12.297235488891602) {
-                return {4, 32, 16, 2, 1};  // SR
-              } else {
-                if (x.avg <= 4.722185373306274) {
-                  if (x.log2_S <= 12.961314678192139) {
-                    return {4, 32, 16, 2, 1};  // SR
-                  } else {
-                    return {4, 32, 32, 1, 1};  // SR
-                  }
-                } else {
-                  return {4, 32, 32, 1, 1};  // SR
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 0.5) {
-              if (x.skew_hi <= 2.1301422119140625) {
-                if (x.log2_S <= 20.13247299194336) {
-                  if (x.log2_S <= 15.553189754486084) {
-                    if (x.skew_lo <= -4.5817999839782715) {
-                      if (x.log2_S <= 13.729313373565674) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 15.291573524475098) {
-                          return {4, 16, 64, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 15.450390815734863) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
+              if (x.skew_lo <= -3.9693273305892944) {
+                if (x.log2_S <= 19.29778003692627) {
+                  if (x.log2_S <= 13.670685291290283) {
+                    return {4, 16, 8, 2, 1};  // SR
                   } else {
                     return {4, 8, 64, 32, 0};  // SP
                   }
@@ -8881,14 +8521,326 @@ inline Config gathered_config(const Features& f) {
                   return {4, 16, 64, 2, 0};  // SP
                 }
               } else {
-                if (x.avg <= 2.214258551597595) {
-                  if (x.log2_S <= 16.94968891143799) {
-                    if (x.log2_S <= 15.54670000076294) {
-                      return {4, 32, 8, 2, 1};  // SR
+                if (x.log2_S <= 14.37308931350708) {
+                  if (x.skew_hi <= 13.632739067077637) {
+                    if (x.skew_lo <= -0.27684618532657623) {
+                      if (x.skew_lo <= -1.5275061130523682) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 16, 32, 2, 1};  // SR
+                      }
                     } else {
-                      if (x.avg <= 1.3490779399871826) {
-                        if (x.log2_S <= 15.643078327178955) {
-                          return {4, 16, 8, 8, 1};  // SR
+                      return {4, 16, 16, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 32, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 19.80448818206787) {
+                    if (x.log2_S <= 18.22256565093994) {
+                      if (x.skew_lo <= 4.910025119781494) {
+                        if (x.avg <= 51.51039695739746) {
+                          if (x.skew_lo <= 2.6823129653930664) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.16125774383545) {
+                              return {4, 16, 32, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 2.109597325325012) {
+                            if (x.skew_lo <= -1.472024917602539) {
+                              if (x.log2_S <= 15.59263801574707) {
+                                if (x.log2_S <= 14.438311576843262) {
+                                  return {4, 16, 32, 2, 1};  // SR
+                                } else {
+                                  if (x.skew_lo <= -1.6172015070915222) {
+                                    return {4, 64, 64, 2, 0};  // SP
+                                  } else {
+                                    return {4, 16, 64, 2, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                if (x.skew_hi <= 2.202386498451233) {
+                                  return {4, 16, 32, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 64, 2, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.avg <= 76.88032150268555) {
+                                if (x.log2_S <= 15.854021549224854) {
+                                  return {4, 16, 32, 2, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 16.90808868408203) {
+                                    return {4, 16, 16, 2, 1};  // SR
+                                  } else {
+                                    return {4, 16, 32, 2, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                if (x.log2_S <= 17.173800468444824) {
+                                  return {4, 16, 32, 2, 1};  // SR
+                                } else {
+                                  if (x.avg <= 290.2578887939453) {
+                                    return {4, 16, 32, 2, 1};  // SR
+                                  } else {
+                                    if (x.log2_S <= 17.64270782470703) {
+                                      return {4, 16, 64, 2, 1};  // SR
+                                    } else {
+                                      return {4, 16, 32, 2, 1};  // SR
+                                    }
+                                  }
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 15.89793062210083) {
+                              return {4, 16, 32, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 17.847620964050293) {
+                                return {4, 16, 64, 2, 1};  // SR
+                              } else {
+                                if (x.avg <= 111.03997421264648) {
+                                  return {4, 16, 64, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 32, 2, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 16, 32, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 32, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 198.0781707763672) {
+                      if (x.avg <= 52.32968330383301) {
+                        return {4, 16, 64, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 32, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.skew_hi <= 12.63347339630127) {
+            if (x.skew_lo <= 4.086437463760376) {
+              if (x.log2_S <= 14.052566051483154) {
+                if (x.skew_lo <= -0.23855473101139069) {
+                  if (x.avg <= 69.90851974487305) {
+                    if (x.log2_S <= 11.691987037658691) {
+                      if (x.avg <= 3.497758984565735) {
+                        if (x.log2_S <= 10.09819507598877) {
+                          if (x.skew_lo <= -0.39603951573371887) {
+                            return {4, 64, 32, 4, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 4.913195371627808) {
+                            if (x.log2_S <= 10.935291290283203) {
+                              if (x.log2_S <= 10.374090671539307) {
+                                return {4, 64, 64, 1, 0};  // SP
+                              } else {
+                                return {1, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_hi <= 4.262044191360474) {
+                                return {4, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 3.2698874473571777) {
+                          return {4, 64, 32, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 9.793309688568115) {
+                            return {4, 64, 32, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.655610084533691) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 11.236947536468506) {
+                                return {4, 64, 32, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.301326751708984) {
+                        if (x.skew_hi <= 4.710663080215454) {
+                          if (x.skew_hi <= 1.3786399960517883) {
+                            if (x.log2_S <= 12.64208698272705) {
+                              if (x.log2_S <= 12.09316110610962) {
+                                return {4, 64, 32, 4, 0};  // SP
+                              } else {
+                                if (x.skew_lo <= -5.545024633407593) {
+                                  return {4, 16, 8, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 2, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 16, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.552243947982788) {
+                            return {2, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= -2.6874592304229736) {
+                          if (x.log2_S <= 13.771134853363037) {
+                            return {4, 16, 8, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 15.886908054351807) {
+                              return {4, 16, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 13.607438564300537) {
+                            if (x.avg <= 1.4696876406669617) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.7267614603042603) {
+                      if (x.log2_S <= 10.444336891174316) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.509451866149902) {
+                          return {4, 32, 32, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.74682331085205) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.700423240661621) {
+                        if (x.skew_lo <= -0.32899467647075653) {
+                          if (x.skew_lo <= -1.4435093402862549) {
+                            if (x.log2_S <= 9.847848415374756) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 32, 2, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 14.914981365203857) {
+                    if (x.avg <= 4.11836838722229) {
+                      if (x.long_level <= 0.5) {
+                        if (x.log2_S <= 9.402425289154053) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 12.508265972137451) {
+                            if (x.log2_S <= 10.180798530578613) {
+                              return {4, 64, 16, 4, 0};  // SP
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 2.830703377723694) {
+                      if (x.avg <= 27.86075782775879) {
+                        if (x.log2_S <= 12.626362800598145) {
+                          if (x.log2_S <= 11.630014419555664) {
+                            return {4, 32, 16, 1, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 1.4053868651390076) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 1, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 13.153948307037354) {
+                            if (x.avg <= 18.651381492614746) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 10.033977031707764) {
+                          if (x.avg <= 37.61851692199707) {
+                            return {4, 32, 16, 1, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 3.840994358062744) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.267405986785889) {
+                        if (x.skew_lo <= 3.229311227798462) {
+                          if (x.log2_S <= 10.445653438568115) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
                         } else {
                           return {4, 32, 8, 2, 1};  // SR
                         }
@@ -8896,263 +8848,295 @@ inline Config gathered_config(const Features& f) {
                         return {4, 16, 16, 2, 1};  // SR
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 18.26505756378174) {
-                      if (x.avg <= 1.8701158165931702) {
-                        return {4, 16, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 1.7213645577430725) {
-                        return {4, 32, 16, 2, 1};  // SR
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    }
                   }
-                } else {
-                  if (x.skew_lo <= -2.338998794555664) {
-                    if (x.log2_S <= 13.642830848693848) {
-                      if (x.avg <= 12.178705215454102) {
-                        return {4, 16, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+                }
+              } else {
+                if (x.long_level <= 0.5) {
+                  if (x.skew_lo <= -3.910952568054199) {
+                    if (x.log2_S <= 19.086938858032227) {
+                      return {4, 8, 64, 32, 0};  // SP
                     } else {
                       return {4, 16, 64, 2, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 18.052526473999023) {
-                      if (x.log2_S <= 15.70016622543335) {
-                        if (x.skew_hi <= 4.323229551315308) {
+                    if (x.avg <= 2.0657925605773926) {
+                      if (x.log2_S <= 16.199756622314453) {
+                        return {4, 16, 8, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 19.094935417175293) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 20.085237503051758) {
+                            if (x.skew_lo <= -0.5701239556074142) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.951268196105957) {
+                        if (x.skew_lo <= -3.404765009880066) {
                           return {4, 16, 64, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 15.448772430419922) {
-                            return {4, 32, 8, 2, 1};  // SR
+                          return {4, 16, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.0128173828125) {
+                          if (x.skew_lo <= -1.976410448551178) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.841537475585938) {
+                    if (x.avg <= 17.519307136535645) {
+                      if (x.log2_S <= 15.101961612701416) {
+                        if (x.avg <= 6.8262038230896) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 14.602112770080566) {
+                            return {4, 32, 16, 1, 1};  // SR
                           } else {
                             return {4, 16, 16, 2, 1};  // SR
                           }
                         }
                       } else {
-                        return {4, 16, 64, 2, 0};  // SP
+                        return {4, 32, 16, 1, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 20.09638214111328) {
-                        return {4, 32, 64, 2, 0};  // SP
+                      if (x.avg <= 82.4804458618164) {
+                        if (x.log2_S <= 16.04311180114746) {
+                          if (x.avg <= 43.2574520111084) {
+                            if (x.log2_S <= 14.274916172027588) {
+                              return {4, 16, 16, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 1.5024633407592773) {
+                            if (x.log2_S <= 16.957533836364746) {
+                              if (x.log2_S <= 16.587570190429688) {
+                                return {4, 32, 32, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 1, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 16, 1, 1};  // SR
+                          }
+                        }
                       } else {
-                        return {4, 16, 64, 2, 0};  // SP
+                        if (x.log2_S <= 15.925512313842773) {
+                          return {4, 16, 32, 2, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 3.1136255264282227) {
+                            return {4, 16, 32, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 123.1026496887207) {
+                              if (x.skew_lo <= -0.5075619965791702) {
+                                return {4, 32, 32, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 1, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.4300549030303955) {
+                      if (x.skew_hi <= 1.9303242564201355) {
+                        return {4, 16, 32, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 19.54607582092285) {
+                          return {4, 16, 32, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 20.41049289703369) {
+                            return {4, 32, 32, 1, 1};  // SR
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.115381240844727) {
+                        if (x.skew_hi <= 6.260098457336426) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          if (x.avg <= 174.96776580810547) {
+                            return {4, 32, 32, 1, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.long_level <= 2.5) {
-                if (x.skew_lo <= 4.137383460998535) {
-                  if (x.log2_S <= 17.595818519592285) {
-                    if (x.avg <= 18.524470329284668) {
-                      if (x.log2_S <= 15.113555908203125) {
-                        if (x.skew_hi <= 6.809266805648804) {
-                          if (x.skew_lo <= 2.1860979795455933) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 13.723564624786377) {
-                              return {4, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          }
+              if (x.log2_S <= 15.284344673156738) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 12.538721084594727) {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 12.124564170837402) {
+                        if (x.avg <= 1.9026849269866943) {
+                          return {2, 32, 8, 4, 1};  // SR
                         } else {
-                          return {4, 32, 8, 2, 1};  // SR
+                          if (x.skew_hi <= 8.91886568069458) {
+                            if (x.skew_hi <= 8.264601707458496) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 11.487700939178467) {
+                                return {2, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
                         }
                       } else {
-                        return {4, 32, 16, 2, 1};  // SR
+                        return {4, 32, 8, 2, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 13.847628593444824) {
-                        if (x.avg <= 71.07086563110352) {
-                          if (x.skew_hi <= 4.677757978439331) {
-                            return {4, 16, 16, 2, 1};  // SR
-                          } else {
-                            if (x.avg <= 24.939772605895996) {
-                              return {4, 16, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 13.495920181274414) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 0.9161128923296928) {
-                              if (x.skew_lo <= -1.0980936288833618) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 4.9714601039886475) {
-                          return {4, 32, 32, 1, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.51356029510498) {
-                            if (x.log2_S <= 15.585538387298584) {
-                              if (x.log2_S <= 14.024011611938477) {
-                                if (x.avg <= 57.567108154296875) {
-                                  return {4, 16, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              } else {
-                                return {4, 32, 32, 1, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 15.750607013702393) {
-                                return {4, 16, 16, 2, 1};  // SR
-                              } else {
-                                if (x.avg <= 180.87771606445312) {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 2, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 17.21297264099121) {
-                              if (x.avg <= 115.05582809448242) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                if (x.skew_lo <= 2.6272056102752686) {
-                                  return {4, 16, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          }
-                        }
-                      }
+                      return {4, 32, 8, 2, 1};  // SR
                     }
                   } else {
-                    return {4, 32, 32, 1, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 16.08717441558838) {
-                    if (x.avg <= 9.194836616516113) {
-                      if (x.log2_S <= 13.576111793518066) {
-                        if (x.avg <= 7.412130832672119) {
+                    if (x.avg <= 8.118255138397217) {
+                      if (x.log2_S <= 14.163183689117432) {
+                        if (x.avg <= 4.104116201400757) {
                           return {4, 32, 8, 2, 1};  // SR
                         } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 8.820573806762695) {
-                          if (x.log2_S <= 15.247462749481201) {
+                          if (x.log2_S <= 13.721014976501465) {
                             return {4, 32, 8, 2, 1};  // SR
                           } else {
-                            return {4, 32, 16, 2, 1};  // SR
+                            return {4, 32, 16, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.715703010559082) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 1, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.150172233581543) {
+                        return {4, 32, 16, 1, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 4.47138237953186) {
+                          if (x.log2_S <= 14.22853708267212) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
                           }
                         } else {
-                          if (x.skew_lo <= 5.80044960975647) {
-                            if (x.log2_S <= 14.197450160980225) {
-                              return {4, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 8.006810665130615) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 14.814342021942139) {
-                                return {4, 32, 16, 2, 1};  // SR
+                          if (x.skew_lo <= 6.219044208526611) {
+                            if (x.log2_S <= 13.98084831237793) {
+                              if (x.skew_lo <= 6.009341478347778) {
+                                if (x.skew_lo <= 5.423882246017456) {
+                                  return {4, 16, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 16, 1, 1};  // SR
+                                }
                               } else {
                                 return {4, 32, 32, 1, 1};  // SR
                               }
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 14.041264057159424) {
+                              return {4, 32, 32, 1, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 1, 1};  // SR
                             }
                           }
                         }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.478321075439453) {
-                        if (x.skew_hi <= 9.49884033203125) {
-                          return {4, 32, 16, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 32, 1, 1};  // SR
                       }
                     }
+                  }
+                } else {
+                  if (x.log2_S <= 12.323846340179443) {
+                    if (x.avg <= 10.717707633972168) {
+                      return {4, 32, 32, 1, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 1, 1};  // SR
+                    }
                   } else {
-                    if (x.avg <= 48.6421012878418) {
-                      if (x.log2_S <= 17.737747192382812) {
-                        if (x.skew_lo <= 9.742565155029297) {
-                          if (x.avg <= 13.87562370300293) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 16.63963508605957) {
-                              if (x.skew_lo <= 5.307209491729736) {
-                                return {4, 16, 16, 2, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 16.19862937927246) {
-                                  return {4, 32, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
+                    if (x.avg <= 255.40895080566406) {
+                      if (x.skew_lo <= 11.855087757110596) {
+                        return {4, 32, 32, 1, 1};  // SR
                       } else {
-                        return {4, 32, 16, 2, 1};  // SR
+                        return {4, 32, 16, 1, 1};  // SR
                       }
                     } else {
-                      return {4, 32, 16, 2, 1};  // SR
+                      return {4, 32, 16, 1, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 17.413901329040527) {
-                  return {4, 32, 32, 1, 1};  // SR
-                } else {
-                  if (x.log2_S <= 18.78252410888672) {
-                    if (x.skew_lo <= 11.131560325622559) {
-                      if (x.skew_lo <= 7.306437730789185) {
-                        if (x.skew_hi <= 18.41682529449463) {
-                          if (x.log2_S <= 17.952930450439453) {
-                            if (x.avg <= 151.2909927368164) {
-                              return {4, 16, 64, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 64, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 32, 1, 1};  // SR
-                    }
+                if (x.log2_S <= 15.999179363250732) {
+                  if (x.avg <= 17.407184600830078) {
+                    return {4, 32, 16, 1, 1};  // SR
                   } else {
                     return {4, 32, 32, 1, 1};  // SR
                   }
+                } else {
+                  return {4, 32, 16, 1, 1};  // SR
                 }
               }
+            }
+          } else {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 15.293133735656738) {
+                if (x.log2_S <= 13.57256031036377) {
+                  if (x.skew_hi <= 13.276124954223633) {
+                    return {4, 32, 8, 2, 1};  // SR
+                  } else {
+                    return {4, 32, 16, 1, 1};  // SR
+                  }
+                } else {
+                  return {4, 32, 16, 1, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 2.1200664043426514) {
+                  return {4, 32, 32, 1, 1};  // SR
+                } else {
+                  if (x.log2_S <= 16.990931510925293) {
+                    return {4, 32, 16, 1, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 12.718283653259277) {
+                      return {4, 32, 16, 1, 1};  // SR
+                    } else {
+                      return {4, 32, 32, 1, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              return {4, 32, 32, 1, 1};  // SR
             }
           }
         }

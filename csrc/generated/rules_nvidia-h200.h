@@ -9,515 +9,511 @@ namespace geot {
 namespace generated {
 namespace gpu_nvidia_h200 {
 
-// plain rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 20, 1147 leaves; training set: oracle/pick geomean 0.990, worst cell 0.918
+// plain rows: 495 cells of 59 graphs, 564 configs; distilled tree of depth 18, 1145 leaves; training set: oracle/pick geomean 0.987, worst cell 0.823
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
   if (x.F <= 7.483314773547883) {
     if (x.F <= 2.8284271247461903) {
       if (x.F <= 1.4142135623730951) {
-        if (x.long_level <= 0.5) {
-          if (x.skew_hi <= 2.1781442165374756) {
-            if (x.log2_S <= 15.861802577972412) {
-              if (x.skew_hi <= 0.2693295031785965) {
-                if (x.log2_S <= 11.20395040512085) {
-                  return {2, 2, 64, 128, 0};  // SP
-                } else {
-                  return {1, 8, 64, 32, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 9.620311737060547) {
-                  if (x.skew_lo <= -4.841881036758423) {
-                    return {2, 2, 64, 128, 0};  // SP
+        if (x.log2_S <= 16.657509803771973) {
+          if (x.long_level <= 1.5) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 14.49620771408081) {
+                if (x.avg <= 1.7613124251365662) {
+                  if (x.log2_S <= 9.838515281677246) {
+                    return {1, 2, 16, 128, 0};  // SP
                   } else {
-                    return {1, 1, 64, 256, 0};  // SP
-                  }
-                } else {
-                  return {2, 2, 64, 128, 0};  // SP
-                }
-              }
-            } else {
-              if (x.log2_S <= 19.78224277496338) {
-                return {1, 2, 32, 128, 0};  // SP
-              } else {
-                if (x.avg <= 52.88938522338867) {
-                  return {1, 1, 64, 256, 0};  // SP
-                } else {
-                  if (x.log2_S <= 23.902490615844727) {
-                    return {1, 2, 32, 128, 0};  // SP
-                  } else {
-                    return {1, 1, 64, 256, 0};  // SP
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 13.932078838348389) {
-              if (x.skew_hi <= 4.274166822433472) {
-                return {1, 1, 64, 256, 0};  // SP
-              } else {
-                if (x.log2_S <= 13.02500295639038) {
-                  if (x.skew_lo <= -0.19701778143644333) {
-                    if (x.skew_lo <= -1.4950743317604065) {
-                      if (x.log2_S <= 10.88272476196289) {
-                        return {2, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
+                    if (x.log2_S <= 11.248444080352783) {
+                      return {1, 4, 32, 64, 0};  // SP
                     } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 10.974133014678955) {
-                      return {1, 32, 32, 4, 0};  // SP
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 1.9744882583618164) {
-                    return {1, 16, 64, 4, 0};  // SP
-                  } else {
-                    return {1, 1, 64, 256, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              return {1, 1, 64, 256, 0};  // SP
-            }
-          }
-        } else {
-          if (x.skew_hi <= 8.090023040771484) {
-            if (x.log2_S <= 16.233101844787598) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 12.218013763427734) {
-                  if (x.avg <= 74.6569938659668) {
-                    if (x.log2_S <= 11.077630043029785) {
-                      if (x.skew_hi <= 8.023488998413086) {
-                        return {1, 32, 32, 4, 0};  // SP
-                      } else {
-                        return {1, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 8.414236068725586) {
-                        return {1, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.55666446685791) {
-                          if (x.avg <= 12.748720645904541) {
-                            return {1, 32, 32, 4, 0};  // SP
-                          } else {
-                            return {2, 32, 32, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_lo <= 2.3630350828170776) {
-                            return {1, 32, 32, 4, 0};  // SP
-                          } else {
-                            return {1, 32, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.120826721191406) {
-                      return {2, 32, 32, 8, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.559585571289062) {
-                        return {2, 32, 32, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.948868751525879) {
-                          return {1, 32, 32, 4, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 0.8187299966812134) {
-                    if (x.log2_S <= 15.37361192703247) {
                       return {1, 16, 64, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -4.615241765975952) {
+                    if (x.log2_S <= 12.16649580001831) {
+                      if (x.log2_S <= 11.30518913269043) {
+                        if (x.log2_S <= 9.731617450714111) {
+                          if (x.log2_S <= 9.022942543029785) {
+                            return {1, 4, 32, 64, 0};  // SP
+                          } else {
+                            return {2, 8, 32, 32, 0};  // SP
+                          }
+                        } else {
+                          return {1, 4, 32, 64, 0};  // SP
+                        }
+                      } else {
+                        return {2, 8, 32, 32, 0};  // SP
+                      }
                     } else {
-                      if (x.skew_hi <= 3.951950788497925) {
+                      if (x.log2_S <= 13.488758563995361) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {1, 4, 32, 64, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.764993667602539) {
+                      if (x.log2_S <= 9.831071853637695) {
+                        if (x.avg <= 3.919087767601013) {
+                          return {1, 2, 16, 128, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 10.663992881774902) {
+                          return {1, 4, 32, 64, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.366953372955322) {
+                            if (x.skew_hi <= 3.1407341957092285) {
+                              if (x.skew_hi <= 2.400313973426819) {
+                                return {1, 4, 32, 64, 0};  // SP
+                              } else {
+                                return {1, 32, 64, 4, 0};  // SP
+                              }
+                            } else {
+                              return {1, 8, 64, 32, 0};  // SP
+                            }
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.499040603637695) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -2.7446534633636475) {
+                          if (x.skew_lo <= -4.324169874191284) {
+                            return {1, 4, 32, 64, 0};  // SP
+                          } else {
+                            return {2, 2, 64, 128, 0};  // SP
+                          }
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 3.4934942722320557) {
+                  if (x.avg <= 19.423234939575195) {
+                    if (x.log2_S <= 15.66775894165039) {
+                      return {2, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 2.314814329147339) {
+                        return {1, 2, 16, 128, 0};  // SP
+                      } else {
+                        return {1, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.75553846359253) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -5.441955804824829) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {1, 2, 16, 128, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.119916915893555) {
+                    if (x.skew_lo <= -0.7976361215114594) {
+                      return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {1, 1, 64, 256, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.008028507232666) {
+                if (x.skew_hi <= 4.400360822677612) {
+                  if (x.skew_lo <= -1.828378975391388) {
+                    return {1, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 78.7527084350586) {
+                      if (x.log2_S <= 11.599931240081787) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.975001811981201) {
+                          return {1, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.11935806274414) {
+                    if (x.skew_hi <= 8.308930397033691) {
+                      return {1, 32, 64, 8, 0};  // SP
+                    } else {
+                      if (x.avg <= 2.216065764427185) {
+                        return {1, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {1, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 4.432644844055176) {
+                      if (x.log2_S <= 11.320705890655518) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {1, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.323804378509521) {
                         return {1, 16, 64, 4, 0};  // SP
                       } else {
-                        return {1, 2, 8, 128, 1};  // SR
+                        return {1, 16, 64, 8, 0};  // SP
                       }
                     }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 4.861119270324707) {
+                  if (x.log2_S <= 14.04218578338623) {
+                    return {1, 16, 64, 8, 0};  // SP
                   } else {
-                    if (x.log2_S <= 14.330172538757324) {
-                      if (x.log2_S <= 13.597044944763184) {
-                        if (x.skew_hi <= 6.352124452590942) {
-                          if (x.avg <= 15.265105724334717) {
-                            return {1, 32, 32, 4, 0};  // SP
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {2, 16, 64, 8, 0};  // SP
-                        }
+                    if (x.skew_lo <= -1.140320360660553) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -0.16675706952810287) {
+                        return {1, 16, 64, 8, 0};  // SP
                       } else {
-                        if (x.skew_lo <= 2.4544126987457275) {
-                          if (x.skew_hi <= 5.39269757270813) {
+                        if (x.log2_S <= 14.512115955352783) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= 0.5143736600875854) {
                             return {1, 16, 64, 4, 0};  // SP
                           } else {
-                            return {1, 2, 8, 128, 1};  // SR
+                            return {1, 1, 8, 256, 1};  // SR
                           }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 6.101454973220825) {
+                    if (x.log2_S <= 13.930004119873047) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.500887393951416) {
+                      if (x.avg <= 8.00971794128418) {
+                        if (x.log2_S <= 13.904392719268799) {
+                          return {1, 16, 64, 8, 0};  // SP
                         } else {
                           return {1, 16, 64, 4, 0};  // SP
                         }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
                       }
                     } else {
                       return {1, 2, 8, 128, 1};  // SR
                     }
                   }
                 }
-              } else {
-                if (x.log2_S <= 14.387938499450684) {
-                  if (x.skew_lo <= 5.848612070083618) {
-                    return {1, 2, 8, 128, 1};  // SR
+              }
+            }
+          } else {
+            if (x.skew_hi <= 12.20860767364502) {
+              if (x.log2_S <= 13.838114261627197) {
+                if (x.skew_lo <= 1.272502362728119) {
+                  if (x.log2_S <= 10.800454139709473) {
+                    return {1, 32, 64, 8, 0};  // SP
                   } else {
-                    return {1, 4, 8, 64, 1};  // SR
+                    return {1, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  return {1, 1, 8, 256, 1};  // SR
+                  if (x.skew_lo <= 10.7061128616333) {
+                    if (x.skew_hi <= 11.808745861053467) {
+                      if (x.log2_S <= 13.524473667144775) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 2.2341209650039673) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 2.5) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 7.037336111068726) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 6.020873069763184) {
+                  if (x.avg <= 434.7623596191406) {
+                    if (x.avg <= 25.22266674041748) {
+                      if (x.log2_S <= 15.107390880584717) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    return {1, 16, 64, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= 7.5095603466033936) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 15.001927375793457) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 20.810982704162598) {
-                if (x.log2_S <= 18.21236228942871) {
-                  if (x.skew_lo <= -1.2336636185646057) {
-                    return {4, 4, 64, 64, 0};  // SP
+              if (x.log2_S <= 13.086681842803955) {
+                if (x.long_level <= 2.5) {
+                  return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  if (x.avg <= 85.67085266113281) {
+                    return {1, 32, 8, 4, 32};  // PR
                   } else {
-                    if (x.avg <= 38.55270767211914) {
-                      if (x.log2_S <= 16.922462463378906) {
+                    if (x.skew_lo <= 6.282761573791504) {
+                      if (x.log2_S <= 12.708584785461426) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.log2_S <= 17.992048263549805) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          if (x.avg <= 12.001828670501709) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
-                        }
+                        return {2, 32, 8, 4, 16};  // PR
                       }
                     } else {
-                      return {1, 1, 8, 256, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 4.839269638061523) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.avg <= 14.267263889312744) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.skew_hi <= 6.7864906787872314) {
-                        if (x.log2_S <= 19.675569534301758) {
-                          if (x.avg <= 25.499537467956543) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 1, 8, 256, 1};  // SR
-                          }
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 7.417279958724976) {
-                          return {4, 32, 8, 4, 16};  // PR
-                        } else {
-                          if (x.log2_S <= 18.538601875305176) {
-                            return {1, 1, 8, 256, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
+                      return {2, 32, 8, 4, 16};  // PR
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 6.3579113483428955) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 47.3853702545166) {
-                      return {1, 1, 8, 256, 1};  // SR
+                if (x.skew_hi <= 15.586050033569336) {
+                  if (x.long_level <= 2.5) {
+                    if (x.log2_S <= 14.49450969696045) {
+                      return {1, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.skew_lo <= -0.14436621963977814) {
-                        if (x.avg <= 127.99493789672852) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 2.28582227230072) {
-                            return {1, 1, 8, 256, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 21.486695289611816) {
-                              return {1, 32, 8, 2, 32};  // PR
-                            } else {
-                              if (x.log2_S <= 23.358027458190918) {
-                                return {4, 32, 8, 2, 16};  // PR
-                              } else {
-                                if (x.avg <= 159.62264251708984) {
-                                  return {1, 1, 8, 256, 1};  // SR
-                                } else {
-                                  return {4, 32, 8, 2, 16};  // PR
-                                }
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 21.159914016723633) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
+                      return {1, 32, 8, 4, 32};  // PR
                     }
                   } else {
-                    return {4, 32, 8, 4, 16};  // PR
+                    return {1, 32, 8, 4, 32};  // PR
                   }
                 } else {
-                  if (x.avg <= 94.68611145019531) {
-                    if (x.skew_hi <= 7.958315134048462) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {4, 32, 16, 2, 32};  // PR
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    }
+                  if (x.avg <= 49.669193267822266) {
+                    return {1, 32, 8, 4, 32};  // PR
                   } else {
-                    return {4, 32, 8, 4, 16};  // PR
+                    return {2, 32, 8, 4, 16};  // PR
                   }
                 }
               }
             }
+          }
+        } else {
+          if (x.skew_lo <= 0.46101030707359314) {
+            if (x.log2_S <= 18.71703338623047) {
+              if (x.avg <= 13.327005863189697) {
+                return {1, 1, 64, 256, 0};  // SP
+              } else {
+                if (x.skew_lo <= -3.3584288358688354) {
+                  return {1, 2, 16, 128, 0};  // SP
+                } else {
+                  if (x.skew_lo <= -1.8236691355705261) {
+                    if (x.log2_S <= 18.280498504638672) {
+                      return {1, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 56.70933532714844) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 19.77223491668701) {
+                if (x.skew_lo <= -4.750462532043457) {
+                  return {1, 2, 16, 128, 0};  // SP
+                } else {
+                  if (x.avg <= 138.12042236328125) {
+                    return {1, 1, 64, 256, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 19.37519359588623) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                return {1, 1, 64, 256, 0};  // SP
+              }
+            }
           } else {
-            if (x.skew_hi <= 18.53152370452881) {
-              if (x.log2_S <= 18.388235092163086) {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 12.79557991027832) {
-                    if (x.skew_lo <= 5.9063451290130615) {
-                      if (x.avg <= 21.732952117919922) {
-                        if (x.avg <= 2.2292897701263428) {
-                          if (x.log2_S <= 11.68979024887085) {
-                            return {2, 32, 32, 8, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.526297569274902) {
-                              return {1, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 8, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 11.713530540466309) {
-                              return {1, 32, 32, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
+            if (x.skew_hi <= 12.137412548065186) {
+              if (x.log2_S <= 21.514060974121094) {
+                if (x.avg <= 47.196611404418945) {
+                  if (x.skew_lo <= 6.919863224029541) {
+                    if (x.avg <= 3.5162606239318848) {
+                      if (x.log2_S <= 18.43919086456299) {
+                        return {1, 1, 8, 256, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 9.419402122497559) {
-                          return {1, 2, 8, 128, 1};  // SR
+                        if (x.log2_S <= 20.194241523742676) {
+                          if (x.log2_S <= 19.669562339782715) {
+                            if (x.log2_S <= 18.808770179748535) {
+                              return {1, 1, 8, 256, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 32};  // PR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
                         } else {
-                          return {1, 4, 8, 64, 1};  // SR
+                          return {1, 1, 8, 256, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        return {2, 32, 32, 8, 0};  // SP
+                      if (x.avg <= 40.66761779785156) {
+                        return {1, 1, 8, 256, 1};  // SR
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
+                        if (x.log2_S <= 19.669808387756348) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {1, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
+                        }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 15.498295307159424) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 13.962390422821045) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 14.639786720275879) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        }
+                    if (x.log2_S <= 19.66303253173828) {
+                      if (x.skew_lo <= 7.184631109237671) {
+                        return {2, 32, 8, 4, 16};  // PR
                       } else {
-                        if (x.log2_S <= 13.397127628326416) {
-                          if (x.skew_hi <= 10.347339630126953) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.avg <= 2.6028759479522705) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 15.115286350250244) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 8.936100482940674) {
-                              if (x.avg <= 33.04292964935303) {
-                                return {1, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {1, 1, 8, 256, 1};  // SR
-                              }
-                            } else {
-                              return {1, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        }
+                        return {1, 32, 8, 4, 32};  // PR
                       }
                     } else {
-                      if (x.avg <= 15.620373249053955) {
-                        if (x.skew_hi <= 10.009480476379395) {
-                          if (x.log2_S <= 17.863414764404297) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          if (x.log2_S <= 16.60856533050537) {
-                            if (x.skew_hi <= 11.081252574920654) {
-                              if (x.log2_S <= 16.34630298614502) {
-                                return {1, 1, 8, 256, 1};  // SR
-                              } else {
-                                return {1, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 15.57043170928955) {
-                                return {1, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {1, 32, 8, 2, 32};  // PR
-                              }
-                            }
-                          } else {
-                            return {1, 32, 8, 2, 32};  // PR
-                          }
-                        }
+                      if (x.log2_S <= 21.09901237487793) {
+                        return {2, 32, 8, 4, 16};  // PR
                       } else {
                         return {1, 1, 8, 256, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.070469856262207) {
-                    return {1, 32, 8, 2, 32};  // PR
+                  if (x.log2_S <= 18.65975284576416) {
+                    return {1, 1, 8, 256, 1};  // SR
                   } else {
-                    if (x.skew_lo <= 10.966231346130371) {
-                      if (x.skew_lo <= 8.671623229980469) {
-                        if (x.log2_S <= 17.466174125671387) {
-                          if (x.skew_hi <= 16.310457229614258) {
-                            return {4, 32, 8, 4, 16};  // PR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        } else {
-                          if (x.skew_hi <= 18.08893585205078) {
-                            return {4, 32, 8, 4, 16};  // PR
-                          } else {
-                            return {2, 32, 16, 4, 16};  // PR
-                          }
-                        }
+                    if (x.avg <= 233.30826568603516) {
+                      return {2, 32, 8, 4, 16};  // PR
+                    } else {
+                      if (x.log2_S <= 19.77841091156006) {
+                        return {1, 1, 8, 256, 1};  // SR
                       } else {
-                        if (x.log2_S <= 16.200963020324707) {
-                          return {4, 32, 8, 4, 16};  // PR
+                        if (x.log2_S <= 21.152812957763672) {
+                          return {2, 32, 8, 4, 16};  // PR
                         } else {
-                          return {4, 32, 8, 2, 16};  // PR
+                          return {1, 1, 8, 256, 1};  // SR
                         }
                       }
-                    } else {
-                      return {1, 32, 8, 2, 32};  // PR
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 11.782701015472412) {
-                  return {1, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.avg <= 3.114590883255005) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 22.14701271057129) {
-                      if (x.avg <= 7.878862619400024) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {2, 32, 16, 4, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                }
+                return {1, 1, 8, 256, 1};  // SR
               }
             } else {
-              if (x.skew_lo <= 11.344191074371338) {
-                if (x.log2_S <= 23.042076110839844) {
-                  if (x.avg <= 26.74759864807129) {
-                    if (x.log2_S <= 20.089951515197754) {
-                      if (x.skew_lo <= 10.466334342956543) {
-                        if (x.skew_hi <= 19.593995094299316) {
-                          return {4, 32, 8, 4, 8};  // PR
+              if (x.avg <= 21.800049781799316) {
+                if (x.log2_S <= 22.472222328186035) {
+                  if (x.avg <= 11.634172439575195) {
+                    if (x.skew_lo <= 11.020586013793945) {
+                      if (x.log2_S <= 19.593128204345703) {
+                        if (x.avg <= 9.200294494628906) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 4, 16};  // PR
+                      }
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 17.202340126037598) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 11.043089866638184) {
+                    if (x.skew_lo <= 10.734973907470703) {
+                      if (x.skew_lo <= 9.512384414672852) {
+                        if (x.skew_lo <= 8.976044654846191) {
+                          if (x.log2_S <= 23.032801628112793) {
+                            return {1, 1, 8, 256, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 4, 16};  // PR
+                          }
                         } else {
                           return {1, 1, 8, 256, 1};  // SR
                         }
                       } else {
-                        return {4, 32, 8, 2, 16};  // PR
+                        return {2, 32, 8, 4, 16};  // PR
                       }
                     } else {
-                      if (x.avg <= 7.584916591644287) {
-                        return {1, 32, 16, 2, 16};  // PR
-                      } else {
-                        return {2, 32, 16, 4, 16};  // PR
-                      }
+                      return {1, 32, 8, 4, 32};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 19.931623458862305) {
-                      if (x.skew_lo <= 8.763309001922607) {
-                        return {2, 32, 16, 4, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 4, 8};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 22.58242130279541) {
-                        return {1, 32, 16, 2, 16};  // PR
-                      } else {
-                        if (x.skew_lo <= 7.306822061538696) {
-                          return {1, 32, 16, 2, 16};  // PR
-                        } else {
-                          return {2, 32, 16, 4, 16};  // PR
-                        }
-                      }
-                    }
+                    return {1, 1, 64, 256, 0};  // SP
                   }
-                } else {
-                  return {2, 32, 16, 4, 16};  // PR
                 }
               } else {
-                if (x.skew_hi <= 20.57557487487793) {
-                  if (x.skew_hi <= 19.907992362976074) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.skew_lo <= 12.735221862792969) {
-                      return {1, 32, 8, 2, 32};  // PR
+                if (x.log2_S <= 18.266372680664062) {
+                  if (x.log2_S <= 17.667156219482422) {
+                    if (x.skew_lo <= 8.211304187774658) {
+                      return {2, 32, 8, 4, 16};  // PR
                     } else {
-                      return {4, 32, 16, 2, 32};  // PR
+                      return {4, 32, 8, 2, 8};  // PR
                     }
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
                   }
                 } else {
-                  if (x.skew_hi <= 22.043381690979004) {
-                    if (x.skew_lo <= 12.538474082946777) {
-                      return {1, 32, 16, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 16, 2, 32};  // PR
-                    }
+                  if (x.skew_lo <= 9.366272449493408) {
+                    return {1, 1, 64, 256, 0};  // SP
                   } else {
-                    return {4, 32, 16, 2, 32};  // PR
+                    if (x.skew_hi <= 22.616283416748047) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
+                      return {1, 1, 64, 256, 0};  // SP
+                    }
                   }
                 }
               }
@@ -525,131 +521,395 @@ inline Config plain_config(const Features& f) {
           }
         }
       } else {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 14.31894588470459) {
-            if (x.avg <= 3.63949453830719) {
-              if (x.skew_hi <= 5.202425479888916) {
-                if (x.log2_S <= 13.823988437652588) {
-                  if (x.skew_lo <= -1.725833237171173) {
-                    if (x.log2_S <= 9.821745872497559) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  return {2, 1, 64, 256, 0};  // SP
-                }
-              } else {
-                if (x.skew_lo <= -0.42273056507110596) {
-                  if (x.avg <= 1.4159940481185913) {
-                    return {1, 16, 64, 4, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 11.829154014587402) {
-                    return {1, 32, 32, 4, 0};  // SP
-                  } else {
-                    return {2, 8, 16, 32, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.skew_lo <= -4.792272329330444) {
-                if (x.log2_S <= 10.75642728805542) {
-                  if (x.log2_S <= 9.759597301483154) {
-                    if (x.skew_hi <= 1.0351303219795227) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 53.42024040222168) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {1, 16, 64, 4, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 36.0213508605957) {
-                    if (x.log2_S <= 12.196278095245361) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 8.679479122161865) {
-                  if (x.log2_S <= 10.530710697174072) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 12.502479076385498) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 1.8841068148612976) {
-                    if (x.log2_S <= 10.489648818969727) {
-                      return {2, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.826860427856445) {
+        if (x.log2_S <= 18.226232528686523) {
+          if (x.skew_hi <= 12.750466346740723) {
+            if (x.long_level <= 1.5) {
+              if (x.avg <= 64.8019027709961) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 15.520383358001709) {
+                    if (x.log2_S <= 10.026389598846436) {
+                      if (x.skew_hi <= 2.0014261603355408) {
                         return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        return {4, 4, 64, 64, 0};  // SP
+                        if (x.skew_lo <= -1.3818979859352112) {
+                          return {1, 2, 16, 128, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 5.571300029754639) {
+                            if (x.log2_S <= 9.560818195343018) {
+                              return {1, 1, 64, 256, 0};  // SP
+                            } else {
+                              return {4, 32, 8, 2, 0};  // SP
+                            }
+                          } else {
+                            return {1, 2, 16, 128, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.392211437225342) {
+                        if (x.avg <= 18.361760139465332) {
+                          if (x.log2_S <= 10.695143699645996) {
+                            if (x.skew_hi <= 5.442873239517212) {
+                              return {4, 32, 8, 2, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_hi <= 2.8353183269500732) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.avg <= 1.4673165082931519) {
+                                return {1, 32, 16, 8, 0};  // SP
+                              } else {
+                                return {2, 8, 32, 32, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 13.607882022857666) {
+                          if (x.avg <= 1.7568601965904236) {
+                            return {2, 8, 32, 32, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 12.842374801635742) {
+                              return {1, 16, 64, 8, 0};  // SP
+                            } else {
+                              if (x.avg <= 13.684576988220215) {
+                                return {1, 16, 64, 8, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 12.977144241333008) {
+                                  return {4, 8, 64, 32, 0};  // SP
+                                } else {
+                                  return {2, 8, 32, 32, 0};  // SP
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 33.3438663482666) {
+                            if (x.skew_lo <= -2.3710055351257324) {
+                              if (x.skew_lo <= -3.2120864391326904) {
+                                if (x.skew_lo <= -3.92105495929718) {
+                                  if (x.skew_hi <= 1.7204390168190002) {
+                                    if (x.log2_S <= 14.45471477508545) {
+                                      return {2, 8, 32, 32, 0};  // SP
+                                    } else {
+                                      return {4, 4, 64, 64, 0};  // SP
+                                    }
+                                  } else {
+                                    return {1, 4, 32, 64, 0};  // SP
+                                  }
+                                } else {
+                                  return {4, 4, 64, 64, 0};  // SP
+                                }
+                              } else {
+                                if (x.log2_S <= 14.197796821594238) {
+                                  return {4, 4, 64, 64, 0};  // SP
+                                } else {
+                                  return {2, 2, 64, 128, 0};  // SP
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 14.489742279052734) {
+                                if (x.avg <= 1.9676424860954285) {
+                                  return {2, 8, 32, 32, 0};  // SP
+                                } else {
+                                  return {4, 8, 64, 32, 0};  // SP
+                                }
+                              } else {
+                                return {1, 2, 16, 128, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {2, 8, 32, 32, 0};  // SP
+                          }
+                        }
                       }
                     }
                   } else {
-                    return {2, 2, 64, 128, 0};  // SP
+                    if (x.skew_hi <= 2.9252634048461914) {
+                      if (x.skew_lo <= -4.006870985031128) {
+                        if (x.skew_hi <= 0.24365418404340744) {
+                          if (x.log2_S <= 17.167526245117188) {
+                            return {2, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {1, 4, 32, 64, 0};  // SP
+                          }
+                        } else {
+                          return {1, 4, 32, 64, 0};  // SP
+                        }
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 15.938501834869385) {
+                        return {1, 2, 16, 128, 0};  // SP
+                      } else {
+                        return {2, 1, 64, 256, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.27291488647461) {
+                    if (x.skew_hi <= 8.520554542541504) {
+                      return {2, 32, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 9.366416454315186) {
+                        return {2, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.53482961654663) {
+                      if (x.skew_lo <= 3.640071749687195) {
+                        if (x.log2_S <= 13.14193344116211) {
+                          if (x.avg <= 13.802417755126953) {
+                            if (x.log2_S <= 11.63809585571289) {
+                              return {2, 32, 64, 8, 0};  // SP
+                            } else {
+                              if (x.avg <= 6.711227178573608) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.skew_hi <= 4.568958520889282) {
+                              return {2, 32, 64, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 12.708086490631104) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 0.8755666315555573) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.avg <= 18.120596885681152) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.371823787689209) {
+                          if (x.skew_hi <= 8.307358264923096) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {2, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 14.299692153930664) {
+                            return {2, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {2, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 4.47763466835022) {
+                        if (x.log2_S <= 15.748738765716553) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 15.578059196472168) {
+                          if (x.avg <= 9.4256911277771) {
+                            if (x.skew_hi <= 8.623239517211914) {
+                              if (x.avg <= 5.808999300003052) {
+                                return {2, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 12.613390922546387) {
+                  if (x.skew_hi <= 2.312029480934143) {
+                    return {2, 32, 64, 8, 0};  // SP
+                  } else {
+                    if (x.avg <= 89.7940673828125) {
+                      return {2, 32, 64, 8, 0};  // SP
+                    } else {
+                      return {2, 16, 64, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {2, 16, 64, 4, 0};  // SP
+                }
+              }
+            } else {
+              if (x.skew_hi <= 11.399523258209229) {
+                if (x.avg <= 16.335150718688965) {
+                  if (x.log2_S <= 13.526618480682373) {
+                    if (x.skew_lo <= 7.030680418014526) {
+                      if (x.skew_hi <= 8.523237705230713) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 1.9308260679244995) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.402773380279541) {
+                          if (x.skew_hi <= 8.291641235351562) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 5.32381272315979) {
+                    if (x.log2_S <= 12.401352882385254) {
+                      return {2, 32, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 17.793701171875) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 4, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.79152011871338) {
+                      if (x.skew_hi <= 6.736407041549683) {
+                        if (x.log2_S <= 12.535747528076172) {
+                          if (x.log2_S <= 10.967053413391113) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 104.58100509643555) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 4, 16};  // PR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.451409339904785) {
+                  if (x.skew_lo <= 10.763427257537842) {
+                    if (x.avg <= 25.23983097076416) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 217.26287078857422) {
+                        if (x.log2_S <= 11.907933235168457) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 8, 1, 16};  // PR
+                  }
+                } else {
+                  if (x.log2_S <= 17.023648262023926) {
+                    if (x.log2_S <= 15.72114086151123) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 7.643622398376465) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 4, 16};  // PR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
                   }
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 2.7804126739501953) {
-              if (x.log2_S <= 20.88593292236328) {
-                if (x.avg <= 24.38079071044922) {
-                  if (x.log2_S <= 19.41072654724121) {
-                    return {2, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 2.3243080377578735) {
-                      return {2, 2, 64, 128, 0};  // SP
+            if (x.log2_S <= 14.040015697479248) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 13.408368587493896) {
+                  return {2, 2, 8, 128, 1};  // SR
+                } else {
+                  return {1, 2, 8, 128, 1};  // SR
+                }
+              } else {
+                return {4, 32, 8, 1, 16};  // PR
+              }
+            } else {
+              if (x.skew_lo <= 10.184731483459473) {
+                if (x.log2_S <= 17.726499557495117) {
+                  return {2, 32, 8, 4, 16};  // PR
+                } else {
+                  if (x.avg <= 44.05301856994629) {
+                    if (x.avg <= 1.5221933126449585) {
+                      return {2, 32, 8, 4, 16};  // PR
                     } else {
-                      return {2, 1, 64, 256, 0};  // SP
+                      return {4, 32, 8, 2, 8};  // PR
                     }
+                  } else {
+                    return {2, 32, 8, 4, 16};  // PR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 16.03856372833252) {
+                  return {4, 32, 8, 1, 16};  // PR
+                } else {
+                  return {2, 32, 8, 4, 16};  // PR
+                }
+              }
+            }
+          }
+        } else {
+          if (x.skew_lo <= 0.602254331111908) {
+            if (x.log2_S <= 19.635486602783203) {
+              if (x.skew_hi <= 2.4158233404159546) {
+                if (x.avg <= 56.21569061279297) {
+                  if (x.log2_S <= 18.62136745452881) {
+                    if (x.skew_lo <= -5.299077033996582) {
+                      return {1, 2, 16, 128, 0};  // SP
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {1, 2, 16, 128, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 19.567180633544922) {
-                    if (x.avg <= 50.09137535095215) {
-                      if (x.log2_S <= 17.706507682800293) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.avg <= 30.829862594604492) {
-                          return {2, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.135036945343018) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 8, 8, 32, 0};  // SP
-                      }
-                    }
+                  if (x.log2_S <= 19.18886661529541) {
+                    return {2, 16, 64, 4, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 0.7110909223556519) {
-                      return {2, 1, 64, 256, 0};  // SP
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
+                    return {2, 1, 64, 256, 0};  // SP
                   }
                 }
               } else {
@@ -658,374 +918,110 @@ inline Config plain_config(const Features& f) {
             } else {
               return {2, 1, 64, 256, 0};  // SP
             }
-          }
-        } else {
-          if (x.skew_hi <= 18.81809139251709) {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 18.179719924926758) {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 12.527343273162842) {
-                    if (x.skew_hi <= 8.433621883392334) {
-                      if (x.skew_lo <= 3.6410648822784424) {
-                        return {2, 32, 32, 8, 0};  // SP
-                      } else {
-                        if (x.avg <= 3.935884475708008) {
-                          if (x.log2_S <= 11.424525737762451) {
-                            return {2, 32, 32, 8, 0};  // SP
-                          } else {
-                            return {1, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 11.035186290740967) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 32, 32, 8, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.074554920196533) {
-                        if (x.avg <= 2.442422389984131) {
-                          if (x.skew_hi <= 8.855218410491943) {
-                            return {2, 32, 32, 8, 0};  // SP
-                          } else {
-                            return {2, 32, 32, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
-                      } else {
-                        return {1, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.680280208587646) {
-                      if (x.skew_lo <= 1.1341760158538818) {
-                        return {2, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 7.3942365646362305) {
-                          if (x.skew_hi <= 5.642899513244629) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.866211891174316) {
-                              return {2, 32, 32, 8, 0};  // SP
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 13.445170402526855) {
-                            if (x.avg <= 3.555650472640991) {
-                              return {1, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 14.002820491790771) {
-                              return {2, 16, 64, 8, 0};  // SP
-                            } else {
-                              if (x.skew_hi <= 8.3187837600708) {
-                                return {2, 16, 64, 8, 0};  // SP
-                              } else {
-                                return {2, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 3.745318651199341) {
-                        if (x.log2_S <= 16.618596076965332) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 4.207066535949707) {
-                          if (x.log2_S <= 17.632136344909668) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 6.56745457649231) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 17.056199073791504) {
-                            if (x.log2_S <= 15.779298305511475) {
-                              if (x.skew_lo <= 4.896688938140869) {
-                                if (x.log2_S <= 15.112260818481445) {
-                                  return {1, 2, 8, 128, 1};  // SR
-                                } else {
-                                  return {4, 2, 8, 128, 1};  // SR
-                                }
-                              } else {
-                                return {1, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 17.832282066345215) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 11.123104095458984) {
-                    if (x.skew_hi <= 10.190494537353516) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 17.41147518157959) {
-                        if (x.log2_S <= 12.25788164138794) {
-                          if (x.log2_S <= 11.140560150146484) {
-                            if (x.avg <= 7.451303243637085) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              if (x.avg <= 10.49588918685913) {
-                                return {2, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 2, 8, 128, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.skew_hi <= 10.648643970489502) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.520577430725098) {
-                      return {1, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 15.510478496551514) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 12.395535469055176) {
-                          if (x.log2_S <= 16.949936866760254) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 4, 16};  // PR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 10.224935054779053) {
-                  if (x.skew_hi <= 8.072269439697266) {
-                    if (x.log2_S <= 20.71248722076416) {
-                      if (x.avg <= 80.05056762695312) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.avg <= 202.03755950927734) {
-                          if (x.long_level <= 1.5) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            if (x.skew_lo <= 2.976767063140869) {
-                              return {1, 2, 8, 128, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 19.0047550201416) {
-                                return {1, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 2, 16};  // PR
-                              }
-                            }
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 131.481689453125) {
-                        if (x.log2_S <= 21.092917442321777) {
-                          if (x.avg <= 25.77654266357422) {
-                            return {2, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        if (x.skew_lo <= 0.4806923270225525) {
-                          if (x.skew_lo <= -1.7643755674362183) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 39.42421340942383) {
-                      if (x.skew_lo <= 5.977807283401489) {
-                        if (x.log2_S <= 18.710659980773926) {
-                          if (x.avg <= 20.199963569641113) {
-                            return {2, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 21.74143695831299) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 8, 4, 16};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 21.721163749694824) {
-                        if (x.log2_S <= 19.068854331970215) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 18.666091918945312) {
-                    if (x.skew_hi <= 11.91671371459961) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
-                  } else {
-                    if (x.skew_hi <= 10.548360824584961) {
-                      if (x.log2_S <= 20.11313247680664) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {4, 32, 8, 4, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 11.142186164855957) {
-                return {2, 32, 8, 2, 32};  // PR
-              } else {
-                if (x.skew_hi <= 16.067435264587402) {
-                  if (x.skew_hi <= 13.765788078308105) {
-                    if (x.log2_S <= 11.055502891540527) {
-                      if (x.skew_lo <= 7.24340558052063) {
-                        if (x.log2_S <= 9.166221141815186) {
-                          if (x.log2_S <= 8.48173475265503) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {2, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        if (x.skew_lo <= 8.610996723175049) {
-                          return {2, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.log2_S <= 8.950753688812256) {
-                            return {2, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.488245964050293) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.skew_lo <= 8.302608489990234) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 15.722572803497314) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.450114250183105) {
-                    return {4, 32, 8, 4, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 18.66422939300537) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {2, 32, 16, 4, 16};  // PR
-                    }
-                  }
-                }
-              }
-            }
           } else {
-            if (x.skew_lo <= 10.853745937347412) {
-              if (x.skew_hi <= 20.12629795074463) {
-                if (x.skew_lo <= 8.620821952819824) {
-                  return {2, 32, 16, 4, 16};  // PR
-                } else {
-                  if (x.skew_lo <= 10.42134952545166) {
-                    return {4, 32, 8, 4, 8};  // PR
+            if (x.skew_hi <= 19.0255708694458) {
+              if (x.skew_hi <= 8.34949016571045) {
+                if (x.avg <= 15.60370397567749) {
+                  if (x.log2_S <= 21.515609741210938) {
+                    return {2, 32, 8, 4, 16};  // PR
                   } else {
-                    return {4, 32, 8, 2, 16};  // PR
+                    return {4, 32, 8, 2, 8};  // PR
                   }
+                } else {
+                  return {2, 32, 8, 4, 16};  // PR
                 }
               } else {
-                return {2, 32, 16, 4, 16};  // PR
+                if (x.skew_hi <= 12.915896892547607) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 21.371752738952637) {
+                      return {2, 32, 8, 4, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  } else {
+                    if (x.skew_lo <= 8.62490463256836) {
+                      if (x.skew_hi <= 9.39596939086914) {
+                        if (x.log2_S <= 20.183277130126953) {
+                          if (x.log2_S <= 19.14732551574707) {
+                            return {4, 32, 8, 2, 8};  // PR
+                          } else {
+                            return {2, 32, 8, 4, 16};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 23.052387237548828) {
+                        return {4, 32, 8, 2, 8};  // PR
+                      } else {
+                        return {2, 32, 8, 4, 16};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 22.305797576904297) {
+                    if (x.skew_hi <= 13.378919124603271) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
+                      if (x.avg <= 11.743314743041992) {
+                        return {2, 32, 8, 4, 16};  // PR
+                      } else {
+                        if (x.skew_lo <= 7.8489954471588135) {
+                          return {2, 32, 8, 4, 16};  // PR
+                        } else {
+                          if (x.skew_lo <= 8.58995532989502) {
+                            return {2, 1, 64, 256, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {2, 32, 8, 4, 16};  // PR
+                  }
+                }
               }
             } else {
-              if (x.log2_S <= 21.93769073486328) {
-                if (x.avg <= 2.778497099876404) {
-                  if (x.skew_hi <= 21.76093101501465) {
-                    return {2, 32, 8, 2, 32};  // PR
+              if (x.skew_lo <= 9.416895866394043) {
+                if (x.skew_lo <= 5.33780837059021) {
+                  if (x.skew_hi <= 22.420501708984375) {
+                    if (x.skew_hi <= 20.932981491088867) {
+                      return {2, 1, 64, 256, 0};  // SP
+                    } else {
+                      return {2, 32, 8, 4, 16};  // PR
+                    }
                   } else {
-                    return {2, 32, 16, 4, 16};  // PR
+                    return {2, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 4.586228847503662) {
-                    if (x.skew_hi <= 19.515658378601074) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {4, 32, 16, 2, 32};  // PR
-                    }
-                  } else {
-                    if (x.skew_hi <= 20.500571250915527) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {2, 32, 16, 4, 16};  // PR
-                    }
-                  }
+                  return {2, 1, 64, 256, 0};  // SP
                 }
               } else {
-                return {4, 32, 16, 2, 32};  // PR
+                if (x.log2_S <= 22.30281352996826) {
+                  if (x.avg <= 11.728157997131348) {
+                    return {2, 32, 8, 4, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 21.977351188659668) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
+                      return {2, 32, 8, 4, 16};  // PR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 10.734973907470703) {
+                    if (x.avg <= 21.594749450683594) {
+                      return {2, 32, 8, 4, 16};  // PR
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
+                    }
+                  } else {
+                    return {2, 1, 64, 256, 0};  // SP
+                  }
+                }
               }
             }
           }
@@ -1033,1013 +1029,1009 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 5.291502622129181) {
-        if (x.log2_S <= 14.046127319335938) {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 1.5) {
+        if (x.log2_S <= 17.777612686157227) {
+          if (x.skew_hi <= 11.488154888153076) {
+            if (x.skew_lo <= 0.572486162185669) {
               if (x.long_level <= 0.5) {
-                if (x.log2_S <= 10.488165378570557) {
-                  if (x.skew_hi <= 4.374707937240601) {
-                    if (x.skew_lo <= -4.803839921951294) {
-                      if (x.log2_S <= 9.644031047821045) {
-                        return {1, 32, 32, 4, 0};  // SP
+                if (x.log2_S <= 14.520203590393066) {
+                  if (x.log2_S <= 10.824836254119873) {
+                    if (x.skew_lo <= -1.1322529315948486) {
+                      if (x.log2_S <= 9.036513328552246) {
+                        if (x.skew_hi <= 2.145516276359558) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 6.660689830780029) {
+                            if (x.avg <= 3.4508426189422607) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 2, 16, 128, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        }
                       } else {
-                        return {4, 8, 64, 32, 0};  // SP
+                        if (x.avg <= 3.2086325883865356) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 10.695143699645996) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -3.9891035556793213) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
                       }
                     } else {
-                      return {2, 2, 64, 128, 0};  // SP
+                      if (x.skew_lo <= -0.6776688098907471) {
+                        if (x.log2_S <= 9.454876899719238) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {1, 32, 16, 8, 0};  // SP
+                      }
                     }
                   } else {
-                    if (x.skew_hi <= 5.473020792007446) {
-                      return {4, 8, 64, 32, 0};  // SP
+                    if (x.log2_S <= 13.801013469696045) {
+                      if (x.log2_S <= 11.092466354370117) {
+                        if (x.skew_lo <= -4.362410306930542) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
                     } else {
-                      return {1, 32, 32, 4, 0};  // SP
+                      if (x.skew_lo <= -2.7446534633636475) {
+                        if (x.skew_hi <= 1.6758300065994263) {
+                          if (x.log2_S <= 13.899311065673828) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {2, 8, 32, 32, 0};  // SP
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 12.820991039276123) {
-                    if (x.avg <= 1.4061148166656494) {
-                      return {1, 32, 32, 4, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -3.0657728910446167) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 4.127888917922974) {
-                          if (x.log2_S <= 11.869063377380371) {
-                            return {1, 32, 32, 4, 0};  // SP
+                  if (x.avg <= 7.082273960113525) {
+                    if (x.log2_S <= 15.949246883392334) {
+                      if (x.skew_lo <= -1.136480689048767) {
+                        if (x.avg <= 6.110959768295288) {
+                          if (x.log2_S <= 15.34530782699585) {
+                            return {2, 8, 32, 32, 0};  // SP
                           } else {
-                            return {4, 8, 64, 32, 0};  // SP
+                            return {4, 2, 64, 128, 0};  // SP
                           }
                         } else {
-                          return {4, 8, 64, 32, 0};  // SP
+                          return {4, 4, 32, 64, 0};  // SP
                         }
+                      } else {
+                        if (x.log2_S <= 15.52961254119873) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 4, 32, 64, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.5922073125839233) {
+                        return {2, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 1, 64, 256, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 3.0165047645568848) {
-                      if (x.avg <= 24.53377914428711) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
+                    if (x.skew_lo <= -5.003233909606934) {
+                      if (x.log2_S <= 16.542333602905273) {
                         return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
                       }
                     } else {
-                      if (x.skew_hi <= 4.9609534740448) {
-                        if (x.skew_hi <= 4.417577505111694) {
-                          return {2, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+                      return {4, 4, 64, 64, 0};  // SP
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 12.150222778320312) {
-                  if (x.skew_lo <= 4.023357391357422) {
-                    if (x.skew_lo <= 0.33670251071453094) {
-                      if (x.log2_S <= 9.627006530761719) {
-                        return {4, 32, 32, 4, 0};  // SP
+                if (x.log2_S <= 12.619157314300537) {
+                  if (x.skew_hi <= 2.1716209650039673) {
+                    if (x.log2_S <= 10.317845821380615) {
+                      if (x.skew_hi <= 2.083975911140442) {
+                        return {4, 32, 32, 1, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.075305938720703) {
-                          if (x.skew_lo <= -0.5176978558301926) {
-                            if (x.log2_S <= 10.633113384246826) {
-                              return {4, 32, 32, 8, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 4, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 32, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 32, 8, 0};  // SP
-                        }
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.skew_lo <= 2.1511868238449097) {
-                        if (x.log2_S <= 11.76628065109253) {
-                          return {2, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 8, 0};  // SP
-                        }
+                      if (x.log2_S <= 10.96112871170044) {
+                        return {4, 32, 64, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.126892566680908) {
-                          if (x.skew_lo <= 3.7830835580825806) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 32, 8, 4, 1};  // SR
-                          }
+                        if (x.log2_S <= 11.794942378997803) {
+                          return {4, 32, 32, 1, 0};  // SP
                         } else {
-                          if (x.skew_lo <= 2.824309825897217) {
-                            return {2, 64, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 4, 0};  // SP
-                          }
+                          return {4, 32, 64, 8, 0};  // SP
                         }
                       }
                     }
                   } else {
-                    return {4, 32, 32, 4, 0};  // SP
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 8.317625522613525) {
-                    return {4, 16, 64, 8, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= 1.0056113600730896) {
-                      if (x.log2_S <= 13.176711082458496) {
-                        if (x.log2_S <= 12.218013763427734) {
-                          return {4, 32, 32, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
+                  if (x.log2_S <= 16.598094940185547) {
+                    if (x.avg <= 165.04830169677734) {
+                      if (x.skew_hi <= 4.2806031703948975) {
+                        return {4, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.avg <= 84.60478591918945) {
-                          return {4, 16, 64, 8, 0};  // SP
+                        if (x.log2_S <= 13.37596607208252) {
+                          return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          return {4, 32, 32, 4, 0};  // SP
+                          return {4, 16, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.log2_S <= 12.57308292388916) {
-                        if (x.skew_lo <= 2.4241864681243896) {
-                          return {4, 32, 32, 8, 0};  // SP
+                      if (x.log2_S <= 15.615918636322021) {
+                        if (x.skew_lo <= -1.7505919337272644) {
+                          if (x.log2_S <= 14.004776954650879) {
+                            return {4, 32, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 13.85862398147583) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.40804192423820496) {
+                      if (x.skew_hi <= 2.1843377351760864) {
+                        if (x.log2_S <= 17.070964813232422) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 33.88210678100586) {
+                if (x.log2_S <= 13.4894380569458) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 11.063252449035645) {
+                      if (x.skew_lo <= 4.133082866668701) {
+                        if (x.avg <= 24.787351608276367) {
+                          return {2, 64, 32, 4, 0};  // SP
                         } else {
                           return {4, 32, 64, 4, 0};  // SP
                         }
                       } else {
-                        return {1, 4, 8, 64, 1};  // SR
+                        if (x.skew_hi <= 8.855093479156494) {
+                          if (x.avg <= 2.9354947805404663) {
+                            if (x.skew_hi <= 8.550838947296143) {
+                              if (x.skew_hi <= 8.151050090789795) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              if (x.skew_lo <= 4.921838760375977) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {2, 32, 64, 8, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.skew_hi <= 8.238572597503662) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 64, 32, 8, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {2, 32, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 8.834300518035889) {
+                        if (x.log2_S <= 12.629463195800781) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 7.619265556335449) {
+                            if (x.avg <= 15.252349853515625) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.530340671539307) {
+                          return {2, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      if (x.skew_lo <= 7.398437023162842) {
+                        if (x.skew_lo <= 5.935582399368286) {
+                          if (x.log2_S <= 12.771071910858154) {
+                            return {2, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.227439403533936) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 10.892449378967285) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 9.887946128845215) {
+                          return {2, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 6.785151720046997) {
+                    if (x.log2_S <= 14.500887393951416) {
+                      if (x.avg <= 5.079496383666992) {
+                        if (x.log2_S <= 14.25407361984253) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 16.10409164428711) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 16.942930221557617) {
+                          if (x.skew_hi <= 8.742702007293701) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 10.615890502929688) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.75235366821289) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.755788326263428) {
+                  if (x.skew_hi <= 5.252504110336304) {
+                    if (x.log2_S <= 13.013587951660156) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.35850477218628) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 2.5731866359710693) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 4.968549489974976) {
+                    return {2, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 15.16399621963501) {
+                      return {4, 32, 8, 1, 16};  // PR
+                    } else {
+                      if (x.avg <= 54.110076904296875) {
+                        if (x.log2_S <= 16.260976791381836) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
                       }
                     }
                   }
                 }
               }
-            } else {
-              return {1, 4, 8, 64, 1};  // SR
             }
           } else {
-            if (x.log2_S <= 13.725038051605225) {
-              return {4, 32, 8, 4, 16};  // PR
-            } else {
-              if (x.avg <= 5.913672208786011) {
-                return {4, 32, 8, 4, 16};  // PR
+            if (x.log2_S <= 16.402080535888672) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 14.641436576843262) {
+                  if (x.log2_S <= 12.666882514953613) {
+                    return {2, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.avg <= 1.5025489330291748) {
+                      return {2, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 1, 16};  // PR
+                }
               } else {
-                return {4, 32, 8, 2, 16};  // PR
+                if (x.skew_lo <= 7.779742240905762) {
+                  if (x.log2_S <= 14.753221988677979) {
+                    return {4, 32, 8, 1, 16};  // PR
+                  } else {
+                    if (x.log2_S <= 15.388786792755127) {
+                      if (x.avg <= 369.0739440917969) {
+                        return {4, 32, 8, 2, 8};  // PR
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 16.13636302947998) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 1, 16};  // PR
+                }
+              }
+            } else {
+              if (x.avg <= 10.823910236358643) {
+                if (x.skew_hi <= 13.375185489654541) {
+                  if (x.log2_S <= 16.883569717407227) {
+                    return {4, 32, 8, 1, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                } else {
+                  return {4, 32, 8, 1, 16};  // PR
+                }
+              } else {
+                return {4, 32, 8, 2, 8};  // PR
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 2.7583924531936646) {
-              if (x.log2_S <= 19.456523895263672) {
-                if (x.skew_lo <= -5.614574432373047) {
-                  if (x.log2_S <= 17.361820220947266) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 18.917847633361816) {
-                    return {4, 4, 64, 64, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 1.015568494796753) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                }
+          if (x.skew_lo <= 0.602254331111908) {
+            if (x.log2_S <= 19.813865661621094) {
+              if (x.avg <= 10.021768569946289) {
+                return {4, 1, 64, 256, 0};  // SP
               } else {
-                if (x.skew_hi <= 2.605810523033142) {
-                  if (x.avg <= 18.118684768676758) {
-                    if (x.avg <= 14.289838314056396) {
-                      return {4, 2, 64, 128, 0};  // SP
+                if (x.skew_lo <= -0.7003897130489349) {
+                  if (x.avg <= 21.03186321258545) {
+                    if (x.log2_S <= 18.089635848999023) {
+                      return {4, 4, 64, 64, 0};  // SP
                     } else {
                       return {2, 2, 64, 128, 0};  // SP
                     }
                   } else {
-                    return {4, 2, 64, 128, 0};  // SP
+                    if (x.log2_S <= 19.059271812438965) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.avg <= 128.73100662231445) {
+                        if (x.avg <= 47.26536178588867) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
                   }
                 } else {
-                  if (x.log2_S <= 21.605533599853516) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {4, 1, 64, 256, 0};  // SP
-                  }
+                  return {4, 32, 8, 2, 8};  // PR
                 }
               }
             } else {
-              if (x.avg <= 5.5266337394714355) {
-                if (x.log2_S <= 15.802067279815674) {
-                  if (x.avg <= 1.6312129497528076) {
-                    if (x.log2_S <= 15.280269145965576) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
+              if (x.log2_S <= 20.749016761779785) {
+                if (x.skew_lo <= -3.813086152076721) {
+                  if (x.skew_hi <= 1.026582807302475) {
                     return {4, 1, 64, 256, 0};  // SP
+                  } else {
+                    return {2, 2, 64, 128, 0};  // SP
                   }
                 } else {
                   return {4, 1, 64, 256, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 19.096898078918457) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  return {4, 1, 64, 256, 0};  // SP
-                }
+                return {4, 1, 64, 256, 0};  // SP
               }
             }
           } else {
-            if (x.skew_hi <= 22.761720657348633) {
-              if (x.avg <= 4.026093006134033) {
-                if (x.skew_hi <= 10.993034362792969) {
-                  if (x.log2_S <= 17.48235034942627) {
-                    if (x.log2_S <= 15.055497646331787) {
-                      if (x.log2_S <= 14.445833206176758) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= 4.401733636856079) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 2.267606496810913) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.685632228851318) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
+            if (x.skew_hi <= 19.778602600097656) {
+              if (x.skew_lo <= 9.418694019317627) {
+                if (x.skew_lo <= 1.222223162651062) {
+                  if (x.log2_S <= 21.420841217041016) {
+                    return {4, 32, 8, 2, 8};  // PR
                   } else {
-                    if (x.skew_hi <= 8.290392875671387) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
+                    return {4, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 18.426115036010742) {
-                    if (x.skew_lo <= 12.013731479644775) {
-                      if (x.log2_S <= 14.894535064697266) {
-                        if (x.avg <= 1.3851644396781921) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 8.384808540344238) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 18.034587860107422) {
-                        return {4, 32, 8, 4, 16};  // PR
-                      } else {
-                        return {4, 32, 16, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 1.4020121693611145) {
-                      if (x.skew_hi <= 13.808338165283203) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 16, 2, 32};  // PR
-                      }
-                    } else {
-                      return {4, 32, 16, 2, 32};  // PR
-                    }
-                  }
+                  return {4, 32, 8, 2, 8};  // PR
                 }
               } else {
-                if (x.log2_S <= 17.3203763961792) {
-                  if (x.long_level <= 2.5) {
-                    if (x.avg <= 36.65261650085449) {
-                      if (x.skew_hi <= 8.408019065856934) {
-                        if (x.log2_S <= 17.10232639312744) {
-                          if (x.log2_S <= 14.5613694190979) {
-                            if (x.skew_hi <= 6.637866497039795) {
-                              if (x.skew_hi <= 5.553988456726074) {
-                                return {1, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 15.52151107788086) {
-                          if (x.log2_S <= 15.305398941040039) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 7.368406534194946) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 20.022759437561035) {
-                            if (x.skew_lo <= 7.572525501251221) {
-                              return {4, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 1.4100631773471832) {
-                        if (x.log2_S <= 15.465334415435791) {
-                          if (x.avg <= 95.54549789428711) {
-                            if (x.log2_S <= 14.976733684539795) {
-                              return {4, 16, 64, 8, 0};  // SP
-                            } else {
-                              if (x.skew_lo <= 0.12123920395970345) {
-                                return {4, 16, 64, 8, 0};  // SP
-                              } else {
-                                return {4, 32, 8, 2, 16};  // PR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 14.934885501861572) {
-                              return {4, 32, 32, 4, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 8, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 3.1485050916671753) {
-                            if (x.log2_S <= 16.5543155670166) {
-                              if (x.skew_hi <= 2.548246383666992) {
-                                return {4, 8, 64, 32, 0};  // SP
-                              } else {
-                                return {4, 16, 64, 8, 0};  // SP
-                              }
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
-                          } else {
-                            if (x.avg <= 40.50446319580078) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 16};  // PR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 7.877926349639893) {
-                          if (x.log2_S <= 14.71064567565918) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 32, 8, 4, 8};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 16.239154815673828) {
-                      if (x.skew_lo <= 11.552489757537842) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 4, 16};  // PR
-                      }
-                    } else {
-                      if (x.skew_hi <= 17.14900302886963) {
-                        if (x.skew_lo <= 11.064295768737793) {
-                          return {4, 32, 8, 4, 16};  // PR
-                        } else {
-                          if (x.skew_lo <= 11.409072399139404) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 32, 8, 4, 16};  // PR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  }
+                if (x.avg <= 9.440285205841064) {
+                  return {4, 32, 8, 1, 16};  // PR
                 } else {
-                  if (x.skew_hi <= 17.329649925231934) {
-                    if (x.avg <= 26.41074848175049) {
-                      if (x.skew_hi <= 7.845721006393433) {
-                        if (x.log2_S <= 22.04503059387207) {
-                          if (x.log2_S <= 17.632136344909668) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 17.88270664215088) {
-                          if (x.avg <= 8.604611873626709) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    if (x.log2_S <= 20.363679885864258) {
-                      if (x.skew_lo <= 10.788120746612549) {
-                        if (x.skew_hi <= 19.747692108154297) {
-                          if (x.skew_hi <= 17.81416130065918) {
-                            if (x.skew_lo <= 8.485342502593994) {
-                              return {4, 32, 8, 2, 16};  // PR
-                            } else {
-                              return {4, 32, 8, 4, 8};  // PR
-                            }
-                          } else {
-                            return {4, 32, 8, 4, 8};  // PR
-                          }
-                        } else {
-                          if (x.avg <= 32.96543884277344) {
-                            if (x.log2_S <= 20.301939964294434) {
-                              return {4, 32, 8, 4, 8};  // PR
-                            } else {
-                              return {4, 32, 16, 4, 8};  // PR
-                            }
-                          } else {
-                            return {4, 32, 16, 4, 8};  // PR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 6.532084703445435) {
-                          if (x.log2_S <= 18.83774185180664) {
-                            return {4, 32, 8, 4, 16};  // PR
-                          } else {
-                            return {4, 32, 16, 2, 32};  // PR
-                          }
-                        } else {
-                          if (x.log2_S <= 18.951393127441406) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 32, 8, 4, 16};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 4.821281433105469) {
-                        return {4, 32, 16, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 20.7216157913208) {
-                          if (x.skew_lo <= 8.793046951293945) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 32, 16, 4, 8};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    }
-                  }
+                  return {4, 32, 8, 2, 8};  // PR
                 }
               }
             } else {
-              if (x.log2_S <= 22.96383762359619) {
-                if (x.avg <= 8.583317756652832) {
-                  return {4, 32, 16, 2, 32};  // PR
+              if (x.skew_lo <= 9.075909614562988) {
+                return {4, 1, 64, 256, 0};  // SP
+              } else {
+                if (x.skew_lo <= 10.536616802215576) {
+                  return {4, 32, 8, 2, 8};  // PR
                 } else {
-                  if (x.avg <= 48.59111022949219) {
-                    return {4, 32, 8, 2, 16};  // PR
+                  if (x.skew_hi <= 22.242897033691406) {
+                    if (x.avg <= 8.987055778503418) {
+                      return {4, 32, 8, 1, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
                   } else {
-                    return {4, 32, 16, 2, 32};  // PR
+                    if (x.skew_lo <= 10.709104061126709) {
+                      return {4, 32, 8, 1, 16};  // PR
+                    } else {
+                      return {4, 1, 64, 256, 0};  // SP
+                    }
                   }
                 }
-              } else {
-                return {4, 32, 16, 2, 32};  // PR
               }
             }
           }
         }
       } else {
-        if (x.skew_lo <= -1.9986830353736877) {
-          if (x.log2_S <= 11.474832534790039) {
-            if (x.skew_hi <= 2.492390275001526) {
-              if (x.skew_lo <= -4.703598499298096) {
-                if (x.log2_S <= 10.950604915618896) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.avg <= 36.0213508605957) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {2, 32, 32, 2, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 13.81275987625122) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.log2_S <= 10.48066759109497) {
-                    return {4, 8, 8, 32, 0};  // SP
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              return {4, 8, 8, 32, 0};  // SP
-            }
-          } else {
-            if (x.skew_lo <= -5.142063856124878) {
-              if (x.log2_S <= 17.44322681427002) {
-                if (x.log2_S <= 13.002691745758057) {
-                  if (x.log2_S <= 12.681231498718262) {
-                    return {2, 32, 32, 2, 0};  // SP
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 14.003599166870117) {
-                    if (x.skew_lo <= -5.692010164260864) {
-                      return {2, 32, 32, 8, 0};  // SP
+        if (x.log2_S <= 14.372503280639648) {
+          if (x.skew_lo <= 0.0006869202479720116) {
+            if (x.avg <= 79.82563781738281) {
+              if (x.log2_S <= 11.03975248336792) {
+                if (x.log2_S <= 9.943359375) {
+                  if (x.skew_lo <= -1.828453779220581) {
+                    if (x.skew_lo <= -4.823795557022095) {
+                      return {4, 64, 64, 2, 0};  // SP
                     } else {
-                      return {1, 16, 64, 4, 0};  // SP
+                      return {1, 2, 16, 128, 0};  // SP
                     }
                   } else {
-                    if (x.skew_hi <= 0.7441878318786621) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 16.850555419921875) {
-                        return {1, 16, 64, 4, 0};  // SP
+                    if (x.skew_lo <= -0.3380413055419922) {
+                      if (x.avg <= 2.707524299621582) {
+                        if (x.log2_S <= 9.697932720184326) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 32, 64, 8, 0};  // SP
+                        }
                       } else {
-                        return {1, 8, 64, 32, 0};  // SP
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 1.2360236048698425) {
+                        return {4, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {1, 32, 64, 8, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -4.005384683609009) {
+                    if (x.log2_S <= 10.440947532653809) {
+                      return {1, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 32, 16, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 10.784226894378662) {
+                      return {1, 32, 64, 8, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 5.228658676147461) {
+                        return {4, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
                       }
                     }
                   }
                 }
               } else {
-                if (x.skew_lo <= -5.975954055786133) {
-                  return {1, 16, 64, 4, 0};  // SP
-                } else {
-                  return {1, 8, 64, 32, 0};  // SP
-                }
-              }
-            } else {
-              if (x.skew_hi <= 3.3930176496505737) {
-                return {1, 8, 64, 32, 0};  // SP
-              } else {
-                if (x.log2_S <= 20.95107364654541) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  return {1, 8, 16, 32, 1};  // SR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.log2_S <= 15.941378116607666) {
-            if (x.long_level <= 2.5) {
-              if (x.long_level <= 0.5) {
-                if (x.skew_hi <= 5.339968919754028) {
-                  if (x.log2_S <= 12.810822486877441) {
-                    if (x.avg <= 3.0535744428634644) {
-                      return {2, 32, 32, 2, 0};  // SP
+                if (x.log2_S <= 13.352388858795166) {
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 11.148133754730225) {
+                      return {4, 32, 16, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 11.259920120239258) {
-                        return {4, 8, 8, 32, 0};  // SP
+                      return {1, 32, 16, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 12.585225105285645) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 24.747920036315918) {
+                    if (x.log2_S <= 13.805183410644531) {
+                      if (x.skew_hi <= 3.6000871658325195) {
+                        if (x.avg <= 22.003646850585938) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
                       } else {
-                        if (x.skew_lo <= -1.910467803478241) {
+                        return {1, 32, 16, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 3.4557775259017944) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.081365585327148) {
                           return {1, 8, 64, 32, 0};  // SP
                         } else {
-                          return {2, 32, 32, 2, 0};  // SP
+                          if (x.skew_hi <= 2.220858573913574) {
+                            return {1, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {2, 8, 32, 32, 0};  // SP
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= -0.9722858965396881) {
-                      return {1, 8, 64, 32, 0};  // SP
+                    if (x.skew_lo <= -5.477782249450684) {
+                      return {1, 32, 64, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 13.895033836364746) {
-                        return {1, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
+                      return {1, 16, 64, 8, 0};  // SP
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 13.888391971588135) {
-                    return {1, 32, 64, 2, 0};  // SP
-                  } else {
-                    return {1, 8, 8, 32, 1};  // SR
                   }
                 }
+              }
+            } else {
+              if (x.skew_lo <= -0.4738672077655792) {
+                return {1, 32, 64, 8, 0};  // SP
               } else {
-                if (x.log2_S <= 13.784401416778564) {
-                  if (x.avg <= 4.084752559661865) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 12.418721675872803) {
-                        if (x.skew_lo <= 4.023357391357422) {
-                          return {2, 32, 8, 8, 1};  // SR
+                if (x.log2_S <= 12.359529972076416) {
+                  return {1, 32, 64, 8, 0};  // SP
+                } else {
+                  return {1, 16, 64, 8, 0};  // SP
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 12.674315452575684) {
+              if (x.avg <= 6.48541259765625) {
+                if (x.skew_lo <= 6.635114669799805) {
+                  if (x.log2_S <= 13.209013938903809) {
+                    if (x.skew_lo <= 3.9774504899978638) {
+                      return {4, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.871826171875) {
+                        if (x.skew_lo <= 4.646129608154297) {
+                          if (x.skew_lo <= 4.173630714416504) {
+                            if (x.log2_S <= 11.42385721206665) {
+                              return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {1, 32, 8, 4, 1};  // SR
+                          }
                         } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 5.177090883255005) {
-                          if (x.avg <= 2.5759884119033813) {
+                          if (x.avg <= 1.2090080380439758) {
                             return {4, 16, 8, 8, 1};  // SR
                           } else {
-                            if (x.log2_S <= 12.5873441696167) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
+                            return {1, 32, 8, 2, 1};  // SR
                           }
+                        }
+                      } else {
+                        if (x.skew_lo <= 5.74186897277832) {
+                          return {4, 16, 8, 8, 1};  // SR
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
+                      }
+                    }
+                  } else {
+                    return {1, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.long_level <= 2.5) {
+                    return {1, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.868412017822266) {
+                  if (x.skew_hi <= 11.911181926727295) {
+                    if (x.avg <= 7.868273019790649) {
+                      if (x.skew_hi <= 7.114122629165649) {
+                        return {1, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
                       }
                     } else {
                       return {1, 8, 8, 32, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 6.2565834522247314) {
-                      if (x.skew_lo <= 3.9186737537384033) {
-                        if (x.log2_S <= 11.218242645263672) {
-                          if (x.avg <= 4.381709814071655) {
-                            return {2, 32, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
+                    if (x.skew_lo <= 9.243641376495361) {
+                      return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 3.152022361755371) {
-                        if (x.log2_S <= 12.625036239624023) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.410454750061035) {
-                            if (x.avg <= 184.86302185058594) {
-                              return {1, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {2, 16, 64, 8, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 31.524035453796387) {
-                    if (x.log2_S <= 15.424234867095947) {
-                      if (x.skew_lo <= 9.585839748382568) {
-                        if (x.avg <= 22.212356567382812) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 9.033460140228271) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 14.29272747039795) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 14.921980381011963) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 7.480439186096191) {
-                        if (x.avg <= 23.270609855651855) {
-                          if (x.skew_lo <= 6.81728196144104) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 15.773416996002197) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
+                      if (x.avg <= 8.718679428100586) {
+                        return {4, 32, 8, 2, 8};  // PR
                       } else {
                         return {1, 8, 16, 32, 1};  // SR
                       }
                     }
+                  }
+                } else {
+                  if (x.avg <= 45.93356895446777) {
+                    return {1, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.skew_lo <= 1.5073541700839996) {
-                      if (x.skew_hi <= 3.4325344562530518) {
-                        if (x.log2_S <= 15.142957210540771) {
-                          if (x.skew_lo <= -0.6560114622116089) {
-                            return {2, 16, 64, 8, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 14.407846450805664) {
-                              return {2, 16, 64, 8, 0};  // SP
-                            } else {
-                              return {1, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
+                    if (x.log2_S <= 14.132187366485596) {
+                      if (x.skew_hi <= 7.427796840667725) {
+                        return {1, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 14.231389999389648) {
-                          if (x.skew_hi <= 3.922791361808777) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
+                        return {1, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 14.83305025100708) {
-                        if (x.log2_S <= 14.623637676239014) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 7.90390682220459) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
+                      if (x.avg <= 92.52922058105469) {
+                        return {1, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 8.93892240524292) {
-                          return {1, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
+                        return {1, 8, 32, 32, 1};  // SR
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 12.684327602386475) {
-                if (x.skew_lo <= 10.522048950195312) {
-                  return {1, 8, 16, 32, 1};  // SR
+              if (x.avg <= 8.810906887054443) {
+                if (x.skew_lo <= 10.4229736328125) {
+                  return {1, 8, 8, 32, 1};  // SR
                 } else {
-                  if (x.skew_lo <= 10.868418216705322) {
-                    return {1, 8, 32, 32, 1};  // SR
+                  if (x.log2_S <= 14.265856742858887) {
+                    return {4, 32, 8, 2, 8};  // PR
                   } else {
-                    return {4, 32, 8, 4, 8};  // PR
+                    return {1, 8, 32, 32, 1};  // SR
                   }
                 }
               } else {
-                if (x.skew_hi <= 14.803028583526611) {
-                  if (x.avg <= 7.850534439086914) {
-                    if (x.skew_hi <= 14.547176361083984) {
-                      if (x.skew_hi <= 12.932672500610352) {
-                        return {4, 32, 8, 4, 8};  // PR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    return {1, 8, 32, 32, 1};  // SR
-                  }
+                if (x.log2_S <= 14.26161813735962) {
+                  return {1, 8, 16, 32, 1};  // SR
                 } else {
-                  if (x.skew_lo <= 10.81216812133789) {
-                    if (x.log2_S <= 15.437151908874512) {
-                      return {1, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 15.789970874786377) {
-                        if (x.avg <= 20.196020126342773) {
-                          return {1, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 64, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
-                  }
+                  return {1, 8, 32, 32, 1};  // SR
                 }
               }
             }
-          } else {
-            if (x.skew_hi <= 19.84062385559082) {
-              if (x.avg <= 28.58458137512207) {
-                if (x.skew_hi <= 13.963460445404053) {
-                  if (x.log2_S <= 18.9511775970459) {
-                    if (x.skew_lo <= -1.369693398475647) {
-                      return {1, 8, 64, 32, 0};  // SP
+          }
+        } else {
+          if (x.skew_hi <= 19.172396659851074) {
+            if (x.skew_lo <= -1.5191645622253418) {
+              if (x.skew_lo <= -4.136334657669067) {
+                if (x.avg <= 36.51322937011719) {
+                  if (x.log2_S <= 16.934088706970215) {
+                    return {1, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 19.54975700378418) {
+                      return {2, 8, 32, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 16.824044227600098) {
-                        if (x.skew_lo <= 6.803711414337158) {
-                          if (x.avg <= 4.438021183013916) {
-                            if (x.skew_lo <= -0.8503498733043671) {
-                              if (x.log2_S <= 16.64607810974121) {
-                                return {1, 8, 64, 32, 0};  // SP
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
+                      if (x.log2_S <= 21.920007705688477) {
+                        if (x.avg <= 28.17928981781006) {
+                          if (x.skew_lo <= -4.412136554718018) {
+                            return {2, 8, 32, 32, 0};  // SP
                           } else {
-                            if (x.skew_lo <= 5.956662654876709) {
-                              if (x.skew_lo <= 3.204158067703247) {
-                                if (x.avg <= 20.897160530090332) {
-                                  if (x.log2_S <= 16.41646099090576) {
-                                    return {1, 8, 8, 32, 1};  // SR
-                                  } else {
-                                    if (x.avg <= 15.367266654968262) {
-                                      return {1, 8, 16, 32, 1};  // SR
-                                    } else {
-                                      return {1, 8, 8, 32, 1};  // SR
-                                    }
-                                  }
-                                } else {
-                                  return {1, 8, 16, 32, 1};  // SR
-                                }
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
+                            return {1, 8, 64, 32, 0};  // SP
                           }
                         } else {
-                          return {1, 8, 16, 32, 1};  // SR
+                          return {1, 8, 64, 32, 0};  // SP
                         }
                       } else {
-                        return {1, 8, 16, 32, 1};  // SR
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.991124629974365) {
+                    return {1, 16, 64, 8, 0};  // SP
+                  } else {
+                    return {1, 8, 64, 32, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 16.980602264404297) {
+                  if (x.long_level <= 0.5) {
+                    if (x.avg <= 12.585519313812256) {
+                      if (x.log2_S <= 15.578826427459717) {
+                        if (x.log2_S <= 15.313966751098633) {
+                          return {2, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        return {2, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.15885829925537) {
+                        return {1, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {2, 8, 32, 32, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 0.5905797729501501) {
-                      return {1, 8, 16, 32, 1};  // SR
+                    return {1, 32, 64, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 5.758976459503174) {
+                    if (x.log2_S <= 21.60250186920166) {
+                      if (x.log2_S <= 19.35615825653076) {
+                        return {2, 8, 32, 32, 0};  // SP
+                      } else {
+                        if (x.avg <= 3.5605485439300537) {
+                          return {2, 8, 32, 32, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 3.6806693077087402) {
+                            return {2, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {1, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      }
                     } else {
-                      if (x.skew_lo <= 4.4314422607421875) {
-                        if (x.log2_S <= 19.02371120452881) {
-                          if (x.avg <= 10.03123426437378) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.8670679330825806) {
+                      if (x.avg <= 7.6362245082855225) {
+                        if (x.log2_S <= 22.09738063812256) {
+                          return {2, 8, 32, 32, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -2.90701162815094) {
+                            return {1, 8, 64, 32, 0};  // SP
+                          } else {
                             return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 22.097593307495117) {
+                        if (x.log2_S <= 17.550527572631836) {
+                          return {1, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {2, 8, 32, 32, 0};  // SP
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 29.323567390441895) {
+                if (x.skew_hi <= 13.39783000946045) {
+                  if (x.log2_S <= 19.184341430664062) {
+                    if (x.log2_S <= 16.828492164611816) {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_hi <= 5.794354200363159) {
+                          if (x.avg <= 18.551138877868652) {
+                            return {2, 8, 32, 32, 0};  // SP
                           } else {
                             return {1, 8, 16, 32, 1};  // SR
                           }
                         } else {
-                          if (x.skew_lo <= 4.197065353393555) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 20.47299861907959) {
-                              return {1, 8, 16, 32, 1};  // SR
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.914662837982178) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 4.991842269897461) {
+                        if (x.log2_S <= 17.973615646362305) {
+                          if (x.skew_hi <= 10.843755722045898) {
+                            if (x.skew_lo <= -0.06536111980676651) {
+                              if (x.avg <= 2.318719744682312) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {2, 8, 32, 32, 0};  // SP
+                              }
                             } else {
-                              return {1, 8, 32, 32, 1};  // SR
+                              return {1, 8, 8, 32, 1};  // SR
                             }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 8.786895275115967) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.skew_lo <= 8.69851016998291) {
-                          if (x.log2_S <= 22.16895294189453) {
-                            if (x.avg <= 22.40909767150879) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 20.662781715393066) {
+                        if (x.avg <= 26.38796615600586) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 0.5869181137531996) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 4.243947982788086) {
+                        return {1, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 6.957249641418457) {
+                          if (x.skew_lo <= 5.677291631698608) {
+                            if (x.log2_S <= 21.267108917236328) {
+                              if (x.avg <= 24.58549213409424) {
                                 return {1, 8, 16, 32, 1};  // SR
                               } else {
                                 return {1, 8, 32, 32, 1};  // SR
                               }
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
                             }
                           } else {
-                            if (x.skew_lo <= 5.915038585662842) {
-                              return {1, 8, 32, 32, 1};  // SR
-                            } else {
-                              if (x.avg <= 5.092131614685059) {
-                                if (x.skew_lo <= 7.93606162071228) {
-                                  return {1, 8, 32, 32, 1};  // SR
-                                } else {
-                                  return {1, 8, 16, 32, 1};  // SR
-                                }
-                              } else {
+                            if (x.avg <= 1.1364869475364685) {
+                              if (x.log2_S <= 21.64378070831299) {
                                 return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 32, 32, 1};  // SR
                               }
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
                             }
                           }
                         } else {
-                          if (x.log2_S <= 20.507145881652832) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
+                          return {1, 8, 32, 32, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 10.816142559051514) {
-                    return {1, 8, 32, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 17.63665199279785) {
-                      if (x.log2_S <= 16.304923057556152) {
-                        if (x.avg <= 5.6528379917144775) {
-                          if (x.skew_hi <= 16.040780067443848) {
-                            return {1, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
+                  if (x.skew_hi <= 18.599818229675293) {
+                    if (x.skew_hi <= 13.890850067138672) {
+                      if (x.log2_S <= 17.409318923950195) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.761390209197998) {
+                        if (x.skew_hi <= 15.432552814483643) {
+                          return {1, 8, 32, 32, 1};  // SR
                         } else {
-                          return {1, 8, 64, 32, 1};  // SR
+                          if (x.skew_lo <= 10.912781238555908) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
                         }
                       } else {
-                        if (x.skew_lo <= 10.86668062210083) {
-                          return {1, 8, 64, 32, 1};  // SR
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 7.725303888320923) {
+                      return {1, 8, 64, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 17.885621070861816) {
+                    if (x.skew_hi <= 3.692241907119751) {
+                      if (x.log2_S <= 17.25607395172119) {
+                        return {1, 32, 64, 8, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 3.04802143573761) {
+                          return {1, 32, 64, 8, 0};  // SP
                         } else {
                           return {1, 8, 32, 32, 1};  // SR
                         }
                       }
                     } else {
-                      return {1, 8, 64, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 18.475059509277344) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 18.13857078552246) {
                       return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 3.7628501653671265) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 29.90579605102539) {
-                      if (x.long_level <= 2.5) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 18.82778549194336) {
-                    if (x.avg <= 65.71660614013672) {
-                      if (x.long_level <= 1.5) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
                     }
                   } else {
                     return {1, 8, 32, 32, 1};  // SR
                   }
+                } else {
+                  return {1, 8, 32, 32, 1};  // SR
                 }
               }
-            } else {
-              if (x.log2_S <= 20.51626205444336) {
-                if (x.avg <= 17.266024589538574) {
-                  if (x.skew_lo <= 10.706035137176514) {
+            }
+          } else {
+            if (x.skew_hi <= 19.883020401000977) {
+              if (x.avg <= 8.944831371307373) {
+                return {1, 8, 64, 32, 1};  // SR
+              } else {
+                if (x.avg <= 31.00221061706543) {
+                  return {1, 8, 32, 32, 1};  // SR
+                } else {
+                  if (x.skew_lo <= 7.638214826583862) {
                     return {1, 8, 32, 32, 1};  // SR
                   } else {
                     return {1, 8, 64, 32, 1};  // SR
                   }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 9.535978317260742) {
+                return {1, 8, 64, 32, 1};  // SR
+              } else {
+                if (x.skew_lo <= 10.460464000701904) {
+                  if (x.skew_lo <= 9.733684062957764) {
+                    if (x.log2_S <= 21.30150318145752) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  } else {
+                    return {1, 8, 32, 32, 1};  // SR
+                  }
                 } else {
                   return {1, 8, 64, 32, 1};  // SR
                 }
-              } else {
-                return {1, 8, 64, 32, 1};  // SR
               }
             }
           }
@@ -2049,509 +2041,509 @@ inline Config plain_config(const Features& f) {
   } else {
     if (x.F <= 22.627416997969522) {
       if (x.F <= 11.313708498984761) {
-        if (x.long_level <= 2.5) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 15.324499130249023) {
-              if (x.log2_S <= 11.928009510040283) {
-                if (x.skew_lo <= -1.6928285360336304) {
-                  if (x.avg <= 30.558104515075684) {
-                    if (x.log2_S <= 11.075528144836426) {
-                      return {4, 8, 8, 32, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 2.5640294551849365) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -1.928760290145874) {
-                          return {4, 8, 8, 32, 0};  // SP
-                        } else {
-                          return {2, 32, 8, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 10.66806697845459) {
-                      if (x.skew_lo <= -5.099253416061401) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 9.019322395324707) {
-                          return {4, 8, 8, 32, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 0.8293651938438416) {
-                        return {2, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 4, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -0.4454062581062317) {
-                    if (x.avg <= 2.8831676244735718) {
-                      return {2, 32, 8, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 9.814491271972656) {
-                        return {4, 8, 8, 32, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 9.812121868133545) {
-                      if (x.skew_hi <= 5.928847312927246) {
-                        return {2, 32, 32, 2, 0};  // SP
+        if (x.log2_S <= 13.315847873687744) {
+          if (x.long_level <= 1.5) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 11.588039875030518) {
+                if (x.skew_hi <= 5.15857195854187) {
+                  if (x.log2_S <= 9.802486896514893) {
+                    if (x.skew_lo <= -4.444373846054077) {
+                      if (x.log2_S <= 9.259875297546387) {
+                        return {1, 32, 64, 4, 0};  // SP
                       } else {
                         return {4, 32, 64, 4, 0};  // SP
                       }
                     } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 7.236366033554077) {
-                  if (x.log2_S <= 13.459672451019287) {
-                    if (x.skew_lo <= -0.42013411223888397) {
-                      if (x.log2_S <= 12.64556884765625) {
-                        if (x.skew_hi <= 4.135679721832275) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 32, 8, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 2.3432600498199463) {
-                          if (x.avg <= 1.5647429823875427) {
-                            return {2, 32, 32, 8, 0};  // SP
+                      if (x.avg <= 6.634576320648193) {
+                        if (x.skew_lo <= -1.8882138133049011) {
+                          if (x.log2_S <= 9.140395164489746) {
+                            return {1, 4, 32, 64, 0};  // SP
                           } else {
-                            return {2, 16, 64, 8, 0};  // SP
+                            return {4, 32, 64, 4, 0};  // SP
                           }
                         } else {
-                          return {4, 8, 64, 32, 0};  // SP
+                          if (x.avg <= 2.2344402074813843) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
                         }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
                       }
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 1.6312129497528076) {
-                      if (x.log2_S <= 15.121513843536377) {
-                        return {4, 8, 64, 32, 0};  // SP
+                    if (x.log2_S <= 10.709478378295898) {
+                      if (x.skew_hi <= 4.160457134246826) {
+                        return {4, 32, 64, 8, 0};  // SP
                       } else {
-                        return {4, 2, 64, 128, 0};  // SP
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 14.579533576965332) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 3.7399123907089233) {
-                          return {4, 4, 64, 64, 0};  // SP
+                      if (x.log2_S <= 11.01264476776123) {
+                        if (x.avg <= 4.099388241767883) {
+                          return {4, 32, 8, 2, 0};  // SP
                         } else {
-                          return {4, 2, 64, 128, 0};  // SP
+                          if (x.skew_lo <= -4.419024467468262) {
+                            return {2, 64, 32, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 4, 0};  // SP
+                          }
                         }
+                      } else {
+                        return {1, 32, 64, 4, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 0.3092823624610901) {
-                    if (x.log2_S <= 14.340465545654297) {
-                      return {4, 32, 64, 2, 0};  // SP
+                  if (x.log2_S <= 10.205976486206055) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 32, 8, 2, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 12.77286148071289) {
+                  if (x.avg <= 1.659698486328125) {
+                    if (x.log2_S <= 11.979327201843262) {
+                      return {4, 32, 8, 2, 0};  // SP
                     } else {
-                      return {4, 32, 64, 4, 0};  // SP
+                      return {2, 16, 64, 4, 0};  // SP
                     }
                   } else {
-                    return {4, 8, 64, 32, 0};  // SP
+                    return {2, 16, 64, 4, 0};  // SP
                   }
+                } else {
+                  return {4, 8, 64, 32, 0};  // SP
                 }
               }
             } else {
-              if (x.skew_hi <= 3.384088397026062) {
-                if (x.log2_S <= 20.17155933380127) {
-                  if (x.log2_S <= 16.11400318145752) {
-                    if (x.avg <= 10.241035461425781) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.avg <= 56.55827522277832) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
+              if (x.skew_hi <= 4.902939558029175) {
+                if (x.skew_lo <= -1.2496694922447205) {
+                  if (x.log2_S <= 10.635151863098145) {
+                    return {4, 32, 64, 8, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 2.3322935104370117) {
-                      if (x.log2_S <= 16.686006546020508) {
-                        if (x.skew_lo <= -5.138209819793701) {
-                          if (x.skew_hi <= 0.14525961130857468) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          return {4, 4, 64, 64, 0};  // SP
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
+                    if (x.log2_S <= 11.76325511932373) {
+                      return {4, 64, 64, 1, 0};  // SP
                     } else {
-                      if (x.log2_S <= 18.8910551071167) {
-                        if (x.skew_hi <= 3.1675527095794678) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 17.707621574401855) {
-                            if (x.avg <= 6.290591239929199) {
-                              return {4, 2, 64, 128, 0};  // SP
-                            } else {
-                              return {4, 4, 64, 64, 0};  // SP
-                            }
-                          } else {
-                            return {4, 2, 64, 128, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
+                      return {4, 32, 64, 8, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 1.4545171856880188) {
-                    if (x.log2_S <= 22.16714859008789) {
-                      if (x.log2_S <= 21.564108848571777) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 0.8735260963439941) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    return {4, 2, 64, 128, 0};  // SP
-                  }
-                }
-              } else {
-                return {4, 2, 64, 128, 0};  // SP
-              }
-            }
-          } else {
-            if (x.log2_S <= 13.942155361175537) {
-              if (x.avg <= 27.81401252746582) {
-                if (x.skew_lo <= 7.138470888137817) {
-                  if (x.avg <= 6.814988851547241) {
-                    if (x.skew_lo <= 4.46155858039856) {
-                      if (x.log2_S <= 11.15805435180664) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 13.085724830627441) {
-                          if (x.log2_S <= 11.75293254852295) {
-                            if (x.skew_hi <= 7.92793869972229) {
-                              return {4, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.196157455444336) {
-                        if (x.skew_hi <= 8.065134048461914) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 13.91681957244873) {
-                      if (x.log2_S <= 13.400899410247803) {
-                        if (x.log2_S <= 9.417977333068848) {
-                          if (x.skew_lo <= 4.7047483921051025) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 6.979189395904541) {
-                            return {4, 64, 32, 1, 0};  // SP
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 2.519393801689148) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.878662109375) {
-                        if (x.skew_hi <= 9.934793472290039) {
-                          if (x.avg <= 26.678312301635742) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.long_level <= 1.5) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 13.38231086730957) {
-                          if (x.avg <= 17.555800437927246) {
-                            if (x.log2_S <= 12.573978424072266) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 5.799846887588501) {
-                              if (x.avg <= 24.830124855041504) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_hi <= 9.602513313293457) {
-                                return {4, 2, 8, 128, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 12.687489986419678) {
-                                  return {1, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {4, 2, 8, 128, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.773425102233887) {
-                    if (x.skew_lo <= 7.551985025405884) {
-                      if (x.skew_hi <= 11.01326036453247) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.204981327056885) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 5.121718645095825) {
-                  if (x.log2_S <= 11.401954174041748) {
-                    if (x.avg <= 32.44863510131836) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 64, 32, 1, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 12.287408351898193) {
-                      if (x.avg <= 99.36303329467773) {
-                        if (x.skew_hi <= 4.052164912223816) {
-                          return {4, 64, 32, 1, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.053841590881348) {
-                            if (x.avg <= 35.8214225769043) {
-                              return {4, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 64, 32, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 32, 1, 0};  // SP
-                          }
-                        }
+                  if (x.log2_S <= 12.737930297851562) {
+                    if (x.skew_hi <= 3.207197427749634) {
+                      if (x.log2_S <= 9.329739570617676) {
+                        return {4, 32, 64, 8, 0};  // SP
                       } else {
                         return {4, 64, 32, 2, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 50.177730560302734) {
-                        if (x.log2_S <= 12.985860824584961) {
-                          if (x.skew_hi <= 4.901699542999268) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
+                      return {4, 64, 32, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 81.6065902709961) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 64, 32, 2, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 15.515976428985596) {
+                  if (x.skew_lo <= 4.036425352096558) {
+                    if (x.log2_S <= 11.01130723953247) {
+                      if (x.skew_lo <= 2.4184138774871826) {
+                        if (x.skew_lo <= 2.1749191284179688) {
+                          return {1, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          return {2, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        if (x.skew_hi <= 2.5988324880599976) {
-                          if (x.log2_S <= 12.67752456665039) {
-                            return {4, 64, 32, 2, 0};  // SP
+                        if (x.avg <= 4.6711578369140625) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {2, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.418721675872803) {
+                      if (x.skew_lo <= 4.358525276184082) {
+                        if (x.log2_S <= 11.07528305053711) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 32, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.829154014587402) {
+                          if (x.log2_S <= 11.61376142501831) {
+                            if (x.skew_lo <= 4.446409702301025) {
+                              return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 64, 8, 0};  // SP
+                            }
                           } else {
                             return {4, 32, 64, 2, 0};  // SP
                           }
                         } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 5.603978157043457) {
-                    if (x.skew_lo <= 1.1673755645751953) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 15.152305603027344) {
-                if (x.skew_lo <= 0.15807777643203735) {
-                  if (x.avg <= 118.5784797668457) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    return {4, 32, 64, 2, 0};  // SP
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.skew_lo <= 3.743824005126953) {
-                      if (x.skew_hi <= 6.97584080696106) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.565180778503418) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          if (x.log2_S <= 11.139856338500977) {
+                            if (x.skew_hi <= 8.980708599090576) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 11.655910968780518) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 8, 0};  // SP
+                            }
+                          }
                         }
                       }
                     } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 13.951794624328613) {
-                  return {4, 2, 8, 128, 1};  // SR
-                } else {
-                  return {4, 32, 8, 4, 16};  // PR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.skew_hi <= 19.66549301147461) {
-            if (x.skew_lo <= 10.608649730682373) {
-              return {4, 32, 8, 4, 8};  // PR
-            } else {
-              if (x.log2_S <= 15.973194599151611) {
-                if (x.avg <= 9.016086101531982) {
-                  return {4, 32, 8, 4, 16};  // PR
-                } else {
-                  if (x.log2_S <= 12.125426292419434) {
-                    return {4, 32, 8, 4, 16};  // PR
-                  } else {
-                    if (x.skew_hi <= 14.260404109954834) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 4, 16};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 11.56074571609497) {
-                  if (x.skew_hi <= 18.557859420776367) {
-                    if (x.skew_hi <= 16.821280479431152) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 4, 8};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 8.516112327575684) {
-                      return {4, 32, 16, 4, 8};  // PR
-                    } else {
-                      return {4, 32, 8, 4, 8};  // PR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 19.411953926086426) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.skew_lo <= 11.973230361938477) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.avg <= 2.5299137830734253) {
-                        return {4, 32, 8, 2, 16};  // PR
+                      if (x.log2_S <= 13.171240329742432) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        return {4, 32, 8, 4, 16};  // PR
+                        return {2, 8, 8, 32, 1};  // SR
                       }
                     }
+                  }
+                } else {
+                  if (x.skew_hi <= 5.147704124450684) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    return {2, 4, 8, 64, 1};  // SR
                   }
                 }
               }
             }
           } else {
-            if (x.avg <= 4.904719829559326) {
-              if (x.avg <= 2.34884250164032) {
-                if (x.log2_S <= 22.041730880737305) {
-                  return {2, 8, 64, 32, 1};  // SR
-                } else {
-                  return {4, 32, 8, 4, 16};  // PR
-                }
-              } else {
-                if (x.avg <= 4.643727540969849) {
-                  return {4, 32, 8, 4, 16};  // PR
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              }
-            } else {
-              if (x.skew_hi <= 21.012744903564453) {
-                if (x.avg <= 11.835453033447266) {
-                  return {4, 32, 16, 4, 8};  // PR
-                } else {
-                  if (x.skew_lo <= 9.08412790298462) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 20.630330085754395) {
-                      if (x.log2_S <= 19.8096342086792) {
-                        return {4, 32, 16, 4, 8};  // PR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
+            if (x.skew_hi <= 12.718151092529297) {
+              if (x.skew_lo <= 10.689597606658936) {
+                if (x.avg <= 24.057249069213867) {
+                  if (x.skew_lo <= 6.9704060554504395) {
+                    if (x.log2_S <= 11.075685977935791) {
+                      return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      return {4, 32, 16, 4, 8};  // PR
+                      if (x.skew_lo <= 5.960236072540283) {
+                        if (x.log2_S <= 11.73949670791626) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 12.768529891967773) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {2, 4, 8, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 12.62818717956543) {
+                    return {2, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 7.337647199630737) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {2, 4, 8, 64, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.skew_lo <= 11.46982192993164) {
-                  return {4, 32, 16, 4, 8};  // PR
-                } else {
-                  if (x.log2_S <= 23.13417625427246) {
-                    return {4, 32, 16, 4, 8};  // PR
+                return {4, 32, 8, 2, 8};  // PR
+              }
+            } else {
+              if (x.long_level <= 2.5) {
+                return {2, 4, 8, 64, 1};  // SR
+              } else {
+                return {4, 32, 8, 2, 8};  // PR
+              }
+            }
+          }
+        } else {
+          if (x.skew_hi <= 12.35733699798584) {
+            if (x.skew_lo <= 0.248540960252285) {
+              if (x.avg <= 20.276737213134766) {
+                if (x.log2_S <= 16.551081657409668) {
+                  if (x.log2_S <= 15.39443588256836) {
+                    return {4, 8, 64, 32, 0};  // SP
                   } else {
-                    return {4, 32, 8, 2, 16};  // PR
+                    if (x.avg <= 8.358999252319336) {
+                      if (x.skew_lo <= -1.3457570672035217) {
+                        return {4, 4, 32, 64, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.6831111907959) {
+                    if (x.avg <= 6.016623497009277) {
+                      if (x.avg <= 1.3656492233276367) {
+                        if (x.log2_S <= 17.197694778442383) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 2.2637500762939453) {
+                        return {4, 4, 32, 64, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 3.0348726511001587) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 4, 32, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.181536912918091) {
+                      if (x.log2_S <= 20.23384380340576) {
+                        return {4, 4, 32, 64, 0};  // SP
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 2.7740777730941772) {
+                  if (x.avg <= 63.50004768371582) {
+                    if (x.log2_S <= 17.70784282684326) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 23.44633388519287) {
+                        return {4, 4, 32, 64, 0};  // SP
+                      } else {
+                        if (x.avg <= 36.69209861755371) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 4, 32, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.351664543151855) {
+                      if (x.avg <= 227.58245086669922) {
+                        if (x.skew_lo <= -1.568108856678009) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 16.115614891052246) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.80167579650879) {
+                    return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 18.439685821533203) {
+                      if (x.skew_lo <= 0.03556358627974987) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 4.177959442138672) {
+                        if (x.avg <= 136.55049896240234) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 20.88247776031494) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 15.252630710601807) {
+                if (x.avg <= 30.708199501037598) {
+                  if (x.skew_lo <= 2.632832884788513) {
+                    if (x.avg <= 21.780694007873535) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 14.301365375518799) {
+                        if (x.skew_hi <= 6.8699469566345215) {
+                          return {2, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 6.952584505081177) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.923304080963135) {
+                        return {2, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
+              } else {
+                if (x.skew_lo <= 6.88446044921875) {
+                  if (x.skew_hi <= 4.998786926269531) {
+                    if (x.log2_S <= 20.34692096710205) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 18.62655544281006) {
+                    if (x.log2_S <= 16.0281343460083) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
+                      if (x.avg <= 5.04178261756897) {
+                        if (x.log2_S <= 17.918210983276367) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 17.995171546936035) {
+              if (x.skew_lo <= 10.935451030731201) {
+                if (x.skew_hi <= 13.044861316680908) {
+                  if (x.log2_S <= 21.919859886169434) {
+                    if (x.log2_S <= 14.662390232086182) {
+                      return {2, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  return {4, 32, 8, 2, 8};  // PR
+                }
+              } else {
+                if (x.log2_S <= 15.973194599151611) {
+                  if (x.skew_hi <= 13.985010147094727) {
+                    return {4, 32, 8, 2, 8};  // PR
+                  } else {
+                    return {4, 32, 8, 1, 16};  // PR
+                  }
+                } else {
+                  if (x.log2_S <= 17.662273406982422) {
+                    return {4, 32, 8, 2, 8};  // PR
+                  } else {
+                    if (x.skew_lo <= 12.136803150177002) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
+                      return {4, 32, 8, 1, 16};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 8.435761451721191) {
+                if (x.log2_S <= 20.349831581115723) {
+                  if (x.log2_S <= 19.03759479522705) {
+                    return {4, 4, 32, 64, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= 7.098738670349121) {
+                      if (x.skew_lo <= 6.88759970664978) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 32, 64, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 22.228665351867676) {
+                    if (x.skew_lo <= 6.861316680908203) {
+                      if (x.avg <= 228.59130859375) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 11.030117511749268) {
+                  if (x.skew_lo <= 9.500387191772461) {
+                    if (x.log2_S <= 20.313983917236328) {
+                      return {4, 4, 32, 64, 0};  // SP
+                    } else {
+                      return {4, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                } else {
+                  if (x.skew_hi <= 19.72074604034424) {
+                    return {4, 32, 8, 1, 16};  // PR
+                  } else {
+                    if (x.avg <= 5.626344442367554) {
+                      return {4, 2, 64, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 22.3263578414917) {
+                        if (x.log2_S <= 21.592914581298828) {
+                          return {4, 32, 8, 1, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
                   }
                 }
               }
@@ -2559,511 +2551,511 @@ inline Config plain_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_S <= 14.699364185333252) {
-          if (x.skew_lo <= -0.10272011160850525) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 10.790420532226562) {
-                if (x.skew_lo <= -1.6252922415733337) {
-                  if (x.avg <= 3.63949453830719) {
-                    if (x.log2_S <= 9.030417442321777) {
-                      return {2, 64, 32, 2, 0};  // SP
-                    } else {
-                      return {1, 2, 32, 128, 0};  // SP
-                    }
+        if (x.log2_S <= 12.666682243347168) {
+          if (x.skew_lo <= 0.7102965116500854) {
+            if (x.avg <= 16.539273262023926) {
+              if (x.log2_S <= 10.840563297271729) {
+                if (x.avg <= 1.908500611782074) {
+                  if (x.log2_S <= 9.331986427307129) {
+                    return {4, 32, 8, 2, 0};  // SP
                   } else {
-                    return {2, 64, 32, 2, 0};  // SP
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= -0.6880686283111572) {
-                    if (x.skew_lo <= -1.5127038955688477) {
-                      if (x.log2_S <= 9.77795124053955) {
-                        return {1, 2, 32, 128, 0};  // SP
+                  if (x.log2_S <= 8.993313789367676) {
+                    if (x.skew_lo <= -1.592566967010498) {
+                      return {1, 32, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 64, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 10.453446865081787) {
+                      return {4, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -2.829573631286621) {
+                        return {4, 64, 64, 2, 0};  // SP
                       } else {
                         return {4, 32, 64, 4, 0};  // SP
                       }
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 1.3131216764450073) {
-                      return {4, 32, 32, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 9.946566104888916) {
-                        return {2, 32, 32, 8, 0};  // SP
-                      } else {
-                        return {4, 32, 32, 8, 0};  // SP
-                      }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 12.107719421386719) {
-                  if (x.skew_lo <= -1.544849693775177) {
-                    return {2, 32, 32, 8, 0};  // SP
+                if (x.avg <= 1.9624927043914795) {
+                  if (x.log2_S <= 11.604647636413574) {
+                    return {4, 32, 64, 8, 0};  // SP
                   } else {
-                    if (x.skew_lo <= -0.7841592729091644) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 5.532513856887817) {
-                        return {2, 32, 32, 8, 0};  // SP
-                      } else {
-                        return {4, 32, 8, 2, 0};  // SP
-                      }
-                    }
+                    return {4, 32, 8, 2, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 5.811419486999512) {
-                    if (x.skew_hi <= 3.9009584188461304) {
-                      if (x.log2_S <= 13.18888521194458) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_hi <= 5.2488696575164795) {
-                        if (x.log2_S <= 14.47562026977539) {
-                          if (x.log2_S <= 12.313509941101074) {
-                            return {2, 32, 32, 8, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_lo <= -1.224044680595398) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.888498783111572) {
-                          if (x.skew_hi <= 5.5798656940460205) {
-                            return {2, 32, 32, 8, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.911902904510498) {
-                              return {4, 32, 32, 8, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
+                  return {2, 32, 16, 2, 0};  // SP
                 }
               }
             } else {
-              if (x.avg <= 98.1186294555664) {
-                if (x.log2_S <= 11.648757934570312) {
-                  return {2, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.log2_S <= 14.197812557220459) {
-                    return {4, 64, 64, 4, 0};  // SP
+              if (x.log2_S <= 10.964189052581787) {
+                return {4, 64, 64, 2, 0};  // SP
+              } else {
+                if (x.skew_lo <= -3.541533350944519) {
+                  if (x.log2_S <= 11.774360179901123) {
+                    return {2, 32, 64, 8, 0};  // SP
                   } else {
-                    return {4, 4, 16, 64, 1};  // SR
+                    return {2, 32, 16, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -1.3065258860588074) {
+                    return {4, 64, 64, 2, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 3.609583020210266) {
+                      if (x.log2_S <= 11.513259887695312) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= 0.32291170954704285) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
                   }
                 }
-              } else {
-                return {4, 64, 64, 4, 0};  // SP
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.avg <= 4.084752559661865) {
-                if (x.skew_lo <= 5.981133699417114) {
-                  if (x.log2_S <= 12.546160697937012) {
-                    if (x.skew_hi <= 8.433621883392334) {
-                      if (x.log2_S <= 11.005977630615234) {
-                        if (x.avg <= 1.1645503044128418) {
-                          if (x.log2_S <= 8.708769798278809) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 4, 0};  // SP
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 8.02301025390625) {
-                          return {4, 32, 8, 2, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 4, 0};  // SP
-                        }
-                      }
+            if (x.avg <= 5.276181936264038) {
+              if (x.skew_lo <= 6.797080755233765) {
+                if (x.avg <= 2.8379108905792236) {
+                  if (x.skew_lo <= 5.090733766555786) {
+                    if (x.skew_hi <= 8.437059879302979) {
+                      return {1, 32, 8, 4, 1};  // SR
                     } else {
-                      if (x.log2_S <= 12.37410020828247) {
-                        return {4, 64, 64, 4, 0};  // SP
+                      if (x.log2_S <= 12.222744464874268) {
+                        return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        return {1, 32, 8, 4, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.skew_lo <= 2.0208102269098163) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {2, 8, 8, 32, 1};  // SR
-                    }
+                    return {1, 32, 8, 4, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 14.01396369934082) {
-                    return {2, 8, 8, 32, 1};  // SR
+                  if (x.log2_S <= 11.069849491119385) {
+                    return {1, 32, 8, 2, 1};  // SR
                   } else {
-                    if (x.skew_hi <= 12.81867790222168) {
-                      return {2, 8, 8, 32, 1};  // SR
+                    if (x.log2_S <= 12.040806770324707) {
+                      return {1, 32, 8, 4, 1};  // SR
                     } else {
-                      return {2, 8, 16, 32, 1};  // SR
+                      return {2, 8, 8, 32, 1};  // SR
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 13.03418493270874) {
-                  if (x.avg <= 5.271250247955322) {
-                    if (x.skew_hi <= 7.918673753738403) {
-                      if (x.log2_S <= 11.833341121673584) {
-                        return {1, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {2, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {2, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 3.9682774543762207) {
-                      if (x.log2_S <= 11.897412300109863) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 64, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {2, 8, 8, 32, 1};  // SR
-                    }
-                  }
+                if (x.skew_lo <= 10.79936695098877) {
+                  return {2, 8, 8, 32, 1};  // SR
                 } else {
-                  if (x.avg <= 30.413622856140137) {
-                    if (x.avg <= 17.8962459564209) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.818273544311523) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 20.48560905456543) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 48.96783256530762) {
-                      if (x.log2_S <= 14.004881858825684) {
-                        if (x.long_level <= 1.5) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 4.67995810508728) {
-                          if (x.avg <= 30.695627212524414) {
-                            return {2, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 0.008766918443143368) {
-                        return {4, 64, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.329006671905518) {
-                          if (x.avg <= 84.3705062866211) {
-                            return {2, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  }
+                  return {4, 32, 8, 2, 8};  // PR
                 }
               }
             } else {
-              if (x.avg <= 37.56550979614258) {
-                if (x.skew_hi <= 11.486252307891846) {
-                  if (x.log2_S <= 10.711261749267578) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 11.425395965576172) {
-                      return {4, 32, 8, 4, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 9.304725646972656) {
-                    if (x.skew_hi <= 13.760385513305664) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 16, 4, 8};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 13.359357833862305) {
-                  return {2, 8, 16, 32, 1};  // SR
-                } else {
-                  if (x.avg <= 65.74280166625977) {
-                    if (x.skew_hi <= 13.732625484466553) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.log2_S <= 14.532966136932373) {
-                        return {4, 32, 16, 4, 8};  // PR
+              if (x.skew_hi <= 11.702454090118408) {
+                if (x.skew_hi <= 6.200541257858276) {
+                  if (x.avg <= 352.82598876953125) {
+                    if (x.avg <= 17.379981994628906) {
+                      if (x.log2_S <= 11.55215311050415) {
+                        return {1, 16, 8, 4, 1};  // SR
                       } else {
-                        return {2, 8, 64, 32, 1};  // SR
+                        return {2, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 11.128439903259277) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 34.109052658081055) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
                       }
                     }
                   } else {
-                    return {2, 8, 64, 32, 1};  // SR
+                    return {4, 4, 8, 64, 1};  // SR
                   }
+                } else {
+                  if (x.avg <= 47.53557777404785) {
+                    return {2, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 8.087898254394531) {
+                      if (x.log2_S <= 11.936853885650635) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 7.109013080596924) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 50.55864715576172) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 15.768612384796143) {
+                  if (x.avg <= 13.609608173370361) {
+                    return {4, 32, 8, 2, 8};  // PR
+                  } else {
+                    return {2, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  return {4, 4, 8, 64, 1};  // SR
                 }
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 18.029202461242676) {
-              if (x.avg <= 10.602699756622314) {
-                if (x.log2_S <= 15.13988447189331) {
-                  if (x.skew_hi <= 5.115051031112671) {
-                    if (x.avg <= 7.029299259185791) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
+          if (x.skew_lo <= -0.9981512129306793) {
+            if (x.avg <= 16.634421348571777) {
+              if (x.log2_S <= 16.160329818725586) {
+                if (x.skew_lo <= -2.358577609062195) {
+                  if (x.log2_S <= 13.147468090057373) {
+                    return {2, 32, 16, 2, 0};  // SP
                   } else {
                     return {4, 8, 64, 32, 0};  // SP
                   }
                 } else {
-                  return {4, 4, 64, 64, 0};  // SP
+                  if (x.log2_S <= 13.921178340911865) {
+                    return {2, 32, 16, 2, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -1.8006539940834045) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
                 }
               } else {
-                return {4, 8, 64, 32, 0};  // SP
+                if (x.log2_S <= 17.491046905517578) {
+                  if (x.avg <= 9.040364742279053) {
+                    return {4, 4, 32, 64, 0};  // SP
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_hi <= 4.7514355182647705) {
+                    return {4, 4, 32, 64, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 21.56879711151123) {
+                      return {4, 4, 32, 64, 0};  // SP
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                }
               }
             } else {
-              if (x.log2_S <= 18.707704544067383) {
-                if (x.skew_hi <= 2.0520942211151123) {
-                  if (x.avg <= 35.817657470703125) {
-                    return {4, 8, 64, 32, 0};  // SP
+              if (x.log2_S <= 19.54154396057129) {
+                if (x.avg <= 127.98842239379883) {
+                  if (x.log2_S <= 13.848974227905273) {
+                    if (x.skew_lo <= -5.135082244873047) {
+                      if (x.log2_S <= 13.141317367553711) {
+                        return {2, 32, 16, 2, 0};  // SP
+                      } else {
+                        return {2, 32, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      return {2, 32, 16, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 18.745123863220215) {
+                      if (x.log2_S <= 15.917068004608154) {
+                        if (x.avg <= 43.95953559875488) {
+                          if (x.log2_S <= 14.452317237854004) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            if (x.avg <= 20.045799255371094) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 15.654863834381104) {
+                                return {4, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 8, 64, 32, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          return {2, 32, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 0.24763498455286026) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.43873119354248) {
+                    if (x.skew_hi <= 2.3557544946670532) {
+                      return {4, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 13.96882438659668) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.5878317952156067) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 18.485958099365234) {
+                        if (x.skew_lo <= -1.195914387702942) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 2.6867642402648926) {
+                  if (x.log2_S <= 19.856886863708496) {
+                    if (x.avg <= 134.2003688812256) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
                   } else {
                     return {4, 4, 64, 64, 0};  // SP
                   }
                 } else {
-                  return {4, 4, 64, 64, 0};  // SP
+                  return {4, 4, 8, 64, 1};  // SR
                 }
-              } else {
-                return {4, 4, 64, 64, 0};  // SP
               }
             }
           } else {
-            if (x.skew_lo <= 10.727040767669678) {
-              if (x.avg <= 42.33623695373535) {
-                if (x.skew_hi <= 11.02499008178711) {
-                  if (x.log2_S <= 18.486062049865723) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 15.840733051300049) {
-                        if (x.avg <= 14.900593757629395) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 20.154086112976074) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 15.484371185302734) {
-                              return {2, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
-                          }
-                        }
+            if (x.skew_lo <= 8.784503936767578) {
+              if (x.skew_hi <= 19.212051391601562) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 17.399641036987305) {
+                    if (x.log2_S <= 14.36599588394165) {
+                      if (x.log2_S <= 13.631875991821289) {
+                        return {4, 32, 8, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 18.202470779418945) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 1.7427261471748352) {
-                            return {2, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 9.408464431762695) {
-                              return {4, 4, 16, 64, 1};  // SR
-                            } else {
-                              return {2, 8, 16, 32, 1};  // SR
-                            }
-                          }
-                        }
+                        return {2, 32, 64, 8, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 26.715917587280273) {
-                        return {2, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 16.304384231567383) {
-                          if (x.log2_S <= 14.996531009674072) {
-                            return {2, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 16, 32, 1};  // SR
-                        }
-                      }
+                      return {4, 4, 8, 64, 1};  // SR
                     }
                   } else {
-                    if (x.skew_lo <= 6.867088079452515) {
-                      if (x.log2_S <= 18.7878999710083) {
-                        if (x.log2_S <= 18.75402545928955) {
-                          return {2, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
+                    if (x.skew_hi <= 5.088613271713257) {
+                      return {4, 4, 64, 64, 0};  // SP
                     } else {
-                      if (x.log2_S <= 19.255070686340332) {
-                        return {2, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
+                      return {4, 4, 32, 64, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 18.668468475341797) {
-                    if (x.skew_hi <= 13.977922439575195) {
-                      if (x.log2_S <= 15.991138458251953) {
-                        return {2, 8, 16, 32, 1};  // SR
+                  if (x.log2_S <= 14.28981351852417) {
+                    if (x.avg <= 17.953007698059082) {
+                      if (x.log2_S <= 14.06019401550293) {
+                        return {2, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 8.868781089782715) {
-                          if (x.log2_S <= 17.107108116149902) {
-                            return {4, 4, 16, 64, 1};  // SR
+                        if (x.skew_hi <= 9.937928676605225) {
+                          if (x.skew_hi <= 6.447203636169434) {
+                            return {4, 4, 8, 64, 1};  // SR
                           } else {
-                            return {2, 8, 16, 32, 1};  // SR
+                            return {2, 8, 8, 32, 1};  // SR
                           }
                         } else {
-                          return {4, 4, 16, 64, 1};  // SR
+                          return {4, 4, 8, 64, 1};  // SR
                         }
                       }
                     } else {
-                      if (x.log2_S <= 17.487586975097656) {
-                        if (x.log2_S <= 15.78759241104126) {
-                          return {4, 32, 16, 4, 8};  // PR
+                      if (x.skew_lo <= 0.047286758199334145) {
+                        if (x.avg <= 77.45966720581055) {
+                          if (x.log2_S <= 13.89692211151123) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
                         } else {
-                          return {2, 8, 64, 32, 1};  // SR
+                          if (x.log2_S <= 13.927606105804443) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 2, 0};  // SP
+                          }
                         }
                       } else {
-                        return {4, 4, 16, 64, 1};  // SR
+                        if (x.avg <= 34.291622161865234) {
+                          if (x.log2_S <= 13.33217477798462) {
+                            if (x.skew_lo <= 3.2345351576805115) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 11.854788303375244) {
-                      if (x.log2_S <= 19.35918617248535) {
-                        return {2, 8, 16, 32, 1};  // SR
+                    if (x.skew_lo <= -0.31402482092380524) {
+                      if (x.log2_S <= 16.284347534179688) {
+                        return {4, 64, 64, 2, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 11.512234210968018) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 22.509757041931152) {
-                            return {4, 4, 16, 64, 1};  // SR
+                        if (x.log2_S <= 17.235624313354492) {
+                          if (x.avg <= 97.82953262329102) {
+                            return {4, 4, 8, 64, 1};  // SR
                           } else {
-                            return {2, 8, 16, 32, 1};  // SR
+                            return {4, 8, 64, 32, 0};  // SP
                           }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
                         }
                       }
                     } else {
-                      return {4, 4, 16, 64, 1};  // SR
+                      if (x.skew_lo <= 7.976933240890503) {
+                        if (x.log2_S <= 15.254788398742676) {
+                          if (x.avg <= 2.899704098701477) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 17.712075233459473) {
+                          if (x.skew_hi <= 15.27059555053711) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 16.3738956451416) {
+                              if (x.skew_lo <= 8.087916851043701) {
+                                return {4, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {4, 4, 32, 64, 0};  // SP
+                              }
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 17.042560577392578) {
-                  if (x.skew_lo <= 5.303263425827026) {
-                    return {4, 4, 16, 64, 1};  // SR
-                  } else {
-                    if (x.avg <= 62.51255798339844) {
-                      if (x.log2_S <= 15.762561321258545) {
-                        return {4, 32, 16, 4, 8};  // PR
-                      } else {
-                        return {2, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 16.54996967315674) {
-                        return {2, 8, 64, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 7.21988582611084) {
-                          return {4, 4, 16, 64, 1};  // SR
-                        } else {
-                          return {2, 8, 64, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
+                if (x.skew_lo <= 5.345170259475708) {
+                  return {4, 4, 64, 64, 0};  // SP
                 } else {
-                  if (x.avg <= 55.96417808532715) {
-                    if (x.skew_lo <= 2.3970788419246674) {
-                      if (x.log2_S <= 20.475725173950195) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {2, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 17.366524696350098) {
-                        return {2, 8, 64, 32, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
+                  if (x.avg <= 46.31044387817383) {
+                    return {4, 4, 64, 64, 0};  // SP
                   } else {
-                    return {4, 4, 16, 64, 1};  // SR
+                    return {4, 16, 64, 4, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 17.216301918029785) {
-                if (x.skew_hi <= 15.238834857940674) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  if (x.avg <= 7.150556802749634) {
-                    if (x.log2_S <= 16.75062847137451) {
-                      return {4, 32, 16, 4, 8};  // PR
-                    } else {
-                      if (x.skew_lo <= 12.588839054107666) {
-                        if (x.skew_lo <= 11.34071969985962) {
-                          return {2, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 4, 8};  // PR
-                        }
+              if (x.log2_S <= 18.0940580368042) {
+                if (x.skew_lo <= 9.700654029846191) {
+                  if (x.skew_hi <= 14.537283897399902) {
+                    if (x.log2_S <= 13.858999252319336) {
+                      if (x.long_level <= 2.5) {
+                        return {2, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 16.793972969055176) {
-                          return {4, 32, 16, 4, 8};  // PR
-                        } else {
-                          return {2, 8, 64, 32, 1};  // SR
-                        }
+                        return {4, 4, 8, 64, 1};  // SR
                       }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 16.09351921081543) {
-                      return {4, 32, 16, 4, 8};  // PR
+                    if (x.skew_hi <= 17.446829795837402) {
+                      return {4, 4, 32, 64, 0};  // SP
                     } else {
-                      return {2, 8, 64, 32, 1};  // SR
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 10.150213718414307) {
+                    if (x.skew_hi <= 16.78562831878662) {
+                      if (x.skew_hi <= 13.762486934661865) {
+                        if (x.avg <= 1.1800315380096436) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    } else {
+                      return {4, 4, 32, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 17.92077350616455) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
+                      return {4, 4, 32, 64, 0};  // SP
                     }
                   }
                 }
               } else {
-                return {2, 8, 64, 32, 1};  // SR
+                if (x.skew_lo <= 11.90287160873413) {
+                  if (x.avg <= 27.191943168640137) {
+                    if (x.log2_S <= 19.09635829925537) {
+                      if (x.avg <= 3.36567223072052) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 18.27113437652588) {
+                          return {4, 4, 32, 64, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 13.194924354553223) {
+                        if (x.log2_S <= 20.83543586730957) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 64, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 64, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 4, 64, 64, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 19.078380584716797) {
+                    return {4, 4, 32, 64, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= 12.15089750289917) {
+                      if (x.log2_S <= 21.57527446746826) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
+                  }
+                }
               }
             }
           }
@@ -3071,161 +3063,341 @@ inline Config plain_config(const Features& f) {
       }
     } else {
       if (x.F <= 45.254833995939045) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 12.736406803131104) {
-            if (x.skew_hi <= 4.268598318099976) {
-              if (x.log2_S <= 11.909952640533447) {
-                return {1, 32, 64, 4, 0};  // SP
-              } else {
-                if (x.skew_hi <= 1.9843927025794983) {
-                  if (x.avg <= 35.44094276428223) {
-                    return {4, 32, 32, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 59.04803466796875) {
-                      return {4, 32, 64, 4, 0};  // SP
+        if (x.log2_S <= 14.711091995239258) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 11.104547500610352) {
+              if (x.log2_S <= 9.49880313873291) {
+                if (x.avg <= 3.497893214225769) {
+                  if (x.skew_lo <= -0.26861651986837387) {
+                    if (x.skew_lo <= -0.5649279952049255) {
+                      return {4, 64, 8, 4, 0};  // SP
                     } else {
-                      return {4, 32, 32, 4, 0};  // SP
+                      if (x.skew_lo <= -0.42193518579006195) {
+                        return {2, 64, 32, 4, 0};  // SP
+                      } else {
+                        return {4, 64, 8, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {2, 64, 8, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 8.166849613189697) {
+                    if (x.log2_S <= 8.508561134338379) {
+                      if (x.avg <= 4.696428060531616) {
+                        return {4, 4, 32, 64, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 10.468620777130127) {
+                  if (x.log2_S <= 10.032716751098633) {
+                    if (x.skew_hi <= 2.0289857387542725) {
+                      if (x.log2_S <= 9.952662467956543) {
+                        return {4, 64, 8, 4, 0};  // SP
+                      } else {
+                        return {2, 64, 8, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -0.4561397582292557) {
+                        if (x.log2_S <= 9.65164041519165) {
+                          return {4, 64, 8, 4, 0};  // SP
+                        } else {
+                          return {2, 64, 32, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 64, 8, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.2210798263549805) {
+                      return {2, 64, 8, 2, 0};  // SP
+                    } else {
+                      return {2, 64, 32, 4, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.skew_lo <= -2.3688931465148926) {
-                    return {1, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 12.301555633544922) {
-                      return {1, 32, 64, 4, 0};  // SP
+                  if (x.skew_hi <= 1.9675543308258057) {
+                    if (x.log2_S <= 10.668050765991211) {
+                      return {4, 32, 64, 2, 0};  // SP
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      return {2, 32, 16, 2, 0};  // SP
                     }
+                  } else {
+                    return {4, 64, 8, 4, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= -0.5453278720378876) {
-                if (x.avg <= 2.8831676244735718) {
-                  if (x.log2_S <= 12.320240497589111) {
-                    return {2, 64, 32, 2, 0};  // SP
+              if (x.skew_hi <= 1.949143409729004) {
+                if (x.log2_S <= 13.327434539794922) {
+                  if (x.skew_hi <= 1.2201842665672302) {
+                    return {2, 32, 16, 2, 0};  // SP
                   } else {
-                    return {4, 32, 64, 2, 0};  // SP
+                    if (x.skew_hi <= 1.6866525411605835) {
+                      if (x.log2_S <= 11.507053852081299) {
+                        return {2, 32, 16, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {2, 32, 16, 2, 0};  // SP
+                    }
                   }
                 } else {
-                  if (x.log2_S <= 10.610429286956787) {
-                    return {1, 8, 64, 32, 0};  // SP
+                  return {4, 32, 64, 4, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 14.589091777801514) {
+                  if (x.skew_lo <= -0.8129294216632843) {
+                    return {4, 32, 64, 4, 0};  // SP
                   } else {
-                    if (x.avg <= 3.1209728717803955) {
-                      if (x.log2_S <= 12.195892333984375) {
-                        return {2, 64, 32, 2, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
+                    if (x.log2_S <= 11.899999141693115) {
+                      return {2, 64, 32, 4, 0};  // SP
                     } else {
                       return {4, 32, 64, 4, 0};  // SP
                     }
                   }
-                }
-              } else {
-                if (x.skew_lo <= -0.4058002531528473) {
-                  if (x.log2_S <= 11.328020572662354) {
-                    return {4, 64, 32, 1, 0};  // SP
-                  } else {
-                    return {2, 64, 32, 2, 0};  // SP
-                  }
                 } else {
-                  if (x.log2_S <= 11.55898666381836) {
-                    return {4, 64, 64, 4, 0};  // SP
+                  if (x.skew_hi <= 4.927540063858032) {
+                    return {4, 32, 64, 4, 0};  // SP
                   } else {
-                    if (x.avg <= 1.054844856262207) {
-                      return {4, 64, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 64, 32, 1, 0};  // SP
-                    }
+                    return {4, 8, 8, 32, 1};  // SR
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 17.66928768157959) {
-              if (x.skew_hi <= 2.582237482070923) {
-                if (x.log2_S <= 13.782202243804932) {
-                  if (x.skew_lo <= -4.1577959060668945) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -3.7486565113067627) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 13.007211208343506) {
-                        return {1, 32, 64, 4, 0};  // SP
+            if (x.skew_hi <= 12.734373092651367) {
+              if (x.long_level <= 1.5) {
+                if (x.skew_lo <= 2.2491822242736816) {
+                  if (x.skew_lo <= -0.671697348356247) {
+                    if (x.log2_S <= 12.876624584197998) {
+                      if (x.skew_lo <= -1.420439064502716) {
+                        return {4, 8, 16, 32, 1};  // SR
                       } else {
-                        return {4, 32, 64, 4, 0};  // SP
+                        if (x.log2_S <= 10.988126277923584) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 140.99422454833984) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= -1.289011001586914) {
+                              return {4, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {4, 32, 64, 8, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.442227840423584) {
+                        if (x.skew_lo <= -1.8842525482177734) {
+                          if (x.log2_S <= 13.302840232849121) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.9290037155151367) {
+                            return {4, 32, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 104.73593521118164) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 64, 8, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.952921628952026) {
+                      if (x.log2_S <= 14.153432369232178) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= -0.14110924676060677) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.877033233642578) {
+                        return {1, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 0.27949535846710205) {
-                    if (x.log2_S <= 15.696645259857178) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 16.39111614227295) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.27769184112549) {
-                          return {4, 8, 64, 32, 0};  // SP
+                  if (x.log2_S <= 12.993266105651855) {
+                    if (x.skew_lo <= 4.646129608154297) {
+                      if (x.skew_hi <= 7.478881120681763) {
+                        if (x.log2_S <= 12.297847270965576) {
+                          return {1, 32, 8, 4, 1};  // SR
                         } else {
-                          return {4, 16, 64, 8, 0};  // SP
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.45754098892212) {
+                          if (x.log2_S <= 11.043649673461914) {
+                            return {2, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 3.7102097272872925) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 11.581674098968506) {
+                                return {1, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 32, 8, 4, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 8.095351219177246) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 13.770223617553711) {
+                        return {1, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.150693893432617) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
                         }
                       }
                     }
-                  } else {
-                    return {4, 16, 64, 8, 0};  // SP
                   }
                 }
               } else {
-                if (x.avg <= 1.7472667694091797) {
-                  if (x.log2_S <= 16.22990894317627) {
-                    if (x.avg <= 1.3614646792411804) {
-                      if (x.log2_S <= 14.806834697723389) {
-                        if (x.log2_S <= 13.017371654510498) {
-                          return {4, 64, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
+                if (x.log2_S <= 14.184547424316406) {
+                  if (x.skew_hi <= 12.494373321533203) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 19.51358699798584) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 9.576491355895996) {
+                    if (x.skew_lo <= 3.874099016189575) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.426866054534912) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 14.62236499786377) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  return {4, 8, 16, 32, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 8.639342784881592) {
+                  if (x.log2_S <= 13.338782787322998) {
+                    if (x.skew_lo <= 11.44182538986206) {
+                      return {4, 16, 16, 8, 1};  // SR
+                    } else {
+                      if (x.avg <= 2.423515558242798) {
+                        return {4, 8, 16, 32, 1};  // SR
                       } else {
                         return {4, 8, 8, 32, 1};  // SR
                       }
-                    } else {
-                      if (x.log2_S <= 14.98150634765625) {
-                        if (x.skew_hi <= 5.281200647354126) {
-                          if (x.log2_S <= 13.70090913772583) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 8, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
+                    }
+                  } else {
+                    if (x.avg <= 5.733391523361206) {
+                      if (x.skew_hi <= 14.642201900482178) {
+                        return {4, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.avg <= 1.4273250102996826) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
+                        return {4, 8, 64, 32, 1};  // SR
                       }
+                    } else {
+                      if (x.log2_S <= 14.247015953063965) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 8, 16, 32, 1};  // SR
+                }
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 17.703357696533203) {
+              if (x.avg <= 2.9093151092529297) {
+                if (x.log2_S <= 17.134587287902832) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.log2_S <= 17.35835075378418) {
+                    if (x.skew_hi <= 5.066584587097168) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
                     }
                   } else {
                     return {4, 8, 64, 32, 0};  // SP
                   }
-                } else {
-                  if (x.log2_S <= 13.367981433868408) {
-                    if (x.avg <= 3.1254740953445435) {
-                      if (x.skew_hi <= 4.8539228439331055) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
+                }
+              } else {
+                if (x.log2_S <= 16.234207153320312) {
+                  if (x.skew_hi <= 1.8727142214775085) {
+                    if (x.log2_S <= 15.57630968093872) {
+                      return {4, 32, 64, 4, 0};  // SP
                     } else {
-                      if (x.avg <= 9.60804033279419) {
-                        return {4, 8, 64, 32, 0};  // SP
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 15.871320247650146) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -3.0225332975387573) {
+                        return {4, 16, 64, 4, 0};  // SP
                       } else {
-                        return {1, 32, 64, 4, 0};  // SP
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -3.176299214363098) {
+                    if (x.skew_hi <= 0.4735240191221237) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -3.681230068206787) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
                       }
                     }
                   } else {
@@ -3236,4706 +3408,142 @@ inline Config plain_config(const Features& f) {
             } else {
               return {4, 8, 64, 32, 0};  // SP
             }
-          }
-        } else {
-          if (x.log2_S <= 18.282529830932617) {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 12.53681468963623) {
-                if (x.avg <= 16.012688636779785) {
-                  if (x.skew_lo <= 3.8801711797714233) {
-                    if (x.log2_S <= 12.039994716644287) {
-                      return {1, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 2.771819591522217) {
-                        return {4, 8, 8, 32, 1};  // SR
+          } else {
+            if (x.skew_lo <= 10.536616802215576) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 18.4588680267334) {
+                  if (x.skew_hi <= 4.815505504608154) {
+                    if (x.log2_S <= 15.440423488616943) {
+                      if (x.skew_lo <= -0.8040554225444794) {
+                        return {4, 32, 64, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.32254695892334) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
+                        if (x.avg <= 52.214345932006836) {
                           return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.42374038696289) {
+                        return {4, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 2.494552254676819) {
-                        if (x.log2_S <= 12.356563091278076) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 11.541089534759521) {
-                          if (x.skew_hi <= 8.434287071228027) {
-                            if (x.skew_hi <= 8.023357391357422) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
-                        }
-                      }
+                    if (x.log2_S <= 18.18745517730713) {
+                      return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 7.160083055496216) {
-                        return {4, 8, 8, 32, 1};  // SR
+                      if (x.skew_lo <= 2.742454171180725) {
+                        return {4, 8, 16, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 12.095388412475586) {
-                          if (x.log2_S <= 8.763112545013428) {
-                            if (x.avg <= 4.366088151931763) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 11.671359062194824) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 11.748175621032715) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 32, 8, 4, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
+                        return {4, 8, 8, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  return {4, 8, 8, 32, 1};  // SR
-                }
-              } else {
-                if (x.avg <= 82.11750793457031) {
-                  if (x.skew_hi <= 12.590026378631592) {
-                    if (x.avg <= 64.65685272216797) {
-                      if (x.avg <= 2.5788092613220215) {
-                        if (x.log2_S <= 13.890836715698242) {
-                          if (x.log2_S <= 13.193139553070068) {
-                            if (x.long_level <= 1.5) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
+                  if (x.skew_hi <= 2.950521230697632) {
+                    if (x.log2_S <= 19.44550323486328) {
+                      if (x.avg <= 425.2299346923828) {
+                        if (x.avg <= 296.0666046142578) {
+                          return {4, 8, 16, 32, 1};  // SR
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
+                          if (x.log2_S <= 18.85258960723877) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
                         }
                       } else {
-                        if (x.log2_S <= 17.540008544921875) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 4.243213176727295) {
+                      if (x.log2_S <= 21.866647720336914) {
+                        if (x.log2_S <= 19.928244590759277) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= -0.6644967794418335) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 18.873075485229492) {
+                        if (x.avg <= 3.5518152713775635) {
                           return {4, 8, 8, 32, 1};  // SR
                         } else {
-                          if (x.skew_hi <= 11.722440719604492) {
-                            if (x.skew_lo <= 6.530569076538086) {
-                              return {4, 8, 8, 32, 1};  // SR
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.567195892333984) {
+                  if (x.skew_hi <= 15.450525760650635) {
+                    if (x.skew_lo <= 9.971981525421143) {
+                      if (x.avg <= 12.962276458740234) {
+                        if (x.skew_lo <= 7.030871152877808) {
+                          if (x.log2_S <= 15.58680009841919) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 10.78529977798462) {
+                              return {4, 8, 16, 32, 1};  // SR
                             } else {
-                              if (x.log2_S <= 17.979731559753418) {
+                              if (x.log2_S <= 16.426225662231445) {
                                 return {4, 8, 8, 32, 1};  // SR
                               } else {
                                 return {4, 8, 16, 32, 1};  // SR
                               }
                             }
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
                           }
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 1.823402569629252) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.270866870880127) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.398201942443848) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 12.971800804138184) {
-                        if (x.log2_S <= 16.83518886566162) {
-                          return {4, 8, 8, 32, 1};  // SR
                         } else {
                           return {4, 8, 16, 32, 1};  // SR
                         }
                       } else {
                         return {4, 8, 16, 32, 1};  // SR
                       }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.827847003936768) {
-                    if (x.log2_S <= 13.504826545715332) {
-                      return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.long_level <= 1.5) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 103.5083999633789) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
+                      return {4, 8, 64, 32, 1};  // SR
                     }
                   } else {
-                    if (x.log2_S <= 14.454062938690186) {
-                      if (x.skew_lo <= -0.9066746234893799) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
+                    if (x.skew_hi <= 16.440882682800293) {
+                      return {4, 8, 64, 32, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 7.378694295883179) {
                         return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.778485298156738) {
-                if (x.avg <= 8.491445064544678) {
-                  if (x.skew_hi <= 12.523940086364746) {
-                    if (x.avg <= 8.091735601425171) {
-                      return {4, 32, 8, 4, 8};  // PR
-                    } else {
-                      return {4, 16, 16, 8, 1};  // SR
-                    }
-                  } else {
-                    return {2, 16, 64, 2, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_lo <= 8.57535982131958) {
-                    if (x.log2_S <= 11.901159286499023) {
-                      if (x.avg <= 85.80728530883789) {
-                        if (x.log2_S <= 8.683702945709229) {
-                          if (x.skew_lo <= 8.143411636352539) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
                       } else {
-                        if (x.skew_lo <= 6.68606424331665) {
-                          if (x.log2_S <= 8.507389068603516) {
+                        if (x.skew_lo <= 9.013294696807861) {
+                          if (x.avg <= 35.98945617675781) {
                             return {4, 8, 16, 32, 1};  // SR
                           } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 103.86103820800781) {
-                            if (x.skew_hi <= 10.276934146881104) {
-                              return {4, 8, 16, 32, 1};  // SR
+                            if (x.avg <= 70.8610610961914) {
+                              return {4, 8, 64, 32, 1};  // SR
                             } else {
-                              return {4, 8, 8, 32, 1};  // SR
+                              if (x.log2_S <= 16.860857009887695) {
+                                return {4, 8, 64, 32, 1};  // SR
+                              } else {
+                                if (x.skew_lo <= 7.620037078857422) {
+                                  return {4, 8, 64, 32, 1};  // SR
+                                } else {
+                                  return {4, 8, 16, 32, 1};  // SR
+                                }
+                              }
                             }
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
                           }
-                        }
-                      }
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 13.388811111450195) {
-                      if (x.skew_lo <= 10.677894115447998) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.636590480804443) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {2, 16, 64, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {2, 16, 64, 2, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 15.704187870025635) {
-                  if (x.avg <= 17.354454040527344) {
-                    return {2, 16, 64, 2, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 14.295462131500244) {
-                      return {2, 16, 64, 2, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 9.613135814666748) {
-                        return {4, 8, 64, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 15.105437278747559) {
-                          return {2, 16, 64, 2, 1};  // SR
                         } else {
                           return {4, 8, 64, 32, 1};  // SR
                         }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 17.665532112121582) {
-                    if (x.log2_S <= 16.369718551635742) {
-                      if (x.avg <= 8.362713813781738) {
-                        return {2, 16, 64, 2, 1};  // SR
-                      } else {
-                        return {4, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.180410861968994) {
-                      return {4, 8, 16, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 64, 32, 1};  // SR
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_lo <= 10.513899326324463) {
-              if (x.skew_lo <= 5.994002342224121) {
-                if (x.skew_lo <= 4.5604565143585205) {
-                  if (x.avg <= 46.67930603027344) {
-                    if (x.log2_S <= 19.206083297729492) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.avg <= 19.111364364624023) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 0.9799717664718628) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 26.232796669006348) {
-                            if (x.avg <= 20.80443000793457) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_lo <= 4.5177435874938965) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 8, 16, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_hi <= 9.667606353759766) {
-                    if (x.skew_lo <= 4.796501159667969) {
-                      if (x.avg <= 2.588716506958008) {
-                        if (x.log2_S <= 18.90341091156006) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 18.8520565032959) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                return {4, 8, 16, 32, 1};  // SR
-              }
-            } else {
-              if (x.skew_lo <= 12.240962028503418) {
-                return {4, 8, 64, 32, 1};  // SR
-              } else {
-                return {2, 16, 64, 2, 1};  // SR
-              }
-            }
-          }
-        }
-      } else {
-        if (x.F <= 90.50966799187809) {
-          if (x.long_level <= 2.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 13.164899826049805) {
-                if (x.avg <= 3.313694477081299) {
-                  if (x.skew_lo <= -1.5276547074317932) {
-                    if (x.log2_S <= 10.279139995574951) {
-                      if (x.avg <= 2.9567500352859497) {
-                        return {2, 64, 32, 2, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 12.752369403839111) {
-                        return {4, 64, 32, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 64, 32, 2, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 10.486992359161377) {
-                    if (x.avg <= 3.63949453830719) {
-                      if (x.log2_S <= 8.816257953643799) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 11.8957200050354) {
-                      if (x.skew_lo <= -5.222856283187866) {
-                        if (x.log2_S <= 10.5919771194458) {
-                          return {2, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 64, 32, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 11.641013622283936) {
-                          return {2, 64, 32, 2, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -3.6298006772994995) {
-                            return {4, 32, 32, 8, 0};  // SP
-                          } else {
-                            return {2, 64, 32, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 31.095918655395508) {
-                        if (x.avg <= 6.236813545227051) {
-                          if (x.log2_S <= 12.245525360107422) {
-                            return {2, 64, 32, 2, 0};  // SP
-                          } else {
-                            if (x.skew_lo <= -1.906217634677887) {
-                              if (x.log2_S <= 12.681402206420898) {
-                                if (x.skew_hi <= 3.8124998807907104) {
-                                  return {4, 32, 32, 8, 0};  // SP
-                                } else {
-                                  return {2, 32, 32, 8, 0};  // SP
-                                }
-                              } else {
-                                return {4, 16, 64, 8, 0};  // SP
-                              }
-                            } else {
-                              if (x.log2_S <= 12.852286338806152) {
-                                return {4, 64, 32, 2, 0};  // SP
-                              } else {
-                                return {4, 8, 64, 32, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 12.934990882873535) {
-                            if (x.log2_S <= 12.104679584503174) {
-                              if (x.skew_lo <= -4.015607237815857) {
-                                return {4, 64, 32, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 32, 8, 0};  // SP
-                              }
-                            } else {
-                              return {4, 32, 32, 8, 0};  // SP
-                            }
-                          } else {
-                            if (x.avg <= 13.946371078491211) {
-                              return {4, 16, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 8, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 64, 32, 2, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.6735782623291) {
-                  if (x.skew_hi <= 4.226779460906982) {
-                    if (x.log2_S <= 16.002765655517578) {
-                      if (x.skew_hi <= 0.7803942561149597) {
-                        if (x.skew_lo <= -5.45574164390564) {
-                          if (x.log2_S <= 13.795501232147217) {
-                            return {4, 64, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 8, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_lo <= -3.4289963245391846) {
-                        if (x.skew_lo <= -3.7447229623794556) {
-                          if (x.log2_S <= 16.733887672424316) {
-                            if (x.avg <= 29.568572998046875) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 16.564515113830566) {
-                                return {4, 32, 64, 4, 0};  // SP
-                              } else {
-                                return {4, 32, 32, 8, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.986030101776123) {
-                      if (x.skew_hi <= 4.955683469772339) {
-                        if (x.log2_S <= 13.664729118347168) {
-                          if (x.skew_hi <= 4.405754566192627) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_hi <= 4.2786455154418945) {
-                            if (x.avg <= 3.3974318504333496) {
-                              return {4, 16, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 8, 64, 32, 0};  // SP
-                            }
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.564254760742188) {
-                          return {4, 64, 32, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 15.931751728057861) {
-                            if (x.skew_hi <= 5.42262601852417) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.skew_hi <= 5.578339099884033) {
-                                if (x.avg <= 1.4446197152137756) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {4, 32, 64, 2, 0};  // SP
-                                }
-                              } else {
-                                if (x.log2_S <= 14.068812847137451) {
-                                  return {4, 64, 32, 2, 0};  // SP
-                                } else {
-                                  return {4, 32, 64, 2, 0};  // SP
-                                }
-                              }
-                            }
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                } else {
-                  return {4, 16, 64, 8, 0};  // SP
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.00123929977417) {
-                if (x.skew_lo <= 4.178684711456299) {
-                  if (x.avg <= 6.885687351226807) {
-                    if (x.log2_S <= 12.526169300079346) {
-                      return {2, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 3.495081901550293) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 8, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.01014232635498) {
-                      if (x.skew_hi <= 7.94867467880249) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 8.012688159942627) {
-                          if (x.log2_S <= 11.174757480621338) {
-                            return {2, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        if (x.avg <= 77.20186233520508) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.avg <= 113.67723846435547) {
-                            if (x.log2_S <= 12.427334308624268) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 12.461554527282715) {
-                      return {2, 32, 8, 8, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 9.206807613372803) {
-                        return {2, 32, 8, 8, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 4, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 12.68576192855835) {
-                      if (x.avg <= 41.67719650268555) {
-                        return {2, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.972658157348633) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 16, 16, 8, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 3.5632193088531494) {
-                  if (x.skew_hi <= 12.587814331054688) {
-                    if (x.log2_S <= 17.654664993286133) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 14.599841594696045) {
-                          if (x.log2_S <= 13.471234798431396) {
-                            if (x.skew_lo <= 4.853443622589111) {
-                              if (x.log2_S <= 13.229136943817139) {
-                                return {2, 32, 8, 8, 1};  // SR
-                              } else {
-                                if (x.avg <= 3.0141431093215942) {
-                                  return {2, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 14.0028977394104) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 8.717017650604248) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 4.235103130340576) {
-                        if (x.log2_S <= 18.504610061645508) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {2, 32, 16, 4, 1};  // SR
-                        }
-                      } else {
-                        return {2, 32, 16, 4, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.16963243484497) {
-                      return {4, 16, 16, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 16.638611793518066) {
-                        if (x.skew_lo <= 9.31007194519043) {
-                          if (x.log2_S <= 16.426090240478516) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 16.3695011138916) {
-                            return {2, 32, 64, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 32, 64, 8, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 39.235952377319336) {
-                    if (x.log2_S <= 19.239846229553223) {
-                      if (x.skew_hi <= 5.788703203201294) {
-                        if (x.log2_S <= 18.26253890991211) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 21.378262519836426) {
-                          if (x.log2_S <= 14.11946725845337) {
-                            if (x.long_level <= 1.5) {
-                              if (x.log2_S <= 14.091690063476562) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_lo <= 2.3803099393844604) {
-                              if (x.log2_S <= 17.19370174407959) {
-                                if (x.log2_S <= 16.546027183532715) {
-                                  if (x.log2_S <= 15.368268013000488) {
-                                    if (x.log2_S <= 14.420943260192871) {
-                                      return {4, 16, 16, 8, 1};  // SR
-                                    } else {
-                                      return {4, 16, 8, 8, 1};  // SR
-                                    }
-                                  } else {
-                                    return {4, 16, 16, 8, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 3.81892192363739) {
-                                if (x.skew_hi <= 8.157359600067139) {
-                                  if (x.log2_S <= 16.982311248779297) {
-                                    return {4, 16, 8, 8, 1};  // SR
-                                  } else {
-                                    return {4, 16, 16, 8, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 17.089457511901855) {
-                            if (x.log2_S <= 16.95731258392334) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 9.350540161132812) {
-                              return {2, 32, 16, 4, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 18.282259941101074) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 4, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 7.185363054275513) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 19.602985382080078) {
-                          if (x.skew_hi <= 7.709401369094849) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {2, 32, 16, 4, 1};  // SR
-                          }
-                        } else {
-                          return {2, 32, 16, 4, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.059545516967773) {
-                      if (x.long_level <= 1.5) {
-                        if (x.avg <= 115.66576385498047) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.492811679840088) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 43.508798599243164) {
-                        if (x.log2_S <= 17.695531845092773) {
-                          if (x.skew_lo <= 2.6328898668289185) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 14.542152881622314) {
-              return {2, 32, 64, 8, 1};  // SR
-            } else {
-              if (x.avg <= 7.6330952644348145) {
-                if (x.log2_S <= 18.672222137451172) {
-                  if (x.log2_S <= 17.9271183013916) {
-                    return {2, 32, 64, 8, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 11.413382530212402) {
-                      return {4, 16, 64, 2, 1};  // SR
-                    } else {
-                      return {2, 32, 64, 8, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 2.4112108945846558) {
-                    if (x.skew_hi <= 19.76333522796631) {
-                      if (x.skew_hi <= 18.99128532409668) {
-                        return {2, 32, 64, 8, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
-                  } else {
-                    return {4, 16, 64, 2, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.avg <= 9.010524272918701) {
-                  if (x.skew_hi <= 17.13048267364502) {
-                    return {2, 32, 64, 8, 1};  // SR
-                  } else {
-                    return {4, 16, 64, 2, 1};  // SR
-                  }
-                } else {
-                  return {4, 16, 64, 2, 1};  // SR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 2.5) {
-            if (x.log2_S <= 17.473319053649902) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 13.036856651306152) {
-                  if (x.avg <= 1.58011794090271) {
-                    if (x.skew_hi <= 5.554593801498413) {
-                      return {4, 64, 32, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 10.419370651245117) {
-                        return {4, 64, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.328224658966064) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 4, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -5.3372392654418945) {
-                      if (x.log2_S <= 10.75071668624878) {
-                        if (x.log2_S <= 9.538178443908691) {
-                          return {4, 32, 32, 4, 0};  // SP
-                        } else {
-                          return {2, 32, 32, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 64, 32, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 12.442651271820068) {
-                        return {2, 32, 32, 2, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -4.30245041847229) {
-                          return {4, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {2, 32, 32, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 2.5359827280044556) {
-                    if (x.log2_S <= 14.196015357971191) {
-                      if (x.log2_S <= 13.993807315826416) {
-                        return {4, 64, 32, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 44.38246536254883) {
-                          return {4, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 16.57758617401123) {
-                        if (x.log2_S <= 16.158029556274414) {
-                          return {4, 64, 32, 2, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 64, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.543753147125244) {
-                      if (x.avg <= 1.465562343597412) {
-                        if (x.skew_hi <= 5.551403522491455) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= -1.1651320457458496) {
-                          if (x.skew_lo <= -3.2709474563598633) {
-                            return {4, 64, 32, 2, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 13.399246215820312) {
-                              if (x.skew_lo <= -2.129668891429901) {
-                                return {4, 32, 32, 4, 0};  // SP
-                              } else {
-                                return {2, 32, 32, 2, 0};  // SP
-                              }
-                            } else {
-                              return {4, 32, 32, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 14.33927059173584) {
-                            return {2, 32, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 3.72293221950531) {
-                        if (x.skew_lo <= -0.7280948162078857) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 5.568027019500732) {
-                            return {4, 32, 32, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 16.146477699279785) {
-                              return {4, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.483561515808105) {
-                  if (x.skew_hi <= 8.493003368377686) {
-                    if (x.avg <= 12.200785636901855) {
-                      if (x.skew_lo <= 4.130760431289673) {
-                        return {2, 32, 8, 8, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 6.224160194396973) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 4, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 17.749412536621094) {
-                        if (x.avg <= 14.502683162689209) {
-                          if (x.skew_hi <= 6.371433734893799) {
-                            if (x.skew_hi <= 6.1725287437438965) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.941918849945068) {
-                            return {2, 32, 16, 4, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.913342952728271) {
-                          if (x.avg <= 171.980712890625) {
-                            if (x.skew_hi <= 4.786287546157837) {
-                              if (x.skew_lo <= -0.307341992855072) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 10.415245056152344) {
-                                  if (x.skew_hi <= 4.325163841247559) {
-                                    if (x.skew_hi <= 4.141963720321655) {
-                                      if (x.skew_lo <= -0.17577490210533142) {
-                                        return {4, 32, 8, 4, 1};  // SR
-                                      } else {
-                                        if (x.log2_S <= 9.962795734405518) {
-                                          return {4, 16, 8, 8, 1};  // SR
-                                        } else {
-                                          return {4, 32, 8, 4, 1};  // SR
-                                        }
-                                      }
-                                    } else {
-                                      return {4, 32, 8, 4, 1};  // SR
-                                    }
-                                  } else {
-                                    return {4, 16, 8, 8, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 32, 8, 4, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 16, 8, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 6.032411336898804) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 5.7300403118133545) {
-                            return {4, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.avg <= 91.75830841064453) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      return {2, 32, 8, 4, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.6460862159729) {
-                        return {4, 32, 8, 4, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 8.806304931640625) {
-                          if (x.avg <= 37.2091178894043) {
-                            return {4, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {2, 64, 16, 1, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 15.893625259399414) {
-                      if (x.skew_lo <= 2.0455538034439087) {
-                        if (x.skew_lo <= -0.7842204868793488) {
-                          if (x.log2_S <= 13.899248600006104) {
-                            return {4, 32, 8, 4, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 14.669827938079834) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 4, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 7.727792263031006) {
-                          if (x.log2_S <= 13.32634162902832) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 15.221665382385254) {
-                              return {4, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 6.807242155075073) {
-                                return {4, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 12.59578275680542) {
-                            return {2, 32, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 4, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 34.17957878112793) {
-                        if (x.skew_lo <= 3.045057773590088) {
-                          if (x.log2_S <= 16.571986198425293) {
-                            if (x.avg <= 20.7730770111084) {
-                              return {4, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 32, 8, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 16.431601524353027) {
-                            if (x.skew_lo <= 3.887826919555664) {
-                              if (x.log2_S <= 16.18541717529297) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {2, 32, 16, 4, 1};  // SR
-                              }
-                            } else {
-                              return {2, 32, 16, 4, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 8.413006782531738) {
-                              if (x.log2_S <= 17.28062629699707) {
-                                return {2, 32, 16, 4, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 2, 0};  // SP
-                              }
-                            } else {
-                              return {2, 64, 16, 1, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 32, 8, 4, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 8.656744956970215) {
-                      if (x.log2_S <= 12.741686820983887) {
-                        if (x.skew_lo <= 3.3227657079696655) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 7.741847038269043) {
-                        if (x.log2_S <= 15.983105182647705) {
-                          if (x.skew_hi <= 10.170626163482666) {
-                            if (x.avg <= 32.1793851852417) {
-                              if (x.avg <= 20.70943546295166) {
-                                if (x.log2_S <= 14.175243377685547) {
-                                  if (x.log2_S <= 12.88184118270874) {
-                                    return {2, 64, 16, 1, 1};  // SR
-                                  } else {
-                                    return {4, 16, 16, 8, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 32, 8, 4, 1};  // SR
-                                }
-                              } else {
-                                if (x.log2_S <= 12.82352876663208) {
-                                  return {4, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {2, 64, 16, 1, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 6.936102390289307) {
-                              if (x.log2_S <= 14.992235660552979) {
-                                if (x.avg <= 5.962179183959961) {
-                                  if (x.log2_S <= 13.909718990325928) {
-                                    return {2, 64, 16, 1, 1};  // SR
-                                  } else {
-                                    return {4, 32, 8, 4, 1};  // SR
-                                  }
-                                } else {
-                                  return {2, 64, 16, 1, 1};  // SR
-                                }
-                              } else {
-                                if (x.log2_S <= 15.48866081237793) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {2, 32, 16, 4, 1};  // SR
-                                }
-                              }
-                            } else {
-                              if (x.log2_S <= 12.683366775512695) {
-                                return {2, 64, 16, 1, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 14.311431884765625) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  if (x.log2_S <= 14.86090087890625) {
-                                    return {2, 64, 16, 1, 1};  // SR
-                                  } else {
-                                    return {4, 16, 16, 8, 1};  // SR
-                                  }
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          return {2, 64, 16, 1, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 15.825676918029785) {
-                          return {2, 64, 16, 1, 1};  // SR
-                        } else {
-                          if (x.avg <= 2.221838355064392) {
-                            return {2, 64, 64, 1, 1};  // SR
-                          } else {
-                            return {2, 64, 16, 1, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 0.5) {
-                if (x.skew_hi <= 2.348411798477173) {
-                  if (x.log2_S <= 17.671486854553223) {
-                    if (x.log2_S <= 17.56876564025879) {
-                      return {4, 64, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 64, 32, 2, 0};  // SP
-                    }
-                  } else {
-                    return {4, 16, 64, 8, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 20.125788688659668) {
-                    if (x.avg <= 6.613098859786987) {
-                      if (x.skew_lo <= -0.41726863384246826) {
-                        if (x.skew_lo <= -0.6399441659450531) {
-                          if (x.skew_lo <= -2.2624619007110596) {
-                            if (x.log2_S <= 18.911235809326172) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 5.659632682800293) {
-                      return {4, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 8.60651445388794) {
-                  if (x.avg <= 86.78634262084961) {
-                    if (x.avg <= 4.12426233291626) {
-                      if (x.log2_S <= 18.713343620300293) {
-                        if (x.skew_hi <= 12.04240369796753) {
-                          return {2, 64, 16, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_lo <= 8.532051086425781) {
-                          if (x.skew_lo <= 4.140553951263428) {
-                            return {2, 64, 16, 1, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
-                        } else {
-                          return {2, 64, 16, 1, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= 0.7726368606090546) {
-                      if (x.log2_S <= 18.272385597229004) {
-                        return {4, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 0};  // SP
-                      }
-                    } else {
-                      return {4, 16, 16, 8, 1};  // SR
-                    }
-                  }
-                } else {
-                  return {2, 64, 64, 1, 1};  // SR
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 16.11955165863037) {
-              if (x.log2_S <= 9.688227653503418) {
-                if (x.avg <= 108.12786483764648) {
-                  return {2, 64, 64, 1, 1};  // SR
-                } else {
-                  return {2, 64, 16, 1, 1};  // SR
-                }
-              } else {
-                return {2, 64, 64, 1, 1};  // SR
-              }
-            } else {
-              if (x.skew_lo <= 12.533315181732178) {
-                if (x.avg <= 7.509581565856934) {
-                  if (x.skew_hi <= 17.986424446105957) {
-                    return {2, 64, 64, 1, 1};  // SR
-                  } else {
-                    return {4, 32, 64, 4, 1};  // SR
-                  }
-                } else {
-                  return {4, 32, 64, 4, 1};  // SR
-                }
-              } else {
-                if (x.skew_hi <= 18.960423469543457) {
-                  return {2, 64, 64, 1, 1};  // SR
-                } else {
-                  if (x.avg <= 2.4785951375961304) {
-                    return {4, 32, 64, 2, 0};  // SP
-                  } else {
-                    return {2, 64, 64, 1, 1};  // SR
-                  }
-                }
-              }
-            }
-          }
-        }
-      }
-    }
-  }
-}
-
-// gathered rows: 218 cells of 26 graphs (and 160 of graphs it lacks from DBs of its architecture), 564 configs; distilled tree of depth 17, 1142 leaves; training set: oracle/pick geomean 0.993, worst cell 0.939
-inline Config gathered_config(const Features& f) {
-  const RuleInputs x = rule_inputs(f);
-  if (x.F <= 7.483314773547883) {
-    if (x.F <= 2.8284271247461903) {
-      if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 14.323890209197998) {
-          if (x.skew_lo <= -0.6703516840934753) {
-            if (x.avg <= 102.77754974365234) {
-              if (x.log2_S <= 9.349776268005371) {
-                if (x.skew_hi <= 4.1258392333984375) {
-                  return {1, 2, 64, 128, 0};  // SP
-                } else {
-                  if (x.skew_lo <= -0.7708911299705505) {
-                    return {1, 8, 64, 32, 0};  // SP
-                  } else {
-                    return {1, 16, 64, 4, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.906672477722168) {
-                  if (x.skew_lo <= -0.8556219935417175) {
-                    if (x.skew_lo <= -5.917932033538818) {
-                      return {1, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    return {1, 16, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_lo <= -5.318283796310425) {
-                    if (x.log2_S <= 13.31232213973999) {
-                      return {1, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {1, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 4.271560192108154) {
-                      if (x.skew_lo <= -3.6935083866119385) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 3.359209656715393) {
-                          return {1, 4, 32, 64, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 13.950483798980713) {
-                            return {1, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {1, 2, 64, 128, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 1.810234248638153) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 12.147396564483643) {
-                if (x.log2_S <= 9.221680641174316) {
-                  if (x.skew_lo <= -1.4434955716133118) {
-                    return {4, 32, 64, 2, 0};  // SP
-                  } else {
-                    return {1, 32, 64, 4, 0};  // SP
-                  }
-                } else {
-                  return {1, 32, 64, 4, 0};  // SP
-                }
-              } else {
-                return {1, 16, 64, 4, 0};  // SP
-              }
-            }
-          } else {
-            if (x.skew_hi <= 12.329061031341553) {
-              if (x.long_level <= 1.5) {
-                if (x.avg <= 15.932979106903076) {
-                  if (x.avg <= 4.114490270614624) {
-                    if (x.log2_S <= 11.163846492767334) {
-                      if (x.skew_lo <= 4.023357391357422) {
-                        if (x.avg <= 1.3149523735046387) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.avg <= 1.545787513256073) {
-                            return {1, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 1, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 32, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      if (x.long_level <= 0.5) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 12.267816066741943) {
-                          if (x.skew_lo <= 4.557379961013794) {
-                            if (x.skew_lo <= 4.214151620864868) {
-                              return {1, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 13.731354236602783) {
-                            if (x.skew_lo <= 4.5239012241363525) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.45042610168457) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.629463195800781) {
-                        if (x.avg <= 13.053536415100098) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 3.5673439502716064) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.715051174163818) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.avg <= 33.29106140136719) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.avg <= 78.0776481628418) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 11.98634672164917) {
-                  if (x.skew_lo <= 11.258237361907959) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    return {1, 1, 8, 256, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_lo <= 5.155152320861816) {
-                    if (x.log2_S <= 12.261647701263428) {
-                      if (x.skew_lo <= 3.310926675796509) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {1, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    if (x.long_level <= 2.5) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 11.377639770507812) {
-                        if (x.avg <= 91.1042709350586) {
-                          return {1, 32, 8, 4, 32};  // PR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_hi <= 13.721163749694824) {
-                if (x.long_level <= 2.5) {
-                  return {1, 2, 8, 128, 1};  // SR
-                } else {
-                  if (x.skew_hi <= 12.60013484954834) {
-                    if (x.skew_lo <= 6.7850048542022705) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    return {1, 32, 8, 2, 32};  // PR
-                  }
-                }
-              } else {
-                return {1, 32, 8, 4, 32};  // PR
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 3.820711135864258) {
-              if (x.avg <= 14.513628959655762) {
-                if (x.log2_S <= 15.30789852142334) {
-                  if (x.avg <= 8.148539066314697) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {1, 4, 32, 64, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_hi <= 3.0506784915924072) {
-                    if (x.skew_lo <= -3.754519820213318) {
-                      if (x.log2_S <= 22.358619689941406) {
-                        if (x.log2_S <= 18.916851043701172) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {1, 32, 16, 4, 32};  // PR
-                        }
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {1, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 18.03539276123047) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 23.519577026367188) {
-                        if (x.log2_S <= 20.244357109069824) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          if (x.skew_lo <= -2.8602185249328613) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 1, 64, 256, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.838375091552734) {
-                  if (x.avg <= 46.26120948791504) {
-                    if (x.skew_lo <= -4.643782138824463) {
-                      if (x.log2_S <= 16.88615894317627) {
-                        return {1, 4, 32, 64, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 14.765410423278809) {
-                        return {1, 4, 32, 64, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 16.65217685699463) {
-                      return {1, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {1, 4, 32, 64, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 23.718178749084473) {
-                    if (x.avg <= 30.097601890563965) {
-                      if (x.log2_S <= 18.62136745452881) {
-                        return {4, 32, 16, 2, 16};  // PR
-                      } else {
-                        if (x.avg <= 23.038891792297363) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          if (x.log2_S <= 20.515368461608887) {
-                            return {1, 32, 16, 4, 32};  // PR
-                          } else {
-                            return {1, 32, 8, 4, 32};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 18.01182460784912) {
-                if (x.log2_S <= 14.678096294403076) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.skew_hi <= 4.107039451599121) {
-                    return {1, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.94068717956543) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.skew_hi <= 5.260069370269775) {
-                        if (x.skew_lo <= -1.6158770322799683) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 1, 64, 256, 0};  // SP
-                        }
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
-                }
-              } else {
-                return {1, 1, 64, 256, 0};  // SP
-              }
-            }
-          } else {
-            if (x.skew_hi <= 17.974077224731445) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 18.692435264587402) {
-                  if (x.skew_hi <= 4.468064546585083) {
-                    if (x.log2_S <= 16.080318450927734) {
-                      if (x.avg <= 99.15804290771484) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {1, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_lo <= -0.10902564600110054) {
-                        if (x.log2_S <= 18.448423385620117) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 32, 16, 4, 32};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 17.099596977233887) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.028156757354736) {
-                      if (x.avg <= 19.799973487854004) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 5.238745450973511) {
-                        if (x.log2_S <= 18.08217144012451) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 21.617457389831543) {
-                    if (x.skew_lo <= 3.945151686668396) {
-                      if (x.log2_S <= 20.8469181060791) {
-                        return {1, 32, 16, 4, 32};  // PR
-                      } else {
-                        if (x.avg <= 23.277488708496094) {
-                          return {1, 32, 16, 4, 32};  // PR
-                        } else {
-                          if (x.skew_lo <= -0.5924085080623627) {
-                            return {1, 32, 16, 4, 32};  // PR
-                          } else {
-                            return {1, 32, 8, 4, 32};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    return {1, 32, 8, 4, 32};  // PR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.987648963928223) {
-                  if (x.skew_hi <= 10.782346725463867) {
-                    if (x.avg <= 48.346763610839844) {
-                      if (x.log2_S <= 15.237146854400635) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 16.7801456451416) {
-                        if (x.log2_S <= 15.002628326416016) {
-                          if (x.skew_hi <= 7.598711967468262) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 32, 8, 4, 32};  // PR
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      } else {
-                        if (x.log2_S <= 17.50303077697754) {
-                          return {1, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.064810276031494) {
-                      if (x.long_level <= 2.5) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  }
-                } else {
-                  return {1, 32, 8, 4, 32};  // PR
-                }
-              }
-            } else {
-              if (x.skew_hi <= 22.92175006866455) {
-                if (x.skew_lo <= 8.639609813690186) {
-                  if (x.log2_S <= 22.668851852416992) {
-                    return {1, 32, 16, 4, 32};  // PR
-                  } else {
-                    if (x.avg <= 129.97675704956055) {
-                      return {1, 32, 16, 4, 32};  // PR
-                    } else {
-                      return {1, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 21.62924289703369) {
-                    if (x.skew_hi <= 18.97694206237793) {
-                      if (x.skew_lo <= 10.836688041687012) {
-                        return {1, 32, 16, 4, 32};  // PR
-                      } else {
-                        if (x.skew_lo <= 12.445394515991211) {
-                          if (x.avg <= 5.336920499801636) {
-                            return {1, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 32, 8, 4, 32};  // PR
-                          }
-                        } else {
-                          return {1, 32, 8, 4, 32};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 9.707828044891357) {
-                        if (x.log2_S <= 20.478379249572754) {
-                          if (x.log2_S <= 19.86436939239502) {
-                            return {1, 32, 16, 4, 32};  // PR
-                          } else {
-                            return {1, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {1, 32, 16, 4, 32};  // PR
-                        }
-                      } else {
-                        return {1, 32, 16, 4, 32};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 3.7699882984161377) {
-                      return {1, 32, 16, 4, 32};  // PR
-                    } else {
-                      return {1, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 9.76796579360962) {
-                  return {1, 32, 8, 4, 32};  // PR
-                } else {
-                  if (x.avg <= 60.84713554382324) {
-                    return {1, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {1, 32, 8, 4, 32};  // PR
-                  }
-                }
-              }
-            }
-          }
-        }
-      } else {
-        if (x.log2_S <= 16.18247127532959) {
-          if (x.long_level <= 1.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 12.602295875549316) {
-                if (x.log2_S <= 9.078665733337402) {
-                  if (x.avg <= 36.259525299072266) {
-                    if (x.skew_hi <= 4.1258392333984375) {
-                      return {4, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -0.6884497404098511) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 1.3507344126701355) {
-                          return {2, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 8, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    return {2, 16, 64, 8, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_lo <= -0.6739155650138855) {
-                    if (x.skew_lo <= -5.174603462219238) {
-                      if (x.log2_S <= 10.73466157913208) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 11.68406343460083) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 11.556857585906982) {
-                          if (x.skew_hi <= 3.7642910480499268) {
-                            return {2, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.42273056507110596) {
-                      return {2, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {2, 32, 64, 4, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 11.895668029785156) {
-                  if (x.log2_S <= 13.932078838348389) {
-                    if (x.skew_hi <= 3.359209656715393) {
-                      if (x.log2_S <= 12.982513427734375) {
-                        return {2, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      return {2, 16, 64, 8, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= -1.6254566311836243) {
-                      return {4, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 15.476070404052734) {
-                        if (x.log2_S <= 14.732582092285156) {
-                          return {2, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -5.549015522003174) {
-                    if (x.log2_S <= 14.493634223937988) {
-                      return {2, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.skew_lo <= -0.3209485560655594) {
-                if (x.log2_S <= 12.85042142868042) {
-                  return {2, 32, 64, 4, 0};  // SP
-                } else {
-                  if (x.skew_lo <= -0.5480948090553284) {
-                    return {4, 16, 64, 4, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 14.826955795288086) {
-                      return {2, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 2.0060564279556274) {
-                  if (x.log2_S <= 13.296623229980469) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 1.7947510480880737) {
-                      return {2, 1, 8, 256, 1};  // SR
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.915501594543457) {
-                    if (x.avg <= 8.146905899047852) {
-                      if (x.avg <= 4.381923675537109) {
-                        if (x.log2_S <= 11.302924156188965) {
-                          if (x.skew_hi <= 8.94004487991333) {
-                            if (x.log2_S <= 11.163846492767334) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 32, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {2, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 13.085361003875732) {
-                            if (x.skew_hi <= 8.420528411865234) {
-                              if (x.log2_S <= 12.241641521453857) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 16, 64, 4, 0};  // SP
-                              }
-                            } else {
-                              return {4, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 5.576671123504639) {
-                          if (x.log2_S <= 11.021252155303955) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 12.773449420928955) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.645209789276123) {
-                        if (x.skew_lo <= 2.1081076860427856) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 6.586887836456299) {
-                      if (x.log2_S <= 14.640809059143066) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.500887393951416) {
-                        if (x.skew_hi <= 7.542352914810181) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 9.198509216308594) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 13.391778945922852) {
-              if (x.avg <= 13.833584785461426) {
-                if (x.log2_S <= 12.522963047027588) {
-                  if (x.avg <= 8.226165294647217) {
-                    if (x.skew_hi <= 8.414888858795166) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.91091012954712) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 3.2067984342575073) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.avg <= 6.0673911571502686) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 9.71637773513794) {
-                      if (x.log2_S <= 8.94788122177124) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 11.454679012298584) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 9.365358829498291) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 11.702929019927979) {
-                    if (x.avg <= 2.680384039878845) {
-                      if (x.log2_S <= 12.826679229736328) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    return {2, 2, 8, 128, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.082746028900146) {
-                  if (x.skew_lo <= 4.826845169067383) {
-                    if (x.skew_lo <= 4.380809545516968) {
-                      if (x.log2_S <= 11.421895980834961) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 7.659041881561279) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 16.501643180847168) {
-                      if (x.skew_lo <= 6.205411911010742) {
-                        return {1, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {1, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 4.790809154510498) {
-                    return {2, 1, 8, 256, 1};  // SR
-                  } else {
-                    return {1, 2, 8, 128, 1};  // SR
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 15.357140064239502) {
-                  if (x.skew_lo <= 5.436190843582153) {
-                    return {2, 1, 8, 256, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 14.283806800842285) {
-                      if (x.skew_hi <= 11.954482555389404) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {2, 1, 8, 256, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 4.538649082183838) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.avg <= 3.9962698221206665) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {2, 1, 8, 256, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 11.000405311584473) {
-                  if (x.skew_hi <= 13.884937763214111) {
-                    if (x.avg <= 122.9137191772461) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  if (x.log2_S <= 14.854413986206055) {
-                    if (x.skew_lo <= 11.320043087005615) {
-                      return {1, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    return {1, 32, 8, 2, 32};  // PR
-                  }
-                }
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 3.4321038722991943) {
-              if (x.log2_S <= 22.569686889648438) {
-                if (x.skew_lo <= -4.231201171875) {
-                  if (x.log2_S <= 17.765657424926758) {
-                    if (x.skew_lo <= -5.4537672996521) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 16.595149040222168) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {1, 4, 32, 64, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 21.87474822998047) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.skew_lo <= -5.516016960144043) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.skew_hi <= 1.4333391189575195) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {1, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 19.777762413024902) {
-                    if (x.skew_lo <= -3.8245046138763428) {
-                      if (x.log2_S <= 17.80320930480957) {
-                        return {1, 4, 32, 64, 0};  // SP
-                      } else {
-                        return {1, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 3.0218260288238525) {
-                      return {1, 2, 64, 128, 0};  // SP
-                    } else {
-                      return {2, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 23.43048858642578) {
-                  if (x.skew_hi <= 1.6806718111038208) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    return {1, 2, 64, 128, 0};  // SP
-                  }
-                } else {
-                  return {4, 2, 64, 128, 0};  // SP
-                }
-              }
-            } else {
-              if (x.log2_S <= 17.97137451171875) {
-                if (x.skew_lo <= -1.729745864868164) {
-                  if (x.skew_lo <= -2.091974973678589) {
-                    return {4, 2, 64, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.967509269714355) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {2, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 5.216578245162964) {
-                    if (x.log2_S <= 16.606473922729492) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {1, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                }
-              } else {
-                return {2, 1, 64, 256, 0};  // SP
-              }
-            }
-          } else {
-            if (x.log2_S <= 18.13770294189453) {
-              if (x.skew_hi <= 12.211597919464111) {
-                if (x.avg <= 73.08162307739258) {
-                  if (x.avg <= 11.610477924346924) {
-                    if (x.skew_lo <= 5.872208118438721) {
-                      if (x.log2_S <= 17.693087577819824) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 17.651172637939453) {
-                        return {2, 1, 8, 256, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {2, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 59.65994834899902) {
-                      return {2, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 1.9799338802695274) {
-                        return {2, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.skew_lo <= 11.329278945922852) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  if (x.log2_S <= 17.082122802734375) {
-                    if (x.log2_S <= 16.473974227905273) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      if (x.avg <= 2.609444260597229) {
-                        return {1, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                }
-              }
-            } else {
-              if (x.skew_lo <= 11.761528491973877) {
-                if (x.log2_S <= 18.790136337280273) {
-                  if (x.long_level <= 1.5) {
-                    if (x.skew_lo <= 3.9498131275177) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {2, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.skew_hi <= 23.234139442443848) {
-                  return {2, 32, 8, 2, 32};  // PR
-                } else {
-                  return {1, 32, 16, 4, 32};  // PR
-                }
-              }
-            }
-          }
-        }
-      }
-    } else {
-      if (x.F <= 5.291502622129181) {
-        if (x.skew_hi <= 13.969143867492676) {
-          if (x.log2_S <= 18.658424377441406) {
-            if (x.skew_lo <= -0.5357304513454437) {
-              if (x.log2_S <= 13.376320362091064) {
-                if (x.skew_lo <= -2.0078452825546265) {
-                  if (x.log2_S <= 13.05609130859375) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 38.874732971191406) {
-                      if (x.skew_hi <= 3.235630512237549) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 96.74610900878906) {
-                    if (x.skew_lo <= -1.6104986071586609) {
-                      if (x.log2_S <= 11.68448257446289) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -1.8263576030731201) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 1.576828956604004) {
-                        if (x.log2_S <= 10.96259355545044) {
-                          if (x.skew_hi <= 5.4332053661346436) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 8, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 8.977357864379883) {
-                          if (x.skew_hi <= 4.8662261962890625) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 32, 64, 2, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.avg <= 63.53296089172363) {
-                  if (x.log2_S <= 16.045194625854492) {
-                    if (x.skew_lo <= -3.3227767944335938) {
-                      if (x.avg <= 42.90444374084473) {
-                        if (x.log2_S <= 15.652556419372559) {
-                          if (x.log2_S <= 13.531174659729004) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_lo <= -3.89673388004303) {
-                            return {4, 4, 64, 64, 0};  // SP
-                          } else {
-                            return {4, 2, 64, 128, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 1.7767279148101807) {
-                        if (x.log2_S <= 14.56373119354248) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 13.998279571533203) {
-                          if (x.skew_hi <= 4.206552743911743) {
-                            if (x.avg <= 7.759883403778076) {
-                              return {4, 2, 64, 128, 0};  // SP
-                            } else {
-                              return {4, 4, 64, 64, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 6.648827075958252) {
-                      if (x.log2_S <= 16.53565216064453) {
-                        return {4, 2, 64, 128, 0};  // SP
-                      } else {
-                        if (x.avg <= 4.282066345214844) {
-                          return {4, 1, 64, 256, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 17.631951332092285) {
-                            return {4, 2, 64, 128, 0};  // SP
-                          } else {
-                            return {4, 1, 64, 256, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 17.512222290039062) {
-                        if (x.skew_hi <= 1.60346919298172) {
-                          if (x.log2_S <= 16.41829013824463) {
-                            if (x.skew_lo <= -5.448837757110596) {
-                              return {4, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 4, 32, 64, 0};  // SP
-                            }
-                          } else {
-                            return {4, 4, 32, 64, 0};  // SP
-                          }
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 7.078490257263184) {
-                          return {4, 1, 64, 256, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 15.400916576385498) {
-                    return {4, 32, 64, 2, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 16.185625076293945) {
-                      return {4, 16, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_hi <= 12.21895980834961) {
-                if (x.avg <= 16.24133586883545) {
-                  if (x.log2_S <= 13.674638748168945) {
-                    if (x.skew_lo <= 5.975290536880493) {
-                      if (x.avg <= 3.935884475708008) {
-                        if (x.log2_S <= 12.364060878753662) {
-                          if (x.skew_hi <= 8.47550106048584) {
-                            if (x.long_level <= 0.5) {
-                              if (x.skew_lo <= -0.3819401264190674) {
-                                return {4, 16, 64, 8, 0};  // SP
-                              } else {
-                                if (x.log2_S <= 10.645283222198486) {
-                                  return {4, 64, 64, 2, 0};  // SP
-                                } else {
-                                  if (x.log2_S <= 11.069111824035645) {
-                                    return {4, 32, 64, 8, 0};  // SP
-                                  } else {
-                                    return {4, 16, 64, 8, 0};  // SP
-                                  }
-                                }
-                              }
-                            } else {
-                              if (x.log2_S <= 11.266173362731934) {
-                                return {2, 16, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 32, 64, 2, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 11.86020278930664) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 13.614082336425781) {
-                            if (x.skew_hi <= 5.553163766860962) {
-                              return {4, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 14.19669246673584) {
-                          if (x.log2_S <= 11.358343601226807) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 13.389148235321045) {
-                              if (x.skew_lo <= 2.711360812187195) {
-                                if (x.log2_S <= 11.921410083770752) {
-                                  return {2, 8, 8, 32, 1};  // SR
-                                } else {
-                                  return {1, 4, 8, 64, 1};  // SR
-                                }
-                              } else {
-                                if (x.log2_S <= 11.751472473144531) {
-                                  return {1, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {2, 8, 8, 32, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {2, 2, 8, 128, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 11.326942443847656) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 7.267872095108032) {
-                        if (x.log2_S <= 11.35431432723999) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 7.901347875595093) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.long_level <= 2.5) {
-                              if (x.skew_hi <= 11.870554447174072) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {2, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {4, 32, 8, 2, 32};  // PR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 11.817929744720459) {
-                          if (x.skew_lo <= 6.911145448684692) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 10.779791831970215) {
-                              if (x.skew_hi <= 10.619019985198975) {
-                                return {2, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {2, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 4, 8, 64, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.020834499038755894) {
-                      if (x.log2_S <= 16.057374477386475) {
-                        if (x.log2_S <= 14.660508632659912) {
-                          if (x.avg <= 1.3473660349845886) {
-                            return {4, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 16.69844150543213) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 1, 64, 256, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 2.8661080598831177) {
-                        if (x.log2_S <= 14.299692153930664) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 16.451775550842285) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 17.235883712768555) {
-                              if (x.log2_S <= 16.628557205200195) {
-                                return {2, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_lo <= 4.730479955673218) {
-                                return {4, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {2, 2, 8, 128, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 15.25402021408081) {
-                    if (x.skew_hi <= 11.429840564727783) {
-                      if (x.skew_hi <= 3.671867609024048) {
-                        if (x.log2_S <= 11.98831844329834) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 17.738386154174805) {
-                          if (x.skew_hi <= 5.933797836303711) {
-                            if (x.log2_S <= 12.653507232666016) {
-                              return {1, 4, 8, 64, 1};  // SR
-                            } else {
-                              return {2, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 73.3987922668457) {
-                        return {4, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 73.80191802978516) {
-                      if (x.log2_S <= 18.36556911468506) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 4.837219476699829) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.avg <= 49.96183776855469) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 0.8895753920078278) {
-                        if (x.log2_S <= 17.247246742248535) {
-                          if (x.avg <= 86.88107299804688) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 17.925580978393555) {
-                    if (x.skew_hi <= 13.801073551177979) {
-                      if (x.skew_hi <= 13.53321647644043) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 17.294557571411133) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.skew_lo <= 7.343708276748657) {
-                    if (x.skew_hi <= 12.647961139678955) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 32};  // PR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 1.5) {
-              if (x.long_level <= 0.5) {
-                if (x.skew_hi <= 2.6470946073532104) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  if (x.avg <= 4.619153738021851) {
-                    return {4, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 23.66498565673828) {
-                      return {4, 1, 64, 256, 0};  // SP
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 1.2257365584373474) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  return {4, 32, 8, 2, 32};  // PR
-                }
-              }
-            } else {
-              if (x.skew_lo <= 2.4926934242248535) {
-                if (x.log2_S <= 22.569117546081543) {
-                  return {4, 32, 8, 2, 16};  // PR
-                } else {
-                  return {4, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                if (x.log2_S <= 19.11917495727539) {
-                  if (x.skew_hi <= 11.461843967437744) {
-                    if (x.avg <= 37.454111099243164) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.skew_hi <= 20.509160041809082) {
-            if (x.log2_S <= 18.581408500671387) {
-              return {4, 32, 8, 2, 32};  // PR
-            } else {
-              if (x.skew_lo <= 10.48366403579712) {
-                if (x.skew_hi <= 20.363679885864258) {
-                  if (x.skew_hi <= 19.837960243225098) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    if (x.avg <= 43.55963897705078) {
-                      if (x.skew_lo <= 9.639557838439941) {
-                        if (x.log2_S <= 20.162382125854492) {
-                          return {4, 32, 16, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 8.436485528945923) {
-                    return {4, 32, 8, 2, 32};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                }
-              } else {
-                return {4, 32, 8, 2, 32};  // PR
-              }
-            }
-          } else {
-            return {4, 32, 8, 2, 32};  // PR
-          }
-        }
-      } else {
-        if (x.log2_S <= 16.063425064086914) {
-          if (x.long_level <= 2.5) {
-            if (x.skew_lo <= -0.6699637770652771) {
-              if (x.log2_S <= 13.303216934204102) {
-                if (x.skew_lo <= -3.337981104850769) {
-                  if (x.log2_S <= 12.576574802398682) {
-                    if (x.skew_hi <= 2.3706376552581787) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 9.272289752960205) {
-                        return {4, 32, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {1, 16, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 3.0535744428634644) {
-                    if (x.skew_lo <= -0.7611084878444672) {
-                      return {4, 64, 64, 1, 0};  // SP
-                    } else {
-                      return {1, 64, 16, 1, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 56.36790752410889) {
-                      if (x.log2_S <= 9.435656070709229) {
-                        if (x.avg <= 3.6309365034103394) {
-                          return {4, 64, 8, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 1, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 12.151007175445557) {
-                          if (x.log2_S <= 10.639493942260742) {
-                            if (x.avg <= 4.358010768890381) {
-                              return {4, 64, 8, 1, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 8, 1, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 9.824110507965088) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.982397079467773) {
-                          if (x.log2_S <= 10.635151863098145) {
-                            if (x.skew_lo <= -1.4342445135116577) {
-                              return {1, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 16, 64, 8, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 82.61943626403809) {
-                  if (x.skew_lo <= -3.6034709215164185) {
-                    if (x.log2_S <= 15.252017498016357) {
-                      if (x.log2_S <= 14.086930751800537) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 14.689563274383545) {
-                          if (x.avg <= 46.85883331298828) {
-                            return {1, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  return {1, 16, 64, 8, 0};  // SP
-                }
-              }
-            } else {
-              if (x.log2_S <= 12.659845352172852) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 4.2826011180877686) {
-                    if (x.skew_lo <= 1.9473901218734682) {
-                      return {1, 64, 16, 1, 0};  // SP
-                    } else {
-                      if (x.avg <= 2.6706855297088623) {
-                        if (x.log2_S <= 12.08920955657959) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {1, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.122973918914795) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 13.890612602233887) {
-                      if (x.avg <= 8.126097679138184) {
-                        if (x.log2_S <= 11.182010173797607) {
-                          return {1, 16, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {1, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 4.249256134033203) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.515923023223877) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.361817359924316) {
-                    return {1, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 9.421605110168457) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 9.485706329345703) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 2.582995891571045) {
-                      if (x.log2_S <= 14.320963382720947) {
-                        if (x.long_level <= 0.5) {
-                          if (x.log2_S <= 13.373738288879395) {
-                            if (x.skew_lo <= -0.4468361735343933) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              return {1, 64, 16, 1, 0};  // SP
-                            }
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 16, 8, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 5.79797625541687) {
-                          if (x.log2_S <= 14.859670639038086) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 13.97081184387207) {
-                      if (x.avg <= 5.743772745132446) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 15.364269256591797) {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 13.354133129119873) {
-                        if (x.skew_hi <= 4.8117687702178955) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 6.001252889633179) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 5.878673315048218) {
-                          if (x.skew_hi <= 3.451905131340027) {
-                            return {1, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 14.91599178314209) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 23.8585844039917) {
-                      return {1, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 14.434046745300293) {
-              if (x.skew_lo <= 13.325738906860352) {
-                return {1, 8, 16, 32, 1};  // SR
-              } else {
-                return {4, 32, 8, 2, 16};  // PR
-              }
-            } else {
-              if (x.skew_lo <= 11.013044357299805) {
-                if (x.log2_S <= 14.701149940490723) {
-                  if (x.avg <= 24.798925399780273) {
-                    return {1, 8, 16, 32, 1};  // SR
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
-                } else {
-                  return {1, 8, 64, 32, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 14.890362739562988) {
-                  if (x.avg <= 3.4693151712417603) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {1, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  if (x.log2_S <= 15.738460063934326) {
-                    if (x.avg <= 2.6618558168411255) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
-                      if (x.avg <= 5.873541831970215) {
-                        return {4, 32, 16, 2, 8};  // PR
-                      } else {
-                        return {1, 32, 16, 8, 8};  // PR
-                      }
-                    }
-                  } else {
-                    return {4, 32, 16, 2, 8};  // PR
-                  }
-                }
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 4.517203092575073) {
-              if (x.skew_lo <= -2.5075676441192627) {
-                return {1, 8, 64, 32, 0};  // SP
-              } else {
-                if (x.log2_S <= 19.187206268310547) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.skew_lo <= -1.8920279741287231) {
-                    return {4, 8, 32, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 23.075345039367676) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {1, 32, 16, 8, 8};  // PR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 18.503198623657227) {
-                if (x.skew_hi <= 5.846660614013672) {
-                  return {1, 8, 64, 32, 0};  // SP
-                } else {
-                  return {1, 8, 16, 32, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 22.382929801940918) {
-                  if (x.log2_S <= 20.003324508666992) {
-                    if (x.skew_hi <= 4.945046663284302) {
-                      return {1, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {1, 32, 16, 8, 8};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 2.226906657218933) {
-                      return {4, 32, 16, 2, 8};  // PR
-                    } else {
-                      return {1, 32, 16, 8, 8};  // PR
-                    }
-                  }
-                } else {
-                  return {1, 32, 16, 8, 8};  // PR
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 19.172396659851074) {
-              if (x.skew_lo <= 2.269189238548279) {
-                if (x.log2_S <= 17.542165756225586) {
-                  if (x.avg <= 127.82648468017578) {
-                    return {1, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 4.500400900840759) {
-                      if (x.log2_S <= 17.070228576660156) {
-                        return {1, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 18.263379096984863) {
-                    if (x.log2_S <= 21.128482818603516) {
-                      if (x.log2_S <= 18.376262664794922) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 20.562501907348633) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 18.827223777770996) {
-                      if (x.log2_S <= 18.410277366638184) {
-                        if (x.log2_S <= 16.647050857543945) {
-                          if (x.skew_lo <= 4.580316066741943) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 8.118348121643066) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 3.8422528505325317) {
-                      return {4, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 11.221367359161377) {
-                        if (x.skew_hi <= 13.91339921951294) {
-                          if (x.log2_S <= 16.8429594039917) {
-                            if (x.avg <= 18.797250747680664) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 9.777013301849365) {
-                              return {1, 8, 64, 32, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 7.870285511016846) {
-                                if (x.log2_S <= 18.26015853881836) {
-                                  return {4, 8, 32, 32, 1};  // SR
-                                } else {
-                                  return {1, 8, 64, 32, 1};  // SR
-                                }
-                              } else {
-                                if (x.log2_S <= 19.481423377990723) {
-                                  return {1, 8, 64, 32, 1};  // SR
-                                } else {
-                                  if (x.skew_hi <= 12.116002082824707) {
-                                    return {1, 8, 64, 32, 1};  // SR
-                                  } else {
-                                    return {4, 8, 32, 32, 1};  // SR
-                                  }
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 18.167850494384766) {
-                            return {1, 8, 64, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 18.422701835632324) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 11.12450647354126) {
-                                return {1, 8, 64, 32, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 8};  // PR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 18.45268726348877) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 2.133502721786499) {
-                            return {1, 32, 16, 8, 8};  // PR
-                          } else {
-                            return {4, 32, 16, 2, 8};  // PR
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 1.9917755722999573) {
-                    if (x.avg <= 1.702240765094757) {
-                      return {4, 8, 32, 32, 1};  // SR
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 3.1403894424438477) {
-                      if (x.skew_hi <= 12.389426708221436) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      return {1, 8, 64, 32, 1};  // SR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_lo <= 9.729634761810303) {
-                if (x.log2_S <= 22.66779136657715) {
-                  if (x.skew_hi <= 19.559155464172363) {
-                    return {1, 8, 64, 32, 1};  // SR
-                  } else {
-                    return {4, 32, 16, 2, 8};  // PR
-                  }
-                } else {
-                  return {1, 32, 16, 8, 8};  // PR
-                }
-              } else {
-                if (x.skew_hi <= 20.381957054138184) {
-                  if (x.avg <= 3.1402419805526733) {
-                    return {1, 32, 16, 8, 8};  // PR
-                  } else {
-                    if (x.skew_lo <= 10.702870845794678) {
-                      return {1, 32, 16, 8, 8};  // PR
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
-                  }
-                } else {
-                  return {1, 32, 16, 8, 8};  // PR
-                }
-              }
-            }
-          }
-        }
-      }
-    }
-  } else {
-    if (x.F <= 22.627416997969522) {
-      if (x.F <= 11.313708498984761) {
-        if (x.skew_hi <= 13.131792068481445) {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 16.11400318145752) {
-              if (x.log2_S <= 13.311975479125977) {
-                if (x.avg <= 3.3226442337036133) {
-                  if (x.avg <= 1.3154987692832947) {
-                    if (x.log2_S <= 11.300518035888672) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 12.59498643875122) {
-                        return {4, 32, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -1.2997116446495056) {
-                      if (x.log2_S <= 9.792421817779541) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 10.124125003814697) {
-                        if (x.avg <= 1.811869740486145) {
-                          return {4, 32, 64, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 9.19876480102539) {
-                            return {4, 32, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 1, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 32, 64, 1, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 9.651291847229004) {
-                    if (x.skew_hi <= 0.900746613740921) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -4.143479347229004) {
-                        if (x.log2_S <= 9.097294330596924) {
-                          if (x.avg <= 21.801369667053223) {
-                            if (x.skew_hi <= 1.6651595830917358) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 2, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 32, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 3.4488359689712524) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 9.586299896240234) {
-                            return {4, 32, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.875164031982422) {
-                      if (x.avg <= 12.516255855560303) {
-                        if (x.log2_S <= 10.694705486297607) {
-                          if (x.log2_S <= 9.762211322784424) {
-                            return {4, 32, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_hi <= 4.14770245552063) {
-                            return {4, 32, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 8, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_hi <= 3.2718600034713745) {
-                        if (x.skew_hi <= 0.2361554130911827) {
-                          if (x.log2_S <= 12.516460418701172) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.skew_lo <= -5.8799216747283936) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 8, 64, 32, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 12.388980388641357) {
-                          if (x.avg <= 3.6937114000320435) {
-                            return {4, 32, 64, 8, 0};  // SP
-                          } else {
-                            if (x.skew_hi <= 3.4356666803359985) {
-                              return {4, 32, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 32, 32, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 3.653735041618347) {
-                            return {4, 32, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 4.797149658203125) {
-                  if (x.skew_lo <= -2.825284481048584) {
-                    return {4, 4, 64, 64, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 14.924694061279297) {
-                      if (x.log2_S <= 14.644411087036133) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -2.172694206237793) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 14.20226764678955) {
-                    if (x.skew_hi <= 5.570044994354248) {
-                      return {4, 32, 64, 1, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 14.882046699523926) {
-                if (x.skew_hi <= 5.994746208190918) {
-                  return {4, 2, 64, 128, 0};  // SP
-                } else {
-                  return {4, 2, 8, 128, 1};  // SR
-                }
-              } else {
-                if (x.log2_S <= 18.696282386779785) {
-                  if (x.skew_hi <= 1.7038004398345947) {
-                    if (x.skew_hi <= 0.004092161078006029) {
-                      return {4, 4, 32, 64, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 17.555773735046387) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -5.7179388999938965) {
-                    if (x.log2_S <= 20.138094902038574) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 0.03456092346459627) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 2, 64, 128, 0};  // SP
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 14.425888061523438) {
-              if (x.avg <= 14.398532390594482) {
-                if (x.skew_lo <= 6.153746843338013) {
-                  if (x.log2_S <= 11.312371730804443) {
-                    if (x.skew_hi <= 6.904945373535156) {
-                      if (x.skew_lo <= 2.5597472190856934) {
-                        if (x.avg <= 13.025903224945068) {
-                          return {1, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {2, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 11.098398685455322) {
-                        return {2, 16, 8, 4, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 4.5900328159332275) {
-                          return {2, 16, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 32, 64, 1, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 7.2164459228515625) {
-                      if (x.log2_S <= 13.164139747619629) {
-                        if (x.skew_lo <= 2.575021266937256) {
-                          if (x.log2_S <= 11.9378662109375) {
-                            return {1, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 12.258176803588867) {
-                        if (x.avg <= 3.259660005569458) {
-                          if (x.log2_S <= 11.511791706085205) {
-                            return {4, 32, 64, 1, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.183947086334229) {
-                              return {4, 32, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 11.930020809173584) {
-                            if (x.skew_hi <= 7.958668231964111) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 11.754477977752686) {
-                                return {4, 64, 64, 1, 0};  // SP
-                              } else {
-                                return {2, 16, 8, 4, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.skew_hi <= 8.018696784973145) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {2, 16, 8, 4, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 4.759039402008057) {
-                          if (x.avg <= 2.592955231666565) {
-                            if (x.skew_hi <= 8.657228946685791) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.511980056762695) {
-                            if (x.log2_S <= 12.418721675872803) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              if (x.skew_lo <= 5.537147521972656) {
-                                if (x.log2_S <= 12.834901332855225) {
-                                  return {2, 16, 8, 4, 1};  // SR
-                                } else {
-                                  return {2, 8, 8, 32, 1};  // SR
-                                }
-                              } else {
-                                return {2, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 14.320963382720947) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 10.081637382507324) {
-                    if (x.log2_S <= 13.729548931121826) {
-                      if (x.log2_S <= 12.516718864440918) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 9.555513858795166) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.134956359863281) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 11.68742322921753) {
-                      if (x.avg <= 8.794264793395996) {
-                        if (x.log2_S <= 11.458286762237549) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 11.200718879699707) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        if (x.log2_S <= 12.643718242645264) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 3.5261439085006714) {
-                  if (x.log2_S <= 12.046262264251709) {
-                    if (x.log2_S <= 10.777896404266357) {
-                      if (x.log2_S <= 9.986785411834717) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 159.65776824951172) {
-                          return {4, 32, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_hi <= 12.39632797241211) {
-                    if (x.avg <= 17.0601167678833) {
-                      if (x.log2_S <= 11.595164775848389) {
-                        if (x.skew_hi <= 7.226628541946411) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 10.230705261230469) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 12.13545560836792) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 8.116350650787354) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 9.212090969085693) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 82.93313980102539) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 14.860941886901855) {
-                if (x.skew_hi <= 3.368451237678528) {
-                  return {4, 32, 64, 4, 0};  // SP
-                } else {
-                  return {4, 2, 8, 128, 1};  // SR
-                }
-              } else {
-                return {4, 2, 8, 128, 1};  // SR
-              }
-            }
-          }
-        } else {
-          if (x.skew_hi <= 19.174614906311035) {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 22.076845169067383) {
-                if (x.log2_S <= 16.42715549468994) {
-                  if (x.log2_S <= 14.798428535461426) {
-                    if (x.log2_S <= 13.986210346221924) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.skew_hi <= 13.754582405090332) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 18.72577953338623) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 9.2126784324646) {
-                  return {4, 2, 8, 128, 1};  // SR
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              }
-            } else {
-              if (x.avg <= 149.1396255493164) {
-                return {4, 32, 8, 2, 16};  // PR
-              } else {
-                if (x.skew_hi <= 18.32932949066162) {
-                  if (x.log2_S <= 13.30999755859375) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.avg <= 152.4335708618164) {
-                    return {4, 32, 8, 2, 16};  // PR
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 22.878056526184082) {
-              if (x.avg <= 87.50569534301758) {
-                if (x.log2_S <= 19.516974449157715) {
-                  if (x.avg <= 4.9763054847717285) {
-                    return {4, 32, 16, 2, 16};  // PR
-                  } else {
-                    if (x.avg <= 46.019822120666504) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      return {4, 32, 16, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  return {4, 32, 16, 2, 16};  // PR
-                }
-              } else {
-                if (x.skew_hi <= 21.03090000152588) {
-                  if (x.skew_lo <= 7.141445875167847) {
-                    return {4, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 20.256608963012695) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 16, 2, 16};  // PR
-                    }
-                  }
-                } else {
-                  return {4, 32, 16, 2, 16};  // PR
-                }
-              }
-            } else {
-              if (x.skew_lo <= 11.038923740386963) {
-                return {4, 32, 16, 2, 16};  // PR
-              } else {
-                return {4, 32, 8, 2, 32};  // PR
-              }
-            }
-          }
-        }
-      } else {
-        if (x.log2_S <= 15.284040451049805) {
-          if (x.avg <= 17.011478424072266) {
-            if (x.skew_hi <= 5.419762134552002) {
-              if (x.log2_S <= 12.387146472930908) {
-                if (x.log2_S <= 9.238543033599854) {
-                  if (x.avg <= 4.826604127883911) {
-                    if (x.skew_hi <= 5.311550140380859) {
-                      return {4, 64, 8, 1, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_lo <= -1.4911263585090637) {
-                    if (x.log2_S <= 9.669769763946533) {
-                      if (x.skew_hi <= 2.5500062704086304) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 64, 8, 1, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 12.225578308105469) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.162116527557373) {
-                      if (x.skew_lo <= -1.062082588672638) {
-                        return {4, 64, 8, 1, 0};  // SP
-                      } else {
-                        if (x.avg <= 1.809759497642517) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 8, 8, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.253310203552246) {
-                        return {4, 32, 8, 8, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 3.0888947248458862) {
-                  if (x.log2_S <= 13.918215274810791) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 14.620212078094482) {
-                    if (x.log2_S <= 12.45851469039917) {
-                      return {4, 16, 64, 8, 0};  // SP
-                    } else {
-                      if (x.skew_hi <= 4.073317766189575) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.552068710327148) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 14.482786655426025) {
-                            return {4, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {4, 4, 64, 64, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -3.815472960472107) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.480472087860107) {
-                if (x.long_level <= 1.5) {
-                  if (x.avg <= 5.293792963027954) {
-                    if (x.long_level <= 0.5) {
-                      if (x.skew_hi <= 5.577269554138184) {
-                        if (x.log2_S <= 11.025167465209961) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 12.160779476165771) {
-                            return {4, 32, 8, 8, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 11.091004848480225) {
-                        return {2, 16, 8, 4, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 8.345388412475586) {
-                          if (x.log2_S <= 11.851667404174805) {
-                            if (x.avg <= 4.395956039428711) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.931603908538818) {
-                            if (x.skew_lo <= 4.420528411865234) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 64, 64, 1, 0};  // SP
-                            }
-                          } else {
-                            return {2, 16, 8, 4, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 1.983141303062439) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.51524829864502) {
-                        if (x.avg <= 7.046525478363037) {
-                          if (x.log2_S <= 10.985382080078125) {
-                            if (x.avg <= 6.476997375488281) {
-                              if (x.avg <= 5.802084684371948) {
-                                return {2, 16, 8, 4, 1};  // SR
-                              } else {
-                                return {2, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              return {2, 16, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 8.349202156066895) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.avg <= 13.004709720611572) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.927666664123535) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.930367946624756) {
-                      if (x.skew_hi <= 12.535394668579102) {
-                        if (x.avg <= 9.545675277709961) {
-                          if (x.log2_S <= 11.822383403778076) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 12.308547019958496) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 9.889382362365723) {
-                  if (x.avg <= 4.528882026672363) {
-                    if (x.log2_S <= 14.646708488464355) {
-                      if (x.skew_hi <= 10.902562141418457) {
-                        if (x.skew_lo <= 1.9055081838741899) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 4.738710880279541) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 14.31547737121582) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.742896556854248) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 5.981455564498901) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.881163597106934) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 14.45963191986084) {
-                    if (x.skew_lo <= 10.77307415008545) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 16, 2, 8};  // PR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 12.4630446434021) {
-                if (x.log2_S <= 9.701081275939941) {
-                  return {4, 8, 64, 32, 0};  // SP
-                } else {
-                  if (x.skew_lo <= -5.170634746551514) {
-                    if (x.log2_S <= 10.674477577209473) {
-                      return {4, 16, 64, 8, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.26537561416626) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.774360179901123) {
-                      return {4, 64, 8, 1, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.847567081451416) {
-                  return {4, 8, 64, 32, 0};  // SP
-                } else {
-                  return {4, 4, 64, 64, 0};  // SP
-                }
-              }
-            } else {
-              if (x.skew_hi <= 12.563697338104248) {
-                if (x.log2_S <= 14.456750392913818) {
-                  if (x.log2_S <= 14.100881576538086) {
-                    return {4, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 3.53867769241333) {
-                      if (x.skew_hi <= 3.09332537651062) {
-                        if (x.log2_S <= 14.345975875854492) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 93.58488845825195) {
-                    if (x.skew_hi <= 6.7070770263671875) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.570892333984375) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 20.70943546295166) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.104193687438965) {
-                  return {4, 4, 16, 64, 1};  // SR
-                } else {
-                  return {4, 4, 32, 64, 1};  // SR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 5.240575075149536) {
-              return {4, 4, 64, 64, 0};  // SP
-            } else {
-              if (x.log2_S <= 16.479202270507812) {
-                return {4, 4, 8, 64, 1};  // SR
-              } else {
-                return {4, 4, 64, 64, 0};  // SP
-              }
-            }
-          } else {
-            if (x.skew_lo <= 10.499497413635254) {
-              if (x.log2_S <= 19.009057998657227) {
-                if (x.long_level <= 1.5) {
-                  if (x.skew_hi <= 4.569082260131836) {
-                    if (x.avg <= 64.12905502319336) {
-                      if (x.log2_S <= 16.720373153686523) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 18.349977493286133) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 5.017272710800171) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 10.467433452606201) {
-                          if (x.skew_lo <= 4.655750036239624) {
-                            if (x.skew_lo <= 3.6403690576553345) {
-                              if (x.avg <= 7.295509099960327) {
-                                return {4, 4, 8, 64, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 18.515417098999023) {
-                                  return {4, 4, 8, 64, 1};  // SR
-                                } else {
-                                  return {4, 4, 16, 64, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 4, 16, 64, 1};  // SR
-                            }
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 18.60717487335205) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 7.364030599594116) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 8.5753493309021) {
-                          if (x.log2_S <= 18.948408126831055) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 16.688342094421387) {
-                      if (x.log2_S <= 15.721144676208496) {
-                        if (x.avg <= 27.182748794555664) {
-                          return {4, 32, 16, 2, 8};  // PR
-                        } else {
-                          return {4, 4, 32, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 32, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 17.619894981384277) {
-                        if (x.skew_hi <= 17.19709300994873) {
-                          if (x.skew_lo <= 9.921281337738037) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 32, 64, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 17.446829795837402) {
-                            return {4, 4, 32, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 16, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 9.878345012664795) {
-                  if (x.log2_S <= 19.21054172515869) {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 30.564882278442383) {
-                        if (x.skew_lo <= 2.2601022124290466) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 4.823093414306641) {
-                            return {4, 4, 16, 64, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 21.798575401306152) {
-                    if (x.avg <= 1.0257553458213806) {
-                      return {4, 4, 32, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.005192279815674) {
-                      if (x.skew_hi <= 17.930633068084717) {
-                        return {4, 4, 32, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_lo <= 11.065245628356934) {
-                return {4, 4, 32, 64, 1};  // SR
-              } else {
-                if (x.skew_hi <= 21.57369899749756) {
-                  if (x.avg <= 2.4270275831222534) {
-                    if (x.log2_S <= 16.170339584350586) {
-                      return {4, 32, 16, 2, 8};  // PR
-                    } else {
-                      return {4, 4, 32, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 5.333750247955322) {
-                      return {4, 32, 16, 2, 8};  // PR
-                    } else {
-                      if (x.skew_hi <= 19.448220252990723) {
-                        if (x.log2_S <= 15.878843784332275) {
-                          return {4, 32, 16, 2, 8};  // PR
-                        } else {
-                          return {4, 4, 32, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 16, 2, 8};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 32, 16, 2, 8};  // PR
-                }
-              }
-            }
-          }
-        }
-      }
-    } else {
-      if (x.F <= 45.254833995939045) {
-        if (x.skew_hi <= 16.29248332977295) {
-          if (x.log2_S <= 13.725366115570068) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 10.418681144714355) {
-                if (x.avg <= 3.745703339576721) {
-                  if (x.avg <= 1.4813077449798584) {
-                    if (x.skew_hi <= 5.569808721542358) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      return {4, 64, 64, 1, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= -1.7246302962303162) {
-                      if (x.log2_S <= 9.324662208557129) {
-                        return {4, 32, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 16, 1, 0};  // SP
-                      }
-                    } else {
-                      return {4, 64, 16, 1, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 10.132889747619629) {
-                    return {4, 32, 64, 1, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -3.5642539262771606) {
-                      return {4, 32, 64, 1, 0};  // SP
-                    } else {
-                      return {4, 64, 64, 2, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.254104614257812) {
-                  if (x.skew_lo <= -2.3293628692626953) {
-                    if (x.log2_S <= 12.144201278686523) {
-                      if (x.log2_S <= 10.668050765991211) {
-                        if (x.skew_hi <= 1.5281205773353577) {
-                          return {4, 32, 64, 1, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 3.4848233461380005) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 16, 1, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.909952640533447) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 0.9141378700733185) {
-                            return {4, 32, 64, 1, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 41.233588218688965) {
-                        return {4, 32, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.5892582833766937) {
-                      return {4, 64, 16, 1, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.07023572921753) {
-                        if (x.skew_hi <= 5.563869476318359) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 1, 0};  // SP
-                        }
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 4.023439884185791) {
-                    if (x.skew_hi <= 2.6143996715545654) {
-                      return {4, 16, 64, 8, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 13.400909900665283) {
-                        if (x.log2_S <= 12.430272102355957) {
-                          return {4, 32, 64, 1, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_lo <= -2.5377447605133057) {
-                          if (x.avg <= 8.657744407653809) {
-                            return {4, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 3.178948998451233) {
-                      if (x.log2_S <= 12.552725791931152) {
-                        if (x.skew_hi <= 5.521682262420654) {
-                          return {4, 64, 16, 1, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_lo <= -0.2859383821487427) {
-                          if (x.log2_S <= 13.291840553283691) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            if (x.skew_lo <= -0.7558218538761139) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 12.915858745574951) {
-                            if (x.avg <= 1.0236304998397827) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            if (x.avg <= 1.0379222631454468) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.70430040359497) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_hi <= 12.15879487991333) {
-                if (x.long_level <= 1.5) {
-                  if (x.skew_hi <= 5.983141183853149) {
-                    if (x.log2_S <= 12.424156665802002) {
-                      if (x.log2_S <= 9.253593444824219) {
-                        if (x.avg <= 51.809091567993164) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= -0.5388612747192383) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 16, 8, 4, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 113.21368789672852) {
-                        if (x.avg <= 92.33361053466797) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.40246868133545) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 99.36531066894531) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {4, 16, 64, 8, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 4.2826011180877686) {
-                      if (x.log2_S <= 12.259861469268799) {
-                        if (x.skew_lo <= 4.843417406082153) {
-                          if (x.avg <= 3.637104868888855) {
-                            return {2, 32, 8, 2, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          return {2, 32, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        return {2, 16, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 11.793874740600586) {
-                        return {2, 16, 8, 4, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 3.289514183998108) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.179248809814453) {
-                            return {2, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 10.859207153320312) {
-                    if (x.skew_hi <= 12.112512588500977) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.long_level <= 2.5) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 11.470132827758789) {
-                      if (x.skew_lo <= 11.072100162506104) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.long_level <= 2.5) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.avg <= 96.69841766357422) {
-                    return {4, 8, 16, 32, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 12.490097999572754) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.long_level <= 0.5) {
-              if (x.skew_lo <= -0.6928390562534332) {
-                if (x.log2_S <= 14.375511646270752) {
-                  if (x.skew_lo <= -3.883064866065979) {
-                    return {4, 16, 64, 8, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -0.8951594829559326) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -0.8786906599998474) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 15.67452335357666) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.526341438293457) {
-                  if (x.log2_S <= 16.859270095825195) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= -0.4368540197610855) {
-                      return {4, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 16.89478302001953) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
                       }
                     }
                   }
@@ -7944,159 +3552,4601 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 18.229785919189453) {
-                  if (x.avg <= 12.014858722686768) {
-                    if (x.log2_S <= 14.64912462234497) {
-                      if (x.avg <= 2.9095579385757446) {
-                        return {2, 16, 8, 4, 1};  // SR
+              if (x.log2_S <= 18.520587921142578) {
+                return {4, 8, 64, 32, 1};  // SR
+              } else {
+                if (x.skew_lo <= 11.229979991912842) {
+                  return {4, 8, 64, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 5.7144153118133545) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 19.66837215423584) {
+                      return {4, 8, 64, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                }
+              }
+            }
+          }
+        }
+      } else {
+        if (x.F <= 90.50966799187809) {
+          if (x.log2_S <= 18.18934154510498) {
+            if (x.skew_hi <= 14.315917491912842) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 11.388350009918213) {
+                  if (x.log2_S <= 10.110275745391846) {
+                    if (x.log2_S <= 9.30676555633545) {
+                      if (x.avg <= 3.027379870414734) {
+                        if (x.skew_hi <= 5.473520994186401) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          return {1, 32, 16, 8, 0};  // SP
+                        }
                       } else {
-                        return {4, 8, 8, 32, 1};  // SR
+                        return {2, 32, 16, 2, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 8.093398571014404) {
-                        if (x.log2_S <= 17.81770420074463) {
-                          return {4, 8, 8, 32, 1};  // SR
+                      if (x.skew_lo <= -0.7818711400032043) {
+                        return {4, 64, 32, 2, 0};  // SP
+                      } else {
+                        return {2, 64, 16, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 2.3245136737823486) {
+                      return {4, 64, 8, 4, 0};  // SP
+                    } else {
+                      return {2, 64, 32, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.834321022033691) {
+                    if (x.log2_S <= 12.318824768066406) {
+                      if (x.skew_lo <= -1.7542933225631714) {
+                        if (x.log2_S <= 12.138801097869873) {
+                          return {4, 64, 64, 2, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 8.181934595108032) {
-                            return {4, 8, 16, 32, 1};  // SR
+                          if (x.skew_hi <= 2.010297179222107) {
+                            return {4, 64, 64, 2, 0};  // SP
                           } else {
-                            return {4, 8, 8, 32, 1};  // SR
+                            return {4, 32, 8, 2, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.log2_S <= 16.17686939239502) {
-                          return {4, 8, 8, 32, 1};  // SR
+                        if (x.log2_S <= 11.55581283569336) {
+                          return {4, 64, 8, 4, 0};  // SP
                         } else {
-                          return {4, 8, 16, 32, 1};  // SR
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.9184534549713135) {
+                        if (x.skew_hi <= 1.678155779838562) {
+                          if (x.log2_S <= 13.913777828216553) {
+                            if (x.skew_lo <= -4.982628107070923) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 12.657400608062744) {
+                                return {4, 64, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 8, 2, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 56.20499610900879) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.96872091293335) {
+                          if (x.log2_S <= 12.611785888671875) {
+                            return {2, 64, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 14.073922634124756) {
+                            if (x.log2_S <= 12.645559310913086) {
+                              if (x.skew_lo <= -0.35930579900741577) {
+                                return {4, 64, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 64, 32, 2, 0};  // SP
+                              }
+                            } else {
+                              if (x.avg <= 1.7944598197937012) {
+                                return {2, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
                         }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= -0.8102661073207855) {
-                      if (x.log2_S <= 15.752577304840088) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_lo <= 1.7652865052223206) {
-                        if (x.log2_S <= 13.768467903137207) {
-                          return {4, 16, 64, 8, 0};  // SP
+                    if (x.log2_S <= 16.483552932739258) {
+                      if (x.skew_hi <= 3.7537888288497925) {
+                        if (x.skew_lo <= -3.1239622831344604) {
+                          if (x.skew_hi <= 0.19785179942846298) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 0.524871826171875) {
+                              if (x.log2_S <= 15.865114688873291) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 8, 2, 0};  // SP
+                              }
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          }
                         } else {
-                          return {4, 8, 16, 32, 1};  // SR
+                          if (x.log2_S <= 16.035999298095703) {
+                            if (x.log2_S <= 15.770798206329346) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
                         }
                       } else {
-                        if (x.log2_S <= 15.61388635635376) {
-                          if (x.skew_lo <= 1.9391421675682068) {
-                            if (x.skew_hi <= 5.8526506423950195) {
-                              return {4, 8, 8, 32, 1};  // SR
+                        if (x.avg <= 2.955300450325012) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.815612316131592) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 2.3709287643432617) {
+                        if (x.log2_S <= 17.708991050720215) {
+                          if (x.avg <= 37.73158645629883) {
+                            if (x.log2_S <= 17.557377815246582) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.skew_lo <= -4.6089863777160645) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {2, 32, 16, 2, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 1.7245104312896729) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 32, 16, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.633453369140625) {
+                          if (x.skew_hi <= 4.703984975814819) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.833402156829834) {
+                  if (x.long_level <= 2.5) {
+                    if (x.avg <= 8.500288009643555) {
+                      if (x.log2_S <= 12.545467376708984) {
+                        if (x.long_level <= 1.5) {
+                          if (x.skew_hi <= 8.561235427856445) {
+                            if (x.skew_hi <= 8.129351139068604) {
+                              if (x.skew_lo <= 3.279045343399048) {
+                                if (x.log2_S <= 11.035611629486084) {
+                                  return {2, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                }
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              if (x.avg <= 2.9846723079681396) {
+                                return {2, 32, 8, 4, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 11.16422176361084) {
+                                  return {1, 32, 8, 2, 1};  // SR
+                                } else {
+                                  return {2, 32, 8, 4, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 11.756042957305908) {
+                              if (x.log2_S <= 10.949686527252197) {
+                                if (x.log2_S <= 10.582571983337402) {
+                                  if (x.log2_S <= 8.999273300170898) {
+                                    return {2, 32, 8, 4, 1};  // SR
+                                  } else {
+                                    return {2, 64, 8, 4, 1};  // SR
+                                  }
+                                } else {
+                                  return {2, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                return {2, 64, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.248997688293457) {
+                            return {2, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 12.243485450744629) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 6.463145971298218) {
+                          if (x.log2_S <= 13.390629768371582) {
+                            if (x.skew_hi <= 7.542189121246338) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 11.911458969116211) {
+                            if (x.log2_S <= 12.620939254760742) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 13.121983528137207) {
+                              if (x.log2_S <= 13.575896263122559) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -0.8655601143836975) {
+                        if (x.skew_hi <= 2.5975844860076904) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.782012939453125) {
+                            if (x.log2_S <= 10.798508167266846) {
+                              if (x.log2_S <= 9.147576332092285) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 147.78571319580078) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 5.2418739795684814) {
+                          if (x.log2_S <= 12.87636423110962) {
+                            if (x.skew_lo <= -0.27947087585926056) {
+                              if (x.log2_S <= 11.859943389892578) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_lo <= 5.056519031524658) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 10.859253406524658) {
+                                  if (x.log2_S <= 8.798076152801514) {
+                                    return {4, 16, 8, 8, 1};  // SR
+                                  } else {
+                                    return {2, 32, 8, 4, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 47.95367431640625) {
+                              if (x.skew_hi <= 7.658853530883789) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.863349914550781) {
+                            if (x.skew_lo <= 5.722344636917114) {
+                              if (x.log2_S <= 11.298028469085693) {
+                                if (x.log2_S <= 8.515396118164062) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {2, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 12.709808349609375) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 12.4371018409729) {
+                      if (x.avg <= 6.771338939666748) {
+                        return {2, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 8.294315338134766) {
+                        if (x.skew_hi <= 13.404227256774902) {
+                          if (x.skew_lo <= 11.771384716033936) {
+                            if (x.skew_hi <= 12.774490356445312) {
+                              return {4, 16, 16, 8, 1};  // SR
                             } else {
                               return {4, 8, 16, 32, 1};  // SR
                             }
                           } else {
-                            return {4, 8, 8, 32, 1};  // SR
+                            return {4, 16, 16, 8, 1};  // SR
                           }
                         } else {
-                          return {4, 8, 16, 32, 1};  // SR
+                          return {4, 16, 64, 4, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 3.5352423191070557) {
+                    if (x.skew_hi <= 11.086214542388916) {
+                      return {4, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 11.111982345581055) {
+                        if (x.log2_S <= 14.00498914718628) {
+                          if (x.skew_hi <= 12.90925931930542) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      if (x.log2_S <= 17.577082633972168) {
+                        if (x.log2_S <= 14.220536708831787) {
+                          if (x.long_level <= 1.5) {
+                            if (x.skew_hi <= 5.943713903427124) {
+                              if (x.skew_lo <= -0.6167217493057251) {
+                                if (x.avg <= 147.34217834472656) {
+                                  return {4, 32, 64, 8, 0};  // SP
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 3.336533308029175) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 35.32929992675781) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 16.05728244781494) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                if (x.skew_hi <= 7.708808898925781) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 64, 4, 0};  // SP
+                                }
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 3.0176044702529907) {
+                          if (x.skew_hi <= 1.3441802859306335) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 33.49374008178711) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 19.441399097442627) {
+                        return {4, 16, 64, 4, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 10.444293975830078) {
+                return {4, 16, 64, 4, 0};  // SP
+              } else {
+                if (x.log2_S <= 16.189948081970215) {
+                  return {4, 16, 64, 4, 1};  // SR
+                } else {
+                  return {4, 16, 64, 4, 0};  // SP
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 19.25486660003662) {
+              if (x.skew_hi <= 12.34691858291626) {
+                if (x.skew_lo <= 0.0029424827080219984) {
+                  return {4, 16, 64, 4, 0};  // SP
+                } else {
+                  if (x.avg <= 33.85326385498047) {
+                    return {4, 16, 16, 8, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 1.137892246246338) {
+                      if (x.log2_S <= 18.846723556518555) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 18.35830783843994) {
+                        if (x.avg <= 167.23330688476562) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                return {4, 16, 64, 4, 0};  // SP
+              }
+            } else {
+              return {4, 16, 64, 4, 0};  // SP
+            }
+          }
+        } else {
+          if (x.log2_S <= 15.18947458267212) {
+            if (x.long_level <= 2.5) {
+              if (x.skew_lo <= 0.19958079606294632) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 10.09909725189209) {
+                    if (x.log2_S <= 8.995941162109375) {
+                      if (x.skew_hi <= 4.065094947814941) {
+                        if (x.skew_hi <= 0.3199278712272644) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {2, 64, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.512373924255371) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {2, 32, 16, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 4.6317548751831055) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {2, 32, 16, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.987079620361328) {
+                      if (x.avg <= 4.158936023712158) {
+                        if (x.log2_S <= 10.499083995819092) {
+                          if (x.skew_lo <= -0.7057744860649109) {
+                            return {2, 64, 32, 8, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.476382493972778) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {2, 64, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 64, 32, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 2.3463189601898193) {
+                        if (x.log2_S <= 13.911214828491211) {
+                          if (x.log2_S <= 12.743512153625488) {
+                            if (x.avg <= 22.300010681152344) {
+                              if (x.log2_S <= 11.246740818023682) {
+                                return {2, 64, 32, 8, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 12.212721824645996) {
+                                  return {4, 64, 64, 1, 0};  // SP
+                                } else {
+                                  return {4, 64, 8, 4, 0};  // SP
+                                }
+                              }
+                            } else {
+                              return {2, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_hi <= 0.5871098637580872) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              return {4, 64, 8, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 35.26073455810547) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            if (x.avg <= 54.4876823425293) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 1, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.774250507354736) {
+                          if (x.skew_hi <= 5.571241140365601) {
+                            if (x.log2_S <= 13.230638980865479) {
+                              if (x.skew_hi <= 3.9457483291625977) {
+                                return {4, 64, 64, 1, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 12.030461311340332) {
+                                  return {4, 64, 64, 1, 0};  // SP
+                                } else {
+                                  if (x.avg <= 1.848556101322174) {
+                                    return {4, 64, 64, 1, 0};  // SP
+                                  } else {
+                                    if (x.avg <= 3.071144461631775) {
+                                      return {2, 32, 8, 4, 1};  // SR
+                                    } else {
+                                      return {4, 16, 8, 8, 1};  // SR
+                                    }
+                                  }
+                                }
+                              }
+                            } else {
+                              if (x.skew_lo <= -0.9013816714286804) {
+                                if (x.avg <= 6.25681209564209) {
+                                  return {4, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {4, 64, 64, 1, 0};  // SP
+                                }
+                              } else {
+                                return {4, 64, 64, 1, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 13.283037185668945) {
+                              return {2, 64, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 64, 64, 1, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.881604015827179) {
+                            if (x.skew_lo <= -2.5457602739334106) {
+                              if (x.skew_hi <= 2.7575730085372925) {
+                                return {4, 64, 64, 1, 0};  // SP
+                              } else {
+                                return {4, 32, 16, 4, 0};  // SP
+                              }
+                            } else {
+                              if (x.log2_S <= 14.87392282485962) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 4, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.skew_lo <= -0.32274214923381805) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              return {4, 32, 8, 2, 1};  // SR
+                            }
+                          }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 18.4588680267334) {
-                    if (x.skew_lo <= 4.364235877990723) {
-                      return {4, 8, 16, 32, 1};  // SR
+                  if (x.log2_S <= 13.769565105438232) {
+                    if (x.log2_S <= 10.808481216430664) {
+                      if (x.skew_hi <= 2.165291905403137) {
+                        if (x.log2_S <= 9.342630386352539) {
+                          return {4, 32, 16, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 496.85308837890625) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 3.998715400695801) {
+                          if (x.log2_S <= 8.726202487945557) {
+                            if (x.skew_hi <= 2.583785891532898) {
+                              return {4, 32, 16, 4, 0};  // SP
+                            } else {
+                              if (x.avg <= 93.35068130493164) {
+                                return {4, 32, 16, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {4, 8, 8, 32, 1};  // SR
+                      if (x.avg <= 63.05612754821777) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
                     }
                   } else {
-                    return {4, 8, 16, 32, 1};  // SR
+                    if (x.log2_S <= 14.571539402008057) {
+                      if (x.skew_hi <= 2.2915884256362915) {
+                        return {4, 32, 32, 1, 0};  // SP
+                      } else {
+                        if (x.avg <= 113.91001510620117) {
+                          if (x.log2_S <= 14.110386848449707) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 0};  // SP
+                          }
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 0};  // SP
+                    }
                   }
                 }
               } else {
-                if (x.avg <= 21.203510284423828) {
-                  if (x.skew_hi <= 13.606532096862793) {
-                    if (x.log2_S <= 15.47005558013916) {
-                      if (x.skew_hi <= 13.150988101959229) {
-                        if (x.skew_hi <= 9.755189895629883) {
-                          if (x.log2_S <= 14.735556602478027) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 15.12594985961914) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 12.05394697189331) {
-                              if (x.skew_lo <= 6.129997491836548) {
-                                return {4, 8, 16, 32, 1};  // SR
+                if (x.log2_S <= 14.02514934539795) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 3.3228870630264282) {
+                      if (x.log2_S <= 12.574393272399902) {
+                        return {2, 64, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.5068135261535645) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.469955444335938) {
+                          if (x.avg <= 14.561825275421143) {
+                            if (x.skew_lo <= 3.4788811206817627) {
+                              if (x.log2_S <= 11.933903694152832) {
+                                return {2, 32, 8, 4, 1};  // SR
                               } else {
-                                return {4, 8, 8, 32, 1};  // SR
+                                return {4, 16, 8, 8, 1};  // SR
                               }
                             } else {
-                              return {4, 8, 16, 32, 1};  // SR
+                              if (x.avg <= 3.954992890357971) {
+                                if (x.log2_S <= 10.17463493347168) {
+                                  return {2, 32, 8, 4, 1};  // SR
+                                } else {
+                                  return {2, 64, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                return {4, 32, 8, 2, 1};  // SR
+                              }
                             }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 122.01823806762695) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.08591079711914) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 4.706615686416626) {
+                    if (x.avg <= 24.124099731445312) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.167716979980469) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {4, 32, 32, 1, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 12.843275547027588) {
+                      if (x.log2_S <= 14.27854871749878) {
+                        if (x.skew_hi <= 10.184149742126465) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.407841682434082) {
+                        if (x.skew_hi <= 13.678555011749268) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 16, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 12.39124345779419) {
+                if (x.skew_lo <= 10.262630462646484) {
+                  return {4, 16, 16, 8, 1};  // SR
+                } else {
+                  if (x.log2_S <= 11.824473857879639) {
+                    return {4, 16, 16, 8, 1};  // SR
+                  } else {
+                    return {4, 32, 16, 4, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 14.587437152862549) {
+                  if (x.avg <= 4.6973490715026855) {
+                    if (x.skew_hi <= 13.992464542388916) {
+                      if (x.log2_S <= 12.722135543823242) {
+                        return {4, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 32, 1, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 82.31587982177734) {
+                    return {4, 32, 64, 2, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 14.99480152130127) {
+                      return {4, 32, 32, 1, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 12.22571086883545) {
+              if (x.log2_S <= 18.392501831054688) {
+                if (x.avg <= 56.00888442993164) {
+                  if (x.skew_lo <= -3.5907963514328003) {
+                    if (x.log2_S <= 17.57487678527832) {
+                      if (x.skew_lo <= -4.900574207305908) {
+                        if (x.log2_S <= 15.59251594543457) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 64, 64, 1, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 8.136515617370605) {
+                      if (x.log2_S <= 15.730714797973633) {
+                        if (x.avg <= 23.641956329345703) {
+                          if (x.skew_hi <= 5.929555892944336) {
+                            return {4, 32, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 16, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.39231586456299) {
+                        if (x.skew_hi <= 11.102949619293213) {
+                          if (x.avg <= 28.993809700012207) {
+                            if (x.log2_S <= 16.10733413696289) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.avg <= 13.042730808258057) {
+                                return {4, 32, 16, 4, 0};  // SP
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 16.087056636810303) {
+                              return {4, 32, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 32, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 21.033506393432617) {
+                          if (x.skew_hi <= 11.483262538909912) {
+                            return {4, 32, 16, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 17.331782341003418) {
+                              return {4, 32, 16, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 16.961390495300293) {
+                            return {4, 32, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 18.01447868347168) {
+                    if (x.skew_lo <= 1.7145795226097107) {
+                      if (x.avg <= 75.35200119018555) {
+                        if (x.log2_S <= 16.4273624420166) {
+                          if (x.long_level <= 0.5) {
+                            return {4, 64, 64, 1, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 1.9675606787204742) {
+                            return {4, 64, 32, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 16, 4, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.log2_S <= 14.3859543800354) {
-                          return {4, 8, 8, 32, 1};  // SR
+                        return {4, 32, 32, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.486990928649902) {
+                        if (x.avg <= 78.92113494873047) {
+                          return {4, 32, 32, 1, 0};  // SP
                         } else {
-                          return {4, 8, 16, 32, 1};  // SR
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 17.734646797180176) {
+                          return {4, 32, 32, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 4.449791789054871) {
+                      if (x.skew_hi <= 3.4557478427886963) {
+                        if (x.log2_S <= 18.256790161132812) {
+                          return {4, 32, 32, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 16, 4, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 20.27348232269287) {
+                    if (x.log2_S <= 19.18643283843994) {
+                      if (x.avg <= 12.550148487091064) {
+                        if (x.skew_hi <= 2.893314242362976) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -0.33985331654548645) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 16, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 19.032522201538086) {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_lo <= -0.44878624379634857) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 6.488038778305054) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 16, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.avg <= 1.6353648900985718) {
-                        if (x.log2_S <= 19.27250099182129) {
-                          if (x.log2_S <= 16.08406639099121) {
-                            if (x.avg <= 1.5971496105194092) {
-                              return {4, 8, 16, 32, 1};  // SR
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 64, 2, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              return {4, 32, 64, 2, 0};  // SP
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// gathered rows: 495 cells of 59 graphs, 564 configs; distilled tree of depth 17, 1145 leaves; training set: oracle/pick geomean 0.991, worst cell 0.811
+inline Config gathered_config(const Features& f) {
+  const RuleInputs x = rule_inputs(f);
+  if (x.F <= 7.483314773547883) {
+    if (x.F <= 2.8284271247461903) {
+      if (x.F <= 1.4142135623730951) {
+        if (x.log2_S <= 14.460514068603516) {
+          if (x.long_level <= 1.5) {
+            if (x.avg <= 200.27698516845703) {
+              if (x.skew_lo <= 0.05731715261936188) {
+                if (x.log2_S <= 11.751780033111572) {
+                  if (x.avg <= 19.600245475769043) {
+                    if (x.log2_S <= 9.548642635345459) {
+                      if (x.skew_lo <= -0.9089151620864868) {
+                        if (x.skew_hi <= 2.8571090698242188) {
+                          return {4, 16, 32, 8, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 9.04762887954712) {
+                            if (x.skew_hi <= 4.407433032989502) {
+                              return {1, 2, 32, 128, 0};  // SP
                             } else {
-                              return {4, 8, 32, 32, 1};  // SR
+                              return {4, 16, 32, 8, 0};  // SP
                             }
                           } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 1.322344422340393) {
-                            return {4, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
+                            return {4, 16, 32, 8, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.avg <= 20.156731605529785) {
-                          return {4, 8, 16, 32, 1};  // SR
+                        if (x.avg <= 1.4533551931381226) {
+                          return {4, 16, 8, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 19.296669960021973) {
-                            return {4, 8, 32, 32, 1};  // SR
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.264243602752686) {
+                        if (x.skew_hi <= 3.9625407457351685) {
+                          return {1, 32, 32, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 10.765993595123291) {
+                            if (x.skew_hi <= 5.279125452041626) {
+                              return {4, 16, 8, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 32, 4, 0};  // SP
+                            }
                           } else {
-                            return {4, 8, 16, 32, 1};  // SR
+                            return {1, 32, 32, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= -2.536566376686096) {
+                          return {4, 16, 32, 8, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 32, 32, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -3.2436578273773193) {
+                    if (x.log2_S <= 12.635672092437744) {
+                      return {4, 16, 32, 8, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -3.5456398725509644) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {2, 8, 64, 32, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.27205541729927063) {
+                      if (x.skew_hi <= 3.540480136871338) {
+                        if (x.log2_S <= 13.005770206451416) {
+                          if (x.skew_lo <= -1.4113406538963318) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 12.5175142288208) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 16, 64, 8, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.760287761688232) {
+                        if (x.long_level <= 0.5) {
+                          return {1, 32, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 7.895822525024414) {
+                  if (x.skew_lo <= 1.9529216885566711) {
+                    if (x.log2_S <= 12.54331350326538) {
+                      if (x.avg <= 25.4498291015625) {
+                        if (x.log2_S <= 12.065317153930664) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.645532608032227) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.19048547744751) {
+                      return {1, 16, 8, 8, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.160133838653564) {
+                        if (x.avg <= 7.401333570480347) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 6.155101299285889) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.906217575073242) {
+                    if (x.skew_lo <= 4.930848598480225) {
+                      if (x.log2_S <= 11.125251293182373) {
+                        return {2, 32, 8, 8, 1};  // SR
+                      } else {
+                        return {1, 32, 32, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 11.058709144592285) {
+                        if (x.log2_S <= 8.725202560424805) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {1, 32, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.3264741897583) {
+                      if (x.skew_hi <= 8.49529218673706) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              return {2, 32, 64, 2, 0};  // SP
+            }
+          } else {
+            if (x.avg <= 19.66411018371582) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 14.19734239578247) {
+                  return {1, 2, 8, 128, 1};  // SR
+                } else {
+                  return {1, 1, 8, 256, 1};  // SR
+                }
+              } else {
+                if (x.skew_hi <= 13.113340854644775) {
+                  if (x.avg <= 12.733009815216064) {
+                    if (x.skew_lo <= 11.41892147064209) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  } else {
+                    return {1, 1, 8, 256, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 13.46349048614502) {
+                    if (x.skew_lo <= 12.103408813476562) {
+                      if (x.avg <= 15.63210153579712) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.77961015701294) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 10.034902572631836) {
+                    if (x.skew_lo <= 1.9258033633232117) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 8.184455394744873) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 30.4762020111084) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 30.770626068115234) {
+                      if (x.log2_S <= 12.612745761871338) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 13.649504661560059) {
+                        return {1, 1, 8, 256, 1};  // SR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  return {1, 1, 8, 256, 1};  // SR
+                }
+              } else {
+                if (x.skew_hi <= 14.12729549407959) {
+                  if (x.skew_hi <= 7.805333852767944) {
+                    if (x.skew_hi <= 6.087188720703125) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.skew_lo <= 7.1427130699157715) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
+                }
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 1.5) {
+            if (x.long_level <= 0.5) {
+              if (x.avg <= 3.526053547859192) {
+                if (x.log2_S <= 15.949246883392334) {
+                  if (x.avg <= 2.681583881378174) {
+                    return {1, 1, 8, 256, 1};  // SR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.avg <= 2.762078642845154) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 18.586822509765625) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {2, 1, 8, 256, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.77624225616455) {
+                  if (x.log2_S <= 15.648563385009766) {
+                    if (x.avg <= 6.721746444702148) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 8.906202793121338) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      if (x.skew_lo <= -5.756345987319946) {
+                        if (x.log2_S <= 17.167526245117188) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {4, 4, 32, 64, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -3.505091667175293) {
+                          return {4, 4, 32, 64, 0};  // SP
+                        } else {
+                          return {2, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -5.190346002578735) {
+                    if (x.log2_S <= 23.82734775543213) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      if (x.skew_lo <= -5.604832649230957) {
+                        return {4, 4, 32, 64, 0};  // SP
+                      } else {
+                        return {1, 2, 32, 128, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 22.92859935760498) {
+                      if (x.skew_lo <= -3.2517935037612915) {
+                        if (x.avg <= 29.852840423583984) {
+                          if (x.skew_lo <= -3.5455037355422974) {
+                            return {1, 32, 16, 4, 32};  // PR
+                          } else {
+                            return {2, 2, 64, 128, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 20.51254940032959) {
+                            if (x.log2_S <= 18.251906394958496) {
+                              return {4, 4, 32, 64, 0};  // SP
+                            } else {
+                              return {1, 32, 16, 4, 32};  // PR
+                            }
+                          } else {
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 19.823266983032227) {
+                          if (x.avg <= 4.6359288692474365) {
+                            return {4, 1, 32, 256, 0};  // SP
+                          } else {
+                            return {1, 32, 16, 4, 32};  // PR
+                          }
+                        } else {
+                          return {4, 1, 32, 256, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 2.3737051486968994) {
+                        return {1, 2, 32, 128, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -1.9896886348724365) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {2, 1, 8, 256, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 18.035192489624023) {
+                if (x.avg <= 50.2305793762207) {
+                  if (x.log2_S <= 16.814998626708984) {
+                    if (x.skew_lo <= 2.612511157989502) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 0.9736575484275818) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {1, 1, 8, 256, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.252999305725098) {
+                    if (x.skew_hi <= 2.218238353729248) {
+                      return {2, 32, 64, 2, 0};  // SP
+                    } else {
+                      if (x.avg <= 81.61396408081055) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        return {1, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.avg <= 9.449563980102539) {
+                  if (x.skew_hi <= 8.783102035522461) {
+                    if (x.log2_S <= 19.12003231048584) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      if (x.skew_hi <= 7.212327003479004) {
+                        if (x.log2_S <= 20.651098251342773) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 19.72383975982666) {
+                          if (x.avg <= 3.9933667182922363) {
+                            return {1, 32, 8, 4, 32};  // PR
+                          } else {
+                            return {1, 32, 16, 4, 32};  // PR
+                          }
+                        } else {
+                          return {1, 32, 16, 4, 32};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.665611267089844) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
+                    }
+                  }
+                } else {
+                  return {1, 32, 8, 4, 32};  // PR
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 18.082597732543945) {
+              if (x.skew_hi <= 17.149810791015625) {
+                if (x.log2_S <= 15.212557315826416) {
+                  if (x.long_level <= 2.5) {
+                    if (x.skew_lo <= 4.667889833450317) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.avg <= 4.268107175827026) {
+                        if (x.log2_S <= 14.894535064697266) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.skew_lo <= 4.331224203109741) {
+                    if (x.log2_S <= 20.631949424743652) {
+                      if (x.log2_S <= 19.156853675842285) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        if (x.log2_S <= 20.34939670562744) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 9.893970489501953) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  return {1, 32, 8, 4, 32};  // PR
+                }
+              }
+            } else {
+              if (x.skew_lo <= 7.610560178756714) {
+                return {2, 32, 8, 2, 32};  // PR
+              } else {
+                if (x.log2_S <= 20.30093765258789) {
+                  if (x.avg <= 16.203633308410645) {
+                    if (x.log2_S <= 18.624265670776367) {
+                      if (x.skew_lo <= 10.867131233215332) {
+                        return {1, 32, 16, 4, 32};  // PR
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    } else {
+                      return {1, 32, 16, 4, 32};  // PR
+                    }
+                  } else {
+                    if (x.log2_S <= 18.531819343566895) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                } else {
+                  return {1, 32, 16, 4, 32};  // PR
+                }
+              }
+            }
+          }
+        }
+      } else {
+        if (x.log2_S <= 14.460514068603516) {
+          if (x.long_level <= 2.5) {
+            if (x.skew_lo <= 0.09654359146952629) {
+              if (x.avg <= 210.95301055908203) {
+                if (x.skew_lo <= -2.5888450145721436) {
+                  if (x.log2_S <= 10.72631549835205) {
+                    if (x.skew_lo <= -4.544357538223267) {
+                      if (x.log2_S <= 9.052812576293945) {
+                        if (x.avg <= 50.33383750915527) {
+                          return {1, 32, 32, 2, 0};  // SP
+                        } else {
+                          return {2, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 10.21466588973999) {
+                          return {2, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {4, 16, 32, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 8.332519054412842) {
+                        if (x.skew_hi <= 2.254981517791748) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {1, 32, 32, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.525784492492676) {
+                      if (x.log2_S <= 11.059225082397461) {
+                        if (x.avg <= 26.519618034362793) {
+                          return {4, 16, 8, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 32, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 8, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -3.892638921737671) {
+                        return {2, 8, 64, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 13.368982315063477) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.029109001159668) {
+                            return {2, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {4, 4, 32, 64, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 10.936712265014648) {
+                    if (x.avg <= 79.1058235168457) {
+                      if (x.avg <= 32.90373253822327) {
+                        if (x.log2_S <= 9.756027221679688) {
+                          if (x.skew_lo <= -1.592566967010498) {
+                            if (x.log2_S <= 8.793362617492676) {
+                              return {2, 1, 8, 256, 0};  // SP
+                            } else {
+                              return {4, 8, 32, 32, 0};  // SP
+                            }
+                          } else {
+                            return {2, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.58409309387207) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {2, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 167.97435760498047) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.10286569595337) {
+                          return {2, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.39625316858291626) {
+                      if (x.log2_S <= 12.333749771118164) {
+                        if (x.skew_lo <= -1.4259942173957825) {
+                          if (x.log2_S <= 11.970841884613037) {
+                            if (x.long_level <= 0.5) {
+                              return {2, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 8, 2, 0};  // SP
+                          }
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.011056423187256) {
+                        return {2, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.long_level <= 0.5) {
+                          if (x.log2_S <= 14.025221347808838) {
+                            return {2, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 8.799315929412842) {
+                  if (x.skew_lo <= -1.9800159335136414) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    return {2, 32, 64, 2, 0};  // SP
+                  }
+                } else {
+                  return {4, 32, 64, 4, 0};  // SP
+                }
+              }
+            } else {
+              if (x.avg <= 12.863738536834717) {
+                if (x.skew_lo <= 7.4357569217681885) {
+                  if (x.avg <= 6.238702297210693) {
+                    if (x.skew_hi <= 8.356431007385254) {
+                      if (x.log2_S <= 12.602355003356934) {
+                        if (x.skew_hi <= 8.269253253936768) {
+                          return {2, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 7.9414167404174805) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.224523067474365) {
+                        if (x.log2_S <= 11.058709144592285) {
+                          if (x.skew_hi <= 9.05473518371582) {
+                            if (x.skew_lo <= 4.46239447593689) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 2.3853251934051514) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.54560661315918) {
+                              return {2, 32, 64, 2, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.164763927459717) {
+                      if (x.skew_lo <= 3.0663102865219116) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.avg <= 11.303196430206299) {
+                          if (x.skew_lo <= 6.780779600143433) {
+                            if (x.skew_hi <= 10.655640125274658) {
+                              if (x.log2_S <= 11.102115631103516) {
+                                if (x.skew_lo <= 6.542230844497681) {
+                                  return {2, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {4, 4, 8, 64, 1};  // SR
+                                }
+                              } else {
+                                return {4, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 9.243729591369629) {
+                              if (x.avg <= 8.113132238388062) {
+                                return {2, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {4, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 3.667162775993347) {
+                    return {2, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 10.433903217315674) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.608886241912842) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.34233045578003) {
+                  if (x.avg <= 16.51723003387451) {
+                    if (x.skew_lo <= 4.126295447349548) {
+                      if (x.log2_S <= 11.097082614898682) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 0.28818894922733307) {
+                      if (x.log2_S <= 12.41427230834961) {
+                        return {2, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    return {2, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 3.7566438913345337) {
+                      if (x.log2_S <= 13.699631214141846) {
+                        if (x.skew_hi <= 6.820420265197754) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.skew_hi <= 10.012357234954834) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 13.086361408233643) {
+              return {1, 2, 8, 128, 1};  // SR
+            } else {
+              return {2, 32, 8, 2, 32};  // PR
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.skew_hi <= 3.199739098548889) {
+              if (x.log2_S <= 17.564539909362793) {
+                if (x.log2_S <= 15.520483016967773) {
+                  if (x.skew_hi <= 2.07894504070282) {
+                    if (x.avg <= 53.383705139160156) {
+                      return {2, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {2, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 4, 32, 64, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 15.185853004455566) {
+                    if (x.log2_S <= 15.88532018661499) {
+                      return {4, 4, 32, 64, 0};  // SP
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 54.05508995056152) {
+                      return {4, 4, 32, 64, 0};  // SP
+                    } else {
+                      return {4, 8, 32, 32, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 22.706515312194824) {
+                  if (x.skew_hi <= 2.5177310705184937) {
+                    if (x.log2_S <= 21.889759063720703) {
+                      if (x.skew_lo <= -4.0340917110443115) {
+                        if (x.log2_S <= 20.12601375579834) {
+                          if (x.log2_S <= 19.17244243621826) {
+                            return {2, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          if (x.skew_hi <= 1.7781946659088135) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {1, 2, 32, 128, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 23.519577026367188) {
+                      if (x.log2_S <= 18.458489418029785) {
+                        return {2, 2, 64, 128, 0};  // SP
+                      } else {
+                        return {4, 1, 32, 256, 0};  // SP
+                      }
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 23.718178749084473) {
+                    if (x.log2_S <= 18.884553909301758) {
+                      if (x.log2_S <= 18.297348022460938) {
+                        return {4, 32, 16, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 19.854976654052734) {
+                        if (x.avg <= 43.62789535522461) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {2, 2, 64, 128, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 17.97137451171875) {
+                if (x.log2_S <= 15.949246883392334) {
+                  if (x.avg <= 1.6609575152397156) {
+                    return {2, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 15.360248565673828) {
+                      if (x.skew_lo <= -2.4497634172439575) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.99354648590088) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.skew_lo <= -1.5372419357299805) {
+                      if (x.avg <= 5.537952184677124) {
+                        return {4, 1, 32, 256, 0};  // SP
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -0.5873724818229675) {
+                        return {2, 1, 8, 256, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 5.332282543182373) {
+                  if (x.log2_S <= 24.315468788146973) {
+                    return {4, 1, 32, 256, 0};  // SP
+                  } else {
+                    if (x.avg <= 3.9716142416000366) {
+                      return {4, 1, 32, 256, 0};  // SP
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 22.800190925598145) {
+                    if (x.skew_lo <= -0.4776748865842819) {
+                      return {2, 1, 8, 256, 0};  // SP
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.863404273986816) {
+                      return {4, 1, 32, 256, 0};  // SP
+                    } else {
+                      return {2, 1, 8, 256, 0};  // SP
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 17.85543441772461) {
+              if (x.long_level <= 1.5) {
+                if (x.skew_hi <= 4.559851884841919) {
+                  if (x.skew_lo <= -0.35177652537822723) {
+                    if (x.log2_S <= 17.267279624938965) {
+                      if (x.skew_hi <= 2.0826467275619507) {
+                        if (x.log2_S <= 15.751006126403809) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {2, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  if (x.skew_lo <= 1.1694015860557556) {
+                    if (x.log2_S <= 17.110426902770996) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {2, 2, 8, 128, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 15.159808158874512) {
+                  if (x.skew_hi <= 12.167739391326904) {
+                    if (x.skew_hi <= 9.336376190185547) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                } else {
+                  return {2, 32, 8, 2, 32};  // PR
+                }
+              }
+            } else {
+              if (x.skew_lo <= 11.857386112213135) {
+                return {2, 32, 8, 2, 32};  // PR
+              } else {
+                if (x.log2_S <= 23.24558925628662) {
+                  return {2, 32, 8, 2, 32};  // PR
+                } else {
+                  return {4, 1, 32, 256, 0};  // SP
+                }
+              }
+            }
+          }
+        }
+      }
+    } else {
+      if (x.F <= 5.291502622129181) {
+        if (x.log2_S <= 18.124610900878906) {
+          if (x.skew_hi <= 13.109699249267578) {
+            if (x.skew_lo <= -0.01051114546135068) {
+              if (x.avg <= 66.42626953125) {
+                if (x.log2_S <= 15.343449115753174) {
+                  if (x.log2_S <= 10.52988052368164) {
+                    if (x.log2_S <= 9.036513328552246) {
+                      if (x.skew_lo <= -1.436666190624237) {
+                        if (x.skew_hi <= 0.9981071054935455) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 2, 16, 128, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 1.3721713423728943) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 2.1493579149246216) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.901260375976562) {
+                          if (x.skew_lo <= -1.5741792917251587) {
+                            if (x.log2_S <= 9.554952621459961) {
+                              return {4, 2, 16, 128, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_lo <= -0.5423564910888672) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 4, 32, 64, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.392211437225342) {
+                      if (x.avg <= 2.2959991693496704) {
+                        if (x.skew_lo <= -0.7647965550422668) {
+                          return {4, 16, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 8, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 0.14969589561223984) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 16, 32, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 13.789571285247803) {
+                        if (x.avg <= 16.692523956298828) {
+                          if (x.avg <= 1.0197726488113403) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 16, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 11.747602462768555) {
+                            return {4, 16, 32, 8, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 13.006318092346191) {
+                              return {4, 16, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 32, 8, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 4.233584880828857) {
+                          if (x.avg <= 1.4516707062721252) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= -1.8691483736038208) {
+                              if (x.log2_S <= 14.50553846359253) {
+                                return {4, 16, 32, 4, 0};  // SP
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 32, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 14.076719760894775) {
+                            return {4, 16, 32, 8, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 0.8895901143550873) {
+                              return {4, 16, 64, 8, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 2.86297607421875) {
+                                return {4, 8, 32, 32, 0};  // SP
+                              } else {
+                                if (x.skew_hi <= 3.465019941329956) {
+                                  return {4, 16, 64, 8, 0};  // SP
+                                } else {
+                                  return {4, 16, 32, 8, 0};  // SP
+                                }
+                              }
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -2.3236109018325806) {
+                    if (x.skew_lo <= -3.505091667175293) {
+                      if (x.log2_S <= 15.870672225952148) {
+                        if (x.avg <= 16.648547172546387) {
+                          return {4, 4, 32, 64, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -5.359607219696045) {
+                            return {4, 16, 32, 8, 0};  // SP
+                          } else {
+                            return {4, 8, 32, 32, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 17.567174911499023) {
+                          if (x.avg <= 54.4876823425293) {
+                            return {4, 4, 32, 64, 0};  // SP
+                          } else {
+                            return {4, 16, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 0.6611093282699585) {
+                            return {4, 4, 32, 64, 0};  // SP
+                          } else {
+                            return {4, 2, 16, 128, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 2, 16, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 16.004104614257812) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= -0.8362789750099182) {
+                        return {4, 1, 32, 256, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 17.193530082702637) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 1, 32, 256, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.927350997924805) {
+                  if (x.skew_lo <= -1.2807182669639587) {
+                    return {4, 32, 32, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 12.404286861419678) {
+                      if (x.skew_hi <= 3.7865419387817383) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.233956813812256) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 16, 64, 8, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 16.185625076293945) {
+                    if (x.avg <= 74.7232780456543) {
+                      if (x.log2_S <= 15.691505432128906) {
+                        return {4, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.04218578338623) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 32, 32, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.77653408050537) {
+                      if (x.skew_lo <= -0.5235296487808228) {
+                        if (x.log2_S <= 16.240710258483887) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    } else {
+                      if (x.skew_lo <= -1.1620987057685852) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 12.863738536834717) {
+                if (x.skew_lo <= 5.96502685546875) {
+                  if (x.log2_S <= 13.904392719268799) {
+                    if (x.skew_lo <= 4.12445855140686) {
+                      if (x.log2_S <= 12.160464763641357) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 4.892749071121216) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.771124362945557) {
+                            if (x.skew_hi <= 6.752866506576538) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.906217575073242) {
+                        if (x.skew_hi <= 8.382066249847412) {
+                          if (x.skew_lo <= 4.162069082260132) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.28360366821289) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 1.9276495575904846) {
+                            if (x.log2_S <= 10.608288764953613) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 11.460689544677734) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 8, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.skew_lo <= 4.722554445266724) {
+                              if (x.skew_hi <= 8.555961608886719) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 8, 0};  // SP
+                              }
+                            } else {
+                              return {4, 32, 32, 2, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.3264741897583) {
+                          if (x.avg <= 2.8379108905792236) {
+                            if (x.skew_hi <= 8.979007720947266) {
+                              if (x.log2_S <= 12.674495697021484) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 16, 64, 8, 0};  // SP
+                              }
+                            } else {
+                              return {4, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.406051635742188) {
+                      if (x.skew_lo <= 4.5146167278289795) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 11.772167682647705) {
+                    return {2, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 15.236124038696289) {
+                      if (x.skew_lo <= 10.970088005065918) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 12.601847648620605) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.821197509765625) {
+                  if (x.avg <= 16.501194953918457) {
+                    if (x.skew_lo <= 4.126295447349548) {
+                      if (x.log2_S <= 11.097082614898682) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.851638793945312) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {2, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 0.08859150484204292) {
+                      if (x.log2_S <= 9.51885175704956) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.700994968414307) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 104.79895401000977) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 37.2987003326416) {
+                    return {2, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 4.86622166633606) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.991520881652832) {
+                        if (x.avg <= 187.52108764648438) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 13.335673332214355) {
+              if (x.avg <= 22.604620933532715) {
+                if (x.avg <= 1.6067258715629578) {
+                  return {2, 2, 8, 128, 1};  // SR
+                } else {
+                  return {4, 32, 8, 2, 32};  // PR
+                }
+              } else {
+                return {2, 2, 8, 128, 1};  // SR
+              }
+            } else {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 15.117341041564941) {
+                  return {2, 2, 8, 128, 1};  // SR
+                } else {
+                  return {4, 32, 8, 2, 32};  // PR
+                }
+              } else {
+                return {4, 32, 8, 2, 32};  // PR
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.skew_hi <= 2.673086404800415) {
+              if (x.skew_hi <= 0.3286251723766327) {
+                if (x.log2_S <= 23.644869804382324) {
+                  return {4, 2, 16, 128, 0};  // SP
+                } else {
+                  return {4, 4, 32, 64, 0};  // SP
+                }
+              } else {
+                if (x.avg <= 13.00831413269043) {
+                  if (x.log2_S <= 22.987391471862793) {
+                    if (x.log2_S <= 19.405428886413574) {
+                      return {4, 2, 16, 128, 0};  // SP
+                    } else {
+                      return {4, 1, 32, 256, 0};  // SP
+                    }
+                  } else {
+                    return {4, 2, 16, 128, 0};  // SP
+                  }
+                } else {
+                  return {4, 2, 16, 128, 0};  // SP
+                }
+              }
+            } else {
+              if (x.skew_lo <= -2.4835779666900635) {
+                if (x.log2_S <= 23.519577026367188) {
+                  if (x.log2_S <= 18.31550884246826) {
+                    return {4, 2, 16, 128, 0};  // SP
+                  } else {
+                    return {4, 1, 32, 256, 0};  // SP
+                  }
+                } else {
+                  return {4, 2, 16, 128, 0};  // SP
+                }
+              } else {
+                return {4, 1, 32, 256, 0};  // SP
+              }
+            }
+          } else {
+            if (x.skew_lo <= -1.3904014229774475) {
+              if (x.log2_S <= 24.349708557128906) {
+                return {4, 32, 8, 2, 16};  // PR
+              } else {
+                return {4, 32, 8, 2, 32};  // PR
+              }
+            } else {
+              if (x.log2_S <= 20.363679885864258) {
+                if (x.skew_hi <= 18.798279762268066) {
+                  if (x.log2_S <= 18.59506320953369) {
+                    if (x.skew_hi <= 11.591351509094238) {
+                      if (x.avg <= 22.673441886901855) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.skew_lo <= 4.469661235809326) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.avg <= 67.51339721679688) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.skew_lo <= 2.751801013946533) {
+                        if (x.skew_lo <= -1.2776444554328918) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        if (x.avg <= 146.75299835205078) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 11.132775783538818) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    if (x.log2_S <= 19.79097270965576) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 114.85531234741211) {
+                        return {4, 32, 16, 2, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  }
+                }
+              } else {
+                return {4, 32, 8, 2, 32};  // PR
+              }
+            }
+          }
+        }
+      } else {
+        if (x.log2_S <= 15.011927127838135) {
+          if (x.skew_lo <= -0.24268066883087158) {
+            if (x.avg <= 132.19110870361328) {
+              if (x.log2_S <= 11.873682498931885) {
+                if (x.avg <= 70.72695922851562) {
+                  if (x.avg <= 1.8524831533432007) {
+                    if (x.log2_S <= 9.958242416381836) {
+                      return {4, 64, 32, 1, 0};  // SP
+                    } else {
+                      return {1, 64, 16, 1, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 33.81064796447754) {
+                      return {1, 64, 16, 1, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 10.689620971679688) {
+                        return {1, 64, 16, 1, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  return {1, 16, 64, 8, 0};  // SP
+                }
+              } else {
+                if (x.avg <= 27.70718288421631) {
+                  if (x.skew_hi <= 2.203264355659485) {
+                    if (x.log2_S <= 13.715971946716309) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 16, 16, 4, 0};  // SP
+                    }
+                  } else {
+                    return {1, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 13.63562536239624) {
+                      if (x.avg <= 34.722320556640625) {
+                        return {4, 16, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -5.025869369506836) {
+                        return {1, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 16, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {1, 16, 64, 8, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              return {1, 32, 64, 8, 0};  // SP
+            }
+          } else {
+            if (x.skew_hi <= 12.724186897277832) {
+              if (x.log2_S <= 13.355765342712402) {
+                if (x.avg <= 6.1579976081848145) {
+                  if (x.skew_lo <= 6.697593927383423) {
+                    if (x.skew_lo <= 4.6000144481658936) {
+                      if (x.log2_S <= 12.625628471374512) {
+                        if (x.avg <= 1.9026964902877808) {
+                          if (x.log2_S <= 11.779244899749756) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {1, 64, 16, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.881246089935303) {
+                            if (x.avg <= 4.018987417221069) {
+                              if (x.skew_hi <= 8.111788272857666) {
+                                return {2, 32, 8, 8, 1};  // SR
+                              } else {
+                                if (x.avg <= 3.391138434410095) {
+                                  return {1, 16, 8, 8, 1};  // SR
+                                } else {
+                                  return {2, 16, 8, 4, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 8.432644844055176) {
+                              return {1, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.482944011688232) {
+                        if (x.log2_S <= 8.137142181396484) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {1, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  return {1, 8, 8, 32, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 24.731422424316406) {
+                  if (x.skew_hi <= 5.897994518280029) {
+                    if (x.log2_S <= 14.000078678131104) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 2.32824969291687) {
+                      if (x.log2_S <= 14.293966293334961) {
+                        return {1, 16, 8, 8, 1};  // SR
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.388071537017822) {
+                    return {1, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {1, 8, 16, 32, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 14.798428535461426) {
+                  return {1, 8, 8, 32, 1};  // SR
+                } else {
+                  return {1, 8, 16, 32, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 14.314937114715576) {
+                  return {1, 8, 16, 32, 1};  // SR
+                } else {
+                  if (x.skew_lo <= 10.69371747970581) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 14.547176361083984) {
+                      if (x.skew_lo <= 11.687845706939697) {
+                        return {1, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.skew_hi <= 19.07593536376953) {
+            if (x.skew_lo <= -3.4678112268447876) {
+              if (x.log2_S <= 17.093124389648438) {
+                if (x.log2_S <= 16.10897159576416) {
+                  return {4, 16, 16, 4, 0};  // SP
+                } else {
+                  if (x.skew_lo <= -5.0804078578948975) {
+                    return {4, 16, 16, 4, 0};  // SP
+                  } else {
+                    return {4, 8, 32, 32, 0};  // SP
+                  }
+                }
+              } else {
+                return {2, 8, 64, 32, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 18.6260404586792) {
+                if (x.skew_hi <= 3.5459673404693604) {
+                  if (x.skew_lo <= -1.1435528993606567) {
+                    if (x.long_level <= 0.5) {
+                      if (x.log2_S <= 17.06054973602295) {
+                        if (x.log2_S <= 16.290226936340332) {
+                          if (x.log2_S <= 15.754100322723389) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 0};  // SP
+                        }
+                      } else {
+                        return {2, 8, 64, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 17.136486053466797) {
+                        if (x.log2_S <= 16.503029823303223) {
+                          return {1, 32, 64, 8, 0};  // SP
+                        } else {
+                          if (x.avg <= 225.6530303955078) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 8, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 1.6175152659416199) {
+                          if (x.log2_S <= 18.306103706359863) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.751206398010254) {
+                      return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 9.953771114349365) {
+                    if (x.skew_hi <= 9.540185928344727) {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_hi <= 7.51059627532959) {
+                          if (x.log2_S <= 16.07337188720703) {
+                            if (x.avg <= 5.058963060379028) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 17.867521286010742) {
+                              if (x.avg <= 1.0466981530189514) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                if (x.skew_lo <= -2.220378279685974) {
+                                  return {4, 8, 32, 32, 0};  // SP
+                                } else {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.skew_lo <= 1.6486495733261108) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 32, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 17.973615646362305) {
+                            if (x.skew_hi <= 8.166834354400635) {
+                              if (x.log2_S <= 16.012264728546143) {
+                                return {1, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 2.6427265405654907) {
+                              return {1, 8, 16, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.678674221038818) {
+                          if (x.log2_S <= 15.10739517211914) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 16.32632827758789) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 33.03467082977295) {
+                              return {1, 8, 32, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 16.961045265197754) {
+                                return {1, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 64, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 18.284093856811523) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 15.532177925109863) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 7.898708820343018) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 30.944327354431152) {
+                              if (x.skew_lo <= 9.864274024963379) {
+                                return {1, 8, 16, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 32, 32, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_hi <= 16.426020622253418) {
+                                return {1, 8, 32, 32, 1};  // SR
+                              } else {
+                                if (x.skew_lo <= 8.088738441467285) {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                } else {
+                                  return {4, 8, 64, 32, 1};  // SR
+                                }
+                              }
+                            }
                           }
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 19.242279052734375) {
-                      if (x.log2_S <= 13.846058368682861) {
-                        if (x.skew_lo <= 12.215713500976562) {
-                          return {4, 8, 16, 32, 1};  // SR
+                    if (x.avg <= 6.181886672973633) {
+                      if (x.log2_S <= 16.329885482788086) {
+                        if (x.skew_hi <= 15.129353523254395) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 8};  // PR
+                        }
+                      } else {
+                        if (x.skew_hi <= 17.969155311584473) {
+                          if (x.skew_lo <= 11.914505958557129) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 17.824149131774902) {
+                              return {4, 32, 8, 2, 16};  // PR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 8};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 9.908274173736572) {
+                        if (x.skew_hi <= 16.556700706481934) {
+                          if (x.skew_lo <= 11.024843215942383) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 8};  // PR
+                          }
+                        } else {
+                          if (x.skew_lo <= 11.126561164855957) {
+                            return {4, 8, 64, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 3.6712472438812256) {
+                  if (x.avg <= 3.822668433189392) {
+                    return {4, 32, 16, 2, 8};  // PR
+                  } else {
+                    if (x.avg <= 36.21665000915527) {
+                      if (x.log2_S <= 21.049559593200684) {
+                        if (x.skew_lo <= -2.9090521335601807) {
+                          if (x.log2_S <= 19.5192813873291) {
+                            return {2, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 1.0216397047042847) {
+                          if (x.avg <= 4.281460285186768) {
+                            return {4, 32, 16, 2, 8};  // PR
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.660820960998535) {
+                    if (x.skew_lo <= 11.007390975952148) {
+                      if (x.skew_lo <= 5.351759433746338) {
+                        if (x.avg <= 2.543475031852722) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 11.603711605072021) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 26.462583541870117) {
+                            if (x.skew_lo <= 10.598069667816162) {
+                              return {1, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 7.117295503616333) {
+                              return {1, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 32, 32, 4, 8};  // PR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  } else {
+                    if (x.avg <= 5.33542799949646) {
+                      if (x.skew_hi <= 8.422138690948486) {
+                        if (x.log2_S <= 21.0701322555542) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 21.926182746887207) {
+                        if (x.skew_hi <= 11.41880464553833) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 20.9960298538208) {
+                          if (x.skew_hi <= 8.515330791473389) {
+                            return {1, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 5.044248104095459) {
+                              return {4, 8, 64, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 20.150171279907227) {
+              if (x.skew_lo <= 9.366272449493408) {
+                return {1, 32, 32, 4, 8};  // PR
+              } else {
+                if (x.log2_S <= 19.72074604034424) {
+                  return {4, 32, 16, 2, 8};  // PR
+                } else {
+                  if (x.avg <= 2.723444700241089) {
+                    return {4, 32, 16, 2, 8};  // PR
+                  } else {
+                    return {1, 32, 32, 4, 8};  // PR
+                  }
+                }
+              }
+            } else {
+              return {1, 32, 32, 4, 8};  // PR
+            }
+          }
+        }
+      }
+    }
+  } else {
+    if (x.F <= 22.627416997969522) {
+      if (x.F <= 11.313708498984761) {
+        if (x.long_level <= 0.5) {
+          if (x.log2_S <= 17.13951301574707) {
+            if (x.log2_S <= 13.805183410644531) {
+              if (x.log2_S <= 11.134994506835938) {
+                if (x.log2_S <= 10.118207454681396) {
+                  if (x.skew_lo <= -1.828453779220581) {
+                    if (x.log2_S <= 9.5371413230896) {
+                      return {4, 16, 32, 8, 0};  // SP
+                    } else {
+                      if (x.avg <= 32.70495414733887) {
+                        return {4, 16, 8, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.992724895477295) {
+                          return {4, 16, 8, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 16, 8, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -2.2244943380355835) {
+                    if (x.skew_lo <= -3.0629212856292725) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.041616439819336) {
+                        if (x.log2_S <= 10.34110975265503) {
+                          return {4, 16, 8, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.505571842193604) {
+                      if (x.skew_lo <= -0.7789202928543091) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 32, 4, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 32, 4, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 1.6600500345230103) {
+                  if (x.log2_S <= 12.59498643875122) {
+                    if (x.skew_hi <= 5.586008787155151) {
+                      if (x.log2_S <= 11.436091423034668) {
+                        return {4, 32, 32, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 32, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 32, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 64, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 13.510501861572266) {
+                    if (x.skew_hi <= 0.03797393850982189) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 3.1450371742248535) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= -3.30604350566864) {
+                if (x.log2_S <= 16.077394485473633) {
+                  if (x.skew_lo <= -4.563404083251953) {
+                    if (x.avg <= 43.95953559875488) {
+                      if (x.log2_S <= 13.899481773376465) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 15.554062843322754) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.540931224822998) {
+                      if (x.skew_hi <= 2.1586124897003174) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.131328582763672) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.349457740783691) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= -3.8680957555770874) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {4, 4, 32, 64, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 4, 32, 64, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 15.941681385040283) {
+                  return {4, 2, 8, 128, 1};  // SR
+                } else {
+                  if (x.skew_lo <= -1.6426481008529663) {
+                    return {4, 2, 16, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 17.053543090820312) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 2, 16, 128, 0};  // SP
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 17.946840286254883) {
+              if (x.skew_hi <= 2.177342653274536) {
+                return {4, 4, 32, 64, 0};  // SP
+              } else {
+                return {4, 2, 16, 128, 0};  // SP
+              }
+            } else {
+              if (x.avg <= 54.53054428100586) {
+                if (x.avg <= 1.072917878627777) {
+                  if (x.log2_S <= 21.188796043395996) {
+                    return {4, 2, 16, 128, 0};  // SP
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  return {4, 2, 16, 128, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 20.334214210510254) {
+                  return {4, 4, 32, 64, 0};  // SP
+                } else {
+                  return {4, 2, 16, 128, 0};  // SP
+                }
+              }
+            }
+          }
+        } else {
+          if (x.skew_lo <= 9.442302227020264) {
+            if (x.log2_S <= 14.90763235092163) {
+              if (x.avg <= 16.197580337524414) {
+                if (x.log2_S <= 13.168060302734375) {
+                  if (x.skew_lo <= 6.071770429611206) {
+                    if (x.skew_hi <= 7.183665990829468) {
+                      if (x.log2_S <= 12.383852005004883) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 2.630526900291443) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 8.91886568069458) {
+                        if (x.log2_S <= 12.568605422973633) {
+                          if (x.skew_hi <= 8.534628868103027) {
+                            if (x.avg <= 6.009088754653931) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 11.171313285827637) {
+                                return {2, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 11.107170104980469) {
+                              if (x.skew_lo <= 5.119762420654297) {
+                                return {2, 16, 8, 4, 1};  // SR
+                              } else {
+                                if (x.avg <= 8.497187674045563) {
+                                  return {4, 32, 64, 4, 0};  // SP
+                                } else {
+                                  return {4, 2, 8, 128, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.avg <= 2.3714786767959595) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 8.390820026397705) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.634927749633789) {
+                          if (x.avg <= 8.670790195465088) {
+                            if (x.avg <= 1.9752107858657837) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 11.192078590393066) {
+                                return {2, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          return {2, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 12.288849353790283) {
+                      if (x.skew_lo <= 6.306095361709595) {
+                        if (x.log2_S <= 11.933552265167236) {
+                          if (x.log2_S <= 9.007822036743164) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 11.873301982879639) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.790214538574219) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 5.380468368530273) {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_hi <= 8.78138780593872) {
+                        if (x.log2_S <= 14.575786113739014) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.275820255279541) {
+                          if (x.skew_lo <= 5.897273540496826) {
+                            return {2, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    return {4, 2, 8, 128, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 3.6812249422073364) {
+                  if (x.log2_S <= 9.279560565948486) {
+                    if (x.avg <= 234.55494689941406) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 1.2207303643226624) {
+                      if (x.log2_S <= 12.313436031341553) {
+                        if (x.log2_S <= 10.667508602142334) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 87.29500579833984) {
+                        if (x.log2_S <= 13.766002655029297) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 11.97939395904541) {
+                          if (x.skew_lo <= -1.9952061176300049) {
+                            if (x.log2_S <= 10.621899127960205) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -0.10177233070135117) {
+                    if (x.log2_S <= 10.983052730560303) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 14.849913120269775) {
+                      return {4, 2, 8, 128, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 9.190605640411377) {
+                if (x.log2_S <= 17.20267677307129) {
+                  if (x.skew_lo <= -0.9021121263504028) {
+                    if (x.skew_lo <= -1.690372347831726) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -1.5157842636108398) {
+                        if (x.log2_S <= 16.736787796020508) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.607550621032715) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 15.08401870727539) {
+                      if (x.skew_hi <= 3.4281479120254517) {
+                        if (x.log2_S <= 15.907481670379639) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 7.14845871925354) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 16.51107406616211) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.avg <= 69.1942024230957) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 2, 8, 128, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 12.851111471652985) {
+                  return {4, 2, 8, 128, 1};  // SR
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 19.234919548034668) {
+              if (x.skew_hi <= 13.958892822265625) {
+                if (x.skew_lo <= 10.83213996887207) {
+                  if (x.log2_S <= 19.23248863220215) {
+                    if (x.skew_lo <= 10.578139305114746) {
+                      if (x.skew_hi <= 13.848189353942871) {
+                        if (x.avg <= 1.1070154309272766) {
+                          if (x.skew_hi <= 12.297964096069336) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 9.868162155151367) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 1.4333094358444214) {
+                              if (x.skew_hi <= 12.27796459197998) {
+                                return {2, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_hi <= 13.524672508239746) {
+                                return {4, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 2.5) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.2426118850708) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 1.4191529750823975) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.log2_S <= 20.67204475402832) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
+              } else {
+                return {4, 32, 8, 2, 16};  // PR
+              }
+            } else {
+              if (x.avg <= 14.664678573608398) {
+                if (x.avg <= 4.6672751903533936) {
+                  return {4, 32, 16, 2, 16};  // PR
+                } else {
+                  if (x.avg <= 7.764708042144775) {
+                    if (x.avg <= 6.629023313522339) {
+                      if (x.skew_hi <= 22.07466697692871) {
+                        if (x.skew_hi <= 19.619009017944336) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 16, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.avg <= 5.834474563598633) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 16, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    return {4, 32, 16, 2, 16};  // PR
+                  }
+                }
+              } else {
+                return {4, 32, 8, 2, 16};  // PR
+              }
+            }
+          }
+        }
+      } else {
+        if (x.log2_S <= 15.804178714752197) {
+          if (x.skew_lo <= -0.54585862159729) {
+            if (x.avg <= 63.30140686035156) {
+              if (x.log2_S <= 13.725343704223633) {
+                if (x.log2_S <= 11.606135368347168) {
+                  if (x.log2_S <= 9.935282707214355) {
+                    if (x.log2_S <= 8.083145141601562) {
+                      if (x.avg <= 6.352760076522827) {
+                        return {4, 16, 8, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 20.232510566711426) {
+                      if (x.log2_S <= 11.354357719421387) {
+                        if (x.avg <= 1.5313010215759277) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 4.280496835708618) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 10.392026424407959) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.120582103729248) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.286951541900635) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.400909900665283) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 2.752291440963745) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 2.5047109127044678) {
+                  if (x.skew_lo <= -4.847656726837158) {
+                    if (x.log2_S <= 15.605596542358398) {
+                      if (x.log2_S <= 14.032745838165283) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 32, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 14.562600135803223) {
+                      if (x.avg <= 16.95206928253174) {
+                        if (x.skew_lo <= -3.8413875102996826) {
+                          return {4, 4, 32, 64, 0};  // SP
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.00760555267334) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 4, 32, 64, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.784036636352539) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    return {4, 4, 32, 64, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.673009395599365) {
+                if (x.avg <= 141.76210021972656) {
+                  if (x.log2_S <= 12.05244255065918) {
+                    if (x.log2_S <= 10.083089828491211) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.778181552886963) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 1, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {4, 16, 64, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_hi <= 2.2792938947677612) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 12.637915134429932) {
+                      if (x.log2_S <= 8.384605407714844) {
+                        if (x.avg <= 162.32759857177734) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 64, 64, 1, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 199.74249267578125) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 221.09879302978516) {
+                  if (x.skew_hi <= 3.2376837730407715) {
+                    if (x.log2_S <= 15.511058330535889) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 14.00998067855835) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 16.995068550109863) {
+              if (x.log2_S <= 13.641510963439941) {
+                if (x.long_level <= 2.5) {
+                  if (x.long_level <= 1.5) {
+                    if (x.avg <= 6.5198705196380615) {
+                      if (x.skew_lo <= 1.6464485451579094) {
+                        if (x.log2_S <= 12.299025058746338) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -0.13601180911064148) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.533299446105957) {
+                          if (x.log2_S <= 12.606516361236572) {
+                            if (x.skew_lo <= 3.9774504899978638) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 4.39674973487854) {
+                                if (x.log2_S <= 11.248549938201904) {
+                                  if (x.skew_lo <= 4.025947332382202) {
+                                    return {1, 32, 8, 2, 1};  // SR
+                                  } else {
+                                    return {2, 8, 8, 32, 1};  // SR
+                                  }
+                                } else {
+                                  return {2, 16, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                return {2, 16, 8, 4, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.639036178588867) {
+                            if (x.avg <= 2.395316004753113) {
+                              return {4, 64, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 1, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 12.007709503173828) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              if (x.skew_lo <= 5.479290723800659) {
+                                if (x.log2_S <= 13.335336685180664) {
+                                  if (x.skew_hi <= 8.713356018066406) {
+                                    return {2, 8, 8, 32, 1};  // SR
+                                  } else {
+                                    return {2, 16, 8, 4, 1};  // SR
+                                  }
+                                } else {
+                                  return {2, 8, 8, 32, 1};  // SR
+                                }
+                              } else {
+                                return {2, 8, 8, 32, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 13.823363304138184) {
+                        if (x.log2_S <= 13.013010025024414) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 6.897899866104126) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.426924705505371) {
+                          if (x.skew_hi <= 6.017501592636108) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 14.376797199249268) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 13.047043800354004) {
+                      return {2, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 11.048863887786865) {
+                    if (x.skew_hi <= 13.262277603149414) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 12.442661762237549) {
+                      return {2, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 9.860332012176514) {
+                  if (x.log2_S <= 14.531665802001953) {
+                    if (x.skew_lo <= 5.981013059616089) {
+                      if (x.skew_hi <= 7.33554744720459) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {2, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    return {4, 4, 8, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 14.449319839477539) {
+                    if (x.skew_lo <= 11.017755508422852) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  } else {
+                    if (x.avg <= 8.11256217956543) {
+                      return {4, 32, 16, 2, 8};  // PR
+                    } else {
+                      if (x.skew_hi <= 14.949809074401855) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 14.020479679107666) {
+                if (x.avg <= 23.64253330230713) {
+                  if (x.skew_hi <= 7.044579267501831) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 11.523343563079834) {
+                      if (x.long_level <= 2.5) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 13.620260238647461) {
+                    if (x.skew_lo <= -0.4089615046977997) {
+                      if (x.log2_S <= 10.080130100250244) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 129.68290328979492) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 61.11528968811035) {
+                  if (x.skew_hi <= 11.945185661315918) {
+                    if (x.skew_lo <= 4.0810558795928955) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 9.136054515838623) {
+                        if (x.log2_S <= 14.653173446655273) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 14.231312274932861) {
+                    if (x.skew_hi <= 10.959607362747192) {
+                      if (x.long_level <= 1.5) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.long_level <= 0.5) {
+            if (x.skew_hi <= 5.460502862930298) {
+              return {4, 4, 32, 64, 0};  // SP
+            } else {
+              if (x.avg <= 1.1462998390197754) {
+                return {4, 4, 8, 64, 1};  // SR
+              } else {
+                if (x.log2_S <= 17.33199405670166) {
+                  return {4, 4, 8, 64, 1};  // SR
+                } else {
+                  if (x.log2_S <= 22.420119285583496) {
+                    return {4, 4, 32, 64, 0};  // SP
+                  } else {
+                    return {4, 4, 8, 64, 1};  // SR
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.698400974273682) {
+              if (x.avg <= 17.74981117248535) {
+                if (x.log2_S <= 18.23612117767334) {
+                  if (x.skew_lo <= 7.665596008300781) {
+                    if (x.skew_lo <= 4.64232325553894) {
+                      if (x.log2_S <= 16.345643043518066) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 10.036298274993896) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 16.78562831878662) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 10.44127368927002) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 9.717421531677246) {
+                    return {4, 4, 16, 64, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 5.887892246246338) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 14.490207195281982) {
+                        if (x.skew_lo <= 6.174614191055298) {
+                          if (x.log2_S <= 21.28146743774414) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 16, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 16.44712734222412) {
+                  if (x.avg <= 37.3114128112793) {
+                    if (x.skew_hi <= 5.6902971267700195) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.2243195176124573) {
+                      if (x.skew_hi <= 2.2223845720291138) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 4, 16, 64, 1};  // SR
+                }
+              }
+            } else {
+              if (x.log2_S <= 19.18571949005127) {
+                if (x.skew_hi <= 16.373483657836914) {
+                  if (x.avg <= 7.464479446411133) {
+                    return {4, 32, 16, 2, 8};  // PR
+                  } else {
+                    return {4, 4, 32, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 2.681432366371155) {
+                    return {4, 4, 32, 64, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 11.948778629302979) {
+                      if (x.log2_S <= 18.75165843963623) {
+                        return {4, 4, 32, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 11.243372440338135) {
+                          return {4, 4, 32, 64, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 8};  // PR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 7.6994969844818115) {
+                  return {4, 32, 16, 2, 8};  // PR
+                } else {
+                  return {4, 4, 32, 64, 1};  // SR
+                }
+              }
+            }
+          }
+        }
+      }
+    } else {
+      if (x.F <= 45.254833995939045) {
+        if (x.log2_S <= 15.39669942855835) {
+          if (x.skew_lo <= -0.3574804365634918) {
+            if (x.log2_S <= 10.067738056182861) {
+              if (x.avg <= 2.1577242612838745) {
+                return {4, 64, 64, 1, 0};  // SP
+              } else {
+                if (x.log2_S <= 9.894375801086426) {
+                  return {4, 32, 64, 8, 0};  // SP
+                } else {
+                  if (x.avg <= 40.16596031188965) {
+                    return {4, 64, 64, 4, 0};  // SP
+                  } else {
+                    return {4, 32, 64, 8, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 104.2205810546875) {
+                if (x.log2_S <= 11.816077709197998) {
+                  if (x.skew_hi <= 2.7868404388427734) {
+                    if (x.log2_S <= 10.254493236541748) {
+                      if (x.skew_hi <= 1.4645152688026428) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 11.721415519714355) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.809784412384033) {
+                      return {4, 64, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.606135368347168) {
+                        if (x.skew_lo <= -1.8927764296531677) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -0.8024050295352936) {
+                            return {4, 64, 64, 4, 0};  // SP
+                          } else {
+                            if (x.avg <= 42.70086878538132) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.1322455406188965) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -3.6419944763183594) {
+                    if (x.log2_S <= 14.04785680770874) {
+                      if (x.log2_S <= 13.26712942123413) {
+                        if (x.avg <= 21.661008834838867) {
+                          if (x.avg <= 14.590709686279297) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 0.21308591216802597) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -5.263837575912476) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 16, 16, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.215793132781982) {
+                      if (x.skew_lo <= -2.1812639236450195) {
+                        if (x.log2_S <= 12.98847770690918) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 12.779843807220459) {
+                          if (x.skew_lo <= -0.7177331149578094) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 42.87192225456238) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.7767519354820251) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.avg <= 43.24027043581009) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 8, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 11.030662059783936) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 3.507715106010437) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.099376201629639) {
+                  if (x.skew_lo <= -1.704701840877533) {
+                    return {4, 32, 64, 8, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 10.374659061431885) {
+                      return {4, 32, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 12.673295021057129) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -1.0230653285980225) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 2.966818332672119) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 14.784459114074707) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 12.930835247039795) {
+              if (x.long_level <= 1.5) {
+                if (x.avg <= 19.88902187347412) {
+                  if (x.log2_S <= 13.14171838760376) {
+                    if (x.avg <= 3.9073166847229004) {
+                      if (x.skew_hi <= 9.071967601776123) {
+                        if (x.skew_hi <= 7.992800951004028) {
+                          if (x.log2_S <= 9.588908672332764) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.899999141693115) {
+                              if (x.log2_S <= 11.234606742858887) {
+                                if (x.log2_S <= 9.938636779785156) {
+                                  return {4, 32, 32, 4, 0};  // SP
+                                } else {
+                                  return {4, 64, 64, 4, 0};  // SP
+                                }
+                              } else {
+                                return {4, 64, 64, 1, 0};  // SP
+                              }
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.421850681304932) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {2, 16, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.196525573730469) {
+                        return {2, 16, 8, 4, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 2.958963394165039) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 4.579466104507446) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.581921577453613) {
+                        return {2, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.08867883682251) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 41.533119201660156) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.198320388793945) {
+                  if (x.skew_lo <= 11.851268768310547) {
+                    if (x.skew_hi <= 12.78756046295166) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 9.14381217956543) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 10.408723831176758) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 16};  // PR
+                  }
+                } else {
+                  if (x.skew_lo <= 5.406972646713257) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 10.038772583007812) {
+                if (x.avg <= 8.887951970100403) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.log2_S <= 14.479018211364746) {
+                    return {4, 4, 16, 64, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 14.893679141998291) {
+                      if (x.log2_S <= 14.759450435638428) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 13.176201820373535) {
+                  if (x.avg <= 11.508060455322266) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                } else {
+                  return {4, 8, 32, 32, 1};  // SR
+                }
+              }
+            }
+          }
+        } else {
+          if (x.skew_lo <= -1.1775553226470947) {
+            if (x.log2_S <= 16.128003120422363) {
+              if (x.avg <= 102.89694595336914) {
+                if (x.skew_lo <= -4.249016523361206) {
+                  if (x.avg <= 45.18645477294922) {
+                    return {4, 16, 16, 4, 0};  // SP
+                  } else {
+                    return {4, 16, 64, 8, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_hi <= 3.915220618247986) {
+                    return {4, 8, 32, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                }
+              } else {
+                return {4, 32, 64, 4, 0};  // SP
+              }
+            } else {
+              if (x.skew_lo <= -1.4067258834838867) {
+                if (x.log2_S <= 16.79735565185547) {
+                  if (x.avg <= 225.6530303955078) {
+                    if (x.skew_lo <= -1.5157842636108398) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
+                  }
+                } else {
+                  return {4, 8, 32, 32, 0};  // SP
+                }
+              } else {
+                if (x.long_level <= 0.5) {
+                  return {4, 8, 32, 32, 0};  // SP
+                } else {
+                  return {4, 8, 32, 32, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 9.863834857940674) {
+              if (x.avg <= 20.40254306793213) {
+                if (x.log2_S <= 18.23612117767334) {
+                  if (x.skew_lo <= 8.23976469039917) {
+                    if (x.log2_S <= 17.491695404052734) {
+                      if (x.skew_lo <= -1.0224458575248718) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 8.298964023590088) {
+                        if (x.skew_lo <= 0.8398538865149021) {
+                          if (x.skew_hi <= 5.19238018989563) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
                         }
                       } else {
-                        if (x.long_level <= 2.5) {
-                          if (x.log2_S <= 15.51888656616211) {
-                            if (x.log2_S <= 14.485509872436523) {
-                              return {4, 8, 8, 32, 1};  // SR
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 12.286463737487793) {
+                    if (x.skew_lo <= 6.073262453079224) {
+                      if (x.log2_S <= 18.901697158813477) {
+                        if (x.avg <= 2.718623161315918) {
+                          if (x.skew_hi <= 5.263160467147827) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 9.830808162689209) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 10.818224430084229) {
+                        if (x.skew_lo <= 6.112834215164185) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 8.531384944915771) {
+                      if (x.log2_S <= 18.647725105285645) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 1.355975091457367) {
+                        if (x.log2_S <= 18.943076133728027) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 1.900822639465332) {
+                          if (x.avg <= 1.5539589524269104) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 21.815418243408203) {
+                              return {4, 8, 32, 32, 1};  // SR
                             } else {
-                              return {4, 8, 16, 32, 1};  // SR
+                              return {4, 8, 64, 32, 1};  // SR
                             }
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.695828437805176) {
+                  if (x.skew_hi <= 3.127346158027649) {
+                    if (x.log2_S <= 16.418615341186523) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 55.33462333679199) {
+                      if (x.skew_hi <= 16.57329559326172) {
+                        if (x.avg <= 29.898738861083984) {
+                          if (x.skew_hi <= 7.391874313354492) {
+                            return {4, 8, 8, 32, 1};  // SR
                           } else {
                             return {4, 8, 32, 32, 1};  // SR
                           }
+                        } else {
+                          if (x.log2_S <= 16.86486530303955) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 2.6171507835388184) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 64, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 17.150379180908203) {
+                          return {4, 8, 64, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 8, 32, 32, 1};  // SR
+                }
+              }
+            } else {
+              if (x.log2_S <= 16.50108528137207) {
+                return {4, 8, 32, 32, 1};  // SR
+              } else {
+                if (x.skew_lo <= 10.002165794372559) {
+                  if (x.log2_S <= 19.78327465057373) {
+                    if (x.log2_S <= 17.216176986694336) {
+                      return {4, 8, 64, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 18.328535079956055) {
+                    if (x.skew_lo <= 11.813244342803955) {
+                      if (x.avg <= 6.182639837265015) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 18.192171096801758) {
+                          return {4, 8, 64, 32, 1};  // SR
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
                         }
@@ -8104,552 +8154,506 @@ inline Config gathered_config(const Features& f) {
                     } else {
                       return {4, 8, 64, 32, 1};  // SR
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 14.202982902526855) {
-                    if (x.skew_hi <= 13.778485298156738) {
-                      if (x.avg <= 31.212449073791504) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
                   } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
-                }
-              }
-            }
-          }
-        } else {
-          if (x.skew_lo <= 7.293926239013672) {
-            if (x.log2_S <= 19.718560218811035) {
-              if (x.log2_S <= 18.583385467529297) {
-                if (x.skew_lo <= 6.1338465213775635) {
-                  if (x.log2_S <= 17.71337890625) {
                     return {4, 8, 64, 32, 1};  // SR
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
                   }
-                } else {
-                  return {4, 8, 64, 32, 1};  // SR
                 }
-              } else {
-                return {4, 8, 32, 32, 1};  // SR
               }
-            } else {
-              return {4, 8, 64, 32, 1};  // SR
             }
-          } else {
-            return {4, 8, 64, 32, 1};  // SR
           }
         }
       } else {
         if (x.F <= 90.50966799187809) {
-          if (x.skew_hi <= 14.053166389465332) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 14.62549877166748) {
-                if (x.log2_S <= 12.123695850372314) {
-                  if (x.avg <= 16.19829750061035) {
-                    if (x.avg <= 2.8831676244735718) {
-                      if (x.avg <= 1.642390787601471) {
-                        if (x.log2_S <= 10.569183349609375) {
-                          if (x.skew_hi <= 5.928847312927246) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_hi <= 5.410741806030273) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 9.677490711212158) {
-                          if (x.avg <= 1.9364899396896362) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 8, 1, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_lo <= -1.2675504088401794) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 9.802979469299316) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 64, 16, 1, 0};  // SP
-                            }
-                          }
-                        }
-                      }
+          if (x.skew_lo <= -0.2119329497218132) {
+            if (x.log2_S <= 14.421113014221191) {
+              if (x.log2_S <= 11.343903064727783) {
+                if (x.log2_S <= 9.002605438232422) {
+                  if (x.avg <= 24.100123405456543) {
+                    if (x.avg <= 3.4508426189422607) {
+                      return {4, 64, 64, 4, 0};  // SP
                     } else {
-                      if (x.avg <= 10.377827167510986) {
-                        if (x.log2_S <= 11.84763240814209) {
-                          return {4, 64, 8, 1, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -2.786182403564453) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 64, 8, 1, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 9.039640426635742) {
-                          return {4, 32, 32, 2, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 10.655499935150146) {
-                            return {4, 64, 8, 1, 0};  // SP
-                          } else {
-                            if (x.avg <= 11.375703811645508) {
-                              return {4, 64, 8, 1, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
-                          }
-                        }
-                      }
+                      return {4, 32, 32, 4, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 9.091589450836182) {
-                      return {4, 32, 32, 2, 0};  // SP
+                    if (x.skew_lo <= -1.9800159335136414) {
+                      return {4, 64, 64, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 10.076245307922363) {
-                        if (x.avg <= 20.82033920288086) {
-                          return {4, 64, 8, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
+                      if (x.skew_hi <= 2.429947018623352) {
+                        return {4, 16, 16, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.803601741790771) {
-                          return {4, 64, 64, 2, 0};  // SP
+                        if (x.skew_hi <= 3.053282141685486) {
+                          return {4, 64, 64, 4, 0};  // SP
                         } else {
-                          return {4, 32, 64, 2, 0};  // SP
+                          if (x.skew_hi <= 3.2494505643844604) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 4, 0};  // SP
+                          }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 2.784157395362854) {
-                    if (x.log2_S <= 12.808171272277832) {
-                      if (x.avg <= 1.4875312447547913) {
-                        return {2, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
+                  if (x.log2_S <= 10.510778427124023) {
+                    if (x.avg <= 2.1270980834960938) {
+                      return {4, 64, 32, 1, 0};  // SP
                     } else {
-                      return {4, 16, 8, 2, 1};  // SR
+                      if (x.skew_lo <= -0.35318703949451447) {
+                        return {4, 64, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 8, 4, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 13.64960241317749) {
-                      if (x.skew_hi <= 3.910651206970215) {
-                        return {4, 32, 64, 2, 0};  // SP
+                    if (x.skew_lo <= -3.1660385131835938) {
+                      if (x.skew_lo <= -5.843968629837036) {
+                        return {4, 64, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.598753929138184) {
-                          if (x.skew_lo <= -1.8896322846412659) {
-                            return {4, 64, 8, 1, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
+                        return {4, 64, 32, 1, 0};  // SP
                       }
                     } else {
-                      if (x.avg <= 13.158361434936523) {
-                        return {4, 16, 64, 4, 0};  // SP
+                      if (x.skew_lo <= -0.8024050295352936) {
+                        return {4, 64, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 14.585018634796143) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
+                        return {2, 32, 8, 2, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 5.331826210021973) {
-                  if (x.skew_lo <= -5.062875032424927) {
-                    if (x.log2_S <= 17.525819778442383) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 15.335010528564453) {
-                      if (x.skew_lo <= -1.7086069583892822) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 2.149403929710388) {
-                          return {4, 16, 8, 2, 1};  // SR
+                if (x.avg <= 16.211103439331055) {
+                  if (x.log2_S <= 12.590968132019043) {
+                    if (x.skew_lo <= -1.9415624141693115) {
+                      if (x.log2_S <= 11.871015548706055) {
+                        if (x.log2_S <= 11.674198627471924) {
+                          return {4, 64, 32, 1, 0};  // SP
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
+                          return {4, 64, 64, 4, 0};  // SP
                         }
+                      } else {
+                        return {4, 16, 8, 4, 1};  // SR
                       }
                     } else {
-                      return {4, 16, 64, 4, 0};  // SP
+                      if (x.avg <= 1.8104063272476196) {
+                        return {2, 32, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= -1.6162619590759277) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 11.660123348236084) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 64, 8, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.997600555419922) {
+                      if (x.skew_hi <= 5.695421934127808) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {2, 32, 8, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.2234658002853394) {
+                        return {4, 16, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 8, 4, 1};  // SR
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.491881370544434) {
-                    return {4, 16, 8, 2, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 19.613015174865723) {
-                      if (x.skew_hi <= 5.383338212966919) {
-                        if (x.log2_S <= 17.834871292114258) {
-                          return {4, 16, 16, 8, 1};  // SR
+                  if (x.avg <= 150.0625991821289) {
+                    if (x.avg <= 79.67704772949219) {
+                      if (x.log2_S <= 13.232883930206299) {
+                        if (x.avg <= 67.48246002197266) {
+                          if (x.log2_S <= 12.627974510192871) {
+                            if (x.log2_S <= 11.857861042022705) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_lo <= -5.514686822891235) {
+                              return {4, 64, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
+                            }
+                          }
                         } else {
-                          return {4, 16, 64, 4, 0};  // SP
+                          return {4, 16, 16, 8, 1};  // SR
                         }
                       } else {
-                        return {4, 16, 16, 8, 1};  // SR
+                        if (x.log2_S <= 13.957235336303711) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 16, 16, 4, 0};  // SP
+                        }
                       }
                     } else {
-                      if (x.avg <= 1.1884053945541382) {
-                        return {4, 16, 16, 8, 1};  // SR
+                      if (x.log2_S <= 12.064696311950684) {
+                        if (x.skew_hi <= 3.1699845790863037) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
                       } else {
-                        return {4, 16, 64, 4, 0};  // SP
+                        return {4, 32, 64, 4, 0};  // SP
                       }
                     }
+                  } else {
+                    return {4, 64, 64, 4, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 12.790401458740234) {
-                if (x.long_level <= 2.5) {
-                  if (x.avg <= 7.724366188049316) {
-                    if (x.skew_lo <= 7.076925039291382) {
-                      if (x.avg <= 4.2826011180877686) {
-                        if (x.log2_S <= 11.34945821762085) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.62608528137207) {
-                            if (x.avg <= 2.2613511085510254) {
-                              return {2, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {2, 32, 8, 4, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.26316499710083) {
-                          if (x.log2_S <= 11.213047981262207) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 3.6420105695724487) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 8, 2, 1};  // SR
-                        }
-                      }
+              if (x.skew_lo <= -3.1925305128097534) {
+                if (x.log2_S <= 16.809176445007324) {
+                  if (x.skew_lo <= -5.695734262466431) {
+                    if (x.log2_S <= 15.968456268310547) {
+                      return {4, 16, 16, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 8.601204872131348) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 16, 8, 2, 1};  // SR
-                      }
+                      return {4, 16, 32, 4, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 12.33607530593872) {
-                      if (x.skew_lo <= 6.508240461349487) {
-                        return {4, 16, 8, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.074791431427002) {
-                          if (x.log2_S <= 9.833205223083496) {
-                            if (x.log2_S <= 8.632475852966309) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {4, 16, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 11.26580810546875) {
-                              return {4, 8, 8, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 11.796233654022217) {
-                                return {4, 16, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.skew_lo <= -1.0082244873046875) {
-                          if (x.log2_S <= 12.571650505065918) {
-                            return {4, 16, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 6.713888883590698) {
-                          if (x.log2_S <= 12.576772689819336) {
-                            return {4, 16, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    }
+                    return {4, 16, 16, 4, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 12.7408447265625) {
-                    return {4, 16, 16, 8, 1};  // SR
-                  } else {
-                    return {4, 8, 16, 32, 1};  // SR
-                  }
+                  return {4, 16, 32, 4, 0};  // SP
                 }
               } else {
-                if (x.avg <= 86.35689163208008) {
-                  if (x.log2_S <= 14.012234687805176) {
-                    if (x.long_level <= 1.5) {
-                      if (x.skew_lo <= 3.842095732688904) {
-                        if (x.log2_S <= 13.722833156585693) {
-                          return {4, 16, 8, 2, 1};  // SR
-                        } else {
-                          if (x.avg <= 16.763243198394775) {
-                            return {4, 16, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.588466167449951) {
-                          return {2, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 2, 1};  // SR
-                        }
-                      }
+                if (x.skew_lo <= -1.7748994827270508) {
+                  if (x.log2_S <= 14.787646770477295) {
+                    if (x.skew_hi <= 3.8055535554885864) {
+                      return {4, 16, 16, 4, 0};  // SP
                     } else {
-                      if (x.skew_lo <= 7.866681337356567) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        if (x.long_level <= 2.5) {
-                          if (x.skew_hi <= 13.23489761352539) {
-                            return {4, 16, 8, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 13.44624662399292) {
-                            if (x.avg <= 16.759611129760742) {
-                              if (x.skew_lo <= 11.362128257751465) {
-                                return {4, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 4.210238695144653) {
-                              if (x.skew_hi <= 13.770071029663086) {
-                                if (x.skew_lo <= 12.34850025177002) {
-                                  return {4, 8, 32, 32, 1};  // SR
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 64, 2, 1};  // SR
-                              }
-                            } else {
-                              return {4, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      }
+                      return {4, 16, 8, 4, 1};  // SR
                     }
                   } else {
-                    if (x.avg <= 3.8836333751678467) {
-                      if (x.log2_S <= 17.816083908081055) {
-                        if (x.skew_hi <= 12.044528007507324) {
-                          if (x.skew_hi <= 8.27268648147583) {
-                            if (x.log2_S <= 15.700948238372803) {
-                              return {4, 16, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 14.81913948059082) {
-                            if (x.skew_hi <= 13.465818881988525) {
-                              if (x.skew_hi <= 12.099736213684082) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 2, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 9.376765251159668) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 19.69455623626709) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 32.74806213378906) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 7.5773162841796875) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.349746704101562) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 18.817014694213867) {
-                              return {4, 16, 64, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 19.869733810424805) {
-                                if (x.avg <= 72.44655990600586) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 64, 2, 1};  // SR
-                              }
-                            }
-                          }
-                        }
-                      }
-                    }
+                    return {4, 16, 16, 4, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 15.11536169052124) {
-                    if (x.skew_hi <= 4.773277759552002) {
-                      if (x.skew_hi <= 3.3366230726242065) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.489485263824463) {
-                          return {4, 16, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
+                  if (x.log2_S <= 15.69632625579834) {
+                    if (x.avg <= 39.589332699775696) {
+                      return {4, 16, 8, 4, 1};  // SR
                     } else {
-                      if (x.skew_hi <= 13.7681245803833) {
-                        return {4, 16, 16, 8, 1};  // SR
+                      if (x.skew_lo <= -1.2258883714675903) {
+                        return {4, 16, 32, 4, 0};  // SP
                       } else {
-                        return {4, 8, 32, 32, 1};  // SR
+                        if (x.skew_hi <= 3.591958165168762) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 32, 2, 1};  // SR
+                        }
                       }
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.avg <= 99.7515869140625) {
-                        return {4, 16, 16, 8, 1};  // SR
+                    if (x.log2_S <= 19.26890468597412) {
+                      if (x.avg <= 181.5945587158203) {
+                        return {4, 16, 16, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 15.98889970779419) {
-                          if (x.skew_hi <= 3.0745553970336914) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 15.540010452270508) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 64, 2, 1};  // SR
-                            }
-                          }
+                        if (x.log2_S <= 17.652551651000977) {
+                          return {4, 16, 16, 4, 0};  // SP
                         } else {
-                          if (x.log2_S <= 19.405580520629883) {
-                            if (x.log2_S <= 17.155600547790527) {
-                              if (x.log2_S <= 16.70761203765869) {
-                                if (x.avg <= 213.56333923339844) {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 64, 4, 0};  // SP
-                                }
-                              } else {
-                                if (x.skew_lo <= -0.8596466183662415) {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                } else {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 16, 64, 2, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 19.834460258483887) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 20.888047218322754) {
-                                return {4, 16, 64, 2, 1};  // SR
-                              } else {
-                                if (x.skew_hi <= 2.58260715007782) {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                } else {
-                                  if (x.skew_lo <= -0.9731945395469666) {
-                                    return {4, 16, 16, 8, 1};  // SR
-                                  } else {
-                                    return {4, 16, 64, 2, 1};  // SR
-                                  }
-                                }
-                              }
-                            }
-                          }
+                          return {4, 16, 32, 4, 0};  // SP
                         }
                       }
                     } else {
-                      return {4, 16, 64, 2, 1};  // SR
+                      if (x.avg <= 2.725605010986328) {
+                        return {4, 16, 32, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 176.9880828857422) {
+                          if (x.skew_lo <= -0.38158534467220306) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 32, 4, 0};  // SP
+                        }
+                      }
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.skew_lo <= 11.30856704711914) {
-              return {4, 16, 64, 2, 1};  // SR
-            } else {
-              if (x.skew_hi <= 18.19246482849121) {
-                if (x.skew_hi <= 16.45358371734619) {
-                  if (x.log2_S <= 16.22596549987793) {
-                    return {4, 16, 64, 2, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 12.031714916229248) {
-                      return {4, 8, 32, 32, 1};  // SR
+            if (x.log2_S <= 14.01722240447998) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 12.879563808441162) {
+                  if (x.avg <= 5.5016772747039795) {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_hi <= 8.823419570922852) {
+                        if (x.skew_lo <= 4.033823013305664) {
+                          if (x.skew_hi <= 7.578343868255615) {
+                            if (x.log2_S <= 10.351633548736572) {
+                              if (x.avg <= 3.2664027214050293) {
+                                return {4, 64, 32, 1, 0};  // SP
+                              } else {
+                                return {4, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.483187198638916) {
+                            return {2, 64, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.210729598999023) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.783924102783203) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {4, 16, 64, 2, 1};  // SR
+                      return {4, 16, 8, 4, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 7.640620946884155) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 11.099513053894043) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.37655258178711) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 57.33562469482422) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 2.9825327396392822) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 17.576717376708984) {
-                    return {4, 8, 32, 32, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 12.012871742248535) {
-                      return {4, 8, 32, 32, 1};  // SR
+                  if (x.avg <= 17.166114807128906) {
+                    if (x.skew_lo <= 6.014300107955933) {
+                      if (x.log2_S <= 13.190954208374023) {
+                        if (x.avg <= 4.8664610385894775) {
+                          return {2, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 8, 4, 1};  // SR
+                      }
                     } else {
-                      return {4, 16, 64, 2, 1};  // SR
+                      if (x.log2_S <= 13.080702781677246) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
                     }
+                  } else {
+                    return {4, 16, 16, 8, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.380585670471191) {
+                  if (x.skew_lo <= 11.247013092041016) {
+                    return {4, 16, 16, 8, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 13.132102966308594) {
+                      return {4, 16, 16, 8, 1};  // SR
+                    } else {
+                      return {4, 16, 32, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 8.875492572784424) {
+                    if (x.skew_hi <= 13.868532180786133) {
+                      return {4, 16, 16, 8, 1};  // SR
+                    } else {
+                      return {4, 16, 32, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 32, 2, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 19.04198455810547) {
+                if (x.avg <= 32.42654991149902) {
+                  if (x.skew_hi <= 13.317162036895752) {
+                    if (x.log2_S <= 18.818157196044922) {
+                      if (x.avg <= 2.9792802333831787) {
+                        if (x.log2_S <= 16.358478546142578) {
+                          if (x.long_level <= 1.5) {
+                            return {4, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 2.220702560385689) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 18.491419792175293) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 2.287746787071228) {
+                            return {4, 16, 32, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_lo <= 0.4960619192570448) {
+                          return {4, 16, 16, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 32, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 4.232016563415527) {
+                          return {4, 16, 64, 2, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 11.272918701171875) {
+                            if (x.avg <= 27.398054122924805) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 32, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 19.731613159179688) {
+                              if (x.avg <= 4.773341655731201) {
+                                return {4, 16, 32, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 32, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 14.072189331054688) {
+                      if (x.skew_hi <= 16.189948081970215) {
+                        if (x.skew_hi <= 14.427820682525635) {
+                          if (x.log2_S <= 18.899110794067383) {
+                            if (x.log2_S <= 15.371006488800049) {
+                              if (x.skew_hi <= 14.004308700561523) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                if (x.skew_lo <= 12.419575691223145) {
+                                  return {4, 16, 32, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 64, 2, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 16, 32, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 18.28687572479248) {
+                          if (x.avg <= 7.096816539764404) {
+                            return {4, 16, 32, 2, 1};  // SR
+                          } else {
+                            if (x.avg <= 9.567580699920654) {
+                              return {4, 16, 64, 2, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 17.014705657958984) {
+                                return {4, 16, 64, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 32, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 16, 32, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 4.910025119781494) {
+                    if (x.log2_S <= 18.254241943359375) {
+                      if (x.skew_lo <= 2.0372477769851685) {
+                        if (x.avg <= 51.79477119445801) {
+                          if (x.log2_S <= 17.80364227294922) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 14.27153730392456) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 451.0807647705078) {
+                              return {4, 16, 32, 2, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 16.318947792053223) {
+                                return {4, 16, 32, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 4, 0};  // SP
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 15.228556632995605) {
+                          if (x.log2_S <= 14.399817943572998) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 3.2680662870407104) {
+                        return {4, 16, 32, 2, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 19.2914400100708) {
+                          return {4, 16, 64, 2, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 3.7170751094818115) {
+                            return {4, 16, 64, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 16, 32, 2, 1};  // SR
                   }
                 }
               } else {
@@ -8658,500 +8662,472 @@ inline Config gathered_config(const Features& f) {
             }
           }
         } else {
-          if (x.skew_hi <= 13.050448417663574) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 12.974609375) {
-                if (x.skew_hi <= 5.202425479888916) {
-                  if (x.log2_S <= 9.845469951629639) {
-                    if (x.avg <= 3.6309365034103394) {
-                      if (x.skew_hi <= 4.488470554351807) {
-                        return {2, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
+          if (x.skew_lo <= 0.5382702648639679) {
+            if (x.log2_S <= 17.11543846130371) {
+              if (x.avg <= 180.65997314453125) {
+                if (x.log2_S <= 11.264013767242432) {
+                  if (x.long_level <= 0.5) {
+                    if (x.skew_hi <= 2.7598981857299805) {
+                      return {4, 64, 32, 1, 0};  // SP
                     } else {
-                      if (x.log2_S <= 9.801547050476074) {
-                        return {4, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 8, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 10.698537349700928) {
-                      if (x.skew_lo <= -1.7634612321853638) {
-                        if (x.log2_S <= 10.4342360496521) {
-                          return {2, 16, 64, 8, 0};  // SP
+                      if (x.log2_S <= 10.073254108428955) {
+                        if (x.avg <= 1.5558911561965942) {
+                          return {4, 64, 32, 1, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 0.8293651938438416) {
-                            return {4, 64, 64, 2, 0};  // SP
+                          if (x.skew_hi <= 4.260717868804932) {
+                            if (x.skew_hi <= 3.6020172834396362) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 9.163843631744385) {
+                                return {2, 8, 64, 32, 0};  // SP
+                              } else {
+                                return {4, 64, 32, 1, 0};  // SP
+                              }
+                            }
                           } else {
-                            return {2, 16, 64, 8, 0};  // SP
+                            if (x.log2_S <= 9.526741981506348) {
+                              return {1, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
+                            }
                           }
                         }
                       } else {
-                        return {4, 64, 64, 2, 0};  // SP
+                        if (x.log2_S <= 10.76211929321289) {
+                          if (x.skew_lo <= -0.7674534618854523) {
+                            return {4, 64, 64, 4, 0};  // SP
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.90471887588501) {
+                      if (x.avg <= 53.365970611572266) {
+                        return {4, 16, 8, 2, 0};  // SP
+                      } else {
+                        return {4, 16, 16, 4, 0};  // SP
                       }
                     } else {
-                      if (x.skew_lo <= -3.650134325027466) {
-                        return {4, 64, 64, 2, 0};  // SP
+                      if (x.skew_hi <= 3.315645217895508) {
+                        return {4, 16, 16, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.905869007110596) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 4.157552003860474) {
-                            return {4, 32, 32, 2, 0};  // SP
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 13.637826919555664) {
+                      if (x.skew_lo <= -1.2142822742462158) {
+                        if (x.skew_hi <= 1.5253692269325256) {
+                          if (x.log2_S <= 13.23348617553711) {
+                            return {4, 64, 32, 1, 0};  // SP
                           } else {
-                            if (x.log2_S <= 12.64501142501831) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              if (x.avg <= 2.4735196828842163) {
-                                return {4, 64, 64, 2, 0};  // SP
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 12.631523132324219) {
+                          if (x.skew_lo <= -0.39285778999328613) {
+                            return {2, 64, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 1.9076526165008545) {
+                        if (x.log2_S <= 15.91713809967041) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 5.738568305969238) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.244431495666504) {
+                          if (x.skew_hi <= 3.475735902786255) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 15.29298210144043) {
+                              if (x.avg <= 3.852952003479004) {
+                                return {4, 16, 8, 4, 1};  // SR
                               } else {
-                                return {4, 16, 64, 4, 0};  // SP
+                                if (x.log2_S <= 14.662676811218262) {
+                                  return {4, 16, 8, 4, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 4, 0};  // SP
+                                }
                               }
+                            } else {
+                              if (x.skew_hi <= 4.019088268280029) {
+                                return {4, 32, 32, 2, 0};  // SP
+                              } else {
+                                return {4, 16, 16, 4, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 2.4819998741149902) {
+                            if (x.log2_S <= 16.5476713180542) {
+                              return {4, 16, 16, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_hi <= 4.294729948043823) {
+                              return {4, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 16, 4, 0};  // SP
                             }
                           }
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 12.644858360290527) {
-                    if (x.skew_lo <= -0.6687824726104736) {
-                      if (x.log2_S <= 9.487381935119629) {
-                        return {4, 64, 64, 2, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 3.506375789642334) {
+                      if (x.log2_S <= 15.75544023513794) {
+                        if (x.log2_S <= 13.51433515548706) {
+                          if (x.log2_S <= 11.788744926452637) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 2.770608067512512) {
+                              return {4, 32, 32, 4, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 12.24727487564087) {
+                                return {4, 32, 32, 4, 0};  // SP
+                              } else {
+                                return {4, 64, 64, 4, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 64, 64, 4, 0};  // SP
+                        }
                       } else {
-                        return {2, 32, 8, 4, 1};  // SR
+                        return {4, 32, 32, 4, 0};  // SP
                       }
                     } else {
-                      return {2, 32, 8, 4, 1};  // SR
+                      if (x.log2_S <= 13.669383525848389) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {4, 32, 32, 4, 0};  // SP
+                      }
                     }
-                  } else {
-                    return {4, 32, 8, 1, 1};  // SR
                   }
                 }
               } else {
-                if (x.skew_lo <= -0.781317263841629) {
-                  if (x.avg <= 8.528421878814697) {
-                    if (x.avg <= 3.6085426807403564) {
-                      if (x.log2_S <= 13.884311199188232) {
-                        if (x.avg <= 2.588377594947815) {
-                          return {4, 32, 8, 1, 1};  // SR
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 15.339231014251709) {
-                        return {4, 32, 32, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 16.90131378173828) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 19.979905128479004) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 16, 64, 4, 0};  // SP
-                  }
+                if (x.log2_S <= 12.600611209869385) {
+                  return {4, 16, 16, 4, 0};  // SP
                 } else {
-                  if (x.log2_S <= 16.199756622314453) {
-                    if (x.log2_S <= 15.257615089416504) {
-                      if (x.avg <= 1.3182562589645386) {
-                        return {4, 32, 8, 1, 1};  // SR
+                  if (x.log2_S <= 13.598494052886963) {
+                    return {4, 32, 32, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 206.13418579101562) {
+                      if (x.log2_S <= 15.151334762573242) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        if (x.avg <= 1.3700464367866516) {
-                          return {4, 16, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 1, 1};  // SR
-                        }
+                        return {4, 16, 16, 4, 0};  // SP
                       }
                     } else {
-                      return {4, 16, 8, 2, 1};  // SR
+                      return {4, 16, 16, 4, 0};  // SP
                     }
-                  } else {
-                    if (x.log2_S <= 20.42634868621826) {
-                      if (x.skew_hi <= 5.769719123840332) {
-                        return {4, 32, 32, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 18.149333953857422) {
-                          if (x.log2_S <= 16.913119316101074) {
-                            return {4, 16, 16, 8, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 0.5) {
+                if (x.skew_hi <= 2.4489762783050537) {
+                  return {4, 16, 32, 4, 0};  // SP
+                } else {
+                  if (x.log2_S <= 20.125788688659668) {
+                    if (x.log2_S <= 19.172181129455566) {
+                      if (x.avg <= 9.080679416656494) {
+                        if (x.log2_S <= 17.596341133117676) {
+                          if (x.skew_hi <= 4.195499658584595) {
+                            return {4, 32, 32, 2, 0};  // SP
                           } else {
-                            return {4, 32, 16, 2, 1};  // SR
+                            return {4, 16, 16, 4, 0};  // SP
                           }
                         } else {
                           return {4, 32, 32, 2, 0};  // SP
                         }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
                       }
                     } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.88517141342163) {
-                if (x.long_level <= 2.5) {
-                  if (x.skew_hi <= 7.122709512710571) {
-                    if (x.skew_lo <= 1.3532752990722656) {
-                      if (x.log2_S <= 12.320702075958252) {
-                        if (x.skew_hi <= 3.0716389417648315) {
-                          if (x.log2_S <= 9.303937911987305) {
-                            return {4, 32, 8, 8, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 1, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_hi <= 4.9609479904174805) {
-                            return {4, 32, 8, 1, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.14948558807373) {
-                              return {4, 32, 8, 1, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          }
-                        }
+                      if (x.skew_hi <= 4.48213005065918) {
+                        return {4, 32, 64, 2, 0};  // SP
                       } else {
-                        if (x.avg <= 101.79058837890625) {
-                          if (x.log2_S <= 12.759974002838135) {
-                            if (x.avg <= 47.444236755371094) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              if (x.skew_hi <= 3.3662885427474976) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 1, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 12.572339534759521) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 64, 64, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 9.867686748504639) {
-                        return {4, 32, 8, 1, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.311459064483643) {
-                          if (x.skew_hi <= 5.483692646026611) {
-                            if (x.log2_S <= 10.594342708587646) {
-                              return {4, 32, 8, 1, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        }
+                        return {4, 32, 32, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.skew_lo <= 4.764347553253174) {
-                        if (x.avg <= 4.887995958328247) {
-                          if (x.log2_S <= 12.287005424499512) {
-                            if (x.log2_S <= 11.228460788726807) {
-                              return {2, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.avg <= 4.487298488616943) {
-                                return {2, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 32, 8, 1, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 8, 1, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.326184749603271) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 1, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.263272762298584) {
-                        if (x.avg <= 93.17495727539062) {
-                          return {4, 32, 8, 1, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.010164737701416) {
-                            return {4, 32, 8, 1, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_lo <= 7.1888508796691895) {
-                          if (x.skew_lo <= 3.7058807611465454) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 13.240102291107178) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 6.177953481674194) {
-                                if (x.log2_S <= 13.763938426971436) {
-                                  return {4, 32, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              } else {
-                                if (x.avg <= 8.977920532226562) {
-                                  return {4, 32, 16, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 13.628089427947998) {
-                            if (x.avg <= 4.772120237350464) {
-                              if (x.avg <= 1.3851644396781921) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 1, 1};  // SR
-                              }
-                            } else {
-                              if (x.log2_S <= 12.893007278442383) {
-                                return {4, 32, 8, 1, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.116939544677734) {
-                    return {4, 32, 16, 2, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 12.26121711730957) {
-                      if (x.avg <= 64.55905151367188) {
-                        return {4, 32, 32, 1, 1};  // SR
-                      } else {
-                        return {4, 32, 16, 2, 1};  // SR
-                      }
-                    } else {
-                      return {4, 32, 32, 1, 1};  // SR
-                    }
+                    return {4, 16, 32, 4, 0};  // SP
                   }
                 }
               } else {
-                if (x.avg <= 33.50350761413574) {
-                  if (x.skew_lo <= 4.213339567184448) {
-                    if (x.log2_S <= 18.30213165283203) {
-                      if (x.skew_lo <= 1.7980781197547913) {
-                        if (x.log2_S <= 15.994587898254395) {
-                          if (x.log2_S <= 14.87890100479126) {
-                            if (x.log2_S <= 14.195678234100342) {
-                              if (x.avg <= 26.246400833129883) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_hi <= 5.693914890289307) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 17.444857597351074) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {4, 32, 16, 2, 1};  // SR
-                      }
+                if (x.skew_hi <= 3.4012938737869263) {
+                  if (x.log2_S <= 18.208173751831055) {
+                    if (x.skew_lo <= -1.6950464248657227) {
+                      return {4, 16, 16, 4, 0};  // SP
                     } else {
-                      return {4, 32, 32, 1, 1};  // SR
+                      if (x.avg <= 152.67318725585938) {
+                        return {4, 32, 32, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 15.995015621185303) {
-                      if (x.avg <= 10.517184257507324) {
-                        if (x.log2_S <= 14.163183689117432) {
-                          if (x.skew_lo <= 6.304757356643677) {
-                            return {4, 32, 8, 1, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 15.466181755065918) {
-                          if (x.skew_hi <= 9.850240230560303) {
-                            if (x.log2_S <= 14.37259817123413) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 12.009498119354248) {
-                              return {4, 32, 32, 1, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 2, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 8.78111982345581) {
-                        return {4, 32, 16, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 17.595770835876465) {
-                          if (x.log2_S <= 16.2666072845459) {
-                            return {4, 32, 16, 2, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 16, 2, 1};  // SR
-                        }
-                      }
-                    }
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 16.796360969543457) {
-                    if (x.skew_hi <= 3.394258499145508) {
-                      if (x.log2_S <= 16.665727615356445) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 202.37417602539062) {
-                          return {4, 32, 32, 1, 1};  // SR
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.329960823059082) {
-                        if (x.log2_S <= 14.204498767852783) {
-                          if (x.avg <= 168.29901123046875) {
-                            if (x.skew_hi <= 4.466062545776367) {
-                              return {4, 32, 16, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 16.049477577209473) {
-                          if (x.skew_lo <= 0.7431055903434753) {
-                            return {4, 32, 32, 1, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_hi <= 7.900309324264526) {
-                            if (x.log2_S <= 16.595925331115723) {
-                              if (x.avg <= 42.71600914001465) {
-                                return {4, 32, 16, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 32, 1, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_hi <= 4.346804618835449) {
-                                return {4, 32, 32, 1, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 32, 16, 2, 1};  // SR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 8.365246295928955) {
-                      return {4, 32, 32, 1, 1};  // SR
-                    } else {
-                      return {4, 32, 16, 2, 1};  // SR
-                    }
-                  }
+                  return {4, 32, 32, 4, 0};  // SP
                 }
               }
             }
           } else {
-            if (x.long_level <= 2.5) {
-              if (x.log2_S <= 15.358881950378418) {
-                if (x.skew_hi <= 13.705162048339844) {
-                  return {4, 32, 16, 2, 1};  // SR
-                } else {
-                  if (x.log2_S <= 14.560800552368164) {
-                    return {4, 32, 16, 2, 1};  // SR
+            if (x.log2_S <= 12.64718770980835) {
+              if (x.long_level <= 2.5) {
+                if (x.skew_lo <= 2.743220806121826) {
+                  if (x.avg <= 12.742815494537354) {
+                    if (x.log2_S <= 10.113921165466309) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 6.560180187225342) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    }
                   } else {
-                    return {4, 32, 32, 1, 1};  // SR
+                    if (x.skew_lo <= 1.0670416951179504) {
+                      if (x.log2_S <= 9.491055011749268) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_hi <= 7.828144311904907) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.906776428222656) {
+                        if (x.log2_S <= 9.311028003692627) {
+                          if (x.skew_hi <= 8.491113662719727) {
+                            if (x.skew_lo <= 5.640151739120483) {
+                              return {2, 64, 8, 2, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 8.96843957901001) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {2, 64, 8, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 64, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 3.7885178327560425) {
+                      if (x.log2_S <= 9.942992687225342) {
+                        if (x.skew_hi <= 6.869704723358154) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 11.951172351837158) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 10.988389492034912) {
+                          if (x.avg <= 44.51066017150879) {
+                            return {4, 32, 16, 1, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    }
                   }
                 }
               } else {
-                if (x.skew_lo <= 9.160375118255615) {
-                  if (x.log2_S <= 17.919167518615723) {
-                    return {4, 32, 32, 1, 1};  // SR
-                  } else {
-                    return {4, 32, 16, 2, 1};  // SR
-                  }
+                if (x.log2_S <= 12.466145992279053) {
+                  return {4, 32, 16, 1, 1};  // SR
                 } else {
                   return {4, 32, 32, 1, 1};  // SR
                 }
               }
             } else {
-              if (x.log2_S <= 17.960834503173828) {
-                if (x.log2_S <= 16.516324043273926) {
-                  return {4, 32, 32, 1, 1};  // SR
-                } else {
-                  if (x.skew_lo <= 11.04591703414917) {
-                    if (x.skew_lo <= 7.6716742515563965) {
-                      return {4, 32, 32, 1, 1};  // SR
-                    } else {
-                      if (x.avg <= 9.448423862457275) {
-                        if (x.skew_hi <= 17.259102821350098) {
-                          return {4, 16, 64, 2, 1};  // SR
+              if (x.skew_hi <= 17.772433280944824) {
+                if (x.skew_hi <= 9.97842788696289) {
+                  if (x.log2_S <= 18.11823844909668) {
+                    if (x.avg <= 18.64267635345459) {
+                      if (x.log2_S <= 14.132795333862305) {
+                        if (x.avg <= 11.258683681488037) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.long_level <= 1.5) {
+                            if (x.log2_S <= 13.009000301361084) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.log2_S <= 15.275190353393555) {
+                            if (x.avg <= 4.158848762512207) {
+                              if (x.skew_lo <= 4.6539146900177) {
+                                return {4, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 1, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 16, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 16, 1, 1};  // SR
+                          }
                         } else {
                           return {4, 32, 32, 1, 1};  // SR
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.039744853973389) {
+                        if (x.skew_lo <= 5.305422067642212) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 13.399244785308838) {
+                            return {4, 32, 16, 1, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
                       } else {
-                        return {4, 16, 64, 2, 1};  // SR
+                        if (x.skew_hi <= 5.927587985992432) {
+                          if (x.avg <= 33.03848457336426) {
+                            if (x.log2_S <= 15.746166706085205) {
+                              if (x.avg <= 20.02897548675537) {
+                                return {4, 32, 16, 1, 1};  // SR
+                              } else {
+                                return {4, 16, 32, 2, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 1.5307226777076721) {
+                              if (x.log2_S <= 14.227548122406006) {
+                                return {4, 16, 32, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 32, 4, 0};  // SP
+                              }
+                            } else {
+                              if (x.log2_S <= 15.337779521942139) {
+                                return {4, 16, 32, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 32, 2, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 2.4328688383102417) {
+                            if (x.log2_S <= 16.4184513092041) {
+                              return {4, 16, 32, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 2, 0};  // SP
+                            }
+                          } else {
+                            if (x.avg <= 46.27627372741699) {
+                              if (x.log2_S <= 15.336090564727783) {
+                                if (x.avg <= 21.81574249267578) {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                } else {
+                                  if (x.avg <= 30.671226501464844) {
+                                    return {4, 16, 32, 2, 1};  // SR
+                                  } else {
+                                    return {4, 32, 32, 2, 0};  // SP
+                                  }
+                                }
+                              } else {
+                                if (x.log2_S <= 17.953571319580078) {
+                                  return {4, 16, 32, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 32, 1, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 16, 32, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 412.53196716308594) {
+                      return {4, 32, 32, 1, 1};  // SR
+                    } else {
+                      return {4, 32, 32, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.854074478149414) {
+                    if (x.long_level <= 2.5) {
+                      if (x.avg <= 5.882742404937744) {
+                        if (x.log2_S <= 12.875695705413818) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 1, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.104156494140625) {
+                          return {4, 32, 16, 1, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 6.996527433395386) {
+                        if (x.skew_hi <= 14.34604263305664) {
+                          return {4, 32, 32, 1, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.691286087036133) {
+                            return {4, 16, 64, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
                       }
                     }
                   } else {
@@ -9159,7 +9135,35 @@ inline Config gathered_config(const Features& f) {
                   }
                 }
               } else {
-                return {4, 32, 32, 1, 1};  // SR
+                if (x.skew_lo <= 11.08256196975708) {
+                  if (x.log2_S <= 19.090872764587402) {
+                    if (x.avg <= 17.351694107055664) {
+                      if (x.skew_hi <= 18.174349784851074) {
+                        return {4, 32, 32, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 32, 2, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 64, 2, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 3.218200922012329) {
+                    return {4, 32, 32, 1, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 19.361775398254395) {
+                      return {4, 32, 32, 1, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 11.563226222991943) {
+                        return {4, 32, 32, 1, 1};  // SR
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                }
               }
             }
           }
