@@ -90,21 +90,18 @@ def _relation_ranges(graph: SortedGraph, relations: int) -> list:
     return ranges
 
 
-def _add_relation_products(out: Tensor, ranges: list, x_src: Tensor, weight: Tensor, reduce: str,
-                           keep: bool = False) -> list:
-    """out[lo:hi + 1] += (each relation's mean or sum of x over the destinations it reaches) @ W_r, in place,
-    one relation at a time; its aggregate [hi - lo + 1, C_in] is let go before the next is made unless
-    keep (returned, in the ranges' order)."""
-    kept = []
+def _relation_aggregate(part: _RelationRange, x_src: Tensor, reduce: str) -> Tensor:
+    """[hi - lo + 1, C_in] the relation's mean or sum of x over the destinations it reaches."""
+    return index._fused(part.src, part.dst, None, x_src[part.src_lo:part.src_hi + 1], reduce, part.hi - part.lo + 1,
+                        None, None)
+
+
+def _add_relation_products(out: Tensor, ranges: list, x_src: Tensor, weight: Tensor, reduce: str) -> None:
+    """out[lo:hi + 1] += (each relation's aggregate) @ W_r, in place, one relation at a time: its
+    aggregate is let go before the next is made."""
     with _derived_indices():
         for part in ranges:
-            aggregate = index._fused(part.src, part.dst, None, x_src[part.src_lo:part.src_hi + 1], reduce,
-                                     part.hi - part.lo + 1, None, None)
-            out[part.lo:part.hi + 1].addmm_(aggregate, weight[part.relation])
-            if keep:
-                kept.append(aggregate)
-            del aggregate
-    return kept
+            out[part.lo:part.hi + 1].addmm_(_relation_aggregate(part, x_src, reduce), weight[part.relation])
 
 
 class _RangeBySource(NamedTuple):
@@ -120,31 +117,34 @@ def _by_source(part: _RelationRange) -> _RangeBySource:
 
 class _RangesProduct(torch.autograd.Function):
     """Training's sum_r aggr over j in N_r(i) of x_j W_r in relation ranges (_reduce_then_project_in_ranges).
-    Kept for backward: where x takes no gradient, each relation's aggregate (what W_r's gradient reads, as
-    PyG keeps it); else nothing but x and the weights: the gradient of each relation's aggregate, reduced
-    to its sources over the range's edges in source order (by_source), gives both W_r's gradient and x's.
-    Peak: the output and one relation's rows, not a [N * R, C] table and its gradient."""
+    Kept for backward: x and the weights alone. Where x takes no gradient, W_r's gradient reads the
+    relation's aggregate, made again one relation at a time: one more gather pass in backward, where PyG
+    keeps every relation's aggregate from forward (on mag at 64 channels, about 300 MB). Else the
+    gradient of each relation's aggregate, reduced to its sources over the range's edges in source order
+    (by_source), gives both W_r's gradient and x's. Peak: the output and one relation's rows, not a
+    [N * R, C] table and its gradient."""
 
     @staticmethod
     def forward(ctx, x_src, weight, ranges, by_source, reduce, num_nodes):
         out = x_src.new_zeros(num_nodes, weight.size(-1))
-        keep = ctx.needs_input_grad[1] and not ctx.needs_input_grad[0]
-        ctx.save_for_backward(x_src, weight, *_add_relation_products(out, ranges, x_src, weight, reduce, keep))
-        ctx.ranges, ctx.by_source, ctx.mean = ranges, by_source, reduce == "mean"
+        _add_relation_products(out, ranges, x_src, weight, reduce)
+        ctx.save_for_backward(x_src, weight)
+        ctx.ranges, ctx.by_source, ctx.reduce = ranges, by_source, reduce
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_src, weight, *aggregates = ctx.saved_tensors
-        grad_x = torch.zeros_like(x_src) if ctx.needs_input_grad[0] else None
+        x_src, weight = ctx.saved_tensors
+        x_grad = ctx.needs_input_grad[0]
+        grad_x = torch.zeros_like(x_src) if x_grad else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         with _derived_indices():
             for i, part in enumerate(ctx.ranges):
                 grad_rows = grad_out[part.lo:part.hi + 1]
-                if aggregates:
-                    grad_w[part.relation] = aggregates[i].t() @ grad_rows
+                if not x_grad:
+                    grad_w[part.relation] = _relation_aggregate(part, x_src, ctx.reduce).t() @ grad_rows
                     continue
-                if ctx.mean:
+                if ctx.reduce == "mean":
                     grad_rows = grad_rows / mean_counts(part.dst, grad_rows.size(0)).unsqueeze(1).to(grad_rows.dtype)
                 edges = ctx.by_source[i]
                 to_sources = index._fused(edges.dst, edges.src, None, grad_rows, "sum", part.src_hi - part.src_lo + 1,
