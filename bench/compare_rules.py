@@ -48,13 +48,13 @@ def bench_call(bench: str, g: common.Graph, F: int) -> Callable[[geot.Config], t
 
 
 def picks(bench: str, g: common.Graph, F: int, rules: List[str]) -> Dict[str, geot.Config]:
-    """Each rule set's config for the cell, and the heuristic's; the
-    long-segment level as index validation reports it."""
+    """Each rule set's config for the cell, in the order given, and the
+    heuristic's; the long-segment level as index validation reports it."""
     level = geot.config.long_segment_level(g.degree_stats()["max_deg"])
     shape = dict(num_rows=g.num_edges, num_segments=g.num_nodes, num_features=F, gathered=bench == "spmm",
                  long_segments=level)
-    chosen = {slug: geot.explain(**shape, gpu=slug) for slug in rules if slug != HEURISTIC}
-    chosen[HEURISTIC] = geot.explain(**shape, arch=0)
+    chosen = {slug: geot.explain(**shape, **({"arch": 0} if slug == HEURISTIC else {"gpu": slug}))
+              for slug in [*rules, HEURISTIC]}
     return chosen
 
 

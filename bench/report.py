@@ -468,14 +468,14 @@ class CompareRules(Bench):
         ms = df.pivot_table(index=["bench", "graph", "F"], columns="rules", values="ms", sort=False)
         config = df.pivot_table(index=["bench", "graph", "F"], columns="rules", values="config", aggfunc="first",
                                 sort=False)
-        rules = [r for r in dict.fromkeys(df["rules"]) if r != HEURISTIC]
+        rules = self.rule_sets(df)
         ratio = ms[rules[0]] / ms[rules[-1]]
         image = f"compare_rules_{gpu}.png"
         self.plot(ms, rules, os.path.join(img_dir, image))
-        out.append(f"\n![{rules[-1]}'s picks against {rules[0]}'s and the heuristic's]"
+        out.append(f"\n![{rules[-1]}'s picks against the other rules' and the heuristic's]"
                    f"({os.path.basename(img_dir)}/{image})\n")
         apart = ratio[(ratio < 0.95) | (ratio > 1.05)].sort_values()
-        if len(apart):
+        if len(rules) > 1 and len(apart):
             out.append(f"\nCells where {rules[-1]}'s pick and {rules[0]}'s are 5% or more apart "
                        "(µs; config N_t, T_N, M_t, T_M, G_t):\n")
             cell_rows = [[b, g, str(f)] + [f"{fmt(ms.loc[(b, g, f), r] * 1e3, 1)} ({config.loc[(b, g, f), r]})"
@@ -484,35 +484,43 @@ class CompareRules(Bench):
                                       "llr" + "r" * (len(rules) + 1)))
         return "\n".join(out)
 
+    @staticmethod
+    def rule_sets(df) -> List[str]:
+        """The learned rule sets of the run, in its order (the heuristic left out)."""
+        return [r for r in dict.fromkeys(df["rules"]) if r != HEURISTIC]
+
     def plot(self, ms, rules, path):
-        """Per bench, the last rule set's speedup over the first and over the
-        heuristic in each cell, the cells sorted by the first."""
+        """Per bench, the last rule set's speedup over the first (where there
+        are two) and over the heuristic in each cell, sorted."""
         plt = plot_style()
         benches = list(dict.fromkeys(ms.index.get_level_values("bench")))
         fig, axes = plt.subplots(len(benches), 1, figsize=(7, 2.4 * len(benches)), squeeze=False)
         own = rules[-1]
         for ax, bench in zip(axes[:, 0], benches):
             cell = ms.loc[bench]
-            vs_first = (cell[rules[0]] / cell[own]).sort_values()
-            vs_heuristic = (cell[HEURISTIC] / cell[own]).reindex(vs_first.index)
-            xs = range(len(vs_first))
-            bars_from_one(ax, [x - 0.2 for x in xs], vs_first.tolist(), 0.4, label=f"vs {rules[0]}", color="C0")
-            bars_from_one(ax, [x + 0.2 for x in xs], vs_heuristic.tolist(), 0.4, label="vs heuristic", color="C1")
-            speedup_axis(ax, vs_first.tolist() + vs_heuristic.tolist())
+            series = {f"vs {other}": cell[other] / cell[own] for other in [rules[0], HEURISTIC] if other != own}
+            order = next(iter(series.values())).sort_values().index
+            width = 0.8 / len(series)
+            for i, (label, speedup) in enumerate(series.items()):
+                xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(order))]
+                bars_from_one(ax, xs, speedup.reindex(order).tolist(), width, label=label, color=f"C{i}")
+            speedup_axis(ax, [v for speedup in series.values() for v in speedup])
             ax.set_xticks([])
-            ax.set_xlabel(f"{bench}: {cells(len(vs_first))}, sorted")
+            ax.set_xlabel(f"{bench}: {cells(len(order))}, sorted")
             ax.set_ylabel(f"{own} speedup", fontsize=8)
             ax.legend(fontsize=8)
         save_figure(fig, path)
 
     def headline(self, df):
-        table = rule_set_summary(df).set_index(["bench", "rules"])
-        rules = [r for r in dict.fromkeys(df["rules"]) if r != HEURISTIC]
-        own, other = rules[-1], rules[0]
-        parts = [f"{table.loc[(b, own), 'vs heuristic']:.2f}× / {table.loc[(b, own), 'vs ' + other]:.2f}× {b}"
+        summary = rule_set_summary(df)
+        table = summary.set_index(["bench", "rules"])
+        own, reference = self.rule_sets(df)[-1], summary.columns[3]  # "vs <the run's first rule set>"
+        against = ["vs heuristic"] + [reference] * (reference not in ("vs heuristic", f"vs {own}"))
+        parts = [" / ".join(f"{table.loc[(b, own), column]:.2f}×" for column in against) + f" {b}"
                  for b in dict.fromkeys(df["bench"])]
-        return [[f"{own}'s config rules (`compare_rules.py`, {cells(len(df[df['rules'] == own]))})",
-                 f"hand heuristic / {other}'s rules", ", ".join(parts)]]
+        peers = "hand heuristic" + (f" / {reference[3:]}'s rules" if len(against) > 1 else "")
+        return [[f"{own}'s config rules (`compare_rules.py`, {cells(len(df[df['rules'] == own]))})", peers,
+                 ", ".join(parts)]]
 
 
 class Spmm(Bench):

@@ -127,3 +127,32 @@ def test_rgnn_headline_names_each_peer_with_the_graphs_it_ran_on():
                        "path": ["geot", "pyg", "pyg-compile", "pyg-fast-compile"] * 2,
                        "ms": [1.0, 2.0, 3.0, nan, 1.0, 2.0, nan, nan]})
     assert report.RelationalGNN.peers_that_ran(df) == ["pyg", "pyg-compile (a)"]
+
+
+@pytest.mark.parametrize("rules", [["nvidia-h100-80gb-hbm3", "nvidia-h200"], ["heuristic", "nvidia-h200"]],
+                         ids=["two-rule-sets", "heuristic-first"])
+def test_compare_rules_section_and_headline(rules, tmp_path):
+    """bench/compare_rules.py's cells (each rule set's time per cell, the heuristic's last unless named
+    first): speedups against the run's first rule set and the heuristic, the cells 5% or more apart listed,
+    a plot, one headline row for the last rule set."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import report
+    ms = {"nvidia-h100-80gb-hbm3": [1.0, 2.0], "nvidia-h200": [0.8, 2.0], "heuristic": [1.6, 2.2]}
+    order = list(dict.fromkeys(rules + ["heuristic"]))
+    cells = pd.DataFrame([{"bench": bench, "graph": "cora", "F": F, "rules": slug, "config": "1,32,8,4,1",
+                           "ms": ms[slug][i] * (2 if bench == "spmm" else 1)}
+                          for bench in ("segment_reduce", "spmm") for i, F in enumerate((1, 8)) for slug in order])
+    summary = report.rule_set_summary(cells).set_index(["bench", "rules"])
+    assert summary.loc[("spmm", "nvidia-h200"), "vs heuristic"] == pytest.approx((2.0 * 1.1) ** 0.5)
+    section = report.CompareRules().section(cells, "h200", str(tmp_path))
+    assert "compare_rules_h200.png" in os.listdir(tmp_path)
+    headline, = report.CompareRules().headline(cells)
+    if rules[0] == "heuristic":
+        assert summary.columns[1] == "vs heuristic" and "5% or more apart" not in section
+        assert headline[1:] == ["hand heuristic", "1.48× segment_reduce, 1.48× spmm"]
+    else:
+        assert summary.loc[("segment_reduce", "nvidia-h200"), "vs nvidia-h100-80gb-hbm3"] == pytest.approx(
+            (1.25 * 1.0) ** 0.5)
+        assert "| segment_reduce | cora | 1 | 1000.0 (1,32,8,4,1) | 800.0 (1,32,8,4,1) | 1.25× |" in section
+        assert headline[1:] == ["hand heuristic / nvidia-h100-80gb-hbm3's rules",
+                                "1.48× / 1.12× segment_reduce, 1.48× / 1.12× spmm"]
