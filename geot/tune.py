@@ -10,11 +10,13 @@ Sweep options (e.g. --full, --budget-s) go to perfdb/sweep.py unchanged.
 The perf DB (perfdb/<gpu>/) and the generated rules (csrc/generated/) are
 left in the checkout to commit.
 """
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
-from typing import List
+import time
+from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = ("all", "sweep", "train")
@@ -87,6 +89,13 @@ def report_dispatch() -> None:
     subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True)
 
 
+@contextlib.contextmanager
+def timed(seconds: Dict[str, float], step: str):
+    start = time.monotonic()
+    yield
+    seconds[step] = time.monotonic() - start
+
+
 def main(argv: List[str] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["-h"], ["--help"]):
@@ -95,16 +104,22 @@ def main(argv: List[str] = None) -> None:
     command = argv.pop(0) if argv[:1] and argv[0] in COMMANDS else "all"
     build = "--no-build" not in argv
     argv = [arg for arg in argv if arg != "--no-build"]
+    seconds = {}  # wall time of each step, printed at the end (a GPU's whole run should fit in minutes)
     if command in ("all", "sweep"):
-        run_sweep(argv)
+        with timed(seconds, "sweep"):
+            run_sweep(argv)
         if command == "sweep":
             return
-    train_tree, summary = run_training(argv if command == "train" else [])
+    with timed(seconds, "training"):
+        train_tree, summary = run_training(argv if command == "train" else [])
     if build:
-        rebuild()
+        with timed(seconds, "rebuild"):
+            rebuild()
         report_dispatch()
     train_tree.print_summary(summary)
-    print("geot.tune: done; `git status perfdb csrc/generated` shows what to commit")
+    steps = ", ".join(f"{step} {s:.0f} s" for step, s in seconds.items())
+    print(f"geot.tune: done ({steps}; {sum(seconds.values()):.0f} s in all); "
+          "`git status perfdb csrc/generated` shows what to commit")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -239,6 +240,7 @@ def test_tune_train_without_gpu(trained, tmp_path, capsys):
     tune.main(["train", "--no-build", "--perfdb", perfdb, "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "graph_geomean" in printed and "family_geomean" in printed and "test-gpu" in printed
+    assert re.search(r"geot.tune: done \(training \d+ s; \d+ s in all\)", printed), printed[-300:]
     with open(os.path.join(out, HEADER)) as a, open(tmp_path / HEADER) as b:
         assert a.read() == b.read()
 
