@@ -2,22 +2,35 @@
 PyG's: GCNConv, SAGEConv, GINConv, GATConv, GATv2Conv, RGCNConv, RGATConv,
 HGTConv and TransformerConv, and the layers
 that propagate on geot through geot.nn.generic (APPNP, SGConv, TAGConv,
-GraphConv, ChebConv, LGConv, SimpleConv, ClusterGCNConv): a
-conformance check of geot.nn as a drop-in. With PyG's test files at the
-installed version's tag (from a PyG checkout):
+GraphConv, ChebConv, LGConv, SimpleConv, ClusterGCNConv), also inside
+PyG's models (GCN, GraphSAGE, GIN, GAT, ...): a conformance check of
+geot.nn as a drop-in. With PyG's test files at the installed version's tag
+(from a PyG checkout):
 
-    PYTHONPATH=$PWD:$PWD/scripts python -m pytest -p pyg_swap \\
-        $PYG/test/nn/conv/test_{gcn,sage,gin,gat,gatv2,rgcn,rgat,hgt}_conv.py $PYG/test/nn/conv/test_appnp.py ...
+    PYTHONPATH=$PWD:$PWD/scripts python -m pytest -p pyg_swap $PYG/test/nn
+
+(PyG 2.8: every test passes but test_basic_gnn.py::test_packaging, whose
+torch.package exporter externs PyG's modules and not geot's.)
 """
+import sys
+
 import torch_geometric.nn as pyg_nn
-import torch_geometric.nn.conv as pyg_conv
+import torch_geometric.nn.conv  # noqa: F401  (every layer's module imported before the swap)
 
 import geot.nn
 
 GENERIC = ("APPNP", "SGConv", "TAGConv", "GraphConv", "ChebConv", "LGConv", "SimpleConv", "ClusterGCNConv")
 
+_swapped = {}
 for _name in ("GCNConv", "SAGEConv", "GINConv", "GATConv", "GATv2Conv", "RGCNConv", "RGATConv", "HGTConv",
               "TransformerConv") + GENERIC:
-    _layer = getattr(geot.nn, _name) if hasattr(geot.nn, _name) else geot.nn.geot_class(getattr(pyg_nn, _name))
-    setattr(pyg_nn, _name, _layer)
-    setattr(pyg_conv, _name, _layer)
+    _pyg_layer = getattr(pyg_nn, _name)
+    _swapped[_pyg_layer] = getattr(geot.nn, _name) if hasattr(geot.nn, _name) else geot.nn.geot_class(_pyg_layer)
+
+# Every PyG module that bound a layer's name at import (torch_geometric.nn,
+# .conv, and users of them such as .models.basic_gnn's GCN, GraphSAGE, GIN
+# and GAT) gets geot's.
+for _module in [m for name, m in sys.modules.items() if name.startswith("torch_geometric") and m is not None]:
+    for _attr, _value in list(vars(_module).items()):
+        if isinstance(_value, type) and _value in _swapped:
+            setattr(_module, _attr, _swapped[_value])
