@@ -1215,9 +1215,12 @@ INTROSPECTED = ["GCNConv", "SAGEConv", "GINConv", "GATConv", "GATv2Conv", "RGCNC
 def test_layer_class_introspects_as_pyg(name):
     """What code reads of a layer class to tell what it supports (PyG's
     cheatsheet: the paper in the docstring, the inputs in forward's
-    annotations, static graphs from __init__'s source) is PyG's; geot's
-    notes follow PyG's docstring."""
+    annotations, static graphs from __init__'s source; PyG's Inspector: the
+    arguments forward passes to propagate) is PyG's; geot's notes follow
+    PyG's docstring."""
     import inspect
+
+    from torch_geometric.inspector import Inspector
 
     from geot.nn.generic import geot_class
 
@@ -1228,6 +1231,10 @@ def test_layer_class_introspects_as_pyg(name):
     assert str(inspect.signature(mine.forward)) == str(inspect.signature(pyg_class.forward))
     assert inspect.signature(mine) == inspect.signature(pyg_class)
     assert inspect.getsource(mine.__init__) == inspect.getsource(pyg_class.__init__)
+    for method in ("propagate", "edge_updater"):  # what PyG's Inspector parses from forward's source
+        excluded = [0, "edge_index", "size"]  # as MessagePassing asks
+        assert (Inspector(mine).get_params_from_method_call(method, exclude=excluded)
+                == Inspector(pyg_class).get_params_from_method_call(method, exclude=excluded)), method
     layer = mine(*INTROSPECTION_ARGS.get(name, (4, 4)))  # the generated constructor still builds geot's layer
     assert layer._geot_graph is None
 

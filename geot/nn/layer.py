@@ -53,14 +53,36 @@ def _parameters(function) -> list:
     return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
 
+# The arguments of propagate / edge_updater that MessagePassing's templates
+# leave out of their signature (MessagePassing._get_propagate_signature).
+_CALL_EXCLUDED = [0, "edge_index", "size"]
+
+
+def _pyg_call_arguments(base: type, method: str) -> Optional[dict]:
+    """{argument: type} of what PyG's layer ``base`` passes to ``method``
+    (its ``# <method>_type: (...)`` annotation, else the call in its
+    forward's source), as ``torch_geometric.inspector.Inspector`` reads
+    them for MessagePassing ({} where forward makes no such call); None
+    where PyG's Inspector cannot read them either."""
+    try:
+        params = Inspector(base).get_params_from_method_call(method, exclude=_CALL_EXCLUDED)
+    except (OSError, TypeError, ValueError):
+        return None
+    return {name: param.type_repr for name, param in params.items()}
+
+
 def _mirror_pyg_introspection(cls: type) -> None:
     """Makes what introspection reads of geot's layer class ``cls`` PyG's:
     the docstring starts with PyG's (the paper, the options; geot's notes
     follow), ``forward``'s signature is PyG's annotated one where the
-    parameters are the same, and ``__init__`` unwraps to PyG's constructor
-    (its signature and source). PyG's cheatsheet
-    (``torch_geometric.nn.conv.utils``) and users' code read these to tell
-    what a layer supports."""
+    parameters are the same, ``__init__`` unwraps to PyG's constructor
+    (its signature and source), and the arguments PyG's forward passes to
+    ``propagate`` and ``edge_updater`` are ``propagate_type`` /
+    ``edge_updater_type`` class attributes (PyG's ``Inspector`` reads them
+    from a source annotation or the call in forward, which geot's forward
+    does not make). PyG's cheatsheet
+    (``torch_geometric.nn.conv.utils``), its ``Inspector`` and users' code
+    read these to tell what a layer supports."""
     try:
         base = pyg_base(cls)
     except TypeError:
@@ -72,6 +94,10 @@ def _mirror_pyg_introspection(cls: type) -> None:
     forward = cls.__dict__.get("forward")
     if forward is not None and _parameters(forward) == _parameters(base.forward):
         forward.__signature__ = inspect.signature(base.forward)
+    for method in ("propagate", "edge_updater"):
+        arguments = _pyg_call_arguments(base, method)
+        if arguments is not None and f"{method}_type" not in cls.__dict__:
+            setattr(cls, f"{method}_type", arguments)
     if "__init__" not in cls.__dict__:
         def __init__(self, *args, **kwargs):
             GeotLayer.__init__(self, *args, **kwargs)
