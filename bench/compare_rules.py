@@ -53,9 +53,8 @@ def picks(bench: str, g: common.Graph, F: int, rules: List[str]) -> Dict[str, ge
     level = geot.config.long_segment_level(g.degree_stats()["max_deg"])
     shape = dict(num_rows=g.num_edges, num_segments=g.num_nodes, num_features=F, gathered=bench == "spmm",
                  long_segments=level)
-    chosen = {slug: geot.explain(**shape, **({"arch": 0} if slug == HEURISTIC else {"gpu": slug}))
-              for slug in [*rules, HEURISTIC]}
-    return chosen
+    return {slug: geot.explain(**shape, **({"arch": 0} if slug == HEURISTIC else {"gpu": slug}))
+            for slug in [*rules, HEURISTIC]}
 
 
 def time_interleaved(call, configs: List[geot.Config], warmup: int, reps: int) -> Dict[geot.Config, float]:

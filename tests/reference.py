@@ -281,3 +281,15 @@ def graph_case(name: str, generator=None) -> Tuple[torch.Tensor, int]:
     if name == "powerlaw":
         return powerlaw_index(500, 4000, generator=generator), 500
     raise KeyError(name)
+
+
+def graph_with_duplicates(num_src, num_dst, num_edges, device):
+    """Unsorted edges with duplicated edges and duplicated self loops; a few
+    destinations and sources left without edges."""
+    src = torch.randint(0, max(1, num_src - 2), (num_edges,), device=device)
+    dst = torch.randint(0, max(1, num_dst - 2), (num_edges,), device=device)
+    loops = torch.arange(0, min(num_src, num_dst) - 2, 3, device=device)
+    src = torch.cat([src, src[:5], loops, loops])
+    dst = torch.cat([dst, dst[:5], loops, loops])
+    perm = torch.randperm(src.numel(), device=device)
+    return torch.stack([src[perm], dst[perm]])

@@ -14,6 +14,7 @@ import torch
 pyg_nn = pytest.importorskip("torch_geometric.nn")
 import geot  # noqa: E402
 import geot.nn as gnn  # noqa: E402
+from reference import graph_with_duplicates  # noqa: E402
 from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
 
 NUM_RELATIONS = 3
@@ -25,18 +26,6 @@ F32 = {"rtol": 1e-5, "atol": 1e-5, "grad_atol": 5e-5}
 
 
 # Graphs ---------------------------------------------------------------------------------------
-
-def graph_with_duplicates(num_src, num_dst, num_edges, device):
-    """Unsorted edges with duplicated edges and duplicated self loops; a few
-    destinations and sources left without edges."""
-    src = torch.randint(0, max(1, num_src - 2), (num_edges,), device=device)
-    dst = torch.randint(0, max(1, num_dst - 2), (num_edges,), device=device)
-    loops = torch.arange(0, min(num_src, num_dst) - 2, 3, device=device)
-    src = torch.cat([src, src[:5], loops, loops])
-    dst = torch.cat([dst, dst[:5], loops, loops])
-    perm = torch.randperm(src.numel(), device=device)
-    return torch.stack([src[perm], dst[perm]])
-
 
 GRAPHS = {
     "duplicates": lambda n_src, n_dst, device: graph_with_duplicates(n_src, n_dst, 4 * n_dst, device),

@@ -11,18 +11,17 @@ import torch
 
 models = pytest.importorskip("torch_geometric.nn.models")
 import geot.nn as gnn  # noqa: E402
+from reference import graph_with_duplicates  # noqa: E402
 from torch_geometric.nn.conv import MessagePassing  # noqa: E402
 
 NUM_NODES, IN_CHANNELS = 40, 8
 F64 = {"rtol": 1e-7, "atol": 1e-9}
 
 
-def random_graph(device, num_edges=200):
+def random_graph(device):
     """x [N, C] float64 and an edge_index in random order with duplicated edges and self loops."""
-    edge_index = torch.randint(0, NUM_NODES, (2, num_edges), device=device)
-    loops = torch.arange(0, NUM_NODES, 7, device=device).repeat(2, 2)
-    edge_index = torch.cat([edge_index, edge_index[:, :10], loops], 1)
-    return torch.randn(NUM_NODES, IN_CHANNELS, dtype=torch.float64, device=device), edge_index
+    x = torch.randn(NUM_NODES, IN_CHANNELS, dtype=torch.float64, device=device)
+    return x, graph_with_duplicates(NUM_NODES, NUM_NODES, 200, device)
 
 
 def sampled_hops(device):
