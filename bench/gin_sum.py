@@ -56,32 +56,32 @@ def graph_us(fn, calls: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def inductor_gin_sum(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, scale: torch.Tensor):
+def inductor_gin_sum(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, eps: torch.Tensor):
     """PyG GINConv's aggregation as its compiled model runs it: specialized
     to each shape and dtype, as a model's layers are (dynamic shapes took
     inductor's scatter off its fused kernel: 5-10x slower)."""
     def gin_sum(x):
         index = dst.view(-1, 1).expand(-1, x.size(1))
-        return x.new_zeros(num_nodes, x.size(1)).scatter_add_(0, index, x.index_select(0, src)) + scale * x
+        return x.new_zeros(num_nodes, x.size(1)).scatter_add_(0, index, x.index_select(0, src)) + (1 + eps) * x
     return torch.compile(gin_sum, dynamic=False)
 
 
 def bench_graph(graph, args) -> list:
     src, dst, n = graph.src, graph.dst, graph.num_nodes
     level = long_segment_level(int(torch.bincount(dst, minlength=n).max()))
-    scale = torch.tensor([1.0], device="cuda")  # 1 + eps, PyG's default eps = 0
+    eps = torch.tensor([0.0], device="cuda")  # PyG's default eps; geot.nn.GINConv passes it and a 1 to add
     op = torch.ops.geot.index_sum_plus_scaled
     # One compiled function per graph: its (F, dtype) variants of earlier
     # graphs would pass dynamo's recompile limit, which runs the rest eagerly.
     torch._dynamo.reset()
-    peer = inductor_gin_sum(src, dst, n, scale)
+    peer = inductor_gin_sum(src, dst, n, eps)
     rows = []
     for dtype_name in args.dtypes:
         for F in args.F:
             x = torch.randn(n, F, device="cuda", dtype=DTYPES[dtype_name])
             cell = dict(graph=graph.name, E=graph.num_edges, N=n, F=F, dtype=dtype_name)
             picked = tuple(explain(graph.num_edges, n, F, gathered=True, long_segments=level))
-            timed = {"geot": lambda: op(src, dst, x, scale),
+            timed = {"geot": lambda: op(src, dst, x, eps, scale_offset=1.0),
                      "geot_sum_only": lambda: geot.index_segment_reduce(src, dst, x, "sum", n),
                      "inductor": lambda: peer(x)}
             for method, fn in timed.items():
@@ -89,7 +89,7 @@ def bench_graph(graph, args) -> list:
                 rows.append({**cell, "method": method, "config": config, "us": graph_us(fn, args.calls, args.reps)})
             for config in config_space(narrow=True) if args.configs else []:
                 try:
-                    us = graph_us(lambda: op(src, dst, x, scale, list(config)), 5, 7)
+                    us = graph_us(lambda: op(src, dst, x, eps, list(config), 1.0), 5, 7)
                 except (RuntimeError, ValueError):  # a config this shape cannot take
                     continue
                 rows.append({**cell, "method": "geot_config", "config": tuple(config), "us": us})

@@ -110,7 +110,7 @@ at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor
 }
 
 at::Tensor index_sum_plus_scaled_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
-                                    const at::Tensor& scale, at::OptionalIntArrayRef config) {
+                                    const at::Tensor& scale, at::OptionalIntArrayRef config, double scale_offset) {
   check_edges(src_index, dst_index, x);
   check_same_device(scale, "scale", x, "x");
   TORCH_CHECK_TYPE(at::isFloatingType(scale.scalar_type()), "scale must be a floating-point tensor, got ",
@@ -123,6 +123,7 @@ at::Tensor index_sum_plus_scaled_op(const at::Tensor& src_index, const at::Tenso
   r.long_segments = long_segments;
   r.config = config;
   r.self_scale = scale;
+  r.self_offset = scale_offset;
   return shaped_like_rows_of(reduce_rows(r), x);
 }
 

@@ -20,11 +20,12 @@ at::Tensor index_segment_reduce_op(const at::Tensor& src_index, const at::Tensor
 at::Tensor index_scatter_sum_op(const at::Tensor& gather_index, const at::Tensor& scatter_index, const at::Tensor& x,
                                 const std::optional<at::Tensor>& weight, int64_t num_out);
 
-// GIN's aggregation: scale * x[d] plus the sum of x[src_index[e]] over e with
-// dst_index[e] == d, a row of x per segment; scale holds one value. On CUDA
+// GIN's aggregation: (scale + scale_offset) * x[d] plus the sum of
+// x[src_index[e]] over e with dst_index[e] == d, a row of x per segment;
+// scale holds one value (GIN's eps, with an offset of 1). On CUDA
 // the kernels add the scaled term as they store (one pass over [N, F]).
 at::Tensor index_sum_plus_scaled_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& x,
-                                    const at::Tensor& scale, at::OptionalIntArrayRef config);
+                                    const at::Tensor& scale, at::OptionalIntArrayRef config, double scale_offset);
 
 // out[e, h] = <a[dst_index[e], h], b[src_index[e], h]>: the weight gradient.
 at::Tensor edge_dot_op(const at::Tensor& src_index, const at::Tensor& dst_index, const at::Tensor& a,

@@ -65,13 +65,15 @@ TORCH_LIBRARY(geot, m) {
       "attention_aggregate(Tensor x, Tensor? score_src, Tensor? score_dst, Tensor src_index, Tensor dst_index, "
       "SymInt num_segments, float negative_slope, bool self_loops, Tensor? att_src=None, Tensor? att_dst=None) -> Tensor");
   // Ops of geot.nn inference (no gradients), each one where two would cost
-  // more. GIN's aggregation (index_segment_reduce.cpp): scale * x + the sum of
-  // x[src_index] into dst_index's segments, one per row of x; on CUDA one
-  // pass (a second, an addcmul, took 13-20% of GIN inference's kernel time
-  // on a 3.2M-edge graph, H100). Compiled as two ops, inductor
+  // more. GIN's aggregation (index_segment_reduce.cpp): (scale + scale_offset)
+  // * x + the sum of x[src_index] into dst_index's segments, one per row of x;
+  // on CUDA one pass (a second, an addcmul, took 13-20% of GIN inference's
+  // kernel time on a 3.2M-edge graph, H100). Compiled as two ops, inductor
   // gave the sum a copy of a computed x (relu(h)) and computed x again from h
   // for the scaled term: h, the copy and the sum alive at once (peak memory).
-  m.def("index_sum_plus_scaled(Tensor src_index, Tensor dst_index, Tensor x, Tensor scale, int[]? config=None) -> Tensor");
+  // scale_offset: GIN passes eps and 1, so 1 + eps is no kernel of its own.
+  m.def("index_sum_plus_scaled(Tensor src_index, Tensor dst_index, Tensor x, Tensor scale, int[]? config=None, "
+        "float scale_offset=0.) -> Tensor");
   // SAGE's two projections of one cast copy of x: (x weight^T, x
   // other_weight^T + other_bias). As two matmuls, inductor ran the second
   // after the aggregation that reads the first (its output can then take the

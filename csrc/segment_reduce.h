@@ -107,12 +107,21 @@ struct RowReduction {
   at::OptionalIntArrayRef config;    // override of the selector (CUDA)
   int long_segments = -1;            // long_segment_level from validate_indices, -1 unknown
   bool any_order = false;
-  // Sum only, src with a row per segment: out[s] += self_scale * src[s] (GIN's
-  // (1 + eps) x). One element on src's device; the CUDA kernels add it as
-  // they store (no second pass over [S, F]; SP's long-segment slots and CPU
-  // add it after the sum).
+  // Sum only, src with a row per segment: out[s] += (self_scale + self_offset)
+  // * src[s] (GIN's (1 + eps) x: eps and 1). self_scale: one element on src's
+  // device; the CUDA kernels add the term as they store (no second pass over
+  // [S, F]; SP's long-segment slots and CPU add it after the sum).
   std::optional<at::Tensor> self_scale;
+  double self_offset = 0;
 };
+// The self term's factor as a tensor, self_scale + self_offset in the rows'
+// accumulation type as the CUDA kernels add it (a float32 scale plus 1 in
+// float32 would round the factor of float64 rows), for the passes that add
+// the term after the sum.
+inline at::Tensor self_factor(const RowReduction& r) {
+  const at::Tensor scale = r.self_scale->to(r.src.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  return r.self_offset != 0 ? scale + r.self_offset : scale;
+}
 at::Tensor reduce_rows_cpu(const RowReduction& r);  // [num_segments, F]
 at::Tensor reduce_rows_cuda(const RowReduction& r);
 at::Tensor reduce_rows_fused_cuda(const RowReduction& r);  // r with a gather or a weight

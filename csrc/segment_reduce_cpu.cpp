@@ -312,7 +312,7 @@ at::Tensor reduce_rows_cpu(const RowReduction& r) {
       }
     });
   });
-  if (r.self_scale) out.addcmul_(r.src, *r.self_scale);
+  if (r.self_scale) out.addcmul_(r.src, self_factor(r));
   return out;
 }
 

@@ -119,8 +119,10 @@ struct SegmentArgs {
   // SR adds it to the segments it stores whole, and the launch layer
   // pre-fills out with the term for the rest (SR's straddling and empty
   // segments, and PR's, which only add), or with chunk slots
-  // finalize_straddling_segments_kernel adds it to them.
+  // finalize_straddling_segments_kernel adds it to them. The factor is
+  // *self_scale + self_offset (GIN passes eps and 1: no kernel for 1 + eps).
   const acc_t* self_scale;
+  acc_t self_offset;
   // Deterministic schedules (partial set; torch.use_deterministic_algorithms):
   // no float atomics. Rows are cut into chunks of fixed size (SR and SP's
   // overflow pass: a thread's M_t rows; PR: a tile's G_t * M_t), never of
@@ -189,15 +191,15 @@ __device__ __forceinline__ void load_columns(const scalar_t* p, int64_t col0, in
   }
 }
 
-// acc += *self_scale * src[seg]'s features col0 .. col0 + N_T - 1, where
-// self_scale is set (SegmentArgs::self_scale).
+// acc += (*self_scale + self_offset) * src[seg]'s features col0 .. col0 + N_T - 1,
+// where self_scale is set (SegmentArgs::self_scale).
 template <int N_T, typename scalar_t, typename acc_t, typename index_t>
 __device__ __forceinline__ void add_self_term(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg,
                                               int64_t col0, acc_t (&acc)[N_T]) {
   if (!a.self_scale) return;
   acc_t own[N_T];
   load_columns<N_T>(a.src + seg * a.F + col0, col0, a.F, a.vector_loads, acc_t(0), own);
-  const acc_t scale = *a.self_scale;
+  const acc_t scale = *a.self_scale + a.self_offset;
 #pragma unroll
   for (int j = 0; j < N_T; ++j) acc[j] += scale * own[j];
 }
@@ -1163,7 +1165,7 @@ __global__ void finalize_long_segments_kernel(const acc_t* __restrict__ acc, out
 // The SR segments of half types that straddle several threads' rows (chunks
 // of chunk_rows): their result from their fp32 row of `slots` (that of the
 // chunk they begin in), divided for a mean and rounded to out_t; and 0 for
-// empty segments. With self_scale (sums), *self_scale * self_src[seg] is
+// empty segments. With self_scale (sums), (*self_scale + self_offset) * self_src[seg] is
 // added to both before rounding. The SR pass wrote every other segment
 // itself. 2-D blocks: y strides over the segments, x over their features, V
 // at a time (V > 1: F % V == 0 and every row aligned to V elements; most
@@ -1174,7 +1176,7 @@ __global__ void finalize_straddling_segments_kernel(const acc_t* __restrict__ sl
                                                     const int64_t* __restrict__ ptr, int64_t S, int64_t F,
                                                     int64_t chunk_rows, int64_t chunk_slots, bool mean,
                                                     const out_t* __restrict__ self_src,
-                                                    const acc_t* __restrict__ self_scale) {
+                                                    const acc_t* __restrict__ self_scale, acc_t self_offset) {
   constexpr bool vector = V > 1;
   for (int64_t seg = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; seg < S; seg += int64_t(gridDim.x) * blockDim.y) {
     const int64_t begin = ptr[seg], end = max(ptr[seg + 1], begin);  // max: offsets of an unsorted index (validation off)
@@ -1188,7 +1190,8 @@ __global__ void finalize_straddling_segments_kernel(const acc_t* __restrict__ sl
         acc_t own[V];
         load_columns<V>(self_src + seg * F + f, f, F, vector, acc_t(0), own);
 #pragma unroll
-        for (int j = 0; j < V; ++j) pack.v[j] = from_acc<out_t>((begin < end ? v[j] : acc_t(0)) + *self_scale * own[j]);
+        for (int j = 0; j < V; ++j)
+          pack.v[j] = from_acc<out_t>((begin < end ? v[j] : acc_t(0)) + (*self_scale + self_offset) * own[j]);
       } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) pack.v[j] = finished<out_t>(v[j], end - begin, mean);
@@ -1202,6 +1205,16 @@ __global__ void finalize_straddling_segments_kernel(const acc_t* __restrict__ sl
       }
     }
   }
+}
+
+// out[i] = (*scale + offset) * src[i] over n elements, rounded to out_t: the
+// output pre-filled with the self term, for SR and PR sums that add into it.
+template <typename in_t, typename out_t, typename acc_t>
+__global__ void self_term_fill_kernel(out_t* __restrict__ out, const in_t* __restrict__ src,
+                                      const acc_t* __restrict__ scale, acc_t offset, int64_t n) {
+  const acc_t factor = *scale + offset;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = from_acc<out_t>(factor * to_acc(src[i]));
 }
 
 // out[e, f] = values[index[e], f] (0 for ids outside [0, S)). A hub's row is

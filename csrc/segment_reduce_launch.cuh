@@ -374,6 +374,35 @@ inline at::Tensor identity_filled(int64_t S, int64_t F, at::ScalarType dtype, Re
   return out;
 }
 
+// (*scale + offset) * src as a new tensor of out_type (src's dtype, or its
+// accumulation type): the pre-fill of SR and PR sums with a self term. One
+// launch of our own; at::mul's dispatch and TensorIterator cost more host
+// time than the kernel takes on a small graph (GIN layers are host-bound
+// there). scale: one element of src's accumulation type.
+inline at::Tensor self_term_filled(const at::Tensor& src, const at::Tensor& scale, double offset,
+                                   at::ScalarType out_type, cudaStream_t stream) {
+  at::Tensor out = uninitialized(src.sizes(), src.options().dtype(out_type));
+  const int64_t n = src.numel();
+  if (n == 0) return out;
+  const int threads = 256;
+  const unsigned blocks = grid_stride_blocks(n, threads);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "geot_self_term_fill", [&] {
+    using in_t = typename cuda_type<scalar_t>::type;
+    using acc_t = accumulate_t<scalar_t>;
+    const auto launch = [&](auto* out_rows) {
+      self_term_fill_kernel<<<blocks, threads, 0, stream>>>(out_rows, reinterpret_cast<const in_t*>(src.data_ptr()),
+                                                            scale.data_ptr<acc_t>(), static_cast<acc_t>(offset), n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (out_type == src.scalar_type()) {
+      launch(reinterpret_cast<in_t*>(out.data_ptr()));
+    } else {
+      launch(out.data_ptr<acc_t>());
+    }
+  });
+  return out;
+}
+
 // 256 threads, a row of up to 256 (at least a warp, F's power of two) per
 // segment: a segment's F features take few strides even for wide F (rows
 // of 32 threads took 17 us over cora's three bf16 GIN sums, the first of
@@ -399,7 +428,7 @@ void launch_finalize_straddling(const acc_t* slots, const SegmentArgs<scalar_t, 
     while (x < 256 && x * V < a.F) x *= 2;
     const dim3 block = V == 1 ? segment_row_block(a.F) : dim3(x, 256 / x);
     finalize_straddling_segments_kernel<acc_t, scalar_t, V><<<grid_stride_blocks(a.S, block.y, kFinalizeBlocks), block, 0, stream>>>(
-        slots, a.final_out, a.ptr, a.S, a.F, a.chunk_rows, chunks, a.mean, a.src, a.self_scale);
+        slots, a.final_out, a.ptr, a.S, a.F, a.chunk_rows, chunks, a.mean, a.src, a.self_scale, a.self_offset);
   };
   if (eight) launch(std::integral_constant<int, 8>{});
   else launch(std::integral_constant<int, 1>{});
@@ -509,12 +538,12 @@ at::Tensor reduce_rows(const RowReduction& r) {
                    : chunk_slots  ? identity_filled(chunks, F, acc_type, r.reduce, r.src, stream)
                    : direct || prefilled_out ? at::Tensor()
                    : cfg.is_sp()  ? uninitialized({S, F}, r.src.options().dtype(acc_type))
-                   : r.self_scale ? at::mul(r.src, self_scale)
+                   : r.self_scale ? self_term_filled(r.src, self_scale, r.self_offset, acc_type, stream)
                                   : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
   const bool finalize = !direct && !prefilled_out &&
                         (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
   const auto prefilled = [&] {
-    if (r.self_scale) return at::mul(r.src, self_scale).to(r.src.scalar_type());
+    if (r.self_scale) return self_term_filled(r.src, self_scale, r.self_offset, r.src.scalar_type(), stream);
     return identity_filled(S, F, r.src.scalar_type(), Reduce::Sum, r.src, stream);  // zeros
   };
   at::Tensor out = prefilled_out ? prefilled() : direct || half ? uninitialized({S, F}, r.src.options()) : acc;
@@ -557,7 +586,10 @@ at::Tensor reduce_rows(const RowReduction& r) {
         args.cap = sp_cap;
         args.may_overflow = overflow;
       }
-      if (self_in_kernel) args.self_scale = self_scale.data_ptr<acc_t>();
+      if (self_in_kernel) {
+        args.self_scale = self_scale.data_ptr<acc_t>();
+        args.self_offset = static_cast<acc_t>(r.self_offset);
+      }
       // Deterministic: slots of the chunks' partial results, then those of
       // the combine levels (the one-pass combine reads level 0's alone).
       // (Shared ids: a group's M_t edges are its chunk, whichever combine follows.)
@@ -612,7 +644,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       }
     });
   });
-  if (r.self_scale && !self_in_kernel) out.addcmul_(r.src, *r.self_scale);
+  if (r.self_scale && !self_in_kernel) out.addcmul_(r.src, self_factor(r));
   return out;
 }
 

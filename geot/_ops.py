@@ -507,7 +507,7 @@ def accumulate_(total: torch.Tensor, part: torch.Tensor) -> None:
 # Ops of geot.nn inference (csrc/ops.cpp says why each is one op).
 # --------------------------------------------------------------------------- #
 @torch.library.register_fake("geot::index_sum_plus_scaled")
-def _index_sum_plus_scaled_fake(src_index, dst_index, x, scale, config=None):
+def _index_sum_plus_scaled_fake(src_index, dst_index, x, scale, config=None, scale_offset=0.0):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

@@ -662,9 +662,13 @@ def test_sum_plus_scaled_matches_reference(device, dtype, graph):
     dst, S, feat = SELF_GRAPHS[graph]()
     src, dst = edges(dst, S).to(device), dst.to(device)
     x = random_src(S, feat, dtype, device)
-    for scale in (torch.tensor([1.3], device=device), torch.tensor(0.0, device=device, dtype=torch.float64)):
-        out = torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale)
-        assert_sum_plus_scaled_matches(out, src, dst, x, float(scale), f"{graph} scale={float(scale)}")
+    # (scale, scale_offset): the term's factor is their sum (GIN passes eps and 1)
+    for scale, offset in ((torch.tensor([1.3], device=device), 0.0),
+                          (torch.tensor(0.0, device=device, dtype=torch.float64), 0.0),
+                          (torch.tensor([-0.4], device=device), 1.0)):
+        out = torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale, scale_offset=offset)
+        factor = float(scale) + offset
+        assert_sum_plus_scaled_matches(out, src, dst, x, factor, f"{graph} scale={float(scale)} offset={offset}")
 
 
 @requires_cuda
@@ -682,17 +686,20 @@ def test_sum_plus_scaled_every_schedule_cuda(dtype):
     dst = dst.sort().values
     src = edges(dst, S).cuda()
     dst = dst.cuda()
-    scale = torch.tensor([0.7], device="cuda")
+    # factor 0.7 as the scale alone, or as -0.3 plus an offset of 1 (GIN's eps and 1), by turns
+    scales = [(torch.tensor([0.7], device="cuda"), 0.0), (torch.tensor([-0.3], device="cuda"), 1.0)]
     for feat in [(1,), (3,), (32,)]:
         x = random_src(S, feat, dtype, "cuda")
-        for cfg in geot.config_space(narrow=True)[::9]:
-            out = torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale, list(cfg))
-            assert_sum_plus_scaled_matches(out, src, dst, x, 0.7, f"{cfg} feat={feat}")
+        for i, cfg in enumerate(geot.config_space(narrow=True)[::9]):
+            scale, offset = scales[i % 2]
+            out = torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale, list(cfg), offset)
+            assert_sum_plus_scaled_matches(out, src, dst, x, 0.7, f"{cfg} feat={feat} offset={offset}")
     no_edges = torch.zeros(0, dtype=torch.long, device="cuda")  # the output is the term alone
     x = random_src(7, (5,), dtype, "cuda")
-    for cfg in geot.config_space(narrow=True)[::40]:
-        out = torch.ops.geot.index_sum_plus_scaled(no_edges, no_edges, x, scale, list(cfg))
-        assert_sum_plus_scaled_matches(out, no_edges, no_edges, x, 0.7, f"{cfg} E=0")
+    for i, cfg in enumerate(geot.config_space(narrow=True)[::40]):
+        scale, offset = scales[i % 2]
+        out = torch.ops.geot.index_sum_plus_scaled(no_edges, no_edges, x, scale, list(cfg), offset)
+        assert_sum_plus_scaled_matches(out, no_edges, no_edges, x, 0.7, f"{cfg} E=0 offset={offset}")
 
 
 def test_sum_plus_scaled_errors(device):

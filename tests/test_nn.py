@@ -1047,14 +1047,18 @@ def test_accumulate_op():
 
 def test_index_sum_plus_scaled_op(device):
     """geot::index_sum_plus_scaled (GIN's aggregation in inference)
-    passes torch's op checks and adds scale * x to the sum of x[src]."""
+    passes torch's op checks and adds (scale + scale_offset) * x to the sum of x[src]."""
     nodes, edges = 30, 200
     src = torch.randint(0, nodes, (edges,), device=device)
     dst = torch.randint(0, nodes, (edges,), device=device).sort().values
     x, scale = torch.randn(nodes, 5, device=device), torch.tensor([1.3], device=device)
     torch.library.opcheck(torch.ops.geot.index_sum_plus_scaled, (src, dst, x, scale))
+    torch.library.opcheck(torch.ops.geot.index_sum_plus_scaled, (src, dst, x, scale), {"scale_offset": 1.0})
     expect = (1.3 * x.double()).index_add(0, dst, x.double().index_select(0, src))
     torch.testing.assert_close(torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale), expect.float())
+    expect = (2.3 * x.double()).index_add(0, dst, x.double().index_select(0, src))
+    torch.testing.assert_close(torch.ops.geot.index_sum_plus_scaled(src, dst, x, scale, scale_offset=1.0),
+                               expect.float())
 
 
 def test_linear_pair_op(device):

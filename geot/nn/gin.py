@@ -66,7 +66,7 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
         """(1 + eps) x_dst + the sum of x_src over each node's edges (no self term where x_dst is None)."""
         if (graph.ordered and x_dst is x_src and x_src.dim() == 2 and weight is None and num_nodes == x_src.size(0)
                 and _ops.records_no_grad(x_src, self.eps)):
-            return _sum_plus_scaled(checked(graph, x_src.size(0), num_nodes), x_src, 1 + self.eps)
+            return _sum_plus_scaled(checked(graph, x_src.size(0), num_nodes), x_src, self.eps)
         out = gather_reduce_nodes(graph, x_src, "sum", num_nodes, weight)
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)
@@ -90,11 +90,12 @@ def _narrowing_linear(module: torch.nn.Module, x: Tensor):
     return first
 
 
-def _sum_plus_scaled(graph: SortedGraph, x: Tensor, scale: Tensor) -> Tensor:
-    """scale * x[d] + the sum of x over the edges into d, one op without an
-    autograd formula (GIN's inference; on CUDA one pass over the output,
-    compiled a lower peak)."""
-    return torch.ops.geot.index_sum_plus_scaled(graph.src, graph.dst, x, scale)
+def _sum_plus_scaled(graph: SortedGraph, x: Tensor, eps: Tensor) -> Tensor:
+    """(1 + eps) x[d] + the sum of x over the edges into d, one op without
+    an autograd formula (GIN's inference; on CUDA one pass over the output,
+    compiled a lower peak). The op adds the 1 itself: ``1 + eps`` would be a
+    kernel launch of its own, and small graphs' layers are host-bound."""
+    return torch.ops.geot.index_sum_plus_scaled(graph.src, graph.dst, x, eps, scale_offset=1.0)
 
 
 def _cast_first_saves_memory(graph: SortedGraph, x: Tensor, num_nodes: int) -> bool:
