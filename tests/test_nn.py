@@ -1061,6 +1061,32 @@ def test_index_sum_plus_scaled_op(device):
                                expect.float())
 
 
+class _RecordedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops a block of eager code dispatches, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_gin_inference_is_one_op_then_nn(device):
+    """GINConv's inference aggregation is one op that is passed eps and adds
+    the 1 itself: no ``1 + eps`` op (a kernel launch per layer where small
+    graphs are host-bound), nothing but the op before nn's Linear."""
+    layer = gnn.GINConv(torch.nn.Linear(8, 8), eps=0.3, train_eps=True).to(device).eval()
+    x, edge_index = torch.randn(20, 8, device=device), torch.randint(0, 20, (2, 60), device=device)
+    with torch.no_grad():
+        expect = layer(x, edge_index)  # the graph sorted and kept
+        with _RecordedOps() as recorded:
+            out = layer(x, edge_index)
+    assert recorded.names == ["geot.index_sum_plus_scaled.default", "aten.t.default", "aten.addmm.default"]
+    torch.testing.assert_close(out, expect)
+
+
 def test_linear_pair_op(device):
     """geot::linear_pair (SAGE's two projections in compiled inference) passes torch's op checks."""
     x, weight, other, bias = (torch.randn(*shape, device=device) for shape in ((7, 5), (3, 5), (4, 5), (4,)))
