@@ -359,7 +359,7 @@ class E2E(Bench):
             train = sel[sel["mode"] == "train"]["speedup"]
             against = "fastest of PyG eager / CSR / compiled" if label == "GCN/GIN/SAGE" else \
                 "fastest of PyG eager / compiled"
-            rows.append([f"{label} models, compiled (`e2e.py`, {len(sel) // 2} cells per mode)", against,
+            rows.append([f"{label} models, compiled (`e2e.py`, {cells(len(sel) // 2)} per mode)", against,
                          f"{geomean(inf):.2f}× inference, {geomean(train):.2f}× training"])
         return rows
 
@@ -391,7 +391,8 @@ class SegmentReduce(Bench):
     )
     commands = ("python bench/segment_reduce.py --max-time 0.2 --deterministic",
                 "python bench/report.py --add segment_reduce bench/out/segment_reduce_nvidia-h100-80gb-hbm3.csv "
-                "--gpu h100")
+                "--gpu h100",
+                "python bench/report.py --add segment_reduce bench/out/segment_reduce_nvidia-h200.csv --gpu h200")
 
     def section(self, df, gpu, img_dir):
         peers = [("speedup_vs_best_native", "fastest torch peer"), ("speedup_vs_index_add", "`index_add_`"),
@@ -545,7 +546,9 @@ class Spmm(Bench):
                 "python bench/spmm.py --sections fwd --deterministic --graphs uniform:n=400000,d=32 "
                 "--F 64 96 128 256 512",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv "
-                "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100")
+                "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100",
+                "python bench/spmm.py --sections fwd --deterministic  # the H200's cells: this run alone",
+                "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h200.csv --gpu h200")
 
     def section(self, df, gpu, img_dir):
         half = df[df["dtype"] != "float32"]
