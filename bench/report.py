@@ -547,7 +547,6 @@ class Spmm(Bench):
                 "--F 64 96 128 256 512",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv "
                 "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100",
-                "python bench/spmm.py --sections fwd --deterministic  # the H200's cells: this run alone",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h200.csv --gpu h200")
 
     def section(self, df, gpu, img_dir):
