@@ -163,7 +163,7 @@ class TAGConv(geot_class(pyg_nn.TAGConv)):
     propagation one fused gather-reduce over the graph normalized once
     (:func:`kept_normalization`); where the Linears narrow the rows, in Horner's
     form ``x W_0 + Â(x W_1 + Â(... + Â x W_K))``: the same K propagations,
-    of out_channels features."""
+    of out_channels features, after one product of x by every W_k."""
 
     def forward(self, x, edge_index, edge_weight=None) -> Tensor:
         if not _runs_here(self, x, edge_index):
@@ -176,9 +176,14 @@ def _tag_forward(layer: TAGConv, x: Tensor, edge_index: Tensor, edge_weight) -> 
     if layer.normalize:
         edge_index, edge_weight = _gcn_normalized(layer, x, edge_index, edge_weight, False)
     if layer.K > 0 and _narrows(layer.lins[0].weight):
-        out = F.linear(x, layer.lins[-1].weight)
-        for lin in reversed(layer.lins[:-1]):
-            out = F.linear(x, lin.weight) + layer.propagate(edge_index, x=out, edge_weight=edge_weight)
+        # Every x W_k from one product: x is read once, and its gradient is one
+        # [N, in] product, where K + 1 of them summed would all be alive at once
+        # in a compiled backward (inductor sums them in one kernel).
+        weight = torch.cat([lin.weight for lin in layer.lins])
+        hops = F.linear(x, weight).split(layer.out_channels, dim=-1)
+        out = hops[-1]
+        for hop in reversed(hops[:-1]):
+            out = hop + layer.propagate(edge_index, x=out, edge_weight=edge_weight)
     else:  # PyG's order
         out = layer.lins[0](x)
         for lin in layer.lins[1:]:
