@@ -382,6 +382,49 @@ def test_hooks_and_explain_run_pyg():
         conv(x, edge_index)
 
 
+@pytest.mark.parametrize("layer", [lambda: gnn.GCNConv(6, 5), lambda: gnn.SAGEConv(6, 5),
+                                   lambda: gnn.geot_class(pyg_nn.GraphConv)(6, 5)], ids=["gcn", "sage", "generic"])
+def test_hooks_on_aggr_module_run_pyg(layer):
+    """A forward hook on aggr_module (a model summary's) sees PyG's aggregation: geot's kernels do not
+    call the module, so the layer runs PyG's forward while it has one."""
+    conv = layer()
+    x, edge_index = torch.randn(7, 6), graph_with_duplicates(7, 7, 20, "cpu")
+    before = conv(x, edge_index)
+    seen = []
+    handle = conv.aggr_module.register_forward_hook(lambda module, inputs, out: seen.append(out.shape))
+    with pytest.warns(gnn.GeotFallbackWarning, match="aggr_module"):
+        out = conv(x, edge_index)
+    assert len(seen) == 1, "the hook ran once"
+    torch.testing.assert_close(out, before)
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gnn.GeotFallbackWarning)
+        conv(x, edge_index)
+
+
+def test_onnx_export_runs_pyg(monkeypatch):
+    """geot's ops have no ONNX form: inside an ONNX export the layers run PyG's forward."""
+    conv = gnn.SAGEConv(6, 5)
+    x, edge_index = torch.randn(7, 6), graph_with_duplicates(7, 7, 20, "cpu")
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
+    with pytest.warns(gnn.GeotFallbackWarning, match="ONNX"):
+        conv(x, edge_index)
+
+
+def test_onnx_export_of_a_patched_model(tmp_path):
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+    model = gnn.patch(pyg_nn.GraphSAGE(6, 8, 2, 5))
+    x, edge_index = torch.randn(7, 6), graph_with_duplicates(7, 7, 20, "cpu")
+    path = str(tmp_path / "model.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x, edge_index), path, input_names=("x", "edge_index"), dynamo=True)
+    out = ort.InferenceSession(path).run(None, {"x": x.numpy(), "edge_index": edge_index.numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(out), model(x, edge_index), atol=1e-5, rtol=1e-4)
+
+
 def test_duplicated_self_loops_match_pyg():
     """PyG drops every input self loop and adds one per node; a node with its
     loop twice gets one loop (the last one's weight, where weights are given)."""

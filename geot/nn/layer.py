@@ -38,6 +38,18 @@ _HOOK_DICTS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks", "_mes
                "_edge_update_forward_pre_hooks", "_edge_update_forward_hooks")
 
 
+def _has_module_hooks(module: Optional[torch.nn.Module]) -> bool:
+    """Whether a module has forward or backward hooks of its own (a model summary's, a profiler's)."""
+    return module is not None and bool(module._forward_hooks or module._forward_pre_hooks or
+                                       module._backward_hooks or module._backward_pre_hooks)
+
+
+def _in_onnx_export() -> bool:
+    """torch.onnx.is_in_onnx_export(), asked only while exporting or tracing (where an ONNX export runs
+    the model): the question itself costs 2 us a call."""
+    return (torch.compiler.is_exporting() or torch.jit.is_tracing()) and torch.onnx.is_in_onnx_export()
+
+
 def pyg_base(layer_class: type) -> type:
     """The PyG layer class a geot layer class derives from (for a generic
     one, the class it extends: PyG's or the user's)."""
@@ -142,6 +154,10 @@ class GeotLayer:
             return "explain mode"
         if any(getattr(self, name) for name in _HOOK_DICTS):
             return "message-passing hooks"
+        if _has_module_hooks(getattr(self, "aggr_module", None)):
+            return "hooks on aggr_module (geot's kernels do not call it)"
+        if _in_onnx_export():
+            return "ONNX export (geot's ops have no ONNX form)"
         return None
 
     # Calls --------------------------------------------------------------------------------------
