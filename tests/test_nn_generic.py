@@ -282,7 +282,8 @@ def test_explain_names_the_path():
     assert explained[1] == "SimpleConv: PyG's propagate, for aggr='mul'"
     assert explained[2] == "EdgeConv: PyG's propagate, for a message of (x_i, x_j)"
     assert explained[3] == "GCNConv: geot's layer"
-    assert gnn.explain(torch.nn.Linear(2, 2)) == "Linear is not a MessagePassing layer"
+    assert gnn.explain(layers) == "\n".join(f"{i}: {line}" for i, line in enumerate(explained))
+    assert gnn.explain(torch.nn.Linear(2, 2)) == "Linear holds no MessagePassing layer"
 
 
 @pytest.mark.parametrize("name", ["appnp", "graph-mean"])

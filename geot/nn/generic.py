@@ -282,10 +282,16 @@ def geot_class(layer_class: type) -> type:
     return made
 
 
-def explain(layer: torch.nn.Module) -> str:
-    """Whether geot runs the layer's propagation (after :func:`geot.nn.patch`), and why not."""
-    if not isinstance(layer, _MessagePassing):
-        return f"{type(layer).__name__} is not a MessagePassing layer"
+def explain(module: torch.nn.Module) -> str:
+    """Whether geot runs a layer's propagation (after :func:`geot.nn.patch`), and why not; for a model,
+    one line per MessagePassing layer it holds, by name."""
+    if isinstance(module, _MessagePassing):
+        return _explain_layer(module)
+    lines = [f"{name}: {_explain_layer(m)}" for name, m in module.named_modules() if isinstance(m, _MessagePassing)]
+    return "\n".join(lines) if lines else f"{type(module).__name__} holds no MessagePassing layer"
+
+
+def _explain_layer(layer) -> str:
     base = pyg_base(type(layer)) if isinstance(layer, GeotLayer) else type(layer)
     name = base.__name__
     if isinstance(layer, GeotLayer) and not isinstance(layer, GeotPropagate):
