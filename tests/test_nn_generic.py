@@ -2,6 +2,9 @@
 weighted x_j propagate on geot after patch; their outputs and gradients are
 PyG's (float64, 1e-10), the rest stays on PyG's propagate."""
 import copy
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -284,6 +287,26 @@ def test_explain_names_the_path():
     assert explained[3] == "GCNConv: geot's layer"
     assert gnn.explain(layers) == "\n".join(f"{i}: {line}" for i, line in enumerate(explained))
     assert gnn.explain(torch.nn.Linear(2, 2)) == "Linear holds no MessagePassing layer"
+
+
+def test_patched_model_saves_and_loads(tmp_path):
+    """torch.save of a patched model (a class geot_class made has no module attribute to be found by) loads
+    again, also in a process that never made the class, and computes the same."""
+    model = gnn.patch(torch.nn.ModuleList([pyg_nn.GraphConv(4, 3), WeightedMean()]))
+    x, edge_index = torch.randn(12, 4), graph(12, 40, "cpu", torch.Generator().manual_seed(2))
+    w = torch.rand(edge_index.size(1))
+    torch.save(model, tmp_path / "model.pt")
+    torch.save((x, edge_index, w, model[0](x, edge_index), model[1](x, edge_index, w)), tmp_path / "io.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert [type(m) for m in loaded] == [type(m) for m in model]
+    torch.testing.assert_close(copy.deepcopy(loaded)[1](x, edge_index, w), model[1](x, edge_index, w))
+    tests, root = os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = (f"import sys, torch; sys.path[:0] = [{root!r}, {tests!r}]; "
+              f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False); "
+              f"x, e, w, out0, out1 = torch.load({str(tmp_path / 'io.pt')!r}); "
+              "assert type(m[0]).__module__ == 'geot.nn.generic', type(m[0]); "
+              "torch.testing.assert_close(m[0](x, e), out0); torch.testing.assert_close(m[1](x, e, w), out1)")
+    subprocess.run([sys.executable, "-c", script], check=True)
 
 
 @pytest.mark.parametrize("name", ["appnp", "graph-mean"])

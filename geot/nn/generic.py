@@ -47,6 +47,14 @@ class GeotPropagate(GeotLayer):
     _aggregations = tuple(REDUCE)
     _geot_base: type  # the layer class it extends
 
+    def __reduce_ex__(self, protocol):
+        # A class geot_class made has no module attribute to be pickled by:
+        # pickled by its PyG base instead, and made again when loaded.
+        reduced = super().__reduce_ex__(protocol)
+        if type(self) is not _classes.get(self._geot_base):
+            return reduced
+        return (_made_instance, (self._geot_base,)) + tuple(reduced[2:])
+
     def _geot_init(self) -> None:
         super()._geot_init()
         message_plan(self._geot_base)  # read now: torch.compile cannot trace the reading (a first call compiled)
@@ -269,6 +277,12 @@ def with_trace_memo(base_forward):
         del self._geot_traced
         return out
     return forward
+
+
+def _made_instance(layer_class: type):
+    """An empty instance of geot_class(layer_class), for pickle to set the state of."""
+    made = geot_class(layer_class)
+    return made.__new__(made)
 
 
 def geot_class(layer_class: type) -> type:
