@@ -14,6 +14,7 @@ import torch
 pyg_nn = pytest.importorskip("torch_geometric.nn")
 import geot  # noqa: E402
 import geot.nn as gnn  # noqa: E402
+from geot.nn.layer import pyg_base  # noqa: E402
 from reference import graph_with_duplicates  # noqa: E402
 from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
 
@@ -423,6 +424,24 @@ def test_onnx_export_of_a_patched_model(tmp_path):
         torch.onnx.export(model, (x, edge_index), path, input_names=("x", "edge_index"), dynamo=True)
     out = ort.InferenceSession(path).run(None, {"x": x.numpy(), "edge_index": edge_index.numpy()})[0]
     torch.testing.assert_close(torch.from_numpy(out), model(x, edge_index), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layer", [lambda: gnn.GCNConv(6, 5), lambda: gnn.GATConv(6, 5, heads=2),
+                                   lambda: gnn.geot_class(pyg_nn.GraphConv)(6, 5)], ids=["gcn", "gat", "generic"])
+def test_torch_func_transforms_run_pyg(layer):
+    """geot's ops have no functorch rules: under torch.func.grad and vmap the layers run PyG's forward,
+    and give its gradients."""
+    conv = layer()
+    pyg = pyg_base(type(conv))(6, 5, **({"heads": 2} if isinstance(conv, gnn.GATConv) else {}))
+    pyg.load_state_dict(conv.state_dict())
+    x, edge_index = torch.randn(7, 6), graph_with_duplicates(7, 7, 20, "cpu")
+    params = {name: p.detach() for name, p in conv.named_parameters()}
+    grads = [torch.func.grad(lambda p: torch.func.functional_call(m, p, (x, edge_index)).square().sum())(params)
+             for m in (conv, pyg)]
+    torch.testing.assert_close(grads[0], grads[1])
+    batch = torch.randn(3, 7, 6)
+    torch.testing.assert_close(torch.func.vmap(lambda rows: conv(rows, edge_index))(batch),
+                               torch.stack([pyg(rows, edge_index) for rows in batch]))
 
 
 def test_duplicated_self_loops_match_pyg():

@@ -158,6 +158,8 @@ class GeotLayer:
             return "hooks on aggr_module (geot's kernels do not call it)"
         if _in_onnx_export():
             return "ONNX export (geot's ops have no ONNX form)"
+        if torch._C._are_functorch_transforms_active():
+            return "torch.func transforms (geot's ops have no functorch rules)"
         return None
 
     # Calls --------------------------------------------------------------------------------------
