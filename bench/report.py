@@ -547,6 +547,11 @@ class Spmm(Bench):
                 "--F 64 96 128 256 512",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h100-80gb-hbm3.csv "
                 "bench/out/spmm_dtypes_nvidia-h100-80gb-hbm3.csv --gpu h100",
+                "python bench/spmm.py --sections fwd dtypes --graphs powerlaw hubs uniform powerlaw:n=840000,deg=10 "
+                "uniform:n=400000,d=32 --F 64 96 128 256 512",
+                "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h200.csv "
+                "bench/out/spmm_dtypes_nvidia-h200.csv --gpu h200",
+                "python bench/spmm.py --sections fwd --deterministic   # its cells replace the run above's",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h200.csv --gpu h200")
 
     def section(self, df, gpu, img_dir):
@@ -619,7 +624,10 @@ class SpmmFwdbwd(Bench):
                 "python bench/report.py --add spmm_fwdbwd bench/out/spmm_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100",
                 "python bench/spmm.py --sections fwdbwd --graphs powerlaw:n=840000,deg=10 uniform:n=400000,d=32 "
                 "--F 64 128   # the float64 reference of wider rows takes 26 GB and more",
-                "python bench/report.py --add spmm_fwdbwd bench/out/spmm_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100")
+                "python bench/report.py --add spmm_fwdbwd bench/out/spmm_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100",
+                "python bench/spmm.py --sections fwdbwd --graphs powerlaw hubs uniform powerlaw:n=840000,deg=10 "
+                "--F 64 128 256",
+                "python bench/report.py --add spmm_fwdbwd bench/out/spmm_fwdbwd_nvidia-h200.csv --gpu h200")
 
     @staticmethod
     def speedups(df):
