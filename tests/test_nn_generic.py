@@ -300,8 +300,8 @@ def test_patched_model_saves_and_loads(tmp_path):
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     assert [type(m) for m in loaded] == [type(m) for m in model]
     torch.testing.assert_close(copy.deepcopy(loaded)[1](x, edge_index, w), model[1](x, edge_index, w))
-    tests, root = os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = (f"import sys, torch; sys.path[:0] = [{root!r}, {tests!r}]; "
+    search_path = [os.path.dirname(os.path.abspath(__file__))] + sys.path  # this test's module and geot, as here
+    script = (f"import sys; sys.path[:0] = {search_path!r}; import torch; "
               f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False); "
               f"x, e, w, out0, out1 = torch.load({str(tmp_path / 'io.pt')!r}); "
               "assert type(m[0]).__module__ == 'geot.nn.generic', type(m[0]); "
