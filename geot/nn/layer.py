@@ -147,7 +147,8 @@ class GeotLayer:
     _aggregations = ("add", "sum")  # the aggr strings geot runs
 
     def _option_reason(self) -> Optional[str]:
-        """Why the layer's current options run PyG's forward, or None (extended by layers)."""
+        """Why the layer's current options, hooks or the call's context (an ONNX export, torch.func
+        transforms) run PyG's forward, or None (extended by layers)."""
         if not isinstance(self.aggr, str) or self.aggr not in self._aggregations:
             return f"aggr={self.aggr!r} (geot runs {', '.join(map(repr, self._aggregations))})"
         if self.explain:
