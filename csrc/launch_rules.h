@@ -33,12 +33,21 @@ inline Config with_head_aligned_n_t(Config c, int64_t F, int64_t heads) {
   return c;
 }
 
-// The shared-ids schedule's tile for rows of F: groups of up to a warp,
-// n_t features a lane, covering F or a multiple of n_t * 32 of it; m_t
-// edges a group, 256 threads a block.
+// The shared-ids schedule's tile for rows of F: groups of 16 or 32 lanes
+// (fewer where F is narrower), n_t features a lane, one column block each
+// of a row's width * n_t features; m_t edges a group, 256 threads a block.
+// Of 16 and 32 lanes it takes the one that leaves fewer lanes past F idle
+// (32 on a tie): at F = 192 fp32 (48 lanes of 4 features) three blocks of
+// 16 instead of two of 32 with 16 idle, as at F = 384 bf16. (H200, SpMM
+// against 32 lanes: fp32 F = 192 1.09-1.22x as fast on 5 graphs of 88k to
+// 8.4M edges, bf16 F = 384 1.06-1.25x on 5 of 3-12.8M edges, 0.90-0.99x on
+// two of 88k-100k; 8-lane groups, which would idle no lane at fp32 F = 96
+// and bf16 F = 192, lost up to 22% there.)
 inline Config shared_ids_config(int64_t F, int n_t = 4, int m_t = 256) {
+  const int64_t lanes = ceil_div(F, int64_t(n_t));
   int width = 1;
-  while (width < 32 && int64_t(n_t) * width < F) width *= 2;
+  while (width < 32 && width < lanes) width *= 2;
+  if (width == 32 && ceil_div(lanes, int64_t(16)) * 16 < ceil_div(lanes, int64_t(32)) * 32) width = 16;
   return {n_t, width, m_t, 256 / width, 1};
 }
 

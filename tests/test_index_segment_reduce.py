@@ -295,7 +295,7 @@ def _large_skewed_graph(S=40_000, E=1_100_000):
 
 
 @requires_cuda
-@pytest.mark.parametrize("F", [64, 96, 128, 256])
+@pytest.mark.parametrize("F", [64, 96, 128, 192, 256, 384])  # 192 fp32 and 384 bf16: three column blocks of 16 lanes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("op", ["weighted_sum", "mean", "sum_plus_scaled"])
 def test_wide_rows_on_large_skewed_graphs(op, dtype, F):

@@ -347,6 +347,21 @@ def test_explain_with_dtype_reports_the_launch():
             geot.explain(*cora, 64, True, 1, **bad, **H100)
 
 
+@pytest.mark.parametrize("dtype, F, lanes", [
+    (torch.float32, 64, 16), (torch.float32, 96, 32), (torch.float32, 128, 32), (torch.float32, 192, 16),
+    (torch.float32, 256, 32), (torch.float32, 384, 32), (torch.bfloat16, 96, 16), (torch.bfloat16, 192, 32),
+    (torch.bfloat16, 384, 16), (torch.bfloat16, 512, 32)])
+def test_shared_ids_lanes_leave_fewer_idle(dtype, F, lanes):
+    """The shared-ids tile (gathered sums of wide rows on a large skewed
+    graph) takes groups of 16 lanes where 32 would leave more lanes past F
+    idle (fp32 F = 192: 48 lanes of 4 features, three blocks of 16; bf16
+    F = 384: 48 lanes of 8), else up to 32; 256 threads a block."""
+    sizes = (3_000_000, 300_000, F, True, 2)
+    assert geot.explain_source(*sizes, dtype=dtype, deterministic=False, **H100).endswith("(use_shared_ids)")
+    tile = geot.explain(*sizes, dtype=dtype, deterministic=False, **H100)
+    assert (tile.N_t, tile.T_N, tile.T_N * tile.T_M) == (4 if dtype == torch.float32 else 8, lanes, 256)
+
+
 def test_rules_by_gpu_model_then_architecture():
     sets = geot.rule_sets()
     assert sets, "no learned rules compiled in"
