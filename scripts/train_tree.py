@@ -331,14 +331,17 @@ def load_family(path: str) -> Family:
 
 def with_donors(own: Family, donors: List[Family]) -> Family:
     """own's cells, then the cells of the graphs own lacks from donors (the
-    DBs of other GPUs of its architecture, in order), marked donated. Within
-    an architecture the ranking of configs carries over far better than
-    nothing: a DB cut short by its sweep budget (the H200's, 26 of the H100's
-    46 graphs) held out, by graph, plain 0.907 -> 0.934, gathered 0.913 ->
-    0.931; by base graph 0.865 -> 0.921, 0.880 -> 0.914."""
+    DBs of other GPUs of its architecture, in order), marked donated, at the
+    widths own's sweep timed (a width only another GPU swept would get rules
+    of that GPU's cells alone). Within an architecture the ranking of
+    configs carries over far better than nothing: a DB cut short by its
+    sweep budget (the H200's, 26 of the H100's 46 graphs) held out, by
+    graph, plain 0.907 -> 0.934, gathered 0.913 -> 0.931; by base graph
+    0.865 -> 0.921, 0.880 -> 0.914."""
     parts, seen = [own], set(own.cells.graph)
+    widths = set(own.cells.F)
     for donor in donors:
-        lacking = ~donor.cells.graph.isin(seen).to_numpy()
+        lacking = (~donor.cells.graph.isin(seen) & donor.cells.F.isin(widths)).to_numpy()
         if not lacking.any():
             continue
         seen |= set(donor.cells.graph[lacking])

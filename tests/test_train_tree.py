@@ -208,6 +208,23 @@ def test_unfinished_cells_are_left_out(trained, tmp_path):
     assert not ((cells.graph == "g0_0") & (cells.F == 4)).any() and not ((cells.graph == "g1_0") & (cells.F == 8)).any()
 
 
+def test_donated_cells_only_at_widths_of_the_own_db(trained, tmp_path):
+    """A GPU's DB is joined by another's cells of the graphs it lacks, at
+    the widths its own sweep timed: a width only the donor swept (here 64)
+    gets no rules learned from the donor's cells alone."""
+    perfdb, _, _, family, _ = trained
+    rows = pd.read_csv(os.path.join(perfdb, "test-gpu", "segment_reduce.csv"))
+    own_rows = rows[rows.graph.str.startswith(("g0_", "g1_", "g2_", "g3_")) & (rows.F != 64)]
+    own_rows.to_csv(tmp_path / "own.csv", index=False)
+    own = train_tree.load_family(str(tmp_path / "own.csv"))
+    pooled = train_tree.with_donors(own, [family])
+    donated = pooled.cells[pooled.donated]
+    assert len(donated) and set(donated.F) == set(own.cells.F) == set(F_VALUES) - {64}
+    assert not donated.graph.isin(own.cells.graph).any()
+    lacking = ~family.cells.graph.isin(own.cells.graph) & (family.cells.F != 64)
+    assert len(donated) == int(lacking.sum())
+
+
 def test_launch_keys_merge_identical_launches():
     configs = np.array([[4, 32, 8, 2, 1], [1, 32, 8, 2, 1], [2, 16, 8, 1, 16], [1, 8, 8, 4, 16], [1, 32, 8, 2, 0]])
     keys = train_tree.launch_keys(configs, np.full(len(configs), 3))  # odd F: N_t falls to 1

@@ -9,187 +9,165 @@ namespace geot {
 namespace generated {
 namespace gpu_nvidia_h200 {
 
-// plain rows: 495 cells of 59 graphs, 564 configs; distilled tree of depth 18, 1145 leaves; training set: oracle/pick geomean 0.987, worst cell 0.823
+// plain rows: 632 cells of 59 graphs, 564 configs; distilled tree of depth 19, 1525 leaves; training set: oracle/pick geomean 0.987, worst cell 0.801
 inline Config plain_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
-  if (x.F <= 7.483314773547883) {
-    if (x.F <= 2.8284271247461903) {
+  if (x.F <= 22.627416997969522) {
+    if (x.F <= 5.291502622129181) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 16.657509803771973) {
-          if (x.long_level <= 1.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 14.49620771408081) {
-                if (x.avg <= 1.7613124251365662) {
-                  if (x.log2_S <= 9.838515281677246) {
-                    return {1, 2, 16, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.248444080352783) {
-                      return {1, 4, 32, 64, 0};  // SP
+        if (x.log2_S <= 16.333847999572754) {
+          if (x.skew_hi <= 12.501716136932373) {
+            if (x.long_level <= 1.5) {
+              if (x.long_level <= 0.5) {
+                if (x.avg <= 16.529300689697266) {
+                  if (x.skew_lo <= -0.9521893262863159) {
+                    if (x.log2_S <= 14.401735782623291) {
+                      if (x.log2_S <= 11.76366138458252) {
+                        if (x.log2_S <= 9.989827156066895) {
+                          if (x.avg <= 3.70240318775177) {
+                            return {1, 2, 16, 128, 0};  // SP
+                          } else {
+                            return {1, 8, 64, 32, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.962052822113037) {
+                            return {1, 4, 32, 64, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.302392482757568) {
+                              return {1, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {1, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 8, 64, 32, 0};  // SP
+                      }
                     } else {
-                      return {1, 16, 64, 4, 0};  // SP
+                      if (x.avg <= 4.357245922088623) {
+                        if (x.log2_S <= 15.796265602111816) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -3.8856526613235474) {
+                          return {1, 2, 16, 128, 0};  // SP
+                        } else {
+                          return {2, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.838515281677246) {
+                      return {1, 2, 16, 128, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 15.52961254119873) {
+                        if (x.log2_S <= 11.000325202941895) {
+                          return {1, 4, 32, 64, 0};  // SP
+                        } else {
+                          return {1, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {1, 2, 16, 128, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= -4.615241765975952) {
-                    if (x.log2_S <= 12.16649580001831) {
-                      if (x.log2_S <= 11.30518913269043) {
-                        if (x.log2_S <= 9.731617450714111) {
-                          if (x.log2_S <= 9.022942543029785) {
-                            return {1, 4, 32, 64, 0};  // SP
-                          } else {
-                            return {2, 8, 32, 32, 0};  // SP
-                          }
-                        } else {
-                          return {1, 4, 32, 64, 0};  // SP
-                        }
-                      } else {
-                        return {2, 8, 32, 32, 0};  // SP
-                      }
+                  if (x.log2_S <= 9.846096515655518) {
+                    if (x.avg <= 52.09854698181152) {
+                      return {2, 16, 8, 2, 0};  // SP
                     } else {
-                      if (x.log2_S <= 13.488758563995361) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {1, 4, 32, 64, 0};  // SP
-                      }
+                      return {2, 8, 32, 32, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 11.764993667602539) {
-                      if (x.log2_S <= 9.831071853637695) {
-                        if (x.avg <= 3.919087767601013) {
-                          return {1, 2, 16, 128, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
+                    if (x.log2_S <= 14.787798881530762) {
+                      if (x.log2_S <= 11.018569946289062) {
+                        return {1, 4, 32, 64, 0};  // SP
                       } else {
-                        if (x.log2_S <= 10.663992881774902) {
-                          return {1, 4, 32, 64, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.366953372955322) {
-                            if (x.skew_hi <= 3.1407341957092285) {
-                              if (x.skew_hi <= 2.400313973426819) {
-                                return {1, 4, 32, 64, 0};  // SP
-                              } else {
-                                return {1, 32, 64, 4, 0};  // SP
-                              }
+                        if (x.log2_S <= 13.034881114959717) {
+                          if (x.log2_S <= 11.977441310882568) {
+                            if (x.log2_S <= 11.23046588897705) {
+                              return {2, 16, 8, 2, 0};  // SP
                             } else {
-                              return {1, 8, 64, 32, 0};  // SP
+                              return {2, 8, 32, 32, 0};  // SP
                             }
                           } else {
-                            return {1, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.499040603637695) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -2.7446534633636475) {
-                          if (x.skew_lo <= -4.324169874191284) {
-                            return {1, 4, 32, 64, 0};  // SP
-                          } else {
-                            return {2, 2, 64, 128, 0};  // SP
+                            return {1, 8, 64, 32, 0};  // SP
                           }
                         } else {
-                          return {1, 8, 64, 32, 0};  // SP
+                          return {1, 4, 32, 64, 0};  // SP
                         }
                       }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 3.4934942722320557) {
-                  if (x.avg <= 19.423234939575195) {
-                    if (x.log2_S <= 15.66775894165039) {
-                      return {2, 2, 64, 128, 0};  // SP
                     } else {
-                      if (x.skew_hi <= 2.314814329147339) {
-                        return {1, 2, 16, 128, 0};  // SP
-                      } else {
-                        return {1, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 15.75553846359253) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -5.441955804824829) {
+                      if (x.skew_lo <= -5.003233909606934) {
                         return {4, 4, 64, 64, 0};  // SP
                       } else {
                         return {1, 2, 16, 128, 0};  // SP
                       }
                     }
                   }
-                } else {
-                  if (x.log2_S <= 15.119916915893555) {
-                    if (x.skew_lo <= -0.7976361215114594) {
-                      return {1, 1, 64, 256, 0};  // SP
-                    } else {
-                      return {1, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {1, 1, 64, 256, 0};  // SP
-                  }
                 }
-              }
-            } else {
-              if (x.log2_S <= 13.008028507232666) {
-                if (x.skew_hi <= 4.400360822677612) {
-                  if (x.skew_lo <= -1.828378975391388) {
-                    return {1, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 78.7527084350586) {
-                      if (x.log2_S <= 11.599931240081787) {
-                        return {4, 32, 64, 2, 0};  // SP
+              } else {
+                if (x.log2_S <= 12.687695503234863) {
+                  if (x.skew_lo <= 0.04967508092522621) {
+                    if (x.avg <= 180.00601196289062) {
+                      if (x.skew_lo <= -0.6252986490726471) {
+                        return {1, 16, 64, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.975001811981201) {
-                          return {1, 32, 64, 4, 0};  // SP
+                        if (x.log2_S <= 10.981866359710693) {
+                          return {4, 32, 64, 2, 0};  // SP
                         } else {
                           return {1, 16, 64, 8, 0};  // SP
                         }
                       }
                     } else {
-                      return {1, 16, 64, 8, 0};  // SP
+                      return {1, 32, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 11.11935806274414) {
+                      if (x.skew_lo <= 4.310678005218506) {
+                        return {1, 32, 64, 8, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 8.965214252471924) {
+                          if (x.skew_lo <= 5.2004687786102295) {
+                            return {1, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {1, 32, 64, 8, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 8.665477752685547) {
+                        return {1, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.267816066741943) {
+                          if (x.log2_S <= 11.847322463989258) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          return {1, 16, 64, 8, 0};  // SP
+                        }
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.11935806274414) {
-                    if (x.skew_hi <= 8.308930397033691) {
-                      return {1, 32, 64, 8, 0};  // SP
-                    } else {
-                      if (x.avg <= 2.216065764427185) {
-                        return {1, 32, 64, 8, 0};  // SP
+                  if (x.skew_lo <= 1.029371976852417) {
+                    if (x.skew_lo <= -1.1450640559196472) {
+                      if (x.log2_S <= 13.984986305236816) {
+                        return {1, 16, 64, 8, 0};  // SP
                       } else {
-                        return {1, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 4.432644844055176) {
-                      if (x.log2_S <= 11.320705890655518) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {1, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 12.323804378509521) {
                         return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {1, 16, 64, 8, 0};  // SP
                       }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 4.861119270324707) {
-                  if (x.log2_S <= 14.04218578338623) {
-                    return {1, 16, 64, 8, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= -1.140320360660553) {
-                      return {1, 16, 64, 4, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -0.16675706952810287) {
+                      if (x.skew_lo <= 0.3479138910770416) {
                         return {1, 16, 64, 8, 0};  // SP
                       } else {
-                        if (x.log2_S <= 14.512115955352783) {
+                        if (x.log2_S <= 14.469082832336426) {
                           return {1, 16, 64, 8, 0};  // SP
                         } else {
                           if (x.skew_lo <= 0.5143736600875854) {
@@ -200,206 +178,188 @@ inline Config plain_config(const Features& f) {
                         }
                       }
                     }
-                  }
-                } else {
-                  if (x.skew_hi <= 6.101454973220825) {
-                    if (x.log2_S <= 13.930004119873047) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {1, 1, 8, 256, 1};  // SR
-                    }
                   } else {
-                    if (x.log2_S <= 14.500887393951416) {
-                      if (x.avg <= 8.00971794128418) {
+                    if (x.log2_S <= 14.427204132080078) {
+                      if (x.skew_lo <= 2.8119488954544067) {
+                        if (x.log2_S <= 12.934065818786621) {
+                          return {1, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
                         if (x.log2_S <= 13.904392719268799) {
                           return {1, 16, 64, 8, 0};  // SP
                         } else {
                           return {1, 16, 64, 4, 0};  // SP
                         }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      return {1, 2, 8, 128, 1};  // SR
+                      if (x.avg <= 14.914981365203857) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {1, 1, 8, 256, 1};  // SR
+                      }
                     }
                   }
                 }
               }
-            }
-          } else {
-            if (x.skew_hi <= 12.20860767364502) {
-              if (x.log2_S <= 13.838114261627197) {
-                if (x.skew_lo <= 1.272502362728119) {
-                  if (x.log2_S <= 10.800454139709473) {
+            } else {
+              if (x.log2_S <= 13.489943027496338) {
+                if (x.skew_lo <= 1.7489473223686218) {
+                  if (x.log2_S <= 9.657121181488037) {
                     return {1, 32, 64, 8, 0};  // SP
                   } else {
-                    return {1, 32, 64, 4, 0};  // SP
+                    if (x.log2_S <= 12.245181560516357) {
+                      return {1, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
                   }
                 } else {
-                  if (x.skew_lo <= 10.7061128616333) {
-                    if (x.skew_hi <= 11.808745861053467) {
-                      if (x.log2_S <= 13.524473667144775) {
+                  if (x.skew_lo <= 10.689597606658936) {
+                    if (x.avg <= 404.4618682861328) {
+                      if (x.skew_hi <= 12.08206033706665) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 2.2341209650039673) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 2.5) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 7.037336111068726) {
+                        if (x.skew_lo <= 9.840916633605957) {
                           return {1, 2, 8, 128, 1};  // SR
                         } else {
                           return {1, 32, 8, 4, 32};  // PR
                         }
                       }
+                    } else {
+                      return {1, 32, 64, 4, 0};  // SP
                     }
                   } else {
                     return {1, 32, 8, 4, 32};  // PR
                   }
                 }
               } else {
-                if (x.skew_lo <= 6.020873069763184) {
-                  if (x.avg <= 434.7623596191406) {
-                    if (x.avg <= 25.22266674041748) {
-                      if (x.log2_S <= 15.107390880584717) {
+                if (x.skew_lo <= 5.184758424758911) {
+                  if (x.skew_hi <= 5.206025123596191) {
+                    return {1, 16, 64, 8, 0};  // SP
+                  } else {
+                    return {1, 1, 8, 256, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 14.819080352783203) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 7.295839071273804) {
+                      if (x.avg <= 15.899392127990723) {
                         return {1, 2, 8, 128, 1};  // SR
                       } else {
                         return {1, 1, 8, 256, 1};  // SR
                       }
-                    } else {
-                      return {1, 1, 8, 256, 1};  // SR
-                    }
-                  } else {
-                    return {1, 16, 64, 8, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_lo <= 7.5095603466033936) {
-                    return {1, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 15.001927375793457) {
-                      return {1, 2, 8, 128, 1};  // SR
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
                     }
                   }
                 }
               }
-            } else {
-              if (x.log2_S <= 13.086681842803955) {
-                if (x.long_level <= 2.5) {
-                  return {1, 2, 8, 128, 1};  // SR
+            }
+          } else {
+            if (x.log2_S <= 13.103858470916748) {
+              if (x.long_level <= 2.5) {
+                return {1, 2, 8, 128, 1};  // SR
+              } else {
+                if (x.avg <= 104.4786262512207) {
+                  return {1, 32, 8, 4, 32};  // PR
                 } else {
-                  if (x.avg <= 85.67085266113281) {
-                    return {1, 32, 8, 4, 32};  // PR
+                  if (x.avg <= 160.66751861572266) {
+                    return {2, 32, 8, 4, 16};  // PR
                   } else {
-                    if (x.skew_lo <= 6.282761573791504) {
-                      if (x.log2_S <= 12.708584785461426) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 4, 16};  // PR
-                      }
-                    } else {
-                      return {2, 32, 8, 4, 16};  // PR
-                    }
+                    return {1, 2, 8, 128, 1};  // SR
                   }
                 }
+              }
+            } else {
+              if (x.skew_hi <= 15.801294326782227) {
+                return {1, 32, 8, 4, 32};  // PR
               } else {
-                if (x.skew_hi <= 15.586050033569336) {
-                  if (x.long_level <= 2.5) {
-                    if (x.log2_S <= 14.49450969696045) {
-                      return {1, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
-                  } else {
-                    return {1, 32, 8, 4, 32};  // PR
-                  }
+                if (x.avg <= 60.01169776916504) {
+                  return {1, 32, 8, 4, 32};  // PR
                 } else {
-                  if (x.avg <= 49.669193267822266) {
-                    return {1, 32, 8, 4, 32};  // PR
-                  } else {
-                    return {2, 32, 8, 4, 16};  // PR
-                  }
+                  return {2, 32, 8, 4, 16};  // PR
                 }
               }
             }
           }
         } else {
-          if (x.skew_lo <= 0.46101030707359314) {
+          if (x.skew_lo <= 0.7825815975666046) {
             if (x.log2_S <= 18.71703338623047) {
-              if (x.avg <= 13.327005863189697) {
+              if (x.avg <= 14.242753505706787) {
                 return {1, 1, 64, 256, 0};  // SP
               } else {
-                if (x.skew_lo <= -3.3584288358688354) {
+                if (x.skew_lo <= -3.404726505279541) {
                   return {1, 2, 16, 128, 0};  // SP
                 } else {
-                  if (x.skew_lo <= -1.8236691355705261) {
-                    if (x.log2_S <= 18.280498504638672) {
+                  if (x.skew_lo <= -1.1006936430931091) {
+                    if (x.log2_S <= 17.77653408050537) {
                       return {1, 16, 64, 4, 0};  // SP
                     } else {
                       return {4, 4, 64, 64, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 56.70933532714844) {
-                      return {1, 1, 8, 256, 1};  // SR
+                    if (x.skew_lo <= 0.22437458485364914) {
+                      if (x.log2_S <= 17.381823539733887) {
+                        if (x.skew_lo <= -0.40804192423820496) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
                     } else {
-                      return {4, 4, 64, 64, 0};  // SP
+                      return {1, 1, 8, 256, 1};  // SR
                     }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 19.77223491668701) {
-                if (x.skew_lo <= -4.750462532043457) {
-                  return {1, 2, 16, 128, 0};  // SP
-                } else {
-                  if (x.avg <= 138.12042236328125) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 19.37519359588623) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      return {1, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                return {1, 1, 64, 256, 0};  // SP
-              }
+              return {1, 1, 64, 256, 0};  // SP
             }
           } else {
             if (x.skew_hi <= 12.137412548065186) {
-              if (x.log2_S <= 21.514060974121094) {
-                if (x.avg <= 47.196611404418945) {
-                  if (x.skew_lo <= 6.919863224029541) {
-                    if (x.avg <= 3.5162606239318848) {
+              if (x.avg <= 40.49184036254883) {
+                if (x.skew_lo <= 6.927767276763916) {
+                  if (x.log2_S <= 21.41550064086914) {
+                    if (x.avg <= 3.3518439531326294) {
                       if (x.log2_S <= 18.43919086456299) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 20.194241523742676) {
-                          if (x.log2_S <= 19.669562339782715) {
-                            if (x.log2_S <= 18.808770179748535) {
-                              return {1, 1, 8, 256, 1};  // SR
-                            } else {
-                              return {1, 32, 8, 4, 32};  // PR
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 8};  // PR
-                          }
+                        if (x.log2_S <= 16.977211952209473) {
+                          return {1, 2, 8, 128, 1};  // SR
                         } else {
                           return {1, 1, 8, 256, 1};  // SR
                         }
+                      } else {
+                        if (x.log2_S <= 19.669562339782715) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          if (x.log2_S <= 20.070168495178223) {
+                            return {4, 32, 8, 2, 8};  // PR
+                          } else {
+                            return {1, 1, 8, 256, 1};  // SR
+                          }
+                        }
                       }
                     } else {
-                      if (x.avg <= 40.66761779785156) {
-                        return {1, 1, 8, 256, 1};  // SR
+                      if (x.avg <= 27.050679206848145) {
+                        if (x.skew_hi <= 10.032977104187012) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 18.275036811828613) {
+                            return {1, 1, 8, 256, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 19.789603233337402) {
+                              return {2, 32, 8, 4, 16};  // PR
+                            } else {
+                              return {1, 1, 8, 256, 1};  // SR
+                            }
+                          }
+                        }
                       } else {
-                        if (x.log2_S <= 19.669808387756348) {
+                        if (x.log2_S <= 20.192291259765625) {
                           return {1, 1, 8, 256, 1};  // SR
                         } else {
                           if (x.long_level <= 1.5) {
@@ -411,320 +371,348 @@ inline Config plain_config(const Features& f) {
                       }
                     }
                   } else {
-                    if (x.log2_S <= 19.66303253173828) {
-                      if (x.skew_lo <= 7.184631109237671) {
-                        return {2, 32, 8, 4, 16};  // PR
+                    return {1, 1, 8, 256, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 22.022201538085938) {
+                    if (x.log2_S <= 18.359501838684082) {
+                      if (x.skew_lo <= 7.212414979934692) {
+                        return {1, 2, 8, 128, 1};  // SR
                       } else {
                         return {1, 32, 8, 4, 32};  // PR
                       }
                     } else {
-                      if (x.log2_S <= 21.09901237487793) {
-                        return {2, 32, 8, 4, 16};  // PR
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 18.65975284576416) {
-                    return {1, 1, 8, 256, 1};  // SR
-                  } else {
-                    if (x.avg <= 233.30826568603516) {
-                      return {2, 32, 8, 4, 16};  // PR
-                    } else {
-                      if (x.log2_S <= 19.77841091156006) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 21.152812957763672) {
+                      if (x.log2_S <= 20.118127822875977) {
+                        if (x.log2_S <= 18.730438232421875) {
                           return {2, 32, 8, 4, 16};  // PR
                         } else {
-                          return {1, 1, 8, 256, 1};  // SR
+                          return {1, 32, 8, 4, 32};  // PR
                         }
+                      } else {
+                        return {2, 32, 8, 4, 16};  // PR
                       }
                     }
+                  } else {
+                    return {1, 1, 8, 256, 1};  // SR
                   }
                 }
               } else {
-                return {1, 1, 8, 256, 1};  // SR
-              }
-            } else {
-              if (x.avg <= 21.800049781799316) {
-                if (x.log2_S <= 22.472222328186035) {
-                  if (x.avg <= 11.634172439575195) {
-                    if (x.skew_lo <= 11.020586013793945) {
-                      if (x.log2_S <= 19.593128204345703) {
-                        if (x.avg <= 9.200294494628906) {
-                          return {1, 32, 8, 4, 32};  // PR
-                        } else {
-                          return {2, 32, 8, 4, 16};  // PR
-                        }
-                      } else {
-                        return {2, 32, 8, 4, 16};  // PR
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
+                if (x.log2_S <= 18.565232276916504) {
+                  if (x.avg <= 437.2416534423828) {
+                    return {1, 1, 8, 256, 1};  // SR
                   } else {
-                    if (x.skew_hi <= 17.202340126037598) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
+                    return {4, 4, 64, 64, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= 11.043089866638184) {
-                    if (x.skew_lo <= 10.734973907470703) {
-                      if (x.skew_lo <= 9.512384414672852) {
-                        if (x.skew_lo <= 8.976044654846191) {
-                          if (x.log2_S <= 23.032801628112793) {
+                  if (x.log2_S <= 22.173367500305176) {
+                    if (x.avg <= 46.9122371673584) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
+                      if (x.skew_hi <= 5.571471452713013) {
+                        if (x.log2_S <= 19.63075828552246) {
+                          return {1, 1, 8, 256, 1};  // SR
+                        } else {
+                          return {1, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 19.371013641357422) {
+                          if (x.skew_hi <= 6.637204885482788) {
                             return {1, 1, 8, 256, 1};  // SR
                           } else {
                             return {2, 32, 8, 4, 16};  // PR
                           }
                         } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 6.876755952835083) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.avg <= 80.5529670715332) {
+                        if (x.skew_hi <= 8.421556949615479) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
                           return {1, 1, 8, 256, 1};  // SR
                         }
                       } else {
                         return {2, 32, 8, 4, 16};  // PR
                       }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
                     }
-                  } else {
-                    return {1, 1, 64, 256, 0};  // SP
                   }
                 }
-              } else {
-                if (x.log2_S <= 18.266372680664062) {
-                  if (x.log2_S <= 17.667156219482422) {
-                    if (x.skew_lo <= 8.211304187774658) {
-                      return {2, 32, 8, 4, 16};  // PR
+              }
+            } else {
+              if (x.skew_hi <= 19.17928981781006) {
+                if (x.skew_lo <= 10.798410892486572) {
+                  if (x.log2_S <= 20.370976448059082) {
+                    if (x.avg <= 46.07077598571777) {
+                      if (x.skew_hi <= 16.944254875183105) {
+                        if (x.avg <= 22.7522611618042) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        if (x.skew_lo <= 10.4237699508667) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      }
                     } else {
-                      return {4, 32, 8, 2, 8};  // PR
+                      if (x.skew_hi <= 18.58940029144287) {
+                        return {2, 32, 8, 4, 16};  // PR
+                      } else {
+                        if (x.avg <= 125.13358306884766) {
+                          return {1, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      }
                     }
                   } else {
-                    return {4, 32, 8, 2, 8};  // PR
+                    return {2, 32, 8, 4, 16};  // PR
                   }
                 } else {
-                  if (x.skew_lo <= 9.366272449493408) {
-                    return {1, 1, 64, 256, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 22.616283416748047) {
-                      return {4, 32, 8, 2, 8};  // PR
+                  return {1, 32, 8, 4, 32};  // PR
+                }
+              } else {
+                if (x.avg <= 23.9691104888916) {
+                  if (x.skew_hi <= 22.676579475402832) {
+                    if (x.skew_lo <= 10.972137928009033) {
+                      if (x.avg <= 11.760640621185303) {
+                        return {2, 32, 8, 4, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
                     } else {
+                      if (x.skew_lo <= 11.522695541381836) {
+                        if (x.skew_hi <= 20.82191276550293) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 9.155262470245361) {
                       return {1, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= 9.734533786773682) {
+                        return {1, 1, 64, 256, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= 10.616771697998047) {
+                          return {2, 32, 8, 4, 16};  // PR
+                        } else {
+                          return {1, 32, 8, 4, 32};  // PR
+                        }
+                      }
                     }
                   }
+                } else {
+                  return {1, 1, 64, 256, 0};  // SP
                 }
               }
             }
           }
         }
       } else {
-        if (x.log2_S <= 18.226232528686523) {
-          if (x.skew_hi <= 12.750466346740723) {
-            if (x.long_level <= 1.5) {
-              if (x.avg <= 64.8019027709961) {
+        if (x.F <= 2.8284271247461903) {
+          if (x.log2_S <= 17.916760444641113) {
+            if (x.skew_hi <= 12.751283645629883) {
+              if (x.skew_lo <= 0.7797483801841736) {
                 if (x.long_level <= 0.5) {
-                  if (x.log2_S <= 15.520383358001709) {
-                    if (x.log2_S <= 10.026389598846436) {
-                      if (x.skew_hi <= 2.0014261603355408) {
+                  if (x.log2_S <= 10.824836254119873) {
+                    if (x.log2_S <= 9.951555252075195) {
+                      if (x.skew_hi <= 1.9302483797073364) {
                         return {1, 8, 64, 32, 0};  // SP
                       } else {
-                        if (x.skew_lo <= -1.3818979859352112) {
+                        if (x.skew_lo <= -1.592566967010498) {
                           return {1, 2, 16, 128, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 5.571300029754639) {
-                            if (x.log2_S <= 9.560818195343018) {
-                              return {1, 1, 64, 256, 0};  // SP
-                            } else {
-                              return {4, 32, 8, 2, 0};  // SP
-                            }
+                          if (x.skew_lo <= -0.5264788866043091) {
+                            return {1, 1, 64, 256, 0};  // SP
                           } else {
-                            return {1, 2, 16, 128, 0};  // SP
+                            if (x.skew_lo <= -0.30552956461906433) {
+                              return {1, 2, 16, 128, 0};  // SP
+                            } else {
+                              return {2, 64, 64, 2, 0};  // SP
+                            }
                           }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 11.392211437225342) {
-                        if (x.avg <= 18.361760139465332) {
-                          if (x.log2_S <= 10.695143699645996) {
-                            if (x.skew_hi <= 5.442873239517212) {
-                              return {4, 32, 8, 2, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            if (x.skew_hi <= 2.8353183269500732) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.avg <= 1.4673165082931519) {
-                                return {1, 32, 16, 8, 0};  // SP
-                              } else {
-                                return {2, 8, 32, 32, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
+                      if (x.skew_lo <= -4.7489705085754395) {
+                        return {4, 32, 64, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 13.607882022857666) {
-                          if (x.avg <= 1.7568601965904236) {
-                            return {2, 8, 32, 32, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.842374801635742) {
-                              return {1, 16, 64, 8, 0};  // SP
-                            } else {
-                              if (x.avg <= 13.684576988220215) {
-                                return {1, 16, 64, 8, 0};  // SP
-                              } else {
-                                if (x.log2_S <= 12.977144241333008) {
-                                  return {4, 8, 64, 32, 0};  // SP
-                                } else {
-                                  return {2, 8, 32, 32, 0};  // SP
-                                }
-                              }
-                            }
-                          }
+                        if (x.avg <= 1.3385317921638489) {
+                          return {4, 64, 32, 2, 0};  // SP
                         } else {
-                          if (x.avg <= 33.3438663482666) {
-                            if (x.skew_lo <= -2.3710055351257324) {
-                              if (x.skew_lo <= -3.2120864391326904) {
-                                if (x.skew_lo <= -3.92105495929718) {
-                                  if (x.skew_hi <= 1.7204390168190002) {
-                                    if (x.log2_S <= 14.45471477508545) {
-                                      return {2, 8, 32, 32, 0};  // SP
-                                    } else {
-                                      return {4, 4, 64, 64, 0};  // SP
-                                    }
-                                  } else {
-                                    return {1, 4, 32, 64, 0};  // SP
-                                  }
-                                } else {
-                                  return {4, 4, 64, 64, 0};  // SP
-                                }
-                              } else {
-                                if (x.log2_S <= 14.197796821594238) {
-                                  return {4, 4, 64, 64, 0};  // SP
-                                } else {
-                                  return {2, 2, 64, 128, 0};  // SP
-                                }
-                              }
-                            } else {
-                              if (x.log2_S <= 14.489742279052734) {
-                                if (x.avg <= 1.9676424860954285) {
-                                  return {2, 8, 32, 32, 0};  // SP
-                                } else {
-                                  return {4, 8, 64, 32, 0};  // SP
-                                }
-                              } else {
-                                return {1, 2, 16, 128, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {2, 8, 32, 32, 0};  // SP
-                          }
+                          return {4, 32, 8, 2, 0};  // SP
                         }
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 2.9252634048461914) {
-                      if (x.skew_lo <= -4.006870985031128) {
-                        if (x.skew_hi <= 0.24365418404340744) {
-                          if (x.log2_S <= 17.167526245117188) {
+                    if (x.log2_S <= 13.96935510635376) {
+                      if (x.skew_hi <= 5.183387517929077) {
+                        if (x.log2_S <= 11.334497928619385) {
+                          if (x.skew_hi <= 1.5809755325317383) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -2.6777642965316772) {
+                              return {1, 16, 64, 8, 0};  // SP
+                            } else {
+                              return {2, 8, 32, 32, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.842374801635742) {
+                            return {1, 16, 64, 8, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -3.774408221244812) {
+                              return {2, 8, 32, 32, 0};  // SP
+                            } else {
+                              return {1, 16, 64, 8, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        return {2, 8, 32, 32, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 2.2536176443099976) {
+                        if (x.skew_hi <= 0.7797553241252899) {
+                          if (x.log2_S <= 16.8742094039917) {
                             return {2, 8, 32, 32, 0};  // SP
                           } else {
                             return {1, 4, 32, 64, 0};  // SP
                           }
                         } else {
-                          return {1, 4, 32, 64, 0};  // SP
+                          if (x.log2_S <= 17.186548233032227) {
+                            if (x.log2_S <= 14.533695697784424) {
+                              return {4, 4, 32, 64, 0};  // SP
+                            } else {
+                              return {1, 4, 32, 64, 0};  // SP
+                            }
+                          } else {
+                            return {2, 2, 64, 128, 0};  // SP
+                          }
                         }
                       } else {
-                        return {2, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 15.938501834869385) {
-                        return {1, 2, 16, 128, 0};  // SP
-                      } else {
-                        return {2, 1, 64, 256, 0};  // SP
+                        if (x.skew_hi <= 3.156700849533081) {
+                          if (x.log2_S <= 14.706591606140137) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            return {2, 2, 64, 128, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 15.802067279815674) {
+                            if (x.log2_S <= 14.502133846282959) {
+                              return {2, 16, 64, 4, 0};  // SP
+                            } else {
+                              if (x.skew_lo <= -0.9754666388034821) {
+                                return {4, 4, 64, 64, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 15.299279689788818) {
+                                  return {2, 8, 32, 32, 0};  // SP
+                                } else {
+                                  return {4, 4, 64, 64, 0};  // SP
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 17.36832332611084) {
+                              return {1, 2, 16, 128, 0};  // SP
+                            } else {
+                              return {2, 1, 64, 256, 0};  // SP
+                            }
+                          }
+                        }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.27291488647461) {
-                    if (x.skew_hi <= 8.520554542541504) {
-                      return {2, 32, 64, 8, 0};  // SP
+                  if (x.log2_S <= 12.218013763427734) {
+                    return {2, 32, 64, 8, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= 0.48426996171474457) {
+                      return {2, 16, 64, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 9.366416454315186) {
+                      if (x.log2_S <= 15.42710256576538) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.007453441619873) {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 11.196490287780762) {
+                      if (x.skew_hi <= 8.550838947296143) {
                         return {2, 32, 64, 8, 0};  // SP
                       } else {
                         return {4, 32, 64, 4, 0};  // SP
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.53482961654663) {
-                      if (x.skew_lo <= 3.640071749687195) {
-                        if (x.log2_S <= 13.14193344116211) {
-                          if (x.avg <= 13.802417755126953) {
-                            if (x.log2_S <= 11.63809585571289) {
-                              return {2, 32, 64, 8, 0};  // SP
-                            } else {
-                              if (x.avg <= 6.711227178573608) {
-                                return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 8.342319965362549) {
+                        if (x.log2_S <= 12.759977340698242) {
+                          if (x.skew_lo <= 2.179671049118042) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 7.441791534423828) {
+                              if (x.log2_S <= 11.583984375) {
+                                return {2, 32, 64, 8, 0};  // SP
                               } else {
                                 return {4, 32, 64, 4, 0};  // SP
                               }
-                            }
-                          } else {
-                            if (x.skew_hi <= 4.568958520889282) {
-                              return {2, 32, 64, 8, 0};  // SP
                             } else {
-                              if (x.log2_S <= 12.708086490631104) {
-                                return {4, 32, 64, 2, 0};  // SP
+                              if (x.log2_S <= 11.883486270904541) {
+                                return {2, 32, 64, 8, 0};  // SP
                               } else {
-                                return {2, 2, 8, 128, 1};  // SR
+                                return {4, 32, 64, 2, 0};  // SP
                               }
                             }
                           }
                         } else {
-                          if (x.skew_lo <= 0.8755666315555573) {
-                            return {2, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.avg <= 18.120596885681152) {
+                          return {2, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 12.062703132629395) {
+                          return {1, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 8, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      if (x.skew_hi <= 9.676527976989746) {
+                        if (x.skew_lo <= 2.8111841678619385) {
+                          if (x.avg <= 266.07640075683594) {
+                            if (x.log2_S <= 12.35519027709961) {
                               return {2, 2, 8, 128, 1};  // SR
                             } else {
                               return {1, 2, 8, 128, 1};  // SR
                             }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.371823787689209) {
-                          if (x.skew_hi <= 8.307358264923096) {
-                            return {4, 32, 64, 2, 0};  // SP
                           } else {
-                            return {2, 16, 64, 4, 0};  // SP
+                            if (x.log2_S <= 12.07951021194458) {
+                              return {2, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {1, 2, 8, 128, 1};  // SR
+                            }
                           }
                         } else {
-                          if (x.log2_S <= 14.299692153930664) {
-                            return {2, 16, 64, 8, 0};  // SP
+                          if (x.log2_S <= 10.640953540802002) {
+                            return {1, 2, 8, 128, 1};  // SR
                           } else {
-                            return {2, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 4.47763466835022) {
-                        if (x.log2_S <= 15.748738765716553) {
-                          return {2, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 15.578059196472168) {
-                          if (x.avg <= 9.4256911277771) {
-                            if (x.skew_hi <= 8.623239517211914) {
-                              if (x.avg <= 5.808999300003052) {
+                            if (x.log2_S <= 12.027218341827393) {
+                              if (x.skew_hi <= 8.035343170166016) {
                                 return {2, 2, 8, 128, 1};  // SR
                               } else {
                                 return {1, 2, 8, 128, 1};  // SR
@@ -732,294 +720,818 @@ inline Config plain_config(const Features& f) {
                             } else {
                               return {1, 2, 8, 128, 1};  // SR
                             }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 8.39074420928955) {
+                          if (x.log2_S <= 10.883946418762207) {
+                            if (x.avg <= 1.889306128025055) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 7.454236030578613) {
+                                return {2, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {1, 2, 8, 128, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 7.919330835342407) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 10.840675830841064) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 11.091886043548584) {
+                    if (x.log2_S <= 14.314669609069824) {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_hi <= 6.897899866104126) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 16, 64, 8, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 13.451409339904785) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {1, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 7.696178913116455) {
+                        if (x.log2_S <= 15.903770446777344) {
+                          if (x.skew_hi <= 8.685750961303711) {
+                            if (x.skew_hi <= 6.914181232452393) {
+                              return {1, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
                           } else {
                             return {1, 2, 8, 128, 1};  // SR
                           }
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
+                      } else {
+                        if (x.log2_S <= 15.27072286605835) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.883569717407227) {
+                            return {2, 32, 8, 4, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
+                        }
                       }
                     }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.613390922546387) {
-                  if (x.skew_hi <= 2.312029480934143) {
-                    return {2, 32, 64, 8, 0};  // SP
                   } else {
-                    if (x.avg <= 89.7940673828125) {
-                      return {2, 32, 64, 8, 0};  // SP
+                    if (x.avg <= 463.50811767578125) {
+                      if (x.log2_S <= 17.792494773864746) {
+                        return {1, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 67.39031982421875) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      }
                     } else {
                       return {2, 16, 64, 4, 0};  // SP
                     }
                   }
-                } else {
-                  return {2, 16, 64, 4, 0};  // SP
                 }
               }
             } else {
-              if (x.skew_hi <= 11.399523258209229) {
-                if (x.avg <= 16.335150718688965) {
-                  if (x.log2_S <= 13.526618480682373) {
-                    if (x.skew_lo <= 7.030680418014526) {
-                      if (x.skew_hi <= 8.523237705230713) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 1.9308260679244995) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.402773380279541) {
-                          if (x.skew_hi <= 8.291641235351562) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {1, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
+              if (x.log2_S <= 14.548582077026367) {
+                if (x.skew_lo <= 7.142459869384766) {
+                  if (x.skew_hi <= 14.233046531677246) {
                     return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {2, 32, 8, 4, 16};  // PR
                   }
                 } else {
-                  if (x.skew_hi <= 5.32381272315979) {
-                    if (x.log2_S <= 12.401352882385254) {
-                      return {2, 32, 64, 8, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 17.793701171875) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 4, 16};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.79152011871338) {
-                      if (x.skew_hi <= 6.736407041549683) {
-                        if (x.log2_S <= 12.535747528076172) {
-                          if (x.log2_S <= 10.967053413391113) {
-                            return {1, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 104.58100509643555) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 32, 8, 4, 16};  // PR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.451409339904785) {
-                  if (x.skew_lo <= 10.763427257537842) {
-                    if (x.avg <= 25.23983097076416) {
+                  if (x.long_level <= 2.5) {
+                    if (x.log2_S <= 13.408368587493896) {
                       return {2, 2, 8, 128, 1};  // SR
                     } else {
-                      if (x.avg <= 217.26287078857422) {
-                        if (x.log2_S <= 11.907933235168457) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
+                      return {1, 2, 8, 128, 1};  // SR
                     }
                   } else {
                     return {4, 32, 8, 1, 16};  // PR
                   }
-                } else {
-                  if (x.log2_S <= 17.023648262023926) {
-                    if (x.log2_S <= 15.72114086151123) {
-                      return {1, 2, 8, 128, 1};  // SR
+                }
+              } else {
+                if (x.avg <= 9.6507568359375) {
+                  if (x.log2_S <= 16.035752296447754) {
+                    if (x.skew_lo <= 9.368256568908691) {
+                      return {2, 32, 8, 4, 16};  // PR
                     } else {
-                      if (x.skew_lo <= 7.643622398376465) {
-                        return {1, 2, 8, 128, 1};  // SR
+                      return {4, 32, 8, 1, 16};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 4, 16};  // PR
+                  }
+                } else {
+                  return {2, 32, 8, 4, 16};  // PR
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 0.7040968239307404) {
+              if (x.log2_S <= 18.71703338623047) {
+                if (x.avg <= 8.160206317901611) {
+                  return {2, 1, 64, 256, 0};  // SP
+                } else {
+                  if (x.skew_lo <= -2.99891459941864) {
+                    if (x.skew_hi <= 0.39092564582824707) {
+                      return {1, 4, 32, 64, 0};  // SP
+                    } else {
+                      return {2, 2, 64, 128, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.16670061647891998) {
+                      if (x.log2_S <= 18.190058708190918) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {2, 32, 8, 4, 16};  // PR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 19.86216640472412) {
+                  if (x.skew_lo <= 0.12463800609111786) {
+                    if (x.skew_lo <= -3.6785279512405396) {
+                      if (x.skew_hi <= 1.2228661179542542) {
+                        return {2, 1, 64, 256, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 19.41072654724121) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 2, 16, 128, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
+                    }
+                  } else {
+                    return {2, 32, 8, 4, 16};  // PR
+                  }
+                } else {
+                  return {2, 1, 64, 256, 0};  // SP
+                }
+              }
+            } else {
+              if (x.skew_hi <= 19.750572204589844) {
+                if (x.avg <= 44.82424545288086) {
+                  if (x.avg <= 3.4046099185943604) {
+                    if (x.log2_S <= 19.83295726776123) {
+                      if (x.long_level <= 1.5) {
+                        return {2, 32, 8, 4, 16};  // PR
+                      } else {
+                        if (x.skew_hi <= 13.660827159881592) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      }
+                    } else {
+                      return {2, 32, 8, 4, 16};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 8.92136526107788) {
+                      if (x.log2_S <= 21.561226844787598) {
+                        if (x.log2_S <= 18.10955047607422) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      } else {
+                        if (x.avg <= 10.575582027435303) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
+                          if (x.skew_hi <= 5.2113447189331055) {
+                            return {2, 1, 64, 256, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 22.95585060119629) {
+                              if (x.avg <= 18.06822967529297) {
+                                return {4, 32, 8, 2, 8};  // PR
+                              } else {
+                                return {2, 32, 8, 4, 16};  // PR
+                              }
+                            } else {
+                              return {2, 32, 8, 4, 16};  // PR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 7.973315000534058) {
+                        if (x.skew_lo <= 8.22571086883545) {
+                          if (x.log2_S <= 19.71461772918701) {
+                            return {4, 32, 8, 2, 8};  // PR
+                          } else {
+                            return {2, 32, 8, 4, 16};  // PR
+                          }
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      } else {
+                        if (x.skew_lo <= 10.461797714233398) {
+                          if (x.skew_lo <= 5.2798357009887695) {
+                            if (x.log2_S <= 21.131980895996094) {
+                              return {2, 32, 8, 4, 16};  // PR
+                            } else {
+                              return {4, 32, 8, 2, 8};  // PR
+                            }
+                          } else {
+                            if (x.log2_S <= 18.199024200439453) {
+                              if (x.skew_lo <= 7.74336576461792) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 8};  // PR
+                              }
+                            } else {
+                              return {4, 32, 8, 2, 8};  // PR
+                            }
+                          }
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {2, 32, 8, 4, 16};  // PR
+                }
+              } else {
+                if (x.log2_S <= 22.5772123336792) {
+                  if (x.skew_lo <= 10.444105625152588) {
+                    if (x.skew_lo <= 9.197948932647705) {
+                      if (x.avg <= 154.2776870727539) {
+                        return {2, 1, 64, 256, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 21.12500286102295) {
+                          return {2, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {2, 32, 8, 4, 16};  // PR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 22.425140380859375) {
+                      return {2, 32, 8, 4, 16};  // PR
+                    } else {
+                      return {2, 1, 64, 256, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 158.57167053222656) {
+                    if (x.avg <= 9.349669456481934) {
+                      return {2, 1, 64, 256, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= 9.621731281280518) {
+                        return {2, 1, 64, 256, 0};  // SP
                       } else {
                         return {2, 32, 8, 4, 16};  // PR
                       }
                     }
                   } else {
-                    return {4, 32, 8, 2, 8};  // PR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 14.040015697479248) {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 13.408368587493896) {
-                  return {2, 2, 8, 128, 1};  // SR
-                } else {
-                  return {1, 2, 8, 128, 1};  // SR
-                }
-              } else {
-                return {4, 32, 8, 1, 16};  // PR
-              }
-            } else {
-              if (x.skew_lo <= 10.184731483459473) {
-                if (x.log2_S <= 17.726499557495117) {
-                  return {2, 32, 8, 4, 16};  // PR
-                } else {
-                  if (x.avg <= 44.05301856994629) {
-                    if (x.avg <= 1.5221933126449585) {
-                      return {2, 32, 8, 4, 16};  // PR
+                    if (x.skew_lo <= 5.761271715164185) {
+                      if (x.avg <= 401.6373596191406) {
+                        return {2, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 4, 16};  // PR
+                      }
                     } else {
-                      return {4, 32, 8, 2, 8};  // PR
+                      return {2, 32, 8, 4, 16};  // PR
                     }
-                  } else {
-                    return {2, 32, 8, 4, 16};  // PR
                   }
-                }
-              } else {
-                if (x.skew_hi <= 16.03856372833252) {
-                  return {4, 32, 8, 1, 16};  // PR
-                } else {
-                  return {2, 32, 8, 4, 16};  // PR
                 }
               }
             }
           }
         } else {
-          if (x.skew_lo <= 0.602254331111908) {
-            if (x.log2_S <= 19.635486602783203) {
-              if (x.skew_hi <= 2.4158233404159546) {
-                if (x.avg <= 56.21569061279297) {
-                  if (x.log2_S <= 18.62136745452881) {
-                    if (x.skew_lo <= -5.299077033996582) {
-                      return {1, 2, 16, 128, 0};  // SP
+          if (x.log2_S <= 17.72017478942871) {
+            if (x.skew_hi <= 11.945728302001953) {
+              if (x.skew_lo <= 0.8490042686462402) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 13.89547872543335) {
+                    if (x.log2_S <= 11.059225082397461) {
+                      if (x.log2_S <= 9.036513328552246) {
+                        if (x.skew_lo <= -2.730131983757019) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -1.7857821583747864) {
+                            return {1, 2, 16, 128, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -0.6331184506416321) {
+                              if (x.skew_hi <= 4.929438352584839) {
+                                return {1, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 16, 64, 4, 0};  // SP
+                              }
+                            } else {
+                              return {1, 32, 16, 8, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 2.476098895072937) {
+                          if (x.log2_S <= 10.1029052734375) {
+                            if (x.skew_hi <= 5.295047760009766) {
+                              return {4, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {1, 32, 16, 8, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 10.645283222198486) {
+                              return {2, 16, 64, 8, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 7.052257537841797) {
+                            if (x.log2_S <= 10.84680986404419) {
+                              return {1, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {1, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
                     } else {
-                      return {2, 2, 64, 128, 0};  // SP
+                      return {2, 16, 64, 4, 0};  // SP
                     }
                   } else {
-                    return {1, 2, 16, 128, 0};  // SP
+                    if (x.log2_S <= 15.360248565673828) {
+                      if (x.skew_hi <= 3.465019941329956) {
+                        if (x.log2_S <= 14.573989868164062) {
+                          if (x.skew_hi <= 0.9328313767910004) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 14.028090476989746) {
+                              return {4, 16, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 8, 32, 32, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 0.84946009516716) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 4, 32, 64, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 4.8220906257629395) {
+                        if (x.log2_S <= 16.99354648590088) {
+                          if (x.avg <= 1.3337886929512024) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 4, 32, 64, 0};  // SP
+                          }
+                        } else {
+                          return {4, 1, 64, 256, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 16.359898567199707) {
+                          if (x.skew_lo <= -3.696856141090393) {
+                            if (x.avg <= 41.348262786865234) {
+                              return {4, 4, 32, 64, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
+                    }
                   }
                 } else {
-                  if (x.log2_S <= 19.18886661529541) {
-                    return {2, 16, 64, 4, 0};  // SP
+                  if (x.log2_S <= 12.619157314300537) {
+                    if (x.skew_lo <= -1.9531748294830322) {
+                      if (x.log2_S <= 9.974934101104736) {
+                        return {4, 32, 32, 1, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 10.88425350189209) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 1, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 184.82596588134766) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.082251071929932) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 1, 0};  // SP
+                        }
+                      }
+                    }
                   } else {
-                    return {2, 1, 64, 256, 0};  // SP
+                    if (x.log2_S <= 17.381823539733887) {
+                      if (x.skew_hi <= 2.6333932876586914) {
+                        if (x.log2_S <= 15.691071510314941) {
+                          if (x.avg <= 224.6233901977539) {
+                            if (x.log2_S <= 13.85862398147583) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 13.214526653289795) {
+                              return {4, 32, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 17.032272338867188) {
+                            return {4, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 4, 64, 64, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 0.12402109429240227) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.639817714691162) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 4.559872150421143) {
+                              if (x.log2_S <= 15.373319625854492) {
+                                if (x.log2_S <= 14.154345989227295) {
+                                  return {4, 16, 64, 4, 0};  // SP
+                                } else {
+                                  return {4, 16, 64, 8, 0};  // SP
+                                }
+                              } else {
+                                return {4, 32, 8, 2, 8};  // PR
+                              }
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 54.93404769897461) {
+                        return {4, 32, 8, 2, 8};  // PR
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    }
                   }
                 }
               } else {
-                return {2, 1, 64, 256, 0};  // SP
-              }
-            } else {
-              return {2, 1, 64, 256, 0};  // SP
-            }
-          } else {
-            if (x.skew_hi <= 19.0255708694458) {
-              if (x.skew_hi <= 8.34949016571045) {
-                if (x.avg <= 15.60370397567749) {
-                  if (x.log2_S <= 21.515609741210938) {
-                    return {2, 32, 8, 4, 16};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 8};  // PR
-                  }
-                } else {
-                  return {2, 32, 8, 4, 16};  // PR
-                }
-              } else {
-                if (x.skew_hi <= 12.915896892547607) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 21.371752738952637) {
-                      return {2, 32, 8, 4, 16};  // PR
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 13.497487545013428) {
+                    if (x.log2_S <= 11.063252449035645) {
+                      if (x.skew_lo <= 4.133082866668701) {
+                        if (x.skew_hi <= 6.287500619888306) {
+                          if (x.skew_lo <= 1.5391536951065063) {
+                            if (x.skew_hi <= 5.073274612426758) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {2, 64, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            return {2, 64, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          return {2, 64, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.815778970718384) {
+                          return {2, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {4, 32, 8, 2, 8};  // PR
+                      if (x.skew_hi <= 9.009152889251709) {
+                        if (x.log2_S <= 12.606552124023438) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 6.409018278121948) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 3.7844600677490234) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.460689544677734) {
+                          return {2, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    if (x.skew_lo <= 8.62490463256836) {
-                      if (x.skew_hi <= 9.39596939086914) {
-                        if (x.log2_S <= 20.183277130126953) {
-                          if (x.log2_S <= 19.14732551574707) {
+                    if (x.log2_S <= 14.53770112991333) {
+                      if (x.skew_lo <= 3.230166435241699) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.178017616271973) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 8.482234001159668) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.088212966918945) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 16.628557205200195) {
+                          if (x.avg <= 9.498127222061157) {
+                            return {4, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {2, 2, 8, 128, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 1.120767891407013) {
                             return {4, 32, 8, 2, 8};  // PR
                           } else {
-                            return {2, 32, 8, 4, 16};  // PR
+                            return {2, 2, 8, 128, 1};  // SR
                           }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.390405178070068) {
+                    if (x.avg <= 31.222965240478516) {
+                      if (x.log2_S <= 13.41279935836792) {
+                        if (x.skew_lo <= 7.017475605010986) {
+                          if (x.skew_lo <= 5.448745012283325) {
+                            if (x.log2_S <= 12.387609481811523) {
+                              return {2, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 12.526683807373047) {
+                              if (x.avg <= 8.343326568603516) {
+                                return {2, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {2, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 11.0149507522583) {
+                            if (x.skew_lo <= 7.813910245895386) {
+                              if (x.log2_S <= 10.821249008178711) {
+                                if (x.skew_hi <= 8.766993999481201) {
+                                  return {2, 2, 8, 128, 1};  // SR
+                                } else {
+                                  return {2, 4, 8, 64, 1};  // SR
+                                }
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 10.780258655548096) {
+                              if (x.avg <= 23.968424797058105) {
+                                if (x.log2_S <= 12.84562063217163) {
+                                  return {2, 4, 8, 64, 1};  // SR
+                                } else {
+                                  return {2, 2, 8, 128, 1};  // SR
+                                }
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 8, 1, 16};  // PR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 11.45969009399414) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.728454828262329) {
+                        if (x.log2_S <= 12.177324771881104) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 14.337416172027588) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 1, 16};  // PR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 9.925271034240723) {
+                          if (x.log2_S <= 14.33120584487915) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.avg <= 80.22662353515625) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 1, 16};  // PR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.163509368896484) {
+                            if (x.skew_lo <= 6.7560412883758545) {
+                              if (x.avg <= 288.91664123535156) {
+                                return {2, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {2, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 56.65262985229492) {
+                      if (x.skew_lo <= 7.12513279914856) {
+                        if (x.log2_S <= 17.264166831970215) {
+                          if (x.avg <= 36.61503219604492) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 16.595040321350098) {
+                              return {2, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 8};  // PR
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 8};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    } else {
+                      if (x.skew_lo <= 1.183860182762146) {
+                        if (x.log2_S <= 16.54438591003418) {
+                          return {4, 16, 64, 8, 0};  // SP
                         } else {
                           return {4, 32, 8, 2, 8};  // PR
                         }
                       } else {
                         return {4, 32, 8, 2, 8};  // PR
                       }
-                    } else {
-                      if (x.log2_S <= 23.052387237548828) {
-                        return {4, 32, 8, 2, 8};  // PR
-                      } else {
-                        return {2, 32, 8, 4, 16};  // PR
-                      }
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 22.305797576904297) {
-                    if (x.skew_hi <= 13.378919124603271) {
-                      return {4, 32, 8, 2, 8};  // PR
-                    } else {
-                      if (x.avg <= 11.743314743041992) {
-                        return {2, 32, 8, 4, 16};  // PR
-                      } else {
-                        if (x.skew_lo <= 7.8489954471588135) {
-                          return {2, 32, 8, 4, 16};  // PR
-                        } else {
-                          if (x.skew_lo <= 8.58995532989502) {
-                            return {2, 1, 64, 256, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 2, 8};  // PR
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    return {2, 32, 8, 4, 16};  // PR
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= 9.416895866394043) {
-                if (x.skew_lo <= 5.33780837059021) {
-                  if (x.skew_hi <= 22.420501708984375) {
-                    if (x.skew_hi <= 20.932981491088867) {
-                      return {2, 1, 64, 256, 0};  // SP
+              if (x.skew_hi <= 16.187384605407715) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 14.23609209060669) {
+                    if (x.log2_S <= 12.565778732299805) {
+                      return {2, 4, 8, 64, 1};  // SR
                     } else {
-                      return {2, 32, 8, 4, 16};  // PR
+                      return {2, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    return {2, 1, 64, 256, 0};  // SP
+                    return {4, 32, 8, 1, 16};  // PR
                   }
                 } else {
-                  return {2, 1, 64, 256, 0};  // SP
+                  return {4, 32, 8, 1, 16};  // PR
                 }
               } else {
-                if (x.log2_S <= 22.30281352996826) {
-                  if (x.avg <= 11.728157997131348) {
-                    return {2, 32, 8, 4, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 21.977351188659668) {
-                      return {4, 32, 8, 2, 8};  // PR
+                if (x.skew_lo <= 10.567259788513184) {
+                  return {4, 32, 8, 2, 8};  // PR
+                } else {
+                  return {4, 32, 8, 1, 16};  // PR
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 0.9759938418865204) {
+              if (x.log2_S <= 19.722451210021973) {
+                if (x.avg <= 9.736295700073242) {
+                  if (x.skew_hi <= 3.089115858078003) {
+                    if (x.log2_S <= 18.319154739379883) {
+                      return {2, 2, 64, 128, 0};  // SP
                     } else {
-                      return {2, 32, 8, 4, 16};  // PR
+                      return {4, 1, 64, 256, 0};  // SP
                     }
+                  } else {
+                    return {4, 1, 64, 256, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= 10.734973907470703) {
-                    if (x.avg <= 21.594749450683594) {
-                      return {2, 32, 8, 4, 16};  // PR
+                  if (x.skew_hi <= 3.6410635709762573) {
+                    if (x.avg <= 22.843012809753418) {
+                      if (x.log2_S <= 18.23536491394043) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
+                      }
                     } else {
-                      return {2, 1, 64, 256, 0};  // SP
+                      if (x.log2_S <= 19.21201229095459) {
+                        return {4, 4, 64, 64, 0};  // SP
+                      } else {
+                        if (x.avg <= 115.43854522705078) {
+                          return {4, 1, 64, 256, 0};  // SP
+                        } else {
+                          return {4, 4, 64, 64, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    return {2, 1, 64, 256, 0};  // SP
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                }
+              } else {
+                return {4, 1, 64, 256, 0};  // SP
+              }
+            } else {
+              if (x.skew_hi <= 19.8030366897583) {
+                if (x.skew_lo <= 9.137141704559326) {
+                  return {4, 32, 8, 2, 8};  // PR
+                } else {
+                  if (x.avg <= 9.440285205841064) {
+                    if (x.log2_S <= 19.667128562927246) {
+                      return {4, 32, 8, 1, 16};  // PR
+                    } else {
+                      if (x.log2_S <= 22.57052516937256) {
+                        if (x.skew_hi <= 13.902573585510254) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
+                          return {4, 32, 8, 1, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 8.995084762573242) {
+                  return {4, 1, 64, 256, 0};  // SP
+                } else {
+                  if (x.skew_lo <= 10.631044387817383) {
+                    return {4, 32, 8, 2, 8};  // PR
+                  } else {
+                    if (x.skew_hi <= 22.22439479827881) {
+                      if (x.avg <= 8.987055778503418) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
+                    } else {
+                      if (x.avg <= 9.613897800445557) {
+                        return {4, 1, 64, 256, 0};  // SP
+                      } else {
+                        return {4, 32, 8, 1, 16};  // PR
+                      }
+                    }
                   }
                 }
               }
@@ -1028,603 +1540,85 @@ inline Config plain_config(const Features& f) {
         }
       }
     } else {
-      if (x.F <= 5.291502622129181) {
-        if (x.log2_S <= 17.777612686157227) {
-          if (x.skew_hi <= 11.488154888153076) {
-            if (x.skew_lo <= 0.572486162185669) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 14.520203590393066) {
-                  if (x.log2_S <= 10.824836254119873) {
-                    if (x.skew_lo <= -1.1322529315948486) {
-                      if (x.log2_S <= 9.036513328552246) {
-                        if (x.skew_hi <= 2.145516276359558) {
-                          return {2, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.avg <= 6.660689830780029) {
-                            if (x.avg <= 3.4508426189422607) {
-                              return {1, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 2, 16, 128, 0};  // SP
-                            }
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 3.2086325883865356) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 10.695143699645996) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.skew_lo <= -3.9891035556793213) {
-                              return {1, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= -0.6776688098907471) {
-                        if (x.log2_S <= 9.454876899719238) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        return {1, 32, 16, 8, 0};  // SP
-                      }
-                    }
+      if (x.F <= 7.483314773547883) {
+        if (x.log2_S <= 14.835137367248535) {
+          if (x.skew_lo <= -0.23855473101139069) {
+            if (x.avg <= 82.07750701904297) {
+              if (x.log2_S <= 11.066671371459961) {
+                if (x.log2_S <= 9.943359375) {
+                  if (x.avg <= 2.6061118841171265) {
+                    return {1, 16, 64, 8, 0};  // SP
                   } else {
-                    if (x.log2_S <= 13.801013469696045) {
-                      if (x.log2_S <= 11.092466354370117) {
-                        if (x.skew_lo <= -4.362410306930542) {
-                          return {1, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {2, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
+                    if (x.skew_lo <= -5.550167798995972) {
+                      return {2, 64, 64, 2, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -2.7446534633636475) {
-                        if (x.skew_hi <= 1.6758300065994263) {
-                          if (x.log2_S <= 13.899311065673828) {
-                            return {2, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          return {2, 8, 32, 32, 0};  // SP
-                        }
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 7.082273960113525) {
-                    if (x.log2_S <= 15.949246883392334) {
-                      if (x.skew_lo <= -1.136480689048767) {
-                        if (x.avg <= 6.110959768295288) {
-                          if (x.log2_S <= 15.34530782699585) {
-                            return {2, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {4, 2, 64, 128, 0};  // SP
-                          }
-                        } else {
-                          return {4, 4, 32, 64, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 15.52961254119873) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 4, 32, 64, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 3.5922073125839233) {
-                        return {2, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {4, 1, 64, 256, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -5.003233909606934) {
-                      if (x.log2_S <= 16.542333602905273) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.619157314300537) {
-                  if (x.skew_hi <= 2.1716209650039673) {
-                    if (x.log2_S <= 10.317845821380615) {
-                      if (x.skew_hi <= 2.083975911140442) {
-                        return {4, 32, 32, 1, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 10.96112871170044) {
-                        return {4, 32, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.794942378997803) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 8, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 16.598094940185547) {
-                    if (x.avg <= 165.04830169677734) {
-                      if (x.skew_hi <= 4.2806031703948975) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.37596607208252) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 15.615918636322021) {
-                        if (x.skew_lo <= -1.7505919337272644) {
-                          if (x.log2_S <= 14.004776954650879) {
-                            return {4, 32, 32, 1, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 13.85862398147583) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.40804192423820496) {
-                      if (x.skew_hi <= 2.1843377351760864) {
-                        if (x.log2_S <= 17.070964813232422) {
-                          return {4, 16, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 33.88210678100586) {
-                if (x.log2_S <= 13.4894380569458) {
-                  if (x.long_level <= 1.5) {
-                    if (x.log2_S <= 11.063252449035645) {
-                      if (x.skew_lo <= 4.133082866668701) {
-                        if (x.avg <= 24.787351608276367) {
-                          return {2, 64, 32, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 8.855093479156494) {
-                          if (x.avg <= 2.9354947805404663) {
-                            if (x.skew_hi <= 8.550838947296143) {
-                              if (x.skew_hi <= 8.151050090789795) {
-                                return {4, 32, 64, 4, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 2, 0};  // SP
-                              }
-                            } else {
-                              if (x.skew_lo <= 4.921838760375977) {
-                                return {4, 32, 64, 4, 0};  // SP
-                              } else {
-                                return {2, 32, 64, 8, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.skew_hi <= 8.238572597503662) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              return {2, 64, 32, 8, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {2, 32, 64, 8, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 8.834300518035889) {
-                        if (x.log2_S <= 12.629463195800781) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 7.619265556335449) {
-                            if (x.avg <= 15.252349853515625) {
-                              return {1, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {2, 2, 8, 128, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.530340671539307) {
-                          return {2, 32, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 2.5) {
-                      if (x.skew_lo <= 7.398437023162842) {
-                        if (x.skew_lo <= 5.935582399368286) {
-                          if (x.log2_S <= 12.771071910858154) {
-                            return {2, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.227439403533936) {
-                            return {1, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 4, 8, 64, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 10.892449378967285) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 9.887946128845215) {
-                          return {2, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 1, 16};  // PR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 6.785151720046997) {
-                    if (x.log2_S <= 14.500887393951416) {
-                      if (x.avg <= 5.079496383666992) {
-                        if (x.log2_S <= 14.25407361984253) {
-                          return {4, 16, 64, 4, 0};  // SP
+                      if (x.log2_S <= 9.334192276000977) {
+                        if (x.skew_lo <= -1.436666190624237) {
+                          return {1, 2, 16, 128, 0};  // SP
                         } else {
                           return {1, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 16.10409164428711) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 16.942930221557617) {
-                          if (x.skew_hi <= 8.742702007293701) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
+                        if (x.skew_hi <= 2.3224953413009644) {
+                          return {2, 64, 64, 2, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 10.615890502929688) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 8};  // PR
-                          }
+                          return {1, 2, 16, 128, 0};  // SP
                         }
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 17.75235366821289) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.755788326263428) {
-                  if (x.skew_hi <= 5.252504110336304) {
-                    if (x.log2_S <= 13.013587951660156) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 14.35850477218628) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 2.5731866359710693) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 1, 16};  // PR
-                      }
-                    }
                   }
                 } else {
-                  if (x.skew_hi <= 4.968549489974976) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 15.16399621963501) {
-                      return {4, 32, 8, 1, 16};  // PR
-                    } else {
-                      if (x.avg <= 54.110076904296875) {
-                        if (x.log2_S <= 16.260976791381836) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 8};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 8};  // PR
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 16.402080535888672) {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 14.641436576843262) {
-                  if (x.log2_S <= 12.666882514953613) {
-                    return {2, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.avg <= 1.5025489330291748) {
-                      return {2, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 1, 16};  // PR
-                }
-              } else {
-                if (x.skew_lo <= 7.779742240905762) {
-                  if (x.log2_S <= 14.753221988677979) {
-                    return {4, 32, 8, 1, 16};  // PR
-                  } else {
-                    if (x.log2_S <= 15.388786792755127) {
-                      if (x.avg <= 369.0739440917969) {
-                        return {4, 32, 8, 2, 8};  // PR
-                      } else {
-                        return {4, 32, 8, 1, 16};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 16.13636302947998) {
-                        return {4, 32, 8, 1, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 8};  // PR
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 1, 16};  // PR
-                }
-              }
-            } else {
-              if (x.avg <= 10.823910236358643) {
-                if (x.skew_hi <= 13.375185489654541) {
-                  if (x.log2_S <= 16.883569717407227) {
-                    return {4, 32, 8, 1, 16};  // PR
-                  } else {
-                    return {4, 32, 8, 2, 8};  // PR
-                  }
-                } else {
-                  return {4, 32, 8, 1, 16};  // PR
-                }
-              } else {
-                return {4, 32, 8, 2, 8};  // PR
-              }
-            }
-          }
-        } else {
-          if (x.skew_lo <= 0.602254331111908) {
-            if (x.log2_S <= 19.813865661621094) {
-              if (x.avg <= 10.021768569946289) {
-                return {4, 1, 64, 256, 0};  // SP
-              } else {
-                if (x.skew_lo <= -0.7003897130489349) {
-                  if (x.avg <= 21.03186321258545) {
-                    if (x.log2_S <= 18.089635848999023) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 19.059271812438965) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      if (x.avg <= 128.73100662231445) {
-                        if (x.avg <= 47.26536178588867) {
-                          return {4, 2, 64, 128, 0};  // SP
-                        } else {
-                          return {4, 1, 64, 256, 0};  // SP
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 2, 8};  // PR
-                }
-              }
-            } else {
-              if (x.log2_S <= 20.749016761779785) {
-                if (x.skew_lo <= -3.813086152076721) {
-                  if (x.skew_hi <= 1.026582807302475) {
-                    return {4, 1, 64, 256, 0};  // SP
-                  } else {
-                    return {2, 2, 64, 128, 0};  // SP
-                  }
-                } else {
-                  return {4, 1, 64, 256, 0};  // SP
-                }
-              } else {
-                return {4, 1, 64, 256, 0};  // SP
-              }
-            }
-          } else {
-            if (x.skew_hi <= 19.778602600097656) {
-              if (x.skew_lo <= 9.418694019317627) {
-                if (x.skew_lo <= 1.222223162651062) {
-                  if (x.log2_S <= 21.420841217041016) {
-                    return {4, 32, 8, 2, 8};  // PR
-                  } else {
-                    return {4, 1, 64, 256, 0};  // SP
-                  }
-                } else {
-                  return {4, 32, 8, 2, 8};  // PR
-                }
-              } else {
-                if (x.avg <= 9.440285205841064) {
-                  return {4, 32, 8, 1, 16};  // PR
-                } else {
-                  return {4, 32, 8, 2, 8};  // PR
-                }
-              }
-            } else {
-              if (x.skew_lo <= 9.075909614562988) {
-                return {4, 1, 64, 256, 0};  // SP
-              } else {
-                if (x.skew_lo <= 10.536616802215576) {
-                  return {4, 32, 8, 2, 8};  // PR
-                } else {
-                  if (x.skew_hi <= 22.242897033691406) {
-                    if (x.avg <= 8.987055778503418) {
-                      return {4, 32, 8, 1, 16};  // PR
-                    } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
-                  } else {
-                    if (x.skew_lo <= 10.709104061126709) {
-                      return {4, 32, 8, 1, 16};  // PR
-                    } else {
-                      return {4, 1, 64, 256, 0};  // SP
-                    }
-                  }
-                }
-              }
-            }
-          }
-        }
-      } else {
-        if (x.log2_S <= 14.372503280639648) {
-          if (x.skew_lo <= 0.0006869202479720116) {
-            if (x.avg <= 79.82563781738281) {
-              if (x.log2_S <= 11.03975248336792) {
-                if (x.log2_S <= 9.943359375) {
-                  if (x.skew_lo <= -1.828453779220581) {
-                    if (x.skew_lo <= -4.823795557022095) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      return {1, 2, 16, 128, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.3380413055419922) {
-                      if (x.avg <= 2.707524299621582) {
-                        if (x.log2_S <= 9.697932720184326) {
-                          return {1, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {1, 32, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 1.2360236048698425) {
-                        return {4, 32, 16, 4, 0};  // SP
-                      } else {
-                        return {1, 32, 64, 8, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -4.005384683609009) {
-                    if (x.log2_S <= 10.440947532653809) {
+                  if (x.skew_lo <= -4.426565647125244) {
+                    if (x.log2_S <= 10.42712688446045) {
                       return {1, 32, 64, 4, 0};  // SP
                     } else {
                       return {4, 32, 16, 4, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 10.784226894378662) {
+                    if (x.log2_S <= 10.79496145248413) {
                       return {1, 32, 64, 8, 0};  // SP
                     } else {
-                      if (x.skew_hi <= 5.228658676147461) {
+                      if (x.skew_lo <= -1.434013545513153) {
                         return {4, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {2, 32, 8, 8, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.693593502044678) {
+                  if (x.log2_S <= 13.245478630065918) {
+                    if (x.avg <= 70.1226692199707) {
+                      return {1, 32, 16, 8, 0};  // SP
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 33.919321060180664) {
+                      return {1, 32, 16, 8, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 4.394696950912476) {
+                    if (x.log2_S <= 14.068004608154297) {
+                      if (x.avg <= 1.979225754737854) {
+                        return {1, 32, 16, 8, 0};  // SP
                       } else {
                         return {4, 32, 64, 2, 0};  // SP
                       }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.352388858795166) {
-                  if (x.long_level <= 0.5) {
-                    if (x.log2_S <= 11.148133754730225) {
-                      return {4, 32, 16, 4, 0};  // SP
                     } else {
-                      return {1, 32, 16, 8, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 12.585225105285645) {
                       return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {1, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.avg <= 24.747920036315918) {
-                    if (x.log2_S <= 13.805183410644531) {
-                      if (x.skew_hi <= 3.6000871658325195) {
-                        if (x.avg <= 22.003646850585938) {
-                          return {1, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {1, 32, 16, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 3.4557775259017944) {
-                        return {1, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 14.081365585327148) {
-                          return {1, 8, 64, 32, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 2.220858573913574) {
-                            return {1, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {2, 8, 32, 32, 0};  // SP
-                          }
-                        }
-                      }
                     }
                   } else {
-                    if (x.skew_lo <= -5.477782249450684) {
-                      return {1, 32, 64, 4, 0};  // SP
+                    if (x.avg <= 29.604926109313965) {
+                      if (x.log2_S <= 14.117705821990967) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {2, 8, 32, 32, 0};  // SP
+                      }
                     } else {
                       return {1, 16, 64, 8, 0};  // SP
                     }
@@ -1632,47 +1626,75 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.skew_lo <= -0.4738672077655792) {
-                return {1, 32, 64, 8, 0};  // SP
-              } else {
-                if (x.log2_S <= 12.359529972076416) {
-                  return {1, 32, 64, 8, 0};  // SP
+              if (x.avg <= 98.72407531738281) {
+                if (x.log2_S <= 9.74977445602417) {
+                  return {1, 8, 8, 32, 1};  // SR
                 } else {
-                  return {1, 16, 64, 8, 0};  // SP
+                  return {1, 32, 64, 8, 0};  // SP
                 }
+              } else {
+                return {1, 32, 64, 8, 0};  // SP
               }
             }
           } else {
-            if (x.skew_hi <= 12.674315452575684) {
-              if (x.avg <= 6.48541259765625) {
-                if (x.skew_lo <= 6.635114669799805) {
-                  if (x.log2_S <= 13.209013938903809) {
-                    if (x.skew_lo <= 3.9774504899978638) {
-                      return {4, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.871826171875) {
-                        if (x.skew_lo <= 4.646129608154297) {
-                          if (x.skew_lo <= 4.173630714416504) {
-                            if (x.log2_S <= 11.42385721206665) {
+            if (x.skew_hi <= 12.719268798828125) {
+              if (x.avg <= 6.4371819496154785) {
+                if (x.skew_lo <= 5.978775501251221) {
+                  if (x.log2_S <= 13.321849822998047) {
+                    if (x.log2_S <= 11.809543132781982) {
+                      if (x.avg <= 1.2090080380439758) {
+                        if (x.skew_lo <= -0.015768715646117926) {
+                          if (x.log2_S <= 10.217233180999756) {
+                            return {4, 32, 16, 4, 0};  // SP
+                          } else {
+                            return {1, 32, 16, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 8.842377662658691) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.187572479248047) {
+                          if (x.skew_lo <= 3.512379765510559) {
+                            if (x.log2_S <= 9.437681674957275) {
                               return {1, 32, 8, 2, 1};  // SR
                             } else {
                               return {4, 16, 8, 8, 1};  // SR
                             }
                           } else {
-                            return {1, 32, 8, 4, 1};  // SR
+                            if (x.log2_S <= 11.516871452331543) {
+                              return {1, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
                           }
                         } else {
-                          if (x.avg <= 1.2090080380439758) {
-                            return {4, 16, 8, 8, 1};  // SR
+                          if (x.avg <= 2.555977940559387) {
+                            if (x.skew_hi <= 8.825456619262695) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 2, 1};  // SR
+                            }
                           } else {
-                            return {1, 32, 8, 2, 1};  // SR
+                            if (x.log2_S <= 11.461453437805176) {
+                              return {1, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
                           }
                         }
+                      }
+                    } else {
+                      if (x.skew_hi <= 6.66685938835144) {
+                        return {1, 32, 16, 8, 0};  // SP
                       } else {
-                        if (x.skew_lo <= 5.74186897277832) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
+                        if (x.avg <= 1.1962745189666748) {
                           return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
                         }
                       }
                     }
@@ -1681,46 +1703,54 @@ inline Config plain_config(const Features& f) {
                   }
                 } else {
                   if (x.long_level <= 2.5) {
-                    return {1, 8, 8, 32, 1};  // SR
+                    if (x.log2_S <= 14.474962711334229) {
+                      return {1, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 16, 32, 1};  // SR
+                    }
                   } else {
-                    return {4, 32, 8, 2, 8};  // PR
+                    if (x.skew_hi <= 12.100008010864258) {
+                      return {2, 32, 8, 4, 16};  // PR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 13.868412017822266) {
-                  if (x.skew_hi <= 11.911181926727295) {
-                    if (x.avg <= 7.868273019790649) {
-                      if (x.skew_hi <= 7.114122629165649) {
+                if (x.log2_S <= 13.784401416778564) {
+                  if (x.avg <= 12.222011089324951) {
+                    if (x.skew_lo <= 3.243476152420044) {
+                      if (x.log2_S <= 11.01130723953247) {
                         return {1, 16, 8, 4, 1};  // SR
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      return {1, 8, 8, 32, 1};  // SR
+                      if (x.skew_hi <= 12.18086290359497) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 32, 8, 2, 8};  // PR
+                      }
                     }
                   } else {
-                    if (x.skew_lo <= 9.243641376495361) {
+                    if (x.skew_hi <= 12.682305335998535) {
                       return {1, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.avg <= 8.718679428100586) {
-                        return {4, 32, 8, 2, 8};  // PR
-                      } else {
-                        return {1, 8, 16, 32, 1};  // SR
-                      }
+                      return {1, 8, 16, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.avg <= 45.93356895446777) {
+                  if (x.avg <= 27.59832191467285) {
                     return {1, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 14.132187366485596) {
-                      if (x.skew_hi <= 7.427796840667725) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
+                    if (x.log2_S <= 14.33855390548706) {
+                      if (x.avg <= 49.716989517211914) {
                         return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 92.52922058105469) {
+                      if (x.long_level <= 1.5) {
                         return {1, 8, 16, 32, 1};  // SR
                       } else {
                         return {1, 8, 32, 32, 1};  // SR
@@ -1730,161 +1760,105 @@ inline Config plain_config(const Features& f) {
                 }
               }
             } else {
-              if (x.avg <= 8.810906887054443) {
-                if (x.skew_lo <= 10.4229736328125) {
-                  return {1, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.log2_S <= 14.265856742858887) {
-                    return {4, 32, 8, 2, 8};  // PR
+              if (x.skew_lo <= 10.753560543060303) {
+                if (x.avg <= 2.10261070728302) {
+                  if (x.log2_S <= 13.986210346221924) {
+                    return {1, 8, 8, 32, 1};  // SR
                   } else {
-                    return {1, 8, 32, 32, 1};  // SR
+                    return {1, 8, 16, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_lo <= 9.85845136642456) {
+                    return {1, 8, 16, 32, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 13.980973720550537) {
+                      return {1, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 14.26161813735962) {
-                  return {1, 8, 16, 32, 1};  // SR
-                } else {
-                  return {1, 8, 32, 32, 1};  // SR
-                }
+                return {4, 32, 8, 2, 8};  // PR
               }
             }
           }
         } else {
-          if (x.skew_hi <= 19.172396659851074) {
-            if (x.skew_lo <= -1.5191645622253418) {
-              if (x.skew_lo <= -4.136334657669067) {
-                if (x.avg <= 36.51322937011719) {
-                  if (x.log2_S <= 16.934088706970215) {
-                    return {1, 8, 64, 32, 0};  // SP
+          if (x.long_level <= 0.5) {
+            if (x.skew_hi <= 4.470158576965332) {
+              if (x.skew_lo <= -4.794693470001221) {
+                if (x.log2_S <= 19.10085105895996) {
+                  if (x.avg <= 49.60037040710449) {
+                    return {2, 8, 32, 32, 0};  // SP
                   } else {
-                    if (x.log2_S <= 19.54975700378418) {
-                      return {2, 8, 32, 32, 0};  // SP
+                    if (x.log2_S <= 16.631813049316406) {
+                      return {1, 16, 64, 8, 0};  // SP
                     } else {
-                      if (x.log2_S <= 21.920007705688477) {
-                        if (x.avg <= 28.17928981781006) {
-                          if (x.skew_lo <= -4.412136554718018) {
-                            return {2, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {1, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        return {1, 8, 64, 32, 0};  // SP
-                      }
+                      return {1, 8, 64, 32, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 15.991124629974365) {
-                    return {1, 16, 64, 8, 0};  // SP
-                  } else {
-                    return {1, 8, 64, 32, 0};  // SP
-                  }
+                  return {1, 8, 64, 32, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 16.980602264404297) {
-                  if (x.long_level <= 0.5) {
-                    if (x.avg <= 12.585519313812256) {
-                      if (x.log2_S <= 15.578826427459717) {
-                        if (x.log2_S <= 15.313966751098633) {
-                          return {2, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {1, 8, 64, 32, 0};  // SP
-                        }
-                      } else {
-                        return {2, 8, 32, 32, 0};  // SP
-                      }
+                if (x.log2_S <= 21.493741035461426) {
+                  if (x.log2_S <= 19.3955020904541) {
+                    return {2, 8, 32, 32, 0};  // SP
+                  } else {
+                    if (x.skew_hi <= 3.535735607147217) {
+                      return {2, 8, 32, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 16.15885829925537) {
-                        return {1, 8, 64, 32, 0};  // SP
-                      } else {
+                      if (x.avg <= 3.392038583755493) {
                         return {2, 8, 32, 32, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 20.902999877929688) {
+                          return {1, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {2, 8, 32, 32, 0};  // SP
+                        }
                       }
                     }
-                  } else {
-                    return {1, 32, 64, 8, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 5.758976459503174) {
-                    if (x.log2_S <= 21.60250186920166) {
-                      if (x.log2_S <= 19.35615825653076) {
-                        return {2, 8, 32, 32, 0};  // SP
-                      } else {
-                        if (x.avg <= 3.5605485439300537) {
-                          return {2, 8, 32, 32, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 3.6806693077087402) {
-                            return {2, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {1, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
+                  if (x.avg <= 8.493082523345947) {
+                    return {1, 8, 16, 32, 1};  // SR
                   } else {
-                    if (x.skew_lo <= -1.8670679330825806) {
-                      if (x.avg <= 7.6362245082855225) {
-                        if (x.log2_S <= 22.09738063812256) {
-                          return {2, 8, 32, 32, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -2.90701162815094) {
-                            return {1, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 8, 32, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 22.097593307495117) {
-                        if (x.log2_S <= 17.550527572631836) {
-                          return {1, 32, 64, 8, 0};  // SP
-                        } else {
-                          return {2, 8, 32, 32, 0};  // SP
-                        }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    }
+                    return {2, 8, 32, 32, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.avg <= 29.323567390441895) {
-                if (x.skew_hi <= 13.39783000946045) {
-                  if (x.log2_S <= 19.184341430664062) {
-                    if (x.log2_S <= 16.828492164611816) {
+              if (x.log2_S <= 17.450406074523926) {
+                if (x.log2_S <= 16.260034561157227) {
+                  return {1, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.avg <= 1.2971444725990295) {
+                    return {1, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {2, 8, 32, 32, 0};  // SP
+                  }
+                }
+              } else {
+                return {1, 8, 16, 32, 1};  // SR
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.497183799743652) {
+              if (x.avg <= 22.093756675720215) {
+                if (x.log2_S <= 19.822179794311523) {
+                  if (x.skew_hi <= 13.032285690307617) {
+                    if (x.log2_S <= 17.26506996154785) {
                       if (x.long_level <= 1.5) {
-                        if (x.skew_hi <= 5.794354200363159) {
-                          if (x.avg <= 18.551138877868652) {
-                            return {2, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {1, 8, 16, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.914662837982178) {
+                        if (x.avg <= 17.534265518188477) {
                           return {1, 8, 8, 32, 1};  // SR
                         } else {
                           return {1, 8, 16, 32, 1};  // SR
                         }
-                      }
-                    } else {
-                      if (x.avg <= 4.991842269897461) {
-                        if (x.log2_S <= 17.973615646362305) {
-                          if (x.skew_hi <= 10.843755722045898) {
-                            if (x.skew_lo <= -0.06536111980676651) {
-                              if (x.avg <= 2.318719744682312) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {2, 8, 32, 32, 0};  // SP
-                              }
+                      } else {
+                        if (x.log2_S <= 15.959765911102295) {
+                          if (x.skew_lo <= 6.865641355514526) {
+                            if (x.skew_hi <= 9.994139194488525) {
+                              return {1, 8, 16, 32, 1};  // SR
                             } else {
                               return {1, 8, 8, 32, 1};  // SR
                             }
@@ -1892,142 +1866,178 @@ inline Config plain_config(const Features& f) {
                             return {1, 8, 16, 32, 1};  // SR
                           }
                         } else {
-                          if (x.skew_lo <= 8.786895275115967) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 26.38796615600586) {
                           return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
                         }
                       }
-                    }
-                  } else {
-                    if (x.skew_lo <= 0.5869181137531996) {
-                      return {1, 8, 16, 32, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 4.243947982788086) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 6.957249641418457) {
-                          if (x.skew_lo <= 5.677291631698608) {
-                            if (x.log2_S <= 21.267108917236328) {
-                              if (x.avg <= 24.58549213409424) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 32, 32, 1};  // SR
-                              }
+                      if (x.log2_S <= 19.210012435913086) {
+                        if (x.skew_lo <= 7.439397573471069) {
+                          if (x.log2_S <= 17.740960121154785) {
+                            if (x.avg <= 3.9846787452697754) {
+                              return {1, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 18.408162117004395) {
+                            if (x.log2_S <= 17.502243995666504) {
+                              return {1, 8, 16, 32, 1};  // SR
                             } else {
                               return {1, 8, 32, 32, 1};  // SR
                             }
                           } else {
-                            if (x.avg <= 1.1364869475364685) {
-                              if (x.log2_S <= 21.64378070831299) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
+                            return {1, 8, 16, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.155031204223633) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    return {1, 8, 32, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_lo <= 6.975266695022583) {
+                    if (x.skew_hi <= 8.702780723571777) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 16.89974021911621) {
+                        if (x.log2_S <= 21.906657218933105) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 1.8835360407829285) {
+                            return {1, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 9.684666633605957) {
+                              return {1, 8, 32, 32, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 6.19671893119812) {
                                 return {1, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {1, 8, 16, 32, 1};  // SR
                               }
+                            }
+                          }
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {1, 8, 32, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 3.7999417781829834) {
+                  if (x.log2_S <= 17.661508560180664) {
+                    if (x.skew_hi <= 3.692241907119751) {
+                      return {1, 32, 64, 8, 0};  // SP
+                    } else {
+                      return {1, 16, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 278.0782012939453) {
+                      if (x.log2_S <= 19.206936836242676) {
+                        if (x.avg <= 169.53812408447266) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {2, 8, 32, 32, 0};  // SP
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 21.68590545654297) {
+                        if (x.log2_S <= 20.94908332824707) {
+                          return {2, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {1, 8, 64, 32, 0};  // SP
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 7.342052698135376) {
+                    if (x.log2_S <= 17.762805938720703) {
+                      if (x.long_level <= 1.5) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 31.773574829101562) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.184349536895752) {
+                            if (x.skew_lo <= 5.387367010116577) {
+                              return {1, 8, 32, 32, 1};  // SR
                             } else {
                               return {1, 8, 16, 32, 1};  // SR
                             }
-                          }
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 18.599818229675293) {
-                    if (x.skew_hi <= 13.890850067138672) {
-                      if (x.log2_S <= 17.409318923950195) {
-                        return {1, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 15.761390209197998) {
-                        if (x.skew_hi <= 15.432552814483643) {
-                          return {1, 8, 32, 32, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 10.912781238555908) {
-                            return {1, 8, 32, 32, 1};  // SR
                           } else {
-                            return {4, 32, 8, 2, 8};  // PR
+                            return {1, 8, 32, 32, 1};  // SR
                           }
                         }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
                       }
-                    }
-                  } else {
-                    if (x.avg <= 7.725303888320923) {
-                      return {1, 8, 64, 32, 1};  // SR
                     } else {
                       return {1, 8, 32, 32, 1};  // SR
                     }
-                  }
-                }
-              } else {
-                if (x.long_level <= 1.5) {
-                  if (x.log2_S <= 17.885621070861816) {
-                    if (x.skew_hi <= 3.692241907119751) {
-                      if (x.log2_S <= 17.25607395172119) {
-                        return {1, 32, 64, 8, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 3.04802143573761) {
-                          return {1, 32, 64, 8, 0};  // SP
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      }
+                  } else {
+                    if (x.skew_hi <= 19.65245532989502) {
+                      return {1, 8, 32, 32, 1};  // SR
                     } else {
-                      return {1, 8, 16, 32, 1};  // SR
+                      if (x.skew_lo <= 9.108198165893555) {
+                        return {1, 8, 64, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
                     }
-                  } else {
-                    return {1, 8, 32, 32, 1};  // SR
-                  }
-                } else {
-                  return {1, 8, 32, 32, 1};  // SR
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 19.883020401000977) {
-              if (x.avg <= 8.944831371307373) {
-                return {1, 8, 64, 32, 1};  // SR
-              } else {
-                if (x.avg <= 31.00221061706543) {
-                  return {1, 8, 32, 32, 1};  // SR
-                } else {
-                  if (x.skew_lo <= 7.638214826583862) {
-                    return {1, 8, 32, 32, 1};  // SR
-                  } else {
-                    return {1, 8, 64, 32, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= 9.535978317260742) {
-                return {1, 8, 64, 32, 1};  // SR
+              if (x.log2_S <= 18.599818229675293) {
+                if (x.log2_S <= 15.761390209197998) {
+                  if (x.skew_lo <= 10.761323928833008) {
+                    return {1, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                } else {
+                  if (x.skew_hi <= 17.995932579040527) {
+                    if (x.skew_lo <= 11.012952327728271) {
+                      if (x.skew_lo <= 10.874547481536865) {
+                        return {1, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 64, 32, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 32, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 12.711219787597656) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {1, 8, 64, 32, 1};  // SR
+                    }
+                  }
+                }
               } else {
-                if (x.skew_lo <= 10.460464000701904) {
-                  if (x.skew_lo <= 9.733684062957764) {
-                    if (x.log2_S <= 21.30150318145752) {
+                if (x.log2_S <= 23.098241806030273) {
+                  if (x.skew_lo <= 10.87117052078247) {
+                    if (x.skew_hi <= 19.965646743774414) {
                       return {1, 8, 32, 32, 1};  // SR
                     } else {
                       return {1, 8, 64, 32, 1};  // SR
                     }
                   } else {
-                    return {1, 8, 32, 32, 1};  // SR
+                    return {1, 8, 64, 32, 1};  // SR
                   }
                 } else {
                   return {1, 8, 64, 32, 1};  // SR
@@ -2036,379 +2046,415 @@ inline Config plain_config(const Features& f) {
             }
           }
         }
-      }
-    }
-  } else {
-    if (x.F <= 22.627416997969522) {
-      if (x.F <= 11.313708498984761) {
-        if (x.log2_S <= 13.315847873687744) {
-          if (x.long_level <= 1.5) {
-            if (x.long_level <= 0.5) {
-              if (x.log2_S <= 11.588039875030518) {
-                if (x.skew_hi <= 5.15857195854187) {
-                  if (x.log2_S <= 9.802486896514893) {
-                    if (x.skew_lo <= -4.444373846054077) {
-                      if (x.log2_S <= 9.259875297546387) {
-                        return {1, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 6.634576320648193) {
-                        if (x.skew_lo <= -1.8882138133049011) {
-                          if (x.log2_S <= 9.140395164489746) {
-                            return {1, 4, 32, 64, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
+      } else {
+        if (x.F <= 11.313708498984761) {
+          if (x.log2_S <= 13.795100212097168) {
+            if (x.long_level <= 1.5) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 11.437352180480957) {
+                  if (x.skew_lo <= -1.828453779220581) {
+                    if (x.log2_S <= 10.027065753936768) {
+                      if (x.skew_hi <= 1.5700321197509766) {
+                        if (x.avg <= 51.271169662475586) {
+                          return {1, 32, 64, 4, 0};  // SP
                         } else {
-                          if (x.avg <= 2.2344402074813843) {
-                            return {2, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       } else {
-                        return {4, 32, 64, 4, 0};  // SP
+                        if (x.log2_S <= 9.337400436401367) {
+                          return {1, 4, 32, 64, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 10.762166976928711) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 1.291636347770691) {
+                          return {2, 64, 32, 4, 0};  // SP
+                        } else {
+                          return {1, 32, 64, 4, 0};  // SP
+                        }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 10.709478378295898) {
-                      if (x.skew_hi <= 4.160457134246826) {
-                        return {4, 32, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 11.01264476776123) {
-                        if (x.avg <= 4.099388241767883) {
-                          return {4, 32, 8, 2, 0};  // SP
+                    if (x.skew_hi <= 5.7096381187438965) {
+                      if (x.log2_S <= 9.96207571029663) {
+                        if (x.avg <= 1.7913721203804016) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
-                          if (x.skew_lo <= -4.419024467468262) {
-                            return {2, 64, 32, 4, 0};  // SP
+                          if (x.log2_S <= 9.47773551940918) {
+                            return {4, 32, 64, 4, 0};  // SP
                           } else {
-                            return {1, 32, 64, 4, 0};  // SP
+                            return {4, 8, 64, 32, 0};  // SP
                           }
                         }
                       } else {
-                        return {1, 32, 64, 4, 0};  // SP
+                        if (x.avg <= 2.3297654390335083) {
+                          if (x.log2_S <= 10.517901420593262) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
                       }
+                    } else {
+                      return {2, 16, 8, 2, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 10.205976486206055) {
-                    return {4, 8, 64, 32, 0};  // SP
+                  if (x.skew_hi <= 5.378895044326782) {
+                    if (x.log2_S <= 12.77286148071289) {
+                      return {2, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.avg <= 5.100091218948364) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 36.77725410461426) {
+                          return {4, 8, 64, 32, 0};  // SP
+                        } else {
+                          return {2, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
                   } else {
-                    return {4, 32, 8, 2, 0};  // SP
+                    if (x.log2_S <= 11.877019882202148) {
+                      return {4, 32, 8, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 4, 0};  // SP
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 12.77286148071289) {
-                  if (x.avg <= 1.659698486328125) {
-                    if (x.log2_S <= 11.979327201843262) {
-                      return {4, 32, 8, 2, 0};  // SP
+                if (x.skew_hi <= 5.180846214294434) {
+                  if (x.skew_hi <= 2.579560875892639) {
+                    if (x.log2_S <= 11.833489418029785) {
+                      return {4, 64, 64, 1, 0};  // SP
                     } else {
-                      return {2, 16, 64, 4, 0};  // SP
+                      if (x.skew_hi <= 2.232734441757202) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 64, 32, 1, 0};  // SP
+                      }
                     }
                   } else {
-                    return {2, 16, 64, 4, 0};  // SP
+                    if (x.avg <= 53.0823917388916) {
+                      if (x.log2_S <= 9.990787029266357) {
+                        return {4, 64, 32, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.282858848571777) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {2, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.858559131622314) {
+                        if (x.avg <= 145.99859619140625) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 9.925692558288574) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 64, 32, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= -0.78758704662323) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
                   }
                 } else {
-                  return {4, 8, 64, 32, 0};  // SP
+                  if (x.skew_lo <= 2.014763832092285) {
+                    return {2, 4, 8, 64, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 4.036425352096558) {
+                      if (x.log2_S <= 11.103669166564941) {
+                        if (x.skew_hi <= 6.380420923233032) {
+                          if (x.skew_lo <= 2.199975848197937) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 3.731311321258545) {
+                            return {1, 16, 8, 4, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 7.9312334060668945) {
+                              return {2, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {1, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.445658683776855) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 8.45754098892212) {
+                        if (x.avg <= 3.083389401435852) {
+                          return {4, 64, 32, 1, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.293897151947021) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.346445560455322) {
+                          if (x.skew_lo <= 4.8912858963012695) {
+                            if (x.skew_hi <= 8.534628868103027) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 11.444076538085938) {
+                              return {4, 32, 64, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 11.655910968780518) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 8, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 13.07714319229126) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
                 }
               }
             } else {
-              if (x.skew_hi <= 4.902939558029175) {
-                if (x.skew_lo <= -1.2496694922447205) {
-                  if (x.log2_S <= 10.635151863098145) {
-                    return {4, 32, 64, 8, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.76325511932373) {
-                      return {4, 64, 64, 1, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 8, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.737930297851562) {
-                    if (x.skew_hi <= 3.207197427749634) {
-                      if (x.log2_S <= 9.329739570617676) {
-                        return {4, 32, 64, 8, 0};  // SP
+              if (x.skew_hi <= 12.72162914276123) {
+                if (x.log2_S <= 13.075253009796143) {
+                  if (x.skew_lo <= 11.268138408660889) {
+                    if (x.avg <= 16.759855270385742) {
+                      if (x.skew_lo <= 6.855238676071167) {
+                        if (x.log2_S <= 8.925647258758545) {
+                          return {2, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 6.027403116226196) {
+                            return {2, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        }
                       } else {
-                        return {4, 64, 32, 2, 0};  // SP
+                        return {2, 4, 8, 64, 1};  // SR
                       }
                     } else {
-                      return {4, 64, 32, 2, 0};  // SP
+                      if (x.skew_lo <= 1.1559711694717407) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {2, 4, 8, 64, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.avg <= 81.6065902709961) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {4, 64, 32, 2, 0};  // SP
-                    }
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                } else {
+                  if (x.skew_lo <= 3.5944035053253174) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {2, 4, 8, 64, 1};  // SR
                   }
                 }
               } else {
-                if (x.avg <= 15.515976428985596) {
-                  if (x.skew_lo <= 4.036425352096558) {
-                    if (x.log2_S <= 11.01130723953247) {
-                      if (x.skew_lo <= 2.4184138774871826) {
-                        if (x.skew_lo <= 2.1749191284179688) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 4.6711578369140625) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 16, 8, 4, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {2, 8, 8, 32, 1};  // SR
-                    }
+                if (x.avg <= 3.403061866760254) {
+                  if (x.long_level <= 2.5) {
+                    return {2, 4, 8, 64, 1};  // SR
                   } else {
-                    if (x.log2_S <= 12.418721675872803) {
-                      if (x.skew_lo <= 4.358525276184082) {
-                        if (x.log2_S <= 11.07528305053711) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 32, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 8.829154014587402) {
-                          if (x.log2_S <= 11.61376142501831) {
-                            if (x.skew_lo <= 4.446409702301025) {
-                              return {1, 32, 8, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 11.139856338500977) {
-                            if (x.skew_hi <= 8.980708599090576) {
-                              return {4, 32, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
-                          } else {
-                            if (x.log2_S <= 11.655910968780518) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 8, 0};  // SP
-                            }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.171240329742432) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 8, 8, 32, 1};  // SR
-                      }
-                    }
+                    return {4, 32, 8, 1, 16};  // PR
                   }
                 } else {
-                  if (x.skew_hi <= 5.147704124450684) {
-                    return {4, 64, 64, 1, 0};  // SP
+                  if (x.log2_S <= 13.0512056350708) {
+                    if (x.skew_lo <= 9.01386833190918) {
+                      return {2, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 8};  // PR
+                    }
                   } else {
-                    return {2, 4, 8, 64, 1};  // SR
+                    return {4, 32, 8, 2, 8};  // PR
                   }
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 12.718151092529297) {
-              if (x.skew_lo <= 10.689597606658936) {
-                if (x.avg <= 24.057249069213867) {
-                  if (x.skew_lo <= 6.9704060554504395) {
-                    if (x.log2_S <= 11.075685977935791) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 5.960236072540283) {
-                        if (x.log2_S <= 11.73949670791626) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 12.768529891967773) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {2, 4, 8, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 12.62818717956543) {
-                    return {2, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 7.337647199630737) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {2, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                return {4, 32, 8, 2, 8};  // PR
-              }
-            } else {
-              if (x.long_level <= 2.5) {
-                return {2, 4, 8, 64, 1};  // SR
-              } else {
-                return {4, 32, 8, 2, 8};  // PR
-              }
-            }
-          }
-        } else {
-          if (x.skew_hi <= 12.35733699798584) {
-            if (x.skew_lo <= 0.248540960252285) {
-              if (x.avg <= 20.276737213134766) {
-                if (x.log2_S <= 16.551081657409668) {
-                  if (x.log2_S <= 15.39443588256836) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.avg <= 8.358999252319336) {
-                      if (x.skew_lo <= -1.3457570672035217) {
-                        return {4, 4, 32, 64, 0};  // SP
-                      } else {
+            if (x.skew_hi <= 11.797882080078125) {
+              if (x.skew_lo <= 0.07605096697807312) {
+                if (x.log2_S <= 17.597588539123535) {
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 16.12101650238037) {
+                      if (x.skew_hi <= 5.815371036529541) {
                         return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {2, 4, 8, 64, 1};  // SR
                       }
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 17.6831111907959) {
-                    if (x.avg <= 6.016623497009277) {
-                      if (x.avg <= 1.3656492233276367) {
-                        if (x.log2_S <= 17.197694778442383) {
-                          return {4, 2, 8, 128, 1};  // SR
+                      if (x.avg <= 20.171844482421875) {
+                        if (x.skew_hi <= 4.693402051925659) {
+                          if (x.log2_S <= 17.33200168609619) {
+                            return {4, 4, 32, 64, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -2.402121663093567) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 2, 64, 128, 0};  // SP
+                            }
+                          }
                         } else {
-                          return {4, 2, 64, 128, 0};  // SP
+                          if (x.skew_lo <= -0.5720727741718292) {
+                            return {4, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
                         }
                       } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_hi <= 2.2637500762939453) {
-                        return {4, 4, 32, 64, 0};  // SP
-                      } else {
-                        if (x.skew_hi <= 3.0348726511001587) {
-                          return {4, 4, 64, 64, 0};  // SP
-                        } else {
-                          return {4, 4, 32, 64, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 2.181536912918091) {
-                      if (x.log2_S <= 20.23384380340576) {
-                        return {4, 4, 32, 64, 0};  // SP
-                      } else {
-                        return {4, 2, 64, 128, 0};  // SP
-                      }
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 2.7740777730941772) {
-                  if (x.avg <= 63.50004768371582) {
-                    if (x.log2_S <= 17.70784282684326) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 23.44633388519287) {
-                        return {4, 4, 32, 64, 0};  // SP
-                      } else {
-                        if (x.avg <= 36.69209861755371) {
-                          return {4, 2, 64, 128, 0};  // SP
+                        if (x.log2_S <= 17.417588233947754) {
+                          return {4, 8, 64, 32, 0};  // SP
                         } else {
                           return {4, 4, 32, 64, 0};  // SP
                         }
                       }
                     }
                   } else {
-                    if (x.log2_S <= 16.351664543151855) {
-                      if (x.avg <= 227.58245086669922) {
-                        if (x.skew_lo <= -1.568108856678009) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.log2_S <= 16.115614891052246) {
+                    if (x.skew_lo <= -1.5202110409736633) {
+                      if (x.log2_S <= 15.568574905395508) {
+                        if (x.skew_lo <= -1.8298088312149048) {
                           return {4, 32, 64, 8, 0};  // SP
                         } else {
                           return {4, 32, 64, 4, 0};  // SP
                         }
+                      } else {
+                        if (x.log2_S <= 16.941868782043457) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
                       }
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
+                      if (x.log2_S <= 16.73560619354248) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.80167579650879) {
-                    return {4, 32, 64, 2, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 18.439685821533203) {
-                      if (x.skew_lo <= 0.03556358627974987) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 4.177959442138672) {
-                        if (x.avg <= 136.55049896240234) {
+                  if (x.avg <= 92.6203498840332) {
+                    if (x.avg <= 14.108264446258545) {
+                      if (x.log2_S <= 18.261302947998047) {
+                        if (x.skew_hi <= 3.269231677055359) {
                           return {4, 4, 64, 64, 0};  // SP
                         } else {
-                          if (x.log2_S <= 20.88247776031494) {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 20.206461906433105) {
+                        if (x.long_level <= 0.5) {
+                          if (x.log2_S <= 18.26459789276123) {
+                            if (x.avg <= 34.81639003753662) {
+                              return {4, 4, 32, 64, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          } else {
+                            return {4, 4, 32, 64, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 18.633923530578613) {
                             return {4, 8, 64, 32, 0};  // SP
                           } else {
                             return {4, 4, 64, 64, 0};  // SP
                           }
                         }
                       } else {
-                        return {4, 2, 64, 128, 0};  // SP
+                        if (x.skew_lo <= -5.876129865646362) {
+                          return {4, 4, 32, 64, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 21.337851524353027) {
+                            if (x.avg <= 64.91960525512695) {
+                              if (x.skew_lo <= -5.138137102127075) {
+                                return {4, 4, 32, 64, 0};  // SP
+                              } else {
+                                return {4, 2, 64, 128, 0};  // SP
+                              }
+                            } else {
+                              return {4, 4, 64, 64, 0};  // SP
+                            }
+                          } else {
+                            return {4, 2, 64, 128, 0};  // SP
+                          }
+                        }
                       }
+                    }
+                  } else {
+                    if (x.avg <= 121.09386444091797) {
+                      if (x.log2_S <= 20.00767421722412) {
+                        return {4, 8, 64, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 64, 64, 0};  // SP
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
                     }
                   }
                 }
-              }
-            } else {
-              if (x.log2_S <= 15.252630710601807) {
-                if (x.avg <= 30.708199501037598) {
-                  if (x.skew_lo <= 2.632832884788513) {
-                    if (x.avg <= 21.780694007873535) {
+              } else {
+                if (x.log2_S <= 15.188249111175537) {
+                  if (x.avg <= 14.7029390335083) {
+                    if (x.skew_hi <= 6.59782075881958) {
                       return {4, 2, 8, 128, 1};  // SR
                     } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
-                  } else {
-                    if (x.long_level <= 1.5) {
-                      if (x.log2_S <= 14.301365375518799) {
-                        if (x.skew_hi <= 6.8699469566345215) {
-                          return {2, 4, 8, 64, 1};  // SR
-                        } else {
+                      if (x.log2_S <= 14.309743404388428) {
+                        if (x.avg <= 3.870092034339905) {
                           return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {2, 4, 8, 64, 1};  // SR
                         }
                       } else {
-                        if (x.skew_hi <= 6.952584505081177) {
+                        if (x.skew_hi <= 7.430080413818359) {
                           return {4, 2, 8, 128, 1};  // SR
                         } else {
-                          return {2, 4, 8, 64, 1};  // SR
+                          if (x.skew_lo <= 7.160921573638916) {
+                            return {2, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
                         }
                       }
+                    }
+                  } else {
+                    if (x.skew_lo <= 4.945025205612183) {
+                      if (x.skew_lo <= 0.38089582324028015) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
                     } else {
-                      if (x.log2_S <= 14.923304080963135) {
+                      if (x.log2_S <= 14.550290584564209) {
                         return {2, 4, 8, 64, 1};  // SR
                       } else {
                         return {4, 32, 8, 2, 8};  // PR
@@ -2416,130 +2462,88 @@ inline Config plain_config(const Features& f) {
                     }
                   }
                 } else {
-                  return {4, 2, 8, 128, 1};  // SR
-                }
-              } else {
-                if (x.skew_lo <= 6.88446044921875) {
-                  if (x.skew_hi <= 4.998786926269531) {
-                    if (x.log2_S <= 20.34692096710205) {
+                  if (x.skew_hi <= 11.382152557373047) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 18.69841194152832) {
+                      return {4, 32, 8, 2, 8};  // PR
+                    } else {
                       return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 18.62655544281006) {
-                    if (x.log2_S <= 16.0281343460083) {
-                      return {4, 32, 8, 2, 8};  // PR
-                    } else {
-                      if (x.avg <= 5.04178261756897) {
-                        if (x.log2_S <= 17.918210983276367) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 8};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 8};  // PR
-                      }
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 17.995171546936035) {
-              if (x.skew_lo <= 10.935451030731201) {
-                if (x.skew_hi <= 13.044861316680908) {
-                  if (x.log2_S <= 21.919859886169434) {
-                    if (x.log2_S <= 14.662390232086182) {
-                      return {2, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 8};  // PR
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                } else {
-                  return {4, 32, 8, 2, 8};  // PR
-                }
-              } else {
-                if (x.log2_S <= 15.973194599151611) {
-                  if (x.skew_hi <= 13.985010147094727) {
-                    return {4, 32, 8, 2, 8};  // PR
-                  } else {
-                    return {4, 32, 8, 1, 16};  // PR
-                  }
-                } else {
-                  if (x.log2_S <= 17.662273406982422) {
-                    return {4, 32, 8, 2, 8};  // PR
-                  } else {
-                    if (x.skew_lo <= 12.136803150177002) {
-                      return {4, 32, 8, 2, 8};  // PR
-                    } else {
-                      return {4, 32, 8, 1, 16};  // PR
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= 8.435761451721191) {
-                if (x.log2_S <= 20.349831581115723) {
-                  if (x.log2_S <= 19.03759479522705) {
-                    return {4, 4, 32, 64, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= 7.098738670349121) {
-                      if (x.skew_lo <= 6.88759970664978) {
-                        return {4, 8, 64, 32, 0};  // SP
+              if (x.skew_hi <= 17.74721908569336) {
+                if (x.skew_lo <= 10.900304794311523) {
+                  if (x.skew_hi <= 12.677103996276855) {
+                    if (x.log2_S <= 20.538860321044922) {
+                      if (x.log2_S <= 14.585064888000488) {
+                        return {2, 4, 8, 64, 1};  // SR
                       } else {
-                        return {4, 4, 64, 64, 0};  // SP
+                        return {4, 32, 8, 2, 8};  // PR
                       }
                     } else {
-                      return {4, 4, 32, 64, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 22.228665351867676) {
-                    if (x.skew_lo <= 6.861316680908203) {
-                      if (x.avg <= 228.59130859375) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
+                      return {4, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 11.030117511749268) {
-                  if (x.skew_lo <= 9.500387191772461) {
-                    if (x.log2_S <= 20.313983917236328) {
-                      return {4, 4, 32, 64, 0};  // SP
+                    if (x.skew_hi <= 17.25618839263916) {
+                      return {4, 32, 8, 2, 8};  // PR
                     } else {
-                      return {4, 2, 64, 128, 0};  // SP
-                    }
-                  } else {
-                    return {4, 32, 8, 2, 8};  // PR
-                  }
-                } else {
-                  if (x.skew_hi <= 19.72074604034424) {
-                    return {4, 32, 8, 1, 16};  // PR
-                  } else {
-                    if (x.avg <= 5.626344442367554) {
-                      return {4, 2, 64, 128, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 22.3263578414917) {
-                        if (x.log2_S <= 21.592914581298828) {
-                          return {4, 32, 8, 1, 16};  // PR
+                      if (x.avg <= 106.88566970825195) {
+                        if (x.skew_lo <= 9.065763473510742) {
+                          return {4, 4, 32, 64, 0};  // SP
                         } else {
                           return {4, 32, 8, 2, 8};  // PR
                         }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 16.040780067443848) {
+                    return {4, 32, 8, 1, 16};  // PR
+                  } else {
+                    return {4, 32, 8, 2, 8};  // PR
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 7.32323431968689) {
+                  if (x.skew_hi <= 18.730405807495117) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 27.940842628479004) {
+                    if (x.skew_lo <= 11.402273178100586) {
+                      if (x.log2_S <= 22.510208129882812) {
+                        return {4, 32, 8, 2, 8};  // PR
+                      } else {
+                        if (x.skew_lo <= 10.833902835845947) {
+                          if (x.skew_lo <= 9.414412021636963) {
+                            return {4, 2, 64, 128, 0};  // SP
+                          } else {
+                            return {4, 32, 8, 2, 8};  // PR
+                          }
+                        } else {
+                          return {4, 2, 64, 128, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 19.616087913513184) {
+                        return {4, 32, 8, 1, 16};  // PR
+                      } else {
+                        return {4, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 8.863645076751709) {
+                      return {4, 4, 32, 64, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 20.512742042541504) {
+                        return {4, 4, 32, 64, 0};  // SP
                       } else {
                         return {4, 2, 64, 128, 0};  // SP
                       }
@@ -2549,511 +2553,507 @@ inline Config plain_config(const Features& f) {
               }
             }
           }
-        }
-      } else {
-        if (x.log2_S <= 12.666682243347168) {
-          if (x.skew_lo <= 0.7102965116500854) {
-            if (x.avg <= 16.539273262023926) {
-              if (x.log2_S <= 10.840563297271729) {
-                if (x.avg <= 1.908500611782074) {
-                  if (x.log2_S <= 9.331986427307129) {
-                    return {4, 32, 8, 2, 0};  // SP
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 8.993313789367676) {
-                    if (x.skew_lo <= -1.592566967010498) {
+        } else {
+          if (x.log2_S <= 12.650407314300537) {
+            if (x.skew_lo <= 0.534642368555069) {
+              if (x.avg <= 40.879581451416016) {
+                if (x.log2_S <= 10.516085147857666) {
+                  if (x.log2_S <= 9.264467716217041) {
+                    if (x.skew_lo <= -1.9930169582366943) {
                       return {1, 32, 64, 8, 0};  // SP
                     } else {
-                      return {4, 64, 64, 2, 0};  // SP
+                      if (x.avg <= 1.8265734910964966) {
+                        return {4, 32, 8, 2, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 4.407433032989502) {
+                          return {4, 64, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    if (x.log2_S <= 10.453446865081787) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -2.829573631286621) {
+                    if (x.skew_lo <= -1.2155157327651978) {
+                      if (x.log2_S <= 9.435258388519287) {
+                        if (x.avg <= 11.911644697189331) {
+                          return {4, 64, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      } else {
                         return {4, 64, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 9.45904016494751) {
+                        return {4, 32, 8, 2, 0};  // SP
                       } else {
                         return {4, 32, 64, 4, 0};  // SP
                       }
                     }
                   }
+                } else {
+                  if (x.avg <= 2.040797710418701) {
+                    if (x.log2_S <= 11.017526626586914) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 32, 8, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 12.42887020111084) {
+                      if (x.avg <= 26.97542381286621) {
+                        return {2, 32, 16, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 11.095472812652588) {
+                          if (x.log2_S <= 10.778988361358643) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {1, 32, 16, 8, 0};  // SP
+                          }
+                        } else {
+                          return {2, 32, 16, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.577540874481201) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {2, 32, 16, 2, 0};  // SP
+                      }
+                    }
+                  }
                 }
               } else {
-                if (x.avg <= 1.9624927043914795) {
-                  if (x.log2_S <= 11.604647636413574) {
-                    return {4, 32, 64, 8, 0};  // SP
-                  } else {
-                    return {4, 32, 8, 2, 0};  // SP
-                  }
+                if (x.log2_S <= 10.9031081199646) {
+                  return {4, 64, 64, 2, 0};  // SP
                 } else {
-                  return {2, 32, 16, 2, 0};  // SP
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 11.018642902374268) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {2, 32, 64, 8, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 4.290812253952026) {
+                      if (x.log2_S <= 11.821069240570068) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 170.72380828857422) {
+                          if (x.avg <= 86.18254089355469) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  }
                 }
               }
             } else {
-              if (x.log2_S <= 10.964189052581787) {
-                return {4, 64, 64, 2, 0};  // SP
-              } else {
-                if (x.skew_lo <= -3.541533350944519) {
-                  if (x.log2_S <= 11.774360179901123) {
-                    return {2, 32, 64, 8, 0};  // SP
-                  } else {
-                    return {2, 32, 16, 2, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_lo <= -1.3065258860588074) {
-                    return {4, 64, 64, 2, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 3.609583020210266) {
-                      if (x.log2_S <= 11.513259887695312) {
-                        return {4, 64, 64, 2, 0};  // SP
+              if (x.long_level <= 1.5) {
+                if (x.avg <= 5.740299463272095) {
+                  if (x.skew_lo <= 4.790373802185059) {
+                    if (x.skew_hi <= 8.534628868103027) {
+                      if (x.log2_S <= 11.094958782196045) {
+                        if (x.skew_lo <= 3.569601893424988) {
+                          if (x.log2_S <= 9.431335926055908) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {1, 32, 8, 2, 1};  // SR
+                        }
                       } else {
-                        return {4, 64, 64, 1, 0};  // SP
+                        if (x.skew_lo <= 3.95799720287323) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.089734554290771) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 32, 8, 2, 1};  // SR
+                          }
+                        }
                       }
                     } else {
-                      if (x.skew_lo <= 0.32291170954704285) {
-                        return {4, 64, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
+                      return {4, 64, 64, 1, 0};  // SP
                     }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.avg <= 5.276181936264038) {
-              if (x.skew_lo <= 6.797080755233765) {
-                if (x.avg <= 2.8379108905792236) {
-                  if (x.skew_lo <= 5.090733766555786) {
-                    if (x.skew_hi <= 8.437059879302979) {
+                  } else {
+                    if (x.log2_S <= 11.337015628814697) {
                       return {1, 32, 8, 4, 1};  // SR
                     } else {
-                      if (x.log2_S <= 12.222744464874268) {
+                      if (x.log2_S <= 11.91698408126831) {
                         return {4, 64, 64, 1, 0};  // SP
                       } else {
-                        return {1, 32, 8, 4, 1};  // SR
+                        if (x.avg <= 1.1428292393684387) {
+                          return {1, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {1, 32, 8, 4, 1};  // SR
+                        }
                       }
                     }
-                  } else {
-                    return {1, 32, 8, 4, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 11.069849491119385) {
-                    return {1, 32, 8, 2, 1};  // SR
+                  if (x.avg <= 13.541120529174805) {
+                    return {2, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 12.040806770324707) {
-                      return {1, 32, 8, 4, 1};  // SR
+                    if (x.skew_lo <= 1.7294699549674988) {
+                      if (x.log2_S <= 11.020206451416016) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 5.078279256820679) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      }
                     } else {
-                      return {2, 8, 8, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 10.79936695098877) {
-                  return {2, 8, 8, 32, 1};  // SR
-                } else {
-                  return {4, 32, 8, 2, 8};  // PR
-                }
-              }
-            } else {
-              if (x.skew_hi <= 11.702454090118408) {
-                if (x.skew_hi <= 6.200541257858276) {
-                  if (x.avg <= 352.82598876953125) {
-                    if (x.avg <= 17.379981994628906) {
                       if (x.log2_S <= 11.55215311050415) {
                         return {1, 16, 8, 4, 1};  // SR
                       } else {
                         return {2, 8, 8, 32, 1};  // SR
                       }
-                    } else {
-                      if (x.log2_S <= 11.128439903259277) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 34.109052658081055) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 47.53557777404785) {
-                    return {2, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 8.087898254394531) {
-                      if (x.log2_S <= 11.936853885650635) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 7.109013080596924) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 50.55864715576172) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 15.768612384796143) {
-                  if (x.avg <= 13.609608173370361) {
-                    return {4, 32, 8, 2, 8};  // PR
-                  } else {
-                    return {2, 8, 8, 32, 1};  // SR
-                  }
-                } else {
+                if (x.skew_hi <= 5.963383674621582) {
                   return {4, 4, 8, 64, 1};  // SR
-                }
-              }
-            }
-          }
-        } else {
-          if (x.skew_lo <= -0.9981512129306793) {
-            if (x.avg <= 16.634421348571777) {
-              if (x.log2_S <= 16.160329818725586) {
-                if (x.skew_lo <= -2.358577609062195) {
-                  if (x.log2_S <= 13.147468090057373) {
-                    return {2, 32, 16, 2, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
                 } else {
-                  if (x.log2_S <= 13.921178340911865) {
-                    return {2, 32, 16, 2, 0};  // SP
+                  if (x.log2_S <= 11.098741054534912) {
+                    return {2, 8, 8, 32, 1};  // SR
                   } else {
-                    if (x.skew_lo <= -1.8006539940834045) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.491046905517578) {
-                  if (x.avg <= 9.040364742279053) {
-                    return {4, 4, 32, 64, 0};  // SP
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_hi <= 4.7514355182647705) {
-                    return {4, 4, 32, 64, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 21.56879711151123) {
-                      return {4, 4, 32, 64, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 19.54154396057129) {
-                if (x.avg <= 127.98842239379883) {
-                  if (x.log2_S <= 13.848974227905273) {
-                    if (x.skew_lo <= -5.135082244873047) {
-                      if (x.log2_S <= 13.141317367553711) {
-                        return {2, 32, 16, 2, 0};  // SP
+                    if (x.avg <= 38.74860382080078) {
+                      if (x.skew_hi <= 12.15879487991333) {
+                        return {2, 8, 8, 32, 1};  // SR
                       } else {
-                        return {2, 32, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      return {2, 32, 16, 2, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 18.745123863220215) {
-                      if (x.log2_S <= 15.917068004608154) {
-                        if (x.avg <= 43.95953559875488) {
-                          if (x.log2_S <= 14.452317237854004) {
-                            return {4, 8, 64, 32, 0};  // SP
+                        if (x.avg <= 14.312013149261475) {
+                          if (x.skew_lo <= 10.819239616394043) {
+                            return {2, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.avg <= 20.045799255371094) {
-                              return {4, 8, 64, 32, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 15.654863834381104) {
-                                return {4, 16, 64, 4, 0};  // SP
-                              } else {
-                                return {4, 8, 64, 32, 0};  // SP
-                              }
-                            }
+                            return {4, 32, 8, 2, 8};  // PR
                           }
                         } else {
-                          return {2, 32, 64, 8, 0};  // SP
+                          return {4, 4, 8, 64, 1};  // SR
                         }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
                       }
                     } else {
-                      if (x.skew_hi <= 0.24763498455286026) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 16.43873119354248) {
-                    if (x.skew_hi <= 2.3557544946670532) {
-                      return {4, 64, 64, 2, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 13.96882438659668) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -1.5878317952156067) {
-                      return {4, 16, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 18.485958099365234) {
-                        if (x.skew_lo <= -1.195914387702942) {
-                          return {4, 16, 64, 4, 0};  // SP
+                      if (x.skew_lo <= 4.878109693527222) {
+                        if (x.skew_hi <= 7.284532070159912) {
+                          return {4, 4, 8, 64, 1};  // SR
                         } else {
-                          return {4, 8, 64, 32, 0};  // SP
+                          return {2, 8, 8, 32, 1};  // SR
                         }
                       } else {
                         return {4, 4, 8, 64, 1};  // SR
                       }
                     }
                   }
-                }
-              } else {
-                if (x.skew_hi <= 2.6867642402648926) {
-                  if (x.log2_S <= 19.856886863708496) {
-                    if (x.avg <= 134.2003688812256) {
-                      return {4, 4, 64, 64, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  return {4, 4, 8, 64, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.skew_lo <= 8.784503936767578) {
-              if (x.skew_hi <= 19.212051391601562) {
-                if (x.long_level <= 0.5) {
-                  if (x.log2_S <= 17.399641036987305) {
-                    if (x.log2_S <= 14.36599588394165) {
-                      if (x.log2_S <= 13.631875991821289) {
-                        return {4, 32, 8, 2, 0};  // SP
+            if (x.skew_lo <= -0.3244246542453766) {
+              if (x.avg <= 17.553544998168945) {
+                if (x.log2_S <= 16.94052791595459) {
+                  if (x.log2_S <= 14.448812007904053) {
+                    if (x.skew_lo <= -0.8127464950084686) {
+                      if (x.log2_S <= 13.2086820602417) {
+                        if (x.skew_hi <= 3.719212293624878) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {2, 32, 16, 2, 0};  // SP
+                        }
                       } else {
-                        return {2, 32, 64, 8, 0};  // SP
+                        return {4, 16, 64, 8, 0};  // SP
                       }
                     } else {
-                      return {4, 4, 8, 64, 1};  // SR
+                      if (x.log2_S <= 14.014068126678467) {
+                        return {2, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {2, 8, 8, 32, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.skew_hi <= 5.088613271713257) {
-                      return {4, 4, 64, 64, 0};  // SP
+                    if (x.avg <= 5.058963060379028) {
+                      if (x.log2_S <= 16.150806427001953) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.avg <= 3.021546483039856) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 32, 64, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {4, 4, 32, 64, 0};  // SP
+                      if (x.log2_S <= 15.14603328704834) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 8, 64, 32, 0};  // SP
+                      }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.28981351852417) {
-                    if (x.avg <= 17.953007698059082) {
-                      if (x.log2_S <= 14.06019401550293) {
-                        return {2, 8, 8, 32, 1};  // SR
+                  if (x.log2_S <= 17.63725471496582) {
+                    if (x.skew_hi <= 2.753027558326721) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 4, 32, 64, 0};  // SP
+                    }
+                  } else {
+                    return {4, 4, 32, 64, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 19.570268630981445) {
+                  if (x.log2_S <= 16.175978660583496) {
+                    if (x.avg <= 72.16584396362305) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 13.597291469573975) {
+                        if (x.skew_lo <= -1.6215813159942627) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
                       } else {
-                        if (x.skew_hi <= 9.937928676605225) {
-                          if (x.skew_hi <= 6.447203636169434) {
-                            return {4, 4, 8, 64, 1};  // SR
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 80.92506408691406) {
+                      if (x.log2_S <= 18.85504722595215) {
+                        if (x.log2_S <= 16.59948444366455) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -4.382124900817871) {
+                            return {4, 8, 64, 32, 0};  // SP
                           } else {
-                            return {2, 8, 8, 32, 1};  // SR
+                            return {4, 4, 32, 64, 0};  // SP
                           }
+                        }
+                      } else {
+                        if (x.avg <= 52.15809631347656) {
+                          return {4, 4, 64, 64, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.3709579706192017) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 17.40151596069336) {
+                          return {4, 16, 64, 8, 0};  // SP
                         } else {
                           return {4, 4, 8, 64, 1};  // SR
                         }
                       }
-                    } else {
-                      if (x.skew_lo <= 0.047286758199334145) {
-                        if (x.avg <= 77.45966720581055) {
-                          if (x.log2_S <= 13.89692211151123) {
-                            return {4, 64, 64, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {4, 4, 64, 64, 0};  // SP
+                }
+              }
+            } else {
+              if (x.skew_lo <= 8.716689109802246) {
+                if (x.skew_hi <= 19.334226608276367) {
+                  if (x.log2_S <= 14.28981351852417) {
+                    if (x.avg <= 17.953007698059082) {
+                      if (x.skew_lo <= 0.9435541555285454) {
+                        return {2, 32, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 14.06019401550293) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 13.22336196899414) {
+                            return {2, 8, 8, 32, 1};  // SR
                           } else {
                             return {4, 4, 8, 64, 1};  // SR
                           }
-                        } else {
-                          if (x.log2_S <= 13.927606105804443) {
-                            return {4, 64, 64, 1, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 0.13358601182699203) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 0.5) {
+                      if (x.log2_S <= 17.526341438293457) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 32, 64, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 17.80846881866455) {
+                        if (x.skew_lo <= 0.03989763371646404) {
+                          if (x.log2_S <= 20.070215225219727) {
+                            return {4, 4, 8, 64, 1};  // SR
                           } else {
-                            return {4, 64, 64, 2, 0};  // SP
+                            if (x.log2_S <= 21.67006778717041) {
+                              return {4, 4, 64, 64, 0};  // SP
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 15.263286113739014) {
+                            if (x.avg <= 2.899704098701477) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.avg <= 5.470041513442993) {
+                                if (x.log2_S <= 14.917187213897705) {
+                                  return {4, 4, 8, 64, 1};  // SR
+                                } else {
+                                  if (x.skew_hi <= 9.947368621826172) {
+                                    return {4, 4, 8, 64, 1};  // SR
+                                  } else {
+                                    return {4, 32, 8, 2, 8};  // PR
+                                  }
+                                }
+                              } else {
+                                return {4, 4, 8, 64, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.skew_lo <= 7.20152735710144) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 11.453752040863037) {
+                                if (x.log2_S <= 21.693291664123535) {
+                                  return {4, 4, 8, 64, 1};  // SR
+                                } else {
+                                  return {4, 4, 64, 64, 1};  // SR
+                                }
+                              } else {
+                                if (x.log2_S <= 15.817811489105225) {
+                                  if (x.skew_hi <= 13.884536266326904) {
+                                    return {4, 32, 8, 2, 8};  // PR
+                                  } else {
+                                    return {4, 4, 8, 64, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 4, 8, 64, 1};  // SR
+                                }
+                              }
+                            }
                           }
                         }
                       } else {
-                        if (x.avg <= 34.291622161865234) {
-                          if (x.log2_S <= 13.33217477798462) {
-                            if (x.skew_lo <= 3.2345351576805115) {
+                        if (x.avg <= 117.18909072875977) {
+                          if (x.avg <= 66.34303283691406) {
+                            return {4, 4, 64, 64, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 18.309185028076172) {
                               return {4, 4, 8, 64, 1};  // SR
                             } else {
-                              return {2, 8, 8, 32, 1};  // SR
+                              return {4, 4, 64, 64, 0};  // SP
                             }
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
                           }
                         } else {
                           return {4, 4, 8, 64, 1};  // SR
                         }
                       }
                     }
+                  }
+                } else {
+                  if (x.skew_lo <= 6.990811347961426) {
+                    if (x.log2_S <= 19.538043975830078) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      return {4, 4, 64, 64, 0};  // SP
+                    }
                   } else {
-                    if (x.skew_lo <= -0.31402482092380524) {
-                      if (x.log2_S <= 16.284347534179688) {
-                        return {4, 64, 64, 2, 0};  // SP
+                    if (x.avg <= 81.6349983215332) {
+                      return {4, 4, 64, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.889979362487793) {
+                        return {4, 4, 64, 64, 0};  // SP
                       } else {
-                        if (x.log2_S <= 17.235624313354492) {
-                          if (x.avg <= 97.82953262329102) {
-                            return {4, 4, 8, 64, 1};  // SR
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 18.132511138916016) {
+                  if (x.avg <= 17.64946746826172) {
+                    if (x.skew_hi <= 17.71586322784424) {
+                      if (x.skew_lo <= 9.623947620391846) {
+                        if (x.log2_S <= 16.414148330688477) {
+                          if (x.log2_S <= 14.055214881896973) {
+                            return {2, 8, 8, 32, 1};  // SR
                           } else {
-                            return {4, 8, 64, 32, 0};  // SP
+                            return {4, 32, 8, 2, 8};  // PR
                           }
                         } else {
                           return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 10.891207695007324) {
+                          return {4, 32, 8, 2, 8};  // PR
+                        } else {
+                          if (x.log2_S <= 16.78562831878662) {
+                            if (x.skew_hi <= 12.965269565582275) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 8};  // PR
+                            }
+                          } else {
+                            return {4, 4, 32, 64, 0};  // SP
+                          }
                         }
                       }
                     } else {
-                      if (x.skew_lo <= 7.976933240890503) {
-                        if (x.log2_S <= 15.254788398742676) {
-                          if (x.avg <= 2.899704098701477) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 4, 8, 64, 1};  // SR
-                          }
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
+                      return {4, 4, 32, 64, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 14.756744861602783) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 9.241893768310547) {
+                        return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.skew_hi <= 17.712075233459473) {
-                          if (x.skew_hi <= 15.27059555053711) {
+                        return {4, 4, 32, 64, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 26.792123794555664) {
+                    if (x.log2_S <= 21.60023784637451) {
+                      if (x.skew_lo <= 11.936595916748047) {
+                        if (x.log2_S <= 19.737340927124023) {
+                          if (x.skew_lo <= 9.984038829803467) {
                             return {4, 4, 8, 64, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 16.3738956451416) {
-                              if (x.skew_lo <= 8.087916851043701) {
-                                return {4, 4, 8, 64, 1};  // SR
-                              } else {
-                                return {4, 4, 32, 64, 0};  // SP
-                              }
+                            if (x.skew_hi <= 18.30571174621582) {
+                              return {4, 4, 32, 64, 0};  // SP
                             } else {
-                              return {4, 4, 8, 64, 1};  // SR
+                              return {4, 4, 64, 64, 1};  // SR
                             }
                           }
+                        } else {
+                          return {4, 4, 64, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 18.65461254119873) {
+                          return {4, 4, 32, 64, 0};  // SP
                         } else {
                           return {4, 4, 64, 64, 0};  // SP
                         }
                       }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 5.345170259475708) {
-                  return {4, 4, 64, 64, 0};  // SP
-                } else {
-                  if (x.avg <= 46.31044387817383) {
-                    return {4, 4, 64, 64, 0};  // SP
-                  } else {
-                    return {4, 16, 64, 4, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 18.0940580368042) {
-                if (x.skew_lo <= 9.700654029846191) {
-                  if (x.skew_hi <= 14.537283897399902) {
-                    if (x.log2_S <= 13.858999252319336) {
-                      if (x.long_level <= 2.5) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
                     } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 17.446829795837402) {
-                      return {4, 4, 32, 64, 0};  // SP
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 10.150213718414307) {
-                    if (x.skew_hi <= 16.78562831878662) {
-                      if (x.skew_hi <= 13.762486934661865) {
-                        if (x.avg <= 1.1800315380096436) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 8};  // PR
-                      }
-                    } else {
-                      return {4, 4, 32, 64, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 17.92077350616455) {
-                      return {4, 32, 8, 2, 8};  // PR
-                    } else {
-                      return {4, 4, 32, 64, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 11.90287160873413) {
-                  if (x.avg <= 27.191943168640137) {
-                    if (x.log2_S <= 19.09635829925537) {
-                      if (x.avg <= 3.36567223072052) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 18.27113437652588) {
-                          return {4, 4, 32, 64, 0};  // SP
-                        } else {
-                          return {4, 4, 64, 64, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 13.194924354553223) {
-                        if (x.log2_S <= 20.83543586730957) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 64, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 64, 64, 1};  // SR
-                      }
+                      return {4, 4, 64, 64, 1};  // SR
                     }
                   } else {
                     return {4, 4, 64, 64, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 19.078380584716797) {
-                    return {4, 4, 32, 64, 0};  // SP
-                  } else {
-                    if (x.skew_lo <= 12.15089750289917) {
-                      if (x.log2_S <= 21.57527446746826) {
-                        return {4, 4, 64, 64, 0};  // SP
-                      } else {
-                        return {4, 4, 64, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 64, 64, 0};  // SP
-                    }
                   }
                 }
               }
@@ -3061,1008 +3061,2916 @@ inline Config plain_config(const Features& f) {
           }
         }
       }
-    } else {
-      if (x.F <= 45.254833995939045) {
-        if (x.log2_S <= 14.711091995239258) {
+    }
+  } else {
+    if (x.F <= 78.38367176906169) {
+      if (x.F <= 39.191835884530846) {
+        if (x.log2_S <= 15.951004028320312) {
           if (x.long_level <= 0.5) {
-            if (x.log2_S <= 11.104547500610352) {
-              if (x.log2_S <= 9.49880313873291) {
+            if (x.log2_S <= 11.12185525894165) {
+              if (x.log2_S <= 9.407397747039795) {
                 if (x.avg <= 3.497893214225769) {
-                  if (x.skew_lo <= -0.26861651986837387) {
-                    if (x.skew_lo <= -0.5649279952049255) {
-                      return {4, 64, 8, 4, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -0.42193518579006195) {
-                        return {2, 64, 32, 4, 0};  // SP
-                      } else {
-                        return {4, 64, 8, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {2, 64, 8, 2, 0};  // SP
-                  }
+                  return {4, 64, 8, 4, 0};  // SP
                 } else {
-                  if (x.avg <= 8.166849613189697) {
-                    if (x.log2_S <= 8.508561134338379) {
-                      if (x.avg <= 4.696428060531616) {
-                        return {4, 4, 32, 64, 0};  // SP
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+                  if (x.avg <= 4.696428060531616) {
+                    if (x.skew_hi <= 4.0086119174957275) {
+                      return {4, 4, 32, 64, 0};  // SP
                     } else {
                       return {4, 32, 32, 1, 0};  // SP
                     }
                   } else {
-                    return {4, 32, 32, 1, 0};  // SP
+                    if (x.skew_lo <= -5.680072069168091) {
+                      if (x.log2_S <= 9.042649269104004) {
+                        return {2, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 32, 1, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 0};  // SP
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 10.468620777130127) {
-                  if (x.log2_S <= 10.032716751098633) {
-                    if (x.skew_hi <= 2.0289857387542725) {
-                      if (x.log2_S <= 9.952662467956543) {
-                        return {4, 64, 8, 4, 0};  // SP
+                if (x.log2_S <= 10.539396286010742) {
+                  if (x.log2_S <= 9.860417366027832) {
+                    if (x.avg <= 3.65643846988678) {
+                      if (x.skew_lo <= -0.5939831733703613) {
+                        return {2, 64, 32, 4, 0};  // SP
                       } else {
                         return {2, 64, 8, 2, 0};  // SP
                       }
                     } else {
-                      if (x.skew_lo <= -0.4561397582292557) {
-                        if (x.log2_S <= 9.65164041519165) {
-                          return {4, 64, 8, 4, 0};  // SP
-                        } else {
-                          return {2, 64, 32, 4, 0};  // SP
-                        }
-                      } else {
-                        return {2, 64, 8, 2, 0};  // SP
-                      }
+                      return {4, 64, 8, 4, 0};  // SP
                     }
                   } else {
-                    if (x.skew_hi <= 5.2210798263549805) {
-                      return {2, 64, 8, 2, 0};  // SP
+                    if (x.skew_hi <= 0.5723832845687866) {
+                      return {2, 64, 64, 2, 0};  // SP
                     } else {
-                      return {2, 64, 32, 4, 0};  // SP
+                      if (x.skew_hi <= 4.111397981643677) {
+                        return {2, 64, 8, 2, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 5.283848762512207) {
+                          if (x.log2_S <= 10.123857498168945) {
+                            return {2, 64, 32, 4, 0};  // SP
+                          } else {
+                            return {2, 64, 8, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 10.041764736175537) {
+                            return {2, 64, 8, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 8, 4, 0};  // SP
+                          }
+                        }
+                      }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 1.9675543308258057) {
-                    if (x.log2_S <= 10.668050765991211) {
-                      return {4, 32, 64, 2, 0};  // SP
+                  if (x.avg <= 14.824172973632812) {
+                    return {4, 64, 8, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 10.77687406539917) {
+                      return {2, 64, 64, 2, 0};  // SP
                     } else {
                       return {2, 32, 16, 2, 0};  // SP
                     }
-                  } else {
-                    return {4, 64, 8, 4, 0};  // SP
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 1.949143409729004) {
-                if (x.log2_S <= 13.327434539794922) {
-                  if (x.skew_hi <= 1.2201842665672302) {
+              if (x.log2_S <= 14.883918762207031) {
+                if (x.log2_S <= 11.434014797210693) {
+                  if (x.skew_lo <= -3.9842830896377563) {
                     return {2, 32, 16, 2, 0};  // SP
                   } else {
-                    if (x.skew_hi <= 1.6866525411605835) {
-                      if (x.log2_S <= 11.507053852081299) {
-                        return {2, 32, 16, 2, 0};  // SP
+                    return {4, 32, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.avg <= 1.6462171077728271) {
+                    if (x.log2_S <= 14.272778987884521) {
+                      if (x.log2_S <= 12.106220722198486) {
+                        return {2, 64, 32, 4, 0};  // SP
                       } else {
                         return {4, 32, 64, 4, 0};  // SP
                       }
                     } else {
-                      return {2, 32, 16, 2, 0};  // SP
+                      return {4, 8, 8, 32, 1};  // SR
                     }
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
                   }
-                } else {
-                  return {4, 32, 64, 4, 0};  // SP
                 }
               } else {
-                if (x.log2_S <= 14.589091777801514) {
-                  if (x.skew_lo <= -0.8129294216632843) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 11.899999141693115) {
-                      return {2, 64, 32, 4, 0};  // SP
+                if (x.skew_hi <= 3.5922073125839233) {
+                  if (x.log2_S <= 15.386434078216553) {
+                    if (x.avg <= 14.943702220916748) {
+                      return {4, 16, 64, 4, 0};  // SP
                     } else {
                       return {4, 32, 64, 4, 0};  // SP
                     }
+                  } else {
+                    if (x.skew_hi <= 0.1876162514090538) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
                   }
                 } else {
-                  if (x.skew_hi <= 4.927540063858032) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
+                  return {4, 8, 8, 32, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 12.734373092651367) {
-              if (x.long_level <= 1.5) {
-                if (x.skew_lo <= 2.2491822242736816) {
-                  if (x.skew_lo <= -0.671697348356247) {
-                    if (x.log2_S <= 12.876624584197998) {
-                      if (x.skew_lo <= -1.420439064502716) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 10.988126277923584) {
-                          return {4, 8, 8, 32, 1};  // SR
+            if (x.skew_hi <= 12.930835247039795) {
+              if (x.avg <= 12.863738536834717) {
+                if (x.log2_S <= 12.495051860809326) {
+                  if (x.skew_lo <= 5.053182601928711) {
+                    if (x.avg <= 5.960364103317261) {
+                      if (x.avg <= 3.5896953344345093) {
+                        if (x.log2_S <= 11.37186336517334) {
+                          return {2, 32, 8, 8, 1};  // SR
                         } else {
-                          if (x.avg <= 140.99422454833984) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= -1.289011001586914) {
-                              return {4, 8, 16, 32, 1};  // SR
+                          if (x.skew_hi <= 8.555961608886719) {
+                            if (x.log2_S <= 11.747440814971924) {
+                              return {1, 32, 8, 2, 1};  // SR
                             } else {
-                              return {4, 32, 64, 8, 0};  // SP
+                              return {2, 32, 8, 8, 1};  // SR
                             }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.442227840423584) {
-                        if (x.skew_lo <= -1.8842525482177734) {
-                          if (x.log2_S <= 13.302840232849121) {
-                            return {4, 8, 16, 32, 1};  // SR
                           } else {
-                            return {4, 32, 64, 8, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_lo <= -0.9290037155151367) {
-                            return {4, 32, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 8, 16, 32, 1};  // SR
+                            return {1, 32, 8, 4, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.avg <= 104.73593521118164) {
-                          return {4, 8, 16, 32, 1};  // SR
+                        if (x.log2_S <= 11.222350120544434) {
+                          return {2, 32, 8, 4, 1};  // SR
                         } else {
-                          return {4, 32, 64, 8, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 5.952921628952026) {
-                      if (x.log2_S <= 14.153432369232178) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= -0.14110924676060677) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.877033233642578) {
-                        return {1, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 12.993266105651855) {
-                    if (x.skew_lo <= 4.646129608154297) {
-                      if (x.skew_hi <= 7.478881120681763) {
-                        if (x.log2_S <= 12.297847270965576) {
-                          return {1, 32, 8, 4, 1};  // SR
-                        } else {
-                          return {4, 8, 8, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 8.45754098892212) {
-                          if (x.log2_S <= 11.043649673461914) {
+                          if (x.skew_lo <= 4.023428201675415) {
                             return {2, 32, 8, 4, 1};  // SR
                           } else {
-                            if (x.skew_lo <= 3.7102097272872925) {
-                              return {1, 32, 8, 4, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 11.581674098968506) {
-                                return {1, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {2, 32, 8, 4, 1};  // SR
-                              }
-                            }
+                            return {1, 32, 8, 2, 1};  // SR
                           }
-                        } else {
-                          return {1, 32, 8, 4, 1};  // SR
                         }
                       }
                     } else {
                       return {1, 32, 8, 4, 1};  // SR
                     }
                   } else {
-                    if (x.skew_hi <= 8.095351219177246) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 13.770223617553711) {
+                    if (x.avg <= 9.378906726837158) {
+                      if (x.log2_S <= 11.893599033355713) {
                         return {1, 32, 8, 4, 1};  // SR
                       } else {
-                        if (x.log2_S <= 14.150693893432617) {
-                          return {4, 16, 8, 8, 1};  // SR
+                        if (x.avg <= 5.409765243530273) {
+                          if (x.skew_lo <= 8.984655857086182) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 9.81864881515503) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {1, 32, 8, 4, 1};  // SR
+                            }
+                          }
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 6.723635196685791) {
+                        if (x.log2_S <= 11.632824897766113) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.689030647277832) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 6.08849310874939) {
+                        if (x.avg <= 3.767478823661804) {
+                          return {1, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 3.7504830360412598) {
+                            return {1, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 13.245596408843994) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.273941993713379) {
+                      if (x.avg <= 3.445201277732849) {
+                        if (x.skew_hi <= 9.355308055877686) {
+                          if (x.avg <= 2.32824969291687) {
+                            return {4, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.610649108886719) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 10.419442176818848) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.769500732421875) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 8.664080142974854) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
                         }
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 14.184547424316406) {
-                  if (x.skew_hi <= 12.494373321533203) {
-                    return {4, 8, 8, 32, 1};  // SR
+                if (x.skew_hi <= 3.3283026218414307) {
+                  if (x.log2_S <= 13.099376201629639) {
+                    if (x.skew_lo <= -1.420439064502716) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 10.988126277923584) {
+                        if (x.skew_hi <= 2.643781065940857) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= -1.1394893527030945) {
+                          if (x.skew_hi <= 2.7109891176223755) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 12.95810317993164) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
+                        }
+                      }
+                    }
                   } else {
-                    if (x.avg <= 19.51358699798584) {
-                      return {4, 8, 8, 32, 1};  // SR
+                    if (x.skew_hi <= 3.153197765350342) {
+                      if (x.log2_S <= 15.561153888702393) {
+                        return {4, 32, 64, 8, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -2.363644003868103) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
                     } else {
                       return {4, 8, 16, 32, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 9.576491355895996) {
-                    if (x.skew_lo <= 3.874099016189575) {
-                      return {4, 8, 16, 32, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.426866054534912) {
+                  if (x.log2_S <= 14.138733863830566) {
+                    if (x.avg <= 16.80025863647461) {
+                      if (x.skew_hi <= 6.260839462280273) {
+                        if (x.log2_S <= 11.877033233642578) {
+                          return {1, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
                         return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 12.740715503692627) {
+                        if (x.log2_S <= 14.013909816741943) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 74.76876831054688) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 16, 32, 1};  // SR
+                          }
+                        }
                       } else {
                         return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   } else {
-                    return {4, 8, 8, 32, 1};  // SR
+                    if (x.avg <= 34.5162467956543) {
+                      if (x.long_level <= 1.5) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.17852783203125) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 69.23396682739258) {
+                        if (x.log2_S <= 14.988222599029541) {
+                          if (x.skew_lo <= 3.9178593158721924) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 14.389262676239014) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 8, 16, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    }
                   }
                 }
               }
             } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 14.62236499786377) {
-                  return {4, 8, 8, 32, 1};  // SR
+              if (x.skew_hi <= 14.924923419952393) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 14.857600688934326) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
                 } else {
                   return {4, 8, 16, 32, 1};  // SR
                 }
               } else {
-                if (x.avg <= 8.639342784881592) {
-                  if (x.log2_S <= 13.338782787322998) {
-                    if (x.skew_lo <= 11.44182538986206) {
-                      return {4, 16, 16, 8, 1};  // SR
-                    } else {
-                      if (x.avg <= 2.423515558242798) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 5.733391523361206) {
-                      if (x.skew_hi <= 14.642201900482178) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        return {4, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.247015953063965) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  }
+                if (x.avg <= 26.817418098449707) {
+                  return {4, 8, 64, 32, 1};  // SR
                 } else {
-                  return {4, 8, 16, 32, 1};  // SR
+                  if (x.skew_hi <= 15.904112339019775) {
+                    return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 64, 32, 1};  // SR
+                  }
                 }
               }
             }
           }
         } else {
-          if (x.long_level <= 0.5) {
-            if (x.log2_S <= 17.703357696533203) {
-              if (x.avg <= 2.9093151092529297) {
-                if (x.log2_S <= 17.134587287902832) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.log2_S <= 17.35835075378418) {
-                    if (x.skew_hi <= 5.066584587097168) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {4, 8, 8, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.log2_S <= 16.234207153320312) {
-                  if (x.skew_hi <= 1.8727142214775085) {
-                    if (x.log2_S <= 15.57630968093872) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 15.871320247650146) {
+          if (x.skew_lo <= -0.003071764833293855) {
+            if (x.log2_S <= 17.632758140563965) {
+              if (x.long_level <= 0.5) {
+                if (x.skew_hi <= 3.663796901702881) {
+                  if (x.avg <= 11.76996374130249) {
+                    if (x.log2_S <= 16.931572914123535) {
                       return {4, 16, 64, 4, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -3.0225332975387573) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
+                      if (x.skew_hi <= 2.930094599723816) {
                         return {2, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -3.176299214363098) {
-                    if (x.skew_hi <= 0.4735240191221237) {
-                      return {4, 8, 64, 32, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -3.681230068206787) {
-                        return {4, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              return {4, 8, 64, 32, 0};  // SP
-            }
-          } else {
-            if (x.skew_lo <= 10.536616802215576) {
-              if (x.long_level <= 1.5) {
-                if (x.log2_S <= 18.4588680267334) {
-                  if (x.skew_hi <= 4.815505504608154) {
-                    if (x.log2_S <= 15.440423488616943) {
-                      if (x.skew_lo <= -0.8040554225444794) {
-                        return {4, 32, 64, 8, 0};  // SP
-                      } else {
-                        if (x.avg <= 52.214345932006836) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 16, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 18.42374038696289) {
-                        return {4, 8, 16, 32, 1};  // SR
                       } else {
                         return {4, 8, 64, 32, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 18.18745517730713) {
+                    if (x.skew_lo <= -5.721596002578735) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 17.527467727661133) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {2, 16, 64, 8, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.282631874084473) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 5.172607183456421) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                return {4, 8, 16, 32, 1};  // SR
+              }
+            } else {
+              if (x.log2_S <= 18.279051780700684) {
+                if (x.avg <= 64.20641326904297) {
+                  if (x.skew_lo <= -0.5454037934541702) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 8, 32, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 1.7848623394966125) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_lo <= -0.12912311404943466) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  if (x.skew_hi <= 3.980690360069275) {
+                    return {4, 8, 16, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 10.577043533325195) {
+              if (x.log2_S <= 18.45697784423828) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 27.768634796142578) {
+                    if (x.log2_S <= 18.053478240966797) {
                       return {4, 8, 8, 32, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 2.742454171180725) {
+                      if (x.skew_lo <= 3.0599312782287598) {
                         return {4, 8, 16, 32, 1};  // SR
                       } else {
                         return {4, 8, 8, 32, 1};  // SR
                       }
                     }
+                  } else {
+                    return {4, 8, 16, 32, 1};  // SR
                   }
                 } else {
-                  if (x.skew_hi <= 2.950521230697632) {
-                    if (x.log2_S <= 19.44550323486328) {
-                      if (x.avg <= 425.2299346923828) {
-                        if (x.avg <= 296.0666046142578) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 18.85258960723877) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 8, 64, 32, 0};  // SP
-                      }
+                  if (x.skew_lo <= 9.817666053771973) {
+                    if (x.skew_lo <= 7.805853366851807) {
+                      return {4, 8, 16, 32, 1};  // SR
                     } else {
-                      return {4, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 4.243213176727295) {
-                      if (x.log2_S <= 21.866647720336914) {
-                        if (x.log2_S <= 19.928244590759277) {
-                          return {4, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= -0.6644967794418335) {
-                            return {4, 8, 16, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 64, 32, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 18.873075485229492) {
-                        if (x.avg <= 3.5518152713775635) {
+                      if (x.skew_hi <= 12.611907958984375) {
+                        if (x.log2_S <= 17.18207359313965) {
                           return {4, 8, 8, 32, 1};  // SR
                         } else {
                           return {4, 8, 16, 32, 1};  // SR
                         }
                       } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.567195892333984) {
-                  if (x.skew_hi <= 15.450525760650635) {
-                    if (x.skew_lo <= 9.971981525421143) {
-                      if (x.avg <= 12.962276458740234) {
-                        if (x.skew_lo <= 7.030871152877808) {
-                          if (x.log2_S <= 15.58680009841919) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.skew_hi <= 10.78529977798462) {
-                              return {4, 8, 16, 32, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 16.426225662231445) {
-                                return {4, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 8, 16, 32, 1};  // SR
-                              }
-                            }
-                          }
-                        } else {
+                        if (x.skew_lo <= 9.048650741577148) {
                           return {4, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 16.440882682800293) {
-                      return {4, 8, 64, 32, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 7.378694295883179) {
-                        return {4, 8, 16, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 9.013294696807861) {
-                          if (x.avg <= 35.98945617675781) {
+                        } else {
+                          if (x.long_level <= 2.5) {
                             return {4, 8, 16, 32, 1};  // SR
                           } else {
-                            if (x.avg <= 70.8610610961914) {
+                            if (x.log2_S <= 17.446829795837402) {
                               return {4, 8, 64, 32, 1};  // SR
                             } else {
-                              if (x.log2_S <= 16.860857009887695) {
-                                return {4, 8, 64, 32, 1};  // SR
-                              } else {
-                                if (x.skew_lo <= 7.620037078857422) {
-                                  return {4, 8, 64, 32, 1};  // SR
-                                } else {
-                                  return {4, 8, 16, 32, 1};  // SR
-                                }
-                              }
+                              return {4, 8, 16, 32, 1};  // SR
                             }
                           }
-                        } else {
-                          return {4, 8, 64, 32, 1};  // SR
                         }
                       }
                     }
+                  } else {
+                    if (x.skew_hi <= 14.987693309783936) {
+                      return {4, 8, 16, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 1};  // SR
+                    }
                   }
-                } else {
-                  return {4, 8, 16, 32, 1};  // SR
                 }
+              } else {
+                return {4, 8, 16, 32, 1};  // SR
               }
             } else {
-              if (x.log2_S <= 18.520587921142578) {
+              if (x.log2_S <= 18.38963508605957) {
                 return {4, 8, 64, 32, 1};  // SR
               } else {
-                if (x.skew_lo <= 11.229979991912842) {
-                  return {4, 8, 64, 32, 1};  // SR
-                } else {
-                  if (x.avg <= 5.7144153118133545) {
-                    return {4, 8, 64, 32, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 19.66837215423584) {
+                if (x.avg <= 6.629023313522339) {
+                  if (x.skew_lo <= 11.624567985534668) {
+                    if (x.skew_hi <= 19.47008991241455) {
                       return {4, 8, 64, 32, 1};  // SR
                     } else {
                       return {4, 8, 64, 32, 0};  // SP
                     }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
                   }
+                } else {
+                  return {4, 8, 64, 32, 1};  // SR
                 }
               }
             }
           }
         }
       } else {
-        if (x.F <= 90.50966799187809) {
-          if (x.log2_S <= 18.18934154510498) {
-            if (x.skew_hi <= 14.315917491912842) {
-              if (x.long_level <= 0.5) {
-                if (x.log2_S <= 11.388350009918213) {
-                  if (x.log2_S <= 10.110275745391846) {
-                    if (x.log2_S <= 9.30676555633545) {
-                      if (x.avg <= 3.027379870414734) {
-                        if (x.skew_hi <= 5.473520994186401) {
-                          return {4, 64, 32, 2, 0};  // SP
+        if (x.F <= 55.42562584220407) {
+          if (x.log2_S <= 15.196459770202637) {
+            if (x.long_level <= 2.5) {
+              if (x.skew_hi <= 6.417516708374023) {
+                if (x.long_level <= 0.5) {
+                  if (x.log2_S <= 11.139994621276855) {
+                    if (x.skew_hi <= 3.249300718307495) {
+                      return {2, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 9.917421817779541) {
+                        if (x.skew_lo <= -0.42869989573955536) {
+                          return {2, 64, 64, 2, 0};  // SP
                         } else {
-                          return {1, 32, 16, 8, 0};  // SP
+                          return {4, 64, 32, 4, 0};  // SP
                         }
                       } else {
-                        return {2, 32, 16, 2, 0};  // SP
+                        return {4, 64, 32, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.484254360198975) {
+                      if (x.log2_S <= 12.337065696716309) {
+                        if (x.skew_hi <= 5.68175482749939) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 8, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -3.5456398725509644) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 5.176028251647949) {
+                            if (x.avg <= 8.472378730773926) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        }
                       }
                     } else {
-                      if (x.skew_lo <= -0.7818711400032043) {
+                      if (x.skew_hi <= 2.7715271711349487) {
+                        if (x.log2_S <= 14.001099586486816) {
+                          if (x.skew_hi <= 1.9125489592552185) {
+                            return {4, 64, 32, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 8, 4, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 3.194227695465088) {
+                    if (x.log2_S <= 13.14128589630127) {
+                      return {4, 16, 16, 4, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= -1.5354480147361755) {
+                        if (x.log2_S <= 14.871407985687256) {
+                          return {4, 64, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 156.36809539794922) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.666036128997803) {
+                      if (x.skew_lo <= -0.6252986490726471) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 13.264318466186523) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 152.08085250854492) {
+                        if (x.skew_lo <= -0.3160918205976486) {
+                          if (x.avg <= 92.61432266235352) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 14.435868263244629) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 5.807483434677124) {
+                            if (x.log2_S <= 13.25089979171753) {
+                              if (x.avg <= 60.955543518066406) {
+                                return {4, 16, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 14.058130264282227) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 16, 16, 4, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 12.926523685455322) {
+                  if (x.avg <= 20.070929527282715) {
+                    if (x.skew_lo <= 3.0900092124938965) {
+                      if (x.log2_S <= 12.38648509979248) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.29377555847168) {
+                        if (x.skew_hi <= 11.6959547996521) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.0381442308425903) {
+                            return {2, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          if (x.skew_lo <= 3.393724203109741) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 38.85421371459961) {
+                      if (x.log2_S <= 11.600139141082764) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 9.05282735824585) {
+                          return {4, 16, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 11.575069904327393) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 104.11774063110352) {
+                          if (x.log2_S <= 12.550523281097412) {
+                            return {4, 16, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.log2_S <= 14.23340368270874) {
+                      if (x.log2_S <= 13.44596242904663) {
+                        if (x.skew_lo <= 3.5198817253112793) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 3.9410603046417236) {
+                        if (x.skew_lo <= 4.612776041030884) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 4, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 13.246262073516846) {
+                      if (x.skew_lo <= 6.189185857772827) {
+                        return {4, 16, 16, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 16, 4, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 11.600006103515625) {
+                if (x.log2_S <= 11.34706974029541) {
+                  if (x.avg <= 100.59680938720703) {
+                    if (x.skew_hi <= 11.014774322509766) {
+                      return {4, 16, 16, 8, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 9.840341091156006) {
+                        return {4, 16, 16, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 8.599299907684326) {
+                      if (x.log2_S <= 8.204014778137207) {
+                        return {4, 16, 16, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 16, 4, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.0212082862854) {
+                    if (x.avg <= 8.558181285858154) {
+                      if (x.log2_S <= 12.910521984100342) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 14.183835983276367) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 16, 16, 4, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.56213903427124) {
+                  return {4, 32, 8, 2, 8};  // PR
+                } else {
+                  return {4, 16, 64, 4, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.avg <= 26.848992347717285) {
+              if (x.skew_lo <= -0.003071764833293855) {
+                if (x.log2_S <= 17.13137149810791) {
+                  if (x.skew_lo <= -2.0502471923828125) {
+                    if (x.skew_hi <= 1.9522424936294556) {
+                      if (x.log2_S <= 16.555465698242188) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 8, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.57814121246338) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 2.399153709411621) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.745184898376465) {
+                      return {4, 16, 8, 4, 1};  // SR
+                    } else {
+                      if (x.avg <= 2.331774592399597) {
+                        if (x.avg <= 1.3172734379768372) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 2.005879282951355) {
+                    if (x.log2_S <= 21.985939979553223) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 12.62490463256836) {
+                  if (x.skew_lo <= 4.6282758712768555) {
+                    if (x.log2_S <= 16.500250816345215) {
+                      if (x.avg <= 13.631937503814697) {
+                        if (x.avg <= 3.7498029470443726) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 4, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 6.305465936660767) {
+                      if (x.log2_S <= 16.543264389038086) {
+                        if (x.avg <= 2.5942412614822388) {
+                          return {4, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 16.05666732788086) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 18.70150661468506) {
+                          if (x.log2_S <= 17.153385162353516) {
+                            if (x.skew_lo <= 6.65606164932251) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 8.02849817276001) {
+                            if (x.skew_hi <= 11.43456506729126) {
+                              if (x.log2_S <= 21.300260543823242) {
+                                if (x.log2_S <= 19.373315811157227) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 4, 1};  // SR
+                                }
+                              } else {
+                                if (x.avg <= 2.3109912872314453) {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 4, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 19.76692485809326) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 11.081159114837646) {
+                        return {4, 16, 16, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 19.750926971435547) {
+                          if (x.log2_S <= 16.449061393737793) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 8.208625316619873) {
+                    if (x.log2_S <= 19.164735794067383) {
+                      if (x.long_level <= 2.5) {
+                        if (x.log2_S <= 16.055343627929688) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 18.20376205444336) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.417274475097656) {
+                          return {4, 16, 64, 4, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 17.06694793701172) {
+                            if (x.avg <= 6.28569769859314) {
+                              return {4, 4, 64, 64, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 12.720860004425049) {
+                              if (x.avg <= 6.261015892028809) {
+                                if (x.skew_lo <= 12.335149765014648) {
+                                  return {4, 16, 64, 4, 0};  // SP
+                                } else {
+                                  if (x.skew_hi <= 17.845860481262207) {
+                                    return {4, 16, 64, 4, 0};  // SP
+                                  } else {
+                                    return {4, 16, 64, 4, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                return {4, 16, 64, 4, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 64, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 5.154285669326782) {
+                        return {4, 16, 64, 4, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 11.229979991912842) {
+                          return {4, 16, 64, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 17.233396530151367) {
+                      if (x.avg <= 16.808350563049316) {
+                        return {4, 16, 64, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= -4.904673337936401) {
+                if (x.log2_S <= 18.230929374694824) {
+                  if (x.log2_S <= 16.603556632995605) {
+                    if (x.avg <= 48.904245376586914) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 8, 2, 0};  // SP
+                    }
+                  } else {
+                    return {4, 16, 64, 8, 0};  // SP
+                  }
+                } else {
+                  return {4, 16, 64, 4, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 16.508136749267578) {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_lo <= -0.5065125524997711) {
+                      if (x.skew_lo <= -1.2258883714675903) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 16, 8, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                } else {
+                  return {4, 16, 64, 4, 0};  // SP
+                }
+              }
+            }
+          }
+        } else {
+          if (x.log2_S <= 17.0811710357666) {
+            if (x.skew_lo <= 4.651455640792847) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 11.540262699127197) {
+                  if (x.log2_S <= 10.072554588317871) {
+                    if (x.log2_S <= 9.30676555633545) {
+                      if (x.skew_hi <= 4.407433032989502) {
+                        return {2, 32, 16, 2, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -0.5393699705600739) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          return {2, 64, 16, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -0.5946932733058929) {
                         return {4, 64, 32, 2, 0};  // SP
                       } else {
                         return {2, 64, 16, 4, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.avg <= 2.3245136737823486) {
-                      return {4, 64, 8, 4, 0};  // SP
-                    } else {
+                    if (x.skew_hi <= 5.027738094329834) {
                       return {2, 64, 32, 4, 0};  // SP
+                    } else {
+                      return {4, 64, 8, 4, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.834321022033691) {
-                    if (x.log2_S <= 12.318824768066406) {
-                      if (x.skew_lo <= -1.7542933225631714) {
-                        if (x.log2_S <= 12.138801097869873) {
-                          return {4, 64, 64, 2, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 2.010297179222107) {
-                            return {4, 64, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 2, 0};  // SP
-                          }
-                        }
+                  if (x.log2_S <= 13.968886852264404) {
+                    if (x.skew_lo <= -1.019127756357193) {
+                      if (x.skew_hi <= 1.212622880935669) {
+                        return {4, 64, 64, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 11.55581283569336) {
-                          return {4, 64, 8, 4, 0};  // SP
-                        } else {
+                        if (x.log2_S <= 12.209845066070557) {
                           return {4, 64, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 3.9184534549713135) {
-                        if (x.skew_hi <= 1.678155779838562) {
-                          if (x.log2_S <= 13.913777828216553) {
-                            if (x.skew_lo <= -4.982628107070923) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 12.657400608062744) {
-                                return {4, 64, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 8, 2, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 56.20499610900879) {
-                              return {4, 32, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 2, 0};  // SP
-                            }
-                          }
                         } else {
                           return {4, 32, 8, 2, 0};  // SP
                         }
+                      }
+                    } else {
+                      if (x.log2_S <= 12.12890100479126) {
+                        return {4, 64, 32, 2, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 4.96872091293335) {
-                          if (x.log2_S <= 12.611785888671875) {
-                            return {2, 64, 8, 4, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 14.073922634124756) {
-                            if (x.log2_S <= 12.645559310913086) {
-                              if (x.skew_lo <= -0.35930579900741577) {
-                                return {4, 64, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 64, 32, 2, 0};  // SP
-                              }
-                            } else {
-                              if (x.avg <= 1.7944598197937012) {
-                                return {2, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 2, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        }
+                        return {2, 32, 8, 4, 1};  // SR
                       }
                     }
                   } else {
-                    if (x.log2_S <= 16.483552932739258) {
-                      if (x.skew_hi <= 3.7537888288497925) {
-                        if (x.skew_lo <= -3.1239622831344604) {
-                          if (x.skew_hi <= 0.19785179942846298) {
-                            return {4, 64, 64, 2, 0};  // SP
+                    if (x.skew_hi <= 4.99643611907959) {
+                      if (x.skew_lo <= -3.0285664796829224) {
+                        if (x.log2_S <= 14.813216209411621) {
+                          if (x.avg <= 15.523190975189209) {
+                            if (x.avg <= 12.275469303131104) {
+                              return {4, 32, 8, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
                           } else {
-                            if (x.skew_hi <= 0.524871826171875) {
-                              if (x.log2_S <= 15.865114688873291) {
+                            if (x.skew_lo <= -5.4112489223480225) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 14.061979293823242) {
                                 return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 8, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 16.07323169708252) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -4.976370334625244) {
+                              if (x.skew_hi <= 0.25138984620571136) {
+                                return {2, 32, 8, 8, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              if (x.avg <= 12.481222152709961) {
+                                return {4, 16, 64, 8, 0};  // SP
                               } else {
                                 return {4, 32, 8, 2, 0};  // SP
                               }
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
                             }
-                          }
-                        } else {
-                          if (x.log2_S <= 16.035999298095703) {
-                            if (x.log2_S <= 15.770798206329346) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 8, 64, 32, 0};  // SP
-                            }
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
                           }
                         }
                       } else {
-                        if (x.avg <= 2.955300450325012) {
-                          return {4, 16, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 15.815612316131592) {
-                            return {4, 16, 8, 8, 1};  // SR
+                        if (x.log2_S <= 15.472835063934326) {
+                          if (x.skew_lo <= -1.8724150657653809) {
+                            if (x.log2_S <= 14.708333969116211) {
+                              return {4, 32, 8, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
                           } else {
-                            return {4, 8, 64, 32, 0};  // SP
+                            return {4, 16, 8, 4, 1};  // SR
                           }
+                        } else {
+                          return {4, 16, 64, 8, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 2.3709287643432617) {
-                        if (x.log2_S <= 17.708991050720215) {
-                          if (x.avg <= 37.73158645629883) {
-                            if (x.log2_S <= 17.557377815246582) {
-                              return {4, 32, 64, 2, 0};  // SP
-                            } else {
-                              if (x.skew_lo <= -4.6089863777160645) {
-                                return {4, 32, 64, 4, 0};  // SP
-                              } else {
-                                return {2, 32, 16, 2, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_hi <= 1.7245104312896729) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {2, 32, 16, 2, 0};  // SP
-                          }
-                        }
+                      if (x.log2_S <= 16.21788215637207) {
+                        return {4, 16, 8, 2, 1};  // SR
                       } else {
-                        if (x.log2_S <= 16.633453369140625) {
-                          if (x.skew_hi <= 4.703984975814819) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 64, 4, 0};  // SP
-                        }
+                        return {4, 16, 8, 8, 1};  // SR
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 13.833402156829834) {
-                  if (x.long_level <= 2.5) {
-                    if (x.avg <= 8.500288009643555) {
-                      if (x.log2_S <= 12.545467376708984) {
-                        if (x.long_level <= 1.5) {
-                          if (x.skew_hi <= 8.561235427856445) {
-                            if (x.skew_hi <= 8.129351139068604) {
-                              if (x.skew_lo <= 3.279045343399048) {
-                                if (x.log2_S <= 11.035611629486084) {
-                                  return {2, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                }
-                              } else {
-                                return {2, 32, 8, 4, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 2.9846723079681396) {
-                                return {2, 32, 8, 4, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 11.16422176361084) {
-                                  return {1, 32, 8, 2, 1};  // SR
-                                } else {
-                                  return {2, 32, 8, 4, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 11.756042957305908) {
-                              if (x.log2_S <= 10.949686527252197) {
-                                if (x.log2_S <= 10.582571983337402) {
-                                  if (x.log2_S <= 8.999273300170898) {
-                                    return {2, 32, 8, 4, 1};  // SR
-                                  } else {
-                                    return {2, 64, 8, 4, 1};  // SR
-                                  }
-                                } else {
-                                  return {2, 32, 8, 4, 1};  // SR
-                                }
-                              } else {
-                                return {2, 64, 8, 4, 1};  // SR
-                              }
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 12.248997688293457) {
+                if (x.log2_S <= 13.643640518188477) {
+                  if (x.skew_lo <= -0.8688491880893707) {
+                    return {4, 16, 16, 4, 1};  // SR
+                  } else {
+                    if (x.avg <= 10.928827285766602) {
+                      if (x.avg <= 7.8283281326293945) {
+                        if (x.skew_lo <= 4.133082866668701) {
+                          if (x.log2_S <= 12.355841159820557) {
                             return {2, 32, 8, 4, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 12.243485450744629) {
+                            if (x.skew_hi <= 7.421895742416382) {
                               return {4, 16, 8, 8, 1};  // SR
                             } else {
-                              return {2, 32, 8, 4, 1};  // SR
+                              return {2, 32, 8, 8, 1};  // SR
                             }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.167489528656006) {
+                            return {2, 64, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.skew_lo <= 6.463145971298218) {
-                          if (x.log2_S <= 13.390629768371582) {
-                            if (x.skew_hi <= 7.542189121246338) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_hi <= 11.911458969116211) {
-                            if (x.log2_S <= 12.620939254760742) {
-                              return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_hi <= 13.121983528137207) {
-                              if (x.log2_S <= 13.575896263122559) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        }
+                        return {4, 16, 8, 8, 1};  // SR
                       }
                     } else {
-                      if (x.skew_lo <= -0.8655601143836975) {
-                        if (x.skew_hi <= 2.5975844860076904) {
-                          return {4, 16, 16, 8, 1};  // SR
+                      if (x.log2_S <= 12.857734203338623) {
+                        if (x.skew_lo <= 4.475906848907471) {
+                          return {4, 16, 8, 4, 1};  // SR
                         } else {
-                          if (x.log2_S <= 12.782012939453125) {
-                            if (x.log2_S <= 10.798508167266846) {
-                              if (x.log2_S <= 9.147576332092285) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          } else {
-                            if (x.avg <= 147.78571319580078) {
-                              return {4, 32, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
+                          return {4, 16, 8, 8, 1};  // SR
                         }
                       } else {
-                        if (x.skew_lo <= 5.2418739795684814) {
-                          if (x.log2_S <= 12.87636423110962) {
-                            if (x.skew_lo <= -0.27947087585926056) {
-                              if (x.log2_S <= 11.859943389892578) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
+                        if (x.skew_lo <= 2.4370415210723877) {
+                          if (x.avg <= 63.915143966674805) {
+                            if (x.skew_lo <= 1.7069077491760254) {
+                              return {4, 16, 8, 4, 1};  // SR
                             } else {
-                              if (x.skew_lo <= 5.056519031524658) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                if (x.log2_S <= 10.859253406524658) {
-                                  if (x.log2_S <= 8.798076152801514) {
-                                    return {4, 16, 8, 8, 1};  // SR
-                                  } else {
-                                    return {2, 32, 8, 4, 1};  // SR
-                                  }
-                                } else {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                }
-                              }
-                            }
-                          } else {
-                            if (x.avg <= 47.95367431640625) {
-                              if (x.skew_hi <= 7.658853530883789) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 11.863349914550781) {
-                            if (x.skew_lo <= 5.722344636917114) {
-                              if (x.log2_S <= 11.298028469085693) {
-                                if (x.log2_S <= 8.515396118164062) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {2, 32, 8, 4, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              return {2, 32, 8, 4, 1};  // SR
-                            }
-                          } else {
-                            if (x.log2_S <= 12.709808349609375) {
                               return {4, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 12.4371018409729) {
-                      if (x.avg <= 6.771338939666748) {
-                        return {2, 32, 8, 4, 1};  // SR
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 8.294315338134766) {
-                        if (x.skew_hi <= 13.404227256774902) {
-                          if (x.skew_lo <= 11.771384716033936) {
-                            if (x.skew_hi <= 12.774490356445312) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 8, 16, 32, 1};  // SR
                             }
                           } else {
-                            return {4, 16, 16, 8, 1};  // SR
+                            return {4, 16, 16, 4, 1};  // SR
                           }
                         } else {
-                          return {4, 16, 64, 4, 1};  // SR
+                          return {4, 16, 16, 4, 1};  // SR
                         }
-                      } else {
-                        return {4, 8, 16, 32, 1};  // SR
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 3.5352423191070557) {
-                    if (x.skew_hi <= 11.086214542388916) {
-                      return {4, 16, 8, 8, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 11.111982345581055) {
-                        if (x.log2_S <= 14.00498914718628) {
-                          if (x.skew_hi <= 12.90925931930542) {
-                            return {4, 16, 8, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
+                  if (x.log2_S <= 15.283209323883057) {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_lo <= -1.781761646270752) {
+                        return {4, 16, 16, 4, 1};  // SR
                       } else {
-                        return {4, 16, 64, 4, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.long_level <= 2.5) {
-                      if (x.log2_S <= 17.577082633972168) {
-                        if (x.log2_S <= 14.220536708831787) {
-                          if (x.long_level <= 1.5) {
-                            if (x.skew_hi <= 5.943713903427124) {
-                              if (x.skew_lo <= -0.6167217493057251) {
-                                if (x.avg <= 147.34217834472656) {
-                                  return {4, 32, 64, 8, 0};  // SP
-                                } else {
-                                  return {4, 16, 16, 8, 1};  // SR
-                                }
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
+                        if (x.skew_hi <= 3.967777132987976) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.139158725738525) {
+                            if (x.skew_hi <= 6.278011798858643) {
+                              return {4, 16, 8, 4, 1};  // SR
                             } else {
                               return {4, 16, 8, 8, 1};  // SR
                             }
                           } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.skew_lo <= 3.336533308029175) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 35.32929992675781) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 16.05728244781494) {
+                            if (x.skew_lo <= 1.2861432433128357) {
+                              if (x.log2_S <= 14.304524898529053) {
                                 return {4, 16, 16, 8, 1};  // SR
                               } else {
-                                if (x.skew_hi <= 7.708808898925781) {
-                                  return {4, 16, 16, 8, 1};  // SR
+                                return {4, 16, 16, 4, 1};  // SR
+                              }
+                            } else {
+                              if (x.avg <= 4.360956907272339) {
+                                if (x.avg <= 2.949475884437561) {
+                                  return {4, 16, 8, 2, 1};  // SR
                                 } else {
-                                  return {4, 16, 64, 4, 0};  // SP
+                                  return {4, 16, 8, 4, 1};  // SR
                                 }
+                              } else {
+                                return {4, 16, 16, 8, 1};  // SR
                               }
                             }
                           }
                         }
-                      } else {
-                        if (x.skew_lo <= 3.0176044702529907) {
-                          if (x.skew_hi <= 1.3441802859306335) {
-                            return {4, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          if (x.avg <= 33.49374008178711) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 64, 4, 0};  // SP
-                          }
-                        }
                       }
                     } else {
-                      if (x.avg <= 19.441399097442627) {
-                        return {4, 16, 64, 4, 1};  // SR
+                      if (x.log2_S <= 14.812435626983643) {
+                        return {4, 16, 16, 4, 1};  // SR
                       } else {
-                        return {4, 8, 16, 32, 1};  // SR
+                        if (x.skew_hi <= 7.824242830276489) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 2.038783550262451) {
+                      return {4, 16, 16, 4, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 4.176456689834595) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 3.5162606239318848) {
+                          return {4, 16, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
                       }
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= 10.444293975830078) {
-                return {4, 16, 64, 4, 0};  // SP
-              } else {
-                if (x.log2_S <= 16.189948081970215) {
-                  return {4, 16, 64, 4, 1};  // SR
+              if (x.skew_hi <= 14.053166389465332) {
+                if (x.long_level <= 2.5) {
+                  if (x.log2_S <= 12.789659023284912) {
+                    if (x.avg <= 17.591052055358887) {
+                      if (x.avg <= 1.9091882705688477) {
+                        if (x.skew_hi <= 9.389347553253174) {
+                          if (x.skew_hi <= 8.531930446624756) {
+                            return {2, 64, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 64, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.0625638961792) {
+                            if (x.skew_hi <= 9.99965763092041) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 11.716404438018799) {
+                          if (x.skew_hi <= 8.761661529541016) {
+                            if (x.avg <= 5.841061353683472) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 12.14009714126587) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 12.354189395904541) {
+                            return {2, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 9.100751399993896) {
+                        return {4, 16, 8, 8, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 5.398554801940918) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          if (x.avg <= 19.60980224609375) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.164692401885986) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 14.047149181365967) {
+                        if (x.log2_S <= 13.657384872436523) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 8, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 13.499275207519531) {
+                        return {4, 16, 16, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.429425239562988) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  }
                 } else {
-                  return {4, 16, 64, 4, 0};  // SP
+                  if (x.skew_hi <= 13.00575065612793) {
+                    if (x.avg <= 3.784593939781189) {
+                      return {4, 16, 64, 4, 1};  // SR
+                    } else {
+                      return {4, 16, 16, 4, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_lo <= 10.596736907958984) {
+                      if (x.skew_lo <= 8.210832595825195) {
+                        return {4, 16, 16, 4, 1};  // SR
+                      } else {
+                        return {4, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 64, 4, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 10.441381931304932) {
+                  if (x.log2_S <= 14.746414184570312) {
+                    if (x.avg <= 99.44176483154297) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 8, 16, 32, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_hi <= 16.140408515930176) {
+                    return {4, 16, 64, 4, 1};  // SR
+                  } else {
+                    if (x.avg <= 6.93488335609436) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 4, 1};  // SR
+                    }
+                  }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 19.25486660003662) {
-              if (x.skew_hi <= 12.34691858291626) {
-                if (x.skew_lo <= 0.0029424827080219984) {
-                  return {4, 16, 64, 4, 0};  // SP
+            if (x.skew_lo <= -3.8068684339523315) {
+              if (x.log2_S <= 17.76888370513916) {
+                if (x.skew_lo <= -5.307879447937012) {
+                  return {4, 32, 64, 4, 0};  // SP
                 } else {
-                  if (x.avg <= 33.85326385498047) {
-                    return {4, 16, 16, 8, 1};  // SR
+                  if (x.log2_S <= 17.4909725189209) {
+                    return {4, 32, 64, 2, 0};  // SP
                   } else {
-                    if (x.skew_lo <= 1.137892246246338) {
-                      if (x.log2_S <= 18.846723556518555) {
+                    return {2, 32, 16, 2, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.avg <= 50.886165618896484) {
+                  return {4, 16, 64, 8, 0};  // SP
+                } else {
+                  if (x.log2_S <= 18.709972381591797) {
+                    return {4, 16, 64, 8, 0};  // SP
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 12.398873805999756) {
+                if (x.log2_S <= 19.290854454040527) {
+                  if (x.skew_lo <= 0.13790461421012878) {
+                    if (x.log2_S <= 18.09508228302002) {
+                      if (x.avg <= 4.805657148361206) {
+                        if (x.skew_hi <= 5.533405303955078) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_lo <= -1.1195276379585266) {
+                          return {4, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= 4.956652402877808) {
+                      if (x.skew_lo <= 3.8668150901794434) {
+                        if (x.skew_lo <= 1.5651893615722656) {
+                          if (x.log2_S <= 18.36906909942627) {
+                            if (x.avg <= 27.20694351196289) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 31.49281406402588) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 3.2535502910614014) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.long_level <= 1.5) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 33.39982223510742) {
+                          if (x.log2_S <= 19.041081428527832) {
+                            if (x.skew_lo <= 4.394887924194336) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 2.519264340400696) {
+                        if (x.log2_S <= 18.518399238586426) {
+                          if (x.log2_S <= 17.939038276672363) {
+                            if (x.log2_S <= 17.248077392578125) {
+                              return {4, 16, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 4, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 4, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 9.44004201889038) {
+                    if (x.skew_lo <= 1.7128852605819702) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= 2.5555601119995117) {
+                        if (x.log2_S <= 20.06725788116455) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 2.1158686876296997) {
+                            if (x.avg <= 245.21021270751953) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 8.424015998840332) {
+                      return {4, 16, 64, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 19.894420623779297) {
+                        return {4, 16, 16, 4, 1};  // SR
+                      } else {
                         return {4, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                return {4, 16, 64, 4, 0};  // SP
+              }
+            }
+          }
+        }
+      }
+    } else {
+      if (x.F <= 110.85125168440814) {
+        if (x.skew_hi <= 14.765163898468018) {
+          if (x.skew_lo <= 5.0731940269470215) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 15.301332950592041) {
+                if (x.log2_S <= 10.171903610229492) {
+                  if (x.skew_hi <= 5.067586421966553) {
+                    return {4, 8, 64, 32, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 9.242667198181152) {
+                      return {4, 8, 64, 32, 0};  // SP
+                    } else {
+                      return {2, 64, 64, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 4.3755035400390625) {
+                    if (x.log2_S <= 12.680458545684814) {
+                      if (x.log2_S <= 11.521918773651123) {
+                        if (x.log2_S <= 10.650956153869629) {
+                          return {4, 64, 64, 8, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= -1.0829738974571228) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 64, 64, 8, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= -0.7767519354820251) {
+                          if (x.skew_hi <= 4.348312616348267) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {2, 64, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.050695419311523) {
+                        return {4, 32, 8, 2, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.36953353881836) {
+                      return {2, 64, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 14.313400268554688) {
+                        return {4, 64, 32, 1, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 1.968187689781189) {
+                          return {4, 64, 32, 1, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 2.4488251209259033) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 8, 64, 32, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 8.37397575378418) {
+                  if (x.skew_hi <= 5.543477535247803) {
+                    if (x.log2_S <= 15.642857074737549) {
+                      if (x.avg <= 1.9756831526756287) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= -2.671167016029358) {
+                          return {4, 32, 16, 4, 0};  // SP
+                        } else {
+                          return {4, 8, 64, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 19.692468643188477) {
+                      if (x.log2_S <= 16.10201644897461) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.754100799560547) {
+                    if (x.log2_S <= 17.51125717163086) {
+                      if (x.skew_lo <= -4.445579767227173) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.avg <= 12.806137084960938) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 17.029190063476562) {
+                            if (x.log2_S <= 15.68410062789917) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 8, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 64, 32, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 13.413259506225586) {
+                if (x.skew_lo <= -0.4089615046977997) {
+                  if (x.skew_hi <= 3.111333966255188) {
+                    if (x.log2_S <= 13.121012687683105) {
+                      return {4, 32, 16, 4, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 2.3626123666763306) {
+                        return {4, 32, 32, 1, 0};  // SP
+                      } else {
+                        return {4, 32, 16, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 9.780588626861572) {
+                      return {4, 32, 16, 4, 0};  // SP
+                    } else {
+                      return {4, 32, 16, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 6.009088754653931) {
+                    if (x.skew_hi <= 7.9414167404174805) {
+                      if (x.log2_S <= 12.601739406585693) {
+                        return {4, 32, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 4.287962198257446) {
+                        if (x.log2_S <= 12.041051864624023) {
+                          return {2, 64, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_lo <= 4.693104028701782) {
+                          if (x.log2_S <= 11.621439456939697) {
+                            return {2, 32, 8, 8, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.707122325897217) {
+                            return {2, 64, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.825461387634277) {
+                      if (x.avg <= 440.4080810546875) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 64.47776222229004) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 6.9480650424957275) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 12.688611030578613) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.60180377960205) {
+                  if (x.avg <= 25.031258583068848) {
+                    if (x.log2_S <= 16.089345932006836) {
+                      if (x.log2_S <= 14.12361478805542) {
+                        if (x.skew_lo <= 4.1555421352386475) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.401127338409424) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 3.237512230873108) {
+                          if (x.skew_lo <= 4.732824802398682) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 20.02897548675537) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 6.055005311965942) {
+                        if (x.avg <= 19.077606201171875) {
+                          return {4, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 16.760433197021484) {
+                          if (x.skew_hi <= 6.582382678985596) {
+                            return {4, 8, 16, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 16.151281356811523) {
+                      if (x.log2_S <= 13.914303302764893) {
+                        if (x.avg <= 74.17161178588867) {
+                          return {4, 32, 16, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.skew_hi <= 3.193754196166992) {
+                          if (x.skew_lo <= -1.6871472001075745) {
+                            return {4, 32, 32, 1, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 15.309788227081299) {
+                              return {4, 64, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 1, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 32, 32, 1, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.long_level <= 1.5) {
+                        return {4, 32, 16, 4, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= 1.1781967878341675) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 17.061195373535156) {
+                            return {4, 32, 32, 1, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 7.2064080238342285) {
+                              if (x.skew_lo <= 2.7397289276123047) {
+                                return {4, 32, 32, 1, 0};  // SP
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= -0.05102098733186722) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.avg <= 20.487674713134766) {
+                      if (x.log2_S <= 19.18626117706299) {
+                        if (x.skew_lo <= 1.9327910542488098) {
+                          return {4, 32, 16, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 6.1173906326293945) {
+                          return {4, 32, 16, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 3.37713885307312) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.917763710021973) {
+                        if (x.long_level <= 1.5) {
+                          return {4, 32, 16, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 13.052695274353027) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 13.239386081695557) {
+                  if (x.skew_lo <= 6.3439106941223145) {
+                    if (x.avg <= 7.291663110256195) {
+                      if (x.log2_S <= 12.164391040802002) {
+                        if (x.skew_hi <= 9.334004878997803) {
+                          if (x.skew_hi <= 8.409523010253906) {
+                            return {2, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.425098896026611) {
+                              return {2, 64, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 64, 8, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 64, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 9.647658824920654) {
+                        if (x.skew_lo <= 5.721282243728638) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.176634788513184) {
+                      if (x.skew_hi <= 8.66834020614624) {
+                        return {4, 32, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 8.10981559753418) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 9.712087631225586) {
+                            return {4, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 6.758563041687012) {
+                        if (x.log2_S <= 13.067347049713135) {
+                          return {4, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.81388568878174) {
+                    if (x.avg <= 25.79378890991211) {
+                      if (x.avg <= 1.8267082571983337) {
+                        if (x.log2_S <= 15.455913066864014) {
+                          if (x.log2_S <= 14.012704372406006) {
+                            if (x.log2_S <= 13.548050880432129) {
+                              return {4, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 17.161892890930176) {
+                        return {4, 32, 32, 1, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 7.611008167266846) {
+                      if (x.avg <= 16.55695104598999) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 9.338364124298096) {
+                  if (x.skew_lo <= 12.045676231384277) {
+                    if (x.log2_S <= 12.821616649627686) {
+                      if (x.skew_hi <= 11.443132877349854) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 4, 1};  // SR
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 16, 2, 1};  // SR
+                  }
+                } else {
+                  return {4, 32, 16, 2, 1};  // SR
+                }
+              }
+            } else {
+              if (x.avg <= 7.261647701263428) {
+                if (x.skew_lo <= 9.958892822265625) {
+                  if (x.log2_S <= 17.586792945861816) {
+                    return {4, 32, 16, 2, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 9.20945692062378) {
+                      return {4, 32, 16, 2, 1};  // SR
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {4, 32, 64, 2, 0};  // SP
+                }
+              } else {
+                return {4, 32, 32, 1, 0};  // SP
+              }
+            }
+          }
+        } else {
+          if (x.skew_lo <= 11.053020477294922) {
+            if (x.skew_hi <= 15.09623098373413) {
+              if (x.skew_lo <= 7.50704550743103) {
+                return {4, 32, 32, 1, 0};  // SP
+              } else {
+                return {4, 32, 64, 2, 0};  // SP
+              }
+            } else {
+              return {4, 32, 64, 2, 0};  // SP
+            }
+          } else {
+            if (x.log2_S <= 17.239973068237305) {
+              if (x.log2_S <= 16.277234077453613) {
+                if (x.log2_S <= 15.199282169342041) {
+                  return {4, 32, 64, 2, 0};  // SP
+                } else {
+                  return {4, 32, 64, 4, 0};  // SP
+                }
+              } else {
+                return {4, 8, 64, 32, 1};  // SR
+              }
+            } else {
+              if (x.skew_hi <= 19.918182373046875) {
+                return {4, 32, 64, 2, 0};  // SP
+              } else {
+                if (x.avg <= 3.4318575859069824) {
+                  return {4, 8, 64, 32, 0};  // SP
+                } else {
+                  return {4, 32, 64, 2, 0};  // SP
+                }
+              }
+            }
+          }
+        }
+      } else {
+        if (x.F <= 156.76734353812338) {
+          if (x.log2_S <= 18.05617904663086) {
+            if (x.skew_hi <= 14.72728681564331) {
+              if (x.long_level <= 1.5) {
+                if (x.log2_S <= 15.288294315338135) {
+                  if (x.long_level <= 0.5) {
+                    if (x.log2_S <= 11.017712593078613) {
+                      if (x.log2_S <= 9.89732313156128) {
+                        if (x.log2_S <= 8.98480224609375) {
+                          if (x.skew_hi <= 4.065094947814941) {
+                            if (x.avg <= 51.271169662475586) {
+                              return {2, 64, 16, 4, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          } else {
+                            if (x.avg <= 1.4025031924247742) {
+                              return {2, 32, 16, 2, 0};  // SP
+                            } else {
+                              return {4, 8, 64, 32, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 4.6317548751831055) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            return {2, 32, 16, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 5.197594881057739) {
+                          if (x.log2_S <= 10.651562690734863) {
+                            return {2, 64, 32, 8, 0};  // SP
+                          } else {
+                            if (x.avg <= 8.111948013305664) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 0.8203358352184296) {
+                                return {2, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {2, 64, 32, 8, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 14.865635395050049) {
+                        if (x.skew_hi <= 5.557341814041138) {
+                          if (x.avg <= 3.2349430322647095) {
+                            if (x.log2_S <= 14.107622623443604) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 5.166827201843262) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 64, 32, 1, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {4, 64, 32, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 12.703333377838135) {
+                            if (x.skew_hi <= 5.5690224170684814) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              return {2, 64, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= -3.9901899099349976) {
+                          return {4, 64, 32, 4, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 5.251756191253662) {
+                            if (x.skew_lo <= -3.073567748069763) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              if (x.avg <= 3.021546483039856) {
+                                return {4, 16, 8, 8, 1};  // SR
+                              } else {
+                                return {4, 32, 16, 4, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {4, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 3.6261366605758667) {
+                      if (x.log2_S <= 12.629104614257812) {
+                        if (x.skew_lo <= 5.053182601928711) {
+                          if (x.avg <= 2.0720913410186768) {
+                            return {2, 64, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.647228717803955) {
+                              return {2, 64, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 64, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 13.825200080871582) {
+                          return {4, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 4.5635693073272705) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 14.164568901062012) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 2.5162984132766724) {
+                        if (x.log2_S <= 9.511542797088623) {
+                          return {4, 32, 16, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.712603569030762) {
+                            if (x.log2_S <= 11.874549388885498) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= -2.2765103578567505) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                if (x.skew_hi <= 2.2955292463302612) {
+                                  return {4, 32, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 4, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            return {4, 32, 32, 1, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 11.433394432067871) {
+                          if (x.avg <= 14.625461101531982) {
+                            if (x.avg <= 6.913104295730591) {
+                              if (x.log2_S <= 11.311968326568604) {
+                                if (x.skew_hi <= 8.06411600112915) {
+                                  return {4, 32, 8, 2, 1};  // SR
+                                } else {
+                                  return {2, 32, 8, 4, 1};  // SR
+                                }
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 5.408242464065552) {
+                              if (x.log2_S <= 10.240361213684082) {
+                                if (x.skew_hi <= 4.379754543304443) {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 9.444995403289795) {
+                                    return {4, 32, 8, 2, 1};  // SR
+                                  } else {
+                                    return {4, 32, 8, 4, 1};  // SR
+                                  }
+                                }
+                              } else {
+                                if (x.avg <= 122.00257873535156) {
+                                  return {4, 32, 8, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.18510450422763824) {
+                            if (x.log2_S <= 13.623209953308105) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 3.097887873649597) {
+                                return {4, 64, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 32, 32, 1, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 11.776926517486572) {
+                              if (x.skew_lo <= 2.9212453365325928) {
+                                return {4, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              if (x.skew_hi <= 5.228674650192261) {
+                                if (x.log2_S <= 13.361073970794678) {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 14.45367431640625) {
+                                    return {4, 32, 8, 2, 1};  // SR
+                                  } else {
+                                    return {4, 32, 32, 1, 0};  // SP
+                                  }
+                                }
+                              } else {
+                                if (x.log2_S <= 13.29773473739624) {
+                                  if (x.skew_lo <= 2.1222728490829468) {
+                                    return {4, 32, 8, 4, 1};  // SR
+                                  } else {
+                                    if (x.skew_lo <= 3.068526864051819) {
+                                      if (x.log2_S <= 12.360542297363281) {
+                                        return {2, 32, 8, 4, 1};  // SR
+                                      } else {
+                                        return {4, 16, 8, 4, 1};  // SR
+                                      }
+                                    } else {
+                                      return {4, 32, 8, 2, 1};  // SR
+                                    }
+                                  }
+                                } else {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 61.28035354614258) {
+                    if (x.skew_lo <= -3.738625168800354) {
+                      if (x.log2_S <= 17.613451957702637) {
+                        if (x.log2_S <= 15.54601764678955) {
+                          return {4, 64, 32, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 17.10094928741455) {
+                            if (x.avg <= 45.46672439575195) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 64, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 17.368759155273438) {
+                              return {4, 64, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
+                            }
+                          }
+                        }
                       } else {
                         return {4, 16, 64, 4, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 18.35830783843994) {
-                        if (x.avg <= 167.23330688476562) {
-                          return {4, 16, 64, 4, 0};  // SP
+                      if (x.log2_S <= 16.251848220825195) {
+                        if (x.long_level <= 0.5) {
+                          return {4, 32, 16, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 2.3161752223968506) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 5.327301263809204) {
+                              return {4, 32, 32, 1, 0};  // SP
+                            } else {
+                              if (x.skew_hi <= 8.104475975036621) {
+                                if (x.log2_S <= 16.125664710998535) {
+                                  if (x.skew_hi <= 5.733602285385132) {
+                                    return {4, 32, 16, 4, 0};  // SP
+                                  } else {
+                                    return {4, 32, 8, 4, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 32, 16, 4, 0};  // SP
+                                }
+                              } else {
+                                return {4, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.525522232055664) {
+                          return {4, 32, 16, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 16.974735260009766) {
+                            if (x.log2_S <= 16.51468276977539) {
+                              return {4, 32, 16, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 16, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 12.809410572052002) {
+                  if (x.long_level <= 2.5) {
+                    if (x.log2_S <= 11.67140817642212) {
+                      return {4, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 7.523857355117798) {
+                        if (x.skew_hi <= 6.241773843765259) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 10.15572738647461) {
+                      return {4, 32, 16, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 12.18233585357666) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 12.034673690795898) {
+                          return {4, 32, 32, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 27.94148826599121) {
+                    if (x.long_level <= 2.5) {
+                      if (x.log2_S <= 15.487939834594727) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 11.39690351486206) {
+                          if (x.log2_S <= 17.650952339172363) {
+                            return {4, 32, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 32, 16, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= 9.162819862365723) {
+                            return {4, 32, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 10.114238739013672) {
+                        if (x.log2_S <= 13.314878940582275) {
+                          if (x.avg <= 4.229349374771118) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 32, 1, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.145731449127197) {
+                      if (x.skew_hi <= 12.8434476852417) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 32, 32, 1, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 0};  // SP
+                    }
+                  }
+                }
+              }
+            } else {
+              return {4, 32, 64, 2, 0};  // SP
+            }
+          } else {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 20.3096284866333) {
+                if (x.skew_hi <= 2.0887292623519897) {
+                  if (x.log2_S <= 19.204904556274414) {
+                    return {4, 16, 64, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 19.854296684265137) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 18.598230361938477) {
+                    if (x.avg <= 9.127871036529541) {
+                      return {4, 32, 16, 4, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 19.922943115234375) {
+                      return {4, 32, 64, 2, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 4.147785186767578) {
+                        if (x.avg <= 6.88662052154541) {
+                          return {4, 32, 8, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              } else {
+                return {4, 16, 64, 4, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 18.519075393676758) {
+                if (x.skew_hi <= 11.907421112060547) {
+                  if (x.avg <= 66.55274200439453) {
+                    if (x.log2_S <= 18.316224098205566) {
+                      if (x.avg <= 29.486764907836914) {
+                        return {4, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 7.144516468048096) {
+                        return {4, 32, 16, 4, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= 6.239806890487671) {
+                          if (x.avg <= 31.15635395050049) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 32, 16, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.33798885345459) {
+                      return {4, 32, 32, 1, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  return {4, 32, 64, 2, 0};  // SP
+                }
+              } else {
+                if (x.skew_hi <= 11.216612815856934) {
+                  if (x.skew_lo <= 5.979800701141357) {
+                    if (x.avg <= 38.292104721069336) {
+                      if (x.skew_hi <= 6.240596055984497) {
+                        if (x.skew_lo <= 1.711378812789917) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 32, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_hi <= 10.627572536468506) {
+                      if (x.avg <= 13.963642597198486) {
+                        return {4, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 18.92331886291504) {
+                        return {4, 32, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 64, 2, 0};  // SP
+                }
+              }
+            }
+          }
+        } else {
+          if (x.log2_S <= 17.74766254425049) {
+            if (x.skew_hi <= 13.406895637512207) {
+              if (x.long_level <= 1.5) {
+                if (x.skew_hi <= 3.529595732688904) {
+                  if (x.avg <= 88.84658813476562) {
+                    if (x.log2_S <= 11.876574993133545) {
+                      if (x.log2_S <= 9.016398906707764) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 10.351361274719238) {
+                          if (x.log2_S <= 10.122326374053955) {
+                            return {4, 8, 64, 32, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -4.419024467468262) {
+                              return {4, 8, 64, 32, 0};  // SP
+                            } else {
+                              return {2, 64, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.skew_hi <= 1.6908096671104431) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {2, 64, 64, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= -4.791632175445557) {
+                        if (x.log2_S <= 15.561832427978516) {
+                          if (x.log2_S <= 13.803387641906738) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 14.804969310760498) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 64, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.avg <= 7.613252401351929) {
+                          if (x.log2_S <= 14.904712677001953) {
+                            return {2, 32, 16, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 13.014782428741455) {
+                            if (x.avg <= 11.224319458007812) {
+                              return {2, 32, 16, 2, 0};  // SP
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 32, 1, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 14.419400691986084) {
+                      if (x.skew_lo <= -0.8886660933494568) {
+                        if (x.log2_S <= 11.421686172485352) {
+                          if (x.log2_S <= 10.311270713806152) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 64, 32, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 64, 32, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 10.185802936553955) {
+                          if (x.skew_hi <= 3.1979005336761475) {
+                            return {4, 32, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 64, 32, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 13.256165981292725) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 64, 32, 1, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 64, 32, 2, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.12361478805542) {
+                    if (x.avg <= 6.277857780456543) {
+                      if (x.skew_hi <= 5.21745491027832) {
+                        if (x.log2_S <= 11.280065059661865) {
+                          if (x.log2_S <= 10.128556251525879) {
+                            if (x.skew_lo <= -1.3080649375915527) {
+                              if (x.log2_S <= 8.4281325340271) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 8, 64, 32, 0};  // SP
+                              }
+                            } else {
+                              if (x.log2_S <= 9.056499481201172) {
+                                return {2, 64, 32, 4, 0};  // SP
+                              } else {
+                                return {2, 16, 8, 2, 0};  // SP
+                              }
+                            }
+                          } else {
+                            return {2, 64, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 3.958256721496582) {
+                            return {2, 32, 16, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.005690574645996) {
+                          if (x.skew_hi <= 8.217217445373535) {
+                            if (x.skew_hi <= 7.39761209487915) {
+                              if (x.log2_S <= 10.650956153869629) {
+                                if (x.avg <= 1.506162166595459) {
+                                  if (x.log2_S <= 10.008054256439209) {
+                                    return {2, 32, 8, 8, 0};  // SP
+                                  } else {
+                                    return {2, 64, 64, 2, 0};  // SP
+                                  }
+                                } else {
+                                  return {4, 8, 64, 32, 0};  // SP
+                                }
+                              } else {
+                                if (x.log2_S <= 11.328224658966064) {
+                                  return {2, 64, 8, 2, 1};  // SR
+                                } else {
+                                  return {2, 32, 8, 8, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 11.061623096466064) {
+                                return {2, 64, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 11.094979286193848) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 4.555961608886719) {
+                                return {4, 64, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 64, 8, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 1.7029054979793727) {
+                            if (x.log2_S <= 13.129634380340576) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 13.366940975189209) {
+                              if (x.skew_lo <= 4.676185369491577) {
+                                return {4, 16, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 8, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 50.876766204833984) {
+                        if (x.log2_S <= 13.410299301147461) {
+                          if (x.skew_hi <= 5.181580543518066) {
+                            if (x.log2_S <= 9.577781200408936) {
+                              return {4, 32, 16, 4, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 12.862080574035645) {
+                                return {4, 16, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 9.973037242889404) {
+                          return {4, 32, 16, 4, 0};  // SP
+                        } else {
+                          if (x.avg <= 61.62951850891113) {
+                            if (x.log2_S <= 12.024364471435547) {
+                              return {4, 16, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 13.530364036560059) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 6.179516077041626) {
+                      if (x.avg <= 9.816038608551025) {
+                        if (x.log2_S <= 15.65889596939087) {
+                          if (x.skew_lo <= -1.1026914715766907) {
+                            if (x.log2_S <= 14.87392282485962) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 1.6970309615135193) {
+                            if (x.skew_hi <= 5.58771276473999) {
+                              return {4, 16, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 37.51522636413574) {
+                          return {4, 64, 32, 1, 0};  // SP
+                        } else {
+                          return {4, 64, 32, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.177374839782715) {
+                        if (x.avg <= 4.305615425109863) {
+                          if (x.log2_S <= 15.317498207092285) {
+                            if (x.skew_hi <= 8.65391492843628) {
+                              if (x.skew_hi <= 8.204864978790283) {
+                                return {4, 16, 16, 4, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 8.848339080810547) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 12.325713634490967) {
+                  if (x.avg <= 12.780913352966309) {
+                    if (x.log2_S <= 11.734237670898438) {
+                      if (x.skew_lo <= 10.174406051635742) {
+                        if (x.log2_S <= 11.151865482330322) {
+                          return {4, 64, 8, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 6.90718412399292) {
+                            return {4, 64, 8, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      if (x.long_level <= 2.5) {
+                        if (x.log2_S <= 12.111464023590088) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 4, 1};  // SR
+                        }
+                      } else {
+                        return {4, 64, 32, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      if (x.avg <= 124.0334587097168) {
+                        if (x.log2_S <= 11.208906650543213) {
+                          if (x.avg <= 42.63321495056152) {
+                            if (x.skew_lo <= 5.085984468460083) {
+                              return {4, 16, 8, 8, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 4.131201982498169) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.068934917449951) {
+                              return {4, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 1.2525042295455933) {
+                          if (x.log2_S <= 9.686484813690186) {
+                            return {4, 32, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 4, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 14.354183197021484) {
+                        return {4, 32, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 4, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 15.941685199737549) {
+                    if (x.log2_S <= 16.213147163391113) {
+                      if (x.long_level <= 2.5) {
+                        return {4, 16, 16, 4, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.857045650482178) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          if (x.skew_lo <= 11.417706966400146) {
+                            return {4, 16, 64, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 4, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 7.963507175445557) {
+                        if (x.skew_hi <= 10.521225452423096) {
+                          return {4, 16, 16, 4, 1};  // SR
                         } else {
                           return {4, 16, 16, 8, 1};  // SR
                         }
@@ -4070,6 +5978,124 @@ inline Config plain_config(const Features& f) {
                         return {4, 16, 64, 4, 0};  // SP
                       }
                     }
+                  } else {
+                    if (x.log2_S <= 14.003536701202393) {
+                      if (x.skew_hi <= 11.15544080734253) {
+                        if (x.log2_S <= 13.332031726837158) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 7.804076433181763) {
+                            return {4, 64, 32, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 13.230679512023926) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          if (x.avg <= 112.81518936157227) {
+                            return {4, 16, 64, 4, 1};  // SR
+                          } else {
+                            return {4, 64, 32, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 5.613526344299316) {
+                        return {4, 64, 32, 2, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 15.290344715118408) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          return {4, 64, 32, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 15.842931747436523) {
+                if (x.skew_hi <= 14.113484382629395) {
+                  if (x.avg <= 140.19674682617188) {
+                    if (x.skew_lo <= 10.07471752166748) {
+                      if (x.avg <= 1.4930655360221863) {
+                        if (x.log2_S <= 15.25687551498413) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 4.916356563568115) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 16, 64, 4, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 64, 32, 2, 0};  // SP
+                  }
+                } else {
+                  return {4, 16, 64, 4, 0};  // SP
+                }
+              } else {
+                if (x.skew_lo <= 11.497384071350098) {
+                  if (x.skew_hi <= 17.57991886138916) {
+                    return {4, 64, 64, 1, 0};  // SP
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= 11.851874351501465) {
+                    return {4, 16, 64, 4, 1};  // SR
+                  } else {
+                    return {4, 16, 64, 4, 0};  // SP
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.log2_S <= 18.78468608856201) {
+              if (x.skew_hi <= 10.651901721954346) {
+                if (x.long_level <= 1.5) {
+                  if (x.skew_hi <= 8.765936374664307) {
+                    if (x.skew_lo <= 1.5434678196907043) {
+                      if (x.avg <= 141.54342651367188) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 18.009843826293945) {
+                          return {4, 64, 32, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 64, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 8.419078350067139) {
+                        return {4, 16, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 64, 32, 1, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 18.12498378753662) {
+                      return {4, 16, 16, 8, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.avg <= 29.69936752319336) {
+                    if (x.log2_S <= 18.30823802947998) {
+                      return {4, 64, 32, 2, 0};  // SP
+                    } else {
+                      return {4, 16, 64, 4, 0};  // SP
+                    }
+                  } else {
+                    return {4, 64, 32, 2, 0};  // SP
                   }
                 }
               } else {
@@ -4079,688 +6105,134 @@ inline Config plain_config(const Features& f) {
               return {4, 16, 64, 4, 0};  // SP
             }
           }
-        } else {
-          if (x.log2_S <= 15.18947458267212) {
-            if (x.long_level <= 2.5) {
-              if (x.skew_lo <= 0.19958079606294632) {
-                if (x.long_level <= 0.5) {
-                  if (x.log2_S <= 10.09909725189209) {
-                    if (x.log2_S <= 8.995941162109375) {
-                      if (x.skew_hi <= 4.065094947814941) {
-                        if (x.skew_hi <= 0.3199278712272644) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {2, 64, 16, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 5.512373924255371) {
-                          return {4, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {2, 32, 16, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 4.6317548751831055) {
-                        return {4, 8, 64, 32, 0};  // SP
-                      } else {
-                        return {2, 32, 16, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 10.987079620361328) {
-                      if (x.avg <= 4.158936023712158) {
-                        if (x.log2_S <= 10.499083995819092) {
-                          if (x.skew_lo <= -0.7057744860649109) {
-                            return {2, 64, 32, 8, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_hi <= 5.476382493972778) {
-                            return {4, 64, 64, 1, 0};  // SP
-                          } else {
-                            return {2, 64, 8, 4, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {2, 64, 32, 8, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_hi <= 2.3463189601898193) {
-                        if (x.log2_S <= 13.911214828491211) {
-                          if (x.log2_S <= 12.743512153625488) {
-                            if (x.avg <= 22.300010681152344) {
-                              if (x.log2_S <= 11.246740818023682) {
-                                return {2, 64, 32, 8, 0};  // SP
-                              } else {
-                                if (x.log2_S <= 12.212721824645996) {
-                                  return {4, 64, 64, 1, 0};  // SP
-                                } else {
-                                  return {4, 64, 8, 4, 0};  // SP
-                                }
-                              }
-                            } else {
-                              return {2, 16, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            if (x.skew_hi <= 0.5871098637580872) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {4, 64, 8, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 35.26073455810547) {
-                            return {4, 64, 64, 1, 0};  // SP
-                          } else {
-                            if (x.avg <= 54.4876823425293) {
-                              return {4, 64, 64, 2, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 1, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.774250507354736) {
-                          if (x.skew_hi <= 5.571241140365601) {
-                            if (x.log2_S <= 13.230638980865479) {
-                              if (x.skew_hi <= 3.9457483291625977) {
-                                return {4, 64, 64, 1, 0};  // SP
-                              } else {
-                                if (x.log2_S <= 12.030461311340332) {
-                                  return {4, 64, 64, 1, 0};  // SP
-                                } else {
-                                  if (x.avg <= 1.848556101322174) {
-                                    return {4, 64, 64, 1, 0};  // SP
-                                  } else {
-                                    if (x.avg <= 3.071144461631775) {
-                                      return {2, 32, 8, 4, 1};  // SR
-                                    } else {
-                                      return {4, 16, 8, 8, 1};  // SR
-                                    }
-                                  }
-                                }
-                              }
-                            } else {
-                              if (x.skew_lo <= -0.9013816714286804) {
-                                if (x.avg <= 6.25681209564209) {
-                                  return {4, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {4, 64, 64, 1, 0};  // SP
-                                }
-                              } else {
-                                return {4, 64, 64, 1, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 13.283037185668945) {
-                              return {2, 64, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 64, 64, 1, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.skew_lo <= -0.881604015827179) {
-                            if (x.skew_lo <= -2.5457602739334106) {
-                              if (x.skew_hi <= 2.7575730085372925) {
-                                return {4, 64, 64, 1, 0};  // SP
-                              } else {
-                                return {4, 32, 16, 4, 0};  // SP
-                              }
-                            } else {
-                              if (x.log2_S <= 14.87392282485962) {
-                                return {4, 16, 8, 8, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 4, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.skew_lo <= -0.32274214923381805) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {4, 32, 8, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 13.769565105438232) {
-                    if (x.log2_S <= 10.808481216430664) {
-                      if (x.skew_hi <= 2.165291905403137) {
-                        if (x.log2_S <= 9.342630386352539) {
-                          return {4, 32, 16, 4, 0};  // SP
-                        } else {
-                          if (x.avg <= 496.85308837890625) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 32, 8, 2, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 3.998715400695801) {
-                          if (x.log2_S <= 8.726202487945557) {
-                            if (x.skew_hi <= 2.583785891532898) {
-                              return {4, 32, 16, 4, 0};  // SP
-                            } else {
-                              if (x.avg <= 93.35068130493164) {
-                                return {4, 32, 16, 4, 0};  // SP
-                              } else {
-                                return {4, 32, 8, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 32, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 8, 8, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 63.05612754821777) {
-                        return {4, 16, 8, 8, 1};  // SR
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.571539402008057) {
-                      if (x.skew_hi <= 2.2915884256362915) {
-                        return {4, 32, 32, 1, 0};  // SP
-                      } else {
-                        if (x.avg <= 113.91001510620117) {
-                          if (x.log2_S <= 14.110386848449707) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 0};  // SP
-                          }
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 32, 32, 1, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.02514934539795) {
-                  if (x.long_level <= 1.5) {
-                    if (x.avg <= 3.3228870630264282) {
-                      if (x.log2_S <= 12.574393272399902) {
-                        return {2, 64, 8, 4, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 5.5068135261535645) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 12.469955444335938) {
-                          if (x.avg <= 14.561825275421143) {
-                            if (x.skew_lo <= 3.4788811206817627) {
-                              if (x.log2_S <= 11.933903694152832) {
-                                return {2, 32, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 16, 8, 8, 1};  // SR
-                              }
-                            } else {
-                              if (x.avg <= 3.954992890357971) {
-                                if (x.log2_S <= 10.17463493347168) {
-                                  return {2, 32, 8, 4, 1};  // SR
-                                } else {
-                                  return {2, 64, 8, 4, 1};  // SR
-                                }
-                              } else {
-                                return {4, 32, 8, 2, 1};  // SR
-                              }
-                            }
-                          } else {
-                            return {4, 16, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 122.01823806762695) {
-                      return {4, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.08591079711914) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 4.706615686416626) {
-                    if (x.avg <= 24.124099731445312) {
-                      return {4, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.167716979980469) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 1, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 12.843275547027588) {
-                      if (x.log2_S <= 14.27854871749878) {
-                        if (x.skew_hi <= 10.184149742126465) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.407841682434082) {
-                        if (x.skew_hi <= 13.678555011749268) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 16, 4, 0};  // SP
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_hi <= 12.39124345779419) {
-                if (x.skew_lo <= 10.262630462646484) {
-                  return {4, 16, 16, 8, 1};  // SR
-                } else {
-                  if (x.log2_S <= 11.824473857879639) {
-                    return {4, 16, 16, 8, 1};  // SR
-                  } else {
-                    return {4, 32, 16, 4, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 14.587437152862549) {
-                  if (x.avg <= 4.6973490715026855) {
-                    if (x.skew_hi <= 13.992464542388916) {
-                      if (x.log2_S <= 12.722135543823242) {
-                        return {4, 32, 16, 4, 0};  // SP
-                      } else {
-                        return {4, 32, 32, 1, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    return {4, 32, 32, 1, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 82.31587982177734) {
-                    return {4, 32, 64, 2, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 14.99480152130127) {
-                      return {4, 32, 32, 1, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 12.22571086883545) {
-              if (x.log2_S <= 18.392501831054688) {
-                if (x.avg <= 56.00888442993164) {
-                  if (x.skew_lo <= -3.5907963514328003) {
-                    if (x.log2_S <= 17.57487678527832) {
-                      if (x.skew_lo <= -4.900574207305908) {
-                        if (x.log2_S <= 15.59251594543457) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    } else {
-                      return {4, 16, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 8.136515617370605) {
-                      if (x.log2_S <= 15.730714797973633) {
-                        if (x.avg <= 23.641956329345703) {
-                          if (x.skew_hi <= 5.929555892944336) {
-                            return {4, 32, 16, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 32, 1, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 16, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 16.39231586456299) {
-                        if (x.skew_hi <= 11.102949619293213) {
-                          if (x.avg <= 28.993809700012207) {
-                            if (x.log2_S <= 16.10733413696289) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              if (x.avg <= 13.042730808258057) {
-                                return {4, 32, 16, 4, 0};  // SP
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 16.087056636810303) {
-                              return {4, 32, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 16, 16, 8, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 32, 16, 4, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 21.033506393432617) {
-                          if (x.skew_hi <= 11.483262538909912) {
-                            return {4, 32, 16, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 17.331782341003418) {
-                              return {4, 32, 16, 4, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 2, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 16.961390495300293) {
-                            return {4, 32, 16, 4, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 18.01447868347168) {
-                    if (x.skew_lo <= 1.7145795226097107) {
-                      if (x.avg <= 75.35200119018555) {
-                        if (x.log2_S <= 16.4273624420166) {
-                          if (x.long_level <= 0.5) {
-                            return {4, 64, 64, 1, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 1, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_hi <= 1.9675606787204742) {
-                            return {4, 64, 32, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 16, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 32, 32, 1, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 16.486990928649902) {
-                        if (x.avg <= 78.92113494873047) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          return {4, 16, 16, 8, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 17.734646797180176) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 4.449791789054871) {
-                      if (x.skew_hi <= 3.4557478427886963) {
-                        if (x.log2_S <= 18.256790161132812) {
-                          return {4, 32, 32, 1, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 16, 4, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.long_level <= 0.5) {
-                  if (x.log2_S <= 20.27348232269287) {
-                    if (x.log2_S <= 19.18643283843994) {
-                      if (x.avg <= 12.550148487091064) {
-                        if (x.skew_hi <= 2.893314242362976) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 16, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_lo <= -0.33985331654548645) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 16, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 16, 64, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 19.032522201538086) {
-                    if (x.long_level <= 1.5) {
-                      if (x.skew_lo <= -0.44878624379634857) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.avg <= 6.488038778305054) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 16, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 32, 64, 2, 0};  // SP
-                    }
-                  } else {
-                    return {4, 32, 64, 2, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              return {4, 32, 64, 2, 0};  // SP
-            }
-          }
         }
       }
     }
   }
 }
 
-// gathered rows: 495 cells of 59 graphs, 564 configs; distilled tree of depth 17, 1145 leaves; training set: oracle/pick geomean 0.991, worst cell 0.811
+// gathered rows: 632 cells of 59 graphs, 564 configs; distilled tree of depth 18, 1528 leaves; training set: oracle/pick geomean 0.992, worst cell 0.752
 inline Config gathered_config(const Features& f) {
   const RuleInputs x = rule_inputs(f);
-  if (x.F <= 7.483314773547883) {
-    if (x.F <= 2.8284271247461903) {
+  if (x.F <= 22.627416997969522) {
+    if (x.F <= 5.291502622129181) {
       if (x.F <= 1.4142135623730951) {
-        if (x.log2_S <= 14.460514068603516) {
-          if (x.long_level <= 1.5) {
-            if (x.avg <= 200.27698516845703) {
-              if (x.skew_lo <= 0.05731715261936188) {
-                if (x.log2_S <= 11.751780033111572) {
-                  if (x.avg <= 19.600245475769043) {
-                    if (x.log2_S <= 9.548642635345459) {
-                      if (x.skew_lo <= -0.9089151620864868) {
-                        if (x.skew_hi <= 2.8571090698242188) {
-                          return {4, 16, 32, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 9.04762887954712) {
-                            if (x.skew_hi <= 4.407433032989502) {
-                              return {1, 2, 32, 128, 0};  // SP
-                            } else {
-                              return {4, 16, 32, 8, 0};  // SP
-                            }
-                          } else {
-                            return {4, 16, 32, 8, 0};  // SP
-                          }
-                        }
+        if (x.log2_S <= 14.900000095367432) {
+          if (x.skew_lo <= 0.16568516939878464) {
+            if (x.avg <= 208.58214569091797) {
+              if (x.log2_S <= 12.063215255737305) {
+                if (x.log2_S <= 9.8356614112854) {
+                  if (x.avg <= 10.517588138580322) {
+                    if (x.skew_lo <= -1.592566967010498) {
+                      if (x.log2_S <= 9.131629467010498) {
+                        return {1, 2, 32, 128, 0};  // SP
                       } else {
-                        if (x.avg <= 1.4533551931381226) {
-                          return {4, 16, 8, 2, 0};  // SP
-                        } else {
-                          return {1, 16, 64, 8, 0};  // SP
-                        }
+                        return {4, 4, 32, 64, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 11.264243602752686) {
-                        if (x.skew_hi <= 3.9625407457351685) {
-                          return {1, 32, 32, 2, 0};  // SP
+                      if (x.skew_lo <= -0.6722354590892792) {
+                        return {1, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 9.21579885482788) {
+                          return {4, 16, 8, 2, 0};  // SP
                         } else {
-                          if (x.log2_S <= 10.765993595123291) {
-                            if (x.skew_hi <= 5.279125452041626) {
-                              return {4, 16, 8, 2, 0};  // SP
-                            } else {
-                              return {4, 16, 32, 4, 0};  // SP
-                            }
+                          return {4, 16, 32, 4, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -2.5785036087036133) {
+                      if (x.log2_S <= 9.036513328552246) {
+                        if (x.skew_lo <= -4.4430882930755615) {
+                          if (x.skew_lo <= -5.1220433712005615) {
+                            return {4, 16, 32, 8, 0};  // SP
                           } else {
                             return {1, 32, 32, 2, 0};  // SP
                           }
-                        }
-                      } else {
-                        if (x.skew_lo <= -2.536566376686096) {
-                          return {4, 16, 32, 8, 0};  // SP
                         } else {
-                          return {1, 16, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    return {1, 32, 32, 2, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_lo <= -3.2436578273773193) {
-                    if (x.log2_S <= 12.635672092437744) {
-                      return {4, 16, 32, 8, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -3.5456398725509644) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        return {2, 8, 64, 32, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= -0.27205541729927063) {
-                      if (x.skew_hi <= 3.540480136871338) {
-                        if (x.log2_S <= 13.005770206451416) {
-                          if (x.skew_lo <= -1.4113406538963318) {
-                            return {1, 16, 64, 4, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 12.5175142288208) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              return {1, 16, 64, 8, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {1, 16, 64, 4, 0};  // SP
+                          return {4, 4, 16, 64, 0};  // SP
                         }
                       } else {
-                        return {1, 16, 64, 4, 0};  // SP
+                        return {4, 16, 32, 8, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 12.760287761688232) {
-                        if (x.long_level <= 0.5) {
+                      if (x.skew_lo <= -0.44407525658607483) {
+                        if (x.skew_lo <= -1.145281970500946) {
                           return {1, 32, 32, 2, 0};  // SP
                         } else {
-                          return {4, 32, 64, 4, 0};  // SP
+                          return {4, 16, 64, 2, 0};  // SP
                         }
                       } else {
+                        return {1, 32, 32, 2, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.46497631072998) {
+                    if (x.avg <= 2.816584348678589) {
+                      if (x.skew_lo <= -0.5403839647769928) {
+                        if (x.log2_S <= 10.433536529541016) {
+                          return {4, 16, 8, 2, 0};  // SP
+                        } else {
+                          return {1, 32, 32, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 32, 4, 0};  // SP
+                      }
+                    } else {
+                      return {1, 32, 32, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.avg <= 12.093514919281006) {
+                      if (x.skew_lo <= -1.0012561678886414) {
+                        return {4, 16, 64, 2, 0};  // SP
+                      } else {
                         return {1, 16, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 119.54079818725586) {
+                        return {1, 32, 32, 2, 0};  // SP
+                      } else {
+                        return {2, 32, 64, 2, 0};  // SP
                       }
                     }
                   }
                 }
               } else {
-                if (x.skew_hi <= 7.895822525024414) {
-                  if (x.skew_lo <= 1.9529216885566711) {
-                    if (x.log2_S <= 12.54331350326538) {
-                      if (x.avg <= 25.4498291015625) {
-                        if (x.log2_S <= 12.065317153930664) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.skew_hi <= 5.645532608032227) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 2, 8, 128, 1};  // SR
-                      }
-                    }
+                if (x.skew_lo <= -3.333292603492737) {
+                  if (x.log2_S <= 13.277273654937744) {
+                    return {4, 16, 64, 2, 0};  // SP
                   } else {
-                    if (x.log2_S <= 11.19048547744751) {
-                      return {1, 16, 8, 8, 1};  // SR
+                    if (x.log2_S <= 14.65415620803833) {
+                      return {4, 8, 32, 32, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.160133838653564) {
-                        if (x.avg <= 7.401333570480347) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
+                      if (x.skew_lo <= -4.685016632080078) {
+                        return {4, 8, 32, 32, 0};  // SP
                       } else {
-                        if (x.avg <= 6.155101299285889) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 2, 8, 128, 1};  // SR
-                        }
+                        return {4, 4, 16, 64, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 11.906217575073242) {
-                    if (x.skew_lo <= 4.930848598480225) {
-                      if (x.log2_S <= 11.125251293182373) {
-                        return {2, 32, 8, 8, 1};  // SR
+                  if (x.avg <= 5.795708656311035) {
+                    return {1, 16, 64, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 13.22169542312622) {
+                      if (x.skew_lo <= -1.1953608393669128) {
+                        return {1, 16, 64, 4, 0};  // SP
                       } else {
-                        return {1, 32, 32, 2, 0};  // SP
+                        return {4, 16, 64, 2, 0};  // SP
                       }
                     } else {
-                      if (x.log2_S <= 11.058709144592285) {
-                        if (x.log2_S <= 8.725202560424805) {
-                          return {1, 32, 8, 2, 1};  // SR
+                      if (x.avg <= 9.26752758026123) {
+                        if (x.log2_S <= 14.445075511932373) {
+                          return {1, 16, 64, 4, 0};  // SP
                         } else {
-                          return {1, 32, 64, 8, 0};  // SP
+                          return {2, 8, 64, 32, 0};  // SP
                         }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.3264741897583) {
-                      if (x.skew_hi <= 8.49529218673706) {
-                        return {1, 8, 8, 32, 1};  // SR
                       } else {
                         return {1, 16, 64, 4, 0};  // SP
                       }
-                    } else {
-                      return {1, 8, 8, 32, 1};  // SR
                     }
                   }
                 }
@@ -4769,191 +6241,189 @@ inline Config gathered_config(const Features& f) {
               return {2, 32, 64, 2, 0};  // SP
             }
           } else {
-            if (x.avg <= 19.66411018371582) {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 14.19734239578247) {
-                  return {1, 2, 8, 128, 1};  // SR
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 12.001627445220947) {
+                if (x.long_level <= 1.5) {
+                  if (x.skew_hi <= 5.686100244522095) {
+                    return {1, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.avg <= 4.402738571166992) {
+                      if (x.skew_hi <= 8.534628868103027) {
+                        if (x.skew_lo <= 4.141571044921875) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.avg <= 1.874674677848816) {
+                            return {1, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 32, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 16.60498809814453) {
+                        if (x.log2_S <= 10.650274753570557) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 9.11386775970459) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  }
                 } else {
-                  return {1, 1, 8, 256, 1};  // SR
+                  if (x.skew_lo <= 1.3915461301803589) {
+                    return {1, 1, 8, 256, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 10.159866333007812) {
+                      return {1, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 10.756297588348389) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
                 }
               } else {
-                if (x.skew_hi <= 13.113340854644775) {
-                  if (x.avg <= 12.733009815216064) {
-                    if (x.skew_lo <= 11.41892147064209) {
+                if (x.avg <= 20.488208770751953) {
+                  if (x.log2_S <= 14.190345764160156) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 8.278149127960205) {
+                        if (x.avg <= 2.8494317531585693) {
+                          if (x.log2_S <= 13.620660305023193) {
+                            return {1, 16, 64, 4, 0};  // SP
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 13.649527072906494) {
+                            return {1, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {1, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {1, 2, 8, 128, 1};  // SR
+                    }
+                  } else {
+                    if (x.long_level <= 1.5) {
                       return {1, 2, 8, 128, 1};  // SR
                     } else {
                       return {1, 1, 8, 256, 1};  // SR
                     }
-                  } else {
-                    return {1, 1, 8, 256, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 13.46349048614502) {
-                    if (x.skew_lo <= 12.103408813476562) {
-                      if (x.avg <= 15.63210153579712) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      return {1, 32, 8, 4, 32};  // PR
-                    }
+                  if (x.log2_S <= 14.292848110198975) {
+                    return {1, 1, 8, 256, 1};  // SR
                   } else {
-                    return {2, 32, 8, 2, 32};  // PR
+                    if (x.avg <= 52.01870155334473) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 5.522478103637695) {
+                        return {1, 32, 8, 4, 32};  // PR
+                      } else {
+                        return {2, 32, 8, 2, 32};  // PR
+                      }
+                    }
                   }
                 }
               }
             } else {
-              if (x.log2_S <= 13.77961015701294) {
-                if (x.long_level <= 2.5) {
-                  if (x.log2_S <= 10.034902572631836) {
-                    if (x.skew_lo <= 1.9258033633232117) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 8.184455394744873) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.avg <= 30.4762020111084) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {1, 1, 8, 256, 1};  // SR
-                        }
-                      }
-                    }
+              if (x.log2_S <= 13.973586082458496) {
+                if (x.avg <= 15.152973651885986) {
+                  if (x.skew_hi <= 13.554110527038574) {
+                    return {1, 2, 8, 128, 1};  // SR
                   } else {
-                    if (x.avg <= 30.770626068115234) {
-                      if (x.log2_S <= 12.612745761871338) {
-                        return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 13.649504661560059) {
-                        return {1, 1, 8, 256, 1};  // SR
-                      } else {
-                        return {1, 32, 8, 4, 32};  // PR
-                      }
-                    }
+                    return {2, 32, 8, 2, 32};  // PR
                   }
                 } else {
                   return {1, 1, 8, 256, 1};  // SR
                 }
               } else {
-                if (x.skew_hi <= 14.12729549407959) {
-                  if (x.skew_hi <= 7.805333852767944) {
-                    if (x.skew_hi <= 6.087188720703125) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    if (x.skew_lo <= 7.1427130699157715) {
-                      return {1, 1, 8, 256, 1};  // SR
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                } else {
-                  return {2, 32, 8, 2, 32};  // PR
-                }
+                return {2, 32, 8, 2, 32};  // PR
               }
             }
           }
         } else {
           if (x.long_level <= 1.5) {
-            if (x.long_level <= 0.5) {
-              if (x.avg <= 3.526053547859192) {
-                if (x.log2_S <= 15.949246883392334) {
-                  if (x.avg <= 2.681583881378174) {
-                    return {1, 1, 8, 256, 1};  // SR
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
-                } else {
-                  if (x.avg <= 2.762078642845154) {
-                    return {2, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 18.586822509765625) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      return {2, 1, 8, 256, 0};  // SP
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.77624225616455) {
-                  if (x.log2_S <= 15.648563385009766) {
-                    if (x.avg <= 6.721746444702148) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      return {2, 8, 64, 32, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 8.906202793121338) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      if (x.skew_lo <= -5.756345987319946) {
-                        if (x.log2_S <= 17.167526245117188) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {4, 4, 32, 64, 0};  // SP
-                        }
+            if (x.avg <= 30.343863487243652) {
+              if (x.skew_hi <= 4.995771408081055) {
+                if (x.skew_hi <= 3.4472967386245728) {
+                  if (x.log2_S <= 17.759553909301758) {
+                    if (x.skew_hi <= 2.494908332824707) {
+                      if (x.log2_S <= 17.59915542602539) {
+                        return {4, 4, 16, 64, 0};  // SP
                       } else {
-                        if (x.skew_lo <= -3.505091667175293) {
-                          return {4, 4, 32, 64, 0};  // SP
-                        } else {
-                          return {2, 2, 64, 128, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -5.190346002578735) {
-                    if (x.log2_S <= 23.82734775543213) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      if (x.skew_lo <= -5.604832649230957) {
                         return {4, 4, 32, 64, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.79025650024414) {
+                        return {4, 4, 16, 64, 0};  // SP
+                      } else {
+                        return {2, 2, 64, 128, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 24.052849769592285) {
+                      if (x.skew_lo <= -3.5500866174697876) {
+                        return {1, 32, 16, 4, 32};  // PR
+                      } else {
+                        if (x.skew_hi <= 2.733267068862915) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {1, 32, 16, 4, 32};  // PR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 12.119283676147461) {
+                        return {2, 2, 64, 128, 0};  // SP
                       } else {
                         return {1, 2, 32, 128, 0};  // SP
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 22.92859935760498) {
-                      if (x.skew_lo <= -3.2517935037612915) {
-                        if (x.avg <= 29.852840423583984) {
-                          if (x.skew_lo <= -3.5455037355422974) {
-                            return {1, 32, 16, 4, 32};  // PR
-                          } else {
-                            return {2, 2, 64, 128, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 20.51254940032959) {
-                            if (x.log2_S <= 18.251906394958496) {
-                              return {4, 4, 32, 64, 0};  // SP
-                            } else {
-                              return {1, 32, 16, 4, 32};  // PR
-                            }
-                          } else {
-                            return {1, 32, 8, 4, 32};  // PR
-                          }
-                        }
+                  }
+                } else {
+                  if (x.avg <= 3.426013946533203) {
+                    if (x.log2_S <= 23.173707962036133) {
+                      if (x.log2_S <= 15.94227933883667) {
+                        return {1, 16, 64, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 19.823266983032227) {
-                          if (x.avg <= 4.6359288692474365) {
-                            return {4, 1, 32, 256, 0};  // SP
-                          } else {
-                            return {1, 32, 16, 4, 32};  // PR
-                          }
+                        if (x.avg <= 2.854597806930542) {
+                          return {2, 32, 8, 2, 32};  // PR
                         } else {
-                          return {4, 1, 32, 256, 0};  // SP
+                          if (x.log2_S <= 18.599382400512695) {
+                            return {2, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {2, 1, 8, 256, 0};  // SP
+                          }
                         }
                       }
                     } else {
-                      if (x.skew_hi <= 2.3737051486968994) {
-                        return {1, 2, 32, 128, 0};  // SP
+                      if (x.avg <= 2.388055920600891) {
+                        return {2, 32, 8, 2, 32};  // PR
                       } else {
-                        if (x.skew_lo <= -1.9896886348724365) {
+                        return {2, 1, 8, 256, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.32246208190918) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 24.24090003967285) {
+                        return {4, 1, 32, 256, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 4.0103113651275635) {
                           return {2, 2, 64, 128, 0};  // SP
                         } else {
                           return {2, 1, 8, 256, 0};  // SP
@@ -4962,67 +6432,117 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 }
-              }
-            } else {
-              if (x.log2_S <= 18.035192489624023) {
-                if (x.avg <= 50.2305793762207) {
-                  if (x.log2_S <= 16.814998626708984) {
-                    if (x.skew_lo <= 2.612511157989502) {
-                      return {1, 1, 8, 256, 1};  // SR
+              } else {
+                if (x.log2_S <= 17.30781650543213) {
+                  if (x.skew_lo <= 2.414209008216858) {
+                    if (x.skew_lo <= -0.26406198740005493) {
+                      if (x.log2_S <= 15.757648468017578) {
+                        if (x.log2_S <= 15.2498459815979) {
+                          return {1, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {1, 1, 8, 256, 1};  // SR
+                        }
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
+                      }
                     } else {
-                      return {1, 2, 8, 128, 1};  // SR
+                      return {1, 1, 8, 256, 1};  // SR
                     }
                   } else {
-                    if (x.skew_lo <= 0.9736575484275818) {
-                      return {1, 32, 8, 4, 32};  // PR
+                    if (x.log2_S <= 16.730448722839355) {
+                      return {1, 2, 8, 128, 1};  // SR
                     } else {
                       return {1, 1, 8, 256, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.log2_S <= 16.252999305725098) {
-                    if (x.skew_hi <= 2.218238353729248) {
-                      return {2, 32, 64, 2, 0};  // SP
-                    } else {
-                      if (x.avg <= 81.61396408081055) {
+                  if (x.skew_lo <= 2.7538949251174927) {
+                    if (x.skew_lo <= -0.003071764833293855) {
+                      if (x.log2_S <= 22.411282539367676) {
                         return {1, 32, 8, 4, 32};  // PR
                       } else {
-                        return {1, 16, 64, 4, 0};  // SP
+                        return {2, 32, 8, 2, 32};  // PR
                       }
+                    } else {
+                      return {1, 32, 8, 4, 32};  // PR
                     }
                   } else {
-                    return {1, 32, 8, 4, 32};  // PR
-                  }
-                }
-              } else {
-                if (x.avg <= 9.449563980102539) {
-                  if (x.skew_hi <= 8.783102035522461) {
-                    if (x.log2_S <= 19.12003231048584) {
-                      return {1, 32, 8, 4, 32};  // PR
-                    } else {
-                      if (x.skew_hi <= 7.212327003479004) {
-                        if (x.log2_S <= 20.651098251342773) {
-                          return {1, 32, 16, 4, 32};  // PR
+                    if (x.log2_S <= 19.708749771118164) {
+                      if (x.log2_S <= 17.99226665496826) {
+                        if (x.avg <= 4.368515491485596) {
+                          return {1, 1, 8, 256, 1};  // SR
                         } else {
                           return {1, 32, 8, 4, 32};  // PR
                         }
                       } else {
-                        if (x.log2_S <= 19.72383975982666) {
-                          if (x.avg <= 3.9933667182922363) {
-                            return {1, 32, 8, 4, 32};  // PR
-                          } else {
+                        if (x.log2_S <= 19.097328186035156) {
+                          return {1, 32, 8, 4, 32};  // PR
+                        } else {
+                          if (x.skew_hi <= 8.002805233001709) {
                             return {1, 32, 16, 4, 32};  // PR
+                          } else {
+                            return {1, 32, 8, 4, 32};  // PR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 9.67729139328003) {
+                        if (x.log2_S <= 22.493534088134766) {
+                          if (x.avg <= 2.2780498266220093) {
+                            if (x.log2_S <= 22.0289888381958) {
+                              return {1, 32, 8, 4, 32};  // PR
+                            } else {
+                              return {1, 32, 16, 4, 32};  // PR
+                            }
+                          } else {
+                            if (x.log2_S <= 22.096145629882812) {
+                              return {1, 32, 16, 4, 32};  // PR
+                            } else {
+                              if (x.skew_hi <= 7.52670955657959) {
+                                return {1, 32, 8, 4, 32};  // PR
+                              } else {
+                                return {1, 32, 16, 4, 32};  // PR
+                              }
+                            }
                           }
                         } else {
                           return {1, 32, 16, 4, 32};  // PR
                         }
+                      } else {
+                        return {1, 32, 8, 4, 32};  // PR
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 18.665611267089844) {
-                      return {1, 1, 8, 256, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 16.788509368896484) {
+                if (x.avg <= 220.06134796142578) {
+                  if (x.avg <= 74.7232780456543) {
+                    if (x.long_level <= 0.5) {
+                      if (x.log2_S <= 16.16477108001709) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {4, 4, 16, 64, 0};  // SP
+                      }
                     } else {
                       return {1, 32, 8, 4, 32};  // PR
+                    }
+                  } else {
+                    return {1, 16, 64, 4, 0};  // SP
+                  }
+                } else {
+                  return {2, 32, 64, 2, 0};  // SP
+                }
+              } else {
+                if (x.skew_lo <= -4.931777238845825) {
+                  if (x.log2_S <= 18.561087608337402) {
+                    return {4, 4, 16, 64, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 24.158169746398926) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {4, 4, 16, 64, 0};  // SP
                     }
                   }
                 } else {
@@ -5031,72 +6551,72 @@ inline Config gathered_config(const Features& f) {
               }
             }
           } else {
-            if (x.skew_hi <= 18.082597732543945) {
-              if (x.skew_hi <= 17.149810791015625) {
-                if (x.log2_S <= 15.212557315826416) {
-                  if (x.long_level <= 2.5) {
-                    if (x.skew_lo <= 4.667889833450317) {
-                      return {2, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.avg <= 4.268107175827026) {
-                        if (x.log2_S <= 14.894535064697266) {
-                          return {1, 1, 8, 256, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {1, 1, 8, 256, 1};  // SR
-                      }
-                    }
-                  } else {
+            if (x.skew_hi <= 18.112876892089844) {
+              if (x.skew_lo <= 4.355071306228638) {
+                if (x.log2_S <= 21.88547706604004) {
+                  if (x.log2_S <= 18.269466400146484) {
                     return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {1, 32, 8, 4, 32};  // PR
                   }
                 } else {
-                  if (x.skew_lo <= 4.331224203109741) {
-                    if (x.log2_S <= 20.631949424743652) {
-                      if (x.log2_S <= 19.156853675842285) {
-                        return {2, 32, 8, 2, 32};  // PR
-                      } else {
-                        if (x.log2_S <= 20.34939670562744) {
-                          return {1, 32, 8, 4, 32};  // PR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    return {2, 32, 8, 2, 32};  // PR
-                  }
+                  return {2, 32, 8, 2, 32};  // PR
                 }
               } else {
-                if (x.skew_lo <= 9.893970489501953) {
-                  return {2, 32, 8, 2, 32};  // PR
+                if (x.skew_hi <= 16.987213134765625) {
+                  if (x.log2_S <= 15.103918075561523) {
+                    if (x.skew_hi <= 14.292750358581543) {
+                      return {1, 1, 8, 256, 1};  // SR
+                    } else {
+                      return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
                 } else {
-                  return {1, 32, 8, 4, 32};  // PR
+                  if (x.avg <= 34.60317611694336) {
+                    return {1, 32, 8, 4, 32};  // PR
+                  } else {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
                 }
               }
             } else {
-              if (x.skew_lo <= 7.610560178756714) {
-                return {2, 32, 8, 2, 32};  // PR
-              } else {
-                if (x.log2_S <= 20.30093765258789) {
-                  if (x.avg <= 16.203633308410645) {
-                    if (x.log2_S <= 18.624265670776367) {
-                      if (x.skew_lo <= 10.867131233215332) {
+              if (x.skew_lo <= 7.6765546798706055) {
+                if (x.log2_S <= 18.60041904449463) {
+                  return {1, 32, 8, 4, 32};  // PR
+                } else {
+                  if (x.skew_hi <= 22.055089950561523) {
+                    if (x.log2_S <= 20.500085830688477) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.skew_hi <= 21.442994117736816) {
                         return {1, 32, 16, 4, 32};  // PR
                       } else {
-                        return {1, 32, 8, 4, 32};  // PR
+                        if (x.avg <= 147.2786407470703) {
+                          return {1, 32, 16, 4, 32};  // PR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
                       }
-                    } else {
-                      return {1, 32, 16, 4, 32};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 18.531819343566895) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 20.25944709777832) {
+                  if (x.skew_lo <= 9.801963806152344) {
+                    if (x.skew_hi <= 18.531819343566895) {
                       return {1, 32, 8, 4, 32};  // PR
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 18.168746948242188) {
+                      return {1, 32, 8, 4, 32};  // PR
+                    } else {
+                      return {1, 32, 16, 4, 32};  // PR
                     }
                   }
                 } else {
@@ -5107,204 +6627,220 @@ inline Config gathered_config(const Features& f) {
           }
         }
       } else {
-        if (x.log2_S <= 14.460514068603516) {
-          if (x.long_level <= 2.5) {
-            if (x.skew_lo <= 0.09654359146952629) {
-              if (x.avg <= 210.95301055908203) {
-                if (x.skew_lo <= -2.5888450145721436) {
-                  if (x.log2_S <= 10.72631549835205) {
-                    if (x.skew_lo <= -4.544357538223267) {
-                      if (x.log2_S <= 9.052812576293945) {
-                        if (x.avg <= 50.33383750915527) {
-                          return {1, 32, 32, 2, 0};  // SP
+        if (x.F <= 2.8284271247461903) {
+          if (x.log2_S <= 14.460514068603516) {
+            if (x.long_level <= 2.5) {
+              if (x.skew_lo <= 0.3166925013065338) {
+                if (x.avg <= 163.55764770507812) {
+                  if (x.log2_S <= 11.392211437225342) {
+                    if (x.avg <= 75.18319320678711) {
+                      if (x.avg <= 24.75709056854248) {
+                        if (x.avg <= 2.782059073448181) {
+                          if (x.log2_S <= 9.688204288482666) {
+                            return {2, 8, 64, 32, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.565266609191895) {
+                              if (x.skew_hi <= 5.569370269775391) {
+                                return {4, 8, 32, 32, 0};  // SP
+                              } else {
+                                return {2, 8, 64, 32, 0};  // SP
+                              }
+                            } else {
+                              if (x.skew_hi <= 5.235203504562378) {
+                                return {2, 16, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 16, 16, 4, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.000625133514404) {
+                            if (x.log2_S <= 8.992027759552002) {
+                              if (x.skew_hi <= 2.5889408588409424) {
+                                return {4, 8, 32, 32, 0};  // SP
+                              } else {
+                                return {2, 1, 8, 256, 0};  // SP
+                              }
+                            } else {
+                              if (x.skew_lo <= -4.069751501083374) {
+                                if (x.log2_S <= 9.397307872772217) {
+                                  return {4, 8, 32, 32, 0};  // SP
+                                } else {
+                                  return {2, 8, 64, 32, 0};  // SP
+                                }
+                              } else {
+                                if (x.log2_S <= 10.595970630645752) {
+                                  return {4, 8, 32, 32, 0};  // SP
+                                } else {
+                                  if (x.avg <= 7.162189483642578) {
+                                    return {4, 8, 32, 32, 0};  // SP
+                                  } else {
+                                    if (x.log2_S <= 10.859036445617676) {
+                                      return {2, 8, 64, 32, 0};  // SP
+                                    } else {
+                                      return {4, 16, 64, 2, 0};  // SP
+                                    }
+                                  }
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.skew_lo <= -4.142214775085449) {
+                              return {4, 16, 64, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 8, 2, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 0.5) {
+                          if (x.log2_S <= 9.731617450714111) {
+                            if (x.skew_lo <= -5.332406520843506) {
+                              if (x.log2_S <= 9.322033882141113) {
+                                return {4, 16, 64, 2, 0};  // SP
+                              } else {
+                                return {2, 8, 64, 32, 0};  // SP
+                              }
+                            } else {
+                              return {1, 32, 32, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
                         } else {
                           return {2, 32, 64, 2, 0};  // SP
                         }
-                      } else {
-                        if (x.log2_S <= 10.21466588973999) {
-                          return {2, 8, 64, 32, 0};  // SP
-                        } else {
-                          return {4, 16, 32, 4, 0};  // SP
-                        }
                       }
                     } else {
-                      if (x.log2_S <= 8.332519054412842) {
-                        if (x.skew_hi <= 2.254981517791748) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {1, 32, 32, 2, 0};  // SP
-                        }
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
+                      return {2, 16, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 12.525784492492676) {
-                      if (x.log2_S <= 11.059225082397461) {
-                        if (x.avg <= 26.519618034362793) {
+                    if (x.skew_lo <= -3.1608569622039795) {
+                      if (x.log2_S <= 13.242854595184326) {
+                        if (x.log2_S <= 11.628902912139893) {
                           return {4, 16, 8, 2, 0};  // SP
                         } else {
-                          return {4, 16, 32, 4, 0};  // SP
+                          return {2, 16, 64, 4, 0};  // SP
                         }
                       } else {
-                        return {4, 16, 8, 2, 0};  // SP
-                      }
-                    } else {
-                      if (x.skew_lo <= -3.892638921737671) {
-                        return {2, 8, 64, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 13.368982315063477) {
+                        if (x.skew_hi <= 0.4215649664402008) {
                           return {2, 16, 64, 4, 0};  // SP
                         } else {
-                          if (x.log2_S <= 14.029109001159668) {
-                            return {2, 8, 64, 32, 0};  // SP
+                          return {4, 8, 32, 32, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 0.002276048995554447) {
+                        return {2, 16, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 12.094065189361572) {
+                          return {2, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.699674606323242) {
+                            return {2, 16, 64, 4, 0};  // SP
                           } else {
-                            return {4, 4, 32, 64, 0};  // SP
+                            return {2, 32, 8, 2, 32};  // PR
                           }
                         }
                       }
                     }
                   }
                 } else {
-                  if (x.log2_S <= 10.936712265014648) {
-                    if (x.avg <= 79.1058235168457) {
-                      if (x.avg <= 32.90373253822327) {
-                        if (x.log2_S <= 9.756027221679688) {
-                          if (x.skew_lo <= -1.592566967010498) {
-                            if (x.log2_S <= 8.793362617492676) {
-                              return {2, 1, 8, 256, 0};  // SP
-                            } else {
-                              return {4, 8, 32, 32, 0};  // SP
-                            }
-                          } else {
-                            return {2, 8, 64, 32, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 10.58409309387207) {
-                            return {4, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {4, 16, 16, 4, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {2, 32, 64, 2, 0};  // SP
-                      }
+                  if (x.log2_S <= 9.221680641174316) {
+                    if (x.skew_lo <= -1.570052981376648) {
+                      return {2, 32, 64, 2, 0};  // SP
                     } else {
-                      if (x.avg <= 167.97435760498047) {
-                        return {2, 16, 64, 4, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 9.10286569595337) {
-                          return {2, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
+                      return {4, 32, 64, 4, 0};  // SP
                     }
                   } else {
-                    if (x.skew_lo <= -0.39625316858291626) {
-                      if (x.log2_S <= 12.333749771118164) {
-                        if (x.skew_lo <= -1.4259942173957825) {
-                          if (x.log2_S <= 11.970841884613037) {
-                            if (x.long_level <= 0.5) {
-                              return {2, 16, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            return {4, 16, 8, 2, 0};  // SP
-                          }
-                        } else {
-                          return {2, 16, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {2, 16, 64, 4, 0};  // SP
-                      }
+                    if (x.skew_hi <= 2.259631633758545) {
+                      return {4, 32, 64, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.011056423187256) {
-                        return {2, 32, 64, 2, 0};  // SP
+                      if (x.log2_S <= 12.473415851593018) {
+                        return {4, 32, 64, 4, 0};  // SP
                       } else {
-                        if (x.long_level <= 0.5) {
-                          if (x.log2_S <= 14.025221347808838) {
-                            return {2, 16, 64, 4, 0};  // SP
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
+                        if (x.avg <= 198.41419982910156) {
                           return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 32, 64, 2, 0};  // SP
                         }
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 8.799315929412842) {
-                  if (x.skew_lo <= -1.9800159335136414) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    return {2, 32, 64, 2, 0};  // SP
-                  }
-                } else {
-                  return {4, 32, 64, 4, 0};  // SP
-                }
-              }
-            } else {
-              if (x.avg <= 12.863738536834717) {
-                if (x.skew_lo <= 7.4357569217681885) {
-                  if (x.avg <= 6.238702297210693) {
-                    if (x.skew_hi <= 8.356431007385254) {
-                      if (x.log2_S <= 12.602355003356934) {
-                        if (x.skew_hi <= 8.269253253936768) {
-                          return {2, 16, 8, 4, 1};  // SR
+                if (x.avg <= 16.197580337524414) {
+                  if (x.skew_hi <= 11.99269723892212) {
+                    if (x.avg <= 2.370245099067688) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 13.343836784362793) {
+                          if (x.skew_hi <= 9.012685775756836) {
+                            if (x.log2_S <= 11.12532377243042) {
+                              if (x.avg <= 2.192986488342285) {
+                                return {4, 32, 32, 4, 0};  // SP
+                              } else {
+                                return {2, 32, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              return {4, 16, 64, 8, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
                         } else {
-                          return {2, 8, 8, 32, 1};  // SR
+                          return {4, 4, 8, 64, 1};  // SR
                         }
                       } else {
-                        if (x.skew_hi <= 7.9414167404174805) {
-                          return {4, 4, 8, 64, 1};  // SR
+                        if (x.log2_S <= 10.731771469116211) {
+                          if (x.avg <= 2.1352580785751343) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
                         } else {
-                          return {2, 8, 8, 32, 1};  // SR
+                          if (x.avg <= 1.9640405178070068) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
                         }
                       }
                     } else {
-                      if (x.log2_S <= 13.224523067474365) {
-                        if (x.log2_S <= 11.058709144592285) {
-                          if (x.skew_hi <= 9.05473518371582) {
-                            if (x.skew_lo <= 4.46239447593689) {
+                      if (x.avg <= 7.3720104694366455) {
+                        if (x.skew_lo <= 4.295069456100464) {
+                          if (x.log2_S <= 12.600900650024414) {
+                            if (x.skew_hi <= 7.330580711364746) {
                               return {2, 8, 8, 32, 1};  // SR
                             } else {
-                              return {4, 32, 32, 4, 0};  // SP
+                              if (x.skew_hi <= 8.146699905395508) {
+                                return {2, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 8, 8, 32, 1};  // SR
+                              }
                             }
                           } else {
-                            return {4, 32, 64, 4, 0};  // SP
+                            if (x.log2_S <= 13.182641506195068) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 13.844819068908691) {
+                                return {4, 4, 8, 64, 1};  // SR
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            }
                           }
                         } else {
-                          if (x.avg <= 2.3853251934051514) {
-                            return {4, 16, 64, 8, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 11.54560661315918) {
-                              return {2, 32, 64, 2, 0};  // SP
-                            } else {
-                              return {2, 16, 64, 4, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.164763927459717) {
-                      if (x.skew_lo <= 3.0663102865219116) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        if (x.avg <= 11.303196430206299) {
-                          if (x.skew_lo <= 6.780779600143433) {
-                            if (x.skew_hi <= 10.655640125274658) {
-                              if (x.log2_S <= 11.102115631103516) {
-                                if (x.skew_lo <= 6.542230844497681) {
-                                  return {2, 8, 8, 32, 1};  // SR
+                          if (x.skew_hi <= 10.743551254272461) {
+                            if (x.skew_hi <= 9.850574970245361) {
+                              if (x.skew_lo <= 7.122384071350098) {
+                                if (x.avg <= 2.720858335494995) {
+                                  if (x.log2_S <= 11.728225708007812) {
+                                    return {2, 32, 64, 2, 0};  // SP
+                                  } else {
+                                    return {4, 4, 8, 64, 1};  // SR
+                                  }
                                 } else {
-                                  return {4, 4, 8, 64, 1};  // SR
+                                  return {2, 8, 8, 32, 1};  // SR
                                 }
                               } else {
                                 return {4, 4, 8, 64, 1};  // SR
@@ -5313,190 +6849,194 @@ inline Config gathered_config(const Features& f) {
                               return {2, 8, 8, 32, 1};  // SR
                             }
                           } else {
-                            if (x.skew_hi <= 9.243729591369629) {
-                              if (x.avg <= 8.113132238388062) {
+                            if (x.log2_S <= 13.353647232055664) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 13.548518180847168) {
                                 return {2, 2, 8, 128, 1};  // SR
                               } else {
-                                return {4, 4, 8, 64, 1};  // SR
+                                return {1, 2, 8, 128, 1};  // SR
                               }
-                            } else {
-                              return {4, 4, 8, 64, 1};  // SR
                             }
                           }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.164763927459717) {
+                          if (x.avg <= 12.94127893447876) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 2.2705694437026978) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 6.170753002166748) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {1, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    return {2, 2, 8, 128, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 12.847236633300781) {
+                    if (x.log2_S <= 12.117769718170166) {
+                      return {2, 2, 8, 128, 1};  // SR
+                    } else {
+                      if (x.avg <= 65.53750038146973) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 120.74694442749023) {
+                          return {1, 2, 8, 128, 1};  // SR
                         } else {
                           return {2, 2, 8, 128, 1};  // SR
                         }
                       }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 3.667162775993347) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 10.433903217315674) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 12.608886241912842) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.34233045578003) {
-                  if (x.avg <= 16.51723003387451) {
-                    if (x.skew_lo <= 4.126295447349548) {
-                      if (x.log2_S <= 11.097082614898682) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
                     }
                   } else {
-                    if (x.skew_lo <= 0.28818894922733307) {
-                      if (x.log2_S <= 12.41427230834961) {
-                        return {2, 32, 64, 2, 0};  // SP
-                      } else {
+                    if (x.skew_lo <= 3.1684799194335938) {
+                      if (x.log2_S <= 13.963354110717773) {
                         return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.avg <= 39.637460708618164) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
                       }
                     } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 3.7566438913345337) {
-                      if (x.log2_S <= 13.699631214141846) {
-                        if (x.skew_hi <= 6.820420265197754) {
+                      if (x.log2_S <= 13.173330783843994) {
+                        if (x.avg <= 30.949162483215332) {
                           return {2, 2, 8, 128, 1};  // SR
                         } else {
                           return {1, 2, 8, 128, 1};  // SR
                         }
                       } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.skew_hi <= 10.012357234954834) {
                         return {1, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
                       }
                     }
                   }
                 }
               }
+            } else {
+              if (x.log2_S <= 13.554110527038574) {
+                return {1, 2, 8, 128, 1};  // SR
+              } else {
+                return {2, 32, 8, 2, 32};  // PR
+              }
             }
           } else {
-            if (x.log2_S <= 13.086361408233643) {
-              return {1, 2, 8, 128, 1};  // SR
-            } else {
-              return {2, 32, 8, 2, 32};  // PR
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 3.199739098548889) {
-              if (x.log2_S <= 17.564539909362793) {
-                if (x.log2_S <= 15.520483016967773) {
-                  if (x.skew_hi <= 2.07894504070282) {
-                    if (x.avg <= 53.383705139160156) {
-                      return {2, 8, 64, 32, 0};  // SP
-                    } else {
-                      return {2, 16, 64, 4, 0};  // SP
-                    }
+            if (x.long_level <= 0.5) {
+              if (x.skew_hi <= 3.118880271911621) {
+                if (x.log2_S <= 15.741326332092285) {
+                  if (x.skew_lo <= -5.779751300811768) {
+                    return {2, 16, 64, 4, 0};  // SP
                   } else {
-                    return {4, 4, 32, 64, 0};  // SP
+                    return {4, 8, 32, 32, 0};  // SP
                   }
                 } else {
-                  if (x.avg <= 15.185853004455566) {
-                    if (x.log2_S <= 15.88532018661499) {
-                      return {4, 4, 32, 64, 0};  // SP
+                  if (x.skew_hi <= 1.4011843800544739) {
+                    if (x.log2_S <= 18.659647941589355) {
+                      if (x.log2_S <= 17.686687469482422) {
+                        if (x.log2_S <= 16.562149047851562) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {4, 4, 32, 64, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 16};  // PR
+                      }
                     } else {
-                      return {2, 2, 64, 128, 0};  // SP
+                      if (x.log2_S <= 23.73526096343994) {
+                        if (x.skew_lo <= -5.299824237823486) {
+                          if (x.log2_S <= 20.458175659179688) {
+                            if (x.avg <= 56.02290916442871) {
+                              return {4, 32, 8, 2, 16};  // PR
+                            } else {
+                              return {2, 32, 8, 2, 32};  // PR
+                            }
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        } else {
+                          if (x.log2_S <= 23.257737159729004) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {2, 2, 64, 128, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 56.74774932861328) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {4, 4, 32, 64, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    if (x.avg <= 54.05508995056152) {
-                      return {4, 4, 32, 64, 0};  // SP
+                    if (x.log2_S <= 16.565442085266113) {
+                      if (x.avg <= 10.65580415725708) {
+                        return {2, 32, 8, 2, 32};  // PR
+                      } else {
+                        return {4, 4, 32, 64, 0};  // SP
+                      }
                     } else {
-                      return {4, 8, 32, 32, 0};  // SP
+                      if (x.skew_hi <= 2.5321887731552124) {
+                        if (x.skew_hi <= 1.9007656574249268) {
+                          if (x.log2_S <= 20.133312225341797) {
+                            if (x.log2_S <= 17.14792823791504) {
+                              return {4, 4, 32, 64, 0};  // SP
+                            } else {
+                              return {2, 2, 64, 128, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 23.13078784942627) {
+                              return {4, 32, 8, 2, 16};  // PR
+                            } else {
+                              return {2, 2, 64, 128, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {2, 2, 64, 128, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 18.498278617858887) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 23.66498565673828) {
+                            return {4, 1, 32, 256, 0};  // SP
+                          } else {
+                            return {2, 2, 64, 128, 0};  // SP
+                          }
+                        }
+                      }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 22.706515312194824) {
-                  if (x.skew_hi <= 2.5177310705184937) {
-                    if (x.log2_S <= 21.889759063720703) {
-                      if (x.skew_lo <= -4.0340917110443115) {
-                        if (x.log2_S <= 20.12601375579834) {
-                          if (x.log2_S <= 19.17244243621826) {
-                            return {2, 2, 64, 128, 0};  // SP
-                          } else {
-                            return {4, 32, 8, 2, 16};  // PR
-                          }
-                        } else {
-                          if (x.skew_hi <= 1.7781946659088135) {
-                            return {2, 32, 8, 2, 32};  // PR
-                          } else {
-                            return {1, 2, 32, 128, 0};  // SP
-                          }
-                        }
+                if (x.avg <= 1.6032377481460571) {
+                  if (x.log2_S <= 22.71432113647461) {
+                    if (x.log2_S <= 16.057374477386475) {
+                      if (x.log2_S <= 15.058057308197021) {
+                        return {2, 16, 64, 4, 0};  // SP
                       } else {
-                        return {2, 2, 64, 128, 0};  // SP
+                        return {2, 2, 8, 128, 1};  // SR
                       }
                     } else {
-                      return {2, 2, 64, 128, 0};  // SP
+                      return {2, 32, 8, 2, 32};  // PR
                     }
                   } else {
-                    if (x.log2_S <= 23.519577026367188) {
-                      if (x.log2_S <= 18.458489418029785) {
-                        return {2, 2, 64, 128, 0};  // SP
-                      } else {
-                        return {4, 1, 32, 256, 0};  // SP
-                      }
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
+                    return {2, 1, 8, 256, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 23.718178749084473) {
-                    if (x.log2_S <= 18.884553909301758) {
-                      if (x.log2_S <= 18.297348022460938) {
-                        return {4, 32, 16, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      if (x.log2_S <= 19.854976654052734) {
-                        if (x.avg <= 43.62789535522461) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {2, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  } else {
-                    return {2, 2, 64, 128, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 17.97137451171875) {
-                if (x.log2_S <= 15.949246883392334) {
-                  if (x.avg <= 1.6609575152397156) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 15.360248565673828) {
-                      if (x.skew_lo <= -2.4497634172439575) {
+                  if (x.log2_S <= 16.807705879211426) {
+                    if (x.log2_S <= 15.599024295806885) {
+                      if (x.skew_hi <= 3.3886070251464844) {
                         return {4, 8, 32, 32, 0};  // SP
                       } else {
                         return {2, 16, 64, 4, 0};  // SP
@@ -5504,68 +7044,74 @@ inline Config gathered_config(const Features& f) {
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
                     }
-                  }
-                } else {
-                  if (x.log2_S <= 16.99354648590088) {
-                    return {2, 32, 8, 2, 32};  // PR
                   } else {
-                    if (x.skew_lo <= -1.5372419357299805) {
-                      if (x.avg <= 5.537952184677124) {
+                    if (x.log2_S <= 24.315468788146973) {
+                      return {4, 1, 32, 256, 0};  // SP
+                    } else {
+                      if (x.avg <= 3.94023334980011) {
                         return {4, 1, 32, 256, 0};  // SP
                       } else {
-                        return {2, 2, 64, 128, 0};  // SP
+                        if (x.skew_lo <= -2.145772695541382) {
+                          return {2, 2, 64, 128, 0};  // SP
+                        } else {
+                          return {2, 1, 8, 256, 0};  // SP
+                        }
                       }
-                    } else {
-                      if (x.skew_lo <= -0.5873724818229675) {
-                        return {2, 1, 8, 256, 0};  // SP
-                      } else {
-                        return {2, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 5.332282543182373) {
-                  if (x.log2_S <= 24.315468788146973) {
-                    return {4, 1, 32, 256, 0};  // SP
-                  } else {
-                    if (x.avg <= 3.9716142416000366) {
-                      return {4, 1, 32, 256, 0};  // SP
-                    } else {
-                      return {2, 2, 64, 128, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 22.800190925598145) {
-                    if (x.skew_lo <= -0.4776748865842819) {
-                      return {2, 1, 8, 256, 0};  // SP
-                    } else {
-                      return {2, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    if (x.skew_hi <= 5.863404273986816) {
-                      return {4, 1, 32, 256, 0};  // SP
-                    } else {
-                      return {2, 1, 8, 256, 0};  // SP
                     }
                   }
                 }
               }
-            }
-          } else {
-            if (x.log2_S <= 17.85543441772461) {
-              if (x.long_level <= 1.5) {
-                if (x.skew_hi <= 4.559851884841919) {
-                  if (x.skew_lo <= -0.35177652537822723) {
-                    if (x.log2_S <= 17.267279624938965) {
-                      if (x.skew_hi <= 2.0826467275619507) {
-                        if (x.log2_S <= 15.751006126403809) {
+            } else {
+              if (x.log2_S <= 17.295673370361328) {
+                if (x.long_level <= 1.5) {
+                  if (x.avg <= 31.793187141418457) {
+                    if (x.log2_S <= 14.54587173461914) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 5.235947370529175) {
+                        if (x.log2_S <= 16.462980270385742) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 71.84281921386719) {
+                      return {2, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.avg <= 241.7682647705078) {
+                        if (x.log2_S <= 16.937471389770508) {
+                          return {2, 16, 64, 4, 0};  // SP
+                        } else {
+                          return {2, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        if (x.log2_S <= 16.024392127990723) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
                           return {2, 16, 64, 4, 0};  // SP
                         }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 15.064810276031494) {
+                    if (x.long_level <= 2.5) {
+                      if (x.skew_lo <= 5.100677251815796) {
+                        return {2, 32, 8, 2, 32};  // PR
                       } else {
-                        return {2, 16, 64, 4, 0};  // SP
+                        if (x.skew_hi <= 11.963579177856445) {
+                          return {1, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.894535064697266) {
+                            return {1, 2, 8, 128, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 2, 32};  // PR
+                          }
+                        }
                       }
                     } else {
                       return {2, 32, 8, 2, 32};  // PR
@@ -5573,40 +7119,522 @@ inline Config gathered_config(const Features& f) {
                   } else {
                     return {2, 32, 8, 2, 32};  // PR
                   }
+                }
+              } else {
+                if (x.skew_lo <= 11.857386112213135) {
+                  return {2, 32, 8, 2, 32};  // PR
                 } else {
-                  if (x.skew_lo <= 1.1694015860557556) {
-                    if (x.log2_S <= 17.110426902770996) {
-                      return {2, 2, 8, 128, 1};  // SR
+                  if (x.skew_hi <= 23.24558925628662) {
+                    return {2, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {4, 1, 32, 256, 0};  // SP
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.log2_S <= 17.79228973388672) {
+            if (x.skew_hi <= 13.625322818756104) {
+              if (x.skew_lo <= 0.12402109429240227) {
+                if (x.avg <= 166.93241119384766) {
+                  if (x.avg <= 40.26407051086426) {
+                    if (x.log2_S <= 11.155234813690186) {
+                      if (x.log2_S <= 9.578988552093506) {
+                        if (x.avg <= 3.027379870414734) {
+                          if (x.skew_lo <= -0.5264788866043091) {
+                            return {4, 32, 64, 8, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 9.21579885482788) {
+                              if (x.avg <= 1.1354305744171143) {
+                                return {4, 32, 64, 4, 0};  // SP
+                              } else {
+                                return {4, 16, 64, 8, 0};  // SP
+                              }
+                            } else {
+                              return {4, 4, 32, 64, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 25.988988876342773) {
+                            return {4, 2, 16, 128, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 10.564425468444824) {
+                          if (x.avg <= 8.17120885848999) {
+                            if (x.log2_S <= 9.838515281677246) {
+                              return {4, 4, 32, 64, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 2.0408207774162292) {
+                            return {4, 16, 16, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 11.08124828338623) {
+                              return {4, 16, 32, 8, 0};  // SP
+                            } else {
+                              return {4, 16, 8, 2, 0};  // SP
+                            }
+                          }
+                        }
+                      }
                     } else {
-                      return {2, 32, 8, 2, 32};  // PR
+                      if (x.log2_S <= 14.369077205657959) {
+                        if (x.skew_lo <= -0.5645332038402557) {
+                          if (x.log2_S <= 11.622100353240967) {
+                            if (x.skew_hi <= 2.1082542538642883) {
+                              return {4, 16, 16, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 13.269352912902832) {
+                            if (x.log2_S <= 12.029829502105713) {
+                              return {4, 16, 8, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 16.02129364013672) {
+                          if (x.avg <= 12.805710315704346) {
+                            if (x.skew_hi <= 5.386263370513916) {
+                              if (x.log2_S <= 15.708049297332764) {
+                                if (x.avg <= 3.164362668991089) {
+                                  return {4, 16, 32, 4, 0};  // SP
+                                } else {
+                                  if (x.avg <= 9.044743537902832) {
+                                    return {4, 16, 64, 2, 0};  // SP
+                                  } else {
+                                    return {4, 16, 32, 4, 0};  // SP
+                                  }
+                                }
+                              } else {
+                                if (x.skew_hi <= 4.288334846496582) {
+                                  return {4, 2, 16, 128, 0};  // SP
+                                } else {
+                                  return {2, 2, 8, 128, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 15.058057308197021) {
+                                return {4, 16, 64, 8, 0};  // SP
+                              } else {
+                                return {2, 2, 8, 128, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 14.815454483032227) {
+                              return {4, 16, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 8, 32, 32, 0};  // SP
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 4.944518327713013) {
+                            return {4, 1, 32, 256, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 1.9141998887062073) {
+                              if (x.log2_S <= 17.496577262878418) {
+                                if (x.log2_S <= 16.359898567199707) {
+                                  return {4, 4, 16, 64, 0};  // SP
+                                } else {
+                                  return {4, 4, 32, 64, 0};  // SP
+                                }
+                              } else {
+                                if (x.avg <= 28.598344802856445) {
+                                  return {4, 2, 16, 128, 0};  // SP
+                                } else {
+                                  return {4, 4, 32, 64, 0};  // SP
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 16.513882637023926) {
+                                return {4, 4, 32, 64, 0};  // SP
+                              } else {
+                                return {4, 2, 16, 128, 0};  // SP
+                              }
+                            }
+                          }
+                        }
+                      }
                     }
                   } else {
-                    return {2, 2, 8, 128, 1};  // SR
+                    if (x.log2_S <= 13.71697187423706) {
+                      if (x.skew_hi <= 0.5788931548595428) {
+                        if (x.log2_S <= 10.659166812896729) {
+                          if (x.log2_S <= 9.070451259613037) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 11.446983814239502) {
+                            return {4, 16, 16, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 0.04549351707100868) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 9.696374893188477) {
+                            return {4, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 8, 0};  // SP
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 16.906086921691895) {
+                        if (x.skew_lo <= -0.16675706952810287) {
+                          if (x.avg <= 127.39178466796875) {
+                            return {4, 16, 64, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 15.2141695022583) {
+                              return {4, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 2, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        if (x.skew_lo <= -3.3137035965919495) {
+                          return {4, 4, 32, 64, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 3.3904669284820557) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 32};  // PR
+                          }
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 14.172853469848633) {
+                    return {4, 32, 32, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 15.265278339385986) {
+                      return {4, 32, 32, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 17.311116218566895) {
+                        if (x.log2_S <= 16.048595428466797) {
+                          if (x.skew_hi <= 2.3188592195510864) {
+                            return {4, 32, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
                   }
                 }
               } else {
-                if (x.log2_S <= 15.159808158874512) {
-                  if (x.skew_hi <= 12.167739391326904) {
-                    if (x.skew_hi <= 9.336376190185547) {
-                      return {2, 32, 8, 2, 32};  // PR
+                if (x.long_level <= 1.5) {
+                  if (x.log2_S <= 13.51090145111084) {
+                    if (x.avg <= 15.80708122253418) {
+                      if (x.skew_lo <= 4.110955715179443) {
+                        if (x.skew_lo <= 2.5499335527420044) {
+                          if (x.log2_S <= 11.23741340637207) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.030168533325195) {
+                              if (x.skew_lo <= 2.3498289585113525) {
+                                return {1, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {1, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {2, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 11.955406188964844) {
+                          if (x.avg <= 1.9276495575904846) {
+                            if (x.log2_S <= 10.608288764953613) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_hi <= 8.377121925354004) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.log2_S <= 10.515009880065918) {
+                                if (x.avg <= 2.837748646736145) {
+                                  return {4, 32, 64, 4, 0};  // SP
+                                } else {
+                                  return {1, 32, 8, 2, 1};  // SR
+                                }
+                              } else {
+                                if (x.skew_hi <= 8.751550674438477) {
+                                  return {4, 32, 64, 8, 0};  // SP
+                                } else {
+                                  return {4, 32, 32, 2, 0};  // SP
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 2.0301417112350464) {
+                            return {4, 16, 64, 8, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= 4.49529242515564) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      }
                     } else {
-                      return {1, 2, 8, 128, 1};  // SR
+                      if (x.skew_hi <= 4.180607557296753) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {2, 2, 8, 128, 1};  // SR
+                      }
                     }
                   } else {
-                    return {2, 32, 8, 2, 32};  // PR
+                    if (x.log2_S <= 14.406051635742188) {
+                      if (x.skew_hi <= 8.117620944976807) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {2, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.avg <= 29.43107509613037) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 17.47227382659912) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
                   }
                 } else {
-                  return {2, 32, 8, 2, 32};  // PR
+                  if (x.log2_S <= 14.824838638305664) {
+                    if (x.skew_lo <= 12.947278499603271) {
+                      if (x.log2_S <= 14.292848110198975) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 7.427796840667725) {
+                          if (x.log2_S <= 14.601914882659912) {
+                            return {4, 32, 8, 2, 32};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          return {2, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.skew_lo <= 4.756702423095703) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 3.9794952869415283) {
+                        if (x.log2_S <= 15.307734489440918) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        if (x.skew_hi <= 9.266023635864258) {
+                          return {2, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 7.173430681228638) {
+                            return {2, 2, 8, 128, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 15.782321453094482) {
+                              return {4, 32, 8, 2, 32};  // PR
+                            } else {
+                              return {2, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  }
                 }
               }
             } else {
-              if (x.skew_lo <= 11.857386112213135) {
-                return {2, 32, 8, 2, 32};  // PR
+              return {4, 32, 8, 2, 32};  // PR
+            }
+          } else {
+            if (x.long_level <= 0.5) {
+              if (x.skew_hi <= 3.118880271911621) {
+                if (x.skew_hi <= 0.7720937132835388) {
+                  if (x.log2_S <= 19.11894416809082) {
+                    return {4, 4, 32, 64, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 23.477139472961426) {
+                      return {4, 2, 16, 128, 0};  // SP
+                    } else {
+                      return {4, 4, 32, 64, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 2.702853560447693) {
+                    return {4, 2, 16, 128, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 22.88668918609619) {
+                      if (x.log2_S <= 19.394725799560547) {
+                        return {4, 2, 16, 128, 0};  // SP
+                      } else {
+                        return {4, 1, 32, 256, 0};  // SP
+                      }
+                    } else {
+                      return {4, 2, 16, 128, 0};  // SP
+                    }
+                  }
+                }
               } else {
-                if (x.log2_S <= 23.24558925628662) {
-                  return {2, 32, 8, 2, 32};  // PR
+                if (x.skew_lo <= -2.0461801290512085) {
+                  if (x.log2_S <= 24.096017837524414) {
+                    return {4, 1, 32, 256, 0};  // SP
+                  } else {
+                    return {4, 2, 16, 128, 0};  // SP
+                  }
                 } else {
                   return {4, 1, 32, 256, 0};  // SP
+                }
+              }
+            } else {
+              if (x.avg <= 117.48228454589844) {
+                if (x.skew_hi <= 23.206201553344727) {
+                  if (x.log2_S <= 18.138188362121582) {
+                    if (x.skew_hi <= 12.156404972076416) {
+                      if (x.avg <= 21.310745239257812) {
+                        return {2, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 6.198606014251709) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 8, 2, 32};  // PR
+                    }
+                  } else {
+                    if (x.skew_hi <= 18.798279762268066) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.log2_S <= 20.45448112487793) {
+                        if (x.skew_lo <= 10.525709629058838) {
+                          if (x.skew_hi <= 19.830638885498047) {
+                            if (x.skew_hi <= 19.141496658325195) {
+                              if (x.skew_lo <= 8.624054908752441) {
+                                return {4, 32, 8, 2, 32};  // PR
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            } else {
+                              return {4, 32, 8, 2, 16};  // PR
+                            }
+                          } else {
+                            return {4, 32, 16, 2, 16};  // PR
+                          }
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 11.74379014968872) {
+                    return {4, 32, 8, 2, 32};  // PR
+                  } else {
+                    return {4, 1, 32, 256, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 21.42102813720703) {
+                  if (x.skew_lo <= 5.02875828742981) {
+                    if (x.skew_lo <= -1.4281607866287231) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.skew_hi <= 5.714579343795776) {
+                        if (x.log2_S <= 18.740747451782227) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 19.008605003356934) {
+                      return {4, 32, 8, 2, 32};  // PR
+                    } else {
+                      if (x.skew_hi <= 20.211417198181152) {
+                        return {4, 32, 8, 2, 16};  // PR
+                      } else {
+                        if (x.log2_S <= 20.327346801757812) {
+                          return {4, 32, 16, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 23.132630348205566) {
+                    if (x.skew_hi <= 2.45677387714386) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.skew_hi <= 14.26603627204895) {
+                        if (x.skew_lo <= 1.736811339855194) {
+                          return {4, 32, 8, 2, 32};  // PR
+                        } else {
+                          if (x.skew_lo <= 2.535876154899597) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            if (x.log2_S <= 22.1697998046875) {
+                              return {4, 32, 8, 2, 16};  // PR
+                            } else {
+                              return {4, 32, 8, 2, 32};  // PR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 32};  // PR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 8, 2, 32};  // PR
+                  }
                 }
               }
             }
@@ -5614,534 +7642,32 @@ inline Config gathered_config(const Features& f) {
         }
       }
     } else {
-      if (x.F <= 5.291502622129181) {
-        if (x.log2_S <= 18.124610900878906) {
-          if (x.skew_hi <= 13.109699249267578) {
-            if (x.skew_lo <= -0.01051114546135068) {
-              if (x.avg <= 66.42626953125) {
-                if (x.log2_S <= 15.343449115753174) {
-                  if (x.log2_S <= 10.52988052368164) {
-                    if (x.log2_S <= 9.036513328552246) {
-                      if (x.skew_lo <= -1.436666190624237) {
-                        if (x.skew_hi <= 0.9981071054935455) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 2, 16, 128, 0};  // SP
-                        }
-                      } else {
-                        if (x.avg <= 1.3721713423728943) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 8, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 2.1493579149246216) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 9.901260375976562) {
-                          if (x.skew_lo <= -1.5741792917251587) {
-                            if (x.log2_S <= 9.554952621459961) {
-                              return {4, 2, 16, 128, 0};  // SP
-                            } else {
-                              return {4, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            if (x.skew_lo <= -0.5423564910888672) {
-                              return {4, 32, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 4, 32, 64, 0};  // SP
-                            }
-                          }
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 11.392211437225342) {
-                      if (x.avg <= 2.2959991693496704) {
-                        if (x.skew_lo <= -0.7647965550422668) {
-                          return {4, 16, 32, 4, 0};  // SP
-                        } else {
-                          return {4, 16, 8, 2, 0};  // SP
-                        }
-                      } else {
-                        if (x.skew_hi <= 0.14969589561223984) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 16, 32, 8, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 13.789571285247803) {
-                        if (x.avg <= 16.692523956298828) {
-                          if (x.avg <= 1.0197726488113403) {
-                            return {4, 16, 64, 8, 0};  // SP
-                          } else {
-                            return {4, 16, 32, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.log2_S <= 11.747602462768555) {
-                            return {4, 16, 32, 8, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 13.006318092346191) {
-                              return {4, 16, 32, 4, 0};  // SP
-                            } else {
-                              return {4, 16, 32, 8, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.avg <= 4.233584880828857) {
-                          if (x.avg <= 1.4516707062721252) {
-                            return {2, 2, 8, 128, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= -1.8691483736038208) {
-                              if (x.log2_S <= 14.50553846359253) {
-                                return {4, 16, 32, 4, 0};  // SP
-                              } else {
-                                return {2, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              return {4, 16, 32, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.log2_S <= 14.076719760894775) {
-                            return {4, 16, 32, 8, 0};  // SP
-                          } else {
-                            if (x.skew_hi <= 0.8895901143550873) {
-                              return {4, 16, 64, 8, 0};  // SP
-                            } else {
-                              if (x.skew_hi <= 2.86297607421875) {
-                                return {4, 8, 32, 32, 0};  // SP
-                              } else {
-                                if (x.skew_hi <= 3.465019941329956) {
-                                  return {4, 16, 64, 8, 0};  // SP
-                                } else {
-                                  return {4, 16, 32, 8, 0};  // SP
-                                }
-                              }
-                            }
-                          }
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= -2.3236109018325806) {
-                    if (x.skew_lo <= -3.505091667175293) {
-                      if (x.log2_S <= 15.870672225952148) {
-                        if (x.avg <= 16.648547172546387) {
-                          return {4, 4, 32, 64, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -5.359607219696045) {
-                            return {4, 16, 32, 8, 0};  // SP
-                          } else {
-                            return {4, 8, 32, 32, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 17.567174911499023) {
-                          if (x.avg <= 54.4876823425293) {
-                            return {4, 4, 32, 64, 0};  // SP
-                          } else {
-                            return {4, 16, 32, 4, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_hi <= 0.6611093282699585) {
-                            return {4, 4, 32, 64, 0};  // SP
-                          } else {
-                            return {4, 2, 16, 128, 0};  // SP
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 2, 16, 128, 0};  // SP
-                    }
-                  } else {
-                    if (x.log2_S <= 16.004104614257812) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= -0.8362789750099182) {
-                        return {4, 1, 32, 256, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 17.193530082702637) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 1, 32, 256, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.927350997924805) {
-                  if (x.skew_lo <= -1.2807182669639587) {
-                    return {4, 32, 32, 4, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 12.404286861419678) {
-                      if (x.skew_hi <= 3.7865419387817383) {
-                        return {4, 32, 64, 8, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 9.233956813812256) {
-                          return {4, 32, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 16.185625076293945) {
-                    if (x.avg <= 74.7232780456543) {
-                      if (x.log2_S <= 15.691505432128906) {
-                        return {4, 32, 8, 2, 32};  // PR
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.04218578338623) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 32, 32, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.77653408050537) {
-                      if (x.skew_lo <= -0.5235296487808228) {
-                        if (x.log2_S <= 16.240710258483887) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 16, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    } else {
-                      if (x.skew_lo <= -1.1620987057685852) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 32};  // PR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.avg <= 12.863738536834717) {
-                if (x.skew_lo <= 5.96502685546875) {
-                  if (x.log2_S <= 13.904392719268799) {
-                    if (x.skew_lo <= 4.12445855140686) {
-                      if (x.log2_S <= 12.160464763641357) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.avg <= 4.892749071121216) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 12.771124362945557) {
-                            if (x.skew_hi <= 6.752866506576538) {
-                              return {2, 2, 8, 128, 1};  // SR
-                            } else {
-                              return {2, 8, 8, 32, 1};  // SR
-                            }
-                          } else {
-                            return {2, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 11.906217575073242) {
-                        if (x.skew_hi <= 8.382066249847412) {
-                          if (x.skew_lo <= 4.162069082260132) {
-                            return {1, 32, 8, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 11.28360366821289) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 32, 64, 4, 0};  // SP
-                            }
-                          }
-                        } else {
-                          if (x.avg <= 1.9276495575904846) {
-                            if (x.log2_S <= 10.608288764953613) {
-                              return {4, 32, 64, 8, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 11.460689544677734) {
-                                return {4, 32, 64, 2, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 8, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.skew_lo <= 4.722554445266724) {
-                              if (x.skew_hi <= 8.555961608886719) {
-                                return {4, 32, 64, 4, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 8, 0};  // SP
-                              }
-                            } else {
-                              return {4, 32, 32, 2, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 13.3264741897583) {
-                          if (x.avg <= 2.8379108905792236) {
-                            if (x.skew_hi <= 8.979007720947266) {
-                              if (x.log2_S <= 12.674495697021484) {
-                                return {4, 32, 64, 4, 0};  // SP
-                              } else {
-                                return {4, 16, 64, 8, 0};  // SP
-                              }
-                            } else {
-                              return {4, 16, 64, 8, 0};  // SP
-                            }
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 14.406051635742188) {
-                      if (x.skew_lo <= 4.5146167278289795) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {2, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 11.772167682647705) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 15.236124038696289) {
-                      if (x.skew_lo <= 10.970088005065918) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 12.601847648620605) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 32};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.821197509765625) {
-                  if (x.avg <= 16.501194953918457) {
-                    if (x.skew_lo <= 4.126295447349548) {
-                      if (x.log2_S <= 11.097082614898682) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 11.851638793945312) {
-                          return {1, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 2, 8, 128, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {2, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= 0.08859150484204292) {
-                      if (x.log2_S <= 9.51885175704956) {
-                        return {4, 32, 64, 8, 0};  // SP
-                      } else {
-                        return {2, 2, 8, 128, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 14.700994968414307) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.avg <= 104.79895401000977) {
-                          return {2, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 37.2987003326416) {
-                    return {2, 2, 8, 128, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 4.86622166633606) {
-                      return {2, 2, 8, 128, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 14.991520881652832) {
-                        if (x.avg <= 187.52108764648438) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 13.335673332214355) {
-              if (x.avg <= 22.604620933532715) {
-                if (x.avg <= 1.6067258715629578) {
-                  return {2, 2, 8, 128, 1};  // SR
-                } else {
-                  return {4, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                return {2, 2, 8, 128, 1};  // SR
-              }
-            } else {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 15.117341041564941) {
-                  return {2, 2, 8, 128, 1};  // SR
-                } else {
-                  return {4, 32, 8, 2, 32};  // PR
-                }
-              } else {
-                return {4, 32, 8, 2, 32};  // PR
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 2.673086404800415) {
-              if (x.skew_hi <= 0.3286251723766327) {
-                if (x.log2_S <= 23.644869804382324) {
-                  return {4, 2, 16, 128, 0};  // SP
-                } else {
-                  return {4, 4, 32, 64, 0};  // SP
-                }
-              } else {
-                if (x.avg <= 13.00831413269043) {
-                  if (x.log2_S <= 22.987391471862793) {
-                    if (x.log2_S <= 19.405428886413574) {
-                      return {4, 2, 16, 128, 0};  // SP
-                    } else {
-                      return {4, 1, 32, 256, 0};  // SP
-                    }
-                  } else {
-                    return {4, 2, 16, 128, 0};  // SP
-                  }
-                } else {
-                  return {4, 2, 16, 128, 0};  // SP
-                }
-              }
-            } else {
-              if (x.skew_lo <= -2.4835779666900635) {
-                if (x.log2_S <= 23.519577026367188) {
-                  if (x.log2_S <= 18.31550884246826) {
-                    return {4, 2, 16, 128, 0};  // SP
-                  } else {
-                    return {4, 1, 32, 256, 0};  // SP
-                  }
-                } else {
-                  return {4, 2, 16, 128, 0};  // SP
-                }
-              } else {
-                return {4, 1, 32, 256, 0};  // SP
-              }
-            }
-          } else {
-            if (x.skew_lo <= -1.3904014229774475) {
-              if (x.log2_S <= 24.349708557128906) {
-                return {4, 32, 8, 2, 16};  // PR
-              } else {
-                return {4, 32, 8, 2, 32};  // PR
-              }
-            } else {
-              if (x.log2_S <= 20.363679885864258) {
-                if (x.skew_hi <= 18.798279762268066) {
-                  if (x.log2_S <= 18.59506320953369) {
-                    if (x.skew_hi <= 11.591351509094238) {
-                      if (x.avg <= 22.673441886901855) {
-                        return {2, 2, 8, 128, 1};  // SR
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          if (x.skew_lo <= 4.469661235809326) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 32, 8, 2, 32};  // PR
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 32};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 67.51339721679688) {
-                      return {4, 32, 8, 2, 32};  // PR
-                    } else {
-                      if (x.skew_lo <= 2.751801013946533) {
-                        if (x.skew_lo <= -1.2776444554328918) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      } else {
-                        if (x.avg <= 146.75299835205078) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 8, 2, 32};  // PR
-                        }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 11.132775783538818) {
-                    return {4, 32, 8, 2, 32};  // PR
-                  } else {
-                    if (x.log2_S <= 19.79097270965576) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.avg <= 114.85531234741211) {
-                        return {4, 32, 16, 2, 16};  // PR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  }
-                }
-              } else {
-                return {4, 32, 8, 2, 32};  // PR
-              }
-            }
-          }
-        }
-      } else {
-        if (x.log2_S <= 15.011927127838135) {
-          if (x.skew_lo <= -0.24268066883087158) {
-            if (x.avg <= 132.19110870361328) {
-              if (x.log2_S <= 11.873682498931885) {
-                if (x.avg <= 70.72695922851562) {
-                  if (x.avg <= 1.8524831533432007) {
-                    if (x.log2_S <= 9.958242416381836) {
-                      return {4, 64, 32, 1, 0};  // SP
-                    } else {
-                      return {1, 64, 16, 1, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 33.81064796447754) {
+      if (x.F <= 7.483314773547883) {
+        if (x.log2_S <= 14.84710168838501) {
+          if (x.skew_lo <= -0.2801893502473831) {
+            if (x.avg <= 139.9599609375) {
+              if (x.log2_S <= 11.965399742126465) {
+                if (x.avg <= 80.39358901977539) {
+                  if (x.log2_S <= 10.440947532653809) {
+                    if (x.skew_lo <= -0.8894050717353821) {
                       return {1, 64, 16, 1, 0};  // SP
                     } else {
-                      if (x.log2_S <= 10.689620971679688) {
+                      if (x.log2_S <= 9.56981372833252) {
+                        return {4, 64, 32, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 8, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 6.824638366699219) {
+                      if (x.log2_S <= 11.760630130767822) {
                         return {1, 64, 16, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.avg <= 39.88225173950195) {
+                        return {4, 64, 64, 2, 0};  // SP
                       } else {
                         return {4, 32, 64, 4, 0};  // SP
                       }
@@ -6151,33 +7677,45 @@ inline Config gathered_config(const Features& f) {
                   return {1, 16, 64, 8, 0};  // SP
                 }
               } else {
-                if (x.avg <= 27.70718288421631) {
-                  if (x.skew_hi <= 2.203264355659485) {
-                    if (x.log2_S <= 13.715971946716309) {
+                if (x.avg <= 40.22044372558594) {
+                  if (x.avg <= 14.006147861480713) {
+                    if (x.log2_S <= 12.675252914428711) {
+                      if (x.skew_lo <= -1.7160753011703491) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 16, 8, 8, 1};  // SR
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 14.04065227508545) {
                       return {1, 8, 8, 32, 1};  // SR
                     } else {
                       return {4, 16, 16, 4, 0};  // SP
                     }
-                  } else {
-                    return {1, 8, 8, 32, 1};  // SR
                   }
                 } else {
                   if (x.long_level <= 0.5) {
-                    if (x.log2_S <= 13.63562536239624) {
-                      if (x.avg <= 34.722320556640625) {
-                        return {4, 16, 16, 4, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
+                    if (x.log2_S <= 13.939206600189209) {
+                      return {4, 32, 64, 4, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -5.025869369506836) {
-                        return {1, 16, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 16, 16, 4, 0};  // SP
-                      }
+                      return {1, 16, 64, 4, 0};  // SP
                     }
                   } else {
-                    return {1, 16, 64, 8, 0};  // SP
+                    if (x.skew_hi <= 3.4459792375564575) {
+                      return {1, 16, 64, 8, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 12.792475700378418) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.439242839813232) {
+                          return {1, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
                   }
                 }
               }
@@ -6185,1665 +7723,1621 @@ inline Config gathered_config(const Features& f) {
               return {1, 32, 64, 8, 0};  // SP
             }
           } else {
-            if (x.skew_hi <= 12.724186897277832) {
-              if (x.log2_S <= 13.355765342712402) {
-                if (x.avg <= 6.1579976081848145) {
-                  if (x.skew_lo <= 6.697593927383423) {
-                    if (x.skew_lo <= 4.6000144481658936) {
-                      if (x.log2_S <= 12.625628471374512) {
-                        if (x.avg <= 1.9026964902877808) {
-                          if (x.log2_S <= 11.779244899749756) {
-                            return {4, 64, 32, 1, 0};  // SP
+            if (x.skew_hi <= 12.962123394012451) {
+              if (x.avg <= 4.870364427566528) {
+                if (x.skew_lo <= 5.978775501251221) {
+                  if (x.skew_lo <= 4.516373157501221) {
+                    if (x.log2_S <= 12.974614143371582) {
+                      if (x.long_level <= 0.5) {
+                        if (x.log2_S <= 9.407602310180664) {
+                          return {4, 64, 32, 1, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 11.300518035888672) {
+                            return {4, 64, 8, 2, 0};  // SP
                           } else {
                             return {1, 64, 16, 1, 0};  // SP
                           }
-                        } else {
-                          if (x.log2_S <= 10.881246089935303) {
-                            if (x.avg <= 4.018987417221069) {
-                              if (x.skew_hi <= 8.111788272857666) {
-                                return {2, 32, 8, 8, 1};  // SR
-                              } else {
-                                if (x.avg <= 3.391138434410095) {
-                                  return {1, 16, 8, 8, 1};  // SR
-                                } else {
-                                  return {2, 16, 8, 4, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {2, 16, 8, 4, 1};  // SR
-                            }
+                        }
+                      } else {
+                        if (x.log2_S <= 10.598722457885742) {
+                          if (x.avg <= 3.6261366605758667) {
+                            return {2, 16, 8, 4, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 8.432644844055176) {
-                              return {1, 16, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 16, 8, 4, 1};  // SR
-                            }
+                            return {2, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 2.974159836769104) {
+                            return {2, 32, 8, 4, 1};  // SR
+                          } else {
+                            return {1, 16, 8, 8, 1};  // SR
                           }
                         }
+                      }
+                    } else {
+                      return {1, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 13.153740406036377) {
+                      return {1, 32, 8, 2, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 14.320963382720947) {
+                        return {1, 16, 8, 8, 1};  // SR
                       } else {
                         return {1, 8, 8, 32, 1};  // SR
                       }
-                    } else {
-                      if (x.log2_S <= 12.482944011688232) {
-                        if (x.log2_S <= 8.137142181396484) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {1, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        return {1, 16, 8, 8, 1};  // SR
-                      }
                     }
-                  } else {
-                    return {1, 8, 8, 32, 1};  // SR
                   }
                 } else {
                   return {1, 8, 8, 32, 1};  // SR
                 }
               } else {
-                if (x.avg <= 24.731422424316406) {
-                  if (x.skew_hi <= 5.897994518280029) {
-                    if (x.log2_S <= 14.000078678131104) {
-                      return {1, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 2.32824969291687) {
-                      if (x.log2_S <= 14.293966293334961) {
-                        return {1, 16, 8, 8, 1};  // SR
+                if (x.log2_S <= 13.566652297973633) {
+                  if (x.avg <= 6.131662130355835) {
+                    if (x.skew_hi <= 7.658508062362671) {
+                      if (x.log2_S <= 11.360183715820312) {
+                        return {2, 16, 8, 4, 1};  // SR
                       } else {
-                        return {1, 8, 8, 32, 1};  // SR
+                        if (x.log2_S <= 12.195703506469727) {
+                          return {1, 16, 8, 8, 1};  // SR
+                        } else {
+                          return {1, 8, 8, 32, 1};  // SR
+                        }
                       }
                     } else {
                       return {1, 8, 8, 32, 1};  // SR
                     }
+                  } else {
+                    return {1, 8, 8, 32, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 13.388071537017822) {
+                  if (x.avg <= 17.166114807128906) {
                     return {1, 8, 8, 32, 1};  // SR
                   } else {
-                    return {1, 8, 16, 32, 1};  // SR
+                    if (x.log2_S <= 13.78308629989624) {
+                      if (x.avg <= 119.49005508422852) {
+                        return {1, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 16, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 9.336376190185547) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 8, 32, 1};  // SR
+                      }
+                    }
                   }
                 }
               }
             } else {
               if (x.long_level <= 2.5) {
-                if (x.log2_S <= 14.798428535461426) {
-                  return {1, 8, 8, 32, 1};  // SR
-                } else {
-                  return {1, 8, 16, 32, 1};  // SR
-                }
+                return {1, 8, 8, 32, 1};  // SR
               } else {
-                if (x.log2_S <= 14.314937114715576) {
-                  return {1, 8, 16, 32, 1};  // SR
-                } else {
-                  if (x.skew_lo <= 10.69371747970581) {
+                if (x.skew_hi <= 13.526897430419922) {
+                  if (x.skew_lo <= 11.44182538986206) {
                     return {1, 8, 16, 32, 1};  // SR
                   } else {
-                    if (x.log2_S <= 14.547176361083984) {
-                      if (x.skew_lo <= 11.687845706939697) {
-                        return {1, 8, 32, 32, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
-                    }
+                    return {1, 8, 8, 32, 1};  // SR
                   }
+                } else {
+                  return {1, 8, 16, 32, 1};  // SR
                 }
               }
             }
           }
         } else {
-          if (x.skew_hi <= 19.07593536376953) {
-            if (x.skew_lo <= -3.4678112268447876) {
-              if (x.log2_S <= 17.093124389648438) {
-                if (x.log2_S <= 16.10897159576416) {
-                  return {4, 16, 16, 4, 0};  // SP
+          if (x.skew_hi <= 19.5565824508667) {
+            if (x.skew_lo <= -3.293735980987549) {
+              if (x.log2_S <= 16.84397602081299) {
+                if (x.skew_lo <= -5.756345987319946) {
+                  return {1, 16, 64, 4, 0};  // SP
                 } else {
-                  if (x.skew_lo <= -5.0804078578948975) {
+                  if (x.log2_S <= 16.10897159576416) {
                     return {4, 16, 16, 4, 0};  // SP
                   } else {
-                    return {4, 8, 32, 32, 0};  // SP
+                    if (x.skew_hi <= 1.403439223766327) {
+                      return {4, 16, 16, 4, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 16.17197895050049) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        return {2, 8, 64, 32, 0};  // SP
+                      }
+                    }
                   }
                 }
               } else {
                 return {2, 8, 64, 32, 0};  // SP
               }
             } else {
-              if (x.log2_S <= 18.6260404586792) {
-                if (x.skew_hi <= 3.5459673404693604) {
-                  if (x.skew_lo <= -1.1435528993606567) {
-                    if (x.long_level <= 0.5) {
-                      if (x.log2_S <= 17.06054973602295) {
-                        if (x.log2_S <= 16.290226936340332) {
-                          if (x.log2_S <= 15.754100322723389) {
+              if (x.avg <= 3.708200216293335) {
+                if (x.log2_S <= 19.46670150756836) {
+                  if (x.skew_lo <= 11.053802967071533) {
+                    if (x.skew_lo <= 7.062466144561768) {
+                      if (x.log2_S <= 17.291634559631348) {
+                        if (x.skew_hi <= 5.043356418609619) {
+                          if (x.log2_S <= 16.101231575012207) {
                             return {1, 8, 8, 32, 1};  // SR
                           } else {
-                            return {2, 8, 64, 32, 0};  // SP
+                            return {1, 8, 16, 32, 1};  // SR
                           }
                         } else {
-                          return {4, 8, 32, 32, 0};  // SP
+                          return {1, 8, 8, 32, 1};  // SR
                         }
                       } else {
-                        return {2, 8, 64, 32, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 17.136486053466797) {
-                        if (x.log2_S <= 16.503029823303223) {
-                          return {1, 32, 64, 8, 0};  // SP
-                        } else {
-                          if (x.avg <= 225.6530303955078) {
-                            return {4, 32, 64, 4, 0};  // SP
+                        if (x.long_level <= 0.5) {
+                          if (x.log2_S <= 17.6945219039917) {
+                            return {1, 8, 16, 32, 1};  // SR
                           } else {
-                            return {1, 32, 64, 8, 0};  // SP
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 1.6175152659416199) {
-                          if (x.log2_S <= 18.306103706359863) {
-                            return {4, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
+                            return {4, 32, 16, 2, 8};  // PR
                           }
                         } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 17.751206398010254) {
-                      return {1, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {1, 8, 16, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 9.953771114349365) {
-                    if (x.skew_hi <= 9.540185928344727) {
-                      if (x.long_level <= 1.5) {
-                        if (x.skew_hi <= 7.51059627532959) {
-                          if (x.log2_S <= 16.07337188720703) {
-                            if (x.avg <= 5.058963060379028) {
+                          if (x.log2_S <= 18.427510261535645) {
+                            if (x.skew_hi <= 8.4402437210083) {
+                              return {1, 8, 32, 32, 1};  // SR
+                            } else {
                               return {1, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_hi <= 8.499703407287598) {
+                              return {1, 8, 32, 32, 1};  // SR
                             } else {
                               return {1, 8, 16, 32, 1};  // SR
                             }
-                          } else {
-                            if (x.log2_S <= 17.867521286010742) {
-                              if (x.avg <= 1.0466981530189514) {
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.823423385620117) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.519965171813965) {
+                      if (x.skew_hi <= 16.137476921081543) {
+                        if (x.log2_S <= 15.076295375823975) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 16, 2, 8};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 8.132981777191162) {
+                    if (x.log2_S <= 23.482019424438477) {
+                      if (x.long_level <= 0.5) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= -0.8823217451572418) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        return {1, 32, 32, 4, 8};  // PR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 19.6541805267334) {
+                      return {1, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 118.35365676879883) {
+                  if (x.log2_S <= 20.46648120880127) {
+                    if (x.skew_lo <= 8.154533386230469) {
+                      if (x.skew_lo <= 5.24914026260376) {
+                        if (x.skew_hi <= 5.870298147201538) {
+                          if (x.skew_lo <= -2.131454348564148) {
+                            if (x.log2_S <= 17.670818328857422) {
+                              if (x.log2_S <= 15.863761901855469) {
                                 return {1, 8, 8, 32, 1};  // SR
                               } else {
-                                if (x.skew_lo <= -2.220378279685974) {
+                                if (x.skew_hi <= 3.268452525138855) {
                                   return {4, 8, 32, 32, 0};  // SP
                                 } else {
                                   return {1, 8, 16, 32, 1};  // SR
                                 }
                               }
                             } else {
-                              if (x.skew_lo <= 1.6486495733261108) {
+                              if (x.skew_lo <= -2.967089056968689) {
+                                return {2, 8, 64, 32, 0};  // SP
+                              } else {
+                                return {1, 8, 32, 32, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 4.128375768661499) {
+                              if (x.log2_S <= 19.004213333129883) {
+                                if (x.log2_S <= 16.058457374572754) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                }
+                              } else {
+                                return {1, 8, 32, 32, 1};  // SR
+                              }
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 17.705320358276367) {
+                            if (x.avg <= 33.76619529724121) {
+                              if (x.log2_S <= 15.895369529724121) {
+                                if (x.avg <= 12.472236633300781) {
+                                  return {1, 8, 8, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                }
+                              } else {
+                                if (x.log2_S <= 17.52864170074463) {
+                                  return {1, 8, 16, 32, 1};  // SR
+                                } else {
+                                  return {1, 8, 32, 32, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 15.249467849731445) {
                                 return {1, 8, 16, 32, 1};  // SR
                               } else {
                                 return {1, 8, 32, 32, 1};  // SR
                               }
                             }
-                          }
-                        } else {
-                          if (x.log2_S <= 17.973615646362305) {
-                            if (x.skew_hi <= 8.166834354400635) {
-                              if (x.log2_S <= 16.012264728546143) {
-                                return {1, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 16, 32, 1};  // SR
-                              }
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
                           } else {
-                            if (x.avg <= 2.6427265405654907) {
-                              return {1, 8, 16, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 32, 32, 1};  // SR
-                            }
+                            return {1, 8, 32, 32, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.skew_hi <= 8.678674221038818) {
-                          if (x.log2_S <= 15.10739517211914) {
-                            return {1, 8, 16, 32, 1};  // SR
+                        if (x.skew_hi <= 17.77471160888672) {
+                          return {1, 8, 16, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 6.160962343215942) {
+                        if (x.log2_S <= 17.730080604553223) {
+                          if (x.skew_hi <= 16.062357902526855) {
+                            return {4, 32, 16, 2, 8};  // PR
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        } else {
+                          return {4, 32, 16, 2, 8};  // PR
+                        }
+                      } else {
+                        if (x.skew_hi <= 16.556700706481934) {
+                          if (x.log2_S <= 15.582621574401855) {
+                            if (x.avg <= 18.046517372131348) {
+                              return {1, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {1, 8, 16, 32, 1};  // SR
+                            }
                           } else {
                             return {1, 8, 32, 32, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 16.32632827758789) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 33.03467082977295) {
-                              return {1, 8, 32, 32, 1};  // SR
+                          if (x.skew_hi <= 18.950571060180664) {
+                            if (x.skew_hi <= 17.530571937561035) {
+                              return {4, 8, 64, 32, 1};  // SR
                             } else {
-                              if (x.log2_S <= 16.961045265197754) {
+                              if (x.avg <= 30.031344413757324) {
                                 return {1, 8, 32, 32, 1};  // SR
                               } else {
                                 return {4, 8, 64, 32, 1};  // SR
                               }
                             }
-                          }
-                        }
-                      }
-                    } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 18.284093856811523) {
-                          return {1, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 16, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 15.532177925109863) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 7.898708820343018) {
-                            return {1, 8, 16, 32, 1};  // SR
                           } else {
-                            if (x.avg <= 30.944327354431152) {
-                              if (x.skew_lo <= 9.864274024963379) {
-                                return {1, 8, 16, 32, 1};  // SR
-                              } else {
-                                return {1, 8, 32, 32, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_hi <= 16.426020622253418) {
-                                return {1, 8, 32, 32, 1};  // SR
-                              } else {
-                                if (x.skew_lo <= 8.088738441467285) {
-                                  return {1, 8, 16, 32, 1};  // SR
-                                } else {
-                                  return {4, 8, 64, 32, 1};  // SR
-                                }
-                              }
-                            }
-                          }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 6.181886672973633) {
-                      if (x.log2_S <= 16.329885482788086) {
-                        if (x.skew_hi <= 15.129353523254395) {
-                          return {1, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {4, 32, 16, 2, 8};  // PR
-                        }
-                      } else {
-                        if (x.skew_hi <= 17.969155311584473) {
-                          if (x.skew_lo <= 11.914505958557129) {
-                            return {1, 8, 16, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 17.824149131774902) {
-                              return {4, 32, 8, 2, 16};  // PR
-                            } else {
-                              return {1, 8, 32, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 32, 16, 2, 8};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.avg <= 9.908274173736572) {
-                        if (x.skew_hi <= 16.556700706481934) {
-                          if (x.skew_lo <= 11.024843215942383) {
-                            return {1, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {4, 32, 16, 2, 8};  // PR
-                          }
-                        } else {
-                          if (x.skew_lo <= 11.126561164855957) {
-                            return {4, 8, 64, 32, 1};  // SR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        return {1, 8, 32, 32, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 3.6712472438812256) {
-                  if (x.avg <= 3.822668433189392) {
-                    return {4, 32, 16, 2, 8};  // PR
-                  } else {
-                    if (x.avg <= 36.21665000915527) {
-                      if (x.log2_S <= 21.049559593200684) {
-                        if (x.skew_lo <= -2.9090521335601807) {
-                          if (x.log2_S <= 19.5192813873291) {
-                            return {2, 8, 64, 32, 0};  // SP
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_lo <= 1.0216397047042847) {
-                          if (x.avg <= 4.281460285186768) {
-                            return {4, 32, 16, 2, 8};  // PR
-                          } else {
-                            return {1, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 8, 64, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {1, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 19.660820960998535) {
-                    if (x.skew_lo <= 11.007390975952148) {
-                      if (x.skew_lo <= 5.351759433746338) {
-                        if (x.avg <= 2.543475031852722) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          return {1, 8, 32, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 11.603711605072021) {
-                          return {1, 8, 16, 32, 1};  // SR
-                        } else {
-                          if (x.avg <= 26.462583541870117) {
-                            if (x.skew_lo <= 10.598069667816162) {
-                              return {1, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 64, 32, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_lo <= 7.117295503616333) {
-                              return {1, 8, 32, 32, 1};  // SR
+                            if (x.avg <= 23.670900344848633) {
+                              return {4, 32, 16, 2, 8};  // PR
                             } else {
                               return {1, 32, 32, 4, 8};  // PR
                             }
                           }
                         }
                       }
-                    } else {
-                      return {4, 32, 16, 2, 8};  // PR
                     }
                   } else {
-                    if (x.avg <= 5.33542799949646) {
-                      if (x.skew_hi <= 8.422138690948486) {
-                        if (x.log2_S <= 21.0701322555542) {
-                          return {1, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 64, 32, 1};  // SR
-                        }
+                    if (x.skew_lo <= 1.34660005569458) {
+                      if (x.avg <= 89.72068405151367) {
+                        return {1, 8, 32, 32, 1};  // SR
                       } else {
-                        return {4, 8, 64, 32, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 21.926182746887207) {
-                        if (x.skew_hi <= 11.41880464553833) {
+                        if (x.log2_S <= 23.321091651916504) {
                           return {1, 8, 16, 32, 1};  // SR
                         } else {
                           return {1, 8, 32, 32, 1};  // SR
                         }
-                      } else {
-                        if (x.log2_S <= 20.9960298538208) {
-                          if (x.skew_hi <= 8.515330791473389) {
+                      }
+                    } else {
+                      if (x.skew_lo <= 5.938650846481323) {
+                        if (x.log2_S <= 21.527443885803223) {
+                          if (x.skew_lo <= 4.173329830169678) {
                             return {1, 8, 32, 32, 1};  // SR
                           } else {
-                            if (x.skew_lo <= 5.044248104095459) {
+                            if (x.skew_hi <= 9.19629955291748) {
                               return {4, 8, 64, 32, 1};  // SR
                             } else {
                               return {1, 8, 32, 32, 1};  // SR
                             }
                           }
                         } else {
-                          return {4, 8, 64, 32, 1};  // SR
+                          if (x.avg <= 77.88504791259766) {
+                            if (x.skew_lo <= 1.917314887046814) {
+                              if (x.log2_S <= 22.570764541625977) {
+                                return {1, 8, 32, 32, 1};  // SR
+                              } else {
+                                return {4, 8, 64, 32, 1};  // SR
+                              }
+                            } else {
+                              return {4, 8, 64, 32, 1};  // SR
+                            }
+                          } else {
+                            return {1, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 7.853552341461182) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
                         }
                       }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 17.059144973754883) {
+                    if (x.skew_hi <= 3.0404902696609497) {
+                      if (x.log2_S <= 16.75202178955078) {
+                        return {1, 32, 64, 8, 0};  // SP
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 15.184349536895752) {
+                        return {1, 8, 16, 32, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 5.949605464935303) {
+                          return {1, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {1, 8, 16, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 19.01358413696289) {
+                      if (x.skew_hi <= 1.533948540687561) {
+                        if (x.log2_S <= 18.898021697998047) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {1, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        return {1, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 64, 32, 1};  // SR
                     }
                   }
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 20.150171279907227) {
-              if (x.skew_lo <= 9.366272449493408) {
-                return {1, 32, 32, 4, 8};  // PR
-              } else {
-                if (x.log2_S <= 19.72074604034424) {
-                  return {4, 32, 16, 2, 8};  // PR
-                } else {
-                  if (x.avg <= 2.723444700241089) {
+            if (x.skew_hi <= 20.437007904052734) {
+              if (x.skew_lo <= 12.270894050598145) {
+                if (x.log2_S <= 19.69601058959961) {
+                  if (x.avg <= 20.859773635864258) {
                     return {4, 32, 16, 2, 8};  // PR
                   } else {
                     return {1, 32, 32, 4, 8};  // PR
                   }
+                } else {
+                  return {1, 32, 32, 4, 8};  // PR
                 }
+              } else {
+                return {4, 32, 16, 2, 8};  // PR
               }
             } else {
               return {1, 32, 32, 4, 8};  // PR
             }
           }
         }
-      }
-    }
-  } else {
-    if (x.F <= 22.627416997969522) {
-      if (x.F <= 11.313708498984761) {
-        if (x.long_level <= 0.5) {
-          if (x.log2_S <= 17.13951301574707) {
-            if (x.log2_S <= 13.805183410644531) {
-              if (x.log2_S <= 11.134994506835938) {
-                if (x.log2_S <= 10.118207454681396) {
-                  if (x.skew_lo <= -1.828453779220581) {
-                    if (x.log2_S <= 9.5371413230896) {
-                      return {4, 16, 32, 8, 0};  // SP
-                    } else {
-                      if (x.avg <= 32.70495414733887) {
-                        return {4, 16, 8, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 9.992724895477295) {
-                          return {4, 16, 8, 2, 0};  // SP
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
-                        }
-                      }
-                    }
+      } else {
+        if (x.F <= 11.313708498984761) {
+          if (x.long_level <= 0.5) {
+            if (x.log2_S <= 16.12101650238037) {
+              if (x.log2_S <= 10.102510929107666) {
+                if (x.skew_hi <= 4.171546220779419) {
+                  if (x.log2_S <= 9.375761985778809) {
+                    return {4, 16, 32, 8, 0};  // SP
                   } else {
                     return {4, 16, 8, 2, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= -2.2244943380355835) {
-                    if (x.skew_lo <= -3.0629212856292725) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.041616439819336) {
-                        if (x.log2_S <= 10.34110975265503) {
-                          return {4, 16, 8, 2, 0};  // SP
+                  return {4, 16, 8, 2, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 14.005979537963867) {
+                  if (x.log2_S <= 11.339678764343262) {
+                    if (x.avg <= 3.958532214164734) {
+                      if (x.log2_S <= 10.516314506530762) {
+                        if (x.skew_hi <= 5.2210798263549805) {
+                          if (x.avg <= 2.7609217166900635) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 2, 0};  // SP
+                          }
                         } else {
-                          return {4, 32, 64, 4, 0};  // SP
+                          return {4, 32, 32, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 32, 32, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -3.448994517326355) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 10.691981315612793) {
+                          if (x.log2_S <= 10.287891387939453) {
+                            return {4, 16, 16, 2, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 10.639493942260742) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 1.659698486328125) {
+                      if (x.log2_S <= 12.67243242263794) {
+                        if (x.skew_lo <= -0.4139910936355591) {
+                          return {4, 32, 32, 2, 0};  // SP
+                        } else {
+                          if (x.skew_hi <= 5.930701732635498) {
+                            return {4, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
                         }
                       } else {
                         return {4, 32, 64, 2, 0};  // SP
                       }
-                    }
-                  } else {
-                    if (x.log2_S <= 10.505571842193604) {
-                      if (x.skew_lo <= -0.7789202928543091) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 32, 32, 4, 0};  // SP
-                      }
                     } else {
-                      return {4, 32, 32, 4, 0};  // SP
+                      return {4, 32, 64, 2, 0};  // SP
                     }
-                  }
-                }
-              } else {
-                if (x.avg <= 1.6600500345230103) {
-                  if (x.log2_S <= 12.59498643875122) {
-                    if (x.skew_hi <= 5.586008787155151) {
-                      if (x.log2_S <= 11.436091423034668) {
-                        return {4, 32, 32, 4, 0};  // SP
-                      } else {
-                        return {4, 32, 32, 2, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 32, 4, 0};  // SP
-                    }
-                  } else {
-                    return {4, 32, 64, 2, 0};  // SP
                   }
                 } else {
-                  if (x.log2_S <= 13.510501861572266) {
-                    if (x.skew_hi <= 0.03797393850982189) {
-                      return {4, 32, 64, 4, 0};  // SP
+                  if (x.skew_lo <= -3.5496681928634644) {
+                    if (x.log2_S <= 14.741398334503174) {
+                      if (x.avg <= 27.061835289001465) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= -5.150539875030518) {
+                          return {4, 16, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 2, 0};  // SP
+                        }
+                      }
                     } else {
-                      return {4, 32, 64, 2, 0};  // SP
+                      if (x.skew_lo <= -5.694303035736084) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 16.10897159576416) {
+                          if (x.avg <= 14.382485389709473) {
+                            if (x.log2_S <= 15.221013069152832) {
+                              return {4, 8, 32, 32, 0};  // SP
+                            } else {
+                              return {4, 4, 16, 64, 0};  // SP
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 0};  // SP
+                          }
+                        } else {
+                          return {4, 4, 16, 64, 0};  // SP
+                        }
+                      }
                     }
                   } else {
-                    if (x.skew_hi <= 3.1450371742248535) {
-                      return {4, 32, 64, 2, 0};  // SP
+                    if (x.log2_S <= 14.518202304840088) {
+                      if (x.avg <= 4.33658492565155) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
                     } else {
-                      return {4, 2, 8, 128, 1};  // SR
+                      if (x.log2_S <= 16.09487247467041) {
+                        return {4, 2, 8, 128, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 0};  // SP
+                      }
                     }
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= -3.30604350566864) {
-                if (x.log2_S <= 16.077394485473633) {
-                  if (x.skew_lo <= -4.563404083251953) {
-                    if (x.avg <= 43.95953559875488) {
-                      if (x.log2_S <= 13.899481773376465) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 8, 32, 32, 0};  // SP
-                      }
+              if (x.avg <= 33.67021560668945) {
+                if (x.log2_S <= 17.13951301574707) {
+                  if (x.skew_lo <= -3.330297350883484) {
+                    if (x.log2_S <= 16.966381072998047) {
+                      return {4, 4, 16, 64, 0};  // SP
                     } else {
-                      if (x.log2_S <= 15.554062843322754) {
-                        return {4, 16, 64, 8, 0};  // SP
+                      if (x.avg <= 14.483474731445312) {
+                        return {4, 2, 16, 128, 0};  // SP
                       } else {
-                        return {4, 8, 32, 32, 0};  // SP
+                        return {4, 4, 32, 64, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 14.540931224822998) {
-                      if (x.skew_hi <= 2.1586124897003174) {
-                        return {4, 8, 32, 32, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 14.131328582763672) {
-                          return {4, 8, 32, 32, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      }
+                    if (x.skew_hi <= 4.693402051925659) {
+                      return {4, 2, 16, 128, 0};  // SP
                     } else {
-                      if (x.log2_S <= 15.349457740783691) {
+                      if (x.log2_S <= 16.802620887756348) {
                         return {4, 2, 8, 128, 1};  // SR
                       } else {
-                        if (x.skew_lo <= -3.8680957555770874) {
-                          return {4, 8, 32, 32, 0};  // SP
+                        if (x.skew_hi <= 5.8503334522247314) {
+                          return {4, 2, 16, 128, 0};  // SP
                         } else {
-                          return {4, 4, 32, 64, 0};  // SP
+                          return {4, 2, 8, 128, 1};  // SR
                         }
                       }
                     }
                   }
                 } else {
-                  return {4, 4, 32, 64, 0};  // SP
-                }
-              } else {
-                if (x.log2_S <= 15.941681385040283) {
-                  return {4, 2, 8, 128, 1};  // SR
-                } else {
-                  if (x.skew_lo <= -1.6426481008529663) {
-                    return {4, 2, 16, 128, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 17.053543090820312) {
-                      return {4, 2, 8, 128, 1};  // SR
+                  if (x.skew_hi <= 1.5523346066474915) {
+                    if (x.log2_S <= 19.273228645324707) {
+                      return {4, 4, 32, 64, 0};  // SP
                     } else {
                       return {4, 2, 16, 128, 0};  // SP
                     }
+                  } else {
+                    return {4, 2, 16, 128, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.log2_S <= 19.99747371673584) {
+                  if (x.log2_S <= 16.454827308654785) {
+                    if (x.skew_hi <= 0.2717242017388344) {
+                      return {4, 16, 64, 8, 0};  // SP
+                    } else {
+                      return {4, 4, 16, 64, 0};  // SP
+                    }
+                  } else {
+                    return {4, 4, 32, 64, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_hi <= 0.26244549453258514) {
+                    return {4, 4, 32, 64, 0};  // SP
+                  } else {
+                    return {4, 2, 16, 128, 0};  // SP
                   }
                 }
               }
             }
           } else {
-            if (x.log2_S <= 17.946840286254883) {
-              if (x.skew_hi <= 2.177342653274536) {
-                return {4, 4, 32, 64, 0};  // SP
-              } else {
-                return {4, 2, 16, 128, 0};  // SP
-              }
-            } else {
-              if (x.avg <= 54.53054428100586) {
-                if (x.avg <= 1.072917878627777) {
-                  if (x.log2_S <= 21.188796043395996) {
-                    return {4, 2, 16, 128, 0};  // SP
+            if (x.skew_lo <= 10.015363693237305) {
+              if (x.log2_S <= 14.425888061523438) {
+                if (x.avg <= 17.92104148864746) {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_lo <= 3.2951908111572266) {
+                      if (x.log2_S <= 12.620497703552246) {
+                        if (x.skew_lo <= 3.1285834312438965) {
+                          if (x.skew_hi <= 5.885788440704346) {
+                            if (x.log2_S <= 9.751222610473633) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 11.203131675720215) {
+                            return {2, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 2.6545122861862183) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 14.121288299560547) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 8.91886568069458) {
+                        if (x.log2_S <= 12.700090408325195) {
+                          if (x.skew_hi <= 8.534628868103027) {
+                            if (x.log2_S <= 11.293897151947021) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 7.547475337982178) {
+                                return {2, 8, 8, 32, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 11.482298374176025) {
+                                  return {4, 64, 32, 1, 0};  // SP
+                                } else {
+                                  return {2, 16, 8, 4, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 11.180023670196533) {
+                              if (x.skew_lo <= 5.119762420654297) {
+                                return {2, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
+                            } else {
+                              if (x.skew_lo <= 4.754332780838013) {
+                                return {4, 32, 64, 2, 0};  // SP
+                              } else {
+                                if (x.avg <= 2.2068296670913696) {
+                                  return {2, 16, 8, 4, 1};  // SR
+                                } else {
+                                  return {4, 32, 64, 4, 0};  // SP
+                                }
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 2.8814749717712402) {
+                            if (x.log2_S <= 13.371606349945068) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 8.828840732574463) {
+                                return {2, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {2, 16, 8, 4, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.78892707824707) {
+                          if (x.avg <= 1.9884501099586487) {
+                            if (x.avg <= 1.0279763340950012) {
+                              return {4, 32, 64, 8, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.skew_lo <= 4.965213775634766) {
+                              return {4, 32, 64, 4, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 11.14879322052002) {
+                                return {2, 16, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 32, 64, 4, 0};  // SP
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 14.293966293334961) {
+                            return {2, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {2, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      }
+                    }
                   } else {
-                    return {4, 2, 8, 128, 1};  // SR
+                    if (x.log2_S <= 12.351947784423828) {
+                      if (x.long_level <= 2.5) {
+                        if (x.skew_hi <= 11.866413593292236) {
+                          if (x.log2_S <= 12.242887020111084) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 10.328690528869629) {
+                              return {4, 2, 8, 128, 1};  // SR
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 8.969882011413574) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.avg <= 1.313170850276947) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 13.320287704467773) {
+                        if (x.skew_lo <= 8.074491500854492) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
                   }
                 } else {
-                  return {4, 2, 16, 128, 0};  // SP
+                  if (x.skew_hi <= 3.804254412651062) {
+                    if (x.log2_S <= 9.731134414672852) {
+                      if (x.avg <= 234.7759552001953) {
+                        return {4, 32, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.6634418964385986) {
+                        if (x.skew_lo <= -0.443726122379303) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.766002655029297) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.943216323852539) {
+                          return {4, 32, 64, 2, 0};  // SP
+                        } else {
+                          if (x.log2_S <= 13.37583589553833) {
+                            return {4, 32, 64, 4, 0};  // SP
+                          } else {
+                            return {4, 2, 8, 128, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 18.614225387573242) {
+                      if (x.log2_S <= 9.440330028533936) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      return {4, 2, 8, 128, 1};  // SR
+                    }
+                  }
                 }
               } else {
-                if (x.log2_S <= 20.334214210510254) {
-                  return {4, 4, 32, 64, 0};  // SP
+                if (x.skew_lo <= 9.190605640411377) {
+                  if (x.skew_lo <= -0.681943953037262) {
+                    if (x.log2_S <= 16.55974769592285) {
+                      if (x.log2_S <= 16.376639366149902) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -2.045653820037842) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 17.040056228637695) {
+                        if (x.skew_lo <= -1.8156622052192688) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 8.001116752624512) {
+                      if (x.log2_S <= 14.834175109863281) {
+                        if (x.avg <= 3.72004497051239) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 2, 8, 128, 1};  // SR
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 16.478508949279785) {
+                        if (x.skew_hi <= 14.703481197357178) {
+                          return {4, 2, 8, 128, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 8.09497356414795) {
+                            if (x.skew_hi <= 15.936358451843262) {
+                              if (x.skew_hi <= 15.332484245300293) {
+                                return {4, 2, 8, 128, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            } else {
+                              return {4, 2, 8, 128, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 16};  // PR
+                          }
+                        }
+                      } else {
+                        return {4, 2, 8, 128, 1};  // SR
+                      }
+                    }
+                  }
                 } else {
-                  return {4, 2, 16, 128, 0};  // SP
+                  if (x.skew_hi <= 14.597269535064697) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 19.375883102416992) {
+                      return {4, 32, 8, 2, 16};  // PR
+                    } else {
+                      if (x.avg <= 20.3644380569458) {
+                        if (x.skew_lo <= 9.883029460906982) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          if (x.skew_hi <= 19.707444190979004) {
+                            return {4, 32, 8, 2, 16};  // PR
+                          } else {
+                            return {4, 32, 16, 2, 16};  // PR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 16, 2, 16};  // PR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 19.38712501525879) {
+                if (x.skew_hi <= 13.96462631225586) {
+                  if (x.skew_lo <= 10.963550090789795) {
+                    return {4, 2, 8, 128, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 12.316152095794678) {
+                      return {2, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 2, 16};  // PR
+                    }
+                  }
+                } else {
+                  return {4, 32, 8, 2, 16};  // PR
+                }
+              } else {
+                if (x.skew_lo <= 11.669158458709717) {
+                  if (x.skew_lo <= 11.043089866638184) {
+                    return {4, 32, 16, 2, 16};  // PR
+                  } else {
+                    if (x.skew_lo <= 11.350255966186523) {
+                      if (x.skew_hi <= 21.166539192199707) {
+                        if (x.log2_S <= 19.856822967529297) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 16, 2, 16};  // PR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      if (x.log2_S <= 21.791808128356934) {
+                        if (x.log2_S <= 19.66503620147705) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 16, 2, 16};  // PR
+                        }
+                      } else {
+                        if (x.skew_lo <= 11.412631511688232) {
+                          return {4, 32, 16, 2, 16};  // PR
+                        } else {
+                          return {4, 32, 8, 2, 32};  // PR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  return {4, 32, 16, 2, 16};  // PR
                 }
               }
             }
           }
         } else {
-          if (x.skew_lo <= 9.442302227020264) {
-            if (x.log2_S <= 14.90763235092163) {
-              if (x.avg <= 16.197580337524414) {
-                if (x.log2_S <= 13.168060302734375) {
-                  if (x.skew_lo <= 6.071770429611206) {
-                    if (x.skew_hi <= 7.183665990829468) {
-                      if (x.log2_S <= 12.383852005004883) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 2.630526900291443) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_hi <= 8.91886568069458) {
-                        if (x.log2_S <= 12.568605422973633) {
-                          if (x.skew_hi <= 8.534628868103027) {
-                            if (x.avg <= 6.009088754653931) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 11.171313285827637) {
-                                return {2, 16, 8, 4, 1};  // SR
-                              } else {
-                                return {2, 8, 8, 32, 1};  // SR
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 11.107170104980469) {
-                              if (x.skew_lo <= 5.119762420654297) {
-                                return {2, 16, 8, 4, 1};  // SR
-                              } else {
-                                if (x.avg <= 8.497187674045563) {
-                                  return {4, 32, 64, 4, 0};  // SP
-                                } else {
-                                  return {4, 2, 8, 128, 1};  // SR
-                                }
-                              }
-                            } else {
-                              if (x.avg <= 2.3714786767959595) {
-                                return {4, 32, 64, 4, 0};  // SP
-                              } else {
-                                return {4, 32, 64, 2, 0};  // SP
-                              }
-                            }
-                          }
-                        } else {
-                          if (x.skew_hi <= 8.390820026397705) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {2, 16, 8, 4, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 12.634927749633789) {
-                          if (x.avg <= 8.670790195465088) {
-                            if (x.avg <= 1.9752107858657837) {
-                              return {4, 32, 64, 4, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 11.192078590393066) {
-                                return {2, 16, 8, 4, 1};  // SR
-                              } else {
-                                return {4, 32, 64, 4, 0};  // SP
-                              }
-                            }
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          return {2, 16, 8, 4, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 12.288849353790283) {
-                      if (x.skew_lo <= 6.306095361709595) {
-                        if (x.log2_S <= 11.933552265167236) {
-                          if (x.log2_S <= 9.007822036743164) {
-                            return {4, 2, 8, 128, 1};  // SR
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.skew_hi <= 11.873301982879639) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 8.790214538574219) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        }
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.avg <= 5.380468368530273) {
-                    if (x.long_level <= 1.5) {
-                      if (x.skew_hi <= 8.78138780593872) {
-                        if (x.log2_S <= 14.575786113739014) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 14.275820255279541) {
-                          if (x.skew_lo <= 5.897273540496826) {
-                            return {2, 16, 8, 4, 1};  // SR
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        } else {
-                          return {2, 8, 8, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    return {4, 2, 8, 128, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 3.6812249422073364) {
-                  if (x.log2_S <= 9.279560565948486) {
-                    if (x.avg <= 234.55494689941406) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.skew_hi <= 1.2207303643226624) {
-                      if (x.log2_S <= 12.313436031341553) {
-                        if (x.log2_S <= 10.667508602142334) {
+          if (x.log2_S <= 15.891319274902344) {
+            if (x.skew_lo <= -0.54585862159729) {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 13.880732536315918) {
+                  if (x.log2_S <= 11.402062892913818) {
+                    if (x.log2_S <= 9.800883293151855) {
+                      if (x.log2_S <= 9.2205810546875) {
+                        if (x.avg <= 3.611643433570862) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          return {4, 32, 64, 8, 0};  // SP
-                        }
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 87.29500579833984) {
-                        if (x.log2_S <= 13.766002655029297) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 11.97939395904541) {
-                          if (x.skew_lo <= -1.9952061176300049) {
-                            if (x.log2_S <= 10.621899127960205) {
+                          if (x.log2_S <= 9.098083019256592) {
+                            return {4, 16, 16, 2, 0};  // SP
+                          } else {
+                            if (x.skew_hi <= 1.3767871856689453) {
                               return {4, 32, 64, 4, 0};  // SP
                             } else {
-                              return {4, 32, 64, 8, 0};  // SP
+                              return {4, 16, 16, 2, 0};  // SP
                             }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 9.693624496459961) {
+                          return {4, 32, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 16, 2, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 20.232510566711426) {
+                        if (x.skew_hi <= 5.385271787643433) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      } else {
+                        if (x.log2_S <= 10.392026424407959) {
+                          if (x.log2_S <= 10.158365249633789) {
+                            return {4, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 11.332138061523438) {
+                            return {4, 32, 64, 8, 0};  // SP
                           } else {
                             return {4, 32, 64, 4, 0};  // SP
                           }
-                        } else {
-                          return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     }
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 } else {
-                  if (x.skew_lo <= -0.10177233070135117) {
-                    if (x.log2_S <= 10.983052730560303) {
-                      return {4, 32, 64, 2, 0};  // SP
-                    } else {
-                      return {4, 2, 8, 128, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_hi <= 14.849913120269775) {
-                      return {4, 2, 8, 128, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.skew_lo <= 9.190605640411377) {
-                if (x.log2_S <= 17.20267677307129) {
-                  if (x.skew_lo <= -0.9021121263504028) {
-                    if (x.skew_lo <= -1.690372347831726) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      if (x.skew_lo <= -1.5157842636108398) {
-                        if (x.log2_S <= 16.736787796020508) {
-                          return {4, 32, 64, 2, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        if (x.log2_S <= 16.607550621032715) {
+                  if (x.skew_lo <= -3.4952890872955322) {
+                    if (x.log2_S <= 15.20866584777832) {
+                      if (x.skew_lo <= -5.244621515274048) {
+                        if (x.log2_S <= 14.58208703994751) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          return {4, 2, 8, 128, 1};  // SR
+                          return {4, 16, 64, 2, 0};  // SP
                         }
+                      } else {
+                        return {4, 16, 64, 2, 0};  // SP
                       }
+                    } else {
+                      return {4, 4, 16, 64, 0};  // SP
                     }
                   } else {
-                    if (x.skew_hi <= 15.08401870727539) {
-                      if (x.skew_hi <= 3.4281479120254517) {
-                        if (x.log2_S <= 15.907481670379639) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 2, 8, 128, 1};  // SR
-                        }
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
+                    if (x.log2_S <= 15.709925174713135) {
+                      return {4, 4, 8, 64, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 7.14845871925354) {
-                        return {4, 2, 8, 128, 1};  // SR
+                      if (x.avg <= 3.882480502128601) {
+                        return {4, 4, 8, 64, 1};  // SR
                       } else {
-                        if (x.log2_S <= 16.51107406616211) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          if (x.avg <= 69.1942024230957) {
-                            return {4, 32, 8, 2, 16};  // PR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        }
+                        return {4, 4, 16, 64, 0};  // SP
                       }
                     }
-                  }
-                } else {
-                  return {4, 2, 8, 128, 1};  // SR
-                }
-              } else {
-                if (x.avg <= 12.851111471652985) {
-                  return {4, 2, 8, 128, 1};  // SR
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              }
-            }
-          } else {
-            if (x.skew_hi <= 19.234919548034668) {
-              if (x.skew_hi <= 13.958892822265625) {
-                if (x.skew_lo <= 10.83213996887207) {
-                  if (x.log2_S <= 19.23248863220215) {
-                    if (x.skew_lo <= 10.578139305114746) {
-                      if (x.skew_hi <= 13.848189353942871) {
-                        if (x.avg <= 1.1070154309272766) {
-                          if (x.skew_hi <= 12.297964096069336) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 2, 8, 128, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 9.868162155151367) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 1.4333094358444214) {
-                              if (x.skew_hi <= 12.27796459197998) {
-                                return {2, 8, 8, 32, 1};  // SR
-                              } else {
-                                return {4, 2, 8, 128, 1};  // SR
-                              }
-                            } else {
-                              if (x.skew_hi <= 13.524672508239746) {
-                                return {4, 2, 8, 128, 1};  // SR
-                              } else {
-                                return {4, 32, 8, 2, 16};  // PR
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.long_level <= 2.5) {
-                          return {4, 2, 8, 128, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 12.2426118850708) {
-                        return {4, 2, 8, 128, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 16};  // PR
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 1.4191529750823975) {
-                      return {4, 32, 8, 2, 16};  // PR
-                    } else {
-                      if (x.log2_S <= 20.67204475402832) {
-                        return {4, 32, 8, 2, 16};  // PR
-                      } else {
-                        return {4, 2, 8, 128, 1};  // SR
-                      }
-                    }
-                  }
-                } else {
-                  return {4, 32, 8, 2, 16};  // PR
-                }
-              } else {
-                return {4, 32, 8, 2, 16};  // PR
-              }
-            } else {
-              if (x.avg <= 14.664678573608398) {
-                if (x.avg <= 4.6672751903533936) {
-                  return {4, 32, 16, 2, 16};  // PR
-                } else {
-                  if (x.avg <= 7.764708042144775) {
-                    if (x.avg <= 6.629023313522339) {
-                      if (x.skew_hi <= 22.07466697692871) {
-                        if (x.skew_hi <= 19.619009017944336) {
-                          return {4, 32, 8, 2, 16};  // PR
-                        } else {
-                          return {4, 32, 16, 2, 16};  // PR
-                        }
-                      } else {
-                        if (x.avg <= 5.834474563598633) {
-                          return {4, 32, 8, 2, 32};  // PR
-                        } else {
-                          return {4, 32, 16, 2, 16};  // PR
-                        }
-                      }
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    return {4, 32, 16, 2, 16};  // PR
                   }
                 }
               } else {
-                return {4, 32, 8, 2, 16};  // PR
-              }
-            }
-          }
-        }
-      } else {
-        if (x.log2_S <= 15.804178714752197) {
-          if (x.skew_lo <= -0.54585862159729) {
-            if (x.avg <= 63.30140686035156) {
-              if (x.log2_S <= 13.725343704223633) {
-                if (x.log2_S <= 11.606135368347168) {
-                  if (x.log2_S <= 9.935282707214355) {
-                    if (x.log2_S <= 8.083145141601562) {
-                      if (x.avg <= 6.352760076522827) {
-                        return {4, 16, 8, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
+                if (x.skew_hi <= 2.211464285850525) {
+                  if (x.log2_S <= 14.098527431488037) {
+                    if (x.log2_S <= 9.304317951202393) {
+                      return {4, 64, 64, 2, 0};  // SP
                     } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
-                  } else {
-                    if (x.avg <= 20.232510566711426) {
-                      if (x.log2_S <= 11.354357719421387) {
-                        if (x.avg <= 1.5313010215759277) {
+                      if (x.log2_S <= 9.869198322296143) {
+                        if (x.log2_S <= 9.661202430725098) {
                           return {4, 64, 64, 1, 0};  // SP
                         } else {
-                          return {4, 32, 32, 4, 0};  // SP
+                          return {4, 64, 64, 4, 0};  // SP
                         }
                       } else {
-                        if (x.skew_hi <= 4.280496835708618) {
-                          return {4, 32, 64, 4, 0};  // SP
-                        } else {
-                          return {4, 32, 32, 4, 0};  // SP
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 10.392026424407959) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        if (x.log2_S <= 11.120582103729248) {
-                          return {4, 32, 64, 8, 0};  // SP
-                        } else {
-                          if (x.log2_S <= 11.286951541900635) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 64, 4, 0};  // SP
-                          }
-                        }
+                        return {4, 64, 64, 1, 0};  // SP
                       }
                     }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
                   }
                 } else {
-                  if (x.log2_S <= 13.400909900665283) {
-                    return {4, 32, 64, 4, 0};  // SP
-                  } else {
-                    if (x.skew_hi <= 2.752291440963745) {
-                      return {4, 32, 64, 4, 0};  // SP
+                  if (x.log2_S <= 10.030798435211182) {
+                    if (x.skew_lo <= -1.145281970500946) {
+                      return {4, 64, 64, 2, 0};  // SP
                     } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 2.5047109127044678) {
-                  if (x.skew_lo <= -4.847656726837158) {
-                    if (x.log2_S <= 15.605596542358398) {
-                      if (x.log2_S <= 14.032745838165283) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 32, 64, 0};  // SP
+                      return {4, 16, 64, 8, 0};  // SP
                     }
                   } else {
-                    if (x.log2_S <= 14.562600135803223) {
-                      if (x.avg <= 16.95206928253174) {
-                        if (x.skew_lo <= -3.8413875102996826) {
-                          return {4, 4, 32, 64, 0};  // SP
+                    if (x.skew_hi <= 3.206347942352295) {
+                      if (x.log2_S <= 12.841453075408936) {
+                        if (x.avg <= 136.59890747070312) {
+                          return {4, 16, 64, 8, 0};  // SP
                         } else {
-                          return {4, 4, 8, 64, 1};  // SR
+                          return {4, 64, 64, 1, 0};  // SP
                         }
                       } else {
-                        if (x.log2_S <= 14.00760555267334) {
-                          return {4, 32, 64, 4, 0};  // SP
+                        if (x.avg <= 116.38468933105469) {
+                          return {4, 4, 8, 64, 1};  // SR
                         } else {
                           return {4, 16, 64, 8, 0};  // SP
                         }
                       }
                     } else {
-                      return {4, 4, 32, 64, 0};  // SP
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 15.784036636352539) {
-                    return {4, 4, 8, 64, 1};  // SR
-                  } else {
-                    return {4, 4, 32, 64, 0};  // SP
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 13.673009395599365) {
-                if (x.avg <= 141.76210021972656) {
-                  if (x.log2_S <= 12.05244255065918) {
-                    if (x.log2_S <= 10.083089828491211) {
-                      return {4, 16, 64, 8, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.778181552886963) {
-                        return {4, 32, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 16, 64, 8, 0};  // SP
-                  }
-                } else {
-                  if (x.skew_hi <= 2.2792938947677612) {
-                    return {4, 64, 64, 1, 0};  // SP
-                  } else {
-                    if (x.log2_S <= 12.637915134429932) {
-                      if (x.log2_S <= 8.384605407714844) {
-                        if (x.avg <= 162.32759857177734) {
-                          return {4, 64, 64, 1, 0};  // SP
+                      if (x.log2_S <= 13.927606105804443) {
+                        if (x.log2_S <= 11.151980876922607) {
+                          return {4, 16, 64, 8, 0};  // SP
                         } else {
-                          return {4, 32, 64, 4, 0};  // SP
+                          return {4, 4, 8, 64, 1};  // SR
                         }
-                      } else {
-                        return {4, 64, 64, 1, 0};  // SP
-                      }
-                    } else {
-                      if (x.avg <= 199.74249267578125) {
-                        return {4, 16, 64, 8, 0};  // SP
                       } else {
                         return {4, 4, 16, 64, 1};  // SR
                       }
                     }
                   }
                 }
-              } else {
-                if (x.avg <= 221.09879302978516) {
-                  if (x.skew_hi <= 3.2376837730407715) {
-                    if (x.log2_S <= 15.511058330535889) {
-                      return {4, 16, 64, 8, 0};  // SP
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 14.00998067855835) {
-                    return {4, 64, 64, 1, 0};  // SP
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                }
               }
-            }
-          } else {
-            if (x.avg <= 16.995068550109863) {
-              if (x.log2_S <= 13.641510963439941) {
-                if (x.long_level <= 2.5) {
+            } else {
+              if (x.avg <= 17.79530906677246) {
+                if (x.log2_S <= 13.419080257415771) {
                   if (x.long_level <= 1.5) {
-                    if (x.avg <= 6.5198705196380615) {
-                      if (x.skew_lo <= 1.6464485451579094) {
-                        if (x.log2_S <= 12.299025058746338) {
-                          return {4, 32, 32, 4, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -0.13601180911064148) {
-                            return {4, 32, 64, 4, 0};  // SP
-                          } else {
+                    if (x.avg <= 7.5664918422698975) {
+                      if (x.avg <= 1.9884501099586487) {
+                        if (x.skew_lo <= 2.4986868426203728) {
+                          if (x.log2_S <= 12.106220722198486) {
                             return {4, 32, 32, 4, 0};  // SP
+                          } else {
+                            return {4, 32, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.log2_S <= 11.639036178588867) {
+                            if (x.log2_S <= 8.400890350341797) {
+                              return {2, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 64, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 12.249913215637207) {
+                              return {4, 64, 64, 1, 0};  // SP
+                            } else {
+                              return {2, 16, 8, 4, 1};  // SR
+                            }
                           }
                         }
                       } else {
-                        if (x.skew_hi <= 8.533299446105957) {
-                          if (x.log2_S <= 12.606516361236572) {
-                            if (x.skew_lo <= 3.9774504899978638) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              if (x.skew_lo <= 4.39674973487854) {
-                                if (x.log2_S <= 11.248549938201904) {
-                                  if (x.skew_lo <= 4.025947332382202) {
-                                    return {1, 32, 8, 2, 1};  // SR
-                                  } else {
-                                    return {2, 8, 8, 32, 1};  // SR
-                                  }
+                        if (x.log2_S <= 12.606516361236572) {
+                          if (x.avg <= 4.063038349151611) {
+                            if (x.skew_lo <= 4.422487735748291) {
+                              if (x.log2_S <= 11.248549938201904) {
+                                if (x.avg <= 3.9287898540496826) {
+                                  return {2, 8, 8, 32, 1};  // SR
                                 } else {
-                                  return {2, 16, 8, 4, 1};  // SR
+                                  return {1, 32, 8, 2, 1};  // SR
                                 }
                               } else {
                                 return {2, 16, 8, 4, 1};  // SR
                               }
+                            } else {
+                              if (x.log2_S <= 11.250275135040283) {
+                                return {2, 16, 8, 4, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 12.13524580001831) {
+                                  return {4, 64, 64, 1, 0};  // SP
+                                } else {
+                                  return {2, 16, 8, 4, 1};  // SR
+                                }
+                              }
                             }
                           } else {
-                            return {2, 8, 8, 32, 1};  // SR
+                            return {2, 16, 8, 4, 1};  // SR
                           }
                         } else {
-                          if (x.log2_S <= 11.639036178588867) {
-                            if (x.avg <= 2.395316004753113) {
-                              return {4, 64, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 1, 0};  // SP
-                            }
+                          if (x.skew_hi <= 8.408915042877197) {
+                            return {2, 8, 8, 32, 1};  // SR
                           } else {
-                            if (x.log2_S <= 12.007709503173828) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              if (x.skew_lo <= 5.479290723800659) {
-                                if (x.log2_S <= 13.335336685180664) {
-                                  if (x.skew_hi <= 8.713356018066406) {
-                                    return {2, 8, 8, 32, 1};  // SR
-                                  } else {
-                                    return {2, 16, 8, 4, 1};  // SR
-                                  }
-                                } else {
-                                  return {2, 8, 8, 32, 1};  // SR
-                                }
+                            return {2, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 14.561825275421143) {
+                        return {2, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 11.409664630889893) {
+                          if (x.skew_lo <= 2.014763832092285) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {1, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      return {2, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 10.906272411346436) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.823007106781006) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 16};  // PR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 9.853062629699707) {
+                    if (x.long_level <= 1.5) {
+                      if (x.skew_lo <= 2.5938615798950195) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 15.0108323097229) {
+                          if (x.skew_lo <= 4.781387567520142) {
+                            return {2, 8, 8, 32, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 14.217837810516357) {
+                              if (x.skew_lo <= 5.661614894866943) {
+                                return {2, 16, 8, 4, 1};  // SR
                               } else {
                                 return {2, 8, 8, 32, 1};  // SR
+                              }
+                            } else {
+                              return {2, 8, 8, 32, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 4.7148754596710205) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 15.598832130432129) {
+                              return {2, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 14.707456111907959) {
+                      if (x.skew_lo <= 11.017755508422852) {
+                        if (x.skew_hi <= 13.800961971282959) {
+                          if (x.avg <= 11.193292617797852) {
+                            return {4, 4, 16, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 8, 64, 1};  // SR
+                          }
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 8, 2, 16};  // PR
+                      }
+                    } else {
+                      if (x.avg <= 9.424732208251953) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        if (x.log2_S <= 15.532971382141113) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.786135196685791) {
+                  if (x.avg <= 23.91258716583252) {
+                    if (x.skew_hi <= 8.325265407562256) {
+                      return {4, 4, 8, 64, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 11.26295518875122) {
+                        if (x.long_level <= 2.5) {
+                          return {2, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.4738672077655792) {
+                      if (x.log2_S <= 10.787898063659668) {
+                        return {4, 16, 64, 8, 0};  // SP
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 13.750576496124268) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_hi <= 3.956291079521179) {
+                      if (x.log2_S <= 14.209379196166992) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 8, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 22.52566623687744) {
+                      if (x.skew_hi <= 11.966824054718018) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 14.208758354187012) {
+                        if (x.long_level <= 2.5) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.long_level <= 0.5) {
+              if (x.skew_hi <= 2.878695249557495) {
+                if (x.log2_S <= 16.32579231262207) {
+                  return {4, 4, 16, 64, 0};  // SP
+                } else {
+                  return {4, 4, 32, 64, 0};  // SP
+                }
+              } else {
+                if (x.log2_S <= 20.73808765411377) {
+                  if (x.avg <= 1.1462998390197754) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    return {4, 4, 16, 64, 0};  // SP
+                  }
+                } else {
+                  if (x.skew_lo <= -0.5401033163070679) {
+                    if (x.avg <= 1.9386572241783142) {
+                      return {4, 4, 16, 64, 0};  // SP
+                    } else {
+                      if (x.skew_hi <= 4.147785186767578) {
+                        if (x.skew_hi <= 3.5172364711761475) {
+                          return {4, 4, 32, 64, 0};  // SP
+                        } else {
+                          return {4, 4, 16, 64, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 32, 64, 0};  // SP
+                      }
+                    }
+                  } else {
+                    return {4, 4, 8, 64, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              if (x.skew_lo <= 10.698400974273682) {
+                if (x.avg <= 17.146904945373535) {
+                  if (x.log2_S <= 18.998048782348633) {
+                    if (x.skew_lo <= 8.054930686950684) {
+                      if (x.skew_lo <= 4.585223913192749) {
+                        if (x.log2_S <= 16.38213539123535) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 18.084753036499023) {
+                          return {4, 4, 8, 64, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.3871220350265503) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 6.197299242019653) {
+                              return {4, 4, 16, 64, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 7.155824661254883) {
+                                return {4, 4, 8, 64, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 18.571096420288086) {
+                                  return {4, 4, 16, 64, 1};  // SR
+                                } else {
+                                  if (x.log2_S <= 18.846774101257324) {
+                                    return {4, 4, 8, 64, 1};  // SR
+                                  } else {
+                                    return {4, 4, 16, 64, 1};  // SR
+                                  }
+                                }
                               }
                             }
                           }
                         }
                       }
                     } else {
-                      if (x.avg <= 13.823363304138184) {
-                        if (x.log2_S <= 13.013010025024414) {
-                          return {2, 8, 8, 32, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 6.897899866104126) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {2, 8, 8, 32, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.426924705505371) {
-                          if (x.skew_hi <= 6.017501592636108) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 14.376797199249268) {
-                              return {2, 8, 8, 32, 1};  // SR
-                            } else {
-                              return {1, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.skew_hi <= 13.047043800354004) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 11.048863887786865) {
-                    if (x.skew_hi <= 13.262277603149414) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.log2_S <= 12.442661762237549) {
-                      return {2, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 9.860332012176514) {
-                  if (x.log2_S <= 14.531665802001953) {
-                    if (x.skew_lo <= 5.981013059616089) {
-                      if (x.skew_hi <= 7.33554744720459) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {2, 8, 8, 32, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_hi <= 14.449319839477539) {
-                    if (x.skew_lo <= 11.017755508422852) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      return {4, 32, 8, 2, 16};  // PR
-                    }
-                  } else {
-                    if (x.avg <= 8.11256217956543) {
-                      return {4, 32, 16, 2, 8};  // PR
-                    } else {
-                      if (x.skew_hi <= 14.949809074401855) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 32, 64, 1};  // SR
-                      }
-                    }
-                  }
-                }
-              }
-            } else {
-              if (x.log2_S <= 14.020479679107666) {
-                if (x.avg <= 23.64253330230713) {
-                  if (x.skew_hi <= 7.044579267501831) {
-                    return {4, 4, 8, 64, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 11.523343563079834) {
-                      if (x.long_level <= 2.5) {
-                        return {2, 8, 8, 32, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_hi <= 13.620260238647461) {
-                    if (x.skew_lo <= -0.4089615046977997) {
-                      if (x.log2_S <= 10.080130100250244) {
-                        return {4, 16, 64, 8, 0};  // SP
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 129.68290328979492) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.avg <= 61.11528968811035) {
-                  if (x.skew_hi <= 11.945185661315918) {
-                    if (x.skew_lo <= 4.0810558795928955) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 9.136054515838623) {
-                        if (x.log2_S <= 14.653173446655273) {
-                          return {4, 4, 8, 64, 1};  // SR
-                        } else {
-                          return {4, 4, 16, 64, 1};  // SR
-                        }
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.log2_S <= 14.231312274932861) {
-                    if (x.skew_hi <= 10.959607362747192) {
-                      if (x.long_level <= 1.5) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 8, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    return {4, 4, 16, 64, 1};  // SR
-                  }
-                }
-              }
-            }
-          }
-        } else {
-          if (x.long_level <= 0.5) {
-            if (x.skew_hi <= 5.460502862930298) {
-              return {4, 4, 32, 64, 0};  // SP
-            } else {
-              if (x.avg <= 1.1462998390197754) {
-                return {4, 4, 8, 64, 1};  // SR
-              } else {
-                if (x.log2_S <= 17.33199405670166) {
-                  return {4, 4, 8, 64, 1};  // SR
-                } else {
-                  if (x.log2_S <= 22.420119285583496) {
-                    return {4, 4, 32, 64, 0};  // SP
-                  } else {
-                    return {4, 4, 8, 64, 1};  // SR
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.skew_lo <= 10.698400974273682) {
-              if (x.avg <= 17.74981117248535) {
-                if (x.log2_S <= 18.23612117767334) {
-                  if (x.skew_lo <= 7.665596008300781) {
-                    if (x.skew_lo <= 4.64232325553894) {
-                      if (x.log2_S <= 16.345643043518066) {
-                        return {4, 4, 8, 64, 1};  // SR
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
-                      }
-                    } else {
-                      return {4, 4, 8, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.avg <= 10.036298274993896) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 16.78562831878662) {
-                        return {4, 4, 32, 64, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 10.44127368927002) {
+                      if (x.log2_S <= 16.0986967086792) {
+                        if (x.long_level <= 2.5) {
                           return {4, 4, 16, 64, 1};  // SR
                         } else {
                           return {4, 4, 32, 64, 1};  // SR
                         }
-                      }
-                    }
-                  }
-                } else {
-                  if (x.avg <= 9.717421531677246) {
-                    return {4, 4, 16, 64, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 5.887892246246338) {
-                      return {4, 4, 16, 64, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 14.490207195281982) {
-                        if (x.skew_lo <= 6.174614191055298) {
-                          if (x.log2_S <= 21.28146743774414) {
-                            return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 10.444293975830078) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 17.26145076751709) {
+                            return {4, 4, 32, 64, 1};  // SR
                           } else {
                             return {4, 4, 16, 64, 1};  // SR
                           }
-                        } else {
-                          return {4, 4, 8, 64, 1};  // SR
                         }
-                      } else {
-                        return {4, 4, 16, 64, 1};  // SR
                       }
                     }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 16.57210636138916) {
+                    if (x.avg <= 37.47013282775879) {
+                      if (x.skew_lo <= 1.7883023023605347) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 9.735645771026611) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 32, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
                   }
                 }
               } else {
-                if (x.log2_S <= 16.44712734222412) {
-                  if (x.avg <= 37.3114128112793) {
-                    if (x.skew_hi <= 5.6902971267700195) {
-                      return {4, 4, 8, 64, 1};  // SR
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  } else {
-                    if (x.skew_lo <= -1.2243195176124573) {
-                      if (x.skew_hi <= 2.2223845720291138) {
-                        return {4, 4, 16, 64, 1};  // SR
-                      } else {
-                        return {4, 16, 64, 8, 0};  // SP
-                      }
-                    } else {
-                      return {4, 4, 16, 64, 1};  // SR
-                    }
-                  }
+                if (x.skew_lo <= 11.095921516418457) {
+                  return {4, 4, 32, 64, 1};  // SR
                 } else {
-                  return {4, 4, 16, 64, 1};  // SR
-                }
-              }
-            } else {
-              if (x.log2_S <= 19.18571949005127) {
-                if (x.skew_hi <= 16.373483657836914) {
-                  if (x.avg <= 7.464479446411133) {
-                    return {4, 32, 16, 2, 8};  // PR
-                  } else {
-                    return {4, 4, 32, 64, 1};  // SR
-                  }
-                } else {
-                  if (x.avg <= 2.681432366371155) {
-                    return {4, 4, 32, 64, 1};  // SR
-                  } else {
-                    if (x.skew_lo <= 11.948778629302979) {
-                      if (x.log2_S <= 18.75165843963623) {
-                        return {4, 4, 32, 64, 1};  // SR
+                  if (x.skew_hi <= 19.18571949005127) {
+                    if (x.skew_lo <= 12.641044616699219) {
+                      if (x.avg <= 4.684240818023682) {
+                        return {4, 32, 16, 2, 8};  // PR
                       } else {
-                        if (x.skew_lo <= 11.243372440338135) {
-                          return {4, 4, 32, 64, 1};  // SR
+                        if (x.skew_hi <= 18.597704887390137) {
+                          if (x.log2_S <= 16.277145385742188) {
+                            return {4, 32, 16, 2, 8};  // PR
+                          } else {
+                            return {4, 4, 32, 64, 1};  // SR
+                          }
                         } else {
                           return {4, 32, 16, 2, 8};  // PR
                         }
                       }
                     } else {
-                      return {4, 32, 16, 2, 8};  // PR
+                      if (x.log2_S <= 16.358006477355957) {
+                        return {4, 32, 16, 2, 8};  // PR
+                      } else {
+                        return {4, 4, 32, 64, 1};  // SR
+                      }
                     }
+                  } else {
+                    return {4, 32, 16, 2, 8};  // PR
                   }
-                }
-              } else {
-                if (x.avg <= 7.6994969844818115) {
-                  return {4, 32, 16, 2, 8};  // PR
-                } else {
-                  return {4, 4, 32, 64, 1};  // SR
                 }
               }
             }
           }
         }
       }
-    } else {
-      if (x.F <= 45.254833995939045) {
-        if (x.log2_S <= 15.39669942855835) {
-          if (x.skew_lo <= -0.3574804365634918) {
-            if (x.log2_S <= 10.067738056182861) {
-              if (x.avg <= 2.1577242612838745) {
-                return {4, 64, 64, 1, 0};  // SP
-              } else {
-                if (x.log2_S <= 9.894375801086426) {
-                  return {4, 32, 64, 8, 0};  // SP
+    }
+  } else {
+    if (x.F <= 78.38367176906169) {
+      if (x.F <= 39.191835884530846) {
+        if (x.log2_S <= 15.299185276031494) {
+          if (x.skew_lo <= -0.5274896323680878) {
+            if (x.long_level <= 0.5) {
+              if (x.log2_S <= 10.147229671478271) {
+                if (x.skew_lo <= -1.3080649375915527) {
+                  return {4, 64, 8, 2, 0};  // SP
                 } else {
-                  if (x.avg <= 40.16596031188965) {
-                    return {4, 64, 64, 4, 0};  // SP
+                  if (x.log2_S <= 9.50673770904541) {
+                    return {4, 64, 8, 2, 0};  // SP
                   } else {
-                    return {4, 32, 64, 8, 0};  // SP
+                    return {4, 64, 64, 1, 0};  // SP
                   }
                 }
-              }
-            } else {
-              if (x.avg <= 104.2205810546875) {
-                if (x.log2_S <= 11.816077709197998) {
-                  if (x.skew_hi <= 2.7868404388427734) {
-                    if (x.log2_S <= 10.254493236541748) {
-                      if (x.skew_hi <= 1.4645152688026428) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 11.721415519714355) {
-                        return {4, 64, 64, 1, 0};  // SP
-                      } else {
-                        return {4, 64, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 10.809784412384033) {
-                      return {4, 64, 64, 4, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 11.606135368347168) {
-                        if (x.skew_lo <= -1.8927764296531677) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          if (x.skew_lo <= -0.8024050295352936) {
-                            return {4, 64, 64, 4, 0};  // SP
-                          } else {
-                            if (x.avg <= 42.70086878538132) {
-                              return {4, 64, 64, 1, 0};  // SP
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 5.1322455406188965) {
+              } else {
+                if (x.log2_S <= 11.949039459228516) {
+                  if (x.avg <= 10.149415493011475) {
+                    if (x.log2_S <= 11.409130096435547) {
+                      if (x.avg <= 4.217365503311157) {
+                        if (x.skew_hi <= 5.069506645202637) {
                           return {4, 64, 64, 4, 0};  // SP
                         } else {
                           return {4, 64, 64, 1, 0};  // SP
                         }
+                      } else {
+                        if (x.avg <= 6.149834632873535) {
+                          return {4, 64, 64, 2, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 1.874854028224945) {
+                        return {4, 64, 64, 1, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 11.732990741729736) {
+                      return {4, 64, 64, 1, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.84565019607544) {
+                        return {4, 64, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 1, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.skew_lo <= -3.6419944763183594) {
-                    if (x.log2_S <= 14.04785680770874) {
-                      if (x.log2_S <= 13.26712942123413) {
-                        if (x.avg <= 21.661008834838867) {
-                          if (x.avg <= 14.590709686279297) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            return {4, 32, 64, 2, 0};  // SP
-                          }
-                        } else {
-                          if (x.skew_hi <= 0.21308591216802597) {
-                            return {4, 32, 64, 2, 0};  // SP
-                          } else {
-                            return {4, 32, 32, 2, 0};  // SP
-                          }
-                        }
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
+                  if (x.skew_hi <= 2.248765707015991) {
+                    if (x.log2_S <= 15.068679332733154) {
+                      return {4, 32, 64, 2, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -5.263837575912476) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
+                      if (x.avg <= 26.451207160949707) {
                         return {4, 16, 16, 4, 0};  // SP
+                      } else {
+                        return {4, 32, 64, 2, 0};  // SP
                       }
                     }
                   } else {
-                    if (x.log2_S <= 13.215793132781982) {
-                      if (x.skew_lo <= -2.1812639236450195) {
-                        if (x.log2_S <= 12.98847770690918) {
-                          return {4, 4, 8, 64, 1};  // SR
+                    if (x.log2_S <= 13.2086820602417) {
+                      if (x.skew_lo <= -0.7686027884483337) {
+                        if (x.log2_S <= 12.092928886413574) {
+                          return {2, 8, 8, 32, 1};  // SR
                         } else {
-                          return {4, 8, 8, 32, 1};  // SR
+                          if (x.skew_hi <= 2.7485241889953613) {
+                            if (x.log2_S <= 12.563528537750244) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 32, 64, 2, 0};  // SP
+                            }
+                          } else {
+                            if (x.avg <= 2.269257426261902) {
+                              if (x.log2_S <= 12.680754661560059) {
+                                return {2, 8, 8, 32, 1};  // SR
+                              } else {
+                                return {4, 4, 8, 64, 1};  // SR
+                              }
+                            } else {
+                              return {4, 4, 8, 64, 1};  // SR
+                            }
+                          }
                         }
                       } else {
-                        if (x.log2_S <= 12.779843807220459) {
-                          if (x.skew_lo <= -0.7177331149578094) {
-                            return {2, 8, 8, 32, 1};  // SR
-                          } else {
-                            if (x.avg <= 42.87192225456238) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 8, 8, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          if (x.skew_lo <= -0.7767519354820251) {
-                            return {4, 4, 8, 64, 1};  // SR
-                          } else {
-                            if (x.avg <= 43.24027043581009) {
-                              return {2, 16, 8, 4, 1};  // SR
-                            } else {
-                              return {4, 16, 64, 8, 0};  // SP
-                            }
-                          }
-                        }
+                        return {2, 16, 8, 4, 1};  // SR
                       }
                     } else {
-                      if (x.avg <= 11.030662059783936) {
-                        return {4, 8, 8, 32, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 3.507715106010437) {
-                          return {4, 16, 64, 8, 0};  // SP
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
+                      return {4, 8, 8, 32, 1};  // SR
                     }
                   }
                 }
-              } else {
-                if (x.log2_S <= 13.099376201629639) {
-                  if (x.skew_lo <= -1.704701840877533) {
+              }
+            } else {
+              if (x.log2_S <= 12.690272331237793) {
+                if (x.avg <= 206.2192611694336) {
+                  if (x.log2_S <= 10.374659061431885) {
                     return {4, 32, 64, 8, 0};  // SP
                   } else {
-                    if (x.log2_S <= 10.374659061431885) {
-                      return {4, 32, 64, 8, 0};  // SP
+                    if (x.skew_lo <= -1.1394893527030945) {
+                      return {4, 32, 64, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.673295021057129) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
-                        if (x.skew_lo <= -1.0230653285980225) {
+                      if (x.avg <= 110.94189071655273) {
+                        if (x.skew_lo <= -0.7788675129413605) {
                           return {4, 32, 64, 4, 0};  // SP
                         } else {
-                          return {4, 16, 64, 8, 0};  // SP
+                          return {4, 4, 8, 64, 1};  // SR
                         }
+                      } else {
+                        return {4, 32, 64, 8, 0};  // SP
                       }
                     }
                   }
                 } else {
-                  if (x.skew_hi <= 2.966818332672119) {
-                    return {4, 32, 64, 4, 0};  // SP
+                  return {4, 32, 64, 8, 0};  // SP
+                }
+              } else {
+                if (x.avg <= 135.03997039794922) {
+                  if (x.log2_S <= 15.096320629119873) {
+                    return {4, 16, 64, 8, 0};  // SP
                   } else {
-                    if (x.log2_S <= 14.784459114074707) {
-                      return {4, 16, 64, 8, 0};  // SP
-                    } else {
+                    return {4, 32, 64, 4, 0};  // SP
+                  }
+                } else {
+                  if (x.log2_S <= 13.423095226287842) {
+                    if (x.avg <= 252.04163360595703) {
                       return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 8, 0};  // SP
                     }
+                  } else {
+                    return {4, 32, 64, 4, 0};  // SP
                   }
                 }
               }
             }
           } else {
-            if (x.skew_hi <= 12.930835247039795) {
-              if (x.long_level <= 1.5) {
-                if (x.avg <= 19.88902187347412) {
-                  if (x.log2_S <= 13.14171838760376) {
-                    if (x.avg <= 3.9073166847229004) {
+            if (x.skew_hi <= 13.477425575256348) {
+              if (x.avg <= 14.433218002319336) {
+                if (x.skew_lo <= 5.96502685546875) {
+                  if (x.log2_S <= 12.993266105651855) {
+                    if (x.avg <= 4.299791097640991) {
                       if (x.skew_hi <= 9.071967601776123) {
-                        if (x.skew_hi <= 7.992800951004028) {
-                          if (x.log2_S <= 9.588908672332764) {
-                            return {4, 64, 32, 1, 0};  // SP
-                          } else {
-                            if (x.log2_S <= 11.899999141693115) {
-                              if (x.log2_S <= 11.234606742858887) {
-                                if (x.log2_S <= 9.938636779785156) {
-                                  return {4, 32, 32, 4, 0};  // SP
+                        if (x.skew_lo <= 4.309197425842285) {
+                          if (x.log2_S <= 12.361921787261963) {
+                            if (x.skew_hi <= 6.949432373046875) {
+                              if (x.log2_S <= 9.86669397354126) {
+                                if (x.log2_S <= 9.50648546218872) {
+                                  if (x.skew_lo <= -0.36862243711948395) {
+                                    return {4, 64, 64, 1, 0};  // SP
+                                  } else {
+                                    return {4, 64, 32, 1, 0};  // SP
+                                  }
                                 } else {
-                                  return {4, 64, 64, 4, 0};  // SP
+                                  if (x.skew_lo <= -0.3654583841562271) {
+                                    return {4, 64, 32, 1, 0};  // SP
+                                  } else {
+                                    return {4, 32, 32, 4, 0};  // SP
+                                  }
                                 }
                               } else {
-                                return {4, 64, 64, 1, 0};  // SP
+                                if (x.log2_S <= 11.234606742858887) {
+                                  return {4, 64, 64, 4, 0};  // SP
+                                } else {
+                                  return {4, 64, 64, 1, 0};  // SP
+                                }
                               }
                             } else {
-                              return {2, 16, 8, 4, 1};  // SR
+                              return {2, 32, 8, 4, 1};  // SR
                             }
+                          } else {
+                            return {2, 16, 8, 4, 1};  // SR
                           }
                         } else {
                           if (x.log2_S <= 12.421850681304932) {
@@ -7856,18 +9350,10 @@ inline Config gathered_config(const Features& f) {
                         return {2, 16, 8, 4, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 12.196525573730469) {
-                        return {2, 16, 8, 4, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= 2.958963394165039) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {2, 16, 8, 4, 1};  // SR
-                        }
-                      }
+                      return {2, 16, 8, 4, 1};  // SR
                     }
                   } else {
-                    if (x.skew_lo <= 4.579466104507446) {
+                    if (x.skew_hi <= 8.579466342926025) {
                       return {4, 8, 8, 32, 1};  // SR
                     } else {
                       if (x.log2_S <= 14.581921577453613) {
@@ -7878,170 +9364,256 @@ inline Config gathered_config(const Features& f) {
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.08867883682251) {
-                    return {4, 8, 8, 32, 1};  // SR
-                  } else {
-                    if (x.avg <= 41.533119201660156) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 14.198320388793945) {
-                  if (x.skew_lo <= 11.851268768310547) {
-                    if (x.skew_hi <= 12.78756046295166) {
-                      return {4, 8, 8, 32, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 9.14381217956543) {
-                        return {4, 4, 16, 64, 1};  // SR
+                  if (x.avg <= 2.825672745704651) {
+                    if (x.log2_S <= 12.319729328155518) {
+                      if (x.log2_S <= 9.82239818572998) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
-                        if (x.skew_lo <= 10.408723831176758) {
-                          return {4, 8, 8, 32, 1};  // SR
+                        return {2, 16, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.long_level <= 2.5) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 12.99088716506958) {
+                          return {2, 16, 8, 4, 1};  // SR
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
+                          return {4, 32, 8, 2, 16};  // PR
                         }
                       }
                     }
                   } else {
-                    return {4, 32, 8, 2, 16};  // PR
-                  }
-                } else {
-                  if (x.skew_lo <= 5.406972646713257) {
-                    return {4, 8, 32, 32, 1};  // SR
-                  } else {
-                    return {4, 8, 8, 32, 1};  // SR
-                  }
-                }
-              }
-            } else {
-              if (x.skew_lo <= 10.038772583007812) {
-                if (x.avg <= 8.887951970100403) {
-                  return {4, 8, 8, 32, 1};  // SR
-                } else {
-                  if (x.log2_S <= 14.479018211364746) {
-                    return {4, 4, 16, 64, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 14.893679141998291) {
-                      if (x.log2_S <= 14.759450435638428) {
-                        return {4, 8, 32, 32, 1};  // SR
+                    if (x.skew_lo <= 10.872661113739014) {
+                      if (x.skew_hi <= 13.234298706054688) {
+                        return {4, 8, 8, 32, 1};  // SR
                       } else {
                         return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 12.809240341186523) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.avg <= 5.016951322555542) {
+                          return {4, 32, 8, 2, 16};  // PR
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 14.108134746551514) {
+                  if (x.skew_hi <= 12.88316535949707) {
+                    if (x.avg <= 17.485133171081543) {
+                      if (x.skew_hi <= 6.1168835163116455) {
+                        if (x.log2_S <= 12.144707679748535) {
+                          return {2, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 3.591038465499878) {
+                        if (x.log2_S <= 11.053174495697021) {
+                          return {4, 32, 64, 8, 0};  // SP
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 9.901947975158691) {
+                      return {4, 4, 16, 64, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 30.096214294433594) {
+                    return {4, 8, 8, 32, 1};  // SR
+                  } else {
+                    if (x.avg <= 54.29768371582031) {
+                      if (x.log2_S <= 14.843235969543457) {
+                        if (x.skew_lo <= 4.293853998184204) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
                       }
                     } else {
                       return {4, 8, 32, 32, 1};  // SR
                     }
                   }
                 }
-              } else {
-                if (x.skew_hi <= 13.176201820373535) {
-                  if (x.avg <= 11.508060455322266) {
-                    return {4, 8, 32, 32, 1};  // SR
+              }
+            } else {
+              if (x.skew_hi <= 14.219881534576416) {
+                if (x.avg <= 12.41527509689331) {
+                  if (x.skew_lo <= 10.576011657714844) {
+                    return {4, 8, 8, 32, 1};  // SR
                   } else {
-                    return {4, 4, 16, 64, 1};  // SR
+                    return {4, 8, 32, 32, 1};  // SR
                   }
                 } else {
-                  return {4, 8, 32, 32, 1};  // SR
+                  return {4, 4, 16, 64, 1};  // SR
                 }
+              } else {
+                return {4, 8, 32, 32, 1};  // SR
               }
             }
           }
         } else {
-          if (x.skew_lo <= -1.1775553226470947) {
-            if (x.log2_S <= 16.128003120422363) {
-              if (x.avg <= 102.89694595336914) {
-                if (x.skew_lo <= -4.249016523361206) {
-                  if (x.avg <= 45.18645477294922) {
-                    return {4, 16, 16, 4, 0};  // SP
-                  } else {
-                    return {4, 16, 64, 8, 0};  // SP
-                  }
+          if (x.skew_lo <= -1.2420355677604675) {
+            if (x.skew_lo <= -1.7148773670196533) {
+              if (x.log2_S <= 15.52029037475586) {
+                if (x.skew_lo <= -2.936686158180237) {
+                  return {4, 8, 32, 32, 0};  // SP
                 } else {
-                  if (x.skew_hi <= 3.915220618247986) {
-                    return {4, 8, 32, 32, 0};  // SP
-                  } else {
+                  if (x.avg <= 121.20153176784515) {
                     return {4, 8, 8, 32, 1};  // SR
-                  }
-                }
-              } else {
-                return {4, 32, 64, 4, 0};  // SP
-              }
-            } else {
-              if (x.skew_lo <= -1.4067258834838867) {
-                if (x.log2_S <= 16.79735565185547) {
-                  if (x.avg <= 225.6530303955078) {
-                    if (x.skew_lo <= -1.5157842636108398) {
-                      return {4, 8, 32, 32, 0};  // SP
-                    } else {
-                      return {4, 32, 64, 4, 0};  // SP
-                    }
                   } else {
                     return {4, 32, 64, 4, 0};  // SP
                   }
+                }
+              } else {
+                if (x.avg <= 216.25505828857422) {
+                  return {4, 8, 32, 32, 0};  // SP
+                } else {
+                  if (x.log2_S <= 16.04367733001709) {
+                    return {4, 32, 64, 4, 0};  // SP
+                  } else {
+                    if (x.log2_S <= 21.99623394012451) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      if (x.avg <= 300.94483947753906) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 0};  // SP
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.long_level <= 0.5) {
+                if (x.log2_S <= 16.157508850097656) {
+                  return {4, 8, 8, 32, 1};  // SR
                 } else {
                   return {4, 8, 32, 32, 0};  // SP
                 }
               } else {
-                if (x.long_level <= 0.5) {
-                  return {4, 8, 32, 32, 0};  // SP
+                if (x.skew_hi <= 2.4220422506332397) {
+                  if (x.log2_S <= 19.03976535797119) {
+                    if (x.log2_S <= 16.113887310028076) {
+                      return {4, 32, 64, 4, 0};  // SP
+                    } else {
+                      return {4, 8, 32, 32, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
                 } else {
                   return {4, 8, 32, 32, 1};  // SR
                 }
               }
             }
           } else {
-            if (x.skew_lo <= 9.863834857940674) {
-              if (x.avg <= 20.40254306793213) {
+            if (x.skew_lo <= 10.002165794372559) {
+              if (x.avg <= 16.1983060836792) {
                 if (x.log2_S <= 18.23612117767334) {
-                  if (x.skew_lo <= 8.23976469039917) {
+                  if (x.skew_hi <= 11.788024425506592) {
                     if (x.log2_S <= 17.491695404052734) {
-                      if (x.skew_lo <= -1.0224458575248718) {
+                      if (x.skew_hi <= 4.977554082870483) {
                         return {4, 8, 32, 32, 0};  // SP
                       } else {
                         return {4, 8, 8, 32, 1};  // SR
                       }
                     } else {
-                      if (x.skew_hi <= 8.298964023590088) {
-                        if (x.skew_lo <= 0.8398538865149021) {
-                          if (x.skew_hi <= 5.19238018989563) {
-                            return {4, 8, 32, 32, 0};  // SP
+                      if (x.skew_lo <= 4.298963785171509) {
+                        if (x.skew_hi <= 5.19238018989563) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          if (x.avg <= 1.0991643071174622) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_lo <= 7.468139410018921) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 15.800589084625244) {
+                      if (x.skew_hi <= 13.065111637115479) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 8.060866832733154) {
+                    if (x.log2_S <= 19.182937622070312) {
+                      if (x.skew_lo <= -0.5945664942264557) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        if (x.skew_hi <= 11.242836952209473) {
+                          if (x.skew_hi <= 8.433211326599121) {
+                            return {4, 8, 32, 32, 1};  // SR
                           } else {
                             return {4, 8, 8, 32, 1};  // SR
                           }
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
                         }
-                      } else {
-                        return {4, 8, 8, 32, 1};  // SR
                       }
-                    }
-                  } else {
-                    return {4, 8, 32, 32, 1};  // SR
-                  }
-                } else {
-                  if (x.skew_hi <= 12.286463737487793) {
-                    if (x.skew_lo <= 6.073262453079224) {
-                      if (x.log2_S <= 18.901697158813477) {
-                        if (x.avg <= 2.718623161315918) {
-                          if (x.skew_hi <= 5.263160467147827) {
-                            return {4, 8, 32, 32, 0};  // SP
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
+                    } else {
+                      if (x.skew_lo <= -1.1146883964538574) {
+                        if (x.log2_S <= 22.09966468811035) {
+                          return {4, 8, 32, 32, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 9.830808162689209) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 8, 32, 1};  // SR
-                          }
+                          return {4, 8, 32, 32, 1};  // SR
                         }
                       } else {
                         return {4, 8, 32, 32, 1};  // SR
                       }
+                    }
+                  } else {
+                    if (x.skew_hi <= 10.43161678314209) {
+                      if (x.skew_lo <= 6.276679754257202) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 19.483121871948242) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
                     } else {
-                      if (x.skew_hi <= 10.818224430084229) {
-                        if (x.skew_lo <= 6.112834215164185) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 17.695828437805176) {
+                  if (x.avg <= 21.031968116760254) {
+                    if (x.skew_hi <= 12.752398490905762) {
+                      if (x.log2_S <= 17.126907348632812) {
+                        if (x.skew_lo <= 1.7865656614303589) {
                           return {4, 8, 32, 32, 1};  // SR
                         } else {
                           return {4, 8, 8, 32, 1};  // SR
@@ -8049,76 +9621,26 @@ inline Config gathered_config(const Features& f) {
                       } else {
                         return {4, 8, 32, 32, 1};  // SR
                       }
-                    }
-                  } else {
-                    if (x.skew_lo <= 8.531384944915771) {
-                      if (x.log2_S <= 18.647725105285645) {
+                    } else {
+                      if (x.skew_lo <= 9.928923606872559) {
                         return {4, 8, 32, 32, 1};  // SR
                       } else {
                         return {4, 8, 64, 32, 1};  // SR
                       }
-                    } else {
-                      if (x.avg <= 1.355975091457367) {
-                        if (x.log2_S <= 18.943076133728027) {
-                          return {4, 8, 32, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 64, 32, 1};  // SR
-                        }
-                      } else {
-                        if (x.avg <= 1.900822639465332) {
-                          if (x.avg <= 1.5539589524269104) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 21.815418243408203) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 64, 32, 1};  // SR
-                            }
-                          }
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 17.695828437805176) {
-                  if (x.skew_hi <= 3.127346158027649) {
-                    if (x.log2_S <= 16.418615341186523) {
-                      return {4, 32, 64, 4, 0};  // SP
-                    } else {
-                      return {4, 16, 64, 8, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 55.33462333679199) {
-                      if (x.skew_hi <= 16.57329559326172) {
-                        if (x.avg <= 29.898738861083984) {
-                          if (x.skew_hi <= 7.391874313354492) {
-                            return {4, 8, 8, 32, 1};  // SR
-                          } else {
-                            return {4, 8, 32, 32, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 16.86486530303955) {
-                            return {4, 8, 32, 32, 1};  // SR
-                          } else {
-                            if (x.skew_lo <= 2.6171507835388184) {
-                              return {4, 8, 32, 32, 1};  // SR
-                            } else {
-                              return {4, 8, 64, 32, 1};  // SR
-                            }
-                          }
-                        }
+                    if (x.skew_lo <= 8.153785228729248) {
+                      return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 16.3738956451416) {
+                        return {4, 8, 32, 32, 1};  // SR
                       } else {
-                        if (x.log2_S <= 17.150379180908203) {
+                        if (x.skew_lo <= 8.923408508300781) {
                           return {4, 8, 64, 32, 1};  // SR
                         } else {
                           return {4, 8, 32, 32, 1};  // SR
                         }
                       }
-                    } else {
-                      return {4, 8, 32, 32, 1};  // SR
                     }
                   }
                 } else {
@@ -8126,192 +9648,830 @@ inline Config gathered_config(const Features& f) {
                 }
               }
             } else {
-              if (x.log2_S <= 16.50108528137207) {
-                return {4, 8, 32, 32, 1};  // SR
+              if (x.log2_S <= 16.272604942321777) {
+                if (x.skew_lo <= 13.7805757522583) {
+                  return {4, 8, 32, 32, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 15.936969757080078) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {4, 8, 64, 32, 1};  // SR
+                  }
+                }
               } else {
-                if (x.skew_lo <= 10.002165794372559) {
-                  if (x.log2_S <= 19.78327465057373) {
-                    if (x.log2_S <= 17.216176986694336) {
-                      return {4, 8, 64, 32, 1};  // SR
-                    } else {
+                if (x.skew_hi <= 17.47062110900879) {
+                  if (x.skew_lo <= 11.895451068878174) {
+                    if (x.avg <= 6.856305360794067) {
                       return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 64, 32, 1};  // SR
                     }
                   } else {
                     return {4, 8, 64, 32, 1};  // SR
                   }
                 } else {
-                  if (x.skew_hi <= 18.328535079956055) {
-                    if (x.skew_lo <= 11.813244342803955) {
-                      if (x.avg <= 6.182639837265015) {
-                        return {4, 8, 32, 32, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 18.192171096801758) {
-                          return {4, 8, 64, 32, 1};  // SR
-                        } else {
-                          return {4, 8, 32, 32, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 8, 64, 32, 1};  // SR
-                    }
-                  } else {
-                    return {4, 8, 64, 32, 1};  // SR
-                  }
+                  return {4, 8, 64, 32, 1};  // SR
                 }
               }
             }
           }
         }
       } else {
-        if (x.F <= 90.50966799187809) {
-          if (x.skew_lo <= -0.2119329497218132) {
-            if (x.log2_S <= 14.421113014221191) {
-              if (x.log2_S <= 11.343903064727783) {
-                if (x.log2_S <= 9.002605438232422) {
-                  if (x.avg <= 24.100123405456543) {
-                    if (x.avg <= 3.4508426189422607) {
-                      return {4, 64, 64, 4, 0};  // SP
+        if (x.F <= 55.42562584220407) {
+          if (x.skew_hi <= 14.82388162612915) {
+            if (x.avg <= 16.856446266174316) {
+              if (x.skew_lo <= 2.7538949251174927) {
+                if (x.log2_S <= 15.451993465423584) {
+                  if (x.log2_S <= 10.670457363128662) {
+                    if (x.skew_hi <= 5.959449291229248) {
+                      return {4, 64, 32, 1, 0};  // SP
                     } else {
-                      return {4, 32, 32, 4, 0};  // SP
+                      if (x.avg <= 10.560619354248047) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
                     }
                   } else {
-                    if (x.skew_lo <= -1.9800159335136414) {
-                      return {4, 64, 64, 4, 0};  // SP
+                    if (x.avg <= 3.913784623146057) {
+                      if (x.log2_S <= 12.740300178527832) {
+                        if (x.skew_lo <= -1.0289704203605652) {
+                          if (x.log2_S <= 11.835091590881348) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.848253726959229) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= -0.9815069139003754) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
                     } else {
-                      if (x.skew_hi <= 2.429947018623352) {
+                      if (x.log2_S <= 11.792230606079102) {
+                        if (x.skew_hi <= 4.948694705963135) {
+                          if (x.avg <= 6.824638366699219) {
+                            if (x.log2_S <= 11.089080810546875) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 1, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 64, 1, 0};  // SP
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 2.164241909980774) {
+                          if (x.log2_S <= 14.52330493927002) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            return {4, 4, 16, 64, 0};  // SP
+                          }
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 19.52704429626465) {
+                    if (x.skew_lo <= -0.00986857945099473) {
+                      if (x.avg <= 12.250232696533203) {
                         return {4, 16, 16, 4, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 3.053282141685486) {
-                          return {4, 64, 64, 4, 0};  // SP
+                        if (x.log2_S <= 16.63449192047119) {
+                          return {4, 4, 16, 64, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 3.2494505643844604) {
-                            return {4, 32, 64, 4, 0};  // SP
+                          if (x.log2_S <= 18.156536102294922) {
+                            return {4, 4, 32, 64, 0};  // SP
                           } else {
                             return {4, 16, 16, 4, 0};  // SP
                           }
                         }
                       }
-                    }
-                  }
-                } else {
-                  if (x.log2_S <= 10.510778427124023) {
-                    if (x.avg <= 2.1270980834960938) {
-                      return {4, 64, 32, 1, 0};  // SP
                     } else {
-                      if (x.skew_lo <= -0.35318703949451447) {
-                        return {4, 64, 64, 4, 0};  // SP
+                      if (x.log2_S <= 17.695592880249023) {
+                        if (x.skew_lo <= 2.2404961585998535) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
                       } else {
-                        return {4, 16, 8, 4, 1};  // SR
+                        if (x.skew_lo <= 2.4066240787506104) {
+                          return {4, 4, 16, 64, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 18.755870819091797) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        }
                       }
                     }
                   } else {
-                    if (x.skew_lo <= -3.1660385131835938) {
-                      if (x.skew_lo <= -5.843968629837036) {
-                        return {4, 64, 64, 4, 0};  // SP
+                    if (x.long_level <= 0.5) {
+                      if (x.avg <= 6.965666055679321) {
+                        if (x.avg <= 2.251002550125122) {
+                          if (x.log2_S <= 21.3326473236084) {
+                            if (x.log2_S <= 20.506564140319824) {
+                              return {4, 16, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 64, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= -0.7875869274139404) {
+                              if (x.skew_lo <= -1.0239867568016052) {
+                                return {4, 16, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 64, 2, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 32, 4, 0};  // SP
+                        }
                       } else {
-                        return {4, 64, 32, 1, 0};  // SP
+                        if (x.avg <= 14.706092357635498) {
+                          return {4, 16, 16, 4, 0};  // SP
+                        } else {
+                          return {4, 16, 32, 4, 0};  // SP
+                        }
                       }
                     } else {
-                      if (x.skew_lo <= -0.8024050295352936) {
-                        return {4, 64, 64, 4, 0};  // SP
+                      return {4, 16, 32, 2, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 13.284767627716064) {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_lo <= 3.4548981189727783) {
+                      return {4, 16, 8, 4, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 8.162362575531006) {
+                        if (x.log2_S <= 11.990998268127441) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 2, 1};  // SR
+                        }
                       } else {
-                        return {2, 32, 8, 2, 1};  // SR
+                        if (x.skew_hi <= 8.871400833129883) {
+                          if (x.log2_S <= 10.976466178894043) {
+                            return {2, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 12.213869571685791) {
+                              if (x.log2_S <= 11.61889934539795) {
+                                return {2, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.924968719482422) {
+                            if (x.log2_S <= 10.25441598892212) {
+                              if (x.skew_hi <= 9.181735515594482) {
+                                return {2, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 12.24996280670166) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      if (x.avg <= 16.493919372558594) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= 12.470184803009033) {
+                        return {4, 16, 16, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 4.457128047943115) {
+                    if (x.log2_S <= 18.748461723327637) {
+                      if (x.log2_S <= 16.543264389038086) {
+                        if (x.skew_hi <= 11.860039710998535) {
+                          if (x.skew_hi <= 8.57832145690918) {
+                            return {4, 4, 8, 64, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 13.639198303222656) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 14.339658260345459) {
+                            if (x.long_level <= 2.5) {
+                              return {4, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.skew_hi <= 13.95837688446045) {
+                                return {4, 16, 16, 2, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 16};  // PR
+                              }
+                            }
+                          } else {
+                            if (x.long_level <= 2.5) {
+                              if (x.log2_S <= 15.939984321594238) {
+                                return {4, 16, 16, 4, 1};  // SR
+                              } else {
+                                if (x.avg <= 1.9511005282402039) {
+                                  return {4, 16, 32, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 4, 1};  // SR
+                                }
+                              }
+                            } else {
+                              return {4, 16, 32, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 13.249458312988281) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 18.20376205444336) {
+                            return {4, 16, 32, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_lo <= 8.314566612243652) {
+                        if (x.avg <= 2.398370385169983) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 19.353971481323242) {
+                            return {4, 16, 16, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 10.052180767059326) {
+                      if (x.log2_S <= 18.9307918548584) {
+                        if (x.log2_S <= 17.359743118286133) {
+                          if (x.log2_S <= 15.391307830810547) {
+                            if (x.log2_S <= 14.001797676086426) {
+                              return {4, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.avg <= 7.7748329639434814) {
+                                return {4, 16, 16, 8, 1};  // SR
+                              } else {
+                                return {4, 4, 16, 64, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.skew_lo <= 4.88404107093811) {
+                              return {4, 4, 8, 64, 1};  // SR
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 18.46786594390869) {
+                            if (x.avg <= 12.497223854064941) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 8.88789677619934) {
+                          return {4, 16, 32, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 14.04761791229248) {
+                        if (x.avg <= 12.446049213409424) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 17.208260536193848) {
+                            if (x.log2_S <= 13.884833812713623) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 4, 16, 64, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 32, 2, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 12.964091777801514) {
+                if (x.skew_lo <= -0.548227071762085) {
+                  if (x.avg <= 78.88341522216797) {
+                    if (x.log2_S <= 10.413492679595947) {
+                      return {4, 64, 32, 1, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -4.353546619415283) {
+                        if (x.log2_S <= 11.234950542449951) {
+                          if (x.skew_hi <= 0.3057422786951065) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 8, 2, 0};  // SP
+                          }
+                        } else {
+                          return {4, 64, 64, 1, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 8, 64, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.192283809185028) {
+                      return {4, 4, 16, 64, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.355156898498535) {
+                        if (x.log2_S <= 9.880615234375) {
+                          return {4, 4, 16, 64, 0};  // SP
+                        } else {
+                          return {4, 4, 8, 64, 1};  // SR
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_hi <= 11.992431163787842) {
+                    return {4, 4, 8, 64, 1};  // SR
+                  } else {
+                    return {4, 4, 16, 64, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 3.714304566383362) {
+                  if (x.avg <= 61.56222343444824) {
+                    if (x.log2_S <= 19.332484245300293) {
+                      if (x.log2_S <= 14.055463790893555) {
+                        if (x.skew_hi <= 1.514587640762329) {
+                          return {4, 64, 64, 1, 0};  // SP
+                        } else {
+                          return {4, 32, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 4, 16, 64, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 32, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 16.132365226745605) {
+                      if (x.skew_hi <= 2.6925357580184937) {
+                        return {4, 4, 16, 64, 0};  // SP
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.809717178344727) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 58.13781929016113) {
+                        return {4, 4, 8, 64, 1};  // SR
+                      } else {
+                        return {4, 4, 16, 64, 1};  // SR
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 19.724058151245117) {
+                      if (x.log2_S <= 19.175715446472168) {
+                        return {4, 4, 16, 64, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 7.803147792816162) {
+                          return {4, 16, 32, 2, 1};  // SR
+                        } else {
+                          return {4, 4, 16, 64, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 4, 16, 64, 1};  // SR
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 9.998984336853027) {
+              if (x.skew_hi <= 17.43331527709961) {
+                if (x.avg <= 57.52890205383301) {
+                  if (x.log2_S <= 15.652149677276611) {
+                    return {4, 4, 32, 64, 1};  // SR
+                  } else {
+                    return {4, 16, 32, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.skew_hi <= 15.001352310180664) {
+                    return {4, 4, 16, 64, 1};  // SR
+                  } else {
+                    return {4, 4, 32, 64, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 7.4138031005859375) {
+                  return {4, 16, 32, 2, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 19.8930025100708) {
+                    return {4, 16, 32, 2, 1};  // SR
+                  } else {
+                    if (x.avg <= 28.26695442199707) {
+                      return {4, 16, 32, 2, 1};  // SR
+                    } else {
+                      if (x.avg <= 54.84578323364258) {
+                        if (x.avg <= 40.664249420166016) {
+                          return {4, 16, 64, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 32, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.skew_hi <= 19.42731761932373) {
+                if (x.skew_hi <= 16.061767578125) {
+                  if (x.skew_hi <= 15.071730136871338) {
+                    return {4, 16, 32, 2, 1};  // SR
+                  } else {
+                    return {4, 16, 64, 2, 1};  // SR
+                  }
+                } else {
+                  if (x.log2_S <= 18.80143928527832) {
+                    return {4, 16, 32, 2, 1};  // SR
+                  } else {
+                    if (x.skew_lo <= 12.145068645477295) {
+                      return {4, 16, 32, 2, 1};  // SR
+                    } else {
+                      return {4, 16, 64, 2, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 11.768082618713379) {
+                  if (x.skew_lo <= 11.404227256774902) {
+                    return {4, 16, 64, 2, 1};  // SR
+                  } else {
+                    if (x.avg <= 5.3133909702301025) {
+                      return {4, 16, 64, 2, 1};  // SR
+                    } else {
+                      return {4, 16, 32, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 2.364901900291443) {
+                    return {4, 16, 64, 2, 1};  // SR
+                  } else {
+                    if (x.skew_hi <= 19.70985507965088) {
+                      return {4, 16, 64, 2, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 2, 8};  // PR
+                    }
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.log2_S <= 14.604684829711914) {
+            if (x.long_level <= 2.5) {
+              if (x.skew_lo <= -0.0962648093700409) {
+                if (x.log2_S <= 11.965925693511963) {
+                  if (x.skew_lo <= -1.1643007397651672) {
+                    if (x.log2_S <= 10.143267154693604) {
+                      if (x.avg <= 6.0797975063323975) {
+                        if (x.log2_S <= 8.463791370391846) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 64, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= -4.234752178192139) {
+                        return {4, 64, 32, 1, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -1.7904818058013916) {
+                          if (x.skew_lo <= -3.468129277229309) {
+                            if (x.log2_S <= 11.400020122528076) {
+                              return {4, 64, 32, 1, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 64, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_hi <= 3.459949016571045) {
+                            return {4, 64, 64, 2, 0};  // SP
+                          } else {
+                            return {4, 64, 8, 2, 0};  // SP
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 3.7289247512817383) {
+                      if (x.log2_S <= 9.784592151641846) {
+                        return {4, 32, 64, 4, 0};  // SP
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 10.694467544555664) {
+                        if (x.log2_S <= 9.699374198913574) {
+                          if (x.avg <= 1.599612295627594) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            if (x.skew_lo <= -0.4591747224330902) {
+                              return {4, 64, 64, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 16, 4, 0};  // SP
+                            }
+                          }
+                        } else {
+                          return {4, 64, 8, 2, 0};  // SP
+                        }
+                      } else {
+                        if (x.long_level <= 0.5) {
+                          if (x.log2_S <= 11.420565128326416) {
+                            return {2, 32, 8, 2, 1};  // SR
+                          } else {
+                            return {2, 32, 8, 8, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 13.89754343032837) {
+                    if (x.log2_S <= 12.676480293273926) {
+                      if (x.skew_hi <= 4.1242454051971436) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 2.0893672704696655) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 64, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 16, 8, 4, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 143.6348648071289) {
+                      if (x.avg <= 87.13812637329102) {
+                        if (x.log2_S <= 13.389655590057373) {
+                          if (x.avg <= 51.285247802734375) {
+                            return {4, 64, 32, 1, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        } else {
+                          if (x.avg <= 72.66119766235352) {
+                            if (x.avg <= 24.003703117370605) {
+                              return {4, 16, 16, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 64, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 12.859886646270752) {
+                        if (x.skew_hi <= 2.0884703397750854) {
+                          return {4, 64, 64, 4, 0};  // SP
+                        } else {
+                          return {4, 64, 64, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 64, 64, 2, 0};  // SP
                       }
                     }
                   }
                 }
               } else {
-                if (x.avg <= 16.211103439331055) {
-                  if (x.log2_S <= 12.590968132019043) {
-                    if (x.skew_lo <= -1.9415624141693115) {
-                      if (x.log2_S <= 11.871015548706055) {
-                        if (x.log2_S <= 11.674198627471924) {
-                          return {4, 64, 32, 1, 0};  // SP
-                        } else {
-                          return {4, 64, 64, 4, 0};  // SP
-                        }
-                      } else {
-                        return {4, 16, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      if (x.avg <= 1.8104063272476196) {
-                        return {2, 32, 8, 8, 1};  // SR
-                      } else {
-                        if (x.skew_lo <= -1.6162619590759277) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 11.660123348236084) {
-                            return {2, 32, 8, 8, 1};  // SR
+                if (x.log2_S <= 12.770663738250732) {
+                  if (x.avg <= 5.5016772747039795) {
+                    if (x.long_level <= 1.5) {
+                      if (x.avg <= 3.9073166847229004) {
+                        if (x.log2_S <= 10.29996633529663) {
+                          if (x.skew_hi <= 7.989416599273682) {
+                            return {4, 64, 8, 2, 0};  // SP
                           } else {
                             return {2, 64, 8, 2, 1};  // SR
                           }
+                        } else {
+                          if (x.log2_S <= 11.918363094329834) {
+                            if (x.avg <= 2.2125598192214966) {
+                              if (x.log2_S <= 11.582618236541748) {
+                                return {2, 32, 8, 8, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 11.483187198638916) {
+                                return {2, 64, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
                         }
-                      }
-                    }
-                  } else {
-                    if (x.log2_S <= 13.997600555419922) {
-                      if (x.skew_hi <= 5.695421934127808) {
-                        return {4, 16, 8, 4, 1};  // SR
                       } else {
                         return {2, 32, 8, 2, 1};  // SR
                       }
                     } else {
-                      if (x.skew_hi <= 3.2234658002853394) {
-                        return {4, 16, 16, 4, 0};  // SP
+                      return {4, 16, 8, 4, 1};  // SR
+                    }
+                  } else {
+                    if (x.avg <= 6.4371819496154785) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 10.81942081451416) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
                       } else {
                         return {4, 16, 8, 4, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 12.378434658050537) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        if (x.avg <= 219.9573974609375) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
                       }
                     }
                   }
                 } else {
-                  if (x.avg <= 150.0625991821289) {
-                    if (x.avg <= 79.67704772949219) {
-                      if (x.log2_S <= 13.232883930206299) {
-                        if (x.avg <= 67.48246002197266) {
-                          if (x.log2_S <= 12.627974510192871) {
-                            if (x.log2_S <= 11.857861042022705) {
-                              return {4, 64, 32, 1, 0};  // SP
-                            } else {
-                              return {4, 64, 64, 4, 0};  // SP
-                            }
-                          } else {
-                            if (x.skew_lo <= -5.514686822891235) {
-                              return {4, 64, 64, 4, 0};  // SP
-                            } else {
-                              return {4, 64, 32, 1, 0};  // SP
-                            }
-                          }
+                  if (x.avg <= 15.214268207550049) {
+                    if (x.avg <= 4.104116201400757) {
+                      if (x.log2_S <= 13.370509624481201) {
+                        if (x.skew_lo <= 5.7689220905303955) {
+                          return {2, 32, 8, 2, 1};  // SR
                         } else {
-                          return {4, 16, 16, 8, 1};  // SR
+                          return {4, 16, 8, 4, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 13.957235336303711) {
-                          return {4, 64, 64, 1, 0};  // SP
-                        } else {
-                          return {4, 16, 16, 4, 0};  // SP
-                        }
+                        return {4, 16, 8, 4, 1};  // SR
                       }
                     } else {
-                      if (x.log2_S <= 12.064696311950684) {
-                        if (x.skew_hi <= 3.1699845790863037) {
-                          return {4, 64, 64, 4, 0};  // SP
+                      if (x.skew_lo <= 5.034008741378784) {
+                        if (x.log2_S <= 14.049870491027832) {
+                          return {4, 16, 8, 4, 1};  // SR
                         } else {
                           return {4, 16, 16, 8, 1};  // SR
                         }
                       } else {
-                        return {4, 32, 64, 4, 0};  // SP
+                        if (x.avg <= 8.582366466522217) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 2, 1};  // SR
+                        }
                       }
                     }
                   } else {
-                    return {4, 64, 64, 4, 0};  // SP
+                    if (x.long_level <= 1.5) {
+                      if (x.log2_S <= 13.04862928390503) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 8.898531436920166) {
+                        if (x.skew_hi <= 7.277347564697266) {
+                          if (x.skew_lo <= 2.650081992149353) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 13.228740692138672) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 16, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 14.024253845214844) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 16, 8, 1};  // SR
+                        }
+                      }
+                    }
                   }
                 }
               }
             } else {
-              if (x.skew_lo <= -3.1925305128097534) {
-                if (x.log2_S <= 16.809176445007324) {
-                  if (x.skew_lo <= -5.695734262466431) {
-                    if (x.log2_S <= 15.968456268310547) {
+              if (x.log2_S <= 12.852331161499023) {
+                if (x.skew_lo <= 9.923370838165283) {
+                  return {4, 16, 16, 8, 1};  // SR
+                } else {
+                  return {4, 16, 16, 4, 1};  // SR
+                }
+              } else {
+                if (x.skew_hi <= 13.778278350830078) {
+                  if (x.avg <= 15.410444736480713) {
+                    if (x.skew_hi <= 13.377920627593994) {
+                      return {4, 16, 16, 4, 1};  // SR
+                    } else {
+                      if (x.avg <= 9.200677394866943) {
+                        return {4, 16, 32, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 4, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 51.28719139099121) {
+                      if (x.avg <= 23.83969211578369) {
+                        return {4, 16, 16, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 16, 2, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 16, 32, 2, 1};  // SR
+                }
+              }
+            }
+          } else {
+            if (x.skew_lo <= 0.7486007511615753) {
+              if (x.skew_lo <= -3.3348711729049683) {
+                if (x.log2_S <= 17.17120361328125) {
+                  if (x.skew_lo <= -5.735552787780762) {
+                    if (x.log2_S <= 15.586088180541992) {
                       return {4, 16, 16, 4, 0};  // SP
                     } else {
                       return {4, 16, 32, 4, 0};  // SP
@@ -8323,337 +10483,213 @@ inline Config gathered_config(const Features& f) {
                   return {4, 16, 32, 4, 0};  // SP
                 }
               } else {
-                if (x.skew_lo <= -1.7748994827270508) {
-                  if (x.log2_S <= 14.787646770477295) {
-                    if (x.skew_hi <= 3.8055535554885864) {
+                if (x.log2_S <= 15.812254428863525) {
+                  if (x.avg <= 3.7469892501831055) {
+                    return {4, 16, 8, 4, 1};  // SR
+                  } else {
+                    if (x.long_level <= 0.5) {
                       return {4, 16, 16, 4, 0};  // SP
                     } else {
-                      return {4, 16, 8, 4, 1};  // SR
-                    }
-                  } else {
-                    return {4, 16, 16, 4, 0};  // SP
-                  }
-                } else {
-                  if (x.log2_S <= 15.69632625579834) {
-                    if (x.avg <= 39.589332699775696) {
-                      return {4, 16, 8, 4, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= -1.2258883714675903) {
-                        return {4, 16, 32, 4, 0};  // SP
+                      if (x.skew_lo <= -1.0789621472358704) {
+                        return {4, 64, 64, 2, 0};  // SP
                       } else {
-                        if (x.skew_hi <= 3.591958165168762) {
-                          return {4, 32, 64, 4, 0};  // SP
+                        if (x.avg <= 66.76359176635742) {
+                          return {4, 16, 16, 4, 1};  // SR
                         } else {
-                          return {4, 16, 32, 2, 1};  // SR
+                          return {4, 32, 64, 4, 0};  // SP
                         }
                       }
                     }
-                  } else {
-                    if (x.log2_S <= 19.26890468597412) {
-                      if (x.avg <= 181.5945587158203) {
+                  }
+                } else {
+                  if (x.skew_hi <= 4.998928546905518) {
+                    if (x.skew_hi <= 2.932794451713562) {
+                      if (x.skew_hi <= 2.094594717025757) {
                         return {4, 16, 16, 4, 0};  // SP
                       } else {
-                        if (x.log2_S <= 17.652551651000977) {
+                        if (x.avg <= 178.92407989501953) {
                           return {4, 16, 16, 4, 0};  // SP
                         } else {
                           return {4, 16, 32, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.avg <= 2.725605010986328) {
-                        return {4, 16, 32, 4, 0};  // SP
-                      } else {
-                        if (x.avg <= 176.9880828857422) {
-                          if (x.skew_lo <= -0.38158534467220306) {
-                            return {4, 16, 16, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 32, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 32, 4, 0};  // SP
-                        }
-                      }
-                    }
-                  }
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 14.01722240447998) {
-              if (x.long_level <= 2.5) {
-                if (x.log2_S <= 12.879563808441162) {
-                  if (x.avg <= 5.5016772747039795) {
-                    if (x.long_level <= 1.5) {
-                      if (x.skew_hi <= 8.823419570922852) {
-                        if (x.skew_lo <= 4.033823013305664) {
-                          if (x.skew_hi <= 7.578343868255615) {
-                            if (x.log2_S <= 10.351633548736572) {
-                              if (x.avg <= 3.2664027214050293) {
-                                return {4, 64, 32, 1, 0};  // SP
-                              } else {
-                                return {4, 8, 8, 32, 1};  // SR
-                              }
-                            } else {
-                              return {2, 32, 8, 2, 1};  // SR
-                            }
-                          } else {
-                            return {2, 32, 8, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 11.483187198638916) {
-                            return {2, 64, 8, 2, 1};  // SR
-                          } else {
-                            if (x.log2_S <= 12.210729598999023) {
-                              return {2, 32, 8, 8, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 1};  // SR
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 11.783924102783203) {
-                          return {2, 32, 8, 8, 1};  // SR
-                        } else {
-                          return {2, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    } else {
-                      return {4, 16, 8, 4, 1};  // SR
+                      return {4, 16, 16, 4, 0};  // SP
                     }
                   } else {
-                    if (x.avg <= 7.640620946884155) {
-                      if (x.long_level <= 1.5) {
-                        if (x.log2_S <= 11.099513053894043) {
-                          return {4, 8, 8, 32, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 8, 4, 1};  // SR
-                      }
+                    if (x.log2_S <= 19.060019493103027) {
+                      return {4, 16, 16, 4, 0};  // SP
                     } else {
-                      if (x.log2_S <= 12.37655258178711) {
-                        return {4, 16, 8, 4, 1};  // SR
-                      } else {
-                        if (x.avg <= 57.33562469482422) {
-                          return {4, 16, 8, 4, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 2.9825327396392822) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 8, 4, 1};  // SR
-                          }
-                        }
-                      }
+                      return {4, 16, 32, 4, 0};  // SP
                     }
-                  }
-                } else {
-                  if (x.avg <= 17.166114807128906) {
-                    if (x.skew_lo <= 6.014300107955933) {
-                      if (x.log2_S <= 13.190954208374023) {
-                        if (x.avg <= 4.8664610385894775) {
-                          return {2, 32, 8, 2, 1};  // SR
-                        } else {
-                          return {4, 16, 8, 4, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 8, 4, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 13.080702781677246) {
-                        return {4, 16, 8, 4, 1};  // SR
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 16, 16, 8, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.log2_S <= 13.380585670471191) {
-                  if (x.skew_lo <= 11.247013092041016) {
-                    return {4, 16, 16, 8, 1};  // SR
-                  } else {
-                    if (x.log2_S <= 13.132102966308594) {
-                      return {4, 16, 16, 8, 1};  // SR
-                    } else {
-                      return {4, 16, 32, 2, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.skew_lo <= 8.875492572784424) {
-                    if (x.skew_hi <= 13.868532180786133) {
-                      return {4, 16, 16, 8, 1};  // SR
-                    } else {
-                      return {4, 16, 32, 2, 1};  // SR
-                    }
-                  } else {
-                    return {4, 16, 32, 2, 1};  // SR
                   }
                 }
               }
             } else {
-              if (x.skew_hi <= 19.04198455810547) {
-                if (x.avg <= 32.42654991149902) {
-                  if (x.skew_hi <= 13.317162036895752) {
-                    if (x.log2_S <= 18.818157196044922) {
-                      if (x.avg <= 2.9792802333831787) {
-                        if (x.log2_S <= 16.358478546142578) {
-                          if (x.long_level <= 1.5) {
-                            return {4, 16, 8, 4, 1};  // SR
+              if (x.skew_hi <= 19.178428649902344) {
+                if (x.skew_hi <= 14.605889320373535) {
+                  if (x.avg <= 32.50692176818848) {
+                    if (x.log2_S <= 18.10639190673828) {
+                      if (x.log2_S <= 16.075831413269043) {
+                        if (x.long_level <= 1.5) {
+                          if (x.skew_hi <= 8.416632175445557) {
+                            if (x.log2_S <= 15.307172775268555) {
+                              return {4, 16, 16, 8, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 2.2918548583984375) {
+                                return {4, 16, 16, 4, 1};  // SR
+                              } else {
+                                if (x.skew_lo <= 4.097035884857178) {
+                                  return {4, 16, 16, 2, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 4, 1};  // SR
+                                }
+                              }
+                            }
                           } else {
-                            return {4, 16, 16, 8, 1};  // SR
+                            return {4, 16, 8, 4, 1};  // SR
                           }
                         } else {
-                          if (x.skew_lo <= 2.220702560385689) {
-                            return {4, 16, 16, 4, 0};  // SP
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
+                          return {4, 16, 16, 4, 1};  // SR
                         }
                       } else {
-                        if (x.log2_S <= 18.491419792175293) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.skew_lo <= 2.287746787071228) {
-                            return {4, 16, 32, 2, 1};  // SR
+                        if (x.avg <= 1.6279690861701965) {
+                          if (x.log2_S <= 16.61911964416504) {
+                            if (x.skew_lo <= 7.7287232875823975) {
+                              return {4, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 32, 2, 1};  // SR
+                            }
                           } else {
-                            return {4, 16, 16, 8, 1};  // SR
+                            return {4, 16, 16, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= 1.315591812133789) {
+                            if (x.log2_S <= 17.190011024475098) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 32, 2, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 16, 4, 1};  // SR
                           }
                         }
                       }
                     } else {
-                      if (x.long_level <= 1.5) {
-                        if (x.skew_lo <= 0.4960619192570448) {
-                          return {4, 16, 16, 4, 0};  // SP
+                      if (x.skew_lo <= 4.358916282653809) {
+                        if (x.log2_S <= 18.879404067993164) {
+                          if (x.skew_lo <= 1.7545430660247803) {
+                            return {4, 16, 32, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 2, 1};  // SR
+                          }
                         } else {
                           return {4, 16, 32, 2, 1};  // SR
                         }
                       } else {
-                        if (x.avg <= 4.232016563415527) {
-                          return {4, 16, 64, 2, 1};  // SR
-                        } else {
-                          if (x.skew_hi <= 11.272918701171875) {
-                            if (x.avg <= 27.398054122924805) {
-                              return {4, 16, 16, 8, 1};  // SR
+                        if (x.skew_hi <= 12.25250768661499) {
+                          if (x.avg <= 19.172804832458496) {
+                            if (x.skew_hi <= 11.968605041503906) {
+                              if (x.log2_S <= 18.61742877960205) {
+                                if (x.skew_lo <= 6.1637420654296875) {
+                                  return {4, 16, 16, 4, 1};  // SR
+                                } else {
+                                  return {4, 16, 16, 2, 1};  // SR
+                                }
+                              } else {
+                                return {4, 16, 16, 2, 1};  // SR
+                              }
                             } else {
                               return {4, 16, 32, 2, 1};  // SR
                             }
                           } else {
-                            if (x.log2_S <= 19.731613159179688) {
-                              if (x.avg <= 4.773341655731201) {
-                                return {4, 16, 32, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 8, 1};  // SR
-                              }
-                            } else {
+                            if (x.skew_hi <= 9.25670337677002) {
                               return {4, 16, 32, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 4, 1};  // SR
                             }
                           }
-                        }
-                      }
-                    }
-                  } else {
-                    if (x.avg <= 14.072189331054688) {
-                      if (x.skew_hi <= 16.189948081970215) {
-                        if (x.skew_hi <= 14.427820682525635) {
-                          if (x.log2_S <= 18.899110794067383) {
-                            if (x.log2_S <= 15.371006488800049) {
-                              if (x.skew_hi <= 14.004308700561523) {
-                                return {4, 16, 16, 8, 1};  // SR
-                              } else {
-                                if (x.skew_lo <= 12.419575691223145) {
-                                  return {4, 16, 32, 2, 1};  // SR
-                                } else {
-                                  return {4, 16, 64, 2, 1};  // SR
-                                }
-                              }
+                        } else {
+                          if (x.log2_S <= 18.9357328414917) {
+                            if (x.skew_lo <= 9.295466899871826) {
+                              return {4, 16, 16, 2, 1};  // SR
                             } else {
                               return {4, 16, 32, 2, 1};  // SR
                             }
                           } else {
                             return {4, 16, 64, 2, 1};  // SR
                           }
-                        } else {
-                          return {4, 16, 64, 2, 1};  // SR
                         }
-                      } else {
-                        if (x.log2_S <= 18.28687572479248) {
-                          if (x.avg <= 7.096816539764404) {
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 5.775426149368286) {
+                      if (x.log2_S <= 16.38657283782959) {
+                        if (x.skew_lo <= 0.9255838692188263) {
+                          return {4, 16, 16, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 15.383848667144775) {
                             return {4, 16, 32, 2, 1};  // SR
                           } else {
-                            if (x.avg <= 9.567580699920654) {
-                              return {4, 16, 64, 2, 1};  // SR
+                            return {4, 16, 16, 2, 0};  // SP
+                          }
+                        }
+                      } else {
+                        if (x.long_level <= 1.5) {
+                          return {4, 16, 32, 2, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 1.4648910760879517) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 18.5811824798584) {
+                              return {4, 16, 16, 4, 0};  // SP
                             } else {
-                              if (x.skew_hi <= 17.014705657958984) {
-                                return {4, 16, 64, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 32, 2, 1};  // SR
-                              }
+                              return {4, 16, 64, 2, 1};  // SR
                             }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 15.38640832901001) {
+                        return {4, 16, 32, 2, 1};  // SR
+                      } else {
+                        if (x.skew_lo <= 2.6650478839874268) {
+                          if (x.log2_S <= 17.770878791809082) {
+                            return {4, 16, 16, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
                           }
                         } else {
                           return {4, 16, 64, 2, 1};  // SR
                         }
                       }
-                    } else {
-                      return {4, 16, 32, 2, 1};  // SR
                     }
                   }
                 } else {
-                  if (x.skew_lo <= 4.910025119781494) {
-                    if (x.log2_S <= 18.254241943359375) {
-                      if (x.skew_lo <= 2.0372477769851685) {
-                        if (x.avg <= 51.79477119445801) {
-                          if (x.log2_S <= 17.80364227294922) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 32, 2, 1};  // SR
-                          }
-                        } else {
-                          if (x.log2_S <= 14.27153730392456) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            if (x.avg <= 451.0807647705078) {
-                              return {4, 16, 32, 2, 1};  // SR
-                            } else {
-                              if (x.log2_S <= 16.318947792053223) {
-                                return {4, 16, 32, 2, 1};  // SR
-                              } else {
-                                return {4, 16, 16, 4, 0};  // SP
-                              }
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 15.228556632995605) {
-                          if (x.log2_S <= 14.399817943572998) {
-                            return {4, 16, 16, 8, 1};  // SR
-                          } else {
-                            return {4, 16, 32, 2, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 64, 2, 1};  // SR
-                        }
-                      }
+                  if (x.avg <= 11.760640621185303) {
+                    if (x.log2_S <= 16.22596549987793) {
+                      return {4, 16, 64, 2, 1};  // SR
                     } else {
-                      if (x.skew_lo <= 3.2680662870407104) {
-                        return {4, 16, 32, 2, 1};  // SR
-                      } else {
-                        if (x.log2_S <= 19.2914400100708) {
-                          return {4, 16, 64, 2, 1};  // SR
+                      if (x.log2_S <= 17.9271183013916) {
+                        if (x.avg <= 6.876082897186279) {
+                          return {4, 16, 32, 2, 1};  // SR
                         } else {
-                          if (x.skew_lo <= 3.7170751094818115) {
-                            return {4, 16, 64, 2, 1};  // SR
-                          } else {
-                            return {4, 16, 32, 2, 1};  // SR
-                          }
+                          return {4, 16, 64, 2, 1};  // SR
                         }
+                      } else {
+                        return {4, 16, 64, 2, 1};  // SR
                       }
                     }
                   } else {
-                    return {4, 16, 32, 2, 1};  // SR
+                    if (x.skew_hi <= 18.944232940673828) {
+                      return {4, 16, 32, 2, 1};  // SR
+                    } else {
+                      if (x.skew_lo <= 7.907364130020142) {
+                        return {4, 16, 64, 2, 1};  // SR
+                      } else {
+                        return {4, 16, 32, 2, 1};  // SR
+                      }
+                    }
                   }
                 }
               } else {
@@ -8661,511 +10697,1527 @@ inline Config gathered_config(const Features& f) {
               }
             }
           }
-        } else {
-          if (x.skew_lo <= 0.5382702648639679) {
-            if (x.log2_S <= 17.11543846130371) {
-              if (x.avg <= 180.65997314453125) {
-                if (x.log2_S <= 11.264013767242432) {
-                  if (x.long_level <= 0.5) {
-                    if (x.skew_hi <= 2.7598981857299805) {
-                      return {4, 64, 32, 1, 0};  // SP
-                    } else {
-                      if (x.log2_S <= 10.073254108428955) {
-                        if (x.avg <= 1.5558911561965942) {
-                          return {4, 64, 32, 1, 0};  // SP
-                        } else {
-                          if (x.skew_hi <= 4.260717868804932) {
-                            if (x.skew_hi <= 3.6020172834396362) {
-                              return {4, 64, 32, 1, 0};  // SP
-                            } else {
-                              if (x.log2_S <= 9.163843631744385) {
-                                return {2, 8, 64, 32, 0};  // SP
-                              } else {
-                                return {4, 64, 32, 1, 0};  // SP
-                              }
-                            }
-                          } else {
-                            if (x.log2_S <= 9.526741981506348) {
-                              return {1, 32, 64, 8, 0};  // SP
-                            } else {
-                              return {4, 64, 32, 1, 0};  // SP
-                            }
-                          }
-                        }
-                      } else {
-                        if (x.log2_S <= 10.76211929321289) {
-                          if (x.skew_lo <= -0.7674534618854523) {
-                            return {4, 64, 64, 4, 0};  // SP
-                          } else {
-                            return {2, 32, 8, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 16, 8, 4, 1};  // SR
-                        }
-                      }
-                    }
+        }
+      }
+    } else {
+      if (x.F <= 110.85125168440814) {
+        if (x.log2_S <= 13.52658748626709) {
+          if (x.skew_lo <= 0.0006869202479720116) {
+            if (x.avg <= 193.0682830810547) {
+              if (x.log2_S <= 11.197287559509277) {
+                if (x.skew_lo <= -1.5928617119789124) {
+                  if (x.log2_S <= 10.230361461639404) {
+                    return {4, 64, 64, 2, 0};  // SP
                   } else {
-                    if (x.log2_S <= 9.90471887588501) {
-                      if (x.avg <= 53.365970611572266) {
-                        return {4, 16, 8, 2, 0};  // SP
-                      } else {
-                        return {4, 16, 16, 4, 0};  // SP
-                      }
+                    if (x.avg <= 12.044336318969727) {
+                      return {4, 64, 64, 2, 0};  // SP
                     } else {
-                      if (x.skew_hi <= 3.315645217895508) {
-                        return {4, 16, 16, 4, 0};  // SP
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
+                      return {4, 64, 64, 4, 0};  // SP
                     }
                   }
                 } else {
                   if (x.long_level <= 0.5) {
-                    if (x.log2_S <= 13.637826919555664) {
-                      if (x.skew_lo <= -1.2142822742462158) {
-                        if (x.skew_hi <= 1.5253692269325256) {
-                          if (x.log2_S <= 13.23348617553711) {
-                            return {4, 64, 32, 1, 0};  // SP
-                          } else {
-                            return {4, 64, 64, 1, 0};  // SP
-                          }
-                        } else {
-                          return {4, 16, 8, 4, 1};  // SR
-                        }
+                    if (x.log2_S <= 10.237244129180908) {
+                      if (x.skew_lo <= -0.36862243711948395) {
+                        return {4, 64, 8, 2, 0};  // SP
                       } else {
-                        if (x.log2_S <= 12.631523132324219) {
-                          if (x.skew_lo <= -0.39285778999328613) {
-                            return {2, 64, 8, 2, 1};  // SR
-                          } else {
-                            return {2, 32, 8, 2, 1};  // SR
-                          }
+                        if (x.log2_S <= 9.664016246795654) {
+                          return {1, 32, 64, 8, 0};  // SP
                         } else {
-                          return {4, 32, 8, 2, 1};  // SR
+                          return {1, 16, 64, 4, 0};  // SP
                         }
                       }
                     } else {
-                      if (x.avg <= 1.9076526165008545) {
-                        if (x.log2_S <= 15.91713809967041) {
-                          return {4, 32, 8, 2, 1};  // SR
+                      if (x.skew_lo <= -0.43195976316928864) {
+                        if (x.log2_S <= 10.499083995819092) {
+                          return {4, 64, 64, 4, 0};  // SP
                         } else {
-                          if (x.skew_hi <= 5.738568305969238) {
-                            return {4, 16, 16, 4, 0};  // SP
+                          return {2, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        return {2, 32, 8, 8, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.32466983795166) {
+                      return {4, 4, 16, 64, 0};  // SP
+                    } else {
+                      if (x.skew_lo <= -0.8979380130767822) {
+                        return {4, 4, 16, 64, 0};  // SP
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 93.05342483520508) {
+                  if (x.skew_hi <= 4.169660568237305) {
+                    if (x.log2_S <= 13.074570178985596) {
+                      if (x.log2_S <= 11.470139503479004) {
+                        if (x.skew_lo <= -1.2367662191390991) {
+                          if (x.skew_lo <= -4.300495266914368) {
+                            return {4, 64, 64, 4, 0};  // SP
                           } else {
-                            return {4, 32, 32, 2, 0};  // SP
+                            return {4, 64, 32, 1, 0};  // SP
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_lo <= -3.783063769340515) {
+                        return {4, 8, 32, 32, 0};  // SP
+                      } else {
+                        if (x.skew_lo <= -1.2001120448112488) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 12.837467193603516) {
+                      if (x.skew_lo <= -0.39285778999328613) {
+                        if (x.log2_S <= 12.628276348114014) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 12.068169116973877) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {2, 32, 8, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 12.649714469909668) {
+                    if (x.avg <= 117.09423828125) {
+                      return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      return {4, 4, 16, 64, 0};  // SP
+                    }
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                }
+              }
+            } else {
+              return {4, 8, 32, 32, 0};  // SP
+            }
+          } else {
+            if (x.skew_hi <= 11.996777534484863) {
+              if (x.avg <= 6.316401481628418) {
+                if (x.skew_hi <= 10.07631778717041) {
+                  if (x.log2_S <= 12.027570724487305) {
+                    if (x.avg <= 4.22265625) {
+                      if (x.long_level <= 1.5) {
+                        if (x.avg <= 2.7965123653411865) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.avg <= 3.647544026374817) {
+                            if (x.log2_S <= 11.113609790802002) {
+                              return {2, 32, 8, 8, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {2, 32, 8, 4, 1};  // SR
                           }
                         }
                       } else {
-                        if (x.log2_S <= 16.244431495666504) {
-                          if (x.skew_hi <= 3.475735902786255) {
-                            return {4, 16, 16, 4, 0};  // SP
+                        if (x.avg <= 2.0729509592056274) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          if (x.avg <= 2.3574941158294678) {
+                            return {2, 16, 8, 4, 1};  // SR
                           } else {
-                            if (x.log2_S <= 15.29298210144043) {
-                              if (x.avg <= 3.852952003479004) {
-                                return {4, 16, 8, 4, 1};  // SR
+                            if (x.log2_S <= 8.69045877456665) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 4.870364427566528) {
+                        if (x.skew_hi <= 8.739863395690918) {
+                          return {4, 32, 8, 2, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 7.829909563064575) {
+                          return {4, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 7.54740834236145) {
+                            return {4, 8, 8, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 7.684449911117554) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 32, 8, 4, 1};  // SR
+                    }
+                  }
+                } else {
+                  return {4, 8, 8, 32, 1};  // SR
+                }
+              } else {
+                if (x.skew_lo <= 9.67814016342163) {
+                  if (x.log2_S <= 12.922129154205322) {
+                    if (x.avg <= 9.243987083435059) {
+                      if (x.long_level <= 1.5) {
+                        if (x.log2_S <= 11.910220623016357) {
+                          return {4, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 11.797886371612549) {
+                        if (x.skew_lo <= 0.08859150484204292) {
+                          if (x.log2_S <= 9.56574296951294) {
+                            return {4, 4, 16, 64, 0};  // SP
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        return {4, 32, 16, 1, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.avg <= 60.81330490112305) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                } else {
+                  if (x.avg <= 12.012107372283936) {
+                    if (x.skew_lo <= 10.546664237976074) {
+                      return {4, 16, 16, 4, 1};  // SR
+                    } else {
+                      return {4, 8, 8, 32, 1};  // SR
+                    }
+                  } else {
+                    if (x.skew_hi <= 10.291070461273193) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 1, 1};  // SR
+                    }
+                  }
+                }
+              }
+            } else {
+              if (x.avg <= 9.239186763763428) {
+                if (x.skew_lo <= 10.320326328277588) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  if (x.skew_hi <= 12.961314678192139) {
+                    if (x.skew_lo <= 11.515999794006348) {
+                      return {4, 16, 16, 4, 1};  // SR
+                    } else {
+                      return {4, 32, 16, 1, 1};  // SR
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 1};  // SR
+                  }
+                }
+              } else {
+                if (x.skew_hi <= 12.127273559570312) {
+                  if (x.skew_lo <= 7.437546968460083) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    return {4, 32, 16, 1, 1};  // SR
+                  }
+                } else {
+                  return {4, 8, 32, 32, 1};  // SR
+                }
+              }
+            }
+          }
+        } else {
+          if (x.skew_lo <= -1.413989543914795) {
+            if (x.skew_lo <= -1.7377363443374634) {
+              if (x.log2_S <= 14.327459812164307) {
+                if (x.avg <= 7.711776256561279) {
+                  return {4, 8, 8, 32, 1};  // SR
+                } else {
+                  return {4, 8, 32, 32, 0};  // SP
+                }
+              } else {
+                return {4, 8, 32, 32, 0};  // SP
+              }
+            } else {
+              if (x.log2_S <= 15.549452781677246) {
+                if (x.skew_hi <= 3.4354677200317383) {
+                  if (x.log2_S <= 14.479460716247559) {
+                    return {4, 8, 32, 32, 0};  // SP
+                  } else {
+                    return {4, 8, 32, 32, 1};  // SR
+                  }
+                } else {
+                  return {4, 8, 8, 32, 1};  // SR
+                }
+              } else {
+                if (x.log2_S <= 19.280455589294434) {
+                  return {4, 8, 32, 32, 0};  // SP
+                } else {
+                  if (x.avg <= 3.22493052482605) {
+                    if (x.log2_S <= 20.073183059692383) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      return {4, 16, 16, 4, 0};  // SP
+                    }
+                  } else {
+                    if (x.skew_lo <= -1.6564907431602478) {
+                      return {4, 8, 32, 32, 0};  // SP
+                    } else {
+                      return {4, 8, 32, 32, 1};  // SR
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (x.skew_hi <= 18.744611740112305) {
+              if (x.avg <= 5.412929534912109) {
+                if (x.log2_S <= 15.963650226593018) {
+                  if (x.skew_lo <= 10.786903858184814) {
+                    if (x.skew_hi <= 8.529621124267578) {
+                      return {4, 8, 8, 32, 1};  // SR
+                    } else {
+                      if (x.avg <= 2.625015139579773) {
+                        if (x.log2_S <= 14.14198350906372) {
+                          if (x.long_level <= 1.5) {
+                            return {4, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 14.052654266357422) {
+                              return {4, 8, 8, 32, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 1, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 15.491275787353516) {
+                            if (x.skew_hi <= 8.80697250366211) {
+                              return {4, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 1, 1};  // SR
+                            }
+                          } else {
+                            if (x.skew_lo <= 7.290128946304321) {
+                              return {4, 32, 16, 1, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 8, 8, 32, 1};  // SR
+                      }
+                    }
+                  } else {
+                    return {4, 32, 32, 1, 1};  // SR
+                  }
+                } else {
+                  if (x.long_level <= 1.5) {
+                    if (x.skew_hi <= 7.568724632263184) {
+                      if (x.log2_S <= 17.53329849243164) {
+                        if (x.skew_lo <= -1.0253143906593323) {
+                          return {4, 8, 32, 32, 0};  // SP
+                        } else {
+                          return {4, 8, 8, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.log2_S <= 18.771398544311523) {
+                          if (x.skew_lo <= -0.5036093890666962) {
+                            return {4, 8, 32, 32, 0};  // SP
+                          } else {
+                            return {4, 16, 16, 4, 0};  // SP
+                          }
+                        } else {
+                          return {4, 16, 16, 4, 0};  // SP
+                        }
+                      }
+                    } else {
+                      if (x.log2_S <= 18.669182777404785) {
+                        if (x.avg <= 2.7325127124786377) {
+                          return {4, 32, 16, 1, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 17.612360954284668) {
+                            if (x.skew_hi <= 7.658602476119995) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {4, 32, 16, 1, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 17.585052490234375) {
+                      if (x.skew_lo <= 8.402079105377197) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 16.11389923095703) {
+                          if (x.skew_hi <= 14.886702537536621) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 32, 32, 1, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 12.270700931549072) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 18.45666217803955) {
+                          if (x.skew_lo <= 11.788897514343262) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 64, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 16.363621711730957) {
+                  if (x.log2_S <= 15.587888240814209) {
+                    if (x.skew_lo <= 8.753788948059082) {
+                      if (x.avg <= 12.199107646942139) {
+                        return {4, 8, 8, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 14.563178062438965) {
+                          return {4, 8, 8, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 32, 32, 1};  // SR
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 15.36181116104126) {
+                        return {4, 8, 32, 32, 1};  // SR
+                      } else {
+                        return {4, 32, 32, 1, 1};  // SR
+                      }
+                    }
+                  } else {
+                    if (x.long_level <= 2.5) {
+                      if (x.log2_S <= 17.37543773651123) {
+                        if (x.skew_lo <= 6.642823219299316) {
+                          if (x.avg <= 6.479402303695679) {
+                            if (x.log2_S <= 16.51219081878662) {
+                              return {4, 8, 32, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 8, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 16.547441482543945) {
+                            return {4, 8, 32, 32, 1};  // SR
+                          } else {
+                            return {4, 8, 8, 32, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 8, 32, 32, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 16.87267303466797) {
+                        if (x.avg <= 7.5128748416900635) {
+                          if (x.log2_S <= 16.071046829223633) {
+                            return {4, 32, 32, 1, 1};  // SR
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      } else {
+                        if (x.skew_hi <= 18.356877326965332) {
+                          if (x.skew_hi <= 17.616759300231934) {
+                            if (x.skew_lo <= 11.187955379486084) {
+                              return {4, 8, 64, 32, 1};  // SR
+                            } else {
+                              return {4, 8, 32, 32, 1};  // SR
+                            }
+                          } else {
+                            return {4, 8, 32, 32, 1};  // SR
+                          }
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 8.978390216827393) {
+                    return {4, 8, 32, 32, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 16.17125129699707) {
+                      return {4, 8, 32, 32, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 17.04875946044922) {
+                        return {4, 8, 64, 32, 1};  // SR
+                      } else {
+                        if (x.log2_S <= 18.62211036682129) {
+                          return {4, 8, 32, 32, 1};  // SR
+                        } else {
+                          return {4, 8, 64, 32, 1};  // SR
+                        }
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              return {4, 8, 64, 32, 1};  // SR
+            }
+          }
+        }
+      } else {
+        if (x.F <= 156.76734353812338) {
+          if (x.skew_hi <= 12.504318714141846) {
+            if (x.long_level <= 2.5) {
+              if (x.log2_S <= 14.12361478805542) {
+                if (x.skew_lo <= 0.015177525579929352) {
+                  if (x.avg <= 190.91980743408203) {
+                    if (x.avg <= 98.16389846801758) {
+                      if (x.log2_S <= 11.407106399536133) {
+                        if (x.skew_lo <= -2.951808214187622) {
+                          if (x.avg <= 24.75709056854248) {
+                            if (x.log2_S <= 9.57484483718872) {
+                              if (x.log2_S <= 9.062875270843506) {
+                                if (x.skew_hi <= 2.254981517791748) {
+                                  return {4, 64, 64, 2, 0};  // SP
+                                } else {
+                                  return {4, 64, 32, 1, 0};  // SP
+                                }
                               } else {
-                                if (x.log2_S <= 14.662676811218262) {
+                                return {4, 64, 8, 2, 0};  // SP
+                              }
+                            } else {
+                              return {4, 64, 32, 1, 0};  // SP
+                            }
+                          } else {
+                            return {4, 64, 32, 1, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.6191691756248474) {
+                            if (x.log2_S <= 10.164494514465332) {
+                              return {4, 64, 8, 2, 0};  // SP
+                            } else {
+                              if (x.log2_S <= 10.58632230758667) {
+                                return {4, 64, 64, 4, 0};  // SP
+                              } else {
+                                if (x.skew_hi <= 4.15316104888916) {
+                                  return {4, 64, 64, 2, 0};  // SP
+                                } else {
+                                  return {2, 64, 8, 2, 1};  // SR
+                                }
+                              }
+                            }
+                          } else {
+                            if (x.skew_hi <= 5.409197092056274) {
+                              if (x.log2_S <= 9.825498104095459) {
+                                return {4, 16, 16, 2, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 10.38358211517334) {
+                                  return {4, 16, 16, 4, 0};  // SP
+                                } else {
+                                  return {4, 16, 16, 8, 1};  // SR
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 10.20538854598999) {
+                                return {4, 64, 32, 1, 0};  // SP
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 11.835529804229736) {
+                          if (x.log2_S <= 12.627862930297852) {
+                            if (x.skew_lo <= -1.8757545948028564) {
+                              if (x.avg <= 7.840322017669678) {
+                                return {4, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              if (x.log2_S <= 11.87527322769165) {
+                                return {2, 64, 8, 2, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.skew_hi <= 4.054274082183838) {
+                              if (x.avg <= 4.7682366371154785) {
+                                return {4, 32, 8, 4, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 13.201580047607422) {
                                   return {4, 16, 8, 4, 1};  // SR
                                 } else {
                                   return {4, 16, 16, 4, 0};  // SP
                                 }
                               }
                             } else {
-                              if (x.skew_hi <= 4.019088268280029) {
-                                return {4, 32, 32, 2, 0};  // SP
-                              } else {
-                                return {4, 16, 16, 4, 0};  // SP
-                              }
+                              return {4, 16, 8, 4, 1};  // SR
                             }
                           }
                         } else {
-                          if (x.skew_hi <= 2.4819998741149902) {
-                            if (x.log2_S <= 16.5476713180542) {
-                              return {4, 16, 16, 4, 0};  // SP
+                          if (x.log2_S <= 13.247400760650635) {
+                            if (x.skew_lo <= -0.543683797121048) {
+                              return {4, 64, 64, 2, 0};  // SP
                             } else {
-                              return {4, 16, 32, 4, 0};  // SP
+                              return {4, 16, 16, 8, 1};  // SR
                             }
                           } else {
-                            if (x.skew_hi <= 4.294729948043823) {
-                              return {4, 32, 32, 2, 0};  // SP
-                            } else {
+                            if (x.skew_hi <= 2.942143678665161) {
                               return {4, 16, 16, 4, 0};  // SP
+                            } else {
+                              return {4, 64, 64, 2, 0};  // SP
                             }
+                          }
+                        }
+                      }
+                    } else {
+                      return {4, 64, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    if (x.log2_S <= 13.508904933929443) {
+                      return {4, 16, 16, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 32, 4, 0};  // SP
+                    }
+                  }
+                } else {
+                  if (x.skew_lo <= 2.8201011419296265) {
+                    if (x.avg <= 15.025420665740967) {
+                      if (x.log2_S <= 12.966799259185791) {
+                        if (x.log2_S <= 10.227774620056152) {
+                          return {4, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.skew_lo <= 2.518535017967224) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 4, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 32, 16, 1, 1};  // SR
+                      }
+                    } else {
+                      if (x.log2_S <= 10.522773265838623) {
+                        if (x.long_level <= 1.5) {
+                          if (x.avg <= 37.703712463378906) {
+                            if (x.log2_S <= 10.223322868347168) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 9.757834434509277) {
+                              return {4, 16, 8, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 8, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 474.9125671386719) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 13.583272457122803) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.avg <= 19.290263175964355) {
+                            return {4, 32, 16, 1, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 4, 1};  // SR
                           }
                         }
                       }
                     }
                   } else {
-                    if (x.skew_hi <= 3.506375789642334) {
-                      if (x.log2_S <= 15.75544023513794) {
-                        if (x.log2_S <= 13.51433515548706) {
-                          if (x.log2_S <= 11.788744926452637) {
-                            return {4, 16, 16, 4, 0};  // SP
+                    if (x.log2_S <= 12.331752300262451) {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_lo <= 3.921868324279785) {
+                          if (x.skew_lo <= 3.4086201190948486) {
+                            return {4, 32, 8, 4, 1};  // SR
                           } else {
-                            if (x.skew_hi <= 2.770608067512512) {
-                              return {4, 32, 32, 4, 0};  // SP
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 9.053182601928711) {
+                            if (x.log2_S <= 9.914259910583496) {
+                              return {2, 32, 8, 2, 1};  // SR
                             } else {
-                              if (x.log2_S <= 12.24727487564087) {
-                                return {4, 32, 32, 4, 0};  // SP
+                              if (x.skew_lo <= 4.688695669174194) {
+                                if (x.log2_S <= 11.79100227355957) {
+                                  return {2, 64, 8, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 8, 4, 1};  // SR
+                                }
                               } else {
-                                return {4, 64, 64, 4, 0};  // SP
+                                return {2, 32, 8, 8, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 12.095641613006592) {
+                              return {2, 64, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 54.07789993286133) {
+                          return {4, 32, 8, 4, 1};  // SR
+                        } else {
+                          if (x.skew_hi <= 7.477904319763184) {
+                            if (x.log2_S <= 10.278631210327148) {
+                              return {4, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 11.263348579406738) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 21.06111431121826) {
+                        if (x.avg <= 7.848618745803833) {
+                          if (x.avg <= 2.249403715133667) {
+                            if (x.log2_S <= 13.33873701095581) {
+                              if (x.log2_S <= 12.629104614257812) {
+                                return {4, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 5.03833794593811) {
+                              return {4, 32, 8, 2, 1};  // SR
+                            } else {
+                              if (x.skew_lo <= 7.10225248336792) {
+                                return {4, 32, 8, 2, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 13.131980419158936) {
+                                  return {4, 32, 8, 2, 1};  // SR
+                                } else {
+                                  return {4, 32, 16, 1, 1};  // SR
+                                }
                               }
                             }
                           }
                         } else {
-                          return {4, 64, 64, 4, 0};  // SP
+                          if (x.long_level <= 1.5) {
+                            return {4, 32, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 13.104156494140625) {
+                              return {4, 32, 16, 1, 1};  // SR
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
+                          }
                         }
                       } else {
-                        return {4, 32, 32, 4, 0};  // SP
-                      }
-                    } else {
-                      if (x.log2_S <= 13.669383525848389) {
                         return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        return {4, 32, 32, 4, 0};  // SP
                       }
                     }
                   }
                 }
               } else {
-                if (x.log2_S <= 12.600611209869385) {
-                  return {4, 16, 16, 4, 0};  // SP
-                } else {
-                  if (x.log2_S <= 13.598494052886963) {
-                    return {4, 32, 32, 4, 0};  // SP
-                  } else {
-                    if (x.avg <= 206.13418579101562) {
-                      if (x.log2_S <= 15.151334762573242) {
-                        return {4, 32, 64, 4, 0};  // SP
-                      } else {
+                if (x.skew_lo <= 1.3015624284744263) {
+                  if (x.long_level <= 0.5) {
+                    if (x.skew_hi <= 2.4499133825302124) {
+                      if (x.log2_S <= 15.505802154541016) {
                         return {4, 16, 16, 4, 0};  // SP
+                      } else {
+                        if (x.log2_S <= 20.042627334594727) {
+                          if (x.log2_S <= 16.696080207824707) {
+                            if (x.log2_S <= 16.029667854309082) {
+                              return {4, 16, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 16, 4, 0};  // SP
+                            }
+                          } else {
+                            return {4, 16, 32, 4, 0};  // SP
+                          }
+                        } else {
+                          if (x.skew_lo <= -4.352566957473755) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 32, 4, 0};  // SP
+                          }
+                        }
                       }
                     } else {
-                      return {4, 16, 16, 4, 0};  // SP
+                      if (x.avg <= 3.9383623600006104) {
+                        if (x.log2_S <= 15.65889596939087) {
+                          if (x.skew_lo <= -1.6426481008529663) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 18.349947929382324) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            if (x.log2_S <= 19.868328094482422) {
+                              return {4, 16, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 16, 4, 0};  // SP
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 19.90239715576172) {
+                          if (x.log2_S <= 19.214588165283203) {
+                            if (x.log2_S <= 14.321369171142578) {
+                              return {4, 16, 16, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 2, 0};  // SP
+                            }
+                          } else {
+                            return {4, 32, 64, 2, 0};  // SP
+                          }
+                        } else {
+                          if (x.avg <= 8.942278385162354) {
+                            return {4, 16, 16, 4, 0};  // SP
+                          } else {
+                            return {4, 16, 32, 4, 0};  // SP
+                          }
+                        }
+                      }
                     }
-                  }
-                }
-              }
-            } else {
-              if (x.long_level <= 0.5) {
-                if (x.skew_hi <= 2.4489762783050537) {
-                  return {4, 16, 32, 4, 0};  // SP
-                } else {
-                  if (x.log2_S <= 20.125788688659668) {
-                    if (x.log2_S <= 19.172181129455566) {
-                      if (x.avg <= 9.080679416656494) {
-                        if (x.log2_S <= 17.596341133117676) {
-                          if (x.skew_hi <= 4.195499658584595) {
+                  } else {
+                    if (x.avg <= 46.7427921295166) {
+                      if (x.skew_lo <= 1.0893412232398987) {
+                        if (x.log2_S <= 16.296756744384766) {
+                          if (x.avg <= 33.69411277770996) {
                             return {4, 32, 32, 2, 0};  // SP
                           } else {
-                            return {4, 16, 16, 4, 0};  // SP
+                            return {4, 32, 32, 4, 0};  // SP
                           }
                         } else {
                           return {4, 32, 32, 2, 0};  // SP
                         }
                       } else {
-                        return {4, 32, 64, 2, 0};  // SP
+                        return {4, 32, 32, 1, 1};  // SR
                       }
                     } else {
-                      if (x.skew_hi <= 4.48213005065918) {
-                        return {4, 32, 64, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 32, 2, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 16, 32, 4, 0};  // SP
-                  }
-                }
-              } else {
-                if (x.skew_hi <= 3.4012938737869263) {
-                  if (x.log2_S <= 18.208173751831055) {
-                    if (x.skew_lo <= -1.6950464248657227) {
-                      return {4, 16, 16, 4, 0};  // SP
-                    } else {
-                      if (x.avg <= 152.67318725585938) {
-                        return {4, 32, 32, 4, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 4, 0};  // SP
-                      }
-                    }
-                  } else {
-                    return {4, 32, 64, 4, 0};  // SP
-                  }
-                } else {
-                  return {4, 32, 32, 4, 0};  // SP
-                }
-              }
-            }
-          } else {
-            if (x.log2_S <= 12.64718770980835) {
-              if (x.long_level <= 2.5) {
-                if (x.skew_lo <= 2.743220806121826) {
-                  if (x.avg <= 12.742815494537354) {
-                    if (x.log2_S <= 10.113921165466309) {
-                      return {4, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.skew_hi <= 6.560180187225342) {
-                        return {4, 16, 16, 8, 1};  // SR
-                      } else {
-                        return {4, 32, 8, 2, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 1.0670416951179504) {
-                      if (x.log2_S <= 9.491055011749268) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      return {4, 16, 16, 8, 1};  // SR
-                    }
-                  }
-                } else {
-                  if (x.long_level <= 1.5) {
-                    if (x.skew_hi <= 7.828144311904907) {
-                      return {4, 32, 8, 2, 1};  // SR
-                    } else {
-                      if (x.log2_S <= 11.906776428222656) {
-                        if (x.log2_S <= 9.311028003692627) {
-                          if (x.skew_hi <= 8.491113662719727) {
-                            if (x.skew_lo <= 5.640151739120483) {
-                              return {2, 64, 8, 2, 1};  // SR
-                            } else {
-                              return {2, 32, 8, 2, 1};  // SR
-                            }
+                      if (x.log2_S <= 15.815667629241943) {
+                        if (x.skew_hi <= 3.6127610206604004) {
+                          if (x.avg <= 240.2686004638672) {
+                            return {4, 64, 64, 2, 0};  // SP
                           } else {
-                            if (x.skew_hi <= 8.96843957901001) {
-                              return {2, 32, 8, 2, 1};  // SR
+                            if (x.log2_S <= 14.566218852996826) {
+                              return {4, 64, 64, 2, 0};  // SP
                             } else {
-                              return {2, 64, 8, 2, 1};  // SR
+                              return {4, 32, 32, 4, 0};  // SP
                             }
                           }
                         } else {
-                          return {2, 64, 8, 2, 1};  // SR
+                          return {4, 32, 32, 4, 0};  // SP
                         }
                       } else {
-                        return {4, 32, 8, 2, 1};  // SR
-                      }
-                    }
-                  } else {
-                    if (x.skew_lo <= 3.7885178327560425) {
-                      if (x.log2_S <= 9.942992687225342) {
-                        if (x.skew_hi <= 6.869704723358154) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          return {4, 32, 8, 2, 1};  // SR
-                        }
-                      } else {
-                        return {4, 16, 16, 8, 1};  // SR
-                      }
-                    } else {
-                      if (x.log2_S <= 11.951172351837158) {
-                        return {4, 32, 8, 2, 1};  // SR
-                      } else {
-                        if (x.skew_hi <= 10.988389492034912) {
-                          if (x.avg <= 44.51066017150879) {
-                            return {4, 32, 16, 1, 1};  // SR
-                          } else {
-                            return {4, 16, 16, 8, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 8, 2, 1};  // SR
-                        }
-                      }
-                    }
-                  }
-                }
-              } else {
-                if (x.log2_S <= 12.466145992279053) {
-                  return {4, 32, 16, 1, 1};  // SR
-                } else {
-                  return {4, 32, 32, 1, 1};  // SR
-                }
-              }
-            } else {
-              if (x.skew_hi <= 17.772433280944824) {
-                if (x.skew_hi <= 9.97842788696289) {
-                  if (x.log2_S <= 18.11823844909668) {
-                    if (x.avg <= 18.64267635345459) {
-                      if (x.log2_S <= 14.132795333862305) {
-                        if (x.avg <= 11.258683681488037) {
-                          return {4, 32, 8, 2, 1};  // SR
-                        } else {
-                          if (x.long_level <= 1.5) {
-                            if (x.log2_S <= 13.009000301361084) {
-                              return {4, 16, 16, 8, 1};  // SR
-                            } else {
-                              return {4, 32, 16, 1, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.long_level <= 1.5) {
-                          if (x.log2_S <= 15.275190353393555) {
-                            if (x.avg <= 4.158848762512207) {
-                              if (x.skew_lo <= 4.6539146900177) {
-                                return {4, 32, 8, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 16, 1, 1};  // SR
-                              }
-                            } else {
-                              return {4, 32, 16, 1, 1};  // SR
-                            }
-                          } else {
-                            return {4, 32, 16, 1, 1};  // SR
-                          }
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.log2_S <= 14.039744853973389) {
-                        if (x.skew_lo <= 5.305422067642212) {
-                          return {4, 16, 16, 8, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 13.399244785308838) {
-                            return {4, 32, 16, 1, 1};  // SR
-                          } else {
-                            return {4, 32, 32, 1, 1};  // SR
-                          }
-                        }
-                      } else {
-                        if (x.skew_hi <= 5.927587985992432) {
-                          if (x.avg <= 33.03848457336426) {
-                            if (x.log2_S <= 15.746166706085205) {
-                              if (x.avg <= 20.02897548675537) {
-                                return {4, 32, 16, 1, 1};  // SR
-                              } else {
-                                return {4, 16, 32, 2, 1};  // SR
-                              }
-                            } else {
-                              return {4, 32, 32, 1, 1};  // SR
-                            }
-                          } else {
-                            if (x.skew_lo <= 1.5307226777076721) {
-                              if (x.log2_S <= 14.227548122406006) {
-                                return {4, 16, 32, 2, 1};  // SR
+                        if (x.skew_lo <= -0.9003074467182159) {
+                          if (x.skew_lo <= -1.7748994827270508) {
+                            if (x.log2_S <= 17.343249320983887) {
+                              if (x.skew_hi <= 1.929769515991211) {
+                                if (x.log2_S <= 16.28632640838623) {
+                                  return {4, 32, 32, 4, 0};  // SP
+                                } else {
+                                  return {4, 16, 16, 4, 0};  // SP
+                                }
                               } else {
                                 return {4, 32, 32, 4, 0};  // SP
                               }
                             } else {
-                              if (x.log2_S <= 15.337779521942139) {
-                                return {4, 16, 32, 2, 1};  // SR
-                              } else {
-                                return {4, 32, 32, 2, 0};  // SP
-                              }
+                              return {4, 32, 32, 4, 0};  // SP
+                            }
+                          } else {
+                            if (x.log2_S <= 17.52936553955078) {
+                              return {4, 32, 32, 4, 0};  // SP
+                            } else {
+                              return {4, 32, 64, 4, 0};  // SP
                             }
                           }
                         } else {
-                          if (x.skew_lo <= 2.4328688383102417) {
-                            if (x.log2_S <= 16.4184513092041) {
-                              return {4, 16, 32, 2, 1};  // SR
-                            } else {
-                              return {4, 32, 32, 2, 0};  // SP
-                            }
-                          } else {
-                            if (x.avg <= 46.27627372741699) {
-                              if (x.log2_S <= 15.336090564727783) {
-                                if (x.avg <= 21.81574249267578) {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                } else {
-                                  if (x.avg <= 30.671226501464844) {
-                                    return {4, 16, 32, 2, 1};  // SR
-                                  } else {
-                                    return {4, 32, 32, 2, 0};  // SP
-                                  }
-                                }
-                              } else {
-                                if (x.log2_S <= 17.953571319580078) {
-                                  return {4, 16, 32, 2, 1};  // SR
-                                } else {
-                                  return {4, 32, 32, 1, 1};  // SR
-                                }
-                              }
-                            } else {
-                              return {4, 16, 32, 2, 1};  // SR
-                            }
-                          }
+                          return {4, 32, 32, 4, 0};  // SP
                         }
                       }
-                    }
-                  } else {
-                    if (x.avg <= 412.53196716308594) {
-                      return {4, 32, 32, 1, 1};  // SR
-                    } else {
-                      return {4, 32, 32, 2, 0};  // SP
                     }
                   }
                 } else {
-                  if (x.log2_S <= 14.854074478149414) {
-                    if (x.long_level <= 2.5) {
-                      if (x.avg <= 5.882742404937744) {
-                        if (x.log2_S <= 12.875695705413818) {
-                          return {4, 32, 8, 2, 1};  // SR
+                  if (x.avg <= 82.23994445800781) {
+                    if (x.log2_S <= 18.08973789215088) {
+                      if (x.long_level <= 1.5) {
+                        if (x.skew_lo <= 1.6475366353988647) {
+                          return {4, 32, 32, 1, 1};  // SR
                         } else {
-                          return {4, 32, 16, 1, 1};  // SR
+                          if (x.log2_S <= 15.145230770111084) {
+                            if (x.skew_lo <= 3.912663459777832) {
+                              return {4, 32, 16, 1, 1};  // SR
+                            } else {
+                              if (x.avg <= 2.44337797164917) {
+                                return {4, 32, 16, 1, 1};  // SR
+                              } else {
+                                return {4, 32, 8, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            return {4, 32, 16, 1, 1};  // SR
+                          }
                         }
                       } else {
-                        if (x.log2_S <= 13.104156494140625) {
-                          return {4, 32, 16, 1, 1};  // SR
-                        } else {
-                          return {4, 32, 32, 1, 1};  // SR
-                        }
-                      }
-                    } else {
-                      if (x.skew_lo <= 6.996527433395386) {
-                        if (x.skew_hi <= 14.34604263305664) {
-                          return {4, 32, 32, 1, 1};  // SR
-                        } else {
-                          if (x.log2_S <= 14.691286087036133) {
-                            return {4, 16, 64, 2, 1};  // SR
+                        if (x.skew_lo <= 7.770411252975464) {
+                          if (x.log2_S <= 14.937653541564941) {
+                            if (x.skew_hi <= 9.118405818939209) {
+                              return {4, 32, 32, 2, 0};  // SP
+                            } else {
+                              return {4, 32, 32, 1, 1};  // SR
+                            }
                           } else {
                             return {4, 32, 32, 1, 1};  // SR
                           }
+                        } else {
+                          return {4, 32, 16, 1, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 32, 32, 1, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 16.05642604827881) {
+                      if (x.log2_S <= 14.437463283538818) {
+                        return {4, 16, 32, 2, 1};  // SR
+                      } else {
+                        return {4, 32, 32, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.skew_lo <= 1.7872621417045593) {
+                        if (x.log2_S <= 18.398780822753906) {
+                          return {4, 32, 32, 4, 0};  // SP
+                        } else {
+                          return {4, 32, 32, 2, 0};  // SP
                         }
                       } else {
-                        return {4, 32, 32, 1, 1};  // SR
-                      }
-                    }
-                  } else {
-                    return {4, 32, 32, 1, 1};  // SR
-                  }
-                }
-              } else {
-                if (x.skew_lo <= 11.08256196975708) {
-                  if (x.log2_S <= 19.090872764587402) {
-                    if (x.avg <= 17.351694107055664) {
-                      if (x.skew_hi <= 18.174349784851074) {
                         return {4, 32, 32, 2, 0};  // SP
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
-                      }
-                    } else {
-                      return {4, 32, 32, 2, 0};  // SP
-                    }
-                  } else {
-                    return {4, 32, 64, 2, 0};  // SP
-                  }
-                } else {
-                  if (x.avg <= 3.218200922012329) {
-                    return {4, 32, 32, 1, 1};  // SR
-                  } else {
-                    if (x.skew_hi <= 19.361775398254395) {
-                      return {4, 32, 32, 1, 1};  // SR
-                    } else {
-                      if (x.skew_lo <= 11.563226222991943) {
-                        return {4, 32, 32, 1, 1};  // SR
-                      } else {
-                        return {4, 32, 64, 2, 0};  // SP
                       }
                     }
                   }
                 }
               }
+            } else {
+              return {4, 32, 16, 1, 1};  // SR
             }
+          } else {
+            if (x.skew_hi <= 17.76843547821045) {
+              if (x.long_level <= 2.5) {
+                if (x.log2_S <= 16.058767318725586) {
+                  if (x.log2_S <= 13.371581554412842) {
+                    return {4, 32, 8, 2, 1};  // SR
+                  } else {
+                    return {4, 32, 16, 1, 1};  // SR
+                  }
+                } else {
+                  if (x.avg <= 2.2476471662521362) {
+                    return {4, 32, 32, 1, 1};  // SR
+                  } else {
+                    if (x.log2_S <= 19.19302272796631) {
+                      return {4, 32, 16, 1, 1};  // SR
+                    } else {
+                      return {4, 32, 32, 1, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                return {4, 32, 32, 1, 1};  // SR
+              }
+            } else {
+              if (x.skew_hi <= 18.943782806396484) {
+                if (x.avg <= 7.376204013824463) {
+                  return {4, 32, 32, 1, 1};  // SR
+                } else {
+                  if (x.avg <= 14.236272811889648) {
+                    if (x.log2_S <= 18.322335243225098) {
+                      return {4, 32, 32, 2, 0};  // SP
+                    } else {
+                      return {4, 32, 64, 2, 0};  // SP
+                    }
+                  } else {
+                    return {4, 32, 32, 2, 0};  // SP
+                  }
+                }
+              } else {
+                if (x.skew_lo <= 9.836630821228027) {
+                  return {4, 32, 32, 1, 1};  // SR
+                } else {
+                  if (x.avg <= 7.66758131980896) {
+                    return {4, 32, 32, 1, 1};  // SR
+                  } else {
+                    return {4, 32, 64, 2, 0};  // SP
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (x.skew_hi <= 14.72728681564331) {
+            if (x.skew_lo <= 0.2794746607542038) {
+              if (x.log2_S <= 12.53026533126831) {
+                if (x.skew_lo <= -3.0019770860671997) {
+                  if (x.log2_S <= 11.339427471160889) {
+                    return {4, 16, 64, 2, 0};  // SP
+                  } else {
+                    if (x.skew_lo <= -4.067982912063599) {
+                      return {4, 16, 64, 2, 0};  // SP
+                    } else {
+                      if (x.log2_S <= 11.572187900543213) {
+                        return {4, 16, 64, 2, 0};  // SP
+                      } else {
+                        return {4, 16, 8, 4, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.avg <= 77.6802749633789) {
+                    if (x.log2_S <= 10.76211929321289) {
+                      if (x.skew_lo <= -2.0241522789001465) {
+                        return {4, 16, 64, 2, 0};  // SP
+                      } else {
+                        if (x.avg <= 28.555222988128662) {
+                          if (x.log2_S <= 10.308915138244629) {
+                            if (x.skew_lo <= -1.7017918825149536) {
+                              if (x.log2_S <= 9.280174255371094) {
+                                return {4, 32, 64, 8, 0};  // SP
+                              } else {
+                                return {4, 16, 64, 2, 0};  // SP
+                              }
+                            } else {
+                              if (x.avg <= 1.599612295627594) {
+                                if (x.skew_hi <= 5.661958694458008) {
+                                  if (x.log2_S <= 9.574373722076416) {
+                                    return {2, 32, 64, 2, 0};  // SP
+                                  } else {
+                                    return {2, 32, 8, 8, 1};  // SR
+                                  }
+                                } else {
+                                  if (x.log2_S <= 9.567934036254883) {
+                                    return {4, 32, 32, 2, 0};  // SP
+                                  } else {
+                                    return {4, 64, 64, 2, 0};  // SP
+                                  }
+                                }
+                              } else {
+                                if (x.log2_S <= 9.480011463165283) {
+                                  if (x.avg <= 2.406248092651367) {
+                                    return {1, 64, 8, 8, 0};  // SP
+                                  } else {
+                                    return {4, 16, 64, 2, 0};  // SP
+                                  }
+                                } else {
+                                  return {4, 32, 32, 2, 0};  // SP
+                                }
+                              }
+                            }
+                          } else {
+                            return {2, 32, 8, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.log2_S <= 9.729382991790771) {
+                            return {4, 16, 8, 2, 0};  // SP
+                          } else {
+                            return {4, 16, 8, 4, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.skew_hi <= 5.378895044326782) {
+                        if (x.avg <= 3.8412147760391235) {
+                          if (x.log2_S <= 12.015137195587158) {
+                            if (x.log2_S <= 11.258070468902588) {
+                              return {2, 32, 8, 2, 1};  // SR
+                            } else {
+                              return {4, 32, 8, 4, 1};  // SR
+                            }
+                          } else {
+                            return {4, 16, 8, 4, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_lo <= -0.20247258245944977) {
+                            return {4, 16, 8, 4, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.913590431213379) {
+                              return {4, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 8, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.180291175842285) {
+                          return {2, 32, 8, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.log2_S <= 10.090726375579834) {
+                      if (x.skew_lo <= -1.9925119280815125) {
+                        if (x.log2_S <= 9.206443309783936) {
+                          return {4, 16, 32, 8, 0};  // SP
+                        } else {
+                          return {4, 16, 16, 2, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 16, 2, 0};  // SP
+                      }
+                    } else {
+                      return {4, 16, 16, 4, 0};  // SP
+                    }
+                  }
+                }
+              } else {
+                if (x.log2_S <= 18.91292095184326) {
+                  if (x.avg <= 3.985835075378418) {
+                    if (x.log2_S <= 15.613919734954834) {
+                      return {4, 16, 8, 4, 1};  // SR
+                    } else {
+                      if (x.log2_S <= 18.429743766784668) {
+                        if (x.log2_S <= 16.06106948852539) {
+                          if (x.avg <= 1.7843327522277832) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            if (x.skew_hi <= 4.697820425033569) {
+                              return {4, 16, 16, 4, 0};  // SP
+                            } else {
+                              return {4, 16, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          return {4, 16, 16, 4, 0};  // SP
+                        }
+                      } else {
+                        return {4, 16, 32, 4, 0};  // SP
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= -0.5928158462047577) {
+                      if (x.avg <= 138.2661895751953) {
+                        if (x.log2_S <= 15.095815658569336) {
+                          if (x.log2_S <= 12.886857986450195) {
+                            if (x.avg <= 19.06028938293457) {
+                              return {4, 16, 8, 4, 1};  // SR
+                            } else {
+                              if (x.avg <= 55.27030563354492) {
+                                return {4, 16, 64, 2, 0};  // SP
+                              } else {
+                                return {4, 16, 16, 4, 0};  // SP
+                              }
+                            }
+                          } else {
+                            if (x.avg <= 107.60489654541016) {
+                              if (x.skew_lo <= -2.843299150466919) {
+                                return {4, 16, 16, 4, 0};  // SP
+                              } else {
+                                if (x.log2_S <= 13.447351932525635) {
+                                  if (x.skew_lo <= -1.3953089714050293) {
+                                    return {4, 16, 8, 4, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 4, 0};  // SP
+                                  }
+                                } else {
+                                  if (x.skew_lo <= -0.7118417024612427) {
+                                    return {4, 16, 16, 4, 0};  // SP
+                                  } else {
+                                    return {4, 16, 16, 2, 0};  // SP
+                                  }
+                                }
+                              }
+                            } else {
+                              if (x.log2_S <= 14.574578762054443) {
+                                return {4, 16, 16, 2, 0};  // SP
+                              } else {
+                                return {4, 16, 32, 2, 1};  // SR
+                              }
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 16.013352394104004) {
+                            if (x.skew_lo <= -3.4200881719589233) {
+                              return {4, 16, 32, 4, 0};  // SP
+                            } else {
+                              if (x.skew_lo <= -1.0259665250778198) {
+                                return {4, 16, 16, 4, 0};  // SP
+                              } else {
+                                return {4, 16, 32, 2, 1};  // SR
+                              }
+                            }
+                          } else {
+                            if (x.log2_S <= 17.79237937927246) {
+                              return {4, 16, 16, 4, 0};  // SP
+                            } else {
+                              if (x.avg <= 19.28919219970703) {
+                                return {4, 16, 32, 4, 0};  // SP
+                              } else {
+                                return {4, 16, 16, 4, 0};  // SP
+                              }
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 16, 16, 4, 0};  // SP
+                      }
+                    } else {
+                      if (x.log2_S <= 16.26778793334961) {
+                        if (x.log2_S <= 12.953500270843506) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          return {4, 16, 32, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 4, 0};  // SP
+                      }
+                    }
+                  }
+                } else {
+                  if (x.long_level <= 0.5) {
+                    return {4, 16, 32, 4, 0};  // SP
+                  } else {
+                    return {4, 16, 16, 4, 0};  // SP
+                  }
+                }
+              }
+            } else {
+              if (x.log2_S <= 12.317351341247559) {
+                if (x.long_level <= 2.5) {
+                  if (x.avg <= 4.85302472114563) {
+                    if (x.skew_lo <= 6.856587648391724) {
+                      if (x.skew_hi <= 9.067041397094727) {
+                        if (x.skew_lo <= 4.555961608886719) {
+                          if (x.skew_hi <= 8.15613842010498) {
+                            return {4, 32, 8, 2, 1};  // SR
+                          } else {
+                            if (x.log2_S <= 11.113609790802002) {
+                              if (x.avg <= 2.837748646736145) {
+                                return {4, 32, 8, 4, 1};  // SR
+                              } else {
+                                return {2, 32, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {4, 32, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.log2_S <= 11.707122325897217) {
+                            if (x.log2_S <= 8.102192878723145) {
+                              return {2, 32, 8, 4, 1};  // SR
+                            } else {
+                              return {2, 32, 8, 8, 1};  // SR
+                            }
+                          } else {
+                            return {4, 32, 8, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.log2_S <= 12.095641613006592) {
+                          return {2, 32, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 32, 8, 2, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 16, 8, 4, 1};  // SR
+                    }
+                  } else {
+                    if (x.log2_S <= 11.825461387634277) {
+                      if (x.skew_lo <= 0.8972872197628021) {
+                        if (x.log2_S <= 9.856676578521729) {
+                          return {4, 16, 8, 2, 0};  // SP
+                        } else {
+                          return {4, 16, 8, 4, 1};  // SR
+                        }
+                      } else {
+                        if (x.avg <= 352.82598876953125) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 10.546377182006836) {
+                            return {4, 16, 8, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 43.68229293823242) {
+                        return {4, 16, 8, 4, 1};  // SR
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 11.736009120941162) {
+                    if (x.skew_lo <= 9.685508728027344) {
+                      if (x.log2_S <= 9.368871688842773) {
+                        if (x.log2_S <= 8.94395112991333) {
+                          return {4, 16, 16, 8, 1};  // SR
+                        } else {
+                          if (x.log2_S <= 9.073856830596924) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        return {4, 16, 16, 8, 1};  // SR
+                      }
+                    } else {
+                      if (x.skew_hi <= 10.470829486846924) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.avg <= 8.718679428100586) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 32, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_hi <= 12.095418930053711) {
+                      if (x.avg <= 26.010942459106445) {
+                        if (x.avg <= 7.206640243530273) {
+                          return {4, 16, 8, 4, 1};  // SR
+                        } else {
+                          return {4, 16, 32, 2, 1};  // SR
+                        }
+                      } else {
+                        return {4, 16, 16, 2, 1};  // SR
+                      }
+                    } else {
+                      return {4, 16, 32, 2, 1};  // SR
+                    }
+                  }
+                }
+              } else {
+                if (x.avg <= 20.219581604003906) {
+                  if (x.log2_S <= 17.482938766479492) {
+                    if (x.skew_lo <= 8.868208408355713) {
+                      if (x.log2_S <= 13.14083480834961) {
+                        if (x.long_level <= 1.5) {
+                          if (x.skew_lo <= 2.146877884864807) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            if (x.avg <= 2.677181839942932) {
+                              if (x.log2_S <= 12.629104614257812) {
+                                return {4, 32, 8, 2, 1};  // SR
+                              } else {
+                                return {4, 16, 8, 4, 1};  // SR
+                              }
+                            } else {
+                              return {4, 16, 8, 4, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.avg <= 8.021956443786621) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 16, 8, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.avg <= 2.3386951684951782) {
+                          if (x.log2_S <= 15.363049983978271) {
+                            if (x.skew_lo <= 7.40407919883728) {
+                              return {4, 16, 8, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 4, 1};  // SR
+                            }
+                          } else {
+                            if (x.log2_S <= 17.415289878845215) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          }
+                        } else {
+                          if (x.skew_lo <= 2.0931917428970337) {
+                            if (x.log2_S <= 14.641233921051025) {
+                              return {4, 16, 16, 4, 1};  // SR
+                            } else {
+                              return {4, 16, 32, 2, 1};  // SR
+                            }
+                          } else {
+                            if (x.avg <= 7.071665048599243) {
+                              if (x.log2_S <= 14.763298511505127) {
+                                if (x.skew_lo <= 4.566097736358643) {
+                                  if (x.skew_hi <= 8.197023868560791) {
+                                    return {4, 16, 16, 2, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 8, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 16, 16, 4, 1};  // SR
+                                }
+                              } else {
+                                if (x.long_level <= 1.5) {
+                                  if (x.log2_S <= 15.5924391746521) {
+                                    return {4, 16, 16, 2, 1};  // SR
+                                  } else {
+                                    return {4, 16, 16, 4, 1};  // SR
+                                  }
+                                } else {
+                                  if (x.log2_S <= 15.740994930267334) {
+                                    return {4, 16, 16, 4, 1};  // SR
+                                  } else {
+                                    if (x.skew_lo <= 8.70432424545288) {
+                                      return {4, 16, 16, 2, 1};  // SR
+                                    } else {
+                                      return {4, 16, 32, 2, 1};  // SR
+                                    }
+                                  }
+                                }
+                              }
+                            } else {
+                              if (x.avg <= 18.588483810424805) {
+                                return {4, 16, 16, 4, 1};  // SR
+                              } else {
+                                if (x.log2_S <= 16.02872085571289) {
+                                  if (x.log2_S <= 14.553894519805908) {
+                                    return {4, 16, 16, 4, 1};  // SR
+                                  } else {
+                                    return {4, 16, 32, 2, 1};  // SR
+                                  }
+                                } else {
+                                  return {4, 16, 16, 2, 1};  // SR
+                                }
+                              }
+                            }
+                          }
+                        }
+                      }
+                    } else {
+                      if (x.avg <= 6.121949672698975) {
+                        if (x.skew_lo <= 9.955063343048096) {
+                          if (x.log2_S <= 14.606228351593018) {
+                            return {4, 16, 16, 4, 1};  // SR
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        } else {
+                          if (x.skew_hi <= 14.411036968231201) {
+                            return {4, 16, 32, 2, 1};  // SR
+                          } else {
+                            return {4, 16, 64, 2, 1};  // SR
+                          }
+                        }
+                      } else {
+                        if (x.skew_hi <= 13.123897075653076) {
+                          return {4, 16, 32, 2, 1};  // SR
+                        } else {
+                          return {4, 16, 64, 2, 1};  // SR
+                        }
+                      }
+                    }
+                  } else {
+                    if (x.skew_lo <= 4.247185230255127) {
+                      return {4, 16, 32, 2, 1};  // SR
+                    } else {
+                      if (x.skew_hi <= 12.37942361831665) {
+                        if (x.log2_S <= 19.1897611618042) {
+                          return {4, 16, 16, 2, 1};  // SR
+                        } else {
+                          if (x.avg <= 5.968096017837524) {
+                            return {4, 16, 32, 2, 1};  // SR
+                          } else {
+                            if (x.skew_lo <= 6.075934171676636) {
+                              return {4, 16, 32, 2, 1};  // SR
+                            } else {
+                              return {4, 16, 16, 2, 1};  // SR
+                            }
+                          }
+                        }
+                      } else {
+                        return {4, 16, 32, 2, 1};  // SR
+                      }
+                    }
+                  }
+                } else {
+                  if (x.log2_S <= 13.7782883644104) {
+                    if (x.skew_hi <= 10.97149133682251) {
+                      if (x.log2_S <= 13.098513126373291) {
+                        return {4, 16, 16, 8, 1};  // SR
+                      } else {
+                        if (x.skew_hi <= 5.732492923736572) {
+                          if (x.avg <= 50.87002182006836) {
+                            return {4, 16, 16, 8, 1};  // SR
+                          } else {
+                            return {4, 16, 32, 2, 1};  // SR
+                          }
+                        } else {
+                          return {4, 16, 16, 4, 1};  // SR
+                        }
+                      }
+                    } else {
+                      return {4, 16, 32, 2, 1};  // SR
+                    }
+                  } else {
+                    return {4, 16, 32, 2, 1};  // SR
+                  }
+                }
+              }
+            }
+          } else {
+            return {4, 16, 64, 2, 1};  // SR
           }
         }
       }
