@@ -5,13 +5,16 @@ index_weight_segment_reduce, whose rules the fused ops share) and each cell
 (graph, F) it times every config of the pruned space that launches
 differently (configs the launch layer maps onto the same kernel and grid are
 timed once), plus the hand heuristic's pick, and appends the rows to
-perfdb/<gpu>/<family>.csv. Cells already in the file are skipped, so a sweep
-cut short (--budget-s, a crash, the device's time limit) resumes where it
-stopped. GPU only.
+perfdb/<gpu>/<family>.csv. Cells already in the file (or in the committed
+<family>.csv.gz, copied into it first) are skipped, so a sweep cut short
+(--budget-s, a crash, the device's time limit) resumes where it stopped and
+a sweep of more widths or graphs adds to the DB; --fresh starts over. GPU
+only.
 
     python perfdb/sweep.py                    # default corpus, ~8 minutes on an H100
     python perfdb/sweep.py --full             # bigger corpus, every config
     python perfdb/sweep.py --graphs cora 'uniform:num_nodes=200000,degree=16' --F 64 128
+    python perfdb/sweep.py --F 96 48 192      # widths the default sweep does not time
 
 Timing: CUDA events around each launch, a 256 MB L2 flush before each and
 a busy-wait that holds the GPU while the host queues the launch (GPU time,
@@ -21,8 +24,10 @@ pick are then timed again after a warm-up launch, median of --reps. The
 launches of a pass are queued and read back after one synchronize.
 """
 import argparse
+import gzip
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Dict, List, Optional
@@ -166,6 +171,24 @@ def degree_stats(g: Graph) -> dict:
     return dict(avg=g.num_edges / max(g.num_nodes, 1), max_deg=max_deg, long_segments=int(max_deg > 64))
 
 
+def resumable(path: str, fresh: bool = False) -> str:
+    """path (a family's CSV), ready for the sweep to append to: where only
+    the committed gzipped DB is there (path + ".gz"), its cells are copied
+    into path first, so the sweep skips them and the trainer, which reads
+    the plain CSV where there is one, keeps them. fresh: both files go (the
+    kernels changed: time every cell again)."""
+    packed = path + ".gz"
+    if fresh:
+        for stale in (path, packed):
+            if os.path.exists(stale):
+                os.remove(stale)
+    elif not os.path.exists(path) and os.path.exists(packed):
+        with gzip.open(packed, "rb") as src, open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        print(f"resuming from {packed}")
+    return path
+
+
 def done_cells(path: str) -> set:
     if not os.path.exists(path):
         return set()
@@ -189,7 +212,7 @@ def sweep(args) -> None:
     out_dir = args.out_dir or os.path.join(ROOT, "perfdb", device_slug())
     os.makedirs(out_dir, exist_ok=True)
     write_device_json(out_dir)
-    paths = {fam: os.path.join(out_dir, f"{fam}.csv") for fam in args.families}
+    paths = {fam: resumable(os.path.join(out_dir, f"{fam}.csv"), args.fresh) for fam in args.families}
     done = {fam: done_cells(p) for fam, p in paths.items()}
     deadline = time.monotonic() + args.budget_s if args.budget_s else float("inf")
     entries = entries_from_args(args)
@@ -229,6 +252,8 @@ def main():
     parser.add_argument("--reps", type=int, default=11, help="timed launches of the finalists (median)")
     parser.add_argument("--refine", type=int, default=32, help="finalists per cell, timed with --reps")
     parser.add_argument("--out-dir", default=None, help="default perfdb/<gpu>")
+    parser.add_argument("--fresh", action="store_true",
+                        help="time every cell again (after a kernel change): the DB's cells are dropped")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("perfdb/sweep.py times CUDA kernels: no GPU visible")

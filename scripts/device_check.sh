@@ -42,9 +42,8 @@ for step in "$@"; do
       db=perfdb/$(python3 -c "import sys; sys.path.insert(0, 'bench'); from common import device_slug; print(device_slug())")
       mkdir -p "$db"
       # SWEEP_FRESH=1: start over (the kernels changed), else resume the committed DB
-      [ -n "$SWEEP_FRESH" ] && rm -f "$db"/*.csv.gz "$db"/*.csv
-      for f in "$db"/*.csv.gz; do [ -e "$f" ] && gunzip -kf "$f"; done
-      python3 perfdb/sweep.py --budget-s "${SWEEP_BUDGET_S:-360}" $SWEEP_ARGS > "$OUT/sweep.log" 2>&1 || status=1
+      python3 perfdb/sweep.py --budget-s "${SWEEP_BUDGET_S:-360}" ${SWEEP_FRESH:+--fresh} $SWEEP_ARGS \
+        > "$OUT/sweep.log" 2>&1 || status=1
       tail -2 "$OUT/sweep.log"
       python3 scripts/analyze_sweep.py "$db" | tee "$OUT/sweep_summary.txt"
       for f in "$db"/*.csv; do gzip -c "$f" > "$FINAL_OUT/$(basename "$f").gz"; done

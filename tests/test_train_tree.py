@@ -522,15 +522,40 @@ def test_skew_bounds_bracket_the_longest_segment():
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
+def load_sweep():
+    """perfdb/sweep.py as a module (its functions run without a GPU)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    spec = importlib.util.spec_from_file_location("sweep", os.path.join(ROOT, "perfdb", "sweep.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
+
+
+def test_sweep_resumes_from_the_committed_gzipped_db(tmp_path):
+    """A sweep where only the committed <family>.csv.gz is there appends to
+    a copy of its cells (and skips them): the trainer reads the plain CSV,
+    so a sweep of more widths must not leave the gzipped cells behind.
+    --fresh drops both."""
+    sweep = load_sweep()
+    rows = pd.DataFrame({"graph": ["cora", "cora", "pubmed"], "F": [1, 2, 1], "time_ms": [0.1, 0.2, 0.3]})
+    path = str(tmp_path / "segment_reduce.csv")
+    rows.to_csv(path + ".gz", index=False)
+    assert sweep.resumable(path) == path
+    pd.testing.assert_frame_equal(pd.read_csv(path), rows)
+    assert sweep.done_cells(path) == {("cora", 1), ("cora", 2), ("pubmed", 1)}
+    pd.DataFrame({"graph": ["cora"], "F": [96], "time_ms": [0.4]}).to_csv(path, mode="a", header=False, index=False)
+    assert sweep.resumable(path) == path and len(pd.read_csv(path)) == 4  # a plain CSV is resumed as it is
+    sweep.resumable(path, fresh=True)
+    assert not os.path.exists(path) and not os.path.exists(path + ".gz")
+    assert sweep.done_cells(path) == set()
+
+
 def test_sweep_dedupe_agrees_with_the_trainer():
     """perfdb/sweep.py times one config per launch (effective_config); the
     trainer maps configs to launches with launch_keys. Both restate the launch
     layer's rules, so they must agree: a config and its effective form launch
     the same, and configs with the same effective form share a key."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    spec = importlib.util.spec_from_file_location("sweep", os.path.join(ROOT, "perfdb", "sweep.py"))
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = load_sweep()
     space = geot.config_space(narrow=True)
     for F in (1, 2, 3, 4, 7, 8, 64, 128):
         effective = [sweep.effective_config(cfg, F) for cfg in space]
