@@ -335,7 +335,7 @@ def main(argv=None):
               f"worst {heuristic_vs_cusparse.min():.2f}x)")
     if "dtypes" in args.sections:
         rows = [forward_rows(p, F, dt, args, ("cusparse",)) for dt in (torch.float16, torch.bfloat16)
-                for p in problems for F in args.F if F >= 8]
+                for p in problems for F in args.F]
         report(pd.DataFrame(rows), "forward, half types (ms)", ("cusparse", "composite"), f"spmm_dtypes_{slug}.csv")
     if "heads" in args.sections:
         rows = [head_rows(p, h, F, args) for p in problems for h in (4, 8) for F in args.F if F >= h and F % h == 0]
