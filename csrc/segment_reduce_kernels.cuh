@@ -1146,6 +1146,20 @@ __global__ void segment_finalize_kernel(const acc_t* acc, out_t* out, const int6
   }
 }
 
+// segment_finalize_kernel for rows narrower than a warp: a thread per
+// element of the [S, F] output, 1-D, so a warp writes 32 consecutive
+// elements (a warp a segment left 31 of 32 lanes idle at F = 1).
+template <typename acc_t, typename out_t>
+__global__ void segment_finalize_flat_kernel(const acc_t* acc, out_t* out, const int64_t* __restrict__ ptr,
+                                             int64_t S, int64_t F, Reduce reduce) {
+  const int64_t n = S * F;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t seg = ptr ? i / F : 0;
+    const int64_t count = ptr ? ptr[seg + 1] - ptr[seg] : 1;
+    out[i] = finished<out_t>(acc[i], count, reduce == Reduce::Mean);
+  }
+}
+
 // The results of the segments SP left whole to its overflow pass: slot n of
 // acc holds segment long_segment[n]'s (not empty) reduction, divided here
 // for a mean and rounded to out_t. 1-D blocks stride over the slots.

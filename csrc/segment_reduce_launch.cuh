@@ -629,9 +629,15 @@ at::Tensor reduce_rows(const RowReduction& r) {
         // Segment sizes for mean and max/min's empty segments.
         if (r.reduce != Reduce::Sum && !offsets.ptr.defined()) offsets = index_offsets<index_t>(r.index, S, false, stream);
         const int64_t* ptr = r.reduce == Reduce::Sum ? nullptr : offsets.ptr.data_ptr<int64_t>();
-        const dim3 block(32, 8);
-        segment_finalize_kernel<acc_t, in_t><<<grid_stride_blocks(S, block.y, kFinalizeBlocks), block, 0, stream>>>(
-            acc.data_ptr<acc_t>(), reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()), ptr, S, F, r.reduce);
+        auto* final_rows = reinterpret_cast<in_t*>(out.data_ptr<scalar_t>());
+        if (F < 32) {
+          segment_finalize_flat_kernel<acc_t, in_t><<<grid_stride_blocks(S * F, 256, kFinalizeBlocks), 256, 0, stream>>>(
+              acc.data_ptr<acc_t>(), final_rows, ptr, S, F, r.reduce);
+        } else {
+          const dim3 block(32, 8);
+          segment_finalize_kernel<acc_t, in_t><<<grid_stride_blocks(S, block.y, kFinalizeBlocks), block, 0, stream>>>(
+              acc.data_ptr<acc_t>(), final_rows, ptr, S, F, r.reduce);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       if (chunk_slots) launch_finalize_straddling(acc.data_ptr<acc_t>(), args, chunks, stream);
