@@ -250,6 +250,8 @@ class E2E(Bench):
         "# H200 (e2e_h200.csv): the same at 10M edges, added with --gpu h200",
         'python bench/e2e.py --models sage-max --hidden 128 --graphs "powerlaw:n=1000000,deg=10" --dtypes fp32 '
         "--rounds 1 --reps 5 --warmup 1 --max-time 0.3 --paths geot,geot-compile,pyg,pyg-compile",
+        "for m in gcn sage gin; do python bench/e2e.py --models $m --hidden 256 $L && python bench/report.py "
+        "--add e2e bench/out/e2e_nvidia-h200.csv --gpu h200; done",
     )
 
     def merge(self, current, runs):
