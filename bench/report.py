@@ -252,6 +252,8 @@ class E2E(Bench):
         "--rounds 1 --reps 5 --warmup 1 --max-time 0.3 --paths geot,geot-compile,pyg,pyg-compile",
         "for m in gcn sage gin; do python bench/e2e.py --models $m --hidden 256 $L && python bench/report.py "
         "--add e2e bench/out/e2e_nvidia-h200.csv --gpu h200; done",
+        "for g in cora citeseer pubmed; do python bench/e2e.py --models gcn,sage --hidden 128 --graphs $g "
+        "--dtypes fp32 --rounds 3 && python bench/report.py --add e2e bench/out/e2e_nvidia-h200.csv --gpu h200; done",
     )
 
     def merge(self, current, runs):
