@@ -9,9 +9,7 @@ geot.nn as a drop-in. With PyG's test files at the installed version's tag
 
     PYTHONPATH=$PWD:$PWD/scripts python -m pytest -p pyg_swap $PYG/test/nn
 
-(PyG 2.8: every test passes but test_basic_gnn.py::test_packaging, whose
-torch.package exporter externs PyG's modules and not geot's. With
-FULL_TEST=1, TorchScript checks run too: on torch 2.14 seven of them fail for
+(PyG 2.8: every test passes. With FULL_TEST=1, TorchScript checks run too: on torch 2.14 seven of them fail for
 PyG alone (GATConv, GATv2Conv, RGATConv, AttentiveFP, SAGPooling), and
 TransformerConv's compares PyG's scripted forward with geot's output under
 allclose's default tolerance, which values near 0 miss by a rounding bit in
@@ -34,8 +32,9 @@ for _name in ("GCNConv", "SAGEConv", "GINConv", "GATConv", "GATv2Conv", "RGCNCon
 
 # Every PyG module that bound a layer's name at import (torch_geometric.nn,
 # .conv, and users of them such as .models.basic_gnn's GCN, GraphSAGE, GIN
-# and GAT) gets geot's.
+# and GAT) gets geot's; the module defining a layer keeps PyG's, which pickle
+# finds there by name (a torch.package export stores geot's layers as PyG's).
 for _module in [m for name, m in sys.modules.items() if name.startswith("torch_geometric") and m is not None]:
     for _attr, _value in list(vars(_module).items()):
-        if isinstance(_value, type) and _value in _swapped:
+        if isinstance(_value, type) and _value in _swapped and _value.__module__ != _module.__name__:
             setattr(_module, _attr, _swapped[_value])

@@ -727,6 +727,51 @@ def test_patch():
     torch.testing.assert_close(model(x, edge_index), expect)
 
 
+def _trained_layers(device):
+    """Layers of several kinds after a training and an inference call: they keep sorted graphs,
+    transposed indices and derived values (GCN's normalization with edge weights, held by weak reference)."""
+    edge_index = random_graph(30, 120, device)
+    x = torch.randn(30, 12, dtype=torch.float64, device=device)
+    weight = torch.rand(edge_index.size(1), dtype=torch.float64, device=device)
+    layers = torch.nn.ModuleList([gnn.GCNConv(12, 8), gnn.GCNConv(12, 8, cached=True), gnn.SAGEConv(12, 8),
+                                  gnn.GATConv(12, 4, heads=2), gnn.patch(pyg_nn.TAGConv(12, 8))]).to(device).double()
+    calls = [(x, edge_index, weight), (x, edge_index, weight), (x, edge_index), (x, edge_index), (x, edge_index)]
+    for layer, args in zip(layers, calls):
+        layer(*args).sum().backward()
+        with torch.no_grad():
+            layer(*args)
+    return layers, calls
+
+
+def test_layers_pickle_after_calls(tmp_path, device):
+    """torch.save and copy.deepcopy of layers that have run: the graphs they keep are left out (remade at
+    the next call), GCN's cached normalization kept (as PyG pickles it); the copies compute the same."""
+    layers, calls = _trained_layers(device)
+    expect = [layer(*args) for layer, args in zip(layers, calls)]
+    assert any(name.startswith("_geot_graph_") for name in layers[0].__dict__)
+    torch.save(layers, tmp_path / "layers.pt")
+    for copied in (torch.load(tmp_path / "layers.pt", weights_only=False), copy.deepcopy(layers)):
+        assert [type(layer) for layer in copied] == [type(layer) for layer in layers]
+        assert not any(name.startswith("_geot_graph_") for layer in copied for name in layer.__dict__)
+        assert copied[1]._cached_edge_index is not None
+        for layer, args, out in zip(copied, calls, expect):
+            torch.testing.assert_close(layer(*args), out, **FLOAT64_TOL)
+
+
+def test_torch_package_exports_pyg_layers(tmp_path):
+    """torch.package (externing PyG's modules alone, as for a PyG model) exports geot's layers as PyG's:
+    the loaded layers are PyG's classes with the same parameters, and compute the same."""
+    layers, calls = _trained_layers("cpu")
+    path = tmp_path / "layers.pt"
+    with torch.package.PackageExporter(str(path)) as exporter:
+        exporter.extern(["torch_geometric.**", "_operator"])
+        exporter.save_pickle("model", "layers.pkl", layers)
+    loaded = torch.package.PackageImporter(str(path)).load_pickle("model", "layers.pkl")
+    for mine, theirs, args in zip(layers, loaded, calls):
+        assert type(theirs).__module__.startswith("torch_geometric.") and isinstance(mine, type(theirs))
+        torch.testing.assert_close(theirs(*args), mine(*args), **FLOAT64_TOL)
+
+
 def test_patch_strict_names_the_layer_that_runs_pyg():
     """patch converts every layer; strict=True raises for one whose options
     keep every call on PyG's forward, and leaves it a PyG layer."""

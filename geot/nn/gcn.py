@@ -69,6 +69,9 @@ class GCNConv(GeotLayer, pyg_nn.GCNConv):
     def _pyg_attributes(self) -> dict:
         return {"_cached_edge_index": self._cached_edge_index}
 
+    def _kept_caches(self) -> dict:
+        return {"_geot_pyg_cache": self._cached_edge_index}  # in PyG's form: the sorted graph is remade
+
     def forward(self, x: Tensor, edge_index, edge_weight: Optional[Tensor] = None) -> Tensor:
         reason = self._call_reason(x, edge_index)
         if reason is not None:

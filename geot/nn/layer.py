@@ -11,7 +11,6 @@ takes every input and option PyG's layer takes: geot's kernels where they
 apply, PyG's result otherwise. ``torch.jit.script`` scripts PyG's layer with
 the same parameters (geot's forward is not TorchScript).
 """
-import copy
 import inspect
 import warnings
 from typing import Optional
@@ -119,6 +118,31 @@ def _mirror_pyg_introspection(cls: type) -> None:
         cls.__init__ = __init__
 
 
+def _inspector(layer) -> Inspector:
+    """PyG's Inspector of a layer's class, as MessagePassing.__init__ makes it."""
+    inspector = Inspector(type(layer))
+    inspector.inspect_signature(layer.message)
+    inspector.inspect_signature(layer.aggregate, exclude=[0, "aggr"])
+    inspector.inspect_signature(layer.message_and_aggregate, [0])
+    inspector.inspect_signature(layer.update, exclude=[0])
+    inspector.inspect_signature(layer.edge_update)
+    return inspector
+
+
+class _InstanceMethod:
+    """A method that the class itself does not have: torch.package calls
+    ``__reduce_package__`` on any object that has one, the layer classes
+    (pickled by reference) included."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            raise AttributeError(self.function.__name__)
+        return self.function.__get__(instance, owner)
+
+
 class GeotLayer:
     """Mixin of the geot layers (listed first among the bases)."""
 
@@ -217,12 +241,8 @@ class GeotLayer:
         if "_jinja_propagate" in base.__dict__:
             return
         own_class, own_inspector = self.__class__, self.inspector
-        self.__class__, self.inspector = base, Inspector(base)
-        self.inspector.inspect_signature(self.message)  # as MessagePassing.__init__ does
-        self.inspector.inspect_signature(self.aggregate, exclude=[0, "aggr"])
-        self.inspector.inspect_signature(self.message_and_aggregate, [0])
-        self.inspector.inspect_signature(self.update, exclude=[0])
-        self.inspector.inspect_signature(self.edge_update)
+        self.__class__ = base
+        self.inspector = _inspector(self)
         try:
             pyg_nn.MessagePassing._set_jittable_templates(self, raise_on_error)
         finally:
@@ -230,12 +250,49 @@ class GeotLayer:
 
     def __prepare_scriptable__(self):
         """torch.jit.script scripts PyG's layer, sharing this one's parameters."""
-        scripted = copy.copy(self)
-        scripted.__dict__ = {name: value for name, value in self.__dict__.items() if not name.startswith("_geot")}
-        scripted.__dict__.update(self._pyg_attributes())
-        scripted.__class__ = pyg_base(type(self))
-        return scripted
+        return self._as_pyg_layer()
+
+    def _as_pyg_layer(self):
+        """PyG's layer with this one's parameters, submodules and options (shared, not copied)."""
+        base = pyg_base(type(self))
+        layer = base.__new__(base)
+        layer.__dict__.update((name, value) for name, value in self.__dict__.items() if not name.startswith("_geot"))
+        layer.__dict__.update(self._pyg_attributes())
+        layer.inspector = _inspector(layer)  # this one's inspects geot's class
+        return layer
 
     def _pyg_attributes(self) -> dict:
         """Attributes PyG's layer keeps in its __dict__ that this one holds elsewhere."""
         return {}
+
+    # Pickling -------------------------------------------------------------------------------------
+
+    def __getstate__(self):
+        """What torch.save, pickle and copy.deepcopy keep: the layer without
+        what it keeps of the graphs it saw (sorted graphs and values derived
+        from them, remade at its next call; some hold weak references, which
+        do not pickle), except what PyG's layer pickles of them
+        (:meth:`_kept_caches`)."""
+        state = {name: value for name, value in super().__getstate__().items() if not name.startswith("_geot")}
+        state.update(self._kept_caches())
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._geot_init()
+
+    def _kept_caches(self) -> dict:
+        """Caches that are part of the PyG layer's state (GCNConv's cached normalization), by attribute."""
+        return {}
+
+    @_InstanceMethod
+    def __reduce_package__(self, exporter):
+        """torch.package exports the layer as PyG's (:meth:`_as_pyg_layer`):
+        a package holds Python modules, not geot's compiled extension, so
+        it needs PyG's modules alone (as for PyG's model), and the loaded
+        model runs PyG's code; ``geot.nn.patch`` it to run on geot again."""
+        from torch.package import PackageImporter
+
+        package = f"geot_layers_as_pyg._{exporter.get_unique_id()}"
+        exporter.save_pickle(package, "layer.pkl", self._as_pyg_layer())
+        return PackageImporter.load_pickle, (package, "layer.pkl")
