@@ -727,6 +727,42 @@ def test_patch():
     torch.testing.assert_close(model(x, edge_index), expect)
 
 
+def assert_checkpointed_steps_match(geot_layer, pyg_layer, x, edge_index, extra=(), steps=3):
+    """Training steps under torch.utils.checkpoint (non-reentrant), which recomputes the forward pass in
+    the backward pass and checks that it saves what the forward saved: outputs and gradients as PyG's."""
+    from torch.utils.checkpoint import checkpoint
+
+    for _ in range(steps):
+        results = []
+        for layer in (geot_layer, pyg_layer):
+            x_step = x.clone().requires_grad_()
+            out = checkpoint(layer, x_step, edge_index, *extra, use_reentrant=False)
+            results.append((out,) + torch.autograd.grad(out.square().sum(), (x_step, *layer.parameters())))
+        for mine, theirs in zip(*results):
+            torch.testing.assert_close(mine, theirs, **FLOAT64_TOL)
+
+
+@pytest.mark.parametrize("geot_class,pyg_class,args,kwargs", LAYER_PARAMS)
+def test_under_activation_checkpointing(geot_class, pyg_class, args, kwargs, device):
+    """A layer's second call on a graph, the recomputation, keeps the graph's layout: a graph first seen
+    under checkpointing gets its transposed index at once."""
+    geot_layer, pyg_layer = build_pair(geot_class, pyg_class, args, kwargs, device)
+    edge_index = random_graph(40, 160, device)
+    x = torch.randn(40, 12, dtype=torch.float64, device=device)
+    assert_checkpointed_steps_match(geot_layer, pyg_layer, x, edge_index,
+                                    extra_inputs(geot_class, edge_index.size(1), device))
+
+
+@pytest.mark.parametrize("make", [lambda: pyg_nn.APPNP(3, 0.1), lambda: pyg_nn.TAGConv(12, 8, K=2),
+                                  lambda: pyg_nn.GraphConv(12, 8)], ids=["appnp", "tag", "graphconv"])
+def test_patched_layers_under_activation_checkpointing(make, device):
+    """As above for layers geot.nn.patch makes; APPNP and TAGConv propagate over their graph several times
+    per call (each a call on the graph they keep)."""
+    pyg_layer = make().to(device).double()
+    x = torch.randn(40, 12, dtype=torch.float64, device=device)
+    assert_checkpointed_steps_match(gnn.patch(copy.deepcopy(pyg_layer)), pyg_layer, x, random_graph(40, 160, device))
+
+
 def _trained_layers(device):
     """Layers of several kinds after a training and an inference call: they keep sorted graphs,
     transposed indices and derived values (GCN's normalization with edge weights, held by weak reference)."""

@@ -313,6 +313,9 @@ def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, stat
     seen = last is not None and last[0] is tensor and last[1] is edge_type and last[2] == variant and last[4] == key
     if seen and not last[3].deferred and (last[3].transposed is not None or not grad):
         return last[3]  # the graph this layer saw last, unchanged: no shared look-up, no slot update
+    # Under torch.utils.checkpoint the recomputation (this layer's next call on the graph) must save what the
+    # forward saved: the graph gets its static layout and transposed index at once, not at that next call.
+    static = static or (grad and _under_checkpoint())
     again = seen or static  # a graph worth its static layout and its transposed index
     graph = _shared_lookup(tensor, variant, edge_type)
     if graph is not None and not graph.ordered and not (any_order and not again):
@@ -340,6 +343,16 @@ def _eager_graph(layer, tensor: Tensor, edge_type, slot, build, grad: bool, stat
     # Straight into __dict__: Module.__setattr__ costs microseconds per call, and this runs per layer and step.
     layer.__dict__["_geot_graph"] = layer.__dict__[attr] = (tensor, edge_type, variant, graph, key)
     return graph
+
+
+def _under_checkpoint() -> bool:
+    """Whether torch.utils.checkpoint (non-reentrant) runs this call, in its
+    forward pass or in the recomputation of it, which must save tensors of
+    the shapes and dtypes the forward saved. Read from the saved-tensor
+    hooks in force (torch has no public query)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    return bool(hooks) and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def _checked_edges(edge_index: Tensor) -> Tensor:
