@@ -9,8 +9,9 @@ geot.nn as a drop-in. With PyG's test files at the installed version's tag
 
     PYTHONPATH=$PWD:$PWD/scripts python -m pytest -p pyg_swap $PYG/test/nn
 
-(PyG 2.8: every test passes. With FULL_TEST=1, TorchScript checks run too: on torch 2.14 seven of them fail for
-PyG alone (GATConv, GATv2Conv, RGATConv, AttentiveFP, SAGPooling), and
+(PyG 2.8: every test passes. With FULL_TEST=1, TorchScript checks run too:
+on torch 2.14 seven of them fail for PyG alone (GATConv, GATv2Conv,
+RGATConv, AttentiveFP, SAGPooling), and
 TransformerConv's compares PyG's scripted forward with geot's output under
 allclose's default tolerance, which values near 0 miss by a rounding bit in
 some draws of the random inputs.)

@@ -258,7 +258,7 @@ class GeotLayer:
         layer = base.__new__(base)
         layer.__dict__.update((name, value) for name, value in self.__dict__.items() if not name.startswith("_geot"))
         layer.__dict__.update(self._pyg_attributes())
-        layer.inspector = _inspector(layer)  # this one's inspects geot's class
+        layer.inspector = _inspector(layer)  # PyG's class's: this layer's Inspector describes geot's
         return layer
 
     def _pyg_attributes(self) -> dict:
