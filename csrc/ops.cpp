@@ -1,8 +1,8 @@
 // Operator schemas (torch.ops.geot.*) and the Python module geot._C.
 // Implementations register per device in segment_reduce_cpu.cpp,
 // index_segment_reduce.cpp, segment_matmul.cpp, edge_softmax.cpp, attention.cpp and the .cu
-// files (index_segment_reduce_inference here: it forwards to the autograd op's
-// kernels); autograd and fake kernels are registered from Python (geot/_ops.py).
+// files; fake kernels and autograd formulas are Python (geot/_ops.py), the
+// latter reached through python_autograd.cpp's Autograd kernel.
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -13,6 +13,7 @@
 #include "index_cache.h"
 #include "index_segment_reduce.h"
 #include "launch_rules.h"
+#include "python_autograd.h"
 #include "rules.h"
 #include "segment_reduce.h"
 #include "unordered_graph.h"
@@ -32,13 +33,6 @@ TORCH_LIBRARY(geot, m) {
       "index_segment_reduce(Tensor src_index, Tensor dst_index, Tensor x, Tensor? weight, SymInt num_segments, "
       "str reduce=\"sum\", int[]? config=None, Tensor? t_perm=None, Tensor? t_src=None, Tensor? t_dst=None) "
       "-> Tensor");
-  // The same without an autograd formula, for compiled code that records no
-  // gradient: the Python-registered autograd kernel of index_segment_reduce
-  // costs ~15 us of host time per call even under no_grad, and inductor's
-  // graphs call ops through the dispatcher.
-  m.def(
-      "index_segment_reduce_inference(Tensor src_index, Tensor dst_index, Tensor x, Tensor? weight, "
-      "SymInt num_segments, str reduce=\"sum\", int[]? config=None) -> Tensor");
   // out[scatter_index[e]] += weight[e] * x[gather_index[e]], any order.
   m.def("index_scatter_sum(Tensor gather_index, Tensor scatter_index, Tensor x, Tensor? weight, SymInt num_out) -> Tensor");
   // The max/min gradient of index_segment_reduce (no weight) with respect to x.
@@ -85,23 +79,6 @@ TORCH_LIBRARY(geot, m) {
 namespace geot {
 namespace {
 
-// index_segment_reduce_inference: the autograd op's device kernel, reached
-// through the dispatcher below the autograd layer.
-at::Tensor index_segment_reduce_inference(const at::Tensor& src_index, const at::Tensor& dst_index,
-                                          const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                                          int64_t num_segments, c10::string_view reduce,
-                                          at::OptionalIntArrayRef config) {
-  using Optional = const std::optional<at::Tensor>&;
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("geot::index_segment_reduce", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, Optional, int64_t,
-                            c10::string_view, at::OptionalIntArrayRef, Optional, Optional, Optional)>();
-  const at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(src_index, dst_index, x, weight, num_segments, reduce, config, std::nullopt, std::nullopt,
-                 std::nullopt);
-}
-
 std::tuple<at::Tensor, at::Tensor> linear_pair(const at::Tensor& x, const at::Tensor& weight,
                                                const at::Tensor& other_weight,
                                                const std::optional<at::Tensor>& other_bias) {
@@ -113,12 +90,10 @@ std::tuple<at::Tensor, at::Tensor> linear_pair(const at::Tensor& x, const at::Te
 
 // Device-agnostic: the same functions for each device.
 TORCH_LIBRARY_IMPL(geot, CPU, m) {
-  m.impl("index_segment_reduce_inference", &geot::index_segment_reduce_inference);
   m.impl("linear_pair", &geot::linear_pair);
 }
 #ifdef GEOT_WITH_CUDA
 TORCH_LIBRARY_IMPL(geot, CUDA, m) {
-  m.impl("index_segment_reduce_inference", &geot::index_segment_reduce_inference);
   m.impl("linear_pair", &geot::linear_pair);
 }
 #endif
@@ -159,9 +134,15 @@ at::Tensor index_segment_reduce_no_grad(const at::Tensor& src_index, const at::T
                                         const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                         int64_t num_segments, const std::string& reduce,
                                         std::optional<std::vector<int64_t>> config) {
+  using Optional = const std::optional<at::Tensor>&;
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("geot::index_segment_reduce", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, Optional, int64_t,
+                            c10::string_view, at::OptionalIntArrayRef, Optional, Optional, Optional)>();
   return below_autograd([&] {
-    return geot::index_segment_reduce_inference(src_index, dst_index, x, weight, num_segments, reduce,
-                                                as_config(config));
+    return op.call(src_index, dst_index, x, weight, num_segments, reduce, as_config(config), std::nullopt,
+                   std::nullopt, std::nullopt);
   });
 }
 
@@ -195,6 +176,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("segment_reduce_no_grad", &segment_reduce_no_grad, "segment_reduce without autograd (fast path)");
   m.def("index_segment_reduce_no_grad", &index_segment_reduce_no_grad,
         "index_segment_reduce without autograd (fast path)");
+  m.def("set_python_autograd", &geot::set_python_autograd,
+        "Registers the Python autograd formula of torch.ops.geot.<op_name> (calls that record a gradient)");
+  m.def("python_autograd_ops", [] {
+    return std::vector<std::string>(std::begin(geot::kPythonAutogradOps), std::end(geot::kPythonAutogradOps));
+  }, "The ops whose autograd formulas are Python");
   m.def("set_validation", &geot::set_validation, "Turn index value validation on or off");
   m.def("validation_enabled", &geot::validation_enabled);
   m.def("deterministic_algorithms", [] { return at::globalContext().deterministicAlgorithms(); },

@@ -9,6 +9,30 @@ from . import _C  # noqa: F401  (registers the C++ operators)
 __all__ = ["_C"]
 
 
+def _register_autograd(name, backward, setup_context):
+    """The autograd formula of torch.ops.geot.<name>, as
+    torch.library.register_autograd takes it (setup_context(ctx, inputs,
+    output); backward(ctx, *grads), a gradient per input), made into an
+    autograd.Function that runs the op below autograd. The op's Autograd
+    kernel (csrc/python_autograd.cpp) calls it where a call records a
+    gradient, and runs the rest in C++ (why: see there)."""
+    op = getattr(torch.ops.geot, name).default
+
+    def forward(ctx, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = op(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    formula = type(f"{name}_formula", (torch.autograd.Function,),
+                   {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    FORMULAS[name] = formula
+    _C.set_python_autograd(name, formula.apply)
+
+
+FORMULAS = {}  # op name -> the autograd.Function of _register_autograd
+
+
 @torch.library.register_fake("geot::segment_reduce")
 def _segment_reduce_fake(index, src, num_segments, reduce="sum", config=None):
     return src.new_empty((num_segments, *src.shape[1:]))
@@ -30,9 +54,7 @@ def _segment_broadcast_backward(ctx, grad):
     return torch.ops.geot.segment_reduce(index, grad.contiguous(), ctx.num_segments, "sum", None), None
 
 
-torch.library.register_autograd(
-    "geot::segment_broadcast", _segment_broadcast_backward, setup_context=_segment_broadcast_setup
-)
+_register_autograd("segment_broadcast", _segment_broadcast_backward, _segment_broadcast_setup)
 
 
 @torch.library.register_fake("geot::gather_rows")
@@ -51,7 +73,7 @@ def _gather_rows_backward(ctx, grad):
     return grad.new_zeros(ctx.values_shape).index_add_(0, index, grad), None
 
 
-torch.library.register_autograd("geot::gather_rows", _gather_rows_backward, setup_context=_gather_rows_setup)
+_register_autograd("gather_rows", _gather_rows_backward, _gather_rows_setup)
 
 
 def segment_lengths(index, num_segments):
@@ -101,19 +123,12 @@ def tied_share(index, rows, extremum, grad_out, num_segments):
     return torch.ops.geot.segment_broadcast(share, index).mul_(at_extremum)
 
 
-torch.library.register_autograd(
-    "geot::segment_reduce", _segment_reduce_backward, setup_context=_segment_reduce_setup
-)
+_register_autograd("segment_reduce", _segment_reduce_backward, _segment_reduce_setup)
 
 
 @torch.library.register_fake("geot::index_segment_reduce")
 def _index_segment_reduce_fake(src_index, dst_index, x, weight, num_segments, reduce="sum", config=None,
                                t_perm=None, t_src=None, t_dst=None):
-    return x.new_empty((num_segments, *x.shape[1:]))
-
-
-@torch.library.register_fake("geot::index_segment_reduce_inference")
-def _index_segment_reduce_inference_fake(src_index, dst_index, x, weight, num_segments, reduce="sum", config=None):
     return x.new_empty((num_segments, *x.shape[1:]))
 
 
@@ -149,7 +164,7 @@ def _edge_dot_backward(ctx, grad):
     return None, None, grad_a, grad_b, None
 
 
-torch.library.register_autograd("geot::edge_dot", _edge_dot_backward, setup_context=_edge_dot_setup)
+_register_autograd("edge_dot", _edge_dot_backward, _edge_dot_setup)
 
 
 @torch.library.register_fake("geot::extremum_grad")
@@ -188,8 +203,7 @@ def _edge_additive_score_backward(ctx, grad):
     return None, None, grad_a, grad_b, grad_att, None, None
 
 
-torch.library.register_autograd("geot::edge_additive_score", _edge_additive_score_backward,
-                                setup_context=_edge_additive_score_setup)
+_register_autograd("edge_additive_score", _edge_additive_score_backward, _edge_additive_score_setup)
 
 
 def _index_segment_reduce_setup(ctx, inputs, output):
@@ -263,9 +277,7 @@ def _fused_extremum_backward(ctx, grad_out, src_index, dst_index, x, weight, ext
     return grad_x, grad_w
 
 
-torch.library.register_autograd(
-    "geot::index_segment_reduce", _index_segment_reduce_backward, setup_context=_index_segment_reduce_setup
-)
+_register_autograd("index_segment_reduce", _index_segment_reduce_backward, _index_segment_reduce_setup)
 
 
 def needs_dispatcher(src) -> bool:
@@ -295,7 +307,7 @@ def records_no_grad(*tensors) -> bool:
 
 def compiled_without_grad(*tensors) -> bool:
     """Whether a traced call records no gradient: it may then call an op
-    without an autograd formula (no Python autograd kernel per call)."""
+    without an autograd formula (geot::linear_pair)."""
     return torch.compiler.is_compiling() and records_no_grad(*tensors)
 
 
@@ -403,7 +415,7 @@ for _name, _backward in (
     ("segment_matmul_transposed", _segment_matmul_transposed_backward),
     ("segment_matmul_weight_grad", _segment_matmul_weight_grad_backward),
 ):
-    torch.library.register_autograd(f"geot::{_name}", _backward, setup_context=_save_all_setup)
+    _register_autograd(_name, _backward, _save_all_setup)
 
 
 # --------------------------------------------------------------------------- #
@@ -461,12 +473,8 @@ def _edge_softmax_backward_backward(ctx, upstream):
     return d_y, d_grad, None, None
 
 
-torch.library.register_autograd(
-    "geot::edge_softmax", _edge_softmax_backward, setup_context=_edge_softmax_setup
-)
-torch.library.register_autograd(
-    "geot::edge_softmax_backward", _edge_softmax_backward_backward, setup_context=_edge_softmax_backward_setup
-)
+_register_autograd("edge_softmax", _edge_softmax_backward, _edge_softmax_setup)
+_register_autograd("edge_softmax_backward", _edge_softmax_backward_backward, _edge_softmax_backward_setup)
 
 
 # --------------------------------------------------------------------------- #
@@ -487,8 +495,7 @@ def _attention_aggregate_backward(ctx, grad):
                        "geot.edge_softmax followed by geot.index_weight_segment_reduce instead")
 
 
-torch.library.register_autograd("geot::attention_aggregate", _attention_aggregate_backward,
-                                setup_context=_attention_aggregate_setup)
+_register_autograd("attention_aggregate", _attention_aggregate_backward, _attention_aggregate_setup)
 
 
 # --------------------------------------------------------------------------- #

@@ -102,9 +102,6 @@ def _fused(src_index, dst_index, weight, x, reduce, num_segments, transposed, co
         if _ops.eager_autograd(src_index, dst_index, x, weight):
             return _ops.IndexSegmentReduce.apply(src_index, dst_index, x, weight, num_segments, reduce, cfg,
                                                  transposed, counts, weight_t)
-        if _ops.compiled_without_grad(x, weight):
-            return torch.ops.geot.index_segment_reduce_inference(src_index, dst_index, x, weight, num_segments,
-                                                                 reduce, cfg)
         t_perm, t_src, t_dst = transposed
         return torch.ops.geot.index_segment_reduce(
             src_index, dst_index, x, weight, num_segments, reduce, cfg, t_perm, t_src, t_dst

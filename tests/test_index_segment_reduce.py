@@ -570,37 +570,6 @@ def test_torch_compile_fullgraph(device):
     torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_without_grad_calls_the_inference_op(device):
-    """Traced calls that record no gradient use index_segment_reduce_inference
-    (no Python autograd kernel per call); those that do, the autograd op."""
-    from torch._dynamo.testing import EagerAndRecordGraphs
-
-    dst = random_index(200, 30).to(device)
-    src = edges(dst, 25).to(device)
-    x = random_src(25, (8,), torch.float32, device).requires_grad_()
-    w = random_src(200, (), torch.float32, device)
-
-    def fn(x, w):
-        return geot.index_weight_segment_reduce(src, dst, w, x, "mean", 30)
-
-    for grad in (False, True):
-        torch._dynamo.reset()
-        backend = EagerAndRecordGraphs()
-        with torch.set_grad_enabled(grad):
-            out = torch.compile(fn, fullgraph=True, backend=backend)(x, w)
-            torch.testing.assert_close(out, fn(x, w))
-        code = backend.graphs[0].code
-        assert ("index_segment_reduce_inference" in code) != grad, code
-
-
-@pytest.mark.parametrize("reduce", REDUCES)
-def test_opcheck_inference_op(device, reduce):
-    src, dst, S, N = _grad_graph(device)
-    x = distinct_src(N, (4,), torch.float32, device)
-    w = distinct_src(dst.numel(), (), torch.float32, device) + 2.0
-    torch.library.opcheck(torch.ops.geot.index_segment_reduce_inference.default, (src, dst, x, w, S, reduce))
-
-
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_opcheck(device, reduce):
     src, dst, S, N = _grad_graph(device)
