@@ -305,8 +305,9 @@ def test_rgcn_inference_pairs_in_relation_blocks(aggr, in_channels, out_channels
     with torch.no_grad():
         out, ref = geot_layer(x, edge_index, edge_type), pyg_layer(x, edge_index, edge_type)
     memo = geot_layer._geot_graph[3].memo
-    assert [key[-1] for key in memo] == ["blocks"]  # kept in place of the pairs, not besides them
-    blocks = memo[next(iter(memo))][2]
+    derived = [key for key in memo if key[0] != "checked"]  # ("checked", counts): the ids checked
+    assert [key[-1] for key in derived] == ["blocks"]  # kept in place of the pairs, not besides them
+    blocks = memo[derived[0]][2]
     parts, pairs = blocks.parts, blocks.node.numel()
     assert len(parts) == rgcn._pair_range_count(pairs, 60) > 2
     assert [b.start for b in parts] == [0] + [b.end for b in parts[:-1]]
@@ -839,6 +840,25 @@ def test_bad_inputs():
         rgcn(x, edge_index, torch.tensor([0, 3]))
     with pytest.raises(ValueError, match=r"edge_type must have shape \[2\]"):
         rgcn(x, edge_index, torch.tensor([0, 1, 2]))
+
+
+_ID_CHECKED = {"GCN": lambda: gnn.GCNConv(4, 2), "SAGE": lambda: gnn.SAGEConv(4, 2),
+               "GIN": lambda: gnn.GINConv(torch.nn.Linear(4, 2)), "GAT": lambda: gnn.GATConv(4, 2, heads=2),
+               "GATv2": lambda: gnn.GATv2Conv(4, 2), "Transformer": lambda: gnn.TransformerConv(4, 2),
+               "RGCN": lambda: gnn.RGCNConv(4, 2, 2), "RGAT": lambda: gnn.RGATConv(4, 2, 2)}
+
+
+@pytest.mark.parametrize("layer", list(_ID_CHECKED))
+@pytest.mark.parametrize("bad_edges,role", [([[0, 7], [1, 2]], "source"), ([[0, 1], [1, 5]], "destination"),
+                                            ([[-1, 1], [1, 2]], "source")], ids=["source", "destination", "negative"])
+def test_ids_outside_the_nodes_name_edge_index(device, layer, bad_edges, role):
+    """A layer's first graph with ids outside [0, N): a ValueError naming edge_index and the ids' role, not an
+    op's own argument names (its kernels' index names)."""
+    conv = _ID_CHECKED[layer]().to(device)
+    x, edge_index = torch.randn(5, 4, device=device), torch.tensor(bad_edges, device=device)
+    args = (torch.tensor([0, 1], device=device),) if layer.startswith("R") else ()
+    with pytest.raises(ValueError, match=f"edge_index has {role} ids in .*, outside \\[0, 5\\)"):
+        conv(x, edge_index, *args)
 
 
 def test_import_error_names_the_package(monkeypatch):

@@ -9,7 +9,7 @@ from torch import Tensor
 from .. import _ops, hetero
 from .common import (Nodes, flipped_pair_reason, gather_reduce, node_inputs, nodes_reason, num_targets,
                      pyg_looped, pyg_looped_attr, sizes_reason)
-from .graph import SortedGraph, sorted_graph
+from .graph import SortedGraph, checked, sorted_graph
 from .inputs import Edges, edges_of
 from .layer import GeotLayer
 
@@ -81,6 +81,7 @@ class GATConv(GeotLayer, AttentionHeads, pyg_nn.GATConv):
         if self._one_pass(nodes, h_src, h_dst, loops):
             graph = sorted_graph(self, edge_index, flipped=self._flipped())
             num_nodes = num_targets(nodes, edges, size, graph)
+            self._check_ids(graph, h_src, num_nodes)
             score_dst = None if h_dst is h_src else (h_dst * self.att_dst).sum(-1)
             out = hetero.attention_aggregate(h_src, None, score_dst, graph.src, graph.dst, num_nodes,
                                              self.negative_slope, loops is not None, att_src=self.att_src,
@@ -88,11 +89,21 @@ class GATConv(GeotLayer, AttentionHeads, pyg_nn.GATConv):
             return self._finish(out, res, num_nodes)
         graph = sorted_graph(self, edge_index, flipped=self._flipped(), self_loops=loops)
         num_nodes = num_targets(nodes, edges, size, graph)
+        self._check_ids(graph, h_src, num_nodes)
         score = self._scores(graph, h_src, h_dst)
         if graph.drop is not None:
             score = score.masked_fill(graph.drop.unsqueeze(-1), float("-inf"))
         alpha = self._attention(score, graph, num_nodes)
         return self._finish(gather_reduce(graph, h_src, "sum", num_nodes, alpha), res, num_nodes)
+
+    @staticmethod
+    def _check_ids(graph: SortedGraph, h_src: Tensor, num_nodes: int) -> None:
+        """A static graph's ids against the node counts before the first op reads them (a ValueError naming
+        edge_index). A graph of one step is left to the ops' own validation until the sum (gather_reduce
+        checks it on the device and vouches for its indices: the attention kernels would take their
+        most conservative configs)."""
+        if not graph.deferred:
+            checked(graph, h_src.size(0), num_nodes)
 
     def _call_reason(self, nodes: Optional[Nodes], edge_index, edge_attr, size, attention) -> Optional[str]:
         reason = (self._option_reason() or self._input_reason(edge_index)
@@ -140,6 +151,7 @@ class GATConv(GeotLayer, AttentionHeads, pyg_nn.GATConv):
         edge list (:meth:`_looped_edges`), the weights in PyG's order."""
         looped, graph, edge_attr = self._looped_edges(edge_index, edge_attr, self._loops(nodes, edges, size))
         num_nodes = num_targets(nodes, edges, size, graph)
+        self._check_ids(graph, h_src, num_nodes)
         score_edge = None if edge_attr is None else self._edge_scores(edge_attr)
         alpha = self._attention(self._scores(graph, h_src, h_dst, score_edge), graph, num_nodes)
         out = self._finish(gather_reduce(graph, h_src, "sum", num_nodes, alpha), res, num_nodes)

@@ -367,17 +367,37 @@ def _checked_edges(edge_index: Tensor) -> Tensor:
 _checked_counts = {}  # ticket -> (num_src, num_dst) of the deferred checks of recent calls
 
 
-def checked(graph: SortedGraph, num_src: int, num_dst: int) -> SortedGraph:
+def checked(graph: SortedGraph, num_src: int, num_dst: int, relations: int = 1) -> SortedGraph:
     """graph, its ids checked against this call's node counts: raises for
     an earlier deferred check that failed; a deferred graph is checked here
-    without a device->host sync (:func:`check_deferred`), once per counts."""
+    without a device->host sync (:func:`check_deferred`), once per counts.
+    relations: a relational graph's destinations are (node, relation) keys,
+    node * relations + relation, and num_dst counts the keys."""
     if torch.compiler.is_compiling():  # compiled code sorts each call and its ops validate
         return graph
     raise_failed_checks()
-    if graph.deferred and ("checked", num_src, num_dst) not in graph.memo:
-        check_deferred(graph, num_src, num_dst)
+    if ("checked", num_src, num_dst) not in graph.memo:
+        if graph.deferred:
+            check_deferred(graph, num_src, num_dst)
+        else:
+            check_ids(graph, num_src, num_dst, relations)
         graph.memo["checked", num_src, num_dst] = (None, None, True)
     return graph
+
+
+def check_ids(graph: SortedGraph, num_src: int, num_dst: int, relations: int = 1) -> None:
+    """Raises ValueError naming edge_index where its ids leave this call's node
+    counts (the ops would name their own arguments); on CUDA one sync, once
+    per graph and counts, as the ops' own validation of a static graph."""
+    if graph.src.numel() == 0:
+        return
+    lo_src, hi_src, lo_dst, hi_dst = torch.stack([graph.src.min(), graph.src.max(), graph.dst.min(),
+                                                  graph.dst.max()]).tolist()
+    lo_dst, hi_dst, num_dst = lo_dst // relations, hi_dst // relations, num_dst // relations
+    for role, lo, hi, count in (("source", lo_src, hi_src, num_src), ("destination", lo_dst, hi_dst, num_dst)):
+        if lo < 0 or hi >= count:
+            raise ValueError(f"edge_index has {role} ids in [{lo}, {hi}], outside [0, {count}) (this call's "
+                             f"{role} nodes)")
 
 
 def check_deferred(graph: SortedGraph, num_src: int, num_dst: int) -> None:

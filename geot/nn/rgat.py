@@ -102,7 +102,7 @@ class RGATConv(GeotLayer, pyg_nn.RGATConv):
     def _graph(self, edge_index, edge_type: Tensor, num_nodes: int) -> SortedGraph:
         graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                              num_relations=self.num_relations, transposed=False, keep_perm=True)
-        return checked(graph, num_nodes, num_nodes * self.num_relations)
+        return checked(graph, num_nodes, num_nodes * self.num_relations, self.num_relations)
 
     def _compiled_graph(self, edge_index, edge_type: Tensor, num_nodes: int) -> Optional[SortedGraph]:
         """Inside torch.compile: the layer's graph with its pairs, built while dynamo traces where the layer

@@ -433,7 +433,7 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         then one gather-reduce of those rows over the edges, weighted by 1 / the edges of their
         (node, relation) segment for a mean."""
         relations = self.num_relations
-        checked(graph, x_src.size(0), num_nodes * relations)
+        checked(graph, x_src.size(0), num_nodes * relations, relations)
         key = ("rgcn pairs", relations, x_src.size(0), num_nodes)
         grad, dtype = _records_grad(x_src, weight), matmul_dtype(x_src)
         blocks = None if grad else self._kept_pair_blocks(graph, x_src.size(0), dtype, num_nodes, key)
