@@ -15,7 +15,8 @@ Sections (each a table, a CSV under bench/out and $OUT, and geomeans):
             the composite with autograd, and cusparse (x-grad only: torch
             has no CSR value gradient here)
   overhead  host time per call on a small graph: many calls back to back,
-            wall clock / count (validation on with its cache, and off)
+            wall clock / count (validation on with its cache, and off);
+            geot_C: the C++ entry, geot_op: the dispatcher path of compiled graphs
 
   python bench/spmm.py                         # everything (GPU)
   python bench/spmm.py --quick --device cpu    # smoke test
@@ -243,7 +244,10 @@ def host_overhead_rows(p: Problem, F: int, args, calls: int = 2000):
     fns = {"geot": lambda: p.geot(p.w, x), "composite": lambda: p.composite(p.w, x),
            "cusparse": lambda: torch.sparse.mm(A, x),
            # the C++ entry without the Python wrapper: what the wrapper costs
-           "geot_C": lambda: geot._C.index_segment_reduce_no_grad(p.src, p.dst, x, p.w, p.num_nodes, "sum", None)}
+           "geot_C": lambda: geot._C.index_segment_reduce_no_grad(p.src, p.dst, x, p.w, p.num_nodes, "sum", None),
+           # the dispatcher, as a compiled graph calls the op (no gradient recorded)
+           "geot_op": lambda: torch.ops.geot.index_segment_reduce.default(p.src, p.dst, x, p.w, p.num_nodes, "sum",
+                                                                          None, None, None, None)}
     pyg_spmm = try_pyg_spmm()
     if pyg_spmm is not None:
         fns["pyg_spmm"] = lambda: pyg_spmm(A, x, "sum")

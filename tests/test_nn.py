@@ -1034,6 +1034,27 @@ def test_compile_fullgraph_layers_match_eager(make_layer):
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("make_layer", [
+    lambda: gnn.GCNConv(12, 4), lambda: gnn.SAGEConv(12, 4, aggr="mean"), lambda: gnn.SAGEConv(12, 16, aggr="max"),
+    lambda: gnn.GINConv(torch.nn.Linear(12, 4)),
+], ids=["gcn", "sage-mean", "sage-max", "gin"])
+def test_compiled_inference_outlives_training(make_layer):
+    """Inference compiled before any training call stays valid once training has given the graph its
+    transposed index: an evaluation before training, then training and evaluation, compile twice."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    layer = make_layer()
+    edge_index, x = random_graph(60, 300, "cpu"), torch.randn(60, 12, requires_grad=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        compiled(x, edge_index)
+    compiled(x, edge_index).sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, edge_index), layer(x, edge_index))
+    assert counter.frame_count == 2
+
+
 @pytest.mark.parametrize("eager_first", [True, False], ids=["eager-first", "compiled-first"])
 @pytest.mark.parametrize("channels,kept", [((12, 5), ["rgcn blocks", "rgcn block weights"]),
                                            ((8, 8), ["rgcn relation ranges"])], ids=["blocks", "ranges"])

@@ -143,7 +143,10 @@ def gather_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, we
                                lambda: mean_counts(graph.dst, num_nodes).to(x.dtype))
     if weight is not None:
         weight, weight_t = weight.to(x.dtype), None if weight_t is None else weight_t.to(x.dtype)
-    return index._fused(graph.src, graph.dst, weight, x, reduce, num_nodes, graph.transposed, None, counts, weight_t)
+    # Without gradients nothing reads the transposed index (nor must compiled code guard on it: a compiled
+    # inference would recompile once a training call had built it).
+    transposed = graph.transposed if torch.is_grad_enabled() else None
+    return index._fused(graph.src, graph.dst, weight, x, reduce, num_nodes, transposed, None, counts, weight_t)
 
 
 def _scatter_reduce(graph: SortedGraph, x: Tensor, reduce: str, num_nodes: int, weight: Optional[Tensor]) -> Tensor:

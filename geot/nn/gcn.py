@@ -115,7 +115,7 @@ class GCNConv(GeotLayer, pyg_nn.GCNConv):
                dtype, out_dtype)
         norm = graph.derived(key, lambda: self._norm(graph, weight, edges.kind, num_nodes, dtype, out_dtype), weight)
         edge_t = None
-        if graph.transposed is not None and norm.edge is not None:
+        if torch.is_grad_enabled() and graph.transposed is not None and norm.edge is not None:
             edge_t = graph.derived(key + ("transposed",), lambda: transposed_order(graph, norm.edge), weight)
         if self.cached and self.normalize:
             self._geot_norm = (graph, norm, edge_t)
