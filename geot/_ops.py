@@ -335,9 +335,9 @@ class SegmentReduce(torch.autograd.Function):
 
 class IndexSegmentReduce(torch.autograd.Function):
     """geot::index_segment_reduce with its registered autograd formulas, for
-    eager calls. Through the registered op a call costs about ten plain ops
-    of host time (the dispatcher boxes it into Python, which redispatches,
-    fills in defaults and sets up a generated Function); this calls the C++
+    eager calls. Through the registered op a call that records a gradient
+    costs about ten plain ops of host time (the dispatcher boxes it into
+    Python, whose formula redispatches below autograd); this calls the C++
     kernel directly. It takes per-graph values the backward
     would recompute (counts [S] for mean, weight in transposed order), and is
     old-style (forward(ctx, ...)): a setup_context costs an inspect.signature
