@@ -392,8 +392,7 @@ def check_ids(graph: SortedGraph, num_src: int, num_dst: int, relations: int = 1
     with validation (geot.set_validation(False)), as theirs."""
     if graph.src.numel() == 0 or not _C.validation_enabled():
         return
-    lo_src, hi_src, lo_dst, hi_dst = torch.stack([graph.src.min(), graph.src.max(), graph.dst.min(),
-                                                  graph.dst.max()]).tolist()
+    lo_src, hi_src, lo_dst, hi_dst = torch.stack([*torch.aminmax(graph.src), *torch.aminmax(graph.dst)]).tolist()
     lo_dst, hi_dst, num_dst = lo_dst // relations, hi_dst // relations, num_dst // relations
     for role, lo, hi, count in (("source", lo_src, hi_src, num_src), ("destination", lo_dst, hi_dst, num_dst)):
         if lo < 0 or hi >= count:
