@@ -32,7 +32,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 import common  # noqa: E402
-from e2e import Net, fresh_state  # noqa: E402
+from e2e import GeotNet, Net, fresh_state  # noqa: E402
 from minibatch import path_steps, time_steps  # noqa: E402
 
 import geot.nn as geot_nn  # noqa: E402
@@ -84,7 +84,7 @@ def run(args, device) -> pd.DataFrame:
             fresh_state(device)
             torch.manual_seed(0)
             models = {"pyg": Net(pyg_nn, model_name, args.features, args.hidden, args.classes).to(device)}
-            models["geot"] = Net(geot_nn, model_name, args.features, args.hidden, args.classes).to(device)
+            models["geot"] = GeotNet(geot_nn, model_name, args.features, args.hidden, args.classes).to(device)
             models["geot"].load_state_dict(models["pyg"].state_dict())
             steps = path_steps(models, args.paths, training_step, x, labels, DTYPES[dtype_name])
             timed = time_steps(steps, pool, args.warmup, device, renew=renewed)

@@ -156,6 +156,9 @@ class Net(torch.nn.Module):
         return x
 
 
+GeotNet = common.own_code(Net)  # the geot paths' Net (see own_code)
+
+
 class _Dense(torch.nn.Linear):
     """A Linear in the conv stack (takes the graph, reads nothing of it)."""
 
@@ -299,10 +302,10 @@ def bench_model(model_name, hidden, inputs, args, device):
     torch.manual_seed(0)
     pyg_model = Net(pyg_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
     if model_name in GENERIC_MODELS:  # PyG's model, patched
-        geot_model = geot_nn.patch(Net(pyg_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]))
+        geot_model = geot_nn.patch(GeotNet(pyg_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]))
         geot_model = geot_model.to(device)
     else:
-        geot_model = Net(geot_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
+        geot_model = GeotNet(geot_nn, model_name, inputs["x"].size(1), hidden, inputs["num_classes"]).to(device)
     geot_model.load_state_dict(pyg_model.state_dict())
     steps = {}  # (path, dtype) -> {"inference": fn, "train": fn}
     for path in args.paths:

@@ -126,6 +126,9 @@ class SAGE(torch.nn.Module):
         return x
 
 
+GeotSAGE = common.own_code(SAGE)  # the geot paths' SAGE (see own_code)
+
+
 def training_step(model, runner, optimizer, features, labels, amp_dtype):
     def step(batch: Batch):
         model.train()
@@ -217,7 +220,7 @@ def run(args, device) -> pd.DataFrame:
     for dtype_name in args.dtypes:
         torch.manual_seed(0)
         models = {"pyg": SAGE(pyg_nn, args.features, args.hidden, args.classes, len(args.fanouts)).to(device)}
-        models["geot"] = SAGE(geot_nn, args.features, args.hidden, args.classes, len(args.fanouts)).to(device)
+        models["geot"] = GeotSAGE(geot_nn, args.features, args.hidden, args.classes, len(args.fanouts)).to(device)
         models["geot"].load_state_dict(models["pyg"].state_dict())
         models["no"] = SAGE(NO_MP, args.features, args.hidden, args.classes, len(args.fanouts)).to(device)
         steps = path_steps(models, args.paths, training_step, features, labels, DTYPES[dtype_name])

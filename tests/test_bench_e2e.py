@@ -77,3 +77,26 @@ def test_changing_graph_quick_times_each_step_on_a_new_graph(tmp_path):
     assert (df["ms"] > 0).all() and (df["step_edges"] < df["edges"]).all(), df
     pyg = df[df["path"] == "pyg"]
     assert (pyg["speedup_vs_eager"] == 1).all() and (df["speedup"] <= df["speedup_vs_eager"] + 1e-12).all()
+
+
+def test_geot_model_compiles_whole_beside_a_compiled_pyg_model():
+    """e2e compiles PyG's and geot's models in one process. PyG's breaks its
+    graph in the layer loop, and dynamo stops compiling that forward's code;
+    geot's model, with a code object of its own, still compiles as one frame
+    (sharing Net.forward, it compiled as one frame per layer)."""
+    import torch
+    import torch_geometric.nn as pyg_nn
+    from torch._dynamo.testing import CompileCounter
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import e2e
+    import geot.nn
+
+    torch._dynamo.reset()
+    x, edge_index = torch.randn(20, 8), torch.randint(0, 20, (2, 60))
+    pyg_count, geot_count = CompileCounter(), CompileCounter()
+    torch.compile(e2e.Net(pyg_nn, "gcn", 8, 16, 4), backend=pyg_count)(x, edge_index)
+    assert pyg_count.frame_count > 1  # the shared forward skipped, its layers compiled one by one
+    torch.compile(e2e.GeotNet(geot.nn, "gcn", 8, 16, 4), backend=geot_count, fullgraph=True)(x, edge_index)
+    assert geot_count.frame_count == 1
+    torch._dynamo.reset()

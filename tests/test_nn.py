@@ -368,8 +368,9 @@ def test_kept_graph_is_a_static_input_for_cuda_graphs():
         layer(torch.randn(30, 8, device="cuda"), edge_index).sum().backward()
     graph = layer._geot_graph[3]
     kept = [graph.src, graph.dst, *graph.transposed]
-    for _, _, value in graph.memo.values():  # a tensor, or a tuple of them
-        kept += [value] if isinstance(value, torch.Tensor) else [t for t in value if isinstance(t, torch.Tensor)]
+    for _, _, value in graph.memo.values():  # a tensor, a tuple of them, or a flag (ids checked)
+        values = value if isinstance(value, tuple) else (value,)
+        kept += [t for t in values if isinstance(t, torch.Tensor)]
     assert len(kept) >= 6
     assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in kept)
     # and its indices declared static to geot: captures read their cached segment offsets
