@@ -729,6 +729,35 @@ def test_patch():
     torch.testing.assert_close(model(x, edge_index), expect)
 
 
+def test_patched_model_compiles_whole_where_pyg_was_compiled_first():
+    """A model compiled with PyG's layers, then patched and compiled again
+    (as a user comparing the two in one process does): PyG's GCN breaks its
+    graph inside the model's layer loop, so dynamo gave up on that forward;
+    patch makes it compile again, as one graph (without: one per layer)."""
+    from torch._dynamo.testing import CompileCounter
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.convs = torch.nn.ModuleList([pyg_nn.GCNConv(8, 16), pyg_nn.GCNConv(16, 4)])
+
+        def forward(self, x, edge_index):
+            for conv in self.convs:
+                x = conv(x, edge_index).relu()
+            return x
+
+    torch._dynamo.reset()
+    model, x, edge_index = Net(), torch.randn(20, 8), random_graph(20, 60, "cpu")
+    pyg_count, geot_count = CompileCounter(), CompileCounter()
+    expect = torch.compile(model, backend=pyg_count)(x, edge_index)
+    if pyg_count.frame_count == 1:
+        pytest.skip("PyG's compiled GCN has no graph break in this PyG version")
+    got = torch.compile(gnn.patch(model), backend=geot_count, fullgraph=True)(x, edge_index)
+    assert geot_count.frame_count == 1
+    torch.testing.assert_close(got, expect)
+    torch._dynamo.reset()
+
+
 def assert_checkpointed_steps_match(geot_layer, pyg_layer, x, edge_index, extra=(), steps=3):
     """Training steps under torch.utils.checkpoint (non-reentrant), which recomputes the forward pass in
     the backward pass and checks that it saves what the forward saved: outputs and gradients as PyG's."""
