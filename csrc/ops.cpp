@@ -10,6 +10,7 @@
 
 #include "build_info.h"
 #include "config.h"
+#include "eager_autograd.h"
 #include "index_cache.h"
 #include "index_segment_reduce.h"
 #include "launch_rules.h"
@@ -100,14 +101,11 @@ TORCH_LIBRARY_IMPL(geot, CUDA, m) {
 
 namespace {
 
-// Calls an op below the autograd layer: the Python-registered autograd
-// kernel costs several microseconds per call, too much for small graphs, and
-// calls that need no gradient can skip it. Bad input leaves as pybind11's own
-// exception types, which pybind11 translates itself, whatever torch version
-// the module was built against.
+// Bad input leaves as pybind11's own exception types (ValueError,
+// TypeError), which pybind11 translates itself, whatever torch version the
+// module was built against.
 template <typename Call>
-at::Tensor below_autograd(const Call& call) {
-  const at::AutoDispatchBelowADInplaceOrView guard;
+at::Tensor with_python_errors(const Call& call) {
   try {
     return call();
   } catch (const c10::ValueError& e) {
@@ -115,6 +113,15 @@ at::Tensor below_autograd(const Call& call) {
   } catch (const c10::TypeError& e) {
     throw pybind11::type_error(e.what_without_backtrace());
   }
+}
+
+// Calls an op below the autograd layer: the Python-registered autograd
+// kernel costs several microseconds per call, too much for small graphs, and
+// calls that need no gradient can skip it.
+template <typename Call>
+at::Tensor below_autograd(const Call& call) {
+  const at::AutoDispatchBelowADInplaceOrView guard;
+  return with_python_errors(call);
 }
 
 at::OptionalIntArrayRef as_config(const std::optional<std::vector<int64_t>>& config) {
@@ -206,6 +213,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Sum (or mean) of weight * x[src] into dst, edges in any order, with its autograd node",
         pybind11::arg("src"), pybind11::arg("dst"), pybind11::arg("x"), pybind11::arg("weight"),
         pybind11::arg("num_out"), pybind11::arg("mean"));
+  m.def("sorted_reduce", [](const at::Tensor& src, const at::Tensor& dst, const at::Tensor& x,
+                            const std::optional<at::Tensor>& weight, int64_t num_segments, bool mean,
+                            const std::optional<std::vector<int64_t>>& config, const std::optional<at::Tensor>& t_perm,
+                            const std::optional<at::Tensor>& t_src, const std::optional<at::Tensor>& t_dst,
+                            const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& weight_t) {
+        return with_python_errors([&] {
+          return geot::sorted_reduce(src, dst, x, weight, num_segments, mean, config, t_perm, t_src, t_dst, counts,
+                                     weight_t);
+        });
+      },
+      "index_segment_reduce's sum or mean (dst sorted) with its autograd node",
+      pybind11::arg("src"), pybind11::arg("dst"), pybind11::arg("x"), pybind11::arg("weight"),
+      pybind11::arg("num_segments"), pybind11::arg("mean"), pybind11::arg("config"), pybind11::arg("t_perm"),
+      pybind11::arg("t_src"), pybind11::arg("t_dst"), pybind11::arg("counts"), pybind11::arg("weight_t"));
 #ifdef GEOT_WITH_CUDA
   m.attr("cuda_built") = true;
 #else

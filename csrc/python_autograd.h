@@ -10,7 +10,7 @@ namespace geot {
 // The ops that take python_autograd.cpp's Autograd kernel; geot/_ops.py
 // gives each its formula.
 inline constexpr const char* kPythonAutogradOps[] = {
-    "segment_reduce", "segment_broadcast", "gather_rows", "index_segment_reduce", "edge_dot",
+    "segment_reduce", "segment_broadcast", "gather_rows", "index_segment_reduce", "index_scatter_sum", "edge_dot",
     "edge_additive_score", "segment_matmul", "segment_matmul_transposed", "segment_matmul_weight_grad",
     "edge_softmax", "edge_softmax_backward", "attention_aggregate",
 };

@@ -1,13 +1,9 @@
-// Host side of unordered_graph.h: tickets, the counts on CPU, and the any-order reduction's autograd.
+// Host side of unordered_graph.h: tickets and the counts on CPU.
 #include "unordered_graph.h"
-
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
 
 #include "index_cache.h"
-#include "index_segment_reduce.h"
 #include "segment_reduce.h"
 
 namespace geot {
@@ -51,71 +47,6 @@ at::Tensor any_order_counts(const at::Tensor& index, int64_t num_segments, bool 
     counts.index_add_(0, in_range, at::ones({}, counts.options()).expand({in_range.numel()}));
   }
   return counts.clamp_min_(1);
-}
-
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// A value per row ([S] counts) viewed to broadcast over rows [S, ...] of rank `rank`.
-at::Tensor per_row(const at::Tensor& values, int64_t rank) {
-  std::vector<int64_t> shape(values.sizes().begin(), values.sizes().end());
-  shape.resize(std::max<int64_t>(rank, values.dim()), 1);
-  return values.view(shape);
-}
-
-// out[e, h] = <grad[dst[e], h], x[src[e], h]>: the weight's gradient. Through the dispatcher (its
-// registered autograd formula) where the backward is recorded, else the kernel directly.
-at::Tensor weight_gradient(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& grad,
-                           const at::Tensor& x, int64_t heads) {
-  if (!at::GradMode::is_enabled()) return edge_dot_op(src, dst, grad, x, heads);
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("geot::edge_dot", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, int64_t)>();
-  return op.call(src, dst, grad, x, heads);
-}
-
-struct AnyOrderReduce : public torch::autograd::Function<AnyOrderReduce> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& src, const at::Tensor& dst, const at::Tensor& x,
-                            const std::optional<at::Tensor>& weight, int64_t num_out, bool mean) {
-    at::Tensor out = index_scatter_sum_op(src, dst, x, weight, num_out);
-    at::Tensor counts;
-    if (mean) {  // counted and divided in float32 at least, the result rounded once
-      counts = per_row(any_order_counts(dst, num_out, x.scalar_type() == at::kDouble), x.dim());
-      out = out.scalar_type() == counts.scalar_type() ? out.div_(counts) : out.div(counts).to(x.scalar_type());
-    }
-    const bool weight_grad = weight && weight->requires_grad();
-    ctx->save_for_backward({src, dst, weight_grad ? x : at::Tensor(), weight.value_or(at::Tensor()), counts});
-    ctx->saved_data["num_src"] = x.size(0);
-    ctx->saved_data["x_grad"] = x.requires_grad();
-    ctx->saved_data["weight_grad"] = weight_grad;
-    return out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &src = saved[0], &dst = saved[1], &x = saved[2], &weight = saved[3], &counts = saved[4];
-    const at::Tensor grad = counts.defined() ? grads[0].div(counts).to(grads[0].scalar_type()) : grads[0].contiguous();
-    at::Tensor grad_x, grad_weight;
-    if (ctx->saved_data["x_grad"].toBool()) {
-      const std::optional<at::Tensor> w = weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt;
-      grad_x = AnyOrderReduce::apply(dst, src, grad, w, ctx->saved_data["num_src"].toInt(), false);
-    }
-    if (ctx->saved_data["weight_grad"].toBool()) {
-      const int64_t heads = weight.dim() == 1 ? 1 : weight.size(1);
-      grad_weight = weight_gradient(src, dst, grad, x, heads).reshape(weight.sizes());
-    }
-    return {at::Tensor(), at::Tensor(), grad_x, grad_weight, at::Tensor(), at::Tensor()};
-  }
-};
-
-}  // namespace
-
-at::Tensor any_order_reduce(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& x,
-                            const std::optional<at::Tensor>& weight, int64_t num_out, bool mean) {
-  return AnyOrderReduce::apply(src, dst, x, weight, num_out, mean);
 }
 
 }  // namespace geot

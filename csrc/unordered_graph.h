@@ -24,15 +24,6 @@ int64_t take_failed_check();
 // round degrees past 256). Ids out of range are not counted.
 at::Tensor any_order_counts(const at::Tensor& index, int64_t num_segments, bool float64);
 
-// out[dst[e]] += weight[e] * x[src[e]], edges in any order (atomics on CUDA),
-// divided by each row's edge count (any_order_counts) for a mean; weight
-// [E] or [E, heads], or none. Records its own autograd node (the
-// adjoint is the same scatter the other way, so it is twice differentiable):
-// geot.nn's eager path for graphs of one step, one call where a Python
-// autograd.Function cost several ops of host time per layer and step.
-at::Tensor any_order_reduce(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& x,
-                            const std::optional<at::Tensor>& weight, int64_t num_out, bool mean);
-
 #ifdef GEOT_WITH_CUDA
 void deferred_index_check_cuda(const at::Tensor& src, const at::Tensor& dst, int64_t num_src, int64_t num_dst,
                                int64_t ticket);

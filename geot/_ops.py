@@ -137,6 +137,30 @@ def _index_scatter_sum_fake(gather_index, scatter_index, x, weight, num_out):
     return x.new_empty((num_out, *x.shape[1:]))
 
 
+def _index_scatter_sum_setup(ctx, inputs, output):
+    gather_index, scatter_index, x, weight, _num_out = inputs
+    ctx.num_src, ctx.has_weight = x.shape[0], weight is not None
+    ctx.heads = 1 if weight is None or weight.dim() == 1 else weight.shape[1]
+    keep_x = weight is not None and ctx.needs_input_grad[3]  # only a weight's gradient reads x
+    ctx.save_for_backward(gather_index, scatter_index, x if keep_x else None, weight)
+
+
+def _index_scatter_sum_backward(ctx, grad):
+    """out[scatter[e]] += weight[e] * x[gather[e]]: x's gradient is the same scatter the other way, the
+    weight's the per-edge dot <grad[scatter[e]], x[gather[e]]>. (The atomic backward of
+    index_segment_reduce and edge_dot's backward call this op: a create_graph through either needs it.)"""
+    gather_index, scatter_index, x, weight = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[2]:
+        grad_x = torch.ops.geot.index_scatter_sum(scatter_index, gather_index, grad, weight, ctx.num_src)
+    if ctx.has_weight and ctx.needs_input_grad[3]:
+        grad_w = torch.ops.geot.edge_dot(gather_index, scatter_index, grad, x, ctx.heads).reshape(weight.shape)
+    return None, None, grad_x, grad_w, None
+
+
+_register_autograd("index_scatter_sum", _index_scatter_sum_backward, _index_scatter_sum_setup)
+
+
 @torch.library.register_fake("geot::edge_dot")
 def _edge_dot_fake(src_index, dst_index, a, b, heads):
     return b.new_empty((src_index.shape[0], heads))
@@ -312,7 +336,7 @@ def compiled_without_grad(*tensors) -> bool:
 
 
 def eager_autograd(*tensors) -> bool:
-    """Whether IndexSegmentReduce may stand in for the registered op: eager
+    """Whether an eager node (IndexSegmentReduce, _C.sorted_reduce) may stand in for the registered op: eager
     code on plain tensors (tracers, subclasses and torch.func see the op)."""
     return (all(t is None or type(t) is torch.Tensor for t in tensors)
             and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
@@ -335,13 +359,15 @@ class SegmentReduce(torch.autograd.Function):
 
 class IndexSegmentReduce(torch.autograd.Function):
     """geot::index_segment_reduce with its registered autograd formulas, for
-    eager calls. Through the registered op a call that records a gradient
-    costs about ten plain ops of host time (the dispatcher boxes it into
-    Python, whose formula redispatches below autograd); this calls the C++
-    kernel directly. It takes per-graph values the backward
-    would recompute (counts [S] for mean, weight in transposed order), and is
-    old-style (forward(ctx, ...)): a setup_context costs an inspect.signature
-    per call."""
+    eager max and min calls (sums and means: geot._C.sorted_reduce, the same
+    node in C++: on this project's CPU machine 6.1 against 7.9 us per call
+    that records a gradient, 34-41 against 39-53 us with its backward).
+    Through the registered op a call that records a gradient costs about ten
+    plain ops of host time (the dispatcher boxes it into Python, whose
+    formula redispatches below autograd); this calls the C++ kernel directly.
+    It takes per-graph values the backward would recompute (counts [S] for
+    mean, weight in transposed order), and is old-style (forward(ctx, ...)):
+    a setup_context costs an inspect.signature per call."""
 
     @staticmethod
     def forward(ctx, src_index, dst_index, x, weight, num_segments, reduce, config, transposed, counts, weight_t):

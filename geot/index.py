@@ -100,6 +100,9 @@ def _fused(src_index, dst_index, weight, x, reduce, num_segments, transposed, co
     if _ops.needs_dispatcher(x) or (weight is not None and _ops.needs_dispatcher(weight)):
         transposed = _check_transposed(transposed, src_index)
         if _ops.eager_autograd(src_index, dst_index, x, weight):
+            if reduce in ("sum", "mean"):  # one C++ call with its own autograd node
+                return _C.sorted_reduce(src_index, dst_index, x, weight, num_segments, reduce == "mean", cfg,
+                                        *transposed, counts, weight_t)
             return _ops.IndexSegmentReduce.apply(src_index, dst_index, x, weight, num_segments, reduce, cfg,
                                                  transposed, counts, weight_t)
         t_perm, t_src, t_dst = transposed

@@ -61,6 +61,9 @@ def test_gradcheck(op, shape, device):
     a = torch.randn(6, *SHAPES[shape], generator=generator, dtype=torch.float64).to(device).requires_grad_()
     b = (torch.rand(5, *SHAPES[shape], generator=generator, dtype=torch.float64) + 0.5).to(device).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: geot.sddmm(src, dst, a, b, op), (a, b))
+    # Second derivatives (a gradient penalty): dot's backward scatters with geot::index_scatter_sum,
+    # whose own formula makes that differentiable again.
+    assert torch.autograd.gradgradcheck(lambda a, b: geot.sddmm(src, dst, a, b, op), (a, b))
 
 
 def test_a_hub_row_gathers_its_gradient(device):
