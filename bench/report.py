@@ -230,8 +230,9 @@ class E2E(Bench):
         "peak-memory cells were not kept (`–`). geot's model has a forward of its own code object "
         "(`bench/common.py`, `own_code`): PyG's compiled model breaks its graph inside the layer loop, dynamo then "
         "gives up on that forward's code, and a geot model sharing it compiled one graph per layer. The H100's "
-        "default-mode `geot-compile` cells ran that way and understate the compiled path; the H200's GCN, GIN and "
-        "SAGE cells ran with geot's model compiled whole."
+        "default-mode `geot-compile` cells ran that way and understate the compiled path. The H200's cells all ran in "
+        "default mode, compiled before any eager call, every path of both libraries in one process (two rounds; "
+        "SAGE max: one), with geot's model compiled whole."
     )
     commands = (
         'E2E="python bench/e2e.py --compile-mode reduce-overhead --rounds 2 --max-time 0.3"',
