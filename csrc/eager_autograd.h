@@ -1,6 +1,7 @@
-// Autograd nodes in C++ for geot.nn's eager calls that record a gradient:
-// one pybind call per layer and step where a Python autograd.Function cost
-// several plain ops of host time (host time is what small graphs' steps cost).
+// Autograd nodes in C++ for eager calls that record a gradient (geot.nn's
+// layers, the public ops' sums and means): one pybind call where a Python
+// autograd.Function cost several plain ops of host time (host time is what
+// small graphs' steps cost).
 // Their gradients are the registered ops' formulas (geot/_ops.py), and they
 // are twice differentiable: under create_graph the backward calls the ops
 // through the dispatcher.
