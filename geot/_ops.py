@@ -235,7 +235,6 @@ def _index_segment_reduce_setup(ctx, inputs, output):
     ctx.reduce, ctx.num_segments, ctx.num_src = reduce, num_segments, x.shape[0]
     ctx.heads = 1 if weight is None or weight.dim() == 1 else weight.shape[1]
     ctx.has_weight, ctx.has_transposed = weight is not None, t_perm is not None
-    ctx.counts = ctx.weight_t = None  # per-graph values the eager path may pass in (IndexSegmentReduce)
     extremum = reduce in ("max", "min")
     # x only where the backward reads it (max/min, a weight's gradient): saving it keeps it alive.
     keep_x = extremum or (weight is not None and ctx.needs_input_grad[3])
@@ -255,16 +254,12 @@ def _index_segment_reduce_backward(ctx, grad_out):
         return None, None, grad_x, grad_w, None, None, None, None, None, None
     grad = grad_out
     if ctx.reduce == "mean":
-        counts = ctx.counts
-        if counts is None:
-            counts = mean_counts(dst_index, ctx.num_segments)
+        counts = mean_counts(dst_index, ctx.num_segments)
         grad = grad / counts.to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
     grad_x = grad_w = None
     if ctx.needs_input_grad[2]:
         if ctx.has_transposed:  # the fused kernel over edges grouped by source
-            weight_t = ctx.weight_t
-            if weight_t is None and weight is not None:
-                weight_t = torch.ops.geot.gather_rows(weight, t_perm)
+            weight_t = None if weight is None else torch.ops.geot.gather_rows(weight, t_perm)
             grad_x = _index_reduce(t_dst, t_src, grad, weight_t, ctx.num_src)
         else:  # no sort: atomics in edge order
             grad_x = torch.ops.geot.index_scatter_sum(dst_index, src_index, grad, weight, ctx.num_src)
@@ -336,8 +331,9 @@ def compiled_without_grad(*tensors) -> bool:
 
 
 def eager_autograd(*tensors) -> bool:
-    """Whether an eager node (IndexSegmentReduce, _C.sorted_reduce) may stand in for the registered op: eager
-    code on plain tensors (tracers, subclasses and torch.func see the op)."""
+    """Whether an eager node (_C.sorted_reduce, IndexSegmentReduce) may stand
+    in for the registered op: eager code on plain tensors (tracers,
+    subclasses and torch.func see the op)."""
     return (all(t is None or type(t) is torch.Tensor for t in tensors)
             and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
 
@@ -358,29 +354,24 @@ class SegmentReduce(torch.autograd.Function):
 
 
 class IndexSegmentReduce(torch.autograd.Function):
-    """geot::index_segment_reduce with its registered autograd formulas, for
-    eager max and min calls (sums and means: geot._C.sorted_reduce, the same
-    node in C++: on this project's CPU machine 6.1 against 7.9 us per call
-    that records a gradient, 34-41 against 39-53 us with its backward).
-    Through the registered op a call that records a gradient costs about ten
-    plain ops of host time (the dispatcher boxes it into Python, whose
-    formula redispatches below autograd); this calls the C++ kernel directly.
-    It takes per-graph values the backward would recompute (counts [S] for
-    mean, weight in transposed order), and is old-style (forward(ctx, ...)):
-    a setup_context costs an inspect.signature per call."""
+    """geot::index_segment_reduce's max or min with the registered autograd
+    formula, for eager calls (sums and means: geot._C.sorted_reduce, the same
+    in C++). Through the registered op a call that records a gradient costs
+    about ten plain ops of host time (the dispatcher boxes it into Python,
+    whose formula redispatches below autograd); this calls the C++ kernel
+    directly. Old-style (forward(ctx, ...)): a setup_context costs an
+    inspect.signature per call."""
 
     @staticmethod
-    def forward(ctx, src_index, dst_index, x, weight, num_segments, reduce, config, transposed, counts, weight_t):
+    def forward(ctx, src_index, dst_index, x, weight, num_segments, reduce, config):
         output = _C.index_segment_reduce_no_grad(src_index, dst_index, x, weight, num_segments, reduce, config)
-        t_perm, t_src, t_dst = (None, None, None) if transposed is None else transposed
         _index_segment_reduce_setup(
-            ctx, (src_index, dst_index, x, weight, num_segments, reduce, config, t_perm, t_src, t_dst), output)
-        ctx.counts, ctx.weight_t = counts, weight_t
+            ctx, (src_index, dst_index, x, weight, num_segments, reduce, config, None, None, None), output)
         return output
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*_index_segment_reduce_backward(ctx, grad_out)[:4], None, None, None, None, None, None)
+        return (*_index_segment_reduce_backward(ctx, grad_out)[:4], None, None, None)
 
 
 # --------------------------------------------------------------------------- #

@@ -103,8 +103,7 @@ def _fused(src_index, dst_index, weight, x, reduce, num_segments, transposed, co
             if reduce in ("sum", "mean"):  # one C++ call with its own autograd node
                 return _C.sorted_reduce(src_index, dst_index, x, weight, num_segments, reduce == "mean", cfg,
                                         *transposed, counts, weight_t)
-            return _ops.IndexSegmentReduce.apply(src_index, dst_index, x, weight, num_segments, reduce, cfg,
-                                                 transposed, counts, weight_t)
+            return _ops.IndexSegmentReduce.apply(src_index, dst_index, x, weight, num_segments, reduce, cfg)
         t_perm, t_src, t_dst = transposed
         return torch.ops.geot.index_segment_reduce(
             src_index, dst_index, x, weight, num_segments, reduce, cfg, t_perm, t_src, t_dst
