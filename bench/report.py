@@ -211,7 +211,9 @@ class E2E(Bench):
     title = "End-to-end models (`bench/e2e.py`)"
     keys = ("model", "hidden", "graph", "dtype", "mode", "path")
     PATHS = ("pyg", "pyg-csr", "pyg-compile", "geot", "geot-compile")
-    GROUPS = {"GCN/GIN/SAGE": ("gcn", "gin", "sage"), "GAT": ("gat",), "RGCN": ("rgcn",)}
+    GROUPS = {"GCN/GIN/SAGE": ("gcn", "gin", "sage"), "GAT": ("gat",), "RGCN": ("rgcn",),
+              "other layers (`patch`)": ("graphconv", "tag", "appnp", "sg", "cheb", "lg", "simple", "clustergcn",
+                                         "gatv2", "transformer")}
     about = (
         "3-layer GCN, GIN and GraphSAGE, 2-layer GAT (8 heads of hidden / 8) and RGCN (8 relations), inference and a "
         "full training step (forward, cross-entropy, backward, Adam), in fp32 and bf16 autocast. Paths: PyG's "
@@ -262,6 +264,9 @@ class E2E(Bench):
         'python bench/e2e.py --models gcn,sage,gin --hidden 256 --graphs "powerlaw:n=1000000,deg=10" --dtypes fp32 '
         "&& $ADD2",
         'python bench/e2e.py --models gat --hidden 128 --graphs "powerlaw:n=200000,deg=10" --dtypes fp32 && $ADD2',
+        "for m in graphconv,lg,simple,tag sg,appnp,cheb,clustergcn; do",
+        '  python bench/e2e.py --models $m --hidden 128 --graphs "powerlaw:n=1000000,deg=10" --dtypes fp32 --rounds 1 '
+        "&& $ADD2; done",
     )
 
     def merge(self, current, runs):

@@ -13,6 +13,7 @@ import torch
 pyg_nn = pytest.importorskip("torch_geometric.nn")
 import geot.nn as gnn  # noqa: E402
 import geot.nn.generic as generic  # noqa: E402
+import geot.nn.propagations as propagations  # noqa: E402
 from torch_geometric import EdgeIndex  # noqa: E402
 
 F64 = {"rtol": 1e-10, "atol": 1e-10}
@@ -151,14 +152,19 @@ NARROWING = {
     "cheb-unnormalized": (lambda: pyg_nn.ChebConv(6, 4, K=2, normalization=None, bias=False), 6, True),
     "cluster-gcn": (lambda: pyg_nn.ClusterGCNConv(6, 4, diag_lambda=0.3), 4, False),
     "cluster-gcn-widening": (lambda: pyg_nn.ClusterGCNConv(6, 9), 6, False),
+    "graph": (lambda: pyg_nn.GraphConv(6, 4), 4, True),
+    "graph-mean": (lambda: pyg_nn.GraphConv(6, 4, aggr="mean", bias=False), 4, True),
+    "graph-max": (lambda: pyg_nn.GraphConv(6, 4, aggr="max"), 6, True),  # max does not commute with lin_rel
+    "graph-widening": (lambda: pyg_nn.GraphConv(6, 9), 6, True),
+    "lg": (lambda: pyg_nn.LGConv(), 6, True),  # no Linear: a graph normalized once
 }
 
 
 @pytest.mark.parametrize("name", list(NARROWING))
 def test_projections_first_where_they_narrow(name, device, monkeypatch):
-    """SGConv, TAGConv and ClusterGCNConv whose Linears narrow the rows propagate the projected rows (the K
-    propagations gather out_channels features); elsewhere (and APPNP, ChebConv) x. PyG's outputs and gradients
-    either way, over the graph normalized once."""
+    """SGConv, TAGConv, ClusterGCNConv and GraphConv (sum, mean) whose Linears narrow the rows propagate the
+    projected rows (the K propagations gather out_channels features); elsewhere (and APPNP, ChebConv) x.
+    PyG's outputs and gradients either way, over the graph normalized once."""
     make, width, weighted = NARROWING[name]
     widths = []
     run = generic.gather_reduce
@@ -170,13 +176,29 @@ def test_projections_first_where_they_narrow(name, device, monkeypatch):
         for p in reference.parameters():
             p.normal_()
     mine = gnn.patch(copy.deepcopy(reference))
-    assert isinstance(mine, (gnn.SGConv, gnn.TAGConv, gnn.APPNP, gnn.ChebConv, gnn.ClusterGCNConv))
+    assert isinstance(mine, (gnn.SGConv, gnn.TAGConv, gnn.APPNP, gnn.ChebConv, gnn.ClusterGCNConv, gnn.GraphConv,
+                             gnn.LGConv))
     generator = torch.Generator(device=device).manual_seed(3)
     edge_index = graph(13, 40, device, generator)
     x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
     weight = torch.rand(edge_index.size(1), dtype=torch.float64, device=device, generator=generator)
     assert_same(mine, reference, x, edge_index, *((weight,) if weighted else ()))
     assert widths and set(widths) == {width}
+
+
+def test_graph_conv_keeps_pyg_order_where_lin_rel_is_hooked(device, monkeypatch):
+    """A hook on lin_rel sees its input, the aggregate: no projection first there."""
+    widths, seen = [], []
+    run = generic.gather_reduce
+    monkeypatch.setattr(generic, "gather_reduce", lambda graph, x, *a, **k: widths.append(x.size(-1)) or
+                        run(graph, x, *a, **k))
+    mine, reference = pair("graph", device)
+    mine.lin_rel.register_forward_hook(lambda module, args, out: seen.append(args[0].size(-1)))
+    generator = torch.Generator(device=device).manual_seed(6)
+    edge_index = graph(10, 30, device, generator)
+    x = torch.randn(10, 6, dtype=torch.float64, device=device, generator=generator)
+    assert_same(mine, reference, x, edge_index)
+    assert widths == [6] and seen == [6]
 
 
 @pytest.mark.parametrize("dst_none", [False, True], ids=["x_dst", "x_dst-None"])
@@ -292,7 +314,7 @@ def test_explain_names_the_path():
 def test_patched_model_saves_and_loads(tmp_path):
     """torch.save of a patched model (a class geot_class made has no module attribute to be found by) loads
     again, also in a process that never made the class, and computes the same."""
-    model = gnn.patch(torch.nn.ModuleList([pyg_nn.GraphConv(4, 3), WeightedMean()]))
+    model = gnn.patch(torch.nn.ModuleList([pyg_nn.SimpleConv(aggr="mean"), WeightedMean()]))
     x, edge_index = torch.randn(12, 4), graph(12, 40, "cpu", torch.Generator().manual_seed(2))
     w = torch.rand(edge_index.size(1))
     torch.save(model, tmp_path / "model.pt")
@@ -435,7 +457,6 @@ def test_narrowing_layers_keep_the_normalized_graph(device):
     alive); a new edge_weight, or an in-place change of edge_index, normalizes again."""
     import gc
     import weakref
-    from geot.nn import propagations
     generator = torch.Generator(device=device).manual_seed(4)
     x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
     for make in (lambda: pyg_nn.SGConv(6, 4, K=2), lambda: pyg_nn.TAGConv(6, 4, K=2), lambda: pyg_nn.APPNP(2, 0.1)):
@@ -459,7 +480,7 @@ def test_narrowing_layers_keep_the_normalized_graph(device):
         assert gone() is None, "the kept normalization holds its edge_index alive"
 
 
-@pytest.mark.parametrize("name", ["sg", "tag", "appnp", "cheb", "cluster-gcn"])
+@pytest.mark.parametrize("name", ["sg", "tag", "appnp", "cheb", "cluster-gcn", "lg"])
 @pytest.mark.parametrize("kind", ["torch.sparse", "EdgeIndex"])
 def test_narrowing_layers_other_graph_inputs(name, kind, device):
     """The layers of geot.nn.propagations on a torch.sparse adjacency or an EdgeIndex (the generic layer's
@@ -483,6 +504,24 @@ def test_narrowing_layers_other_graph_inputs(name, kind, device):
         assert_same(mine, reference, x, adj)
 
 
+@pytest.mark.parametrize("name", ["sg", "appnp", "lg"])
+def test_eager_calls_normalize_once(name, device, monkeypatch):
+    """Eager calls on one edge_index normalize it once (PyG: every call), with PyG's results each time."""
+    normalizations = []
+    normalize = propagations.NORMALIZATIONS["gcn"]
+    monkeypatch.setitem(propagations.NORMALIZATIONS, "gcn",
+                        lambda *a: normalizations.append(1) or normalize(*a))
+    torch.manual_seed(0)
+    reference = NARROWING[name][0]().to(device).double()
+    mine = gnn.patch(copy.deepcopy(reference))
+    generator = torch.Generator(device=device).manual_seed(8)
+    edge_index = graph(13, 40, device, generator)
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    for _ in range(3):
+        torch.testing.assert_close(mine(x, edge_index), reference(x, edge_index), **F64)
+    assert len(normalizations) == 1
+
+
 def test_appnp_edge_dropout_as_pyg(device):
     """APPNP in training with edge dropout: from the same random state, PyG's outputs and gradients (each step
     drops from the last step's weights, as PyG's)."""
@@ -501,7 +540,7 @@ def test_appnp_edge_dropout_as_pyg(device):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
-@pytest.mark.parametrize("name", ["sg", "tag", "appnp", "cheb", "cluster-gcn"])
+@pytest.mark.parametrize("name", ["sg", "tag", "appnp", "cheb", "cluster-gcn", "lg"])
 def test_compiled_kept_normalization_sorts_nothing(name, grad, device):
     """Compiled first (no eager call), the layers of geot.nn.propagations normalize and sort their graph while dynamo
     traces: the compiled graphs hold no sort, and a second call reuses them; PyG's results and gradients."""

@@ -2,7 +2,7 @@
 
 * ``GCNConv``, ``SAGEConv``, ``GINConv``, ``GATConv``, ``GATv2Conv``, ``RGCNConv``, ``RGATConv``,
   ``HGTConv``, ``SGConv``, ``TAGConv``, ``APPNP``, ``ChebConv``, ``ClusterGCNConv``,
-  ``TransformerConv``: drop-in
+  ``GraphConv``, ``LGConv``, ``TransformerConv``: drop-in
   subclasses of PyG's layers, same constructor, parameters and forward; a
   call geot does not run natively runs PyG's forward
   (:class:`GeotFallbackWarning`).
@@ -25,7 +25,7 @@ from .gin import GINConv
 from .graph import SortedGraph, UncachedGraphWarning, sorted_graph, sorted_index
 from .hgt import HGTConv
 from .layer import GeotFallbackWarning
-from .propagations import APPNP, ChebConv, ClusterGCNConv, SGConv, TAGConv
+from .propagations import APPNP, ChebConv, ClusterGCNConv, GraphConv, LGConv, SGConv, TAGConv
 from .patch import patch
 from .rgat import RGATConv
 from .rgcn import RGCNConv
@@ -33,6 +33,6 @@ from .sage import SAGEConv
 from .transformer import TransformerConv
 
 __all__ = ["APPNP", "ChebConv", "ClusterGCNConv", "GATConv", "GATv2Conv", "GCNConv", "GeotFallbackWarning", "GINConv",
-           "HGTConv", "RGATConv", "RGCNConv", "SAGEConv", "SGConv", "SegmentAggregation", "SortedGraph", "TAGConv",
+           "GraphConv", "HGTConv", "LGConv", "RGATConv", "RGCNConv", "SAGEConv", "SGConv", "SegmentAggregation", "SortedGraph", "TAGConv",
            "TransformerConv", "UncachedGraphWarning", "explain", "geot_class", "patch", "sorted_graph",
            "sorted_index"]

@@ -8,7 +8,7 @@ from .gcn import GCNConv
 from .generic import geot_class, propagates_on_geot
 from .gin import GINConv
 from .hgt import HGTConv
-from .propagations import APPNP, ChebConv, ClusterGCNConv, SGConv, TAGConv
+from .propagations import APPNP, ChebConv, ClusterGCNConv, GraphConv, LGConv, SGConv, TAGConv
 from .rgat import RGATConv
 from .rgcn import RGCNConv
 from .sage import SAGEConv
@@ -29,13 +29,15 @@ GEOT_LAYERS = {
     pyg_nn.APPNP: APPNP,
     pyg_nn.ChebConv: ChebConv,
     pyg_nn.ClusterGCNConv: ClusterGCNConv,
+    pyg_nn.GraphConv: GraphConv,
+    pyg_nn.LGConv: LGConv,
 }
 
 
 def patch(model: torch.nn.Module, strict: bool = False) -> torch.nn.Module:
     """Turns every PyG GCNConv, SAGEConv, GINConv, GATConv, GATv2Conv, RGCNConv, RGATConv,
-    HGTConv, SGConv, TAGConv, APPNP, ChebConv, ClusterGCNConv and
-    TransformerConv in
+    HGTConv, SGConv, TAGConv, APPNP, ChebConv, ClusterGCNConv, GraphConv,
+    LGConv and TransformerConv in
     ``model`` (the model itself included, and the per-edge-type copies that
     ``to_hetero`` and ``HeteroConv`` hold) into its geot version, in place,
     and gives every other ``MessagePassing`` layer whose message geot

@@ -1,12 +1,12 @@
-"""SGConv, TAGConv, APPNP, ChebConv and ClusterGCNConv on geot: the generic
-propagation over a graph normalized once; SGConv, TAGConv and ClusterGCNConv
-with the projections first where they narrow the rows.
+"""SGConv, TAGConv, APPNP, ChebConv, ClusterGCNConv and LGConv on geot: the
+generic propagation over a graph normalized once; SGConv, TAGConv, ClusterGCNConv
+and GraphConv with the projections first where they narrow the rows.
 
 PyG's forward of these normalizes the graph on every call (APPNP: unless
 cached), a new tensor that geot would sort on every call; these keep the
 normalized graph with the input edge_index (:func:`kept_normalization`), so
 it is sorted once.
-SGConv, TAGConv and ClusterGCNConv apply Linears to propagated features, ``W Â^k x``. The
+SGConv, TAGConv, ClusterGCNConv and GraphConv apply Linears to propagated features, ``W Â^k x``. The
 propagation is linear in the features, so ``W Â^k x = Â^k (x W^T)``: where
 out_channels < in_channels, projecting first makes each propagation gather
 out_channels features per edge rather than in_channels (8 instead of 128 for
@@ -218,6 +218,23 @@ def _appnp_forward(layer: APPNP, x: Tensor, edge_index: Tensor, edge_weight) -> 
     return x
 
 
+class LGConv(geot_class(pyg_nn.LGConv)):
+    """``torch_geometric.nn.LGConv`` (LightGCN) on geot: one propagation over
+    the graph normalized once (:func:`kept_normalization`; PyG normalizes
+    on every call, a new graph that geot would sort every call)."""
+
+    def forward(self, x, edge_index, edge_weight=None) -> Tensor:
+        if not self.normalize or not _runs_here(self, x, edge_index):
+            return super().forward(x, edge_index, edge_weight)
+        return _lg_forward(self, x, edge_index, edge_weight)
+
+
+@with_trace_memo
+def _lg_forward(layer: LGConv, x: Tensor, edge_index: Tensor, edge_weight) -> Tensor:
+    edge_index, edge_weight = _gcn_normalized(layer, x, edge_index, edge_weight, False)
+    return layer.propagate(edge_index, x=x, edge_weight=edge_weight)
+
+
 class ChebConv(geot_class(pyg_nn.ChebConv)):
     """``torch_geometric.nn.ChebConv`` on geot: the Chebyshev recursion
     ``T_k = 2 L T_{k-1} - T_{k-2}``, each propagation one fused
@@ -269,3 +286,41 @@ def _cluster_gcn_forward(layer: ClusterGCNConv, x: Tensor, edge_index: Tensor) -
     else:
         out = lin(layer.propagate(edge_index, x=x, edge_weight=weight))
     return out + layer.lin_root(x)
+
+
+class GraphConv(geot_class(pyg_nn.GraphConv)):
+    """``torch_geometric.nn.GraphConv`` on geot: ``lin_rel(sum_j e_ji x_j) +
+    lin_root(x_i)``, the aggregation one fused gather-reduce (geot's
+    propagate); with sum or mean where ``lin_rel`` narrows the rows,
+    ``sum_j e_ji (x_j W_rel^T) + b``: out_channels features gathered per
+    edge (a classifier's last layer: 8 rather than 128). Otherwise PyG's
+    forward, on geot's propagate."""
+
+    def forward(self, x, edge_index, edge_weight=None, size=None) -> Tensor:
+        x_src = x_dst = None
+        if isinstance(x, Tensor):
+            x_src = x_dst = x
+        elif isinstance(x, (tuple, list)) and len(x) == 2:
+            x_src, x_dst = x
+        if not self._projects_first(x_src):
+            return super().forward(x, edge_index, edge_weight, size)
+        return _graph_conv_forward(self, x_src, x_dst, edge_index, edge_weight, size)
+
+    def _projects_first(self, x_src) -> bool:
+        """lin_rel commutes with a sum or mean of the sources' rows (PyG's
+        flow: target_to_source gathers x[1] in some of PyG's paths), and
+        narrows them; nothing observes lin_rel's input (hooks)."""
+        lin = self.lin_rel
+        return (isinstance(x_src, Tensor) and x_src.dim() >= 2 and self.flow == "source_to_target"
+                and isinstance(self.aggr, str) and self.aggr in ("add", "sum", "mean")
+                and _narrows(lin.weight) and x_src.size(-1) == lin.weight.size(1)
+                and not (lin._forward_hooks or lin._forward_pre_hooks) and self._option_reason() is None)
+
+
+@with_trace_memo
+def _graph_conv_forward(layer: GraphConv, x_src: Tensor, x_dst, edge_index, edge_weight, size) -> Tensor:
+    lin = layer.lin_rel
+    projected = F.linear(x_src, lin.weight)
+    out = layer.propagate(edge_index, x=(projected, x_dst), edge_weight=edge_weight, size=size)
+    out = out if lin.bias is None else out + lin.bias
+    return out if x_dst is None else out + layer.lin_root(x_dst)
