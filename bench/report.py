@@ -234,7 +234,10 @@ class E2E(Bench):
         "gives up on that forward's code, and a geot model sharing it compiled one graph per layer. The H100's "
         "default-mode `geot-compile` cells ran that way and understate the compiled path. The H200's cells all ran in "
         "default mode, compiled before any eager call, every path of both libraries in one process (two rounds; "
-        "SAGE max: one), with geot's model compiled whole."
+        "SAGE max and the other layers: one), with geot's model compiled whole. Other layers, run on PyG's model "
+        "after `geot.nn.patch`: 3-layer GraphConv, TAGConv (K = 2), ChebConv (K = 2) and ClusterGCNConv; "
+        "Linear, propagation, ReLU, Linear, propagation for LGConv and SimpleConv (mean); two Linears, then APPNP "
+        "(K = 10); one SGConv (K = 2); GATv2Conv and TransformerConv as GAT."
     )
     commands = (
         'E2E="python bench/e2e.py --compile-mode reduce-overhead --rounds 2 --max-time 0.3"',
