@@ -480,6 +480,16 @@ def test_narrowing_layers_keep_the_normalized_graph(device):
         assert gone() is None, "the kept normalization holds its edge_index alive"
 
 
+def narrowing_case(name, device, seed):
+    """(patched layer, PyG's, edge_index, x) of a NARROWING layer on a 13-node graph, float64."""
+    torch.manual_seed(0)
+    reference = NARROWING[name][0]().to(device).double()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    edge_index = graph(13, 40, device, generator)
+    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    return gnn.patch(copy.deepcopy(reference)), reference, edge_index, x
+
+
 @pytest.mark.parametrize("name", ["sg", "tag", "appnp", "cheb", "cluster-gcn", "lg"])
 @pytest.mark.parametrize("kind", ["torch.sparse", "EdgeIndex"])
 def test_narrowing_layers_other_graph_inputs(name, kind, device):
@@ -488,12 +498,7 @@ def test_narrowing_layers_other_graph_inputs(name, kind, device):
     if kind == "torch.sparse" and name in ("cheb", "cluster-gcn"):
         pytest.skip("PyG raises here (ChebConv's Laplacian of a sparse adjacency; ClusterGCNConv's float32 "
                     "weights in a float64 adjacency)")
-    torch.manual_seed(0)
-    reference = NARROWING[name][0]().to(device).double()
-    mine = gnn.patch(copy.deepcopy(reference))
-    generator = torch.Generator(device=device).manual_seed(5)
-    edge_index = graph(13, 40, device, generator)
-    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    mine, reference, edge_index, x = narrowing_case(name, device, seed=5)
     if kind == "EdgeIndex":
         adj = EdgeIndex(edge_index, sparse_size=(13, 13))
     else:
@@ -511,12 +516,7 @@ def test_eager_calls_normalize_once(name, device, monkeypatch):
     normalize = propagations.NORMALIZATIONS["gcn"]
     monkeypatch.setitem(propagations.NORMALIZATIONS, "gcn",
                         lambda *a: normalizations.append(1) or normalize(*a))
-    torch.manual_seed(0)
-    reference = NARROWING[name][0]().to(device).double()
-    mine = gnn.patch(copy.deepcopy(reference))
-    generator = torch.Generator(device=device).manual_seed(8)
-    edge_index = graph(13, 40, device, generator)
-    x = torch.randn(13, 6, dtype=torch.float64, device=device, generator=generator)
+    mine, reference, edge_index, x = narrowing_case(name, device, seed=8)
     for _ in range(3):
         torch.testing.assert_close(mine(x, edge_index), reference(x, edge_index), **F64)
     assert len(normalizations) == 1
