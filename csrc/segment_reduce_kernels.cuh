@@ -97,6 +97,10 @@ struct SegmentArgs {
   // long segments have slots (below); else null.
   scalar_t* __restrict__ final_out;
   bool mean;
+  // Means of fp32 / fp64 rows into out: every store and atomic add of a
+  // segment's rows takes 1 / its rows (ptr), so out holds the mean when the
+  // last one lands, with no finalize pass over [S, F].
+  bool scale_by_rows;
   // SP with slots for long segments: the SP pass leaves a segment of more
   // than cap rows whole to the overflow pass, which reduces it into row
   // long_slot[seg] of out (then a buffer of long_capacity rows, not S);
@@ -244,6 +248,14 @@ __device__ __forceinline__ bool has_slot(const SegmentArgs<scalar_t, acc_t, inde
   return seg >= 0 && seg < a.S && a.long_slot[seg] >= 0;
 }
 
+// What a partial result of segment seg is multiplied by as it lands in out:
+// 1 / its rows where SegmentArgs::scale_by_rows (then it has rows), else 1.
+template <typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ acc_t rows_scale(const SegmentArgs<scalar_t, acc_t, index_t>& a, int64_t seg) {
+  // (max(.., 1): offsets of an unsorted index, validation off, stay finite.)
+  return a.scale_by_rows ? acc_t(1) / acc_t(max(a.ptr[seg + 1] - a.ptr[seg], int64_t(1))) : acc_t(1);
+}
+
 // Merges a partial result into out[seg] (with slots: out[long_slot[seg]];
 // CHUNKED, SR with chunk slots where set: the row of the chunk where the
 // segment begins) with atomics. VECTOR_OUT: a.vector_out known to be set
@@ -259,6 +271,10 @@ __device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t
   }
   if (row < 0) return;
   acc_t* o = a.out + row * a.F + col0;
+  acc_t part[N_T];
+  const acc_t scale = rows_scale(a, seg);
+#pragma unroll
+  for (int j = 0; j < N_T; ++j) part[j] = acc[j] * scale;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // sm_90 has 2- and 4-wide float atomicAdd: one atomic per 4 (or 2) features, not one each.
   constexpr bool kVectorAtomics = std::is_same_v<Op, SumOp<float>> && (N_T % 4 == 0 || N_T == 2);
@@ -267,16 +283,16 @@ __device__ __forceinline__ void flush(const SegmentArgs<scalar_t, acc_t, index_t
 #endif
   if (kVectorAtomics && (VECTOR_OUT || a.vector_out)) {
     if constexpr (N_T == 2) {
-      atomicAdd(reinterpret_cast<float2*>(o), make_float2(acc[0], acc[1]));
+      atomicAdd(reinterpret_cast<float2*>(o), make_float2(part[0], part[1]));
     } else {
 #pragma unroll
       for (int j = 0; j < N_T; j += 4)
-        atomicAdd(reinterpret_cast<float4*>(o + j), make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]));
+        atomicAdd(reinterpret_cast<float4*>(o + j), make_float4(part[j], part[j + 1], part[j + 2], part[j + 3]));
     }
   } else {
 #pragma unroll
     for (int j = 0; j < N_T; ++j)
-      if (col0 + j < a.F) Op::atomic(o + j, acc[j]);
+      if (col0 + j < a.F) Op::atomic(o + j, part[j]);
   }
 }
 
@@ -326,6 +342,11 @@ __device__ __forceinline__ void store(const SegmentArgs<scalar_t, acc_t, index_t
   add_self_term(a, seg, col0, acc);
   if constexpr (DET || kHalfRows<scalar_t, acc_t>) {
     if (a.final_out) return store_finished<N_T, VECTOR_OUT>(a, seg, col0, acc, a.mean ? a.ptr[seg + 1] - a.ptr[seg] : 1);
+  }
+  if constexpr (!kHalfRows<scalar_t, acc_t>) {
+    const acc_t scale = rows_scale(a, seg);
+#pragma unroll
+    for (int j = 0; j < N_T; ++j) acc[j] *= scale;
   }
   write_row<N_T>(a.out + seg * a.F + col0, col0, a.F, VECTOR_OUT || a.vector_out, acc);
 }
@@ -752,9 +773,10 @@ __global__ void segment_reduce_sp_kernel(SegmentArgs<scalar_t, acc_t, index_t> a
   // rows + self_term: an empty segment stores its own term, not 0.
   if (a.final_out) return store_finished<N_T>(a, seg, col0, acc, end - begin + self_term);
   acc_t* o = a.out + seg * a.F + col0;
+  const acc_t scale = rows_scale(a, seg);  // (a mean's overflow rows, added later, take it too)
 #pragma unroll
   for (int j = 0; j < N_T; ++j)
-    if (col0 + j < a.F) o[j] = begin == end && !self_term ? acc_t(0) : acc[j];
+    if (col0 + j < a.F) o[j] = begin == end && !self_term ? acc_t(0) : acc[j] * scale;
 }
 
 // Segmented reduction in a tile of `group` lanes (a power of two up to a

@@ -258,8 +258,9 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 }
 
 // Segment offsets of a sorted index: for SP (with_longest: and the rows of
-// its longest segment), SR's chunk slots, the finalize pass (segment sizes)
-// and attention_aggregate. SP's are cached per index, made on the default
+// its longest segment), SR's chunk slots, means (segment sizes) and
+// attention_aggregate. with_longest's (SP's, and means that divide as they
+// add: SegmentArgs::scale_by_rows) are cached per index, made on the default
 // stream (on its first such call, with the exact longest segment); elsewhere,
 // and for indices that cannot be cached (inference tensors), fresh for this
 // call, with a longest-segment counter the SP kernel raises. The others are
@@ -540,7 +541,13 @@ at::Tensor reduce_rows(const RowReduction& r) {
                    : cfg.is_sp()  ? uninitialized({S, F}, r.src.options().dtype(acc_type))
                    : r.self_scale ? self_term_filled(r.src, self_scale, r.self_offset, acc_type, stream)
                                   : identity_filled(S, F, acc_type, r.reduce, r.src, stream);
-  const bool finalize = !direct && !prefilled_out &&
+  // fp32 / fp64 means into acc divide as they add (SegmentArgs::
+  // scale_by_rows): on a 10^7-edge graph at F = 128 the finalize pass read
+  // and wrote the whole [S, F] once more (SpMM mean 1.06-1.37x the sum's
+  // time on an H200). SP's own stores divide by the whole segment's rows,
+  // its overflow pass's additions too.
+  const bool scale_by_rows = r.reduce == Reduce::Mean && !half && !det && !direct && !r.any_order && !r.self_scale;
+  const bool finalize = !direct && !prefilled_out && !scale_by_rows &&
                         (half || r.reduce == Reduce::Mean || (r.reduce != Reduce::Sum && !cfg.is_sp()));
   const auto prefilled = [&] {
     if (r.self_scale) return self_term_filled(r.src, self_scale, r.self_offset, r.src.scalar_type(), stream);
@@ -562,6 +569,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
       args.out = acc.defined() ? acc.data_ptr<acc_t>() : nullptr;
       args.final_out = direct || prefilled_out ? reinterpret_cast<in_t*>(out.data_ptr<scalar_t>()) : nullptr;
       args.mean = r.reduce == Reduce::Mean;
+      args.scale_by_rows = scale_by_rows;
       args.E = E, args.F = F, args.S = S;
       args.gather = r.gather ? r.gather->data_ptr<index_t>() : nullptr;
       args.weight = r.weight ? reinterpret_cast<const in_t*>(r.weight->data_ptr<scalar_t>()) : nullptr;
@@ -572,8 +580,8 @@ at::Tensor reduce_rows(const RowReduction& r) {
       // Offsets for SP, chunk slots, a mean's sizes where no finalize divides
       // and the finalize of non-sums; held until the launches are queued.
       SegmentOffsets offsets;
-      if (cfg.is_sp() || chunk_slots || (prefilled_out && r.reduce == Reduce::Mean)) {
-        offsets = index_offsets<index_t>(r.index, S, cfg.is_sp(), stream);
+      if (cfg.is_sp() || chunk_slots || scale_by_rows || (prefilled_out && r.reduce == Reduce::Mean)) {
+        offsets = index_offsets<index_t>(r.index, S, cfg.is_sp() || scale_by_rows, stream);
         args.ptr = offsets.ptr.data_ptr<int64_t>();
       }
       if (chunk_slots) {
