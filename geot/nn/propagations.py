@@ -26,6 +26,7 @@ from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.utils import add_self_loops as add_self_loops_to
 from torch_geometric.utils import degree, remove_self_loops
 
+from .common import linear_sum
 from .generic import geot_class, with_trace_memo
 from .graph import _version_key, call_at_trace_time, prepare_for_compiled
 
@@ -283,9 +284,8 @@ def _cluster_gcn_forward(layer: ClusterGCNConv, x: Tensor, edge_index: Tensor) -
     if _narrows(lin.weight):
         out = layer.propagate(edge_index, x=F.linear(x, lin.weight), edge_weight=weight)
         out = out if lin.bias is None else out + lin.bias
-    else:
-        out = lin(layer.propagate(edge_index, x=x, edge_weight=weight))
-    return out + layer.lin_root(x)
+        return out + layer.lin_root(x)
+    return linear_sum([(layer.propagate(edge_index, x=x, edge_weight=weight), lin), (x, layer.lin_root)])
 
 
 class GraphConv(geot_class(pyg_nn.GraphConv)):
@@ -294,7 +294,8 @@ class GraphConv(geot_class(pyg_nn.GraphConv)):
     propagate); with sum or mean where ``lin_rel`` narrows the rows,
     ``sum_j e_ji (x_j W_rel^T) + b``: out_channels features gathered per
     edge (a classifier's last layer: 8 rather than 128). Otherwise PyG's
-    forward, on geot's propagate."""
+    forward on geot's propagate, its two Linears' outputs summed in one
+    buffer (:func:`linear_sum`)."""
 
     def forward(self, x, edge_index, edge_weight=None, size=None) -> Tensor:
         x_src = x_dst = None
@@ -302,9 +303,13 @@ class GraphConv(geot_class(pyg_nn.GraphConv)):
             x_src = x_dst = x
         elif isinstance(x, (tuple, list)) and len(x) == 2:
             x_src, x_dst = x
-        if not self._projects_first(x_src):
+        if not isinstance(x_src, Tensor) or self._option_reason() is not None:
             return super().forward(x, edge_index, edge_weight, size)
-        return _graph_conv_forward(self, x_src, x_dst, edge_index, edge_weight, size)
+        if self._projects_first(x_src):
+            return _graph_conv_forward(self, x_src, x_dst, edge_index, edge_weight, size)
+        # PyG's forward, its two Linears' sum in one buffer
+        out = self.propagate(edge_index, x=(x_src, x_dst), edge_weight=edge_weight, size=size)
+        return linear_sum([(out, self.lin_rel)] + ([] if x_dst is None else [(x_dst, self.lin_root)]))
 
     def _projects_first(self, x_src) -> bool:
         """lin_rel commutes with a sum or mean of the sources' rows (PyG's
@@ -314,7 +319,7 @@ class GraphConv(geot_class(pyg_nn.GraphConv)):
         return (isinstance(x_src, Tensor) and x_src.dim() >= 2 and self.flow == "source_to_target"
                 and isinstance(self.aggr, str) and self.aggr in ("add", "sum", "mean")
                 and _narrows(lin.weight) and x_src.size(-1) == lin.weight.size(1)
-                and not (lin._forward_hooks or lin._forward_pre_hooks) and self._option_reason() is None)
+                and not (lin._forward_hooks or lin._forward_pre_hooks))
 
 
 @with_trace_memo

@@ -5,7 +5,7 @@ import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import _ops
-from .common import REDUCE, cast_for_matmul, gather_reduce_nodes, matmul_dtype, node_inputs
+from .common import REDUCE, cast_for_matmul, gather_reduce_nodes, linear_sum, matmul_dtype, node_inputs
 from .layer import GeotLayer
 
 
@@ -37,8 +37,8 @@ class SAGEConv(GeotLayer, pyg_nn.SAGEConv):
         reduce = REDUCE[self.aggr]
         graph, num_nodes, weight = self._aggregation_graph(nodes, edge_index, size,
                                                            any_order=reduce in ("sum", "mean"))
-        root = None
         if self._project_first(x_src, reduce):
+            root = None
             cast, x_dst = cast_for_matmul(x_src, x_dst)  # one cast for both projections
             # lin_l commutes with mean and sum: aggregate the narrower projected
             # rows (bias after, so a node without edges still gets it).
@@ -48,13 +48,16 @@ class SAGEConv(GeotLayer, pyg_nn.SAGEConv):
                 projected = F.linear(cast, self.lin_l.weight)
             out = gather_reduce_nodes(graph, projected, reduce, num_nodes, weight)
             out = out if self.lin_l.bias is None else out + self.lin_l.bias
+            if root is None and self.root_weight and x_dst is not None:
+                root = self.lin_r(x_dst)
+            out = out if root is None else out + root
         else:
             if not torch.is_grad_enabled() and matmul_dtype(x_src) != x_src.dtype:
                 x_src, x_dst = cast_for_matmul(x_src, x_dst)  # lin_l casts the mean, lin_r x: cast x once, first
-            out = self.lin_l(gather_reduce_nodes(graph, x_src, reduce, num_nodes, weight))
-        if root is None and self.root_weight and x_dst is not None:
-            root = self.lin_r(x_dst)
-        out = out if root is None else out + root
+            terms = [(gather_reduce_nodes(graph, x_src, reduce, num_nodes, weight), self.lin_l)]
+            if self.root_weight and x_dst is not None:
+                terms.append((x_dst, self.lin_r))
+            out = linear_sum(terms)
         return F.normalize(out, p=2.0, dim=-1) if self.normalize else out
 
     def _project_pair(self, x: Tensor):
