@@ -36,7 +36,7 @@ def per_step_ms(fn, device, reps=20):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gcn", choices=list(e2e.MODELS))
+    parser.add_argument("--model", default="gcn", choices=[*e2e.MODELS, *e2e.GENERIC_MODELS, *e2e.VARIANT_MODELS])
     parser.add_argument("--graph", default="pubmed")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--mode", default="train", choices=["train", "inference"])
