@@ -176,6 +176,31 @@ def test_gradcheck(device, reduce, heads, transposed):
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["atomic", "transposed"])
+@pytest.mark.parametrize("heads", [0, 1, 3], ids=["unweighted", "w1", "w3"])
+def test_mean_gradient_of_wide_rows(device, heads, transposed):
+    """Rows at least 2 E / S wide, a weight without gradient: a mean's
+    backward scales each edge by 1 / its destination's rows inside x's
+    gathered sum (eager_autograd.cpp, divides_per_edge) rather than dividing
+    the gradient's rows first; gradients and second derivatives hold."""
+    src, dst, S, N = _grad_graph(device)
+    E = dst.numel()
+    width = -(-2 * E // S)
+    x = (distinct_src(N, (heads, width) if heads > 1 else (width,), torch.float64, device) + 0.0137).requires_grad_()
+    t = geot.transpose_index(src, dst) if transposed else None
+    w = None if heads == 0 else distinct_src(E, (heads,) if heads > 1 else (), torch.float64, device) + 2.0
+
+    def fn(x):
+        if w is None:
+            return geot.index_segment_reduce(src, dst, x, "mean", S, transposed=t)
+        return geot.index_weight_segment_reduce(src, dst, w, x, "mean", S, transposed=t)
+
+    assert "SortedReduce" in fn(x).grad_fn.name()
+    tolerances = {"eps": 1e-6, "atol": 1e-8, "nondet_tol": 1e-12 if device == "cuda" and not transposed else 0.0}
+    assert torch.autograd.gradcheck(fn, (x,), **tolerances)
+    assert torch.autograd.gradgradcheck(fn, (x,), **tolerances)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["atomic", "transposed"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 def test_second_derivatives(device, reduce, weighted, transposed):
