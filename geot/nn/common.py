@@ -226,12 +226,17 @@ def cast_for_matmul(x_src: Tensor, x_dst: Optional[Tensor]):
     return cast, cast if x_dst is x_src else x_dst
 
 
+def has_module_hooks(module: Optional[torch.nn.Module]) -> bool:
+    """Whether a module has forward or backward hooks of its own (a model summary's, a profiler's)."""
+    return module is not None and bool(module._forward_hooks or module._forward_pre_hooks or
+                                       module._backward_hooks or module._backward_pre_hooks)
+
+
 def _plain_linear(lin) -> bool:
     """Whether calling lin is F.linear(x, lin.weight, lin.bias) and nothing
     else: torch's or PyG's Linear, initialized, with no hooks."""
-    if type(lin).forward not in _LINEAR_FORWARDS or isinstance(lin.weight, torch.nn.parameter.UninitializedParameter):
-        return False
-    return not (lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or lin._backward_pre_hooks)
+    return (type(lin).forward in _LINEAR_FORWARDS and not has_module_hooks(lin)
+            and not isinstance(lin.weight, torch.nn.parameter.UninitializedParameter))
 
 
 _LINEAR_FORWARDS = (torch.nn.Linear.forward, pyg_nn.Linear.forward)

@@ -19,7 +19,7 @@ import torch
 import torch_geometric.nn as pyg_nn
 from torch_geometric.inspector import Inspector
 
-from .common import flipped_pair_reason, nodes_reason, num_targets, sizes_reason
+from .common import flipped_pair_reason, has_module_hooks, nodes_reason, num_targets, sizes_reason
 from .graph import sorted_graph, warn_at_trace_time
 from .inputs import edges_of, input_kind
 
@@ -35,12 +35,6 @@ _HOOK_DICTS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks", "_mes
                "_message_forward_hooks", "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
                "_message_and_aggregate_forward_pre_hooks", "_message_and_aggregate_forward_hooks",
                "_edge_update_forward_pre_hooks", "_edge_update_forward_hooks")
-
-
-def _has_module_hooks(module: Optional[torch.nn.Module]) -> bool:
-    """Whether a module has forward or backward hooks of its own (a model summary's, a profiler's)."""
-    return module is not None and bool(module._forward_hooks or module._forward_pre_hooks or
-                                       module._backward_hooks or module._backward_pre_hooks)
 
 
 def _in_onnx_export() -> bool:
@@ -179,7 +173,7 @@ class GeotLayer:
             return "explain mode"
         if any(getattr(self, name) for name in _HOOK_DICTS):
             return "message-passing hooks"
-        if _has_module_hooks(getattr(self, "aggr_module", None)):
+        if has_module_hooks(getattr(self, "aggr_module", None)):
             return "hooks on aggr_module (geot's kernels do not call it)"
         if _in_onnx_export():
             return "ONNX export (geot's ops have no ONNX form)"

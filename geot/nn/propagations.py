@@ -316,7 +316,7 @@ class GraphConv(geot_class(pyg_nn.GraphConv)):
         flow: target_to_source gathers x[1] in some of PyG's paths), and
         narrows them; nothing observes lin_rel's input (hooks)."""
         lin = self.lin_rel
-        return (isinstance(x_src, Tensor) and x_src.dim() >= 2 and self.flow == "source_to_target"
+        return (x_src.dim() >= 2 and self.flow == "source_to_target"
                 and isinstance(self.aggr, str) and self.aggr in ("add", "sum", "mean")
                 and _narrows(lin.weight) and x_src.size(-1) == lin.weight.size(1)
                 and not (lin._forward_hooks or lin._forward_pre_hooks))
