@@ -1241,6 +1241,35 @@ def test_gin_inference_is_one_op_then_nn(device):
     torch.testing.assert_close(out, expect)
 
 
+@pytest.mark.parametrize("case", ["inference", "train", "hooked", "autocast", "no-bias"])
+def test_gin_inference_takes_linear_and_relu_as_one_gemm(device, case):
+    """In inference GINConv's nn of Linear, ReLU, ... takes the first two as
+    one GEMM with the ReLU in its epilogue (no ReLU pass over [N, hidden]);
+    a call recording gradients, a hooked ReLU, autocast and a Linear without
+    bias call each module. Results PyG's, up to rounding."""
+    layer, pyg_layer = build_pair(gnn.GINConv, pyg_nn.GINConv, (), {}, device)
+    if case == "no-bias":
+        for mlp in (layer.nn, pyg_layer.nn):
+            mlp[0].bias = None
+    if case == "hooked":
+        layer.nn[1].register_forward_hook(lambda module, inputs, output: None)
+    dtype = torch.float32 if case == "autocast" else torch.float64  # (autocast leaves float64 alone)
+    layer, pyg_layer = layer.to(dtype), pyg_layer.to(dtype)
+    x = torch.randn(20, 12, device=device, dtype=dtype, requires_grad=case == "train")
+    edge_index = random_graph(20, 60, device)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=case == "autocast")
+    with torch.set_grad_enabled(case == "train"), autocast:
+        layer(x, edge_index)  # the graph sorted and kept
+        with _RecordedOps() as recorded:
+            out = layer(x, edge_index)
+        expect = pyg_layer(x, edge_index)
+    fused = "aten._addmm_activation.default" in recorded.names
+    assert fused == (case == "inference"), recorded.names
+    assert ("aten.relu.default" in recorded.names) != fused, recorded.names
+    if case != "autocast":  # (there x is cast before the sum: see test_gin_inference_under_autocast_sums_cast_x)
+        torch.testing.assert_close(out, expect)
+
+
 @pytest.mark.parametrize("name,kwargs", [("SAGEConv", {}), ("SAGEConv", {"aggr": "max"}), ("GraphConv", {}),
                                          ("ClusterGCNConv", {})], ids=["sage", "sage-max", "graph", "cluster-gcn"])
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "train"])

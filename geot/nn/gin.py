@@ -6,7 +6,7 @@ from torch import Tensor
 
 from .. import _ops, validation
 from ..config import explain, long_segment_level
-from .common import cast_for_matmul, gather_reduce_nodes, matmul_dtype, node_inputs
+from .common import cast_for_matmul, gather_reduce_nodes, has_module_hooks, linear_relu, matmul_dtype, node_inputs
 from .graph import SortedGraph, checked
 from .layer import GeotLayer
 
@@ -31,7 +31,11 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
     Sequential that begins with one, with fewer output than input features
     (and no autocast cast), that Linear is applied before the sum (they
     commute), so fewer features are gathered per edge; results then differ
-    from PyG's by rounding only."""
+    from PyG's by rounding only. In inference, an ``nn`` that is a Sequential
+    beginning with a Linear (with bias) and a ReLU takes those two as one
+    GEMM with the ReLU in its epilogue (``torch._addmm_activation``), where no
+    autocast cast or hook would make it another call: no ReLU pass over the
+    hidden rows."""
 
     def forward(self, x, edge_index, size=None) -> Tensor:
         nodes = node_inputs(x)
@@ -48,7 +52,7 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
         if (not torch.is_grad_enabled() and _begins_with_linear(self.nn) and matmul_dtype(x_src) != x_src.dtype
                 and _cast_first_saves_memory(graph, x_src, num_nodes)):
             x_src, x_dst = cast_for_matmul(x_src, x_dst)
-        return self.nn(self._sum(graph, x_src, x_dst, weight, num_nodes))
+        return _apply_nn(self.nn, self._sum(graph, x_src, x_dst, weight, num_nodes))
 
     def _project_first(self, linear, graph: SortedGraph, x_src: Tensor, x_dst, weight, num_nodes: int) -> Tensor:
         """nn's first Linear commutes with the sum: the sum of its narrower
@@ -71,6 +75,20 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
         if x_dst is not None:  # in place on the sum (its backward does not read it): no second [N, F] (peak memory)
             out = out.addcmul_(x_dst, 1 + self.eps)
         return out
+
+
+def _apply_nn(module: torch.nn.Module, h: Tensor) -> Tensor:
+    """module(h); in inference, where module is a Sequential beginning with a
+    Linear and a ReLU (GIN's usual MLP), those two as one GEMM with the ReLU
+    in its epilogue (:func:`geot.nn.common.linear_relu`), then the rest."""
+    if (type(module) is torch.nn.Sequential and len(module) >= 2 and type(module[1]) is torch.nn.ReLU
+            and not has_module_hooks(module) and not has_module_hooks(module[1])):
+        out = linear_relu(module[0], h)
+        if out is not None:
+            for later in list(module)[2:]:
+                out = later(out)
+            return out
+    return module(h)
 
 
 def _narrowing_linear(module: torch.nn.Module, x: Tensor):
