@@ -270,6 +270,8 @@ class E2E(Bench):
         "for m in graphconv,lg,simple,tag sg,appnp,cheb,clustergcn; do",
         '  python bench/e2e.py --models $m --hidden 128 --graphs "powerlaw:n=1000000,deg=10" --dtypes fp32 --rounds 1 '
         "&& $ADD2; done",
+        'python bench/e2e.py --models gcn,gin,sage --hidden 128 --graphs "powerlaw:n=1000000,deg=10" --dtypes bf16 '
+        "--rounds 1 --reps 5 --warmup 1 --max-time 0.3 && $ADD2",
     )
 
     def merge(self, current, runs):
