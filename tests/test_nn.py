@@ -1241,13 +1241,20 @@ def test_gin_inference_is_one_op_then_nn(device):
     torch.testing.assert_close(out, expect)
 
 
-@pytest.mark.parametrize("case", ["inference", "train", "hooked", "autocast", "no-bias"])
+@pytest.mark.parametrize("case", ["inference", "mlp", "train", "hooked", "autocast", "no-bias", "mlp-norm"])
 def test_gin_inference_takes_linear_and_relu_as_one_gemm(device, case):
-    """In inference GINConv's nn of Linear, ReLU, ... takes the first two as
-    one GEMM with the ReLU in its epilogue (no ReLU pass over [N, hidden]);
-    a call recording gradients, a hooked ReLU, autocast and a Linear without
-    bias call each module. Results PyG's, up to rounding."""
-    layer, pyg_layer = build_pair(gnn.GINConv, pyg_nn.GINConv, (), {}, device)
+    """In inference GINConv's nn of Linear, ReLU, ... (a Sequential, or PyG's
+    two-layer MLP as its GIN model builds it) takes the first two as one
+    GEMM with the ReLU in its epilogue (no ReLU pass over [N, hidden]); a
+    call recording gradients, a hooked ReLU, autocast, a Linear without bias
+    and an MLP with a norm call each module. Results PyG's, up to rounding."""
+    if case.startswith("mlp"):
+        mlp = pyg_nn.MLP([12, 16, 8], norm="batch_norm" if case == "mlp-norm" else None)
+        layer, pyg_layer = gnn.GINConv(copy.deepcopy(mlp)), pyg_nn.GINConv(mlp)  # (each resets its nn)
+        layer.load_state_dict(pyg_layer.state_dict())
+        layer, pyg_layer = layer.to(device).double().eval(), pyg_layer.to(device).double().eval()
+    else:
+        layer, pyg_layer = build_pair(gnn.GINConv, pyg_nn.GINConv, (), {}, device)
     if case == "no-bias":
         for mlp in (layer.nn, pyg_layer.nn):
             mlp[0].bias = None
@@ -1264,10 +1271,38 @@ def test_gin_inference_takes_linear_and_relu_as_one_gemm(device, case):
             out = layer(x, edge_index)
         expect = pyg_layer(x, edge_index)
     fused = "aten._addmm_activation.default" in recorded.names
-    assert fused == (case == "inference"), recorded.names
+    assert fused == (case in ("inference", "mlp")), recorded.names
     assert ("aten.relu.default" in recorded.names) != fused, recorded.names
     if case != "autocast":  # (there x is cast before the sum: see test_gin_inference_under_autocast_sums_cast_x)
         torch.testing.assert_close(out, expect)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "train"])
+@pytest.mark.parametrize("norm", [None, "batch_norm"], ids=["no-norm", "batch-norm"])
+def test_gin_with_pygs_mlp_sums_its_narrower_projection(monkeypatch, device, grad, norm):
+    """GINConv with PyG's two-layer MLP (torch_geometric.nn.models.GIN's)
+    whose first Linear narrows sums that Linear's projections, as with a
+    Sequential; with a norm in between it sums x. Results and gradients
+    PyG's up to rounding."""
+    mlp = pyg_nn.MLP([12, 4, 4], norm=norm)
+    layer, pyg_layer = gnn.GINConv(copy.deepcopy(mlp), train_eps=True), pyg_nn.GINConv(mlp, train_eps=True)
+    layer.load_state_dict(pyg_layer.state_dict())
+    layer, pyg_layer = layer.to(device).double(), pyg_layer.to(device).double()
+    widths = []
+    summed = gnn.GINConv._sum
+    monkeypatch.setattr(gnn.GINConv, "_sum", lambda self, graph, x_src, *rest: (widths.append(x_src.size(-1)),
+                                                                                summed(self, graph, x_src, *rest))[1])
+    x = torch.randn(20, 12, device=device, dtype=torch.float64, requires_grad=grad)
+    edge_index = random_graph(20, 60, device)
+    with torch.set_grad_enabled(grad):
+        out, expect = layer(x, edge_index), pyg_layer(x, edge_index)
+    assert widths == [12 if norm else 4]
+    torch.testing.assert_close(out, expect)
+    if grad:
+        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+        expect_grads = torch.autograd.grad(expect.square().sum(), [x, *pyg_layer.parameters()])
+        for got, want in zip(grads, expect_grads):
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("name,kwargs", [("SAGEConv", {}), ("SAGEConv", {"aggr": "max"}), ("GraphConv", {}),

@@ -27,15 +27,17 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
     sum: there the rounding would also move which of nn's ReLUs fire, and
     with them the gradients. Inference on one x takes the sum and ``(1 +
     eps) x`` as one op (geot::index_sum_plus_scaled: on CUDA one pass over
-    the output; compiled, a lower peak). Where ``nn`` is a Linear, or a
-    Sequential that begins with one, with fewer output than input features
+    the output; compiled, a lower peak). Where ``nn`` is a Linear, a
+    Sequential that begins with one or PyG's two-layer MLP with no norm,
+    with fewer output than input features
     (and no autocast cast), that Linear is applied before the sum (they
     commute), so fewer features are gathered per edge; results then differ
     from PyG's by rounding only. In inference, an ``nn`` that is a Sequential
-    beginning with a Linear (with bias) and a ReLU takes those two as one
-    GEMM with the ReLU in its epilogue (``torch._addmm_activation``), where no
-    autocast cast or hook would make it another call: no ReLU pass over the
-    hidden rows."""
+    beginning with a Linear (with bias) and a ReLU, or PyG's two-layer MLP
+    with no norm (as ``torch_geometric.nn.models.GIN`` builds it), takes
+    that Linear and ReLU as one GEMM with the ReLU in its epilogue
+    (``torch._addmm_activation``), where no autocast cast or hook would make
+    it another call: no ReLU pass over the hidden rows."""
 
     def forward(self, x, edge_index, size=None) -> Tensor:
         nodes = node_inputs(x)
@@ -62,6 +64,8 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
         projected_dst = projected_src if x_dst is x_src or x_dst is None else F.linear(x_dst, linear.weight)
         out = self._sum(graph, projected_src, None if x_dst is None else projected_dst, weight, num_nodes)
         out = out if linear.bias is None else out + linear.bias.to(out.dtype)
+        if _two_layer_relu_mlp(self.nn):  # MLP.forward after its first Linear (no norm, no dropout in effect)
+            return self.nn.lins[1](self.nn.act(out))
         for module in ([] if self.nn is linear else list(self.nn)[1:]):
             out = module(out)
         return out
@@ -78,9 +82,10 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
 
 
 def _apply_nn(module: torch.nn.Module, h: Tensor) -> Tensor:
-    """module(h); in inference, where module is a Sequential beginning with a
-    Linear and a ReLU (GIN's usual MLP), those two as one GEMM with the ReLU
-    in its epilogue (:func:`geot.nn.common.linear_relu`), then the rest."""
+    """module(h); in inference, where module begins with a Linear and a ReLU
+    (a Sequential, or PyG's MLP of two layers with no norm: GIN's usual
+    MLPs), those two as one GEMM with the ReLU in its epilogue
+    (:func:`geot.nn.common.linear_relu`), then the rest."""
     if (type(module) is torch.nn.Sequential and len(module) >= 2 and type(module[1]) is torch.nn.ReLU
             and not has_module_hooks(module) and not has_module_hooks(module[1])):
         out = linear_relu(module[0], h)
@@ -88,16 +93,37 @@ def _apply_nn(module: torch.nn.Module, h: Tensor) -> Tensor:
             for later in list(module)[2:]:
                 out = later(out)
             return out
+    elif _two_layer_relu_mlp(module):
+        out = linear_relu(module.lins[0], h)
+        if out is not None:  # MLP.forward's dropouts: none in eval
+            return module.lins[1](out)
     return module(h)
 
 
+def _two_layer_relu_mlp(module: torch.nn.Module) -> bool:
+    """Whether module is PyG's MLP([in, hidden, out]) as GIN models build it
+    (torch_geometric.nn.models.GIN) whose forward is ``lins[1](act(lins[0](x)))``:
+    no norm, a ReLU, no dropout in effect and no hooks."""
+    if type(module) is not pyg_nn.MLP or len(module.lins) != 2 or not module.plain_last:
+        return False
+    if type(module.act) is not torch.nn.ReLU or type(module.norms[0]) is not torch.nn.Identity:
+        return False
+    if module.training and any(p > 0 for p in module.dropout):
+        return False
+    return not any(has_module_hooks(m) for m in (module, module.act, module.norms[0], module.lins[1]))
+
+
 def _narrowing_linear(module: torch.nn.Module, x: Tensor):
-    """nn's first Linear where nn is that Linear or a Sequential beginning
-    with it, it has fewer output than input features, no hooks, and x is in
-    the dtype it multiplies in (no autocast cast); else None."""
+    """nn's first Linear where nn is that Linear, a Sequential beginning
+    with it or PyG's two-layer MLP of :func:`_two_layer_relu_mlp`, it has
+    fewer output than input features, no hooks, and x is in the dtype it
+    multiplies in (no autocast cast); else None."""
     if matmul_dtype(x) != x.dtype:
         return None
-    first = module[0] if isinstance(module, torch.nn.Sequential) and len(module) else module
+    if _two_layer_relu_mlp(module):
+        first = module.lins[0]
+    else:
+        first = module[0] if isinstance(module, torch.nn.Sequential) and len(module) else module
     if not isinstance(first, (torch.nn.Linear, pyg_nn.Linear)):
         return None
     weight = first.weight
