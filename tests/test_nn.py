@@ -1278,13 +1278,14 @@ def test_gin_inference_takes_linear_and_relu_as_one_gemm(device, case):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "train"])
-@pytest.mark.parametrize("norm", [None, "batch_norm"], ids=["no-norm", "batch-norm"])
-def test_gin_with_pygs_mlp_sums_its_narrower_projection(monkeypatch, device, grad, norm):
+@pytest.mark.parametrize("variant", ["plain", "batch-norm", "dropout"])
+def test_gin_with_pygs_mlp_sums_its_narrower_projection(monkeypatch, device, grad, variant):
     """GINConv with PyG's two-layer MLP (torch_geometric.nn.models.GIN's)
     whose first Linear narrows sums that Linear's projections, as with a
-    Sequential; with a norm in between it sums x. Results and gradients
-    PyG's up to rounding."""
-    mlp = pyg_nn.MLP([12, 4, 4], norm=norm)
+    Sequential; with a norm in between, or a dropout in training, it sums x.
+    Results and gradients PyG's up to rounding."""
+    mlp = pyg_nn.MLP([12, 4, 4], norm="batch_norm" if variant == "batch-norm" else None,
+                     dropout=0.5 if variant == "dropout" else 0.0)
     layer, pyg_layer = gnn.GINConv(copy.deepcopy(mlp), train_eps=True), pyg_nn.GINConv(mlp, train_eps=True)
     layer.load_state_dict(pyg_layer.state_dict())
     layer, pyg_layer = layer.to(device).double(), pyg_layer.to(device).double()
@@ -1294,9 +1295,13 @@ def test_gin_with_pygs_mlp_sums_its_narrower_projection(monkeypatch, device, gra
                                                                                 summed(self, graph, x_src, *rest))[1])
     x = torch.randn(20, 12, device=device, dtype=torch.float64, requires_grad=grad)
     edge_index = random_graph(20, 60, device)
+    layer.train(grad), pyg_layer.train(grad)
     with torch.set_grad_enabled(grad):
-        out, expect = layer(x, edge_index), pyg_layer(x, edge_index)
-    assert widths == [12 if norm else 4]
+        torch.manual_seed(1)  # the same dropout masks for both
+        out = layer(x, edge_index)
+        torch.manual_seed(1)
+        expect = pyg_layer(x, edge_index)
+    assert widths == [12 if variant == "batch-norm" or (variant == "dropout" and grad) else 4]
     torch.testing.assert_close(out, expect)
     if grad:
         grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])

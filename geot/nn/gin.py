@@ -29,10 +29,9 @@ class GINConv(GeotLayer, pyg_nn.GINConv):
     eps) x`` as one op (geot::index_sum_plus_scaled: on CUDA one pass over
     the output; compiled, a lower peak). Where ``nn`` is a Linear, a
     Sequential that begins with one or PyG's two-layer MLP with no norm,
-    with fewer output than input features
-    (and no autocast cast), that Linear is applied before the sum (they
-    commute), so fewer features are gathered per edge; results then differ
-    from PyG's by rounding only. In inference, an ``nn`` that is a Sequential
+    and that Linear has fewer output than input features (and no autocast
+    cast), it is applied before the sum (they commute), so fewer features
+    are gathered per edge; results then differ from PyG's by rounding only. In inference, an ``nn`` that is a Sequential
     beginning with a Linear (with bias) and a ReLU, or PyG's two-layer MLP
     with no norm (as ``torch_geometric.nn.models.GIN`` builds it), takes
     that Linear and ReLU as one GEMM with the ReLU in its epilogue
@@ -108,7 +107,8 @@ def _two_layer_relu_mlp(module: torch.nn.Module) -> bool:
         return False
     if type(module.act) is not torch.nn.ReLU or type(module.norms[0]) is not torch.nn.Identity:
         return False
-    if module.training and any(p > 0 for p in module.dropout):
+    dropout = module.dropout if isinstance(module.dropout, (list, tuple)) else [module.dropout]
+    if module.training and any(p > 0 for p in dropout):
         return False
     return not any(has_module_hooks(m) for m in (module, module.act, module.norms[0], module.lins[1]))
 
