@@ -1278,6 +1278,28 @@ def test_gin_inference_takes_linear_and_relu_as_one_gemm(device, case):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "train"])
+def test_sage_projection_takes_its_relu_in_the_gemm(device, grad):
+    """SAGEConv(project=True) in inference projects the sources with the
+    ReLU in the GEMM's epilogue; training keeps the two ops. Results and
+    gradients PyG's."""
+    layer, pyg_layer = build_pair(gnn.SAGEConv, pyg_nn.SAGEConv, (12, 16), {"project": True}, device)
+    x = torch.randn(20, 12, device=device, dtype=torch.float64, requires_grad=grad)
+    edge_index = random_graph(20, 60, device)
+    with torch.set_grad_enabled(grad):
+        layer(x, edge_index)  # the graph sorted and kept
+        with _RecordedOps() as recorded:
+            out = layer(x, edge_index)
+        expect = pyg_layer(x, edge_index)
+    assert ("aten._addmm_activation.default" in recorded.names) != grad, recorded.names
+    torch.testing.assert_close(out, expect)
+    if grad:
+        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+        expect_grads = torch.autograd.grad(expect.square().sum(), [x, *pyg_layer.parameters()])
+        for got, want in zip(grads, expect_grads):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "train"])
 @pytest.mark.parametrize("variant", ["plain", "batch-norm", "dropout"])
 def test_gin_with_pygs_mlp_sums_its_narrower_projection(monkeypatch, device, grad, variant):
     """GINConv with PyG's two-layer MLP (torch_geometric.nn.models.GIN's)

@@ -5,7 +5,8 @@ import torch_geometric.nn as pyg_nn
 from torch import Tensor
 
 from .. import _ops
-from .common import REDUCE, cast_for_matmul, gather_reduce_nodes, linear_sum, matmul_dtype, node_inputs
+from .common import (REDUCE, cast_for_matmul, gather_reduce_nodes, linear_relu, linear_sum, matmul_dtype,
+                     node_inputs)
 from .layer import GeotLayer
 
 
@@ -21,8 +22,9 @@ class SAGEConv(GeotLayer, pyg_nn.SAGEConv):
     the aggregation (the Linears would cast the aggregate and x): half the
     bytes gathered and no float32 [N, F] aggregate or copy of x besides
     (peak memory); a mean or sum then differs from PyG's by that rounding of
-    x, a max not at all. Aggregation lists and modules (multi-aggregation,
-    LSTM, ...) run PyG's forward."""
+    x, a max not at all. With ``project``, inference projects the sources
+    with the ReLU in the GEMM's epilogue. Aggregation lists and modules
+    (multi-aggregation, LSTM, ...) run PyG's forward."""
 
     _aggregations = tuple(REDUCE)
 
@@ -33,7 +35,8 @@ class SAGEConv(GeotLayer, pyg_nn.SAGEConv):
             return self._pyg_forward(reason, x, edge_index, size)
         x_src, x_dst = nodes.src, nodes.dst
         if self.project:  # the sources' rows only: PyG's root term reads x_dst as given
-            x_src = self.lin(x_src).relu()
+            projected = linear_relu(self.lin, x_src)  # in inference one GEMM with the ReLU in its epilogue
+            x_src = self.lin(x_src).relu() if projected is None else projected
         reduce = REDUCE[self.aggr]
         graph, num_nodes, weight = self._aggregation_graph(nodes, edge_index, size,
                                                            any_order=reduce in ("sum", "mean"))
