@@ -97,6 +97,16 @@ def assert_same(geot_layer, pyg_layer, x, edge_index, pyg_edge_index, extra):
         torch.testing.assert_close(grads[name], ref_grads[name], **FLOAT64_TOL, msg=f"grad of {name}")
 
 
+def assert_same_gradients(out, expect, x, layer, pyg_layer):
+    """The gradients of out.square().sum() in x and in each parameter of
+    layer equal those of expect in x and pyg_layer's (default tolerance)."""
+    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    expect_grads = torch.autograd.grad(expect.square().sum(), [x, *pyg_layer.parameters()])
+    assert len(grads) == len(expect_grads)
+    for got, want in zip(grads, expect_grads):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("num_nodes,num_edges", SIZES)
 @pytest.mark.parametrize("geot_class,pyg_class,args,kwargs", LAYER_PARAMS)
 def test_matches_pyg(geot_class, pyg_class, args, kwargs, num_nodes, num_edges, device):
@@ -1293,10 +1303,7 @@ def test_sage_projection_takes_its_relu_in_the_gemm(device, grad):
     assert ("aten._addmm_activation.default" in recorded.names) != grad, recorded.names
     torch.testing.assert_close(out, expect)
     if grad:
-        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
-        expect_grads = torch.autograd.grad(expect.square().sum(), [x, *pyg_layer.parameters()])
-        for got, want in zip(grads, expect_grads):
-            torch.testing.assert_close(got, want)
+        assert_same_gradients(out, expect, x, layer, pyg_layer)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "train"])
@@ -1326,10 +1333,7 @@ def test_gin_with_pygs_mlp_sums_its_narrower_projection(monkeypatch, device, gra
     assert widths == [12 if variant == "batch-norm" or (variant == "dropout" and grad) else 4]
     torch.testing.assert_close(out, expect)
     if grad:
-        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
-        expect_grads = torch.autograd.grad(expect.square().sum(), [x, *pyg_layer.parameters()])
-        for got, want in zip(grads, expect_grads):
-            torch.testing.assert_close(got, want)
+        assert_same_gradients(out, expect, x, layer, pyg_layer)
 
 
 @pytest.mark.parametrize("name,kwargs", [("SAGEConv", {}), ("SAGEConv", {"aggr": "max"}), ("GraphConv", {}),
@@ -1351,10 +1355,7 @@ def test_root_term_adds_in_the_gemm(device, name, kwargs, grad):
     assert "aten.addmm_.default" in recorded.names and "aten.add.Tensor" not in recorded.names, recorded.names
     torch.testing.assert_close(out, expect)
     if grad:
-        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
-        expect_grads = torch.autograd.grad(expect.square().sum(), [x, *pyg_layer.parameters()])
-        for got, want in zip(grads, expect_grads):
-            torch.testing.assert_close(got, want)
+        assert_same_gradients(out, expect, x, layer, pyg_layer)
 
 
 def test_linear_pair_op(device):
