@@ -891,7 +891,8 @@ class MiniBatch(Bench):
         "(1024 seeds, fan-out 15 then 10), as PyG's NeighborSampler examples call it: "
         "`conv((x, x[:size[1]]), edge_index, size)`. Time per training step (forward, cross-entropy, backward, "
         "Adam), the batch's feature gather included, sampling not; median over distinct batches. Paths: PyG "
-        "eager and `torch.compile(dynamic=True)`, geot eager and compiled the same way. These steps are small "
+        "eager and `torch.compile(dynamic=True)`, geot eager and compiled the same way, each path a model of its "
+        "own (the same initial weights), as a user trains one. These steps are small "
         "(about 19k sampled edges on the 12M-edge graph) and host-bound: their time is launches and Python, "
         "and moves by tens of percent between runs."
     )
