@@ -102,7 +102,7 @@ void attention_aggregate_cuda(AttentionInputs in, at::Tensor& out) {
       a.head_lanes = static_cast<int>(C / n_t);
       a.src = in.src_index.data_ptr<index_t>();
       a.dst = in.dst_index.data_ptr<index_t>();
-      // Fresh for this call, as SR's (not cached: see index_offsets).
+      // Cached per index (index_offsets): a static graph's pass runs once.
       const at::Tensor ptr =
           launch::index_offsets<index_t>(in.dst_index, in.num_segments, false, c10::cuda::getCurrentCUDAStream()).ptr;
       a.ptr = ptr.data_ptr<int64_t>();

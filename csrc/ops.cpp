@@ -193,7 +193,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("deterministic_algorithms", [] { return at::globalContext().deterministicAlgorithms(); },
         "The flag the CUDA dispatch reads per call to pick the deterministic schedules (tests)");
   m.def("clear_segment_offsets", &geot::clear_segment_offsets,
-        "Free the segment offsets cached for the SP schedule (CUDA memory)");
+        "Free the cached segment offsets of sorted indices (CUDA memory)");
   m.def("segment_offsets_cached", &geot::segment_offsets_cached, "Cached segment offsets held (tests)");
   m.def("mark_static_index", &geot::mark_static_index,
         "Declare an index's values fixed while CUDA graphs reading it replay (captures may read its cached offsets)");

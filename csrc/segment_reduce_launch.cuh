@@ -258,26 +258,26 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 }
 
 // Segment offsets of a sorted index: for SP (with_longest: and the rows of
-// its longest segment), SR's chunk slots, means (segment sizes) and
-// attention_aggregate. with_longest's (SP's, and means that divide as they
-// add: SegmentArgs::scale_by_rows) are cached per index, made on the default
-// stream (on its first such call, with the exact longest segment); elsewhere,
-// and for indices that cannot be cached (inference tensors), fresh for this
-// call, with a longest-segment counter the SP kernel raises. The others are
-// always fresh: a cached copy stays resident between steps (8 bytes per
-// segment) to save a pass of a few microseconds. Off the default stream run
-// CUDA graph captures and torch.compile's CUDA-graph warm-ups: there none
-// is made (a warm-up allocates in the graph's private pool, where a cached
-// tensor would outlive the function: cudagraph trees reject that), and
-// warm-ups make their own. A capture reads one only for an index declared static
-// (mark_static_index: a replay may refill any other with new values) and
-// pins it, since its kernels keep the address: an eviction would free it
-// under the graph (an illegal access on replay, seen with compiled RGCN on an
-// H100). So a compiled geot.nn model (its kept graphs are static) whose graph
-// an eager call has seen replays no offsets pass.
+// its longest segment), SR's chunk slots, means (segment sizes), the
+// finalize of non-sums and attention_aggregate. They are cached per index
+// (with the exact longest segment), made on the default stream on the
+// index's first call there: a static graph pays the pass once, where every
+// call made it before (a pass over the E indices: on an 8.4M-edge graph,
+// fp16 rows of F = 1, most of the call's time). For indices that cannot be
+// cached (inference tensors) they are fresh for this call, with a
+// longest-segment counter the SP kernel raises where asked. Off the default
+// stream run CUDA graph captures and torch.compile's CUDA-graph warm-ups:
+// there none is made (a warm-up allocates in the graph's private pool, where
+// a cached tensor would outlive the function: cudagraph trees reject that),
+// and warm-ups make their own. A capture reads one only for an index
+// declared static (mark_static_index: a replay may refill any other with new
+// values) and pins it, since its kernels keep the address: an eviction would
+// free it under the graph (an illegal access on replay, seen with compiled
+// RGCN on an H100). So a compiled geot.nn model (its kept graphs are static)
+// whose graph an eager call has seen replays no offsets pass.
 template <typename index_t>
 SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, bool with_longest, cudaStream_t stream) {
-  const bool cacheable = with_longest && index_cacheable(index);
+  const bool cacheable = index_cacheable(index);
   const bool on_default = stream == c10::cuda::getDefaultCUDAStream(index.device().index()).stream();
   const bool capturing = cacheable && capturing_cuda_graph();
   if (cacheable && (capturing ? is_static_index(index) : on_default)) {
@@ -287,7 +287,7 @@ SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, bool with_longe
   const int64_t E = index.numel();
   SegmentOffsets o;
   o.ptr = uninitialized({S + 1}, index.options().dtype(at::kLong));
-  if (with_longest) o.longest = uninitialized({1}, o.ptr.options());
+  if (with_longest || cache) o.longest = uninitialized({1}, o.ptr.options());
   const int threads = 256;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(E + 1, threads), 65536));
   EmptyRuns runs{nullptr, nullptr, 0};

@@ -810,17 +810,21 @@ def test_sp_offsets_keyed_by_num_segments():
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sr_offsets_not_cached(dtype):
-    """SR reads segment offsets for a mean's sizes and half types' chunk
-    slots; they are made per call, never kept resident between steps."""
+def test_sr_offsets_cached_with_sp(dtype):
+    """SR reads segment offsets for a mean's sizes, the finalize of max/min
+    and half types' chunk slots: one entry per index, made by the first call
+    that needs it and shared with SP's."""
     geot.clear_cache()
-    index = powerlaw_index(300, 4000).cuda()
+    S = 3000  # more segments than SR's chunks of 8 rows: half rows take chunk slots
+    index = powerlaw_index(S, 4000).cuda()
     src = random_src(index.numel(), (8,), dtype, "cuda")
+    geot.segment_reduce(index, src, "sum", S, config=SR)
+    assert _cached() == (1 if dtype == torch.bfloat16 else 0)  # fp32 sums need no offsets
     for reduce in REDUCES:
-        assert_matches_ref(geot.segment_reduce(index, src, reduce, 300, config=SR), index, src, reduce, 300)
-    assert _cached() == 0
-    geot.segment_reduce(index, src, "sum", 300, config=SP)
-    assert _cached() == 1  # the test can see a cached entry
+        assert_matches_ref(geot.segment_reduce(index, src, reduce, S, config=SR), index, src, reduce, S)
+    assert _cached() == 1
+    assert_matches_ref(geot.segment_reduce(index, src, "sum", S, config=SP), index, src, "sum", S)
+    assert _cached() == 1  # SP took SR's entry
 
 
 @requires_cuda
