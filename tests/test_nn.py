@@ -1076,6 +1076,63 @@ def test_compile_fullgraph_layers_match_eager(make_layer):
     assert x.grad is not None
 
 
+class _TwoLayers(torch.nn.Module):
+    """Two layers with a ReLU between: later layers read the graph (and its derived values) the first kept."""
+
+    def __init__(self, make_layer, relational: bool):
+        super().__init__()
+        self.convs = torch.nn.ModuleList([make_layer(12, 8), make_layer(8, 8)])
+        self.relational = relational
+
+    def forward(self, x, edge_index, edge_type=None):
+        for conv in self.convs:
+            x = torch.relu(conv(x, edge_index, edge_type) if self.relational else conv(x, edge_index))
+        return x
+
+
+@pytest.mark.parametrize("make_layer", [
+    lambda a, b: gnn.GCNConv(a, b), lambda a, b: gnn.SAGEConv(a, b), lambda a, b: gnn.GINConv(torch.nn.Linear(a, b)),
+    lambda a, b: gnn.RGCNConv(a, b, 3), lambda a, b: gnn.RGCNConv(12, 12, 3),
+], ids=["gcn", "sage", "gin", "rgcn", "rgcn-equal-widths"])
+@pytest.mark.parametrize("changing", [False, True], ids=["static", "changing"])
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "default"])
+def test_compile_layer_stack(make_layer, changing, dynamic):
+    """torch.compile, compiled before any eager call: a later layer reading what an earlier one kept traces
+    without a guard failing on its own frame (GCN's norm and RGCN's relation ranges, made while dynamo
+    traces: with dynamic=True on symbolic sizes; a later layer's after an earlier one read the graph's
+    memo). A static graph compiles once; graphs of one step of other sizes once more (no recompile per
+    node count), RGCN's aside (its tables of one step break the graph)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    relational = isinstance(make_layer(4, 4), gnn.RGCNConv)
+    model = _TwoLayers(make_layer, relational)
+    reference = copy.deepcopy(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, dynamic=dynamic, backend=counter)
+    frames = []
+    for step in range(4):
+        num_nodes = 60 + (7 * step if changing else 0)
+        if changing or step == 0:
+            edge_index = random_graph(num_nodes, 5 * num_nodes, "cpu")
+            extra = (torch.randint(0, 3, (edge_index.size(1),)),) if relational else ()
+        x = torch.randn(num_nodes, 12)
+        x_mine, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", gnn.UncachedGraphWarning)
+            out = compiled(x_mine, edge_index, *extra)
+        expect = reference(x_ref, edge_index.clone(), *extra)  # (a graph of its own: no memo shared)
+        out.square().sum().backward()
+        expect.square().sum().backward()
+        torch.testing.assert_close(out, expect)
+        torch.testing.assert_close(x_mine.grad, x_ref.grad)
+        frames.append(counter.frame_count)
+    if not changing:
+        assert frames == [1, 1, 1, 1]
+    elif not relational:
+        assert frames[1:] == [2, 2, 2], frames
+
+
 @pytest.mark.parametrize("make_layer", [
     lambda: gnn.GCNConv(12, 4), lambda: gnn.SAGEConv(12, 4, aggr="mean"), lambda: gnn.SAGEConv(12, 16, aggr="max"),
     lambda: gnn.GINConv(torch.nn.Linear(12, 4)),

@@ -7,8 +7,8 @@ from torch import Tensor
 
 from ..segment import segment_reduce
 from .common import gather_reduce_nodes, node_inputs, nodes_reason, transposed_order
-from .graph import (SortedGraph, call_at_trace_time, checked, prepare_for_compiled, sorted_graph, static_addresses,
-                    with_transposed)
+from .graph import (SortedGraph, call_at_trace_time, checked, fixed_sizes, kept_graph, prepare_for_compiled,
+                    sorted_graph, static_addresses, with_transposed)
 from .inputs import edges_of, input_kind
 from .layer import GeotLayer
 
@@ -105,21 +105,34 @@ class GCNConv(GeotLayer, pyg_nn.GCNConv):
         if self.cached and self.__dict__.get("_geot_pyg_cache") is not None:
             edge_index, edge_weight = self.__dict__["_geot_pyg_cache"]  # normalized by PyG's forward
             return self._graph_and_weights(edge_index, edge_weight, out_dtype)
-        if torch.compiler.is_compiling():  # the graph and its normalization, kept before compiled code reads them
-            call_at_trace_time(_prepare_for_compiled, self, edge_index, edge_weight, num_nodes, dtype, out_dtype,
-                               torch.is_grad_enabled())
         edges = edges_of(edge_index)
         graph = checked(sorted_graph(self, edge_index, flipped=self._flipped()), num_nodes, num_nodes)
         weight = edge_weight if edges.kind == "edge_index" else edges.values
-        key = ("gcn", edges.kind, self.normalize, self.add_self_loops, self.improved, weight is None, num_nodes,
-               dtype, out_dtype)
-        norm = graph.derived(key, lambda: self._norm(graph, weight, edges.kind, num_nodes, dtype, out_dtype), weight)
-        edge_t = None
-        if torch.is_grad_enabled() and graph.transposed is not None and norm.edge is not None:
-            edge_t = graph.derived(key + ("transposed",), lambda: transposed_order(graph, norm.edge), weight)
+        if torch.compiler.is_compiling() and kept_graph(self, edge_index, flipped=self._flipped()) is None:
+            # A graph of one step, sorted by the compiled code (no transposed index): its norm made there too,
+            # with no look-up, whose key would fix a dynamic node count (a recompile for each).
+            norm, edge_t = self._norm(graph, weight, edges.kind, num_nodes, dtype, out_dtype), None
+        else:
+            norm, edge_t = self._kept_norm(graph, edge_index, edge_weight, weight, edges.kind, num_nodes, dtype,
+                                           out_dtype)
         if self.cached and self.normalize:
             self._geot_norm = (graph, norm, edge_t)
         return graph, norm, edge_t
+
+    def _kept_norm(self, graph: SortedGraph, edge_index, edge_weight, weight, kind: str, num_nodes: int, dtype,
+                   out_dtype):
+        """(_GCNNorm, its edge weights in transposed order or None), kept with the graph."""
+        if torch.compiler.is_compiling():
+            (num_nodes,) = fixed_sizes(num_nodes)  # made eagerly before the compiled code reads it
+            call_at_trace_time(_prepare_for_compiled, self, edge_index, edge_weight, num_nodes, dtype, out_dtype,
+                               torch.is_grad_enabled())
+        key = ("gcn", kind, self.normalize, self.add_self_loops, self.improved, weight is None, num_nodes, dtype,
+               out_dtype)
+        norm = graph.derived(key, lambda: self._norm(graph, weight, kind, num_nodes, dtype, out_dtype), weight)
+        edge_t = None
+        if torch.is_grad_enabled() and graph.transposed is not None and norm.edge is not None:
+            edge_t = graph.derived(key + ("transposed",), lambda: transposed_order(graph, norm.edge), weight)
+        return norm, edge_t
 
     def _cached_norm(self):
         graph, norm, edge_t = self._geot_norm

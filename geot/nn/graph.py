@@ -44,6 +44,7 @@ of a mean's backward pass) are kept with its :class:`SortedGraph`
 (:meth:`SortedGraph.derived`), so they go with it: a new ``edge_index``
 tensor or an in-place change of it starts afresh.
 """
+import operator
 import warnings
 import weakref
 from typing import NamedTuple, Optional, Tuple
@@ -93,10 +94,39 @@ def call_at_trace_time(function, *args) -> None:
         from torch._dynamo.comptime import comptime
     except ImportError:
         return
-    comptime(lambda ctx: _call_with_real_values(ctx.get_local("function"), ctx.get_local("args")))
+    comptime(lambda ctx: _call_with_real_values(ctx.get_local("function"), ctx.get_local("args"), ctx))
 
 
-def _call_with_real_values(function, args) -> None:
+def fixed_sizes(*sizes) -> Tuple[int, ...]:
+    """sizes as the ints they are now, for call_at_trace_time's preparation
+    of a kept graph's derived values, which runs only on known values. Under
+    dynamic=True sizes are symbolic: operator.index fixes each (a guard, as
+    the look-up of a value keyed by it adds anyway). Unfixed, a first layer
+    would skip its preparation, read the graph's memo without the value, and
+    a later layer (its sizes fixed by that key by then) would prepare and
+    store it: a change to what the traced read saw (dynamo: "Guard failed on
+    the same frame it was created"). Only for kept graphs: a graph of one
+    step with fixed sizes would recompile for each size."""
+    return tuple(operator.index(size) for size in sizes)
+
+
+_trace_side_effects = None  # while call_at_trace_time's function runs: the objects the running trace holds
+
+
+def held_by_trace(obj) -> bool:
+    """Whether the trace that runs call_at_trace_time's function has read
+    obj (a memo dict) already. Its code must then leave obj as it is: dynamo
+    keeps what it read, would not see the change, and guards on what it saw
+    ("Guard failed on the same frame it was created"). An earlier layer's
+    read of a shared graph's memo makes it so for a later layer."""
+    try:
+        return _trace_side_effects is not None and obj in _trace_side_effects
+    except Exception:  # an internal of this torch's tracer that differs: as if not read
+        return False
+
+
+def _call_with_real_values(function, args, ctx) -> None:
+    global _trace_side_effects
     try:
         values = [_real_value(item) for item in args._i_will_not_complain_if_bc_breaks_VariableTracker().items]
     except _NotKnown:
@@ -106,11 +136,16 @@ def _call_with_real_values(function, args) -> None:
         return  # eager code would take itself for compiled code
     tracing, compiler._is_compiling_flag = compiler._is_compiling_flag, False  # set while tracing in some torch
     try:
+        _trace_side_effects = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator().output.side_effects
+    except Exception:
+        _trace_side_effects = None
+    try:
         function.as_python_constant()(*values)
     except Exception:  # e.g. a bad graph: the compiled code, which validates, reports it
         pass
     finally:
         compiler._is_compiling_flag = tracing
+        _trace_side_effects = None
 
 
 class _NotKnown(Exception):
@@ -175,8 +210,9 @@ class SortedGraph(NamedTuple):
         if entry is not None and _same_values(entry, values):
             return entry[2]
         result = static_addresses(compute())
-        self.memo[key] = (None if values is None else weakref.ref(values),
-                          None if values is None else _version_key(values), result)
+        if not held_by_trace(self.memo):  # (at trace time, one an earlier layer read is left as it was)
+            self.memo[key] = (None if values is None else weakref.ref(values),
+                              None if values is None else _version_key(values), result)
         return result
 
     def edge_values(self, values: Optional[Tensor]) -> Optional[Tensor]:

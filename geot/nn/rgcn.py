@@ -12,7 +12,8 @@ from ..validation import validation
 from .._ops import mean_counts
 from .common import (REDUCE, Nodes, Pairs, cast_for_matmul, distinct_pairs, flipped_pair_reason, gather_reduce,
                      matmul_dtype, typed_matmul)
-from .graph import SortedGraph, call_at_trace_time, checked, kept_graph, sorted_graph, transpose_index_as
+from .graph import (SortedGraph, call_at_trace_time, checked, fixed_sizes, kept_graph, sorted_graph,
+                    transpose_index_as)
 from .inputs import edges_of
 from .layer import GeotLayer
 
@@ -391,17 +392,20 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
         if num_nodes * relations > edges_of(edge_index).index.size(1):
             graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                                  num_relations=relations, transposed=False)
-            if torch.compiler.is_compiling():  # the pair tables, made while dynamo traces (data-dependent sizes)
-                call_at_trace_time(_prepare_pairs_for_compiled, self, edge_index, edge_type, x_src.size(0),
-                                   num_nodes, _records_grad(x_src, weight), matmul_dtype(x_src))
+            if torch.compiler.is_compiling() and self._kept(edge_index, edge_type):
+                # The pair tables, made while dynamo traces (data-dependent sizes).
+                num_src, num_nodes = fixed_sizes(x_src.size(0), num_nodes)
+                call_at_trace_time(_prepare_pairs_for_compiled, self, edge_index, edge_type, num_src, num_nodes,
+                                   _records_grad(x_src, weight), matmul_dtype(x_src))
             return self._project_pairs_then_reduce(graph, x_src, weight, num_nodes)
         projects = self._projects_first(x_src.size(-1))
         # Gathering projected rows, the backward pass reads their own transposed edges, not the graph's.
         graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                              num_relations=relations, transposed=not projects)
-        if projects and torch.compiler.is_compiling():
-            call_at_trace_time(_prepare_blocks_for_compiled, self, edge_index, edge_type, x_src.size(-1),
-                               num_nodes, matmul_dtype(x_src), x_src.dtype, _records_grad(x_src, weight))
+        if projects and torch.compiler.is_compiling() and self._kept(edge_index, edge_type):
+            in_channels, num_nodes = fixed_sizes(x_src.size(-1), num_nodes)
+            call_at_trace_time(_prepare_blocks_for_compiled, self, edge_index, edge_type, in_channels, num_nodes,
+                               matmul_dtype(x_src), x_src.dtype, _records_grad(x_src, weight))
         if projects and self._trains_in_ranges(graph, x_src, weight):
             return self._reduce_then_project_in_ranges(graph, x_src, weight, num_nodes)
         if projects and self._in_blocks(graph, x_src, weight, num_nodes):
@@ -413,6 +417,11 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             return self._project_then_reduce(graph, x_src, weight, num_nodes)
         per_relation = gather_reduce(graph, x_src, REDUCE[self.aggr], num_nodes * relations)
         return per_relation.view(num_nodes, -1) @ weight.reshape(-1, self.out_channels)
+
+    def _kept(self, edge_index, edge_type: Tensor) -> bool:
+        """Inside torch.compile: whether the layer keeps this call's graph (values derived from it may be)."""
+        return kept_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
+                          num_relations=self.num_relations) is not None
 
     def _projects_first(self, in_channels: int) -> bool:
         """Whether the rows gathered are x_j W_r (C_out features) rather than x_j (C_in): where that is no
