@@ -575,7 +575,7 @@ class Spmm(Bench):
                 "bench/out/spmm_dtypes_nvidia-h200.csv --gpu h200",
                 "python bench/spmm.py --sections fwd --deterministic   # its cells replace the run above's",
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h200.csv --gpu h200",
-                "python bench/spmm.py --sections dtypes --graphs powerlaw hubs uniform:n=400000,d=32 "
+                "python bench/spmm.py --sections dtypes --graphs cora powerlaw hubs uniform:n=400000,d=32 "
                 "powerlaw:n=840000,deg=10 pubmed --F 1 2 4 8 16",
                 "python bench/report.py --add spmm bench/out/spmm_dtypes_nvidia-h200.csv --gpu h200")
 
@@ -927,7 +927,8 @@ class ChangingGraph(Bench):
         "tensor (edge dropout, node-subset sampling, a sliding window), with cross-entropy over that quarter, "
         "backward and Adam. Nothing of one step's graph can be kept for the next. Median ms per step over "
         "distinct graphs (CUDA events), the paths taking turns; building the subgraph is not timed. Paths: PyG "
-        "eager and `torch.compile(dynamic=True)`, geot eager and compiled the same way."
+        "eager and `torch.compile(dynamic=True)`, geot eager and compiled the same way, each path a model of its "
+        "own (the same initial weights)."
     )
     commands = ("python bench/changing_graph.py --paths pyg,geot,geot-compile --steps 12 --warmup 3",
                 "python bench/report.py --add changing_graph bench/out/changing_graph_nvidia-h100-80gb-hbm3.csv "
