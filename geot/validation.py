@@ -30,7 +30,7 @@ def validation_enabled() -> bool:
 
 
 def clear_cache() -> None:
-    """Frees the segment offsets cached on the GPU for the SP schedule, but
+    """Frees the segment offsets cached on the GPU for sorted indices, but
     for those a captured CUDA graph reads (freed with their index)."""
     _C.clear_segment_offsets()
 
@@ -38,7 +38,7 @@ def clear_cache() -> None:
 def mark_static_index(index) -> None:
     """Declares that ``index``'s values stay as they are while CUDA graphs
     that read it are replayed (a static graph, as geot.nn keeps). A CUDA
-    graph capture then reads the SP segment offsets an eager call cached for
+    graph capture then reads the segment offsets an eager call cached for
     it (and keeps them, pinned, until the index is freed) instead of deriving
     them on every replay. Without it a capture derives its own: the index
     may be a static buffer that each replay refills with a new graph. An
