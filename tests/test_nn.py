@@ -147,6 +147,25 @@ def test_gat_inference_in_one_pass(input_loops, channels, kwargs, device, monkey
         assert (geot_layer._geot_graph_200_0_0_0[3].drop is None) == (not input_loops)
 
 
+@pytest.mark.parametrize("out_channels,heads,one_pass", [(5, 4, True), (40, 4, False), (8, 2, False)],
+                         ids=["narrow", "wide-heads", "few-heads"])
+def test_gat_inference_picks_one_pass_by_heads(out_channels, heads, one_pass, device, monkeypatch):
+    """Inference takes attention_aggregate for narrow heads (at most 32 channels each), and for fewer
+    than 4 heads only below 2^18 edges; else the two ops, faster there. PyG's result either way."""
+    monkeypatch.setattr(gnn.gat, "ONE_PASS_ANY_HEADS_EDGES", 1000)  # (the graph below has 1500 edges)
+    geot_layer, pyg_layer = build_pair(gnn.GATConv, pyg_nn.GATConv, (12, out_channels), {"heads": heads}, device)
+    edge_index = random_graph(200, 1500, device)
+    x = torch.randn(200, 12, dtype=torch.float64, device=device)
+    calls = []
+    aggregate = geot.attention_aggregate
+    monkeypatch.setattr(gnn.gat.hetero, "attention_aggregate",
+                        lambda *args, **kwargs: calls.append(1) or aggregate(*args, **kwargs))
+    with torch.no_grad():
+        out, ref = geot_layer(x, edge_index), pyg_layer(x, edge_index)
+    torch.testing.assert_close(out, ref, **FLOAT64_TOL)
+    assert calls == ([1] if one_pass else [])
+
+
 def test_gat_dropout_without_gradients_overwrites_its_scores(device, monkeypatch):
     """Training with dropout under no_grad takes the two ops, the softmax in place (one [E, H] tensor less)."""
     layer = gnn.GATConv(12, 5, heads=3, dropout=0.5).to(device).train()
