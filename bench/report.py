@@ -713,13 +713,20 @@ class HeteroAttention(Bench):
     about = (
         "`geot.attention_aggregate` with attention vectors (scores, softmax and weighted sum in one pass) on "
         "projected rows x [N, H, 64 / H], against PyG GATConv's steps (scores, gathered logits, "
-        "`torch_geometric.utils.softmax`, scatter of the weighted rows) and against geot's two ops "
-        "(`edge_softmax` + `index_weight_segment_reduce`, what `geot.nn.GATConv` trains with). GPU time, "
-        "medians; graphs: cora, citeseer, pubmed, a 3.0M-edge power-law graph and a hub-heavy one."
+        "`torch_geometric.utils.softmax`, scatter of the weighted rows) and against geot's two ops (scores "
+        "by geot's gathers, `edge_softmax` + `index_weight_segment_reduce`: what `geot.nn.GATConv` trains "
+        "with, and runs inference with for fewer than 4 heads on graphs of 2^18 edges or more and for heads "
+        "wider than 32 channels). GPU time, medians; graphs: cora, citeseer, pubmed, a 3.0M-edge power-law "
+        "graph and two hub-heavy ones. The H100's two-op cells made their scores with torch's `index_select` "
+        "of [N, H] rows, many times slower at H = 4 and 8: there the two ops are understated."
     )
     commands = ("python bench/hetero.py --sections attention --dtypes float32 bfloat16",
                 "python bench/report.py --add hetero_attention bench/out/hetero_attention_float32_nvidia-h100-80gb-"
-                "hbm3.csv bench/out/hetero_attention_bfloat16_nvidia-h100-80gb-hbm3.csv --gpu h100")
+                "hbm3.csv bench/out/hetero_attention_bfloat16_nvidia-h100-80gb-hbm3.csv --gpu h100",
+                "python bench/hetero.py --sections attention --graphs cora citeseer pubmed powerlaw hubs_small hubs "
+                "--dtypes float32 bfloat16",
+                "python bench/report.py --add hetero_attention bench/out/hetero_attention_float32_nvidia-h200.csv "
+                "bench/out/hetero_attention_bfloat16_nvidia-h200.csv --gpu h200")
 
     def section(self, df, gpu, img_dir):
         peers = (("x_vs_pyg", "PyG GATConv's steps"), ("x_vs_two_op", "geot's two ops"))
@@ -751,7 +758,10 @@ class HeteroSoftmax(Bench):
     )
     commands = ("python bench/hetero.py --sections softmax --graphs cora citeseer pubmed powerlaw hubs_small hubs",
                 "python bench/report.py --add hetero_softmax bench/out/hetero_softmax_fwd_nvidia-h100-80gb-hbm3.csv "
-                "bench/out/hetero_softmax_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100")
+                "bench/out/hetero_softmax_fwdbwd_nvidia-h100-80gb-hbm3.csv --gpu h100",
+                "# H200: the same run, then",
+                "python bench/report.py --add hetero_softmax bench/out/hetero_softmax_fwd_nvidia-h200.csv "
+                "bench/out/hetero_softmax_fwdbwd_nvidia-h200.csv --gpu h200")
 
     def section(self, df, gpu, img_dir):
         peers = (("x_vs_pyg", "PyG `softmax`"), ("x_vs_composite", "composite"))
