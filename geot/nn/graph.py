@@ -190,6 +190,7 @@ class SortedGraph(NamedTuple):
     deferred: bool = False       # built without a device->host sync, for a graph of one step (see sorted_graph)
     ordered: bool = True         # False: dst left in input order (a graph of one step whose caller sums in any
                                  # order, see sorted_graph's any_order)
+    traced: bool = False         # made by compiled code (its memo stays empty there)
 
     def derived(self, key, compute, values: Optional[Tensor] = None):
         """``compute()``, computed once per key for this graph and kept with it.
@@ -204,7 +205,9 @@ class SortedGraph(NamedTuple):
         if values is not None and values.requires_grad and torch.is_grad_enabled():
             return compute()
         if torch.compiler.is_compiling():
-            entry = self.memo.get(key) if values is None else None
+            # (No look-up in the memo of a graph the compiled code made, empty: a key holding a dynamic size
+            # would fix it, and recompile for each.)
+            entry = self.memo.get(key) if values is None and not self.traced else None
             return entry[2] if entry is not None and entry[0] is None else compute()
         entry = self.memo.get(key)
         if entry is not None and _same_values(entry, values):
@@ -535,7 +538,8 @@ def _may_stay_unordered(edges: Tensor) -> bool:
 def _unordered(edges: Tensor, flipped: bool) -> SortedGraph:
     """A graph of one step left in input order (no sort, no sync): for callers summing in any order."""
     src, dst = (edges[1], edges[0]) if flipped else (edges[0], edges[1])
-    return SortedGraph(src, dst, None, None, None, src.dtype, {}, deferred=True, ordered=False)
+    return SortedGraph(src, dst, None, None, None, src.dtype, {}, deferred=True, ordered=False,
+                       traced=torch.compiler.is_compiling())
 
 
 def _build(edges: Tensor, known_sorted: bool, flipped: bool, self_loops, edge_type, num_relations, keep_perm: bool,
@@ -566,7 +570,7 @@ def _build(edges: Tensor, known_sorted: bool, flipped: bool, self_loops, edge_ty
     drop = None if self_loops is None or not has_loops else (src == dst) & (perm < num_edges)
     if (self_loops is not None or edge_type is not None) and not keep_perm:
         perm = None  # read by nothing else: not kept (E [+ N] indices less: GAT's training graph, RGCN's)
-    graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {}, eager and not survey)
+    graph = SortedGraph(src, dst, perm, None, drop, index_dtype, {}, eager and not survey, traced=not eager)
     # Only a backward pass reads the transposed index: without gradients it is added when first needed.
     return with_transposed(graph) if transposed else graph
 

@@ -389,19 +389,24 @@ class RGCNConv(GeotLayer, pyg_nn.RGCNConv):
             graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                                  num_relations=relations, transposed=False)
             return self._gather_embeddings(graph, x_src, weight, num_nodes, every_node)
+        graph = None
         if num_nodes * relations > edges_of(edge_index).index.size(1):
             graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
                                  num_relations=relations, transposed=False)
-            if torch.compiler.is_compiling() and self._kept(edge_index, edge_type):
-                # The pair tables, made while dynamo traces (data-dependent sizes).
-                num_src, num_nodes = fixed_sizes(x_src.size(0), num_nodes)
-                call_at_trace_time(_prepare_pairs_for_compiled, self, edge_index, edge_type, num_src, num_nodes,
-                                   _records_grad(x_src, weight), matmul_dtype(x_src))
-            return self._project_pairs_then_reduce(graph, x_src, weight, num_nodes)
+            compiling = torch.compiler.is_compiling()
+            if not compiling or self._kept(edge_index, edge_type):
+                if compiling:  # the pair tables, made while dynamo traces (data-dependent sizes)
+                    num_src, num_nodes = fixed_sizes(x_src.size(0), num_nodes)
+                    call_at_trace_time(_prepare_pairs_for_compiled, self, edge_index, edge_type, num_src,
+                                       num_nodes, _records_grad(x_src, weight), matmul_dtype(x_src))
+                return self._project_pairs_then_reduce(graph, x_src, weight, num_nodes)
+            # A graph of one step in compiled code: its pair tables' sizes are data-dependent (they would
+            # break the graph, and recompile for each step); the other ways take the graph as sorted there
+            # (with no transposed index either way).
         projects = self._projects_first(x_src.size(-1))
-        # Gathering projected rows, the backward pass reads their own transposed edges, not the graph's.
-        graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
-                             num_relations=relations, transposed=not projects)
+        if graph is None:  # gathering projected rows, the backward pass reads their own transposed edges
+            graph = sorted_graph(self, edge_index, flipped=self._flipped(), edge_type=edge_type,
+                                 num_relations=relations, transposed=not projects)
         if projects and torch.compiler.is_compiling() and self._kept(edge_index, edge_type):
             in_channels, num_nodes = fixed_sizes(x_src.size(-1), num_nodes)
             call_at_trace_time(_prepare_blocks_for_compiled, self, edge_index, edge_type, in_channels, num_nodes,
