@@ -262,9 +262,9 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 // finalize of non-sums and attention_aggregate. They are cached per index
 // (with the exact longest segment), made on the default stream on the
 // index's first call there: a static graph pays the pass once, where every
-// call made it before (a pass over the E indices: on an 8.4M-edge graph,
-// fp16 rows of F = 1, most of the call's time). For indices that cannot be
-// cached (inference tensors) they are fresh for this call, with a
+// call made it before (a pass over the E indices: on an H200, 40 of the 132
+// us of an fp32 mean at F = 1 on an 8.4M-edge graph). For indices that
+// cannot be cached (inference tensors) they are fresh for this call, with a
 // longest-segment counter the SP kernel raises where asked. Off the default
 // stream run CUDA graph captures and torch.compile's CUDA-graph warm-ups:
 // there none is made (a warm-up allocates in the graph's private pool, where
