@@ -629,6 +629,55 @@ class Spmm(Bench):
 DTYPE_LABELS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
+
+class SpmmOverhead(Bench):
+    name = "spmm_overhead"
+    title = "Host time per SpMM call (`bench/spmm.py --sections overhead`)"
+    keys = ("graph", "F", "op")
+    LABELS = {
+        "geot": "`geot.index_weight_segment_reduce` (index validation on, its cache warm)",
+        "geot_C": "its C++ entry, without the Python wrapper",
+        "geot_op": "`torch.ops.geot.index_segment_reduce`, as a compiled graph calls it",
+        "geot_no_validation": "the API, `geot.set_validation(False)`",
+        "geot_C_no_validation": "the C++ entry, validation off",
+        "geot_op_no_validation": "the op, validation off",
+        "cusparse": "`torch.sparse.mm` on a CSR tensor made beforehand",
+        "pyg_spmm": "`torch_geometric.utils.spmm` on that CSR tensor",
+        "composite": "`index_select`, multiply, `index_add_`",
+    }
+    about = (
+        "On a graph of 10^4 edges a call is host-bound: its time is the host's work to issue it. Many calls back "
+        "to back without gradients (fp32, weighted sum), wall clock over the calls once the GPU keeps up. "
+        "µs per call:"
+    )
+    commands = ("python bench/spmm.py --sections overhead --graphs cora",
+                "python bench/report.py --add spmm_overhead bench/out/spmm_overhead_nvidia-h200.csv --gpu h200")
+
+    def section(self, df, gpu, img_dir):
+        rows = [[r["graph"], str(r["F"]), self.LABELS.get(r["op"], r["op"]), fmt(r["us_per_call"], 1)]
+                for _, r in df.iterrows()]
+        image = f"spmm_overhead_{gpu}.png"
+        self.plot(df, os.path.join(img_dir, image))
+        return (markdown_table(["graph", "F", "call", "µs"], rows, "lllr")
+                + f"\n\n![host time per SpMM call]({os.path.basename(img_dir)}/{image})\n")
+
+    def plot(self, df, path):
+        plt = plot_style()
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ops = df["op"].tolist()
+        ax.barh(range(len(ops)), df["us_per_call"], color=["C0" if op.startswith("geot") else "C1" for op in ops])
+        ax.set_yticks(range(len(ops)), ops, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("µs per call (host)")
+        save_figure(fig, path)
+
+    def headline(self, df):
+        by_op = dict(zip(df["op"], df["us_per_call"]))
+        if "geot" not in by_op or "cusparse" not in by_op:
+            return []
+        return [["Host time per SpMM call on cora (`spmm.py --sections overhead`)", "cuSPARSE (`torch.sparse.mm`)",
+                 f"{by_op['geot']:.1f} µs against {by_op['cusparse']:.1f} µs"]]
+
 class SpmmFwdbwd(Bench):
     name = "spmm_fwdbwd"
     title = "SpMM forward + backward (`bench/spmm.py --sections fwdbwd`)"
@@ -1130,8 +1179,9 @@ def speedup_plot(df, column, ylabel, path):
     save_figure(fig, path)
 
 
-BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), SpmmFwdbwd(), HeteroAttention(),
-                                                  HeteroSoftmax(), GinSum(), MiniBatch(), ChangingGraph(),
+BENCHES: Dict[str, Bench] = {b.name: b for b in (E2E(), SegmentReduce(), Spmm(), SpmmOverhead(), SpmmFwdbwd(),
+                                                  HeteroAttention(), HeteroSoftmax(), GinSum(), MiniBatch(),
+                                                  ChangingGraph(),
                                                   RelationalGNN(), MultiGpu(), Sddmm(), CompareRules())}
 
 
