@@ -117,6 +117,15 @@ def test_matches_pyg(geot_class, pyg_class, args, kwargs, num_nodes, num_edges, 
     assert_same(geot_layer, pyg_layer, x, edge_index, edge_index, extra)
 
 
+def counted_one_passes(monkeypatch) -> list:
+    """A list that gets an item for each call GATConv makes to attention_aggregate (its one pass)."""
+    calls = []
+    aggregate = geot.attention_aggregate
+    monkeypatch.setattr(gnn.gat.hetero, "attention_aggregate",
+                        lambda *args, **kwargs: calls.append(1) or aggregate(*args, **kwargs))
+    return calls
+
+
 @pytest.mark.parametrize("channels,kwargs", [((12, 5), {"heads": 3}),
                                              ((12, 5), {"heads": 2, "concat": False, "add_self_loops": False}),
                                              (((12, 12), 4), {"heads": 2})],
@@ -133,10 +142,7 @@ def test_gat_inference_in_one_pass(input_loops, channels, kwargs, device, monkey
     if not input_loops:
         edge_index = edge_index[:, edge_index[0] != edge_index[1]]
     x = torch.randn(200, 12, dtype=torch.float64, device=device)
-    one_pass = []
-    aggregate = geot.attention_aggregate
-    monkeypatch.setattr(gnn.gat.hetero, "attention_aggregate",
-                        lambda *args, **kwargs: one_pass.append(1) or aggregate(*args, **kwargs))
+    one_pass = counted_one_passes(monkeypatch)
     with torch.no_grad():
         out, ref = geot_layer(x, edge_index), pyg_layer(x, edge_index)
     torch.testing.assert_close(out, ref, **FLOAT64_TOL)
@@ -156,10 +162,7 @@ def test_gat_inference_picks_one_pass_by_heads(out_channels, heads, one_pass, de
     geot_layer, pyg_layer = build_pair(gnn.GATConv, pyg_nn.GATConv, (12, out_channels), {"heads": heads}, device)
     edge_index = random_graph(200, 1500, device)
     x = torch.randn(200, 12, dtype=torch.float64, device=device)
-    calls = []
-    aggregate = geot.attention_aggregate
-    monkeypatch.setattr(gnn.gat.hetero, "attention_aggregate",
-                        lambda *args, **kwargs: calls.append(1) or aggregate(*args, **kwargs))
+    calls = counted_one_passes(monkeypatch)
     with torch.no_grad():
         out, ref = geot_layer(x, edge_index), pyg_layer(x, edge_index)
     torch.testing.assert_close(out, ref, **FLOAT64_TOL)

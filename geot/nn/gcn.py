@@ -108,31 +108,21 @@ class GCNConv(GeotLayer, pyg_nn.GCNConv):
         edges = edges_of(edge_index)
         graph = checked(sorted_graph(self, edge_index, flipped=self._flipped()), num_nodes, num_nodes)
         weight = edge_weight if edges.kind == "edge_index" else edges.values
-        if torch.compiler.is_compiling() and kept_graph(self, edge_index, flipped=self._flipped()) is None:
-            # A graph of one step, sorted by the compiled code (no transposed index): its norm made there too,
-            # with no look-up, whose key would fix a dynamic node count (a recompile for each).
-            norm, edge_t = self._norm(graph, weight, edges.kind, num_nodes, dtype, out_dtype), None
-        else:
-            norm, edge_t = self._kept_norm(graph, edge_index, edge_weight, weight, edges.kind, num_nodes, dtype,
-                                           out_dtype)
-        if self.cached and self.normalize:
-            self._geot_norm = (graph, norm, edge_t)
-        return graph, norm, edge_t
-
-    def _kept_norm(self, graph: SortedGraph, edge_index, edge_weight, weight, kind: str, num_nodes: int, dtype,
-                   out_dtype):
-        """(_GCNNorm, its edge weights in transposed order or None), kept with the graph."""
-        if torch.compiler.is_compiling():
-            (num_nodes,) = fixed_sizes(num_nodes)  # made eagerly before the compiled code reads it
+        if torch.compiler.is_compiling() and kept_graph(self, edge_index, flipped=self._flipped()) is not None:
+            # The kept graph's norm, made eagerly before the compiled code reads it (a graph of one step has
+            # its norm made in the compiled code: SortedGraph.derived looks nothing up there).
+            (num_nodes,) = fixed_sizes(num_nodes)
             call_at_trace_time(_prepare_for_compiled, self, edge_index, edge_weight, num_nodes, dtype, out_dtype,
                                torch.is_grad_enabled())
-        key = ("gcn", kind, self.normalize, self.add_self_loops, self.improved, weight is None, num_nodes, dtype,
-               out_dtype)
-        norm = graph.derived(key, lambda: self._norm(graph, weight, kind, num_nodes, dtype, out_dtype), weight)
+        key = ("gcn", edges.kind, self.normalize, self.add_self_loops, self.improved, weight is None, num_nodes,
+               dtype, out_dtype)
+        norm = graph.derived(key, lambda: self._norm(graph, weight, edges.kind, num_nodes, dtype, out_dtype), weight)
         edge_t = None
         if torch.is_grad_enabled() and graph.transposed is not None and norm.edge is not None:
             edge_t = graph.derived(key + ("transposed",), lambda: transposed_order(graph, norm.edge), weight)
-        return norm, edge_t
+        if self.cached and self.normalize:
+            self._geot_norm = (graph, norm, edge_t)
+        return graph, norm, edge_t
 
     def _cached_norm(self):
         graph, norm, edge_t = self._geot_norm
