@@ -10,6 +10,9 @@ as in a compiled model's replay: on small graphs kernel counts and tails
 decide. Rows: the op with the default config, geot's sum alone
 (index_segment_reduce), inductor's fused version, and with --configs every
 config of the narrow space forced (which the rules might pick instead).
+The graph's indices are declared static (geot.mark_static_index), as
+geot.nn declares a compiled model's kept graph: the warm-up caches their
+segment offsets and the replays read them.
 GPU only; writes bench/out/gin_sum_<gpu>.csv.
 
     python bench/gin_sum.py [--graphs cora,citeseer,pubmed] [--F 64 128] [--configs]
@@ -68,6 +71,8 @@ def inductor_gin_sum(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, eps: 
 
 def bench_graph(graph, args) -> list:
     src, dst, n = graph.src, graph.dst, graph.num_nodes
+    for index in (src, dst):
+        geot.mark_static_index(index)
     level = long_segment_level(int(torch.bincount(dst, minlength=n).max()))
     eps = torch.tensor([0.0], device="cuda")  # PyG's default eps; geot.nn.GINConv passes it and a 1 to add
     op = torch.ops.geot.index_sum_plus_scaled

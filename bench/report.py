@@ -839,7 +839,8 @@ class GinSum(Bench):
         "GIN's `(1 + eps) x[d] + Σ x[src]` as one op (`geot::index_sum_plus_scaled`, what `geot.nn.GINConv` "
         "runs without gradients), geot's sum alone (`geot_sum_only`), and what PyG's compiled GINConv runs: "
         "inductor's fused gather / `scatter_add_` plus the scaled term. Each call is timed inside a CUDA graph "
-        "of 10 calls (median of 15 replays, per call): no launch cost, L2 warm, as in a compiled model's replay."
+        "of 10 calls (median of 15 replays, per call): no launch cost, L2 warm, as in a compiled model's replay. "
+        "The graph's indices are declared static, as geot.nn declares a compiled model's kept graph."
     )
     commands = ("python bench/gin_sum.py",
                 "python bench/report.py --add gin_sum bench/out/gin_sum_nvidia-h100-80gb-hbm3.csv --gpu h100")

@@ -3,10 +3,13 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <array>
+#include <future>
 #include <mutex>
 #include <optional>
+#include <vector>
 
 #include "segment_reduce.h"
+#include "uninitialized.h"
 
 namespace geot {
 
@@ -150,6 +153,11 @@ void remember_segment_offsets(const at::Tensor& index, int64_t S, const SegmentO
   if (!index_cacheable(index)) return;
   // Entries a captured graph reads stay while their index lives.
   segment_offsets().insert(index, {S, offsets, false}, [](const auto& e) { return e.value.pinned && !e.key.expired(); });
+}
+
+at::Tensor empty_outside_graph_pools(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  const std::vector<int64_t> shape(sizes.begin(), sizes.end());
+  return std::async(std::launch::async, [&] { return uninitialized(shape, options); }).get();
 }
 
 void clear_segment_offsets() {

@@ -44,6 +44,11 @@ std::optional<SegmentOffsets> cached_segment_offsets(const at::Tensor& index, in
 void mark_static_index(const at::Tensor& index);
 bool is_static_index(const at::Tensor& index);
 // Caches offsets in an unpinned entry (none free: not cached).
+// An uninitialized CUDA tensor from the device's general pool, allocated on
+// another thread: a CUDA-graph warm-up (torch.compile's reduce-overhead
+// mode) sends its thread's allocations to the graph's private pool, where
+// a cache entry, which outlives the function, has no place.
+at::Tensor empty_outside_graph_pools(at::IntArrayRef sizes, const at::TensorOptions& options);
 void remember_segment_offsets(const at::Tensor& index, int64_t S, const SegmentOffsets& offsets);
 // Drops every cached offsets tensor no captured graph reads (frees their
 // device memory), and the pinned ones of freed indices.

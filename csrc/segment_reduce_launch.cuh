@@ -260,34 +260,39 @@ void launch_sp(const SegmentArgs<scalar_t, acc_t, index_t>& a, const Config& c, 
 // Segment offsets of a sorted index: for SP (with_longest: and the rows of
 // its longest segment), SR's chunk slots, means (segment sizes), the
 // finalize of non-sums and attention_aggregate. They are cached per index
-// (with the exact longest segment), made on the default stream on the
-// index's first call there: a static graph pays the pass once, where every
-// call made it before (a pass over the E indices: on an H200, 40 of the 132
-// us of an fp32 mean at F = 1 on an 8.4M-edge graph). For indices that
-// cannot be cached (inference tensors) they are fresh for this call, with a
-// longest-segment counter the SP kernel raises where asked. Off the default
-// stream run CUDA graph captures and torch.compile's CUDA-graph warm-ups:
-// there none is made (a warm-up allocates in the graph's private pool, where
-// a cached tensor would outlive the function: cudagraph trees reject that),
-// and warm-ups make their own. A capture reads one only for an index
-// declared static (mark_static_index: a replay may refill any other with new
-// values) and pins it, since its kernels keep the address: an eviction would
-// free it under the graph (an illegal access on replay, seen with compiled
-// RGCN on an H100). So a compiled geot.nn model (its kept graphs are static)
-// whose graph an eager call has seen replays no offsets pass.
+// (with the exact longest segment): a static graph pays the pass once, where
+// every call made it before (a pass over the E indices: on an H200, 40 of
+// the 132 us of an fp32 mean at F = 1 on an 8.4M-edge graph). For indices
+// that cannot be cached (inference tensors) they are fresh for this call,
+// with a longest-segment counter the SP kernel raises where asked.
+// Entries are made and read on the default stream, and off it only for an
+// index declared static (mark_static_index; geot.nn's kept graphs): there
+// run torch.compile's CUDA-graph warm-ups, whose entry the capture that
+// follows then reads, so a compiled model replays no offsets pass. Such an
+// entry's tensors come from the general pool (empty_outside_graph_pools)
+// and are complete before the call returns (a stream sync, once per index).
+// A capture makes none and reads one only for a static index (a replay may
+// refill any other with new values), and pins it, since its kernels keep
+// the address: an eviction would free it under the graph (an illegal access
+// on replay, seen with compiled RGCN on an H100).
 template <typename index_t>
 SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, bool with_longest, cudaStream_t stream) {
   const bool cacheable = index_cacheable(index);
   const bool on_default = stream == c10::cuda::getDefaultCUDAStream(index.device().index()).stream();
   const bool capturing = cacheable && capturing_cuda_graph();
-  if (cacheable && (capturing ? is_static_index(index) : on_default)) {
+  const bool declared_static = cacheable && !on_default && is_static_index(index);
+  if (cacheable && (capturing ? declared_static : on_default || declared_static)) {
     if (auto cached = cached_segment_offsets(index, S, /*pin=*/capturing)) return *cached;
   }
-  const bool cache = cacheable && on_default;
+  const bool cache = cacheable && !capturing && (on_default || declared_static);
+  const auto kept = [&](int64_t rows) {
+    const auto options = index.options().dtype(at::kLong);
+    return cache && !on_default ? empty_outside_graph_pools({rows}, options) : uninitialized({rows}, options);
+  };
   const int64_t E = index.numel();
   SegmentOffsets o;
-  o.ptr = uninitialized({S + 1}, index.options().dtype(at::kLong));
-  if (with_longest || cache) o.longest = uninitialized({1}, o.ptr.options());
+  o.ptr = kept(S + 1);
+  if (with_longest || cache) o.longest = kept(1);
   const int threads = 256;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(E + 1, threads), 65536));
   EmptyRuns runs{nullptr, nullptr, 0};
@@ -312,6 +317,7 @@ SegmentOffsets index_offsets(const at::Tensor& index, int64_t S, bool with_longe
   if (cache) {
     at::amax_out(o.longest, o.ptr.slice(0, 1) - o.ptr.slice(0, 0, S), 0, /*keepdim=*/true);
     remember_segment_offsets(index, S, o);
+    if (!on_default) C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
   return o;
 }

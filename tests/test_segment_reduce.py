@@ -1068,24 +1068,66 @@ def test_sp_under_cuda_graph_capture():
 
 
 @requires_cuda
-def test_offsets_cached_from_the_default_stream_only():
-    """torch.compile's CUDA graphs warm up on a side stream with allocations
-    routed to the graph's private pool, where a cached tensor would outlive
-    the function (cudagraph trees raise): off the default stream SP's offsets
-    are made per call, not kept; on it they are kept."""
+def test_offsets_cached_off_the_default_stream_only_for_static_indices():
+    """torch.compile's CUDA graphs warm up on a side stream with the thread's
+    allocations routed to the graph's private pool (a MemPool here): an
+    index not declared static gets offsets per call there, none kept; a
+    static one (a compiled model's kept graph) gets a cache entry, which the
+    capture after the warm-up reads, allocated in the general pool: no live
+    block of the private pool holds it."""
     geot.clear_cache()
     S = 400
     index = powerlaw_index(S, 8000).cuda()
     src = random_src(index.numel(), (16,), torch.float32, "cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        out = geot.segment_reduce(index, src, "sum", S, config=SP)
-    torch.cuda.current_stream().wait_stream(stream)
+    stream, pool = torch.cuda.Stream(), torch.cuda.MemPool()
+
+    def warm_up():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.use_mem_pool(pool):
+            out = geot.segment_reduce(index, src, "sum", S, config=SP)
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    assert_matches_ref(warm_up(), index, src, "sum", S)
     assert _cached() == 0
-    assert_matches_ref(out, index, src, "sum", S)
-    geot.segment_reduce(index, src, "sum", S, config=SP)
+    geot.mark_static_index(index)
+    out = warm_up()
     assert _cached() == 1
+    assert_matches_ref(out, index, src, "sum", S)
+    torch.cuda.synchronize()
+    entry_bytes = {8 * (S + 1), 8}  # ptr, longest
+    in_pool = [block for segment in pool.snapshot(include_traces=False) for block in segment["blocks"]
+               if block["state"] != "inactive" and block["requested_size"] in entry_bytes]
+    assert in_pool == [], "a cache entry in the private pool"
+    graph, captured, _ = _capture(lambda: geot.segment_reduce(index, src, "sum", S, config=SP))
+    assert _cached() == 1  # read, not made again
+    src.copy_(random_src(index.numel(), (16,), torch.float32, "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_ref(captured, index, src, "sum", S)
+
+
+@requires_cuda
+def test_compiled_cuda_graphs_read_a_static_index_offsets():
+    """torch.compile's reduce-overhead mode, compiled before any eager call:
+    its warm-up makes the offsets of an index declared static (a mean needs
+    them) and its capture reads them, so replays run no offsets pass; the
+    replays are right after the rows change."""
+    geot.clear_cache()
+    before = _cached()  # entries pinned by earlier tests' live graphs
+    S = 400
+    index = powerlaw_index(S, 8000).cuda()
+    src = random_src(index.numel(), (16,), torch.float32, "cuda")
+    geot.mark_static_index(index)
+    torch._dynamo.reset()
+    mean = torch.compile(lambda rows: geot.segment_reduce(index, rows, "mean", S), mode="reduce-overhead")
+    for _ in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        mean(src)
+    assert _cached() == before + 1
+    src.copy_(random_src(index.numel(), (16,), torch.float32, "cuda"))
+    torch.compiler.cudagraph_mark_step_begin()
+    assert_matches_ref(mean(src).clone(), index, src, "mean", S)
 
 
 def _capture(fn):
