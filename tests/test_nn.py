@@ -1,5 +1,6 @@
 """geot.nn against torch_geometric: same parameters, same outputs and gradients."""
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -969,6 +970,53 @@ class _CallRecorder:
 
     def sorts(self) -> int:
         return sum("sort" in target for graph in self.graphs for target in graph)
+
+
+class _FloatInputRecorder(_CallRecorder):
+    """A _CallRecorder that also notes graph inputs made of Python floats
+    (dynamo passes a symbolic float as a float64 scalar tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.float_inputs = []
+
+    def __call__(self, gm, inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if node.op == "placeholder" and (isinstance(value, torch.SymFloat) or (
+                    isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float64)):
+                self.float_inputs.append(node.name)
+        return super().__call__(gm, inputs)
+
+
+@pytest.mark.parametrize("geot_layer, pyg_layer, option, value", [
+    (lambda: gnn.GATConv(12, 4, heads=2, negative_slope=0.3),
+     lambda: pyg_nn.GATConv(12, 4, heads=2, negative_slope=0.3), "negative_slope", 0.05),
+    (lambda: gnn.APPNP(K=2, alpha=0.2), lambda: pyg_nn.APPNP(K=2, alpha=0.2), "alpha", 0.6),
+], ids=["gat-negative_slope", "appnp-alpha"])
+def test_compile_dynamic_holds_float_options_as_constants(geot_layer, pyg_layer, option, value):
+    """torch.compile(dynamic=True) makes a module's float a symbolic float,
+    a CPU scalar tensor in the graph (inductor builds a C++ kernel for it,
+    and dynamo traces again where an op cannot take it): geot's layers hold
+    float options so that the graph has them as numbers, and a new value
+    recompiles. Layers built and patched from PyG's alike; pickling and
+    PyG's own layer (for TorchScript) keep PyG's attribute."""
+    x, edge_index = torch.randn(40, 12), random_graph(40, 200, "cpu")
+    for layer in (geot_layer(), gnn.patch(pyg_layer())):
+        torch._dynamo.reset()
+        recorder = _FloatInputRecorder()
+        compiled = torch.compile(layer, dynamic=True, backend=recorder)
+        torch.testing.assert_close(compiled(x, edge_index), layer(x, edge_index))
+        assert recorder.float_inputs == []
+        graphs = len(recorder.graphs)
+        setattr(layer, option, value)
+        assert getattr(layer, option) == value
+        torch.testing.assert_close(compiled(x, edge_index), layer(x, edge_index))
+        assert len(recorder.graphs) > graphs, "a new value recompiles"
+        assert recorder.float_inputs == []
+        assert getattr(pickle.loads(pickle.dumps(layer)), option) == value
+        assert getattr(copy.deepcopy(layer), option) == value
+        assert layer._as_pyg_layer().__dict__[option] == value
 
 
 def _two_layer_gcns():

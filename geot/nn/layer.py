@@ -137,13 +137,71 @@ class _InstanceMethod:
         return self.function.__get__(instance, owner)
 
 
+# The float options PyG's layers read in their forward (by class; see compile_constant).
+COMPILE_CONSTANTS = {
+    "GATConv": ("negative_slope", "dropout"),
+    "GATv2Conv": ("negative_slope", "dropout"),
+    "RGATConv": ("negative_slope", "dropout"),
+    "TransformerConv": ("dropout",),
+    "APPNP": ("alpha", "dropout"),
+    "ClusterGCNConv": ("diag_lambda",),
+}
+
+
+def compile_constant(name: str) -> property:
+    """A float option of a layer, held as its repr. torch.compile(dynamic=True)
+    makes a module's float a symbolic float, passed as a CPU scalar tensor:
+    dynamo traces the model again where an op cannot take one, and inductor
+    builds a C++ kernel for its casts (on a fresh H200 machine a 2-layer
+    GATConv's first training step took 65 s so, 12.9 s with every float
+    specialized by torch._dynamo.config.specialize_float). A string is a
+    constant guarded on its value, and so is float() of it: the compiled
+    graph holds the option as a number, and a new value recompiles. Values
+    other than floats are kept as they are. Until _geot_init (a PyG layer
+    being patched) the option is read from the layer's own attribute."""
+    key = f"_geot_option_{name}"
+
+    def get(self):
+        held = self.__dict__
+        if key in held:
+            value = held[key]
+            return float(value) if isinstance(value, str) else value
+        if name in held:
+            return held[name]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def set(self, value):
+        self.__dict__.pop(name, None)
+        self.__dict__[key] = repr(value) if type(value) is float else value
+
+    return property(get, set, doc=f"PyG's ``{name}`` option (held for torch.compile: see compile_constant)")
+
+
+def _compile_constants(cls: type) -> tuple:
+    """The options of COMPILE_CONSTANTS that geot's layer class cls holds:
+    those of the PyG class it extends (none for a user's subclass, whose
+    attributes of those names may be anything)."""
+    extended = getattr(cls, "_geot_base", None)  # a generic layer's
+    if extended is None:
+        try:
+            extended = pyg_base(cls)
+        except TypeError:  # a mixin (GeotPropagate)
+            return ()
+    return COMPILE_CONSTANTS.get(extended.__name__, ()) if extended.__module__.startswith("torch_geometric.") else ()
+
+
 class GeotLayer:
     """Mixin of the geot layers (listed first among the bases)."""
+
+    _geot_options: tuple = ()  # the options held by compile_constant
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.__module__.startswith("geot."):  # not users' subclasses
             _mirror_pyg_introspection(cls)
+            cls._geot_options = _compile_constants(cls)
+            for name in cls._geot_options:
+                setattr(cls, name, compile_constant(name))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # the PyG layer's constructor
@@ -155,6 +213,13 @@ class GeotLayer:
         # version key).
         self._geot_graph = None
         self._geot_warned = set()
+        for name in self._geot_options:  # a patched or unpickled PyG layer's own attribute
+            if name in self.__dict__:
+                setattr(self, name, self.__dict__.pop(name))
+
+    def _plain_options(self) -> dict:
+        """The options held by compile_constant, by name, as PyG's layer holds them."""
+        return {name: getattr(self, name) for name in self._geot_options}
 
     def unsupported_options(self) -> Optional[str]:
         """Why the layer's options keep every call on PyG's forward, or None."""
@@ -251,6 +316,7 @@ class GeotLayer:
         base = pyg_base(type(self))
         layer = base.__new__(base)
         layer.__dict__.update((name, value) for name, value in self.__dict__.items() if not name.startswith("_geot"))
+        layer.__dict__.update(self._plain_options())
         layer.__dict__.update(self._pyg_attributes())
         layer.inspector = _inspector(layer)  # PyG's class's: this layer's Inspector describes geot's
         return layer
@@ -268,6 +334,7 @@ class GeotLayer:
         do not pickle), except what PyG's layer pickles of them
         (:meth:`_kept_caches`)."""
         state = {name: value for name, value in super().__getstate__().items() if not name.startswith("_geot")}
+        state.update(self._plain_options())
         state.update(self._kept_caches())
         return state
 
