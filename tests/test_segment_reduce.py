@@ -1061,10 +1061,7 @@ def test_sp_under_cuda_graph_capture():
     graph, out, allocated = _capture(lambda: geot.segment_reduce(index, src, "sum", S, config=SP))
     assert allocated > out.nbytes
     assert _cached() == 0
-    src.copy_(random_src(index.numel(), (16,), torch.float32, "cuda"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_matches_ref(out, index, src, "sum", S)
+    assert_replay_sums_new_rows(graph, out, index, src, S)
 
 
 @requires_cuda
@@ -1101,10 +1098,7 @@ def test_offsets_cached_off_the_default_stream_only_for_static_indices():
     assert in_pool == [], "a cache entry in the private pool"
     graph, captured, _ = _capture(lambda: geot.segment_reduce(index, src, "sum", S, config=SP))
     assert _cached() == 1  # read, not made again
-    src.copy_(random_src(index.numel(), (16,), torch.float32, "cuda"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_matches_ref(captured, index, src, "sum", S)
+    assert_replay_sums_new_rows(graph, captured, index, src, S)
 
 
 @requires_cuda
@@ -1128,6 +1122,14 @@ def test_compiled_cuda_graphs_read_a_static_index_offsets():
     src.copy_(random_src(index.numel(), (16,), torch.float32, "cuda"))
     torch.compiler.cudagraph_mark_step_begin()
     assert_matches_ref(mean(src).clone(), index, src, "mean", S)
+
+
+def assert_replay_sums_new_rows(graph, out, index, src, S):
+    """New rows into src (F = 16), a replay of graph, and its output out checked as their sum."""
+    src.copy_(random_src(index.numel(), (16,), torch.float32, "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_ref(out, index, src, "sum", S)
 
 
 def _capture(fn):
