@@ -577,6 +577,9 @@ class Spmm(Bench):
                 "python bench/report.py --add spmm bench/out/spmm_fwd_nvidia-h200.csv --gpu h200",
                 "python bench/spmm.py --sections dtypes --graphs cora powerlaw hubs uniform:n=400000,d=32 "
                 "powerlaw:n=840000,deg=10 pubmed --F 1 2 4 8 16",
+                "python bench/report.py --add spmm bench/out/spmm_dtypes_nvidia-h200.csv --gpu h200",
+                "python bench/spmm.py --sections dtypes --graphs cora citeseer pubmed powerlaw_small "
+                "uniform:n=8000,d=16 --F 1 2 4 8 16 24 32",
                 "python bench/report.py --add spmm bench/out/spmm_dtypes_nvidia-h200.csv --gpu h200")
 
     def section(self, df, gpu, img_dir):

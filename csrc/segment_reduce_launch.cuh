@@ -442,6 +442,16 @@ void launch_finalize_straddling(const acc_t* slots, const SegmentArgs<scalar_t, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// SR's half rows narrower than this take the [S, F] fp32 buffer, not chunk
+// slots: a few floats a segment, whose finalize streams them, where a chunk
+// slot's flush waits for its segment's offset and the straddling segments'
+// finalize reads every segment's. H200, bf16 and fp16 SpMM (gathered) at
+// F = 1-24: pubmed 1.12-1.39x as fast (at F = 1 the SR pass took 7.8 us and
+// the finalize 4.3 with slots, the fp32 rows' pass 4.9), a 100k-edge
+// power-law graph 0.98-1.07x; plain bf16 rows at F = 8-16 pubmed
+// 1.05-1.17x and that graph 0.98-0.99x, at F = 24 0.92-0.95x there.
+inline int64_t chunk_slots_min_features(bool gathered) { return gathered ? 32 : 24; }
+
 // The learned rule set of a device (choose_rules: its model's, else its
 // architecture's), looked up once per device: the config selector needs it
 // on every call, and the lookup compares names.
@@ -514,10 +524,11 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const int64_t slots = long_slots ? std::min(S, E / (sp_cap + 1)) : 0;
   // SR writes half types directly too, the segments that straddle threads
   // into fp32 rows of one per thread's M_t rows: fewer than S rows where
-  // segments average under M_t rows (else the [S, F] buffer below). Needs
-  // the index sorted (a thread's whole segments).
+  // segments average under M_t rows (else, and for narrow rows, the [S, F]
+  // buffer below). Needs the index sorted (a thread's whole segments).
   const int64_t chunks = cfg.is_sr() ? ceil_div(E, int64_t(cfg.M_t)) : 0;
-  const bool chunk_slots = half && cfg.is_sr() && !r.any_order && E > 0 && chunks < S && !det;
+  const bool chunk_slots = half && cfg.is_sr() && !r.any_order && E > 0 && chunks < S && !det &&
+                           F >= chunk_slots_min_features(call.gathered);
   // (For half types: SP with a validated index, or SR with chunk slots.
   // geot/nn/conv.py's _sum_writes_half mirrors the SP case to decide GIN's
   // cast; keep them in step.)
