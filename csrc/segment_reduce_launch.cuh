@@ -530,7 +530,7 @@ at::Tensor reduce_rows(const RowReduction& r) {
   const bool chunk_slots = half && cfg.is_sr() && !r.any_order && E > 0 && chunks < S && !det &&
                            F >= chunk_slots_min_features(call.gathered);
   // (For half types: SP with a validated index, or SR with chunk slots.
-  // geot/nn/conv.py's _sum_writes_half mirrors the SP case to decide GIN's
+  // geot/nn/gin.py's _sum_writes_half mirrors the SP case to decide GIN's
   // cast; keep them in step.)
   // (Deterministic SP writes the output directly for every dtype: its
   // overflow rows end in stores of whole segments, no additions.)

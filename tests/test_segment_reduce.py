@@ -1023,9 +1023,9 @@ def test_sr_half_types_write_directly_with_chunk_slots(dtype, cfg, F):
     is written to the output by that thread; those straddling threads' rows
     (two, several, a hub) meet in fp32 rows of one per M_t rows, not an
     [S, F] buffer (narrower rows take the buffer: a few floats a segment,
-    chunk_slots_min_features). Empty segments
-    first, last and between; segments of exactly M_t rows; plain, gathered
-    (a permutation, so rows are not in order) and weighted."""
+    chunk_slots_min_features). Empty segments first, last and between;
+    segments of exactly M_t rows; plain, gathered (a permutation, so rows
+    are not in order) and weighted."""
     m = cfg.M_t
     S = 3000
     deg = torch.randint(0, 6, (S,))
