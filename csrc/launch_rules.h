@@ -199,6 +199,53 @@ inline Config half_row_sp_config(Config c, const LaunchCase& k) {
   return c;
 }
 
+// Deterministic mode, fp32 / fp64 sums and means of one weight head on
+// graphs under 2^20 edges: a PR tile of 64-row chunks (32 lanes of n_t
+// features, groups of 64 / M_t lanes with M_t rows each; M_t = F / 4 within
+// 2..8) where
+//  * validation measured a segment over kLongSegmentRows[1] rows and
+//    F <= 32 (both ops), where the rules' SR tiles map to 16-row chunks
+//    (four times the slots for the combine);
+//  * no segment is that long, the rows are gathered, the rules' config is
+//    not SP already and either F <= 32 on 2^15 edges or more (where short-
+//    segment SP's thread budget leaves a segment's group few lanes) or
+//    32 < F <= 64 under 2^15 edges (16-row chunks: M_t = 2, groups of 8).
+// (H200, every PR tile (n_t, 32, 1-16, 8, 8-32) timed against the launch it
+// replaces: a 10^5-edge power-law graph, F = 1-32, both ops, deterministic
+// time 17.8-27.6 -> 13.0-25.3 us (default mode: 10.3-14.7); pubmed's
+// gathered F = 1-32 15.1-32.8 -> 14.3-25.3; cora's and citeseer's gathered
+// F = 64 19.1-19.8 -> 15.1-15.5. Short-segment SP kept its cells: plain rows
+// of pubmed, where PR took 1.2-1.6x as long, and gathered F <= 32 on cora,
+// citeseer and a uniform 128k-edge graph.)
+inline bool deterministic_pr_rows(const LaunchCase& k, const Config& c) {
+  const bool fits = k.det && !k.half && !k.caller_config && k.heads == 1 && !k.any_order &&
+                    (k.reduce == Reduce::Sum || k.reduce == Reduce::Mean) && k.E < (int64_t(1) << 20);
+  if (!fits) return false;
+  if (k.long_segments == 2) return k.F <= 32;
+  const bool short_rows = k.long_segments >= 0 && k.long_segments <= 1 && k.gathered && !c.is_sp();
+  const bool tiny = k.E < (int64_t(1) << 15);
+  return short_rows && (tiny ? k.F > 32 && k.F <= 64 : k.F <= 32);
+}
+
+inline Config deterministic_pr_config(int64_t F) {
+  const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
+  if (F > 32) return {n_t, 32, 2, 8, 8};
+  int m_t = 2;
+  while (m_t < 8 && 4 * m_t < F) m_t *= 2;
+  return {n_t, 32, m_t, 8, 64 / m_t};
+}
+
+// Deterministic mode: the rules' SP where a segment may pass its cap
+// (validation's level 2 or 3) takes SR with the same tiles. SP's counterpart
+// runs the SP pass, an SR pass over every row's chunk for the segments it
+// left whole, then the combine; SR's chunks take the rows once. (H200, plain fp32 rows, 3.0M and
+// 3.3M-edge graphs with hubs, F = 8-128: deterministic time 1.20-1.47x as
+// fast, e.g. F = 16 on the power-law graph 164 -> 112 us.) Not for a
+// config the caller gave (its counterpart is as documented).
+inline bool deterministic_sp_as_sr(const LaunchCase& k, const Config& c) {
+  return k.det && !k.half && !k.caller_config && c.is_sp() && k.long_segments >= 2;
+}
+
 // Whether a call that does not take shared ids launches the short-segment
 // config instead of the rules' config c.
 inline bool short_segments(const LaunchCase& k, const Config& c) {
@@ -212,7 +259,11 @@ inline bool short_segments(const LaunchCase& k, const Config& c) {
 // half-row SP tile.
 inline Config tiled_config(const LaunchCase& k, const Config& c) {
   Config tile = c;
-  if (short_segments(k, c)) {
+  if (deterministic_pr_rows(k, c)) {
+    tile = deterministic_pr_config(k.F);
+  } else if (deterministic_sp_as_sr(k, c)) {
+    tile.G_t = 1;
+  } else if (short_segments(k, c)) {
     tile = short_segment_config(k.S, k.F, k.heads);
   } else if (k.any_order && !c.is_sr()) {
     const int n_t = k.F % 4 == 0 ? 4 : (k.F % 2 == 0 ? 2 : 1);
@@ -231,6 +282,8 @@ inline Config launch_config(const LaunchCase& k, const Config& rules) {
 // geot.explain; null: none.
 inline const char* launch_rule(const LaunchCase& k, const Config& rules) {
   if (use_shared_ids(k)) return "SR with shared ids (use_shared_ids)";
+  if (deterministic_pr_rows(k, rules)) return "deterministic PR of 64-row chunks (deterministic_pr_config)";
+  if (deterministic_sp_as_sr(k, rules)) return "deterministic SR for an SP that may overflow (deterministic_sp_as_sr)";
   if (short_segments(k, rules))
     return k.det ? "deterministic short-segment SP (short_segment_config)"
                  : "half rows on a small graph: short-segment SP (half_short_segments)";

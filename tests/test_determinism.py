@@ -171,6 +171,46 @@ def test_feature_widths(reduce, features, hub):
 
 
 @requires_cuda
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "plain"])
+@pytest.mark.parametrize("features", [1, 3, 8, 16, 30, 32])
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_pr_chunks_of_small_graphs(reduce, features, gathered):
+    """fp32 sums and means of up to 32 features under 2^20 edges with a
+    segment past 1024 rows: PR tiles of 64-row chunks, then the one-pass
+    combine (deterministic_pr_config)."""
+    src, dst, S = hub_graph("cuda", hub=5_000, small=20_000)
+    sizes = (dst.numel(), S, features, gathered, geot.config.long_segment_level(5_000))
+    source = geot.explain_source(*sizes, dtype=torch.float32, reduce=reduce, deterministic=True)
+    assert "deterministic_pr_config" in source, source
+    x = torch.randn(S, features, device="cuda")
+    if not gathered:
+        rows = x.index_select(0, src)
+        out = assert_repeatable(lambda: geot.segment_reduce(dst, rows, reduce, S))
+        return assert_matches_ref(out.cpu(), dst.cpu(), rows.cpu(), reduce, S, "deterministic PR")
+    w = torch.rand(src.numel(), device="cuda")
+    out = assert_repeatable(lambda: geot.index_weight_segment_reduce(src, dst, w, x, reduce, S))
+    ref = segment_reduce_ref(dst.cpu(), (w.double()[:, None] * x.double()[src]).cpu(), reduce, S)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@requires_cuda
+@pytest.mark.parametrize("features", [8, 16, 64])
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_sp_picks_past_their_cap_take_sr(reduce, features):
+    """Plain rows of a graph with a hub past 16384 rows whose rules pick SP:
+    SR with the same tiles in deterministic mode (deterministic_sp_as_sr)."""
+    _, dst, S = hub_graph("cuda", hub=HUB_ROWS, small=280_000)
+    sizes = (dst.numel(), S, features, False, geot.config.long_segment_level(HUB_ROWS))
+    if geot.explain(*sizes).schedule != "SP":
+        pytest.skip(f"this GPU's rules pick {geot.explain(*sizes)} here")
+    assert "deterministic_sp_as_sr" in geot.explain_source(*sizes, dtype=torch.float32, reduce=reduce,
+                                                           deterministic=True)
+    src = torch.randn(dst.numel(), features, device="cuda")
+    out = assert_repeatable(lambda: geot.segment_reduce(dst, src, reduce, S))
+    assert_matches_ref(out.cpu(), dst.cpu(), src.cpu(), reduce, S, "deterministic SR for an SP pick")
+
+
+@requires_cuda
 @pytest.mark.parametrize("hub", [pytest.param(300_000, id="levels"), pytest.param(10_000, id="one-pass")])
 @pytest.mark.parametrize("features", [64, 132])
 @pytest.mark.parametrize("dtype", DTYPES)

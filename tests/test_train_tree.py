@@ -358,6 +358,35 @@ def test_explain_with_dtype_reports_the_launch():
     det_source = geot.explain_source(*cora, 32, False, 1, dtype=torch.float32, deterministic=True, **H100)
     assert ("short_segment_config" in det_source) == (plain.schedule != "SP") and det.schedule == "SP"
     assert geot.explain(*cora, 32, False, 1, dtype=torch.float32, deterministic=False, **H100) == plain
+    # deterministic fp32 sums on small graphs: PR of 64-row chunks past 1024-row segments (both ops, F <= 32),
+    # for gathered rows of pubmed's size (F <= 32) and cora's (F = 33-64) where the rules' pick is not SP
+    powerlaw_small = (100_239, 10_000)
+    for F, gathered in ((1, True), (3, False), (16, True), (32, False)):
+        det = geot.explain(*powerlaw_small, F, gathered, 2, dtype=torch.float32, deterministic=True, **H100)
+        m_t = {1: 2, 3: 2, 16: 4, 32: 8}[F]
+        assert det == ({1: 1, 3: 1, 16: 4, 32: 4}[F], 32, m_t, 8, 64 // m_t), (F, det)
+        assert "deterministic_pr_config" in geot.explain_source(*powerlaw_small, F, gathered, 2, dtype=torch.float32,
+                                                                deterministic=True, **H100)
+        for other in (dict(dtype=torch.float32, deterministic=False), dict(dtype=torch.bfloat16, deterministic=True),
+                      dict(dtype=torch.float32, reduce="max", deterministic=True)):
+            assert "deterministic_pr_config" not in geot.explain_source(*powerlaw_small, F, gathered, 2, **other,
+                                                                        **H100)
+    assert "deterministic_pr_config" not in geot.explain_source(*powerlaw_small, 64, True, 2, dtype=torch.float32,
+                                                                deterministic=True, **H100)
+    for sizes, pr in (((*pubmed, 16, True, 1), (4, 32, 4, 8, 16)), ((*cora, 64, True, 1), (4, 32, 2, 8, 8))):
+        det = geot.explain(*sizes, dtype=torch.float32, deterministic=True, **H100)
+        assert det == (pr if geot.explain(*sizes, **H100).schedule != "SP" else geot.explain(*sizes, **H100))
+    # ... but plain rows of pubmed keep SP walking each segment whole, as do cora's gathered 16 features
+    for sizes in ((*pubmed, 16, False, 1), (*cora, 16, True, 1)):
+        assert "deterministic_pr_config" not in geot.explain_source(*sizes, dtype=torch.float32, deterministic=True,
+                                                                    **H100)
+    # deterministic mode: the rules' SP where a segment may pass its cap takes SR with the same tiles
+    for sizes in ((3_000_000, 300_000, F, False, level) for F in (8, 16, 64, 128) for level in (2, 3)):
+        rules = geot.explain(*sizes, **H100)
+        det = geot.explain(*sizes, dtype=torch.float32, deterministic=True, **H100)
+        if rules.schedule == "SP":
+            assert det == (*rules[:4], 1), (sizes, rules, det)
+            assert geot.explain(*sizes, dtype=torch.float32, deterministic=False, **H100) == rules
     for bad, match in ((dict(dtype=torch.int64), "dtype"), (dict(dtype=torch.float32, reduce="prod"), "reduce"),
                        (dict(dtype=torch.float32, heads=0), "heads")):
         with pytest.raises(ValueError, match=match):
