@@ -7,8 +7,6 @@ namespace geot {
 
 namespace {
 
-int widest_vector(int64_t F) { return F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1); }
-
 int next_pow2(int64_t v) {
   int p = 1;
   while (p < v && p < (1 << 30)) p <<= 1;

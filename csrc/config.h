@@ -12,6 +12,9 @@ enum class Reduce : int { Sum = 0, Mean = 1, Max = 2, Min = 3 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The most features a thread can load as one vector from rows of F: 4, 2 or 1.
+inline int widest_vector(int64_t F) { return F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1); }
+
 // N_t: features per thread (1, 2 or 4; a register array, so a template
 //      parameter of the kernels).
 // T_N: threads along the feature dimension in a block (SR), or, with T_M,

@@ -228,7 +228,7 @@ inline bool deterministic_pr_rows(const LaunchCase& k, const Config& c) {
 }
 
 inline Config deterministic_pr_config(int64_t F) {
-  const int n_t = F % 4 == 0 ? 4 : (F % 2 == 0 ? 2 : 1);
+  const int n_t = widest_vector(F);
   if (F > 32) return {n_t, 32, 2, 8, 8};
   int m_t = 2;
   while (m_t < 8 && 4 * m_t < F) m_t *= 2;
@@ -238,10 +238,11 @@ inline Config deterministic_pr_config(int64_t F) {
 // Deterministic mode: the rules' SP where a segment may pass its cap
 // (validation's level 2 or 3) takes SR with the same tiles. SP's counterpart
 // runs the SP pass, an SR pass over every row's chunk for the segments it
-// left whole, then the combine; SR's chunks take the rows once. (H200, plain fp32 rows, 3.0M and
-// 3.3M-edge graphs with hubs, F = 8-128: deterministic time 1.20-1.47x as
-// fast, e.g. F = 16 on the power-law graph 164 -> 112 us.) Not for a
-// config the caller gave (its counterpart is as documented).
+// left whole, then the combine; SR's chunks take the rows once. (H200,
+// plain fp32 rows, 3.0M and 3.3M-edge graphs with hubs, F = 8-128:
+// deterministic time 1.20-1.47x as fast, e.g. F = 16 on the power-law graph
+// 164 -> 112 us.) Not for a config the caller gave (its counterpart is as
+// documented).
 inline bool deterministic_sp_as_sr(const LaunchCase& k, const Config& c) {
   return k.det && !k.half && !k.caller_config && c.is_sp() && k.long_segments >= 2;
 }
@@ -266,7 +267,7 @@ inline Config tiled_config(const LaunchCase& k, const Config& c) {
   } else if (short_segments(k, c)) {
     tile = short_segment_config(k.S, k.F, k.heads);
   } else if (k.any_order && !c.is_sr()) {
-    const int n_t = k.F % 4 == 0 ? 4 : (k.F % 2 == 0 ? 2 : 1);
+    const int n_t = widest_vector(k.F);
     const int t_n = static_cast<int>(std::clamp<int64_t>(ceil_div(k.F, n_t), 8, 64));
     tile = {n_t, t_n, 4, std::max(1, 256 / t_n), 1};
   }
